@@ -1,0 +1,78 @@
+"""The envoy every streamscope value lives on: where it is, what it cannot serve, and its layout."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Optional
+
+import torch
+from nnsight.intervention.envoy import Envoy
+
+from ..values import StreamValue
+
+
+class StreamEnvoy(Envoy):
+    """An envoy that hosts `StreamValue`s.
+
+    A family's subclass states what it cannot serve in `UNSERVED` (value name to
+    reason), or overrides `reason` where the answer depends on the module's
+    config. An engine's subclass states its layout in `to_user`/`to_engine`.
+    """
+
+    #: Values this kind never serves, with the reason.
+    UNSERVED: ClassVar[dict[str, str]] = {}
+
+    def reason(self, name: str) -> Optional[str]:
+        """Why this envoy cannot serve `name`, or None where it can."""
+        return self.UNSERVED.get(name)
+
+    def relocated(self) -> dict[str, tuple[Optional[str], str]]:
+        """Values this envoy serves from another (module, where) than their kind declares."""
+        return {}
+
+    def where(self) -> str:
+        """The user's name of this envoy in messages: ``model.layers[3].self_attn``."""
+        return self.path
+
+    def to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """The model's tensor for `name` in the user's layout, as a view."""
+        return tensor
+
+    def to_engine(self, value: torch.Tensor, live: torch.Tensor, name: str) -> torch.Tensor:
+        """A value in the user's layout, in the layout of the model's tensor `live`."""
+        return value
+
+    @classmethod
+    def value_names(cls) -> list[str]:
+        """The names of the values this kind declares, in the order the model computes them."""
+        names: list[str] = []
+        for klass in reversed(cls.__mro__):
+            for name, attribute in vars(klass).items():
+                if isinstance(attribute, StreamValue) and name not in names:
+                    names.append(name)
+        return sorted(names, key=lambda name: cls.ORDER.index(name) if name in cls.ORDER else len(cls.ORDER))
+
+    #: The order of computation, for support tables.
+    ORDER: ClassVar[tuple[str, ...]] = ()
+
+    def served(self) -> dict[str, Optional[str]]:
+        """Every value of this envoy: None where it is served, else the reason it is not."""
+        table: dict[str, Optional[str]] = {}
+        for name in self.value_names():
+            descriptor = getattr(type(self), name)
+            try:
+                descriptor.located(self)
+                table[name] = None
+            except Exception as error:  # Unavailable, with its reason
+                table[name] = getattr(error, "reason", str(error))
+        return table
+
+
+def module_config(envoy: Envoy) -> Any:
+    """The config the module of `envoy` (or its nearest ancestor) was built from."""
+    node: Optional[Envoy] = envoy
+    while node is not None:
+        config = getattr(node._module, "config", None)
+        if config is not None:
+            return config
+        node = node.parent
+    return None

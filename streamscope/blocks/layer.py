@@ -1,0 +1,129 @@
+"""Layer: a decoder block, whose residual stream is layer_output."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from nnsight.intervention.interleaver import Mediator
+
+from ..errors import Unavailable, missing_module
+from ..support import BlockSupport
+from ..values import INPUT, OUTPUT, Residual, StreamValue, first_tensor
+from .envoy import StreamEnvoy
+from .sublayers import Attention, LinearAttention, Mlp, Sublayer
+
+#: The modules a block's values are keyed on, under their aliased names.
+MODULE_NAMES = ("self_attn", "linear_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+
+
+class Layer(StreamEnvoy):
+    """A decoder block. Its hidden states are layer_output, whatever the block returns.
+
+    The base is the pre-norm block, ``x + attn(norm1(x))`` then
+    ``+ mlp(norm2(.))``. Between layer_input and layer_output it has four more
+    boundaries, each the input or output of one of its modules, keyed on the
+    aliased names ``input_layernorm``, ``self_attn``,
+    ``post_attention_layernorm`` and ``mlp``. A block built otherwise is a
+    subclass that points each name at its own modules or marks it unserved
+    with the reason; a block without a module reports "no <module> module on
+    this block".
+
+    Attributes:
+        self_attn: The softmax attention, an `Attention`.
+        linear_attn: The recurrent mixer, a `LinearAttention` (hybrid and
+            state-space families).
+        mlp: The feed-forward, an `Mlp`.
+        input_layernorm, post_attention_layernorm: The block's norms under
+            their aliased names, where the family has them.
+    """
+
+    #: The sublayers a support table lists for this kind of block.
+    ROLES: ClassVar[tuple[str, ...]] = ("self_attn", "mlp")
+    #: Whether the block returns a tuple with the stream first (skip packs the same way).
+    RETURNS_TUPLE: ClassVar[bool] = False
+    ORDER = ("layer_input", "attention_norm_output", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output")
+    _ROLE_KINDS: ClassVar[dict[str, type[Sublayer]]] = {
+        "self_attn": Attention, "linear_attn": LinearAttention, "mlp": Mlp,
+    }
+
+    @StreamValue(None, INPUT)
+    def layer_input(self) -> Residual:
+        """The residual stream entering this block, before any of its norms, [batch, seq, hidden_size].
+
+        With the contributions it is the identity the values are defined by:
+        layer_input + attention_output + mlp_output == layer_output. In-place
+        edits and assignment reach the model.
+        """
+
+    @StreamValue("input_layernorm", OUTPUT)
+    def attention_norm_output(self) -> Residual:
+        """The attention's pre-norm output: what the attention is called with, [batch, seq, hidden_size]."""
+
+    @StreamValue("post_attention_layernorm", INPUT)
+    def layer_mid(self) -> Residual:
+        """The residual stream between the two sublayers, layer_input + attention_output, [batch, seq, hidden_size]."""
+
+    @StreamValue("post_attention_layernorm", OUTPUT)
+    def mlp_norm_output(self) -> Residual:
+        """The MLP's pre-norm output, [batch, seq, hidden_size]."""
+
+    @StreamValue("mlp", INPUT)
+    def mlp_input(self) -> Residual:
+        """What the MLP is called with, [batch, seq, hidden_size]: mlp_norm_output where nothing sits between."""
+
+    @StreamValue(None, OUTPUT)
+    def layer_output(self) -> Residual:
+        """The residual stream leaving this block, [batch, seq, hidden_size]: the next block's layer_input."""
+
+    def index(self) -> int:
+        """This block's position in `model.layers`."""
+        return int(self.path.rsplit(".", 1)[-1])
+
+    def where(self) -> str:
+        return f"model.layers[{self.index()}]"
+
+    def __getattr__(self, name: str) -> Any:
+        if name in MODULE_NAMES and "_module" in self.__dict__:
+            module = getattr(self._module, name, None)
+            if not isinstance(module, torch.nn.Module):
+                raise Unavailable(name, self.where(), missing_module(name))
+        return super().__getattr__(name)
+
+    def skip(self, hidden: torch.Tensor) -> None:
+        """Skip this block, handing `hidden` on as its residual stream, [batch, seq, hidden_size].
+
+        The block does not run; `hidden` takes the place of its layer_output,
+        packed the way the block would have returned it (a tuple family gets
+        ``(hidden, None)``). Call it inside a trace, before the block runs.
+        """
+        live = first_tensor(Mediator.value(f"{self.path}.input"))
+        expected = tuple(self.to_user(live, "layer_output").shape)
+        if not isinstance(hidden, torch.Tensor) or tuple(hidden.shape) != expected:
+            got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            raise ValueError(
+                f"{self.where()}.skip takes the block's layer_output, a tensor of shape {expected} "
+                f"[batch, seq, hidden_size]; got {got}."
+            )
+        replacement = self.to_engine(hidden.to(live.dtype), live, "layer_output")
+        Mediator.skip(f"{self.path}.skip", self.pack(replacement))
+
+    def pack(self, hidden: torch.Tensor) -> Any:
+        """`hidden` as the block returns its stream."""
+        return (hidden, None) if self.RETURNS_TUPLE else hidden
+
+    def support(self) -> BlockSupport:
+        """Every value of this block: served, or the reason it is not. Runs nothing."""
+        rows: dict[str, Any] = dict(self.served())
+        for role in self.ROLES:
+            sublayer = self.__dict__.get(role)
+            if isinstance(sublayer, Sublayer):
+                rows.update({f"{role}.{name}": reason for name, reason in sublayer.served().items()})
+            else:
+                for name in self._ROLE_KINDS[role].value_names():
+                    rows[f"{role}.{name}"] = missing_module(role)
+        order = [*self.ORDER[:2], *[f"{role}.attention_output" for role in ("self_attn", "linear_attn")],
+                 *self.ORDER[2:5], "mlp.mlp_output", self.ORDER[5]]
+        rank = {name: position for position, name in enumerate(order)}
+        ordered = sorted(rows, key=lambda name: rank.get(name, len(order)))
+        return BlockSupport(self.where(), {name: rows[name] for name in ordered})

@@ -1,0 +1,35 @@
+"""Why a block cannot serve a value, as an exception and as the reasons it carries."""
+
+from __future__ import annotations
+
+
+class Unavailable(Exception):
+    """A value this block (or model) cannot serve, with the reason why.
+
+    Raised on reading or writing the value, inside or outside a trace. It
+    deliberately does not derive from AttributeError: nnsight turns an
+    AttributeError raised inside a served value into a misleading "object has
+    no attribute" message.
+    """
+
+    def __init__(self, value: str, where: str, reason: str) -> None:
+        self.value = value
+        self.where = where
+        self.reason = reason
+        super().__init__(f"{where}.{value} is unavailable: {reason}")
+
+
+PARALLEL = "a parallel block: the attention and the MLP read the same input, so there is no stream between them"
+POST_NORM_ATTENTION = "a post-norm block: the attention reads the residual stream itself, layer_input"
+POST_NORM_MLP = "a post-norm block: the MLP reads the residual stream itself, layer_mid"
+STATE_SPACE = "a state-space block: one sublayer, the mixer, so there is no stream between sublayers and no MLP"
+ONE_SUBLAYER = "a one-sublayer block: its norm feeds its one sublayer, so there is no stream between sublayers"
+POST_LN = (
+    "a post-LN block: a norm after each residual add rescales the stream, so no sublayer "
+    "adds its output to the stream unchanged"
+)
+
+
+def missing_module(name: str) -> str:
+    """The reason for a value keyed on a module the block does not have."""
+    return f"no {name} module on this block"

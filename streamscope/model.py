@@ -1,0 +1,107 @@
+"""What every standardized model serves at its root, whichever engine runs it."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Optional
+
+import torch
+
+from .blocks.envoy import StreamEnvoy
+from .errors import Unavailable
+from .support import BlockSupport, ModelSupport
+from .values import OUTPUT, StreamValue
+
+ROOT_ORDER = ("token_embeddings", "final_norm_output", "logits")
+
+
+class Standardized(StreamEnvoy):
+    """The root of a standardized model: the family's names, the sizes, the root values and support.
+
+    Mixed into an engine's nnsight model class; the family module (found by
+    ``config.model_type``) is `family`.
+    """
+
+    family: ModuleType
+    ORDER = ROOT_ORDER
+
+    @StreamValue("embed_tokens", OUTPUT)
+    def token_embeddings(self) -> torch.Tensor:
+        """The token embeddings, after any scaling the family applies, [batch, seq, hidden_size].
+
+        Before position embeddings are added (GPT-2, OPT). In-place edits and
+        assignment reach the model.
+        """
+
+    @StreamValue("norm", OUTPUT)
+    def final_norm_output(self) -> torch.Tensor:
+        """The final norm's output, what the unembedding reads, [batch, seq, hidden_size]."""
+
+    @StreamValue(None, OUTPUT, shape="[batch, seq, vocab_size]")
+    def logits(self) -> torch.Tensor:
+        """The next-token logits at every position, after any final scaling or soft cap, [batch, seq, vocab_size]."""
+
+    def where(self) -> str:
+        return "model"
+
+    def relocated(self) -> dict[str, tuple[Optional[str], str]]:
+        return getattr(self.family, "ROOT_SITES", {})
+
+    def reason(self, name: str) -> Optional[str]:
+        return getattr(self.family, "UNSERVED", {}).get(name)
+
+    # Sizes, read off the config under the family's spelling of them.
+
+    def _size(self, name: str, *attributes: str) -> int:
+        config = self.config
+        for attribute in getattr(self.family, "SIZES", {}).get(name, attributes):
+            value = getattr(config, attribute, None)
+            if value is not None:
+                return int(value)
+        raise Unavailable(name, "model", f"the {config.model_type} config states none of {', '.join(attributes)}")
+
+    @property
+    def num_layers(self) -> int:
+        """The number of decoder blocks, len(model.layers)."""
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        """The width of the residual stream."""
+        return self._size("hidden_size", "hidden_size", "n_embd", "d_model")
+
+    @property
+    def num_heads(self) -> int:
+        """Query heads per attention block."""
+        return self._size("num_heads", "num_attention_heads", "n_head")
+
+    @property
+    def num_kv_heads(self) -> int:
+        """Key and value heads per attention block (fewer than num_heads under grouped-query attention)."""
+        try:
+            return self._size("num_kv_heads", "num_key_value_heads", "num_kv_heads", "multi_query_group_num")
+        except Unavailable:
+            return self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        """The width of one attention head."""
+        try:
+            return self._size("head_dim", "head_dim")
+        except Unavailable:
+            return self.hidden_size // self.num_heads
+
+    @property
+    def vocab_size(self) -> int:
+        """The number of logits per position."""
+        return self._size("vocab_size", "vocab_size")
+
+    def support(self) -> ModelSupport:
+        """Every value of every block, served or why not, computed without running the model."""
+        root = BlockSupport("model", self.served())
+        blocks = [layer.support() for layer in self.layers]
+        name = f"{self.config.model_type} ({len(blocks)} blocks, {type(self).ENGINE})"
+        return ModelSupport(name, root, blocks)
+
+    ENGINE = "engine"
+

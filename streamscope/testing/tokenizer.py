@@ -1,0 +1,55 @@
+"""A small byte-level BPE tokenizer trained here, so tests and demos need no hub."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
+
+# Enough varied English for a few hundred merges; the exact text does not matter.
+CORPUS = [
+    "The Eiffel Tower is in Paris, the capital of France.",
+    "The quick brown fox jumps over the lazy dog while the cat sleeps.",
+    "Interpretability researchers read the residual stream of a language model.",
+    "Attention heads move information between positions; the MLP writes features.",
+    "Once upon a time there was a small model that learned to count: one, two, three.",
+    "Rome is in Italy, Berlin is in Germany, Madrid is in Spain and Lisbon is in Portugal.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+    "Water boils at one hundred degrees Celsius at sea level.",
+    "She opened the door, looked at the garden and smiled at the morning sun.",
+    "Numbers like 0 1 2 3 4 5 6 7 8 9 10 100 1000 appear in many documents.",
+]
+
+
+def train_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with a BOS token prepended to every prompt."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS * 20, trainer=trainer)
+    bos = tokenizer.token_to_id("<|bos|>")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
+        padding_side="left",
+    )
+
+
+def save_tokenizer(path: str | Path, vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    tokenizer = train_tokenizer(vocab_size)
+    tokenizer.save_pretrained(str(path))
+    return tokenizer

@@ -1,0 +1,31 @@
+"""Family modules for the transformers engine, found by ``config.model_type``.
+
+A family module states:
+
+* ``RENAME``: nnsight ``rename=`` map from the family's module names to
+  streamscope's (``layers``, ``embed_tokens``, ``norm``; on a block
+  ``self_attn``, ``mlp``, ``input_layernorm``, ``post_attention_layernorm``).
+* ``ENVOYS``: nnsight ``envoys=`` map from module classes (or aliased path
+  suffixes) to the block kinds of `streamscope.blocks`.
+* optionally ``ROOT_SITES`` (a root value read elsewhere than its default,
+  as ``{name: (module, "input" | "output")}``), ``UNSERVED`` (root values the
+  family cannot serve, with the reason) and ``SIZES`` (config attributes).
+
+A model type with no module gets `default`, which maps what it can find and
+says what it could not.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+def family_for(model_type: str) -> ModuleType:
+    """The family module of `model_type`, or the best-effort default."""
+    try:
+        return importlib.import_module(f"{__name__}.{model_type}")
+    except ModuleNotFoundError as error:
+        if error.name != f"{__name__}.{model_type}":
+            raise
+        return importlib.import_module(f"{__name__}.default")

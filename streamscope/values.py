@@ -1,0 +1,181 @@
+"""Served values: one tensor of the model's computation, read as a private copy, edited in place.
+
+A value is an nnsight `eproperty` whose location is a module's input or output,
+named through the family's aliases (``post_attention_layernorm.input``) and
+resolved to the module's real path when the value is read. Every value keeps
+the same contract:
+
+* a read returns a private copy in the user's layout, so a saved value never
+  changes under a kernel that later writes the model's buffer in place;
+* an edit of that copy (in place, or by assignment) is copied back into the
+  model's own tensor, in place, so every alias of it (a residual held in a
+  local variable of the block's forward) sees it;
+* a read that edits nothing writes nothing back, so the logits are
+  bit-identical with and without it;
+* a write of the wrong shape is refused before it reaches the model, with an
+  error that names the value, both shapes and the block.
+
+Engines differ only in layout (vLLM flattens tokens) and in where a boundary
+sits in a call; the envoy that hosts a value supplies both through
+`Host.to_user` / `Host.to_engine`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from nnsight.intervention.eproperty import eproperty
+from nnsight.intervention.interleaver import Mediator
+
+from .errors import Unavailable, missing_module
+
+Residual = torch.Tensor
+"""A tensor of the residual stream's width, ``[batch, seq, hidden_size]``."""
+
+#: Where a served value sits in a module's call.
+INPUT, OUTPUT = "input", "output"
+
+
+def first_tensor(value: Any) -> torch.Tensor:
+    """The tensor a module call hands on: its first input, or its output's first element."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
+        args, kwargs = value  # a call's (args, kwargs)
+        if args:
+            return args[0]
+        return kwargs.get("hidden_states", next(iter(kwargs.values()), None))
+    if isinstance(value, (tuple, list)):
+        return value[0]
+    if hasattr(value, "logits"):
+        return value.logits
+    raise TypeError(f"no tensor to serve in a {type(value).__name__}")
+
+
+def resolve(envoy: Any, module: str) -> Any:
+    """The envoy `module` names from `envoy`: a dotted path of (aliased) names, ``..`` for the parent."""
+    target = envoy
+    for part in module.split("."):
+        if part == "":
+            target = target.parent
+            continue
+        child = target.__dict__.get(part)
+        if child is None:
+            raise Unavailable(part, envoy.where(), missing_module(part))
+        target = child
+    return target
+
+
+class StreamValue(eproperty):
+    """A tensor at one module's input or output, served as a private copy and written back in place.
+
+    Args:
+        module: The module whose call holds the value, named from the host
+            envoy (``"post_attention_layernorm"``, ``"..mlp"`` for a sibling);
+            ``None`` for the host's own module.
+        where: ``"input"`` (the call's first tensor argument) or ``"output"``
+            (its first returned tensor).
+        shape: The value's shape as documented, for error messages.
+        factor: A multiplier the model applies to the tensor before it adds it
+            to the stream (Granite's residual multiplier); the value is served
+            scaled, and an edit is divided by it on the way back.
+        description: One sentence of meaning, shown in the envoy's repr.
+    """
+
+    def __init__(
+        self,
+        module: Optional[str],
+        where: str,
+        *,
+        shape: str = "[batch, seq, hidden_size]",
+        factor: Optional[Callable[[Any], float]] = None,
+        description: Optional[str] = None,
+    ) -> None:
+        super().__init__(key=f"{module}.{where}" if module else where, description=description)
+        self.module = module
+        self.where = where
+        self.shape = shape
+        self.factor = factor
+        self._preprocess = self._read
+        self._transform = self._write_back
+        self._postprocess = self._assign
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __call__(self, function: Callable) -> "StreamValue":
+        """Decorating a stub adopts its docstring (the stub's body is never run)."""
+        self.__doc__ = function.__doc__
+        if self.description is None and function.__doc__:
+            self.description = function.__doc__.strip().splitlines()[0]
+        return self
+
+    def site(self, host: Any) -> tuple[Optional[str], str]:
+        """(module, where) of this value on `host`: the declared ones unless the host relocates it."""
+        return host.relocated().get(self.name, (self.module, self.where))
+
+    def located(self, host: Any) -> Any:
+        """The envoy whose call holds this value on `host`, or raise Unavailable."""
+        reason = host.reason(self.name)
+        if reason is not None:
+            raise Unavailable(self.name, host.where(), reason)
+        module, _ = self.site(host)
+        return resolve(host, module) if module else host
+
+    def _location(self, host: Any) -> str:
+        return f"{self.located(host).path}.{self.site(host)[1]}"
+
+    def __get__(self, host: Any, owner: Any = None) -> Any:
+        if host is None:
+            return self
+        self.located(host)  # raises Unavailable before anything waits on the model
+        return super().__get__(host, owner)
+
+    # The three callbacks of the eproperty, in the order a read and an edit use them.
+
+    def _read(self, host: Any, raw: Any) -> torch.Tensor:
+        live = first_tensor(raw)
+        view = host.to_user(live, self.name)
+        if self.factor is not None:
+            return view * self.factor(host)  # a new tensor: already private
+        return view.clone()
+
+    def _write_back(self, host: Any, view: torch.Tensor, raw: Any) -> Any:
+        # A clone starts at version 0 and every in-place op bumps it: an
+        # unedited read writes nothing, so it cannot change the model's result.
+        if _edited(view):
+            self._copy_into(host, raw, view)
+        return raw
+
+    def _assign(self, host: Any, value: Any) -> Any:
+        raw = Mediator.value(self._location(host))
+        self._copy_into(host, raw, value)
+        return raw
+
+    def _copy_into(self, host: Any, raw: Any, value: Any) -> None:
+        live = first_tensor(raw)
+        expected = tuple(host.to_user(live, self.name).shape)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"{host.where()}.{self.name} takes a tensor of shape {expected} {self.shape}, "
+                f"not a {type(value).__name__}; to set every entry, edit in place: "
+                f"`...{self.name}[:] = value`."
+            )
+        if tuple(value.shape) != expected:
+            raise ValueError(
+                f"{host.where()}.{self.name} cannot take a tensor of shape {tuple(value.shape)}: "
+                f"it is {expected} {self.shape} on this run. Write a tensor of that shape, or edit "
+                f"a slice in place (`...{self.name}[:, -1] = vector`)."
+            )
+        if self.factor is not None:
+            value = value / self.factor(host)
+        with torch.no_grad():
+            live.copy_(host.to_engine(value.to(live.dtype), live, self.name))
+
+
+def _edited(view: torch.Tensor) -> bool:
+    try:
+        return view._version != 0
+    except RuntimeError:  # an inference tensor keeps no version: assume edited
+        return True

@@ -1,0 +1,150 @@
+"""Run nnsight's ``VLLM`` on a host with no GPU.
+
+nnsight 0.8.1 drives vLLM through a GPU worker (``NNsightGPUWorker``) that swaps
+the worker's model runner for ``NNsightGPUModelRunner``. On a CPU-only host that
+path fails twice: the client's meta build calls ``torch.accelerator.empty_cache()``,
+which raises with no accelerator, and the GPU worker cannot bring up device
+``cpu``. vLLM's own ``CPUWorker`` / ``CPUModelRunner`` subclass the GPU ones, so
+the fix is a worker that is vLLM's CPU worker but installs a runner that is both
+nnsight's and vLLM's CPU runner.
+
+Usage::
+
+    from nnsight.modeling.vllm import VLLM
+    from streamscope.vllm.worker import cpu_engine_kwargs
+
+    model = VLLM(path, **cpu_engine_kwargs())
+
+or ``cpu_vllm(path)``, which does the same.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
+from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+__all__ = [
+    "WORKER_CLS",
+    "NNsightCPUModelRunner",
+    "NNsightCPUWorker",
+    "patch_client_for_cpu",
+    "cpu_engine_kwargs",
+    "cpu_vllm",
+]
+
+
+class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
+    """nnsight's runner on vLLM's CPU runner.
+
+    nnsight's hooks (``load_model``, ``_update_states``, ``execute_model``,
+    ``sample_tokens``, ``_sample``, the ``nnsight_*`` RPCs) come first in the MRO
+    and reach vLLM through ``super()``, which now lands on ``CPUModelRunner``:
+    CPU loading, no CUDA events or streams, CPU buffers. It adds no state, so
+    the worker can swap an already-built ``CPUModelRunner`` to it by ``__class__``.
+    """
+
+
+class NNsightCPUWorker(CPUWorker, NNsightGPUWorker):
+    """vLLM's CPU worker with nnsight's runner and RPC methods.
+
+    ``CPUWorker`` is first in the MRO, so device setup, memory accounting and
+    warm-up are vLLM's CPU ones. The RPC methods the client calls by name through
+    ``collective_rpc`` (``collect_nnsight``, ``nnsight_request_count``,
+    ``nnsight_register``, ``nnsight_clear_registered``) are inherited from
+    ``NNsightGPUWorker``, which defines nothing else but its GPU ``init_device``
+    (bypassed here: ``CPUWorker.init_device`` does not chain to ``super()``).
+    """
+
+    def init_device(self) -> None:
+        super().init_device()
+        runner = self.model_runner
+        # Same refusal as nnsight's GPU worker: the V2 CPU runner has none of the
+        # hooks, and would run silently uninstrumented.
+        if type(runner) is not CPUModelRunner:
+            raise NotImplementedError(
+                f"streamscope's CPU worker instruments vLLM's CPUModelRunner, got "
+                f"{type(runner).__module__}.{type(runner).__qualname__}. "
+                "Unset VLLM_USE_V2_MODEL_RUNNER."
+            )
+        runner.__class__ = NNsightCPUModelRunner
+
+
+# A dotted path, not the class: vLLM resolves it by import in whichever process
+# runs the worker (the engine-core process, or its executor's worker process,
+# under VLLM_ENABLE_V1_MULTIPROCESSING=1).
+WORKER_CLS = f"{NNsightCPUWorker.__module__}.{NNsightCPUWorker.__qualname__}"
+
+
+def _no_accelerator_empty_cache(*args: Any, **kwargs: Any) -> None:
+    """``torch.accelerator.empty_cache`` for a host with no accelerator: no cache, no-op."""
+
+
+def patch_client_for_cpu() -> None:
+    """Make nnsight's ``VLLM`` client start a CPU engine. Idempotent.
+
+    Two process-wide changes, each made only where it is needed:
+
+    * With no accelerator, ``torch.accelerator.empty_cache`` becomes a no-op.
+      vLLM's model loader calls it after building a model, which nnsight's client
+      does to get its meta tree, and on a host with no accelerator it raises.
+      (vLLM's ``CPUModelRunner`` makes the same replacement in the worker.)
+    * On vLLM's CPU platform, ``VLLM._WORKER_CLS`` points at this module's
+      worker. It has to be the class attribute: nnsight passes
+      ``worker_cls=self._WORKER_CLS`` to ``vllm.LLM`` *and* forwards the caller's
+      kwargs, so a ``worker_cls=`` kwarg would be a duplicate keyword there.
+    """
+    from nnsight.modeling.vllm.vllm import VLLM
+    from vllm.platforms import current_platform
+
+    if not torch.accelerator.is_available():
+        torch.accelerator.empty_cache = _no_accelerator_empty_cache
+    if current_platform.is_cpu():
+        VLLM._WORKER_CLS = WORKER_CLS
+
+
+def cpu_engine_kwargs(**overrides: Any) -> dict[str, Any]:
+    """Keyword arguments for ``nnsight.modeling.vllm.VLLM(path, **kwargs)`` on CPU.
+
+    Also applies `patch_client_for_cpu` and sets ``VLLM_CPU_KVCACHE_SPACE=1``
+    (GiB) unless already set: without it the CPU engine reserves 92% of memory
+    for its KV cache and usually fails to start. Both must happen before the
+    engine starts, i.e. before ``VLLM(...)``.
+
+    Defaults, each overridable:
+
+    * ``enforce_eager=True``: hooks cannot fire inside compiled/captured graphs.
+    * ``enable_prefix_caching=False``: a cached prefix runs no forward, so a trace
+      would see only the recomputed tokens.
+    * ``enable_chunked_prefill=False``: a split prompt gives a block half a prompt
+      (nnsight refuses such requests).
+    * ``dtype="float32"``: exact comparison with transformers on CPU.
+
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` is left to the caller; 0 (engine in this
+    process) and 1 (engine core and worker in child processes) both work.
+    """
+    patch_client_for_cpu()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return {
+        "enforce_eager": True,
+        "enable_prefix_caching": False,
+        "enable_chunked_prefill": False,
+        "dtype": "float32",
+        **overrides,
+    }
+
+
+def cpu_vllm(path: str, **kwargs: Any) -> Any:
+    """``nnsight.modeling.vllm.VLLM(path, **cpu_engine_kwargs(**kwargs))``.
+
+    ``kwargs`` may mix engine arguments and nnsight's (``dispatch``, ``rename``,
+    ``envoys``, ``mode``).
+    """
+    from nnsight.modeling.vllm import VLLM
+
+    return VLLM(path, **cpu_engine_kwargs(**kwargs))
