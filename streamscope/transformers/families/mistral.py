@@ -1,0 +1,5 @@
+"""Mistral: Llama's tree and Llama's pre-norm block."""
+
+from .llama import ENVOYS, RENAME
+
+__all__ = ["ENVOYS", "RENAME"]

@@ -1,0 +1,5 @@
+"""Qwen2: Llama's tree and Llama's pre-norm block."""
+
+from .llama import ENVOYS, RENAME
+
+__all__ = ["ENVOYS", "RENAME"]
