@@ -53,6 +53,9 @@ class Standardized(StreamEnvoy):
     # Sizes, read off the config under the family's spelling of them.
 
     def _size(self, name: str, *attributes: str) -> int:
+        reason = self.reason(name)  # a family's UNSERVED may name sizes too (Mamba: no heads)
+        if reason is not None:
+            raise Unavailable(name, "model", reason)
         config = self.config
         for attribute in getattr(self.family, "SIZES", {}).get(name, attributes):
             value = getattr(config, attribute, None)
@@ -81,6 +84,8 @@ class Standardized(StreamEnvoy):
         try:
             return self._size("num_kv_heads", "num_key_value_heads", "num_kv_heads", "multi_query_group_num")
         except Unavailable:
+            if self.reason("num_kv_heads") is not None:
+                raise
             return self.num_heads
 
     @property
@@ -89,6 +94,8 @@ class Standardized(StreamEnvoy):
         try:
             return self._size("head_dim", "head_dim")
         except Unavailable:
+            if self.reason("head_dim") is not None:
+                raise
             return self.hidden_size // self.num_heads
 
     @property

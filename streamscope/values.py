@@ -54,12 +54,12 @@ def first_tensor(value: Any) -> torch.Tensor:
 
 
 def resolve(envoy: Any, module: str) -> Any:
-    """The envoy `module` names from `envoy`: a dotted path of (aliased) names, ``..`` for the parent."""
+    """The envoy `module` names from `envoy`: dotted (aliased) names; a leading ``..`` starts at the parent."""
     target = envoy
-    for part in module.split("."):
-        if part == "":
-            target = target.parent
-            continue
+    path = module.lstrip(".")
+    for _ in range(max(len(module) - len(path) - 1, 0)):
+        target = target.parent
+    for part in path.split("."):
         child = target.__dict__.get(part)
         if child is None:
             raise Unavailable(part, envoy.where(), missing_module(part))

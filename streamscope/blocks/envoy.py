@@ -34,12 +34,21 @@ class StreamEnvoy(Envoy):
         return self.path
 
     def to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        """The model's tensor for `name` in the user's layout, as a view."""
+        """The model's tensor for `name` in the user's layout, as a view.
+
+        A block that flattens its tokens for a sublayer (OPT's MLP, Llama 4's
+        mixture of experts) hands over ``[batch * seq, width]``; it is served
+        as ``[batch, seq, width]``, the block's stream shape.
+        """
+        if tensor.dim() == 2:
+            shape = stream_shape(self)
+            if shape is not None and shape.numel() == tensor.shape[0]:
+                return tensor.view(*shape, tensor.shape[-1])
         return tensor
 
     def to_engine(self, value: torch.Tensor, live: torch.Tensor, name: str) -> torch.Tensor:
         """A value in the user's layout, in the layout of the model's tensor `live`."""
-        return value
+        return value.reshape(live.shape)
 
     @classmethod
     def value_names(cls) -> list[str]:
@@ -65,6 +74,34 @@ class StreamEnvoy(Envoy):
             except Exception as error:  # Unavailable, with its reason
                 table[name] = getattr(error, "reason", str(error))
         return table
+
+
+#: The attribute a block module keeps its stream's leading shape on, set as the block is called.
+STREAM_SHAPE = "_streamscope_stream_shape"
+
+
+def record_stream_shape(module: torch.nn.Module) -> None:
+    """Keep the leading shape (batch, seq) of what `module` is called with, for values it flattens."""
+    if getattr(module, "_streamscope_shape_hook", None) is not None:
+        return
+
+    def record(_: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor):
+            object.__setattr__(module, STREAM_SHAPE, hidden.shape[:-1])
+
+    module._streamscope_shape_hook = module.register_forward_pre_hook(record, with_kwargs=True)
+
+
+def stream_shape(envoy: Envoy) -> Optional[torch.Size]:
+    """The leading shape of the stream of the block `envoy` is in, where the block records it."""
+    node: Optional[Envoy] = envoy
+    while node is not None:
+        shape = node._module.__dict__.get(STREAM_SHAPE)
+        if shape is not None:
+            return shape
+        node = node.parent
+    return None
 
 
 def module_config(envoy: Envoy) -> Any:

@@ -10,7 +10,7 @@ from nnsight.intervention.interleaver import Mediator
 from ..errors import Unavailable, missing_module
 from ..support import BlockSupport
 from ..values import INPUT, OUTPUT, Residual, StreamValue, first_tensor
-from .envoy import StreamEnvoy
+from .envoy import StreamEnvoy, record_stream_shape
 from .sublayers import Attention, LinearAttention, Mlp, Sublayer
 
 #: The modules a block's values are keyed on, under their aliased names.
@@ -42,6 +42,8 @@ class Layer(StreamEnvoy):
     ROLES: ClassVar[tuple[str, ...]] = ("self_attn", "mlp")
     #: Whether the block returns a tuple with the stream first (skip packs the same way).
     RETURNS_TUPLE: ClassVar[bool] = False
+    #: Whether the block flattens its tokens for a sublayer, so values there need the stream's shape.
+    FLATTENS_TOKENS: ClassVar[bool] = False
     ORDER = ("layer_input", "attention_norm_output", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output")
     _ROLE_KINDS: ClassVar[dict[str, type[Sublayer]]] = {
         "self_attn": Attention, "linear_attn": LinearAttention, "mlp": Mlp,
@@ -75,6 +77,16 @@ class Layer(StreamEnvoy):
     @StreamValue(None, OUTPUT)
     def layer_output(self) -> Residual:
         """The residual stream leaving this block, [batch, seq, hidden_size]: the next block's layer_input."""
+
+    def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(module, *args, **kwargs)
+        if self.FLATTENS_TOKENS:
+            record_stream_shape(module)
+
+    def _update(self, module: torch.nn.Module) -> None:
+        super()._update(module)
+        if self.FLATTENS_TOKENS:
+            record_stream_shape(module)
 
     def index(self) -> int:
         """This block's position in `model.layers`."""

@@ -1,0 +1,13 @@
+"""Gemma 2: Llama's tree with sandwich norms: each sublayer's output passes a post-norm before its add.
+
+The MLP's pre-norm is ``pre_feedforward_layernorm``; the contributions are the
+post-norms' outputs (``post_attention_layernorm``, ``post_feedforward_layernorm``).
+The embeddings are scaled by sqrt(hidden_size) inside ``embed_tokens``.
+"""
+
+from ...blocks import PostNormedAttention, PostNormedMlp, SandwichLayer
+from .llama import RENAME
+
+ENVOYS = {"layers.*": SandwichLayer, "self_attn": PostNormedAttention, "mlp": PostNormedMlp}
+
+__all__ = ["ENVOYS", "RENAME"]
