@@ -6,9 +6,7 @@ and every value there is served as ``[batch, seq, hidden]``. With
 ``do_layer_norm_before=False`` (OPT-350m) a norm follows each residual add.
 """
 
-from typing import Any, Optional
-
-import torch
+from typing import Optional
 
 from ...blocks import Attention, Layer, Mlp
 from ...errors import POST_LN, POST_NORM_ATTENTION, POST_NORM_MLP
@@ -20,35 +18,16 @@ RENAME = {
     "self_attn_layer_norm": "input_layernorm", "final_layer_norm": "post_attention_layernorm", "fc2": "mlp",
 }
 
-_SHAPE = "_streamscope_stream_shape"
 _POST_LN_UNSERVED = {
     "attention_norm_output": POST_NORM_ATTENTION, "mlp_norm_output": POST_NORM_MLP,
     "self_attn.attention_output": POST_LN, "mlp.mlp_output": POST_LN,
 }
 
 
-def _record_shape(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    stream = args[0] if args else kwargs["hidden_states"]
-    object.__setattr__(module, _SHAPE, tuple(stream.shape))
-
-
-def _watch(module: torch.nn.Module) -> None:
-    """Record the shape of the stream each call of the block `module` is made with."""
-    if not hasattr(module, _SHAPE):
-        object.__setattr__(module, _SHAPE, None)
-        module.register_forward_pre_hook(_record_shape, with_kwargs=True)
-
-
 class OPTLayer(Layer):
     """Serves the flattened MLP half as ``[batch, seq, hidden]``, in the shape the block was called with."""
 
-    def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
-        super().__init__(module, *args, **kwargs)
-        _watch(module)
-
-    def _update(self, module: torch.nn.Module) -> None:
-        super()._update(module)
-        _watch(module)
+    FLATTENS_TOKENS = True
 
     @StreamValue("fc1", INPUT)
     def mlp_input(self) -> Residual:
@@ -66,24 +45,5 @@ class OPTLayer(Layer):
         # Post-LN: the stream between the sublayers is the attention half's norm output.
         return {"layer_mid": ("input_layernorm", OUTPUT)} if self._post_ln() else {}
 
-    def to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        shape = getattr(self._module, _SHAPE, None)
-        if tensor.dim() == 2 and shape is not None:
-            return tensor.reshape(*shape[:-1], tensor.shape[-1])
-        return tensor
 
-    def to_engine(self, value: torch.Tensor, live: torch.Tensor, name: str) -> torch.Tensor:
-        return value.reshape(live.shape)
-
-
-class OPTMlp(Mlp):
-    """fc2, the MLP's last projection, served in its block's layout."""
-
-    def to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        return self.block().to_user(tensor, name)
-
-    def to_engine(self, value: torch.Tensor, live: torch.Tensor, name: str) -> torch.Tensor:
-        return self.block().to_engine(value, live, name)
-
-
-ENVOYS = {"layers.*": OPTLayer, "self_attn": Attention, "mlp": OPTMlp}
+ENVOYS = {"layers.*": OPTLayer, "self_attn": Attention, "mlp": Mlp}
