@@ -19,7 +19,7 @@ class Standardized(StreamEnvoy):
     """The root of a standardized model: the family's names, the sizes, the root values and support.
 
     Mixed into an engine's nnsight model class; the family module (found by
-    ``config.model_type``) is `family`.
+    ``config.model_type``) is `family`. Each engine adds `logits` its own way.
     """
 
     family: ModuleType
@@ -36,10 +36,6 @@ class Standardized(StreamEnvoy):
     @StreamValue("norm", OUTPUT)
     def final_norm_output(self) -> torch.Tensor:
         """The final norm's output, what the unembedding reads, [batch, seq, hidden_size]."""
-
-    @StreamValue(None, OUTPUT, shape="[batch, seq, vocab_size]")
-    def logits(self) -> torch.Tensor:
-        """The next-token logits at every position, after any final scaling or soft cap, [batch, seq, vocab_size]."""
 
     def where(self) -> str:
         return "model"
@@ -105,7 +101,7 @@ class Standardized(StreamEnvoy):
 
     def support(self) -> ModelSupport:
         """Every value of every block, served or why not, computed without running the model."""
-        root = BlockSupport("model", self.served())
+        root = BlockSupport("model", {**self.served(), "logits": None})
         blocks = [layer.support() for layer in self.layers]
         name = f"{self.config.model_type} ({len(blocks)} blocks, {type(self).ENGINE})"
         return ModelSupport(name, root, blocks)

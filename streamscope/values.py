@@ -37,6 +37,22 @@ Residual = torch.Tensor
 INPUT, OUTPUT = "input", "output"
 
 
+def argument(inputs: tuple, index: int, name: str) -> Any:
+    """One argument of a call's ``(args, kwargs)``, however the caller passed it; None when absent."""
+    args, kwargs = inputs
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if index < len(args) else None
+
+
+def with_argument(inputs: tuple, index: int, name: str, value: Any) -> tuple:
+    """``(args, kwargs)`` with that argument replaced by `value`, where the caller passed it."""
+    args, kwargs = inputs
+    if name in kwargs or index >= len(args):
+        return args, {**kwargs, name: value}
+    return (*args[:index], value, *args[index + 1:]), kwargs
+
+
 def first_tensor(value: Any) -> torch.Tensor:
     """The tensor a module call hands on: its first input, or its output's first element."""
     if isinstance(value, torch.Tensor):
@@ -80,6 +96,9 @@ class StreamValue(eproperty):
         factor: A multiplier the model applies to the tensor before it adds it
             to the stream (Granite's residual multiplier); the value is served
             scaled, and an edit is divided by it on the way back.
+        argument: Where the value sits in an input call, as ``(index, name)``,
+            or the name of a host attribute holding that pair (a block's
+            ``STREAM``); by default the call's first argument.
         description: One sentence of meaning, shown in the envoy's repr.
     """
 
@@ -90,6 +109,7 @@ class StreamValue(eproperty):
         *,
         shape: str = "[batch, seq, hidden_size]",
         factor: Optional[Callable[[Any], float]] = None,
+        argument: tuple[int, str] | str | None = None,
         description: Optional[str] = None,
     ) -> None:
         super().__init__(key=f"{module}.{where}" if module else where, description=description)
@@ -97,6 +117,7 @@ class StreamValue(eproperty):
         self.where = where
         self.shape = shape
         self.factor = factor
+        self.argument = argument
         self._preprocess = self._read
         self._transform = self._write_back
         self._postprocess = self._assign
@@ -132,30 +153,41 @@ class StreamValue(eproperty):
         self.located(host)  # raises Unavailable before anything waits on the model
         return super().__get__(host, owner)
 
+    def live(self, host: Any, raw: Any) -> torch.Tensor:
+        """The model's own tensor for this value, in what the location served."""
+        if self.where == INPUT and self.argument is not None:
+            position = getattr(host, self.argument) if isinstance(self.argument, str) else self.argument
+            return argument(raw, *position)
+        return first_tensor(raw)
+
     # The three callbacks of the eproperty, in the order a read and an edit use them.
 
     def _read(self, host: Any, raw: Any) -> torch.Tensor:
-        live = first_tensor(raw)
-        view = host.to_user(live, self.name)
-        if self.factor is not None:
-            return view * self.factor(host)  # a new tensor: already private
-        return view.clone()
+        view = host.to_user(self.live(host, raw), self.name)
+        # Outside inference mode (vLLM runs in it), so the copy keeps a version counter.
+        with torch.inference_mode(False):
+            if self.factor is not None:
+                return view * self.factor(host)  # a new tensor: already private
+            return view.clone()
 
     def _write_back(self, host: Any, view: torch.Tensor, raw: Any) -> Any:
-        # A clone starts at version 0 and every in-place op bumps it: an
+        # A fresh copy starts at version 0 and every in-place op bumps it: an
         # unedited read writes nothing, so it cannot change the model's result.
         if _edited(view):
-            self._copy_into(host, raw, view)
+            self.write(host, raw, self.checked(host, raw, view))
         return raw
 
     def _assign(self, host: Any, value: Any) -> Any:
         raw = Mediator.value(self._location(host))
-        self._copy_into(host, raw, value)
+        self.write(host, raw, self.checked(host, raw, value))
         return raw
 
-    def _copy_into(self, host: Any, raw: Any, value: Any) -> None:
-        live = first_tensor(raw)
-        expected = tuple(host.to_user(live, self.name).shape)
+    def expected_shape(self, host: Any, raw: Any) -> tuple[int, ...]:
+        return tuple(host.to_user(self.live(host, raw), self.name).shape)
+
+    def checked(self, host: Any, raw: Any, value: Any) -> torch.Tensor:
+        """`value` if it can be written here, else a clear refusal naming the value, both shapes and the block."""
+        expected = self.expected_shape(host, raw)
         if not isinstance(value, torch.Tensor):
             raise TypeError(
                 f"{host.where()}.{self.name} takes a tensor of shape {expected} {self.shape}, "
@@ -168,6 +200,11 @@ class StreamValue(eproperty):
                 f"it is {expected} {self.shape} on this run. Write a tensor of that shape, or edit "
                 f"a slice in place (`...{self.name}[:, -1] = vector`)."
             )
+        return value
+
+    def write(self, host: Any, raw: Any, value: torch.Tensor) -> None:
+        """Copy `value` (the user's layout) into the model's tensor, in place."""
+        live = self.live(host, raw)
         if self.factor is not None:
             value = value / self.factor(host)
         with torch.no_grad():

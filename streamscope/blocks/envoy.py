@@ -36,14 +36,17 @@ class StreamEnvoy(Envoy):
     def to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """The model's tensor for `name` in the user's layout, as a view.
 
-        A block that flattens its tokens for a sublayer (OPT's MLP, Llama 4's
-        mixture of experts) hands over ``[batch * seq, width]``; it is served
-        as ``[batch, seq, width]``, the block's stream shape.
+        A tensor without a batch dimension, ``[tokens, width]``, is one of two
+        things. On transformers, a block that flattens its tokens for a
+        sublayer (OPT's MLP, Llama 4's mixture of experts) records its stream's
+        shape, and the value is served in it, ``[batch, seq, width]``. On vLLM,
+        it is one request's tokens, served as ``[1, tokens, width]``.
         """
         if tensor.dim() == 2:
             shape = stream_shape(self)
             if shape is not None and shape.numel() == tensor.shape[0]:
                 return tensor.view(*shape, tensor.shape[-1])
+            return tensor.unsqueeze(0)
         return tensor
 
     def to_engine(self, value: torch.Tensor, live: torch.Tensor, name: str) -> torch.Tensor:

