@@ -21,9 +21,15 @@ input every time:
 The verdict compares ss-out/raw-out and ss-six/raw-six against a bound (5%).
 
 ``--check-split`` also reads the six boundaries of every block plus the root
-values with streamscope on the single-device model and on the same checkpoint
-loaded with a ``device_map`` that puts the second half of the blocks (and the
-final norm and the head) on the CPU, and compares every value.
+values (token_embeddings, final_norm_output, logits) with streamscope on the
+single-device model and on a split one, and compares every value:
+
+  offload       the checkpoint loaded with a ``device_map`` that puts the second half
+                of the blocks, the final norm and the head on the CPU (transformers
+                hands it to accelerate, which keeps those weights in CPU memory and
+                runs those modules on the GPU);
+  cpu-compute   the second half of the blocks, the norm and the head of the
+                single-device model moved to the CPU and run there (runs last).
 
     python benchmarks/transformers_overhead.py                     # CPU, 8 x 1024, seq 256
     python benchmarks/transformers_overhead.py --layers 32 --hidden 4096 --heads 32 \\
@@ -68,7 +74,7 @@ def build_checkpoint(path: Path, args: argparse.Namespace) -> Path:
 
     stamp = path / "benchmark-shape.json"
     shape = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "kv_heads", "intermediate",
-                                           "vocab", "dtype", "seed")}
+                                           "vocab", "checkpoint_dtype", "seed")}
     if stamp.exists() and json.loads(stamp.read_text()) == shape:
         print(f"# checkpoint: reusing {path}", flush=True)
         return path
@@ -88,7 +94,7 @@ def build_checkpoint(path: Path, args: argparse.Namespace) -> Path:
     started = time.perf_counter()
     torch.manual_seed(args.seed)
     with torch.device(args.init_device):
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[args.dtype])
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[args.checkpoint_dtype])
     with torch.no_grad():  # random, not the initial 1.0: a norm read before/after its weight differs
         generator = torch.Generator(device=args.init_device).manual_seed(args.seed + 1)
         for parameter in model.parameters():
@@ -299,7 +305,7 @@ def read_everything(model, ids, n) -> dict[Any, torch.Tensor]:
 
 def compare(reference: dict, other: dict, label: str, half: int) -> dict[str, Any]:
     """Every value of `other` against `reference`: bit-equal or not, and the largest differences."""
-    max_abs, max_rel, worst, unequal = 0.0, 0.0, None, []
+    max_abs, max_rel, max_norm_rel, worst, unequal = 0.0, 0.0, 0.0, None, []
     devices = set()
     for key, ref in reference.items():
         value = other[key]
@@ -312,55 +318,91 @@ def compare(reference: dict, other: dict, label: str, half: int) -> dict[str, An
         diff = (a - b).abs().max().item()
         rel = diff / max(a.abs().max().item(), 1e-30)
         max_abs = max(max_abs, diff)
+        max_norm_rel = max(max_norm_rel, ((a - b).norm() / a.norm().clamp_min(1e-30)).item())
         if rel >= max_rel:
             max_rel, worst = rel, key
     first_half_equal = not any(isinstance(key, tuple) and key[0] < half for key in unequal)
     print(f"# split [{label}]: {len(reference) - len(unequal)}/{len(reference)} values bit-equal to the "
-          f"single-device run; max |diff| {max_abs:.3g}, max |diff|/max|value| {max_rel:.3g}"
+          f"single-device run; max |diff| {max_abs:.3g}, max |diff|/max|value| {max_rel:.3g}, "
+          f"max ||diff||/||value|| {max_norm_rel:.3g}"
           f"{f' (at {worst})' if worst is not None else ''}; read on {sorted(devices)}", flush=True)
     if unequal:
         print(f"# split [{label}]: every value of the blocks before the split point bit-equal: "
               f"{first_half_equal}; first unequal: {unequal[0]}", flush=True)
     return {"values": len(reference), "bit_equal": len(reference) - len(unequal), "max_abs": max_abs,
-            "max_rel": max_rel, "worst_at": str(worst), "first_unequal": str(unequal[0]) if unequal else None,
+            "max_rel": max_rel, "max_norm_rel": max_norm_rel, "worst_at": str(worst), "first_unequal": str(unequal[0]) if unequal else None,
             "devices": sorted(devices), "first_half_bit_equal": first_half_equal}
 
 
+def _to(value: Any, device: str) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(item, device) for item in value)
+    if isinstance(value, dict):
+        return {key: _to(item, device) for key, item in value.items()}
+    return value
+
+
+def run_half_on_cpu(model, n: int) -> None:
+    """Move the second half of the blocks, the final norm and the head of `model` to the CPU, to run there.
+
+    A forward pre-hook on each moved module brings its inputs to the CPU. PyTorch runs
+    hooks before the module's forward, which is where nnsight's controller sits, so nnsight
+    sees (and streamscope serves) each value on the device the module computes on.
+    """
+    def to_cpu(module, args, kwargs):
+        return _to(args, "cpu"), _to(kwargs, "cpu")
+
+    hf = model._module
+    for module in [*[hf.model.layers[i] for i in range(n // 2, n)], hf.model.norm, hf.lm_head]:
+        module.to("cpu")
+        module.register_forward_pre_hook(to_cpu, with_kwargs=True)
+
+
 def check_split(path: Path, single, ids, args, dtype) -> dict[str, Any]:
+    """Every value of a split model against the single-device `single` model, on the same input.
+
+    offload:      `streamscope.load(path, device_map={...})`, half the blocks, the norm and
+                  the head given to the CPU. transformers hands the map to accelerate, which
+                  keeps those weights in CPU memory and runs those modules on the GPU.
+    cpu-compute:  the second half really computes on the CPU (`run_half_on_cpu`, applied to
+                  `single` itself once its references are taken, so it runs last).
+    """
     n, half = args.layers, args.layers // 2
-    ids = ids[: args.check_batch]
-    results: dict[str, Any] = {}
-    sync(args.device)
-    reference = {k: v.cpu() for k, v in read_everything(single, ids, n).items()}
-    sync(args.device)
+    batches = {"offload": args.check_batch, "cpu-compute": args.cpu_compute_batch}
+    references = {}
     for mode in args.split_modes:
+        rows = batches[mode]
+        if rows not in references:
+            references[rows] = {k: v.cpu() for k, v in read_everything(single, ids[:rows], n).items()}
+    results: dict[str, Any] = {}
+    for mode in sorted(args.split_modes, key=lambda mode: mode == "cpu-compute"):
+        rows = batches[mode]
         started = time.perf_counter()
         if mode == "offload":
-            # What transformers + accelerate do with a device_map naming the GPU and the CPU:
-            # the CPU modules keep their weights in CPU memory and run on the GPU.
             split = streamscope.load(path, dtype=dtype, device_map=split_device_map(n))
+            hf_map = getattr(split._module, "hf_device_map", {})
+            print(f"# split [offload]: loaded in {time.perf_counter() - started:.1f}s; hf_device_map sends "
+                  f"{sum(1 for d in hf_map.values() if str(d) == 'cpu')} modules to the CPU; block {n - 1}'s "
+                  f"parameters read {next(split._module.model.layers[n - 1].parameters()).device} (meta: held "
+                  f"by accelerate in CPU memory, brought to the GPU for each call)", flush=True)
         elif mode == "cpu-compute":
-            # The CPU half also *runs* on the CPU: load on the CPU, then dispatch with the CPU as
-            # the main device, so accelerate moves each block's inputs to where its weights are.
-            from accelerate import dispatch_model
-
-            split = streamscope.load(path, dtype=dtype)
-            dispatch_model(split._module, device_map=split_device_map(n), main_device="cpu")
+            split = single
+            run_half_on_cpu(split, n)
+            print(f"# split [cpu-compute]: moved blocks {half}..{n - 1}, norm and head to the CPU in "
+                  f"{time.perf_counter() - started:.1f}s", flush=True)
         else:
             raise SystemExit(f"unknown split mode {mode}")
-        loaded = time.perf_counter()
-        print(f"# split [{mode}]: loaded in {loaded - started:.1f}s; hf_device_map: "
-              f"{sorted(set(map(str, getattr(split._module, 'hf_device_map', {}).values())))}", flush=True)
-        devices = {f"layers.{i}": str(next(split._module.model.layers[i].parameters()).device) for i in (0, n - 1)}
-        print(f"# split [{mode}]: weights of layers 0 and {n - 1} on {devices}", flush=True)
         sync(args.device)
         started = time.perf_counter()
-        values = read_everything(split, ids, n)
+        values = read_everything(split, ids[:rows], n)
         sync(args.device)
         ran = time.perf_counter() - started
-        print(f"# split [{mode}]: one trace with every read took {ran:.2f}s", flush=True)
-        results[mode] = compare(reference, values, mode, half)
-        results[mode]["trace_s"] = ran
+        print(f"# split [{mode}]: one trace reading all {len(values)} values, batch {rows} x {ids.shape[1]}, "
+              f"took {ran:.2f}s", flush=True)
+        results[mode] = compare(references[rows], values, mode, half)
+        results[mode].update(trace_s=ran, batch=rows)
         del split, values
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -397,6 +439,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--checkpoint-dtype", choices=sorted(DTYPES), default=None,
+                        help="dtype the checkpoint is saved in (default --dtype; the model is loaded in --dtype)")
     parser.add_argument("--device", default="cpu", help="where the single-device model runs: cpu or cuda")
     parser.add_argument("--device-map", default=None,
                         help="device_map for the timed model (default: the --device); e.g. 'cuda' or 'split'")
@@ -409,14 +453,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--grad", action="store_true", help="run with autograd on (default: under torch.no_grad)")
     parser.add_argument("--no-bench", action="store_true", help="skip the timing (e.g. only --check-split)")
     parser.add_argument("--check-split", action="store_true", help="compare every value against a device_map split run")
-    parser.add_argument("--split-modes", default="offload", help="comma-separated: offload, cpu-compute")
-    parser.add_argument("--check-batch", type=int, default=None, help="batch rows for --check-split (default --batch)")
+    parser.add_argument("--split-modes", default="offload", help="comma-separated: offload (device_map), cpu-compute (the CPU half runs on the CPU)")
+    parser.add_argument("--check-batch", type=int, default=None, help="batch rows for the offload split (default --batch)")
+    parser.add_argument("--cpu-compute-batch", type=int, default=1, help="batch rows for the cpu-compute split")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
     args = parser.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     args.split_modes = [v.strip() for v in args.split_modes.split(",") if v.strip()]
     args.init_device = args.init_device or args.device
+    args.checkpoint_dtype = args.checkpoint_dtype or args.dtype
     args.check_batch = args.check_batch or args.batch
     dtype = DTYPES[args.dtype]
 
@@ -426,7 +472,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"# command: {' '.join(sys.argv)}")
     print(f"# shape: {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads} kv, "
           f"intermediate {args.intermediate}, vocab {args.vocab}, batch {args.batch} x seq {args.seq}, "
-          f"{args.dtype} on {args.device}; torch threads {torch.get_num_threads()}; "
+          f"{args.dtype} on {args.device} (checkpoint saved in {args.checkpoint_dtype}); torch threads {torch.get_num_threads()}; "
           f"{'grad on' if args.grad else 'no_grad'}", flush=True)
 
     with contextlib.ExitStack() as stack:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,14 @@ class StandardizedVLLM(Standardized, VLLM):
         settings.setdefault("envoys", {**parallel_envoys(), **self.family.ENVOYS})
         settings.setdefault("dispatch", True)
         super().__init__(str(path), **settings)
+
+    def close(self) -> None:
+        """Shut the engine down and free its KV cache; the model cannot trace afterwards."""
+        entry = getattr(self, "vllm_entrypoint", None)
+        if entry is not None:
+            entry.llm_engine.engine_core.shutdown()
+            self.vllm_entrypoint = None
+        gc.collect()
 
     @staticmethod
     def _collect(mediators: list, outputs: list) -> None:

@@ -9,7 +9,9 @@ A family module states:
   suffixes) to the block kinds of `streamscope.blocks`.
 * optionally ``ROOT_SITES`` (a root value read elsewhere than its default,
   as ``{name: (module, "input" | "output")}``), ``UNSERVED`` (root values the
-  family cannot serve, with the reason) and ``SIZES`` (config attributes).
+  family cannot serve, with the reason; size names too, as Mamba's heads) and
+  ``SIZES`` (config attributes), and ``check(model)``, called once the tree is
+  built (the default warns there what it could not map).
 
 A model type with no module gets `default`, which maps what it can find and
 says what it could not.

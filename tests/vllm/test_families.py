@@ -1,0 +1,241 @@
+"""Every family vLLM runs here, against the transformers values of the same checkpoint.
+
+One engine per family, alive for this module's tests of it only. Values are
+compared with the oracle (transformers' own forward read with torch hooks):
+every served value, the sampled position's logits, edits made on both
+engines, invokes batched together against the same prompts run alone, and
+the support table against the transformers engine's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import oracle
+import streamscope
+from streamscope.testing import FAMILIES
+
+PROMPT = "The Eiffel Tower is in Paris, and the quick brown fox"
+PROMPTS = [
+    "Once upon a time",
+    "Rome is in Italy, Berlin is in Germany, Madrid is in Spain",
+    "def add(a, b):",
+    "Water boils at one hundred degrees Celsius at sea level, and",
+    "The quick brown fox jumps over the lazy dog while the cat sleeps in the garden",
+    "Numbers",
+    "She opened the door, looked at the garden",
+    "Attention heads move information between positions; the MLP writes features into the stream",
+]
+GREEDY = {"temperature": 0.0, "max_tokens": 1}
+RELATIVE = 1e-5  # float32 on CPU: vLLM's kernels and transformers' agree to about 1e-6
+
+#: Families vLLM runs on this CPU: all but Mamba (no selective-scan kernel on CPU).
+VLLM_FAMILIES = [family for family in FAMILIES if family != "mamba"]
+#: Qwen3-Next's CPU kernels run bfloat16 only, with head dims of 64.
+ENGINE_DTYPE = {"qwen3_next": "bfloat16"}
+#: bfloat16 keeps 8 bits of mantissa (relative step 2**-8 = 3.9e-3); across a few
+#: blocks the rounding of every product adds up to a few steps.
+BFLOAT16_RELATIVE = 3e-2
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    value, reference = value.float(), reference.float()
+    return ((value - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
+
+
+def value_of(model, name: str, block):
+    if block is None:
+        return getattr(model, name)
+    layer = model.layers[block]
+    if name == "attention_output":
+        host = layer.self_attn if "self_attn" in layer.__dict__ else layer.linear_attn
+        return host.attention_output
+    if name == "mlp_output":
+        return layer.mlp.mlp_output
+    return getattr(layer, name)
+
+
+class Engines:
+    def __init__(self, family: str, path):
+        self.name = family
+        self.tolerance = BFLOAT16_RELATIVE if family in ENGINE_DTYPE else RELATIVE
+        self.model = streamscope.load(path, engine="vllm", **({"dtype": ENGINE_DTYPE[family]}
+                                                               if family in ENGINE_DTYPE else {}))
+        self.transformers = streamscope.load(path)
+        self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.input_ids = self.tokenizer(PROMPT, return_tensors="pt").input_ids
+        self.expected = oracle.values(self.reference, family, self.input_ids)
+        seen, self.order = set(), []
+        for entry in self.expected["order"]:
+            if entry not in seen and entry[0] != "logits":
+                seen.add(entry)
+                self.order.append(entry)
+
+    def served(self, name, block) -> bool:
+        if block is None:
+            return True
+        rows = self.model.layers[block].support().rows
+        key = next(k for k in rows if k == name or k.endswith("." + name))
+        return rows[key] is None
+
+    def read_all(self, prompt=PROMPT):
+        # The trace body runs in the engine's worker and ships what it names: only the model and plain data.
+        model, sites, saved = self.model, [site for site in self.order if self.served(*site)], {}
+        with model.trace(prompt, **GREEDY):
+            for name, block in sites:
+                saved[(name, block)] = value_of(model, name, block).save()
+            saved[("logits", None)] = model.logits.save()
+        return saved
+
+
+@pytest.fixture(scope="module", params=VLLM_FAMILIES)
+def engines(request, checkpoints):
+    engines = Engines(request.param, checkpoints(request.param))
+    yield engines
+    engines.model.close()
+
+
+def test_every_served_value_and_the_logits_equal_transformers(engines):
+    saved = engines.read_all()
+    assert ("layer_output", 0) in saved
+    for (name, block), value in saved.items():
+        if name == "logits":
+            reference = engines.expected["logits"][:, -1]
+        else:
+            reference = engines.expected[name] if block is None else engines.expected[name][block]
+        assert value.shape == reference.shape, (name, block, value.shape, reference.shape)
+        error = relative_error(value, reference)
+        assert error <= engines.tolerance, (name, block, error)
+
+
+def test_the_identity_holds_and_reads_change_nothing(engines):
+    saved = engines.read_all()
+    for block in range(engines.model.num_layers):
+        parts = [saved.get((name, block)) for name in ("layer_input", *oracle.CONTRIBUTIONS, "layer_output")]
+        if all(part is not None for part in parts):
+            total = parts[0] + parts[1] + parts[2]
+            assert relative_error(total, parts[3]) <= engines.tolerance, block
+    model = engines.model
+    with model.trace(PROMPT, **GREEDY):
+        plain = model.logits.save()
+    assert torch.equal(saved[("logits", None)], plain)
+    generate = {"temperature": 0.0, "max_tokens": 4}
+    with model.trace(PROMPT, **generate) as tracer:
+        tokens = tracer.result.save()
+    with model.trace(PROMPT, **generate) as tracer:
+        for layer in model.layers:
+            layer.layer_output.save()
+        tokens_read = tracer.result.save()
+    assert tokens.outputs[0].token_ids == tokens_read.outputs[0].token_ids
+
+
+def _edits(engines):
+    block = min(1, engines.model.num_layers - 1)
+    return [(name, block) for name in ("layer_input", "layer_mid", "mlp_norm_output", "layer_output",
+                                       "attention_output", "mlp_output")
+            if engines.served(name, block)
+            and engines.expected.get(name) is not None and engines.expected[name][block] is not None]
+
+
+def test_the_same_edit_gives_the_same_logits_on_both_engines(engines):
+    model, reference = engines.model, engines.transformers
+    vector = torch.linspace(-1.0, 1.0, model.hidden_size)
+    for name, block in _edits(engines):
+        with model.trace(PROMPT, **GREEDY):
+            value = value_of(model, name, block)
+            value[:, -1] += vector.to(value.dtype)
+            logits = model.logits.save()
+        with reference.trace(PROMPT):
+            value_of(reference, name, block)[:, -1] += vector
+            expected = reference.logits.save()
+        assert not torch.allclose(expected[:, -1], engines.expected["logits"][:, -1]), name
+        assert relative_error(logits, expected[:, -1]) <= engines.tolerance, (name, block)
+
+
+def test_in_place_assignment_and_read_twice_edit_once_agree(engines):
+    model = engines.model
+    vector = torch.linspace(-1.0, 1.0, model.hidden_size)
+    for name, block in [site for site in _edits(engines) if site[0] in oracle.BOUNDARIES][:3]:
+        with model.trace(PROMPT, **GREEDY):
+            value = value_of(model, name, block)
+            value[:, -1] += vector.to(value.dtype)
+            in_place = model.logits.save()
+        with model.trace(PROMPT, **GREEDY):
+            edited = value_of(model, name, block).clone()
+            edited[:, -1] += vector.to(edited.dtype)
+            setattr(model.layers[block], name, edited)
+            assigned = model.logits.save()
+        with model.trace(PROMPT, **GREEDY):
+            first = value_of(model, name, block)
+            second = value_of(model, name, block)
+            second[:, -1] += vector.to(second.dtype)
+            twice = model.logits.save()
+        assert torch.equal(in_place, assigned), name
+        assert torch.equal(in_place, twice), name
+
+
+def test_a_wrong_shape_write_fails_its_request_and_the_next_is_exact(engines):
+    model, tokens = engines.model, engines.input_ids.shape[1]
+    wrong = torch.zeros(1, tokens + 1, model.hidden_size)
+    with pytest.raises(ValueError) as raised:
+        with model.trace(PROMPT, **GREEDY):
+            model.layers[0].layer_output = wrong
+    assert "model.layers[0].layer_output" in str(raised.value)
+    assert str((1, tokens + 1, model.hidden_size)) in str(raised.value)
+    with model.trace(PROMPT, **GREEDY):
+        logits = model.logits.save()
+    assert relative_error(logits, engines.expected["logits"][:, -1]) <= engines.tolerance
+
+
+def _solo(engines, prompt):
+    model, block = engines.model, engines.model.num_layers // 2
+    with model.trace(prompt, **GREEDY):
+        output = model.layers[block].layer_output.save()
+        logits = model.logits.save()
+    return output, logits
+
+
+@pytest.mark.parametrize("count", [2, 8])
+def test_invokes_batched_together_equal_their_solo_runs(engines, count):
+    model, prompts, block = engines.model, PROMPTS[:count], engines.model.num_layers // 2
+    # Saves come back by name, one value per invoke that saved it, in invoke order.
+    with model.trace(**GREEDY) as tracer:
+        for prompt in prompts:
+            with tracer.invoke(prompt):
+                output = model.layers[block].layer_output.save()
+                logits = model.logits.save()
+    assert len(output) == len(logits) == count
+    for index, prompt in enumerate(prompts):
+        solo_output, solo_logits = _solo(engines, prompt)
+        assert output[index].shape == solo_output.shape
+        assert relative_error(output[index], solo_output) <= engines.tolerance, index
+        assert relative_error(logits[index], solo_logits) <= engines.tolerance, index
+
+
+def test_a_skip_in_one_invoke_leaves_the_others_exact(engines):
+    model, block = engines.model, min(1, engines.model.num_layers - 1)
+    first, second = PROMPTS[1], PROMPTS[4]
+    with model.trace(**GREEDY) as tracer:
+        with tracer.invoke(first):
+            layer = model.layers[block]
+            layer.skip(layer.layer_input)
+            skipped = model.logits.save()
+        with tracer.invoke(second):
+            other = model.logits.save()
+    assert relative_error(other, _solo(engines, PROMPTS[4])[1]) <= engines.tolerance
+    ids = engines.tokenizer(PROMPTS[1], return_tensors="pt").input_ids
+    expected = oracle.logits_with_identity_block(engines.reference, engines.name, ids, block)[:, -1]
+    assert relative_error(skipped, expected) <= engines.tolerance
+
+
+def test_the_support_table_matches_transformers_except_where_vllm_hides_a_value(engines):
+    on_vllm, on_transformers = engines.model.support(), engines.transformers.support()
+    assert on_vllm.root.rows == on_transformers.root.rows
+    for block in range(engines.model.num_layers):
+        for name, reason in on_transformers[block].rows.items():
+            vllm_reason = on_vllm[block].rows.get(name)
+            if vllm_reason != reason:
+                assert reason is None and vllm_reason is not None and "vLLM" in vllm_reason, (block, name)
