@@ -12,7 +12,7 @@ from .errors import Unavailable
 from .support import BlockSupport, ModelSupport
 from .values import OUTPUT, StreamValue
 
-ROOT_ORDER = ("token_embeddings", "final_norm_output", "logits")
+ROOT_ORDER = ("token_embeddings", "final_norm_output", "logits", "prompt_logits")
 
 
 class Standardized(StreamEnvoy):

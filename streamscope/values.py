@@ -134,7 +134,15 @@ class StreamValue(eproperty):
 
     def site(self, host: Any) -> tuple[Optional[str], str]:
         """(module, where) of this value on `host`: the declared ones unless the host relocates it."""
-        return host.relocated().get(self.name, (self.module, self.where))
+        return tuple(host.relocated().get(self.name, (self.module, self.where))[:2])
+
+    def position(self, host: Any) -> tuple[int, str] | str | None:
+        """Where the value sits in an input call on `host`: a relocation's third element
+        (``(module, "input", (index, name))``, e.g. the stream argument of a block's call), else the declared one."""
+        relocated = host.relocated().get(self.name)
+        if relocated is None:
+            return self.argument
+        return relocated[2] if len(relocated) > 2 else None
 
     def located(self, host: Any) -> Any:
         """The envoy whose call holds this value on `host`, or raise Unavailable."""
@@ -155,8 +163,9 @@ class StreamValue(eproperty):
 
     def live(self, host: Any, raw: Any) -> torch.Tensor:
         """The model's own tensor for this value, in what the location served."""
-        if self.where == INPUT and self.argument is not None:
-            position = getattr(host, self.argument) if isinstance(self.argument, str) else self.argument
+        position = self.position(host)
+        if self.site(host)[1] == INPUT and position is not None:
+            position = getattr(host, position) if isinstance(position, str) else position
             return argument(raw, *position)
         return first_tensor(raw)
 
@@ -209,6 +218,34 @@ class StreamValue(eproperty):
             value = value / self.factor(host)
         with torch.no_grad():
             live.copy_(host.to_engine(value.to(live.dtype), live, self.name))
+
+
+class ComputedValue(StreamValue):
+    """A read-only value computed for the read from the tensor at one location (recomputed scores, all-position logits).
+
+    Decorate a function ``(host, tensor) -> value``; the tensor is the
+    location's in the user's layout. Nothing of the model holds the result,
+    so it cannot be written: an assignment or an in-place edit is refused
+    with the reason.
+    """
+
+    def __call__(self, function: Callable) -> "ComputedValue":
+        self.compute = function
+        return super().__call__(function)
+
+    def _read(self, host: Any, raw: Any) -> torch.Tensor:
+        tensor = host.to_user(self.live(host, raw), self.name)
+        with torch.inference_mode(False):
+            return self.compute(host, tensor)
+
+    def write(self, host: Any, raw: Any, value: torch.Tensor) -> None:
+        raise ValueError(
+            f"{host.where()}.{self.name} is computed for the read and held by nothing in the model, "
+            f"so it cannot be written; edit the value it is computed from instead."
+        )
+
+    def checked(self, host: Any, raw: Any, value: Any) -> torch.Tensor:
+        return value
 
 
 def _edited(view: torch.Tensor) -> bool:

@@ -48,7 +48,7 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
                   "decoder_sparse_step": 1, "mlp_only_layers": [0]},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
     "gemma": {},
-    "gemma2": {"sliding_window": 4, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+    "gemma2": {"sliding_window": 4, "final_logit_softcapping": 30.0, "tie_word_embeddings": True, "attn_logit_softcapping": 50.0,
                "query_pre_attn_scalar": 32},
     "gemma3_text": {"sliding_window": 4, "query_pre_attn_scalar": 32,
                     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},

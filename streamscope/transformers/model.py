@@ -24,6 +24,15 @@ class StandardizedTransformers(Standardized, TransformersModel):
     def logits(self) -> torch.Tensor:
         """The next-token logits at every position, after any final scaling or soft cap, [batch, seq, vocab_size]."""
 
+    @StreamValue(None, OUTPUT, shape="[batch, seq, vocab_size]")
+    def prompt_logits(self) -> torch.Tensor:
+        """The logits at every position, [batch, seq, vocab_size]: the same as `logits` on this engine.
+
+        On vLLM `logits` is the sampled position only and `prompt_logits`
+        every prompt position, so code that wants every position reads this
+        name on either engine.
+        """
+
     def __init__(self, path: str | Path, *args: Any, family: str | ModuleType | None = None, **kwargs: Any) -> None:
         """`family` overrides the family module found by ``config.model_type``: a module, or a model type's name."""
         if family is None or isinstance(family, str):

@@ -10,8 +10,11 @@ from typing import Any
 from nnsight.modeling.vllm import VLLM
 from transformers import AutoConfig
 
+import torch
+
 from ..errors import Unavailable
 from ..model import Standardized
+from ..values import OUTPUT, ComputedValue
 from .families import family_for
 
 #: Engine settings that keep values exact and every token visible to a trace.
@@ -35,6 +38,25 @@ class StandardizedVLLM(Standardized, VLLM):
     """
 
     ENGINE = "vllm"
+
+    @ComputedValue("norm", OUTPUT, shape="[1, tokens, vocab_size]")
+    def prompt_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The logits at every prompt position, [1, tokens, vocab_size], as transformers computes them.
+
+        vLLM computes logits for the sampled rows only (`model.logits`); these
+        are computed for the read from the final norm's output with the
+        engine's own unembedding, soft cap and scale. Read-only: edit
+        `final_norm_output` or `model.logits` instead.
+        """
+        module = self._module
+        processor = module.logits_processor
+        head = getattr(module, "lm_head", None) or module.model.embed_tokens
+        logits = processor._get_logits(normed, head, None)
+        if processor.soft_cap is not None:
+            logits = torch.tanh(logits / processor.soft_cap) * processor.soft_cap
+        if processor.scale != 1.0:
+            logits = logits * processor.scale
+        return logits
 
     def __init__(self, path: str | Path, **kwargs: Any) -> None:
         from nnsight.modeling.vllm.envoys import parallel_envoys

@@ -111,7 +111,7 @@ def test_support_marks_served_exactly_what_the_oracle_computes(family):
         for name in oracle.BOUNDARIES:
             served = family.expected.get(name) is not None and family.expected[name][block] is not None
             assert (rows[name] is None) == served, (name, block, rows[name])
-    assert support.root.served() == ["token_embeddings", "final_norm_output", "logits"]
+    assert support.root.served() == ["token_embeddings", "final_norm_output", "logits", "prompt_logits"]
     assert "model.layers[0" in str(support)
 
 

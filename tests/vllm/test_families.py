@@ -82,12 +82,16 @@ class Engines:
         return rows[key] is None
 
     def read_all(self, prompt=PROMPT):
-        # The trace body runs in the engine's worker and ships what it names: only the model and plain data.
-        model, sites, saved = self.model, [site for site in self.order if self.served(*site)], {}
+        # The trace body runs in the engine's worker and ships back what it saved by name, so the
+        # values (all [1, tokens, hidden]) come back stacked into one tensor. Only the model and plain
+        # data may be named in the body.
+        model, sites = self.model, [site for site in self.order if self.served(*site)]
         with model.trace(prompt, **GREEDY):
-            for name, block in sites:
-                saved[(name, block)] = value_of(model, name, block).save()
-            saved[("logits", None)] = model.logits.save()
+            values = [value_of(model, name, block) for name, block in sites]
+            stacked = torch.stack(values).save()
+            logits = model.logits.save()
+        saved = {site: value for site, value in zip(sites, stacked)}
+        saved[("logits", None)] = logits
         return saved
 
 

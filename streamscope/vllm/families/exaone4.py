@@ -1,0 +1,22 @@
+"""EXAONE 4 on vLLM (vllm.model_executor.models.exaone4): a whole-stream post-norm block, no input norm.
+
+``x + post_attention_layernorm(attn(x))`` then ``+ post_feedforward_layernorm(mlp(.))``;
+``forward(positions, hidden_states, residual)`` ignores the residual and
+returns ``(hidden_states, residual)``: the whole stream first, layer_mid
+second; the values read the first.
+"""
+
+from ...blocks import PostNormLayer
+from ..blocks import Layer, PostNormedAttention, PostNormedMlp
+from .llama import RENAME
+
+
+class Exaone4Layer(Layer, PostNormLayer):
+    """EXAONE 4's block: post-norm, the stream first in a tuple."""
+
+    RETURNS_TUPLE = True
+
+
+ENVOYS = {"layers.*": Exaone4Layer, "self_attn": PostNormedAttention, "mlp": PostNormedMlp}
+
+__all__ = ["ENVOYS", "RENAME"]

@@ -1,0 +1,24 @@
+"""GPT-2 on vLLM (vllm.model_executor.models.gpt2): a whole-stream pre-norm block, ``forward(hidden_states)``.
+
+The tree is transformers' (``transformer.h``, ``ln_1``, ``attn``, ``ln_2``,
+``mlp``); the block takes the stream alone and returns it. The attention
+is aliased by class: its kernel inside is also called ``attn``.
+"""
+
+from vllm.model_executor.models.gpt2 import GPT2Attention
+
+from ..blocks import Attention, Layer, Mlp
+
+RENAME = {
+    "transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
+    GPT2Attention: "self_attn", "ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
+}
+
+
+class GPT2Layer(Layer):
+    """GPT-2's block: called ``forward(hidden_states)``."""
+
+    STREAM = (0, "hidden_states")
+
+
+ENVOYS = {"layers.*": GPT2Layer, "self_attn": Attention, "mlp": Mlp}

@@ -1,0 +1,25 @@
+"""GPT-J on vLLM (vllm.model_executor.models.gpt_j): a parallel block with one norm, ``forward(position_ids, hidden_states)``.
+
+``x + attn(ln_1(x)) + mlp(ln_1(x))``; the block returns the stream as a
+tensor (transformers' returns a tuple). The attention is aliased by class:
+its kernel inside is also called ``attn``.
+"""
+
+from vllm.model_executor.models.gpt_j import GPTJAttention
+
+from ...blocks import SharedNormParallelLayer
+from ..blocks import Attention, Layer, Mlp
+
+RENAME = {
+    "transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
+    GPTJAttention: "self_attn", "ln_1": "input_layernorm",
+}
+
+
+class GPTJLayer(Layer, SharedNormParallelLayer):
+    """GPT-J's block: the stream after the positions, one norm for both sublayers, no stream between them."""
+
+    STREAM = (1, "hidden_states")
+
+
+ENVOYS = {"layers.*": GPTJLayer, "self_attn": Attention, "mlp": Mlp}

@@ -1,0 +1,40 @@
+"""OPT on vLLM (vllm.model_executor.models.opt): a whole-stream block, ``forward(hidden_states)``.
+
+The tree and both layouts (pre-norm, and post-LN with ``do_layer_norm_before=False``)
+are transformers' (see the transformers family): the MLP is ``fc1``/``fc2`` on
+the block itself, fc2 served as `mlp`. vLLM's tokens are flat already, so
+nothing is reshaped. fc2 is one of vLLM's parallel linears, whose class key
+in ``envoys=`` would win over the ``mlp`` alias: `RowParallel` picks the MLP
+envoy for it by path.
+"""
+
+from nnsight.modeling.vllm.envoys import ParallelEnvoy
+from vllm.model_executor.layers.linear import RowParallelLinear
+
+from ...transformers.families.opt import OPTLayer as _TransformersOPTLayer
+from ...transformers.families.opt import RENAME
+from ..blocks import Attention, Layer, Mlp
+
+
+class OPTLayer(Layer, _TransformersOPTLayer):
+    """OPT's block: called with the stream alone, its tokens already flat."""
+
+    STREAM = (0, "hidden_states")
+    FLATTENS_TOKENS = False
+
+
+class OPTMlp(Mlp, ParallelEnvoy):
+    """fc2, served as the block's MLP: its output (the first of ``(output, bias)``) is mlp_output."""
+
+
+class RowParallel:
+    """The ``envoys=`` entry for vLLM's RowParallelLinear: `OPTMlp` on a block's fc2, else nnsight's ParallelEnvoy."""
+
+    def __new__(cls, module, *args, path: str = "model", **kwargs):
+        kind = OPTMlp if path.endswith(".fc2") else ParallelEnvoy
+        return kind(module, *args, path=path, **kwargs)
+
+
+ENVOYS = {"layers.*": OPTLayer, "self_attn": Attention, RowParallelLinear: RowParallel}
+
+__all__ = ["ENVOYS", "RENAME"]

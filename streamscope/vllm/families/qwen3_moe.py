@@ -1,0 +1,9 @@
+"""Qwen3-MoE on vLLM (vllm.model_executor.models.qwen3_moe): Llama's names and Llama's fused block.
+
+A block's `mlp` is a mixture of experts (`Qwen3MoeSparseMoeBlock`), or a dense
+MLP on `mlp_only_layers`; the routing runs inside vLLM's fused MoE kernel.
+"""
+
+from .llama import ENVOYS, RENAME
+
+__all__ = ["ENVOYS", "RENAME"]

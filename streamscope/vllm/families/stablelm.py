@@ -1,0 +1,19 @@
+"""StableLM on vLLM (vllm.model_executor.models.stablelm): Llama's tree, a whole-stream pre-norm block.
+
+``forward(positions, hidden_states)`` returns ``(hidden_states, residual)``:
+the whole stream first, layer_mid second; the values read the first.
+"""
+
+from ..blocks import Attention, Layer, Mlp
+from .llama import RENAME
+
+
+class StableLMLayer(Layer):
+    """StableLM's block: returns the stream first in a tuple."""
+
+    RETURNS_TUPLE = True
+
+
+ENVOYS = {"layers.*": StableLMLayer, "self_attn": Attention, "mlp": Mlp}
+
+__all__ = ["ENVOYS", "RENAME"]

@@ -1,0 +1,137 @@
+"""The vLLM engine itself, on one family (Llama): decode steps, every prompt position's logits,
+errors, and the engine running in its own processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import oracle
+import streamscope
+
+PROMPT = "The Eiffel Tower is in Paris, and the quick brown fox"
+
+
+def relative_error(value, reference) -> float:
+    return ((value - reference).abs().max() / reference.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoints):
+    path = checkpoints("llama")
+    model = streamscope.load(path, engine="vllm")
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    yield model, reference, tokenizer, path
+    model.close()
+
+
+def test_prompt_logits_give_every_position_as_transformers_does(llama):
+    model, reference, tokenizer, _ = llama
+    with model.trace(PROMPT, temperature=0.0, max_tokens=1):
+        every = model.prompt_logits.save()
+        sampled = model.logits.save()
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    expected = oracle.values(reference, "llama", ids)["logits"]
+    assert every.shape == expected.shape
+    assert relative_error(every, expected) <= 1e-5
+    assert relative_error(sampled, every[:, -1]) <= 1e-6
+
+
+def test_prompt_logits_are_read_only_and_say_so(llama):
+    model = llama[0]
+    with pytest.raises(ValueError, match="computed for the read"):
+        with model.trace(PROMPT, temperature=0.0, max_tokens=1):
+            model.prompt_logits[:, -1] = 0.0
+            model.logits.save()
+
+
+def test_decode_steps_serve_one_token_each_equal_to_the_full_sequence(llama):
+    model, reference, tokenizer, _ = llama
+    steps = 3
+    with model.trace(PROMPT, temperature=0.0, max_tokens=steps) as tracer:
+        outputs = list().save()
+        for step in tracer.iter[:steps]:
+            outputs.append(model.layers[1].layer_output[:, -1:].clone())
+        result = tracer.result.save()
+    generated = list(result.outputs[0].token_ids)
+    assert len(outputs) == steps
+    assert [tuple(o.shape) for o in outputs[1:]] == [(1, 1, model.hidden_size)] * (steps - 1)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    full = torch.cat([ids, torch.tensor([generated[:-1]])], dim=1)
+    expected = oracle.values(reference, "llama", full)["layer_output"][1]
+    prompt_length = ids.shape[1]
+    for step, value in enumerate(outputs):
+        position = prompt_length - 1 + step
+        assert relative_error(value[0, -1], expected[0, position]) <= 1e-5, step
+
+
+def test_a_value_a_block_cannot_serve_raises_unavailable_on_vllm_too(checkpoints):
+    model = streamscope.load(checkpoints("gptj"), engine="vllm")
+    try:
+        with pytest.raises(streamscope.Unavailable) as raised:
+            with model.trace(PROMPT, temperature=0.0, max_tokens=1):
+                model.layers[0].layer_mid.save()
+        assert "parallel block" in raised.value.reason
+        assert raised.value.where == "model.layers[0]"
+    finally:
+        model.close()
+
+
+def test_a_model_type_without_a_vllm_family_says_how_to_go_on(tmp_path, checkpoints):
+    from streamscope.vllm.families import family_for
+
+    with pytest.raises(NotImplementedError, match="engine='transformers'"):
+        family_for("not_a_family")
+
+
+SCRIPT = textwrap.dedent('''
+    import json, os, sys, torch
+    import streamscope
+
+    if __name__ == "__main__":
+        path, prompt = sys.argv[1], sys.argv[2]
+        model = streamscope.load(path, engine="vllm")
+        with model.trace(prompt, temperature=0.0, max_tokens=1):
+            mid = model.layers[1].layer_mid.save()
+            output = model.layers[1].layer_output.save()
+            logits = model.logits.save()
+        with model.trace(prompt, temperature=0.0, max_tokens=1):
+            model.layers[1].layer_mid[:, -1] += 1.0
+            edited = model.logits.save()
+        print("RESULT " + json.dumps({"pid": os.getpid(), "mid": mid.tolist(), "output": output.tolist(),
+                                      "logits": logits.tolist(), "edited": edited.tolist()}))
+        model.close()
+''')
+
+
+def test_the_engine_in_its_own_processes_serves_the_same_values(tmp_path, llama):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=1: the worker is another process that runs the client's envoys."""
+    model, reference, tokenizer, path = llama
+    script = tmp_path / "multiprocess.py"
+    script.write_text(SCRIPT)
+    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    run = subprocess.run([sys.executable, str(script), str(path), PROMPT], env=environment,
+                         capture_output=True, text=True, timeout=600)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    with model.trace(PROMPT, temperature=0.0, max_tokens=1):
+        mid = model.layers[1].layer_mid.save()
+        output = model.layers[1].layer_output.save()
+        logits = model.logits.save()
+    with model.trace(PROMPT, temperature=0.0, max_tokens=1):
+        model.layers[1].layer_mid[:, -1] += 1.0
+        edited = model.logits.save()
+    assert torch.equal(torch.tensor(result["mid"]), mid)
+    assert torch.equal(torch.tensor(result["output"]), output)
+    assert torch.equal(torch.tensor(result["logits"]), logits)
+    assert torch.equal(torch.tensor(result["edited"]), edited)
+    assert not torch.equal(edited, logits)
