@@ -186,6 +186,29 @@ class StreamValue(eproperty):
             self.write(host, raw, self.checked(host, raw, view))
         return raw
 
+    def __set__(self, host: Any, value: Any) -> None:
+        held = self.held(host)
+        if held is None:
+            return super().__set__(host, value)
+        # Read earlier in this block and not yet written back: the assignment
+        # goes into that read's copy and back the way an in-place edit does.
+        # (Asking the model for the value again would write the copy back first,
+        # and an engine that splices it into a new tensor, as nnsight's vLLM
+        # batcher does, would leave the block's own aliases of the old one.)
+        if not isinstance(value, torch.Tensor) or value.shape != held.shape:
+            self.refuse(host, tuple(held.shape), value)
+        with torch.no_grad():
+            held.copy_(value.to(held.dtype))
+
+    def held(self, host: Any) -> Optional[torch.Tensor]:
+        """This value's copy that a read on `host` handed out and nnsight has not written back yet."""
+        location = self._location(host)
+        mediator = Mediator.current(location)
+        waiting = mediator.transform
+        if waiting is not None and waiting.key == (self, location, mediator.wanted(location)):
+            return waiting.view
+        return None
+
     def _assign(self, host: Any, value: Any) -> Any:
         raw = Mediator.value(self._location(host))
         self.write(host, raw, self.checked(host, raw, value))
@@ -197,19 +220,22 @@ class StreamValue(eproperty):
     def checked(self, host: Any, raw: Any, value: Any) -> torch.Tensor:
         """`value` if it can be written here, else a clear refusal naming the value, both shapes and the block."""
         expected = self.expected_shape(host, raw)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected:
+            self.refuse(host, expected, value)
+        return value
+
+    def refuse(self, host: Any, expected: tuple[int, ...], value: Any) -> None:
         if not isinstance(value, torch.Tensor):
             raise TypeError(
                 f"{host.where()}.{self.name} takes a tensor of shape {expected} {self.shape}, "
                 f"not a {type(value).__name__}; to set every entry, edit in place: "
                 f"`...{self.name}[:] = value`."
             )
-        if tuple(value.shape) != expected:
-            raise ValueError(
-                f"{host.where()}.{self.name} cannot take a tensor of shape {tuple(value.shape)}: "
-                f"it is {expected} {self.shape} on this run. Write a tensor of that shape, or edit "
-                f"a slice in place (`...{self.name}[:, -1] = vector`)."
-            )
-        return value
+        raise ValueError(
+            f"{host.where()}.{self.name} cannot take a tensor of shape {tuple(value.shape)}: "
+            f"it is {expected} {self.shape} on this run. Write a tensor of that shape, or edit "
+            f"a slice in place (`...{self.name}[:, -1] = vector`)."
+        )
 
     def write(self, host: Any, raw: Any, value: torch.Tensor) -> None:
         """Copy `value` (the user's layout) into the model's tensor, in place."""

@@ -48,15 +48,17 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
                   "decoder_sparse_step": 1, "mlp_only_layers": [0]},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
     "gemma": {},
-    "gemma2": {"sliding_window": 4, "final_logit_softcapping": 30.0, "tie_word_embeddings": True, "attn_logit_softcapping": 50.0,
-               "query_pre_attn_scalar": 32},
+    # Tied, as every Gemma 2 checkpoint is: vLLM's Gemma 2 has no lm_head and unembeds with embed_tokens.
+    "gemma2": {"sliding_window": 4, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+               "query_pre_attn_scalar": 32, "tie_word_embeddings": True},
     "gemma3_text": {"sliding_window": 4, "query_pre_attn_scalar": 32,
                     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
     "phi3": {"pad_token_id": 2},
     "granite": {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "logits_scaling": 4.0,
                 "attention_multiplier": 0.2},
     "olmo2": {},
-    "cohere": {"logit_scale": 0.5, "use_qk_norm": False},
+    # Tied, as Command R checkpoints are: vLLM's Cohere always unembeds with embed_tokens.
+    "cohere": {"logit_scale": 0.5, "use_qk_norm": False, "tie_word_embeddings": True},
     "exaone4": {"sliding_window": 4, "sliding_window_pattern": 2},
     "stablelm": {"partial_rotary_factor": 0.5, "head_dim": None},
     "gpt2": {"n_embd": 64, "n_layer": 3, "n_head": 2, "n_positions": 512, "hidden_size": None,
@@ -81,8 +83,8 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3_next": {"layer_types": ["linear_attention", "full_attention", "linear_attention"],
                    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                    "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1,
-                   "linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 32,
-                   "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "head_dim": 64,
+                   "linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 64,
+                   "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "head_dim": 64,
                    "num_attention_heads": 2, "hidden_size": 128},
 }
 

@@ -106,6 +106,28 @@ def patch_client_for_cpu() -> None:
         torch.accelerator.empty_cache = _no_accelerator_empty_cache
     if current_platform.is_cpu():
         VLLM._WORKER_CLS = WORKER_CLS
+        _meta_moe_prepack()
+
+
+def _meta_moe_prepack() -> None:
+    """A meta kernel for vLLM's CPU MoE weight prepack, so the client's meta copy of a MoE model builds.
+
+    The meta copy runs ``process_weights_after_loading``, and vLLM's CPU fused
+    MoE (Mixtral, Qwen3-MoE, Llama 4, Qwen3-Next) then prepacks its expert
+    weights with ``_C::prepack_moe_weight``, which has no meta kernel. It only
+    fills its output in place, so on meta tensors it has nothing to do.
+    """
+    import vllm._custom_ops  # noqa: F401  (loads vLLM's _C operators)
+
+    global _META_MOE_PREPACK
+    if _META_MOE_PREPACK is not None or not hasattr(torch.ops._C, "prepack_moe_weight"):
+        return
+    library = torch.library.Library("_C", "IMPL")
+    library.impl("prepack_moe_weight", lambda weight, packed_weight, isa: None, "Meta")
+    _META_MOE_PREPACK = library  # kept alive: the registration lasts as long as the Library object
+
+
+_META_MOE_PREPACK: Any = None
 
 
 def cpu_engine_kwargs(**overrides: Any) -> dict[str, Any]:

@@ -57,14 +57,27 @@ def value_of(model, name: str, block):
     return getattr(layer, name)
 
 
+def _transformers_beside_vllm(engine):
+    """Where transformers models are built once vLLM runs in this process.
+
+    vLLM's Transformers backend (GPT-NeoX, Olmo2) decorates transformers' own model
+    class in place for its torch.compile support; an instance built afterwards needs a
+    current vLLM config: the engine's, eager, runs transformers' forward as is.
+    """
+    from vllm.config import set_current_vllm_config
+
+    return set_current_vllm_config(engine.vllm_entrypoint.llm_engine.vllm_config)
+
+
 class Engines:
     def __init__(self, family: str, path):
         self.name = family
         self.tolerance = BFLOAT16_RELATIVE if family in ENGINE_DTYPE else RELATIVE
         self.model = streamscope.load(path, engine="vllm", **({"dtype": ENGINE_DTYPE[family]}
                                                                if family in ENGINE_DTYPE else {}))
-        self.transformers = streamscope.load(path)
-        self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with _transformers_beside_vllm(self.model):
+            self.transformers = streamscope.load(path)
+            self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.input_ids = self.tokenizer(PROMPT, return_tensors="pt").input_ids
         self.expected = oracle.values(self.reference, family, self.input_ids)
@@ -77,8 +90,12 @@ class Engines:
     def served(self, name, block) -> bool:
         if block is None:
             return True
-        rows = self.model.layers[block].support().rows
-        key = next(k for k in rows if k == name or k.endswith("." + name))
+        layer = self.model.layers[block]
+        rows = layer.support().rows
+        if name == "attention_output":  # the mixer value_of reads (a hybrid's linear_attn on its blocks)
+            key = f"{'self_attn' if 'self_attn' in layer.__dict__ else 'linear_attn'}.{name}"
+        else:
+            key = next(k for k in rows if k == name or k.endswith("." + name))
         return rows[key] is None
 
     def read_all(self, prompt=PROMPT):

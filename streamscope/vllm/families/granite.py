@@ -4,15 +4,27 @@
 output is scaled by ``residual_multiplier`` before its add (served scaled, as
 on transformers). The model multiplies the embeddings by
 ``embedding_multiplier`` in place, after ``embed_tokens``, so token_embeddings
-is read where the scaled embeddings are first called with: block 0's input norm.
+is read where the scaled embeddings are first called with as a first
+argument: block 0's input norm. Each block's layer_input is read there too
+(the block hands its input, unchanged, to that norm first), so the two are
+one read in the order transformers computes them.
 """
 
 from ...transformers.families.granite import GraniteAttention, GraniteMlp
-from ...values import INPUT
+from ...values import INPUT, Residual, StreamValue
 from ..blocks import Layer
 from .llama import RENAME
 
-ENVOYS = {"layers.*": Layer, "self_attn": GraniteAttention, "mlp": GraniteMlp}
+
+class GraniteLayer(Layer):
+    """Granite's block, whose input is read where it is handed to the block's first norm."""
+
+    @StreamValue("input_layernorm", INPUT)
+    def layer_input(self) -> Residual:
+        """The residual stream entering this block, before any of its norms, [1, tokens, hidden_size]."""
+
+
+ENVOYS = {"layers.*": GraniteLayer, "self_attn": GraniteAttention, "mlp": GraniteMlp}
 ROOT_SITES = {"token_embeddings": ("layers.0.input_layernorm", INPUT)}
 
 __all__ = ["ENVOYS", "RENAME", "ROOT_SITES"]

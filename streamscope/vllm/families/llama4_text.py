@@ -1,0 +1,26 @@
+"""Llama 4, text (Llama4ForCausalLM) on vLLM (vllm.model_executor.models.llama4): Llama's fused block.
+
+The feed-forward is `feed_forward`, aliased to `mlp` as on transformers: a
+dense MLP on some blocks, on every `interleave_moe_layer_step`-th a mixture of
+experts (`Llama4MoE`) whose output, the shared expert's plus the routed
+experts', is what the block adds; the routing runs inside vLLM's fused MoE
+kernel. vLLM's blocks take and return ``[tokens, hidden]``, so nothing needs
+the stream's shape (transformers' `Llama4Layer` flattens tokens for its MoE).
+
+One difference from transformers is in vLLM's model, not here: vLLM applies
+the NoPE blocks' attention temperature tuning only when the generation config
+says ``attn_temperature_tuning`` or ``max_model_len`` exceeds 32K, whatever the
+model config says (pass ``override_generation_config={"attn_temperature_tuning":
+True}`` to match transformers on long prompts). The tuning scales queries by
+``log(floor((position + 1) / floor_scale) + 1) * attn_scale + 1``, which is 1 for
+the first ``floor_scale - 1`` positions (8191 by default), so prompts shorter
+than that agree either way.
+"""
+
+from ..blocks import Attention, FusedLayer, Mlp
+from .llama import RENAME as LLAMA_RENAME
+
+RENAME = {**LLAMA_RENAME, "feed_forward": "mlp"}
+ENVOYS = {"layers.*": FusedLayer, "self_attn": Attention, "mlp": Mlp}
+
+__all__ = ["ENVOYS", "RENAME"]

@@ -1,0 +1,42 @@
+"""Mamba on vLLM (vllm.model_executor.models.mamba): a fused state-space block, ``x + mixer(norm(x))``.
+
+Untested here: vLLM has no selective-scan kernel on CPU, so this module is
+written from vLLM's source for GPU vLLM and has not been run.
+
+The tree is transformers' (``backbone.layers``, ``norm``, ``mixer``). The
+block is fused: ``forward(positions=, hidden_states=, residual=)`` returns
+``(output, residual)``, the mixer's contribution and the stream before it, so
+the stream is their sum (block 0 gets residual None). The mixer returns
+nothing: it is called ``mixer(hidden_states, output)`` and writes its
+contribution into ``output``, the first half the block returns, which is
+where attention_output is served.
+"""
+
+from ...blocks import StateSpaceLayer
+from ...transformers.families.mamba import NO_HEADS, RENAME, UNSERVED
+from ...values import OUTPUT, StreamValue
+from ..blocks import FusedLayer, LinearAttention
+
+
+class MambaLayer(FusedLayer, StateSpaceLayer):
+    """Mamba's fused block: one sublayer, the mixer (`linear_attn`), no stream between sublayers, no MLP."""
+
+
+class BlockOutputHalf(StreamValue):
+    """The first half of what the sublayer's block returns: Mamba's mixer writes its output there."""
+
+    def located(self, host):
+        super().located(host)  # the reasons, as for any value
+        return host.block()
+
+
+class MambaMixer(LinearAttention):
+    """Mamba's mixer: its contribution is the block's first returned half (the mixer itself returns None)."""
+
+    attention_output = BlockOutputHalf(
+        None, OUTPUT, description="What the mixer adds to the residual stream, [1, tokens, hidden_size]")
+
+
+ENVOYS = {"layers.*": MambaLayer, "linear_attn": MambaMixer}
+
+__all__ = ["ENVOYS", "NO_HEADS", "RENAME", "UNSERVED"]

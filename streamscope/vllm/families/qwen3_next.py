@@ -1,0 +1,25 @@
+"""Qwen3-Next on vLLM (vllm.model_executor.models.qwen3_next): a hybrid fused block.
+
+Each block mixes with softmax attention (`self_attn`) or a gated delta net
+(`linear_attn`), then a mixture of experts with a gated shared expert (`mlp`,
+whose output is what the block adds; the routing runs inside vLLM's fused MoE
+kernel). The block is fused like Llama's but is called with keywords in
+another order, ``forward(hidden_states, residual, positions)``; the values find
+the halves by name. vLLM's CPU kernels for the gated delta net run bfloat16
+only, with head dims of 64.
+"""
+
+from ...blocks import HybridLayer
+from ..blocks import Attention, FusedLayer, LinearAttention, Mlp
+from .llama import RENAME
+
+
+class Qwen3NextLayer(FusedLayer):
+    """The fused block, listing both mixers in its support table (as transformers' `HybridLayer`)."""
+
+    ROLES = HybridLayer.ROLES
+
+
+ENVOYS = {"layers.*": Qwen3NextLayer, "self_attn": Attention, "linear_attn": LinearAttention, "mlp": Mlp}
+
+__all__ = ["ENVOYS", "RENAME"]
