@@ -158,7 +158,8 @@ class StreamValue(eproperty):
     def __get__(self, host: Any, owner: Any = None) -> Any:
         if host is None:
             return self
-        self.located(host)  # raises Unavailable before anything waits on the model
+        # The location is resolved before anything waits on the model, so an
+        # unavailable value raises Unavailable at once.
         return super().__get__(host, owner)
 
     def live(self, host: Any, raw: Any) -> torch.Tensor:

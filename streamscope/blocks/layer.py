@@ -134,7 +134,8 @@ class Layer(StreamEnvoy):
             else:
                 for name in self._ROLE_KINDS[role].value_names():
                     rows[f"{role}.{name}"] = missing_module(role)
-        order = [*self.ORDER[:2], *[f"{role}.attention_output" for role in ("self_attn", "linear_attn")],
+        order = [*self.ORDER[:2], *[f"self_attn.{name}" for name in Attention.ORDER],
+                 "linear_attn.attention_output",
                  *self.ORDER[2:5], "mlp.mlp_output", self.ORDER[5]]
         rank = {name: position for position, name in enumerate(order)}
         ordered = sorted(rows, key=lambda name: rank.get(name, len(order)))

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import ClassVar, Optional
 
+import torch
+
 from ..values import OUTPUT, StreamValue
 from .envoy import StreamEnvoy
+from .heads import INTERNALS, AttentionInternals
 
 
 class Sublayer(StreamEnvoy):
@@ -35,10 +38,8 @@ class Sublayer(StreamEnvoy):
         return f"{block.where()}.{self.ROLE}" if block is not None else self.path
 
 
-class Attention(Sublayer):
-    """The softmax attention of a block (`self_attn`)."""
-
-    ROLE = "self_attn"
+class Mixer(Sublayer):
+    """A sublayer that mixes positions: softmax attention (`Attention`) or a recurrent mixer (`LinearAttention`)."""
 
     @StreamValue(None, OUTPUT)
     def attention_output(self):
@@ -51,7 +52,31 @@ class Attention(Sublayer):
         """
 
 
-class LinearAttention(Attention):
+class Attention(AttentionInternals, Mixer):
+    """The softmax attention of a block (`self_attn`): its output, and its queries, keys, values, scores,
+    pattern and head outputs (`streamscope.blocks.heads`)."""
+
+    ROLE = "self_attn"
+    ORDER = (*INTERNALS, "attention_output")
+
+    def reason(self, name: str) -> Optional[str]:
+        own = super().reason(name)
+        if own is None and name in INTERNALS:
+            return self.kernel_reason()
+        return own
+
+    def to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        if name in INTERNALS:
+            return self.internals_to_user(tensor, name)
+        return super().to_user(tensor, name)
+
+    def to_engine(self, value: torch.Tensor, live: torch.Tensor, name: str) -> torch.Tensor:
+        if name in INTERNALS:
+            return self.internals_to_engine(value, live, name)
+        return super().to_engine(value, live, name)
+
+
+class LinearAttention(Mixer):
     """A recurrent mixer in the attention's place (`linear_attn`): a gated delta net, a Mamba mixer."""
 
     ROLE = "linear_attn"

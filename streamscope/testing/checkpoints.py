@@ -92,11 +92,12 @@ FAMILIES: tuple[str, ...] = tuple(FAMILY_CONFIGS)
 
 
 def tiny_config(model_type: str, **overrides: Any):
-    """The tiny config of a family (a `model_type` of FAMILY_CONFIGS), with overrides."""
+    """The tiny config of a family (a `model_type` of FAMILY_CONFIGS), with overrides (None sets None)."""
     if model_type not in FAMILY_CONFIGS:
         raise ValueError(f"no tiny config for model type {model_type!r}; known: {', '.join(FAMILIES)}")
-    values = {**_COMMON, **FAMILY_CONFIGS[model_type], **overrides}
-    values = {key: value for key, value in values.items() if value is not None}
+    values = {**_COMMON, **FAMILY_CONFIGS[model_type]}
+    # None in a family's entry drops a common key; None in an override sets the key to None.
+    values = {key: value for key, value in values.items() if value is not None} | overrides
     return AutoConfig.for_model(model_type, **values)
 
 

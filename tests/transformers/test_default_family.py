@@ -87,7 +87,7 @@ def test_what_the_default_serves_equals_the_oracle(defaulted):
 
 
 def test_what_the_default_does_not_serve_is_unavailable_with_the_reason_support_gives(defaulted):
-    assert defaulted.support.root.served() == ["token_embeddings", "final_norm_output", "logits"]
+    assert defaulted.support.root.served() == ["token_embeddings", "final_norm_output", "logits", "prompt_logits"]
     for block in range(defaulted.model.num_layers):
         for name in NAMES:
             reason = row(defaulted.support, name, block)

@@ -33,11 +33,26 @@ RELATIVE = 1e-5  # float32 on CPU: vLLM's kernels and transformers' agree to abo
 
 #: Families vLLM runs on this CPU: all but Mamba (no selective-scan kernel on CPU).
 VLLM_FAMILIES = [family for family in FAMILIES if family != "mamba"]
-#: Qwen3-Next's CPU kernels run bfloat16 only, with head dims of 64.
-ENGINE_DTYPE = {"qwen3_next": "bfloat16"}
-#: bfloat16 keeps 8 bits of mantissa (relative step 2**-8 = 3.9e-3); across a few
-#: blocks the rounding of every product adds up to a few steps.
-BFLOAT16_RELATIVE = 3e-2
+
+
+class Case:
+    """A family's checkpoint and engine settings for this suite, and the tolerance it is held to."""
+
+    def __init__(self, family: str, overrides: dict | None = None, dtype: str | None = None,
+                 tolerance: float = RELATIVE):
+        self.family, self.overrides, self.dtype, self.tolerance = family, overrides or {}, dtype, tolerance
+
+
+CASES = {family: Case(family) for family in VLLM_FAMILIES}
+# vLLM's CPU attention kernel applies Gemma 2's attention logit soft cap in its compiled code,
+# which agrees with torch.tanh to about 2e-4 relative: the same checkpoint without the soft cap
+# agrees to 2e-7 (the case below), so the mapping is exact and the difference is the kernel's.
+CASES["gemma2"] = Case("gemma2", tolerance=5e-4)
+CASES["gemma2-no-softcap"] = Case("gemma2", {"attn_logit_softcapping": None})
+# Qwen3-Next's CPU kernels run bfloat16 only (head dims of 64). Every token goes to every expert,
+# so that bfloat16 rounding cannot flip a routing choice; the tolerance is then measured, not
+# chosen: twice the distance transformers' own bfloat16 forward keeps from its float32 one.
+CASES["qwen3_next"] = Case("qwen3_next", {"num_experts_per_tok": 4}, dtype="bfloat16", tolerance=None)
 
 
 def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
@@ -70,17 +85,20 @@ def _transformers_beside_vllm(engine):
 
 
 class Engines:
-    def __init__(self, family: str, path):
-        self.name = family
-        self.tolerance = BFLOAT16_RELATIVE if family in ENGINE_DTYPE else RELATIVE
-        self.model = streamscope.load(path, engine="vllm", **({"dtype": ENGINE_DTYPE[family]}
-                                                               if family in ENGINE_DTYPE else {}))
+    def __init__(self, case: Case, path):
+        family = self.name = case.family
+        self.model = streamscope.load(path, engine="vllm", **({"dtype": case.dtype} if case.dtype else {}))
         with _transformers_beside_vllm(self.model):
             self.transformers = streamscope.load(path)
             self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.input_ids = self.tokenizer(PROMPT, return_tensors="pt").input_ids
         self.expected = oracle.values(self.reference, family, self.input_ids)
+        self.tolerance = case.tolerance
+        if self.tolerance is None:
+            with _transformers_beside_vllm(self.model):
+                low = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, case.dtype)).eval()
+            self.tolerance = 2 * _largest_error(oracle.values(low, family, self.input_ids), self.expected)
         seen, self.order = set(), []
         for entry in self.expected["order"]:
             if entry not in seen and entry[0] != "logits":
@@ -112,9 +130,20 @@ class Engines:
         return saved
 
 
-@pytest.fixture(scope="module", params=VLLM_FAMILIES)
+def _largest_error(values: dict, reference: dict) -> float:
+    errors = []
+    for name, value in values.items():
+        if name == "order":
+            continue
+        pairs = zip(value, reference[name]) if isinstance(value, list) else [(value, reference[name])]
+        errors += [relative_error(a, b) for a, b in pairs if a is not None]
+    return max(errors)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
 def engines(request, checkpoints):
-    engines = Engines(request.param, checkpoints(request.param))
+    case = CASES[request.param]
+    engines = Engines(case, checkpoints(case.family, **case.overrides))
     yield engines
     engines.model.close()
 

@@ -1,6 +1,12 @@
-"""GPT-J: a parallel block with one norm, ``x + attn(ln_1(x)) + mlp(ln_1(x))``; the block returns a tuple."""
+"""GPT-J: a parallel block with one norm, ``x + attn(ln_1(x)) + mlp(ln_1(x))``; the block returns a tuple.
 
+Its attention has its own eager kernel, ``self._attn(query, key, value, attention_mask)``,
+whatever the attention implementation: its pattern is the kernel's own weights.
+"""
+
+from ...attention import Spec
 from ...blocks import Attention, Mlp, SharedNormParallelLayer
+from ...values import OUTPUT
 
 RENAME = {
     "transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
@@ -12,4 +18,23 @@ class GPTJLayer(SharedNormParallelLayer):
     RETURNS_TUPLE = True
 
 
-ENVOYS = {"layers.*": GPTJLayer, "self_attn": Attention, "mlp": Mlp}
+class GPTJAttention(Attention):
+    """GPT-J's attention: interleaved rotary on the first rotary_dim channels, then its own eager `_attn`.
+
+    The queries and keys are served as `_attn` receives them, after the
+    rotary, in transformers' (interleaved) channel order; the kernel returns
+    [batch, heads, seq, head_dim], served per position as head_outputs.
+    """
+
+    KERNEL = "self__attn_0"
+    ARGUMENTS = {"queries": (0, "query"), "keys": (1, "key"), "values": (2, "value"), "mask": (3, "attention_mask")}
+    OUTPUT_LAYOUT = "bhsd"
+
+    def relocated(self) -> dict:
+        return {"pattern": (None, OUTPUT)}  # always eager
+
+    def spec(self, inputs: tuple) -> Spec:
+        return Spec(scale=1.0 / float(self._module.scale_attn))
+
+
+ENVOYS = {"layers.*": GPTJLayer, "self_attn": GPTJAttention, "mlp": Mlp}

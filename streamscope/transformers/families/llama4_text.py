@@ -5,6 +5,9 @@ experts (routed experts plus a shared expert) that works on flattened tokens,
 the others a dense MLP.
 """
 
+from dataclasses import replace
+
+from ...attention import Spec
 from ...blocks import Attention, Layer, Mlp
 from .llama import RENAME as LLAMA_RENAME
 
@@ -13,7 +16,21 @@ class Llama4Layer(Layer):
     FLATTENS_TOKENS = True
 
 
+class Llama4Attention(Attention):
+    """iRoPE attention: a rotary block (``no_rope_layers[i] == 1``) rotates, L2-norms its queries and keys and
+    attends within chunks of ``attention_chunk_size``; a NoPE block does neither, attends over the whole prefix,
+    and scales its queries by the temperature tuning (served in the queries: the kernel receives them scaled)."""
+
+    def spec(self, inputs: tuple) -> Spec:
+        spec = super().spec(inputs)
+        config = self._module.config
+        types = getattr(config, "layer_types", None)
+        if types is not None and types[self._module.layer_idx] == "chunked_attention":
+            return replace(spec, chunk_size=config.attention_chunk_size)
+        return spec
+
+
 RENAME = {**LLAMA_RENAME, "feed_forward": "mlp"}
-ENVOYS = {"layers.*": Llama4Layer, "self_attn": Attention, "mlp": Mlp}
+ENVOYS = {"layers.*": Llama4Layer, "self_attn": Llama4Attention, "mlp": Mlp}
 
 __all__ = ["ENVOYS", "RENAME"]

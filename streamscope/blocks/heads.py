@@ -1,0 +1,246 @@
+"""The inside of a softmax attention: queries, keys, values, scores, pattern and head outputs.
+
+They are read at the attention kernel's call inside the attention module's
+forward, through nnsight's ``.source``: the call's inputs are the queries, keys
+and values exactly as the kernel receives them (after rotary and any q/k norm),
+its output the per-head mix. On transformers the kernel is the
+``attention_interface(self, query, key, value, attention_mask, scaling=...)``
+call every family but GPT-J and Falcon makes; a family whose forward calls
+something else names it (`KERNEL`, `ARGUMENTS`, `OUTPUT_LAYOUT`).
+
+Scores and the pattern are recomputed from the queries and keys with
+`streamscope.attention` where the kernel fuses them (sdpa); on eager, the
+pattern is the kernel's own weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Optional
+
+import torch
+from nnsight.intervention.source import (SourceNotAvailable, compiled, decorator_chain, install_source,
+                                         module_body)
+
+from nnsight.intervention.interleaver import Mediator
+
+from .. import attention
+from ..errors import Unavailable
+from ..values import INPUT, OUTPUT, StreamValue, _edited, argument, first_tensor, with_argument
+
+#: transformers' attention kernels that take a soft cap and ignore it (Gemma 2 on sdpa runs uncapped).
+KERNELS_WITHOUT_SOFTCAP = frozenset({"sdpa"})
+
+#: The values inside an attention, in the order the model computes them.
+INTERNALS = ("queries", "keys", "values", "scores", "pattern", "head_outputs")
+
+NO_KERNEL = ("this attention's forward makes no call to an attention kernel that streamscope knows "
+             "({kernel}), so its queries, keys and values cannot be read where the kernel receives them")
+READ_ONLY = ("{where}.{name} is recomputed from the queries and keys for the read (the kernel fuses it) and "
+             "held by nothing in the model, so it cannot be written; edit queries or keys instead.")
+EAGER_READ_ONLY = ("{where}.{name} is the eager kernel's weights, which the model has already applied to the "
+                   "values when it is read, so it cannot be written; edit queries or keys instead.")
+
+
+class KernelValue(StreamValue):
+    """A tensor at the attention kernel's call: one of its arguments, or its output."""
+
+    def __init__(self, where: str, *, shape: str, description: Optional[str] = None) -> None:
+        super().__init__(None, where, shape=shape, description=description)
+
+    def located(self, host: Any) -> Any:
+        reason = host.reason(self.name)
+        if reason is not None:
+            raise Unavailable(self.name, host.where(), reason)
+        host.instrument()
+        return host
+
+    def _location(self, host: Any) -> str:
+        self.located(host)
+        return f"{host.path}.source.{host.kernel()}.{self.site(host)[1]}"
+
+    def live(self, host: Any, raw: Any) -> torch.Tensor:
+        if self.site(host)[1] == INPUT:
+            return argument(raw, *host.ARGUMENTS[self.name])
+        return first_tensor(raw)
+
+    def _write_back(self, host: Any, view: torch.Tensor, raw: Any) -> Any:
+        if _edited(view):
+            return self.put(host, raw, self.checked(host, raw, view))
+        return raw
+
+    def _assign(self, host: Any, value: Any) -> Any:
+        raw = Mediator.value(self._location(host))
+        return self.put(host, raw, self.checked(host, raw, value))
+
+    def put(self, host: Any, raw: Any, value: torch.Tensor) -> Any:
+        """`raw` with `value` in it: copied into the model's tensor in place, or, where that tensor is a view
+        autograd forbids editing in place (GPT-2's queries, split from c_attn's output), passed in its stead."""
+        live = self.live(host, raw)
+        if self.site(host)[1] == INPUT and live._base is not None and live.requires_grad:
+            replacement = host.to_engine(value.to(live.dtype), live, self.name).detach().clone()
+            return with_argument(raw, *host.ARGUMENTS[self.name], replacement)
+        self.write(host, raw, value)
+        return raw
+
+
+class RecomputedValue(KernelValue):
+    """Scores or the pattern: recomputed for the read from the kernel's inputs, or the eager kernel's weights."""
+
+    def _read(self, host: Any, raw: Any) -> torch.Tensor:
+        with torch.inference_mode(False):
+            if self.site(host)[1] == OUTPUT:  # the eager kernel's own weights
+                return raw[1].detach().clone()
+            logits = host.recompute_scores(raw)
+            return logits if self.name == "scores" else attention.pattern(logits)
+
+    def put(self, host: Any, raw: Any, value: torch.Tensor) -> Any:
+        self.write(host, raw, value)
+
+    def write(self, host: Any, raw: Any, value: torch.Tensor) -> None:
+        message = EAGER_READ_ONLY if self.site(host)[1] == OUTPUT else READ_ONLY
+        raise ValueError(message.format(where=host.where(), name=self.name))
+
+    def checked(self, host: Any, raw: Any, value: Any) -> torch.Tensor:
+        return value
+
+
+class AttentionInternals:
+    """The values inside a softmax attention, mixed into the `Attention` envoy.
+
+    An engine or family whose attention calls its kernel differently states it:
+    `KERNEL` (the call's nnsight source name), `ARGUMENTS` (where each value
+    and the mask sit in the call, as ``(index, name)``), `OUTPUT_LAYOUT`
+    (``"bshd"`` or ``"bhsd"``), and overrides `spec` for what the call's
+    keywords do not say (chunks, ALiBi).
+    """
+
+    #: The kernel call inside the module's forward, as nnsight's source names it.
+    KERNEL: ClassVar[str] = "attention_interface_1"
+    #: Where the queries, keys, values and mask sit in the kernel's call.
+    ARGUMENTS: ClassVar[dict[str, tuple[int, str]]] = {
+        "queries": (1, "query"), "keys": (2, "key"), "values": (3, "value"), "mask": (4, "attention_mask"),
+    }
+    #: The kernel output's layout: [batch, seq, heads, head_dim] ("bshd") or [batch, heads, seq, head_dim].
+    OUTPUT_LAYOUT: ClassVar[str] = "bshd"
+
+    @KernelValue(INPUT, shape="[batch, heads, seq, head_dim]")
+    def queries(self) -> torch.Tensor:
+        """The queries the attention kernel receives, after rotary and any query norm, [batch, heads, seq, head_dim].
+
+        In transformers' channel order, and after anything the family folds
+        into them (OPT's scaling, Llama 4's temperature tuning on NoPE blocks).
+        In-place edits and assignment reach the kernel.
+        """
+
+    @KernelValue(INPUT, shape="[batch, kv_heads, seq, head_dim]")
+    def keys(self) -> torch.Tensor:
+        """The keys the attention kernel receives, after rotary and any key norm, [batch, kv_heads, seq, head_dim].
+
+        Every key position the queries attend to (past ones too, under a
+        cache). In-place edits and assignment reach the kernel (and the cache).
+        """
+
+    @KernelValue(INPUT, shape="[batch, kv_heads, seq, head_dim]")
+    def values(self) -> torch.Tensor:
+        """The values the attention kernel receives, [batch, kv_heads, seq, head_dim].
+
+        In-place edits and assignment reach the kernel (and the cache).
+        """
+
+    @RecomputedValue(INPUT, shape="[batch, heads, q_seq, k_seq]")
+    def scores(self) -> torch.Tensor:
+        """The attention logits before the softmax, [batch, heads, q_seq, k_seq], float32; -inf where masked.
+
+        Recomputed from queries and keys (``q @ k.T * scale``, the family's
+        soft cap and ALiBi, the causal, sliding-window or chunked mask, and
+        any padding in the mask the kernel receives), on every attention
+        implementation. The soft cap (Gemma 2) is applied where the kernel
+        applies it: transformers' sdpa kernel ignores it, so a Gemma 2 model
+        on sdpa runs, and is served, uncapped; load it with
+        ``attn_implementation="eager"`` for the capped model. Read-only:
+        writing it raises.
+        """
+
+    @RecomputedValue(INPUT, shape="[batch, heads, q_seq, k_seq]")
+    def pattern(self) -> torch.Tensor:
+        """The attention weights, softmax(scores) over keys, [batch, heads, q_seq, k_seq]: rows sum to 1, masked entries are 0.
+
+        On eager attention, the kernel's own weights; on a kernel that fuses
+        them (sdpa, the default), recomputed from queries and keys as
+        `scores` is. Read-only either way: writing it raises.
+        """
+
+    @KernelValue(OUTPUT, shape="[batch, seq, heads, head_dim]")
+    def head_outputs(self) -> torch.Tensor:
+        """Each head's mix of values, pattern @ values, [batch, seq, heads, head_dim]: what the kernel returns.
+
+        What the output projection reads, viewed per head (before Qwen3-Next's
+        output gate, which scales it per channel). In-place edits and
+        assignment reach the model: zeroing a head removes its contribution.
+        """
+
+    # What the host supplies.
+
+    def kernel(self) -> str:
+        """The nnsight source name of the kernel call in this module's forward."""
+        return self.KERNEL
+
+    def kernel_reason(self) -> Optional[str]:
+        """Why this module's forward has no kernel call to read, or None."""
+        state = self._module.__dict__.get("__nnsight__")
+        forward = state.original if state is not None else module_body(self._module)
+        try:
+            names = compiled(decorator_chain(forward)[0]).names
+        except (SourceNotAvailable, TypeError, OSError, AttributeError):
+            names = ()
+        if self.kernel() not in names:
+            return NO_KERNEL.format(kernel=self.kernel().rsplit("_", 1)[0])
+        return None
+
+    def instrument(self) -> None:
+        """Source-instrument the module's forward (once), so the kernel call is a location."""
+        state = self._module.__dict__.get("__nnsight__")
+        if state is None or not state.sourced:
+            install_source(self)
+
+    def relocated(self) -> dict:
+        if getattr(self.module_config(), "_attn_implementation", None) == "eager":
+            return {"pattern": (None, OUTPUT)}
+        return {}
+
+    def module_config(self) -> Any:
+        return getattr(self._module, "config", None)
+
+    def spec(self, inputs: tuple) -> attention.Spec:
+        """The family's attention for one kernel call, from the call's keywords and the module."""
+        _, kwargs = inputs
+        scale = kwargs.get("scaling")
+        if scale is None:
+            scale = getattr(self._module, "scaling", None)
+        if scale is None:
+            scale = argument(inputs, *self.ARGUMENTS["queries"]).shape[-1] ** -0.5
+        softcap = kwargs.get("softcap")
+        if getattr(self.module_config(), "_attn_implementation", None) in KERNELS_WITHOUT_SOFTCAP:
+            softcap = None  # the kernel ignores it, so the model runs uncapped
+        return attention.Spec(scale=float(scale), softcap=softcap, sliding_window=kwargs.get("sliding_window"))
+
+    def recompute_scores(self, inputs: tuple) -> torch.Tensor:
+        """`scores` for one kernel call: its queries, keys and mask, the family's `spec`."""
+        queries = argument(inputs, *self.ARGUMENTS["queries"])
+        keys = argument(inputs, *self.ARGUMENTS["keys"])
+        mask = attention.additive_mask_to_bool(argument(inputs, *self.ARGUMENTS["mask"]))
+        if mask is not None and mask.dim() == 4:
+            mask = mask[..., -queries.shape[-2]:, :keys.shape[-2]]
+        else:
+            mask = None
+        return attention.scores(queries, keys, self.spec(inputs), mask=mask)
+
+    def internals_to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        if name == "head_outputs" and self.OUTPUT_LAYOUT == "bhsd":
+            return tensor.transpose(1, 2)
+        return tensor
+
+    def internals_to_engine(self, value: torch.Tensor, live: torch.Tensor, name: str) -> torch.Tensor:
+        if name == "head_outputs" and self.OUTPUT_LAYOUT == "bhsd":
+            return value.transpose(1, 2)
+        return value.reshape(live.shape)

@@ -1,0 +1,167 @@
+"""The attention oracle: transformers' own attention tensors, caught at the kernel call, and its eager weights.
+
+Nothing here imports streamscope. The queries, keys and values are the
+arguments transformers hands its attention kernel (after its own rotary and
+q/k norms), caught by wrapping the kernel function the attention module calls
+while the model runs: the attention interface's entry for the implementation
+(``ALL_ATTENTION_FUNCTIONS``; eager: the modeling module's
+``eager_attention_forward``), GPT-J's ``_attn``, Falcon's
+``F.scaled_dot_product_attention``. A forward pre-hook on each attention module
+says which block a call belongs to. The pattern is transformers' eager
+weights (``output_attentions=True`` on an eager model). Edits are made in the
+same places: a pre-hook on the output projection, the wrapped kernel's query.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+#: The output projection's name on each attention, tried in order.
+OUTPUT_PROJECTIONS = ("o_proj", "c_proj", "out_proj", "dense")
+#: Families whose kernel returns [batch, heads, seq, head_dim] rather than [batch, seq, heads, head_dim].
+HEADS_FIRST = {"gptj", "falcon"}
+
+
+def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """Each block's softmax attention module, by block index (hybrids: the attention blocks only)."""
+    found = {}
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-1] in ("self_attn", "attn", "attention", "self_attention") \
+                and parts[-2].isdigit() and any(hasattr(module, p) for p in OUTPUT_PROJECTIONS):
+            found[int(parts[-2])] = module
+    return found
+
+
+def output_projection(module: torch.nn.Module) -> torch.nn.Module:
+    return next(getattr(module, name) for name in OUTPUT_PROJECTIONS if hasattr(module, name))
+
+
+@contextmanager
+def kernel_wrapped(model: torch.nn.Module, family: str, wrapper: Callable) -> Iterator[None]:
+    """Run `wrapper(block, kernel, query, key, value, *rest, **kwargs)` in place of each attention kernel call."""
+    modules = attention_modules(model)
+    current: dict[str, Optional[int]] = {"block": None}
+    handles = [module.register_forward_pre_hook(lambda _, __, index=index: current.__setitem__("block", index))
+               for index, module in modules.items()]
+    implementation = model.config._attn_implementation
+    restore: list[Callable[[], None]] = []
+
+    def wrap(kernel, offset):  # offset: arguments before the query (the module, for the interface)
+        def wrapped(*args, **kwargs):
+            return wrapper(current["block"], kernel, args[:offset], *args[offset:], **kwargs)
+        return wrapped
+
+    try:
+        if family == "gptj":
+            for module in modules.values():
+                module._attn = wrap(module._attn, 0)
+                restore.append(lambda module=module: module.__dict__.pop("_attn"))
+        elif family == "falcon":
+            original = torch.nn.functional.scaled_dot_product_attention
+            torch.nn.functional.scaled_dot_product_attention = wrap(original, 0)
+            restore.append(lambda: setattr(torch.nn.functional, "scaled_dot_product_attention", original))
+        elif implementation == "eager":
+            for modeling in {sys.modules[type(module).__module__] for module in modules.values()}:
+                original = modeling.eager_attention_forward
+                modeling.eager_attention_forward = wrap(original, 1)
+                restore.append(lambda m=modeling, o=original: setattr(m, "eager_attention_forward", o))
+        else:
+            mapping = type(ALL_ATTENTION_FUNCTIONS)._global_mapping
+            original = mapping[implementation]
+            mapping[implementation] = wrap(original, 1)
+            restore.append(lambda: mapping.__setitem__(implementation, original))
+        yield
+    finally:
+        for undo in reversed(restore):
+            undo()
+        for handle in handles:
+            handle.remove()
+
+
+def _call(kernel, before, query, key, value, *rest, **kwargs):
+    return kernel(*before, query, key, value, *rest, **kwargs)
+
+
+def _per_position(family: str, output: torch.Tensor) -> torch.Tensor:
+    return output.transpose(1, 2) if family in HEADS_FIRST else output
+
+
+@torch.no_grad()
+def kernel_tensors(model, family: str, input_ids) -> dict[int, dict[str, torch.Tensor]]:
+    """Per attention block: the queries, keys and values its kernel receives, and its output per head."""
+    caught: dict[int, dict[str, torch.Tensor]] = {}
+
+    def catch(block, kernel, before, query, key, value, *rest, **kwargs):
+        output = _call(kernel, before, query, key, value, *rest, **kwargs)
+        attn = output[0] if isinstance(output, tuple) else output
+        caught[block] = {"queries": query.clone(), "keys": key.clone(), "values": value.clone(),
+                         "head_outputs": _per_position(family, attn).clone()}
+        return output
+
+    with kernel_wrapped(model, family, catch):
+        model(input_ids)
+    return caught
+
+
+@torch.no_grad()
+def output_projection_inputs(model, input_ids) -> dict[int, torch.Tensor]:
+    """Per attention block: what its output projection reads, [batch, seq, heads * head_dim] (torch hooks)."""
+    caught = {}
+    handles = [output_projection(module).register_forward_pre_hook(
+        lambda _, args, index=index: caught.__setitem__(index, args[0].clone()))
+        for index, module in attention_modules(model).items()]
+    try:
+        model(input_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return caught
+
+
+@torch.no_grad()
+def eager_weights(eager_model, input_ids) -> dict[int, torch.Tensor]:
+    """transformers' eager attention weights per block, [batch, heads, q_seq, k_seq] (None for a recurrent block)."""
+    attentions = list(eager_model(input_ids, output_attentions=True).attentions)
+    blocks = sorted(attention_modules(eager_model))
+    if len(attentions) == len(blocks) and blocks != list(range(len(blocks))):  # a hybrid lists its attention blocks
+        return {block: weights for block, weights in zip(blocks, attentions)}
+    return dict(enumerate(attentions))
+
+
+@torch.no_grad()
+def logits_with_head_zeroed(model, input_ids, block: int, head: int, head_dim: int) -> torch.Tensor:
+    """The logits with one head's slice of the output projection's input zeroed (a torch pre-hook)."""
+    def zero(_, args):
+        args[0][..., head * head_dim:(head + 1) * head_dim] = 0
+
+    handle = output_projection(attention_modules(model)[block]).register_forward_pre_hook(zero)
+    try:
+        return model(input_ids).logits
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def logits_with_query_edit(model, family: str, input_ids, block: int, edit: Callable[[torch.Tensor], None]):
+    """The logits with `edit` applied in place to the queries block `block`'s kernel receives."""
+    def edited(index, kernel, before, query, key, value, *rest, **kwargs):
+        if index == block:
+            query = query.clone()  # the kernel's query may be a view autograd forbids editing in place
+            edit(query)
+        return _call(kernel, before, query, key, value, *rest, **kwargs)
+
+    with kernel_wrapped(model, family, edited):
+        return model(input_ids).logits
+
+
+def load_kwargs(family: str, implementation: str) -> dict[str, Any]:
+    """from_pretrained's arguments for `implementation`; GPT-J has only its own eager attention."""
+    if family == "gptj":
+        implementation = "eager"
+    return {"dtype": torch.float32, "attn_implementation": implementation}

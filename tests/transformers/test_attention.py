@@ -1,0 +1,202 @@
+"""Every family's attention internals on transformers against the attention oracle.
+
+queries, keys, values and head_outputs against the tensors transformers hands
+its kernel; the recomputed pattern against transformers' eager weights (past a
+sliding window of 4 and across Llama 4's chunks of 128, so the prompt is longer
+than both); pattern @ values against head_outputs; head and query edits
+against the same edits made in transformers' own forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import attention_oracle as oracle
+import streamscope
+from streamscope.testing import FAMILIES
+
+ATTENTION_FAMILIES = [family for family in FAMILIES if family != "mamba"]
+PROMPT = ("The Eiffel Tower is in Paris, and the quick brown fox jumps over the lazy dog. "
+          "Attention heads move information between positions; the MLP writes features. ") * 4
+RELATIVE = 1e-5
+INTERNALS = ("queries", "keys", "values", "scores", "pattern", "head_outputs")
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((value - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
+
+
+def repeat_heads(values: torch.Tensor, heads: int) -> torch.Tensor:
+    return values.repeat_interleave(heads // values.shape[1], dim=1)
+
+
+class Family:
+    def __init__(self, name: str, path):
+        self.name = name
+        self.path = path
+        self.model = streamscope.load(path)
+        self.sdpa = AutoModelForCausalLM.from_pretrained(path, **oracle.load_kwargs(name, "sdpa")).eval()
+        self.eager = AutoModelForCausalLM.from_pretrained(path, **oracle.load_kwargs(name, "eager")).eval()
+        self.input_ids = self.model.tokenizer(PROMPT, return_tensors="pt").input_ids
+        self.blocks = sorted(oracle.attention_modules(self.sdpa))
+        implementation = self.model.config._attn_implementation
+        self.expected = oracle.kernel_tensors(self.sdpa if implementation == "sdpa" else self.eager,
+                                              name, self.input_ids)
+        self.weights = oracle.eager_weights(self.eager, self.input_ids)
+
+    def read(self, model=None, names=INTERNALS):
+        model = model or self.model
+        saved = {}
+        with model.trace(self.input_ids):
+            for block in self.blocks:
+                attention = model.layers[block].self_attn
+                for name in names:
+                    saved[(name, block)] = getattr(attention, name).save()
+            logits = model.logits.save()
+        return saved, logits
+
+
+@pytest.fixture(scope="module", params=ATTENTION_FAMILIES)
+def family(request, checkpoints):
+    return Family(request.param, checkpoints(request.param))
+
+
+def test_the_prompt_is_longer_than_a_window_and_a_chunk(family):
+    assert family.input_ids.shape[1] > 128
+
+
+def test_support_lists_every_internal_served_on_attention_blocks(family):
+    support = family.model.support()
+    for block in range(family.model.num_layers):
+        rows = support[block].rows
+        for name in INTERNALS:
+            reason = rows[f"self_attn.{name}"]
+            assert (reason is None) == (block in family.blocks), (name, block, reason)
+    assert list(support[family.blocks[0]].rows).index("self_attn.queries") < \
+        list(support[family.blocks[0]].rows).index("self_attn.attention_output")
+
+
+def test_queries_keys_values_and_head_outputs_equal_the_kernels_tensors(family):
+    saved, logits = family.read(names=("queries", "keys", "values", "head_outputs"))
+    for block in family.blocks:
+        for name in ("queries", "keys", "values", "head_outputs"):
+            value, reference = saved[(name, block)], family.expected[block][name]
+            if family.name == "falcon" and name in ("keys", "values"):  # the kernel gets each kv head per query head
+                reference = reference[:, ::reference.shape[1] // value.shape[1]]
+            assert value.shape == reference.shape, (name, block, value.shape, reference.shape)
+            assert relative_error(value, reference) <= RELATIVE, (name, block)
+        heads = saved[("queries", block)].shape[1]
+        assert saved[("queries", block)].shape[1] == family.model.num_heads
+        assert saved[("keys", block)].shape[1] == family.model.num_kv_heads
+        assert saved[("head_outputs", block)].shape[2] == heads
+    with family.model.trace(family.input_ids):
+        plain = family.model.logits.save()
+    assert torch.equal(plain, logits)  # reading changes nothing
+
+
+def test_head_outputs_are_what_the_output_projection_reads_where_nothing_gates_them(family):
+    if family.name == "qwen3_next":
+        pytest.skip("Qwen3-Next's output gate sits between the kernel and o_proj")
+    saved, _ = family.read(names=("head_outputs",))
+    inputs = oracle.output_projection_inputs(family.sdpa, family.input_ids)
+    for block in family.blocks:
+        value = saved[("head_outputs", block)]
+        assert relative_error(value.flatten(2), inputs[block]) <= RELATIVE, block
+
+
+def test_pattern_equals_the_eager_weights(family):
+    if family.name == "gemma2":
+        pytest.skip("transformers' sdpa kernel ignores Gemma 2's soft cap: see the eager-model test")
+    saved, _ = family.read(names=("scores", "pattern"))
+    for block in family.blocks:
+        pattern, reference = saved[("pattern", block)], family.weights[block]
+        assert pattern.shape == reference.shape
+        assert (pattern - reference).abs().max().item() <= 1e-5, block
+        assert torch.allclose(pattern.sum(-1), torch.ones(()), atol=1e-5)
+        masked = reference == 0
+        assert masked.any(), block  # causal at least
+        assert torch.all(pattern[masked] == 0), block
+        assert torch.all(torch.isinf(saved[("scores", block)][masked])), block
+
+
+def test_the_pattern_reaches_past_a_sliding_window_and_across_chunks_as_the_model_does(family):
+    config = family.eager.config
+    saved, _ = family.read(names=("pattern",))
+    seq = family.input_ids.shape[1]
+    for block in family.blocks:
+        pattern = saved[("pattern", block)][0, 0]
+        kind = (getattr(config, "layer_types", None) or [None] * 99)[block]
+        window = getattr(config, "sliding_window", None)
+        if kind == "chunked_attention":
+            chunk = config.attention_chunk_size
+            assert torch.all(pattern[chunk, :chunk] == 0) and pattern[chunk, chunk] > 0
+            assert torch.all(pattern[chunk - 1, :chunk] > 0)
+        elif window and (kind == "sliding_attention" or (kind is None and family.name in ("mistral",))):
+            assert torch.all(pattern[seq - 1, :seq - window] == 0) and torch.all(pattern[seq - 1, seq - window:] > 0)
+        else:
+            assert torch.all(pattern[seq - 1] > 0), (block, kind)
+
+
+def test_an_eager_model_serves_its_own_weights_and_recomputed_scores_agree(family):
+    if family.name == "falcon":
+        pytest.skip("Falcon's eager path has no kernel call")
+    model = streamscope.load(family.path, attn_implementation="eager")
+    saved, _ = model_read = family.read(model=model, names=("scores", "pattern"))
+    for block in family.blocks:
+        reference = family.weights[block]
+        assert relative_error(saved[("pattern", block)], reference) <= 1e-6, block
+        recomputed = torch.softmax(saved[("scores", block)], dim=-1)
+        assert (recomputed - reference).abs().max().item() <= 1e-5, block
+
+
+def test_pattern_at_values_reproduces_head_outputs(family):
+    saved, _ = family.read()
+    for block in family.blocks:
+        pattern, values = saved[("pattern", block)], saved[("values", block)]
+        mix = (pattern @ repeat_heads(values, pattern.shape[1])).transpose(1, 2)
+        assert relative_error(mix, saved[("head_outputs", block)]) <= 1e-5, block
+
+
+def test_zeroing_a_head_matches_the_oracle(family):
+    block, head = family.blocks[-1], 1
+    with family.model.trace(family.input_ids):
+        family.model.layers[block].self_attn.head_outputs[:, :, head] = 0
+        logits = family.model.logits.save()
+    head_dim = family.expected[block]["queries"].shape[-1]
+    expected = oracle.logits_with_head_zeroed(family.sdpa, family.input_ids, block, head, head_dim)
+    plain = family.sdpa(family.input_ids).logits
+    assert not torch.allclose(expected, plain)
+    assert relative_error(logits, expected) <= RELATIVE
+
+
+def test_editing_a_heads_queries_matches_the_oracle(family):
+    block = family.blocks[0]
+
+    def edit(queries):
+        queries[:, 0] *= 3.0
+
+    with family.model.trace(family.input_ids):
+        edit(family.model.layers[block].self_attn.queries)
+        logits = family.model.logits.save()
+    expected = oracle.logits_with_query_edit(family.sdpa, family.name, family.input_ids, block, edit)
+    assert not torch.allclose(expected, family.sdpa(family.input_ids).logits)
+    assert relative_error(logits, expected) <= RELATIVE
+
+
+def test_assigning_keys_reaches_the_model_and_recomputed_values_refuse_writes(family):
+    block = family.blocks[0]
+    with family.model.trace(family.input_ids):
+        attention = family.model.layers[block].self_attn
+        keys = attention.keys.clone()
+        keys[..., 0] += 1.0
+        attention.keys = keys
+        edited = family.model.logits.save()
+    with family.model.trace(family.input_ids):
+        plain = family.model.logits.save()
+    assert not torch.equal(edited, plain)
+    for name in ("scores", "pattern"):
+        with pytest.raises(ValueError, match="cannot be written"):
+            with family.model.trace(family.input_ids):
+                getattr(family.model.layers[block].self_attn, name)[:] = 0
