@@ -275,8 +275,35 @@ class ComputedValue(StreamValue):
         return value
 
 
+def _skip_unedited_write_backs() -> None:
+    """Let nnsight drop a streamscope value's pending write-back when the view was not edited.
+
+    nnsight swaps a pending write-back into the model whenever the worker moves
+    on, edited or not: one more round trip between the worker and the model per
+    read. A streamscope value's write-back is the identity on an unedited view
+    (its version counter says so), so the swap is skipped and an unedited read
+    costs what raw nnsight's read of the same tensor plus a copy costs.
+    """
+    flush = Mediator.flush
+    if getattr(flush, "skips_unedited", False):
+        return
+
+    def flush_edited(mediator: Mediator) -> None:
+        waiting = mediator.transform
+        if waiting is not None and isinstance(waiting.eproperty, StreamValue) and not _edited(waiting.view):
+            mediator.transform = None
+            return
+        flush(mediator)
+
+    flush_edited.skips_unedited = True
+    Mediator.flush = flush_edited
+
+
 def _edited(view: torch.Tensor) -> bool:
     try:
         return view._version != 0
     except RuntimeError:  # an inference tensor keeps no version: assume edited
         return True
+
+
+_skip_unedited_write_backs()

@@ -130,13 +130,30 @@ class Layer(StreamEnvoy):
         for role in self.ROLES:
             sublayer = self.__dict__.get(role)
             if isinstance(sublayer, Sublayer):
-                rows.update({f"{role}.{name}": reason for name, reason in sublayer.served().items()})
+                rows.update(_sublayer_rows(sublayer, role))
             else:
                 for name in self._ROLE_KINDS[role].value_names():
                     rows[f"{role}.{name}"] = missing_module(role)
-        order = [*self.ORDER[:2], *[f"self_attn.{name}" for name in Attention.ORDER],
+
+        def nested(role: str, known: list[str]) -> list[str]:  # a sublayer's sublayers' rows, after its own
+            return [name for name in rows if name.startswith(role + ".") and name not in known]
+
+        attention = [f"self_attn.{name}" for name in Attention.ORDER]
+        mlp = [f"mlp.{name}" for name in Mlp.ORDER]
+        order = [*self.ORDER[:2], *attention, *nested("self_attn", attention),
                  "linear_attn.attention_output",
-                 *self.ORDER[2:5], "mlp.mlp_output", self.ORDER[5]]
+                 *self.ORDER[2:5], *mlp, *nested("mlp", mlp), self.ORDER[5]]
         rank = {name: position for position, name in enumerate(order)}
         ordered = sorted(rows, key=lambda name: rank.get(name, len(order)))
         return BlockSupport(self.where(), {name: rows[name] for name in ordered})
+
+
+def _sublayer_rows(sublayer: Sublayer, prefix: str) -> dict[str, Any]:
+    """A sublayer's rows under `prefix` (``mlp``), then those of the sublayers inside it (``mlp.shared_experts``)."""
+    rows = {f"{prefix}.{name}": reason for name, reason in sublayer.served().items()}
+    seen: set[int] = set()
+    for attribute, child in list(sublayer.__dict__.items()):
+        if isinstance(child, Sublayer) and id(child) not in seen:
+            seen.add(id(child))
+            rows.update(_sublayer_rows(child, child.ROLE))
+    return rows

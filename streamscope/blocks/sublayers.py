@@ -82,10 +82,45 @@ class LinearAttention(Mixer):
     ROLE = "linear_attn"
 
 
+#: Why an Mlp serves no routing values: it has no router.
+DENSE = "a dense MLP: no router"
+#: Why a mixture of experts of a family streamscope maps no router for serves none.
+UNMAPPED_ROUTER = "a mixture of experts whose router streamscope does not map for this family"
+ROUTING = ("router_logits", "chosen_experts", "routing_weights")
+
+
 class Mlp(Sublayer):
-    """The feed-forward of a block (`mlp`): a dense MLP or a mixture of experts."""
+    """The feed-forward of a block (`mlp`): a dense MLP or a mixture of experts.
+
+    Every Mlp has the routing values of a mixture of experts (a dense one says
+    it has no router); a family whose router streamscope maps serves them
+    through a subclass (`streamscope.blocks.moe`).
+    """
 
     ROLE = "mlp"
+    ORDER = (*ROUTING, "mlp_output")
+
+    def is_moe(self) -> bool:
+        """Whether this feed-forward is a mixture of experts (its module has `experts`)."""
+        return isinstance(getattr(self._module, "experts", None), torch.nn.Module)
+
+    def reason(self, name: str) -> Optional[str]:
+        own = super().reason(name)
+        if own is None and name in ROUTING:
+            return self.routing_reason(name)
+        return own
+
+    def routing_reason(self, name: str) -> Optional[str]:
+        """Why routing value `name` is not served here, or None where a family's subclass serves it."""
+        return UNMAPPED_ROUTER if self.is_moe() else DENSE
+
+    # Declared here so the names exist on every Mlp; routing_reason answers before the location is used.
+    router_logits = StreamValue("experts", OUTPUT, shape="[batch, seq, num_experts]", description=(
+        "The router's logits for each token, before its top-k, [batch, seq, num_experts]."))
+    chosen_experts = StreamValue("experts", OUTPUT, shape="[batch, seq, top_k]", description=(
+        "The experts each token is sent to, as the model chose them, [batch, seq, top_k]."))
+    routing_weights = StreamValue("experts", OUTPUT, shape="[batch, seq, top_k]", description=(
+        "The weight of each chosen expert in the sum the mixture adds, [batch, seq, top_k]."))
 
     @StreamValue(None, OUTPUT)
     def mlp_output(self):

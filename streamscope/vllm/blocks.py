@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from .. import blocks
+from .attention import Attention, PostNormedAttention  # noqa: F401  (the families' attention kinds)
 from ..values import INPUT, OUTPUT, Residual, StreamValue, argument
 
 
@@ -132,6 +133,6 @@ class FusedSandwichLayer(FusedLayer):
         """The MLP's pre-norm output, [1, tokens, hidden_size]."""
 
 
-# Sublayers take and return whole tensors on vLLM as on transformers.
-Attention, LinearAttention, Mlp = blocks.Attention, blocks.LinearAttention, blocks.Mlp
-PostNormedAttention, PostNormedMlp = blocks.PostNormedAttention, blocks.PostNormedMlp
+# Sublayers take and return whole tensors on vLLM as on transformers; the attention's internals are read at
+# vLLM's attention layer (`streamscope.vllm.attention`).
+LinearAttention, Mlp, PostNormedMlp = blocks.LinearAttention, blocks.Mlp, blocks.PostNormedMlp

@@ -289,3 +289,23 @@ def test_the_support_table_matches_transformers_except_where_vllm_hides_a_value(
             vllm_reason = on_vllm[block].rows.get(name)
             if vllm_reason != reason:
                 assert reason is None and vllm_reason is not None and "vLLM" in vllm_reason, (block, name)
+
+
+def test_a_mixture_of_experts_says_why_vllm_serves_no_routing_values(engines):
+    """vLLM's fused MoE layer routes inside one call and calls the shared expert itself: each of those values
+    says so, with "vLLM" in its reason; a dense block's MLP has no router, as on transformers."""
+    support = engines.model.support()
+    moe = [block for block in range(engines.model.num_layers)
+           if hasattr(engines.model.layers[block].mlp._module, "experts")]
+    if not moe:
+        pytest.skip("no mixture of experts")
+    for block in range(engines.model.num_layers):
+        rows = support[block].rows
+        for name in ("router_logits", "chosen_experts", "routing_weights"):
+            reason = rows[f"mlp.{name}"]
+            assert reason is not None and ("vLLM" in reason if block in moe else reason == "a dense MLP: no router")
+        assert rows["mlp.mlp_output"] is None
+        if "mlp.shared_experts.mlp_output" in rows:
+            assert block in moe and "vLLM" in rows["mlp.shared_experts.mlp_output"]
+    if engines.name in ("llama4_text", "qwen3_next"):
+        assert all("mlp.shared_experts.mlp_output" in support[block].rows for block in moe)

@@ -2,13 +2,19 @@
 
 Every `interleave_moe_layer_step`-th block's feed-forward is a mixture of
 experts (routed experts plus a shared expert) that works on flattened tokens,
-the others a dense MLP.
+the others a dense MLP. The mixture's router (`router`) returns its scores
+and logits: router_logits is served from it (an edit re-routes), the chosen
+experts and their weights recomputed from the logits as the router does
+(`Llama4Mlp`). The shared expert (`shared_expert`, aliased to
+`shared_experts`) is a dense MLP, an `Mlp` too (`SharedExpert`): its
+mlp_output is what it adds, unscaled, besides the routed experts.
 """
 
 from dataclasses import replace
 
 from ...attention import Spec
-from ...blocks import Attention, Layer, Mlp
+from ...blocks import Attention, Layer
+from ...blocks.moe import Llama4Mlp, SharedExpert
 from .llama import RENAME as LLAMA_RENAME
 
 
@@ -30,7 +36,7 @@ class Llama4Attention(Attention):
         return spec
 
 
-RENAME = {**LLAMA_RENAME, "feed_forward": "mlp"}
-ENVOYS = {"layers.*": Llama4Layer, "self_attn": Llama4Attention, "mlp": Mlp}
+RENAME = {**LLAMA_RENAME, "feed_forward": "mlp", "shared_expert": "shared_experts"}
+ENVOYS = {"layers.*": Llama4Layer, "self_attn": Llama4Attention, "mlp": Llama4Mlp, "shared_experts": SharedExpert}
 
 __all__ = ["ENVOYS", "RENAME"]

@@ -1,5 +1,13 @@
-"""Mixtral: Llama's tree; every block's `mlp` is a mixture of experts (`MixtralSparseMoeBlock`)."""
+"""Mixtral: Llama's tree; every block's `mlp` is a mixture of experts (`MixtralSparseMoeBlock`).
 
-from .llama import ENVOYS, RENAME
+Its router (`gate`) returns the logits, the chosen experts' softmax weights
+(renormalized over the top-k) and the chosen experts: served on `mlp` as
+router_logits, routing_weights and chosen_experts (`TopKRouterMlp`).
+"""
+
+from ...blocks.moe import TopKRouterMlp
+from .llama import ENVOYS as LLAMA_ENVOYS, RENAME
+
+ENVOYS = {**LLAMA_ENVOYS, "mlp": TopKRouterMlp}
 
 __all__ = ["ENVOYS", "RENAME"]

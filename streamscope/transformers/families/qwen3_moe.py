@@ -1,5 +1,14 @@
-"""Qwen3-MoE: Llama's tree; the `mlp` of a block is a mixture of experts (or a dense MLP on `mlp_only_layers`)."""
+"""Qwen3-MoE: Llama's tree; the `mlp` of a block is a mixture of experts (or a dense MLP on `mlp_only_layers`).
 
-from .llama import ENVOYS, RENAME
+The router (`gate`) returns the logits, the chosen experts' softmax weights
+(renormalized where ``norm_topk_prob``) and the chosen experts: served on a
+mixture's `mlp` as router_logits, routing_weights and chosen_experts
+(`TopKRouterMlp`); a dense block's `mlp` says it has no router.
+"""
+
+from ...blocks.moe import TopKRouterMlp
+from .llama import ENVOYS as LLAMA_ENVOYS, RENAME
+
+ENVOYS = {**LLAMA_ENVOYS, "mlp": TopKRouterMlp}
 
 __all__ = ["ENVOYS", "RENAME"]

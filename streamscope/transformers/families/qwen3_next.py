@@ -1,8 +1,18 @@
-"""Qwen3-Next: a hybrid: each pre-norm block mixes with softmax attention (`self_attn`) or a gated delta net (`linear_attn`)."""
+"""Qwen3-Next: a hybrid: each pre-norm block mixes with softmax attention (`self_attn`) or a gated delta net (`linear_attn`).
 
-from ...blocks import Attention, HybridLayer, LinearAttention, Mlp
-from .llama import RENAME
+The `mlp` is a mixture of experts with a gated shared expert: the router
+(`gate`) as Qwen3-MoE's (`TopKRouterMlp`), and the shared expert
+(`shared_expert`, aliased to `shared_experts` as Llama 4's is named) whose
+mlp_output is its output before the sigmoid gate (`shared_expert_gate`): the
+mixture adds ``sigmoid(shared_expert_gate(x)) * mlp_output``.
+"""
 
-ENVOYS = {"layers.*": HybridLayer, "self_attn": Attention, "linear_attn": LinearAttention, "mlp": Mlp}
+from ...blocks import Attention, HybridLayer, LinearAttention
+from ...blocks.moe import SharedExpert, TopKRouterMlp
+from .llama import RENAME as LLAMA_RENAME
+
+RENAME = {**LLAMA_RENAME, "shared_expert": "shared_experts"}
+ENVOYS = {"layers.*": HybridLayer, "self_attn": Attention, "linear_attn": LinearAttention, "mlp": TopKRouterMlp,
+          "shared_experts": SharedExpert}
 
 __all__ = ["ENVOYS", "RENAME"]

@@ -10,10 +10,16 @@ argument: block 0's input norm. Each block's layer_input is read there too
 one read in the order transformers computes them.
 """
 
-from ...transformers.families.granite import GraniteAttention, GraniteMlp
+from ...transformers.families.granite import GraniteAttention as _TransformersGraniteAttention
+from ...transformers.families.granite import GraniteMlp
 from ...values import INPUT, Residual, StreamValue
-from ..blocks import Layer
+from ..blocks import Attention, Layer
 from .llama import RENAME
+
+
+class GraniteAttention(Attention, _TransformersGraniteAttention):
+    """Granite's attention: its output scaled by residual_multiplier; the internals at vLLM's attention layer
+    (whose scale is the config's attention_multiplier)."""
 
 
 class GraniteLayer(Layer):

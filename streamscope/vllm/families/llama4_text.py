@@ -4,7 +4,10 @@ The feed-forward is `feed_forward`, aliased to `mlp` as on transformers: a
 dense MLP on some blocks, on every `interleave_moe_layer_step`-th a mixture of
 experts (`Llama4MoE`) whose output, the shared expert's plus the routed
 experts', is what the block adds; the routing runs inside vLLM's fused MoE
-kernel. vLLM's blocks take and return ``[tokens, hidden]``, so nothing needs
+kernel, and the routing values say so. The shared expert (`shared_expert`,
+aliased to `shared_experts`) is the dense MLP's class, an `Mlp` too; vLLM's
+fused MoE layer calls it and adds its output, so its mlp_output is
+unavailable (`streamscope.vllm.moe`). vLLM's blocks take and return ``[tokens, hidden]``, so nothing needs
 the stream's shape (transformers' `Llama4Layer` flattens tokens for its MoE).
 
 One difference from transformers is in vLLM's model, not here: vLLM applies
@@ -17,10 +20,22 @@ the first ``floor_scale - 1`` positions (8191 by default), so prompts shorter
 than that agree either way.
 """
 
-from ..blocks import Attention, FusedLayer, Mlp
+from ..blocks import Attention, FusedLayer
+from ..moe import Mlp, SharedExpert
 from .llama import RENAME as LLAMA_RENAME
 
-RENAME = {**LLAMA_RENAME, "feed_forward": "mlp"}
-ENVOYS = {"layers.*": FusedLayer, "self_attn": Attention, "mlp": Mlp}
+
+class Llama4Attention(Attention):
+    """iRoPE attention on vLLM. A rotary block (``no_rope_layers[i] == 1``) rotates, L2-norms its queries and
+    keys and attends within chunks (vLLM's `ChunkedLocalAttention`, whose chunk size the recomputed scores
+    take); a NoPE block does neither and attends over the whole prefix. On every block vLLM permuted each
+    head's q and k channels at load (the even channels, then the odd ones): queries and keys are served in
+    transformers' order and edits go back in vLLM's (`streamscope.vllm.attention.pairs_first`)."""
+
+    CHANNELS_PERMUTED = True
+
+
+RENAME = {**LLAMA_RENAME, "feed_forward": "mlp", "shared_expert": "shared_experts"}
+ENVOYS = {"layers.*": FusedLayer, "self_attn": Llama4Attention, "mlp": Mlp, "shared_experts": SharedExpert}
 
 __all__ = ["ENVOYS", "RENAME"]

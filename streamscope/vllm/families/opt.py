@@ -13,6 +13,8 @@ from vllm.model_executor.layers.linear import RowParallelLinear
 
 from ...transformers.families.opt import OPTLayer as _TransformersOPTLayer
 from ...transformers.families.opt import RENAME
+from ...values import INPUT
+from ..attention import Flat
 from ..blocks import Attention, Layer, Mlp
 
 
@@ -21,6 +23,18 @@ class OPTLayer(Layer, _TransformersOPTLayer):
 
     STREAM = (0, "hidden_states")
     FLATTENS_TOKENS = False
+
+
+class OPTAttention(Attention):
+    """OPT's attention: transformers scales the queries by head_dim ** -0.5 before its kernel (and attends with
+    scale 1), vLLM's layer scales inside; the queries are served scaled, as transformers serves them, and an
+    edit is unscaled on its way back."""
+
+    QUERIES_SCALED = True
+    queries = Flat(INPUT, heads="heads", argument=(0, "query"), shape="[1, heads, tokens, head_dim]",
+                   factor=lambda host: host.kernel_layer().impl.scale,
+                   description="The queries vLLM's attention layer receives, scaled as transformers scales them, "
+                               "[1, heads, tokens, head_dim]")
 
 
 class OPTMlp(Mlp, ParallelEnvoy):
@@ -35,6 +49,6 @@ class RowParallel:
         return kind(module, *args, path=path, **kwargs)
 
 
-ENVOYS = {"layers.*": OPTLayer, "self_attn": Attention, RowParallelLinear: RowParallel}
+ENVOYS = {"layers.*": OPTLayer, "self_attn": OPTAttention, RowParallelLinear: RowParallel}
 
 __all__ = ["ENVOYS", "RENAME"]

@@ -1,9 +1,13 @@
 """Qwen3-MoE on vLLM (vllm.model_executor.models.qwen3_moe): Llama's names and Llama's fused block.
 
 A block's `mlp` is a mixture of experts (`Qwen3MoeSparseMoeBlock`), or a dense
-MLP on `mlp_only_layers`; the routing runs inside vLLM's fused MoE kernel.
+MLP on `mlp_only_layers`; the routing runs inside vLLM's fused MoE kernel, and the
+routing values say so (`streamscope.vllm.moe`).
 """
 
-from .llama import ENVOYS, RENAME
+from ..moe import Mlp
+from .llama import ENVOYS as LLAMA_ENVOYS, RENAME
+
+ENVOYS = {**LLAMA_ENVOYS, "mlp": Mlp}
 
 __all__ = ["ENVOYS", "RENAME"]

@@ -3,15 +3,18 @@
 Each block mixes with softmax attention (`self_attn`) or a gated delta net
 (`linear_attn`), then a mixture of experts with a gated shared expert (`mlp`,
 whose output is what the block adds; the routing runs inside vLLM's fused MoE
-kernel). The block is fused like Llama's but is called with keywords in
+kernel, and the routing values say so; the shared expert, `shared_experts` as
+on transformers, is called and gated inside vLLM's fused MoE layer, so its
+mlp_output is unavailable: `streamscope.vllm.moe`). The block is fused like Llama's but is called with keywords in
 another order, ``forward(hidden_states, residual, positions)``; the values find
 the halves by name. vLLM's CPU kernels for the gated delta net run bfloat16
 only, with head dims of 64.
 """
 
 from ...blocks import HybridLayer
-from ..blocks import Attention, FusedLayer, LinearAttention, Mlp
-from .llama import RENAME
+from ..blocks import Attention, FusedLayer, LinearAttention
+from ..moe import Mlp, SharedExpert
+from .llama import RENAME as LLAMA_RENAME
 
 
 class Qwen3NextLayer(FusedLayer):
@@ -20,6 +23,8 @@ class Qwen3NextLayer(FusedLayer):
     ROLES = HybridLayer.ROLES
 
 
-ENVOYS = {"layers.*": Qwen3NextLayer, "self_attn": Attention, "linear_attn": LinearAttention, "mlp": Mlp}
+RENAME = {**LLAMA_RENAME, "shared_expert": "shared_experts"}
+ENVOYS = {"layers.*": Qwen3NextLayer, "self_attn": Attention, "linear_attn": LinearAttention, "mlp": Mlp,
+          "shared_experts": SharedExpert}
 
 __all__ = ["ENVOYS", "RENAME"]

@@ -1,0 +1,282 @@
+"""The inside of a softmax attention on vLLM: queries, keys, values, scores, pattern and head outputs.
+
+vLLM's attention module (``self_attn``) hands its queries, keys and values,
+after rotary and any q/k norm, to an attention layer (a child, ``attn`` in
+every family here, and in the Transformers backend's modules too) as
+``attn(query, key, value)``: flat ``[tokens, heads * head_dim]`` tensors, each
+request's tokens in its own rows. That layer writes the keys and values into
+the KV cache, runs the fused kernel and returns each head's mix, ``[tokens,
+heads * head_dim]``, which the output projection reads. The values are read
+there and served in transformers' layouts: queries ``[1, heads, tokens,
+head_dim]``, keys and values ``[1, kv_heads, tokens, head_dim]``, head_outputs
+``[1, tokens, heads, head_dim]``; edits go back into the flat tensors, before
+the layer caches and attends.
+
+The kernel fuses the scores and the pattern, so they are recomputed from the
+queries and keys (`streamscope.attention`) with what the layer itself runs
+with: its implementation's scale, soft cap and ALiBi slopes, its sliding
+window, its chunk size (Llama 4's chunked layers). On a decode step
+(``tracer.iter``) the layer is called with the new token only; the scores span
+the request's whole prefix, from the keys this trace read at the earlier
+steps, which each read keeps on the request's own nnsight mediator (the
+worker runs one per request, so nothing is shared with the other requests of
+the step).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Optional
+
+import torch
+from nnsight.intervention.interleaver import Mediator
+
+from .. import attention
+from .. import blocks
+from ..blocks.heads import READ_ONLY
+from ..values import INPUT, OUTPUT, StreamValue
+
+#: The child of a vLLM attention module that runs the kernel.
+KERNEL_LAYER = "attn"
+#: What a request's trace keeps of each attention layer's earlier steps, on its mediator.
+HISTORY = "_streamscope_attention_history"
+
+NO_LAYER = ("this attention has no vLLM attention layer (`{name}`, called attn(query, key, value)) to read "
+            "its queries, keys and values at, so vLLM serves none of them here")
+OTHER_LAYER = ("this attention's `{name}` is a {kind}, not vLLM's Attention (called attn(query, key, value) "
+               "with flat per-head tensors), so vLLM serves none of its internals here")
+MISSING_STEPS = ("{where}.{name} on decode step {step} spans the request's whole prefix, which needs this "
+                 "block's keys of every earlier step, and this trace read none at step(s) {missing}: read any "
+                 "of this attention's queries, keys, values, scores or pattern at every step "
+                 "(`for step in tracer.iter[:]`).")
+
+
+def pairs_first(tensor: torch.Tensor) -> torch.Tensor:
+    """A head's channels (last dimension) from vLLM's load-time order back to transformers' order.
+
+    vLLM's Llama 4 permutes each head's q and k rows at load so that its
+    rotary embedding, which rotates halves, reproduces transformers' rotation of
+    adjacent pairs: vLLM's channel j < d/2 is transformers' 2j, j >= d/2 is
+    transformers' 2(j - d/2) + 1 (the even channels, then the odd ones).
+    """
+    half = tensor.shape[-1] // 2
+    return torch.stack((tensor[..., :half], tensor[..., half:]), dim=-1).flatten(-2)
+
+
+def halves_first(tensor: torch.Tensor) -> torch.Tensor:
+    """`pairs_first`'s inverse: transformers' order of a head's channels to vLLM's (even channels, then odd)."""
+    return torch.cat((tensor[..., 0::2], tensor[..., 1::2]), dim=-1)
+
+
+class Flat(StreamValue):
+    """One of the attention layer's flat per-head tensors, served per head in transformers' layout.
+
+    Args:
+        where: ``"input"`` (`argument` says which) or ``"output"`` (head_outputs).
+        heads: ``"heads"`` or ``"kv_heads"``: how many heads the flat width holds.
+    """
+
+    def __init__(self, where: str, *, heads: str, shape: str, argument: Optional[tuple[int, str]] = None,
+                 factor: Optional[Callable[[Any], float]] = None, description: Optional[str] = None) -> None:
+        super().__init__(KERNEL_LAYER, where, shape=shape, argument=argument, factor=factor,
+                         description=description)
+        self.heads = heads
+
+    def __call__(self, function: Callable) -> "Flat":
+        return super().__call__(function)
+
+    def served(self, host: Any, raw: Any) -> torch.Tensor:
+        """The value in the user's layout, scaled where it is, without a copy where none is needed."""
+        view = host.to_user(self.live(host, raw), self.name)
+        if self.factor is not None:
+            return view * self.factor(host)
+        return view
+
+    def _read(self, host: Any, raw: Any) -> torch.Tensor:
+        value = super()._read(host, raw)
+        if self.where == INPUT:
+            host.remember(raw)
+        return value
+
+
+class Recomputed(Flat):
+    """Scores or the pattern: recomputed for the read from the layer's queries and keys. Read-only."""
+
+    def _read(self, host: Any, raw: Any) -> torch.Tensor:
+        with torch.inference_mode(False):
+            host.remember(raw)
+            logits = host.recompute_scores(raw, self.name)
+            return logits if self.name == "scores" else attention.pattern(logits)
+
+    def write(self, host: Any, raw: Any, value: torch.Tensor) -> None:
+        raise ValueError(READ_ONLY.format(where=host.where(), name=self.name))
+
+    def checked(self, host: Any, raw: Any, value: Any) -> torch.Tensor:
+        return value
+
+
+class VllmAttentionInternals:
+    """The attention internals of `streamscope.blocks.heads`, read at vLLM's attention layer (`attn`).
+
+    A family whose layer differs says how: `CHANNELS_PERMUTED` (Llama 4's
+    load-time permutation of q and k channels), `QUERY_FACTOR` (OPT's queries,
+    which transformers serves scaled), or overrides `spec`.
+    """
+
+    #: Whether vLLM permuted each head's q and k channels at load (`pairs_first`).
+    CHANNELS_PERMUTED: ClassVar[bool] = False
+    #: Whether transformers serves the queries multiplied by the scale (and attends with scale 1): OPT.
+    QUERIES_SCALED: ClassVar[bool] = False
+
+    def _query_factor(self) -> float:
+        return self.kernel_layer().impl.scale
+
+    @Flat(INPUT, heads="heads", argument=(0, "query"), shape="[1, heads, tokens, head_dim]")
+    def queries(self) -> torch.Tensor:
+        """The queries vLLM's attention layer receives, after rotary and any query norm, [1, heads, tokens, head_dim].
+
+        In transformers' channel order (Llama 4: vLLM's load-time permutation
+        undone) and scale (OPT: scaled as transformers scales them). In-place
+        edits and assignment reach the layer, in vLLM's order.
+        """
+
+    @Flat(INPUT, heads="kv_heads", argument=(1, "key"), shape="[1, kv_heads, tokens, head_dim]")
+    def keys(self) -> torch.Tensor:
+        """The keys vLLM's attention layer receives (and caches), after rotary and any key norm, [1, kv_heads, tokens, head_dim].
+
+        This step's tokens only (on a decode step, the new token); in
+        transformers' channel order. In-place edits and assignment reach the
+        layer before it caches them.
+        """
+
+    @Flat(INPUT, heads="kv_heads", argument=(2, "value"), shape="[1, kv_heads, tokens, head_dim]")
+    def values(self) -> torch.Tensor:
+        """The values vLLM's attention layer receives (and caches), [1, kv_heads, tokens, head_dim].
+
+        In-place edits and assignment reach the layer before it caches them.
+        """
+
+    @Recomputed(INPUT, heads="heads", argument=(0, "query"), shape="[1, heads, tokens, k_tokens]")
+    def scores(self) -> torch.Tensor:
+        """The attention logits before the softmax, [1, heads, tokens, k_tokens], float32; -inf where masked.
+
+        vLLM's kernel fuses them, so they are recomputed from the queries and
+        keys with the layer's scale, soft cap, ALiBi slopes, sliding window and
+        chunks. On a decode step the keys span the request's whole prefix: the
+        keys this trace read at the earlier steps (read any internal of this
+        attention at every step). Read-only: writing it raises.
+        """
+
+    @Recomputed(INPUT, heads="heads", argument=(0, "query"), shape="[1, heads, tokens, k_tokens]")
+    def pattern(self) -> torch.Tensor:
+        """The attention weights, softmax(scores) over keys, [1, heads, tokens, k_tokens]: rows sum to 1, masked entries are 0.
+
+        Recomputed as `scores` is. Read-only: writing it raises.
+        """
+
+    @Flat(OUTPUT, heads="heads", shape="[1, tokens, heads, head_dim]")
+    def head_outputs(self) -> torch.Tensor:
+        """Each head's mix of values, [1, tokens, heads, head_dim]: what vLLM's attention layer returns.
+
+        What the output projection reads, viewed per head (before Qwen3-Next's
+        output gate). In-place edits and assignment reach the model: zeroing a
+        head removes its contribution.
+        """
+
+    # The layer.
+
+    def kernel_layer(self) -> Any:
+        """vLLM's attention layer module inside this attention."""
+        return self._module.__dict__["_modules"][KERNEL_LAYER]
+
+    def kernel_reason(self) -> Optional[str]:
+        from vllm.model_executor.layers.attention import Attention as VllmAttentionLayer
+
+        layer = getattr(self._module, "_modules", {}).get(KERNEL_LAYER)
+        if layer is None:
+            return NO_LAYER.format(name=KERNEL_LAYER)
+        if not isinstance(layer, VllmAttentionLayer):
+            return OTHER_LAYER.format(name=KERNEL_LAYER, kind=type(layer).__name__)
+        return None
+
+    def relocated(self) -> dict:
+        return {}
+
+    def head_count(self, name: str) -> int:
+        layer = self.kernel_layer()
+        return layer.num_kv_heads if name in ("keys", "values") else layer.num_heads
+
+    def internals_to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        if tensor.dim() == 3 and tensor.shape[0] == 1:  # [1, tokens, width]: flat already, with a batch
+            tensor = tensor[0]
+        heads = tensor.unflatten(-1, (self.head_count(name), -1))  # [tokens, heads, head_dim]
+        if self.CHANNELS_PERMUTED and name in ("queries", "keys"):
+            heads = pairs_first(heads)
+        if name == "head_outputs":
+            return heads.unsqueeze(0)
+        return heads.transpose(0, 1).unsqueeze(0)
+
+    def internals_to_engine(self, value: torch.Tensor, live: torch.Tensor, name: str) -> torch.Tensor:
+        heads = value[0] if name == "head_outputs" else value[0].transpose(0, 1)  # [tokens, heads, head_dim]
+        if self.CHANNELS_PERMUTED and name in ("queries", "keys"):
+            heads = halves_first(heads)
+        return heads.reshape(live.shape)
+
+    # Scores, over the whole prefix.
+
+    def spec(self) -> attention.Spec:
+        """What the layer computes between queries and keys, from the layer and its implementation."""
+        layer = self.kernel_layer()
+        impl = layer.impl
+        softcap = getattr(impl, "logits_soft_cap", None) or None
+        window = getattr(layer, "sliding_window", None)
+        if window is None or window < 0:
+            window = None
+        slopes = getattr(impl, "alibi_slopes", None)
+        if slopes is not None and not isinstance(slopes, torch.Tensor):
+            slopes = torch.tensor(slopes, dtype=torch.float32)
+        scale = 1.0 if self.QUERIES_SCALED else float(impl.scale)
+        chunk = getattr(layer, "attention_chunk_size", None)
+        return attention.Spec(scale=scale, softcap=softcap, sliding_window=window, chunk_size=chunk,
+                              alibi_slopes=slopes)
+
+    def _step(self) -> tuple[dict, int]:
+        """This request's record of this layer's earlier steps, and the step the model is at."""
+        location = f"{self.__dict__[KERNEL_LAYER].path}.{INPUT}"
+        mediator = Mediator.current(location)
+        history = mediator.__dict__.setdefault(HISTORY, {}).setdefault(location, {})
+        return history, mediator.occurrence(location)
+
+    def remember(self, raw: Any) -> None:
+        """Keep this step's keys (as the layer receives them now, edits included) for later decode steps."""
+        history, step = self._step()
+        keys = type(self).keys
+        with torch.inference_mode(False):
+            history[step] = keys.served(self, raw).detach().float().clone()
+
+    def recompute_scores(self, raw: Any, name: str) -> torch.Tensor:
+        """`scores` of this step's queries over every key of the request so far."""
+        kind = type(self)
+        queries = kind.queries.served(self, raw)
+        keys = kind.keys.served(self, raw)
+        history, step = self._step()
+        missing = [earlier for earlier in range(step) if earlier not in history]
+        if missing:
+            raise ValueError(MISSING_STEPS.format(where=self.where(), name=name, step=step,
+                                                  missing=", ".join(map(str, missing))))
+        keys = torch.cat([*(history[earlier] for earlier in range(step)), keys.float()], dim=-2)
+        total, new = keys.shape[-2], queries.shape[-2]
+        key_positions = torch.arange(total, device=keys.device)
+        return attention.scores(queries, keys, self.spec(), key_positions[total - new:], key_positions)
+
+
+class Attention(VllmAttentionInternals, blocks.Attention):
+    """A softmax attention on vLLM (`self_attn`): its output, and its internals read at vLLM's attention layer
+    (`blocks.Attention.reason` asks `kernel_reason` whether the layer is there)."""
+
+
+class PostNormedAttention(Attention, blocks.PostNormedAttention):
+    """An attention on vLLM whose output passes through the block's `post_attention_layernorm` before the add."""
+
+
+__all__ = ["Attention", "Flat", "PostNormedAttention", "Recomputed", "VllmAttentionInternals", "halves_first",
+           "pairs_first"]

@@ -1,0 +1,273 @@
+"""Every family's attention internals on vLLM against the attention oracle (transformers' own tensors).
+
+One engine per family, alive for this module's tests of it only. queries, keys,
+values and head_outputs against the tensors transformers hands its kernel,
+channel for channel (Llama 4's load-time permutation undone); the recomputed
+pattern against transformers' eager weights, past a sliding window of 4 and
+across Llama 4's chunks of 128 (the prompt is longer than both), and on decode
+steps against the same rows of the full sequence; pattern @ values against
+head_outputs; head, query-channel and key-channel edits against the same edits
+made in transformers' own forward; recomputed values refusing writes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import attention_oracle as oracle
+import streamscope
+from streamscope.testing import FAMILIES
+
+PROMPT = ("The Eiffel Tower is in Paris, and the quick brown fox jumps over the lazy dog. "
+          "Attention heads move information between positions; the MLP writes features. ") * 4
+GREEDY = {"temperature": 0.0, "max_tokens": 1}
+RELATIVE = 1e-5
+PATTERN = 1e-5  # absolute, on weights in [0, 1]
+INTERNALS = ("queries", "keys", "values", "scores", "pattern", "head_outputs")
+KERNEL_INPUTS = ("queries", "keys", "values", "head_outputs")
+DECODE_STEPS = 3
+CHANNEL = 3  # the query and key channel the edits move (Llama 4: a channel vLLM moved at load)
+
+
+class Case:
+    """A family's checkpoint and engine settings, and the tolerances its values are held to (None: measured)."""
+
+    def __init__(self, family: str, overrides: dict | None = None, dtype: str | None = None,
+                 tolerance: float | None = RELATIVE, mix: float | None = RELATIVE):
+        self.family, self.overrides, self.dtype = family, overrides or {}, dtype
+        self.tolerance, self.mix = tolerance, mix
+
+
+CASES = {family: Case(family) for family in FAMILIES if family != "mamba"}  # mamba: no attention (and no CPU kernel)
+# vLLM's CPU kernel applies Gemma 2's soft cap in compiled code that agrees with torch.tanh to about 2e-4
+# (see tests/vllm/test_families.py): the kernel's own outputs (head_outputs, logits, pattern @ values) are held
+# to that; queries, keys, values and the recomputed pattern (torch.tanh on vLLM's queries and keys) to 1e-5.
+CASES["gemma2"] = Case("gemma2", mix=5e-4)
+# Qwen3-Next's CPU kernels run bfloat16 only: the tolerance is twice the distance transformers' own bfloat16
+# forward keeps from its float32 one, measured per family as test_families.py does.
+CASES["qwen3_next"] = Case("qwen3_next", {"num_experts_per_tok": 4}, dtype="bfloat16", tolerance=None, mix=None)
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    value, reference = value.float(), reference.float()
+    return ((value - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
+
+
+def repeat_heads(values: torch.Tensor, heads: int) -> torch.Tensor:
+    return values.repeat_interleave(heads // values.shape[1], dim=1)
+
+
+def _transformers_beside_vllm(engine):
+    """vLLM's Transformers backend decorates transformers' classes in place: build under the engine's config."""
+    from vllm.config import set_current_vllm_config
+
+    return set_current_vllm_config(engine.vllm_entrypoint.llm_engine.vllm_config)
+
+
+def _kernel_reference(family: str, tensors: dict, name: str, value: torch.Tensor) -> torch.Tensor:
+    reference = tensors[name]
+    if family == "falcon" and name in ("keys", "values"):  # the kernel gets each kv head per query head
+        reference = reference[:, ::reference.shape[1] // value.shape[1]]
+    return reference
+
+
+class Engines:
+    def __init__(self, case: Case, path):
+        self.name = family = case.family
+        self.model = streamscope.load(path, engine="vllm", **({"dtype": case.dtype} if case.dtype else {}))
+        with _transformers_beside_vllm(self.model):
+            self.sdpa = AutoModelForCausalLM.from_pretrained(path, **oracle.load_kwargs(family, "sdpa")).eval()
+            self.eager = AutoModelForCausalLM.from_pretrained(path, **oracle.load_kwargs(family, "eager")).eval()
+        self.input_ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt").input_ids
+        self.blocks = sorted(oracle.attention_modules(self.sdpa))
+        self.expected = oracle.kernel_tensors(self.sdpa, family, self.input_ids)
+        self.weights = oracle.eager_weights(self.eager, self.input_ids)
+        self.tolerance, self.mix, self.pattern_tolerance = case.tolerance, case.mix, PATTERN
+        if case.tolerance is None:  # measured: twice transformers' own distance from float32 at this dtype
+            with _transformers_beside_vllm(self.model):
+                kwargs = {**oracle.load_kwargs(family, "sdpa"), "dtype": getattr(torch, case.dtype)}
+                low = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+                kwargs = {**oracle.load_kwargs(family, "eager"), "dtype": getattr(torch, case.dtype)}
+                low_eager = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+            tensors = oracle.kernel_tensors(low, family, self.input_ids)
+            weights = oracle.eager_weights(low_eager, self.input_ids)
+            logits = low(self.input_ids).logits
+            errors = [relative_error(tensors[block][name], self.expected[block][name])
+                      for block in self.blocks for name in KERNEL_INPUTS]
+            errors.append(relative_error(logits, self.sdpa(self.input_ids).logits))
+            self.tolerance = self.mix = 2 * max(errors)
+            self.pattern_tolerance = 2 * max((weights[block].float() - self.weights[block]).abs().max().item()
+                                             for block in self.blocks)
+        self.saved = self.read()
+
+    def read(self) -> dict:
+        # Saves come back by name from the engine's worker: one saved tensor per internal, stacked over blocks.
+        model, blocks = self.model, self.blocks
+        with model.trace(PROMPT, **GREEDY):
+            read = {name: [] for name in INTERNALS}
+            for b in blocks:  # in the order the model computes them
+                for name in INTERNALS:
+                    read[name].append(getattr(model.layers[b].self_attn, name))
+            queries = torch.stack(read["queries"]).save()
+            keys = torch.stack(read["keys"]).save()
+            values = torch.stack(read["values"]).save()
+            scores = torch.stack(read["scores"]).save()
+            pattern = torch.stack(read["pattern"]).save()
+            head_outputs = torch.stack(read["head_outputs"]).save()
+            logits = model.logits.save()
+        self.logits = logits
+        stacked = {"queries": queries, "keys": keys, "values": values, "scores": scores, "pattern": pattern,
+                   "head_outputs": head_outputs}
+        return {(name, block): stacked[name][index] for name in INTERNALS for index, block in enumerate(blocks)}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def engines(request, checkpoints):
+    case = CASES[request.param]
+    engines = Engines(case, checkpoints(case.family, **case.overrides))
+    yield engines
+    engines.model.close()
+
+
+def test_support_serves_every_internal_on_attention_blocks(engines):
+    support = engines.model.support()
+    for block in range(engines.model.num_layers):
+        for name in INTERNALS:
+            reason = support[block].rows[f"self_attn.{name}"]
+            assert (reason is None) == (block in engines.blocks), (name, block, reason)
+
+
+def test_queries_keys_values_and_head_outputs_equal_transformers_channel_for_channel(engines):
+    for block in engines.blocks:
+        for name in KERNEL_INPUTS:
+            value = engines.saved[(name, block)]
+            reference = _kernel_reference(engines.name, engines.expected[block], name, value)
+            assert value.shape == reference.shape, (name, block, value.shape, reference.shape)
+            tolerance = engines.mix if name == "head_outputs" else engines.tolerance
+            assert relative_error(value, reference) <= tolerance, (name, block, relative_error(value, reference))
+        assert engines.saved[("queries", block)].shape[1] == engines.model.num_heads
+        assert engines.saved[("keys", block)].shape[1] == engines.model.num_kv_heads
+    model = engines.model  # (a trace body ships what it names to the engine's worker: the model, plain data)
+    with model.trace(PROMPT, **GREEDY):
+        plain = model.logits.save()
+    assert torch.equal(plain, engines.logits)  # reading changes nothing
+
+
+def test_pattern_equals_the_eager_weights_past_windows_and_across_chunks(engines):
+    assert engines.input_ids.shape[1] > 128
+    config, seq = engines.eager.config, engines.input_ids.shape[1]
+    for block in engines.blocks:
+        pattern, scores, reference = (engines.saved[("pattern", block)], engines.saved[("scores", block)],
+                                      engines.weights[block])
+        assert pattern.shape == reference.shape, (block, pattern.shape, reference.shape)
+        assert (pattern - reference.float()).abs().max().item() <= engines.pattern_tolerance, block
+        assert torch.allclose(pattern.sum(-1), torch.ones(()), atol=1e-5)
+        masked = reference == 0
+        assert masked.any(), block
+        assert torch.all(pattern[masked] == 0), block
+        assert torch.all(torch.isinf(scores[masked])), block
+        # Where the model stops looking, the pattern stops too.
+        row = pattern[0, 0]
+        kind = (getattr(config, "layer_types", None) or [None] * 99)[block]
+        window = getattr(config, "sliding_window", None)
+        if kind == "chunked_attention":
+            chunk = config.attention_chunk_size
+            assert torch.all(row[chunk, :chunk] == 0) and row[chunk, chunk] > 0
+        elif window and (kind == "sliding_attention" or (kind is None and engines.name == "mistral")):
+            assert torch.all(row[seq - 1, :seq - window] == 0) and torch.all(row[seq - 1, seq - window:] > 0)
+
+
+def test_pattern_at_values_reproduces_head_outputs(engines):
+    for block in engines.blocks:
+        pattern, values = engines.saved[("pattern", block)], engines.saved[("values", block)].float()
+        mix = (pattern @ repeat_heads(values, pattern.shape[1])).transpose(1, 2)
+        assert relative_error(mix, engines.saved[("head_outputs", block)]) <= engines.mix, block
+
+
+def test_zeroing_a_head_gives_transformers_logits(engines):
+    model, block, head = engines.model, engines.blocks[-1], 1
+    with model.trace(PROMPT, **GREEDY):
+        model.layers[block].self_attn.head_outputs[:, :, head] = 0
+        logits = model.logits.save()
+    head_dim = engines.expected[block]["queries"].shape[-1]
+    expected = oracle.logits_with_head_zeroed(engines.sdpa, engines.input_ids, block, head, head_dim)[:, -1]
+    assert not torch.allclose(expected, engines.sdpa(engines.input_ids).logits[:, -1])
+    assert relative_error(logits, expected) <= engines.mix
+
+
+@torch.no_grad()
+def _logits_with_kernel_edit(model, family, input_ids, block, name, edit):
+    """transformers' logits with `edit` applied to the queries or keys block `block`'s kernel receives."""
+    def edited(index, kernel, before, query, key, value, *rest, **kwargs):
+        if index == block:
+            if name == "queries":
+                query = query.clone()
+                edit(query)
+            else:
+                key = key.clone()
+                edit(key)
+        return kernel(*before, query, key, value, *rest, **kwargs)
+
+    with oracle.kernel_wrapped(model, family, edited):
+        return model(input_ids).logits
+
+
+@pytest.mark.parametrize("name", ["queries", "keys"])
+def test_editing_one_channel_has_the_effect_it_has_on_transformers(engines, name):
+    model, block = engines.model, engines.blocks[0]
+
+    def edit(tensor):  # queries: one head's channel; keys: every kv head's (Falcon's kernel gets copies)
+        if name == "queries":
+            tensor[:, 0, :, CHANNEL] *= 3.0
+        else:
+            tensor[..., CHANNEL] += 0.5
+
+    with model.trace(PROMPT, **GREEDY):
+        edit(getattr(model.layers[block].self_attn, name))
+        logits = model.logits.save()
+    expected = _logits_with_kernel_edit(engines.sdpa, engines.name, engines.input_ids, block, name, edit)[:, -1]
+    assert not torch.allclose(expected, engines.sdpa(engines.input_ids).logits[:, -1])
+    assert relative_error(logits, expected) <= engines.mix
+
+
+def test_decode_steps_serve_the_pattern_row_over_the_whole_prefix(engines):
+    model, blocks = engines.model, engines.blocks
+    with model.trace(PROMPT, temperature=0.0, max_tokens=DECODE_STEPS) as tracer:
+        rows = list().save()
+        for step in tracer.iter[:DECODE_STEPS]:
+            rows.append(torch.stack([model.layers[b].self_attn.pattern[0, :, -1] for b in blocks]))
+        result = tracer.result.save()
+    generated = list(result.outputs[0].token_ids)
+    full = torch.cat([engines.input_ids, torch.tensor([generated[:-1]])], dim=1)
+    weights = oracle.eager_weights(engines.eager, full)
+    prompt_length = engines.input_ids.shape[1]
+    assert len(rows) == DECODE_STEPS
+    for step, row in enumerate(rows):
+        position = prompt_length - 1 + step
+        assert row.shape[-1] == position + 1, (step, row.shape)
+        for index, block in enumerate(blocks):
+            expected = weights[block][0, :, position, :position + 1].float()
+            assert (row[index] - expected).abs().max().item() <= engines.pattern_tolerance, (step, block)
+            assert torch.all(row[index][expected == 0] == 0), (step, block)
+
+
+def test_recomputed_values_refuse_writes_and_the_engine_serves_on(engines):
+    model, block = engines.model, engines.blocks[0]
+    for name in ("scores", "pattern"):
+        with pytest.raises(ValueError, match="cannot be written"):
+            with model.trace(PROMPT, **GREEDY):
+                getattr(model.layers[block].self_attn, name)[:] = 0
+                model.logits.save()
+    with model.trace(PROMPT, **GREEDY):
+        logits = model.logits.save()
+    assert torch.equal(logits, engines.logits)
+
+
+def test_a_decode_read_without_the_earlier_steps_says_what_it_needs(engines):
+    model, block = engines.model, engines.blocks[0]
+    with pytest.raises(ValueError, match="every earlier step"):
+        with model.trace(PROMPT, temperature=0.0, max_tokens=2) as tracer:
+            for step in tracer.iter[1:2]:
+                model.layers[block].self_attn.pattern.save()
