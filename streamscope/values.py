@@ -132,24 +132,24 @@ class StreamValue(eproperty):
             self.description = function.__doc__.strip().splitlines()[0]
         return self
 
-    def site(self, host: Any) -> tuple[Optional[str], str]:
-        """(module, where) of this value on `host`: the declared ones unless the host relocates it."""
-        return tuple(host.relocated().get(self.name, (self.module, self.where))[:2])
+    def site(self, host: Any) -> tuple[Optional[str], str, Any]:
+        """(module, where, argument) of this value on `host`: the declared ones unless the host relocates it.
 
-    def position(self, host: Any) -> tuple[int, str] | str | None:
-        """Where the value sits in an input call on `host`: a relocation's third element
-        (``(module, "input", (index, name))``, e.g. the stream argument of a block's call), else the declared one."""
+        A relocation is ``(module, where)`` or ``(module, "input", (index, name))``
+        for a value that sits in another argument of the call (the stream
+        argument of a block's call).
+        """
         relocated = host.relocated().get(self.name)
         if relocated is None:
-            return self.argument
-        return relocated[2] if len(relocated) > 2 else None
+            return self.module, self.where, self.argument
+        return relocated[0], relocated[1], relocated[2] if len(relocated) > 2 else None
 
     def located(self, host: Any) -> Any:
         """The envoy whose call holds this value on `host`, or raise Unavailable."""
         reason = host.reason(self.name)
         if reason is not None:
             raise Unavailable(self.name, host.where(), reason)
-        module, _ = self.site(host)
+        module = self.site(host)[0]
         return resolve(host, module) if module else host
 
     def _location(self, host: Any) -> str:
@@ -164,8 +164,8 @@ class StreamValue(eproperty):
 
     def live(self, host: Any, raw: Any) -> torch.Tensor:
         """The model's own tensor for this value, in what the location served."""
-        position = self.position(host)
-        if self.site(host)[1] == INPUT and position is not None:
+        _, where, position = self.site(host)
+        if where == INPUT and position is not None:
             position = getattr(host, position) if isinstance(position, str) else position
             return argument(raw, *position)
         return first_tensor(raw)
@@ -174,11 +174,16 @@ class StreamValue(eproperty):
 
     def _read(self, host: Any, raw: Any) -> torch.Tensor:
         view = host.to_user(self.live(host, raw), self.name)
-        # Outside inference mode (vLLM runs in it), so the copy keeps a version counter.
-        with torch.inference_mode(False):
-            if self.factor is not None:
-                return view * self.factor(host)  # a new tensor: already private
-            return view.clone()
+        if view.is_inference():
+            # vLLM runs in inference mode: copy outside it, so the copy keeps a version counter.
+            with torch.inference_mode(False):
+                return self._private(host, view)
+        return self._private(host, view)
+
+    def _private(self, host: Any, view: torch.Tensor) -> torch.Tensor:
+        if self.factor is not None:
+            return view * self.factor(host)  # a new tensor: already private
+        return view.clone()
 
     def _write_back(self, host: Any, view: torch.Tensor, raw: Any) -> Any:
         # A fresh copy starts at version 0 and every in-place op bumps it: an

@@ -13,9 +13,13 @@ A dense MLP has no router, and says so. A family whose mixture of experts
 computes its routing outside a fused kernel serves them through a subclass
 here, `TopKRouterMlp` (Mixtral, Qwen3-MoE, Qwen3-Next: a router module that
 returns ``(logits, weights, experts)``) or `Llama4Mlp` (a router that returns
-``(scores, logits)``). An edit of ``router_logits`` reaches the model: the
-router's own top-k is run again on the edited logits, and its choice and
-weights replace the model's, in place, before the experts read them.
+``(scores, logits)``; it holds no tensor of its choice, so chosen_experts and
+routing_weights are recomputed from its logits, as its code computes them, and
+are read-only). The router computes its choice from its logits inside its own
+call, so an edit of ``router_logits`` reaches the model this way: the
+router's top-k (restated from transformers' router code in `reroute`) is run
+on the edited logits, and its choice and weights replace the router's
+outputs, in place, before the experts read them.
 
 The shared expert of a mixture (Llama 4's ``shared_expert``, Qwen3-Next's, both
 aliased to ``shared_experts``) is a dense MLP, so it is an `Mlp` too
@@ -24,7 +28,7 @@ aliased to ``shared_experts``) is a dense MLP, so it is an `Mlp` too
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 import torch
 

@@ -33,7 +33,8 @@ FUSED_SHARED_EXPERT = (
 
 
 class Mlp(blocks.Mlp):
-    """A vLLM feed-forward: a dense MLP, or a fused mixture of experts whose routing values say why they are unavailable."""
+    """A vLLM feed-forward: a dense MLP, or a fused mixture of experts whose routing values say why they are
+    unavailable."""
 
     def routing_reason(self, name: str) -> Optional[str]:
         return FUSED_ROUTING[name] if self.is_moe() else blocks.sublayers.DENSE

@@ -1,4 +1,5 @@
-"""Qwen3-Next: a hybrid: each pre-norm block mixes with softmax attention (`self_attn`) or a gated delta net (`linear_attn`).
+"""Qwen3-Next: a hybrid: each pre-norm block mixes with softmax attention (`self_attn`) or a gated delta net
+(`linear_attn`).
 
 The `mlp` is a mixture of experts with a gated shared expert: the router
 (`gate`) as Qwen3-MoE's (`TopKRouterMlp`), and the shared expert

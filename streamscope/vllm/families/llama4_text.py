@@ -7,8 +7,9 @@ experts', is what the block adds; the routing runs inside vLLM's fused MoE
 kernel, and the routing values say so. The shared expert (`shared_expert`,
 aliased to `shared_experts`) is the dense MLP's class, an `Mlp` too; vLLM's
 fused MoE layer calls it and adds its output, so its mlp_output is
-unavailable (`streamscope.vllm.moe`). vLLM's blocks take and return ``[tokens, hidden]``, so nothing needs
-the stream's shape (transformers' `Llama4Layer` flattens tokens for its MoE).
+unavailable (`streamscope.vllm.moe`). vLLM's blocks take and return
+``[tokens, hidden]``, so nothing needs the stream's shape (transformers'
+`Llama4Layer` flattens tokens for its MoE).
 
 One difference from transformers is in vLLM's model, not here: vLLM applies
 the NoPE blocks' attention temperature tuning only when the generation config

@@ -5,9 +5,10 @@ Each block mixes with softmax attention (`self_attn`) or a gated delta net
 whose output is what the block adds; the routing runs inside vLLM's fused MoE
 kernel, and the routing values say so; the shared expert, `shared_experts` as
 on transformers, is called and gated inside vLLM's fused MoE layer, so its
-mlp_output is unavailable: `streamscope.vllm.moe`). The block is fused like Llama's but is called with keywords in
-another order, ``forward(hidden_states, residual, positions)``; the values find
-the halves by name. vLLM's CPU kernels for the gated delta net run bfloat16
+mlp_output is unavailable: `streamscope.vllm.moe`). The block is fused like
+Llama's but is called with keywords in another order,
+``forward(hidden_states, residual, positions)``; the values find the halves by
+name. vLLM's CPU kernels for the gated delta net run bfloat16
 only, with head dims of 64.
 """
 
