@@ -153,7 +153,14 @@ class StreamValue(eproperty):
         return resolve(host, module) if module else host
 
     def _location(self, host: Any) -> str:
-        return f"{self.located(host).path}.{self.site(host)[1]}"
+        # Resolved once per envoy: aliases, relocations and reasons do not change while it lives.
+        cache = host.__dict__.get("_streamscope_locations")
+        if cache is None:
+            cache = host.__dict__["_streamscope_locations"] = {}
+        location = cache.get(self.name)
+        if location is None:
+            location = cache[self.name] = f"{self.located(host).path}.{self.site(host)[1]}"
+        return location
 
     def __get__(self, host: Any, owner: Any = None) -> Any:
         if host is None:
