@@ -70,19 +70,17 @@ def halves_first(tensor: torch.Tensor) -> torch.Tensor:
 class Flat(StreamValue):
     """One of the attention layer's flat per-head tensors, served per head in transformers' layout.
 
+    The host splits the flat width into its heads (`head_count`) and says the
+    layout (`internals_to_user`, `internals_to_engine`).
+
     Args:
         where: ``"input"`` (`argument` says which) or ``"output"`` (head_outputs).
-        heads: ``"heads"`` or ``"kv_heads"``: how many heads the flat width holds.
     """
 
-    def __init__(self, where: str, *, heads: str, shape: str, argument: Optional[tuple[int, str]] = None,
+    def __init__(self, where: str, *, shape: str, argument: Optional[tuple[int, str]] = None,
                  factor: Optional[Callable[[Any], float]] = None, description: Optional[str] = None) -> None:
         super().__init__(KERNEL_LAYER, where, shape=shape, argument=argument, factor=factor,
                          description=description)
-        self.heads = heads
-
-    def __call__(self, function: Callable) -> "Flat":
-        return super().__call__(function)
 
     def served(self, host: Any, raw: Any) -> torch.Tensor:
         """The value in the user's layout, scaled where it is, without a copy where none is needed."""
@@ -118,7 +116,7 @@ class VllmAttentionInternals:
     """The attention internals of `streamscope.blocks.heads`, read at vLLM's attention layer (`attn`).
 
     A family whose layer differs says how: `CHANNELS_PERMUTED` (Llama 4's
-    load-time permutation of q and k channels), `QUERY_FACTOR` (OPT's queries,
+    load-time permutation of q and k channels), `QUERIES_SCALED` (OPT's queries,
     which transformers serves scaled), or overrides `spec`.
     """
 
@@ -127,10 +125,7 @@ class VllmAttentionInternals:
     #: Whether transformers serves the queries multiplied by the scale (and attends with scale 1): OPT.
     QUERIES_SCALED: ClassVar[bool] = False
 
-    def _query_factor(self) -> float:
-        return self.kernel_layer().impl.scale
-
-    @Flat(INPUT, heads="heads", argument=(0, "query"), shape="[1, heads, tokens, head_dim]")
+    @Flat(INPUT, argument=(0, "query"), shape="[1, heads, tokens, head_dim]")
     def queries(self) -> torch.Tensor:
         """The queries vLLM's attention layer receives, after rotary and any query norm, [1, heads, tokens, head_dim].
 
@@ -139,7 +134,7 @@ class VllmAttentionInternals:
         edits and assignment reach the layer, in vLLM's order.
         """
 
-    @Flat(INPUT, heads="kv_heads", argument=(1, "key"), shape="[1, kv_heads, tokens, head_dim]")
+    @Flat(INPUT, argument=(1, "key"), shape="[1, kv_heads, tokens, head_dim]")
     def keys(self) -> torch.Tensor:
         """The keys vLLM's attention layer receives (and caches), after rotary and any key norm, [1, kv_heads, tokens, head_dim].
 
@@ -148,14 +143,14 @@ class VllmAttentionInternals:
         layer before it caches them.
         """
 
-    @Flat(INPUT, heads="kv_heads", argument=(2, "value"), shape="[1, kv_heads, tokens, head_dim]")
+    @Flat(INPUT, argument=(2, "value"), shape="[1, kv_heads, tokens, head_dim]")
     def values(self) -> torch.Tensor:
         """The values vLLM's attention layer receives (and caches), [1, kv_heads, tokens, head_dim].
 
         In-place edits and assignment reach the layer before it caches them.
         """
 
-    @Recomputed(INPUT, heads="heads", argument=(0, "query"), shape="[1, heads, tokens, k_tokens]")
+    @Recomputed(INPUT, argument=(0, "query"), shape="[1, heads, tokens, k_tokens]")
     def scores(self) -> torch.Tensor:
         """The attention logits before the softmax, [1, heads, tokens, k_tokens], float32; -inf where masked.
 
@@ -166,14 +161,14 @@ class VllmAttentionInternals:
         attention at every step). Read-only: writing it raises.
         """
 
-    @Recomputed(INPUT, heads="heads", argument=(0, "query"), shape="[1, heads, tokens, k_tokens]")
+    @Recomputed(INPUT, argument=(0, "query"), shape="[1, heads, tokens, k_tokens]")
     def pattern(self) -> torch.Tensor:
         """The attention weights, softmax(scores) over keys, [1, heads, tokens, k_tokens]: rows sum to 1, masked entries are 0.
 
         Recomputed as `scores` is. Read-only: writing it raises.
         """
 
-    @Flat(OUTPUT, heads="heads", shape="[1, tokens, heads, head_dim]")
+    @Flat(OUTPUT, shape="[1, tokens, heads, head_dim]")
     def head_outputs(self) -> torch.Tensor:
         """Each head's mix of values, [1, tokens, heads, head_dim]: what vLLM's attention layer returns.
 

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import attention_oracle as oracle
+from access import relative_error
 import streamscope
 from streamscope.testing import FAMILIES
 
@@ -22,10 +23,6 @@ PROMPT = ("The Eiffel Tower is in Paris, and the quick brown fox jumps over the 
           "Attention heads move information between positions; the MLP writes features. ") * 4
 RELATIVE = 1e-5
 INTERNALS = ("queries", "keys", "values", "scores", "pattern", "head_outputs")
-
-
-def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((value - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
 
 
 def repeat_heads(values: torch.Tensor, heads: int) -> torch.Tensor:

@@ -13,32 +13,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import oracle
+from access import relative_error, row, value_of
 import streamscope
 from streamscope.transformers.families import default
 
 PROMPT = "The Eiffel Tower is in Paris, and the quick brown fox"
 RELATIVE = 1e-5
 NAMES = (*oracle.BOUNDARIES, *oracle.CONTRIBUTIONS)
-
-
-def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((value - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
-
-
-def value_of(model, name: str, block):
-    if block is None:
-        return getattr(model, name)
-    layer = model.layers[block]
-    if name == "attention_output":
-        return layer.self_attn.attention_output
-    if name == "mlp_output":
-        return layer.mlp.mlp_output
-    return getattr(layer, name)
-
-
-def row(support, name: str, block: int):
-    rows = support[block].rows
-    return rows[next(key for key in rows if key == name or key.endswith("." + name))]
 
 
 class Defaulted:

@@ -13,42 +13,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import oracle
+from access import relative_error, set_value, value_of
 import streamscope
 from streamscope.testing import FAMILIES
 
 PROMPT = "The Eiffel Tower is in Paris, and the quick brown fox"
 RELATIVE = 1e-5  # float32 on CPU: the same ops in the same order agree to rounding
-
-
-def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((value - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
-
-
-def value_of(model, name: str, block):
-    """The streamscope value `name` (an oracle name) of `block` (None: a root value)."""
-    if block is None:
-        return getattr(model, name)
-    layer = model.layers[block]
-    if name == "attention_output":
-        host = layer.self_attn if "self_attn" in layer.__dict__ else layer.linear_attn
-        return host.attention_output
-    if name == "mlp_output":
-        return layer.mlp.mlp_output
-    return getattr(layer, name)
-
-
-def set_value(model, name: str, block, value) -> None:
-    if block is None:
-        setattr(model, name, value)
-        return
-    layer = model.layers[block]
-    if name == "attention_output":
-        host = layer.self_attn if "self_attn" in layer.__dict__ else layer.linear_attn
-        host.attention_output = value
-    elif name == "mlp_output":
-        layer.mlp.mlp_output = value
-    else:
-        setattr(layer, name, value)
 
 
 class Family:

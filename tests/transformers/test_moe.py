@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import streamscope
+from access import relative_error
 
 PROMPT = "The Eiffel Tower is in Paris, and the quick brown fox"
 RELATIVE = 1e-5
@@ -32,11 +33,6 @@ MOE = {
     "llama4_text": {"mlp": "feed_forward", "router": "router", "logits": 1, "shared": "shared_expert"},
 }
 OVERRIDES = {"llama4_text": {"num_experts_per_tok": 2}}  # top-2, so the weights are not all one expert's
-
-
-def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    value, reference = value.float(), reference.float()
-    return ((value - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
 
 
 class Family:

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import attention_oracle as oracle
+from access import relative_error
 import streamscope
 from streamscope.testing import FAMILIES
 
@@ -42,17 +43,16 @@ class Case:
 
 CASES = {family: Case(family) for family in FAMILIES if family != "mamba"}  # mamba: no attention (and no CPU kernel)
 # vLLM's CPU kernel applies Gemma 2's soft cap in compiled code that agrees with torch.tanh to about 2e-4
-# (see tests/vllm/test_families.py): the kernel's own outputs (head_outputs, logits, pattern @ values) are held
-# to that; queries, keys, values and the recomputed pattern (torch.tanh on vLLM's queries and keys) to 1e-5.
-CASES["gemma2"] = Case("gemma2", mix=5e-4)
+# (see tests/vllm/test_families.py): the kernel's outputs, and every block after the first through the
+# stream, are held to a few times that (it compounds over blocks and this 205-token prompt); the same
+# checkpoint without the soft cap is held to 1e-5, which shows the mapping exact. The recomputed pattern
+# (torch.tanh on vLLM's queries and keys) stays within 1e-5 of the eager weights either way.
+CASES["gemma2"] = Case("gemma2", tolerance=1e-3, mix=1e-3)
+CASES["gemma2-no-softcap"] = Case("gemma2", {"attn_logit_softcapping": None})
 # Qwen3-Next's CPU kernels run bfloat16 only: the tolerance is twice the distance transformers' own bfloat16
 # forward keeps from its float32 one, measured per family as test_families.py does.
 CASES["qwen3_next"] = Case("qwen3_next", {"num_experts_per_tok": 4}, dtype="bfloat16", tolerance=None, mix=None)
 
-
-def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    value, reference = value.float(), reference.float()
-    return ((value - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
 
 
 def repeat_heads(values: torch.Tensor, heads: int) -> torch.Tensor:
@@ -271,3 +271,33 @@ def test_a_decode_read_without_the_earlier_steps_says_what_it_needs(engines):
         with model.trace(PROMPT, temperature=0.0, max_tokens=2) as tracer:
             for step in tracer.iter[1:2]:
                 model.layers[block].self_attn.pattern.save()
+
+
+def test_invokes_batched_together_each_serve_their_own_request(engines):
+    # Two requests in one step, with their decode steps: each invoke's values, and the prefix its decode
+    # scores span, are its own request's (the keys of earlier steps are kept per request).
+    model, block = engines.model, engines.blocks[-1]
+    prompts = [PROMPT, "Once upon a time"]
+    generate = {"temperature": 0.0, "max_tokens": 2}
+    with model.trace(**generate) as tracer:
+        for prompt in prompts:
+            with tracer.invoke(prompt):
+                rows = list().save()
+                queries = list().save()
+                for step in tracer.iter[:2]:
+                    attention = model.layers[block].self_attn
+                    queries.append(attention.queries[0, :, -1].clone())
+                    rows.append(attention.pattern[0, :, -1].clone())
+    assert len(rows) == len(queries) == 2
+    for index, prompt in enumerate(prompts):
+        with model.trace(prompt, **generate) as tracer:
+            solo_rows = list().save()
+            solo_queries = list().save()
+            for step in tracer.iter[:2]:
+                attention = model.layers[block].self_attn
+                solo_queries.append(attention.queries[0, :, -1].clone())
+                solo_rows.append(attention.pattern[0, :, -1].clone())
+        for step in range(2):
+            assert rows[index][step].shape == solo_rows[step].shape, (index, step)
+            assert relative_error(rows[index][step], solo_rows[step]) <= engines.mix, (index, step)
+            assert relative_error(queries[index][step], solo_queries[step]) <= engines.mix, (index, step)

@@ -14,13 +14,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import oracle
+from access import relative_error
 import streamscope
 
 PROMPT = "The Eiffel Tower is in Paris, and the quick brown fox"
 
 
-def relative_error(value, reference) -> float:
-    return ((value - reference).abs().max() / reference.abs().max()).item()
 
 
 @pytest.fixture(scope="module")

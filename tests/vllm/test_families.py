@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import oracle
+from access import relative_error, value_of
 import streamscope
 from streamscope.testing import FAMILIES
 
@@ -53,23 +54,6 @@ CASES["gemma2-no-softcap"] = Case("gemma2", {"attn_logit_softcapping": None})
 # so that bfloat16 rounding cannot flip a routing choice; the tolerance is then measured, not
 # chosen: twice the distance transformers' own bfloat16 forward keeps from its float32 one.
 CASES["qwen3_next"] = Case("qwen3_next", {"num_experts_per_tok": 4}, dtype="bfloat16", tolerance=None)
-
-
-def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    value, reference = value.float(), reference.float()
-    return ((value - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
-
-
-def value_of(model, name: str, block):
-    if block is None:
-        return getattr(model, name)
-    layer = model.layers[block]
-    if name == "attention_output":
-        host = layer.self_attn if "self_attn" in layer.__dict__ else layer.linear_attn
-        return host.attention_output
-    if name == "mlp_output":
-        return layer.mlp.mlp_output
-    return getattr(layer, name)
 
 
 def _transformers_beside_vllm(engine):

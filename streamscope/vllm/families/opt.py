@@ -25,14 +25,18 @@ class OPTLayer(Layer, _TransformersOPTLayer):
     FLATTENS_TOKENS = False
 
 
+def _query_scale(host) -> float:
+    return host.kernel_layer().impl.scale
+
+
 class OPTAttention(Attention):
     """OPT's attention: transformers scales the queries by head_dim ** -0.5 before its kernel (and attends with
     scale 1), vLLM's layer scales inside; the queries are served scaled, as transformers serves them, and an
     edit is unscaled on its way back."""
 
     QUERIES_SCALED = True
-    queries = Flat(INPUT, heads="heads", argument=(0, "query"), shape="[1, heads, tokens, head_dim]",
-                   factor=lambda host: host.kernel_layer().impl.scale,
+    queries = Flat(INPUT, argument=(0, "query"), shape="[1, heads, tokens, head_dim]",
+                   factor=_query_scale,
                    description="The queries vLLM's attention layer receives, scaled as transformers scales them, "
                                "[1, heads, tokens, head_dim]")
 
