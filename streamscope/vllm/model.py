@@ -74,7 +74,13 @@ class StandardizedVLLM(Standardized, VLLM):
         super().__init__(str(path), **settings)
 
     def close(self) -> None:
-        """Shut the engine down and free its KV cache; the model cannot trace afterwards."""
+        """Shut the engine down and free its KV cache; the model cannot trace afterwards.
+
+        With the engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+        vLLM's parallel state belongs to the process and the shutdown tears it
+        down: close an engine when no other engine of this process is still to
+        be used.
+        """
         entry = getattr(self, "vllm_entrypoint", None)
         if entry is not None:
             entry.llm_engine.engine_core.shutdown()

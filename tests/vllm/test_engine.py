@@ -72,18 +72,6 @@ def test_decode_steps_serve_one_token_each_equal_to_the_full_sequence(llama):
         assert relative_error(value[0, -1], expected[0, position]) <= 1e-5, step
 
 
-def test_a_value_a_block_cannot_serve_raises_unavailable_on_vllm_too(checkpoints):
-    model = streamscope.load(checkpoints("gptj"), engine="vllm")
-    try:
-        with pytest.raises(streamscope.Unavailable) as raised:
-            with model.trace(PROMPT, temperature=0.0, max_tokens=1):
-                model.layers[0].layer_mid.save()
-        assert "parallel block" in raised.value.reason
-        assert raised.value.where == "model.layers[0]"
-    finally:
-        model.close()
-
-
 def test_a_model_type_without_a_vllm_family_says_how_to_go_on(tmp_path, checkpoints):
     from streamscope.vllm.families import family_for
 

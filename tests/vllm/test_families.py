@@ -265,6 +265,21 @@ def test_a_skip_in_one_invoke_leaves_the_others_exact(engines):
     assert relative_error(skipped, expected) <= engines.tolerance
 
 
+def test_every_unserved_value_raises_unavailable_with_the_reason_support_gives(engines):
+    model = engines.model
+    rows = model.layers[0].support().rows
+    unserved = [name for name, reason in rows.items() if reason is not None and "." not in name]
+    for name in unserved:
+        with pytest.raises(streamscope.Unavailable) as raised:
+            with model.trace(PROMPT, **GREEDY):
+                getattr(model.layers[0], name).save()
+        assert raised.value.reason == rows[name], name
+        assert raised.value.where == "model.layers[0]"
+    with model.trace(PROMPT, **GREEDY):
+        logits = model.logits.save()
+    assert relative_error(logits, engines.expected["logits"][:, -1]) <= engines.tolerance
+
+
 def test_the_support_table_matches_transformers_except_where_vllm_hides_a_value(engines):
     on_vllm, on_transformers = engines.model.support(), engines.transformers.support()
     assert on_vllm.root.rows == on_transformers.root.rows
