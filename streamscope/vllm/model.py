@@ -101,18 +101,20 @@ _RETYPED = {"Unavailable": Unavailable, "ValueError": ValueError, "TypeError": T
 
 
 def _retyped(error: RuntimeError) -> Exception:
-    message = str(error)
-    kind, _, rest = message.partition(": ")
+    """The worker's error as the client would have raised it; the worker's traceback rides along as a note."""
+    kind, _, rest = str(error).partition(": ")
+    if kind not in _RETYPED:
+        return error
+    head, _, traceback = rest.partition("\n\nIntervention traceback:")
     if kind == "Unavailable":
-        head, _, _ = rest.partition("\n\nIntervention traceback:")
         where_value, _, reason = head.partition(" is unavailable: ")
         where, _, value = where_value.rpartition(".")
-        unavailable = Unavailable(value, where, reason)
-        unavailable.args = (rest,)
-        return unavailable
-    if kind in _RETYPED:
-        return _RETYPED[kind](rest)
-    return error
+        retyped: Exception = Unavailable(value, where, reason)
+    else:
+        retyped = _RETYPED[kind](head)
+    if traceback:
+        retyped.add_note("Intervention traceback (in the vLLM worker):" + traceback.rstrip())
+    return retyped
 
 
 def load(path: str | Path, **kwargs: Any) -> StandardizedVLLM:
