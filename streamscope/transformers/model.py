@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -45,11 +47,21 @@ class StandardizedTransformers(Standardized, TransformersModel):
         kwargs.setdefault("dtype", torch.float32)
         kwargs.setdefault("dispatch", True)
         kwargs.setdefault("task", "text-generation")
-        super().__init__(str(path), *args, **kwargs)
+        with _beside_vllm():
+            super().__init__(str(path), *args, **kwargs)
         # A family may check the tree it was applied to (the default says what it could not map).
         check = getattr(self.family, "check", None)
         if check is not None:
             check(self)
+
+
+def _beside_vllm() -> contextlib.AbstractContextManager:
+    """vLLM's config, where this process runs a vLLM engine whose backend patched transformers' classes."""
+    if "streamscope.vllm.model" not in sys.modules:
+        return contextlib.nullcontext()
+    from ..vllm.model import beside_engine
+
+    return beside_engine()
 
 
 def load(path: str | Path, **kwargs: Any) -> StandardizedTransformers:

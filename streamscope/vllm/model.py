@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,24 @@ def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+_ENGINES: "weakref.WeakSet[StandardizedVLLM]" = weakref.WeakSet()
+
+
+def beside_engine() -> contextlib.AbstractContextManager:
+    """Where a transformers model is built in a process that runs a vLLM engine.
+
+    vLLM's Transformers backend (GPT-NeoX, OLMo 2) decorates transformers' own
+    model classes in place, and an instance built afterwards asks for a current
+    vLLM config: the live engine's (eager, it runs transformers' forward as is).
+    """
+    from vllm.config import set_current_vllm_config
+
+    for engine in list(_ENGINES):
+        if engine.vllm_entrypoint is not None:
+            return set_current_vllm_config(engine.vllm_entrypoint.llm_engine.vllm_config)
+    return contextlib.nullcontext()
 
 
 class StandardizedVLLM(Standardized, VLLM):
@@ -72,6 +92,7 @@ class StandardizedVLLM(Standardized, VLLM):
         settings.setdefault("envoys", {**parallel_envoys(), **self.family.ENVOYS})
         settings.setdefault("dispatch", True)
         super().__init__(str(path), **settings)
+        _ENGINES.add(self)
 
     def close(self) -> None:
         """Shut the engine down and free its KV cache; the model cannot trace afterwards.

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import attention_oracle as oracle
 from access import relative_error
 import streamscope
+from streamscope.vllm.model import beside_engine
 from streamscope.testing import FAMILIES
 
 PROMPT = ("The Eiffel Tower is in Paris, and the quick brown fox jumps over the lazy dog. "
@@ -59,13 +60,6 @@ def repeat_heads(values: torch.Tensor, heads: int) -> torch.Tensor:
     return values.repeat_interleave(heads // values.shape[1], dim=1)
 
 
-def _transformers_beside_vllm(engine):
-    """vLLM's Transformers backend decorates transformers' classes in place: build under the engine's config."""
-    from vllm.config import set_current_vllm_config
-
-    return set_current_vllm_config(engine.vllm_entrypoint.llm_engine.vllm_config)
-
-
 def _kernel_reference(family: str, tensors: dict, name: str, value: torch.Tensor) -> torch.Tensor:
     reference = tensors[name]
     if family == "falcon" and name in ("keys", "values"):  # the kernel gets each kv head per query head
@@ -77,7 +71,7 @@ class Engines:
     def __init__(self, case: Case, path):
         self.name = family = case.family
         self.model = streamscope.load(path, engine="vllm", **({"dtype": case.dtype} if case.dtype else {}))
-        with _transformers_beside_vllm(self.model):
+        with beside_engine():
             self.sdpa = AutoModelForCausalLM.from_pretrained(path, **oracle.load_kwargs(family, "sdpa")).eval()
             self.eager = AutoModelForCausalLM.from_pretrained(path, **oracle.load_kwargs(family, "eager")).eval()
         self.input_ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt").input_ids
@@ -86,7 +80,7 @@ class Engines:
         self.weights = oracle.eager_weights(self.eager, self.input_ids)
         self.tolerance, self.mix, self.pattern_tolerance = case.tolerance, case.mix, PATTERN
         if case.tolerance is None:  # measured: twice transformers' own distance from float32 at this dtype
-            with _transformers_beside_vllm(self.model):
+            with beside_engine():
                 kwargs = {**oracle.load_kwargs(family, "sdpa"), "dtype": getattr(torch, case.dtype)}
                 low = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
                 kwargs = {**oracle.load_kwargs(family, "eager"), "dtype": getattr(torch, case.dtype)}

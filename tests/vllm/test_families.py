@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import oracle
 from access import relative_error, value_of
 import streamscope
+from streamscope.vllm.model import beside_engine
 from streamscope.testing import FAMILIES
 
 PROMPT = "The Eiffel Tower is in Paris, and the quick brown fox"
@@ -56,31 +57,19 @@ CASES["gemma2-no-softcap"] = Case("gemma2", {"attn_logit_softcapping": None})
 CASES["qwen3_next"] = Case("qwen3_next", {"num_experts_per_tok": 4}, dtype="bfloat16", tolerance=None)
 
 
-def _transformers_beside_vllm(engine):
-    """Where transformers models are built once vLLM runs in this process.
-
-    vLLM's Transformers backend (GPT-NeoX, Olmo2) decorates transformers' own model
-    class in place for its torch.compile support; an instance built afterwards needs a
-    current vLLM config: the engine's, eager, runs transformers' forward as is.
-    """
-    from vllm.config import set_current_vllm_config
-
-    return set_current_vllm_config(engine.vllm_entrypoint.llm_engine.vllm_config)
-
-
 class Engines:
     def __init__(self, case: Case, path):
         family = self.name = case.family
         self.model = streamscope.load(path, engine="vllm", **({"dtype": case.dtype} if case.dtype else {}))
-        with _transformers_beside_vllm(self.model):
-            self.transformers = streamscope.load(path)
+        self.transformers = streamscope.load(path)  # in this process beside the engine, as a user would
+        with beside_engine():  # vLLM's Transformers backend patched the family's transformers classes
             self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.input_ids = self.tokenizer(PROMPT, return_tensors="pt").input_ids
         self.expected = oracle.values(self.reference, family, self.input_ids)
         self.tolerance = case.tolerance
         if self.tolerance is None:
-            with _transformers_beside_vllm(self.model):
+            with beside_engine():
                 low = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, case.dtype)).eval()
             self.tolerance = 2 * _largest_error(oracle.values(low, family, self.input_ids), self.expected)
         seen, self.order = set(), []
