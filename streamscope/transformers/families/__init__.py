@@ -19,15 +19,11 @@ says what it could not.
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
+
+from ...families import find_family
 
 
 def family_for(model_type: str) -> ModuleType:
     """The family module of `model_type`, or the best-effort default."""
-    try:
-        return importlib.import_module(f"{__name__}.{model_type}")
-    except ModuleNotFoundError as error:
-        if error.name != f"{__name__}.{model_type}":
-            raise
-        return importlib.import_module(f"{__name__}.default")
+    return find_family(__name__, model_type) or find_family(__name__, "default")

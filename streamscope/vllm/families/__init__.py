@@ -7,18 +7,17 @@ The same contract as the transformers families (see
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
+
+from ...families import find_family
 
 
 def family_for(model_type: str) -> ModuleType:
     """The vLLM family module of `model_type`; a clear error where streamscope has none."""
-    try:
-        return importlib.import_module(f"{__name__}.{model_type}")
-    except ModuleNotFoundError as error:
-        if error.name != f"{__name__}.{model_type}":
-            raise
+    family = find_family(__name__, model_type)
+    if family is None:
         raise NotImplementedError(
             f"streamscope has no vLLM family module for model type {model_type!r}; load it with "
             f"engine='transformers', or add streamscope/vllm/families/{model_type}.py (RENAME and ENVOYS)."
-        ) from None
+        )
+    return family
