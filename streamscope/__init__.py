@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .bulk import Generation, Harvest, Steer, iter_harvest, load_harvest
 from .errors import Unavailable
 from .support import BlockSupport, ModelSupport
 
-__all__ = ["load", "Unavailable", "BlockSupport", "ModelSupport"]
+__all__ = ["load", "Unavailable", "BlockSupport", "ModelSupport", "Steer", "Harvest", "Generation",
+           "load_harvest", "iter_harvest"]
 
 ENGINES = ("transformers", "vllm")
 

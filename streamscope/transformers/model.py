@@ -54,6 +54,41 @@ class StandardizedTransformers(Standardized, TransformersModel):
         if check is not None:
             check(self)
 
+    # The bulk path (streamscope.bulk): no trace, one hook per module for a whole padded batch.
+
+    def harvest(self, prompts: Any, values: Any, layers: Any = None, positions: Any = "last",
+                out: str | Path | None = None, **options: Any) -> Any:
+        """Read values at chosen blocks and positions of many prompts, per prompt or to shards on disk.
+
+        See `streamscope.bulk` for the layout; ``batch_size`` (8), ``shard_size``
+        and ``progress`` are options.
+        """
+        from ..bulk.transformers import harvest
+
+        return harvest(self, prompts, values, layers, positions, out, **options)
+
+    def generate(self, *inputs: Any, steer: Any = None, harvest: Any = None, **kwargs: Any) -> Any:
+        """With ``steer=`` or ``harvest=``: bulk sampling (`streamscope.bulk.transformers.generate`).
+
+        Otherwise nnsight's generate: a trace as a ``with`` block, a plain
+        generation when called (its decision, made here at the caller's depth).
+        """
+        if steer is not None or harvest is not None:
+            from ..bulk.transformers import generate
+
+            return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)
+        from nnsight.tracing.tracer import WithBlockNotFoundError
+
+        fn = TransformersModel.generate.__wrapped__.__get__(self, type(self))
+        if self.interleaver.interleaving:
+            return fn(*inputs, **kwargs)
+        tracer = self.trace(*inputs, fn=fn, **kwargs)
+        try:
+            tracer.capture()
+        except WithBlockNotFoundError:
+            return self.interleave(fn, *inputs, **kwargs)
+        return tracer
+
 
 def _beside_vllm() -> contextlib.AbstractContextManager:
     """vLLM's config, where this process runs a vLLM engine whose backend patched transformers' classes."""

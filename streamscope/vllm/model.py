@@ -108,6 +108,38 @@ class StandardizedVLLM(Standardized, VLLM):
             self.vllm_entrypoint = None
         gc.collect()
 
+    # The bulk path (streamscope.bulk): applied in the worker per token span, no trace.
+
+    def harvest(self, prompts: Any, values: Any, layers: Any = None, positions: Any = "last",
+                out: str | Path | None = None, **options: Any) -> Any:
+        """Read values at chosen blocks and positions of many prompts, per prompt or to shards on disk.
+
+        See `streamscope.bulk` for the layout; ``shard_size`` (prompts per
+        engine run and per shard) and ``progress`` are options.
+        """
+        from ..bulk.vllm import harvest
+
+        return harvest(self, prompts, values, layers, positions, out, **options)
+
+    def generate(self, *inputs: Any, steer: Any = None, harvest: Any = None, **kwargs: Any) -> Any:
+        """With ``steer=`` or ``harvest=``: bulk sampling (`streamscope.bulk.vllm.generate`).
+
+        Otherwise nnsight's generate: a trace as a ``with`` block, vLLM's
+        request outputs when called (its decision, made here at the caller's depth).
+        """
+        if steer is not None or harvest is not None:
+            from ..bulk.vllm import generate
+
+            return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)
+        from nnsight.tracing.tracer import WithBlockNotFoundError
+
+        tracer = self.trace(*inputs, **kwargs)
+        try:
+            tracer.capture()
+        except WithBlockNotFoundError:
+            return self._generate(*inputs, **kwargs)
+        return tracer
+
     @staticmethod
     def _collect(mediators: list, outputs: list) -> None:
         # The worker's errors come back as RuntimeError("<Type>: message"); give
