@@ -83,6 +83,20 @@ def step_spans(mask: torch.Tensor, new_tokens: int, keys: Sequence[int]) -> list
     return spans
 
 
+def _past_length(kwargs: dict) -> int:
+    """How many tokens of each row the cache holds before this forward (rows are unpadded: all the same)."""
+    start = kwargs.get("cache_position")
+    if start is not None and start.numel():
+        return int(start[0])
+    positions = kwargs.get("position_ids")
+    if positions is not None:
+        return int(positions.reshape(-1)[0])
+    cache = kwargs.get("past_key_values")
+    if cache is not None and hasattr(cache, "get_seq_length"):
+        return int(cache.get_seq_length())
+    return 0
+
+
 def _forward_kwargs(module: torch.nn.Module) -> dict[str, Any]:
     # The unembedding of every position is not needed for a harvest: keep the last one where the model allows.
     if "logits_to_keep" in inspect.signature(module.forward).parameters:
@@ -165,7 +179,11 @@ def generate(model: Any, prompts: Sequence[Any], max_tokens: int = 16, *, steer:
 
     def scope(_: Any, args: tuple, kwargs: dict) -> None:
         tokens = kwargs.get("input_ids", args[0] if args else None)
-        applier.step(step_spans(kwargs["attention_mask"], tokens.shape[1], keys))
+        mask = kwargs.get("attention_mask")
+        if mask is None:  # an unpadded batch: generate may leave the all-ones mask out
+            past = _past_length(kwargs)
+            mask = torch.ones(tokens.shape[0], past + tokens.shape[1], dtype=torch.long)
+        applier.step(step_spans(mask, tokens.shape[1], keys))
 
     hook = module.register_forward_pre_hook(scope, with_kwargs=True)
     if seed is not None:
