@@ -11,9 +11,10 @@ the scheduler's token counts, each request's computed tokens), so one hook
 call edits and reads the rows of every request in the flattened batch. No
 nnsight trace runs on this path.
 
-The RPCs go as cloudpickled functions of this module (bytes, which vLLM runs
-on its worker whether the engine is in this process or another), so any
-worker class serves them: streamscope's CPU worker and nnsight's GPU worker.
+The RPCs are worker methods by name (`streamscope.vllm.bulk_worker.BulkRPC`),
+which vLLM reaches whether the engine is in this process or another: both
+workers streamscope starts (its CPU worker, nnsight's GPU worker subclassed)
+carry them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import pickle
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import cloudpickle
 import torch
 
 from .apply import Applier, Span, steer_plans
@@ -164,8 +164,8 @@ def worker_finish(worker: Any, inline: bool) -> Any:
 # ---------------------------------------------------------------- client side
 
 
-def _rpc(model: Any, function: Any, *args: Any) -> Any:
-    return model.vllm_entrypoint.collective_rpc(cloudpickle.dumps(function), args=args)[0]
+def _rpc(model: Any, method: str, *args: Any) -> Any:
+    return model.vllm_entrypoint.collective_rpc(method, args=args)[0]
 
 
 def _in_process() -> bool:
@@ -195,13 +195,13 @@ def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str,
     plan = {"run": run, "model_type": model.config.model_type, "harvest": chunk_spec, "steers": chunk_steers,
             "lengths": [len(ids[index]) for index in chunk], "logits": logits}
     inline = _in_process()
-    _rpc(model, worker_begin, pickle.dumps(plan))
+    _rpc(model, "streamscope_bulk_begin", pickle.dumps(plan))
     try:
         params = [SamplingParams(**sampling, extra_args={MARK: (run, local_index)}) for local_index in range(len(chunk))]
         outputs = model.vllm_entrypoint.generate([{"prompt_token_ids": ids[index]} for index in chunk], params,
                                                  use_tqdm=False)
     finally:
-        result = _rpc(model, worker_finish, inline)
+        result = _rpc(model, "streamscope_bulk_finish", inline)
     if not inline:
         result = pickle.loads(result)
     if result["error"] is not None:

@@ -88,6 +88,11 @@ class StandardizedVLLM(Standardized, VLLM):
             from .worker import cpu_engine_kwargs
 
             settings = cpu_engine_kwargs(**settings)
+        else:
+            from .bulk_worker import GPU_WORKER_CLS
+
+            # nnsight's GPU worker with the bulk path's RPC methods (nnsight passes worker_cls=self._WORKER_CLS).
+            object.__setattr__(self, "_WORKER_CLS", GPU_WORKER_CLS)
         settings.setdefault("rename", self.family.RENAME)
         settings.setdefault("envoys", {**parallel_envoys(), **self.family.ENVOYS})
         settings.setdefault("dispatch", True)

@@ -29,6 +29,8 @@ from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from .bulk_worker import BulkRPC
+
 __all__ = [
     "WORKER_CLS",
     "NNsightCPUModelRunner",
@@ -50,7 +52,7 @@ class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
     """
 
 
-class NNsightCPUWorker(CPUWorker, NNsightGPUWorker):
+class NNsightCPUWorker(BulkRPC, CPUWorker, NNsightGPUWorker):
     """vLLM's CPU worker with nnsight's runner and RPC methods.
 
     ``CPUWorker`` is first in the MRO, so device setup, memory accounting and
@@ -59,6 +61,7 @@ class NNsightCPUWorker(CPUWorker, NNsightGPUWorker):
     ``nnsight_register``, ``nnsight_clear_registered``) are inherited from
     ``NNsightGPUWorker``, which defines nothing else but its GPU ``init_device``
     (bypassed here: ``CPUWorker.init_device`` does not chain to ``super()``).
+    `BulkRPC` adds the bulk path's methods (`streamscope.bulk.vllm`).
     """
 
     def init_device(self) -> None:

@@ -25,7 +25,7 @@ GREEDY = {"temperature": 0.0, "max_tokens": 1}
 
 class Engine:
     def __init__(self, family: str, path):
-        self.family = family
+        self.family, self.path = family, path
         self.model = streamscope.load(path, engine="vllm")
         with beside_engine():
             self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -139,3 +139,53 @@ def test_several_steers_and_a_harvest_in_one_run(engine):
 
 def test_bad_specs_fail_before_the_engine_runs_and_it_serves_on(engine):
     bulk_checks.check_bad_specs_fail_before_running(engine.model, engine.family)
+
+
+MULTIPROCESS_SCRIPT = '''
+import json, sys
+import torch
+import streamscope
+
+if __name__ == "__main__":
+    path, prompts, vector = sys.argv[1], json.loads(sys.argv[2]), torch.tensor(json.loads(sys.argv[3]))
+    model = streamscope.load(path, engine="vllm")
+    harvest = model.harvest(prompts, "layer_output", positions="all", progress=False)
+    steer = streamscope.Steer("layer_output", 1, vector, prompts=[0])
+    result = model.generate(prompts, max_tokens=3, steer=[steer], return_logits=True, ignore_eos=True,
+                            progress=False)
+    print("RESULT " + json.dumps({"harvest": [t.tolist() for t in harvest["layer_output"]],
+                                  "logits": [t.tolist() for t in result.logits]}))
+    model.close()
+'''
+
+
+def test_the_bulk_path_runs_with_the_engine_in_another_process(engine, tmp_path):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=1 (the GPU default): the requests reach the worker by RPC."""
+    if engine.family != "llama":
+        pytest.skip("one family is enough for the transport; the values are the in-process tests'")
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model = engine.model
+    vector = torch.linspace(-1, 1, model.hidden_size)
+    script = tmp_path / "bulk_multiprocess.py"
+    script.write_text(MULTIPROCESS_SCRIPT)
+    root = str(Path(streamscope.__file__).parents[1])
+    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                   "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    prompts = PROMPTS[:3]
+    run = subprocess.run([sys.executable, str(script), str(engine.path),
+                          json.dumps(prompts), json.dumps(vector.tolist())],
+                         env=environment, capture_output=True, text=True, timeout=600)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    remote = json.loads(lines[-1][len("RESULT "):])
+    harvest = model.harvest(prompts, "layer_output", positions="all", progress=False)
+    result = model.generate(prompts, max_tokens=3, steer=[streamscope.Steer("layer_output", 1, vector, prompts=[0])],
+                            return_logits=True, ignore_eos=True, progress=False)
+    for index in range(len(prompts)):
+        assert torch.equal(torch.tensor(remote["harvest"][index]), harvest["layer_output"][index]), index
+        assert torch.equal(torch.tensor(remote["logits"][index]), result.logits[index]), index
