@@ -35,10 +35,13 @@ class StandardizedTransformers(Standardized, TransformersModel):
         name on either engine.
         """
 
-    def __init__(self, path: str | Path, *args: Any, family: str | ModuleType | None = None, **kwargs: Any) -> None:
+    def __init__(self, path: str | Path | torch.nn.Module, *args: Any, family: str | ModuleType | None = None, **kwargs: Any) -> None:
         """`family` overrides the family module found by ``config.model_type``: a module, or a model type's name."""
+        # A model built in memory (random weights from a config, as the benchmarks do) is taken as is.
+        built = isinstance(path, torch.nn.Module)
         if family is None or isinstance(family, str):
-            config = kwargs.get("config") or AutoConfig.from_pretrained(str(path), trust_remote_code=kwargs.get("trust_remote_code", False))
+            config = path.config if built else (kwargs.get("config") or AutoConfig.from_pretrained(
+                str(path), trust_remote_code=kwargs.get("trust_remote_code", False)))
             family = family_for(family or config.model_type)
         # Set before the tree is built: the root's values consult the family.
         object.__setattr__(self, "family", family)
@@ -48,7 +51,7 @@ class StandardizedTransformers(Standardized, TransformersModel):
         kwargs.setdefault("dispatch", True)
         kwargs.setdefault("task", "text-generation")
         with _beside_vllm():
-            super().__init__(str(path), *args, **kwargs)
+            super().__init__(path if built else str(path), *args, **kwargs)
         # A family may check the tree it was applied to (the default says what it could not map).
         check = getattr(self.family, "check", None)
         if check is not None:
