@@ -49,6 +49,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The engine in this process: a harvest's results (18 GB for W1's every-position part) are handed over
+# as they are, not pickled through the engine's RPC socket. Set it to 1 to measure the other way.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -149,7 +152,8 @@ def ceiling(folder: Path, tiny: bool, rounds: int) -> dict:
 
 def run_ceiling(folder: Path, tiny: bool, rounds: int) -> dict | None:
     command = [sys.executable, __file__, "--ceiling", str(folder), "--rounds", str(rounds)] + (["--tiny"] if tiny else [])
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                   "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vLLM's default
     run = subprocess.run(command, capture_output=True, text=True, env=environment)
     lines = [line for line in run.stdout.splitlines() if line.startswith("CEILING ")]
     if run.returncode != 0 or not lines:

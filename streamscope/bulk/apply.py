@@ -81,12 +81,12 @@ class Applier:
         self.steers = list(steers)
         self.device = torch.device(device)
         self.to_host = to_host
-        #: key -> one [positions, hidden] tensor per harvest site, filled as the prompts run.
-        self.harvested: dict[Hashable, list[Optional[torch.Tensor]]] = {}
+        #: key -> [sites, positions, hidden], filled as the prompts run.
+        self.harvested: dict[Hashable, torch.Tensor] = {}
         self.handles: list[Any] = []
         self.spans: list[Span] = []
         self._harvest_rows: Any = None
-        self._harvest_layout: list[tuple[Hashable, int]] = []
+        self._harvest_layout: list[tuple[Hashable, int, int]] = []  # (key, rows this step, first slot)
         self._steer_rows: list[Any] = []
         #: The first error a hook met; the run's other hooks stop working and the caller raises it.
         self.error: Optional[BaseException] = None
@@ -97,7 +97,7 @@ class Applier:
         """Take this step's spans: which rows each steer edits and each harvest reads."""
         self.spans = list(spans)
         harvest_ranges: list[tuple[int, int]] = []
-        layout: list[tuple[Hashable, int]] = []
+        layout: list[tuple[Hashable, int, int]] = []
         for span in self.spans:
             wanted = self.harvest_positions.get(span.key) if span.key is not None else None
             if not wanted:
@@ -113,7 +113,7 @@ class Applier:
                     f"and enable_chunked_prefill=False for a harvest.")
             harvest_ranges.extend((span.start + position - span.first, span.start + position - span.first + 1)
                                   for position in chosen)
-            layout.append((span.key, len(chosen)))
+            layout.append((span.key, len(chosen), wanted.index(chosen[0])))
         self._harvest_rows = rows_of(harvest_ranges, self.device)
         self._harvest_layout = layout
         self._steer_rows = [self._rows_for(plan) for plan in self.steers]
@@ -179,20 +179,25 @@ class Applier:
                 self._store(index, site.read_rows(raw, self._harvest_rows))
 
     def _store(self, index: int, rows: torch.Tensor) -> None:
-        if self.to_host and rows.device.type != "cpu":
-            # Queued behind the step's kernels, no sync: the engine syncs at every step's end anyway.
-            rows = rows.to("cpu", non_blocking=True)
+        # Each request's rows go straight into its own buffer (host memory, pinned where the engine is on
+        # a GPU, so the copies queue behind the step's kernels without a sync): no copy is made later.
         start = 0
-        for key, count in self._harvest_layout:
-            slots = self.harvested.get(key)
-            if slots is None:
-                slots = self.harvested[key] = [None] * len(self.harvest_sites)
-            slots[index] = rows[start:start + count]
+        for key, count, offset in self._harvest_layout:
+            buffer = self.harvested.get(key)
+            if buffer is None:
+                buffer = self.harvested[key] = self._buffer(len(self.harvest_positions[key]), rows)
+            buffer[index, offset:offset + count].copy_(rows[start:start + count], non_blocking=True)
             start += count
 
-    def take(self, key: Hashable) -> list[Optional[torch.Tensor]]:
-        """The harvested tensors of one request, one per site ([positions, hidden]), forgotten here."""
-        return self.harvested.pop(key, [None] * len(self.harvest_sites))
+    def _buffer(self, positions: int, rows: torch.Tensor) -> torch.Tensor:
+        shape = (len(self.harvest_sites), positions, rows.shape[-1])
+        if not self.to_host or rows.device.type == "cpu":
+            return torch.empty(shape, dtype=rows.dtype, device=rows.device)
+        return torch.empty(shape, dtype=rows.dtype, pin_memory=True)
+
+    def take(self, key: Hashable) -> Optional[torch.Tensor]:
+        """One request's harvest, ``[sites, positions, hidden]`` in site order (None if none ran), forgotten here."""
+        return self.harvested.pop(key, None)
 
 
 def steer_plans(steers: Sequence[tuple[Steer, Site]], keys: Sequence[Hashable], lengths: Sequence[int],

@@ -73,21 +73,21 @@ class Harvest:
         return torch.stack(tensors)
 
 
-def assemble(spec: HarvestSpec, per_prompt: Sequence[list[Optional[torch.Tensor]]], prompts: Sequence[int]) -> Harvest:
-    """A `Harvest` from each prompt's site tensors (in `HarvestSpec.sites` order)."""
+def assemble(spec: HarvestSpec, per_prompt: Sequence[Optional[torch.Tensor]], prompts: Sequence[int]) -> Harvest:
+    """A `Harvest` from each prompt's ``[sites, positions, hidden]`` (sites in `HarvestSpec.sites` order), as views."""
     values: dict[str, list[torch.Tensor]] = {value: [] for value in spec.values}
-    for prompt, slots in zip(prompts, per_prompt):
-        if any(slot is None for slot in slots):
+    for prompt, buffer in zip(prompts, per_prompt):
+        if buffer is None:
             raise RuntimeError(f"prompt {prompt} was not harvested: the engine ran none of its prompt tokens "
                                f"through the hooked modules (a prefix cache hit?).")
         index = 0
         for value in spec.values:
             if value in ROOT_VALUES:
-                values[value].append(slots[index])
+                values[value].append(buffer[index])
                 index += 1
             else:
                 count = len(spec.layers)
-                values[value].append(torch.stack(slots[index:index + count]))
+                values[value].append(buffer[index:index + count])
                 index += count
     return Harvest(values, list(spec.layers), [spec.positions[prompt] for prompt in prompts], list(prompts))
 
@@ -108,7 +108,7 @@ class ShardWriter:
         from safetensors.torch import save_file
 
         name = f"shard-{len(self.shards):05d}.safetensors"
-        tensors = {f"{value}/{prompt}": tensor.contiguous()
+        tensors = {f"{value}/{prompt}": tensor.clone()  # its own storage: a harvest hands out views
                    for value, per_prompt in harvest.values.items()
                    for prompt, tensor in zip(harvest.prompts, per_prompt)}
         save_file(tensors, str(self.folder / name))

@@ -232,7 +232,7 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
     try:
         for chunk in _chunks(len(ids), shard_size):
             _, result = _run(model, ids, chunk, {"max_tokens": 1, "temperature": 0.0}, spec, (), False)
-            part = assemble(spec, [result["harvested"].get(local, [None]) for local in range(len(chunk))], chunk)
+            part = assemble(spec, [result["harvested"].get(local) for local in range(len(chunk))], chunk)
             if writer is not None:
                 writer.write(part)
             else:
@@ -282,7 +282,7 @@ def generate(model: Any, prompts: Sequence[Any], max_tokens: int = 16, *, steer:
                 if return_logits:
                     logits.append(result["logits"][local][:len(completion.token_ids)])
                 if spec is not None:
-                    collected.append(result["harvested"].get(local, [None]))
+                    collected.append(result["harvested"].get(local))
             bar.update(len(chunk))
     finally:
         bar.close()
