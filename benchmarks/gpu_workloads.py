@@ -121,7 +121,8 @@ def engine_kwargs(settings: dict, tiny: bool) -> dict:
     kwargs = {"load_format": "dummy", "dtype": settings["dtype"], "max_model_len": settings["max_model_len"],
               "seed": 0}
     if not tiny:
-        kwargs["gpu_memory_utilization"] = 0.55
+        # Room for the transformers model beside the engine; steps of up to 16K tokens for W1's prefills.
+        kwargs.update(gpu_memory_utilization=0.55, max_num_batched_tokens=16384)
     return kwargs
 
 
