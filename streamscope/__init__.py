@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .bulk import Generation, Harvest, Steer, iter_harvest, load_harvest
 from .errors import Unavailable
 from .support import BlockSupport, ModelSupport
 
@@ -13,6 +12,16 @@ __all__ = ["load", "Unavailable", "BlockSupport", "ModelSupport", "Steer", "Harv
            "load_harvest", "iter_harvest"]
 
 ENGINES = ("transformers", "vllm")
+_BULK = ("Steer", "Harvest", "Generation", "load_harvest", "iter_harvest")
+
+
+def __getattr__(name: str) -> Any:
+    # The bulk path's names load with it (torch, nnsight), not with `import streamscope`.
+    if name in _BULK:
+        from . import bulk
+
+        return getattr(bulk, name)
+    raise AttributeError(f"module 'streamscope' has no attribute {name!r}")
 
 
 def load(path: str | Path, engine: str = "transformers", **kwargs: Any) -> Any:
