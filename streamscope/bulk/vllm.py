@@ -55,8 +55,12 @@ class WorkerState:
 
         def update_states(scheduler_output: Any) -> Any:
             result = original(scheduler_output)
-            if self.applier is not None:
-                self.observe(scheduler_output)
+            applier = self.applier
+            if applier is not None and applier.error is None:
+                try:
+                    self.observe(scheduler_output)
+                except Exception as error:  # noqa: BLE001  (the run's error, raised by the client; the engine serves on)
+                    applier.error = error
             return result
 
         # On the instance: vLLM's execute_model calls self._update_states, whatever the runner's class.
