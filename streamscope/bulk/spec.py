@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from ..errors import Unavailable
-from ..values import INPUT, ComputedValue, StreamValue, resolve
+from ..values import ComputedValue, StreamValue, resolve
 
 #: The residual stream's boundaries on every block.
 BOUNDARIES = ("layer_input", "attention_norm_output", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output")
@@ -258,4 +258,4 @@ def harvest_spec(model: Any, values: Any, layers: Any, positions: Positions, len
     return spec
 
 
-__all__ = ["Steer", "Site", "HarvestSpec", "harvest_spec", "check_steer", "locate", "value_names", "INPUT"]
+__all__ = ["Steer", "Site", "HarvestSpec", "harvest_spec", "check_steer", "locate", "value_names"]
