@@ -131,3 +131,28 @@ def test_generate_without_bulk_arguments_is_still_nnsight_generate(engine):
     assert output.shape[-1] >= 2
     plain = model.generate(PROMPTS[0], max_new_tokens=2, do_sample=False)
     assert torch.equal(plain, output)
+
+
+def test_a_steer_at_chosen_prompt_positions_edits_those_rows_only(engine):
+    # Rows that are not one block (the first and last position): an index, not a slice.
+    model = engine.model
+    torch.manual_seed(3)
+    steer = streamscope.Steer("layer_output", 0, torch.randn(model.hidden_size), scale=2.0, positions=[0, -1],
+                              generated=False)
+    result = model.generate(PROMPTS[1:2], max_tokens=1, steer=[steer], return_logits=True, batch_size=1,
+                            progress=False)
+    length = len(engine.tokenizer(PROMPTS[1]).input_ids)
+    with model.trace(PROMPTS[1]):
+        model.layers[0].layer_output[:, [0, length - 1]] += steer.delta(torch.float32, "cpu")
+        logits = model.logits[0, -1].save()
+    assert relative_error(result.logits[0][0], logits) <= 1e-6
+
+
+def test_a_harvest_refuses_a_prompt_whose_first_tokens_ran_unseen():
+    # What a prefix-cache hit looks like to the hooks: the request's first step starts past position 0.
+    from streamscope.bulk.apply import Applier, Span
+
+    applier = Applier([], {0: [0, 1, 2, 3]}, [], "cpu")
+    applier.step([Span(0, start=0, count=4, first=0)])  # the whole prompt in one step: fine
+    with pytest.raises(RuntimeError, match="enable_prefix_caching=False"):
+        applier.step([Span(0, start=0, count=2, first=2)])

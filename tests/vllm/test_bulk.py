@@ -189,3 +189,22 @@ def test_the_bulk_path_runs_with_the_engine_in_another_process(engine, tmp_path)
     for index in range(len(prompts)):
         assert torch.equal(torch.tensor(remote["harvest"][index]), harvest["layer_output"][index]), index
         assert torch.equal(torch.tensor(remote["logits"][index]), result.logits[index]), index
+
+
+def test_a_steer_at_chosen_prompt_positions_edits_those_rows_only(engine):
+    # Rows that are not one block (the first and last position of each prompt): an index, not a slice.
+    model = engine.model
+    torch.manual_seed(3)
+    steer = streamscope.Steer("layer_output", 0, torch.randn(model.hidden_size), scale=2.0, positions=[0, -1],
+                              generated=False)
+    prompts = PROMPTS[:3]
+    result = model.generate(prompts, max_tokens=1, steer=[steer], return_logits=True, progress=False)
+    delta = steer.delta(torch.float32, "cpu")
+    lengths = [len(engine.tokenizer(prompt).input_ids) for prompt in prompts]
+    with model.trace(**GREEDY) as tracer:
+        for prompt, length in zip(prompts, lengths):
+            with tracer.invoke(prompt):
+                model.layers[0].layer_output[:, [0, length - 1]] += delta
+                logits = model.logits.save()
+    for index in range(len(prompts)):
+        assert torch.equal(result.logits[index][0], logits[index][0]), index
