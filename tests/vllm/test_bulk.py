@@ -208,3 +208,12 @@ def test_a_steer_at_chosen_prompt_positions_edits_those_rows_only(engine):
                 logits = model.logits.save()
     for index in range(len(prompts)):
         assert torch.equal(result.logits[index][0], logits[index][0]), index
+
+
+def test_generate_without_bulk_arguments_is_still_nnsight_generate(engine):
+    model = engine.model
+    with model.generate(PROMPTS[0], temperature=0.0, max_tokens=2):
+        traced = model.layers[0].layer_output.save()
+    assert traced.shape[0] == 1 and traced.shape[-1] == model.hidden_size
+    outputs = model.generate(PROMPTS[:2], temperature=0.0, max_tokens=2)
+    assert len(outputs) == 2 and len(outputs[0].outputs[0].token_ids) == 2
