@@ -36,6 +36,37 @@ def _on_cpu() -> bool:
 _ENGINES: "weakref.WeakSet[StandardizedVLLM]" = weakref.WeakSet()
 
 
+CLOSED = ("this vLLM engine was closed (`model.close()`) and serves no more traces: start a new one with "
+          "`streamscope.load(path, engine=\"vllm\")`")
+
+
+def _in_process(engine: "StandardizedVLLM") -> bool:
+    """Whether the engine's core runs in this process (vLLM's in-process client holds it as `engine_core`)."""
+    entry = getattr(engine, "vllm_entrypoint", None)
+    return entry is not None and hasattr(entry.llm_engine.engine_core, "engine_core")
+
+
+@contextlib.contextmanager
+def _keeping_process_state() -> Any:
+    """Shut one in-process engine down while others of the process still run.
+
+    vLLM's engine-core shutdown ends with a teardown of the process's parallel
+    groups, and its GPU runner's shutdown resets the process's kernel
+    workspace; both belong to every in-process engine, so while others live,
+    only the closing engine's own memory is released.
+    """
+    import vllm.v1.engine.core as engine_core
+    import vllm.v1.worker.workspace as workspace
+
+    teardown, reset = engine_core.cleanup_dist_env_and_memory, workspace.reset_workspace_manager
+    engine_core.cleanup_dist_env_and_memory = lambda *args, **kwargs: gc.collect()
+    workspace.reset_workspace_manager = lambda: None
+    try:
+        yield
+    finally:
+        engine_core.cleanup_dist_env_and_memory, workspace.reset_workspace_manager = teardown, reset
+
+
 def beside_engine() -> contextlib.AbstractContextManager:
     """Where a transformers model is built in a process that runs a vLLM engine.
 
@@ -83,7 +114,7 @@ class StandardizedVLLM(Standardized, VLLM):
 
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=kwargs.get("trust_remote_code", False))
         object.__setattr__(self, "family", family_for(config.model_type))
-        settings = {**EXACT_DEFAULTS, **kwargs}
+        settings = {**EXACT_DEFAULTS, **getattr(self.family, "ENGINE_DEFAULTS", {}), **kwargs}
         if _on_cpu():
             from .worker import cpu_engine_kwargs
 
@@ -95,18 +126,32 @@ class StandardizedVLLM(Standardized, VLLM):
         _ENGINES.add(self)
 
     def close(self) -> None:
-        """Shut the engine down and free its KV cache; the model cannot trace afterwards.
+        """Shut the engine down and give its memory back (GPU memory included); the model cannot trace afterwards.
 
-        With the engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-        vLLM's parallel state belongs to the process and the shutdown tears it
-        down: close an engine when no other engine of this process is still to
-        be used.
+        Other engines of this process keep working: with the engine in this
+        process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), vLLM's shutdown would tear
+        down the process-wide parallel state and workspace every in-process
+        engine shares, so that teardown waits for the last of them to close.
+        After the last, the process can start the next engine, of any family.
+        Closing twice does nothing.
         """
         entry = getattr(self, "vllm_entrypoint", None)
-        if entry is not None:
+        if entry is None:
+            return
+        sharing = _in_process(self) and any(_in_process(other) for other in list(_ENGINES) if other is not self)
+        with _keeping_process_state() if sharing else contextlib.nullcontext():
             entry.llm_engine.engine_core.shutdown()
-            self.vllm_entrypoint = None
+        self.vllm_entrypoint = None
+        _ENGINES.discard(self)
+        del entry
         gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def trace(self, *inputs: Any, **kwargs: Any) -> Any:
+        if getattr(self, "vllm_entrypoint", None) is None and self.dispatched:
+            raise RuntimeError(CLOSED)
+        return super().trace(*inputs, **kwargs)
 
     @staticmethod
     def _collect(mediators: list, outputs: list) -> None:

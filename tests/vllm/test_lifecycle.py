@@ -1,0 +1,54 @@
+"""Engines of one process: closing one gives its memory back and leaves the others serving; a closed engine
+says so; the process starts the next engine, of any family, afterwards."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import streamscope
+
+PROMPT = "The Eiffel Tower is in Paris, and the quick brown fox"
+GREEDY = {"temperature": 0.0, "max_tokens": 1}
+
+
+def _read(model):
+    with model.trace(PROMPT, **GREEDY):
+        output = model.layers[0].layer_output.save()
+        logits = model.logits.save()
+    return output, logits
+
+
+def _a_weight(model):
+    """A weight of the engine's own model (the engine runs in this process here)."""
+    core = model.vllm_entrypoint.llm_engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
+    return weakref.ref(next(runner.model.parameters()))
+
+
+def test_closing_one_engine_leaves_the_other_serving_and_frees_its_weights(checkpoints):
+    first = streamscope.load(checkpoints("llama"), engine="vllm")
+    second = streamscope.load(checkpoints("gpt2"), engine="vllm")
+    before = _read(second)
+    weight = _a_weight(first)
+    first.close()
+    gc.collect()
+    assert weight() is None, "the closed engine's weights are still held"
+    after = _read(second)
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    with pytest.raises(RuntimeError, match=r"closed.*streamscope\.load"):
+        with first.trace(PROMPT, **GREEDY):
+            first.logits.save()
+    first.close()  # a second close does nothing
+    second.close()
+
+
+def test_the_process_starts_engines_of_other_families_after_closing(checkpoints):
+    for family in ("llama", "mixtral", "gemma2"):  # the mixture of experts needs process state of its own kind
+        model = streamscope.load(checkpoints(family), engine="vllm")
+        output, logits = _read(model)
+        assert output.shape[-1] == model.hidden_size and torch.isfinite(logits).all()
+        model.close()
