@@ -101,7 +101,7 @@ class StandardizedVLLM(Standardized, VLLM):
         """
         module = self._module
         processor = module.logits_processor
-        head = getattr(module, "lm_head", None) or module.model.embed_tokens
+        head = _unembedding(module)
         logits = processor._get_logits(normed, head, None)
         if processor.soft_cap is not None:
             logits = torch.tanh(logits / processor.soft_cap) * processor.soft_cap
@@ -161,6 +161,14 @@ class StandardizedVLLM(Standardized, VLLM):
             VLLM._collect(mediators, outputs)
         except RuntimeError as error:
             raise _retyped(error) from None
+
+
+def _unembedding(module: torch.nn.Module) -> torch.nn.Module:
+    """The engine's unembedding: ``lm_head`` (GPT-NeoX: ``embed_out``), or the tied embeddings where vLLM keeps no head."""
+    for name in ("lm_head", "embed_out"):
+        if isinstance(getattr(module, name, None), torch.nn.Module):
+            return getattr(module, name)
+    return module.model.embed_tokens
 
 
 _RETYPED = {"Unavailable": Unavailable, "ValueError": ValueError, "TypeError": TypeError}

