@@ -122,7 +122,21 @@ class StandardizedVLLM(Standardized, VLLM):
         settings.setdefault("rename", self.family.RENAME)
         settings.setdefault("envoys", {**parallel_envoys(), **self.family.ENVOYS})
         settings.setdefault("dispatch", True)
-        super().__init__(str(path), **settings)
+        if torch.cuda.is_available():
+            # vLLM measures the GPU's free memory at start and again after profiling, and refuses to start
+            # if it grew between: memory an engine closed earlier left in torch's cache must go back first.
+            gc.collect()
+            torch.cuda.empty_cache()
+        try:
+            super().__init__(str(path), **settings)
+        except BaseException:
+            # A start that failed half-way leaves vLLM's process-wide parallel state up, built for this model
+            # (no expert-parallel group for a dense one, say), and the next engine of the process would reuse it.
+            if not any(_in_process(engine) for engine in list(_ENGINES)):
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
+            raise
         _ENGINES.add(self)
 
     def close(self) -> None:

@@ -57,3 +57,20 @@ def test_the_process_starts_engines_of_other_families_after_closing(checkpoints)
         output, logits = _read(model)
         assert output.shape[-1] == model.hidden_size and torch.isfinite(logits).all()
         model.close()
+
+
+def test_a_start_that_fails_half_way_leaves_the_process_able_to_start_the_next(checkpoints, monkeypatch):
+    # A KV cache larger than the machine fails the start after vLLM has brought up its parallel state, built
+    # for this dense model: the mixture of experts started next needs an expert-parallel group it lacks.
+    if torch.cuda.is_available():
+        too_large = {"gpu_memory_utilization": 0.001}
+    else:
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "100000")
+        too_large = {}
+    with pytest.raises(ValueError, match="memory"):
+        streamscope.load(checkpoints("llama"), engine="vllm", **too_large)
+    monkeypatch.undo()
+    model = streamscope.load(checkpoints("mixtral"), engine="vllm")
+    output, logits = _read(model)
+    assert torch.isfinite(logits).all()
+    model.close()
