@@ -343,6 +343,15 @@ class ComputedValue(StreamValue):
     with the reason.
     """
 
+    #: Why a write is refused, and what to edit instead; formatted with the value's full name.
+    READ_ONLY = ("{name} is computed for the read and held by nothing in the model, so it cannot be written; "
+                 "edit the value it is computed from instead.")
+
+    def __init__(self, *args: Any, read_only: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if read_only is not None:
+            self.READ_ONLY = read_only
+
     def __call__(self, function: Callable) -> "ComputedValue":
         self.compute = function
         return super().__call__(function)
@@ -353,10 +362,7 @@ class ComputedValue(StreamValue):
             return self.compute(host, tensor)
 
     def write(self, host: Any, raw: Any, value: torch.Tensor) -> None:
-        raise ValueError(
-            f"{host.where()}.{self.name} is computed for the read and held by nothing in the model, "
-            f"so it cannot be written; edit the value it is computed from instead."
-        )
+        raise ValueError(self.READ_ONLY.format(name=f"{host.where()}.{self.name}"))
 
     def checked(self, host: Any, raw: Any, value: Any) -> torch.Tensor:
         return value

@@ -7,6 +7,7 @@ import gc
 import os
 import weakref
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from nnsight.modeling.vllm import VLLM
@@ -15,9 +16,10 @@ from transformers import AutoConfig
 import torch
 
 from ..errors import Unavailable
+from ..blocks.envoy import Blocks
 from ..model import Standardized
 from ..values import OUTPUT, ComputedValue
-from .families import family_for
+from .families import family_called, family_for
 
 #: Engine settings that keep values exact and every token visible to a trace.
 EXACT_DEFAULTS: dict[str, Any] = {
@@ -78,18 +80,23 @@ class StandardizedVLLM(Standardized, VLLM):
             logits = logits * processor.scale
         return logits
 
-    def __init__(self, path: str | Path, **kwargs: Any) -> None:
+    def __init__(self, path: str | Path, family: str | ModuleType | None = None, **kwargs: Any) -> None:
+        """`family` overrides the family module found by ``config.model_type``: a module, or a model type's name."""
         from nnsight.modeling.vllm.envoys import parallel_envoys
 
-        config = AutoConfig.from_pretrained(str(path), trust_remote_code=kwargs.get("trust_remote_code", False))
-        object.__setattr__(self, "family", family_for(config.model_type))
+        if isinstance(family, str):
+            family = family_called(family)
+        elif family is None:
+            config = AutoConfig.from_pretrained(str(path), trust_remote_code=kwargs.get("trust_remote_code", False))
+            family = family_for(config.model_type)
+        object.__setattr__(self, "family", family)
         settings = {**EXACT_DEFAULTS, **kwargs}
         if _on_cpu():
             from .worker import cpu_engine_kwargs
 
             settings = cpu_engine_kwargs(**settings)
         settings.setdefault("rename", self.family.RENAME)
-        settings.setdefault("envoys", {**parallel_envoys(), **self.family.ENVOYS})
+        settings.setdefault("envoys", {**parallel_envoys(), "layers": Blocks, **self.family.ENVOYS})
         settings.setdefault("dispatch", True)
         super().__init__(str(path), **settings)
         _ENGINES.add(self)
