@@ -396,7 +396,8 @@ def _retire(mediator: Mediator, view: torch.Tensor, name: str) -> None:
         version = view._version
     except RuntimeError:  # an inference tensor keeps no version, and cannot be edited outside inference mode
         return
-    retired.append((weakref.ref(view), version, name, getattr(mediator, "streamscope_read", None)))
+    wanted = mediator.__dict__.get("streamscope_wanted")  # what the worker moves on to, where a value asks
+    retired.append((weakref.ref(view), version, name, wanted[1] if wanted else None))
 
 
 def _check_retired(mediator: Mediator) -> None:
