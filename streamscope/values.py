@@ -433,15 +433,14 @@ def _skip_unedited_write_backs() -> None:
     costs what raw nnsight's read of the same tensor plus a copy costs.
 
     Either way the read is retired: an in-place edit of it from then on could
-    not reach the model, so the next time the worker moves on (or its block
-    ends) such an edit raises instead of vanishing.
+    not reach the model, so when the block ends such an edit raises instead of
+    vanishing (checked once, at the end, so a block of many reads stays linear).
     """
     flush = Mediator.flush
     if getattr(flush, "skips_unedited", False):
         return
 
     def flush_edited(mediator: Mediator) -> None:
-        _check_retired(mediator)
         waiting = mediator.transform
         if waiting is None or not isinstance(waiting.eproperty, StreamValue):
             return flush(mediator)
@@ -504,7 +503,8 @@ def out_of_order(wanted: str, last: Optional[str]) -> str:
 
 
 def _explain_edit_errors() -> None:
-    """Name the value in torch's broadcasting error when an in-place edit of a read has the wrong width.
+    """Name the value in torch's broadcasting error when an in-place edit of a read has the wrong width;
+    at the end of a block, raise for a read edited in place after its write-back had gone (`_check_retired`).
 
     ``model.layers[1].layer_mid += vector`` fails inside torch ("The size of
     tensor a (64) must match the size of tensor b (32)"); the read being edited
@@ -518,6 +518,7 @@ def _explain_edit_errors() -> None:
     def explained_run(mediator: Mediator) -> None:
         try:
             run(mediator)
+            _check_retired(mediator)
         except RuntimeError as error:
             waiting = mediator.transform
             message = str(error)

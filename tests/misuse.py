@@ -367,3 +367,53 @@ def test_load_time_mistakes_are_refused_before_loading(runner, tmp_path):
         streamscope.load(bert, engine=engine)
     with pytest.raises(ValueError, match="unknown engine 'sglang'"):
         streamscope.load(folder, engine="sglang")
+
+
+#: How many tensors, and how many bytes of resident memory, 200 traces may leave behind: a trace that
+#: leaked its worker would hold its reads (four tensors or more each, 800+ over the run) and its frame.
+TENSOR_GROWTH, RSS_GROWTH = 16, 64 * 2**20
+
+
+def resident_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def live_objects() -> dict[str, int]:
+    import gc
+
+    from nnsight.intervention.interleaver import Mediator
+
+    gc.collect()
+    objects = gc.get_objects()
+    return {"tensors": sum(isinstance(item, torch.Tensor) for item in objects),
+            "workers": sum(isinstance(item, Mediator) for item in objects)}
+
+
+def test_200_traces_with_failures_interleaved_leave_no_growth(runner, baseline):
+    model = runner.model
+    failures = [wrong_shape, users_key_error, out_of_order, late_in_place_edit, bool_tensor]
+
+    def one(index: int) -> None:
+        if index % 4 == 3:
+            with pytest.raises(Exception):
+                failures[(index // 4) % len(failures)](runner)
+            return
+        with runner.trace():
+            model.layers[1].layer_mid[:, -1] += 1.0
+            model.layers[2].layer_output.save()
+            model.logits.save()
+
+    for index in range(20):  # warm-up: caches, allocator pools
+        one(index)
+    before, rss_before = live_objects(), resident_bytes()
+    for index in range(200):
+        one(index)
+    after, rss_after = live_objects(), resident_bytes()
+    print(f"{runner.engine}: 200 traces: {before} -> {after}, resident {(rss_after - rss_before) / 2**20:+.1f} MiB")
+    assert after["workers"] <= before["workers"], (before, after)
+    assert after["tensors"] - before["tensors"] <= TENSOR_GROWTH, (before, after)
+    assert rss_after - rss_before <= RSS_GROWTH, (rss_before, rss_after)
+    runner.assert_unchanged(baseline)

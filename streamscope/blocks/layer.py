@@ -118,7 +118,8 @@ class Layer(StreamEnvoy):
                 f"[batch, seq, hidden_size]; got {got}."
             )
         check_write(f"{self.where()}.skip", "[batch, seq, hidden_size]", expected, hidden)
-        replacement = self.to_engine(hidden.to(live.dtype), live, "layer_output")
+        # A copy: the model may work on the block's output in place, and `hidden` is the user's (often a read).
+        replacement = self.to_engine(hidden.to(live.dtype, copy=True), live, "layer_output")
         Mediator.skip(f"{self.path}.skip", self.pack(replacement))
 
     def block_input(self) -> Any:

@@ -1,0 +1,84 @@
+"""Misuse on the vLLM engine: the shared table of `tests/misuse.py` (the same exception types as on
+transformers), 200 traces with failures, and eight invokes of one trace, one of them bad."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import streamscope
+from access import relative_error
+from misuse import *  # noqa: F401,F403  (the shared tests, collected here against this engine)
+from misuse import Runner
+
+PROMPTS = [
+    "Once upon a time",
+    "Rome is in Italy, Berlin is in Germany, Madrid is in Spain",
+    "def add(a, b):",
+    "Water boils at one hundred degrees Celsius at sea level, and",
+    "The quick brown fox jumps over the lazy dog while the cat sleeps in the garden",
+    "Numbers",
+    "She opened the door, looked at the garden",
+    "Attention heads move information between positions; the MLP writes features into the stream",
+]
+#: What each invoke does: read only, steer block 1's last position, skip block 1, or write a wrong shape.
+PLAN = ["read", "edit", "skip", "read", "edit", "bad", "skip", "edit"]
+#: Invokes batched together against the same prompt run alone: float32 on CPU, batch-size-dependent
+#: kernels keep them within 1e-6 relative (measured: bit-equal here).
+BATCHED = 1e-6
+
+
+@pytest.fixture(scope="module")
+def runner(checkpoints):
+    model = streamscope.load(checkpoints("llama"), engine="vllm")
+    yield Runner("vllm", model)
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def baseline(runner):
+    return runner.baseline()
+
+
+def intervene(model, kind: str, vector: torch.Tensor) -> torch.Tensor:
+    """One invoke's work: its intervention on block 1, then block 2's last layer_mid and the logits, as one row."""
+    if kind == "edit":
+        model.layers[1].layer_output[:, -1] += vector
+    elif kind == "skip":
+        model.layers[1].skip(model.layers[1].layer_input)
+    elif kind == "bad":
+        model.layers[1].layer_mid = torch.zeros(1, 2, vector.shape[0])
+    return torch.cat([model.layers[2].layer_mid[0, -1], model.logits[0]])
+
+
+def test_eight_invokes_with_one_bad_write_each_equal_their_solo_runs(runner, baseline):
+    model = runner.model
+    vector = torch.linspace(-1.0, 1.0, model.hidden_size)
+    alone = []
+    for prompt, kind in zip(PROMPTS, PLAN):
+        if kind == "bad":
+            alone.append(None)
+            continue
+        with runner.trace(prompt):
+            row = intervene(model, kind, vector).save()
+        alone.append(row)
+
+    with pytest.raises(ValueError) as raised:
+        with model.trace(**runner.sampling) as tracer:
+            rows = [None] * len(PROMPTS)
+            rows.save()
+            for index, (prompt, kind) in enumerate(zip(PROMPTS, PLAN)):
+                with tracer.invoke(prompt):
+                    rows[index] = intervene(model, kind, vector)
+    message = str(raised.value)
+    assert "model.layers[1].layer_mid cannot take a tensor of shape (1, 2, 64)" in message
+    assert f"[invoke {PLAN.index('bad')} of this trace]" in message
+    for index, (row, solo) in enumerate(zip(rows, alone)):
+        if solo is None:
+            assert row is None  # the bad invoke failed alone
+        else:
+            assert relative_error(row, solo) <= BATCHED, (index, PLAN[index], relative_error(row, solo))
+    with runner.trace(PROMPTS[1]):  # the steered invoke was steered
+        unsteered = intervene(model, "read", vector).save()
+    assert not torch.equal(alone[1], unsteered)
+    runner.assert_unchanged(baseline)
