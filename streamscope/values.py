@@ -181,6 +181,7 @@ class StreamValue(eproperty):
             # A saved read keeps what was read: a second read of the value (to
             # edit it in place) gets a copy of its own, which is what goes back.
             self.rebind(host, mediator, _copy(held, edited=_edited(held)))
+            _retire(mediator, held, name)
         mediator.streamscope_wanted = (location, name)
         value = super().__get__(host, owner)
         mediator.streamscope_read = name

@@ -23,8 +23,8 @@ PROMPTS = [
 ]
 #: What each invoke does: read only, steer block 1's last position, skip block 1, or write a wrong shape.
 PLAN = ["read", "edit", "skip", "read", "edit", "bad", "skip", "edit"]
-#: Invokes batched together against the same prompt run alone: float32 on CPU, batch-size-dependent
-#: kernels keep them within 1e-6 relative (measured: bit-equal here).
+#: Invokes batched together against the same prompt run alone: float32 on CPU, where the batch's
+#: composition changes the kernels' blocking, within 1e-6 relative.
 BATCHED = 1e-6
 
 
@@ -73,11 +73,14 @@ def test_eight_invokes_with_one_bad_write_each_equal_their_solo_runs(runner, bas
     message = str(raised.value)
     assert "model.layers[1].layer_mid cannot take a tensor of shape (1, 2, 64)" in message
     assert f"[invoke {PLAN.index('bad')} of this trace]" in message
+    errors = {}
     for index, (row, solo) in enumerate(zip(rows, alone)):
         if solo is None:
             assert row is None  # the bad invoke failed alone
         else:
-            assert relative_error(row, solo) <= BATCHED, (index, PLAN[index], relative_error(row, solo))
+            errors[index] = relative_error(row, solo)
+    print(f"eight invokes against their solo runs: largest relative error {max(errors.values()):.1e}")
+    assert all(error <= BATCHED for error in errors.values()), errors
     with runner.trace(PROMPTS[1]):  # the steered invoke was steered
         unsteered = intervene(model, "read", vector).save()
     assert not torch.equal(alone[1], unsteered)
