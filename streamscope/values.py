@@ -13,7 +13,14 @@ the same contract:
 * a read that edits nothing writes nothing back, so the logits are
   bit-identical with and without it;
 * a write of the wrong shape is refused before it reaches the model, with an
-  error that names the value, both shapes and the block.
+  error that names the value, both shapes and the block; so is a write of a
+  bool, complex or meta tensor, and one that brings NaN or inf into finite
+  values warns, naming the value;
+* a saved read keeps what was read: assigning to the value, or reading it
+  again to edit it, works on a copy of its own;
+* an edit goes back while the read is the worker's latest; an in-place edit
+  of a read made after that raises at the end of the block instead of being
+  dropped, and a read the model has already passed names both values.
 
 Engines differ only in layout (vLLM flattens tokens) and in where a boundary
 sits in a call; the envoy that hosts a value supplies both through

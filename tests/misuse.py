@@ -12,7 +12,7 @@ model still gives its baseline results.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import pytest
@@ -63,13 +63,6 @@ class Case:
     run: Callable[[Runner], Any]
     raises: type
     says: tuple[str, ...]
-    #: Whether the message is read from the notes too (a KeyError's message is its key).
-    notes: bool = False
-    extra: dict = field(default_factory=dict)
-
-
-def message_of(error: BaseException) -> str:
-    return "\n".join([str(error), *getattr(error, "__notes__", [])])
 
 
 def check(case: Case, runner: Runner) -> BaseException:
@@ -146,6 +139,15 @@ def late_in_place_edit(runner: Runner) -> None:
         mid = model.layers[0].layer_mid
         model.layers[1].layer_output.save()
         mid[:, -1] = 0.0
+        model.logits.save()
+
+
+def saved_read_edited_after_reading_it_again(runner: Runner) -> None:
+    model = runner.model
+    with runner.trace():
+        mid = model.layers[1].layer_mid.save()
+        model.layers[1].layer_mid.save()  # a second read gets its own copy: the first keeps what was read
+        mid[:, -1] += 1.0
         model.logits.save()
 
 
@@ -239,6 +241,9 @@ CASES: dict[str, Case] = {
     "late in-place edit": Case(late_in_place_edit, OutOfOrderError,
                                ("model.layers[0].layer_mid was edited in place", "model.layers[1].layer_output",
                                 "Make the edit before reading anything later", ".clone()")),
+    "saved read edited after reading it again": Case(
+        saved_read_edited_after_reading_it_again, OutOfOrderError,
+        ("model.layers[1].layer_mid was edited in place", "Make the edit before reading anything later")),
     "prompt_logits edited": Case(prompt_logits_edited, ValueError, ("model.prompt_logits", "edit")),
     "block out of range": Case(block_out_of_range, IndexError,
                                ("model.layers[99] is out of range", "model.layers[0] to model.layers[2]")),
@@ -345,7 +350,7 @@ def test_a_finite_edit_does_not_warn(runner, baseline):
             model.logits.save()
 
 
-def test_load_time_mistakes_are_refused_before_loading(runner, tmp_path):
+def test_load_time_mistakes_are_refused_before_loading(runner, baseline, tmp_path):
     from transformers import BertConfig, BertForMaskedLM
 
     engine = runner.engine
@@ -367,6 +372,7 @@ def test_load_time_mistakes_are_refused_before_loading(runner, tmp_path):
         streamscope.load(bert, engine=engine)
     with pytest.raises(ValueError, match="unknown engine 'sglang'"):
         streamscope.load(folder, engine="sglang")
+    runner.assert_unchanged(baseline)
 
 
 #: How many tensors, and how many bytes of resident memory, 200 traces may leave behind: a trace that
