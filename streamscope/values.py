@@ -29,6 +29,7 @@ sits in a call; the envoy that hosts a value supplies both through
 
 from __future__ import annotations
 
+import re
 import warnings
 import weakref
 from functools import partial
@@ -530,8 +531,9 @@ def _explain_edit_errors() -> None:
         except RuntimeError as error:
             waiting = mediator.transform
             message = str(error)
-            if (waiting is not None and isinstance(waiting.eproperty, StreamValue) and "must match" in message
-                    and len(error.args) == 1):
+            sizes = re.search(r"size of tensor a \((\d+)\)|expanded size of the tensor \((\d+)\)", message)
+            if (waiting is not None and isinstance(waiting.eproperty, StreamValue) and sizes is not None
+                    and len(error.args) == 1 and int(sizes.group(1) or sizes.group(2)) in waiting.view.shape):
                 value = waiting.eproperty
                 name = f"{waiting.fn.args[0].where()}.{value.name}"
                 error.args = (

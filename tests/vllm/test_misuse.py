@@ -3,6 +3,12 @@ transformers), 200 traces with failures, and eight invokes of one trace, one of 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -85,3 +91,58 @@ def test_eight_invokes_with_one_bad_write_each_equal_their_solo_runs(runner, bas
         unsteered = intervene(model, "read", vector).save()
     assert not torch.equal(alone[1], unsteered)
     runner.assert_unchanged(baseline)
+
+
+SCRIPT = textwrap.dedent('''
+    import json, sys, torch
+    import streamscope
+    from nnsight.intervention.interleaver import OutOfOrderError
+
+
+    class ProbeFailed(Exception):
+        pass
+
+
+    def kinds(model, prompt):
+        found = {}
+        try:
+            with model.trace(prompt, temperature=0.0, max_tokens=1):
+                table = {"layer_mid": model.layers[1].layer_mid}
+                table["layer_ouput"].save()
+        except KeyError as error:
+            found["key"] = ["KeyError", error.args[0]]
+        try:
+            with model.trace(prompt, temperature=0.0, max_tokens=1):
+                if model.layers[1].layer_mid.abs().max() > 0:
+                    raise ProbeFailed("nothing found")
+        except ProbeFailed as error:
+            found["own"] = ["ProbeFailed", str(error)]
+        try:
+            with model.trace(prompt, temperature=0.0, max_tokens=1):
+                model.layers[1].layer_output.save()
+                model.layers[0].layer_output.save()
+        except OutOfOrderError as error:
+            found["order"] = ["OutOfOrderError", str(error)]
+        return found
+
+
+    if __name__ == "__main__":
+        model = streamscope.load(sys.argv[1], engine="vllm")
+        print("RESULT " + json.dumps(kinds(model, sys.argv[2])))
+        model.close()
+''')
+
+
+def test_errors_keep_their_type_with_the_engine_in_its_own_processes(tmp_path, checkpoints):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=1 (the GPU layout): a user's own class comes home from another process."""
+    script = tmp_path / "errors.py"
+    script.write_text(SCRIPT)
+    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    run = subprocess.run([sys.executable, str(script), str(checkpoints("llama")), PROMPTS[1]], env=environment,
+                         capture_output=True, text=True, timeout=900)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    found = json.loads(lines[-1][len("RESULT "):])
+    assert found["key"] == ["KeyError", "layer_ouput"]
+    assert found["own"] == ["ProbeFailed", "nothing found"]
+    assert found["order"][1].startswith("model.layers[0].layer_output was read after model.layers[1].layer_output")
