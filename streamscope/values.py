@@ -50,6 +50,10 @@ Residual = torch.Tensor
 #: Where a served value sits in a module's call.
 INPUT, OUTPUT = "input", "output"
 
+#: Whether a write is checked for NaN or inf it brings into finite values (a warning names the value).
+#: The check reads one number back from the device per write; set False where that sync matters.
+WARN_NON_FINITE = True
+
 
 def argument(inputs: tuple, index: int, name: str) -> Any:
     """One argument of a call's ``(args, kwargs)``, however the caller passed it; None when absent."""
@@ -327,7 +331,7 @@ def check_write(name: str, shape: str, expected: tuple[int, ...], value: Any,
             f"'meta' device, as under `init_empty_weights` or `device='meta'`). Make it on the model's "
             f"device instead, e.g. `torch.zeros(..., device={name}.device)`."
         )
-    if value.is_floating_point():
+    if WARN_NON_FINITE and value.is_floating_point():
         finite = torch.isfinite(value)
         if current is not None and current.shape == value.shape:
             introduced = ~finite & torch.isfinite(current)
