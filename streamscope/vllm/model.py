@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import ast
+import builtins
 import contextlib
 import gc
 import os
+import sys
 import weakref
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, Optional
 
 from nnsight.modeling.vllm import VLLM
 from transformers import AutoConfig
 
 import torch
 
+from .. import errors
+from ..checks import check_token_ids
 from ..errors import Unavailable
+from ..blocks.envoy import Blocks
 from ..model import Standardized
 from ..values import OUTPUT, ComputedValue
-from .families import family_for
+from .families import family_called, family_for
 
 #: Engine settings that keep values exact and every token visible to a trace.
 EXACT_DEFAULTS: dict[str, Any] = {
@@ -109,18 +116,23 @@ class StandardizedVLLM(Standardized, VLLM):
             logits = logits * processor.scale
         return logits
 
-    def __init__(self, path: str | Path, **kwargs: Any) -> None:
+    def __init__(self, path: str | Path, family: str | ModuleType | None = None, **kwargs: Any) -> None:
+        """`family` overrides the family module found by ``config.model_type``: a module, or a model type's name."""
         from nnsight.modeling.vllm.envoys import parallel_envoys
 
-        config = AutoConfig.from_pretrained(str(path), trust_remote_code=kwargs.get("trust_remote_code", False))
-        object.__setattr__(self, "family", family_for(config.model_type))
+        if isinstance(family, str):
+            family = family_called(family)
+        elif family is None:
+            config = AutoConfig.from_pretrained(str(path), trust_remote_code=kwargs.get("trust_remote_code", False))
+            family = family_for(config.model_type)
+        object.__setattr__(self, "family", family)
         settings = {**EXACT_DEFAULTS, **getattr(self.family, "ENGINE_DEFAULTS", {}), **kwargs}
         if _on_cpu():
             from .worker import cpu_engine_kwargs
 
             settings = cpu_engine_kwargs(**settings)
         settings.setdefault("rename", self.family.RENAME)
-        settings.setdefault("envoys", {**parallel_envoys(), **self.family.ENVOYS})
+        settings.setdefault("envoys", {**parallel_envoys(), "layers": Blocks, **self.family.ENVOYS})
         settings.setdefault("dispatch", True)
         if torch.cuda.is_available():
             # vLLM measures the GPU's free memory at start and again after profiling, and refuses to start
@@ -167,14 +179,28 @@ class StandardizedVLLM(Standardized, VLLM):
             raise RuntimeError(CLOSED)
         return super().trace(*inputs, **kwargs)
 
+    def _call(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
+        for prompt in prompts:  # refused before the engine sees them, as on transformers
+            ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+            if not isinstance(ids, str) and ids is not None:
+                check_token_ids(ids, self.vocab_size)
+        return super()._call(prompts, params, lora_requests, **kwargs)
+
     @staticmethod
     def _collect(mediators: list, outputs: list) -> None:
-        # The worker's errors come back as RuntimeError("<Type>: message"); give
-        # streamscope's own refusals back their type, as on transformers.
-        try:
-            VLLM._collect(mediators, outputs)
-        except RuntimeError as error:
-            raise _retyped(error) from None
+        # A request's error comes back from the worker as a record of its type's name, message and
+        # traceback; nnsight raises it as RuntimeError("<Type>: message"). Raise it with the type the
+        # client would have raised (as on transformers), naming the invoke where the trace has several.
+        failed = []
+        for index, output in enumerate(outputs):
+            error = getattr(output, "nnsight_error", None)
+            if error and not error.get("is_control_flow"):
+                failed.append((index, error))
+                output.nnsight_error = None  # raised below, after the other invokes' values are home
+        VLLM._collect(mediators, outputs)
+        if failed:
+            index, error = failed[0]
+            raise _retyped(error, index if len(outputs) > 1 else None, len(failed)) from None
 
 
 def _unembedding(module: torch.nn.Module) -> torch.nn.Module:
@@ -185,24 +211,72 @@ def _unembedding(module: torch.nn.Module) -> torch.nn.Module:
     return module.model.embed_tokens
 
 
-_RETYPED = {"Unavailable": Unavailable, "ValueError": ValueError, "TypeError": TypeError}
+def _retyped(error: dict, invoke: Optional[int] = None, failures: int = 1) -> BaseException:
+    """The worker's error as the client would have raised it, with the worker's traceback as a note.
 
-
-def _retyped(error: RuntimeError) -> Exception:
-    """The worker's error as the client would have raised it; the worker's traceback rides along as a note."""
-    kind, _, rest = str(error).partition(": ")
-    if kind not in _RETYPED:
-        return error
-    head, _, traceback = rest.partition("\n\nIntervention traceback:")
-    if kind == "Unavailable":
-        where_value, _, reason = head.partition(" is unavailable: ")
-        where, _, value = where_value.rpartition(".")
-        retyped: Exception = Unavailable(value, where, reason)
-    else:
-        retyped = _RETYPED[kind](head)
+    The type is found by name: a builtin exception, one of streamscope's, or
+    any other class loaded in this process under that name (nnsight's
+    OutOfOrderError, the user's own exception class) where the name is not
+    ambiguous; otherwise a RuntimeError that starts with the type's name.
+    """
+    kind, message = error.get("type_name", "Exception"), error.get("message", "")
+    retyped = _rebuilt(kind, message)
+    if retyped is None:
+        retyped = RuntimeError(f"{kind}: {message}")
+    if invoke is not None:
+        where = f"invoke {invoke} of this trace" + (f" (and {failures - 1} more)" if failures > 1 else "")
+        if isinstance(retyped, KeyError) or not retyped.args or not isinstance(retyped.args[0], str):
+            retyped.add_note(f"Raised in {where}.")
+        else:
+            retyped.args = (f"{retyped.args[0]} [{where}]", *retyped.args[1:])
+    traceback = error.get("traceback")
     if traceback:
-        retyped.add_note("Intervention traceback (in the vLLM worker):" + traceback.rstrip())
+        retyped.add_note("Intervention traceback (in the vLLM worker):\n" + traceback.rstrip())
     return retyped
+
+
+def _rebuilt(kind: str, message: str) -> Optional[BaseException]:
+    """An exception of the class named `kind` carrying `message`, or None where none can be made."""
+    if kind == "Unavailable":
+        where_value, _, reason = message.partition(" is unavailable: ")
+        where, _, value = where_value.rpartition(".")
+        return Unavailable(value, where, reason)
+    found = _exception_class(kind)
+    if found is None:
+        return None
+    if issubclass(found, KeyError):  # str(KeyError(k)) is repr(k): read the key back
+        try:
+            return found(ast.literal_eval(message))
+        except (ValueError, SyntaxError):
+            return found(message)
+    try:
+        return found(message)
+    except Exception:  # a class that needs more than a message
+        return None
+
+
+def _exception_class(kind: str) -> Optional[type]:
+    builtin = getattr(builtins, kind, None)
+    if isinstance(builtin, type) and issubclass(builtin, BaseException):
+        return builtin
+    own = getattr(errors, kind, None)
+    if isinstance(own, type) and issubclass(own, BaseException):
+        return own
+    # A class pickled by value into the worker (one defined in __main__) is a second class of that name:
+    # the one its module still holds is the user's.
+    candidates = {klass for klass in _subclasses(BaseException) if klass.__name__ == kind
+                  and getattr(sys.modules.get(klass.__module__), klass.__qualname__, None) is klass}
+    return candidates.pop() if len(candidates) == 1 else None
+
+
+def _subclasses(root: type) -> set:
+    found, stack = set(), [root]
+    while stack:
+        for klass in stack.pop().__subclasses__():
+            if klass not in found:
+                found.add(klass)
+                stack.append(klass)
+    return found
 
 
 def load(path: str | Path, **kwargs: Any) -> StandardizedVLLM:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ...families import find_family
+from ...families import find_family, named_family
 
 
 def runs_natively(architecture: str) -> bool:
@@ -34,3 +34,8 @@ def family_for(model_type: str) -> ModuleType:
             f"engine='transformers', or add streamscope/vllm/families/{model_type}.py (RENAME and ENVOYS)."
         )
     return family
+
+
+def family_called(name: str) -> ModuleType:
+    """The vLLM family module a user named (``family="gpt2"``); a ValueError listing the known ones."""
+    return named_family(__name__, name, "vLLM")
