@@ -183,6 +183,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny shape, for a CPU check")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: ceiling,w1,w2,trace,hf")
+    parser.add_argument("--hf-batches", help="comma-separated batch sizes to try for W1 on transformers")
     parser.add_argument("--ceiling", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ceiling:
@@ -196,6 +197,8 @@ def main() -> None:
     if current_platform.is_cpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     settings = sizes(args.tiny)
+    if args.hf_batches:
+        settings["hf_batches"] = tuple(int(batch) for batch in args.hf_batches.split(","))
     folder = Path(tempfile.mkdtemp(prefix="gpu-workloads-"))
     build_folder(folder, args.tiny)
     import vllm
