@@ -42,6 +42,9 @@ if DTYPE not in ("float32", "bfloat16"):
 if ON_GPU and DEVICE != "cuda":
     raise ValueError(f"STREAMSCOPE_TEST_DEVICE={DEVICE!r}: the suite runs on cpu or cuda")
 
+#: STREAMSCOPE_TEST_FAMILIES=llama,gemma2 runs those families' engine cases only (a long GPU run in parts).
+FAMILIES = [name for name in os.environ.get("STREAMSCOPE_TEST_FAMILIES", "").split(",") if name]
+
 #: CPU float32: the same ops in the same order agree to rounding (about 1e-6 measured).
 CPU_FLOAT32 = 1e-5
 #: CPU float32, absolute, on attention weights in [0, 1].
@@ -55,6 +58,16 @@ GPU_MEMORY_UTILIZATION = 0.2
 if ON_GPU:  # the oracle is float32 proper: no TF32 in its matmuls (torch's default, said out loud)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+
+
+def selected(cases: dict) -> dict:
+    """The engine cases (keyed by family, or family-variant) of the families this run selects: all by default."""
+    from streamscope.testing import FAMILIES as KNOWN
+
+    unknown = set(FAMILIES) - set(KNOWN)
+    if unknown:
+        raise ValueError(f"STREAMSCOPE_TEST_FAMILIES names {sorted(unknown)}: not among {', '.join(KNOWN)}")
+    return {key: case for key, case in cases.items() if not FAMILIES or key.split("-")[0] in FAMILIES}
 
 
 def engine_dtype(case_dtype: Optional[str] = None) -> str:
@@ -105,4 +118,19 @@ def from_distance(distance: float, case_dtype: Optional[str] = None) -> float:
 def describe() -> str:
     """One line for pytest's header: where and in which dtype the vLLM suite runs."""
     rule = f"stated ({CPU_FLOAT32})" if not measured() else f"{MEASURED_FACTOR}x transformers' own distance"
-    return f"vLLM suite on {DEVICE} in {DTYPE}: tolerances {rule}"
+    only = f"; families {', '.join(FAMILIES)}" if FAMILIES else ""
+    return f"vLLM suite on {DEVICE} in {DTYPE}: tolerances {rule}{only}"
+
+
+def every_expert(family: str) -> dict:
+    """Checkpoint overrides that send every token to every expert of a mixture of experts: low-precision
+    rounding cannot then flip a routing choice, which would move a token's whole MLP output and say nothing
+    about streamscope. Used in bfloat16 runs (and for Qwen3-Next, bfloat16 on CPU)."""
+    from streamscope.testing import FAMILY_CONFIGS
+
+    config = FAMILY_CONFIGS[family]
+    return {"num_experts_per_tok": config.get("num_local_experts", config.get("num_experts"))}
+
+
+#: Mixtures of experts whose routing a bfloat16 run pins with `every_expert`.
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "llama4_text", "qwen3_next")
