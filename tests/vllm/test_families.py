@@ -125,7 +125,7 @@ def test_value(engines, value):
         if reason is None:
             assert (value, block) in engines.saved, f"{value} on block {block} is served, but the oracle has none"
             error = matrix.check(value, engines.saved[(value, block)], engines.oracle, block, engines.tolerances,
-                         sampled=True)
+                                 sampled=True)
             matrix.record("vllm", engines.case_id, value, error, engines.tolerances.of(value))
     model = engines.model
     for reason, block in {reason: block for block, reason in where.items() if reason is not None}.items():
