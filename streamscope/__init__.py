@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .checks import check_load
 from .errors import Unavailable
 from .support import BlockSupport, ModelSupport
 
@@ -22,6 +23,9 @@ def load(path: str | Path, engine: str = "transformers", **kwargs: Any) -> Any:
         **kwargs: Passed to the engine (``dtype``, ``device_map``; vLLM's
             engine arguments).
     """
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    check_load(path, kwargs)
     if engine == "transformers":
         from .transformers import load as load_transformers
 

@@ -12,9 +12,11 @@ import torch
 from nnsight.modeling.transformers import TransformersModel
 from transformers import AutoConfig
 
+from ..blocks.envoy import Blocks
+from ..checks import check_token_ids
 from ..model import Standardized
-from ..values import OUTPUT, StreamValue
-from .families import family_for
+from ..values import OUTPUT, ComputedValue, StreamValue
+from .families import family_called, family_for
 
 
 class StandardizedTransformers(Standardized, TransformersModel):
@@ -26,24 +28,28 @@ class StandardizedTransformers(Standardized, TransformersModel):
     def logits(self) -> torch.Tensor:
         """The next-token logits at every position, after any final scaling or soft cap, [batch, seq, vocab_size]."""
 
-    @StreamValue(None, OUTPUT, shape="[batch, seq, vocab_size]")
-    def prompt_logits(self) -> torch.Tensor:
+    @ComputedValue(None, OUTPUT, shape="[batch, seq, vocab_size]", read_only=(
+        "{name} is read-only, as on vLLM (where it is computed for the read): edit model.logits instead."))
+    def prompt_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits at every position, [batch, seq, vocab_size]: the same as `logits` on this engine.
 
         On vLLM `logits` is the sampled position only and `prompt_logits`
         every prompt position, so code that wants every position reads this
-        name on either engine.
+        name on either engine. Read-only on both: edit `model.logits`.
         """
+        return logits.clone()
 
     def __init__(self, path: str | Path, *args: Any, family: str | ModuleType | None = None, **kwargs: Any) -> None:
         """`family` overrides the family module found by ``config.model_type``: a module, or a model type's name."""
-        if family is None or isinstance(family, str):
+        if isinstance(family, str):
+            family = family_called(family)
+        elif family is None:
             config = kwargs.get("config") or AutoConfig.from_pretrained(str(path), trust_remote_code=kwargs.get("trust_remote_code", False))
-            family = family_for(family or config.model_type)
+            family = family_for(config.model_type)
         # Set before the tree is built: the root's values consult the family.
         object.__setattr__(self, "family", family)
         kwargs.setdefault("rename", self.family.RENAME)
-        kwargs.setdefault("envoys", self.family.ENVOYS)
+        kwargs.setdefault("envoys", {"layers": Blocks, **self.family.ENVOYS})
         kwargs.setdefault("dtype", torch.float32)
         kwargs.setdefault("dispatch", True)
         kwargs.setdefault("task", "text-generation")
@@ -53,6 +59,15 @@ class StandardizedTransformers(Standardized, TransformersModel):
         check = getattr(self.family, "check", None)
         if check is not None:
             check(self)
+
+    def _batch(self, invokes: list, fn: Any) -> tuple:
+        """nnsight's batching, after refusing token ids beyond the vocabulary (the embedding would fail on them)."""
+        batched = super()._batch(invokes, fn)
+        args, kwargs = batched
+        ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+        if isinstance(ids, torch.Tensor):
+            check_token_ids(ids, self.vocab_size)
+        return batched
 
 
 def _beside_vllm() -> contextlib.AbstractContextManager:
