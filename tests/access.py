@@ -11,7 +11,7 @@ import torch
 
 def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     """The largest absolute difference over the reference's largest magnitude, in float32."""
-    value, reference = value.float(), reference.float()
+    value, reference = value.detach().float().cpu(), reference.detach().float().cpu()
     return ((value - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
 
 

@@ -160,8 +160,19 @@ def logits_with_query_edit(model, family: str, input_ids, block: int, edit: Call
         return model(input_ids).logits
 
 
+#: Families whose sdpa path in transformers computes another function than their eager one: Gemma 2's sdpa
+#: path drops its attention logit soft cap (2e-4 relative on the tiny checkpoint). An engine that computes the
+#: family's own function (vLLM: 6e-7 from eager, 2e-4 from sdpa) is held to the eager forward.
+SDPA_DIFFERS = {"gemma2"}
+
+
+def exact_implementation(family: str) -> str:
+    """The implementation whose forward is the family's own function, for an engine that computes it itself."""
+    return "eager" if family in SDPA_DIFFERS else "sdpa"
+
+
 def load_kwargs(family: str, implementation: str) -> dict[str, Any]:
-    """from_pretrained's arguments for `implementation`; GPT-J has only its own eager attention."""
-    if family == "gptj":
+    """from_pretrained's arguments for `implementation`; GPT-J has only its own eager attention, Mamba none."""
+    if family in ("gptj", "mamba"):
         implementation = "eager"
     return {"dtype": torch.float32, "attn_implementation": implementation}

@@ -26,3 +26,14 @@ def checkpoints(tmp_path_factory):
         return built[key]
 
     return build
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The value x family matrix's closest call per engine and family (tests/matrix.py), for the run record."""
+    import matrix
+
+    lines = matrix.summary()
+    if lines:
+        terminalreporter.section("value x family: the value nearest its tolerance")
+        for line in lines:
+            terminalreporter.write_line(line)

