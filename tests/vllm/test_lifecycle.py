@@ -9,6 +9,7 @@ import weakref
 import pytest
 import torch
 
+import precision
 import streamscope
 
 PROMPT = "The Eiffel Tower is in Paris, and the quick brown fox"
@@ -35,8 +36,8 @@ def _held(model):
 
 
 def test_closing_one_engine_leaves_the_other_serving_and_frees_its_weights(checkpoints):
-    first = streamscope.load(checkpoints("llama"), engine="vllm")
-    second = streamscope.load(checkpoints("gpt2"), engine="vllm")
+    first = streamscope.load(checkpoints("llama"), engine="vllm", **precision.engine_kwargs())
+    second = streamscope.load(checkpoints("gpt2"), engine="vllm", **precision.engine_kwargs())
     before = _read(second)
     held = _held(first)
     first.close()
@@ -53,7 +54,7 @@ def test_closing_one_engine_leaves_the_other_serving_and_frees_its_weights(check
 
 def test_the_process_starts_engines_of_other_families_after_closing(checkpoints):
     for family in ("llama", "mixtral", "gemma2"):  # the mixture of experts needs process state of its own kind
-        model = streamscope.load(checkpoints(family), engine="vllm")
+        model = streamscope.load(checkpoints(family), engine="vllm", **precision.engine_kwargs())
         output, logits = _read(model)
         assert output.shape[-1] == model.hidden_size and torch.isfinite(logits).all()
         model.close()
@@ -68,9 +69,9 @@ def test_a_start_that_fails_half_way_leaves_the_process_able_to_start_the_next(c
         monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "100000")
         too_large = {}
     with pytest.raises(ValueError, match="memory"):
-        streamscope.load(checkpoints("llama"), engine="vllm", **too_large)
+        streamscope.load(checkpoints("llama"), engine="vllm", **{**precision.engine_kwargs(), **too_large})
     monkeypatch.undo()
-    model = streamscope.load(checkpoints("mixtral"), engine="vllm")
+    model = streamscope.load(checkpoints("mixtral"), engine="vllm", **precision.engine_kwargs())
     output, logits = _read(model)
     assert torch.isfinite(logits).all()
     model.close()
