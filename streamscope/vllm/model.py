@@ -140,9 +140,11 @@ class StandardizedVLLM(Standardized, VLLM):
         settings.setdefault("rename", self.family.RENAME)
         settings.setdefault("envoys", {**parallel_envoys(), "layers": Blocks, **self.family.ENVOYS})
         settings.setdefault("dispatch", True)
-        if torch.cuda.is_available():
+        if torch.cuda.is_initialized():
             # vLLM measures the GPU's free memory at start and again after profiling, and refuses to start
             # if it grew between: memory an engine closed earlier left in torch's cache must go back first.
+            # (Only where this process already uses CUDA: initializing it here would stop vLLM from forking
+            # its engine process.)
             gc.collect()
             torch.cuda.empty_cache()
         try:
@@ -177,7 +179,7 @@ class StandardizedVLLM(Standardized, VLLM):
         _ENGINES.discard(self)
         del entry
         gc.collect()
-        if torch.cuda.is_available():
+        if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
     def trace(self, *inputs: Any, **kwargs: Any) -> Any:
