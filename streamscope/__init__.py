@@ -7,8 +7,11 @@ from typing import Any
 
 from .errors import Unavailable
 from .support import BlockSupport, ModelSupport
+from .cache import Cache
+from .logit_lens import Lens, lens
+from .patching import Patching, patch
 
-__all__ = ["load", "Unavailable", "BlockSupport", "ModelSupport"]
+__all__ = ["load", "Unavailable", "BlockSupport", "ModelSupport", "Cache", "Lens", "lens", "Patching", "patch"]
 
 ENGINES = ("transformers", "vllm")
 
