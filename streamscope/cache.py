@@ -124,6 +124,8 @@ class Cache(Mapping):
                 if f"layers.{index}.{full}" in self.unavailable:
                     raise Unavailable(full, f"model.layers[{index}]", self.unavailable[f"layers.{index}.{full}"])
             raise KeyError(f"{key!r} is not in this cache: model.cache(..., values=[{name!r}]) reads it")
+        if key in self.unavailable:
+            raise Unavailable(key, "model", self.unavailable[key])
         return self._transformer_lens(key)
 
     def _transformer_lens(self, key: str) -> torch.Tensor:
@@ -373,9 +375,13 @@ def build_cache(model: Any, prompts: str | Sequence[str], values: Optional[Seque
         raise ValueError("model.cache needs at least one prompt")
     roots = list(ROOT) if values is None else [name for name in values if name in ROOT]
     values = list(DEFAULT_VALUES if values is None else values)
+    root_rows = model.support().root.rows
+    root_unavailable = {name: root_rows[name] for name in roots if root_rows.get(name) is not None}
+    roots = [name for name in roots if name not in root_unavailable]
     block_values = [name for name in values if name not in ROOT]
     layers = list(range(model.num_layers)) if layers is None else [int(i) % model.num_layers for i in layers]
     reads, unavailable = _block_keys(model, block_values, layers)
+    unavailable.update(root_unavailable)
     keys = [*(["token_embeddings"] if "token_embeddings" in roots else []),
             *(f"layers.{index}.{full}" for index, full in reads),
             *(["final_norm_output"] if "final_norm_output" in roots else [])]

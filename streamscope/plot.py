@@ -4,7 +4,8 @@
     streamscope.plot.lens_heatmap(lens_result, "lens.png")
     streamscope.plot.patching_heatmap(patching_result, "patch.png")
 
-Each function writes the file and returns its path.
+Each function writes the file and returns its path; the image is the figure's
+size (`attention_size`, `lens_size`, `patching_size`, in inches) times `dpi` pixels.
 """
 
 from __future__ import annotations
@@ -32,9 +33,26 @@ def _labels(tokens: Sequence[str]) -> list[str]:
 def _save(figure: Any, path: Any, dpi: int) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=dpi, bbox_inches="tight")
+    figure.savefig(path, dpi=dpi)  # the figure's own size: width x height inches times dpi pixels
     _pyplot().close(figure)
     return path
+
+
+def attention_size(tokens: int, heads: int, columns: int = 4) -> tuple[float, float]:
+    """The attention figure's (width, height) in inches: a square panel per head, `columns` to a row."""
+    columns = min(columns, heads)
+    side = 2.0 + 0.3 * tokens
+    return side * columns + 1.0, side * math.ceil(heads / columns)
+
+
+def lens_size(positions: int, blocks: int) -> tuple[float, float]:
+    """The lens heatmap's (width, height) in inches."""
+    return 3.0 + 0.9 * positions, 2.0 + 0.3 * blocks
+
+
+def patching_size(columns: int, blocks: int) -> tuple[float, float]:
+    """The patching heatmap's (width, height) in inches."""
+    return 3.0 + 0.7 * columns, 2.0 + 0.3 * blocks
 
 
 def attention(pattern: torch.Tensor, tokens: Sequence[str], path: Any, *, heads: Optional[Sequence[int]] = None,
@@ -56,9 +74,9 @@ def attention(pattern: torch.Tensor, tokens: Sequence[str], path: Any, *, heads:
     heads = list(range(pattern.shape[0])) if heads is None else list(heads)
     columns = min(columns, len(heads))
     rows = math.ceil(len(heads) / columns)
-    size = 1.2 + 0.28 * len(tokens)
     plt = _pyplot()
-    figure, axes = plt.subplots(rows, columns, figsize=(size * columns, size * rows), squeeze=False)
+    figure, axes = plt.subplots(rows, columns, figsize=attention_size(len(tokens), len(heads), columns),
+                                squeeze=False, layout="constrained")
     labels = _labels(tokens)
     for axis in axes.flat[len(heads):]:
         axis.axis("off")
@@ -80,7 +98,7 @@ def lens_heatmap(result: Any, path: Any, *, positions: Optional[Sequence[int]] =
     positions = list(range(len(result.tokens))) if positions is None else list(positions)
     probabilities = result.top_probs[:, positions, 0].float().cpu()
     plt = _pyplot()
-    figure, axis = plt.subplots(figsize=(1.2 + 1.1 * len(positions), 1.0 + 0.32 * len(result.layers)))
+    figure, axis = plt.subplots(figsize=lens_size(len(positions), len(result.layers)), layout="constrained")
     image = axis.imshow(probabilities.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto", origin="lower")
     for row in range(len(result.layers)):
         for column, position in enumerate(positions):
@@ -101,7 +119,7 @@ def patching_heatmap(result: Any, path: Any, *, dpi: int = 100) -> Path:
     effect = result.normalized.float().cpu()
     bound = max(1.0, float(effect.abs().max())) if effect.numel() else 1.0
     plt = _pyplot()
-    figure, axis = plt.subplots(figsize=(1.5 + 0.7 * len(result.columns), 1.0 + 0.3 * len(result.layers)))
+    figure, axis = plt.subplots(figsize=patching_size(len(result.columns), len(result.layers)), layout="constrained")
     image = axis.imshow(effect.numpy(), cmap="RdBu_r", vmin=-bound, vmax=bound, aspect="auto", origin="lower")
     axis.set_xticks(range(len(result.columns)), _labels(result.labels), rotation=45, fontsize=8)
     axis.set_yticks(range(len(result.layers)), [str(layer) for layer in result.layers], fontsize=7)
