@@ -344,6 +344,50 @@ def _block_keys(model: Any, values: Sequence[str], layers: Sequence[int]) -> tup
     return reads, unavailable
 
 
+def _location(model: Any, index: int, full: str) -> Optional[tuple]:
+    """Where a plain value is read (module, input or output, argument), or None for a computed or scaled one."""
+    from .values import StreamValue
+
+    host = model.layers[index]
+    *path, name = full.split(".")
+    for part in path:
+        host = getattr(host, part)
+    descriptor = getattr(type(host), name, None)
+    if type(descriptor) is not StreamValue or descriptor.factor is not None:
+        return None
+    _, where, position = descriptor.site(host)
+    return descriptor._location(host), repr(position)
+
+
+def _unique(model: Any, reads: list) -> tuple[list, dict[str, str]]:
+    """The reads with each location read once (a trace cannot read a tensor the model already ran past),
+    and ``{alias key: key read}`` for the others."""
+    seen: dict[tuple, str] = {}
+    unique, aliases = [], {}
+    for index, full in reads:
+        location = _location(model, index, full)
+        key = f"layers.{index}.{full}"
+        if location is not None and location in seen:
+            aliases[key] = seen[location]
+            continue
+        if location is not None:
+            seen[location] = key
+        unique.append((index, full))
+    return unique, aliases
+
+
+def _ordered(stored: dict, aliases: dict[str, str], keys: list[str]) -> list[str]:
+    """The keys in the order the blocks compute them, aliases where their block lists them."""
+    return sorted(stored, key=lambda key: (_block_of(key), keys.index(key) if key in keys else keys.index(aliases[key])))
+
+
+def _block_of(key: str) -> float:
+    if key == "token_embeddings":
+        return -1
+    match = _BLOCK_NAME.match(key)
+    return int(match.group(1)) if match else float("inf")
+
+
 def _read(model: Any, index: int, full: str) -> torch.Tensor:
     envoy = model.layers[index]
     for part in full.split("."):
@@ -382,6 +426,7 @@ def build_cache(model: Any, prompts: str | Sequence[str], values: Optional[Seque
     layers = list(range(model.num_layers)) if layers is None else [int(i) % model.num_layers for i in layers]
     reads, unavailable = _block_keys(model, block_values, layers)
     unavailable.update(root_unavailable)
+    reads, aliases = _unique(model, reads)
     keys = [*(["token_embeddings"] if "token_embeddings" in roots else []),
             *(f"layers.{index}.{full}" for index, full in reads),
             *(["final_norm_output"] if "final_norm_output" in roots else [])]
@@ -412,8 +457,11 @@ def build_cache(model: Any, prompts: str | Sequence[str], values: Optional[Seque
     stored: dict[str, torch.Tensor] = {}
     for position, key in enumerate(keys):
         stored[key] = _pad(key, [found[position] for found in per_prompt], longest)
+    for alias, key in aliases.items():  # a value the block computes once under two names (GPT-J's one norm)
+        stored[alias] = stored[key]
+    stored = {key: stored[key] for key in _ordered(stored, aliases, keys)}
     stored_logits = _pad("logits", per_logits, longest) if logits else None
-    final_norm = _final_norm(model, stored, layers) if layers and layers[-1] == model.num_layers - 1 else None
+    final_norm = _final_norm(model, stored, mask)
     return Cache(stored, tokens=tokens, mask=mask, logits=stored_logits, model_type=model.config.model_type,
                  num_layers=model.num_layers, unavailable=unavailable, final_norm=final_norm,
                  unembedding=lambda ids: unembedding_rows(model, ids))
@@ -512,13 +560,14 @@ def _norm_parameters(module: torch.nn.Module) -> tuple[Optional[torch.Tensor], O
             None if bias is None else bias.detach().clone(), float(eps))
 
 
-def _final_norm(model: Any, stored: dict[str, torch.Tensor], layers: list[int]) -> Optional[FinalNorm]:
+def _final_norm(model: Any, stored: dict[str, torch.Tensor], mask: torch.Tensor) -> Optional[FinalNorm]:
     """The final norm, in the form that reproduces the model's own output on this run (None where not read)."""
     key = f"layers.{model.num_layers - 1}.layer_output"
     if key not in stored or "final_norm_output" not in stored:
         return None
     weight, bias, eps = worker_norm_parameters(model)
-    return fit_final_norm(weight, bias, eps, stored[key], stored["final_norm_output"])
+    real = mask  # padded positions hold zeros, which a norm with a bias does not map to zero
+    return fit_final_norm(weight, bias, eps, stored[key][real], stored["final_norm_output"][real])
 
 
 def worker_norm_parameters(model: Any) -> tuple:
