@@ -85,26 +85,36 @@ class Patching:
         return self.table()
 
 
+def _full_name(model: Any, layer: int, value: str) -> str:
+    """The block's name for `value`: a contribution's short name is its mixer's (self_attn or linear_attn)."""
+    rows = model.layers[layer].support().rows
+    missing = "no such row"
+    if value == "attention_output" and rows.get("self_attn.attention_output", missing) is not None \
+            and rows.get("linear_attn.attention_output", missing) is None:
+        return "linear_attn.attention_output"
+    return _CONTRIBUTIONS.get(value, value)
+
+
 def _envoy(model: Any, layer: int, value: str) -> Any:
     envoy = model.layers[layer]
-    for part in _CONTRIBUTIONS.get(value, value).split("."):
+    for part in value.split("."):
         envoy = getattr(envoy, part)
     return envoy
 
 
-def clean_values(model: Any, prompt: str, layers: Sequence[int], value: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([blocks, 1, seq, ...], [vocab])``: value `value` of each block on the clean run, and its last logits."""
+def clean_values(model: Any, prompt: str, layers: Sequence[int], names: dict[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([blocks, 1, seq, ...], [vocab])``: value ``names[block]`` of each block on a run, and its last logits."""
     vllm = getattr(type(model), "ENGINE", "") == "vllm"
     settings = {"temperature": 0.0, "max_tokens": 1} if vllm else {}
     with torch.no_grad(), model.trace(prompt, **settings):
-        stacked = torch.stack([_envoy(model, layer, value) for layer in layers]).save()
+        stacked = torch.stack([_envoy(model, layer, names[layer]) for layer in layers]).save()
         logits = model.logits.save()
     stacked = stacked[0] if isinstance(stacked, list) else stacked
     logits = logits[0] if isinstance(logits, list) else logits
     return stacked, logits[0, -1] if logits.dim() == 3 else logits[-1]
 
 
-def _patched_logits(model: Any, prompt: str, patches: list[tuple[int, int, torch.Tensor]], value: str,
+def _patched_logits(model: Any, prompt: str, patches: list[tuple[int, int, torch.Tensor]], names: dict[int, str],
                     heads: Optional[list[int]]) -> list[torch.Tensor]:
     """The last position's logits of `prompt` under each patch ``(block, position or head, clean value)``.
 
@@ -115,7 +125,7 @@ def _patched_logits(model: Any, prompt: str, patches: list[tuple[int, int, torch
         with torch.no_grad(), model.trace(temperature=0.0, max_tokens=1) as tracer:
             for layer, column, replacement in patches:
                 with tracer.invoke(prompt):
-                    target = _envoy(model, layer, value)
+                    target = _envoy(model, layer, names[layer])
                     if heads is not None:
                         target[:, heads, column] = replacement
                     else:
@@ -127,7 +137,7 @@ def _patched_logits(model: Any, prompt: str, patches: list[tuple[int, int, torch
         results = list().save()
         for layer, column, replacement in patches:
             with tracer.invoke(prompt):
-                target = _envoy(model, layer, value)
+                target = _envoy(model, layer, names[layer])
                 if heads is not None:
                     target[:, heads, column] = replacement
                 else:
@@ -171,8 +181,9 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
                              "for their logit difference")
         metric = logit_difference(_token_id(tokenizer, answer), _token_id(tokenizer, wrong))
     layers = list(range(model.num_layers)) if layers is None else [int(i) % model.num_layers for i in layers]
+    names = {layer: _full_name(model, layer, value) for layer in layers}
     for layer in layers:  # an unserved value says why before anything runs
-        reason = model.layers[layer].support().rows.get(_CONTRIBUTIONS.get(value, value), "not a block value")
+        reason = model.layers[layer].support().rows.get(names[layer], "not a value of this block")
         if reason is not None:
             from .errors import Unavailable
 
@@ -181,8 +192,8 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
     length = len(corrupted_ids)
     positions = list(range(length)) if positions is None else [int(p) % length for p in positions]
 
-    stacked, clean_logits = clean_values(model, clean, layers, value)
-    _, corrupted_logits = clean_values(model, corrupted, layers[:1], value)
+    stacked, clean_logits = clean_values(model, clean, layers, names)
+    _, corrupted_logits = clean_values(model, corrupted, layers[:1], names)
     patches: list[tuple[int, int, torch.Tensor]] = []
     if heads:
         columns = list(range(stacked.shape[3]))
@@ -203,7 +214,7 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
     show = progress if progress is not None else len(patches) > batch_size
     outcomes: list[float] = []
     for start in tqdm(range(0, len(patches), batch_size), desc="patch", unit="step", disable=not show):
-        for logits in _patched_logits(model, corrupted, patches[start : start + batch_size], value,
+        for logits in _patched_logits(model, corrupted, patches[start : start + batch_size], names,
                                       positions if heads else None):
             outcomes.append(float(metric(logits.float())))
     effects = torch.tensor(outcomes).reshape(len(layers), len(columns))

@@ -153,7 +153,7 @@ def test_decompose_resid_says_why_on_a_post_ln_block(checkpoints):
 def _tl_apply_ln(stack: torch.Tensor, final: torch.Tensor, norm: torch.nn.Module, gemma: bool) -> torch.Tensor:
     """TransformerLens's apply_ln_to_stack on a model whose norm weights are applied, not folded:
     centre each component where the norm centres, divide by the final stream's scale, times the weight."""
-    centred = isinstance(norm, torch.nn.LayerNorm)
+    centred = "RMS" not in type(norm).__name__  # LayerNorm, CohereLayerNorm centre; the RMS norms do not
     eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", None) or norm.epsilon
     x = final - final.mean(-1, keepdim=True) if centred else final
     scale = (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
@@ -180,6 +180,9 @@ def test_logit_attrs_follow_transformer_lens_and_sum_to_the_logit(family):
     bias = getattr(norm, "bias", None)
     if bias is not None:
         raw = raw - bias @ row
+    head_bias = getattr(reference.get_output_embeddings(), "bias", None)
+    if head_bias is not None:  # GPT-J's unembedding has a bias
+        raw = raw - head_bias[token]
     assert relative_error(attrs[:, :1, :length].sum(0), raw) <= 1e-5
 
 
