@@ -71,7 +71,8 @@ class StandardizedVLLM(Standardized, VLLM):
         module = self._module
         processor = module.logits_processor
         head = getattr(module, "lm_head", None) or module.model.embed_tokens
-        logits = processor._get_logits(normed, head, None)
+        # The head's bias where it has one (GPT-J), as the family's compute_logits passes it.
+        logits = processor._get_logits(normed, head, getattr(head, "bias", None))
         if processor.soft_cap is not None:
             logits = torch.tanh(logits / processor.soft_cap) * processor.soft_cap
         if processor.scale != 1.0:
