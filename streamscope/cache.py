@@ -22,7 +22,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from .errors import PARALLEL, Unavailable
+from .errors import Unavailable
 
 BOUNDARIES = ("layer_input", "attention_norm_output", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output")
 CONTRIBUTIONS = ("self_attn.attention_output", "linear_attn.attention_output", "mlp.mlp_output")
@@ -327,18 +327,18 @@ def fit_final_norm(weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
 
 def _block_keys(model: Any, values: Sequence[str], layers: Sequence[int]) -> tuple[list, dict[str, str]]:
     """(block, full name) pairs to read in the order each block computes them, and the unserved ones' reasons."""
-    wanted_short = {name for name in values}
+    wanted = {name for name in values}
     reads, unavailable = [], {}
     for index in layers:
         rows = model.layers[index].support().rows
         for full, reason in rows.items():
             short = full.split(".")[-1]
-            if full in wanted_short or short in wanted_short and full in (*CONTRIBUTIONS,):
+            if full in wanted or (short in wanted and full in CONTRIBUTIONS):
                 if reason is None:
                     reads.append((index, full))
                 else:
                     unavailable[f"layers.{index}.{full}"] = reason
-        for name in wanted_short:
+        for name in wanted:
             if name not in rows and not any(full.endswith("." + name) for full in rows):
                 raise ValueError(f"{name!r} is not a value of model.layers[{index}]; its values: {', '.join(rows)}")
     return reads, unavailable
@@ -531,7 +531,6 @@ def unflatten(flat: torch.Tensor, shapes: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _run_vllm(model, prompts, reads, roots, keys, with_logits) -> tuple[list, list]:
-    flats, shapes, logits = [], [], []
     with model.trace(temperature=0.0, max_tokens=1) as tracer:
         for prompt in prompts:
             with tracer.invoke(prompt):
