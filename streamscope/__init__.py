@@ -5,15 +5,30 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .checks import check_load
 from .errors import Unavailable
 from .support import BlockSupport, ModelSupport
-from .cache import Cache
-from .logit_lens import Lens, lens
-from .patching import Patching, patch
 
-__all__ = ["load", "Unavailable", "BlockSupport", "ModelSupport", "Cache", "Lens", "lens", "Patching", "patch"]
+__all__ = ["load", "Unavailable", "BlockSupport", "ModelSupport", "Steer", "Harvest", "Generation",
+           "load_harvest", "iter_harvest", "Cache", "Lens", "lens", "Patching", "patch"]
 
 ENGINES = ("transformers", "vllm")
+_BULK = ("Steer", "Harvest", "Generation", "load_harvest", "iter_harvest")
+#: The workflows' names, loaded on first use like the bulk path's: {name: module}.
+_WORKFLOWS = {"Cache": "cache", "Lens": "logit_lens", "lens": "logit_lens", "Patching": "patching", "patch": "patching"}
+
+
+def __getattr__(name: str) -> Any:
+    # The bulk path's names load with it (torch, nnsight), not with `import streamscope`.
+    if name in _BULK:
+        from . import bulk
+
+        return getattr(bulk, name)
+    if name in _WORKFLOWS:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_WORKFLOWS[name]}", __name__), name)
+    raise AttributeError(f"module 'streamscope' has no attribute {name!r}")
 
 
 def load(path: str | Path, engine: str = "transformers", **kwargs: Any) -> Any:
@@ -25,6 +40,9 @@ def load(path: str | Path, engine: str = "transformers", **kwargs: Any) -> Any:
         **kwargs: Passed to the engine (``dtype``, ``device_map``; vLLM's
             engine arguments).
     """
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    check_load(path, kwargs)
     if engine == "transformers":
         from .transformers import load as load_transformers
 

@@ -582,10 +582,9 @@ def worker_norm_parameters(model: Any) -> tuple:
 
 
 def _head_weight(module: torch.nn.Module) -> torch.Tensor:
-    head = getattr(module, "lm_head", None)
-    if head is None or not hasattr(head, "weight"):
-        head = module.model.embed_tokens
-    return head.weight
+    from .vllm.model import _unembedding
+
+    return _unembedding(module).weight
 
 
 def unembedding_rows(model: Any, ids: torch.Tensor) -> torch.Tensor:

@@ -19,3 +19,23 @@ def find_family(package: str, model_type: str) -> Optional[ModuleType]:
         if error.name != name:
             raise
         return None
+
+
+def known_families(package: str) -> list[str]:
+    """The model types `package` has a family module for, sorted."""
+    import pkgutil
+
+    return sorted(info.name for info in pkgutil.iter_modules(importlib.import_module(package).__path__))
+
+
+def named_family(package: str, name: str, engine: str) -> ModuleType:
+    """The family module called `name`; a ValueError listing the known ones where there is none."""
+    family = find_family(package, name)
+    if family is None:
+        default = ", or pass family='default' for the best-effort default" if engine == "transformers" else ""
+        raise ValueError(
+            f"streamscope has no {engine} family called {name!r}. Known families: "
+            f"{', '.join(known_families(package))}. Leave `family` out to use the checkpoint's own model type"
+            f"{default}."
+        )
+    return family

@@ -39,9 +39,11 @@ def unembed(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     if isinstance(normed, tuple):
         normed = normed[0]
     if getattr(type(model), "ENGINE", None) == "vllm":
+        from .vllm.model import _unembedding
+
         module = model._module
         processor = module.logits_processor
-        head = getattr(module, "lm_head", None) or module.model.embed_tokens
+        head = _unembedding(module)
         # The head's bias where it has one (GPT-J), as the family's compute_logits passes it.
         logits = processor._get_logits(normed, head, getattr(head, "bias", None))
         if processor.soft_cap is not None:

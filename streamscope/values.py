@@ -13,7 +13,14 @@ the same contract:
 * a read that edits nothing writes nothing back, so the logits are
   bit-identical with and without it;
 * a write of the wrong shape is refused before it reaches the model, with an
-  error that names the value, both shapes and the block.
+  error that names the value, both shapes and the block; so is a write of a
+  bool, complex or meta tensor, and one that brings NaN or inf into finite
+  values warns, naming the value;
+* a saved read keeps what was read: assigning to the value, or reading it
+  again to edit it, works on a copy of its own;
+* an edit goes back while the read is the worker's latest; an in-place edit
+  of a read made after that raises at the end of the block instead of being
+  dropped, and a read the model has already passed names both values.
 
 Engines differ only in layout (vLLM flattens tokens) and in where a boundary
 sits in a call; the envoy that hosts a value supplies both through
@@ -22,11 +29,18 @@ sits in a call; the envoy that hosts a value supplies both through
 
 from __future__ import annotations
 
+import re
+import warnings
+import weakref
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
+from greenlet import getcurrent
+from nnsight.intervention import interleaver
 from nnsight.intervention.eproperty import eproperty
-from nnsight.intervention.interleaver import Mediator
+from nnsight.intervention.interleaver import Mediator, OutOfOrderError
+from nnsight.tracing.tracer import _saves
 
 from .errors import Unavailable, missing_module
 
@@ -35,6 +49,10 @@ Residual = torch.Tensor
 
 #: Where a served value sits in a module's call.
 INPUT, OUTPUT = "input", "output"
+
+#: Whether a write is checked for NaN or inf it brings into finite values (a warning names the value).
+#: The check reads one number back from the device per write; set False where that sync matters.
+WARN_NON_FINITE = True
 
 
 def argument(inputs: tuple, index: int, name: str) -> Any:
@@ -167,7 +185,19 @@ class StreamValue(eproperty):
             return self
         # The location is resolved before anything waits on the model, so an
         # unavailable value raises Unavailable at once.
-        return super().__get__(host, owner)
+        location = self._location(host)
+        mediator = in_trace(f"{host.where()}.{self.name}", "read")
+        name = f"{host.where()}.{self.name}"
+        held = self.held(host)
+        if held is not None and id(held) in _saves():
+            # A saved read keeps what was read: a second read of the value (to
+            # edit it in place) gets a copy of its own, which is what goes back.
+            self.rebind(host, mediator, _copy(held, edited=_edited(held)))
+            _retire(mediator, held, name)
+        mediator.streamscope_wanted = (location, name)
+        value = super().__get__(host, owner)
+        mediator.streamscope_read = name
+        return value
 
     def live(self, host: Any, raw: Any) -> torch.Tensor:
         """The model's own tensor for this value, in what the location served."""
@@ -200,18 +230,29 @@ class StreamValue(eproperty):
         return raw
 
     def __set__(self, host: Any, value: Any) -> None:
+        self._location(host)
+        mediator = in_trace(f"{host.where()}.{self.name}", "written")
         held = self.held(host)
         if held is None:
+            mediator.streamscope_wanted = (self._location(host), f"{host.where()}.{self.name}")
             return super().__set__(host, value)
         # Read earlier in this block and not yet written back: the assignment
-        # goes into that read's copy and back the way an in-place edit does.
+        # takes the place of that read's copy and goes back the way an in-place
+        # edit does. The read itself keeps what it read (it may be saved).
         # (Asking the model for the value again would write the copy back first,
         # and an engine that splices it into a new tensor, as nnsight's vLLM
         # batcher does, would leave the block's own aliases of the old one.)
-        if not isinstance(value, torch.Tensor) or value.shape != held.shape:
-            self.refuse(host, tuple(held.shape), value)
-        with torch.no_grad():
-            held.copy_(value.to(held.dtype))
+        if value is held:  # `value += x` edited the read in place and assigns it back
+            return
+        self.validate(host, tuple(held.shape), value, held)
+        _retire(mediator, held, f"{host.where()}.{self.name}")
+        self.rebind(host, mediator, _copy(value.to(held.dtype), edited=True))
+
+    def rebind(self, host: Any, mediator: Mediator, view: torch.Tensor) -> None:
+        """Make `view` the copy this value's pending write-back sends to the model (and later reads answer with)."""
+        waiting = mediator.transform
+        raw = waiting.fn.args[2]
+        mediator.transform = waiting._replace(view=view, fn=partial(self._transform, host, view, raw))
 
     def held(self, host: Any) -> Optional[torch.Tensor]:
         """This value's copy that a read on `host` handed out and nnsight has not written back yet."""
@@ -232,23 +273,16 @@ class StreamValue(eproperty):
 
     def checked(self, host: Any, raw: Any, value: Any) -> torch.Tensor:
         """`value` if it can be written here, else a clear refusal naming the value, both shapes and the block."""
-        expected = self.expected_shape(host, raw)
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected:
-            self.refuse(host, expected, value)
+        live = host.to_user(self.live(host, raw), self.name)
+        self.validate(host, tuple(live.shape), value, live)
         return value
 
+    def validate(self, host: Any, expected: tuple[int, ...], value: Any, current: Optional[torch.Tensor]) -> None:
+        """Refuse what cannot be written here; warn where `value` brings NaN or inf into finite numbers."""
+        check_write(f"{host.where()}.{self.name}", self.shape, expected, value, current)
+
     def refuse(self, host: Any, expected: tuple[int, ...], value: Any) -> None:
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"{host.where()}.{self.name} takes a tensor of shape {expected} {self.shape}, "
-                f"not a {type(value).__name__}; to set every entry, edit in place: "
-                f"`...{self.name}[:] = value`."
-            )
-        raise ValueError(
-            f"{host.where()}.{self.name} cannot take a tensor of shape {tuple(value.shape)}: "
-            f"it is {expected} {self.shape} on this run. Write a tensor of that shape, or edit "
-            f"a slice in place (`...{self.name}[:, -1] = vector`)."
-        )
+        refuse_write(f"{host.where()}.{self.name}", self.shape, expected, value)
 
     def write(self, host: Any, raw: Any, value: torch.Tensor) -> None:
         """Copy `value` (the user's layout) into the model's tensor, in place."""
@@ -257,6 +291,60 @@ class StreamValue(eproperty):
             value = value / self.factor(host)
         with torch.no_grad():
             live.copy_(host.to_engine(value.to(live.dtype), live, self.name))
+
+
+def refuse_write(name: str, shape: str, expected: tuple[int, ...], value: Any) -> None:
+    """Raise the refusal of `value` as a write of the value `name`, ``expected`` ``shape`` on this run."""
+    short = name.rsplit(".", 1)[-1]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{name} takes a tensor of shape {expected} {shape}, "
+            f"not a {type(value).__name__}; to set every entry, edit in place: "
+            f"`...{short}[:] = value`."
+        )
+    raise ValueError(
+        f"{name} cannot take a tensor of shape {tuple(value.shape)}: "
+        f"it is {expected} {shape} on this run. Write a tensor of that shape, or edit "
+        f"a slice in place (`...{short}[:, -1] = vector`)."
+    )
+
+
+def check_write(name: str, shape: str, expected: tuple[int, ...], value: Any,
+                current: Optional[torch.Tensor] = None) -> None:
+    """Refuse `value` as a write of `name` unless it is a real tensor of numbers of the `expected` shape.
+
+    A bool or complex tensor is not a value of the stream, and a meta tensor
+    has no numbers at all. Where `value` holds NaN or inf at entries that were
+    finite in `current` (the model's own value), it is written, with a warning
+    naming the value: every later position that attends to it is poisoned.
+    """
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected:
+        refuse_write(name, shape, expected, value)
+    if value.dtype == torch.bool or value.is_complex():
+        raise TypeError(
+            f"{name} takes real numbers, not a {value.dtype} tensor; write `mask.float()` for 0/1 values, "
+            f"or keep the model's values where a mask is false: `torch.where(mask, new, {name})`."
+        )
+    if value.is_meta:
+        raise ValueError(
+            f"{name} cannot take a meta tensor: it has a shape but no numbers (it was made on the "
+            f"'meta' device, as under `init_empty_weights` or `device='meta'`). Make it on the model's "
+            f"device instead, e.g. `torch.zeros(..., device={name}.device)`."
+        )
+    if WARN_NON_FINITE and value.is_floating_point():
+        finite = torch.isfinite(value)
+        if current is not None and current.shape == value.shape:
+            introduced = ~finite & torch.isfinite(current)
+        else:
+            introduced = ~finite
+        count = int(introduced.sum())
+        if count:
+            warnings.warn(
+                f"{name} is written with NaN or inf at {count} of its {value.numel()} entries, where the "
+                f"model's values were finite: every later position that attends to them (and every value "
+                f"after them) becomes NaN. Write finite numbers unless that is what you mean to study.",
+                RuntimeWarning, stacklevel=4,
+            )
 
 
 class ComputedValue(StreamValue):
@@ -268,6 +356,15 @@ class ComputedValue(StreamValue):
     with the reason.
     """
 
+    #: Why a write is refused, and what to edit instead; formatted with the value's full name.
+    READ_ONLY = ("{name} is computed for the read and held by nothing in the model, so it cannot be written; "
+                 "edit the value it is computed from instead.")
+
+    def __init__(self, *args: Any, read_only: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if read_only is not None:
+            self.READ_ONLY = read_only
+
     def __call__(self, function: Callable) -> "ComputedValue":
         self.compute = function
         return super().__call__(function)
@@ -278,13 +375,65 @@ class ComputedValue(StreamValue):
             return self.compute(host, tensor)
 
     def write(self, host: Any, raw: Any, value: torch.Tensor) -> None:
-        raise ValueError(
-            f"{host.where()}.{self.name} is computed for the read and held by nothing in the model, "
-            f"so it cannot be written; edit the value it is computed from instead."
-        )
+        raise ValueError(self.READ_ONLY.format(name=f"{host.where()}.{self.name}"))
 
     def checked(self, host: Any, raw: Any, value: Any) -> torch.Tensor:
         return value
+
+
+def in_trace(name: str, done: str) -> Mediator:
+    """The running trace's worker, or a clear error: `name` can only be `done` (read, written) inside a trace."""
+    mediator = getattr(getcurrent(), "mediator", None)
+    if mediator is None:
+        raise ValueError(
+            f"{name} can only be {done} inside a trace, while the model runs: "
+            f"`with model.trace(prompt): value = {name}.save()`, then use `value` after the block."
+        )
+    return mediator()
+
+
+def _copy(tensor: torch.Tensor, *, edited: bool) -> torch.Tensor:
+    """A private copy of `tensor`; one that counts as edited (its version is not 0) where `edited`."""
+    with torch.inference_mode(False):
+        if not edited:
+            return tensor.clone()
+        copy = torch.empty_like(tensor)
+        copy.copy_(tensor)
+        return copy
+
+
+def _retire(mediator: Mediator, view: torch.Tensor, name: str) -> None:
+    """Remember a read whose write-back is gone, so an in-place edit of it later is not dropped without a word."""
+    retired = mediator.__dict__.setdefault("streamscope_retired", [])
+    try:
+        version = view._version
+    except RuntimeError:  # an inference tensor keeps no version, and cannot be edited outside inference mode
+        return
+    wanted = mediator.__dict__.get("streamscope_wanted")  # what the worker moves on to, where a value asks
+    retired.append((weakref.ref(view), version, name, wanted[1] if wanted else None))
+
+
+def _check_retired(mediator: Mediator) -> None:
+    """Raise where a read was edited in place after its write-back had gone to the model."""
+    retired = mediator.__dict__.get("streamscope_retired")
+    if not retired:
+        return
+    alive = []
+    for reference, version, name, then in retired:
+        view = reference()
+        if view is None:
+            continue
+        if view._version != version:
+            mediator.streamscope_retired = []
+            raise OutOfOrderError(
+                f"{name} was edited in place after the trace had gone on"
+                f"{f' to read {then}' if then and then != name else ''}: an edit of a read goes back to the "
+                f"model only until the trace reads the next value, so this one would be dropped. Make the "
+                f"edit before reading anything later, or edit a copy (`{name.rsplit('.', 1)[-1]}.clone()`) "
+                f"to keep it to yourself."
+            )
+        alive.append((reference, version, name, then))
+    mediator.streamscope_retired = alive
 
 
 def _skip_unedited_write_backs() -> None:
@@ -295,6 +444,10 @@ def _skip_unedited_write_backs() -> None:
     read. A streamscope value's write-back is the identity on an unedited view
     (its version counter says so), so the swap is skipped and an unedited read
     costs what raw nnsight's read of the same tensor plus a copy costs.
+
+    Either way the read is retired: an in-place edit of it from then on could
+    not reach the model, so when the block ends such an edit raises instead of
+    vanishing (checked once, at the end, so a block of many reads stays linear).
     """
     flush = Mediator.flush
     if getattr(flush, "skips_unedited", False):
@@ -302,10 +455,13 @@ def _skip_unedited_write_backs() -> None:
 
     def flush_edited(mediator: Mediator) -> None:
         waiting = mediator.transform
-        if waiting is not None and isinstance(waiting.eproperty, StreamValue) and not _edited(waiting.view):
+        if waiting is None or not isinstance(waiting.eproperty, StreamValue):
+            return flush(mediator)
+        if _edited(waiting.view):
+            flush(mediator)
+        else:
             mediator.transform = None
-            return
-        flush(mediator)
+        _retire(mediator, waiting.view, f"{waiting.fn.args[0].where()}.{waiting.eproperty.name}")
 
     flush_edited.skips_unedited = True
     Mediator.flush = flush_edited
@@ -318,4 +474,84 @@ def _edited(view: torch.Tensor) -> bool:
         return True
 
 
+def _explain_out_of_order() -> None:
+    """Name streamscope's values in nnsight's out-of-order error: which value was read after which.
+
+    nnsight reports the module location a worker was still waiting for when the
+    run ended (``'model.model.layers.0.output.i0' was requested but the model
+    already ran past it``). Each streamscope read records the value it asks for
+    and the last one it was served, so the error can say it in the user's names.
+    """
+    unwind = interleaver.dangling_unwind
+    if getattr(unwind, "names_values", False):
+        return
+
+    def named_unwind(mediator: Mediator) -> tuple[BaseException, Optional[str]]:
+        error, expected = unwind(mediator)
+        wanted = mediator.__dict__.get("streamscope_wanted")
+        pending = mediator.pending
+        if (not isinstance(error, OutOfOrderError) or expected is not None or wanted is None
+                or pending is None or pending.provider != wanted[0]):
+            return error, expected
+        return OutOfOrderError(out_of_order(wanted[1], mediator.__dict__.get("streamscope_read"))), None
+
+    named_unwind.names_values = True
+    interleaver.dangling_unwind = named_unwind
+
+
+def out_of_order(wanted: str, last: Optional[str]) -> str:
+    """The message for `wanted`, asked for after the model had run past it; `last` is the value read before it."""
+    order = ("Read values in the order the model computes them: model.support() lists each block's values "
+             "in that order, and the blocks run in index order.")
+    if wanted.endswith(".skip"):
+        block = wanted[: -len(".skip")]
+        after = f" after the trace read {last}" if last else ""
+        return (f"{wanted}() came{after}, once the block had already run: skip a block before reading any "
+                f"of its values or a later one. {order}")
+    if last is None:
+        return (f"{wanted} was asked for after the model had already computed it (or this run never computes "
+                f"it). {order}")
+    return (f"{wanted} was read after {last}, but the model computes it first, so the run had already gone "
+            f"past it. {order}")
+
+
+def _explain_edit_errors() -> None:
+    """Name the value in torch's broadcasting error when an in-place edit of a read has the wrong width;
+    at the end of a block, raise for a read edited in place after its write-back had gone (`_check_retired`).
+
+    ``model.layers[1].layer_mid += vector`` fails inside torch ("The size of
+    tensor a (64) must match the size of tensor b (32)"); the read being edited
+    is the worker's pending write-back, so the message can say which value it
+    was, its shape, and how to edit it.
+    """
+    run = Mediator._run
+    if getattr(run, "explains_edits", False):
+        return
+
+    def explained_run(mediator: Mediator) -> None:
+        try:
+            run(mediator)
+            _check_retired(mediator)
+        except RuntimeError as error:
+            waiting = mediator.transform
+            message = str(error)
+            sizes = re.search(r"size of tensor a \((\d+)\)|expanded size of the tensor \((\d+)\)", message)
+            if (waiting is not None and isinstance(waiting.eproperty, StreamValue) and sizes is not None
+                    and len(error.args) == 1 and int(sizes.group(1) or sizes.group(2)) in waiting.view.shape):
+                value = waiting.eproperty
+                name = f"{waiting.fn.args[0].where()}.{value.name}"
+                error.args = (
+                    f"{name} is {tuple(waiting.view.shape)} {value.shape} on this run, and the tensor used "
+                    f"to edit it in place does not fit: {message.strip()}. Use a tensor that broadcasts to "
+                    f"the part edited: a vector of the last dimension's width at one position is "
+                    f"`...{value.name}[:, -1] += vector`.",
+                )
+            raise
+
+    explained_run.explains_edits = True
+    Mediator._run = explained_run
+
+
 _skip_unedited_write_backs()
+_explain_out_of_order()
+_explain_edit_errors()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, ClassVar, Optional
 
 import torch
@@ -32,6 +33,18 @@ class StreamEnvoy(Envoy):
     def where(self) -> str:
         """The user's name of this envoy in messages: ``model.layers[3].self_attn``."""
         return self.path
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_") or "_module" not in self.__dict__:
+                raise
+            try:
+                values = [value for value, reason in self.served().items() if reason is None]
+            except Exception:  # a tree still being built: name what the kind declares
+                values = self.value_names()
+            raise AttributeError(no_such_name(self, name, values)) from None
 
     def to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """The model's tensor for `name` in the user's layout, as a view.
@@ -77,6 +90,45 @@ class StreamEnvoy(Envoy):
             except Exception as error:  # Unavailable, with its reason
                 table[name] = getattr(error, "reason", str(error))
         return table
+
+
+class Blocks(Envoy):
+    """`model.layers`: the decoder blocks, indexed from 0 (or from -num_layers), sliced, iterated."""
+
+    def where(self) -> str:
+        return "model.layers"
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, int) and not isinstance(key, bool):
+            count = len(self)
+            if not -count <= key < count:
+                raise IndexError(
+                    f"model.layers[{key}] is out of range: this model has {count} blocks, model.layers[0] to "
+                    f"model.layers[{count - 1}] (or model.layers[-{count}] to model.layers[-1])."
+                )
+        return super().__getitem__(key)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+            raise AttributeError(no_such_name(self, name, [])) from None
+
+
+def no_such_name(envoy: Envoy, name: str, values: list[str]) -> str:
+    """The message for a name `envoy` neither serves nor has as a module: the nearest names it does have."""
+    where = envoy.where() if hasattr(type(envoy), "where") else envoy.path
+    modules = [key for key, child in envoy.__dict__.items() if isinstance(child, Envoy) and not key.startswith("_")]
+    public = [key for key in dir(type(envoy)) if not key.startswith("_")]
+    near = difflib.get_close_matches(name, list(dict.fromkeys([*values, *modules, *public])), n=3, cutoff=0.6)
+    guess = f" Did you mean {' or '.join(near)}?" if near else ""
+    served = f" It serves {', '.join(values)}" if values else ""
+    listed = f"{served}{';' if served else ' Its modules:'} {', '.join(modules)}." if modules else (
+        f"{served}." if served else "")
+    hint = " See model.support() for every value of every block." if values else ""
+    return f"{where} has no value or module {name!r}.{guess}{listed}{hint}"
 
 
 #: The attribute a block module keeps its stream's leading shape on, set as the block is called.

@@ -9,7 +9,7 @@ from nnsight.intervention.interleaver import Mediator
 
 from ..errors import Unavailable, missing_module
 from ..support import BlockSupport
-from ..values import INPUT, OUTPUT, Residual, StreamValue, first_tensor
+from ..values import INPUT, OUTPUT, Residual, StreamValue, check_write, first_tensor, in_trace
 from .envoy import StreamEnvoy, record_stream_shape
 from .sublayers import Attention, LinearAttention, Mlp, Sublayer
 
@@ -109,7 +109,7 @@ class Layer(StreamEnvoy):
         packed the way the block would have returned it (a tuple family gets
         ``(hidden, None)``). Call it inside a trace, before the block runs.
         """
-        live = first_tensor(Mediator.value(f"{self.path}.input"))
+        live = first_tensor(self.block_input())
         expected = tuple(self.to_user(live, "layer_output").shape)
         if not isinstance(hidden, torch.Tensor) or tuple(hidden.shape) != expected:
             got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
@@ -117,8 +117,17 @@ class Layer(StreamEnvoy):
                 f"{self.where()}.skip takes the block's layer_output, a tensor of shape {expected} "
                 f"[batch, seq, hidden_size]; got {got}."
             )
-        replacement = self.to_engine(hidden.to(live.dtype), live, "layer_output")
+        check_write(f"{self.where()}.skip", "[batch, seq, hidden_size]", expected, hidden)
+        # A copy: the model may work on the block's output in place, and `hidden` is the user's (often a read).
+        replacement = self.to_engine(hidden.to(live.dtype, copy=True), live, "layer_output")
         Mediator.skip(f"{self.path}.skip", self.pack(replacement))
+
+    def block_input(self) -> Any:
+        """The block's call as the model makes it; a skip waits for it, and comes too late once it has passed."""
+        location = f"{self.path}.input"
+        mediator = in_trace(f"{self.where()}.skip", "called")
+        mediator.streamscope_wanted = (location, f"{self.where()}.skip")
+        return Mediator.value(location)
 
     def pack(self, hidden: torch.Tensor) -> Any:
         """`hidden` as the block returns its stream."""

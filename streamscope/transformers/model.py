@@ -12,9 +12,11 @@ import torch
 from nnsight.modeling.transformers import TransformersModel
 from transformers import AutoConfig
 
+from ..blocks.envoy import Blocks
+from ..checks import check_token_ids
 from ..model import Standardized
-from ..values import OUTPUT, StreamValue
-from .families import family_for
+from ..values import OUTPUT, ComputedValue, StreamValue
+from .families import family_called, family_for
 
 
 class StandardizedTransformers(Standardized, TransformersModel):
@@ -26,33 +28,84 @@ class StandardizedTransformers(Standardized, TransformersModel):
     def logits(self) -> torch.Tensor:
         """The next-token logits at every position, after any final scaling or soft cap, [batch, seq, vocab_size]."""
 
-    @StreamValue(None, OUTPUT, shape="[batch, seq, vocab_size]")
-    def prompt_logits(self) -> torch.Tensor:
+    @ComputedValue(None, OUTPUT, shape="[batch, seq, vocab_size]", read_only=(
+        "{name} is read-only, as on vLLM (where it is computed for the read): edit model.logits instead."))
+    def prompt_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits at every position, [batch, seq, vocab_size]: the same as `logits` on this engine.
 
         On vLLM `logits` is the sampled position only and `prompt_logits`
         every prompt position, so code that wants every position reads this
-        name on either engine.
+        name on either engine. Read-only on both: edit `model.logits`.
         """
+        return logits.clone()
 
-    def __init__(self, path: str | Path, *args: Any, family: str | ModuleType | None = None, **kwargs: Any) -> None:
+    def __init__(self, path: str | Path | torch.nn.Module, *args: Any, family: str | ModuleType | None = None, **kwargs: Any) -> None:
         """`family` overrides the family module found by ``config.model_type``: a module, or a model type's name."""
-        if family is None or isinstance(family, str):
-            config = kwargs.get("config") or AutoConfig.from_pretrained(str(path), trust_remote_code=kwargs.get("trust_remote_code", False))
-            family = family_for(family or config.model_type)
+        # A model built in memory (random weights from a config, as the benchmarks do) is taken as is.
+        built = isinstance(path, torch.nn.Module)
+        if isinstance(family, str):
+            family = family_called(family)
+        elif family is None:
+            config = path.config if built else (kwargs.get("config") or AutoConfig.from_pretrained(
+                str(path), trust_remote_code=kwargs.get("trust_remote_code", False)))
+            family = family_for(config.model_type)
         # Set before the tree is built: the root's values consult the family.
         object.__setattr__(self, "family", family)
         kwargs.setdefault("rename", self.family.RENAME)
-        kwargs.setdefault("envoys", self.family.ENVOYS)
+        kwargs.setdefault("envoys", {"layers": Blocks, **self.family.ENVOYS})
         kwargs.setdefault("dtype", torch.float32)
         kwargs.setdefault("dispatch", True)
         kwargs.setdefault("task", "text-generation")
         with _beside_vllm():
-            super().__init__(str(path), *args, **kwargs)
+            super().__init__(path if built else str(path), *args, **kwargs)
         # A family may check the tree it was applied to (the default says what it could not map).
         check = getattr(self.family, "check", None)
         if check is not None:
             check(self)
+
+    def _batch(self, invokes: list, fn: Any) -> tuple:
+        """nnsight's batching, after refusing token ids beyond the vocabulary (the embedding would fail on them)."""
+        batched = super()._batch(invokes, fn)
+        args, kwargs = batched
+        ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+        if isinstance(ids, torch.Tensor):
+            check_token_ids(ids, self.vocab_size)
+        return batched
+
+    # The bulk path (streamscope.bulk): no trace, one hook per module for a whole padded batch.
+
+    def harvest(self, prompts: Any, values: Any, layers: Any = None, positions: Any = "last",
+                out: str | Path | None = None, **options: Any) -> Any:
+        """Read values at chosen blocks and positions of many prompts, per prompt or to shards on disk.
+
+        See `streamscope.bulk` for the layout; ``batch_size`` (8), ``shard_size``
+        and ``progress`` are options.
+        """
+        from ..bulk.transformers import harvest
+
+        return harvest(self, prompts, values, layers, positions, out, **options)
+
+    def generate(self, *inputs: Any, steer: Any = None, harvest: Any = None, **kwargs: Any) -> Any:
+        """With ``steer=`` or ``harvest=``: bulk sampling (`streamscope.bulk.transformers.generate`).
+
+        Otherwise nnsight's generate: a trace as a ``with`` block, a plain
+        generation when called (its decision, made here at the caller's depth).
+        """
+        if steer is not None or harvest is not None:
+            from ..bulk.transformers import generate
+
+            return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)
+        from nnsight.tracing.tracer import WithBlockNotFoundError
+
+        fn = TransformersModel.generate.__wrapped__.__get__(self, type(self))
+        if self.interleaver.interleaving:
+            return fn(*inputs, **kwargs)
+        tracer = self.trace(*inputs, fn=fn, **kwargs)
+        try:
+            tracer.capture()
+        except WithBlockNotFoundError:
+            return self.interleave(fn, *inputs, **kwargs)
+        return tracer
 
 
 def _beside_vllm() -> contextlib.AbstractContextManager:

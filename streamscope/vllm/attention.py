@@ -50,6 +50,15 @@ MISSING_STEPS = ("{where}.{name} on decode step {step} spans the request's whole
                  "(`for step in tracer.iter[:]`).")
 
 
+def tensor_parallel() -> tuple[int, int]:
+    """This engine's tensor-parallel world size and this rank's place in it; ``(1, 0)`` outside an engine."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state._TP is None:
+        return 1, 0
+    return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+
+
 def pairs_first(tensor: torch.Tensor) -> torch.Tensor:
     """A head's channels (last dimension) from vLLM's load-time order back to transformers' order.
 
@@ -197,13 +206,51 @@ class VllmAttentionInternals:
         return {}
 
     def head_count(self, name: str) -> int:
+        """How many heads `name` has on this rank (under tensor parallelism, this rank's share)."""
         layer = self.kernel_layer()
         return layer.num_kv_heads if name in ("keys", "values") else layer.num_heads
+
+    def kv_replicas(self) -> int:
+        """How many ranks hold each key/value head: more than one where the ranks outnumber the kv heads."""
+        world, _ = tensor_parallel()
+        total = getattr(self._module, "total_num_kv_heads", None)
+        if world == 1 or not total or total >= world:
+            return 1
+        return world // total
+
+    def whole_heads(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """Every rank's heads of a flat ``[tokens, local width]`` tensor, in transformers' head order.
+
+        vLLM shards an attention by heads, rank r holding a contiguous run of
+        them, so the ranks' concatenation is the whole; where kv heads are
+        replicated over ranks, one copy of each is kept. Every rank of the
+        engine reads the value at the same place, so every rank joins the
+        gather. On one rank the tensor is returned as it is.
+        """
+        world, _ = tensor_parallel()
+        if world == 1:
+            return tensor
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        whole = tensor_model_parallel_all_gather(tensor.contiguous(), dim=-1)
+        replicas = self.kv_replicas() if name in ("keys", "values") else 1
+        if replicas > 1:
+            whole = torch.cat(whole.chunk(world, dim=-1)[::replicas], dim=-1)
+        return whole
+
+    def rank_heads(self, whole: torch.Tensor, name: str) -> torch.Tensor:
+        """`whole_heads`' inverse: this rank's share of a flat ``[tokens, whole width]`` tensor."""
+        world, rank = tensor_parallel()
+        if world == 1:
+            return whole
+        replicas = self.kv_replicas() if name in ("keys", "values") else 1
+        return whole.chunk(world // replicas, dim=-1)[rank // replicas]
 
     def internals_to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         if tensor.dim() == 3 and tensor.shape[0] == 1:  # [1, tokens, width]: flat already, with a batch
             tensor = tensor[0]
-        heads = tensor.unflatten(-1, (self.head_count(name), -1))  # [tokens, heads, head_dim]
+        head_dim = tensor.shape[-1] // self.head_count(name)
+        heads = self.whole_heads(tensor, name).unflatten(-1, (-1, head_dim))  # [tokens, heads, head_dim]
         if self.CHANNELS_PERMUTED and name in ("queries", "keys"):
             heads = pairs_first(heads)
         if name == "head_outputs":
@@ -214,7 +261,7 @@ class VllmAttentionInternals:
         heads = value[0] if name == "head_outputs" else value[0].transpose(0, 1)  # [tokens, heads, head_dim]
         if self.CHANNELS_PERMUTED and name in ("queries", "keys"):
             heads = halves_first(heads)
-        return heads.reshape(live.shape)
+        return self.rank_heads(heads.flatten(-2), name).reshape(live.shape)
 
     # Scores, over the whole prefix.
 

@@ -77,6 +77,9 @@ class VllmSkip:
         if not isinstance(hidden, torch.Tensor):
             raise ValueError(f"{self.where()}.skip takes a tensor [1, tokens, hidden_size], "
                              f"not a {type(hidden).__name__}.")
+        # As on transformers, a skip waits for the block's call: once the block has run (a value of it, or
+        # of a later block, was read), it is too late, and the run says so rather than overwrite that read.
+        self.block_input()
         try:
             self.layer_output = hidden
         except ValueError as error:

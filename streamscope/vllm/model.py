@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import ast
+import builtins
 import contextlib
 import gc
 import os
+import sys
 import weakref
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, Optional
 
 from nnsight.modeling.vllm import VLLM
 from transformers import AutoConfig
 
 import torch
 
+from .. import errors
+from ..checks import check_token_ids
 from ..errors import Unavailable
+from ..blocks.envoy import Blocks
 from ..model import Standardized
 from ..values import OUTPUT, ComputedValue
-from .families import family_for
+from .families import family_called, family_for
 
 #: Engine settings that keep values exact and every token visible to a trace.
 EXACT_DEFAULTS: dict[str, Any] = {
@@ -34,6 +41,37 @@ def _on_cpu() -> bool:
 
 
 _ENGINES: "weakref.WeakSet[StandardizedVLLM]" = weakref.WeakSet()
+
+
+CLOSED = ("this vLLM engine was closed (`model.close()`) and serves no more traces: start a new one with "
+          "`streamscope.load(path, engine=\"vllm\")`")
+
+
+def _in_process(engine: "StandardizedVLLM") -> bool:
+    """Whether the engine's core runs in this process (vLLM's in-process client holds it as `engine_core`)."""
+    entry = getattr(engine, "vllm_entrypoint", None)
+    return entry is not None and hasattr(entry.llm_engine.engine_core, "engine_core")
+
+
+@contextlib.contextmanager
+def _keeping_process_state() -> Any:
+    """Shut one in-process engine down while others of the process still run.
+
+    vLLM's engine-core shutdown ends with a teardown of the process's parallel
+    groups, and its GPU runner's shutdown resets the process's kernel
+    workspace; both belong to every in-process engine, so while others live,
+    only the closing engine's own memory is released.
+    """
+    import vllm.v1.engine.core as engine_core
+    import vllm.v1.worker.workspace as workspace
+
+    teardown, reset = engine_core.cleanup_dist_env_and_memory, workspace.reset_workspace_manager
+    engine_core.cleanup_dist_env_and_memory = lambda *args, **kwargs: gc.collect()
+    workspace.reset_workspace_manager = lambda: None
+    try:
+        yield
+    finally:
+        engine_core.cleanup_dist_env_and_memory, workspace.reset_workspace_manager = teardown, reset
 
 
 def beside_engine() -> contextlib.AbstractContextManager:
@@ -70,7 +108,7 @@ class StandardizedVLLM(Standardized, VLLM):
         """
         module = self._module
         processor = module.logits_processor
-        head = getattr(module, "lm_head", None) or module.model.embed_tokens
+        head = _unembedding(module)
         # The head's bias where it has one (GPT-J), as the family's compute_logits passes it.
         logits = processor._get_logits(normed, head, getattr(head, "bias", None))
         if processor.soft_cap is not None:
@@ -79,64 +117,204 @@ class StandardizedVLLM(Standardized, VLLM):
             logits = logits * processor.scale
         return logits
 
-    def __init__(self, path: str | Path, **kwargs: Any) -> None:
+    def __init__(self, path: str | Path, family: str | ModuleType | None = None, **kwargs: Any) -> None:
+        """`family` overrides the family module found by ``config.model_type``: a module, or a model type's name."""
         from nnsight.modeling.vllm.envoys import parallel_envoys
 
-        config = AutoConfig.from_pretrained(str(path), trust_remote_code=kwargs.get("trust_remote_code", False))
-        object.__setattr__(self, "family", family_for(config.model_type))
-        settings = {**EXACT_DEFAULTS, **kwargs}
+        if isinstance(family, str):
+            family = family_called(family)
+        elif family is None:
+            config = AutoConfig.from_pretrained(str(path), trust_remote_code=kwargs.get("trust_remote_code", False))
+            family = family_for(config.model_type)
+        object.__setattr__(self, "family", family)
+        settings = {**EXACT_DEFAULTS, **getattr(self.family, "ENGINE_DEFAULTS", {}), **kwargs}
         if _on_cpu():
             from .worker import cpu_engine_kwargs
 
             settings = cpu_engine_kwargs(**settings)
+        else:
+            from .bulk_worker import GPU_WORKER_CLS
+
+            # nnsight's GPU worker with the bulk path's RPC methods (nnsight passes worker_cls=self._WORKER_CLS).
+            object.__setattr__(self, "_WORKER_CLS", GPU_WORKER_CLS)
         settings.setdefault("rename", self.family.RENAME)
-        settings.setdefault("envoys", {**parallel_envoys(), **self.family.ENVOYS})
+        settings.setdefault("envoys", {**parallel_envoys(), "layers": Blocks, **self.family.ENVOYS})
         settings.setdefault("dispatch", True)
-        super().__init__(str(path), **settings)
+        if torch.cuda.is_available():
+            # vLLM measures the GPU's free memory at start and again after profiling, and refuses to start
+            # if it grew between: memory an engine closed earlier left in torch's cache must go back first.
+            gc.collect()
+            torch.cuda.empty_cache()
+        try:
+            super().__init__(str(path), **settings)
+        except BaseException:
+            # A start that failed half-way leaves vLLM's process-wide parallel state up, built for this model
+            # (no expert-parallel group for a dense one, say), and the next engine of the process would reuse it.
+            if not any(_in_process(engine) for engine in list(_ENGINES)):
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
+            raise
         _ENGINES.add(self)
 
     def close(self) -> None:
-        """Shut the engine down and free its KV cache; the model cannot trace afterwards.
+        """Shut the engine down and give its memory back (GPU memory included); the model cannot trace afterwards.
 
-        With the engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-        vLLM's parallel state belongs to the process and the shutdown tears it
-        down: close an engine when no other engine of this process is still to
-        be used.
+        Other engines of this process keep working: with the engine in this
+        process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), vLLM's shutdown would tear
+        down the process-wide parallel state and workspace every in-process
+        engine shares, so that teardown waits for the last of them to close.
+        After the last, the process can start the next engine, of any family.
+        Closing twice does nothing.
         """
         entry = getattr(self, "vllm_entrypoint", None)
-        if entry is not None:
+        if entry is None:
+            return
+        sharing = _in_process(self) and any(_in_process(other) for other in list(_ENGINES) if other is not self)
+        with _keeping_process_state() if sharing else contextlib.nullcontext():
             entry.llm_engine.engine_core.shutdown()
-            self.vllm_entrypoint = None
+        self.vllm_entrypoint = None
+        _ENGINES.discard(self)
+        del entry
         gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def trace(self, *inputs: Any, **kwargs: Any) -> Any:
+        if getattr(self, "vllm_entrypoint", None) is None and self.dispatched:
+            raise RuntimeError(CLOSED)
+        return super().trace(*inputs, **kwargs)
+
+    def _call(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
+        for prompt in prompts:  # refused before the engine sees them, as on transformers
+            ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+            if not isinstance(ids, str) and ids is not None:
+                check_token_ids(ids, self.vocab_size)
+        return super()._call(prompts, params, lora_requests, **kwargs)
+
+    # The bulk path (streamscope.bulk): applied in the worker per token span, no trace.
+
+    def harvest(self, prompts: Any, values: Any, layers: Any = None, positions: Any = "last",
+                out: str | Path | None = None, **options: Any) -> Any:
+        """Read values at chosen blocks and positions of many prompts, per prompt or to shards on disk.
+
+        See `streamscope.bulk` for the layout; ``shard_size`` (prompts per
+        engine run and per shard) and ``progress`` are options.
+        """
+        from ..bulk.vllm import harvest
+
+        return harvest(self, prompts, values, layers, positions, out, **options)
+
+    def generate(self, *inputs: Any, steer: Any = None, harvest: Any = None, **kwargs: Any) -> Any:
+        """With ``steer=`` or ``harvest=``: bulk sampling (`streamscope.bulk.vllm.generate`).
+
+        Otherwise nnsight's generate: a trace as a ``with`` block, vLLM's
+        request outputs when called (its decision, made here at the caller's depth).
+        """
+        if steer is not None or harvest is not None:
+            from ..bulk.vllm import generate
+
+            return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)
+        from nnsight.tracing.tracer import WithBlockNotFoundError
+
+        tracer = self.trace(*inputs, **kwargs)
+        try:
+            tracer.capture()
+        except WithBlockNotFoundError:
+            return self._generate(*inputs, **kwargs)
+        return tracer
 
     @staticmethod
     def _collect(mediators: list, outputs: list) -> None:
-        # The worker's errors come back as RuntimeError("<Type>: message"); give
-        # streamscope's own refusals back their type, as on transformers.
-        try:
-            VLLM._collect(mediators, outputs)
-        except RuntimeError as error:
-            raise _retyped(error) from None
+        # A request's error comes back from the worker as a record of its type's name, message and
+        # traceback; nnsight raises it as RuntimeError("<Type>: message"). Raise it with the type the
+        # client would have raised (as on transformers), naming the invoke where the trace has several.
+        failed = []
+        for index, output in enumerate(outputs):
+            error = getattr(output, "nnsight_error", None)
+            if error and not error.get("is_control_flow"):
+                failed.append((index, error))
+                output.nnsight_error = None  # raised below, after the other invokes' values are home
+        VLLM._collect(mediators, outputs)
+        if failed:
+            index, error = failed[0]
+            raise _retyped(error, index if len(outputs) > 1 else None, len(failed)) from None
 
 
-_RETYPED = {"Unavailable": Unavailable, "ValueError": ValueError, "TypeError": TypeError}
+def _unembedding(module: torch.nn.Module) -> torch.nn.Module:
+    """The engine's unembedding: ``lm_head`` (GPT-NeoX: ``embed_out``), or the tied embeddings where vLLM keeps no head."""
+    for name in ("lm_head", "embed_out"):
+        if isinstance(getattr(module, name, None), torch.nn.Module):
+            return getattr(module, name)
+    return module.model.embed_tokens
 
 
-def _retyped(error: RuntimeError) -> Exception:
-    """The worker's error as the client would have raised it; the worker's traceback rides along as a note."""
-    kind, _, rest = str(error).partition(": ")
-    if kind not in _RETYPED:
-        return error
-    head, _, traceback = rest.partition("\n\nIntervention traceback:")
-    if kind == "Unavailable":
-        where_value, _, reason = head.partition(" is unavailable: ")
-        where, _, value = where_value.rpartition(".")
-        retyped: Exception = Unavailable(value, where, reason)
-    else:
-        retyped = _RETYPED[kind](head)
+def _retyped(error: dict, invoke: Optional[int] = None, failures: int = 1) -> BaseException:
+    """The worker's error as the client would have raised it, with the worker's traceback as a note.
+
+    The type is found by name: a builtin exception, one of streamscope's, or
+    any other class loaded in this process under that name (nnsight's
+    OutOfOrderError, the user's own exception class) where the name is not
+    ambiguous; otherwise a RuntimeError that starts with the type's name.
+    """
+    kind, message = error.get("type_name", "Exception"), error.get("message", "")
+    retyped = _rebuilt(kind, message)
+    if retyped is None:
+        retyped = RuntimeError(f"{kind}: {message}")
+    if invoke is not None:
+        where = f"invoke {invoke} of this trace" + (f" (and {failures - 1} more)" if failures > 1 else "")
+        if isinstance(retyped, KeyError) or not retyped.args or not isinstance(retyped.args[0], str):
+            retyped.add_note(f"Raised in {where}.")
+        else:
+            retyped.args = (f"{retyped.args[0]} [{where}]", *retyped.args[1:])
+    traceback = error.get("traceback")
     if traceback:
-        retyped.add_note("Intervention traceback (in the vLLM worker):" + traceback.rstrip())
+        retyped.add_note("Intervention traceback (in the vLLM worker):\n" + traceback.rstrip())
     return retyped
+
+
+def _rebuilt(kind: str, message: str) -> Optional[BaseException]:
+    """An exception of the class named `kind` carrying `message`, or None where none can be made."""
+    if kind == "Unavailable":
+        where_value, _, reason = message.partition(" is unavailable: ")
+        where, _, value = where_value.rpartition(".")
+        return Unavailable(value, where, reason)
+    found = _exception_class(kind)
+    if found is None:
+        return None
+    if issubclass(found, KeyError):  # str(KeyError(k)) is repr(k): read the key back
+        try:
+            return found(ast.literal_eval(message))
+        except (ValueError, SyntaxError):
+            return found(message)
+    try:
+        return found(message)
+    except Exception:  # a class that needs more than a message
+        return None
+
+
+def _exception_class(kind: str) -> Optional[type]:
+    builtin = getattr(builtins, kind, None)
+    if isinstance(builtin, type) and issubclass(builtin, BaseException):
+        return builtin
+    own = getattr(errors, kind, None)
+    if isinstance(own, type) and issubclass(own, BaseException):
+        return own
+    # A class pickled by value into the worker (one defined in __main__) is a second class of that name:
+    # the one its module still holds is the user's.
+    candidates = {klass for klass in _subclasses(BaseException) if klass.__name__ == kind
+                  and getattr(sys.modules.get(klass.__module__), klass.__qualname__, None) is klass}
+    return candidates.pop() if len(candidates) == 1 else None
+
+
+def _subclasses(root: type) -> set:
+    found, stack = set(), [root]
+    while stack:
+        for klass in stack.pop().__subclasses__():
+            if klass not in found:
+                found.add(klass)
+                stack.append(klass)
+    return found
 
 
 def load(path: str | Path, **kwargs: Any) -> StandardizedVLLM:

@@ -29,6 +29,8 @@ from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from .bulk_worker import BulkRPC
+
 __all__ = [
     "WORKER_CLS",
     "NNsightCPUModelRunner",
@@ -50,7 +52,7 @@ class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
     """
 
 
-class NNsightCPUWorker(CPUWorker, NNsightGPUWorker):
+class NNsightCPUWorker(BulkRPC, CPUWorker, NNsightGPUWorker):
     """vLLM's CPU worker with nnsight's runner and RPC methods.
 
     ``CPUWorker`` is first in the MRO, so device setup, memory accounting and
@@ -59,6 +61,7 @@ class NNsightCPUWorker(CPUWorker, NNsightGPUWorker):
     ``nnsight_register``, ``nnsight_clear_registered``) are inherited from
     ``NNsightGPUWorker``, which defines nothing else but its GPU ``init_device``
     (bypassed here: ``CPUWorker.init_device`` does not chain to ``super()``).
+    `BulkRPC` adds the bulk path's methods (`streamscope.bulk.vllm`).
     """
 
     def init_device(self) -> None:
@@ -155,6 +158,7 @@ def cpu_engine_kwargs(**overrides: Any) -> dict[str, Any]:
     """
     patch_client_for_cpu()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    _share_cpus(overrides.get("tensor_parallel_size", 1) * overrides.get("pipeline_parallel_size", 1))
     return {
         "enforce_eager": True,
         "enable_prefix_caching": False,
@@ -162,6 +166,25 @@ def cpu_engine_kwargs(**overrides: Any) -> dict[str, Any]:
         "dtype": "float32",
         **overrides,
     }
+
+
+def _share_cpus(ranks: int) -> None:
+    """Give each of several CPU ranks its own share of this process's CPUs (``VLLM_CPU_OMP_THREADS_BIND``).
+
+    vLLM binds each CPU worker's threads to a NUMA node of its own unless told
+    which CPUs to use, and refuses tensor or pipeline parallelism on a host with
+    fewer NUMA nodes than ranks (most single-socket machines). A binding the
+    caller set is kept.
+    """
+    if ranks < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    share = len(cpus) // ranks
+    if share == 0:
+        raise ValueError(f"{ranks} CPU ranks need at least {ranks} CPUs; this process may use {len(cpus)}. "
+                         "Lower tensor_parallel_size or pipeline_parallel_size.")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        ",".join(map(str, cpus[rank * share:(rank + 1) * share])) for rank in range(ranks))
 
 
 def cpu_vllm(path: str, **kwargs: Any) -> Any:

@@ -21,9 +21,14 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ...families import find_family
+from ...families import find_family, named_family
 
 
 def family_for(model_type: str) -> ModuleType:
     """The family module of `model_type`, or the best-effort default."""
     return find_family(__name__, model_type) or find_family(__name__, "default")
+
+
+def family_called(name: str) -> ModuleType:
+    """The family module a user named (``family="gpt2"``, ``"default"``); a ValueError listing the known ones."""
+    return named_family(__name__, name, "transformers")

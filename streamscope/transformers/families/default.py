@@ -99,8 +99,16 @@ def unread(model: Any) -> list[str]:
 
 def check(model: Any) -> None:
     """Warn that the default family is in use, what it could not map, and what it does not read."""
-    lines = [f"streamscope has no family module for model type {model.config.model_type!r}: the default family "
-             f"reads its blocks as pre-norm blocks (parallel where the config says so)."]
+    from . import find_family
+
+    model_type = model.config.model_type
+    if find_family(__package__, model_type) is None:
+        lines = [f"streamscope has no family module for model type {model_type!r}: the default family "
+                 f"reads its blocks as pre-norm blocks (parallel where the config says so)."]
+    else:
+        lines = [f"The default family reads this {model_type!r} model, as asked (family='default'; streamscope's "
+                 f"own family for it is {model_type!r}): it reads the blocks as pre-norm blocks (parallel where "
+                 f"the config says so)."]
     missing = unmapped(model)
     if missing:
         lines.append(f"Could not map: {', '.join(missing)}; the values keyed on these are unavailable "

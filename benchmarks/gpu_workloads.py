@@ -1,0 +1,302 @@
+"""Issue 8's workloads, side by side in one run: the bulk path against bare vLLM, transformers and the trace.
+
+Builds a Llama-3-8B-shape checkpoint folder holding only its config and a
+locally trained tokenizer (no weights: vLLM starts with ``load_format="dummy"``,
+random bfloat16 weights; the transformers model is built from the config on
+the same device with random init), then times, each ``--rounds`` times
+(medians; warm-up first):
+
+  W1  1,024 prompts of 64-1,024 tokens (seeded uniform), random token ids
+      bare        vLLM generate(max_tokens=1), same engine, same settings
+      last        model.harvest(every block's layer_output, positions="last")  bound <= 1.10x bare
+      4-all       model.harvest(4 blocks' layer_output, positions="all") to host memory  bound <= 1.30x bare
+      hf-last     streamscope on transformers, same values as `last`, its best batch size (padded)
+  W2  256 prompts x 128 sampled tokens (temperature 1, ignore_eos), prompts of 32-256 tokens
+      bare        vLLM generate
+      steered     model.generate(steer=[Steer("layer_output", 16, v, positions="all")])  bound <= 1.15x bare
+      hf-steered  the same steering on streamscope's transformers engine (its tokens/s; bound: vLLM >= 5x)
+  T   16 prompts x 256 tokens, every block's layer_output at every position
+      bare        vLLM generate(max_tokens=1)
+      trace       one trace, 16 invokes, every block read per invoke (the per-read path: "before")
+      bulk        model.harvest of the same values ("after")
+  ceiling         W1 and W2 bare on a second engine with vLLM's own defaults (CUDA graphs, prefix
+                  caching, chunked prefill), run first in a child process so the GPU is free for it
+
+"Bare" is the same engine (eager, no prefix caching, no chunked prefill: the
+settings that keep values exact) with no streamscope work. CUDA graphs are off
+for every streamscope run because hooks do not fire inside a replayed graph;
+keeping them would mean applying the steers and reads as tensor ops captured
+into the graph (static per-step row indices in persistent buffers, filled
+before each replay), i.e. a custom op in vLLM's compiled forward.
+
+    python benchmarks/gpu_workloads.py              # the H200 run (vLLM 0.22+, CUDA)
+    python benchmarks/gpu_workloads.py --tiny       # the same code at a tiny shape on this CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The engine in this process: a harvest's results (18 GB for W1's every-position part) are handed over
+# as they are, not pickled through the engine's RPC socket. Set it to 1 to measure the other way.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+#: Llama-3-8B's shape.
+FULL = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0, "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+#: A shape this CPU runs in seconds (head_dim 64 for vLLM's CPU attention).
+TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512, "rope_theta": 500000.0, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+
+
+def sizes(tiny: bool) -> dict:
+    if tiny:
+        return {"w1_prompts": 32, "w1_lengths": (16, 128), "w2_prompts": 16, "w2_tokens": 8, "w2_lengths": (8, 32),
+                "t_prompts": 16, "t_length": 32, "steer_block": 2, "max_model_len": 512, "dtype": "float32",
+                "hf_batches": (4, 8), "hf_w2_batch": 8}
+    return {"w1_prompts": 1024, "w1_lengths": (64, 1024), "w2_prompts": 256, "w2_tokens": 128,
+            "w2_lengths": (32, 256), "t_prompts": 16, "t_length": 256, "steer_block": 16, "max_model_len": 1536,
+            "dtype": "bfloat16", "hf_batches": (8, 16, 32), "hf_w2_batch": 64}
+
+
+def build_folder(folder: Path, tiny: bool) -> Path:
+    """A checkpoint folder with a config and a tokenizer, and no weights."""
+    from transformers import LlamaConfig
+
+    from streamscope.testing.tokenizer import save_tokenizer
+
+    shape = TINY if tiny else FULL
+    config = LlamaConfig(**shape, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    config.save_pretrained(str(folder))
+    save_tokenizer(folder, vocab_size=512)
+    return folder
+
+
+def token_prompts(count: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
+    """`count` prompts of random token ids, lengths uniform in `lengths` (seeded)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    low, high = lengths
+    counts = torch.randint(low, high + 1, (count,), generator=generator).tolist()
+    return [[0] + torch.randint(3, 512, (length - 1,), generator=generator).tolist() for length in counts]
+
+
+def timed(function, rounds: int) -> float:
+    """The median wall time of `function` over `rounds` runs, after one warm-up run."""
+    import torch
+
+    function()
+    times = []
+    for _ in range(rounds):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        function()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        gc.collect()
+    return statistics.median(times)
+
+
+def engine_kwargs(settings: dict, tiny: bool) -> dict:
+    kwargs = {"load_format": "dummy", "dtype": settings["dtype"], "max_model_len": settings["max_model_len"],
+              "seed": 0}
+    if not tiny:
+        # Room for the transformers model beside the engine; steps of up to 16K tokens for W1's prefills.
+        kwargs.update(gpu_memory_utilization=0.55, max_num_batched_tokens=16384)
+    return kwargs
+
+
+def bare_w1(llm, prompts):
+    from vllm import SamplingParams
+
+    return lambda: llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+
+
+def bare_w2(llm, prompts, tokens):
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=0, ignore_eos=True)
+    return lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def ceiling(folder: Path, tiny: bool, rounds: int) -> dict:
+    """W1 and W2 bare on an engine with vLLM's own defaults (run in a child process)."""
+    from vllm import LLM
+
+    settings = sizes(tiny)
+    llm = LLM(str(folder), **engine_kwargs(settings, tiny))
+    w1 = token_prompts(settings["w1_prompts"], settings["w1_lengths"], 1)
+    w2 = token_prompts(settings["w2_prompts"], settings["w2_lengths"], 2)
+    return {"w1": timed(bare_w1(llm, w1), rounds), "w2": timed(bare_w2(llm, w2, settings["w2_tokens"]), rounds)}
+
+
+def run_ceiling(folder: Path, tiny: bool, rounds: int) -> dict | None:
+    command = [sys.executable, __file__, "--ceiling", str(folder), "--rounds", str(rounds)] + (["--tiny"] if tiny else [])
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                   "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vLLM's default
+    run = subprocess.run(command, capture_output=True, text=True, env=environment)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("CEILING ")]
+    if run.returncode != 0 or not lines:
+        print("ceiling run failed:\n" + run.stderr[-2000:])
+        return None
+    return json.loads(lines[-1][len("CEILING "):])
+
+
+def best_batch(model, prompts, batches, **options) -> tuple[int, float]:
+    """The fastest batch size of streamscope's transformers harvest, and its time."""
+    best = None
+    for batch in batches:
+        try:
+            seconds = timed(lambda: model.harvest(prompts, batch_size=batch, progress=False, **options), 1)
+        except RuntimeError as error:  # out of memory at this batch size
+            print(f"  hf batch {batch}: {str(error).splitlines()[0]}")
+            continue
+        print(f"  hf batch {batch}: {seconds:.2f} s")
+        if best is None or seconds < best[1]:
+            best = (batch, seconds)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape, for a CPU check")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: ceiling,w1,w2,trace,hf")
+    parser.add_argument("--hf-batches", help="comma-separated batch sizes to try for W1 on transformers")
+    parser.add_argument("--ceiling", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.ceiling:
+        print("CEILING " + json.dumps(ceiling(Path(args.ceiling), args.tiny, args.rounds)))
+        return
+    skip = set(filter(None, args.skip.split(",")))
+
+    import torch
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    settings = sizes(args.tiny)
+    if args.hf_batches:
+        settings["hf_batches"] = tuple(int(batch) for batch in args.hf_batches.split(","))
+    folder = Path(tempfile.mkdtemp(prefix="gpu-workloads-"))
+    build_folder(folder, args.tiny)
+    import vllm
+
+    import streamscope
+
+    print(f"gpu_workloads.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC  "
+          f"{'tiny' if args.tiny else 'Llama-3-8B shape'}  {settings['dtype']}  rounds={args.rounds}")
+    device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    print(f"device {device_name}; vllm {vllm.__version__}, torch {torch.__version__}, "
+          f"nnsight {__import__('nnsight').__version__}, python {platform.python_version()}")
+
+    ceiling_times = None if "ceiling" in skip else run_ceiling(folder, args.tiny, args.rounds)
+
+    model = streamscope.load(folder, engine="vllm", **engine_kwargs(settings, args.tiny))
+    llm = model.vllm_entrypoint
+    rows: list[tuple[str, str, float, str]] = []  # (workload, what, seconds, note)
+    layers = model.num_layers
+    hf = None
+    if "hf" not in skip:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        from streamscope.transformers.model import StandardizedTransformers
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        with torch.device(device):
+            module = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder),
+                                                      dtype=getattr(torch, settings["dtype"]))
+        hf = StandardizedTransformers(module.eval(), tokenizer=AutoTokenizer.from_pretrained(folder))
+
+    if "w1" not in skip:
+        prompts = token_prompts(settings["w1_prompts"], settings["w1_lengths"], 1)
+        tokens = sum(map(len, prompts))
+        four = sorted({0, layers // 3, 2 * layers // 3, layers - 1})
+        bare = timed(bare_w1(llm, prompts), args.rounds)
+        last = timed(lambda: model.harvest(prompts, "layer_output", positions="last", progress=False), args.rounds)
+        every = timed(lambda: model.harvest(prompts, "layer_output", layers=four, positions="all", progress=False),
+                      args.rounds)
+        rows += [("W1", "vLLM bare generate(max_tokens=1)", bare, f"{tokens / bare:,.0f} prompt tok/s"),
+                 ("W1", "harvest: every block, last position", last, f"{last / bare:.3f}x bare (bound 1.10)"),
+                 ("W1", f"harvest: blocks {four}, every position", every, f"{every / bare:.3f}x bare (bound 1.30)")]
+        if ceiling_times:
+            rows.append(("W1", "vLLM defaults bare (ceiling)", ceiling_times["w1"],
+                         f"{ceiling_times['w1'] / bare:.3f}x exact bare"))
+        if hf is not None:
+            print("W1 on transformers, choosing the batch size:")
+            best = best_batch(hf, prompts, settings["hf_batches"], values="layer_output", positions="last")
+            if best is not None:
+                hf_time = timed(lambda: hf.harvest(prompts, "layer_output", positions="last", batch_size=best[0],
+                                                   progress=False), args.rounds)
+                rows.append(("W1", f"transformers harvest, batch {best[0]}", hf_time,
+                             f"vLLM harvest {hf_time / last:.2f}x faster"))
+
+    if "w2" not in skip:
+        prompts = token_prompts(settings["w2_prompts"], settings["w2_lengths"], 2)
+        count = settings["w2_tokens"]
+        torch.manual_seed(0)
+        vector = torch.randn(model.hidden_size)
+        steer = streamscope.Steer("layer_output", settings["steer_block"], vector, positions="all")
+        generated = len(prompts) * count
+        bare = timed(bare_w2(llm, prompts, count), args.rounds)
+        steered = timed(lambda: model.generate(prompts, max_tokens=count, steer=[steer], temperature=1.0, seed=0,
+                                               ignore_eos=True, progress=False), args.rounds)
+        rows += [("W2", "vLLM bare generation", bare, f"{generated / bare:,.0f} tok/s"),
+                 ("W2", "steered generation", steered,
+                  f"{steered / bare:.3f}x bare (bound 1.15), {generated / steered:,.0f} tok/s")]
+        if ceiling_times:
+            rows.append(("W2", "vLLM defaults bare (ceiling)", ceiling_times["w2"],
+                         f"{ceiling_times['w2'] / bare:.3f}x exact bare"))
+        if hf is not None:
+            batch = settings["hf_w2_batch"]
+            hf_time = timed(lambda: hf.generate(prompts, max_tokens=count, steer=[steer], temperature=1.0,
+                                                ignore_eos=True, batch_size=batch, progress=False), 1)
+            rows.append(("W2", f"transformers steered generation, batch {batch}", hf_time,
+                         f"{generated / hf_time:,.0f} tok/s; vLLM {hf_time / steered:.1f}x the tokens/s (bound 5)"))
+
+    if "trace" not in skip:
+        prompts = token_prompts(settings["t_prompts"], (settings["t_length"], settings["t_length"]), 3)
+
+        def trace():
+            with model.trace(temperature=0.0, max_tokens=1) as tracer:
+                for prompt in prompts:
+                    with tracer.invoke({"prompt_token_ids": prompt}):
+                        torch.stack([layer.layer_output for layer in model.layers]).save()
+
+        bare = timed(bare_w1(llm, prompts), args.rounds)
+        traced = timed(trace, args.rounds)
+        bulk = timed(lambda: model.harvest(prompts, "layer_output", positions="all", progress=False), args.rounds)
+        rows += [("T", f"vLLM bare, {len(prompts)} prompts", bare, ""),
+                 ("T", f"trace, {len(prompts)} invokes x every block (before)", traced, f"{traced / bare:.2f}x bare"),
+                 ("T", "harvest, the same values (after)", bulk, f"{bulk / bare:.2f}x bare, {traced / bulk:.1f}x faster")]
+
+    print()
+    print(f"{'':3} {'what':<52} {'seconds':>9}  ratio")
+    for workload, what, seconds, note in rows:
+        print(f"{workload:3} {what:<52} {seconds:9.3f}  {note}")
+    model.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""Apply a bulk run's steers and harvests with one hook per module call, for every request of a step at once.
+
+Both engines flatten a step's tokens to rows: vLLM's ``[tokens, hidden]``
+batch as it is, transformers' ``[batch, seq, hidden]`` read row-major. The
+engine hands the `Applier` each step's `Span`s (which request owns which
+rows, and the position of its first row); the Applier works out once per step
+which rows every steer edits and every harvest reads, and each module's hook
+then makes one edit and one read over the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, Optional, Sequence
+
+import torch
+
+from .spec import Site, Steer
+from ..values import INPUT
+
+
+@dataclass(frozen=True)
+class Span:
+    """One request's rows in a step's flattened batch: rows ``start .. start + count``, positions ``first ..``.
+
+    `key` names the request in the bulk run (None for a request the run does
+    not own, which is left alone).
+    """
+
+    key: Optional[Hashable]
+    start: int
+    count: int
+    first: int
+
+
+@dataclass
+class SteerPlan:
+    """A checked steer: its site, the vector to add or set, and which prompts' positions it touches."""
+
+    steer: Steer
+    site: Site
+    delta: torch.Tensor
+    positions: dict[Hashable, frozenset[int]]  # each steered request's prompt positions
+    lengths: dict[Hashable, int]               # each steered request's prompt length
+
+
+def rows_of(ranges: list[tuple[int, int]], device: Any) -> Any:
+    """Row ranges as an index: a slice when they are one contiguous block, else a tensor of rows."""
+    if not ranges:
+        return None
+    merged: list[list[int]] = []
+    for start, stop in ranges:
+        if merged and merged[-1][1] == start:
+            merged[-1][1] = stop
+        else:
+            merged.append([start, stop])
+    if len(merged) == 1:
+        return slice(merged[0][0], merged[0][1])
+    rows: list[int] = []
+    for start, stop in merged:
+        rows.extend(range(start, stop))
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+class Applier:
+    """Hooks that steer and harvest a bulk run's requests, installed on the engine's modules for the run.
+
+    Args:
+        harvest_sites: The sites to read, in the result's order.
+        harvest_positions: Each owned request's prompt positions to read, by key.
+        steers: The checked steers, applied in order at their sites before any
+            harvest at the same site reads (a harvest sees the steered value).
+        device: Where the step's row indices live (the engine's device).
+        to_host: Whether harvested rows move to host memory as they are read.
+    """
+
+    def __init__(self, harvest_sites: Sequence[Site], harvest_positions: dict[Hashable, list[int]],
+                 steers: Sequence[SteerPlan], device: Any, to_host: bool = True) -> None:
+        self.harvest_sites = list(harvest_sites)
+        self.harvest_positions = harvest_positions
+        self.steers = list(steers)
+        self.device = torch.device(device)
+        self.to_host = to_host
+        #: key -> [sites, positions, hidden], filled as the prompts run.
+        self.harvested: dict[Hashable, torch.Tensor] = {}
+        self.handles: list[Any] = []
+        self.spans: list[Span] = []
+        self._harvest_rows: Any = None
+        self._harvest_layout: list[tuple[Hashable, int, int]] = []  # (key, rows this step, first slot)
+        self._steer_rows: list[Any] = []
+        #: The first error a hook met; the run's other hooks stop working and the caller raises it.
+        self.error: Optional[BaseException] = None
+
+    # One computation per step, shared by every hook.
+
+    def step(self, spans: Sequence[Span]) -> None:
+        """Take this step's spans: which rows each steer edits and each harvest reads."""
+        self.spans = list(spans)
+        harvest_ranges: list[tuple[int, int]] = []
+        layout: list[tuple[Hashable, int, int]] = []
+        for span in self.spans:
+            wanted = self.harvest_positions.get(span.key) if span.key is not None else None
+            if not wanted:
+                continue
+            last = span.first + span.count
+            chosen = [position for position in wanted if span.first <= position < last]
+            if not chosen:
+                continue
+            if chosen[0] != wanted[0] and span.first > wanted[0]:
+                raise RuntimeError(
+                    f"prompt {span.key}'s positions before {span.first} ran in no step this run could see "
+                    f"(prefix caching or chunked prefill): start the engine with enable_prefix_caching=False "
+                    f"and enable_chunked_prefill=False for a harvest.")
+            harvest_ranges.extend((span.start + position - span.first, span.start + position - span.first + 1)
+                                  for position in chosen)
+            layout.append((span.key, len(chosen), wanted.index(chosen[0])))
+        self._harvest_rows = rows_of(harvest_ranges, self.device)
+        self._harvest_layout = layout
+        self._steer_rows = [self._rows_for(plan) for plan in self.steers]
+
+    def _rows_for(self, plan: SteerPlan) -> Any:
+        ranges: list[tuple[int, int]] = []
+        generated = plan.steer.generated
+        for span in self.spans:
+            chosen = plan.positions.get(span.key) if span.key is not None else None
+            if chosen is None:
+                continue
+            length = plan.lengths[span.key]
+            for offset in range(span.count):
+                position = span.first + offset
+                if (position in chosen) if position < length else generated:
+                    ranges.append((span.start + offset, span.start + offset + 1))
+        return rows_of(ranges, self.device)
+
+    # The hooks.
+
+    def install(self) -> "Applier":
+        """Register one hook per (module, input or output) that any site of the run needs."""
+        calls: dict[tuple[int, str], list[tuple[str, int, Site]]] = {}
+        for index, plan in enumerate(self.steers):
+            calls.setdefault(plan.site.key, []).append(("steer", index, plan.site))
+        for index, site in enumerate(self.harvest_sites):
+            calls.setdefault(site.key, []).append(("harvest", index, site))
+        for (_, where), work in calls.items():
+            module = work[0][2].module
+            if where == INPUT:
+                def before(_module: Any, args: tuple, kwargs: dict, work=work) -> Any:
+                    self._apply(work, (args, kwargs))
+                    return None  # edits went into the call's tensors in place
+                self.handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+            else:
+                def after(_module: Any, args: tuple, output: Any, work=work) -> Any:
+                    self._apply(work, output)
+                    return None
+                self.handles.append(module.register_forward_hook(after))
+        return self
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _apply(self, work: list[tuple[str, int, Site]], raw: Any) -> None:
+        if self.error is not None:
+            return
+        try:
+            self._apply_all(work, raw)
+        except Exception as error:  # noqa: BLE001  (kept for the caller: a hook must not take the engine down)
+            self.error = error
+
+    def _apply_all(self, work: list[tuple[str, int, Site]], raw: Any) -> None:
+        for kind, index, site in work:
+            if kind == "steer":
+                rows = self._steer_rows[index] if index < len(self._steer_rows) else None
+                if rows is not None:
+                    plan = self.steers[index]
+                    site.edit_rows(raw, rows, plan.delta, plan.steer.mode)
+            elif self._harvest_rows is not None:
+                self._store(index, site.read_rows(raw, self._harvest_rows))
+
+    def _store(self, index: int, rows: torch.Tensor) -> None:
+        # Each request's rows go straight into its own buffer (host memory, pinned where the engine is on
+        # a GPU, so the copies queue behind the step's kernels without a sync): no copy is made later.
+        start = 0
+        for key, count, offset in self._harvest_layout:
+            buffer = self.harvested.get(key)
+            if buffer is None:
+                buffer = self.harvested[key] = self._buffer(len(self.harvest_positions[key]), rows)
+            buffer[index, offset:offset + count].copy_(rows[start:start + count], non_blocking=True)
+            start += count
+
+    def _buffer(self, positions: int, rows: torch.Tensor) -> torch.Tensor:
+        shape = (len(self.harvest_sites), positions, rows.shape[-1])
+        if not self.to_host or rows.device.type == "cpu":
+            return torch.empty(shape, dtype=rows.dtype, device=rows.device)
+        return torch.empty(shape, dtype=rows.dtype, pin_memory=True)
+
+    def take(self, key: Hashable) -> Optional[torch.Tensor]:
+        """One request's harvest, ``[sites, positions, hidden]`` in site order (None if none ran), forgotten here."""
+        return self.harvested.pop(key, None)
+
+
+def steer_plans(steers: Sequence[tuple[Steer, Site]], keys: Sequence[Hashable], lengths: Sequence[int],
+                dtype: torch.dtype, device: Any) -> list[SteerPlan]:
+    """Each steer with its vector ready and its positions resolved for every prompt it applies to.
+
+    `keys[i]` names prompt i in the run; `lengths[i]` is its token count.
+    """
+    from .spec import prompt_positions
+
+    plans = []
+    for steer, site in steers:
+        indices = range(len(keys)) if steer.prompts is None else steer.prompts
+        positions = {keys[i]: frozenset(prompt_positions(steer.positions, lengths[i], i)) for i in indices}
+        plans.append(SteerPlan(steer, site, steer.delta(dtype, device), positions,
+                               {keys[i]: lengths[i] for i in indices}))
+    return plans

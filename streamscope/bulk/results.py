@@ -1,0 +1,178 @@
+"""What a bulk run hands back: a `Harvest` per prompt in memory, safetensors shards on disk, a `Generation`.
+
+A harvest's layout, the same on both engines and on disk:
+
+* ``harvest["layer_output"]`` is a list with one tensor per prompt,
+  ``[len(layers), positions, hidden_size]``: the blocks in ``harvest.layers``
+  order, the prompt's chosen positions in ``harvest.positions[i]`` order;
+* a root value (``token_embeddings``, ``final_norm_output``) is one tensor per
+  prompt, ``[positions, hidden_size]``.
+
+On disk (``out=folder``) the prompts are written in shards as they finish,
+``shard-00000.safetensors`` ..., each tensor named ``"<value>/<prompt>"``,
+with ``index.json`` listing the values, blocks, positions and which prompts
+each shard holds. `load_harvest` reads a folder back into a `Harvest` (all
+of it, or chosen prompts); `iter_harvest` yields one `Harvest` per shard, for
+runs larger than memory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+from .spec import ROOT_VALUES, HarvestSpec
+
+INDEX = "index.json"
+
+
+@dataclass
+class Harvest:
+    """Harvested values per prompt: ``harvest[value][prompt]`` is ``[len(layers), positions, hidden]``.
+
+    Attributes:
+        values: value name -> one tensor per prompt (root values: ``[positions, hidden]``).
+        layers: The blocks, in the order of the tensors' first dimension.
+        positions: Each prompt's positions, in the order of the tensors' positions dimension.
+        prompts: The global index of each prompt held here (a shard holds some of a run's prompts).
+    """
+
+    values: dict[str, list[torch.Tensor]]
+    layers: list[int]
+    positions: list[list[int]]
+    prompts: list[int] = field(default_factory=list)
+
+    def __getitem__(self, value: str) -> list[torch.Tensor]:
+        if value not in self.values:
+            raise KeyError(f"{value!r} was not harvested: this harvest holds {', '.join(self.values)}.")
+        return self.values[value]
+
+    def __contains__(self, value: object) -> bool:
+        return value in self.values
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def keys(self) -> list[str]:
+        return list(self.values)
+
+    def stacked(self, value: str) -> torch.Tensor:
+        """One tensor ``[prompts, layers, positions, hidden]`` (root: ``[prompts, positions, hidden]``).
+
+        Only where every prompt has the same number of positions (``"last"``, or equal lengths).
+        """
+        tensors = self[value]
+        counts = {tensor.shape[-2] for tensor in tensors}
+        if len(counts) > 1:
+            raise ValueError(f"{value}: the prompts have {sorted(counts)} positions each, so they cannot be "
+                             f"stacked; index harvest[{value!r}][i] per prompt instead.")
+        return torch.stack(tensors)
+
+
+def assemble(spec: HarvestSpec, per_prompt: Sequence[Optional[torch.Tensor]], prompts: Sequence[int]) -> Harvest:
+    """A `Harvest` from each prompt's ``[sites, positions, hidden]`` (sites in `HarvestSpec.sites` order), as views."""
+    values: dict[str, list[torch.Tensor]] = {value: [] for value in spec.values}
+    for prompt, buffer in zip(prompts, per_prompt):
+        if buffer is None:
+            raise RuntimeError(f"prompt {prompt} was not harvested: the engine ran none of its prompt tokens "
+                               f"through the hooked modules (a prefix cache hit?).")
+        index = 0
+        for value in spec.values:
+            if value in ROOT_VALUES:
+                values[value].append(buffer[index])
+                index += 1
+            else:
+                count = len(spec.layers)
+                values[value].append(buffer[index:index + count])
+                index += count
+    return Harvest(values, list(spec.layers), [spec.positions[prompt] for prompt in prompts], list(prompts))
+
+
+class ShardWriter:
+    """Writes a run's prompts to ``out`` in safetensors shards as they finish, then the index."""
+
+    def __init__(self, out: str | Path, spec: HarvestSpec, prompts: int) -> None:
+        self.folder = Path(out)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if (self.folder / INDEX).exists() or any(self.folder.glob("shard-*.safetensors")):
+            raise FileExistsError(f"{self.folder} already holds a harvest: choose an empty folder.")
+        self.spec = spec
+        self.count = prompts
+        self.shards: list[dict[str, Any]] = []
+
+    def write(self, harvest: Harvest) -> None:
+        from safetensors.torch import save_file
+
+        name = f"shard-{len(self.shards):05d}.safetensors"
+        tensors = {f"{value}/{prompt}": tensor.clone()  # its own storage: a harvest hands out views
+                   for value, per_prompt in harvest.values.items()
+                   for prompt, tensor in zip(harvest.prompts, per_prompt)}
+        save_file(tensors, str(self.folder / name))
+        self.shards.append({"file": name, "prompts": list(harvest.prompts)})
+
+    def close(self) -> Path:
+        index = {"values": self.spec.values, "layers": self.spec.layers, "positions": self.spec.positions,
+                 "prompts": self.count, "shards": self.shards}
+        (self.folder / INDEX).write_text(json.dumps(index))
+        return self.folder
+
+
+def _index(folder: Path) -> dict[str, Any]:
+    path = folder / INDEX
+    if not path.exists():
+        raise FileNotFoundError(f"{folder} holds no harvest index ({INDEX}): was the run finished?")
+    return json.loads(path.read_text())
+
+
+def iter_harvest(folder: str | Path) -> Iterator[Harvest]:
+    """Each shard of a harvest folder as a `Harvest` of its prompts, one at a time."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    index = _index(folder)
+    for shard in index["shards"]:
+        tensors = load_file(str(folder / shard["file"]))
+        prompts = shard["prompts"]
+        values = {value: [tensors[f"{value}/{prompt}"] for prompt in prompts] for value in index["values"]}
+        yield Harvest(values, index["layers"], [index["positions"][prompt] for prompt in prompts], prompts)
+
+
+def load_harvest(folder: str | Path, prompts: Optional[Sequence[int]] = None) -> Harvest:
+    """A harvest folder (or the chosen prompts of it) as one in-memory `Harvest`, prompts in run order."""
+    index = _index(Path(folder))
+    wanted = set(range(index["prompts"]) if prompts is None else prompts)
+    values: dict[str, dict[int, torch.Tensor]] = {value: {} for value in index["values"]}
+    for shard in iter_harvest(folder):
+        for value, per_prompt in shard.values.items():
+            for prompt, tensor in zip(shard.prompts, per_prompt):
+                if prompt in wanted:
+                    values[value][prompt] = tensor
+    order = sorted(wanted)
+    missing = [prompt for prompt in order if prompt not in values[index["values"][0]]]
+    if missing:
+        raise KeyError(f"prompts {missing[:10]} are not in {folder}.")
+    return Harvest({value: [held[prompt] for prompt in order] for value, held in values.items()},
+                   index["layers"], [index["positions"][prompt] for prompt in order], order)
+
+
+@dataclass
+class Generation:
+    """A bulk generation's results, one entry per prompt.
+
+    Attributes:
+        tokens: The generated token ids.
+        texts: The generated texts.
+        logits: Per prompt, ``[steps, vocab_size]`` float32: the logits each
+            generated token was sampled from (with ``return_logits=True``), else None.
+        harvest: The prompts' harvest (a `Harvest`, or the folder it was written
+            to with ``out=``), else None.
+    """
+
+    tokens: list[list[int]]
+    texts: list[str]
+    logits: Optional[list[torch.Tensor]] = None
+    harvest: Any = None

@@ -1,0 +1,294 @@
+"""The bulk path on vLLM: the worker applies a run's requests with one hook per module per step, by token span.
+
+The client checks the run against its own envoy tree, then, per chunk of
+prompts: sends the plan to the worker (``collective_rpc``), runs the prompts
+through bare ``llm.generate`` with each request marked in its sampling
+params, and collects what the worker harvested. The worker keeps a streamscope
+envoy tree over its real model (built once), resolves the plan's values on it
+exactly as a trace does, hooks the modules, and at every step reads the
+scheduled requests' token spans off the model runner (``input_batch.req_ids``,
+the scheduler's token counts, each request's computed tokens), so one hook
+call edits and reads the rows of every request in the flattened batch. No
+nnsight trace runs on this path.
+
+The RPCs are worker methods by name (`streamscope.vllm.bulk_worker.BulkRPC`),
+which vLLM reaches whether the engine is in this process or another: both
+workers streamscope starts (its CPU worker, nnsight's GPU worker subclassed)
+carry them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .apply import Applier, Span, steer_plans
+from .results import Generation, Harvest, ShardWriter, assemble
+from .spec import HarvestSpec, Positions, Steer, check_steer, harvest_spec, locate
+from .transformers import token_ids
+
+#: The sampling params' extra_args key that marks a request as a bulk run's, with its prompt index.
+MARK = "streamscope_bulk"
+_RUNS = itertools.count()
+
+
+# ---------------------------------------------------------------- worker side
+
+
+class WorkerState:
+    """What a worker keeps for bulk runs: its envoy tree, the running applier, the request -> prompt map."""
+
+    def __init__(self, runner: Any, model_type: str) -> None:
+        self.runner = runner
+        self.root = worker_tree(runner.get_model(), model_type)
+        self.applier: Optional[Applier] = None
+        self.run: Optional[int] = None
+        self.keys: dict[str, int] = {}
+        self.logits: Optional[dict[int, list[torch.Tensor]]] = None
+        self.sampled: list[Optional[int]] = []
+        self.logits_hook: Any = None
+        original = runner._update_states
+
+        def update_states(scheduler_output: Any) -> Any:
+            result = original(scheduler_output)
+            applier = self.applier
+            if applier is not None and applier.error is None:
+                try:
+                    self.observe(scheduler_output)
+                except Exception as error:  # noqa: BLE001  (the run's error, raised by the client; the engine serves on)
+                    applier.error = error
+            return result
+
+        # On the instance: vLLM's execute_model calls self._update_states, whatever the runner's class.
+        runner._update_states = update_states
+
+    def observe(self, scheduler_output: Any) -> None:
+        """This step's spans, from the scheduler's token counts in the order of the runner's batch."""
+        for data in scheduler_output.scheduled_new_reqs:
+            extra = getattr(data.sampling_params, "extra_args", None) or {}
+            mark = extra.get(MARK)
+            if mark is not None and mark[0] == self.run:
+                self.keys[data.req_id] = mark[1]
+        for request_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
+            self.keys.pop(request_id, None)
+        counts = scheduler_output.num_scheduled_tokens
+        states = self.runner.requests
+        spans, start = [], 0
+        for request_id in self.runner.input_batch.req_ids:
+            count = counts.get(request_id)
+            if count is None:
+                continue
+            spans.append(Span(self.keys.get(request_id), start, count, states[request_id].num_computed_tokens))
+            start += count
+        self.sampled = [span.key for span in spans]
+        self.applier.step(spans)
+
+    def record_logits(self, _: Any, args: tuple, output: Any) -> None:
+        # The logits processor runs on the sampled rows: one per scheduled request, in the spans' order.
+        if self.applier is None or self.applier.error is not None or not isinstance(output, torch.Tensor):
+            return
+        rows = output.float()
+        if rows.device.type != "cpu":
+            rows = rows.to("cpu", non_blocking=True)
+        for row, key in enumerate(self.sampled):
+            if key is not None and row < rows.shape[0]:
+                self.logits.setdefault(key, []).append(rows[row])
+
+
+def worker_tree(module: torch.nn.Module, model_type: str) -> Any:
+    """streamscope's envoy tree over the worker's real model: the same family envoys the client's tree has."""
+    from nnsight.modeling.vllm.envoys import parallel_envoys
+
+    from ..model import Standardized
+    from ..vllm.families import family_for
+
+    family = family_for(model_type)
+    root = Standardized.__new__(Standardized)
+    object.__setattr__(root, "family", family)
+    Standardized.__init__(root, module, rename=family.RENAME, envoys={**parallel_envoys(), **family.ENVOYS})
+    return root
+
+
+def _state(worker: Any, model_type: str) -> WorkerState:
+    runner = worker.model_runner
+    state = runner.__dict__.get("_streamscope_bulk")
+    if state is None:
+        state = runner.__dict__["_streamscope_bulk"] = WorkerState(runner, model_type)
+    return state
+
+
+def worker_begin(worker: Any, payload: bytes) -> None:
+    """RPC: install a run's hooks on this worker's modules."""
+    plan = pickle.loads(payload)
+    state = _state(worker, plan["model_type"])
+    if state.applier is not None:
+        worker_finish(worker, True)  # a run the client abandoned: its hooks go
+    root = state.root
+    spec: Optional[HarvestSpec] = plan["harvest"]
+    sites = spec.sites(root) if spec is not None else []
+    device = next(state.runner.get_model().parameters()).device
+    dtype = state.runner.model_config.dtype
+    steers = [(steer, locate(root, steer.value, steer.layer)) for steer in plan["steers"]]
+    keys = list(range(len(plan["lengths"])))
+    plans = steer_plans(steers, keys, plan["lengths"], dtype, device)
+    wanted = {key: spec.positions[key] for key in keys} if spec is not None else {}
+    state.run, state.keys = plan["run"], {}
+    state.applier = Applier(sites, wanted, plans, device).install()
+    state.logits = {} if plan["logits"] else None
+    if plan["logits"]:
+        state.logits_hook = state.runner.get_model().logits_processor.register_forward_hook(state.record_logits)
+
+
+def worker_finish(worker: Any, inline: bool) -> Any:
+    """RPC: remove the run's hooks; hand back each prompt's harvested tensors and logits, and any hook error."""
+    state = worker.model_runner.__dict__.get("_streamscope_bulk")
+    if state is None or state.applier is None:
+        return None
+    applier = state.applier
+    applier.remove()
+    if state.logits_hook is not None:
+        state.logits_hook.remove()
+        state.logits_hook = None
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the non-blocking copies to host memory are complete
+    keys = list(applier.harvested)
+    result = {
+        "harvested": {key: applier.take(key) for key in keys},
+        "logits": {key: torch.stack(rows) for key, rows in (state.logits or {}).items()},
+        "error": applier.error,
+    }
+    state.applier, state.run, state.logits, state.keys = None, None, None, {}
+    return result if inline else pickle.dumps(result)
+
+
+# ---------------------------------------------------------------- client side
+
+
+def _rpc(model: Any, method: str, *args: Any) -> Any:
+    return model.vllm_entrypoint.collective_rpc(method, args=args)[0]
+
+
+def _in_process() -> bool:
+    from vllm import envs
+
+    return not envs.VLLM_ENABLE_V1_MULTIPROCESSING
+
+
+def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str, Any], spec: Optional[HarvestSpec],
+         steers: Sequence[Steer], logits: bool) -> tuple[list[Any], dict]:
+    """One chunk of prompts through the engine with the run's hooks; (request outputs, worker results)."""
+    from vllm import SamplingParams
+
+    run = next(_RUNS)
+    local = {global_index: local_index for local_index, global_index in enumerate(chunk)}
+    chunk_spec = None
+    if spec is not None:
+        chunk_spec = HarvestSpec(spec.values, spec.layers, [spec.positions[index] for index in chunk])
+    chunk_steers = []
+    for steer in steers:
+        if steer.prompts is None:
+            chunk_steers.append(steer)
+        else:
+            mine = [local[index] for index in steer.prompts if index in local]
+            if mine:
+                chunk_steers.append(_with_prompts(steer, mine))
+    plan = {"run": run, "model_type": model.config.model_type, "harvest": chunk_spec, "steers": chunk_steers,
+            "lengths": [len(ids[index]) for index in chunk], "logits": logits}
+    inline = _in_process()
+    _rpc(model, "streamscope_bulk_begin", pickle.dumps(plan))
+    try:
+        params = [SamplingParams(**sampling, extra_args={MARK: (run, local_index)}) for local_index in range(len(chunk))]
+        outputs = model.vllm_entrypoint.generate([{"prompt_token_ids": ids[index]} for index in chunk], params,
+                                                 use_tqdm=False)
+    finally:
+        result = _rpc(model, "streamscope_bulk_finish", inline)
+    if not inline:
+        result = pickle.loads(result)
+    if result["error"] is not None:
+        raise result["error"]
+    return outputs, result
+
+
+def _with_prompts(steer: Steer, prompts: list[int]) -> Steer:
+    from dataclasses import replace
+
+    return replace(steer, prompts=prompts)
+
+
+def _chunks(count: int, size: int) -> list[list[int]]:
+    return [list(range(start, min(start + size, count))) for start in range(0, count, size)]
+
+
+def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None, positions: Positions = "last",
+            out: Optional[str | Path] = None, shard_size: int = 1024, progress: bool = True) -> Harvest | Path:
+    """Read values at chosen blocks and positions of many prompts in the engine's own batches; see `streamscope.bulk`."""
+    from tqdm.auto import tqdm
+
+    ids = token_ids(model, prompts)
+    spec = harvest_spec(model, values, layers, positions, [len(tokens) for tokens in ids])
+    writer = ShardWriter(out, spec, len(ids)) if out is not None else None
+    parts: list[Harvest] = []
+    bar = tqdm(total=len(ids), desc="harvest", unit="prompt", disable=not progress)
+    try:
+        for chunk in _chunks(len(ids), shard_size):
+            _, result = _run(model, ids, chunk, {"max_tokens": 1, "temperature": 0.0}, spec, (), False)
+            part = assemble(spec, [result["harvested"].get(local) for local in range(len(chunk))], chunk)
+            if writer is not None:
+                writer.write(part)
+            else:
+                parts.append(part)
+            bar.update(len(chunk))
+    finally:
+        bar.close()
+    if writer is not None:
+        return writer.close()
+    return Harvest({value: [tensor for part in parts for tensor in part.values[value]] for value in spec.values},
+                   spec.layers, spec.positions, list(range(len(ids))))
+
+
+def generate(model: Any, prompts: Sequence[Any], max_tokens: int = 16, *, steer: Sequence[Steer] = (),
+             harvest: Optional[dict[str, Any]] = None, return_logits: bool = False, chunk_size: int = 4096,
+             progress: bool = True, **sampling: Any) -> Generation:
+    """Sample many completions with steers applied and values harvested; see `streamscope.bulk`.
+
+    `sampling` is vLLM's ``SamplingParams`` (``temperature``, ``top_p``, ``seed``, ``ignore_eos``, ...).
+    """
+    from tqdm.auto import tqdm
+
+    ids = token_ids(model, prompts)
+    lengths = [len(tokens) for tokens in ids]
+    for item in steer:
+        check_steer(model, item, len(ids))
+    spec = None
+    if harvest is not None:
+        options = dict(harvest)
+        spec = harvest_spec(model, options.pop("values"), options.pop("layers", None),
+                            options.pop("positions", "last"), lengths)
+        if options:
+            raise TypeError(f"harvest= takes values, layers and positions; not {', '.join(options)}.")
+    sampling = {"temperature": 0.0, **sampling, "max_tokens": max_tokens}
+    tokens: list[list[int]] = []
+    texts: list[str] = []
+    logits: list[torch.Tensor] = []
+    collected: list[Any] = []
+    bar = tqdm(total=len(ids), desc="generate", unit="prompt", disable=not progress)
+    try:
+        for chunk in _chunks(len(ids), chunk_size):
+            outputs, result = _run(model, ids, chunk, sampling, spec, steer, return_logits)
+            for local, output in enumerate(outputs):
+                completion = output.outputs[0]
+                tokens.append(list(completion.token_ids))
+                texts.append(completion.text)
+                if return_logits:
+                    logits.append(result["logits"][local][:len(completion.token_ids)])
+                if spec is not None:
+                    collected.append(result["harvested"].get(local))
+            bar.update(len(chunk))
+    finally:
+        bar.close()
+    harvested = assemble(spec, collected, list(range(len(ids)))) if spec is not None else None
+    return Generation(tokens, texts, logits if return_logits else None, harvested)

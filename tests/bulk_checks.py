@@ -1,0 +1,139 @@
+"""Checks of the bulk path that read the same on both engines: against the oracle, positions, shards, errors.
+
+Each engine's ``test_bulk.py`` supplies the model and the trace references
+(the trace syntax differs between engines); the checks here use only
+`model.harvest`, `model.generate` and the oracle.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oracle
+from access import relative_error
+import streamscope
+from streamscope.bulk.spec import locate
+from streamscope.errors import Unavailable
+
+PROMPTS = [
+    "Once upon a time",
+    "Rome is in Italy, Berlin is in Germany, Madrid is in Spain",
+    "def add(a, b):",
+    "Numbers",
+    "The quick brown fox jumps over the lazy dog while the cat sleeps in the garden",
+]
+RELATIVE = 1e-5  # float32 on CPU, as the rest of the suite
+#: Families the bulk suites run: fused (llama), whole-stream (gpt2), parallel with one shared norm (gptj).
+BULK_FAMILIES = ("llama", "gpt2", "gptj")
+
+
+def served_values(model, family: str) -> list[str]:
+    """The oracle's value names (short spellings) that this family's blocks serve."""
+    names = []
+    for name in (*oracle.BOUNDARIES, *oracle.CONTRIBUTIONS):
+        if oracle.ORACLE[family].get(name) is None:
+            continue
+        try:
+            locate(model, name, 0)
+        except Unavailable:
+            continue
+        names.append(name)
+    return names
+
+
+def check_harvest_equals_the_oracle(model, reference, tokenizer, family: str, **options) -> None:
+    names = served_values(model, family)
+    harvest = model.harvest(PROMPTS, [*names, "token_embeddings", "final_norm_output"], positions="all",
+                            progress=False, **options)
+    assert harvest.layers == list(range(model.num_layers))
+    for index, prompt in enumerate(PROMPTS):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        expected = oracle.values(reference, family, ids)
+        assert harvest.positions[index] == list(range(ids.shape[1]))
+        for name in names:
+            got = harvest[name][index]
+            assert got.shape == (model.num_layers, ids.shape[1], model.hidden_size), (name, got.shape)
+            for block in range(model.num_layers):
+                error = relative_error(got[block], expected[name][block][0])
+                assert error <= RELATIVE, (prompt, name, block, error)
+        for name in ("token_embeddings", "final_norm_output"):
+            assert relative_error(harvest[name][index], expected[name][0]) <= RELATIVE, (prompt, name)
+
+
+def check_positions(model, **options) -> None:
+    everything = model.harvest(PROMPTS, "layer_output", layers=[0, -1], positions="all", progress=False, **options)
+    assert everything.layers == [0, model.num_layers - 1]
+    lengths = [len(positions) for positions in everything.positions]
+    per_prompt = [[0], [1, -1], [0, 2], [0], [3, 1]]
+    cases = [
+        ("last", [[length - 1] for length in lengths]),
+        (slice(1, 3), [list(range(length))[1:3] for length in lengths]),
+        ([0, -1], [[0, length - 1] for length in lengths]),
+        (per_prompt, [[index % length for index in chosen] for chosen, length in zip(per_prompt, lengths)]),
+    ]
+    for positions, expected_positions in cases:
+        rule = positions
+        harvest = model.harvest(PROMPTS, "layer_output", layers=[0, -1], positions=positions, progress=False,
+                                **options)
+        assert harvest.positions == expected_positions, rule
+        for index, chosen in enumerate(expected_positions):
+            got = harvest["layer_output"][index]
+            assert got.shape == (2, len(chosen), model.hidden_size)
+            # The same batch through the same engine: the same numbers, bit for bit.
+            assert torch.equal(got, everything["layer_output"][index][:, chosen]), (rule, index)
+    last = model.harvest(PROMPTS, "layer_output", positions="last", progress=False, **options)
+    assert last.stacked("layer_output").shape == (len(PROMPTS), model.num_layers, 1, model.hidden_size)
+    with pytest.raises(ValueError, match="cannot be stacked"):
+        everything.stacked("layer_output")
+
+
+def check_shards(model, folder, **options) -> None:
+    names = ["layer_output", "mlp_output", "token_embeddings"]
+    memory = model.harvest(PROMPTS, names, layers=[0, 1], positions="all", progress=False, **options)
+    written = model.harvest(PROMPTS, names, layers=[0, 1], positions="all", out=folder, shard_size=2,
+                            progress=False, **options)
+    assert written == folder
+    shards = list(streamscope.iter_harvest(folder))
+    # Every prompt in exactly one shard of at most shard_size prompts (transformers batches by length).
+    assert sorted(prompt for shard in shards for prompt in shard.prompts) == list(range(len(PROMPTS)))
+    assert len(shards) == 3 and all(len(shard.prompts) <= 2 for shard in shards)
+    loaded = streamscope.load_harvest(folder)
+    assert loaded.layers == memory.layers and loaded.positions == memory.positions
+    for name in names:
+        for index in range(len(PROMPTS)):
+            assert torch.equal(loaded[name][index], memory[name][index]), (name, index)
+    some = streamscope.load_harvest(folder, prompts=[3, 1])
+    assert some.prompts == [1, 3] and torch.equal(some["layer_output"][1], memory["layer_output"][3])
+    with pytest.raises(FileExistsError, match="empty folder"):
+        model.harvest(PROMPTS, names, out=folder, progress=False, **options)
+
+
+def check_bad_specs_fail_before_running(model, family: str, **options) -> None:
+    vector = torch.zeros(model.hidden_size)
+    with pytest.raises(ValueError, match="unknown value 'layer_out'.*layer_output"):
+        model.harvest(PROMPTS, "layer_out", progress=False, **options)
+    with pytest.raises(IndexError, match=f"block {model.num_layers} is out of range.*{model.num_layers} blocks"):
+        model.harvest(PROMPTS, "layer_output", layers=[model.num_layers], progress=False, **options)
+    with pytest.raises(IndexError, match="index 40 is out of range for prompt 0"):
+        model.harvest(PROMPTS, "layer_output", positions=[40], progress=False, **options)
+    with pytest.raises(ValueError, match=r"one list per prompt"):
+        model.harvest(PROMPTS, "layer_output", positions=[[0], [1]], progress=False, **options)
+    with pytest.raises(ValueError, match=r"vector of shape \(3,\).*\(%d,\)" % model.hidden_size):
+        model.generate(PROMPTS, max_tokens=2, steer=[streamscope.Steer("layer_output", 0, torch.zeros(3))],
+                       progress=False, **options)
+    with pytest.raises(IndexError, match="out of range"):
+        model.generate(PROMPTS, max_tokens=2, steer=[streamscope.Steer("layer_output", -99, vector)],
+                       progress=False, **options)
+    with pytest.raises(ValueError, match="mode 'mul'"):
+        model.generate(PROMPTS, max_tokens=2, steer=[streamscope.Steer("layer_output", 0, vector, mode="mul")],
+                       progress=False, **options)
+    with pytest.raises(ValueError, match="root value"):
+        model.generate(PROMPTS, max_tokens=2, steer=[streamscope.Steer("token_embeddings", 0, vector)],
+                       progress=False, **options)
+    if family == "gptj":
+        with pytest.raises(Unavailable, match="parallel block"):
+            model.harvest(PROMPTS, "layer_mid", progress=False, **options)
+    # Nothing ran: the model serves the next request as before.
+    after = model.harvest(PROMPTS[:1], "layer_output", layers=[0], progress=False, **options)
+    assert after["layer_output"][0].shape == (1, 1, model.hidden_size)

@@ -1,0 +1,61 @@
+"""Run by test_tensor_parallel.py in a process of its own: every served value of a checkpoint, an edit and a skip.
+
+    python tensor_parallel_run.py CHECKPOINT TENSOR_PARALLEL_SIZE PROMPT [DTYPE]
+
+Prints one line, ``RESULT {json}``: each value as a nested list, keyed ``name`` (root) or ``i.name``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # tensor parallelism runs its ranks in processes of their own
+
+import torch  # noqa: E402
+
+import streamscope  # noqa: E402
+
+ROOT = ("token_embeddings", "final_norm_output", "prompt_logits", "logits")
+GREEDY = {"temperature": 0.0, "max_tokens": 1}
+
+
+def value(model, name: str):
+    """The value `name` (``i.dotted.name`` for block i, or a root name)."""
+    block, _, rest = name.partition(".")
+    if not block.isdigit():
+        return getattr(model, name)
+    return functools.reduce(getattr, rest.split("."), model.layers[int(block)])
+
+
+def main(path: str, tensor_parallel_size: int, prompt: str, dtype: str = "float32") -> None:
+    model = streamscope.load(path, engine="vllm", dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                             **({"gpu_memory_utilization": 0.25} if torch.cuda.is_available() else {}))
+    names = list(ROOT)
+    for block in range(model.num_layers):
+        names += [f"{block}.{row}" for row, reason in model.layers[block].support().rows.items() if reason is None]
+    result = {}
+    for name in names:  # one trace a value: no value is read after the model passed it
+        with model.trace(prompt, **GREEDY):
+            read = value(model, name).float().cpu().save()
+        result[name] = read.tolist()
+    last = model.num_layers - 1
+    vector = torch.linspace(-1.0, 1.0, model.hidden_size)
+    with model.trace(prompt, **GREEDY):
+        heads = model.layers[0].self_attn.head_outputs
+        heads[:, :, -1] = 0  # the last head: on the last rank
+        model.layers[last].layer_mid[:, -1] += vector.to(model.layers[last].layer_mid.dtype)
+        edited = model.logits.float().cpu().save()
+    result["edited logits"] = edited.tolist()
+    with model.trace(prompt, **GREEDY):
+        model.layers[0].skip(model.layers[0].layer_input)
+        skipped = model.logits.float().cpu().save()
+    result["skipped logits"] = skipped.tolist()
+    print("RESULT " + json.dumps(result))
+    model.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *sys.argv[4:5])

@@ -1,0 +1,219 @@
+"""The bulk path on vLLM: harvests and steered generation applied in the worker by token span.
+
+One engine per family (fused Llama, whole-stream GPT-2, parallel GPT-J), held
+to the oracle (transformers' forward read with torch hooks) and to traces of
+the same prompts on the same engine, which the bulk path must equal bit for
+bit: the same batch runs the same kernels, and the bulk path reads and writes
+through the same value descriptors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import bulk_checks
+from access import relative_error
+from bulk_checks import BULK_FAMILIES, PROMPTS
+import streamscope
+from streamscope.vllm.model import beside_engine
+
+STEPS = 4
+GREEDY = {"temperature": 0.0, "max_tokens": 1}
+
+
+class Engine:
+    def __init__(self, family: str, path):
+        self.family, self.path = family, path
+        self.model = streamscope.load(path, engine="vllm")
+        with beside_engine():
+            self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module", params=BULK_FAMILIES)
+def engine(request, checkpoints):
+    engine = Engine(request.param, checkpoints(request.param))
+    yield engine
+    engine.model.close()
+
+
+def test_a_harvest_equals_the_transformers_values(engine):
+    bulk_checks.check_harvest_equals_the_oracle(engine.model, engine.reference, engine.tokenizer, engine.family)
+
+
+def test_a_harvest_equals_the_trace_of_the_same_prompts_bit_for_bit(engine):
+    model = engine.model
+    names = ["layer_input", "attention_output", "mlp_output", "layer_output"]
+    harvest = model.harvest(PROMPTS, names, positions="all", progress=False)
+    with model.trace(**GREEDY) as tracer:
+        for prompt in PROMPTS:
+            with tracer.invoke(prompt):
+                reads = []
+                for layer in model.layers:
+                    reads += [layer.layer_input, layer.self_attn.attention_output, layer.mlp.mlp_output,
+                              layer.layer_output]
+                traced = torch.stack(reads).save()
+    for index in range(len(PROMPTS)):
+        for block in range(model.num_layers):
+            for slot, name in enumerate(names):
+                expected = traced[index][block * len(names) + slot, 0]
+                assert torch.equal(harvest[name][index][block], expected), (index, block, name)
+
+
+def test_positions_select_the_same_rows(engine):
+    bulk_checks.check_positions(engine.model)
+
+
+def test_shards_on_disk_equal_the_harvest_in_memory(engine, tmp_path):
+    bulk_checks.check_shards(engine.model, tmp_path / "harvest")
+
+
+def steered_trace(model, prompt, steers, steps, harvest_block=None):
+    """The reference: a trace that adds (or sets) each steer's vector at every step, reading the logits."""
+    deltas = [(steer.layer, steer.value, steer.delta(torch.float32, "cpu"), steer.mode) for steer in steers]
+    with model.trace(prompt, temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
+        logits = list().save()
+        harvested = list().save()
+        for step in tracer.iter[:steps]:
+            for layer, value, delta, mode in deltas:
+                envoy = model.layers[layer].mlp if value == "mlp_output" else model.layers[layer]
+                name = "mlp_output" if value == "mlp_output" else value
+                current = getattr(envoy, name)
+                if mode == "add":
+                    current[:, :] += delta
+                else:
+                    current[:, :] = delta
+                if harvest_block is not None and layer == harvest_block and value == "layer_output":
+                    harvested.append(current.clone())
+            logits.append(model.logits[0].clone())
+    return torch.stack(list(logits)), list(harvested)
+
+
+def test_a_steered_generation_equals_a_trace_that_adds_the_vector_at_every_step(engine):
+    model = engine.model
+    torch.manual_seed(0)
+    steer = streamscope.Steer("layer_output", 1, torch.randn(model.hidden_size), scale=2.0)
+    result = model.generate(PROMPTS[1:2], max_tokens=STEPS, steer=[steer], return_logits=True, ignore_eos=True,
+                            progress=False)
+    expected, _ = steered_trace(model, PROMPTS[1], [steer], STEPS)
+    assert result.logits[0].shape == (STEPS, model.vocab_size)
+    assert torch.equal(result.logits[0], expected)
+    plain = model.generate(PROMPTS[1:2], max_tokens=STEPS, return_logits=True, ignore_eos=True, progress=False,
+                           harvest={"values": "layer_output", "layers": [0]})
+    assert (plain.logits[0] - result.logits[0]).abs().max() > 1e-3  # the steer did something
+
+
+def test_other_requests_in_the_batch_are_untouched(engine):
+    model = engine.model
+    torch.manual_seed(1)
+    steer = streamscope.Steer("layer_output", 0, torch.randn(model.hidden_size), scale=3.0, prompts=[2])
+    options = {"max_tokens": STEPS, "return_logits": True, "ignore_eos": True, "progress": False}
+    steered = model.generate(PROMPTS, steer=[steer], **options)
+    plain = model.generate(PROMPTS, harvest={"values": "layer_output", "layers": [0]}, **options)
+    for index in range(len(PROMPTS)):
+        same = torch.equal(steered.logits[index], plain.logits[index])
+        assert same == (index != 2), index
+    solo = model.generate(PROMPTS[2:3], steer=[streamscope.Steer("layer_output", 0, steer.vector, scale=3.0)],
+                          **options)
+    assert (solo.logits[0] - steered.logits[2]).abs().max() <= 1e-5 * solo.logits[0].abs().max()
+
+
+def test_several_steers_and_a_harvest_in_one_run(engine):
+    model = engine.model
+    torch.manual_seed(2)
+    steers = [
+        streamscope.Steer("layer_output", 0, torch.randn(model.hidden_size), scale=1.5),
+        streamscope.Steer("mlp_output", 1, torch.randn(model.hidden_size), mode="set", positions="all"),
+        streamscope.Steer("layer_output", 1, torch.randn(model.hidden_size), scale=-0.5),
+    ]
+    result = model.generate(PROMPTS[:1], max_tokens=STEPS, steer=steers, return_logits=True, ignore_eos=True,
+                            harvest={"values": "layer_output", "layers": [1], "positions": "all"}, progress=False)
+    expected, harvested = steered_trace(model, PROMPTS[0], steers, STEPS, harvest_block=1)
+    assert torch.equal(result.logits[0], expected)
+    # The harvest reads the prompt after the steers at its site: the stream the model carries on, whose
+    # fused halves hold the edit as hidden + residual, so it matches the trace's edited copy to rounding.
+    assert relative_error(result.harvest["layer_output"][0][0], harvested[0][0]) <= 1e-6
+
+
+def test_bad_specs_fail_before_the_engine_runs_and_it_serves_on(engine):
+    bulk_checks.check_bad_specs_fail_before_running(engine.model, engine.family)
+
+
+MULTIPROCESS_SCRIPT = '''
+import json, sys
+import torch
+import streamscope
+
+if __name__ == "__main__":
+    path, prompts, vector = sys.argv[1], json.loads(sys.argv[2]), torch.tensor(json.loads(sys.argv[3]))
+    model = streamscope.load(path, engine="vllm")
+    harvest = model.harvest(prompts, "layer_output", positions="all", progress=False)
+    steer = streamscope.Steer("layer_output", 1, vector, prompts=[0])
+    result = model.generate(prompts, max_tokens=3, steer=[steer], return_logits=True, ignore_eos=True,
+                            progress=False)
+    print("RESULT " + json.dumps({"harvest": [t.tolist() for t in harvest["layer_output"]],
+                                  "logits": [t.tolist() for t in result.logits]}))
+    model.close()
+'''
+
+
+def test_the_bulk_path_runs_with_the_engine_in_another_process(engine, tmp_path):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=1 (the GPU default): the requests reach the worker by RPC."""
+    if engine.family != "llama":
+        pytest.skip("one family is enough for the transport; the values are the in-process tests'")
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model = engine.model
+    vector = torch.linspace(-1, 1, model.hidden_size)
+    script = tmp_path / "bulk_multiprocess.py"
+    script.write_text(MULTIPROCESS_SCRIPT)
+    root = str(Path(streamscope.__file__).parents[1])
+    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                   "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    prompts = PROMPTS[:3]
+    run = subprocess.run([sys.executable, str(script), str(engine.path),
+                          json.dumps(prompts), json.dumps(vector.tolist())],
+                         env=environment, capture_output=True, text=True, timeout=600)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    remote = json.loads(lines[-1][len("RESULT "):])
+    harvest = model.harvest(prompts, "layer_output", positions="all", progress=False)
+    result = model.generate(prompts, max_tokens=3, steer=[streamscope.Steer("layer_output", 1, vector, prompts=[0])],
+                            return_logits=True, ignore_eos=True, progress=False)
+    for index in range(len(prompts)):
+        assert torch.equal(torch.tensor(remote["harvest"][index]), harvest["layer_output"][index]), index
+        assert torch.equal(torch.tensor(remote["logits"][index]), result.logits[index]), index
+
+
+def test_a_steer_at_chosen_prompt_positions_edits_those_rows_only(engine):
+    # Rows that are not one block (the first and last position of each prompt): an index, not a slice.
+    model = engine.model
+    torch.manual_seed(3)
+    steer = streamscope.Steer("layer_output", 0, torch.randn(model.hidden_size), scale=2.0, positions=[0, -1],
+                              generated=False)
+    prompts = PROMPTS[:3]
+    result = model.generate(prompts, max_tokens=1, steer=[steer], return_logits=True, progress=False)
+    delta = steer.delta(torch.float32, "cpu")
+    lengths = [len(engine.tokenizer(prompt).input_ids) for prompt in prompts]
+    with model.trace(**GREEDY) as tracer:
+        for prompt, length in zip(prompts, lengths):
+            with tracer.invoke(prompt):
+                model.layers[0].layer_output[:, [0, length - 1]] += delta
+                logits = model.logits.save()
+    for index in range(len(prompts)):
+        assert torch.equal(result.logits[index][0], logits[index][0]), index
+
+
+def test_generate_without_bulk_arguments_is_still_nnsight_generate(engine):
+    model = engine.model
+    with model.generate(PROMPTS[0], temperature=0.0, max_tokens=2):
+        traced = model.layers[0].layer_output.save()
+    assert traced.shape[0] == 1 and traced.shape[-1] == model.hidden_size
+    outputs = model.generate(PROMPTS[:2], temperature=0.0, max_tokens=2)
+    assert len(outputs) == 2 and len(outputs[0].outputs[0].token_ids) == 2

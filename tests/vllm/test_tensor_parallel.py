@@ -1,0 +1,77 @@
+"""Tensor parallelism: an engine over two ranks serves every value the one-rank engine serves, equal to it.
+
+Each engine runs in a process of its own (vLLM runs its ranks as processes), from
+`tensor_parallel_run.py`. The per-head values (queries, keys, values, head outputs,
+scores, pattern) come back whole, every rank's heads gathered in transformers'
+order, where each rank holds its own heads; key/value heads that vLLM repeats on
+several ranks (more ranks than kv heads) come back once each. An edit of the last
+head lands on the rank that holds it, and a skip on every rank. On the CPU both
+runs are float32 and agree to float rounding; the GPU suite (tests/GPU.md) runs
+this file on two GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from access import relative_error
+
+PROMPT = "The Eiffel Tower is in Paris, and the quick brown fox"
+SCRIPT = Path(__file__).with_name("tensor_parallel_run.py")
+DTYPE = os.environ.get("STREAMSCOPE_TEST_DTYPE", "float32")
+#: float32 on the CPU: the ranks' partial sums are added in another order than one rank adds them (measured
+#: up to 1e-6). bfloat16 on GPUs: a rank split changes the rounding of every partial sum (measured on the H200).
+TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}[DTYPE]
+
+#: (family, checkpoint overrides): a fused block with two kv heads (one a rank), the same with one kv head
+#: (repeated on both ranks), a whole-stream block, and a mixture of experts.
+CASES = {
+    "llama": ("llama", {}),
+    "llama-one-kv-head": ("llama", {"num_key_value_heads": 1}),
+    "gpt2": ("gpt2", {}),
+    "mixtral": ("mixtral", {}),
+}
+
+
+def _run(path, ranks: int) -> dict:
+    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    run = subprocess.run([sys.executable, str(SCRIPT), str(path), str(ranks), PROMPT, DTYPE], env=environment,
+                         capture_output=True, text=True, timeout=900)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-4000:]
+    return {name: torch.tensor(value) for name, value in json.loads(lines[-1][len("RESULT "):]).items()}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def runs(request, checkpoints):
+    family, overrides = CASES[request.param]
+    path = checkpoints(family, **overrides)
+    return _run(path, 1), _run(path, 2)
+
+
+def test_two_ranks_serve_every_value_of_one_rank_equal(runs):
+    single, split = runs
+    assert set(split) == set(single)
+    per_head = [name for name in single if name.rsplit(".", 1)[-1] in
+                ("queries", "keys", "values", "head_outputs", "scores", "pattern")]
+    assert per_head, "the checkpoint serves no attention internals"
+    for name, expected in single.items():
+        assert split[name].shape == expected.shape, (name, split[name].shape, expected.shape)
+        finite = torch.isfinite(expected)
+        assert torch.equal(finite, torch.isfinite(split[name])), name  # the same masked scores
+        assert relative_error(split[name][finite], expected[finite]) <= TOLERANCE, name
+
+
+def test_an_edit_and_a_skip_land_on_every_rank(runs):
+    single, split = runs
+    assert not torch.allclose(single["edited logits"], single["logits"])
+    assert not torch.allclose(single["skipped logits"], single["logits"])
+    assert relative_error(split["edited logits"], single["edited logits"]) <= TOLERANCE
+    assert relative_error(split["skipped logits"], single["skipped logits"]) <= TOLERANCE
