@@ -446,7 +446,7 @@ def build_cache(model: Any, prompts: str | Sequence[str], values: Optional[Seque
     starts = range(0, len(prompts), batch_size)
     for start in tqdm(starts, desc="cache", unit="batch", disable=not show):
         chunk = list(range(start, min(start + batch_size, len(prompts))))
-        with torch.inference_mode():
+        with torch.no_grad():  # not inference mode: its tensors keep no version, so every read would count as an edit
             if vllm:
                 found, chunk_logits = _run_vllm(model, [prompts[i] for i in chunk], reads, roots, keys, logits)
             else:
