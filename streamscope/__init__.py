@@ -10,10 +10,12 @@ from .errors import Unavailable
 from .support import BlockSupport, ModelSupport
 
 __all__ = ["load", "Unavailable", "BlockSupport", "ModelSupport", "Steer", "Harvest", "Generation",
-           "load_harvest", "iter_harvest"]
+           "load_harvest", "iter_harvest", "Cache", "Lens", "lens", "Patching", "patch"]
 
 ENGINES = ("transformers", "vllm")
 _BULK = ("Steer", "Harvest", "Generation", "load_harvest", "iter_harvest")
+#: The workflows' names, loaded on first use like the bulk path's: {name: module}.
+_WORKFLOWS = {"Cache": "cache", "Lens": "logit_lens", "lens": "logit_lens", "Patching": "patching", "patch": "patching"}
 
 
 def __getattr__(name: str) -> Any:
@@ -22,6 +24,10 @@ def __getattr__(name: str) -> Any:
         from . import bulk
 
         return getattr(bulk, name)
+    if name in _WORKFLOWS:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_WORKFLOWS[name]}", __name__), name)
     raise AttributeError(f"module 'streamscope' has no attribute {name!r}")
 
 

@@ -99,6 +99,18 @@ class Standardized(StreamEnvoy):
         """The number of logits per position."""
         return self._size("vocab_size", "vocab_size")
 
+    def cache(self, prompts: Any, values: Any = None, layers: Any = None, **kwargs: Any) -> Any:
+        """Run `prompts` (a string or a list) and keep `values` of `layers` in a `streamscope.Cache`.
+
+        Default: every served boundary and contribution of every block, the
+        root values and the logits. The cache answers streamscope's names and
+        TransformerLens's hook names; see `streamscope.cache`. Keyword
+        arguments: ``logits``, ``batch_size``, ``progress``.
+        """
+        from .cache import build_cache
+
+        return build_cache(self, prompts, values, layers, **kwargs)
+
     def support(self) -> ModelSupport:
         """Every value of every block, served or why not, computed without running the model."""
         root = BlockSupport("model", {**self.served(), "logits": None})

@@ -1,0 +1,596 @@
+"""A cache of a run's values, answering streamscope's names and TransformerLens's hook names.
+
+    cache = model.cache(["The Eiffel Tower is in", "Rome is the capital of"])
+    cache["layers.3.layer_mid"]              # [batch, seq, hidden_size]
+    cache["blocks.3.hook_resid_mid"]         # the same tensor, by its TransformerLens name
+    cache.stack("layer_output")              # [blocks, batch, seq, hidden_size]
+    parts, labels = cache.decompose_resid()  # embeddings, then each block's attention and MLP
+    cache.logit_attrs(parts, tokens=answer)  # each part's direct effect on the answer's logit
+
+Several prompts are padded on the right to the longest, and `mask`
+``[batch, seq]`` says which positions are real; the values at padded positions
+are zero. On transformers the prompts run as one batch with an attention mask
+(right padding leaves every real position's value exactly as the prompt alone
+gives it); on vLLM each prompt is its own request, and the values are padded
+afterwards.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
+
+import torch
+
+from .errors import Unavailable
+
+BOUNDARIES = ("layer_input", "attention_norm_output", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output")
+CONTRIBUTIONS = ("self_attn.attention_output", "linear_attn.attention_output", "mlp.mlp_output")
+ATTENTION = ("self_attn.queries", "self_attn.keys", "self_attn.values", "self_attn.scores", "self_attn.pattern",
+             "self_attn.head_outputs")
+ROOT = ("token_embeddings", "final_norm_output")
+#: What `model.cache` reads by default: every served boundary and contribution, and the root values.
+DEFAULT_VALUES = (*BOUNDARIES, "attention_output", "mlp_output")
+
+#: Short names accepted for a block value: the mixer's or the MLP's contribution, whichever the block has.
+_SHORT = {"attention_output": ("self_attn.attention_output", "linear_attn.attention_output"),
+          "mlp_output": ("mlp.mlp_output",)}
+
+#: TransformerLens block hook -> (streamscope block value, how TL lays it out relative to streamscope).
+TL_BLOCK = {
+    "hook_resid_pre": ("layer_input", None),
+    "hook_resid_mid": ("layer_mid", None),
+    "hook_resid_post": ("layer_output", None),
+    "ln1.hook_normalized": ("attention_norm_output", None),
+    "ln2.hook_normalized": ("mlp_norm_output", None),
+    "hook_attn_out": ("attention_output", None),
+    "hook_mlp_in": ("mlp_input", None),
+    "hook_mlp_out": ("mlp_output", None),
+    "attn.hook_q": ("self_attn.queries", "heads_last"),
+    "attn.hook_k": ("self_attn.keys", "heads_last"),
+    "attn.hook_rot_q": ("self_attn.queries", "heads_last"),
+    "attn.hook_rot_k": ("self_attn.keys", "heads_last"),
+    "attn.hook_v": ("self_attn.values", "heads_last"),
+    "attn.hook_z": ("self_attn.head_outputs", None),
+    "attn.hook_attn_scores": ("self_attn.scores", None),
+    "attn.hook_pattern": ("self_attn.pattern", None),
+}
+TL_ROOT = {"hook_embed": "token_embeddings", "ln_final.hook_normalized": "final_norm_output"}
+#: TransformerLens hooks streamscope serves no value for, with the reason.
+TL_UNSERVED = {
+    "attn.hook_result": "streamscope serves each head's output before the output projection "
+                        "(attn.hook_z, self_attn.head_outputs), not after it",
+    "mlp.hook_pre": "streamscope serves the MLP's input and output, not its hidden activations",
+    "mlp.hook_post": "streamscope serves the MLP's input and output, not its hidden activations",
+    "ln1.hook_scale": "streamscope serves the norms' outputs, not their scales",
+    "ln2.hook_scale": "streamscope serves the norms' outputs, not their scales",
+    "hook_attn_in": "streamscope serves what the attention is called with as attention_norm_output "
+                    "(ln1.hook_normalized), not per head",
+}
+#: Families whose position embeddings are added to the token embeddings before block 0.
+LEARNED_POSITIONS = ("gpt2", "opt")
+_TL_BLOCK_NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
+_BLOCK_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+class Cache(Mapping):
+    """The values of a run over one or more prompts, keyed ``layers.{i}.{value}`` and by root names.
+
+    Attributes:
+        tokens: ``[batch, seq]`` token ids, padded on the right with the pad id.
+        mask: ``[batch, seq]``, True at real positions.
+        logits: ``[batch, seq, vocab_size]``: the model's logits at every position.
+        model_type: The family's ``config.model_type``.
+        num_layers: The number of blocks.
+        unavailable: ``{key: reason}`` for every asked-for value some block cannot serve.
+        final_norm: The final norm as a frozen-scale map, see `apply_ln_to_stack`.
+    """
+
+    def __init__(self, values: dict[str, torch.Tensor], *, tokens: torch.Tensor, mask: torch.Tensor,
+                 logits: Optional[torch.Tensor], model_type: str, num_layers: int,
+                 unavailable: dict[str, str], final_norm: "FinalNorm | None", unembedding: Any = None) -> None:
+        self.values = values
+        self.tokens, self.mask, self.logits = tokens, mask, logits
+        self.model_type, self.num_layers = model_type, num_layers
+        self.unavailable = unavailable
+        self.final_norm = final_norm
+        self._unembedding = unembedding
+
+    # Mapping: keys are streamscope names.
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            self[key]  # type: ignore[index]
+            return True
+        except (KeyError, Unavailable):
+            return False
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        """The value under a streamscope name (``layers.3.layer_mid``, ``token_embeddings``) or a TL hook name."""
+        if key in self.values:
+            return self.values[key]
+        block = _BLOCK_NAME.match(key)
+        if block is not None:
+            index, name = int(block.group(1)) % self.num_layers, block.group(2)
+            for full in _SHORT.get(name, (name,)):
+                if f"layers.{index}.{full}" in self.values:
+                    return self.values[f"layers.{index}.{full}"]
+                if f"layers.{index}.{full}" in self.unavailable:
+                    raise Unavailable(full, f"model.layers[{index}]", self.unavailable[f"layers.{index}.{full}"])
+            raise KeyError(f"{key!r} is not in this cache: model.cache(..., values=[{name!r}]) reads it")
+        if key in self.unavailable:
+            raise Unavailable(key, "model", self.unavailable[key])
+        return self._transformer_lens(key)
+
+    def _transformer_lens(self, key: str) -> torch.Tensor:
+        if key in TL_ROOT:
+            return self[TL_ROOT[key]]
+        if key == "hook_pos_embed":
+            if self.model_type not in LEARNED_POSITIONS:
+                raise Unavailable("hook_pos_embed", "model", f"a {self.model_type} model adds no position embedding "
+                                  "to the stream (its positions enter inside attention, by rotary or not at all)")
+            # Exact: block 0's input is the token embeddings plus the position embeddings.
+            return self["layers.0.layer_input"] - self["token_embeddings"]
+        match = _TL_BLOCK_NAME.match(key)
+        if match is None:
+            raise KeyError(f"{key!r} is neither a streamscope name (layers.3.layer_mid, token_embeddings) nor a "
+                           f"TransformerLens hook name this cache knows ({', '.join(sorted(TL_ROOT))}, "
+                           f"blocks.3.{{{', '.join(TL_BLOCK)}}})")
+        index, hook = int(match.group(1)), match.group(2)
+        if hook in TL_UNSERVED:
+            raise Unavailable(hook, f"blocks.{index}", TL_UNSERVED[hook])
+        if hook not in TL_BLOCK:
+            raise KeyError(f"{key!r}: TransformerLens hook {hook!r} has no streamscope counterpart; known: "
+                           f"{', '.join(TL_BLOCK)}")
+        name, layout = TL_BLOCK[hook]
+        if hook in ("attn.hook_q", "attn.hook_k") and self.rotary:
+            raise Unavailable(hook, f"blocks.{index}", "streamscope serves queries and keys after the rotary "
+                              f"embedding: read blocks.{index}.attn.hook_rot_{hook[-1]}")
+        value = self[f"layers.{index}.{name}"]
+        # TransformerLens lays per-head values out [batch, pos, head, d_head]; streamscope [batch, head, seq, d].
+        return value.transpose(1, 2) if layout == "heads_last" else value
+
+    @property
+    def rotary(self) -> bool:
+        """Whether the family rotates queries and keys (TransformerLens's hook_q is before the rotation)."""
+        return self.model_type not in LEARNED_POSITIONS
+
+    # TransformerLens's ActivationCache operations.
+
+    def stack(self, name: str, layers: Optional[Iterable[int]] = None) -> torch.Tensor:
+        """``[blocks, ...]``: value `name` of every block (or of `layers`), a streamscope or TL block name.
+
+        ``cache.stack("layer_mid")`` and ``cache.stack("hook_resid_mid")`` are the same tensor.
+        """
+        layers = range(self.num_layers) if layers is None else layers
+        tl = name in TL_BLOCK or name in TL_UNSERVED
+        return torch.stack([self[f"blocks.{i}.{name}" if tl else f"layers.{i}.{name}"] for i in layers])
+
+    def accumulated_resid(self, layer: Optional[int] = None, incl_mid: bool = False, apply_ln: bool = False,
+                          return_labels: bool = False) -> Any:
+        """``[components, batch, seq, hidden]``: the stream entering each block, then the final stream.
+
+        As TransformerLens's: block i's ``layer_input`` for i < `layer` (all blocks
+        by default), with each ``layer_mid`` after it when `incl_mid`, then
+        the stream after the last block read (``layer_output``). `apply_ln`
+        applies the final norm frozen at the final stream's scale (see
+        `apply_ln_to_stack`).
+        """
+        layer = self.num_layers if layer is None else layer
+        parts, labels = [], []
+        for index in range(layer):
+            parts.append(self[f"layers.{index}.layer_input"])
+            labels.append(f"{index}_pre")
+            if incl_mid:
+                parts.append(self[f"layers.{index}.layer_mid"])
+                labels.append(f"{index}_mid")
+        if layer == self.num_layers:
+            parts.append(self[f"layers.{layer - 1}.layer_output"])
+            labels.append("final_post")
+        else:
+            parts.append(self[f"layers.{layer}.layer_input"])
+            labels.append(f"{layer}_pre")
+        stack = torch.stack(parts)
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack)
+        return (stack, labels) if return_labels else stack
+
+    def decompose_resid(self, apply_ln: bool = False, return_labels: bool = True) -> Any:
+        """``[components, batch, seq, hidden]``: what the final stream is the sum of.
+
+        The stream entering block 0 (``embed``: token embeddings plus any
+        position embeddings), then each block's attention and MLP
+        contributions (``{i}_attn_out``, ``{i}_mlp_out``). They sum to the last
+        block's ``layer_output``. A family whose blocks don't add their
+        sublayers' outputs to the stream unchanged (a post-LN block) serves no
+        contributions, and this raises `Unavailable` with the block's reason; a
+        block with one sublayer (Mamba) contributes its mixer only.
+        """
+        parts, labels = [self["layers.0.layer_input"]], ["embed"]
+        for index in range(self.num_layers):
+            for short, label in (("attention_output", "attn_out"), ("mlp_output", "mlp_out")):
+                try:
+                    parts.append(self[f"layers.{index}.{short}"])
+                except Unavailable as error:
+                    # A block with one sublayer (Mamba's mixer) adds no MLP: nothing is missing from the sum.
+                    if short == "mlp_output" and ("no mlp module" in error.reason or "one sublayer" in error.reason):
+                        continue
+                    raise
+                labels.append(f"{index}_{label}")
+        stack = torch.stack(parts)
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack)
+        return (stack, labels) if return_labels else stack
+
+    def apply_ln_to_stack(self, stack: torch.Tensor) -> torch.Tensor:
+        """The final norm applied to each component with the final stream's scale, as TransformerLens does.
+
+        A norm is ``(x - mean(x)) / scale(x) * weight + bias`` (no centring for
+        an RMS norm; Gemma's weight is ``1 + w``). Here ``scale`` is the
+        final stream's (the last block's ``layer_output``), so the map is linear
+        and the components' results sum to the final norm's output minus its
+        bias. The weight is applied (not folded into the unembedding); the bias
+        is left out, as it belongs to no component.
+        """
+        if self.final_norm is None:
+            raise ValueError("this cache has no final norm parameters")
+        return self.final_norm.frozen(stack, self[f"layers.{self.num_layers - 1}.layer_output"])
+
+    def logit_attrs(self, stack: torch.Tensor, tokens: Any, incorrect_tokens: Any = None,
+                    has_batch_dim: bool = True) -> torch.Tensor:
+        """Each component's direct effect on the logit of `tokens` (minus `incorrect_tokens`'), ``[components, batch, seq]``.
+
+        `stack` is a stack of streams ``[components, batch, seq, hidden]``
+        (`decompose_resid`, `accumulated_resid`), before any norm: the final
+        norm is applied here frozen at the final stream's scale
+        (`apply_ln_to_stack`), then each is projected on the unembedding row of
+        `tokens` (an id, or a ``[batch]`` tensor of ids). Summed over
+        `decompose_resid`'s components this is the model's logit of the token
+        before any soft cap or logit scale, less the unembedding of the norm's
+        bias and the head's bias. Reads the unembedding rows from the model
+        (on vLLM, from its worker).
+        """
+        normed = self.apply_ln_to_stack(stack)
+        direction = self.unembedding_rows(tokens, normed.shape[1])
+        if incorrect_tokens is not None:
+            direction = direction - self.unembedding_rows(incorrect_tokens, normed.shape[1])
+        return torch.einsum("cbsh,bh->cbs", normed, direction.to(normed.dtype))
+
+    def unembedding_rows(self, tokens: Any, batch: int) -> torch.Tensor:
+        """``[batch, hidden]``: the unembedding row of each prompt's token."""
+        ids = torch.as_tensor(tokens).reshape(-1)
+        if ids.numel() == 1:
+            ids = ids.expand(batch)
+        if self._unembedding is None:
+            raise ValueError("this cache was built without access to the model's unembedding")
+        return self._unembedding(ids)
+
+    def __repr__(self) -> str:
+        return (f"Cache({self.model_type}, {self.num_layers} blocks, batch {self.tokens.shape[0]}, "
+                f"seq {self.tokens.shape[1]}, {len(self.values)} values)")
+
+
+class FinalNorm:
+    """A final norm's parameters, for applying it frozen at a given stream's scale."""
+
+    def __init__(self, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float, centred: bool) -> None:
+        self.weight, self.bias, self.eps, self.centred = weight, bias, eps, centred
+
+    def normalize(self, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        centred = stream - stream.mean(-1, keepdim=True) if self.centred else stream
+        scale = (centred.float().pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
+        return centred, scale
+
+    def __call__(self, stream: torch.Tensor) -> torch.Tensor:
+        """The norm's output on `stream`, from these parameters (checked against the model's own at build)."""
+        centred, scale = self.normalize(stream)
+        out = centred / scale * (self.weight if self.weight is not None else 1)
+        return out + self.bias if self.bias is not None else out
+
+    def frozen(self, stack: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+        _, scale = self.normalize(final)
+        centred = stack - stack.mean(-1, keepdim=True) if self.centred else stack
+        return centred / scale * (self.weight if self.weight is not None else 1)
+
+
+def fit_final_norm(weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
+                   stream: torch.Tensor, output: torch.Tensor) -> FinalNorm:
+    """The final norm's form (RMS or centred, ``w`` or Gemma's ``1 + w``) that reproduces the model's own output.
+
+    `stream` is the final stream and `output` what the model's final norm made
+    of it; each candidate form is checked against them, so a norm this cannot
+    express is refused rather than approximated.
+    """
+    candidates = []
+    for centred in (False, True):
+        for offset in (0.0, 1.0):
+            scaled = None if weight is None else weight.float() + offset
+            candidates.append(FinalNorm(scaled, None if bias is None else bias.float(), eps, centred))
+    errors = []
+    for norm in candidates:
+        error = ((norm(stream.float()) - output.float()).abs().max() / output.abs().max().clamp_min(1e-30)).item()
+        errors.append(error)
+        if error < 1e-4:
+            return norm
+    raise ValueError(f"the final norm is neither an RMS norm nor a layer norm with an elementwise weight "
+                     f"(best relative error {min(errors):.2e}); decompose and logit_attrs cannot apply it")
+
+
+# Building a cache on either engine.
+
+
+def _block_keys(model: Any, values: Sequence[str], layers: Sequence[int]) -> tuple[list, dict[str, str]]:
+    """(block, full name) pairs to read in the order each block computes them, and the unserved ones' reasons."""
+    wanted = {name for name in values}
+    reads, unavailable = [], {}
+    for index in layers:
+        rows = model.layers[index].support().rows
+        for full, reason in rows.items():
+            short = full.split(".")[-1]
+            if full in wanted or (short in wanted and full in CONTRIBUTIONS):
+                if reason is None:
+                    reads.append((index, full))
+                else:
+                    unavailable[f"layers.{index}.{full}"] = reason
+        for name in wanted:
+            if name not in rows and not any(full.endswith("." + name) for full in rows):
+                raise ValueError(f"{name!r} is not a value of model.layers[{index}]; its values: {', '.join(rows)}")
+    return reads, unavailable
+
+
+def _location(model: Any, index: int, full: str) -> Optional[tuple]:
+    """Where a plain value is read (module, input or output, argument), or None for a computed or scaled one."""
+    from .values import StreamValue
+
+    host = model.layers[index]
+    *path, name = full.split(".")
+    for part in path:
+        host = getattr(host, part)
+    descriptor = getattr(type(host), name, None)
+    if type(descriptor) is not StreamValue or descriptor.factor is not None:
+        return None
+    _, where, position = descriptor.site(host)
+    return descriptor._location(host), repr(position)
+
+
+def _unique(model: Any, reads: list) -> tuple[list, dict[str, str]]:
+    """The reads with each location read once (a trace cannot read a tensor the model already ran past),
+    and ``{alias key: key read}`` for the others."""
+    seen: dict[tuple, str] = {}
+    unique, aliases = [], {}
+    for index, full in reads:
+        location = _location(model, index, full)
+        key = f"layers.{index}.{full}"
+        if location is not None and location in seen:
+            aliases[key] = seen[location]
+            continue
+        if location is not None:
+            seen[location] = key
+        unique.append((index, full))
+    return unique, aliases
+
+
+def _ordered(stored: dict, aliases: dict[str, str], keys: list[str]) -> list[str]:
+    """The keys in the order the blocks compute them, aliases where their block lists them."""
+    return sorted(stored, key=lambda key: (_block_of(key), keys.index(key) if key in keys else keys.index(aliases[key])))
+
+
+def _block_of(key: str) -> float:
+    if key == "token_embeddings":
+        return -1
+    match = _BLOCK_NAME.match(key)
+    return int(match.group(1)) if match else float("inf")
+
+
+def _read(model: Any, index: int, full: str) -> torch.Tensor:
+    envoy = model.layers[index]
+    for part in full.split("."):
+        envoy = getattr(envoy, part)
+    return envoy
+
+
+def _body(model: Any, reads: list, roots: Sequence[str], with_logits: bool) -> tuple:
+    """Inside a trace: the root and block values, in the order the model computes them, and the logits."""
+    found: list = []
+    if "token_embeddings" in roots:
+        found.append(model.token_embeddings)
+    for index, full in reads:
+        found.append(_read(model, index, full))
+    if "final_norm_output" in roots:
+        found.append(model.final_norm_output)
+    logits = model.prompt_logits if with_logits else None
+    return found, logits
+
+
+def build_cache(model: Any, prompts: str | Sequence[str], values: Optional[Sequence[str]] = None,
+                layers: Optional[Sequence[int]] = None, *, logits: bool = True, batch_size: int = 8,
+                progress: Optional[bool] = None) -> Cache:
+    """Run `prompts` and keep `values` of `layers` (every block by default): `model.cache`'s work."""
+    from tqdm.auto import tqdm
+
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    if not prompts:
+        raise ValueError("model.cache needs at least one prompt")
+    roots = list(ROOT) if values is None else [name for name in values if name in ROOT]
+    values = list(DEFAULT_VALUES if values is None else values)
+    root_rows = model.support().root.rows
+    root_unavailable = {name: root_rows[name] for name in roots if root_rows.get(name) is not None}
+    roots = [name for name in roots if name not in root_unavailable]
+    block_values = [name for name in values if name not in ROOT]
+    layers = list(range(model.num_layers)) if layers is None else [int(i) % model.num_layers for i in layers]
+    reads, unavailable = _block_keys(model, block_values, layers)
+    unavailable.update(root_unavailable)
+    reads, aliases = _unique(model, reads)
+    keys = [*(["token_embeddings"] if "token_embeddings" in roots else []),
+            *(f"layers.{index}.{full}" for index, full in reads),
+            *(["final_norm_output"] if "final_norm_output" in roots else [])]
+    vllm = getattr(type(model), "ENGINE", "") == "vllm"
+    encoded = [model.tokenizer(prompt)["input_ids"] for prompt in prompts]
+    longest = max(map(len, encoded))
+    pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
+    tokens = torch.full((len(prompts), longest), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), longest, dtype=torch.bool)
+    for row, ids in enumerate(encoded):
+        tokens[row, : len(ids)] = torch.tensor(ids)
+        mask[row, : len(ids)] = True
+
+    per_prompt: list[list[torch.Tensor]] = []  # each prompt's values, [1, ...] without padding
+    per_logits: list[torch.Tensor] = []
+    show = progress if progress is not None else len(prompts) > batch_size
+    starts = range(0, len(prompts), batch_size)
+    for start in tqdm(starts, desc="cache", unit="batch", disable=not show):
+        chunk = list(range(start, min(start + batch_size, len(prompts))))
+        with torch.no_grad():  # not inference mode: its tensors keep no version, so every read would count as an edit
+            if vllm:
+                found, chunk_logits = _run_vllm(model, [prompts[i] for i in chunk], reads, roots, keys, logits)
+            else:
+                found, chunk_logits = _run_transformers(model, tokens[chunk], mask[chunk], reads, roots, keys, logits)
+        per_prompt.extend(found)
+        per_logits.extend(chunk_logits)
+
+    stored: dict[str, torch.Tensor] = {}
+    for position, key in enumerate(keys):
+        stored[key] = _pad(key, [found[position] for found in per_prompt], longest)
+    for alias, key in aliases.items():  # a value the block computes once under two names (GPT-J's one norm)
+        stored[alias] = stored[key]
+    stored = {key: stored[key] for key in _ordered(stored, aliases, keys)}
+    stored_logits = _pad("logits", per_logits, longest) if logits else None
+    final_norm = _final_norm(model, stored, mask)
+    return Cache(stored, tokens=tokens, mask=mask, logits=stored_logits, model_type=model.config.model_type,
+                 num_layers=model.num_layers, unavailable=unavailable, final_norm=final_norm,
+                 unembedding=lambda ids: unembedding_rows(model, ids))
+
+
+#: The axes of each value that run over positions (the rest are batch, heads or widths).
+_SEQ_AXES = {"queries": (2,), "keys": (2,), "values": (2,), "scores": (2, 3), "pattern": (2, 3)}
+
+
+def seq_axes(key: str) -> tuple[int, ...]:
+    """The axes of the value under `key` that run over the prompt's positions."""
+    return _SEQ_AXES.get(key.split(".")[-1], (1,))
+
+
+def _pad(key: str, per_prompt: list[torch.Tensor], longest: int) -> torch.Tensor:
+    """``[batch, ...]``: one prompt's values each (``[1, ...]``), zero-padded on the right along the seq axes."""
+    shape = [len(per_prompt), *per_prompt[0].shape[1:]]
+    for axis in seq_axes(key):
+        shape[axis] = longest
+    out = per_prompt[0].new_zeros(shape)
+    for row, tensor in enumerate(per_prompt):
+        out[(row, *(slice(0, size) for size in tensor.shape[1:]))] = tensor[0]
+    return out
+
+
+def _cut(key: str, value: torch.Tensor, row: int, length: int) -> torch.Tensor:
+    """Prompt `row`'s value ``[1, ...]`` out of a right-padded batch, its seq axes cut to `length`."""
+    index: list[Any] = [slice(row, row + 1)] + [slice(None)] * (value.dim() - 1)
+    for axis in seq_axes(key):
+        index[axis] = slice(0, length)
+    return value[tuple(index)]
+
+
+def _run_transformers(model, tokens, mask, reads, roots, keys, with_logits) -> tuple[list, list]:
+    with model.trace({"input_ids": tokens, "attention_mask": mask.long()}):
+        found = list().save()
+        values, logits = _body(model, reads, roots, with_logits)
+        found.extend(values)
+        if logits is not None:
+            logits = logits.save()
+    lengths = mask.sum(-1).tolist()
+    per_prompt = [[_cut(key, value, row, length) for key, value in zip(keys, found)]
+                  for row, length in enumerate(lengths)]
+    per_logits = [logits[row : row + 1, :length] for row, length in enumerate(lengths)] if with_logits else []
+    return per_prompt, per_logits
+
+
+def flatten(found: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inside a vLLM trace: values of several shapes as one flat tensor and their shapes ``[n, 4]`` (-1 padded).
+
+    A vLLM trace returns what it saved by name, one per invoke, so the values
+    of one request travel as one tensor.
+    """
+    flat = torch.cat([value.reshape(-1).float() for value in found])
+    shapes = torch.tensor([list(value.shape) + [-1] * (4 - value.dim()) for value in found])
+    return flat, shapes
+
+
+def unflatten(flat: torch.Tensor, shapes: torch.Tensor) -> list[torch.Tensor]:
+    values, start = [], 0
+    for row in shapes.tolist():
+        shape = [size for size in row if size >= 0]
+        count = int(torch.tensor(shape).prod())
+        values.append(flat[start : start + count].reshape(shape))
+        start += count
+    return values
+
+
+def _run_vllm(model, prompts, reads, roots, keys, with_logits) -> tuple[list, list]:
+    with model.trace(temperature=0.0, max_tokens=1) as tracer:
+        for prompt in prompts:
+            with tracer.invoke(prompt):
+                found, prompt_logits = _body(model, reads, roots, with_logits)
+                flat, shape = flatten(found)
+                flat, shape = flat.save(), shape.save()
+                if prompt_logits is not None:
+                    prompt_logits = prompt_logits.save()
+    flats = flat if isinstance(flat, list) else [flat]
+    shapes = shape if isinstance(shape, list) else [shape]
+    per_logits = []
+    if with_logits:
+        per_logits = prompt_logits if isinstance(prompt_logits, list) else [prompt_logits]
+    return [unflatten(f, s) for f, s in zip(flats, shapes)], per_logits
+
+
+# The final norm's parameters and the unembedding rows, read from the model (on vLLM, from its worker).
+
+
+def _norm_parameters(module: torch.nn.Module) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], float]:
+    weight = getattr(module, "weight", None)
+    bias = getattr(module, "bias", None)
+    eps = next((getattr(module, name) for name in ("eps", "variance_epsilon", "epsilon")
+                if isinstance(getattr(module, name, None), float)), 1e-5)
+    return (None if weight is None else weight.detach().clone(),
+            None if bias is None else bias.detach().clone(), float(eps))
+
+
+def _final_norm(model: Any, stored: dict[str, torch.Tensor], mask: torch.Tensor) -> Optional[FinalNorm]:
+    """The final norm, in the form that reproduces the model's own output on this run (None where not read)."""
+    key = f"layers.{model.num_layers - 1}.layer_output"
+    if key not in stored or "final_norm_output" not in stored:
+        return None
+    weight, bias, eps = worker_norm_parameters(model)
+    real = mask  # padded positions hold zeros, which a norm with a bias does not map to zero
+    return fit_final_norm(weight, bias, eps, stored[key][real], stored["final_norm_output"][real])
+
+
+def worker_norm_parameters(model: Any) -> tuple:
+    if getattr(type(model), "ENGINE", "") != "vllm":
+        return _norm_parameters(model.norm._module)
+    with model.trace("a", temperature=0.0, max_tokens=1):
+        weight, bias, eps = _norm_parameters(model.norm._module)
+        weight = (weight if weight is not None else torch.zeros(0)).save()
+        bias = (bias if bias is not None else torch.zeros(0)).save()
+        eps = torch.tensor(eps).save()
+    weight, bias, eps = (value[0] if isinstance(value, list) else value for value in (weight, bias, eps))
+    return (weight if weight.numel() else None, bias if bias.numel() else None, float(eps))
+
+
+def _head_weight(module: torch.nn.Module) -> torch.Tensor:
+    from .vllm.model import _unembedding
+
+    return _unembedding(module).weight
+
+
+def unembedding_rows(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """``[len(ids), hidden]``: the unembedding's rows for token `ids` (the head's, or the tied embedding's)."""
+    if getattr(type(model), "ENGINE", "") != "vllm":
+        return model.lm_head._module.weight.detach()[ids].clone()
+    with model.trace("a", temperature=0.0, max_tokens=1):
+        rows = _head_weight(model._module)[ids].clone().save()
+    return rows[0] if isinstance(rows, list) else rows

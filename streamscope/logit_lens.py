@@ -1,0 +1,178 @@
+"""The logit lens: every block's residual stream read out through the model's own final norm and unembedding.
+
+    result = streamscope.lens(model, "The capital of France is")
+    print(result)                       # the top tokens of every block at the last position
+    result.plot("lens.png")             # blocks x positions, the top token and its probability
+    result.logits                       # [blocks, seq, vocab_size] (None when top_k was asked)
+
+The head is the model's own: its final norm module applied to the stream, then
+its unembedding with any final soft cap or scale (Gemma 2/3's
+``final_logit_softcapping``, Granite's ``logits_scaling``, Cohere's
+``logit_scale``), so the last block's row is the model's own logits. On vLLM it
+runs inside the engine's worker with the engine's own ``lm_head`` and logits
+processor, the way `prompt_logits` is computed, and only what was asked for
+(the logits, or their top k) travels back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+#: What the lens reads by default: the stream each block hands on.
+DEFAULT_VALUE = "layer_output"
+
+
+def unembed(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits of a residual stream `hidden` ``[..., hidden_size]`` through the model's own head.
+
+    Call inside a trace (on vLLM the body runs in the worker, where the
+    engine's modules are). The final norm module is applied ad hoc (nnsight
+    runs it out of order without spending its place in the forward), then the
+    unembedding, soft cap and scale. Returns ``[..., vocab_size]``.
+    """
+    shape = hidden.shape
+    # Engines' norm kernels take [tokens, hidden]; a fused vLLM norm called without a residual returns one tensor.
+    normed = model.norm(hidden.reshape(-1, shape[-1]))
+    if isinstance(normed, tuple):
+        normed = normed[0]
+    if getattr(type(model), "ENGINE", None) == "vllm":
+        from .vllm.model import _unembedding
+
+        module = model._module
+        processor = module.logits_processor
+        head = _unembedding(module)
+        # The head's bias where it has one (GPT-J), as the family's compute_logits passes it.
+        logits = processor._get_logits(normed, head, getattr(head, "bias", None))
+        if processor.soft_cap is not None:
+            logits = torch.tanh(logits / processor.soft_cap) * processor.soft_cap
+        if processor.scale != 1.0:
+            logits = logits * processor.scale
+    else:
+        logits = model.lm_head(normed)
+        config = model.config
+        cap = getattr(config, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        if getattr(config, "logits_scaling", None) is not None:  # Granite divides
+            logits = logits / config.logits_scaling
+        if getattr(config, "logit_scale", None) is not None and config.model_type == "cohere":
+            logits = logits * config.logit_scale
+    return logits.reshape(*shape[:-1], logits.shape[-1])
+
+
+def _stream(model: Any, layer: int, value: str) -> torch.Tensor:
+    return getattr(model.layers[layer], value)
+
+
+def lens_body(model: Any, layers: Sequence[int], value: str, top_k: Optional[int]) -> tuple:
+    """The lens inside a trace: ``(logits [blocks, seq, vocab], None, None)`` or ``(None, top probs, top ids)``.
+
+    Every stream is read first (in the order the model computes them); the
+    head is applied to each ad hoc, which leaves the forward's own norm and head untouched.
+    """
+    streams = [_stream(model, layer, value)[0] for layer in layers]
+    logits = torch.stack([unembed(model, stream) for stream in streams])  # [blocks, seq, vocab]
+    if top_k is None:
+        return logits, None, None
+    top = logits.float().softmax(-1).topk(top_k, dim=-1)
+    return None, top.values, top.indices
+
+
+@dataclass
+class Lens:
+    """A logit lens over one prompt.
+
+    Attributes:
+        tokens: The prompt's tokens as text, one per position.
+        layers: The blocks read, in order (row i of every tensor is block layers[i]).
+        value: The streamscope value read on each block (``layer_output`` by default).
+        logits: ``[blocks, seq, vocab_size]``, or None when only the top k came back.
+        top_probs, top_ids: ``[blocks, seq, k]``: the k most likely next tokens at each block and position.
+        final_logits: The model's own logits ``[seq, vocab_size]`` (None on a top-k lens).
+    """
+
+    tokens: list[str]
+    layers: list[int]
+    value: str
+    top_probs: torch.Tensor
+    top_ids: torch.Tensor
+    decode: Any = field(repr=False)
+    logits: Optional[torch.Tensor] = None
+
+    def top_tokens(self, position: int = -1) -> list[list[tuple[str, float]]]:
+        """For each block, its top tokens at `position` with their probabilities."""
+        return [[(self.decode(int(i)), float(p)) for p, i in zip(probs, ids)]
+                for probs, ids in zip(self.top_probs[:, position], self.top_ids[:, position])]
+
+    def probability(self, token: int) -> torch.Tensor:
+        """``[blocks, seq]``: the lens probability of token id `token` (needs the full logits)."""
+        if self.logits is None:
+            raise ValueError("this lens kept only the top k tokens; run lens(..., top_k=None) for every token's probability")
+        return self.logits.float().softmax(-1)[..., token]
+
+    def rank(self, token: int) -> torch.Tensor:
+        """``[blocks, seq]``: the rank of token id `token` (0 = the top token) at every block and position."""
+        if self.logits is None:
+            raise ValueError("this lens kept only the top k tokens; run lens(..., top_k=None) for ranks")
+        own = self.logits[..., token : token + 1]
+        return (self.logits > own).sum(-1)
+
+    def table(self, position: int = -1, k: int = 3) -> str:
+        """A printable table: one row per block, the top k tokens at `position` with their probabilities."""
+        k = min(k, self.top_ids.shape[-1])
+        where = self.tokens[position]
+        lines = [f"logit lens of {self.value} at position {position % len(self.tokens)} ({where!r}), top {k}:"]
+        for layer, row in zip(self.layers, self.top_tokens(position)):
+            cells = "  ".join(f"{text!r:>12} {probability:.3f}" for text, probability in row[:k])
+            lines.append(f"  block {layer:>3}  {cells}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def plot(self, path: Any, **kwargs: Any) -> Any:
+        """Write a heatmap PNG: blocks x positions, each cell the top token, coloured by its probability."""
+        from .plot import lens_heatmap
+
+        return lens_heatmap(self, path, **kwargs)
+
+
+def lens(model: Any, prompt: str, *, layers: Optional[Sequence[int]] = None, value: str = DEFAULT_VALUE,
+         top_k: Optional[int] = 10, keep_logits: bool = False) -> Lens:
+    """Read every block's stream (`value`, ``layer_output`` by default) through the model's own head.
+
+    Args:
+        model: A streamscope model on either engine.
+        prompt: The prompt text.
+        layers: The blocks to read (default: all).
+        value: A boundary served on those blocks (``layer_input``, ``layer_mid``, ...).
+        top_k: How many top tokens to keep per block and position.
+        keep_logits: Also return the whole ``[blocks, seq, vocab_size]`` logits (on vLLM they travel
+            from the worker; for large vocabularies keep it False).
+
+    Returns:
+        A `Lens`; print it for the table, `.plot(path)` for the heatmap.
+    """
+    layers = list(range(model.num_layers)) if layers is None else [int(i) % model.num_layers for i in layers]
+    k = top_k or 10
+    settings = {"temperature": 0.0, "max_tokens": 1} if getattr(type(model), "ENGINE", "") == "vllm" else {}
+    with torch.no_grad(), model.trace(prompt, **settings):
+        logits, probs, ids = lens_body(model, layers, value, None if keep_logits else k)
+        if keep_logits:
+            logits = logits.save()
+        else:
+            probs, ids = probs.save(), ids.save()
+    if keep_logits:
+        logits = logits[0] if isinstance(logits, list) else logits  # vLLM: one per invoke
+        top = logits.float().softmax(-1).topk(k, dim=-1)
+        probs, ids = top.values, top.indices
+    elif isinstance(probs, list):
+        probs, ids = probs[0], ids[0]
+    ids_of_prompt = model.tokenizer(prompt)["input_ids"]
+    tokens = [model.tokenizer.decode([token]) for token in ids_of_prompt]
+    decode = lambda token: model.tokenizer.decode([token])  # noqa: E731
+    return Lens(tokens, layers, value, probs.detach(), ids.detach(), decode,
+                logits.detach() if keep_logits else None)

@@ -1,0 +1,231 @@
+"""Activation patching: run a corrupted prompt with one value taken from a clean run, and measure the change.
+
+    effect = streamscope.patch(model, "The Eiffel Tower is in the city of",
+                               "The Colosseum is in the city of",
+                               answer=" Paris", wrong=" Rome", value="layer_output")
+    effect.effects          # [blocks, positions]: the metric with the patch
+    effect.normalized       # 0 = the corrupted run, 1 = the clean run
+    effect.plot("patch.png")
+
+Each patch is one run of the corrupted prompt in which value `value` of one
+block at one position (or one head's output at every position) is replaced by
+the clean run's. Patches run in groups: on transformers as invokes of one
+batched forward, on vLLM as invokes (requests) of one engine step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+#: Values whose patches share one batched forward on transformers. Others run one patch per forward: an
+#: edit of a norm's input (layer_mid) in the second invoke of a batch reaches the norm but not the
+#: block's residual alias of it (nnsight splices the batch's inputs into a new tensor).
+_BATCHED_ON_TRANSFORMERS = ("layer_output", "attention_output", "mlp_output", "head_outputs")
+
+#: Values a patch can replace: streamscope's block values (short names for the contributions).
+_CONTRIBUTIONS = {"attention_output": "self_attn.attention_output", "mlp_output": "mlp.mlp_output",
+                  "head_outputs": "self_attn.head_outputs"}
+
+
+def logit_difference(answer: int, wrong: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A metric: the last position's logit of `answer` minus that of `wrong` (token ids)."""
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        return logits[..., answer] - logits[..., wrong]
+    metric.__name__ = "logit difference"
+    return metric
+
+
+@dataclass
+class Patching:
+    """The result of `patch`.
+
+    Attributes:
+        effects: ``[blocks, positions]`` (or ``[blocks, heads]`` for ``head_outputs``): the metric of the
+            corrupted run with that one value patched from the clean run.
+        clean, corrupted: The metric of the unpatched clean and corrupted runs.
+        layers: The blocks patched (row i is block layers[i]).
+        columns: The positions (or heads) patched.
+        labels: Column labels: the corrupted prompt's tokens at those positions, or ``head h``.
+        value: The value patched.
+    """
+
+    effects: torch.Tensor
+    clean: float
+    corrupted: float
+    layers: list[int]
+    columns: list[int]
+    labels: list[str]
+    value: str
+    metric_name: str
+
+    @property
+    def normalized(self) -> torch.Tensor:
+        """``(effects - corrupted) / (clean - corrupted)``: 0 where a patch does nothing, 1 where it restores the clean run."""
+        return (self.effects - self.corrupted) / (self.clean - self.corrupted)
+
+    def plot(self, path: Any, **kwargs: Any) -> Any:
+        """Write the heatmap of `normalized` as a PNG."""
+        from .plot import patching_heatmap
+
+        return patching_heatmap(self, path, **kwargs)
+
+    def table(self) -> str:
+        width = max(len(label) for label in self.labels)
+        lines = [f"patching {self.value}: normalized {self.metric_name} (clean {self.clean:.3f}, "
+                 f"corrupted {self.corrupted:.3f})",
+                 "block " + " ".join(f"{label[:8]:>8}" for label in self.labels)]
+        for layer, row in zip(self.layers, self.normalized):
+            lines.append(f"{layer:>5} " + " ".join(f"{float(x):>8.2f}" for x in row))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _full_name(model: Any, layer: int, value: str) -> str:
+    """The block's name for `value`: a contribution's short name is its mixer's (self_attn or linear_attn)."""
+    rows = model.layers[layer].support().rows
+    missing = "no such row"
+    if value == "attention_output" and rows.get("self_attn.attention_output", missing) is not None \
+            and rows.get("linear_attn.attention_output", missing) is None:
+        return "linear_attn.attention_output"
+    return _CONTRIBUTIONS.get(value, value)
+
+
+def _envoy(model: Any, layer: int, value: str) -> Any:
+    envoy = model.layers[layer]
+    for part in value.split("."):
+        envoy = getattr(envoy, part)
+    return envoy
+
+
+def clean_values(model: Any, prompt: str, layers: Sequence[int], names: dict[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([blocks, 1, seq, ...], [vocab])``: value ``names[block]`` of each block on a run, and its last logits."""
+    vllm = getattr(type(model), "ENGINE", "") == "vllm"
+    settings = {"temperature": 0.0, "max_tokens": 1} if vllm else {}
+    with torch.no_grad(), model.trace(prompt, **settings):
+        stacked = torch.stack([_envoy(model, layer, names[layer]) for layer in layers]).save()
+        logits = model.logits.save()
+    stacked = stacked[0] if isinstance(stacked, list) else stacked
+    logits = logits[0] if isinstance(logits, list) else logits
+    return stacked, logits[0, -1] if logits.dim() == 3 else logits[-1]
+
+
+def _patched_logits(model: Any, prompt: str, patches: list[tuple[int, int, torch.Tensor]], names: dict[int, str],
+                    heads: Optional[list[int]]) -> list[torch.Tensor]:
+    """The last position's logits of `prompt` under each patch ``(block, position or head, clean value)``.
+
+    `heads` is None for a stream value, else the positions a head's output is patched at.
+    """
+    vllm = getattr(type(model), "ENGINE", "") == "vllm"
+    if vllm:
+        with torch.no_grad(), model.trace(temperature=0.0, max_tokens=1) as tracer:
+            for layer, column, replacement in patches:
+                with tracer.invoke(prompt):
+                    target = _envoy(model, layer, names[layer])
+                    if heads is not None:
+                        target[:, heads, column] = replacement
+                    else:
+                        target[:, column] = replacement
+                    logits = model.logits.save()
+        logits = logits if isinstance(logits, list) else [logits]
+        return [row[-1] for row in logits]
+    with torch.no_grad(), model.trace() as tracer:
+        results = list().save()
+        for layer, column, replacement in patches:
+            with tracer.invoke(prompt):
+                target = _envoy(model, layer, names[layer])
+                if heads is not None:
+                    target[:, heads, column] = replacement
+                else:
+                    target[:, column] = replacement
+                results.append(model.logits[0, -1])
+    return list(results)
+
+
+def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[torch.Tensor], Any]] = None, *,
+          answer: Optional[str | int] = None, wrong: Optional[str | int] = None, value: str = "layer_output",
+          layers: Optional[Sequence[int]] = None, positions: Optional[Sequence[int]] = None,
+          batch_size: int = 16, progress: Optional[bool] = None) -> Patching:
+    """Patch `value` from the clean run into the corrupted one, block by block and position by position.
+
+    Args:
+        model: A streamscope model on either engine.
+        clean, corrupted: Two prompts of the same number of tokens.
+        metric: A function of the last position's logits ``[vocab_size]`` returning a number; or give
+            `answer` and `wrong` (token ids or one-token strings) for their logit difference.
+        value: A block value: a boundary (``layer_output``, ``layer_input``, ``layer_mid``, ...), a
+            contribution (``attention_output``, ``mlp_output``), or ``head_outputs`` to patch each
+            head's output (before the output projection) at every position in `positions`.
+        layers: The blocks to patch (default: all).
+        positions: The positions to patch (default: all); with ``head_outputs``, the positions each
+            head's output is patched at (default: all), one column per head.
+        batch_size: Patches per forward (transformers) or per engine step (vLLM).
+
+    Returns:
+        A `Patching`: the metric under each patch, ``[blocks, positions]`` or ``[blocks, heads]``.
+    """
+    from tqdm.auto import tqdm
+
+    tokenizer = model.tokenizer
+    clean_ids, corrupted_ids = tokenizer(clean)["input_ids"], tokenizer(corrupted)["input_ids"]
+    if len(clean_ids) != len(corrupted_ids):
+        raise ValueError(f"the clean and corrupted prompts must have the same number of tokens to patch position "
+                         f"by position: {len(clean_ids)} and {len(corrupted_ids)}. Reword one of them.")
+    if metric is None:
+        if answer is None or wrong is None:
+            raise ValueError("give a metric (a function of the last position's logits), or answer= and wrong= "
+                             "for their logit difference")
+        metric = logit_difference(_token_id(tokenizer, answer), _token_id(tokenizer, wrong))
+    layers = list(range(model.num_layers)) if layers is None else [int(i) % model.num_layers for i in layers]
+    names = {layer: _full_name(model, layer, value) for layer in layers}
+    for layer in layers:  # an unserved value says why before anything runs
+        reason = model.layers[layer].support().rows.get(names[layer], "not a value of this block")
+        if reason is not None:
+            from .errors import Unavailable
+
+            raise Unavailable(value, f"model.layers[{layer}]", reason)
+    heads = value == "head_outputs"
+    length = len(corrupted_ids)
+    positions = list(range(length)) if positions is None else [int(p) % length for p in positions]
+
+    stacked, clean_logits = clean_values(model, clean, layers, names)
+    _, corrupted_logits = clean_values(model, corrupted, layers[:1], names)
+    patches: list[tuple[int, int, torch.Tensor]] = []
+    if heads:
+        columns = list(range(stacked.shape[3]))
+        labels = [f"head {h}" for h in columns]
+        for row, layer in enumerate(layers):
+            for head in columns:
+                # [1, positions, head_dim]: this head's clean output at `positions` (the corrupted run's elsewhere).
+                patches.append((layer, head, stacked[row][:, positions, head]))
+    else:
+        columns = positions
+        labels = [tokenizer.decode([corrupted_ids[p]]) for p in positions]
+        for row, layer in enumerate(layers):
+            for position in positions:
+                patches.append((layer, position, stacked[row, :, position]))
+
+    if getattr(type(model), "ENGINE", "") != "vllm" and value not in _BATCHED_ON_TRANSFORMERS:
+        batch_size = 1
+    show = progress if progress is not None else len(patches) > batch_size
+    outcomes: list[float] = []
+    for start in tqdm(range(0, len(patches), batch_size), desc="patch", unit="step", disable=not show):
+        for logits in _patched_logits(model, corrupted, patches[start : start + batch_size], names,
+                                      positions if heads else None):
+            outcomes.append(float(metric(logits.float())))
+    effects = torch.tensor(outcomes).reshape(len(layers), len(columns))
+    return Patching(effects, float(metric(clean_logits.float())), float(metric(corrupted_logits.float())),
+                    layers, columns, labels, value, getattr(metric, "__name__", "metric"))
+
+
+def _token_id(tokenizer: Any, token: str | int) -> int:
+    if isinstance(token, int):
+        return token
+    ids = tokenizer(token, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        raise ValueError(f"{token!r} is {len(ids)} tokens for this tokenizer; give one token (or its id)")
+    return ids[0]

@@ -1,0 +1,117 @@
+"""The `streamscope` command run as a user runs it (a subprocess), and the plots it and the library write.
+
+Plots are checked as images: the file exists, has the figure's size in pixels
+(width and height in inches from `streamscope.plot`'s size functions, times the
+dpi) and is not blank (its pixels vary).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+import torch
+
+import streamscope
+from streamscope import plot
+from streamscope.check import Report
+
+ROOT = Path(__file__).resolve().parent.parent
+CLEAN, CORRUPTED = "Paris is in Italy", "Rome is in Italy"
+
+
+def streamscope_command(*arguments: str) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                   "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "streamscope", *arguments], capture_output=True, text=True,
+                          cwd=ROOT, env=environment, timeout=600)
+
+
+def assert_image(path: Path, size: tuple[float, float], dpi: int = 100) -> None:
+    assert path.exists() and path.stat().st_size > 0
+    pixels = matplotlib.image.imread(str(path))
+    assert pixels.shape[:2] == (round(size[1] * dpi), round(size[0] * dpi))
+    assert pixels[..., :3].std() > 0.05, "the image is blank"
+
+
+def test_help_lists_the_commands():
+    done = streamscope_command("--help")
+    assert done.returncode == 0
+    for command in ("map", "check", "lens", "patch", "attention"):
+        assert command in done.stdout
+
+
+def test_map_prints_the_support_table(checkpoints):
+    done = streamscope_command("map", str(checkpoints("gptj")))
+    assert done.returncode == 0, done.stderr
+    assert "gptj (3 blocks, transformers)" in done.stdout
+    assert "layer_mid                  unavailable: a parallel block" in done.stdout
+
+
+def test_check_passes_on_both_engines(checkpoints):
+    done = streamscope_command("check", str(checkpoints("llama")), "--engines", "transformers,vllm")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.strip().endswith("PASS")
+    rows = [line for line in done.stdout.splitlines() if line.strip().startswith(("layer_mid", "logits"))]
+    assert len(rows) == 2 and all(row.count(" ok") == 2 for row in rows)
+
+
+def test_check_fails_with_a_nonzero_exit_when_a_value_is_off(monkeypatch, capsys):
+    from streamscope import cli
+
+    failing = Report("ckpt", "llama", ["transformers"], errors={"layer_mid": {"transformers": 3e-2}})
+    monkeypatch.setattr("streamscope.check.check", lambda *args, **kwargs: failing)
+    assert cli.main(["check", "ckpt", "--engines", "transformers"]) == 1
+    output = capsys.readouterr().out
+    assert "FAIL" in output and "3.0e-02" in output
+    assert cli.main(["check", "ckpt", "--engines", "tensorflow"]) == 2
+
+
+def test_lens_prints_the_table_and_writes_the_heatmap(checkpoints, tmp_path):
+    png = tmp_path / "lens.png"
+    done = streamscope_command("lens", str(checkpoints("llama")), "Rome is in Italy", "--png", str(png))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("block") >= 3 and "logit lens" in done.stdout
+    tokens = len(streamscope.load(checkpoints("llama")).tokenizer("Rome is in Italy")["input_ids"])
+    assert_image(png, plot.lens_size(tokens, 3))
+
+
+def test_patch_prints_the_effects_and_writes_the_heatmap(checkpoints, tmp_path):
+    png = tmp_path / "patch.png"
+    done = streamscope_command("patch", str(checkpoints("llama")), "--clean", CLEAN, "--corrupted", CORRUPTED,
+                               "--answer", "3", "--wrong", "4", "--png", str(png))
+    assert done.returncode == 0, done.stderr
+    assert "patching layer_output" in done.stdout
+    assert_image(png, plot.patching_size(7, 3))
+
+
+def test_attention_plot_has_a_panel_per_head_and_the_tokens(checkpoints, tmp_path):
+    model = streamscope.load(checkpoints("llama"))
+    cache = model.cache("Rome is in Italy", values=["self_attn.pattern"], layers=[1], logits=False)
+    tokens = [model.tokenizer.decode([int(t)]) for t in cache.tokens[0]]
+    pattern = cache["layers.1.self_attn.pattern"]
+    path = plot.attention(pattern, tokens, tmp_path / "attention.png")
+    assert_image(path, plot.attention_size(len(tokens), model.num_heads))
+    with pytest.raises(ValueError, match="tokens"):
+        plot.attention(pattern, tokens[:-1], tmp_path / "wrong.png")
+
+
+def test_command_writes_the_attention_plot(checkpoints, tmp_path):
+    png = tmp_path / "pattern.png"
+    done = streamscope_command("attention", str(checkpoints("llama")), "Rome is in Italy", "--layer", "1",
+                               "--png", str(png))
+    assert done.returncode == 0, done.stderr
+    assert png.exists()
+
+
+def test_lens_and_patching_heatmaps_from_the_library(checkpoints, tmp_path):
+    model = streamscope.load(checkpoints("llama"))
+    lens = streamscope.lens(model, "Rome is in Italy")
+    assert_image(lens.plot(tmp_path / "lens.png"), plot.lens_size(len(lens.tokens), model.num_layers))
+    heads = streamscope.patch(model, CLEAN, CORRUPTED, answer=3, wrong=4, value="head_outputs")
+    assert_image(heads.plot(tmp_path / "heads.png"), plot.patching_size(model.num_heads, model.num_layers))
+    assert torch.isfinite(heads.normalized).all()

@@ -1,0 +1,142 @@
+"""The workflows on vLLM against transformers' own forward read with torch hooks (the oracle).
+
+One engine per family, shared by the module's tests of it: a pre-norm (llama),
+a parallel (gptj), a post-norm (olmo2) and a sandwich with a final soft cap
+(gemma2). The cache's per-request values, the lens computed in the worker with
+the engine's own head, patches run as invokes of one step, and steering over
+many generated tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import oracle
+from access import relative_error
+import streamscope
+from streamscope.vllm.model import beside_engine
+
+PROMPTS = ["The Eiffel Tower is in Paris, and the quick brown fox", "Rome is in Italy"]
+CLEAN, CORRUPTED = "Paris is in Italy", "Rome is in Italy"
+#: float32 on CPU: vLLM's kernels agree with transformers' to about 1e-6; Gemma 2's attention soft cap is
+#: compiled into vLLM's CPU kernel and agrees with torch.tanh to about 2e-4 (see test_families.py).
+TOLERANCE = {"llama": 1e-5, "gptj": 1e-5, "olmo2": 1e-5, "gemma2": 5e-4}
+
+
+class Engine:
+    def __init__(self, family: str, path):
+        self.name = family
+        self.model = streamscope.load(path, engine="vllm")
+        with beside_engine():
+            self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.ids = [self.tokenizer(prompt, return_tensors="pt").input_ids for prompt in PROMPTS]
+        self.expected = [oracle.values(self.reference, family, ids) for ids in self.ids]
+        self.tolerance = TOLERANCE[family]
+
+
+@pytest.fixture(scope="module", params=list(TOLERANCE))
+def engine(request, checkpoints):
+    engine = Engine(request.param, checkpoints(request.param))
+    yield engine
+    engine.model.close()
+
+
+def test_cache_of_several_requests_equals_the_oracle(engine):
+    cache = engine.model.cache(PROMPTS)
+    assert cache.mask.sum(-1).tolist() == [ids.shape[1] for ids in engine.ids]
+    checked = 0
+    for row, (ids, expected) in enumerate(zip(engine.ids, engine.expected)):
+        length = ids.shape[1]
+        for name in (*oracle.BOUNDARIES, *oracle.CONTRIBUTIONS):
+            for block, reference in enumerate(expected.get(name, [])):
+                if reference is None:
+                    with pytest.raises(streamscope.Unavailable):
+                        cache[f"layers.{block}.{name}"]
+                    continue
+                value = cache[f"layers.{block}.{name}"][row : row + 1, :length]
+                assert relative_error(value, reference) <= engine.tolerance, (name, block, row)
+                checked += 1
+        assert relative_error(cache.logits[row : row + 1, :length], expected["logits"]) <= engine.tolerance
+        assert relative_error(cache["hook_embed"][row : row + 1, :length], expected["token_embeddings"]) <= 1e-6
+    assert checked >= 2 * 4 * engine.model.num_layers
+    parts, _ = cache.decompose_resid()
+    final = engine.expected[0]["layer_output"][-1]
+    assert relative_error(parts.sum(0)[:1, : engine.ids[0].shape[1]], final) <= engine.tolerance
+    # logit_attrs with the engine's own unembedding rows, read in the worker: summed, the raw logit.
+    attrs = cache.logit_attrs(parts, tokens=7)[:, :1, : engine.ids[0].shape[1]].sum(0)
+    head = engine.reference.get_output_embeddings()
+    raw = head(engine.expected[0]["final_norm_output"])[..., 7]
+    norm = oracle.site(engine.reference, engine.name, "final_norm_output")[0]
+    if getattr(norm, "bias", None) is not None:  # the norm's and the head's biases belong to no component
+        raw = raw - norm.bias @ head.weight[7]
+    if getattr(head, "bias", None) is not None:
+        raw = raw - head.bias[7]
+    assert relative_error(attrs, raw) <= engine.tolerance * 10
+
+
+def test_lens_in_the_worker_equals_the_hooked_head(engine):
+    result = streamscope.lens(engine.model, PROMPTS[0], keep_logits=True)
+    norm = oracle.site(engine.reference, engine.name, "final_norm_output")[0]
+    cap = getattr(engine.reference.config, "final_logit_softcapping", None)
+    for block in range(engine.model.num_layers):
+        with torch.no_grad():
+            logits = engine.reference.get_output_embeddings()(norm(engine.expected[0]["layer_output"][block]))[0]
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        assert relative_error(result.logits[block], logits) <= engine.tolerance, block
+    top = streamscope.lens(engine.model, PROMPTS[0], top_k=4)
+    assert top.logits is None and top.top_ids.shape == (engine.model.num_layers, engine.ids[0].shape[1], 4)
+    assert torch.equal(top.top_ids[:, -1], result.top_ids[:, -1, :4])
+
+
+def test_patches_run_as_invokes_of_one_step_and_match_hooked_patches(engine):
+    clean_ids = engine.tokenizer(CLEAN, return_tensors="pt").input_ids
+    corrupted_ids = engine.tokenizer(CORRUPTED, return_tensors="pt").input_ids
+    layers = [0, engine.model.num_layers - 1]
+    result = streamscope.patch(engine.model, CLEAN, CORRUPTED, answer=3, wrong=4, layers=layers, batch_size=32)
+    assert result.effects.shape == (2, clean_ids.shape[1])
+    clean = oracle.values(engine.reference, engine.name, clean_ids)["layer_output"]
+    for row, block in enumerate(layers):
+        for position in range(clean_ids.shape[1]):
+            module, where, _ = oracle.site(engine.reference, engine.name, "layer_output", block)
+
+            def replace(tensor, block=block, position=position):
+                tensor[:, position] = clean[block][:, position]
+
+            with torch.no_grad(), oracle.hooked(module, where, replace):
+                logits = engine.reference(corrupted_ids).logits[0, -1]
+            expected = (logits[3] - logits[4]).item()
+            assert result.effects[row, position].item() == pytest.approx(expected, abs=1e-3), (block, position)
+
+
+def test_steering_over_generated_tokens_matches_a_hooked_generate(engine):
+    if engine.name != "llama":
+        pytest.skip("one family suffices for the trace syntax; the values are tested on every family above")
+    model, steps = engine.model, 5
+    vector = torch.randn(model.hidden_size, generator=torch.Generator().manual_seed(0)) * 4
+    # The README's syntax on vLLM: the prompt's step, then one step per generated token.
+    with model.trace(PROMPTS[1], temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
+        tokens = list().save()
+        for step in tracer.iter[:]:
+            model.layers[1].layer_output[:, -1] += vector
+            tokens.append(model.logits[0].argmax(-1))
+    # The oracle: greedy decoding by whole forwards, the vector added at every position that was the last one
+    # at some step (the prompt's last, then each generated token), as a cached generation sees it.
+    ids = engine.ids[1]
+    start = ids.shape[1] - 1
+
+    def add(_, args, output):
+        (output if isinstance(output, torch.Tensor) else output[0])[:, start:].add_(vector)
+
+    handle = engine.reference.model.layers[1].register_forward_hook(add)
+    try:
+        with torch.no_grad():
+            for _ in range(steps):
+                next_token = engine.reference(ids).logits[0, -1].argmax()
+                ids = torch.cat([ids, next_token.view(1, 1)], dim=1)
+    finally:
+        handle.remove()
+    assert [int(token) for token in tokens] == ids[0, -steps:].tolist()
