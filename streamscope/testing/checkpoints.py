@@ -47,7 +47,8 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                   "decoder_sparse_step": 1, "mlp_only_layers": [0]},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
-    "gemma": {},
+    # Tied, as every Gemma checkpoint is: vLLM 0.22's Gemma asserts it.
+    "gemma": {"tie_word_embeddings": True},
     # Tied, as every Gemma 2 checkpoint is: vLLM's Gemma 2 has no lm_head and unembeds with embed_tokens.
     "gemma2": {"sliding_window": 4, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
                "query_pre_attn_scalar": 32, "tie_word_embeddings": True},
