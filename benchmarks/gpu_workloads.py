@@ -276,7 +276,9 @@ def main() -> None:
             with model.trace(temperature=0.0, max_tokens=1) as tracer:
                 for prompt in prompts:
                     with tracer.invoke({"prompt_token_ids": prompt}):
-                        torch.stack([layer.layer_output for layer in model.layers]).save()
+                        # Bound to a name: nnsight ships a vLLM trace's saves back by name, and an unnamed
+                        # save travels nowhere (the 2026-11-30 H200 run timed that, 2.46x bare).
+                        outputs = torch.stack([layer.layer_output for layer in model.layers]).save()  # noqa: F841
 
         bare = timed(bare_w1(llm, prompts), args.rounds)
         traced = timed(trace, args.rounds)
