@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 from nnsight.intervention.interleaver import Mediator
@@ -122,9 +122,10 @@ class Layer(StreamEnvoy):
         replacement = self.to_engine(hidden.to(live.dtype, copy=True), live, "layer_output")
         Mediator.skip(f"{self.path}.skip", self.pack(replacement))
 
-    def block_input(self) -> Any:
-        """The block's call as the model makes it; a skip waits for it, and comes too late once it has passed."""
-        location = f"{self.path}.input"
+    def block_input(self, location: Optional[str] = None) -> Any:
+        """The block's call as the model makes it (or the call at `location`, the block's first value where a
+        family reads it inside the block); a skip waits for it, and comes too late once it has passed."""
+        location = location or f"{self.path}.input"
         mediator = in_trace(f"{self.where()}.skip", "called")
         mediator.streamscope_wanted = (location, f"{self.where()}.skip")
         return Mediator.value(location)
