@@ -39,17 +39,9 @@ def unembed(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     if isinstance(normed, tuple):
         normed = normed[0]
     if getattr(type(model), "ENGINE", None) == "vllm":
-        from .vllm.model import _unembedding
+        from .vllm.model import engine_logits
 
-        module = model._module
-        processor = module.logits_processor
-        head = _unembedding(module)
-        # The head's bias where it has one (GPT-J), as the family's compute_logits passes it.
-        logits = processor._get_logits(normed, head, getattr(head, "bias", None))
-        if processor.soft_cap is not None:
-            logits = torch.tanh(logits / processor.soft_cap) * processor.soft_cap
-        if processor.scale != 1.0:
-            logits = logits * processor.scale
+        logits = engine_logits(model._module, normed)
     else:
         logits = model.lm_head(normed)
         config = model.config

@@ -106,16 +106,7 @@ class StandardizedVLLM(Standardized, VLLM):
         engine's own unembedding, soft cap and scale. Read-only: edit
         `final_norm_output` or `model.logits` instead.
         """
-        module = self._module
-        processor = module.logits_processor
-        head = _unembedding(module)
-        # The bias the model's compute_logits passes (GPT-J's and the Transformers backend's lm_head have one).
-        logits = processor._get_logits(normed, head, getattr(head, "bias", None))
-        if processor.soft_cap is not None:
-            logits = torch.tanh(logits / processor.soft_cap) * processor.soft_cap
-        if processor.scale != 1.0:
-            logits = logits * processor.scale
-        return logits
+        return engine_logits(self._module, normed)
 
     def __init__(self, path: str | Path, family: str | ModuleType | None = None, **kwargs: Any) -> None:
         """`family` overrides the family module found by ``config.model_type``: a module, or a model type's name."""
@@ -241,6 +232,20 @@ class StandardizedVLLM(Standardized, VLLM):
         if failed:
             index, error = failed[0]
             raise _retyped(error, index if len(outputs) > 1 else None, len(failed)) from None
+
+
+def engine_logits(module: torch.nn.Module, normed: torch.Tensor) -> torch.Tensor:
+    """Logits of final-norm outputs ``[..., hidden]`` as the engine computes them, ``[..., vocab_size]``: its own
+    unembedding, with the bias the model's compute_logits passes (GPT-J's and the Transformers backend's heads
+    have one), then its soft cap and scale. Run in the worker, on the engine's modules."""
+    processor = module.logits_processor
+    head = _unembedding(module)
+    logits = processor._get_logits(normed, head, getattr(head, "bias", None))
+    if processor.soft_cap is not None:
+        logits = torch.tanh(logits / processor.soft_cap) * processor.soft_cap
+    if processor.scale != 1.0:
+        logits = logits * processor.scale
+    return logits
 
 
 def _unembedding(module: torch.nn.Module) -> torch.nn.Module:
