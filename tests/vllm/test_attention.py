@@ -49,7 +49,7 @@ CASES = {family: Case(family) for family in FAMILIES if family != "mamba"}  # ma
 # forward keeps from its float32 one, measured per family as test_families.py does.
 CASES["qwen3_next"] = Case("qwen3_next", precision.every_expert("qwen3_next"), dtype="bfloat16", tolerance=None,
                            mix=None)
-if precision.measured():  # GPU runs (TF32 too flips routing choices: seen on the H200) and bfloat16: pin routing
+if precision.measured():  # GPU runs (TF32 rounding can flip a routing choice too) and bfloat16: pin routing
     for _family in precision.MOE_FAMILIES:
         CASES[_family] = Case(_family, precision.every_expert(_family), dtype="bfloat16", tolerance=None, mix=None)
 

@@ -57,7 +57,7 @@ class Case:
 CASES = {family: Case(family) for family in VLLM_FAMILIES}
 # Qwen3-Next's CPU kernels run bfloat16 only (head dims of 64): its tolerance is measured.
 CASES["qwen3_next"] = Case("qwen3_next", precision.every_expert("qwen3_next"), dtype="bfloat16", tolerance=None)
-if precision.measured():  # GPU runs (TF32 too flips routing choices: seen on the H200) and bfloat16: pin routing
+if precision.measured():  # GPU runs (TF32 rounding can flip a routing choice too) and bfloat16: pin routing
     for _family in precision.MOE_FAMILIES:
         CASES[_family] = Case(_family, precision.every_expert(_family), dtype="bfloat16", tolerance=None)
 
