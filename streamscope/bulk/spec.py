@@ -259,3 +259,15 @@ def harvest_spec(model: Any, values: Any, layers: Any, positions: Positions, len
 
 
 __all__ = ["Steer", "Site", "HarvestSpec", "harvest_spec", "check_steer", "locate", "value_names"]
+
+
+def generation_harvest(model: Any, harvest: Any, lengths: Sequence[int]) -> Optional[HarvestSpec]:
+    """The harvest a generation reads along (``harvest={"values": ..., "layers": ..., "positions": ...}``), or None."""
+    if harvest is None:
+        return None
+    options = dict(harvest)
+    spec = harvest_spec(model, options.pop("values"), options.pop("layers", None),
+                        options.pop("positions", "last"), lengths)
+    if options:
+        raise TypeError(f"harvest= takes values, layers and positions; not {', '.join(options)}.")
+    return spec

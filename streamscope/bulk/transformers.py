@@ -17,7 +17,7 @@ import torch
 
 from .apply import Applier, Span, steer_plans
 from .results import Generation, Harvest, ShardWriter, assemble
-from .spec import Positions, check_steer, harvest_spec
+from .spec import Positions, check_steer, generation_harvest, harvest_spec
 
 
 def token_ids(model: Any, prompts: Sequence[Any]) -> list[list[int]]:
@@ -162,13 +162,7 @@ def generate(model: Any, prompts: Sequence[Any], max_tokens: int = 16, *, steer:
     ids = token_ids(model, prompts)
     lengths = [len(tokens) for tokens in ids]
     checked = [(item, check_steer(model, item, len(ids))) for item in steer]
-    spec = None
-    if harvest is not None:
-        options = dict(harvest)
-        spec = harvest_spec(model, options.pop("values"), options.pop("layers", None),
-                            options.pop("positions", "last"), lengths)
-        if options:
-            raise TypeError(f"harvest= takes values, layers and positions; not {', '.join(options)}.")
+    spec = generation_harvest(model, harvest, lengths)
     dtype, device = _parameters(model)
     plans = steer_plans(checked, list(range(len(ids))), lengths, dtype, device)
     sites = spec.sites(model) if spec is not None else []

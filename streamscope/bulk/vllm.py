@@ -28,7 +28,7 @@ import torch
 
 from .apply import Applier, Span, steer_plans
 from .results import Generation, Harvest, ShardWriter, assemble
-from .spec import HarvestSpec, Positions, Steer, check_steer, harvest_spec, locate
+from .spec import HarvestSpec, Positions, Steer, check_steer, generation_harvest, harvest_spec, locate
 from .transformers import token_ids
 
 #: The sampling params' extra_args key that marks a request as a bulk run's, with its prompt index.
@@ -263,13 +263,7 @@ def generate(model: Any, prompts: Sequence[Any], max_tokens: int = 16, *, steer:
     lengths = [len(tokens) for tokens in ids]
     for item in steer:
         check_steer(model, item, len(ids))
-    spec = None
-    if harvest is not None:
-        options = dict(harvest)
-        spec = harvest_spec(model, options.pop("values"), options.pop("layers", None),
-                            options.pop("positions", "last"), lengths)
-        if options:
-            raise TypeError(f"harvest= takes values, layers and positions; not {', '.join(options)}.")
+    spec = generation_harvest(model, harvest, lengths)
     sampling = {"temperature": 0.0, **sampling, "max_tokens": max_tokens}
     tokens: list[list[int]] = []
     texts: list[str] = []
