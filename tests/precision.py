@@ -58,6 +58,9 @@ MEASURED_FACTOR = 2.0
 GPU_ENGINE_TOLERANCE = {"float32": 5e-3, "bfloat16": 5e-2}
 #: The share of the GPU each engine takes: the suite starts one engine per family and module, closing each.
 GPU_MEMORY_UTILIZATION = 0.2
+#: A fixed KV cache for a GPU engine (ample for the tiny checkpoints): vLLM then skips its free-memory profiling,
+#: which another engine starting or closing on the same GPU would upset, so several test processes share a GPU.
+GPU_KV_CACHE_BYTES = 1 << 30
 
 if ON_GPU:  # the oracle is float32 proper: no TF32 in its matmuls (torch's default, said out loud)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -87,6 +90,7 @@ def engine_kwargs(case_dtype: Optional[str] = None) -> dict:
     kwargs: dict = {"dtype": engine_dtype(case_dtype)}
     if ON_GPU:
         kwargs["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION
+        kwargs["kv_cache_memory_bytes"] = GPU_KV_CACHE_BYTES
     return kwargs
 
 

@@ -11,7 +11,7 @@ then makes one edit and one read over the whole batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Hashable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -19,12 +19,12 @@ from .spec import Site, Steer
 from ..values import INPUT
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
     """One request's rows in a step's flattened batch: rows ``start .. start + count``, positions ``first ..``.
 
     `key` names the request in the bulk run (None for a request the run does
-    not own, which is left alone).
+    not own, which is left alone). A tuple: a step of a large batch makes one
+    for every request, on the engine's critical path.
     """
 
     key: Optional[Hashable]
@@ -42,6 +42,11 @@ class SteerPlan:
     delta: torch.Tensor
     positions: dict[Hashable, frozenset[int]]  # each steered request's prompt positions
     lengths: dict[Hashable, int]               # each steered request's prompt length
+
+    @property
+    def every_row(self) -> bool:
+        """Whether the steer edits every row of the requests it owns: each prompt position, each generated token."""
+        return self.steer.generated and all(len(chosen) == self.lengths[key] for key, chosen in self.positions.items())
 
 
 def rows_of(ranges: list[tuple[int, int]], device: Any) -> Any:
@@ -88,6 +93,7 @@ class Applier:
         self._harvest_rows: Any = None
         self._harvest_layout: list[tuple[Hashable, int, int]] = []  # (key, rows this step, first slot)
         self._steer_rows: list[Any] = []
+        self._every_row = [plan.every_row for plan in self.steers]
         #: The first error a hook met; the run's other hooks stop working and the caller raises it.
         self.error: Optional[BaseException] = None
 
@@ -98,7 +104,7 @@ class Applier:
         self.spans = list(spans)
         harvest_ranges: list[tuple[int, int]] = []
         layout: list[tuple[Hashable, int, int]] = []
-        for span in self.spans:
+        for span in self.spans if self.harvest_positions else ():
             wanted = self.harvest_positions.get(span.key) if span.key is not None else None
             if not wanted:
                 continue
@@ -116,9 +122,13 @@ class Applier:
             layout.append((span.key, len(chosen), wanted.index(chosen[0])))
         self._harvest_rows = rows_of(harvest_ranges, self.device)
         self._harvest_layout = layout
-        self._steer_rows = [self._rows_for(plan) for plan in self.steers]
+        self._steer_rows = [self._rows_for(plan, every) for plan, every in zip(self.steers, self._every_row)]
 
-    def _rows_for(self, plan: SteerPlan) -> Any:
+    def _rows_for(self, plan: SteerPlan, every_row: bool) -> Any:
+        if every_row:  # the usual steer: no per-token test, one range a request
+            owned = plan.lengths
+            return rows_of([(span.start, span.start + span.count) for span in self.spans if span.key in owned],
+                           self.device)
         ranges: list[tuple[int, int]] = []
         generated = plan.steer.generated
         for span in self.spans:

@@ -75,14 +75,15 @@ class WorkerState:
                 self.keys[data.req_id] = mark[1]
         for request_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
             self.keys.pop(request_id, None)
-        counts = scheduler_output.num_scheduled_tokens
+        counts = scheduler_output.num_scheduled_tokens.get
         states = self.runner.requests
+        keys = self.keys.get
         spans, start = [], 0
         for request_id in self.runner.input_batch.req_ids:
-            count = counts.get(request_id)
+            count = counts(request_id)
             if count is None:
                 continue
-            spans.append(Span(self.keys.get(request_id), start, count, states[request_id].num_computed_tokens))
+            spans.append(Span(keys(request_id), start, count, states[request_id].num_computed_tokens))
             start += count
         self.sampled = [span.key for span in spans]
         self.applier.step(spans)

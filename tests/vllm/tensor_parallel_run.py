@@ -32,7 +32,7 @@ def value(model, name: str):
 
 def main(path: str, tensor_parallel_size: int, prompt: str, dtype: str = "float32") -> None:
     model = streamscope.load(path, engine="vllm", dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                             **({"gpu_memory_utilization": 0.2} if torch.cuda.is_available() else {}))
+                             **({"gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": 1 << 30} if torch.cuda.is_available() else {}))
     names = list(ROOT)
     for block in range(model.num_layers):
         names += [f"{block}.{row}" for row, reason in model.layers[block].support().rows.items() if reason is None]
