@@ -117,6 +117,27 @@ def timed(function, rounds: int) -> float:
     return statistics.median(times)
 
 
+def timed_together(functions: dict, rounds: int) -> dict:
+    """Median wall times of several functions measured in turn, round by round (one warm-up each first), so that
+    a drift of the machine over the run (clocks, memory) falls on all of them alike."""
+    import torch
+
+    for function in functions.values():
+        function()
+    times: dict = {name: [] for name in functions}
+    for _ in range(rounds):
+        for name, function in functions.items():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            function()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+            gc.collect()
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def host_time(run) -> tuple[int, dict[str, float]]:
     """Engine steps of one `run` of a bulk generation, and the host seconds spent in streamscope's per-step work.
 
@@ -295,13 +316,15 @@ def main() -> None:
         vector = torch.randn(model.hidden_size)
         steer = streamscope.Steer("layer_output", settings["steer_block"], vector, positions="all")
         generated = len(prompts) * count
-        bare = timed(bare_w2(llm, prompts, count), args.rounds)
-        steered = timed(lambda: model.generate(prompts, max_tokens=count, steer=[steer], temperature=1.0, seed=0,
-                                               ignore_eos=True, progress=False), args.rounds)
+        measured = timed_together({
+            "bare": bare_w2(llm, prompts, count),
+            "steered": lambda: model.generate(prompts, max_tokens=count, steer=[steer], temperature=1.0, seed=0,
+                                              ignore_eos=True, progress=False),
+            "marked": bare_w2(llm, prompts, count, marked=True)}, args.rounds)
+        bare, steered, marked = measured["bare"], measured["steered"], measured["marked"]
         rows += [("W2", "vLLM bare generation", bare, f"{generated / bare:,.0f} tok/s"),
                  ("W2", "steered generation", steered,
                   f"{steered / bare:.3f}x bare (bound 1.15), {generated / steered:,.0f} tok/s")]
-        marked = timed(bare_w2(llm, prompts, count, marked=True), args.rounds)
         rows.append(("W2", "  bare, a SamplingParams per request (as sent)", marked, f"{marked / bare:.3f}x bare"))
         steps, host = host_time(lambda: model.generate(prompts, max_tokens=count, steer=[steer], temperature=1.0,
                                                        seed=0, ignore_eos=True, progress=False))

@@ -145,6 +145,8 @@ def main() -> None:
     parser.add_argument("--families", default="", help="comma-separated; default every family")
     parser.add_argument("--parts", default="families,shared,alone,tp",
                         help="which parts to run: families (per-family files), shared, alone, tp")
+    parser.add_argument("--shared", default="", help="comma-separated file stems of the shared part (default all)")
+    parser.add_argument("--tp-dtypes", default="", help="dtypes of the tensor-parallel part (default --dtypes)")
     parser.add_argument("--device", default="cuda", help="cpu: try the script itself here")
     parser.add_argument("--seconds", type=float, default=540, help="when to stop starting and cut running jobs")
     args = parser.parse_args()
@@ -167,7 +169,8 @@ def main() -> None:
                  for family in ordered for dtype in dtypes]
     if "shared" in parts:
         jobs[:0] = [Job(f"{dtype}-{Path(file).stem}", dtype, [file], log=logs / f"{dtype}-{Path(file).stem}.log")
-                    for file in SHARED for dtype in dtypes]
+                    for file in SHARED for dtype in dtypes
+                    if not args.shared or Path(file).stem.removeprefix("test_") in args.shared.split(",")]
     for job in jobs:
         job.device = args.device
     run_pool(jobs, [gpu for gpu in gpus for _ in range(args.slots)], deadline)
@@ -179,7 +182,7 @@ def main() -> None:
     if "tp" in parts and len(gpus) >= 2:
         tp = [Job(f"{dtype}-tensor_parallel", dtype, [TENSOR_PARALLEL], families="llama,gpt2,mixtral",
                   gpus=",".join(gpus[:2]), multiprocessing=True, log=logs / f"{dtype}-tensor_parallel.log")
-              for dtype in reversed(dtypes)]  # bfloat16 first: the bound is stated in it
+              for dtype in sorted(args.tp_dtypes.split(",") if args.tp_dtypes else dtypes)]  # bfloat16 first
         run_pool(tp, ["tp"], deadline)
         jobs += tp
 

@@ -78,11 +78,9 @@ def selected(cases: dict) -> dict:
 
 
 def engine_dtype(case_dtype: Optional[str] = None) -> str:
-    """The dtype a family's engine runs in: the suite's, except on CPU where a family's kernels need another
-    (Qwen3-Next: bfloat16)."""
-    if not ON_GPU and case_dtype:
-        return case_dtype
-    return DTYPE
+    """The dtype a family's engine runs in: the suite's, except where a family's kernels need another
+    (Qwen3-Next's gated delta net: bfloat16 only, in vLLM's CPU and GPU kernels alike)."""
+    return case_dtype or DTYPE
 
 
 def engine_kwargs(case_dtype: Optional[str] = None) -> dict:
@@ -136,6 +134,8 @@ def every_expert(family: str) -> dict:
     about streamscope. Used in bfloat16 runs (and for Qwen3-Next, bfloat16 on CPU)."""
     from streamscope.testing import FAMILY_CONFIGS
 
+    if family == "llama4_text":  # vLLM's Llama 4 MoE routes top-1 only: one expert then takes every token
+        return {"num_local_experts": 1}
     config = FAMILY_CONFIGS[family]
     return {"num_experts_per_tok": config.get("num_local_experts", config.get("num_experts"))}
 

@@ -126,6 +126,13 @@ class StandardizedVLLM(Standardized, VLLM):
         else:
             from .bulk_worker import GPU_WORKER_CLS
 
+            # vLLM forks its engine and worker processes unless it sees CUDA initialized. But a plain
+            # torch.cuda query before that (torch.cuda.is_available(), made by imports on this path and by
+            # user code) already marks forked children unable to use CUDA, and the engine dies starting
+            # ("Cannot re-initialize CUDA in forked subprocess"). Spawned processes always start; a script
+            # then builds its engine under `if __name__ == "__main__":`, as vLLM asks.
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
             # nnsight's GPU worker with the bulk path's RPC methods (nnsight passes worker_cls=self._WORKER_CLS).
             object.__setattr__(self, "_WORKER_CLS", GPU_WORKER_CLS)
         settings.setdefault("rename", self.family.RENAME)

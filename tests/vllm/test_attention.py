@@ -51,7 +51,7 @@ CASES["qwen3_next"] = Case("qwen3_next", precision.every_expert("qwen3_next"), d
                            mix=None)
 if precision.measured():  # GPU runs (TF32 rounding can flip a routing choice too) and bfloat16: pin routing
     for _family in precision.MOE_FAMILIES:
-        CASES[_family] = Case(_family, precision.every_expert(_family), dtype="bfloat16", tolerance=None, mix=None)
+        CASES[_family] = Case(_family, precision.every_expert(_family), dtype=CASES[_family].dtype, tolerance=None, mix=None)
 
 
 

@@ -59,7 +59,7 @@ CASES = {family: Case(family) for family in VLLM_FAMILIES}
 CASES["qwen3_next"] = Case("qwen3_next", precision.every_expert("qwen3_next"), dtype="bfloat16", tolerance=None)
 if precision.measured():  # GPU runs (TF32 rounding can flip a routing choice too) and bfloat16: pin routing
     for _family in precision.MOE_FAMILIES:
-        CASES[_family] = Case(_family, precision.every_expert(_family), dtype="bfloat16", tolerance=None)
+        CASES[_family] = Case(_family, precision.every_expert(_family), dtype=CASES[_family].dtype, tolerance=None)
 
 
 class Engines:
@@ -282,7 +282,7 @@ def test_a_mixture_of_experts_says_why_vllm_serves_no_routing_values(engines):
     says so, with "vLLM" in its reason; a dense block's MLP has no router, as on transformers."""
     support = engines.model.support()
     moe = [block for block in range(engines.model.num_layers)
-           if hasattr(engines.model.layers[block].mlp._module, "experts")]
+           if engines.model.layers[block].__dict__.get("mlp") is not None and hasattr(engines.model.layers[block].mlp._module, "experts")]
     if not moe:
         pytest.skip("no mixture of experts")
     for block in range(engines.model.num_layers):

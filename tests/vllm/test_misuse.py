@@ -12,6 +12,7 @@ import textwrap
 import pytest
 import torch
 
+import precision
 import streamscope
 from access import relative_error
 from misuse import *  # noqa: F401,F403  (the shared tests, collected here against this engine)
@@ -36,7 +37,7 @@ BATCHED = 1e-6
 
 @pytest.fixture(scope="module")
 def runner(checkpoints):
-    model = streamscope.load(checkpoints("llama"), engine="vllm")
+    model = streamscope.load(checkpoints("llama"), engine="vllm", **precision.engine_kwargs())
     yield Runner("vllm", model)
     model.close()
 
@@ -49,7 +50,8 @@ def baseline(runner):
 def intervene(model, kind: str, vector: torch.Tensor) -> torch.Tensor:
     """One invoke's work: its intervention on block 1, then block 2's last layer_mid and the logits, as one row."""
     if kind == "edit":
-        model.layers[1].layer_output[:, -1] += vector
+        stream = model.layers[1].layer_output
+        stream[:, -1] += vector.to(device=stream.device, dtype=stream.dtype)
     elif kind == "skip":
         model.layers[1].skip(model.layers[1].layer_input)
     elif kind == "bad":
@@ -127,7 +129,7 @@ SCRIPT = textwrap.dedent('''
 
 
     if __name__ == "__main__":
-        model = streamscope.load(sys.argv[1], engine="vllm")
+        model = streamscope.load(sys.argv[1], engine="vllm", **json.loads(sys.argv[3]))
         print("RESULT " + json.dumps(kinds(model, sys.argv[2])))
         model.close()
 ''')
@@ -138,7 +140,8 @@ def test_errors_keep_their_type_with_the_engine_in_its_own_processes(tmp_path, c
     script = tmp_path / "errors.py"
     script.write_text(SCRIPT)
     environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    run = subprocess.run([sys.executable, str(script), str(checkpoints("llama")), PROMPTS[1]], env=environment,
+    run = subprocess.run([sys.executable, str(script), str(checkpoints("llama")), PROMPTS[1],
+                          json.dumps(precision.engine_kwargs())], env=environment,
                          capture_output=True, text=True, timeout=900)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stderr[-3000:]

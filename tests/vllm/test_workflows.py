@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import oracle
+import precision
 from access import relative_error
 import streamscope
 from streamscope.vllm.model import beside_engine
@@ -28,13 +29,14 @@ TOLERANCE = {"llama": 1e-5, "gptj": 1e-5, "olmo2": 1e-5, "gemma2": 5e-4}
 class Engine:
     def __init__(self, family: str, path):
         self.name = family
-        self.model = streamscope.load(path, engine="vllm")
+        self.model = streamscope.load(path, engine="vllm", **precision.engine_kwargs())
         with beside_engine():
             self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.ids = [self.tokenizer(prompt, return_tensors="pt").input_ids for prompt in PROMPTS]
         self.expected = [oracle.values(self.reference, family, ids) for ids in self.ids]
-        self.tolerance = TOLERANCE[family]
+        # On a GPU: what a batched request keeps from its solo run there (tests/precision.py).
+        self.tolerance = precision.GPU_ENGINE_TOLERANCE[precision.DTYPE] if precision.ON_GPU else TOLERANCE[family]
 
 
 @pytest.fixture(scope="module", params=list(TOLERANCE))

