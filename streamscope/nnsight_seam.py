@@ -75,24 +75,29 @@ def check_version(installed: Optional[str] = None) -> None:
 
 check_version()
 
-# Imported after the check: on another release these paths may not exist at all.
+# Imported after the check: on another release these paths may not exist at all. Re-exported as they are:
+# * eproperty: the descriptor nnsight's envoys serve ``.output``/``.input`` with; every streamscope value
+#   subclasses it, so a read waits for the model like nnsight's own and books a write-back.
+# * Worker (nnsight's Mediator): the worker that runs one invoke's code of a trace, on a greenlet beside the
+#   model; used in annotations, and its instance ``__dict__`` keeps streamscope's notes per invoke.
+# * OutOfOrderError: what nnsight raises for a value asked for after the model passed it; streamscope raises it
+#   too (an edit made after the trace moved on), so one except clause catches both.
+# * WithBlockNotFoundError: what a tracer's ``capture()`` raises when it was not called as a ``with``
+#   statement; ``generate`` then runs plainly instead of tracing.
 from nnsight.intervention import interleaver as _interleaver  # noqa: E402
 from nnsight.intervention.eproperty import eproperty  # noqa: E402
-from nnsight.intervention.interleaver import Mediator, OutOfOrderError  # noqa: E402
+from nnsight.intervention.interleaver import Mediator as Worker  # noqa: E402
+from nnsight.intervention.interleaver import OutOfOrderError  # noqa: E402
 from nnsight.intervention.source import (SourceNotAvailable, compiled, decorator_chain,  # noqa: E402
                                          install_source, module_body)
 from nnsight.tracing.tracer import WithBlockNotFoundError, _saves  # noqa: E402
 
-#: The worker that runs one invoke's code of a trace, on a greenlet beside the model (annotation only).
-Worker = Mediator
-
 __all__ = [
-    "SUPPORTED", "check_version", "Worker", "eproperty", "OutOfOrderError", "WithBlockNotFoundError",
-    "set_callbacks", "location", "call_location", "running_worker", "worker_at", "step_of", "read_at", "skip_at", "is_saved",
-    "PendingWriteBack", "pending_write_back", "held_view", "redirect_write_back",
-    "filter_write_backs", "rename_out_of_order", "around_worker_run",
-    "kernel_call_names", "ensure_source", "unwrapped_generate", "interleaving", "take_request_error",
-    "set_client_worker", "collect_requests",
+    "SUPPORTED", "ALLOW_ENV", "check_version", "eproperty", "Worker", "OutOfOrderError", "WithBlockNotFoundError",
+    "set_callbacks", "location", "call_location", "running_worker", "worker_at", "step_of", "read_at", "skip_at",
+    "is_saved", "PendingWriteBack", "pending_write_back", "held_view", "redirect_write_back",
+    "filter_write_backs", "rename_out_of_order", "around_worker_run", "kernel_call_names", "ensure_source",
+    "unwrapped_generate", "interleaving", "take_request_error", "collect_requests", "set_client_worker",
     "NNsightGPUWorker", "NNsightGPUModelRunner", "ParallelEnvoy", "parallel_envoys", "VLLMClient",
 ]
 
@@ -142,7 +147,7 @@ def call_location(path: str, call: str, where: str) -> str:
 
 def worker_at(location: str) -> Worker:
     """The running worker (nnsight's ``Mediator.current``); ValueError naming `location` outside a trace."""
-    return Mediator.current(location)
+    return Worker.current(location)
 
 
 def step_of(worker: Worker, location: str) -> int:
@@ -156,12 +161,12 @@ def read_at(location: str) -> Any:
     nnsight's ``Mediator.value``: used where a value is read raw, to write it
     (an assignment), or to wait for a block's input before skipping it.
     """
-    return Mediator.value(location)
+    return Worker.value(location)
 
 
 def skip_at(location: str, value: Any) -> None:
     """Skip the module call gated at `location` (``path.skip``), returning `value` in its stead (``Mediator.skip``)."""
-    Mediator.skip(location, value)
+    Worker.skip(location, value)
 
 
 def is_saved(value: Any) -> bool:
@@ -226,7 +231,7 @@ def filter_write_backs(served: type, send: Callable[[PendingWriteBack], bool],
     ``send(pending)`` decides; one it declines is dropped. ``after(worker,
     pending)`` then runs either way. Other write-backs flush as nnsight does.
     """
-    flush = Mediator.flush
+    flush = Worker.flush
     if getattr(flush, "streamscope_filter", False):
         return
 
@@ -242,7 +247,7 @@ def filter_write_backs(served: type, send: Callable[[PendingWriteBack], bool],
         after(worker, pending)
 
     filtered_flush.streamscope_filter = True
-    Mediator.flush = filtered_flush
+    Worker.flush = filtered_flush
 
 
 def rename_out_of_order(message: Callable[[Worker, str], Optional[str]]) -> None:
@@ -278,7 +283,7 @@ def around_worker_run(after: Callable[[Worker], None],
     RuntimeError the code raised (it may reword ``error.args``) before it
     propagates.
     """
-    run = Mediator._run
+    run = Worker._run
     if getattr(run, "streamscope_checks", False):
         return
 
@@ -291,7 +296,7 @@ def around_worker_run(after: Callable[[Worker], None],
             raise
 
     checked_run.streamscope_checks = True
-    Mediator._run = checked_run
+    Worker._run = checked_run
 
 
 # Source instrumentation: a call inside a module's forward as a location.

@@ -204,7 +204,7 @@ class StreamValue(eproperty):
             location = cache[self.name] = seam.location(self.located(host).path, self.site(host)[1])
         return location
 
-    def __get__(self, host: Host, owner: Any = None) -> Any:
+    def __get__(self, host: Optional[Host], owner: Any = None) -> Any:
         if host is None:
             return self
         # The location is resolved before anything waits on the model, so an
@@ -373,6 +373,8 @@ class ReadOnly:
     what to edit instead. A write is not shape-checked first (`checked`
     passes it on), so the refusal is the reason that matters.
     """
+
+    name: str  # the value's attribute name, set on the `StreamValue` it is mixed into
 
     #: Why a write is refused, and what to edit instead; formatted with the value's full name (``name``).
     READ_ONLY: str = ("{name} is computed for the read and held by nothing in the model, so it cannot be written; "
