@@ -582,9 +582,9 @@ def worker_norm_parameters(model: Any) -> tuple:
 
 
 def _head_weight(module: torch.nn.Module) -> torch.Tensor:
-    from .vllm.model import _unembedding
+    from .vllm.logits import unembedding
 
-    return _unembedding(module).weight
+    return unembedding(module).weight
 
 
 def unembedding_rows(model: Any, ids: torch.Tensor) -> torch.Tensor:

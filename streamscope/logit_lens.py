@@ -39,7 +39,7 @@ def unembed(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     if isinstance(normed, tuple):
         normed = normed[0]
     if getattr(type(model), "ENGINE", None) == "vllm":
-        from .vllm.model import engine_logits
+        from .vllm.logits import engine_logits
 
         logits = engine_logits(model._module, normed)
     else:

@@ -32,17 +32,13 @@ from __future__ import annotations
 import re
 import warnings
 import weakref
-from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
-from greenlet import getcurrent
-from nnsight.intervention import interleaver
-from nnsight.intervention.eproperty import eproperty
-from nnsight.intervention.interleaver import Mediator, OutOfOrderError
-from nnsight.tracing.tracer import _saves
 
+from . import nnsight_seam as seam
 from .errors import Unavailable, missing_module
+from .nnsight_seam import OutOfOrderError, PendingWriteBack, Worker, eproperty
 
 Residual = torch.Tensor
 """A tensor of the residual stream's width, ``[batch, seq, hidden_size]``."""
@@ -53,6 +49,36 @@ INPUT, OUTPUT = "input", "output"
 #: Whether a write is checked for NaN or inf it brings into finite values (a warning names the value).
 #: The check reads one number back from the device per write; set False where that sync matters.
 WARN_NON_FINITE = True
+
+
+class Host(Protocol):
+    """What a value needs of the envoy it lives on (`streamscope.blocks.envoy.StreamEnvoy` is the one there is).
+
+    A value is a descriptor on the host's class; every read and write passes
+    the host in. The host names itself for messages, says what it cannot
+    serve and where a value sits elsewhere than its kind declares, and
+    converts between the engine's layout and the user's. Its ``__dict__``
+    keeps the value's resolved location, and ``parent`` leads to the
+    sibling modules a value may name (``..mlp``).
+    """
+
+    path: str
+    parent: Any
+
+    def where(self) -> str:
+        """The user's name of this envoy in messages: ``model.layers[3].self_attn``."""
+
+    def reason(self, name: str) -> Optional[str]:
+        """Why this envoy cannot serve the value `name`, or None where it can."""
+
+    def relocated(self) -> dict:
+        """Values served from another ``(module, where[, (index, name)])`` than their kind declares."""
+
+    def to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """The model's tensor for `name` in the user's layout, as a view."""
+
+    def to_engine(self, value: torch.Tensor, live: torch.Tensor, name: str) -> torch.Tensor:
+        """`value` (the user's layout) in the layout of the model's tensor `live`."""
 
 
 def argument(inputs: tuple, index: int, name: str) -> Any:
@@ -87,7 +113,7 @@ def first_tensor(value: Any) -> torch.Tensor:
     raise TypeError(f"no tensor to serve in a {type(value).__name__}")
 
 
-def resolve(envoy: Any, module: str) -> Any:
+def resolve(envoy: Host, module: str) -> Any:
     """The envoy `module` names from `envoy`: dotted (aliased) names; a leading ``..`` starts at the parent."""
     target = envoy
     path = module.lstrip(".")
@@ -126,7 +152,7 @@ class StreamValue(eproperty):
         where: str,
         *,
         shape: str = "[batch, seq, hidden_size]",
-        factor: Optional[Callable[[Any], float]] = None,
+        factor: Optional[Callable[[Host], float]] = None,
         argument: tuple[int, str] | str | None = None,
         description: Optional[str] = None,
     ) -> None:
@@ -136,9 +162,7 @@ class StreamValue(eproperty):
         self.shape = shape
         self.factor = factor
         self.argument = argument
-        self._preprocess = self._read
-        self._transform = self._write_back
-        self._postprocess = self._assign
+        seam.set_callbacks(self, self._read, self._write_back, self._assign)
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -150,7 +174,7 @@ class StreamValue(eproperty):
             self.description = function.__doc__.strip().splitlines()[0]
         return self
 
-    def site(self, host: Any) -> tuple[Optional[str], str, Any]:
+    def site(self, host: Host) -> tuple[Optional[str], str, Any]:
         """(module, where, argument) of this value on `host`: the declared ones unless the host relocates it.
 
         A relocation is ``(module, where)`` or ``(module, "input", (index, name))``
@@ -162,7 +186,7 @@ class StreamValue(eproperty):
             return self.module, self.where, self.argument
         return relocated[0], relocated[1], relocated[2] if len(relocated) > 2 else None
 
-    def located(self, host: Any) -> Any:
+    def located(self, host: Host) -> Any:
         """The envoy whose call holds this value on `host`, or raise Unavailable."""
         reason = host.reason(self.name)
         if reason is not None:
@@ -170,17 +194,17 @@ class StreamValue(eproperty):
         module = self.site(host)[0]
         return resolve(host, module) if module else host
 
-    def _location(self, host: Any) -> str:
+    def _location(self, host: Host) -> str:
         # Resolved once per envoy: aliases, relocations and reasons do not change while it lives.
         cache = host.__dict__.get("_streamscope_locations")
         if cache is None:
             cache = host.__dict__["_streamscope_locations"] = {}
         location = cache.get(self.name)
         if location is None:
-            location = cache[self.name] = f"{self.located(host).path}.{self.site(host)[1]}"
+            location = cache[self.name] = seam.location(self.located(host).path, self.site(host)[1])
         return location
 
-    def __get__(self, host: Any, owner: Any = None) -> Any:
+    def __get__(self, host: Optional[Host], owner: Any = None) -> Any:
         if host is None:
             return self
         # The location is resolved before anything waits on the model, so an
@@ -189,17 +213,17 @@ class StreamValue(eproperty):
         mediator = in_trace(f"{host.where()}.{self.name}", "read")
         name = f"{host.where()}.{self.name}"
         held = self.held(host)
-        if held is not None and id(held) in _saves():
+        if held is not None and seam.is_saved(held):
             # A saved read keeps what was read: a second read of the value (to
             # edit it in place) gets a copy of its own, which is what goes back.
-            self.rebind(host, mediator, _copy(held, edited=_edited(held)))
+            self.rebind(host, mediator, _copy(held, edited=is_edited(held)))
             _retire(mediator, held, name)
         mediator.streamscope_wanted = (location, name)
         value = super().__get__(host, owner)
         mediator.streamscope_read = name
         return value
 
-    def live(self, host: Any, raw: Any) -> torch.Tensor:
+    def live(self, host: Host, raw: Any) -> torch.Tensor:
         """The model's own tensor for this value, in what the location served."""
         _, where, position = self.site(host)
         if where == INPUT and position is not None:
@@ -209,7 +233,7 @@ class StreamValue(eproperty):
 
     # The three callbacks of the eproperty, in the order a read and an edit use them.
 
-    def _read(self, host: Any, raw: Any) -> torch.Tensor:
+    def _read(self, host: Host, raw: Any) -> torch.Tensor:
         view = host.to_user(self.live(host, raw), self.name)
         if view.is_inference():
             # vLLM runs in inference mode: copy outside it, so the copy keeps a version counter.
@@ -217,19 +241,19 @@ class StreamValue(eproperty):
                 return self._private(host, view)
         return self._private(host, view)
 
-    def _private(self, host: Any, view: torch.Tensor) -> torch.Tensor:
+    def _private(self, host: Host, view: torch.Tensor) -> torch.Tensor:
         if self.factor is not None:
             return view * self.factor(host)  # a new tensor: already private
         return view.clone()
 
-    def _write_back(self, host: Any, view: torch.Tensor, raw: Any) -> Any:
+    def _write_back(self, host: Host, view: torch.Tensor, raw: Any) -> Any:
         # A fresh copy starts at version 0 and every in-place op bumps it: an
         # unedited read writes nothing, so it cannot change the model's result.
-        if _edited(view):
+        if is_edited(view):
             self.write(host, raw, self.checked(host, raw, view))
         return raw
 
-    def __set__(self, host: Any, value: Any) -> None:
+    def __set__(self, host: Host, value: Any) -> None:
         self._location(host)
         mediator = in_trace(f"{host.where()}.{self.name}", "written")
         held = self.held(host)
@@ -248,43 +272,37 @@ class StreamValue(eproperty):
         _retire(mediator, held, f"{host.where()}.{self.name}")
         self.rebind(host, mediator, _copy(value.to(held.dtype), edited=True))
 
-    def rebind(self, host: Any, mediator: Mediator, view: torch.Tensor) -> None:
+    def rebind(self, host: Host, mediator: Worker, view: torch.Tensor) -> None:
         """Make `view` the copy this value's pending write-back sends to the model (and later reads answer with)."""
-        waiting = mediator.transform
-        raw = waiting.fn.args[2]
-        mediator.transform = waiting._replace(view=view, fn=partial(self._transform, host, view, raw))
+        seam.redirect_write_back(mediator, self, host, view)
 
-    def held(self, host: Any) -> Optional[torch.Tensor]:
+    def held(self, host: Host) -> Optional[torch.Tensor]:
         """This value's copy that a read on `host` handed out and nnsight has not written back yet."""
         location = self._location(host)
-        mediator = Mediator.current(location)
-        waiting = mediator.transform
-        if waiting is not None and waiting.key == (self, location, mediator.wanted(location)):
-            return waiting.view
-        return None
+        return seam.held_view(seam.worker_at(location), self, location)
 
-    def _assign(self, host: Any, value: Any) -> Any:
-        raw = Mediator.value(self._location(host))
+    def _assign(self, host: Host, value: Any) -> Any:
+        raw = seam.read_at(self._location(host))
         self.write(host, raw, self.checked(host, raw, value))
         return raw
 
-    def expected_shape(self, host: Any, raw: Any) -> tuple[int, ...]:
+    def expected_shape(self, host: Host, raw: Any) -> tuple[int, ...]:
         return tuple(host.to_user(self.live(host, raw), self.name).shape)
 
-    def checked(self, host: Any, raw: Any, value: Any) -> torch.Tensor:
+    def checked(self, host: Host, raw: Any, value: Any) -> torch.Tensor:
         """`value` if it can be written here, else a clear refusal naming the value, both shapes and the block."""
         live = host.to_user(self.live(host, raw), self.name)
         self.validate(host, tuple(live.shape), value, live)
         return value
 
-    def validate(self, host: Any, expected: tuple[int, ...], value: Any, current: Optional[torch.Tensor]) -> None:
+    def validate(self, host: Host, expected: tuple[int, ...], value: Any, current: Optional[torch.Tensor]) -> None:
         """Refuse what cannot be written here; warn where `value` brings NaN or inf into finite numbers."""
         check_write(f"{host.where()}.{self.name}", self.shape, expected, value, current)
 
-    def refuse(self, host: Any, expected: tuple[int, ...], value: Any) -> None:
+    def refuse(self, host: Host, expected: tuple[int, ...], value: Any) -> None:
         refuse_write(f"{host.where()}.{self.name}", self.shape, expected, value)
 
-    def write(self, host: Any, raw: Any, value: torch.Tensor) -> None:
+    def write(self, host: Host, raw: Any, value: torch.Tensor) -> None:
         """Copy `value` (the user's layout) into the model's tensor, in place."""
         live = self.live(host, raw)
         if self.factor is not None:
@@ -347,18 +365,40 @@ def check_write(name: str, shape: str, expected: tuple[int, ...], value: Any,
             )
 
 
-class ComputedValue(StreamValue):
+class ReadOnly:
+    """Mixed in before a `StreamValue` kind whose reads nothing in the model holds: every write is refused.
+
+    An assignment and an in-place edit of a read both end in `write`, which
+    raises ValueError with `refusal`: why the value cannot be written and
+    what to edit instead. A write is not shape-checked first (`checked`
+    passes it on), so the refusal is the reason that matters.
+    """
+
+    name: str  # the value's attribute name, set on the `StreamValue` it is mixed into
+
+    #: Why a write is refused, and what to edit instead; formatted with the value's full name (``name``).
+    READ_ONLY: str = ("{name} is computed for the read and held by nothing in the model, so it cannot be written; "
+                      "edit the value it is computed from instead.")
+
+    def refusal(self, host: Host) -> str:
+        """The message refusing a write of this value on `host`."""
+        return self.READ_ONLY.format(name=f"{host.where()}.{self.name}")
+
+    def write(self, host: Host, raw: Any, value: torch.Tensor) -> None:
+        raise ValueError(self.refusal(host))
+
+    def checked(self, host: Host, raw: Any, value: Any) -> torch.Tensor:
+        return value
+
+
+class ComputedValue(ReadOnly, StreamValue):
     """A read-only value computed for the read from the tensor at one location (recomputed scores, all-position logits).
 
     Decorate a function ``(host, tensor) -> value``; the tensor is the
     location's in the user's layout. Nothing of the model holds the result,
     so it cannot be written: an assignment or an in-place edit is refused
-    with the reason.
+    with the reason (`ReadOnly.READ_ONLY`, or the ``read_only=`` given).
     """
-
-    #: Why a write is refused, and what to edit instead; formatted with the value's full name.
-    READ_ONLY = ("{name} is computed for the read and held by nothing in the model, so it cannot be written; "
-                 "edit the value it is computed from instead.")
 
     def __init__(self, *args: Any, read_only: Optional[str] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -369,27 +409,21 @@ class ComputedValue(StreamValue):
         self.compute = function
         return super().__call__(function)
 
-    def _read(self, host: Any, raw: Any) -> torch.Tensor:
+    def _read(self, host: Host, raw: Any) -> torch.Tensor:
         tensor = host.to_user(self.live(host, raw), self.name)
         with torch.inference_mode(False):
             return self.compute(host, tensor)
 
-    def write(self, host: Any, raw: Any, value: torch.Tensor) -> None:
-        raise ValueError(self.READ_ONLY.format(name=f"{host.where()}.{self.name}"))
 
-    def checked(self, host: Any, raw: Any, value: Any) -> torch.Tensor:
-        return value
-
-
-def in_trace(name: str, done: str) -> Mediator:
+def in_trace(name: str, done: str) -> Worker:
     """The running trace's worker, or a clear error: `name` can only be `done` (read, written) inside a trace."""
-    mediator = getattr(getcurrent(), "mediator", None)
+    mediator = seam.running_worker()
     if mediator is None:
         raise ValueError(
             f"{name} can only be {done} inside a trace, while the model runs: "
             f"`with model.trace(prompt): value = {name}.save()`, then use `value` after the block."
         )
-    return mediator()
+    return mediator
 
 
 def _copy(tensor: torch.Tensor, *, edited: bool) -> torch.Tensor:
@@ -402,7 +436,7 @@ def _copy(tensor: torch.Tensor, *, edited: bool) -> torch.Tensor:
         return copy
 
 
-def _retire(mediator: Mediator, view: torch.Tensor, name: str) -> None:
+def _retire(mediator: Worker, view: torch.Tensor, name: str) -> None:
     """Remember a read whose write-back is gone, so an in-place edit of it later is not dropped without a word."""
     retired = mediator.__dict__.setdefault("streamscope_retired", [])
     try:
@@ -413,7 +447,7 @@ def _retire(mediator: Mediator, view: torch.Tensor, name: str) -> None:
     retired.append((weakref.ref(view), version, name, wanted[1] if wanted else None))
 
 
-def _check_retired(mediator: Mediator) -> None:
+def _check_retired(mediator: Worker) -> None:
     """Raise where a read was edited in place after its write-back had gone to the model."""
     retired = mediator.__dict__.get("streamscope_retired")
     if not retired:
@@ -449,25 +483,14 @@ def _skip_unedited_write_backs() -> None:
     not reach the model, so when the block ends such an edit raises instead of
     vanishing (checked once, at the end, so a block of many reads stays linear).
     """
-    flush = Mediator.flush
-    if getattr(flush, "skips_unedited", False):
-        return
+    def retire(mediator: Worker, pending: PendingWriteBack) -> None:
+        _retire(mediator, pending.view, f"{pending.host.where()}.{pending.value.name}")
 
-    def flush_edited(mediator: Mediator) -> None:
-        waiting = mediator.transform
-        if waiting is None or not isinstance(waiting.eproperty, StreamValue):
-            return flush(mediator)
-        if _edited(waiting.view):
-            flush(mediator)
-        else:
-            mediator.transform = None
-        _retire(mediator, waiting.view, f"{waiting.fn.args[0].where()}.{waiting.eproperty.name}")
-
-    flush_edited.skips_unedited = True
-    Mediator.flush = flush_edited
+    seam.filter_write_backs(StreamValue, lambda pending: is_edited(pending.view), retire)
 
 
-def _edited(view: torch.Tensor) -> bool:
+def is_edited(view: torch.Tensor) -> bool:
+    """Whether a served copy was edited since it was handed out: its version counter moved (an in-place op)."""
     try:
         return view._version != 0
     except RuntimeError:  # an inference tensor keeps no version: assume edited
@@ -482,21 +505,13 @@ def _explain_out_of_order() -> None:
     already ran past it``). Each streamscope read records the value it asks for
     and the last one it was served, so the error can say it in the user's names.
     """
-    unwind = interleaver.dangling_unwind
-    if getattr(unwind, "names_values", False):
-        return
-
-    def named_unwind(mediator: Mediator) -> tuple[BaseException, Optional[str]]:
-        error, expected = unwind(mediator)
+    def message(mediator: Worker, location: str) -> Optional[str]:
         wanted = mediator.__dict__.get("streamscope_wanted")
-        pending = mediator.pending
-        if (not isinstance(error, OutOfOrderError) or expected is not None or wanted is None
-                or pending is None or pending.provider != wanted[0]):
-            return error, expected
-        return OutOfOrderError(out_of_order(wanted[1], mediator.__dict__.get("streamscope_read"))), None
+        if wanted is None or location != wanted[0]:
+            return None
+        return out_of_order(wanted[1], mediator.__dict__.get("streamscope_read"))
 
-    named_unwind.names_values = True
-    interleaver.dangling_unwind = named_unwind
+    seam.rename_out_of_order(message)
 
 
 def out_of_order(wanted: str, last: Optional[str]) -> str:
@@ -524,32 +539,22 @@ def _explain_edit_errors() -> None:
     is the worker's pending write-back, so the message can say which value it
     was, its shape, and how to edit it.
     """
-    run = Mediator._run
-    if getattr(run, "explains_edits", False):
-        return
+    def explain(mediator: Worker, error: RuntimeError) -> None:
+        waiting = seam.pending_write_back(mediator)
+        message = str(error)
+        sizes = re.search(r"size of tensor a \((\d+)\)|expanded size of the tensor \((\d+)\)", message)
+        if (waiting is not None and isinstance(waiting.value, StreamValue) and sizes is not None
+                and len(error.args) == 1 and int(sizes.group(1) or sizes.group(2)) in waiting.view.shape):
+            value = waiting.value
+            name = f"{waiting.host.where()}.{value.name}"
+            error.args = (
+                f"{name} is {tuple(waiting.view.shape)} {value.shape} on this run, and the tensor used "
+                f"to edit it in place does not fit: {message.strip()}. Use a tensor that broadcasts to "
+                f"the part edited: a vector of the last dimension's width at one position is "
+                f"`...{value.name}[:, -1] += vector`.",
+            )
 
-    def explained_run(mediator: Mediator) -> None:
-        try:
-            run(mediator)
-            _check_retired(mediator)
-        except RuntimeError as error:
-            waiting = mediator.transform
-            message = str(error)
-            sizes = re.search(r"size of tensor a \((\d+)\)|expanded size of the tensor \((\d+)\)", message)
-            if (waiting is not None and isinstance(waiting.eproperty, StreamValue) and sizes is not None
-                    and len(error.args) == 1 and int(sizes.group(1) or sizes.group(2)) in waiting.view.shape):
-                value = waiting.eproperty
-                name = f"{waiting.fn.args[0].where()}.{value.name}"
-                error.args = (
-                    f"{name} is {tuple(waiting.view.shape)} {value.shape} on this run, and the tensor used "
-                    f"to edit it in place does not fit: {message.strip()}. Use a tensor that broadcasts to "
-                    f"the part edited: a vector of the last dimension's width at one position is "
-                    f"`...{value.name}[:, -1] += vector`.",
-                )
-            raise
-
-    explained_run.explains_edits = True
-    Mediator._run = explained_run
+    seam.around_worker_run(_check_retired, explain)
 
 
 _skip_unedited_write_backs()

@@ -6,7 +6,7 @@ import difflib
 from typing import Any, ClassVar, Optional
 
 import torch
-from nnsight.intervention.envoy import Envoy
+from nnsight import Envoy
 
 from ..values import StreamValue
 
@@ -21,6 +21,8 @@ class StreamEnvoy(Envoy):
 
     #: Values this kind never serves, with the reason.
     UNSERVED: ClassVar[dict[str, str]] = {}
+    #: Whether this kind is a decoder block (`blocks.layer.Layer`): a sublayer names itself from its block.
+    IS_BLOCK: ClassVar[bool] = False
 
     def reason(self, name: str) -> Optional[str]:
         """Why this envoy cannot serve `name`, or None where it can."""

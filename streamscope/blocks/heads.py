@@ -15,17 +15,14 @@ pattern is the kernel's own weights.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, Protocol
 
 import torch
-from nnsight.intervention.source import (SourceNotAvailable, compiled, decorator_chain, install_source,
-                                         module_body)
-
-from nnsight.intervention.interleaver import Mediator
 
 from .. import attention
+from .. import nnsight_seam as seam
 from ..errors import Unavailable
-from ..values import INPUT, OUTPUT, StreamValue, _edited, argument, first_tensor, with_argument
+from ..values import INPUT, OUTPUT, Host, ReadOnly, StreamValue, argument, first_tensor, is_edited, with_argument
 
 #: transformers' attention kernels that take a soft cap and ignore it (Gemma 2 on sdpa runs uncapped).
 KERNELS_WITHOUT_SOFTCAP = frozenset({"sdpa"})
@@ -35,10 +32,26 @@ INTERNALS = ("queries", "keys", "values", "scores", "pattern", "head_outputs")
 
 NO_KERNEL = ("this attention's forward makes no call to an attention kernel that streamscope knows "
              "({kernel}), so its queries, keys and values cannot be read where the kernel receives them")
-READ_ONLY = ("{where}.{name} is recomputed from the queries and keys for the read (the kernel fuses it) and "
+READ_ONLY = ("{name} is recomputed from the queries and keys for the read (the kernel fuses it) and "
              "held by nothing in the model, so it cannot be written; edit queries or keys instead.")
-EAGER_READ_ONLY = ("{where}.{name} is the eager kernel's weights, which the model has already applied to the "
+EAGER_READ_ONLY = ("{name} is the eager kernel's weights, which the model has already applied to the "
                    "values when it is read, so it cannot be written; edit queries or keys instead.")
+
+
+class KernelHost(Host, Protocol):
+    """What a value at the attention kernel's call needs of its attention envoy (`AttentionInternals`), beyond `Host`."""
+
+    #: Where each value and the mask sit in the kernel call, as ``(index, name)``.
+    ARGUMENTS: ClassVar[dict[str, tuple[int, str]]]
+
+    def kernel(self) -> str:
+        """The nnsight source name of the kernel call in the module's forward."""
+
+    def instrument(self) -> None:
+        """Make the kernel call a location (once)."""
+
+    def recompute_scores(self, inputs: tuple) -> torch.Tensor:
+        """The attention scores of the kernel call `inputs`."""
 
 
 class KernelValue(StreamValue):
@@ -47,32 +60,32 @@ class KernelValue(StreamValue):
     def __init__(self, where: str, *, shape: str, description: Optional[str] = None) -> None:
         super().__init__(None, where, shape=shape, description=description)
 
-    def located(self, host: Any) -> Any:
+    def located(self, host: KernelHost) -> Any:
         reason = host.reason(self.name)
         if reason is not None:
             raise Unavailable(self.name, host.where(), reason)
         host.instrument()
         return host
 
-    def _location(self, host: Any) -> str:
+    def _location(self, host: KernelHost) -> str:
         self.located(host)
-        return f"{host.path}.source.{host.kernel()}.{self.site(host)[1]}"
+        return seam.call_location(host.path, host.kernel(), self.site(host)[1])
 
-    def live(self, host: Any, raw: Any) -> torch.Tensor:
+    def live(self, host: KernelHost, raw: Any) -> torch.Tensor:
         if self.site(host)[1] == INPUT:
             return argument(raw, *host.ARGUMENTS[self.name])
         return first_tensor(raw)
 
-    def _write_back(self, host: Any, view: torch.Tensor, raw: Any) -> Any:
-        if _edited(view):
+    def _write_back(self, host: KernelHost, view: torch.Tensor, raw: Any) -> Any:
+        if is_edited(view):
             return self.put(host, raw, self.checked(host, raw, view))
         return raw
 
-    def _assign(self, host: Any, value: Any) -> Any:
-        raw = Mediator.value(self._location(host))
+    def _assign(self, host: KernelHost, value: Any) -> Any:
+        raw = seam.read_at(self._location(host))
         return self.put(host, raw, self.checked(host, raw, value))
 
-    def put(self, host: Any, raw: Any, value: torch.Tensor) -> Any:
+    def put(self, host: KernelHost, raw: Any, value: torch.Tensor) -> Any:
         """`raw` with `value` in it: copied into the model's tensor in place, or, where that tensor is a view
         autograd forbids editing in place (GPT-2's queries, split from c_attn's output), passed in its stead."""
         live = self.live(host, raw)
@@ -83,25 +96,22 @@ class KernelValue(StreamValue):
         return raw
 
 
-class RecomputedValue(KernelValue):
+class RecomputedValue(ReadOnly, KernelValue):
     """Scores or the pattern: recomputed for the read from the kernel's inputs, or the eager kernel's weights."""
 
-    def _read(self, host: Any, raw: Any) -> torch.Tensor:
+    def _read(self, host: KernelHost, raw: Any) -> torch.Tensor:
         with torch.inference_mode(False):
             if self.site(host)[1] == OUTPUT:  # the eager kernel's own weights
                 return raw[1].detach().clone()
             logits = host.recompute_scores(raw)
             return logits if self.name == "scores" else attention.pattern(logits)
 
-    def put(self, host: Any, raw: Any, value: torch.Tensor) -> Any:
+    def put(self, host: KernelHost, raw: Any, value: torch.Tensor) -> Any:
         self.write(host, raw, value)
 
-    def write(self, host: Any, raw: Any, value: torch.Tensor) -> None:
+    def refusal(self, host: KernelHost) -> str:
         message = EAGER_READ_ONLY if self.site(host)[1] == OUTPUT else READ_ONLY
-        raise ValueError(message.format(where=host.where(), name=self.name))
-
-    def checked(self, host: Any, raw: Any, value: Any) -> torch.Tensor:
-        return value
+        return message.format(name=f"{host.where()}.{self.name}")
 
 
 class AttentionInternals:
@@ -187,21 +197,13 @@ class AttentionInternals:
 
     def kernel_reason(self) -> Optional[str]:
         """Why this module's forward has no kernel call to read, or None."""
-        state = self._module.__dict__.get("__nnsight__")
-        forward = state.original if state is not None else module_body(self._module)
-        try:
-            names = compiled(decorator_chain(forward)[0]).names
-        except (SourceNotAvailable, TypeError, OSError, AttributeError):
-            names = ()
-        if self.kernel() not in names:
+        if self.kernel() not in seam.kernel_call_names(self._module):
             return NO_KERNEL.format(kernel=self.kernel().rsplit("_", 1)[0])
         return None
 
     def instrument(self) -> None:
         """Source-instrument the module's forward (once), so the kernel call is a location."""
-        state = self._module.__dict__.get("__nnsight__")
-        if state is None or not state.sourced:
-            install_source(self)
+        seam.ensure_source(self)
 
     def relocated(self) -> dict:
         if getattr(self.module_config(), "_attn_implementation", None) == "eager":

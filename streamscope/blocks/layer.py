@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any, ClassVar, Optional
 
 import torch
-from nnsight.intervention.interleaver import Mediator
 
+from .. import nnsight_seam as seam
 from ..errors import Unavailable, missing_module
 from ..support import BlockSupport
 from ..values import INPUT, OUTPUT, Residual, StreamValue, check_write, first_tensor, in_trace
@@ -38,6 +38,7 @@ class Layer(StreamEnvoy):
             their aliased names, where the family has them.
     """
 
+    IS_BLOCK = True
     #: The sublayers a support table lists for this kind of block.
     ROLES: ClassVar[tuple[str, ...]] = ("self_attn", "mlp")
     #: Whether the block returns a tuple with the stream first (skip packs the same way).
@@ -120,15 +121,15 @@ class Layer(StreamEnvoy):
         check_write(f"{self.where()}.skip", "[batch, seq, hidden_size]", expected, hidden)
         # A copy: the model may work on the block's output in place, and `hidden` is the user's (often a read).
         replacement = self.to_engine(hidden.to(live.dtype, copy=True), live, "layer_output")
-        Mediator.skip(f"{self.path}.skip", self.pack(replacement))
+        seam.skip_at(seam.location(self.path, "skip"), self.pack(replacement))
 
     def block_input(self, location: Optional[str] = None) -> Any:
         """The block's call as the model makes it (or the call at `location`, the block's first value where a
         family reads it inside the block); a skip waits for it, and comes too late once it has passed."""
-        location = location or f"{self.path}.input"
+        location = location or seam.location(self.path, INPUT)
         mediator = in_trace(f"{self.where()}.skip", "called")
         mediator.streamscope_wanted = (location, f"{self.where()}.skip")
-        return Mediator.value(location)
+        return seam.read_at(location)
 
     def pack(self, hidden: torch.Tensor) -> Any:
         """`hidden` as the block returns its stream."""

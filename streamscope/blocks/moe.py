@@ -28,11 +28,11 @@ aliased to ``shared_experts``) is a dense MLP, so it is an `Mlp` too
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
-from ..values import OUTPUT, ComputedValue, StreamValue
+from ..values import OUTPUT, ComputedValue, Host, StreamValue
 from .envoy import record_stream_shape
 from .sublayers import DENSE, ROUTING, Mlp  # noqa: F401  (ROUTING: re-exported)
 
@@ -40,6 +40,13 @@ SHARED_ROUTING = "the shared expert: every token goes through it, no router choo
 
 _LOGITS, _CHOSEN, _WEIGHTS = (
     "[batch, seq, num_experts]", "[batch, seq, top_k]", "[batch, seq, top_k]")
+
+
+class RouterHost(Host, Protocol):
+    """What a router value that reroutes needs of its `Mlp` envoy, beyond `Host`."""
+
+    def reroute(self, raw: Any) -> None:
+        """Re-run the router's top-k on its (edited) output `raw`, so its choice reaches the experts."""
 
 
 class RouterOutput(StreamValue):
@@ -57,10 +64,10 @@ class RouterOutput(StreamValue):
         super().__init__(module, OUTPUT, shape=shape, description=description)
         self.index, self.reroutes = index, reroutes
 
-    def live(self, host: Any, raw: Any) -> torch.Tensor:
+    def live(self, host: Host, raw: Any) -> torch.Tensor:
         return raw[self.index]
 
-    def write(self, host: Any, raw: Any, value: torch.Tensor) -> None:
+    def write(self, host: RouterHost, raw: Any, value: torch.Tensor) -> None:
         super().write(host, raw, value)
         if self.reroutes:
             host.reroute(raw)
@@ -73,7 +80,7 @@ class ComputedRouterValue(ComputedValue):
         super().__init__(module, OUTPUT, shape=shape, description=description)
         self.index = index
 
-    def live(self, host: Any, raw: Any) -> torch.Tensor:
+    def live(self, host: Host, raw: Any) -> torch.Tensor:
         return raw[self.index]
 
 

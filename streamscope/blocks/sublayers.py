@@ -18,11 +18,9 @@ class Sublayer(StreamEnvoy):
     ROLE: ClassVar[str] = ""
 
     def block(self) -> Optional[StreamEnvoy]:
-        """The decoder block this sublayer belongs to."""
-        from .layer import Layer
-
+        """The decoder block this sublayer belongs to (the nearest ancestor that is a block, `IS_BLOCK`)."""
         node = self.parent
-        while node is not None and not isinstance(node, Layer):
+        while node is not None and not getattr(type(node), "IS_BLOCK", False):
             node = node.parent
         return node
 

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from ..errors import Unavailable
-from ..values import ComputedValue, StreamValue, resolve
+from ..values import ComputedValue, Host, StreamValue, resolve
 
 #: The residual stream's boundaries on every block.
 BOUNDARIES = ("layer_input", "attention_norm_output", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output")
@@ -112,7 +112,7 @@ class Site:
 
     value: str
     layer: Optional[int]
-    host: Any
+    host: Host
     descriptor: StreamValue
     module: torch.nn.Module
     where: str

@@ -102,9 +102,8 @@ class WorkerState:
 
 def worker_tree(module: torch.nn.Module, model_type: str) -> Any:
     """streamscope's envoy tree over the worker's real model: the same family envoys the client's tree has."""
-    from nnsight.modeling.vllm.envoys import parallel_envoys
-
     from ..model import Standardized
+    from ..nnsight_seam import parallel_envoys
     from ..vllm.families import family_for
 
     family = family_for(model_type)

@@ -9,9 +9,10 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from nnsight.modeling.transformers import TransformersModel
+from nnsight import TransformersModel
 from transformers import AutoConfig
 
+from .. import nnsight_seam as seam
 from ..blocks.envoy import Blocks
 from ..checks import check_token_ids
 from ..model import Standardized
@@ -95,15 +96,13 @@ class StandardizedTransformers(Standardized, TransformersModel):
             from ..bulk.transformers import generate
 
             return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)
-        from nnsight.tracing.tracer import WithBlockNotFoundError
-
-        fn = TransformersModel.generate.__wrapped__.__get__(self, type(self))
-        if self.interleaver.interleaving:
+        fn = seam.unwrapped_generate(self, TransformersModel)
+        if seam.interleaving(self):
             return fn(*inputs, **kwargs)
         tracer = self.trace(*inputs, fn=fn, **kwargs)
         try:
             tracer.capture()
-        except WithBlockNotFoundError:
+        except seam.WithBlockNotFoundError:
             return self.interleave(fn, *inputs, **kwargs)
         return tracer
 

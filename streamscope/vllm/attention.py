@@ -25,15 +25,15 @@ the step).
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional, Protocol
 
 import torch
-from nnsight.intervention.interleaver import Mediator
 
 from .. import attention
 from .. import blocks
+from .. import nnsight_seam as seam
 from ..blocks.heads import READ_ONLY
-from ..values import INPUT, OUTPUT, StreamValue
+from ..values import INPUT, OUTPUT, Host, ReadOnly, StreamValue
 
 #: The child of a vLLM attention module that runs the kernel.
 KERNEL_LAYER = "attn"
@@ -76,6 +76,16 @@ def halves_first(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat((tensor[..., 0::2], tensor[..., 1::2]), dim=-1)
 
 
+class LayerHost(Host, Protocol):
+    """What a value at vLLM's attention layer needs of its attention envoy (`VllmAttentionInternals`), beyond `Host`."""
+
+    def remember(self, raw: Any) -> None:
+        """Keep this step's keys for later decode steps."""
+
+    def recompute_scores(self, raw: Any, name: str) -> torch.Tensor:
+        """`scores` of this step's queries over every key of the request so far."""
+
+
 class Flat(StreamValue):
     """One of the attention layer's flat per-head tensors, served per head in transformers' layout.
 
@@ -87,38 +97,34 @@ class Flat(StreamValue):
     """
 
     def __init__(self, where: str, *, shape: str, argument: Optional[tuple[int, str]] = None,
-                 factor: Optional[Callable[[Any], float]] = None, description: Optional[str] = None) -> None:
+                 factor: Optional[Callable[[Host], float]] = None, description: Optional[str] = None) -> None:
         super().__init__(KERNEL_LAYER, where, shape=shape, argument=argument, factor=factor,
                          description=description)
 
-    def served(self, host: Any, raw: Any) -> torch.Tensor:
+    def served(self, host: LayerHost, raw: Any) -> torch.Tensor:
         """The value in the user's layout, scaled where it is, without a copy where none is needed."""
         view = host.to_user(self.live(host, raw), self.name)
         if self.factor is not None:
             return view * self.factor(host)
         return view
 
-    def _read(self, host: Any, raw: Any) -> torch.Tensor:
+    def _read(self, host: LayerHost, raw: Any) -> torch.Tensor:
         value = super()._read(host, raw)
         if self.where == INPUT:
             host.remember(raw)
         return value
 
 
-class Recomputed(Flat):
+class Recomputed(ReadOnly, Flat):
     """Scores or the pattern: recomputed for the read from the layer's queries and keys. Read-only."""
 
-    def _read(self, host: Any, raw: Any) -> torch.Tensor:
+    READ_ONLY = READ_ONLY  # the softmax attention's refusal (`blocks.heads`)
+
+    def _read(self, host: LayerHost, raw: Any) -> torch.Tensor:
         with torch.inference_mode(False):
             host.remember(raw)
             logits = host.recompute_scores(raw, self.name)
             return logits if self.name == "scores" else attention.pattern(logits)
-
-    def write(self, host: Any, raw: Any, value: torch.Tensor) -> None:
-        raise ValueError(READ_ONLY.format(where=host.where(), name=self.name))
-
-    def checked(self, host: Any, raw: Any, value: Any) -> torch.Tensor:
-        return value
 
 
 class VllmAttentionInternals:
@@ -284,9 +290,9 @@ class VllmAttentionInternals:
     def _step(self) -> tuple[dict, int]:
         """This request's record of this layer's earlier steps, and the step the model is at."""
         location = f"{self.__dict__[KERNEL_LAYER].path}.{INPUT}"
-        mediator = Mediator.current(location)
+        mediator = seam.worker_at(location)
         history = mediator.__dict__.setdefault(HISTORY, {}).setdefault(location, {})
-        return history, mediator.occurrence(location)
+        return history, seam.step_of(mediator, location)
 
     def remember(self, raw: Any) -> None:
         """Keep this step's keys (as the layer receives them now, edits included) for later decode steps."""

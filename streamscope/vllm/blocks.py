@@ -14,7 +14,7 @@ import torch
 
 from .. import blocks
 from .attention import Attention, PostNormedAttention  # noqa: F401  (the families' attention kinds)
-from ..values import INPUT, OUTPUT, Residual, StreamValue, argument
+from ..values import INPUT, OUTPUT, Host, Residual, StreamValue, argument
 
 
 class Summed(StreamValue):
@@ -43,17 +43,17 @@ class Summed(StreamValue):
             return raw[0], raw[1]
         return raw, None
 
-    def live(self, host: Any, raw: Any) -> torch.Tensor:
+    def live(self, host: Host, raw: Any) -> torch.Tensor:
         return self.halves(raw)[0]
 
-    def _read(self, host: Any, raw: Any) -> torch.Tensor:
+    def _read(self, host: Host, raw: Any) -> torch.Tensor:
         hidden, residual = self.halves(raw)
         with torch.inference_mode(False):
             if residual is None:
                 return host.to_user(hidden, self.name).clone()
             return host.to_user(hidden + residual, self.name)
 
-    def write(self, host: Any, raw: Any, value: torch.Tensor) -> None:
+    def write(self, host: Host, raw: Any, value: torch.Tensor) -> None:
         hidden, residual = self.halves(raw)
         value = host.to_engine(value.to(hidden.dtype), hidden, self.name)
         with torch.no_grad():

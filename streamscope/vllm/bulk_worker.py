@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
+from ..nnsight_seam import NNsightGPUWorker
 
 
 class BulkRPC:

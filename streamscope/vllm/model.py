@@ -21,10 +21,12 @@ import torch
 from .. import errors
 from ..checks import check_token_ids
 from ..errors import Unavailable
+from .. import nnsight_seam as seam
 from ..blocks.envoy import Blocks
 from ..model import Standardized
 from ..values import OUTPUT, ComputedValue
 from .families import family_called, family_for
+from .logits import engine_logits
 
 #: Engine settings that keep values exact and every token visible to a trace.
 EXACT_DEFAULTS: dict[str, Any] = {
@@ -110,8 +112,6 @@ class StandardizedVLLM(Standardized, VLLM):
 
     def __init__(self, path: str | Path, family: str | ModuleType | None = None, **kwargs: Any) -> None:
         """`family` overrides the family module found by ``config.model_type``: a module, or a model type's name."""
-        from nnsight.modeling.vllm.envoys import parallel_envoys
-
         if isinstance(family, str):
             family = family_called(family)
         elif family is None:
@@ -134,9 +134,9 @@ class StandardizedVLLM(Standardized, VLLM):
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
             # nnsight's GPU worker with the bulk path's RPC methods (nnsight passes worker_cls=self._WORKER_CLS).
-            object.__setattr__(self, "_WORKER_CLS", GPU_WORKER_CLS)
+            seam.set_client_worker(self, GPU_WORKER_CLS)
         settings.setdefault("rename", self.family.RENAME)
-        settings.setdefault("envoys", {**parallel_envoys(), "layers": Blocks, **self.family.ENVOYS})
+        settings.setdefault("envoys", {**seam.parallel_envoys(), "layers": Blocks, **self.family.ENVOYS})
         settings.setdefault("dispatch", True)
         if torch.cuda.is_initialized():
             # vLLM measures the GPU's free memory at start and again after profiling, and refuses to start
@@ -215,12 +215,10 @@ class StandardizedVLLM(Standardized, VLLM):
             from ..bulk.vllm import generate
 
             return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)
-        from nnsight.tracing.tracer import WithBlockNotFoundError
-
         tracer = self.trace(*inputs, **kwargs)
         try:
             tracer.capture()
-        except WithBlockNotFoundError:
+        except seam.WithBlockNotFoundError:
             return self._generate(*inputs, **kwargs)
         return tracer
 
@@ -231,36 +229,13 @@ class StandardizedVLLM(Standardized, VLLM):
         # client would have raised (as on transformers), naming the invoke where the trace has several.
         failed = []
         for index, output in enumerate(outputs):
-            error = getattr(output, "nnsight_error", None)
-            if error and not error.get("is_control_flow"):
+            error = seam.take_request_error(output)  # raised below, after the other invokes' values are home
+            if error is not None:
                 failed.append((index, error))
-                output.nnsight_error = None  # raised below, after the other invokes' values are home
-        VLLM._collect(mediators, outputs)
+        seam.collect_requests(mediators, outputs)
         if failed:
             index, error = failed[0]
             raise _retyped(error, index if len(outputs) > 1 else None, len(failed)) from None
-
-
-def engine_logits(module: torch.nn.Module, normed: torch.Tensor) -> torch.Tensor:
-    """Logits of final-norm outputs ``[..., hidden]`` as the engine computes them, ``[..., vocab_size]``: its own
-    unembedding, with the bias the model's compute_logits passes (GPT-J's and the Transformers backend's heads
-    have one), then its soft cap and scale. Run in the worker, on the engine's modules."""
-    processor = module.logits_processor
-    head = _unembedding(module)
-    logits = processor._get_logits(normed, head, getattr(head, "bias", None))
-    if processor.soft_cap is not None:
-        logits = torch.tanh(logits / processor.soft_cap) * processor.soft_cap
-    if processor.scale != 1.0:
-        logits = logits * processor.scale
-    return logits
-
-
-def _unembedding(module: torch.nn.Module) -> torch.nn.Module:
-    """The engine's unembedding: ``lm_head`` (GPT-NeoX: ``embed_out``), or the tied embeddings where vLLM keeps no head."""
-    for name in ("lm_head", "embed_out"):
-        if isinstance(getattr(module, name, None), torch.nn.Module):
-            return getattr(module, name)
-    return module.model.embed_tokens
 
 
 def _retyped(error: dict, invoke: Optional[int] = None, failures: int = 1) -> BaseException:

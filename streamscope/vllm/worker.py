@@ -24,11 +24,11 @@ import os
 from typing import Any
 
 import torch
-from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
-from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from .. import nnsight_seam as seam
+from ..nnsight_seam import NNsightGPUModelRunner, NNsightGPUWorker
 from .bulk_worker import BulkRPC
 
 __all__ = [
@@ -102,13 +102,12 @@ def patch_client_for_cpu() -> None:
       ``worker_cls=self._WORKER_CLS`` to ``vllm.LLM`` *and* forwards the caller's
       kwargs, so a ``worker_cls=`` kwarg would be a duplicate keyword there.
     """
-    from nnsight.modeling.vllm.vllm import VLLM
     from vllm.platforms import current_platform
 
     if not torch.accelerator.is_available():
         torch.accelerator.empty_cache = _no_accelerator_empty_cache
     if current_platform.is_cpu():
-        VLLM._WORKER_CLS = WORKER_CLS
+        seam.set_client_worker(seam.VLLMClient, WORKER_CLS)
         _meta_moe_prepack()
 
 

@@ -8,11 +8,11 @@ in ``envoys=`` would win over the ``mlp`` alias: `RowParallel` picks the MLP
 envoy for it by path.
 """
 
-from nnsight.modeling.vllm.envoys import ParallelEnvoy
 from vllm.model_executor.layers.linear import RowParallelLinear
 
 from ...transformers.families.opt import OPTLayer as _TransformersOPTLayer
 from ...transformers.families.opt import RENAME
+from ...nnsight_seam import ParallelEnvoy
 from ...values import INPUT
 from ..attention import Flat
 from ..blocks import Attention, Layer, Mlp

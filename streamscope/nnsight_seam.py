@@ -1,0 +1,400 @@
+"""Everything streamscope takes from nnsight beyond its public API, in one place, checked against one version.
+
+streamscope serves its values through nnsight's interleaving machinery at a
+depth nnsight does not promise to keep: the worker (``Mediator``) that runs a
+trace's code, its pending write-back, the ``eproperty`` callbacks, the
+source-instrumented forward, the vLLM workers. nnsight moves these between
+releases, so every use of them lives here, written against one release
+(`SUPPORTED`), which is checked when this module is imported.
+
+What counts as nnsight's public API (used directly by the rest of streamscope):
+the names the top-level ``nnsight`` package exports in ``__all__``
+(``nnsight.Envoy``, ``nnsight.TransformersModel``, ``nnsight.LanguageModel``,
+``nnsight.NNsight``, ``nnsight.save``, ...) and ``nnsight.modeling.vllm.VLLM``
+(the one name that package exports, and the vLLM entry nnsight documents),
+together with what their documentation shows a user doing: ``model.trace``,
+``model.generate``, an envoy's ``.path``, ``.output``, ``.input``, ``.source``,
+the ``rename=`` and ``envoys=`` arguments. Everything reached by another
+module path (``nnsight.intervention.*``, ``nnsight.tracing.*``,
+``nnsight.modeling.vllm.<submodule>``) or by a private name is internal, and
+only this module touches it. `tests/test_nnsight_seam.py` fails when another
+module imports an internal path.
+
+Three kinds of contact stay outside this module, each covered by the version
+check all the same:
+
+* an envoy's ``_module`` (the wrapped ``torch.nn.Module``), read across the
+  block and family modules: the attribute every envoy subclass works from;
+* the methods streamscope's engine classes override on nnsight's model
+  classes (``_batch``, ``_call``, ``_collect``) and the one they call
+  (``VLLM._generate``): a subclass's override cannot live elsewhere;
+* streamscope's own notes kept on a worker (``streamscope_wanted``,
+  ``streamscope_read``, ``streamscope_retired``, the vLLM attention history):
+  attributes nnsight never reads, kept where each invoke's state lives.
+
+The vLLM pieces (`NNsightGPUWorker`, `NNsightGPUModelRunner`,
+`ParallelEnvoy`, `parallel_envoys`, `VLLMClient`) import vLLM, so they load on
+first use (module ``__getattr__``), not with this module.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from functools import partial
+from typing import Any, Callable, NamedTuple, Optional
+
+import nnsight
+from greenlet import getcurrent
+
+#: The nnsight release this module was written and tested against (no other release was available to
+#: compare, so patch releases are not assumed to match: internals move even there).
+SUPPORTED = "0.8.1"
+#: Set to 1 to run on another nnsight release anyway, with a warning instead of the ImportError.
+ALLOW_ENV = "STREAMSCOPE_ALLOW_NNSIGHT"
+
+
+def check_version(installed: Optional[str] = None) -> None:
+    """Raise ImportError unless nnsight `installed` (by default the one imported) is `SUPPORTED`.
+
+    With ``STREAMSCOPE_ALLOW_NNSIGHT=1`` in the environment the mismatch is a
+    RuntimeWarning instead, for whoever wants to try another release.
+    """
+    installed = nnsight.__version__ if installed is None else installed
+    if installed == SUPPORTED:
+        return
+    message = (f"streamscope needs nnsight {SUPPORTED}, but nnsight {installed} is installed: streamscope "
+               f"drives nnsight internals (its trace workers, write-backs and vLLM workers) that differ "
+               f"between releases. Install the supported one: `pip install nnsight=={SUPPORTED}` "
+               f"(or set {ALLOW_ENV}=1 to try this one anyway, at your own risk).")
+    if os.environ.get(ALLOW_ENV) == "1":
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return
+    raise ImportError(message)
+
+
+check_version()
+
+# Imported after the check: on another release these paths may not exist at all. Re-exported as they are:
+# * eproperty: the descriptor nnsight's envoys serve ``.output``/``.input`` with; every streamscope value
+#   subclasses it, so a read waits for the model like nnsight's own and books a write-back.
+# * Worker (nnsight's Mediator): the worker that runs one invoke's code of a trace, on a greenlet beside the
+#   model; used in annotations, and its instance ``__dict__`` keeps streamscope's notes per invoke.
+# * OutOfOrderError: what nnsight raises for a value asked for after the model passed it; streamscope raises it
+#   too (an edit made after the trace moved on), so one except clause catches both.
+# * WithBlockNotFoundError: what a tracer's ``capture()`` raises when it was not called as a ``with``
+#   statement; ``generate`` then runs plainly instead of tracing.
+from nnsight.intervention import interleaver as _interleaver  # noqa: E402
+from nnsight.intervention.eproperty import eproperty  # noqa: E402
+from nnsight.intervention.interleaver import Mediator as Worker  # noqa: E402
+from nnsight.intervention.interleaver import OutOfOrderError  # noqa: E402
+from nnsight.intervention.source import (SourceNotAvailable, compiled, decorator_chain,  # noqa: E402
+                                         install_source, module_body)
+from nnsight.tracing.tracer import WithBlockNotFoundError, _saves  # noqa: E402
+
+__all__ = [
+    "SUPPORTED", "ALLOW_ENV", "check_version", "eproperty", "Worker", "OutOfOrderError", "WithBlockNotFoundError",
+    "set_callbacks", "location", "call_location", "running_worker", "worker_at", "step_of", "read_at", "skip_at",
+    "is_saved", "PendingWriteBack", "pending_write_back", "held_view", "redirect_write_back",
+    "filter_write_backs", "rename_out_of_order", "around_worker_run", "kernel_call_names", "ensure_source",
+    "unwrapped_generate", "interleaving", "take_request_error", "collect_requests", "set_client_worker",
+    "NNsightGPUWorker", "NNsightGPUModelRunner", "ParallelEnvoy", "parallel_envoys", "VLLMClient",
+]
+
+
+# eproperty: the base of every streamscope value.
+
+def set_callbacks(value: eproperty, read: Callable, write_back: Callable, assign: Callable) -> None:
+    """Give an eproperty its three callbacks.
+
+    nnsight calls ``read(host, raw)`` on a read (``preprocess``: the user gets
+    its result), ``write_back(host, view, raw)`` when the worker moves on after
+    that read (``transform``: what goes back into the model), and
+    ``assign(host, value)`` on an assignment (``postprocess``). streamscope's
+    values are the methods of one class, set per instance rather than through
+    nnsight's decorators, so a subclass overrides them as methods.
+    """
+    value._preprocess = read
+    value._transform = write_back
+    value._postprocess = assign
+
+
+# The worker of a trace and what it asks of the model.
+
+def running_worker() -> Optional[Worker]:
+    """The worker of the trace whose code runs now, or None outside a trace.
+
+    nnsight runs a trace's code on a greenlet that holds a weak reference to
+    its worker; streamscope asks for it to refuse a read outside a trace with
+    its own message, and to keep its notes of what was read (the worker's
+    ``__dict__``).
+    """
+    worker = getattr(getcurrent(), "mediator", None)
+    return None if worker is None else worker()
+
+
+def location(path: str, where: str) -> str:
+    """nnsight's name for a point of a module's call: ``where`` is ``input``, ``output`` or ``skip`` (the gate
+    that replaces the call); `path` is the envoy's ``.path``."""
+    return f"{path}.{where}"
+
+
+def call_location(path: str, call: str, where: str) -> str:
+    """nnsight's name for the `where` (``input``/``output``) of the call named `call` inside a module's forward
+    (after `ensure_source`); `path` is the module envoy's ``.path``."""
+    return f"{path}.source.{call}.{where}"
+
+
+def worker_at(location: str) -> Worker:
+    """The running worker (nnsight's ``Mediator.current``); ValueError naming `location` outside a trace."""
+    return Worker.current(location)
+
+
+def step_of(worker: Worker, location: str) -> int:
+    """How many times the model has reached `location` since `worker` started (a vLLM request's decode step)."""
+    return worker.occurrence(location)
+
+
+def read_at(location: str) -> Any:
+    """The value the model produces at `location` (``path.input`` / ``path.output``), waited for by the worker.
+
+    nnsight's ``Mediator.value``: used where a value is read raw, to write it
+    (an assignment), or to wait for a block's input before skipping it.
+    """
+    return Worker.value(location)
+
+
+def skip_at(location: str, value: Any) -> None:
+    """Skip the module call gated at `location` (``path.skip``), returning `value` in its stead (``Mediator.skip``)."""
+    Worker.skip(location, value)
+
+
+def is_saved(value: Any) -> bool:
+    """Whether `value` was marked with ``.save()`` in the running trace (nnsight keeps their ids).
+
+    A saved read must keep what it read, so a second read of the same value
+    (to edit it) gets a copy of its own.
+    """
+    return id(value) in _saves()
+
+
+# The pending write-back: a read's copy that nnsight swaps back into the model when the worker moves on.
+
+class PendingWriteBack(NamedTuple):
+    """A worker's pending write-back: the eproperty read, the envoy it was read on, the copy handed out."""
+
+    value: Any
+    host: Any
+    view: Any
+
+
+def pending_write_back(worker: Worker) -> Optional[PendingWriteBack]:
+    """The write-back `worker` has pending (nnsight's ``Mediator.transform``), or None."""
+    waiting = worker.transform
+    if waiting is None:
+        return None
+    return PendingWriteBack(waiting.eproperty, waiting.fn.args[0], waiting.view)
+
+
+def held_view(worker: Worker, value: eproperty, location: str) -> Any:
+    """The copy `value`'s read at `location` handed out and not yet written back, or None.
+
+    nnsight keys a pending write-back on (eproperty, location, occurrence):
+    it is this read's only while the worker still wants that occurrence.
+    """
+    waiting = worker.transform
+    if waiting is not None and waiting.key == (value, location, worker.wanted(location)):
+        return waiting.view
+    return None
+
+
+def redirect_write_back(worker: Worker, value: eproperty, host: Any, view: Any) -> None:
+    """Make `view` what `worker`'s pending write-back sends to the model (and what later reads answer with).
+
+    The pending write-back's function is ``value``'s transform bound to
+    ``(host, view, raw)``; the raw call the model made stays, the view changes.
+    """
+    waiting = worker.transform
+    raw = waiting.fn.args[2]
+    worker.transform = waiting._replace(view=view, fn=partial(value._transform, host, view, raw))
+
+
+# Process-wide changes to nnsight's worker, made once (each is idempotent).
+
+def filter_write_backs(served: type, send: Callable[[PendingWriteBack], bool],
+                       after: Callable[[Worker, PendingWriteBack], None]) -> None:
+    """Let streamscope decide whether a pending write-back of one of its values reaches the model.
+
+    nnsight's ``Mediator.flush`` swaps a pending write-back into the model
+    whenever the worker moves on, edited or not: one round trip between the
+    worker and the model per read. For an eproperty of type `served`,
+    ``send(pending)`` decides; one it declines is dropped. ``after(worker,
+    pending)`` then runs either way. Other write-backs flush as nnsight does.
+    """
+    flush = Worker.flush
+    if getattr(flush, "streamscope_filter", False):
+        return
+
+    def filtered_flush(worker: Worker) -> None:
+        waiting = worker.transform
+        if waiting is None or not isinstance(waiting.eproperty, served):
+            return flush(worker)
+        pending = PendingWriteBack(waiting.eproperty, waiting.fn.args[0], waiting.view)
+        if send(pending):
+            flush(worker)
+        else:
+            worker.transform = None
+        after(worker, pending)
+
+    filtered_flush.streamscope_filter = True
+    Worker.flush = filtered_flush
+
+
+def rename_out_of_order(message: Callable[[Worker, str], Optional[str]]) -> None:
+    """Let streamscope word nnsight's out-of-order error in its own names.
+
+    When a run ends with a worker still waiting for a location the model has
+    passed, nnsight's ``dangling_unwind`` builds an OutOfOrderError naming the
+    raw location. ``message(worker, location)`` may return streamscope's
+    message for it (None keeps nnsight's).
+    """
+    unwind = _interleaver.dangling_unwind
+    if getattr(unwind, "streamscope_names", False):
+        return
+
+    def named_unwind(worker: Worker) -> tuple[BaseException, Optional[str]]:
+        error, expected = unwind(worker)
+        pending = worker.pending
+        if not isinstance(error, OutOfOrderError) or expected is not None or pending is None:
+            return error, expected
+        text = message(worker, pending.provider)
+        return (error, expected) if text is None else (OutOfOrderError(text), None)
+
+    named_unwind.streamscope_names = True
+    _interleaver.dangling_unwind = named_unwind
+
+
+def around_worker_run(after: Callable[[Worker], None],
+                      explain: Callable[[Worker, RuntimeError], None]) -> None:
+    """Run streamscope's checks when a worker's code ends, and let it explain a RuntimeError raised in it.
+
+    nnsight's ``Mediator._run`` runs one invoke's code. ``after(worker)`` runs
+    when it returns (it may raise); ``explain(worker, error)`` sees a
+    RuntimeError the code raised (it may reword ``error.args``) before it
+    propagates.
+    """
+    run = Worker._run
+    if getattr(run, "streamscope_checks", False):
+        return
+
+    def checked_run(worker: Worker) -> None:
+        try:
+            run(worker)
+            after(worker)
+        except RuntimeError as error:
+            explain(worker, error)
+            raise
+
+    checked_run.streamscope_checks = True
+    Worker._run = checked_run
+
+
+# Source instrumentation: a call inside a module's forward as a location.
+
+def kernel_call_names(module: Any) -> Any:
+    """The names nnsight's ``.source`` gives the calls in `module`'s forward; () where it cannot read it.
+
+    Read from the original forward (before nnsight wrapped it, where it has),
+    through its decorators, without instrumenting anything: streamscope asks
+    whether the attention kernel call is there before serving the values at it.
+    """
+    state = module.__dict__.get("__nnsight__")
+    forward = state.original if state is not None else module_body(module)
+    try:
+        return compiled(decorator_chain(forward)[0]).names
+    except (SourceNotAvailable, TypeError, OSError, AttributeError):
+        return ()
+
+
+def ensure_source(envoy: Any) -> None:
+    """Instrument `envoy`'s module forward (once), so each call in it is a location (``path.source.<call>``)."""
+    state = envoy._module.__dict__.get("__nnsight__")
+    if state is None or not state.sourced:
+        install_source(envoy)
+
+
+# The engines' model classes.
+
+def unwrapped_generate(model: Any, base: type) -> Callable:
+    """`base`'s ``generate`` without nnsight's trace-or-call wrapper, bound to `model`.
+
+    streamscope's ``generate`` makes the trace-or-call decision itself (it
+    adds bulk sampling), so it calls the function nnsight's wrapper wraps.
+    """
+    return base.generate.__wrapped__.__get__(model, type(model))
+
+
+def interleaving(model: Any) -> bool:
+    """Whether `model` is inside a run of its own (a ``generate`` called within a trace)."""
+    return model.interleaver.interleaving
+
+
+def take_request_error(output: Any) -> Optional[dict]:
+    """The error record a vLLM request's output carries back from the worker (type, message, traceback), or None.
+
+    It is taken off the output, so nnsight's collection does not raise it as
+    a RuntimeError: streamscope raises it with its own type. A control-flow
+    record (nnsight's own early stop) is left in place.
+    """
+    error = getattr(output, "nnsight_error", None)
+    if not error or error.get("is_control_flow"):
+        return None
+    output.nnsight_error = None
+    return error
+
+
+def collect_requests(mediators: list, outputs: list) -> None:
+    """nnsight's client-side collection of a vLLM trace's request outputs into its invokes' saved values."""
+    __getattr__("VLLMClient")._collect(mediators, outputs)
+
+
+def set_client_worker(model_or_class: Any, worker_cls: str) -> None:
+    """Make nnsight's vLLM client start engines with `worker_cls` (a dotted path vLLM imports in the worker).
+
+    nnsight passes ``worker_cls=self._WORKER_CLS`` to ``vllm.LLM`` and forwards
+    the caller's keywords too, so the attribute is the only place to say it.
+    """
+    if isinstance(model_or_class, type):
+        model_or_class._WORKER_CLS = worker_cls
+    else:
+        object.__setattr__(model_or_class, "_WORKER_CLS", worker_cls)
+
+
+_VLLM_NAMES = {
+    "NNsightGPUWorker": ("nnsight.modeling.vllm.workers.GPUWorker", "NNsightGPUWorker"),
+    "NNsightGPUModelRunner": ("nnsight.modeling.vllm.model_runners.GPUModelRunner", "NNsightGPUModelRunner"),
+    "ParallelEnvoy": ("nnsight.modeling.vllm.envoys", "ParallelEnvoy"),
+    "parallel_envoys": ("nnsight.modeling.vllm.envoys", "parallel_envoys"),
+    "VLLMClient": ("nnsight.modeling.vllm.vllm", "VLLM"),
+}
+"""nnsight's vLLM internals, loaded on first use (they import vLLM):
+
+* ``NNsightGPUWorker`` / ``NNsightGPUModelRunner``: the worker and runner that
+  run a trace inside the engine; streamscope subclasses them (bulk RPCs, a CPU
+  worker for hosts without a GPU).
+* ``ParallelEnvoy`` / ``parallel_envoys()``: the envoys that gather tensor-parallel
+  shards, which streamscope's ``envoys=`` map starts from.
+* ``VLLMClient``: the class behind ``nnsight.modeling.vllm.VLLM``, reached at
+  its defining module, where its ``_WORKER_CLS`` and ``_collect`` live.
+"""
+
+
+def __getattr__(name: str) -> Any:
+    target = _VLLM_NAMES.get(name)
+    if target is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(target[0]), target[1])
+    globals()[name] = value
+    return value

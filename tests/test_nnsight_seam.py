@@ -1,0 +1,140 @@
+"""streamscope reaches nnsight's internals only through `streamscope.nnsight_seam`, which refuses another release."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nnsight
+import pytest
+
+from streamscope import nnsight_seam
+
+PACKAGE = Path(nnsight_seam.__file__).parent
+SEAM = Path(nnsight_seam.__file__)
+
+
+def public_names() -> dict[str, frozenset[str]]:
+    """nnsight's public API as the seam defines it: each public module and the names it exports (``__all__``).
+
+    ``nnsight.modeling.vllm``'s ``__all__`` is read from its source: importing
+    it would start vLLM's import.
+    """
+    vllm_init = Path(nnsight.__file__).parent / "modeling" / "vllm" / "__init__.py"
+    vllm_all: frozenset[str] = frozenset()
+    for node in ast.parse(vllm_init.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            vllm_all = frozenset(ast.literal_eval(node.value))
+    return {"nnsight": frozenset(nnsight.__all__), "nnsight.modeling.vllm": vllm_all}
+
+
+def nnsight_imports(path: Path) -> list[tuple[int, str, str | None]]:
+    """Every import of nnsight in `path`, at any depth (inside functions too): ``(line, module, name)``.
+
+    ``import nnsight.x`` gives name None; ``from nnsight.x import y`` gives
+    ``y``; ``importlib.import_module("nnsight.x")`` and ``__import__`` with a
+    literal name count as imports of the module.
+    """
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, None) for alias in node.names
+                      if alias.name.split(".")[0] == "nnsight"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] == "nnsight":
+            found += [(node.lineno, node.module, alias.name) for alias in node.names]
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str) and node.args[0].value.split(".")[0] == "nnsight"
+              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                   or (isinstance(node.func, ast.Name) and node.func.id in ("import_module", "__import__")))):
+            found.append((node.lineno, node.args[0].value, None))
+    return found
+
+
+def private_imports(path: Path) -> list[tuple[int, str]]:
+    """The imports in `path` that reach past nnsight's public API: ``(line, module[.name])``, in line order."""
+    public = public_names()
+    bad = []
+    for line, module, name in sorted(nnsight_imports(path), key=lambda found: found[0]):
+        if module == "nnsight" and name is None:
+            continue  # `import nnsight`: the package itself
+        if module in public and name is not None and name in public[module]:
+            continue
+        bad.append((line, f"{module}{'.' + name if name else ''}"))
+    return bad
+
+
+def test_only_the_seam_imports_nnsight_internals():
+    public = public_names()
+    assert "Envoy" in public["nnsight"] and "TransformersModel" in public["nnsight"]
+    assert public["nnsight.modeling.vllm"] == {"VLLM"}
+    bad = [f"{path.relative_to(PACKAGE.parent)}:{line} {name}" for path in sorted(PACKAGE.rglob("*.py"))
+           if path != SEAM for line, name in private_imports(path)]
+    assert not bad, ("these modules import nnsight internals; route them through streamscope/nnsight_seam.py:\n"
+                     + "\n".join(bad))
+
+
+def test_the_import_check_sees_every_kind_of_import(tmp_path):
+    # The check itself must be able to fail: each way of reaching an internal is caught, public names pass.
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import importlib\n"
+        "import nnsight\n"
+        "from nnsight import Envoy, TransformersModel\n"
+        "from nnsight.modeling.vllm import VLLM\n"
+        "from nnsight.intervention.interleaver import Mediator\n"
+        "def later():\n"
+        "    from nnsight.modeling.vllm.envoys import parallel_envoys\n"
+        "    import nnsight.tracing.tracer\n"
+        "    return importlib.import_module('nnsight.modeling.vllm.vllm')\n"
+        "from nnsight.modeling.vllm import NotExported\n"
+    )
+    assert [name for _, name in private_imports(probe)] == [
+        "nnsight.intervention.interleaver.Mediator", "nnsight.modeling.vllm.envoys.parallel_envoys",
+        "nnsight.tracing.tracer", "nnsight.modeling.vllm.vllm", "nnsight.modeling.vllm.NotExported"]
+
+
+def test_the_supported_version_passes():
+    assert nnsight.__version__ == nnsight_seam.SUPPORTED == "0.8.1"
+    nnsight_seam.check_version()
+
+
+@pytest.mark.parametrize("other", ["0.8.2", "0.9.0", "0.8.0"])
+def test_another_version_is_refused_with_the_fix(monkeypatch, other):
+    monkeypatch.delenv(nnsight_seam.ALLOW_ENV, raising=False)
+    monkeypatch.setattr(nnsight, "__version__", other)
+    with pytest.raises(ImportError) as refused:
+        nnsight_seam.check_version()
+    message = str(refused.value)
+    assert f"nnsight {other} is installed" in message
+    assert "needs nnsight 0.8.1" in message
+    assert "pip install nnsight==0.8.1" in message
+    assert "STREAMSCOPE_ALLOW_NNSIGHT=1" in message
+
+
+def test_the_escape_hatch_warns_instead(monkeypatch):
+    monkeypatch.setattr(nnsight, "__version__", "0.9.0")
+    monkeypatch.setenv(nnsight_seam.ALLOW_ENV, "1")
+    with pytest.warns(RuntimeWarning, match=r"pip install nnsight==0\.8\.1"):
+        nnsight_seam.check_version()
+    monkeypatch.setenv(nnsight_seam.ALLOW_ENV, "0")
+    with pytest.raises(ImportError):
+        nnsight_seam.check_version()
+
+
+def test_importing_streamscope_on_another_version_fails_at_import():
+    # The check runs when the seam is imported, i.e. before any value or engine module can load.
+    code = ("import nnsight; nnsight.__version__ = '0.9.0'\n"
+            "try:\n"
+            "    import streamscope.values\n"
+            "except ImportError as error:\n"
+            "    print('REFUSED', error)\n"
+            "else:\n"
+            "    print('LOADED')\n")
+    env = {key: value for key, value in os.environ.items() if key != nnsight_seam.ALLOW_ENV}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                            cwd=PACKAGE.parent, timeout=300)
+    assert "REFUSED" in result.stdout, result.stdout + result.stderr
+    assert "nnsight 0.9.0 is installed" in result.stdout and "pip install nnsight==0.8.1" in result.stdout
