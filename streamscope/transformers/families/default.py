@@ -14,13 +14,12 @@ import functools
 import inspect
 import textwrap
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from ...blocks import Attention, Layer, Mlp
-from ...blocks.envoy import module_config
-from ...errors import PARALLEL
+from ...blocks import Attention, Mlp
+from ...blocks.parallel import ConfigParallelLayer
 
 # Keys that do not resolve are skipped, so every spelling can be listed. A
 # `*` stands for the backbone (`model`, `transformer`, ...); names that blocks
@@ -51,18 +50,11 @@ def returns_tuple(block_class: type) -> bool:
     return bool(returns) and all(isinstance(node.value, ast.Tuple) for node in returns)
 
 
-class DefaultLayer(Layer):
+class DefaultLayer(ConfigParallelLayer):
     """Llama's pre-norm block, or a parallel one where the config says the block is parallel."""
 
     def pack(self, hidden: torch.Tensor) -> Any:
         return (hidden, None) if returns_tuple(type(self._module)) else hidden
-
-    def reason(self, name: str) -> Optional[str]:
-        config = module_config(self)
-        if name == "layer_mid" and (getattr(config, "use_parallel_residual", False)
-                                    or getattr(config, "parallel_attn", False)):
-            return PARALLEL
-        return super().reason(name)
 
 
 ENVOYS = {"layers.*": DefaultLayer, "self_attn": Attention, "mlp": Mlp}

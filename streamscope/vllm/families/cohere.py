@@ -7,16 +7,18 @@ block's input second; the values read the first. Its norm returns
 """
 
 from ...blocks import SharedNormParallelLayer
-from ..blocks import Attention, Layer, Mlp
+from ...blocks import Mlp
+from ..attention import VllmAttention
+from ..blocks import VllmLayer
 from .llama import RENAME
 
 
-class CohereLayer(Layer, SharedNormParallelLayer):
+class CohereLayer(VllmLayer, SharedNormParallelLayer):
     """Cohere's block: one norm for both sublayers, the stream first in a tuple."""
 
     RETURNS_TUPLE = True
 
 
-ENVOYS = {"layers.*": CohereLayer, "self_attn": Attention, "mlp": Mlp}
+ENVOYS = {"layers.*": CohereLayer, "self_attn": VllmAttention, "mlp": Mlp}
 
 __all__ = ["ENVOYS", "RENAME"]

@@ -7,7 +7,9 @@ is aliased by class: its kernel inside is also called ``attn``.
 
 from vllm.model_executor.models.gpt2 import GPT2Attention
 
-from ..blocks import Attention, Layer, Mlp
+from ...blocks import Mlp
+from ..attention import VllmAttention
+from ..blocks import VllmLayer
 
 RENAME = {
     "transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
@@ -15,10 +17,10 @@ RENAME = {
 }
 
 
-class GPT2Layer(Layer):
+class GPT2Layer(VllmLayer):
     """GPT-2's block: called ``forward(hidden_states)``."""
 
     STREAM = (0, "hidden_states")
 
 
-ENVOYS = {"layers.*": GPT2Layer, "self_attn": Attention, "mlp": Mlp}
+ENVOYS = {"layers.*": GPT2Layer, "self_attn": VllmAttention, "mlp": Mlp}

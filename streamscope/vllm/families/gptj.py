@@ -7,8 +7,9 @@ its kernel inside is also called ``attn``.
 
 from vllm.model_executor.models.gpt_j import GPTJAttention
 
-from ...blocks import SharedNormParallelLayer
-from ..blocks import Attention, Layer, Mlp
+from ...blocks import Mlp, SharedNormParallelLayer
+from ..attention import VllmAttention
+from ..blocks import VllmLayer
 
 RENAME = {
     "transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
@@ -16,10 +17,10 @@ RENAME = {
 }
 
 
-class GPTJLayer(Layer, SharedNormParallelLayer):
+class VllmGPTJLayer(VllmLayer, SharedNormParallelLayer):
     """GPT-J's block: the stream after the positions, one norm for both sublayers, no stream between them."""
 
     STREAM = (1, "hidden_states")
 
 
-ENVOYS = {"layers.*": GPTJLayer, "self_attn": Attention, "mlp": Mlp}
+ENVOYS = {"layers.*": VllmGPTJLayer, "self_attn": VllmAttention, "mlp": Mlp}

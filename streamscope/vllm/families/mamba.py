@@ -12,10 +12,11 @@ contribution into ``output``, the first half the block returns, which is
 where attention_output is served.
 """
 
-from ...blocks import StateSpaceLayer
-from ...transformers.families.mamba import NO_HEADS, RENAME, UNSERVED
+from ...blocks import LinearAttention, StateSpaceLayer
+from ...blocks.state_space import HEADLESS as UNSERVED
+from ...families.renames import MAMBA as RENAME
 from ...values import OUTPUT, StreamValue
-from ..blocks import FusedLayer, LinearAttention
+from ..blocks import FusedLayer
 
 
 class MambaLayer(FusedLayer, StateSpaceLayer):
@@ -39,4 +40,4 @@ class MambaMixer(LinearAttention):
 
 ENVOYS = {"layers.*": MambaLayer, "linear_attn": MambaMixer}
 
-__all__ = ["ENVOYS", "NO_HEADS", "RENAME", "UNSERVED"]
+__all__ = ["ENVOYS", "RENAME", "UNSERVED"]

@@ -5,9 +5,9 @@ MLP on `mlp_only_layers`; the routing runs inside vLLM's fused MoE kernel, and t
 routing values say so (`streamscope.vllm.moe`).
 """
 
-from ..moe import Mlp
+from ..moe import VllmMlp
 from .llama import ENVOYS as LLAMA_ENVOYS, RENAME
 
-ENVOYS = {**LLAMA_ENVOYS, "mlp": Mlp}
+ENVOYS = {**LLAMA_ENVOYS, "mlp": VllmMlp}
 
 __all__ = ["ENVOYS", "RENAME"]

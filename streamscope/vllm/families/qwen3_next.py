@@ -16,9 +16,10 @@ from importlib.util import find_spec
 
 import torch
 
-from ...blocks import HybridLayer
-from ..blocks import Attention, FusedLayer, LinearAttention
-from ..moe import Mlp, SharedExpert
+from ...blocks import HybridLayer, LinearAttention
+from ..attention import VllmAttention
+from ..blocks import FusedLayer
+from ..moe import VllmMlp, VllmSharedExpert
 from .llama import RENAME as LLAMA_RENAME
 
 
@@ -29,8 +30,8 @@ class Qwen3NextLayer(FusedLayer):
 
 
 RENAME = {**LLAMA_RENAME, "shared_expert": "shared_experts"}
-ENVOYS = {"layers.*": Qwen3NextLayer, "self_attn": Attention, "linear_attn": LinearAttention, "mlp": Mlp,
-          "shared_experts": SharedExpert}
+ENVOYS = {"layers.*": Qwen3NextLayer, "self_attn": VllmAttention, "linear_attn": LinearAttention, "mlp": VllmMlp,
+          "shared_experts": VllmSharedExpert}
 
 #: vLLM runs the gated delta net's prefill with flashinfer on Hopper GPUs where it can; without flashinfer
 #: installed it must be told to use its own Triton kernel, which runs on every GPU (CPUs have their own).
