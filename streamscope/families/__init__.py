@@ -1,10 +1,17 @@
-"""Finding a family module by ``config.model_type``, for each engine's ``families`` package."""
+"""Finding a family module by ``config.model_type``, for each engine's ``families`` package.
+
+A family module states what it maps as a `FamilySpec` (``SPEC``), checked
+when a model loads (`spec_of`); `streamscope.families.renames` holds the
+``rename=`` maps both engines use.
+"""
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
 from typing import Optional
+
+from .spec import FamilySpec, FamilySpecError, spec_of
 
 
 def find_family(package: str, model_type: str) -> Optional[ModuleType]:
@@ -39,3 +46,6 @@ def named_family(package: str, name: str, engine: str) -> ModuleType:
             f"{default}."
         )
     return family
+
+
+__all__ = ["FamilySpec", "FamilySpecError", "find_family", "known_families", "named_family", "spec_of"]

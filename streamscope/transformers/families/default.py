@@ -20,6 +20,7 @@ import torch
 
 from ...blocks import Attention, Mlp
 from ...blocks.parallel import ConfigParallelLayer
+from ...families import FamilySpec
 
 # Keys that do not resolve are skipped, so every spelling can be listed. A
 # `*` stands for the backbone (`model`, `transformer`, ...); names that blocks
@@ -110,3 +111,6 @@ def check(model: Any) -> None:
         lines.append(f"The blocks also hold {', '.join(others)}, which the default does not read: "
                      f"values next to them may not be what their names say.")
     warnings.warn(" ".join(lines), stacklevel=3)
+
+
+SPEC = FamilySpec(rename=RENAME, envoys=ENVOYS, check=check)

@@ -10,7 +10,8 @@ from ...blocks import Attention, Mlp
 from ...blocks.envoy import module_config
 from ...blocks.heads import INTERNALS
 from ...blocks.parallel import FalconLayer
-from ...families.renames import FALCON as RENAME
+from ...families import FamilySpec
+from ...families.renames import FALCON
 
 FALCON_EAGER = ("Falcon's eager path computes its attention inline, with no kernel call to read; load the model "
                 "with attn_implementation='sdpa' (the default), and read without output_attentions")
@@ -57,4 +58,4 @@ class FalconAttention(Attention):
         return Spec(scale=self._module.head_dim ** -0.5)
 
 
-ENVOYS = {"layers.*": FalconLayer, "self_attn": FalconAttention, "mlp": Mlp}
+SPEC = FamilySpec(rename=FALCON, envoys={"layers.*": FalconLayer, "self_attn": FalconAttention, "mlp": Mlp})

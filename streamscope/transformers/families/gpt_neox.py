@@ -2,8 +2,7 @@
 
 from ...blocks import Attention, Mlp
 from ...blocks.parallel import ConfigParallelLayer
-from ...families.renames import GPT_NEOX as RENAME
+from ...families import FamilySpec
+from ...families.renames import GPT_NEOX
 
-ENVOYS = {"layers.*": ConfigParallelLayer, "self_attn": Attention, "mlp": Mlp}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = FamilySpec(rename=GPT_NEOX, envoys={"layers.*": ConfigParallelLayer, "self_attn": Attention, "mlp": Mlp})

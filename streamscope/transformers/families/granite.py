@@ -5,12 +5,12 @@ after ``embed_tokens``, so token_embeddings is read where the stream enters
 block 0; the logits are divided by `logits_scaling` (model.logits is after it).
 """
 
+from dataclasses import replace
+
 from ...blocks import Layer
 from ...blocks.scaled import GraniteAttention, GraniteMlp
 from ...values import INPUT
-from .llama import RENAME
+from . import llama
 
-ENVOYS = {"layers.*": Layer, "self_attn": GraniteAttention, "mlp": GraniteMlp}
-ROOT_SITES = {"token_embeddings": ("layers.0", INPUT)}
-
-__all__ = ["ENVOYS", "RENAME", "ROOT_SITES"]
+SPEC = replace(llama.SPEC, envoys={"layers.*": Layer, "self_attn": GraniteAttention, "mlp": GraniteMlp},
+               root_sites={"token_embeddings": ("layers.0", INPUT)})

@@ -1,7 +1,8 @@
 """Llama (LlamaForCausalLM): the pre-norm block every other family is described against."""
 
 from ...blocks import Attention, Layer, Mlp
-from ...families.renames import LLAMA as RENAME
+from ...families import FamilySpec
+from ...families.renames import LLAMA
 
-# Keyed on aliased path suffixes, so every family with Llama's tree shares it.
-ENVOYS = {"layers.*": Layer, "self_attn": Attention, "mlp": Mlp}
+# Envoys keyed on aliased path suffixes, so every family with Llama's tree shares them.
+SPEC = FamilySpec(rename=LLAMA, envoys={"layers.*": Layer, "self_attn": Attention, "mlp": Mlp})

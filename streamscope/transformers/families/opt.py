@@ -9,8 +9,7 @@ and every value there is served as ``[batch, seq, hidden]``. With
 
 from ...blocks import Attention, Mlp
 from ...blocks.post_norm import OPTLayer
-from ...families.renames import OPT as RENAME
+from ...families import FamilySpec
+from ...families.renames import OPT
 
-ENVOYS = {"layers.*": OPTLayer, "self_attn": Attention, "mlp": Mlp}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = FamilySpec(rename=OPT, envoys={"layers.*": OPTLayer, "self_attn": Attention, "mlp": Mlp})

@@ -1,7 +1,7 @@
-"""Family modules for the vLLM engine, found by ``config.model_type``: ``RENAME`` and ``ENVOYS`` for vLLM's module tree.
+"""Family modules for the vLLM engine, found by ``config.model_type``: a ``SPEC`` for vLLM's module tree.
 
-The same contract as the transformers families (see
-`streamscope.transformers.families`), stated against vLLM's classes in
+The same contract as the transformers families (a
+`streamscope.families.FamilySpec`), stated against vLLM's classes in
 ``vllm.model_executor.models``: the block kinds of `streamscope.vllm.blocks`.
 """
 
@@ -31,7 +31,7 @@ def family_for(model_type: str) -> ModuleType:
     if family is None:
         raise NotImplementedError(
             f"streamscope has no vLLM family module for model type {model_type!r}; load it with "
-            f"engine='transformers', or add streamscope/vllm/families/{model_type}.py (RENAME and ENVOYS)."
+            f"engine='transformers', or add streamscope/vllm/families/{model_type}.py (its SPEC)."
         )
     return family
 

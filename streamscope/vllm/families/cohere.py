@@ -6,11 +6,13 @@ block's input second; the values read the first. Its norm returns
 ``(normed, residual)``. There is no ``lm_head``: the logits use embed_tokens.
 """
 
+from dataclasses import replace
+
 from ...blocks import SharedNormParallelLayer
 from ...blocks import Mlp
 from ..attention import VllmAttention
 from ..blocks import VllmLayer
-from .llama import RENAME
+from . import llama
 
 
 class CohereLayer(VllmLayer, SharedNormParallelLayer):
@@ -19,6 +21,4 @@ class CohereLayer(VllmLayer, SharedNormParallelLayer):
     RETURNS_TUPLE = True
 
 
-ENVOYS = {"layers.*": CohereLayer, "self_attn": VllmAttention, "mlp": Mlp}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = replace(llama.SPEC, envoys={"layers.*": CohereLayer, "self_attn": VllmAttention, "mlp": Mlp})

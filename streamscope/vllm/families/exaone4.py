@@ -6,10 +6,12 @@ returns ``(hidden_states, residual)``: the whole stream first, layer_mid
 second; the values read the first.
 """
 
+from dataclasses import replace
+
 from ...blocks import PostNormedMlp, PostNormLayer
 from ..attention import VllmPostNormedAttention
 from ..blocks import VllmLayer
-from .llama import RENAME
+from . import llama
 
 
 class Exaone4Layer(VllmLayer, PostNormLayer):
@@ -18,6 +20,5 @@ class Exaone4Layer(VllmLayer, PostNormLayer):
     RETURNS_TUPLE = True
 
 
-ENVOYS = {"layers.*": Exaone4Layer, "self_attn": VllmPostNormedAttention, "mlp": PostNormedMlp}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = replace(llama.SPEC, envoys={"layers.*": Exaone4Layer, "self_attn": VllmPostNormedAttention,
+                                   "mlp": PostNormedMlp})

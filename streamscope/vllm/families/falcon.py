@@ -10,7 +10,8 @@ biases and the identity does not hold.
 
 from ...blocks import Mlp
 from ...blocks.parallel import FalconLayer
-from ...families.renames import FALCON as RENAME
+from ...families import FamilySpec
+from ...families.renames import FALCON
 from ..attention import VllmAttention
 from ..blocks import VllmLayer
 
@@ -21,6 +22,4 @@ class VllmFalconLayer(VllmLayer, FalconLayer):
     RETURNS_TUPLE = False
 
 
-ENVOYS = {"layers.*": VllmFalconLayer, "self_attn": VllmAttention, "mlp": Mlp}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = FamilySpec(rename=FALCON, envoys={"layers.*": VllmFalconLayer, "self_attn": VllmAttention, "mlp": Mlp})

@@ -11,6 +11,7 @@ root; values are ``[1, tokens, hidden]`` already.
 
 from ...blocks import Mlp
 from ...blocks.parallel import ConfigParallelLayer
+from ...families import FamilySpec
 from ...families.renames import GPT_NEOX
 from ..attention import VllmAttention
 from ..blocks import VllmLayer, VllmSkip
@@ -26,10 +27,10 @@ class GPTNeoXBackendLayer(VllmSkip, ConfigParallelLayer):
 
 
 NATIVE = runs_natively("GPTNeoXForCausalLM")
-RENAME = GPT_NEOX if NATIVE else {
-    "model.layers": "layers", "model.embed_in": "embed_tokens", "model.final_layer_norm": "norm",
-    "attention": "self_attn",
-}
-ENVOYS = {"layers.*": VllmGPTNeoXLayer if NATIVE else GPTNeoXBackendLayer, "self_attn": VllmAttention, "mlp": Mlp}
+SPEC = FamilySpec(
+    rename=GPT_NEOX if NATIVE else {"model.layers": "layers", "model.embed_in": "embed_tokens",
+                                    "model.final_layer_norm": "norm", "attention": "self_attn"},
+    envoys={"layers.*": VllmGPTNeoXLayer if NATIVE else GPTNeoXBackendLayer, "self_attn": VllmAttention, "mlp": Mlp},
+)
 
-__all__ = ["ENVOYS", "RENAME"]
+__all__ = ["SPEC"]

@@ -8,13 +8,9 @@ its kernel inside is also called ``attn``.
 from vllm.model_executor.models.gpt_j import GPTJAttention
 
 from ...blocks import Mlp, SharedNormParallelLayer
+from ...families import FamilySpec
 from ..attention import VllmAttention
 from ..blocks import VllmLayer
-
-RENAME = {
-    "transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
-    GPTJAttention: "self_attn", "ln_1": "input_layernorm",
-}
 
 
 class VllmGPTJLayer(VllmLayer, SharedNormParallelLayer):
@@ -23,4 +19,8 @@ class VllmGPTJLayer(VllmLayer, SharedNormParallelLayer):
     STREAM = (1, "hidden_states")
 
 
-ENVOYS = {"layers.*": VllmGPTJLayer, "self_attn": VllmAttention, "mlp": Mlp}
+SPEC = FamilySpec(
+    rename={"transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
+            GPTJAttention: "self_attn", "ln_1": "input_layernorm"},
+    envoys={"layers.*": VllmGPTJLayer, "self_attn": VllmAttention, "mlp": Mlp},
+)

@@ -10,11 +10,13 @@ argument: block 0's input norm. Each block's layer_input is read there too
 one read in the order transformers computes them.
 """
 
+from dataclasses import replace
+
 from ...blocks.scaled import GraniteAttention, GraniteMlp
 from ...values import INPUT, Residual, StreamValue
 from ..attention import VllmAttention
 from ..blocks import VllmLayer
-from .llama import RENAME
+from . import llama
 
 
 class VllmGraniteAttention(VllmAttention, GraniteAttention):
@@ -30,7 +32,5 @@ class GraniteLayer(VllmLayer):
         """The residual stream entering this block, before any of its norms, [1, tokens, hidden_size]."""
 
 
-ENVOYS = {"layers.*": GraniteLayer, "self_attn": VllmGraniteAttention, "mlp": GraniteMlp}
-ROOT_SITES = {"token_embeddings": ("layers.0.input_layernorm", INPUT)}
-
-__all__ = ["ENVOYS", "RENAME", "ROOT_SITES"]
+SPEC = replace(llama.SPEC, envoys={"layers.*": GraniteLayer, "self_attn": VllmGraniteAttention, "mlp": GraniteMlp},
+               root_sites={"token_embeddings": ("layers.0.input_layernorm", INPUT)})

@@ -21,10 +21,12 @@ the first ``floor_scale - 1`` positions (8191 by default), so prompts shorter
 than that agree either way.
 """
 
+from dataclasses import replace
+
 from ..attention import VllmAttention
 from ..blocks import FusedLayer
 from ..moe import VllmMlp, VllmSharedExpert
-from .llama import RENAME as LLAMA_RENAME
+from . import llama
 
 
 class VllmLlama4Attention(VllmAttention):
@@ -37,8 +39,8 @@ class VllmLlama4Attention(VllmAttention):
     CHANNELS_PERMUTED = True
 
 
-RENAME = {**LLAMA_RENAME, "feed_forward": "mlp", "shared_expert": "shared_experts"}
-ENVOYS = {"layers.*": FusedLayer, "self_attn": VllmLlama4Attention, "mlp": VllmMlp,
-          "shared_experts": VllmSharedExpert}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = replace(
+    llama.SPEC, rename={**llama.SPEC.rename, "feed_forward": "mlp", "shared_expert": "shared_experts"},
+    envoys={"layers.*": FusedLayer, "self_attn": VllmLlama4Attention, "mlp": VllmMlp,
+            "shared_experts": VllmSharedExpert},
+)

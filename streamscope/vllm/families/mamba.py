@@ -13,8 +13,9 @@ where attention_output is served.
 """
 
 from ...blocks import LinearAttention, StateSpaceLayer
-from ...blocks.state_space import HEADLESS as UNSERVED
-from ...families.renames import MAMBA as RENAME
+from ...blocks.state_space import HEADLESS
+from ...families import FamilySpec
+from ...families.renames import MAMBA
 from ...values import OUTPUT, StreamValue
 from ..blocks import FusedLayer
 
@@ -38,6 +39,4 @@ class MambaMixer(LinearAttention):
         None, OUTPUT, description="What the mixer adds to the residual stream, [1, tokens, hidden_size]")
 
 
-ENVOYS = {"layers.*": MambaLayer, "linear_attn": MambaMixer}
-
-__all__ = ["ENVOYS", "RENAME", "UNSERVED"]
+SPEC = FamilySpec(rename=MAMBA, envoys={"layers.*": MambaLayer, "linear_attn": MambaMixer}, unserved=HEADLESS)

@@ -9,11 +9,12 @@ Llama's either way (``model.layers``, ``model.embed_tokens``, ``model.norm``,
 ``lm_head``).
 """
 
+from dataclasses import replace
+
 from ...blocks import PostNormedMlp, PostNormLayer
 from ..attention import VllmPostNormedAttention
 from ..blocks import VllmLayer, VllmSkip
-from . import runs_natively
-from .llama import RENAME
+from . import llama, runs_natively
 
 
 class Olmo2Layer(VllmLayer, PostNormLayer):
@@ -25,7 +26,7 @@ class Olmo2BackendLayer(VllmSkip, PostNormLayer):
 
 
 NATIVE = runs_natively("Olmo2ForCausalLM")
-ENVOYS = {"layers.*": Olmo2Layer if NATIVE else Olmo2BackendLayer, "self_attn": VllmPostNormedAttention,
-          "mlp": PostNormedMlp}
+SPEC = replace(llama.SPEC, envoys={"layers.*": Olmo2Layer if NATIVE else Olmo2BackendLayer,
+                                   "self_attn": VllmPostNormedAttention, "mlp": PostNormedMlp})
 
-__all__ = ["ENVOYS", "RENAME"]
+__all__ = ["SPEC"]

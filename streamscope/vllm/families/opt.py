@@ -13,7 +13,8 @@ from vllm.model_executor.layers.linear import RowParallelLinear
 
 from ...blocks import Mlp
 from ...blocks.post_norm import OPTLayer
-from ...families.renames import OPT as RENAME
+from ...families import FamilySpec
+from ...families.renames import OPT
 from ...values import INPUT
 from ..attention import Flat, VllmAttention
 from ..blocks import VllmLayer
@@ -54,6 +55,5 @@ class RowParallel:
         return kind(module, *args, path=path, **kwargs)
 
 
-ENVOYS = {"layers.*": VllmOPTLayer, "self_attn": OPTAttention, RowParallelLinear: RowParallel}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = FamilySpec(rename=OPT, envoys={"layers.*": VllmOPTLayer, "self_attn": OPTAttention,
+                                      RowParallelLinear: RowParallel})

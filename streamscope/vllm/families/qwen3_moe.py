@@ -5,9 +5,9 @@ MLP on `mlp_only_layers`; the routing runs inside vLLM's fused MoE kernel, and t
 routing values say so (`streamscope.vllm.moe`).
 """
 
+from dataclasses import replace
+
 from ..moe import VllmMlp
-from .llama import ENVOYS as LLAMA_ENVOYS, RENAME
+from . import llama
 
-ENVOYS = {**LLAMA_ENVOYS, "mlp": VllmMlp}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = replace(llama.SPEC, envoys={**llama.SPEC.envoys, "mlp": VllmMlp})

@@ -12,6 +12,7 @@ name. vLLM's CPU kernels for the gated delta net run bfloat16
 only, with head dims of 64.
 """
 
+from dataclasses import replace
 from importlib.util import find_spec
 
 import torch
@@ -20,7 +21,7 @@ from ...blocks import HybridLayer, LinearAttention
 from ..attention import VllmAttention
 from ..blocks import FusedLayer
 from ..moe import VllmMlp, VllmSharedExpert
-from .llama import RENAME as LLAMA_RENAME
+from . import llama
 
 
 class Qwen3NextLayer(FusedLayer):
@@ -29,12 +30,12 @@ class Qwen3NextLayer(FusedLayer):
     ROLES = HybridLayer.ROLES
 
 
-RENAME = {**LLAMA_RENAME, "shared_expert": "shared_experts"}
-ENVOYS = {"layers.*": Qwen3NextLayer, "self_attn": VllmAttention, "linear_attn": LinearAttention, "mlp": VllmMlp,
-          "shared_experts": VllmSharedExpert}
-
-#: vLLM runs the gated delta net's prefill with flashinfer on Hopper GPUs where it can; without flashinfer
-#: installed it must be told to use its own Triton kernel, which runs on every GPU (CPUs have their own).
-ENGINE_DEFAULTS = {"gdn_prefill_backend": "triton"} if torch.cuda.is_available() and not find_spec("flashinfer") else {}
-
-__all__ = ["ENGINE_DEFAULTS", "ENVOYS", "RENAME"]
+SPEC = replace(
+    llama.SPEC, rename={**llama.SPEC.rename, "shared_expert": "shared_experts"},
+    envoys={"layers.*": Qwen3NextLayer, "self_attn": VllmAttention, "linear_attn": LinearAttention, "mlp": VllmMlp,
+            "shared_experts": VllmSharedExpert},
+    # vLLM runs the gated delta net's prefill with flashinfer on Hopper GPUs where it can; without flashinfer
+    # installed it must be told to use its own Triton kernel, which runs on every GPU (CPUs have their own).
+    engine_defaults={"gdn_prefill_backend": "triton"} if torch.cuda.is_available() and not find_spec("flashinfer")
+    else {},
+)

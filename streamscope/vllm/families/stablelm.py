@@ -4,10 +4,12 @@
 the whole stream first, layer_mid second; the values read the first.
 """
 
+from dataclasses import replace
+
 from ...blocks import Mlp
 from ..attention import VllmAttention
 from ..blocks import VllmLayer
-from .llama import RENAME
+from . import llama
 
 
 class StableLMLayer(VllmLayer):
@@ -16,6 +18,4 @@ class StableLMLayer(VllmLayer):
     RETURNS_TUPLE = True
 
 
-ENVOYS = {"layers.*": StableLMLayer, "self_attn": VllmAttention, "mlp": Mlp}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = replace(llama.SPEC, envoys={"layers.*": StableLMLayer, "self_attn": VllmAttention, "mlp": Mlp})
