@@ -7,9 +7,6 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Optional, Union
 
-from ..model import ROOT_ORDER, SIZE_NAMES
-from ..values import INPUT, OUTPUT
-
 #: The names streamscope gives a family's modules: what ``rename=`` maps to, and what ``envoys=`` paths are written in.
 MODULE_NAMES = (
     "layers", "embed_tokens", "norm", "lm_head",  # on the root
@@ -48,6 +45,8 @@ class FamilySpec:
 
     def problems(self) -> list[str]:
         """What is wrong with this spec, one line per field that is wrong; empty where nothing is."""
+        from ..model import ROOT_ORDER, SIZE_NAMES  # the engines' side (torch, nnsight), loaded once a model loads
+
         found: list[str] = []
         for name, expected in (("rename", "a dict"), ("envoys", "a dict"), ("root_sites", "a dict"),
                                ("unserved", "a dict"), ("engine_defaults", "a dict")):
@@ -124,6 +123,8 @@ def _unknown_parts(path: str) -> list[str]:
 
 
 def _is_site(site: Any) -> bool:
+    from ..values import INPUT, OUTPUT
+
     if not isinstance(site, tuple) or len(site) not in (2, 3):
         return False
     module, where, *argument = site

@@ -16,7 +16,8 @@ A family module states ``SPEC``, a `streamscope.families.FamilySpec`:
 It is checked when a model loads: a wrong field is an error naming the
 module and the field.
 
-A model type with no module gets `default`, which maps what it can find and
+Which model types have one is `streamscope.families.FAMILIES`. A model type
+with no module gets `default`, which maps what it can find and
 says what it could not.
 """
 
@@ -24,14 +25,14 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ...families import find_family, named_family
+from ...families import TRANSFORMERS, find_family, named_family
 
 
 def family_for(model_type: str) -> ModuleType:
     """The family module of `model_type`, or the best-effort default."""
-    return find_family(__name__, model_type) or find_family(__name__, "default")
+    return find_family(TRANSFORMERS, model_type) or named_family(TRANSFORMERS, "default")
 
 
 def family_called(name: str) -> ModuleType:
     """The family module a user named (``family="gpt2"``, ``"default"``); a ValueError listing the known ones."""
-    return named_family(__name__, name, "transformers")
+    return named_family(TRANSFORMERS, name)

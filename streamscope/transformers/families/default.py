@@ -92,10 +92,10 @@ def unread(model: Any) -> list[str]:
 
 def check(model: Any) -> None:
     """Warn that the default family is in use, what it could not map, and what it does not read."""
-    from . import find_family
+    from ...families import TRANSFORMERS, find_family
 
     model_type = model.config.model_type
-    if find_family(__package__, model_type) is None:
+    if find_family(TRANSFORMERS, model_type) is None:
         lines = [f"streamscope has no family module for model type {model_type!r}: the default family "
                  f"reads its blocks as pre-norm blocks (parallel where the config says so)."]
     else:

@@ -3,13 +3,14 @@
 The same contract as the transformers families (a
 `streamscope.families.FamilySpec`), stated against vLLM's classes in
 ``vllm.model_executor.models``: the block kinds of `streamscope.vllm.blocks`.
+Which model types have one is `streamscope.families.FAMILIES`.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from ...families import find_family, named_family
+from ...families import VLLM, find_family, named_family
 
 
 def runs_natively(architecture: str) -> bool:
@@ -27,15 +28,16 @@ def runs_natively(architecture: str) -> bool:
 
 def family_for(model_type: str) -> ModuleType:
     """The vLLM family module of `model_type`; a clear error where streamscope has none."""
-    family = find_family(__name__, model_type)
+    family = find_family(VLLM, model_type)
     if family is None:
         raise NotImplementedError(
             f"streamscope has no vLLM family module for model type {model_type!r}; load it with "
-            f"engine='transformers', or add streamscope/vllm/families/{model_type}.py (its SPEC)."
+            f"engine='transformers', or add streamscope/vllm/families/{model_type}.py (its SPEC) and list it "
+            f"in streamscope.families.FAMILIES."
         )
     return family
 
 
 def family_called(name: str) -> ModuleType:
     """The vLLM family module a user named (``family="gpt2"``); a ValueError listing the known ones."""
-    return named_family(__name__, name, "vLLM")
+    return named_family(VLLM, name)
