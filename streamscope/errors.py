@@ -23,7 +23,7 @@ PARALLEL = "a parallel block: the attention and the MLP read the same input, so 
 POST_NORM_ATTENTION = "a post-norm block: the attention reads the residual stream itself, layer_input"
 POST_NORM_MLP = "a post-norm block: the MLP reads the residual stream itself, layer_mid"
 STATE_SPACE = "a state-space block: one sublayer, the mixer, so there is no stream between sublayers and no MLP"
-ONE_SUBLAYER = "a one-sublayer block: its norm feeds its one sublayer, so there is no stream between sublayers"
+NO_HEADS = "a state-space model has no attention heads: its mixer is a selective scan, not attention"
 POST_LN = (
     "a post-LN block: a norm after each residual add rescales the stream, so no sublayer "
     "adds its output to the stream unchanged"

@@ -3,27 +3,66 @@
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from .blocks.envoy import StreamEnvoy
+from .blocks.envoy import Blocks, StreamEnvoy
 from .errors import Unavailable
 from .support import BlockSupport, ModelSupport
+from .families.spec import ROOT_ORDER, SIZE_NAMES
 from .values import OUTPUT, StreamValue
 
-ROOT_ORDER = ("token_embeddings", "final_norm_output", "logits", "prompt_logits")
+if TYPE_CHECKING:
+    from .families.spec import FamilySpec
 
 
 class Standardized(StreamEnvoy):
     """The root of a standardized model: the family's names, the sizes, the root values and support.
 
     Mixed into an engine's nnsight model class; the family module (found by
-    ``config.model_type``) is `family`. Each engine adds `logits` its own way.
+    ``config.model_type``) is `family`, what it states `family_spec`. Each
+    engine adds `logits` its own way.
     """
 
     family: ModuleType
     ORDER = ROOT_ORDER
+
+    def _standardize(self, path: Any, family: str | ModuleType | None, families: ModuleType,
+                     settings: dict[str, Any], envoys: dict) -> dict[str, Any]:
+        """Take the model's family and say how nnsight builds the tree: both engines' one setup path.
+
+        `family` is a family module, a model type's name, or None for the
+        family of the checkpoint's ``config.model_type``, found in the
+        engine's `families` package. Its spec is checked (`spec_of`), and it is
+        set on the model before the tree is built: the root's values consult
+        it. Returns the caller's `settings` over the family's engine defaults,
+        with its ``rename=`` and ``envoys=`` (over the engine's own `envoys`)
+        where the caller gave none. `_standardized` finishes, once the tree is built.
+        """
+        from .families.spec import spec_of
+
+        if isinstance(family, str):
+            family = families.family_called(family)
+        elif family is None:
+            family = families.family_for(_config(path, settings).model_type)
+        spec = spec_of(family)
+        object.__setattr__(self, "family", family)
+        settings = {**spec.engine_defaults, **settings}
+        settings.setdefault("rename", spec.rename)
+        settings.setdefault("envoys", {**envoys, "layers": Blocks, **spec.envoys})
+        return settings
+
+    def _standardized(self) -> None:
+        """A family may check the tree it was applied to (the default says what it could not map)."""
+        check: Optional[Callable[[Any], None]] = self.family_spec.check
+        if check is not None:
+            check(self)
+
+    @property
+    def family_spec(self) -> "FamilySpec":
+        """What the model's family states: its names, envoys and exceptions (`streamscope.families.FamilySpec`)."""
+        return self.family.SPEC
 
     @StreamValue("embed_tokens", OUTPUT)
     def token_embeddings(self) -> torch.Tensor:
@@ -41,19 +80,19 @@ class Standardized(StreamEnvoy):
         return "model"
 
     def relocated(self) -> dict[str, tuple[Optional[str], str]]:
-        return getattr(self.family, "ROOT_SITES", {})
+        return dict(self.family_spec.root_sites)
 
     def reason(self, name: str) -> Optional[str]:
-        return getattr(self.family, "UNSERVED", {}).get(name)
+        return self.family_spec.unserved.get(name)
 
     # Sizes, read off the config under the family's spelling of them.
 
     def _size(self, name: str, *attributes: str) -> int:
-        reason = self.reason(name)  # a family's UNSERVED may name sizes too (Mamba: no heads)
+        reason = self.reason(name)  # a family's unserved may name sizes too (Mamba: no heads)
         if reason is not None:
             raise Unavailable(name, "model", reason)
         config = self.config
-        for attribute in getattr(self.family, "SIZES", {}).get(name, attributes):
+        for attribute in attributes:
             value = getattr(config, attribute, None)
             if value is not None:
                 return int(value)
@@ -120,3 +159,13 @@ class Standardized(StreamEnvoy):
 
     ENGINE = "engine"
 
+
+def _config(path: Any, settings: dict[str, Any]) -> Any:
+    """The config of the model at `path`: a model built in memory's own, the caller's ``config=``, or the checkpoint's."""
+    if isinstance(path, torch.nn.Module):
+        return path.config
+    if settings.get("config") is not None:
+        return settings["config"]
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path), trust_remote_code=settings.get("trust_remote_code", False))

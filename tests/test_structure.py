@@ -1,13 +1,170 @@
-"""The package's structure: checks on streamscope's source, not on its values."""
+"""The package's structure: what its modules may import (no cycles, no vLLM module on the transformers engine),
+what its classes are called, and the one family list."""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import types
+from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
-import streamscope
+import pytest
 
-PACKAGE = Path(streamscope.__file__).parent
+PACKAGE = Path(__file__).resolve().parent.parent / "streamscope"
+
+
+def _modules(folder: Path) -> list[Path]:
+    return sorted(folder.rglob("*.py"))
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+# ---- Engines and classes: no vLLM module imports the transformers engine; class names are unique. ----
+
+
+def _imported(path: Path) -> list[tuple[int, str]]:
+    """Every module `path` imports, anywhere in it (functions included), as absolute names, with the line."""
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.append((node.lineno, module))
+            # `from .. import transformers` imports a module by its name too.
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def test_no_vllm_module_imports_the_transformers_engine():
+    offending = [f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}"
+                 for path in _modules(PACKAGE / "vllm") for line, name in _imported(path)
+                 if name == "streamscope.transformers" or name.startswith("streamscope.transformers.")]
+    assert not offending, ("what both engines need belongs under streamscope/blocks or streamscope/families, "
+                           "not in the transformers engine:\n" + "\n".join(offending))
+
+
+def test_the_importer_resolves_relative_imports():
+    # The check above is only as good as its reading of `from ...transformers.families import x`.
+    path = PACKAGE / "vllm" / "families" / "llama.py"
+    names = {name for _, name in _imported(path)}
+    assert "streamscope.blocks" in names and "streamscope.vllm.blocks" in names, names
+
+
+def test_class_names_are_unique_across_the_package():
+    defined: dict[str, list[str]] = defaultdict(list)
+    for path in _modules(PACKAGE):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                defined[node.name].append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    repeated = {name: places for name, places in defined.items() if len(places) > 1}
+    assert not repeated, f"class names defined more than once (name an engine's own kind Vllm...): {repeated}"
+
+
+# ---- The one list of families: every family has what `streamscope.families.FAMILIES` says it has. ----
+
+
+def _family_files(engine: str) -> set[str]:
+    return {path.stem for path in (PACKAGE / engine / "families").glob("*.py") if path.stem != "__init__"}
+
+
+@pytest.mark.parametrize("engine", ["transformers", "vllm"])
+def test_each_engine_has_a_module_for_exactly_the_listed_families(engine):
+    from streamscope.families import FAMILIES, spec_of
+
+    listed = {family.name for family in FAMILIES if engine in family.engines}
+    files = _family_files(engine)
+    assert not listed - files, f"listed for {engine} but no streamscope/{engine}/families module: {listed - files}"
+    assert not files - listed, (f"streamscope/{engine}/families modules missing from streamscope.families.FAMILIES "
+                                f"(add them, saying which engines have them): {files - listed}")
+    for name in sorted(listed):
+        spec_of(importlib.import_module(f"streamscope.{engine}.families.{name}"))
+
+
+def test_every_listed_model_type_has_a_checkpoint_recipe_and_an_oracle_entry():
+    import oracle
+    from streamscope.families import FAMILIES, MODEL_TYPES
+    from streamscope.testing import FAMILY_CONFIGS
+    from streamscope.testing import FAMILIES as CHECKPOINT_FAMILIES
+
+    assert CHECKPOINT_FAMILIES == MODEL_TYPES
+    assert set(FAMILY_CONFIGS) == set(MODEL_TYPES), (
+        f"checkpoint recipes (streamscope.testing.FAMILY_CONFIGS) missing: {set(MODEL_TYPES) - set(FAMILY_CONFIGS)}, "
+        f"not listed: {set(FAMILY_CONFIGS) - set(MODEL_TYPES)}")
+    assert set(oracle.ORACLE) == set(MODEL_TYPES), (
+        f"oracle entries (tests/oracle.py) missing: {set(MODEL_TYPES) - set(oracle.ORACLE)}, "
+        f"not listed: {set(oracle.ORACLE) - set(MODEL_TYPES)}")
+    # A family on one engine only, or that is no model type, says so in the list rather than by its absence.
+    single = [family.name for family in FAMILIES if set(family.engines) != {"transformers", "vllm"}]
+    assert single == ["default"], single
+
+
+def test_the_engines_find_families_through_the_list():
+    from streamscope.families import FAMILIES, TRANSFORMERS, VLLM, known_families
+    from streamscope.transformers.families import family_for as transformers_family
+    from streamscope.vllm.families import family_for as vllm_family
+
+    assert known_families(TRANSFORMERS) == sorted(family.name for family in FAMILIES)
+    assert "default" not in known_families(VLLM)
+    assert transformers_family("not_a_family").__name__ == "streamscope.transformers.families.default"
+    assert transformers_family("gpt2").__name__ == "streamscope.transformers.families.gpt2"
+    assert vllm_family("gpt2").__name__ == "streamscope.vllm.families.gpt2"
+    with pytest.raises(NotImplementedError, match="no vLLM family module for model type 'default'"):
+        vllm_family("default")
+
+
+# ---- The family spec: checked when a model loads, with an error naming the module and the field. ----
+
+
+def _family(name: str, spec) -> types.ModuleType:
+    module = types.ModuleType(f"my_families.{name}")
+    if spec is not None:
+        module.SPEC = spec
+    return module
+
+
+def test_the_family_specs_mistakes_are_named_with_the_module_and_the_field():
+    from streamscope.families import FamilySpec, FamilySpecError, spec_of
+    from streamscope.transformers.families import llama
+
+    assert spec_of(llama) is llama.SPEC
+    with pytest.raises(FamilySpecError, match=r"my_families.bare states no SPEC: .*FamilySpec\(rename="):
+        spec_of(_family("bare", None))
+    with pytest.raises(FamilySpecError, match=r"my_families.old states SPEC = dict"):
+        spec_of(_family("old", {"rename": {}}))
+    wrong = {
+        "rename": replace(llama.SPEC, rename={"model.layers": "blocks"}),
+        "envoys": replace(llama.SPEC, envoys={"layers.*.attention": llama.SPEC.envoys["self_attn"]}),
+        "root_sites": replace(llama.SPEC, root_sites={"token_embeddings": ("layers.0", "before")}),
+        "unserved": replace(llama.SPEC, unserved={"num_experts": "no experts"}),
+        "check": replace(llama.SPEC, check="warn"),
+        "engine_defaults": replace(llama.SPEC, engine_defaults=[("dtype", "float32")]),
+    }
+    for field, spec in wrong.items():
+        with pytest.raises(FamilySpecError, match=rf"the family module my_families.{field} .*SPEC\.{field}[ \[]"):
+            spec_of(_family(field, spec))
+    assert "'blocks', which is not one of streamscope's module names" in str(
+        pytest.raises(FamilySpecError, spec_of, _family("rename", wrong["rename"])).value)
+    assert FamilySpec(rename={}, envoys={}).problems() == []
+
+
+def test_a_wrong_spec_is_refused_when_a_model_loads(checkpoints):
+    import streamscope
+    from streamscope.families import FamilySpecError
+    from streamscope.transformers.families import llama
+
+    family = _family("broken", replace(llama.SPEC, envoys={"layers.*": "Layer"}))
+    with pytest.raises(FamilySpecError, match=r"my_families.broken .*SPEC.envoys maps 'layers.\*' to 'Layer', not a class"):
+        streamscope.load(checkpoints("llama"), family=family)
 
 
 # --- No import cycles inside streamscope/ -------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from ..errors import STATE_SPACE
+from ..errors import NO_HEADS, STATE_SPACE
 from .layer import Layer
+
+#: The sizes a state-space model has none of, with the reason: a family's unserved root values.
+HEADLESS = {"num_heads": NO_HEADS, "num_kv_heads": NO_HEADS, "head_dim": NO_HEADS}
 
 
 class StateSpaceLayer(Layer):

@@ -102,14 +102,16 @@ class WorkerState:
 
 def worker_tree(module: torch.nn.Module, model_type: str) -> Any:
     """streamscope's envoy tree over the worker's real model: the same family envoys the client's tree has."""
+    from ..families.spec import spec_of
     from ..model import Standardized
     from ..nnsight_seam import parallel_envoys
     from ..vllm.families import family_for
 
     family = family_for(model_type)
+    spec = spec_of(family)
     root = Standardized.__new__(Standardized)
     object.__setattr__(root, "family", family)
-    Standardized.__init__(root, module, rename=family.RENAME, envoys={**parallel_envoys(), **family.ENVOYS})
+    Standardized.__init__(root, module, rename=spec.rename, envoys={**parallel_envoys(), **spec.envoys})
     return root
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ..families import MODEL_TYPES
 from .tokenizer import save_tokenizer
 
 VOCAB_SIZE = 512
@@ -89,7 +90,8 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
                    "num_attention_heads": 2, "hidden_size": 128},
 }
 
-FAMILIES: tuple[str, ...] = tuple(FAMILY_CONFIGS)
+#: The model types of `streamscope.families.FAMILIES`: each has its entry in FAMILY_CONFIGS.
+FAMILIES: tuple[str, ...] = MODEL_TYPES
 
 
 def tiny_config(model_type: str, **overrides: Any):

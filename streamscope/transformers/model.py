@@ -10,14 +10,13 @@ from typing import Any
 
 import torch
 from nnsight import TransformersModel
-from transformers import AutoConfig
 
+from . import families
 from .. import nnsight_seam as seam
 from ..blocks.envoy import Blocks
 from ..checks import check_token_ids
 from ..model import Standardized
 from ..values import OUTPUT, ComputedValue, StreamValue
-from .families import family_called, family_for
 
 
 class StandardizedTransformers(Standardized, TransformersModel):
@@ -42,27 +41,15 @@ class StandardizedTransformers(Standardized, TransformersModel):
 
     def __init__(self, path: str | Path | torch.nn.Module, *args: Any, family: str | ModuleType | None = None, **kwargs: Any) -> None:
         """`family` overrides the family module found by ``config.model_type``: a module, or a model type's name."""
-        # A model built in memory (random weights from a config, as the benchmarks do) is taken as is.
-        built = isinstance(path, torch.nn.Module)
-        if isinstance(family, str):
-            family = family_called(family)
-        elif family is None:
-            config = path.config if built else (kwargs.get("config") or AutoConfig.from_pretrained(
-                str(path), trust_remote_code=kwargs.get("trust_remote_code", False)))
-            family = family_for(config.model_type)
-        # Set before the tree is built: the root's values consult the family.
-        object.__setattr__(self, "family", family)
-        kwargs.setdefault("rename", self.family.RENAME)
-        kwargs.setdefault("envoys", {"layers": Blocks, **self.family.ENVOYS})
+        kwargs = self._standardize(path, family, families, kwargs, {})
         kwargs.setdefault("dtype", torch.float32)
         kwargs.setdefault("dispatch", True)
         kwargs.setdefault("task", "text-generation")
+        # A model built in memory (random weights from a config, as the benchmarks do) is taken as is.
+        built = isinstance(path, torch.nn.Module)
         with _beside_vllm():
             super().__init__(path if built else str(path), *args, **kwargs)
-        # A family may check the tree it was applied to (the default says what it could not map).
-        check = getattr(self.family, "check", None)
-        if check is not None:
-            check(self)
+        self._standardized()
 
     def _batch(self, invokes: list, fn: Any) -> tuple:
         """nnsight's batching, after refusing token ids beyond the vocabulary (the embedding would fail on them)."""

@@ -317,14 +317,14 @@ class VllmAttentionInternals:
         return attention.scores(queries, keys, self.spec(), key_positions[total - new:], key_positions)
 
 
-class Attention(VllmAttentionInternals, blocks.Attention):
+class VllmAttention(VllmAttentionInternals, blocks.Attention):
     """A softmax attention on vLLM (`self_attn`): its output, and its internals read at vLLM's attention layer
     (`blocks.Attention.reason` asks `kernel_reason` whether the layer is there)."""
 
 
-class PostNormedAttention(Attention, blocks.PostNormedAttention):
+class VllmPostNormedAttention(VllmAttention, blocks.PostNormedAttention):
     """An attention on vLLM whose output passes through the block's `post_attention_layernorm` before the add."""
 
 
-__all__ = ["Attention", "Flat", "PostNormedAttention", "Recomputed", "VllmAttentionInternals", "halves_first",
-           "pairs_first"]
+__all__ = ["Flat", "Recomputed", "VllmAttention", "VllmAttentionInternals", "VllmPostNormedAttention",
+           "halves_first", "pairs_first"]

@@ -1,9 +1,12 @@
-"""Layer and FusedLayer: a vLLM decoder block, called with the residual stream or with its two halves.
+"""VllmLayer and FusedLayer: a vLLM decoder block, called with the residual stream or with its two halves.
 
 vLLM runs every request of a step as one flat ``[tokens, hidden]`` batch and
 nnsight hands each invoke its own rows; the values serve them as
 ``[1, tokens, hidden]``. Block 0 of a fused family is called with residual
-None and the embeddings as hidden_states.
+None and the embeddings as hidden_states. The sublayers are `streamscope.blocks`'
+own (they take and return whole tensors on vLLM as on transformers), but for
+the attention, whose internals are read at vLLM's attention layer
+(`streamscope.vllm.attention.VllmAttention`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from .. import blocks
-from .attention import Attention, PostNormedAttention  # noqa: F401  (the families' attention kinds)
 from ..values import INPUT, OUTPUT, Host, Residual, StreamValue, argument
 
 
@@ -86,7 +88,7 @@ class VllmSkip:
             raise ValueError(f"{self.where()}.skip takes the block's layer_output: {error}") from None
 
 
-class Layer(VllmSkip, blocks.Layer):
+class VllmLayer(VllmSkip, blocks.Layer):
     """A vLLM block that is called with the residual stream and returns it (GPT-2, GPT-J, OPT, Falcon, ...).
 
     Two things vary between the blocks that work this way, and a family states
@@ -135,7 +137,3 @@ class FusedSandwichLayer(FusedLayer):
     def mlp_norm_output(self) -> Residual:
         """The MLP's pre-norm output, [1, tokens, hidden_size]."""
 
-
-# Sublayers take and return whole tensors on vLLM as on transformers; the attention's internals are read at
-# vLLM's attention layer (`streamscope.vllm.attention`).
-LinearAttention, Mlp, PostNormedMlp = blocks.LinearAttention, blocks.Mlp, blocks.PostNormedMlp

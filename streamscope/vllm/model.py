@@ -14,7 +14,6 @@ from types import ModuleType
 from typing import Any, Optional
 
 from nnsight.modeling.vllm import VLLM
-from transformers import AutoConfig
 
 import torch
 
@@ -22,10 +21,9 @@ from .. import errors
 from ..checks import check_token_ids
 from ..errors import Unavailable
 from .. import nnsight_seam as seam
-from ..blocks.envoy import Blocks
 from ..model import Standardized
 from ..values import OUTPUT, ComputedValue
-from .families import family_called, family_for
+from . import families
 from .logits import engine_logits
 
 #: Engine settings that keep values exact and every token visible to a trace.
@@ -112,13 +110,7 @@ class StandardizedVLLM(Standardized, VLLM):
 
     def __init__(self, path: str | Path, family: str | ModuleType | None = None, **kwargs: Any) -> None:
         """`family` overrides the family module found by ``config.model_type``: a module, or a model type's name."""
-        if isinstance(family, str):
-            family = family_called(family)
-        elif family is None:
-            config = AutoConfig.from_pretrained(str(path), trust_remote_code=kwargs.get("trust_remote_code", False))
-            family = family_for(config.model_type)
-        object.__setattr__(self, "family", family)
-        settings = {**EXACT_DEFAULTS, **getattr(self.family, "ENGINE_DEFAULTS", {}), **kwargs}
+        settings = {**EXACT_DEFAULTS, **self._standardize(path, family, families, kwargs, seam.parallel_envoys())}
         if _on_cpu():
             from .worker import cpu_engine_kwargs
 
@@ -135,8 +127,6 @@ class StandardizedVLLM(Standardized, VLLM):
 
             # nnsight's GPU worker with the bulk path's RPC methods (nnsight passes worker_cls=self._WORKER_CLS).
             seam.set_client_worker(self, GPU_WORKER_CLS)
-        settings.setdefault("rename", self.family.RENAME)
-        settings.setdefault("envoys", {**seam.parallel_envoys(), "layers": Blocks, **self.family.ENVOYS})
         settings.setdefault("dispatch", True)
         if torch.cuda.is_initialized():
             # vLLM measures the GPU's free memory at start and again after profiling, and refuses to start
@@ -156,6 +146,7 @@ class StandardizedVLLM(Standardized, VLLM):
                 cleanup_dist_env_and_memory()
             raise
         _ENGINES.add(self)
+        self._standardized()
 
     def close(self) -> None:
         """Shut the engine down and give its memory back (GPU memory included); the model cannot trace afterwards.

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import blocks
-from ..blocks.moe import SharedExpert as _SharedExpert
+from ..blocks.moe import SharedExpert
 
 FUSED_ROUTING = {
     "router_logits": ("vLLM's fused MoE layer takes the router's logits and routes inside one call; streamscope "
@@ -32,7 +32,7 @@ FUSED_SHARED_EXPERT = (
 )
 
 
-class Mlp(blocks.Mlp):
+class VllmMlp(blocks.Mlp):
     """A vLLM feed-forward: a dense MLP, or a fused mixture of experts whose routing values say why they are
     unavailable."""
 
@@ -40,7 +40,7 @@ class Mlp(blocks.Mlp):
         return FUSED_ROUTING[name] if self.is_moe() else blocks.sublayers.DENSE
 
 
-class SharedExpert(_SharedExpert):
+class VllmSharedExpert(SharedExpert):
     """The shared expert on vLLM (`mlp.shared_experts`): called and added inside the fused MoE layer, so its
     mlp_output is unavailable."""
 

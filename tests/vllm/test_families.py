@@ -26,7 +26,7 @@ import precision
 from access import relative_error, value_of
 import streamscope
 from streamscope.vllm.model import beside_engine
-from streamscope.testing import FAMILIES
+from streamscope.families import FAMILIES, VLLM
 
 PROMPT = "The Eiffel Tower is in Paris, and the quick brown fox"
 PROMPTS = [
@@ -41,8 +41,9 @@ PROMPTS = [
 ]
 GREEDY = {"temperature": 0.0, "max_tokens": 1}
 
-#: Families vLLM runs here: on this CPU all but Mamba (vLLM has no selective-scan kernel on CPU).
-VLLM_FAMILIES = [family for family in FAMILIES if precision.ON_GPU or family != "mamba"]
+#: Families vLLM runs here: every model type with a vLLM module, on a CPU those its CPU build can run (not Mamba's).
+VLLM_FAMILIES = [family.name for family in FAMILIES if VLLM in family.engines and family.model_type
+                 and (precision.ON_GPU or family.not_on_vllm_cpu is None)]
 
 
 class Case:

@@ -1,19 +1,23 @@
 """Family modules for the transformers engine, found by ``config.model_type``.
 
-A family module states:
+A family module states ``SPEC``, a `streamscope.families.FamilySpec`:
 
-* ``RENAME``: nnsight ``rename=`` map from the family's module names to
+* ``rename``: nnsight ``rename=`` map from the family's module names to
   streamscope's (``layers``, ``embed_tokens``, ``norm``; on a block
   ``self_attn``, ``mlp``, ``input_layernorm``, ``post_attention_layernorm``).
-* ``ENVOYS``: nnsight ``envoys=`` map from module classes (or aliased path
+* ``envoys``: nnsight ``envoys=`` map from module classes (or aliased path
   suffixes) to the block kinds of `streamscope.blocks`.
-* optionally ``ROOT_SITES`` (a root value read elsewhere than its default,
-  as ``{name: (module, "input" | "output")}``), ``UNSERVED`` (root values the
-  family cannot serve, with the reason; size names too, as Mamba's heads) and
-  ``SIZES`` (config attributes), and ``check(model)``, called once the tree is
-  built (the default warns there what it could not map).
+* optionally ``root_sites`` (a root value read elsewhere than its default,
+  as ``{name: (module, "input" | "output")}``), ``unserved`` (root values the
+  family cannot serve, with the reason; size names too, as Mamba's heads),
+  ``check(model)``, called once the tree is built (the default warns there
+  what it could not map), and ``engine_defaults``.
 
-A model type with no module gets `default`, which maps what it can find and
+It is checked when a model loads: a wrong field is an error naming the
+module and the field.
+
+Which model types have one is `streamscope.families.FAMILIES`. A model type
+with no module gets `default`, which maps what it can find and
 says what it could not.
 """
 
@@ -21,14 +25,14 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ...families import find_family, named_family
+from ...families import TRANSFORMERS, find_family, named_family
 
 
 def family_for(model_type: str) -> ModuleType:
     """The family module of `model_type`, or the best-effort default."""
-    return find_family(__name__, model_type) or find_family(__name__, "default")
+    return find_family(TRANSFORMERS, model_type) or named_family(TRANSFORMERS, "default")
 
 
 def family_called(name: str) -> ModuleType:
     """The family module a user named (``family="gpt2"``, ``"default"``); a ValueError listing the known ones."""
-    return named_family(__name__, name, "transformers")
+    return named_family(TRANSFORMERS, name)

@@ -1,8 +1,8 @@
 """Cohere (Command R): a parallel block with one LayerNorm feeding both the attention and the MLP."""
 
+from dataclasses import replace
+
 from ...blocks import Attention, Mlp, SharedNormParallelLayer
-from .llama import RENAME
+from . import llama
 
-ENVOYS = {"layers.*": SharedNormParallelLayer, "self_attn": Attention, "mlp": Mlp}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = replace(llama.SPEC, envoys={"layers.*": SharedNormParallelLayer, "self_attn": Attention, "mlp": Mlp})

@@ -14,13 +14,13 @@ import functools
 import inspect
 import textwrap
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from ...blocks import Attention, Layer, Mlp
-from ...blocks.envoy import module_config
-from ...errors import PARALLEL
+from ...blocks import Attention, Mlp
+from ...blocks.parallel import ConfigParallelLayer
+from ...families import FamilySpec
 
 # Keys that do not resolve are skipped, so every spelling can be listed. A
 # `*` stands for the backbone (`model`, `transformer`, ...); names that blocks
@@ -51,18 +51,11 @@ def returns_tuple(block_class: type) -> bool:
     return bool(returns) and all(isinstance(node.value, ast.Tuple) for node in returns)
 
 
-class DefaultLayer(Layer):
+class DefaultLayer(ConfigParallelLayer):
     """Llama's pre-norm block, or a parallel one where the config says the block is parallel."""
 
     def pack(self, hidden: torch.Tensor) -> Any:
         return (hidden, None) if returns_tuple(type(self._module)) else hidden
-
-    def reason(self, name: str) -> Optional[str]:
-        config = module_config(self)
-        if name == "layer_mid" and (getattr(config, "use_parallel_residual", False)
-                                    or getattr(config, "parallel_attn", False)):
-            return PARALLEL
-        return super().reason(name)
 
 
 ENVOYS = {"layers.*": DefaultLayer, "self_attn": Attention, "mlp": Mlp}
@@ -99,10 +92,10 @@ def unread(model: Any) -> list[str]:
 
 def check(model: Any) -> None:
     """Warn that the default family is in use, what it could not map, and what it does not read."""
-    from . import find_family
+    from ...families import TRANSFORMERS, find_family
 
     model_type = model.config.model_type
-    if find_family(__package__, model_type) is None:
+    if find_family(TRANSFORMERS, model_type) is None:
         lines = [f"streamscope has no family module for model type {model_type!r}: the default family "
                  f"reads its blocks as pre-norm blocks (parallel where the config says so)."]
     else:
@@ -118,3 +111,6 @@ def check(model: Any) -> None:
         lines.append(f"The blocks also hold {', '.join(others)}, which the default does not read: "
                      f"values next to them may not be what their names say.")
     warnings.warn(" ".join(lines), stacklevel=3)
+
+
+SPEC = FamilySpec(rename=RENAME, envoys=ENVOYS, check=check)

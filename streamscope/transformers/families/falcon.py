@@ -6,38 +6,12 @@ from typing import Optional
 import torch
 
 from ...attention import Spec
-from ...blocks import Attention, Layer, Mlp
-from ...blocks.heads import INTERNALS
+from ...blocks import Attention, Mlp
 from ...blocks.envoy import module_config
-from ...errors import PARALLEL
-from ...values import OUTPUT
-
-RENAME = {
-    "transformer.h": "layers", "transformer.word_embeddings": "embed_tokens", "transformer.ln_f": "norm",
-    "self_attention": "self_attn", "ln_attn": "input_layernorm", "ln_mlp": "post_attention_layernorm",
-}
-
-
-class FalconLayer(Layer):
-    """One of Falcon's three layouts, as the block's config and norms say."""
-
-    RETURNS_TUPLE = True
-
-    def _parallel(self) -> bool:
-        config = module_config(self)
-        return bool(config.new_decoder_architecture or config.parallel_attn)
-
-    def reason(self, name: str) -> Optional[str]:
-        if name == "layer_mid" and self._parallel():
-            return PARALLEL
-        return super().reason(name)
-
-    def relocated(self) -> dict:
-        if self._parallel() and not hasattr(self._module, "ln_mlp"):
-            # One norm feeds both sublayers.
-            return {"mlp_norm_output": ("input_layernorm", OUTPUT)}
-        return {}
-
+from ...blocks.heads import INTERNALS
+from ...blocks.parallel import FalconLayer
+from ...families import FamilySpec
+from ...families.renames import FALCON
 
 FALCON_EAGER = ("Falcon's eager path computes its attention inline, with no kernel call to read; load the model "
                 "with attn_implementation='sdpa' (the default), and read without output_attentions")
@@ -84,4 +58,4 @@ class FalconAttention(Attention):
         return Spec(scale=self._module.head_dim ** -0.5)
 
 
-ENVOYS = {"layers.*": FalconLayer, "self_attn": FalconAttention, "mlp": Mlp}
+SPEC = FamilySpec(rename=FALCON, envoys={"layers.*": FalconLayer, "self_attn": FalconAttention, "mlp": Mlp})

@@ -5,9 +5,9 @@ post-norms' outputs (``post_attention_layernorm``, ``post_feedforward_layernorm`
 The embeddings are scaled by sqrt(hidden_size) inside ``embed_tokens``.
 """
 
+from dataclasses import replace
+
 from ...blocks import PostNormedAttention, PostNormedMlp, SandwichLayer
-from .llama import RENAME
+from . import llama
 
-ENVOYS = {"layers.*": SandwichLayer, "self_attn": PostNormedAttention, "mlp": PostNormedMlp}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = replace(llama.SPEC, envoys={"layers.*": SandwichLayer, "self_attn": PostNormedAttention, "mlp": PostNormedMlp})

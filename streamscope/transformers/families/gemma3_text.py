@@ -1,5 +1,5 @@
 """Gemma 3 (text): Gemma 2's sandwich-norm block, with sliding and full attention by layer type."""
 
-from .gemma2 import ENVOYS, RENAME
+from .gemma2 import SPEC
 
-__all__ = ["ENVOYS", "RENAME"]
+__all__ = ["SPEC"]

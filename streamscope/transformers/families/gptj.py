@@ -6,12 +6,8 @@ whatever the attention implementation: its pattern is the kernel's own weights.
 
 from ...attention import Spec
 from ...blocks import Attention, Mlp, SharedNormParallelLayer
+from ...families import FamilySpec
 from ...values import OUTPUT
-
-RENAME = {
-    "transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
-    "attn": "self_attn", "ln_1": "input_layernorm",
-}
 
 
 class GPTJLayer(SharedNormParallelLayer):
@@ -37,4 +33,8 @@ class GPTJAttention(Attention):
         return Spec(scale=1.0 / float(self._module.scale_attn))
 
 
-ENVOYS = {"layers.*": GPTJLayer, "self_attn": GPTJAttention, "mlp": Mlp}
+SPEC = FamilySpec(
+    rename={"transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
+            "attn": "self_attn", "ln_1": "input_layernorm"},
+    envoys={"layers.*": GPTJLayer, "self_attn": GPTJAttention, "mlp": Mlp},
+)

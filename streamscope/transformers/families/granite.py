@@ -5,29 +5,12 @@ after ``embed_tokens``, so token_embeddings is read where the stream enters
 block 0; the logits are divided by `logits_scaling` (model.logits is after it).
 """
 
-from ...blocks import Attention, Layer, Mlp
-from ...blocks.envoy import module_config
-from ...values import INPUT, OUTPUT, StreamValue
-from .llama import RENAME
+from dataclasses import replace
 
+from ...blocks import Layer
+from ...blocks.scaled import GraniteAttention, GraniteMlp
+from ...values import INPUT
+from . import llama
 
-def _residual_multiplier(envoy) -> float:
-    return module_config(envoy).residual_multiplier
-
-
-class GraniteAttention(Attention):
-    @StreamValue(None, OUTPUT, factor=_residual_multiplier)
-    def attention_output(self):
-        """What the attention adds to the stream: its output times residual_multiplier, [batch, seq, hidden_size]."""
-
-
-class GraniteMlp(Mlp):
-    @StreamValue(None, OUTPUT, factor=_residual_multiplier)
-    def mlp_output(self):
-        """What the MLP adds to the stream: its output times residual_multiplier, [batch, seq, hidden_size]."""
-
-
-ENVOYS = {"layers.*": Layer, "self_attn": GraniteAttention, "mlp": GraniteMlp}
-ROOT_SITES = {"token_embeddings": ("layers.0", INPUT)}
-
-__all__ = ["ENVOYS", "RENAME", "ROOT_SITES"]
+SPEC = replace(llama.SPEC, envoys={"layers.*": Layer, "self_attn": GraniteAttention, "mlp": GraniteMlp},
+               root_sites={"token_embeddings": ("layers.0", INPUT)})

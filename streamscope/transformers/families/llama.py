@@ -1,8 +1,8 @@
 """Llama (LlamaForCausalLM): the pre-norm block every other family is described against."""
 
 from ...blocks import Attention, Layer, Mlp
+from ...families import FamilySpec
+from ...families.renames import LLAMA
 
-RENAME = {"model.embed_tokens": "embed_tokens", "model.layers": "layers", "model.norm": "norm"}
-
-# Keyed on aliased path suffixes, so every family with Llama's tree shares it.
-ENVOYS = {"layers.*": Layer, "self_attn": Attention, "mlp": Mlp}
+# Envoys keyed on aliased path suffixes, so every family with Llama's tree shares them.
+SPEC = FamilySpec(rename=LLAMA, envoys={"layers.*": Layer, "self_attn": Attention, "mlp": Mlp})

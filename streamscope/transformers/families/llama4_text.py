@@ -15,7 +15,7 @@ from dataclasses import replace
 from ...attention import Spec
 from ...blocks import Attention, Layer
 from ...blocks.moe import Llama4Mlp, SharedExpert
-from .llama import RENAME as LLAMA_RENAME
+from . import llama
 
 
 class Llama4Layer(Layer):
@@ -36,7 +36,7 @@ class Llama4Attention(Attention):
         return spec
 
 
-RENAME = {**LLAMA_RENAME, "feed_forward": "mlp", "shared_expert": "shared_experts"}
-ENVOYS = {"layers.*": Llama4Layer, "self_attn": Llama4Attention, "mlp": Llama4Mlp, "shared_experts": SharedExpert}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = replace(
+    llama.SPEC, rename={**llama.SPEC.rename, "feed_forward": "mlp", "shared_expert": "shared_experts"},
+    envoys={"layers.*": Llama4Layer, "self_attn": Llama4Attention, "mlp": Llama4Mlp, "shared_experts": SharedExpert},
+)

@@ -5,9 +5,9 @@ Its router (`gate`) returns the logits, the chosen experts' softmax weights
 router_logits, routing_weights and chosen_experts (`TopKRouterMlp`).
 """
 
+from dataclasses import replace
+
 from ...blocks.moe import TopKRouterMlp
-from .llama import ENVOYS as LLAMA_ENVOYS, RENAME
+from . import llama
 
-ENVOYS = {**LLAMA_ENVOYS, "mlp": TopKRouterMlp}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = replace(llama.SPEC, envoys={**llama.SPEC.envoys, "mlp": TopKRouterMlp})

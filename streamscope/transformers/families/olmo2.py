@@ -1,8 +1,8 @@
 """OLMo 2: a post-norm block, ``x + norm(attn(x))`` then ``+ norm(mlp(.))``: the sublayers read the stream itself."""
 
+from dataclasses import replace
+
 from ...blocks import PostNormedAttention, PostNormedMlp, PostNormLayer
-from .llama import RENAME
+from . import llama
 
-ENVOYS = {"layers.*": PostNormLayer, "self_attn": PostNormedAttention, "mlp": PostNormedMlp}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = replace(llama.SPEC, envoys={"layers.*": PostNormLayer, "self_attn": PostNormedAttention, "mlp": PostNormedMlp})

@@ -1,5 +1,5 @@
 """Phi-3: Llama's tree and Llama's pre-norm block."""
 
-from .llama import ENVOYS, RENAME
+from .llama import SPEC
 
-__all__ = ["ENVOYS", "RENAME"]
+__all__ = ["SPEC"]

@@ -6,9 +6,9 @@ mixture's `mlp` as router_logits, routing_weights and chosen_experts
 (`TopKRouterMlp`); a dense block's `mlp` says it has no router.
 """
 
+from dataclasses import replace
+
 from ...blocks.moe import TopKRouterMlp
-from .llama import ENVOYS as LLAMA_ENVOYS, RENAME
+from . import llama
 
-ENVOYS = {**LLAMA_ENVOYS, "mlp": TopKRouterMlp}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = replace(llama.SPEC, envoys={**llama.SPEC.envoys, "mlp": TopKRouterMlp})

@@ -8,12 +8,14 @@ mlp_output is its output before the sigmoid gate (`shared_expert_gate`): the
 mixture adds ``sigmoid(shared_expert_gate(x)) * mlp_output``.
 """
 
+from dataclasses import replace
+
 from ...blocks import Attention, HybridLayer, LinearAttention
 from ...blocks.moe import SharedExpert, TopKRouterMlp
-from .llama import RENAME as LLAMA_RENAME
+from . import llama
 
-RENAME = {**LLAMA_RENAME, "shared_expert": "shared_experts"}
-ENVOYS = {"layers.*": HybridLayer, "self_attn": Attention, "linear_attn": LinearAttention, "mlp": TopKRouterMlp,
-          "shared_experts": SharedExpert}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = replace(
+    llama.SPEC, rename={**llama.SPEC.rename, "shared_expert": "shared_experts"},
+    envoys={"layers.*": HybridLayer, "self_attn": Attention, "linear_attn": LinearAttention, "mlp": TopKRouterMlp,
+            "shared_experts": SharedExpert},
+)

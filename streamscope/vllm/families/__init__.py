@@ -1,15 +1,16 @@
-"""Family modules for the vLLM engine, found by ``config.model_type``: ``RENAME`` and ``ENVOYS`` for vLLM's module tree.
+"""Family modules for the vLLM engine, found by ``config.model_type``: a ``SPEC`` for vLLM's module tree.
 
-The same contract as the transformers families (see
-`streamscope.transformers.families`), stated against vLLM's classes in
+The same contract as the transformers families (a
+`streamscope.families.FamilySpec`), stated against vLLM's classes in
 ``vllm.model_executor.models``: the block kinds of `streamscope.vllm.blocks`.
+Which model types have one is `streamscope.families.FAMILIES`.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from ...families import find_family, named_family
+from ...families import VLLM, find_family, named_family
 
 
 def runs_natively(architecture: str) -> bool:
@@ -27,15 +28,16 @@ def runs_natively(architecture: str) -> bool:
 
 def family_for(model_type: str) -> ModuleType:
     """The vLLM family module of `model_type`; a clear error where streamscope has none."""
-    family = find_family(__name__, model_type)
+    family = find_family(VLLM, model_type)
     if family is None:
         raise NotImplementedError(
             f"streamscope has no vLLM family module for model type {model_type!r}; load it with "
-            f"engine='transformers', or add streamscope/vllm/families/{model_type}.py (RENAME and ENVOYS)."
+            f"engine='transformers', or add streamscope/vllm/families/{model_type}.py (its SPEC) and list it "
+            f"in streamscope.families.FAMILIES."
         )
     return family
 
 
 def family_called(name: str) -> ModuleType:
     """The vLLM family module a user named (``family="gpt2"``); a ValueError listing the known ones."""
-    return named_family(__name__, name, "vLLM")
+    return named_family(VLLM, name)

@@ -6,17 +6,19 @@ block's input second; the values read the first. Its norm returns
 ``(normed, residual)``. There is no ``lm_head``: the logits use embed_tokens.
 """
 
+from dataclasses import replace
+
 from ...blocks import SharedNormParallelLayer
-from ..blocks import Attention, Layer, Mlp
-from .llama import RENAME
+from ...blocks import Mlp
+from ..attention import VllmAttention
+from ..blocks import VllmLayer
+from . import llama
 
 
-class CohereLayer(Layer, SharedNormParallelLayer):
+class CohereLayer(VllmLayer, SharedNormParallelLayer):
     """Cohere's block: one norm for both sublayers, the stream first in a tuple."""
 
     RETURNS_TUPLE = True
 
 
-ENVOYS = {"layers.*": CohereLayer, "self_attn": Attention, "mlp": Mlp}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = replace(llama.SPEC, envoys={"layers.*": CohereLayer, "self_attn": VllmAttention, "mlp": Mlp})

@@ -6,17 +6,19 @@ returns ``(hidden_states, residual)``: the whole stream first, layer_mid
 second; the values read the first.
 """
 
-from ...blocks import PostNormLayer
-from ..blocks import Layer, PostNormedAttention, PostNormedMlp
-from .llama import RENAME
+from dataclasses import replace
+
+from ...blocks import PostNormedMlp, PostNormLayer
+from ..attention import VllmPostNormedAttention
+from ..blocks import VllmLayer
+from . import llama
 
 
-class Exaone4Layer(Layer, PostNormLayer):
+class Exaone4Layer(VllmLayer, PostNormLayer):
     """EXAONE 4's block: post-norm, the stream first in a tuple."""
 
     RETURNS_TUPLE = True
 
 
-ENVOYS = {"layers.*": Exaone4Layer, "self_attn": PostNormedAttention, "mlp": PostNormedMlp}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = replace(llama.SPEC, envoys={"layers.*": Exaone4Layer, "self_attn": VllmPostNormedAttention,
+                                   "mlp": PostNormedMlp})

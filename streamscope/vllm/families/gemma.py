@@ -8,9 +8,9 @@ hidden_states argument (block 0 is called with residual None, so that argument
 is the whole stream; an edit there is the stream block 0 receives).
 """
 
+from dataclasses import replace
+
 from ...values import INPUT
-from .llama import ENVOYS, RENAME
+from . import llama
 
-ROOT_SITES = {"token_embeddings": ("layers.0", INPUT, (1, "hidden_states"))}
-
-__all__ = ["ENVOYS", "RENAME", "ROOT_SITES"]
+SPEC = replace(llama.SPEC, root_sites={"token_embeddings": ("layers.0", INPUT, (1, "hidden_states"))})

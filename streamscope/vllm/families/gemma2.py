@@ -10,9 +10,12 @@ at block 0's hidden_states. vLLM's Gemma 2 has no `lm_head`: its logits use
 `embed_tokens`' weight (tied, as on transformers).
 """
 
-from ..blocks import FusedSandwichLayer, PostNormedAttention, PostNormedMlp
-from .gemma import RENAME, ROOT_SITES
+from dataclasses import replace
 
-ENVOYS = {"layers.*": FusedSandwichLayer, "self_attn": PostNormedAttention, "mlp": PostNormedMlp}
+from ...blocks import PostNormedMlp
+from ..attention import VllmPostNormedAttention
+from ..blocks import FusedSandwichLayer
+from . import gemma
 
-__all__ = ["ENVOYS", "RENAME", "ROOT_SITES"]
+SPEC = replace(gemma.SPEC, envoys={"layers.*": FusedSandwichLayer, "self_attn": VllmPostNormedAttention,
+                                   "mlp": PostNormedMlp})

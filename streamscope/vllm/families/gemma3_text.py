@@ -1,5 +1,5 @@
 """Gemma 3 (text) on vLLM (vllm.model_executor.models.gemma3): Gemma 2's fused sandwich-norm block."""
 
-from .gemma2 import ENVOYS, RENAME, ROOT_SITES
+from .gemma2 import SPEC
 
-__all__ = ["ENVOYS", "RENAME", "ROOT_SITES"]
+__all__ = ["SPEC"]

@@ -7,18 +7,20 @@ is aliased by class: its kernel inside is also called ``attn``.
 
 from vllm.model_executor.models.gpt2 import GPT2Attention
 
-from ..blocks import Attention, Layer, Mlp
-
-RENAME = {
-    "transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
-    GPT2Attention: "self_attn", "ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
-}
+from ...blocks import Mlp
+from ...families import FamilySpec
+from ..attention import VllmAttention
+from ..blocks import VllmLayer
 
 
-class GPT2Layer(Layer):
+class GPT2Layer(VllmLayer):
     """GPT-2's block: called ``forward(hidden_states)``."""
 
     STREAM = (0, "hidden_states")
 
 
-ENVOYS = {"layers.*": GPT2Layer, "self_attn": Attention, "mlp": Mlp}
+SPEC = FamilySpec(
+    rename={"transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
+            GPT2Attention: "self_attn", "ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"},
+    envoys={"layers.*": GPT2Layer, "self_attn": VllmAttention, "mlp": Mlp},
+)

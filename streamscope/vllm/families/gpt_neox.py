@@ -9,25 +9,28 @@ backend: ``model`` is then the ``GPTNeoXModel`` and ``lm_head`` sits on the
 root; values are ``[1, tokens, hidden]`` already.
 """
 
-from ...transformers.families.gpt_neox import GPTNeoXLayer as _TransformersGPTNeoXLayer
-from ...transformers.families.gpt_neox import RENAME as _TRANSFORMERS_RENAME
-from ..blocks import Attention, Layer, Mlp, VllmSkip
+from ...blocks import Mlp
+from ...blocks.parallel import ConfigParallelLayer
+from ...families import FamilySpec
+from ...families.renames import GPT_NEOX
+from ..attention import VllmAttention
+from ..blocks import VllmLayer, VllmSkip
 from . import runs_natively
 
 
-class GPTNeoXLayer(Layer, _TransformersGPTNeoXLayer):
+class VllmGPTNeoXLayer(VllmLayer, ConfigParallelLayer):
     """vLLM's native block: the stream after the positions; parallel or sequential as ``use_parallel_residual`` says."""
 
 
-class GPTNeoXBackendLayer(VllmSkip, _TransformersGPTNeoXLayer):
+class GPTNeoXBackendLayer(VllmSkip, ConfigParallelLayer):
     """transformers' block inside vLLM's Transformers backend, with vLLM's per-request skip."""
 
 
 NATIVE = runs_natively("GPTNeoXForCausalLM")
-RENAME = _TRANSFORMERS_RENAME if NATIVE else {
-    "model.layers": "layers", "model.embed_in": "embed_tokens", "model.final_layer_norm": "norm",
-    "attention": "self_attn",
-}
-ENVOYS = {"layers.*": GPTNeoXLayer if NATIVE else GPTNeoXBackendLayer, "self_attn": Attention, "mlp": Mlp}
+SPEC = FamilySpec(
+    rename=GPT_NEOX if NATIVE else {"model.layers": "layers", "model.embed_in": "embed_tokens",
+                                    "model.final_layer_norm": "norm", "attention": "self_attn"},
+    envoys={"layers.*": VllmGPTNeoXLayer if NATIVE else GPTNeoXBackendLayer, "self_attn": VllmAttention, "mlp": Mlp},
+)
 
-__all__ = ["ENVOYS", "RENAME"]
+__all__ = ["SPEC"]

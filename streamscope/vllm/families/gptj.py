@@ -7,19 +7,20 @@ its kernel inside is also called ``attn``.
 
 from vllm.model_executor.models.gpt_j import GPTJAttention
 
-from ...blocks import SharedNormParallelLayer
-from ..blocks import Attention, Layer, Mlp
-
-RENAME = {
-    "transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
-    GPTJAttention: "self_attn", "ln_1": "input_layernorm",
-}
+from ...blocks import Mlp, SharedNormParallelLayer
+from ...families import FamilySpec
+from ..attention import VllmAttention
+from ..blocks import VllmLayer
 
 
-class GPTJLayer(Layer, SharedNormParallelLayer):
+class VllmGPTJLayer(VllmLayer, SharedNormParallelLayer):
     """GPT-J's block: the stream after the positions, one norm for both sublayers, no stream between them."""
 
     STREAM = (1, "hidden_states")
 
 
-ENVOYS = {"layers.*": GPTJLayer, "self_attn": Attention, "mlp": Mlp}
+SPEC = FamilySpec(
+    rename={"transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
+            GPTJAttention: "self_attn", "ln_1": "input_layernorm"},
+    envoys={"layers.*": VllmGPTJLayer, "self_attn": VllmAttention, "mlp": Mlp},
+)

@@ -10,19 +10,21 @@ argument: block 0's input norm. Each block's layer_input is read there too
 one read in the order transformers computes them.
 """
 
-from ...transformers.families.granite import GraniteAttention as _TransformersGraniteAttention
-from ...transformers.families.granite import GraniteMlp
+from dataclasses import replace
+
+from ...blocks.scaled import GraniteAttention, GraniteMlp
 from ...values import INPUT, Residual, StreamValue
-from ..blocks import Attention, Layer
-from .llama import RENAME
+from ..attention import VllmAttention
+from ..blocks import VllmLayer
+from . import llama
 
 
-class GraniteAttention(Attention, _TransformersGraniteAttention):
+class VllmGraniteAttention(VllmAttention, GraniteAttention):
     """Granite's attention: its output scaled by residual_multiplier; the internals at vLLM's attention layer
     (whose scale is the config's attention_multiplier)."""
 
 
-class GraniteLayer(Layer):
+class GraniteLayer(VllmLayer):
     """Granite's block, whose input is read where it is handed to the block's first norm."""
 
     @StreamValue("input_layernorm", INPUT)
@@ -30,7 +32,5 @@ class GraniteLayer(Layer):
         """The residual stream entering this block, before any of its norms, [1, tokens, hidden_size]."""
 
 
-ENVOYS = {"layers.*": GraniteLayer, "self_attn": GraniteAttention, "mlp": GraniteMlp}
-ROOT_SITES = {"token_embeddings": ("layers.0.input_layernorm", INPUT)}
-
-__all__ = ["ENVOYS", "RENAME", "ROOT_SITES"]
+SPEC = replace(llama.SPEC, envoys={"layers.*": GraniteLayer, "self_attn": VllmGraniteAttention, "mlp": GraniteMlp},
+               root_sites={"token_embeddings": ("layers.0.input_layernorm", INPUT)})

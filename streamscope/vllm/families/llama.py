@@ -1,6 +1,9 @@
 """Llama on vLLM (vllm.model_executor.models.llama): the fused block every fused family shares."""
 
-from ..blocks import Attention, FusedLayer, Mlp
+from ...blocks import Mlp
+from ...families import FamilySpec
+from ...families.renames import LLAMA
+from ..attention import VllmAttention
+from ..blocks import FusedLayer
 
-RENAME = {"model.embed_tokens": "embed_tokens", "model.layers": "layers", "model.norm": "norm"}
-ENVOYS = {"layers.*": FusedLayer, "self_attn": Attention, "mlp": Mlp}
+SPEC = FamilySpec(rename=LLAMA, envoys={"layers.*": FusedLayer, "self_attn": VllmAttention, "mlp": Mlp})

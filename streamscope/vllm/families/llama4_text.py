@@ -21,12 +21,15 @@ the first ``floor_scale - 1`` positions (8191 by default), so prompts shorter
 than that agree either way.
 """
 
-from ..blocks import Attention, FusedLayer
-from ..moe import Mlp, SharedExpert
-from .llama import RENAME as LLAMA_RENAME
+from dataclasses import replace
+
+from ..attention import VllmAttention
+from ..blocks import FusedLayer
+from ..moe import VllmMlp, VllmSharedExpert
+from . import llama
 
 
-class Llama4Attention(Attention):
+class VllmLlama4Attention(VllmAttention):
     """iRoPE attention on vLLM. A rotary block (``no_rope_layers[i] == 1``) rotates, L2-norms its queries and
     keys and attends within chunks (vLLM's `ChunkedLocalAttention`, whose chunk size the recomputed scores
     take); a NoPE block does neither and attends over the whole prefix. On every block vLLM permuted each
@@ -36,7 +39,8 @@ class Llama4Attention(Attention):
     CHANNELS_PERMUTED = True
 
 
-RENAME = {**LLAMA_RENAME, "feed_forward": "mlp", "shared_expert": "shared_experts"}
-ENVOYS = {"layers.*": FusedLayer, "self_attn": Llama4Attention, "mlp": Mlp, "shared_experts": SharedExpert}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = replace(
+    llama.SPEC, rename={**llama.SPEC.rename, "feed_forward": "mlp", "shared_expert": "shared_experts"},
+    envoys={"layers.*": FusedLayer, "self_attn": VllmLlama4Attention, "mlp": VllmMlp,
+            "shared_experts": VllmSharedExpert},
+)

@@ -12,10 +12,12 @@ contribution into ``output``, the first half the block returns, which is
 where attention_output is served.
 """
 
-from ...blocks import StateSpaceLayer
-from ...transformers.families.mamba import NO_HEADS, RENAME, UNSERVED
+from ...blocks import LinearAttention, StateSpaceLayer
+from ...blocks.state_space import HEADLESS
+from ...families import FamilySpec
+from ...families.renames import MAMBA
 from ...values import OUTPUT, StreamValue
-from ..blocks import FusedLayer, LinearAttention
+from ..blocks import FusedLayer
 
 
 class MambaLayer(FusedLayer, StateSpaceLayer):
@@ -37,6 +39,4 @@ class MambaMixer(LinearAttention):
         None, OUTPUT, description="What the mixer adds to the residual stream, [1, tokens, hidden_size]")
 
 
-ENVOYS = {"layers.*": MambaLayer, "linear_attn": MambaMixer}
-
-__all__ = ["ENVOYS", "NO_HEADS", "RENAME", "UNSERVED"]
+SPEC = FamilySpec(rename=MAMBA, envoys={"layers.*": MambaLayer, "linear_attn": MambaMixer}, unserved=HEADLESS)

@@ -1,5 +1,5 @@
 """Mistral on vLLM (vllm.model_executor.models.mistral): Llama's names and Llama's fused block."""
 
-from .llama import ENVOYS, RENAME
+from .llama import SPEC
 
-__all__ = ["ENVOYS", "RENAME"]
+__all__ = ["SPEC"]

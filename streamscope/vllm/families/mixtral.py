@@ -5,10 +5,10 @@ vLLM names every block's mixture of experts `block_sparse_moe` (transformers:
 the routing values say so (`streamscope.vllm.moe`).
 """
 
-from ..moe import Mlp
-from .llama import ENVOYS as LLAMA_ENVOYS, RENAME as LLAMA_RENAME
+from dataclasses import replace
 
-RENAME = {**LLAMA_RENAME, "block_sparse_moe": "mlp"}
-ENVOYS = {**LLAMA_ENVOYS, "mlp": Mlp}
+from ..moe import VllmMlp
+from . import llama
 
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = replace(llama.SPEC, rename={**llama.SPEC.rename, "block_sparse_moe": "mlp"},
+               envoys={**llama.SPEC.envoys, "mlp": VllmMlp})

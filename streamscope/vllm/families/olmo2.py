@@ -9,13 +9,15 @@ Llama's either way (``model.layers``, ``model.embed_tokens``, ``model.norm``,
 ``lm_head``).
 """
 
-from ...blocks import PostNormLayer
-from ..blocks import Layer, PostNormedAttention, PostNormedMlp, VllmSkip
-from . import runs_natively
-from .llama import RENAME
+from dataclasses import replace
+
+from ...blocks import PostNormedMlp, PostNormLayer
+from ..attention import VllmPostNormedAttention
+from ..blocks import VllmLayer, VllmSkip
+from . import llama, runs_natively
 
 
-class Olmo2Layer(Layer, PostNormLayer):
+class Olmo2Layer(VllmLayer, PostNormLayer):
     """vLLM's native OLMo 2 block: post-norm, the stream after the positions, returned as a tensor."""
 
 
@@ -24,7 +26,7 @@ class Olmo2BackendLayer(VllmSkip, PostNormLayer):
 
 
 NATIVE = runs_natively("Olmo2ForCausalLM")
-ENVOYS = {"layers.*": Olmo2Layer if NATIVE else Olmo2BackendLayer, "self_attn": PostNormedAttention,
-          "mlp": PostNormedMlp}
+SPEC = replace(llama.SPEC, envoys={"layers.*": Olmo2Layer if NATIVE else Olmo2BackendLayer,
+                                   "self_attn": VllmPostNormedAttention, "mlp": PostNormedMlp})
 
-__all__ = ["ENVOYS", "RENAME"]
+__all__ = ["SPEC"]

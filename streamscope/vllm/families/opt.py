@@ -1,7 +1,7 @@
 """OPT on vLLM (vllm.model_executor.models.opt): a whole-stream block, ``forward(hidden_states)``.
 
 The tree and both layouts (pre-norm, and post-LN with ``do_layer_norm_before=False``)
-are transformers' (see the transformers family): the MLP is ``fc1``/``fc2`` on
+are transformers' (`streamscope.blocks.post_norm.OPTLayer`): the MLP is ``fc1``/``fc2`` on
 the block itself, fc2 served as `mlp`. vLLM's tokens are flat already, so
 nothing is reshaped. fc2 is one of vLLM's parallel linears, whose class key
 in ``envoys=`` would win over the ``mlp`` alias: `RowParallel` picks the MLP
@@ -10,15 +10,17 @@ envoy for it by path.
 
 from vllm.model_executor.layers.linear import RowParallelLinear
 
-from ...transformers.families.opt import OPTLayer as _TransformersOPTLayer
-from ...transformers.families.opt import RENAME
+from ...blocks import Mlp
+from ...blocks.post_norm import OPTLayer
+from ...families import FamilySpec
+from ...families.renames import OPT
 from ...nnsight_seam import ParallelEnvoy
 from ...values import INPUT
-from ..attention import Flat
-from ..blocks import Attention, Layer, Mlp
+from ..attention import Flat, VllmAttention
+from ..blocks import VllmLayer
 
 
-class OPTLayer(Layer, _TransformersOPTLayer):
+class VllmOPTLayer(VllmLayer, OPTLayer):
     """OPT's block: called with the stream alone, its tokens already flat."""
 
     STREAM = (0, "hidden_states")
@@ -29,7 +31,7 @@ def _query_scale(host) -> float:
     return host.kernel_layer().impl.scale
 
 
-class OPTAttention(Attention):
+class OPTAttention(VllmAttention):
     """OPT's attention: transformers scales the queries by head_dim ** -0.5 before its kernel (and attends with
     scale 1), vLLM's layer scales inside; the queries are served scaled, as transformers serves them, and an
     edit is unscaled on its way back."""
@@ -53,6 +55,5 @@ class RowParallel:
         return kind(module, *args, path=path, **kwargs)
 
 
-ENVOYS = {"layers.*": OPTLayer, "self_attn": OPTAttention, RowParallelLinear: RowParallel}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = FamilySpec(rename=OPT, envoys={"layers.*": VllmOPTLayer, "self_attn": OPTAttention,
+                                      RowParallelLinear: RowParallel})

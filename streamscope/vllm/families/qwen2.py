@@ -1,5 +1,5 @@
 """Qwen2 on vLLM (vllm.model_executor.models.qwen2): Llama's names and Llama's fused block."""
 
-from .llama import ENVOYS, RENAME
+from .llama import SPEC
 
-__all__ = ["ENVOYS", "RENAME"]
+__all__ = ["SPEC"]

@@ -5,9 +5,9 @@ MLP on `mlp_only_layers`; the routing runs inside vLLM's fused MoE kernel, and t
 routing values say so (`streamscope.vllm.moe`).
 """
 
-from ..moe import Mlp
-from .llama import ENVOYS as LLAMA_ENVOYS, RENAME
+from dataclasses import replace
 
-ENVOYS = {**LLAMA_ENVOYS, "mlp": Mlp}
+from ..moe import VllmMlp
+from . import llama
 
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = replace(llama.SPEC, envoys={**llama.SPEC.envoys, "mlp": VllmMlp})

