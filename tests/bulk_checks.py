@@ -93,6 +93,14 @@ def check_positions(model, **options) -> None:
         everything.stacked("layer_output")
 
 
+def same_across_batches(got, expected) -> bool:
+    """Two runs of a prompt in other batches: bit-equal on the CPU, within `RELATIVE` on a GPU (whose kernels
+    block by the batch's shape: the README's batching section)."""
+    if not precision.ON_GPU:
+        return torch.equal(got, expected)
+    return relative_error(got.float(), expected.float()) <= RELATIVE
+
+
 def check_shards(model, folder, **options) -> None:
     names = ["layer_output", "mlp_output", "token_embeddings"]
     memory = model.harvest(PROMPTS, names, layers=[0, 1], positions="all", progress=False, **options)
@@ -107,9 +115,9 @@ def check_shards(model, folder, **options) -> None:
     assert loaded.layers == memory.layers and loaded.positions == memory.positions
     for name in names:
         for index in range(len(PROMPTS)):
-            assert torch.equal(loaded[name][index], memory[name][index]), (name, index)
+            assert same_across_batches(loaded[name][index], memory[name][index]), (name, index)
     some = streamscope.load_harvest(folder, prompts=[3, 1])
-    assert some.prompts == [1, 3] and torch.equal(some["layer_output"][1], memory["layer_output"][3])
+    assert some.prompts == [1, 3] and torch.equal(some["layer_output"][1], loaded["layer_output"][3])
     with pytest.raises(FileExistsError, match="empty folder"):
         model.harvest(PROMPTS, names, out=folder, progress=False, **options)
 

@@ -59,7 +59,7 @@ def test_a_harvest_equals_the_trace_of_the_same_prompts_bit_for_bit(engine):
     for index in range(len(PROMPTS)):
         for block in range(model.num_layers):
             for slot, name in enumerate(names):
-                expected = traced[index][block * len(names) + slot, 0]
+                expected = traced[index][block * len(names) + slot, 0].cpu()
                 assert torch.equal(harvest[name][index][block], expected), (index, block, name)
 
 
@@ -90,7 +90,7 @@ def steered_trace(model, prompt, steers, steps, harvest_block=None):
                 if harvest_block is not None and layer == harvest_block and value == "layer_output":
                     harvested.append(current.clone())
             logits.append(model.logits[0].clone())
-    return torch.stack(list(logits)), list(harvested)
+    return torch.stack(list(logits)).cpu(), list(harvested)
 
 
 def test_a_steered_generation_equals_a_trace_that_adds_the_vector_at_every_step(engine):
@@ -210,7 +210,7 @@ def test_a_steer_at_chosen_prompt_positions_edits_those_rows_only(engine):
                 stream[:, [0, length - 1]] += delta.to(device=stream.device, dtype=stream.dtype)
                 logits = model.logits.save()
     for index in range(len(prompts)):
-        assert torch.equal(result.logits[index][0], logits[index][0]), index
+        assert torch.equal(result.logits[index][0], logits[index][0].cpu()), index
 
 
 def test_generate_without_bulk_arguments_is_still_nnsight_generate(engine):

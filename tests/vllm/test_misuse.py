@@ -32,7 +32,7 @@ PROMPTS = [
 PLAN = ["read", "edit", "skip", "read", "edit", "bad", "skip", "edit"]
 #: Invokes batched together against the same prompt run alone, relative: bit-equal measured on CPU in
 #: float32; 1e-6 leaves room for kernels whose blocking follows the batch's composition (GPU).
-BATCHED = 1e-6
+BATCHED = precision.GPU_ENGINE_TOLERANCE[precision.DTYPE] if precision.ON_GPU else 1e-6
 
 
 @pytest.fixture(scope="module")
