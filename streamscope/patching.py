@@ -125,11 +125,7 @@ def _patched_logits(model: Any, prompt: str, patches: list[tuple[int, int, torch
         with torch.no_grad(), model.trace(temperature=0.0, max_tokens=1) as tracer:
             for layer, column, replacement in patches:
                 with tracer.invoke(prompt):
-                    target = _envoy(model, layer, names[layer])
-                    if heads is not None:
-                        target[:, heads, column] = replacement
-                    else:
-                        target[:, column] = replacement
+                    _write_patch(_envoy(model, layer, names[layer]), heads, column, replacement)
                     logits = model.logits.save()
         logits = logits if isinstance(logits, list) else [logits]
         return [row[-1] for row in logits]
@@ -137,13 +133,17 @@ def _patched_logits(model: Any, prompt: str, patches: list[tuple[int, int, torch
         results = list().save()
         for layer, column, replacement in patches:
             with tracer.invoke(prompt):
-                target = _envoy(model, layer, names[layer])
-                if heads is not None:
-                    target[:, heads, column] = replacement
-                else:
-                    target[:, column] = replacement
+                _write_patch(_envoy(model, layer, names[layer]), heads, column, replacement)
                 results.append(model.logits[0, -1])
     return list(results)
+
+
+def _write_patch(target: Any, heads: Any, column: Any, replacement: torch.Tensor) -> None:
+    """Write `replacement` into a value read inside an invoke: a stream's column, or a head's output there."""
+    if heads is not None:
+        target[:, heads, column] = replacement
+    else:
+        target[:, column] = replacement
 
 
 def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[torch.Tensor], Any]] = None, *,
