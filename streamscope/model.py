@@ -28,7 +28,7 @@ class Standardized(StreamEnvoy):
     family: ModuleType
     ORDER = ROOT_ORDER
 
-    def _standardize(self, path: Any, family: str | ModuleType | None, families: ModuleType,
+    def _take_family(self, path: Any, family: str | ModuleType | None, families: ModuleType,
                      settings: dict[str, Any], envoys: dict) -> dict[str, Any]:
         """Take the model's family and say how nnsight builds the tree: both engines' one setup path.
 
@@ -38,7 +38,7 @@ class Standardized(StreamEnvoy):
         set on the model before the tree is built: the root's values consult
         it. Returns the caller's `settings` over the family's engine defaults,
         with its ``rename=`` and ``envoys=`` (over the engine's own `envoys`)
-        where the caller gave none. `_standardized` finishes, once the tree is built.
+        where the caller gave none. `_check_family` runs once the tree is built.
         """
         from .families.spec import spec_of
 
@@ -53,7 +53,7 @@ class Standardized(StreamEnvoy):
         settings.setdefault("envoys", {**envoys, "layers": Blocks, **spec.envoys})
         return settings
 
-    def _standardized(self) -> None:
+    def _check_family(self) -> None:
         """A family may check the tree it was applied to (the default says what it could not map)."""
         check: Optional[Callable[[Any], None]] = self.family_spec.check
         if check is not None:

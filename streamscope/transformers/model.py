@@ -41,7 +41,7 @@ class StandardizedTransformers(Standardized, TransformersModel):
 
     def __init__(self, path: str | Path | torch.nn.Module, *args: Any, family: str | ModuleType | None = None, **kwargs: Any) -> None:
         """`family` overrides the family module found by ``config.model_type``: a module, or a model type's name."""
-        kwargs = self._standardize(path, family, families, kwargs, {})
+        kwargs = self._take_family(path, family, families, kwargs, {})
         kwargs.setdefault("dtype", torch.float32)
         kwargs.setdefault("dispatch", True)
         kwargs.setdefault("task", "text-generation")
@@ -49,7 +49,7 @@ class StandardizedTransformers(Standardized, TransformersModel):
         built = isinstance(path, torch.nn.Module)
         with _beside_vllm():
             super().__init__(path if built else str(path), *args, **kwargs)
-        self._standardized()
+        self._check_family()
 
     def _batch(self, invokes: list, fn: Any) -> tuple:
         """nnsight's batching, after refusing token ids beyond the vocabulary (the embedding would fail on them)."""

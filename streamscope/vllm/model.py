@@ -110,7 +110,7 @@ class StandardizedVLLM(Standardized, VLLM):
 
     def __init__(self, path: str | Path, family: str | ModuleType | None = None, **kwargs: Any) -> None:
         """`family` overrides the family module found by ``config.model_type``: a module, or a model type's name."""
-        settings = {**EXACT_DEFAULTS, **self._standardize(path, family, families, kwargs, seam.parallel_envoys())}
+        settings = {**EXACT_DEFAULTS, **self._take_family(path, family, families, kwargs, seam.parallel_envoys())}
         if _on_cpu():
             from .worker import cpu_engine_kwargs
 
@@ -146,7 +146,7 @@ class StandardizedVLLM(Standardized, VLLM):
                 cleanup_dist_env_and_memory()
             raise
         _ENGINES.add(self)
-        self._standardized()
+        self._check_family()
 
     def close(self) -> None:
         """Shut the engine down and give its memory back (GPU memory included); the model cannot trace afterwards.
