@@ -1,7 +1,7 @@
 # The two commands a new machine needs: `make demo` (set up, then the main job) and `make test`.
 PYTHON := .venv/bin/python
 
-.PHONY: demo test setup
+.PHONY: demo test setup lint
 setup: .venv/.streamscope-ready
 
 .venv/.streamscope-ready: pyproject.toml scripts/setup.sh
@@ -10,5 +10,10 @@ setup: .venv/.streamscope-ready
 demo: setup
 	$(PYTHON) -m streamscope.demo
 
-test: setup
+test: setup lint
 	$(PYTHON) -m pytest -q
+
+# ruff over the whole tree, mypy over the public surface (both configured in pyproject.toml).
+lint: setup
+	$(PYTHON) -m ruff check streamscope tests benchmarks scripts
+	$(PYTHON) -m mypy

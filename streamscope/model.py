@@ -10,7 +10,7 @@ import torch
 from .blocks.envoy import Blocks, StreamEnvoy
 from .errors import Unavailable
 from .support import BlockSupport, ModelSupport
-from .families.spec import ROOT_ORDER, SIZE_NAMES
+from .families.spec import ROOT_ORDER, Site
 from .values import OUTPUT, StreamValue
 
 if TYPE_CHECKING:
@@ -42,12 +42,15 @@ class Standardized(StreamEnvoy):
         """
         from .families.spec import spec_of
 
+        module: ModuleType
         if isinstance(family, str):
-            family = families.family_called(family)
+            module = families.family_called(family)
         elif family is None:
-            family = families.family_for(_config(path, settings).model_type)
-        spec = spec_of(family)
-        object.__setattr__(self, "family", family)
+            module = families.family_for(_config(path, settings).model_type)
+        else:
+            module = family
+        spec = spec_of(module)
+        object.__setattr__(self, "family", module)
         settings = {**spec.engine_defaults, **settings}
         settings.setdefault("rename", spec.rename)
         settings.setdefault("envoys", {**envoys, "layers": Blocks, **spec.envoys})
@@ -79,7 +82,7 @@ class Standardized(StreamEnvoy):
     def where(self) -> str:
         return "model"
 
-    def relocated(self) -> dict[str, tuple[Optional[str], str]]:
+    def relocated(self) -> dict[str, Site]:
         return dict(self.family_spec.root_sites)
 
     def reason(self, name: str) -> Optional[str]:

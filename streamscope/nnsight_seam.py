@@ -98,7 +98,8 @@ __all__ = [
     "is_saved", "PendingWriteBack", "pending_write_back", "held_view", "redirect_write_back",
     "filter_write_backs", "rename_out_of_order", "around_worker_run", "kernel_call_names", "ensure_source",
     "unwrapped_generate", "interleaving", "take_request_error", "collect_requests", "set_client_worker",
-    "NNsightGPUWorker", "NNsightGPUModelRunner", "ParallelEnvoy", "parallel_envoys", "VLLMClient",
+    # Loaded on first use by the module's __getattr__ (vLLM is not imported with streamscope).
+    "NNsightGPUWorker", "NNsightGPUModelRunner", "ParallelEnvoy", "parallel_envoys", "VLLMClient",  # noqa: F822
 ]
 
 
@@ -246,7 +247,7 @@ def filter_write_backs(served: type, send: Callable[[PendingWriteBack], bool],
             worker.transform = None
         after(worker, pending)
 
-    filtered_flush.streamscope_filter = True
+    setattr(filtered_flush, "streamscope_filter", True)  # marks the patch as applied (a function attribute)
     Worker.flush = filtered_flush
 
 
@@ -270,7 +271,7 @@ def rename_out_of_order(message: Callable[[Worker, str], Optional[str]]) -> None
         text = message(worker, pending.provider)
         return (error, expected) if text is None else (OutOfOrderError(text), None)
 
-    named_unwind.streamscope_names = True
+    setattr(named_unwind, "streamscope_names", True)  # marks the patch as applied (a function attribute)
     _interleaver.dangling_unwind = named_unwind
 
 
@@ -295,7 +296,7 @@ def around_worker_run(after: Callable[[Worker], None],
             explain(worker, error)
             raise
 
-    checked_run.streamscope_checks = True
+    setattr(checked_run, "streamscope_checks", True)  # marks the patch as applied (a function attribute)
     Worker._run = checked_run
 
 
@@ -331,7 +332,7 @@ def unwrapped_generate(model: Any, base: type) -> Callable:
     streamscope's ``generate`` makes the trace-or-call decision itself (it
     adds bulk sampling), so it calls the function nnsight's wrapper wraps.
     """
-    return base.generate.__wrapped__.__get__(model, type(model))
+    return getattr(base, "generate").__wrapped__.__get__(model, type(model))
 
 
 def interleaving(model: Any) -> bool:
@@ -365,7 +366,7 @@ def set_client_worker(model_or_class: Any, worker_cls: str) -> None:
     the caller's keywords too, so the attribute is the only place to say it.
     """
     if isinstance(model_or_class, type):
-        model_or_class._WORKER_CLS = worker_cls
+        setattr(model_or_class, "_WORKER_CLS", worker_cls)
     else:
         object.__setattr__(model_or_class, "_WORKER_CLS", worker_cls)
 

@@ -73,7 +73,6 @@ class Patching:
         return patching_heatmap(self, path, **kwargs)
 
     def table(self) -> str:
-        width = max(len(label) for label in self.labels)
         lines = [f"patching {self.value}: normalized {self.metric_name} (clean {self.clean:.3f}, "
                  f"corrupted {self.corrupted:.3f})",
                  "block " + " ".join(f"{label[:8]:>8}" for label in self.labels)]

@@ -157,6 +157,7 @@ class StreamValue(eproperty):
         description: Optional[str] = None,
     ) -> None:
         super().__init__(key=f"{module}.{where}" if module else where, description=description)
+        self.description: Optional[str] = description  # as nnsight's eproperty keeps it, with its type
         self.module = module
         self.where = where
         self.shape = shape
@@ -519,7 +520,6 @@ def out_of_order(wanted: str, last: Optional[str]) -> str:
     order = ("Read values in the order the model computes them: model.support() lists each block's values "
              "in that order, and the blocks run in index order.")
     if wanted.endswith(".skip"):
-        block = wanted[: -len(".skip")]
         after = f" after the trace read {last}" if last else ""
         return (f"{wanted}() came{after}, once the block had already run: skip a block before reading any "
                 f"of its values or a later one. {order}")

@@ -134,7 +134,6 @@ def plan(model, reference: Reference, prompt_logits_after: str) -> list[tuple[st
             if name == prompt_logits_after:
                 steps.append(("prompt_logits", None))
             continue
-        table = support[block].rows
         if name == "attention_output":
             steps += [(f"self_attn.{leaf}", block) for leaf in INTERNALS]
             mixer = "self_attn" if block in reference.attention_blocks else "linear_attn"

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import difflib
-from typing import Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import torch
 from nnsight import Envoy
 
 from ..values import StreamValue
+
+if TYPE_CHECKING:
+    from ..families.spec import Site
 
 
 class StreamEnvoy(Envoy):
@@ -28,7 +31,7 @@ class StreamEnvoy(Envoy):
         """Why this envoy cannot serve `name`, or None where it can."""
         return self.UNSERVED.get(name)
 
-    def relocated(self) -> dict[str, tuple[Optional[str], str]]:
+    def relocated(self) -> dict[str, "Site"]:
         """Values this envoy serves from another (module, where) than their kind declares."""
         return {}
 

@@ -11,7 +11,7 @@ sum on vLLM, Granite's multiplier, a parallel block's relocated stream).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union, cast
 
 import torch
 
@@ -204,6 +204,7 @@ def per_prompt_positions(positions: Positions, lengths: Sequence[int]) -> list[l
     nested = (isinstance(positions, (list, tuple)) and len(positions) > 0
               and all(isinstance(item, (list, tuple, range)) for item in positions))
     if nested:
+        positions = cast(Sequence[Sequence[int]], positions)
         if len(positions) != len(lengths):
             raise ValueError(f"positions has {len(positions)} lists for {len(lengths)} prompts: "
                              f"give one list per prompt, or one rule for every prompt.")

@@ -13,7 +13,6 @@ from nnsight import TransformersModel
 
 from . import families
 from .. import nnsight_seam as seam
-from ..blocks.envoy import Blocks
 from ..checks import check_token_ids
 from ..model import Standardized
 from ..values import OUTPUT, ComputedValue, StreamValue

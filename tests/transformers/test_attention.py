@@ -140,7 +140,7 @@ def test_an_eager_model_serves_its_own_weights_and_recomputed_scores_agree(famil
     if family.name == "falcon":
         pytest.skip("Falcon's eager path has no kernel call")
     model = streamscope.load(family.path, attn_implementation="eager")
-    saved, _ = model_read = family.read(model=model, names=("scores", "pattern"))
+    saved, _ = family.read(model=model, names=("scores", "pattern"))
     for block in family.blocks:
         reference = family.weights[block]
         assert relative_error(saved[("pattern", block)], reference) <= 1e-6, block

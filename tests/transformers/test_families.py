@@ -156,7 +156,7 @@ def test_in_place_edit_assignment_and_read_twice_edit_once_agree(family):
             set_value(family.model, name, block, edited)
             assigned = family.model.logits.save()
         with family.model.trace(PROMPT):
-            first = value_of(family.model, name, block)
+            _first = value_of(family.model, name, block)  # a read the edit below must not undo
             second = value_of(family.model, name, block)
             second[:, -1] += vector
             twice = family.model.logits.save()

@@ -206,7 +206,7 @@ def test_in_place_assignment_and_read_twice_edit_once_agree(engines):
             setattr(model.layers[block], name, edited)
             assigned = model.logits.save()
         with model.trace(PROMPT, **GREEDY):
-            first = value_of(model, name, block)
+            _first = value_of(model, name, block)  # a read the edit below must not undo
             second = value_of(model, name, block)
             second[:, -1] += vector.to(second)
             twice = model.logits.save()
