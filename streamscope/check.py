@@ -76,12 +76,11 @@ BLOCK_VALUES = ("layer_input", "attention_norm_output", "attention_output", "lay
 
 
 def _module(root: torch.nn.Module, path: str) -> Optional[torch.nn.Module]:
-    module: Any = root
-    for part in filter(None, path.split(".")):
-        module = getattr(module, part, None)
-        if not isinstance(module, torch.nn.Module):
-            return None
-    return module
+    """The submodule at dotted `path` (the root for ""), or None where the model has none."""
+    try:
+        return root.get_submodule(path.strip("."))
+    except AttributeError:
+        return None
 
 
 def _site(model: torch.nn.Module, sites: dict, name: str, prefix: str) -> Optional[tuple]:
