@@ -231,6 +231,13 @@ def filter_write_backs(served: type, send: Callable[[PendingWriteBack], bool],
     worker and the model per read. For an eproperty of type `served`,
     ``send(pending)`` decides; one it declines is dropped. ``after(worker,
     pending)`` then runs either way. Other write-backs flush as nnsight does.
+
+    A sent write-back that wrote into the model's own tensor in place (it
+    hands back the call's value itself) is not swapped: nnsight narrows a
+    batch to a view, so the edit is already in the batch, and the swap would
+    splice the rows into a new batch tensor (``torch.cat``). A block that
+    kept the old one (a residual saved before the call) would then miss this
+    and every later invoke's edit of that call.
     """
     flush = Worker.flush
     if getattr(flush, "streamscope_filter", False):
@@ -241,10 +248,16 @@ def filter_write_backs(served: type, send: Callable[[PendingWriteBack], bool],
         if waiting is None or not isinstance(waiting.eproperty, served):
             return flush(worker)
         pending = PendingWriteBack(waiting.eproperty, waiting.fn.args[0], waiting.view)
-        if send(pending):
-            flush(worker)
-        else:
+        if not send(pending):
             worker.transform = None
+        else:
+            raw = waiting.fn.args[2]
+            result = waiting.fn()
+            if result is raw:
+                worker.transform = None  # written in place: nothing to swap
+            else:
+                worker.transform = waiting._replace(fn=lambda: result)
+                flush(worker)
         after(worker, pending)
 
     setattr(filtered_flush, "streamscope_filter", True)  # marks the patch as applied (a function attribute)
