@@ -20,10 +20,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-#: Values whose patches share one batched forward on transformers. Others run one patch per forward: an
-#: edit of a norm's input (layer_mid) in the second invoke of a batch reaches the norm but not the
-#: block's residual alias of it (nnsight splices the batch's inputs into a new tensor).
-_BATCHED_ON_TRANSFORMERS = ("layer_output", "attention_output", "mlp_output", "head_outputs")
+#: Values whose patches share one batched forward on transformers. Others run one patch per forward: a
+#: family may hold them as flattened tokens, [batch * seq, hidden] (OPT around its MLP, Llama 4's MoE
+#: output), which nnsight serves whole to every invoke, so one invoke's patch would reach the others.
+_BATCHED_ON_TRANSFORMERS = ("layer_output", "attention_output", "head_outputs")
 
 #: Values a patch can replace: streamscope's block values (short names for the contributions).
 _CONTRIBUTIONS = {"attention_output": "self_attn.attention_output", "mlp_output": "mlp.mlp_output",
