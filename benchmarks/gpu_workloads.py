@@ -101,20 +101,7 @@ def token_prompts(count: int, lengths: tuple[int, int], seed: int) -> list[list[
 
 def timed(function, rounds: int) -> float:
     """The median wall time of `function` over `rounds` runs, after one warm-up run."""
-    import torch
-
-    function()
-    times = []
-    for _ in range(rounds):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        function()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        gc.collect()
-    return statistics.median(times)
+    return timed_together({"only": function}, rounds)["only"]
 
 
 def timed_together(functions: dict, rounds: int) -> dict:

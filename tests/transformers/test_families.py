@@ -179,7 +179,9 @@ def test_every_invoke_of_a_batch_takes_its_own_edit_as_its_solo_run_does(family)
         assert max(errors) <= RELATIVE, (name, block, errors)
 
 
-@pytest.mark.xfail(strict=True, reason="flattened-token values are served whole to every invoke (open)")
+@pytest.mark.xfail(strict=True, reason="known bug, open: nnsight narrows a batch by its leading dim, so a value "
+                   "held as flattened tokens [batch * seq, hidden] reaches every invoke whole and one invoke's edit "
+                   "lands in the others' rows; strict, so a fix turns this into a failure to remove the mark")
 @pytest.mark.parametrize("case", sorted(FLATTENED))
 def test_a_flattened_value_edited_in_batched_invokes(case, checkpoints):
     name, value = case
