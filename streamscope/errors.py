@@ -33,3 +33,13 @@ POST_LN = (
 def missing_module(name: str) -> str:
     """The reason for a value keyed on a module the block does not have."""
     return f"no {name} module on this block"
+
+
+def untapped(name: str, location: str, taps: int) -> str:
+    """The reason a tapped vLLM engine (one that replays CUDA graphs, `streamscope.vllm.taps`) does not serve
+    the value `name` (``model.layers[3].layer_mid``) held at `location`; the fix names the tap to add."""
+    tap = name.removeprefix("model.").replace("[", ".").replace("]", "")
+    return (f"this engine was started with taps= (to replay CUDA graphs) and serves only those values ({taps} "
+            f"location{'s' if taps != 1 else ''}), and this one, at {location}, is not among them. Start the "
+            f"engine with it among its taps (taps=[..., '{tap}']), or without taps= for an eager engine, which "
+            f"serves every value")

@@ -97,7 +97,7 @@ __all__ = [
     "set_callbacks", "location", "call_location", "running_worker", "worker_at", "step_of", "read_at", "skip_at",
     "is_saved", "PendingWriteBack", "pending_write_back", "held_view", "redirect_write_back",
     "filter_write_backs", "rename_out_of_order", "around_worker_run", "kernel_call_names", "ensure_source",
-    "unwrapped_generate", "interleaving", "take_request_error", "collect_requests", "set_client_worker",
+    "unwrapped_generate", "running_taps", "interleaving", "take_request_error", "collect_requests", "set_client_worker",
     # Loaded on first use by the module's __getattr__ (vLLM is not imported with streamscope).
     "NNsightGPUWorker", "NNsightGPUModelRunner", "ParallelEnvoy", "parallel_envoys", "VLLMClient",  # noqa: F822
 ]
@@ -132,6 +132,14 @@ def running_worker() -> Optional[Worker]:
     """
     worker = getattr(getcurrent(), "mediator", None)
     return None if worker is None else worker()
+
+
+def running_taps() -> frozenset[str]:
+    """The locations the running worker's engine serves when it replays CUDA graphs (nnsight's tapped
+    interleaver); empty outside a trace and on an eager engine, which serves every location."""
+    worker = running_worker()
+    interleaver = getattr(worker, "interleaver", None) if worker is not None else None
+    return getattr(interleaver, "taps", None) or frozenset()
 
 
 def location(path: str, where: str) -> str:

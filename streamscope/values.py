@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from . import nnsight_seam as seam
-from .errors import Unavailable, missing_module
+from .errors import Unavailable, missing_module, untapped
 from .nnsight_seam import OutOfOrderError, PendingWriteBack, Worker, eproperty
 
 Residual = torch.Tensor
@@ -127,6 +127,15 @@ def resolve(envoy: Host, module: str) -> Any:
     return target
 
 
+def served(host: Host, name: str, location: str) -> str:
+    """`location`, where the running trace's engine serves it; `Unavailable` with the fix on a tapped vLLM
+    engine (one that replays CUDA graphs, `streamscope.vllm.taps`) that was not started with it."""
+    taps = seam.running_taps()
+    if taps and location not in taps:
+        raise Unavailable(name, host.where(), untapped(f"{host.where()}.{name}", location, len(taps)))
+    return location
+
+
 class StreamValue(eproperty):
     """A tensor at one module's input or output, served as a private copy and written back in place.
 
@@ -203,7 +212,7 @@ class StreamValue(eproperty):
         location = cache.get(self.name)
         if location is None:
             location = cache[self.name] = seam.location(self.located(host).path, self.site(host)[1])
-        return location
+        return served(host, self.name, location)
 
     def __get__(self, host: Optional[Host], owner: Any = None) -> Any:
         if host is None:

@@ -89,6 +89,8 @@ class Applier:
         #: key -> [sites, positions, hidden], filled as the prompts run.
         self.harvested: dict[Hashable, torch.Tensor] = {}
         self.handles: list[Any] = []
+        #: location -> the work of its hook, for an engine that serves locations without hooks (`apply_at`).
+        self.work_at: dict[str, list[tuple[str, int, Site]]] = {}
         self.spans: list[Span] = []
         self._harvest_rows: Any = None
         self._harvest_layout: list[tuple[Hashable, int, int]] = []  # (key, rows this step, first slot)
@@ -152,6 +154,7 @@ class Applier:
         for index, site in enumerate(self.harvest_sites):
             calls.setdefault(site.key, []).append(("harvest", index, site))
         for (_, where), work in calls.items():
+            self.work_at[work[0][2].location] = work
             module = work[0][2].module
             if where == INPUT:
                 def before(_module: Any, args: tuple, kwargs: dict, work=work) -> Any:
@@ -164,6 +167,17 @@ class Applier:
                     return None
                 self.handles.append(module.register_forward_hook(after))
         return self
+
+    def apply_at(self, location: str, raw: Any) -> None:
+        """Do the work of the hook at `location` on `raw` (the call's ``(args, kwargs)`` or its output).
+
+        For a vLLM engine that replays CUDA graphs: its hooks do not fire in a
+        replayed step, which calls this at each tap instead, on the graph's own
+        tensors (rows past the step's tokens are padding no span owns).
+        """
+        work = self.work_at.get(location)
+        if work is not None:
+            self._apply(work, raw)
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -116,6 +116,7 @@ class Site:
     descriptor: StreamValue
     module: torch.nn.Module
     where: str
+    location: str = ""  # nnsight's name for the call's point: what a tapped vLLM engine's replay serves
 
     @property
     def key(self) -> tuple[int, str]:
@@ -164,7 +165,7 @@ def locate(model: Any, value: str, layer: Optional[int]) -> Site:
         raise ValueError(f"{host.where()}.{name} is not a value a bulk request can read or write.")
     target = descriptor.located(host)  # raises Unavailable with the family's reason
     where = descriptor.site(host)[1]
-    return Site(value, layer, host, descriptor, target._module, where)
+    return Site(value, layer, host, descriptor, target._module, where, descriptor._location(host))
 
 
 def layer_list(model: Any, layers: Any) -> list[int]:

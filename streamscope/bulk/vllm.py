@@ -28,7 +28,8 @@ import torch
 
 from .apply import Applier, Span, steer_plans
 from .results import Generation, Harvest, ShardWriter, assemble
-from .spec import HarvestSpec, Positions, Steer, check_steer, generation_harvest, harvest_spec, locate
+from ..errors import Unavailable, untapped
+from .spec import HarvestSpec, Positions, Site, Steer, check_steer, generation_harvest, harvest_spec, locate
 from .transformers import token_ids
 
 #: The sampling params' extra_args key that marks a request as a bulk run's, with its prompt index.
@@ -65,6 +66,28 @@ class WorkerState:
 
         # On the instance: vLLM's execute_model calls self._update_states, whatever the runner's class.
         runner._update_states = update_states
+        self._serve_replayed_taps(getattr(getattr(runner, "nnsight_model", None), "interleaver", None))
+
+    def _serve_replayed_taps(self, interleaver: Any) -> None:
+        """On an engine that replays CUDA graphs, run the bulk work at each tap of a replayed step.
+
+        A replayed step runs no module call, so no hook fires; nnsight's tapped
+        interleaver calls its ``replay(location, tensors)`` at every tap instead
+        (looked up at each replay, so wrapping it on the instance reaches graphs
+        recorded before). A step that runs eagerly (a prefill) fires the hooks
+        and never reaches this, so each step's work runs once either way.
+        """
+        if not getattr(interleaver, "taps", None):
+            return
+        original = interleaver.replay
+
+        def replay(location: str, live: Any) -> Any:
+            applier = self.applier
+            if applier is not None:
+                applier.apply_at(location, live)
+            return original(location, live)
+
+        interleaver.replay = replay
 
     def observe(self, scheduler_output: Any) -> None:
         """This step's spans, from the scheduler's token counts in the order of the runner's batch."""
@@ -102,17 +125,9 @@ class WorkerState:
 
 def worker_tree(module: torch.nn.Module, model_type: str) -> Any:
     """streamscope's envoy tree over the worker's real model: the same family envoys the client's tree has."""
-    from ..families.spec import spec_of
-    from ..model import Standardized
-    from ..nnsight_seam import parallel_envoys
-    from ..vllm.families import family_for
+    from ..vllm.families import envoy_tree, family_for
 
-    family = family_for(model_type)
-    spec = spec_of(family)
-    root = Standardized.__new__(Standardized)
-    object.__setattr__(root, "family", family)
-    Standardized.__init__(root, module, rename=spec.rename, envoys={**parallel_envoys(), **spec.envoys})
-    return root
+    return envoy_tree(module, family_for(model_type))
 
 
 def _state(worker: Any, model_type: str) -> WorkerState:
@@ -168,6 +183,17 @@ def worker_finish(worker: Any, inline: bool) -> Any:
 
 
 # ---------------------------------------------------------------- client side
+
+
+def _check_tapped(model: Any, sites: Sequence[Site]) -> None:
+    """On an engine that replays CUDA graphs, every site must be tapped; else `Unavailable` with the fix."""
+    tapped = getattr(model, "tapped", None)
+    if not tapped:
+        return
+    for site in sites:
+        if site.location not in tapped:
+            name = f"{site.host.where()}.{site.descriptor.name}"
+            raise Unavailable(site.descriptor.name, site.host.where(), untapped(name, site.location, len(tapped)))
 
 
 def _rpc(model: Any, method: str, *args: Any) -> Any:
@@ -232,6 +258,7 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
 
     ids = token_ids(model, prompts)
     spec = harvest_spec(model, values, layers, positions, [len(tokens) for tokens in ids])
+    _check_tapped(model, spec.sites(model))
     writer = ShardWriter(out, spec, len(ids)) if out is not None else None
     parts: list[Harvest] = []
     bar = tqdm(total=len(ids), desc="harvest", unit="prompt", disable=not progress)
@@ -263,9 +290,8 @@ def generate(model: Any, prompts: Sequence[Any], max_tokens: int = 16, *, steer:
 
     ids = token_ids(model, prompts)
     lengths = [len(tokens) for tokens in ids]
-    for item in steer:
-        check_steer(model, item, len(ids))
     spec = generation_harvest(model, harvest, lengths)
+    _check_tapped(model, [check_steer(model, item, len(ids)) for item in steer] + (spec.sites(model) if spec else []))
     sampling = {"temperature": 0.0, **sampling, "max_tokens": max_tokens}
     tokens: list[list[int]] = []
     texts: list[str] = []

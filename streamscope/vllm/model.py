@@ -11,7 +11,7 @@ import sys
 import weakref
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from nnsight.modeling.vllm import VLLM
 
@@ -25,6 +25,7 @@ from ..model import Standardized
 from ..values import OUTPUT, ComputedValue
 from . import families
 from .logits import engine_logits
+from .taps import tap_locations
 
 #: Engine settings that keep values exact and every token visible to a trace.
 EXACT_DEFAULTS: dict[str, Any] = {
@@ -108,13 +109,28 @@ class StandardizedVLLM(Standardized, VLLM):
         """
         return engine_logits(self._module, normed)
 
-    def __init__(self, path: str | Path, family: str | ModuleType | None = None, **kwargs: Any) -> None:
-        """`family` overrides the family module found by ``config.model_type``: a module, or a model type's name."""
+    def __init__(self, path: str | Path, family: str | ModuleType | None = None, taps: Sequence[str] = (),
+                 **kwargs: Any) -> None:
+        """`family` overrides the family module found by ``config.model_type``: a module, or a model type's name.
+
+        `taps` (`streamscope.vllm.taps`) starts an engine that replays CUDA
+        graphs and serves the values named there, at every step; without
+        them the engine runs eagerly and serves every value.
+        """
+        if isinstance(taps, str):
+            taps = [taps]
+        object.__setattr__(self, "tap_names", tuple(taps))
+        #: The nnsight locations the taps resolved to (empty on an eager engine).
+        object.__setattr__(self, "tapped", frozenset())
         settings = {**EXACT_DEFAULTS, **self._take_family(path, family, families, kwargs, seam.parallel_envoys())}
+        if self.tap_names:
+            settings = _graph_settings(settings, kwargs)
         if _on_cpu():
             from .worker import cpu_engine_kwargs
 
             settings = cpu_engine_kwargs(**settings)
+            if self.tap_names:
+                settings.pop("enforce_eager", None)
         else:
             from .bulk_worker import GPU_WORKER_CLS
 
@@ -128,6 +144,8 @@ class StandardizedVLLM(Standardized, VLLM):
             # nnsight's GPU worker with the bulk path's RPC methods (nnsight passes worker_cls=self._WORKER_CLS).
             seam.set_client_worker(self, GPU_WORKER_CLS)
         settings.setdefault("dispatch", True)
+        if self.tap_names:
+            settings["taps"] = self.tap_names  # resolved to nnsight's locations by `_resolve_taps`
         if torch.cuda.is_initialized():
             # vLLM measures the GPU's free memory at start and again after profiling, and refuses to start
             # if it grew between: memory an engine closed earlier left in torch's cache must go back first.
@@ -147,6 +165,16 @@ class StandardizedVLLM(Standardized, VLLM):
             raise
         _ENGINES.add(self)
         self._check_family()
+
+    def _resolve_taps(self, module: torch.nn.Module) -> tuple[str, ...]:
+        # nnsight calls this with the engine's meta model, before the engine starts: streamscope's value names
+        # become the module locations (a call's input or output, or an operation inside a forward) that hold them.
+        from .families import envoy_tree
+
+        root = envoy_tree(module, self.family)
+        locations = tap_locations(root, self.tap_names)
+        object.__setattr__(self, "tapped", frozenset(locations))
+        return tuple(locations)
 
     def close(self) -> None:
         """Shut the engine down and give its memory back (GPU memory included); the model cannot trace afterwards.
@@ -227,6 +255,25 @@ class StandardizedVLLM(Standardized, VLLM):
         if failed:
             index, error = failed[0]
             raise _retyped(error, index if len(outputs) > 1 else None, len(failed)) from None
+
+
+def _graph_settings(settings: dict[str, Any], asked: dict[str, Any]) -> dict[str, Any]:
+    """Engine settings for a tapped engine: CUDA graphs (nnsight turns eager off), recorded for decode steps only.
+
+    vLLM's breakable graphs break at the taps alone, so a recorded step holds
+    its attention whole; for a step that mixes prefills (whose attention
+    metadata varies with the prompts) that is only right on some backends. Decode
+    steps, where graphs pay, replay; prefill runs eagerly, serving the same taps.
+    """
+    settings = dict(settings)
+    if "enforce_eager" not in asked:
+        settings.pop("enforce_eager", None)
+    compilation = settings.get("compilation_config")
+    if compilation is None:
+        settings["compilation_config"] = {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    elif isinstance(compilation, dict):
+        settings["compilation_config"] = {"cudagraph_mode": "FULL_DECODE_ONLY", **compilation}
+    return settings
 
 
 def _retyped(error: dict, invoke: Optional[int] = None, failures: int = 1) -> BaseException:

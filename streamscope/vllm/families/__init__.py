@@ -9,6 +9,10 @@ Which model types have one is `streamscope.families.FAMILIES`.
 from __future__ import annotations
 
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 from ...families import VLLM, find_family, named_family
 
@@ -41,3 +45,21 @@ def family_for(model_type: str) -> ModuleType:
 def family_called(name: str) -> ModuleType:
     """The vLLM family module a user named (``family="gpt2"``); a ValueError listing the known ones."""
     return named_family(VLLM, name)
+
+
+def envoy_tree(module: "torch.nn.Module", family: ModuleType) -> Any:
+    """streamscope's envoy tree over a vLLM model module (the worker's real one, or the client's meta one).
+
+    The same family envoys as the engine's own tree, without an engine: what a
+    worker resolves a bulk run's values on, and what the client resolves
+    ``taps=`` on before the engine starts.
+    """
+    from ...families.spec import spec_of
+    from ...model import Standardized
+    from ...nnsight_seam import parallel_envoys
+
+    spec = spec_of(family)
+    root = Standardized.__new__(Standardized)
+    object.__setattr__(root, "family", family)
+    Standardized.__init__(root, module, rename=spec.rename, envoys={**parallel_envoys(), **spec.envoys})
+    return root
