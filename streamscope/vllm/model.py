@@ -129,8 +129,8 @@ class StandardizedVLLM(Standardized, VLLM):
             from .worker import cpu_engine_kwargs
 
             settings = cpu_engine_kwargs(**settings)
-            if self.tap_names:
-                settings.pop("enforce_eager", None)
+            if self.tap_names and "enforce_eager" not in kwargs:
+                settings.pop("enforce_eager", None)  # the CPU default; nnsight sets it from the taps
         else:
             from .bulk_worker import GPU_WORKER_CLS
 
@@ -265,6 +265,12 @@ def _graph_settings(settings: dict[str, Any], asked: dict[str, Any]) -> dict[str
     metadata varies with the prompts) that is only right on some backends. Decode
     steps, where graphs pay, replay; prefill runs eagerly, serving the same taps.
     """
+    # nnsight sets VLLM_USE_BREAKABLE_CUDAGRAPH for the engine's processes; vLLM caches its environment once an
+    # engine has started, so an engine started earlier in this process would hide it from this one's config.
+    from vllm import envs
+
+    os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+    envs.disable_envs_cache()
     settings = dict(settings)
     if "enforce_eager" not in asked:
         settings.pop("enforce_eager", None)

@@ -1,0 +1,163 @@
+"""Taps: a vLLM engine started with taps= serves those values, in traces and bulk runs, and refuses the others.
+
+On a GPU the tapped engine replays CUDA graphs for its decode steps (vLLM's
+breakable graphs, broken at each tap), so every value read, edit and steer at a
+decode step here goes through a replayed graph; it is held to an eager engine
+of the same checkpoint, which runs every step from Python. On this CPU there
+are no graphs: the tapped engine runs eagerly, serves its taps alone, and must
+equal the eager engine bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import precision
+from access import relative_error
+from bulk_checks import BULK_FAMILIES, PROMPTS, RELATIVE
+import streamscope
+from streamscope.errors import Unavailable
+from streamscope.families import FAMILIES, VLLM
+from streamscope.vllm.taps import tap_locations
+
+STEPS = 4
+#: Every family vLLM runs on a GPU, where graphs are replayed; the bulk suites' three block shapes on a CPU.
+TAP_FAMILIES = ([family.name for family in FAMILIES if VLLM in family.engines and family.model_type]
+                if precision.ON_GPU else list(BULK_FAMILIES))
+if precision.FAMILIES:
+    TAP_FAMILIES = [family for family in TAP_FAMILIES if family in precision.FAMILIES]
+
+
+def close(tapped: torch.Tensor, eager: torch.Tensor) -> bool:
+    """Bit-equal on the CPU (the same eager code runs); within the GPU engine tolerance where graphs replay."""
+    tapped, eager = tapped.float().cpu(), eager.float().cpu()
+    if not precision.ON_GPU:
+        return torch.equal(tapped, eager)
+    return relative_error(tapped, eager) <= RELATIVE
+
+
+class Pair:
+    """An eager engine and a tapped one on the same checkpoint."""
+
+    def __init__(self, family: str, path) -> None:
+        self.family = family
+        # Qwen3-Next runs bfloat16 in every run of the suite (its CPU kernels have no float32).
+        options = precision.engine_kwargs("bfloat16" if family == "qwen3_next" else None)
+        self.eager = streamscope.load(path, engine="vllm", **options)
+        self.block = self.eager.num_layers // 2
+        self.taps = ["layers.*.layer_output", "final_norm_output"]
+        try:
+            tap_locations(self.eager, ["layers.0.self_attn.queries"])
+            self.taps.append("layers.0.self_attn.queries")
+        except Unavailable:  # a family without attention heads (Mamba)
+            pass
+        self.tapped = streamscope.load(path, engine="vllm", taps=self.taps, **options)
+        self.heads = "layers.0.self_attn.queries" in self.taps
+
+    def close(self) -> None:
+        self.eager.close()
+        self.tapped.close()
+
+
+@pytest.fixture(scope="module", params=TAP_FAMILIES)
+def pair(request, checkpoints):
+    pair = Pair(request.param, checkpoints(request.param))
+    yield pair
+    pair.close()
+
+
+def steps_read(model, prompt: str, heads: bool, edit: torch.Tensor | None = None, block: int = 0) -> dict:
+    """Every block's layer_output, the final norm's output and the logits at each of STEPS steps (and block 0's
+    queries where `heads`), with `edit` added to block `block`'s layer_output at each step."""
+    with model.trace(prompt, temperature=0.0, max_tokens=STEPS, ignore_eos=True) as tracer:
+        outputs, norms, logits, queries = list().save(), list().save(), list().save(), list().save()
+        for step in tracer.iter[:STEPS]:
+            if heads:
+                queries.append(model.layers[0].self_attn.queries.clone())
+            reads = []
+            for index, layer in enumerate(model.layers):
+                if edit is not None and index == block:
+                    current = layer.layer_output
+                    current[:, :] += edit.to(device=current.device, dtype=current.dtype)
+                reads.append(layer.layer_output.clone())
+            outputs.append(torch.stack(reads))
+            norms.append(model.final_norm_output.clone())
+            logits.append(model.logits.clone())
+    return {"layer_output": list(outputs), "final_norm_output": list(norms), "logits": list(logits),
+            "queries": list(queries)}
+
+
+def test_a_tapped_engine_serves_its_values_at_every_step_as_the_eager_engine_does(pair):
+    tapped = steps_read(pair.tapped, PROMPTS[1], pair.heads)
+    eager = steps_read(pair.eager, PROMPTS[1], pair.heads)
+    for name in tapped:
+        assert len(tapped[name]) == len(eager[name]), name
+        for step, (mine, theirs) in enumerate(zip(tapped[name], eager[name])):
+            assert mine.shape == theirs.shape, (name, step)
+            assert close(mine, theirs), (name, step, relative_error(mine.float().cpu(), theirs.float().cpu()))
+    assert len(tapped["layer_output"]) == STEPS
+
+
+def test_an_edit_at_a_tap_lands_at_every_step(pair):
+    torch.manual_seed(0)
+    vector = torch.randn(pair.eager.hidden_size) * 4
+    tapped = steps_read(pair.tapped, PROMPTS[0], False, vector, pair.block)
+    eager = steps_read(pair.eager, PROMPTS[0], False, vector, pair.block)
+    plain = steps_read(pair.tapped, PROMPTS[0], False)
+    for step in range(STEPS):
+        assert close(tapped["logits"][step], eager["logits"][step]), step
+        assert (tapped["logits"][step].float() - plain["logits"][step].float()).abs().max() > 1e-3, step
+
+
+def test_a_steered_generation_on_a_tapped_engine_equals_the_eager_engine(pair):
+    torch.manual_seed(1)
+    steer = streamscope.Steer("layer_output", pair.block, torch.randn(pair.eager.hidden_size), scale=3.0,
+                              prompts=[1])
+    options = {"max_tokens": STEPS, "return_logits": True, "ignore_eos": True, "progress": False}
+    tapped = pair.tapped.generate(PROMPTS, steer=[steer], **options)
+    eager = pair.eager.generate(PROMPTS, steer=[steer], **options)
+    plain = pair.tapped.generate(PROMPTS, harvest={"values": "layer_output", "layers": [0]}, **options)
+    for index in range(len(PROMPTS)):
+        assert tapped.logits[index].shape == (STEPS, pair.eager.vocab_size)
+        assert close(tapped.logits[index], eager.logits[index]), index
+        # Other requests in the batch are untouched: a replayed step steers the steered request's rows only.
+        assert torch.equal(tapped.logits[index], plain.logits[index]) == (index != 1), index
+
+
+def test_a_harvest_on_a_tapped_engine_equals_the_eager_engine(pair):
+    tapped = pair.tapped.harvest(PROMPTS, "layer_output", positions="all", progress=False)
+    eager = pair.eager.harvest(PROMPTS, "layer_output", positions="all", progress=False)
+    for index in range(len(PROMPTS)):
+        assert close(tapped["layer_output"][index], eager["layer_output"][index]), index
+
+
+def test_an_untapped_value_is_refused_with_the_fix_and_the_engine_serves_on(pair):
+    model = pair.tapped
+    with pytest.raises(Unavailable, match=r"taps=\[\.\.\., 'layers\.0\.layer_input'\]"):
+        with model.trace(PROMPTS[0], temperature=0.0, max_tokens=1):
+            model.layers[0].layer_input.save()
+    with pytest.raises(Unavailable, match=r"'layers\.1\.layer_input'"):
+        model.harvest(PROMPTS[:1], "layer_input", layers=[1], progress=False)
+    with pytest.raises(Unavailable, match="not among them"):
+        model.generate(PROMPTS[:1], max_tokens=2, progress=False,
+                       steer=[streamscope.Steer("layer_input", 1, torch.ones(model.hidden_size))])
+    with model.trace(PROMPTS[0], temperature=0.0, max_tokens=1):
+        output = model.layers[0].layer_output.save()
+    assert output.shape[-1] == model.hidden_size
+
+
+@pytest.mark.skipif("llama" not in TAP_FAMILIES, reason="the tap-name checks run on the llama checkpoint")
+def test_tap_names_are_checked_before_the_engine_starts(checkpoints):
+    path = checkpoints("llama")
+    cases = [("layers.99.layer_output", IndexError, "out of range"),
+             ("layers.x.layer_output", ValueError, "an index or"),
+             ("layers.0", ValueError, "no value"),
+             ("layers.0.no_such_value", ValueError, "has no value 'no_such_value'"),
+             ("logits_of_nothing", ValueError, "has no value")]
+    for tap, error, message in cases:
+        with pytest.raises(error, match=message):
+            streamscope.load(path, engine="vllm", taps=[tap], **precision.engine_kwargs())
+    with pytest.raises(ValueError, match="contradicts taps"):
+        streamscope.load(path, engine="vllm", taps=["layers.0.layer_output"], enforce_eager=True,
+                         **precision.engine_kwargs())
