@@ -22,12 +22,17 @@ the same device with random init), then times, each ``--rounds`` times
   ceiling         W1 and W2 bare on a second engine with vLLM's own defaults (CUDA graphs, prefix
                   caching, chunked prefill), run first in a child process so the GPU is free for it
 
+  W2g W2 again with CUDA graphs: streamscope's engine started with taps=["layers.16.layer_output"]
+      (vLLM's breakable graphs, replayed at every decode step, broken at the tap)
+      bare        the same tapped engine's vLLM generate, no streamscope work
+      steered     the same steer  bound <= 1.15x bare; >= 5x hf-steered's tokens/s
+      graph bare  plain vLLM with the same graph settings and no tap (a child process)
+
 "Bare" is the same engine (eager, no prefix caching, no chunked prefill: the
-settings that keep values exact) with no streamscope work. CUDA graphs are off
-for every streamscope run because hooks do not fire inside a replayed graph;
-keeping them would mean applying the steers and reads as tensor ops captured
-into the graph (static per-step row indices in persistent buffers, filled
-before each replay), i.e. a custom op in vLLM's compiled forward.
+settings that keep values exact) with no streamscope work. Hooks do not fire
+inside a replayed graph, so every streamscope run but W2g's is eager; W2g's
+engine replays graphs for its decode steps and runs the steer at its tap, where
+vLLM's breakable graph hands control back to Python (see `streamscope.vllm.taps`).
 
     python benchmarks/gpu_workloads.py              # the H200 run (vLLM 0.22+, CUDA)
     python benchmarks/gpu_workloads.py --tiny       # the same code at a tiny shape on this CPU
@@ -47,6 +52,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The engine in this process: a harvest's results (18 GB for W1's every-position part) are handed over
@@ -188,21 +194,31 @@ def bare_w2(llm, prompts, tokens, marked: bool = False):
     return lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-def ceiling(folder: Path, tiny: bool, rounds: int) -> dict:
-    """W1 and W2 bare on an engine with vLLM's own defaults (run in a child process)."""
+#: The graph settings of a tapped streamscope engine, for plain vLLM (`streamscope.vllm.model._graph_settings`).
+GRAPHS = {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}, "enable_prefix_caching": False,
+          "enable_chunked_prefill": False}
+
+
+def ceiling(folder: Path, tiny: bool, rounds: int, mode: str) -> dict:
+    """W1 and W2 bare on plain vLLM in a child process: its own defaults ("defaults"), or the graph settings of a
+    tapped engine ("graphs": breakable graphs for decode steps, no tap), W2 only."""
     from vllm import LLM
 
     settings = sizes(tiny)
-    llm = LLM(str(folder), **engine_kwargs(settings, tiny))
-    w1 = token_prompts(settings["w1_prompts"], settings["w1_lengths"], 1)
+    llm = LLM(str(folder), **engine_kwargs(settings, tiny), **(GRAPHS if mode == "graphs" else {}))
     w2 = token_prompts(settings["w2_prompts"], settings["w2_lengths"], 2)
-    return {"w1": timed(bare_w1(llm, w1), rounds), "w2": timed(bare_w2(llm, w2, settings["w2_tokens"]), rounds)}
+    times = {"w2": timed(bare_w2(llm, w2, settings["w2_tokens"]), rounds)}
+    if mode == "defaults":
+        times["w1"] = timed(bare_w1(llm, token_prompts(settings["w1_prompts"], settings["w1_lengths"], 1)), rounds)
+    return times
 
 
-def run_ceiling(folder: Path, tiny: bool, rounds: int) -> dict | None:
-    command = [sys.executable, __file__, "--ceiling", str(folder), "--rounds", str(rounds)] + (["--tiny"] if tiny else [])
+def run_ceiling(folder: Path, tiny: bool, rounds: int, mode: str = "defaults") -> dict | None:
+    command = [sys.executable, __file__, "--ceiling", str(folder), "--mode", mode, "--rounds", str(rounds)] + (
+        ["--tiny"] if tiny else [])
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                   "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vLLM's default
+                   "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # vLLM's default
+                   "VLLM_USE_BREAKABLE_CUDAGRAPH": "1" if mode == "graphs" else "0"}
     run = subprocess.run(command, capture_output=True, text=True, env=environment)
     lines = [line for line in run.stdout.splitlines() if line.startswith("CEILING ")]
     if run.returncode != 0 or not lines:
@@ -230,12 +246,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny shape, for a CPU check")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: ceiling,w1,w2,trace,hf")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: ceiling,w1,w2,w2g,trace,hf")
     parser.add_argument("--hf-batches", help="comma-separated batch sizes to try for W1 on transformers")
     parser.add_argument("--ceiling", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="defaults", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ceiling:
-        print("CEILING " + json.dumps(ceiling(Path(args.ceiling), args.tiny, args.rounds)))
+        print("CEILING " + json.dumps(ceiling(Path(args.ceiling), args.tiny, args.rounds, args.mode)))
         return
     skip = set(filter(None, args.skip.split(",")))
 
@@ -359,6 +376,9 @@ def main() -> None:
 
     report(rows)
     model.close()
+    hf_w2 = next((seconds for w, what, seconds, _ in rows if w == "W2" and what.startswith("transformers")), None)
+    if "w2g" not in skip:
+        w2_graphs(folder, settings, args, rows, hf_w2)
     if "ceiling" not in skip:  # last, with this engine closed: the other figures come first
         ceiling_times = run_ceiling(folder, args.tiny, args.rounds)
         if ceiling_times:
@@ -368,6 +388,40 @@ def main() -> None:
                     rows.append((workload, "vLLM defaults bare (ceiling)", ceiling_times[workload.lower()],
                                  f"{ceiling_times[workload.lower()] / bare:.3f}x exact bare"))
             report(rows)
+
+
+def w2_graphs(folder: Path, settings: dict, args: Any, rows: list, hf_time: float | None) -> None:
+    """W2 on a tapped engine (CUDA graphs replayed, the steer run at its tap), then plain vLLM with its graph settings."""
+    import torch
+
+    import streamscope
+
+    block = settings["steer_block"]
+    tapped = streamscope.load(folder, engine="vllm", taps=[f"layers.{block}.layer_output"],
+                              **engine_kwargs(settings, args.tiny))
+    prompts = token_prompts(settings["w2_prompts"], settings["w2_lengths"], 2)
+    count = settings["w2_tokens"]
+    torch.manual_seed(0)
+    steer = streamscope.Steer("layer_output", block, torch.randn(tapped.hidden_size), positions="all")
+    generated = len(prompts) * count
+    measured = timed_together({
+        "bare": bare_w2(tapped.vllm_entrypoint, prompts, count),
+        "steered": lambda: tapped.generate(prompts, max_tokens=count, steer=[steer], temperature=1.0, seed=0,
+                                           ignore_eos=True, progress=False)}, args.rounds)
+    bare, steered = measured["bare"], measured["steered"]
+    rows += [("W2g", "tapped engine (graphs), bare generation", bare, f"{generated / bare:,.0f} tok/s"),
+             ("W2g", "tapped engine (graphs), steered generation", steered,
+              f"{steered / bare:.3f}x bare (bound 1.15), {generated / steered:,.0f} tok/s")]
+    if hf_time is not None:
+        rows.append(("W2g", "  against transformers' steered generation (W2)", hf_time,
+                     f"vLLM {hf_time / steered:.1f}x the tokens/s (bound 5)"))
+    report(rows)
+    tapped.close()
+    plain = run_ceiling(folder, args.tiny, args.rounds, mode="graphs")
+    if plain:
+        rows.append(("W2g", "plain vLLM, the same graph settings, no tap", plain["w2"],
+                     f"steered {steered / plain['w2']:.3f}x this bare"))
+        report(rows)
 
 
 def report(rows: list) -> None:

@@ -40,6 +40,7 @@ SHARED = ["tests/vllm/test_engine.py", "tests/vllm/test_batching.py", "tests/vll
           "tests/vllm/test_bulk.py", "tests/vllm/test_workflows.py"]
 ALONE = ["tests/vllm/test_lifecycle.py"]
 TENSOR_PARALLEL = "tests/vllm/test_tensor_parallel.py"
+TAPS = "tests/vllm/test_taps.py"  # per family: an eager and a tapped engine (CUDA graphs replayed)
 OUTCOME = re.compile(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)")
 
 
@@ -143,8 +144,8 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=4, help="pytest processes at once per GPU")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--families", default="", help="comma-separated; default every family")
-    parser.add_argument("--parts", default="families,shared,alone,tp",
-                        help="which parts to run: families (per-family files), shared, alone, tp")
+    parser.add_argument("--parts", default="families,taps,shared,alone,tp",
+                        help="which parts to run: families (per-family files), taps (per family), shared, alone, tp")
     parser.add_argument("--shared", default="", help="comma-separated file stems of the shared part (default all)")
     parser.add_argument("--tp-dtypes", default="", help="dtypes of the tensor-parallel part (default --dtypes)")
     parser.add_argument("--device", default="cuda", help="cpu: try the script itself here")
@@ -167,6 +168,9 @@ def main() -> None:
         ordered = sorted(families, key=lambda family: (family not in slow, slow.index(family) if family in slow else 0))
         jobs += [Job(f"{dtype}-{family}", dtype, PER_FAMILY, families=family, log=logs / f"{dtype}-{family}.log")
                  for family in ordered for dtype in dtypes]
+    if "taps" in parts:
+        jobs += [Job(f"{dtype}-taps-{family}", dtype, [TAPS], families=family, log=logs / f"{dtype}-taps-{family}.log")
+                 for family in families for dtype in dtypes]
     if "shared" in parts:
         jobs[:0] = [Job(f"{dtype}-{Path(file).stem}", dtype, [file], log=logs / f"{dtype}-{Path(file).stem}.log")
                     for file in SHARED for dtype in dtypes
