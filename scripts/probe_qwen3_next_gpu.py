@@ -15,15 +15,21 @@ and values, the output gate, and the loaded weights against the checkpoint's.
 A replay that disagrees names the kernel that computes something else.
 
 Variants (each its own checkpoint and engine) test hypotheses:
-  base         the suite's checkpoint (every token to every expert, as its bfloat16 runs)
-  ratio2       linear_num_key_heads=1, linear_num_value_heads=2: vLLM 0.22's packed decode
-               kernel refuses the gating vectors of a gated delta net with as many value heads as key
-               heads ("`a`/`b` must be contiguous in the last dim"); with two per key head it runs
-  full_rotary  partial_rotary_factor=1: is the partial rotary (16 of 64 channels) the cause?
+  equal_heads  the suite's checkpoint before this probe: as many linear value heads as key heads (2 and 2).
+               Hypothesis: vLLM 0.22's GPU gated delta net splits its gating vectors a, b out of in_proj_ba as
+               strided views (head stride 2) and its Triton kernels read them with head stride 1
+               (fused_gdn_prefill_post_conv.py), so every value head past the first takes another's gating:
+               every value from block 0's linear attention on departs (~1.2 on the logits), and a decode
+               step stops with "`a`/`b` must be contiguous in the last dim" (vLLM issue 41112)
+  base         the suite's checkpoint now: two value heads per key head (2 and 4), as every released
+               Qwen3-Next (16 and 32); the split copies and nothing should depart
+  full_rotary  partial_rotary_factor=1: (if base still departs) is the partial rotary the cause?
   head128      head_dim=128 on the full attention: is the head size the cause?
   triton_attn  attention backend TRITON_ATTN (GPU): is the attention kernel the cause?
   flex_attn    attention backend FLEX_ATTENTION (GPU)
-Each variant also decodes a few tokens (the packed decode path) and says whether that ran.
+Every engine runs the same token ids in the same dtype (bfloat16: 0.22's chunked gated delta rule refuses
+float32), and also decodes four tokens (the packed recurrent decode path). On the GPU a microtest runs
+vLLM's gating kernel alone on strided and contiguous a, b.
 
 Usage (GPU, vLLM 0.22; about two minutes):
     python3 scripts/probe_qwen3_next_gpu.py --out $OUT
@@ -56,14 +62,14 @@ FLOOR = 1e-3
 
 VARIANTS = {
     "base": ({}, {}),
-    "ratio2": ({"linear_num_key_heads": 1, "linear_num_value_heads": 2}, {}),
+    "equal_heads": ({"linear_num_key_heads": 2, "linear_num_value_heads": 2}, {}),
     "full_rotary": ({"partial_rotary_factor": 1.0}, {}),
     "head128": ({"head_dim": 128}, {}),
     "triton_attn": ({}, {"attention_config": {"backend": "TRITON_ATTN"}}),
     "flex_attn": ({}, {"attention_config": {"backend": "FLEX_ATTENTION"}}),
 }
-GPU_DEFAULT = "base,ratio2,full_rotary,triton_attn,head128,flex_attn"
-CPU_DEFAULT = "base,ratio2"
+GPU_DEFAULT = "equal_heads,base,full_rotary,triton_attn,head128,flex_attn"
+CPU_DEFAULT = "base,equal_heads"
 
 LOG: list[str] = []
 RESULTS: dict = {}
@@ -97,8 +103,6 @@ def part(name: str):
 
 def flat(tensor, tokens: int):
     """A captured tensor as [tokens, features] float32 on the CPU (a leading batch of 1 dropped)."""
-    import torch
-
     tensor = tensor.detach()
     if tensor.dim() >= 3 and tensor.shape[0] == 1 and tensor.shape[1] == tokens:
         tensor = tensor[0]
@@ -292,6 +296,11 @@ def vllm_hooks(model, tokens: int) -> Recorder:
         ]
         attn = getattr(layer, "self_attn", None)
         if attn is None:
+            linear = getattr(layer, "linear_attn", None)
+            for projection in ("in_proj_qkvz", "in_proj_ba"):
+                if linear is not None and hasattr(linear, projection):
+                    rec.handles.append(getattr(linear, projection).register_forward_hook(
+                        lambda m, a, o, i=index, name=projection: put(i, "raw_" + name, first(o))))
             continue
         heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         gated = bool(getattr(attn, "attn_output_gate", True))
@@ -400,11 +409,62 @@ def vllm_capture(llm, model, ids: list[int]) -> tuple[dict, list[int]]:
                                use_tqdm=False)
     finally:
         rec.remove()
-    values = {key: flat(tensor, tokens) for key, tensor in rec.values.items()}
+    gating_layout(model, rec.values)
+    values = {key: flat(tensor, tokens) for key, tensor in rec.values.items() if not key[1].startswith("raw_")}
     if ("final", "final_norm") in values:
         head = model.lm_head.weight.detach().float().cpu()
         values[("final", "logits")] = values[("final", "final_norm")] @ head.T  # with vLLM's own lm_head
     return values, list(outputs[0].outputs[0].token_ids)
+
+
+def gating_layout(model, raw: dict) -> None:
+    """The layout of the gating vectors a, b that vLLM's own split hands its gated delta net kernels."""
+    for index, layer in enumerate(model.model.layers):
+        linear = getattr(layer, "linear_attn", None)
+        if linear is None or (index, "raw_in_proj_ba") not in raw:
+            continue
+        with part(f"block {index}: gating vectors as vLLM's fix_query_key_value_ordering splits them"):
+            say(f"  num_k_heads={linear.num_k_heads} num_v_heads={linear.num_v_heads} "
+                f"gqa_interleaved_layout={getattr(linear, 'gqa_interleaved_layout', '?')}")
+            split = linear.fix_query_key_value_ordering(raw[(index, "raw_in_proj_qkvz")], raw[(index, "raw_in_proj_ba")])
+            b, a = split[4], split[5]
+            for name, tensor in (("b", b), ("a", a)):
+                say(f"  {name}: shape {tuple(tensor.shape)} strides {tensor.stride()} contiguous "
+                    f"{tensor.is_contiguous()}" + ("" if tensor.is_contiguous() else
+                                                   "  (not contiguous: a kernel indexing it as token * stride(0) + head reads other values)"))
+
+
+def gating_kernel_microtest(device: str, dtype: str) -> None:
+    """vLLM's prefill gating kernel (fused_post_conv_prep) on a, b split as vLLM splits them, strided and copied."""
+    import torch
+
+    if device != "cuda":
+        return
+    with part("kernel microtest: gated delta net gating (fused_post_conv_prep) on strided vs contiguous a, b"):
+        from vllm.model_executor.layers.fla.ops.fused_gdn_prefill_post_conv import fused_post_conv_prep
+
+        low = getattr(torch, dtype)
+        generator = torch.Generator().manual_seed(0)
+        for key_heads, value_heads in ((2, 2), (2, 4)):
+            tokens, k_dim, v_dim = 13, 64, 64
+            per = value_heads // key_heads
+            conv = torch.randn(tokens, 2 * key_heads * k_dim + value_heads * v_dim, generator=generator)
+            ba = torch.randn(tokens, 2 * value_heads, generator=generator)
+            a_log = torch.randn(value_heads, generator=generator)
+            dt_bias = torch.randn(value_heads, generator=generator)
+            conv, ba, a_log, dt_bias = (t.to(device, low) for t in (conv, ba, a_log, dt_bias))
+            # vLLM 0.22's split (qwen_gdn_linear_attn.py, fix_query_key_value_ordering)
+            b, a = torch.split(ba.view(tokens, key_heads, 2 * per), [per, per], dim=2)
+            b, a = b.reshape(tokens, value_heads), a.reshape(tokens, value_heads)
+            args = (a_log, dt_bias, key_heads, k_dim, v_dim)
+            strided = fused_post_conv_prep(conv, a, b, *args)
+            copied = fused_post_conv_prep(conv, a.contiguous(), b.contiguous(), *args)
+            g_ref = -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+            beta_ref = b.float().sigmoid()
+            say(f"  {key_heads} key / {value_heads} value heads: a strides {a.stride()}; "
+                f"g strided vs torch {rel(strided[3], g_ref):.3e}, contiguous vs torch {rel(copied[3], g_ref):.3e}; "
+                f"beta strided vs torch {rel(strided[4], beta_ref):.3e}, contiguous vs torch "
+                f"{rel(copied[4], beta_ref):.3e}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -666,6 +726,7 @@ def main() -> int:
         if args.device == "cuda":
             say(f"gpu: {torch.cuda.get_device_name(0)}")
     kernel_microtests(args.device, args.dtype)
+    gating_kernel_microtest(args.device, args.dtype)
 
     variants = (args.variants or (GPU_DEFAULT if args.device == "cuda" else CPU_DEFAULT)).split(",")
     for name in variants:
