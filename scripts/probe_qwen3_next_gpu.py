@@ -68,7 +68,7 @@ VARIANTS = {
     "triton_attn": ({}, {"attention_config": {"backend": "TRITON_ATTN"}}),
     "flex_attn": ({}, {"attention_config": {"backend": "FLEX_ATTENTION"}}),
 }
-GPU_DEFAULT = "equal_heads,base,full_rotary,triton_attn,head128,flex_attn"
+GPU_DEFAULT = "base,equal_heads,full_rotary,triton_attn,head128,flex_attn"
 CPU_DEFAULT = "base,equal_heads"
 
 LOG: list[str] = []
@@ -644,9 +644,9 @@ def run_variant(name: str, args, folder: Path, started: float) -> None:
                 result["table"] = table(name, mine, exact, yardstick)
             with part(f"{name}: replays of vLLM's full attention on its own tensors"):
                 replays(model, mine, reference, len(ids))
-        with part(f"{name}: decode 4 tokens (vLLM's packed recurrent decode path)"):
-            from vllm import SamplingParams
+        from vllm import SamplingParams
 
+        with part(f"{name}: decode 4 tokens (vLLM's packed recurrent decode path)"):
             outputs = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=4),
                                    use_tqdm=False)
             generated = list(outputs[0].outputs[0].token_ids)
@@ -659,6 +659,10 @@ def run_variant(name: str, args, folder: Path, started: float) -> None:
                 say(f"transformers float32 greedy: {ref_ids} ({'same' if ref_ids == generated else 'DIFFERENT'})")
         if result.get("decode") != "ok":
             result["decode"] = "failed"
+            with part(f"{name}: does the engine serve the next prompt after the failed decode?"):
+                outputs = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=1),
+                                       use_tqdm=False)
+                say(f"next prompt served: {list(outputs[0].outputs[0].token_ids)}")
     finally:
         close_engine(llm)
         del reference
@@ -697,7 +701,7 @@ def main() -> int:
                         help="vLLM's dtype (0.22's gated delta net refuses float32) and the yardstick's")
     parser.add_argument("--variants", default=None, help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--budget", type=float, default=150.0,
-                        help="seconds after which no further variant is started")
+                        help="seconds after which no variant past the first two is started")
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -725,18 +729,27 @@ def main() -> int:
             f"vllm {vllm.__version__} ({os.path.dirname(vllm.__file__)}), device {args.device}, dtype {args.dtype}")
         if args.device == "cuda":
             say(f"gpu: {torch.cuda.get_device_name(0)}")
+    with part("vLLM's GPU gated delta net: does forward_cuda copy the gating vectors a, b before its kernels?"):
+        from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
+
+        source = inspect.getsource(gdn.QwenGatedDeltaNetAttention.forward_cuda)
+        say("  forward_cuda's lines that split or copy a, b (0.22: the Qwen3-Next branch splits and copies nothing; "
+            "0.32 passes b.contiguous(), a.contiguous() to the core op):")
+        for line in source.splitlines():
+            if "fix_query_key_value_ordering" in line or "contiguous" in line or "split_ba" in line:
+                say("   |" + line)
     kernel_microtests(args.device, args.dtype)
     gating_kernel_microtest(args.device, args.dtype)
 
     variants = (args.variants or (GPU_DEFAULT if args.device == "cuda" else CPU_DEFAULT)).split(",")
-    for name in variants:
+    for position, name in enumerate(variants):
         name = name.strip()
         if name not in VARIANTS:
             say(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
             continue
         if name in ("triton_attn", "flex_attn") and args.device != "cuda":
             continue
-        if time.time() - started > args.budget:
+        if position >= 2 and time.time() - started > args.budget:
             say(f"\n(budget of {args.budget:.0f} s spent: variant {name} not run)")
             continue
         with part(f"variant {name}"):
@@ -749,6 +762,16 @@ def main() -> int:
                  f"yardstick {first_departure[3]:.2e})" if first_departure else
                  "no departure" if result.get("table") else "no table")
         say(f"{name:>12}: {where}; decode {result.get('decode', 'not run')}")
+    base, equal = RESULTS.get("base", {}), RESULTS.get("equal_heads", {})
+    if base.get("table") and equal.get("table"):
+        confirmed = (not base["table"]["first_departure"] and base.get("decode") == "ok"
+                     and equal["table"]["first_departure"] is not None)
+        say("hypothesis (equal linear key/value heads make vLLM misread the gating; two value heads per key head "
+            f"do not): {'CONFIRMED' if confirmed else 'not confirmed by these tables'} "
+            f"(base departs: {bool(base['table']['first_departure'])}, decode {base.get('decode')}; "
+            f"equal_heads departs: {bool(equal['table']['first_departure'])}, decode {equal.get('decode')})"
+            + ("; on the CPU neither should depart: vLLM's CPU path never hands strided a, b to a kernel"
+               if args.device == "cpu" else ""))
     (out / "probe.log").write_text("\n".join(LOG) + "\n")
     (out / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
     say(f"total {time.time() - started:.0f} s; log in {out / 'probe.log'}")
