@@ -82,10 +82,13 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
     "mamba": {"state_size": 16, "expand": 2, "conv_kernel": 4, "num_attention_heads": None,
               "num_key_value_heads": None, "head_dim": None, "intermediate_size": None,
               "max_position_embeddings": None},
+    # Two value heads per key head in the gated delta net, as in the released checkpoints (16 and 32): with as
+    # many value heads as key heads, vLLM 0.22's GPU kernels read the gating vectors at the wrong places and
+    # its decode refuses them (vLLM issue 41112; `streamscope.vllm.families.qwen3_next`).
     "qwen3_next": {"layer_types": ["linear_attention", "full_attention", "linear_attention"],
                    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                    "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1,
-                   "linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 64,
+                   "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
                    "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "head_dim": 64,
                    "num_attention_heads": 2, "hidden_size": 128},
 }

