@@ -201,7 +201,7 @@ GRAPHS = {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}, "enable_
 
 def ceiling(folder: Path, tiny: bool, rounds: int, mode: str) -> dict:
     """W1 and W2 bare on plain vLLM in a child process: its own defaults ("defaults"), or the graph settings of a
-    tapped engine ("graphs": breakable graphs for decode steps, no tap), W2 only."""
+    tapped engine ("graphs": breakable graphs for decode steps, no tap), W2 only. ("tapped": `tapped_w2`.)"""
     from vllm import LLM
 
     settings = sizes(tiny)
@@ -218,7 +218,7 @@ def run_ceiling(folder: Path, tiny: bool, rounds: int, mode: str = "defaults") -
         ["--tiny"] if tiny else [])
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # vLLM's default
-                   "VLLM_USE_BREAKABLE_CUDAGRAPH": "1" if mode == "graphs" else "0"}
+                   "VLLM_USE_BREAKABLE_CUDAGRAPH": "1" if mode in ("graphs", "tapped") else "0"}
     run = subprocess.run(command, capture_output=True, text=True, env=environment)
     lines = [line for line in run.stdout.splitlines() if line.startswith("CEILING ")]
     if run.returncode != 0 or not lines:
@@ -252,7 +252,9 @@ def main() -> None:
     parser.add_argument("--mode", default="defaults", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ceiling:
-        print("CEILING " + json.dumps(ceiling(Path(args.ceiling), args.tiny, args.rounds, args.mode)))
+        times = (tapped_w2(Path(args.ceiling), args.tiny, args.rounds) if args.mode == "tapped"
+                 else ceiling(Path(args.ceiling), args.tiny, args.rounds, args.mode))
+        print("CEILING " + json.dumps(times))
         return
     skip = set(filter(None, args.skip.split(",")))
 
@@ -390,24 +392,36 @@ def main() -> None:
             report(rows)
 
 
-def w2_graphs(folder: Path, settings: dict, args: Any, rows: list, hf_time: float | None) -> None:
-    """W2 on a tapped engine (CUDA graphs replayed, the steer run at its tap), then plain vLLM with its graph settings."""
+def tapped_w2(folder: Path, tiny: bool, rounds: int) -> dict:
+    """W2 bare and steered, in turn, on a streamscope engine started with a tap at the steer (a child process)."""
     import torch
 
     import streamscope
 
+    settings = sizes(tiny)
     block = settings["steer_block"]
     tapped = streamscope.load(folder, engine="vllm", taps=[f"layers.{block}.layer_output"],
-                              **engine_kwargs(settings, args.tiny))
+                              **engine_kwargs(settings, tiny))
     prompts = token_prompts(settings["w2_prompts"], settings["w2_lengths"], 2)
     count = settings["w2_tokens"]
     torch.manual_seed(0)
     steer = streamscope.Steer("layer_output", block, torch.randn(tapped.hidden_size), positions="all")
-    generated = len(prompts) * count
-    measured = timed_together({
+    return timed_together({
         "bare": bare_w2(tapped.vllm_entrypoint, prompts, count),
         "steered": lambda: tapped.generate(prompts, max_tokens=count, steer=[steer], temperature=1.0, seed=0,
-                                           ignore_eos=True, progress=False)}, args.rounds)
+                                           ignore_eos=True, progress=False)}, rounds)
+
+
+def w2_graphs(folder: Path, settings: dict, args: Any, rows: list, hf_time: float | None) -> None:
+    """W2 with CUDA graphs: a tapped streamscope engine, then plain vLLM with its graph settings and no tap.
+
+    Each in a child process with vLLM's default engine process (VLLM_ENABLE_V1_MULTIPROCESSING=1), so that
+    both schedule the same way.
+    """
+    generated = settings["w2_prompts"] * settings["w2_tokens"]
+    measured = run_ceiling(folder, args.tiny, args.rounds, mode="tapped")
+    if measured is None:
+        return
     bare, steered = measured["bare"], measured["steered"]
     rows += [("W2g", "tapped engine (graphs), bare generation", bare, f"{generated / bare:,.0f} tok/s"),
              ("W2g", "tapped engine (graphs), steered generation", steered,
@@ -416,7 +430,6 @@ def w2_graphs(folder: Path, settings: dict, args: Any, rows: list, hf_time: floa
         rows.append(("W2g", "  against transformers' steered generation (W2)", hf_time,
                      f"vLLM {hf_time / steered:.1f}x the tokens/s (bound 5)"))
     report(rows)
-    tapped.close()
     plain = run_ceiling(folder, args.tiny, args.rounds, mode="graphs")
     if plain:
         rows.append(("W2g", "plain vLLM, the same graph settings, no tap", plain["w2"],

@@ -316,7 +316,9 @@ def fit_final_norm(weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
               for norm in candidates]
     best = min(range(len(candidates)), key=errors.__getitem__)
     # The model's output is rounded to its dtype (bfloat16: 2^-8 relative), and the forms differ by far more.
-    if errors[best] < max(1e-4, 2 * torch.finfo(output.dtype).eps):
+    # The cache may hold it in float32, so the dtype is the model's: its norm weight's, where it has one.
+    dtype = weight.dtype if weight is not None and weight.is_floating_point() else output.dtype
+    if errors[best] < max(1e-4, 2 * torch.finfo(dtype).eps):
         return candidates[best]
     raise ValueError(f"the final norm is neither an RMS norm nor a layer norm with an elementwise weight "
                      f"(best relative error {errors[best]:.2e}); decompose and logit_attrs cannot apply it")

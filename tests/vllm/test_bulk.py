@@ -190,7 +190,13 @@ def test_the_bulk_path_runs_with_the_engine_in_another_process(engine, tmp_path)
                             return_logits=True, ignore_eos=True, progress=False)
     for index in range(len(prompts)):
         assert torch.equal(torch.tensor(remote["harvest"][index]), harvest["layer_output"][index]), index
-        assert torch.equal(torch.tensor(remote["logits"][index]), result.logits[index]), index
+        remote_logits = torch.tensor(remote["logits"][index])
+        if precision.ON_GPU:
+            # Another engine, in another process: its decode steps may batch the requests otherwise, and a GPU's
+            # kernels then tile their sums otherwise (README, "Batched requests"); the CPU's do not.
+            assert relative_error(remote_logits, result.logits[index]) <= RELATIVE, index
+        else:
+            assert torch.equal(remote_logits, result.logits[index]), index
 
 
 def test_a_steer_at_chosen_prompt_positions_edits_those_rows_only(engine):
