@@ -46,7 +46,8 @@ def main(path: str, tensor_parallel_size: int, prompt: str, dtype: str = "float3
     with model.trace(prompt, **GREEDY):
         heads = model.layers[0].self_attn.head_outputs
         heads[:, :, -1] = 0  # the last head: on the last rank
-        model.layers[last].layer_mid[:, -1] += vector.to(model.layers[last].layer_mid.dtype)
+        mid = model.layers[last].layer_mid
+        mid[:, -1] += vector.to(device=mid.device, dtype=mid.dtype)  # the trace runs in the worker, by the GPU
         edited = model.logits.float().cpu().save()
     result["edited logits"] = edited.tolist()
     with model.trace(prompt, **GREEDY):
