@@ -95,7 +95,8 @@ from nnsight.tracing.tracer import WithBlockNotFoundError, _saves  # noqa: E402
 __all__ = [
     "SUPPORTED", "ALLOW_ENV", "check_version", "eproperty", "Worker", "OutOfOrderError", "WithBlockNotFoundError",
     "set_callbacks", "location", "call_location", "running_worker", "worker_at", "step_of", "read_at", "skip_at",
-    "is_saved", "PendingWriteBack", "pending_write_back", "held_view", "redirect_write_back",
+    "is_saved", "invoke_rows", "with_invoke_rows", "PendingWriteBack", "pending_write_back", "held_view",
+    "redirect_write_back",
     "filter_write_backs", "rename_out_of_order", "around_worker_run", "kernel_call_names", "ensure_source",
     "unwrapped_generate", "running_taps", "interleaving", "take_request_error", "collect_requests", "set_client_worker",
     # Loaded on first use by the module's __getattr__ (vLLM is not imported with streamscope).
@@ -185,6 +186,42 @@ def is_saved(value: Any) -> bool:
     (to edit it) gets a copy of its own.
     """
     return id(value) in _saves()
+
+
+# An invoke's rows of a batched trace, for a value nnsight cannot narrow itself.
+
+def _invoke_batch() -> Optional[tuple[Any, Any]]:
+    """The running worker's batcher and its ``[start, size]`` rows in the run's batch; None where no batched run
+    narrows anything for it (outside a trace, or a run that does not batch)."""
+    worker = running_worker()
+    if worker is None or worker.interleaver is None or worker.interleaver.batcher is None:
+        return None
+    return worker.interleaver.batcher, worker.batch_group
+
+
+def invoke_rows(batch_leading: Any) -> Any:
+    """`batch_leading` (``[batch, ...]``) narrowed to the running invoke's rows, as nnsight narrows what it serves.
+
+    nnsight's batcher serves each invoke of a batched trace its own rows of a
+    value by its leading dimension, where that dimension is the batch (it
+    equals the run's total rows). A tensor the model holds in another layout,
+    such as a block's tokens flattened to ``[batch * seq, hidden]``, leads
+    with no such dimension and reaches every invoke whole. Viewed batch-leading
+    (``[batch, seq, hidden]``) it is narrowed here by the batcher's own rule:
+    the result is a view of this invoke's rows, and `batch_leading` itself
+    outside a trace, for a lone invoke, for an invoke without rows (it sees
+    the whole batch) and where the leading dimension is not the batch.
+    """
+    batch = _invoke_batch()
+    return batch_leading if batch is None else batch[0].narrow(batch_leading, batch[1])
+
+
+def with_invoke_rows(batch_leading: Any, rows: Any) -> Any:
+    """`batch_leading` with the running invoke's rows replaced by `rows`, as a new tensor: the inverse of
+    `invoke_rows`, spliced the way nnsight's batcher splices an invoke's edit; `rows` itself wherever
+    `invoke_rows` narrows nothing."""
+    batch = _invoke_batch()
+    return rows if batch is None else batch[0].widen(batch_leading, batch[1], rows)
 
 
 # The pending write-back: a read's copy that nnsight swaps back into the model when the worker moves on.

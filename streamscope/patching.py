@@ -20,11 +20,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-#: Values whose patches share one batched forward on transformers. Others run one patch per forward: a
-#: family may hold them as flattened tokens, [batch * seq, hidden] (OPT around its MLP, Llama 4's MoE
-#: output), which nnsight serves whole to every invoke, so one invoke's patch would reach the others.
-_BATCHED_ON_TRANSFORMERS = ("layer_output", "attention_output", "head_outputs")
-
 #: Values a patch can replace: streamscope's block values (short names for the contributions).
 _CONTRIBUTIONS = {"attention_output": "self_attn.attention_output", "mlp_output": "mlp.mlp_output",
                   "head_outputs": "self_attn.head_outputs"}
@@ -208,8 +203,6 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
             for position in positions:
                 patches.append((layer, position, stacked[row, :, position]))
 
-    if getattr(type(model), "ENGINE", "") != "vllm" and value not in _BATCHED_ON_TRANSFORMERS:
-        batch_size = 1
     show = progress if progress is not None else len(patches) > batch_size
     outcomes: list[float] = []
     for start in tqdm(range(0, len(patches), batch_size), desc="patch", unit="step", disable=not show):

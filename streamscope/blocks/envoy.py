@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 import torch
 from nnsight import Envoy
 
+from .. import nnsight_seam as seam
 from ..values import StreamValue
 
 if TYPE_CHECKING:
@@ -57,18 +58,29 @@ class StreamEnvoy(Envoy):
         A tensor without a batch dimension, ``[tokens, width]``, is one of two
         things. On transformers, a block that flattens its tokens for a
         sublayer (OPT's MLP, Llama 4's mixture of experts) records its stream's
-        shape, and the value is served in it, ``[batch, seq, width]``. On vLLM,
-        it is one request's tokens, served as ``[1, tokens, width]``.
+        shape, and the value is served in it, ``[batch, seq, width]``: in an
+        invoke of a batched trace, that invoke's rows only, as nnsight serves
+        a batch-leading value (it cannot narrow the flattened tensor itself,
+        whose leading dimension is ``batch * seq``). On vLLM, it is one
+        request's tokens, served as ``[1, tokens, width]``.
         """
         if tensor.dim() == 2:
-            shape = stream_shape(self)
-            if shape is not None and shape.numel() == tensor.shape[0]:
-                return tensor.view(*shape, tensor.shape[-1])
+            stream = as_stream(self, tensor)
+            if stream is not None:
+                return seam.invoke_rows(stream)
             return tensor.unsqueeze(0)
         return tensor
 
     def to_engine(self, value: torch.Tensor, live: torch.Tensor, name: str) -> torch.Tensor:
-        """A value in the user's layout, in the layout of the model's tensor `live`."""
+        """A value in the user's layout, in the layout of the model's tensor `live`.
+
+        A flattened tensor `live` holds every invoke's rows of a batched trace,
+        and `value` only this invoke's: the result is `live` with those rows
+        replaced (a new tensor, to be copied into `live`).
+        """
+        stream = as_stream(self, live) if live.dim() == 2 else None
+        if stream is not None:
+            value = seam.with_invoke_rows(stream, value)
         return value.reshape(live.shape)
 
     @classmethod
@@ -161,6 +173,21 @@ def stream_shape(envoy: Envoy) -> Optional[torch.Size]:
         if shape is not None:
             return shape
         node = node.parent
+    return None
+
+
+def as_stream(envoy: Envoy, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """`tensor`, a block's tokens flattened to ``[batch * seq, width]``, viewed ``[batch, seq, width]`` in the
+    shape the block recorded; None where `tensor` is not the block's flattened tokens (or no block records it)."""
+    shape = stream_shape(envoy)
+    if shape is None:
+        return None
+    if shape.numel() == tensor.shape[0]:
+        return tensor.view(*shape, tensor.shape[-1])
+    if len(shape) == 2 and shape[1] == 1 and tensor.shape[0] < shape[0]:
+        # One position a prompt (a step of generation): the flattened tokens lead with the batch, so nnsight has
+        # narrowed them to the invoke's prompts already.
+        return tensor.unsqueeze(1)
     return None
 
 

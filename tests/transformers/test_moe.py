@@ -189,6 +189,87 @@ def test_an_edit_of_the_shared_experts_output_reaches_the_model(family):
     assert relative_error(logits, expected) <= RELATIVE
 
 
+#: Prompts of other lengths for batched invokes (transformers pads them, on the left, into one batch).
+INVOKE_PROMPTS = [PROMPT, "Rome is in Italy", "Attention heads move information between positions"]
+
+
+def _routing_reads(family, block: int) -> dict:
+    """Inside a trace or an invoke: the block's routing values and shared expert output, saved, in model order."""
+    mlp = family.model.layers[block].mlp
+    shared = family.spec["shared"] is not None
+    reads = {}
+    if shared and family.name == "qwen3_next":  # its shared expert runs before its router
+        reads["shared"] = mlp.shared_experts.mlp_output.save()
+    for name in ("router_logits", "chosen_experts", "routing_weights"):
+        reads[name] = getattr(mlp, name).save()
+    if shared and family.name != "qwen3_next":
+        reads["shared"] = mlp.shared_experts.mlp_output.save()
+    return reads
+
+
+def _routing_edits(family, block: int, least: int, boost: float, vector: torch.Tensor) -> None:
+    """Inside a trace or an invoke: send the last token to expert `least`, and add `vector` to the shared
+    expert's output there, in model order."""
+    mlp = family.model.layers[block].mlp
+    shared = family.spec["shared"] is not None
+    if shared and family.name == "qwen3_next":
+        mlp.shared_experts.mlp_output[:, -1] += vector
+    mlp.router_logits[0, -1, least] += boost
+    if shared and family.name != "qwen3_next":
+        mlp.shared_experts.mlp_output[:, -1] += vector
+
+
+def test_each_invoke_of_a_batch_reads_and_edits_its_own_tokens_only(family):
+    """The router (and the shared expert) work on the block's tokens flattened to [batch * seq, ...], which
+    nnsight cannot narrow to an invoke's rows. Each invoke of a batched trace must still read its own tokens
+    ([1, seq, ...], seq the batch's padded length; its own tokens the last ones), equal to its solo run's, and
+    its edits must give it its solo run's logits, leaving the other invokes' alone."""
+    model, block = family.model, family.moe_blocks[-1]
+    solo = []
+    for prompt in INVOKE_PROMPTS:
+        with model.trace(prompt):
+            solo.append(_routing_reads(family, block))
+    batched = []
+    with model.trace() as tracer:
+        for prompt in INVOKE_PROMPTS:
+            with tracer.invoke(prompt):
+                batched.append(_routing_reads(family, block))
+    width = max(alone["router_logits"].shape[1] for alone in solo)
+    for alone, together in zip(solo, batched):
+        length = alone["router_logits"].shape[1]
+        for name, value in together.items():
+            assert value.shape == (1, width, *alone[name].shape[2:]), (name, value.shape)
+            own = value[:, -length:]
+            if name == "chosen_experts":
+                assert torch.equal(own, alone[name]), name
+            else:
+                assert relative_error(own, alone[name]) <= RELATIVE, name
+
+    # Each invoke sends its last token to the expert its router likes least (and adds its own vector to the
+    # shared expert's output there).
+    edits = []
+    for alone, scale in zip(solo, (1.0, -2.0, 0.5)):
+        logits = alone["router_logits"][0, -1]
+        boost = (logits.max() - logits.min()).item() + 5.0
+        edits.append((logits.argmin().item(), boost, torch.linspace(-1.0, 1.0, model.hidden_size) * scale))
+    expected, plain = [], []
+    for prompt, edit in zip(INVOKE_PROMPTS, edits):
+        with model.trace(prompt):
+            _routing_edits(family, block, *edit)
+            expected.append(model.logits[0, -1].save())
+        with model.trace(prompt):
+            plain.append(model.logits[0, -1].save())
+    edited = []
+    with model.trace() as tracer:
+        for prompt, edit in zip(INVOKE_PROMPTS, edits):
+            with tracer.invoke(prompt):
+                _routing_edits(family, block, *edit)
+                edited.append(model.logits[0, -1].save())
+    for together, alone, unedited in zip(edited, expected, plain):
+        assert not torch.allclose(alone, unedited)
+        assert relative_error(together, alone) <= RELATIVE
+
+
 def test_dense_blocks_have_no_router_and_support_lists_the_values(family):
     model = family.model
     support = model.support()

@@ -267,6 +267,27 @@ def _oracle_patch(family: Family, clean_ids, corrupted_ids, name: str, block: in
 
 @pytest.mark.parametrize("name", ["layer_output", "layer_mid", "attention_output"])
 def test_patching_matches_hooked_patches(family, name):
+    _check_patching(family, name)
+
+
+#: Values a family holds as flattened tokens, [batch * seq, hidden], around its MLP: their patches share a batched
+#: forward as every value's do, each invoke editing only its own rows.
+FLATTENED_PATCHES = [("opt", "layer_mid"), ("opt", "mlp_output"), ("llama4_text", "mlp_output")]
+
+
+@pytest.mark.parametrize("family_name, name", FLATTENED_PATCHES)
+def test_patching_a_flattened_value_matches_hooked_patches(family_name, name, checkpoints):
+    family = Family(family_name, checkpoints(family_name))
+    layers = None
+    if family_name == "llama4_text":  # a dense block and a mixture of experts (whose output is flattened)
+        layers = [0, family.reference.config.moe_layers[0]]
+        assert hasattr(family.reference.model.layers[layers[1]].feed_forward, "experts")
+    _check_patching(family, name, layers)
+
+
+def _check_patching(family: Family, name: str, layers=None) -> None:
+    """`patch` of `name` on `layers` (blocks 0 and the last by default), at the second and last positions,
+    against hooked patches."""
     model = family.model
     reason = model.layers[0].support().rows.get(name) if name != "attention_output" else None
     clean_ids = family.tokenizer(CLEAN, return_tensors="pt").input_ids
@@ -279,7 +300,7 @@ def test_patching_matches_hooked_patches(family, name):
         name_for_patch = "attention_output"  # the mixer's contribution
     else:
         name_for_patch = name
-    layers = [0, model.num_layers - 1]
+    layers = [0, model.num_layers - 1] if layers is None else layers
     result = streamscope.patch(model, CLEAN, CORRUPTED, answer=3, wrong=4, value=name_for_patch, layers=layers)
     assert result.effects.shape == (2, clean_ids.shape[1])
     with torch.no_grad():
