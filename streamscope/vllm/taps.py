@@ -15,6 +15,12 @@ A tap is named as a value is read, with ``*`` for every block::
 
 Each resolves to the module call (input or output, or an operation inside a
 forward) whose tensors hold the value; values at the same call share one break.
+
+Decode steps replay graphs and prefill runs eagerly (``cudagraph_mode``
+``FULL_DECODE_ONLY`` unless ``compilation_config`` says otherwise). vLLM's
+breakable graphs are switched on by ``VLLM_USE_BREAKABLE_CUDAGRAPH=1``, which
+stays set in the process: a plain vLLM engine started later in it records
+breakable graphs too (an eager streamscope engine records none).
 """
 
 from __future__ import annotations
