@@ -7,10 +7,11 @@ through nnsight's tapped interleaver), and at every replay runs the trace's or
 the bulk run's work there, on the graph's own tensors. Values not tapped are
 not served on such an engine; reading one is refused with the fix.
 
-A tap is named as a value is read, with ``*`` for every block::
+A tap is named as a value is read, with ``*`` for every block and ``a:b`` for a range::
 
     streamscope.load(path, engine="vllm", taps=["layers.16.layer_output"])
     streamscope.load(path, engine="vllm", taps=["layers.*.layer_output", "layers.3.self_attn.queries"])
+    streamscope.load(path, engine="vllm", taps=["layers.8:12.mlp.mlp_output"])
     streamscope.load(path, engine="vllm", taps=["final_norm_output"])
 
 Each resolves to the module call (input or output, or an operation inside a
@@ -31,12 +32,20 @@ from ..values import resolve
 
 
 def _selected_blocks(selector: str, count: int, tap: str) -> list[int]:
+    """The blocks `selector` names: ``*`` every block, ``4`` one (negative from the end), ``4:8`` a range."""
     if selector == "*":
         return list(range(count))
     try:
+        if ":" in selector:
+            start, _, stop = selector.partition(":")
+            blocks = list(range(count))[slice(int(start) if start else None, int(stop) if stop else None)]
+            if not blocks:
+                raise IndexError(f"tap {tap!r}: blocks {selector} select none of the model's {count} blocks.")
+            return blocks
         index = int(selector)
     except ValueError:
-        raise ValueError(f"tap {tap!r}: the block is an index or '*' (every block), not {selector!r}.") from None
+        raise ValueError(f"tap {tap!r}: the block is an index, a range 'a:b' or '*' (every block), "
+                         f"not {selector!r}.") from None
     if not -count <= index < count:
         raise IndexError(f"tap {tap!r}: block {index} is out of range: the model has {count} blocks (0-{count - 1}).")
     return [index % count]

@@ -150,8 +150,15 @@ def test_an_untapped_value_is_refused_with_the_fix_and_the_engine_serves_on(pair
 @pytest.mark.skipif("llama" not in TAP_FAMILIES, reason="the tap-name checks run on the llama checkpoint")
 def test_tap_names_are_checked_before_the_engine_starts(checkpoints):
     path = checkpoints("llama")
+    model = streamscope.load(path, engine="vllm", taps=["layers.0:2.layer_output", "layers.-1.layer_mid"],
+                             **precision.engine_kwargs())
+    last = model.num_layers - 1
+    assert model.tapped == {"model.model.layers.0.output", "model.model.layers.1.output",
+                            f"model.model.layers.{last}.post_attention_layernorm.input"}
+    model.close()
     cases = [("layers.99.layer_output", IndexError, "out of range"),
-             ("layers.x.layer_output", ValueError, "an index or"),
+             ("layers.5:9.layer_output", IndexError, "select none"),
+             ("layers.x.layer_output", ValueError, "an index, a range"),
              ("layers.0", ValueError, "no value"),
              ("layers.0.no_such_value", ValueError, "has no value 'no_such_value'"),
              ("logits_of_nothing", ValueError, "has no value")]
