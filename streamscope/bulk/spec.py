@@ -116,7 +116,7 @@ class Site:
     descriptor: StreamValue
     module: torch.nn.Module
     where: str
-    location: str = ""  # nnsight's name for the call's point: what a tapped vLLM engine's replay serves
+    location: str  # nnsight's name for the call's point: what a tapped vLLM engine's replay serves
 
     @property
     def key(self) -> tuple[int, str]:

@@ -26,7 +26,7 @@ breakable graphs too (an eager streamscope engine records none).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 from ..values import resolve
 
@@ -90,10 +90,4 @@ def tap_locations(root: Any, taps: Iterable[str]) -> list[str]:
     return locations
 
 
-def relative_to_model(root: Any, locations: Sequence[str]) -> list[str]:
-    """The locations as nnsight's ``taps=`` takes them: module paths relative to the model (no root prefix)."""
-    prefix = f"{root.path}."
-    return [location[len(prefix):] if location.startswith(prefix) else location for location in locations]
-
-
-__all__ = ["tap_locations", "relative_to_model"]
+__all__ = ["tap_locations"]

@@ -147,7 +147,9 @@ def test_an_untapped_value_is_refused_with_the_fix_and_the_engine_serves_on(pair
     assert output.shape[-1] == model.hidden_size
 
 
-@pytest.mark.skipif("llama" not in TAP_FAMILIES, reason="the tap-name checks run on the llama checkpoint")
+@pytest.mark.skipif("llama" not in TAP_FAMILIES,
+                    reason="checked once, on the llama checkpoint; this run selects other families "
+                           "(STREAMSCOPE_TEST_FAMILIES), whose own taps the tests above check")
 def test_tap_names_are_checked_before_the_engine_starts(checkpoints):
     path = checkpoints("llama")
     model = streamscope.load(path, engine="vllm", taps=["layers.0:2.layer_output", "layers.-1.layer_mid"],
