@@ -73,20 +73,24 @@ class Reference:
     forward (`sdpa`: the model transformers loads by default); the attention
     weights off an eager model, with `eager_overrides` on its config (the eager
     twin of an sdpa forward that differs from eager: Gemma 2's, soft cap off).
+    `experts`: transformers' experts implementation for a mixture of experts
+    (None: its default).
     """
 
     def __init__(self, path, family: str, input_ids: torch.Tensor, dtype: torch.dtype = torch.float32,
                  device: str = "cpu", build: Callable[[], Any] = contextlib.nullcontext,
                  context: Callable[[], Any] = contextlib.nullcontext, implementation: str = "sdpa",
-                 eager_overrides: Optional[dict] = None):
+                 eager_overrides: Optional[dict] = None, experts: Optional[str] = None):
         self.family = family
         self.input_ids = input_ids = input_ids.to(device)
+        chosen = {"experts_implementation": experts} if experts else {}
         with build():  # (beside a vLLM engine: its Transformers backend patched transformers' classes)
             self.model = AutoModelForCausalLM.from_pretrained(
-                path, **{**attention_oracle.load_kwargs(family, implementation), "dtype": dtype}).to(device).eval()
-            self.eager = AutoModelForCausalLM.from_pretrained(
-                path, **{**attention_oracle.load_kwargs(family, "eager"), "dtype": dtype, **(eager_overrides or {})}
+                path, **{**attention_oracle.load_kwargs(family, implementation), "dtype": dtype, **chosen}
             ).to(device).eval()
+            self.eager = AutoModelForCausalLM.from_pretrained(
+                path, **{**attention_oracle.load_kwargs(family, "eager"), "dtype": dtype, **(eager_overrides or {}),
+                         **chosen}).to(device).eval()
         self.attention_blocks = sorted(attention_oracle.attention_modules(self.model))
         with context(), torch.no_grad():
             self.stream = oracle.values(self.model, family, input_ids)

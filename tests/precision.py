@@ -116,6 +116,22 @@ def low_precision(case_dtype: Optional[str] = None) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
+def low_precision_experts(family: str, case_dtype: Optional[str] = None) -> Optional[str]:
+    """transformers' experts implementation for the forward that measures a tolerance (None: its default).
+
+    In float32 on a GPU, vLLM's fused MoE Triton kernel hands its operands to
+    the tensor cores unrounded, which truncates them to TF32, where cuBLAS
+    rounds to nearest: three to six times the error (tests/GPU.md, run H). A mixture of
+    experts' measuring forward then rounds its experts that way
+    (tests/moe_oracle.py); its other matmuls stay cuBLAS's.
+    """
+    import moe_oracle
+
+    if ON_GPU and engine_dtype(case_dtype) == "float32" and family in moe_oracle.TRUNCATED_TF32_FAMILIES:
+        return moe_oracle.TRUNCATED_TF32
+    return None
+
+
 def from_distance(distance: float, case_dtype: Optional[str] = None) -> float:
     """The tolerance a measured distance of transformers' own low-precision forward gives."""
     return MEASURED_FACTOR * distance

@@ -87,8 +87,10 @@ class Engines:
         if case.tolerance is None or precision.measured(case.dtype):
             # measured: transformers' own distance from float32 at the engine's precision, times the factor
             with beside_engine():
+                experts = precision.low_precision_experts(family, case.dtype)
                 kwargs = {**oracle.load_kwargs(family, implementation),
-                          "dtype": precision.low_precision_dtype(case.dtype)}
+                          "dtype": precision.low_precision_dtype(case.dtype),
+                          **({"experts_implementation": experts} if experts else {})}
                 low = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
                 kwargs = {**oracle.load_kwargs(family, "eager"), "dtype": precision.low_precision_dtype(case.dtype)}
                 low_eager = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()

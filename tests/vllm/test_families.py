@@ -81,7 +81,8 @@ class Engines:
         if precision.measured(case.dtype) or case.tolerance is None:
             low = matrix.Reference(path, family, self.input_ids, dtype=precision.low_precision_dtype(case.dtype),
                                    device=precision.DEVICE, build=beside_engine, implementation=implementation,
-                                   context=lambda: precision.low_precision(case.dtype))
+                                   context=lambda: precision.low_precision(case.dtype),
+                                   experts=precision.low_precision_experts(family, case.dtype))
             self.tolerances = matrix.Tolerances.measured(low, self.oracle, precision.MEASURED_FACTOR)
         else:
             self.tolerances = matrix.Tolerances(case.tolerance, precision.PATTERN)
