@@ -71,6 +71,10 @@ SITES: dict[str, dict[str, Any]] = {
               "attention_output": ("mixer", "out"), "layer_mid": None, "mlp_norm_output": None, "mlp_input": None,
               "mlp_output": None},
 }
+#: OPT with ``do_layer_norm_before=False`` (OPT-350m): a norm after each residual add and none at the end; the
+#: stream between the halves is the attention half's norm output.
+_OPT_POST_LN = {**SITES["opt"], "final_norm_output": None, "attention_norm_output": None, "attention_output": None,
+                "layer_mid": ("self_attn_layer_norm", "out"), "mlp_norm_output": None, "mlp_output": None}
 BLOCK_VALUES = ("layer_input", "attention_norm_output", "attention_output", "layer_mid", "mlp_norm_output",
                 "mlp_input", "mlp_output", "layer_output")
 
@@ -116,6 +120,8 @@ def reference_values(path: str, prompt: str) -> tuple[dict[str, torch.Tensor], s
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     family = model.config.model_type
     sites = SITES.get(family, _LLAMA)
+    if family == "opt" and not model.config.do_layer_norm_before:
+        sites = _OPT_POST_LN
     input_ids = AutoTokenizer.from_pretrained(path)(prompt, return_tensors="pt").input_ids
     found: dict[str, torch.Tensor] = {}
 

@@ -30,9 +30,9 @@ POST_LN = (
 )
 
 
-def missing_module(name: str) -> str:
-    """The reason for a value keyed on a module the block does not have."""
-    return f"no {name} module on this block"
+def missing_module(name: str, owner: str = "block") -> str:
+    """The reason for a value keyed on a module the block (or the model: `owner`) does not have."""
+    return f"no {name} module on this {owner}"
 
 
 def untapped(name: str, location: str, taps: int) -> str:

@@ -122,7 +122,8 @@ def resolve(envoy: Host, module: str) -> Any:
     for part in path.split("."):
         child = target.__dict__.get(part)
         if child is None:
-            raise Unavailable(part, envoy.where(), missing_module(part))
+            where = envoy.where()
+            raise Unavailable(part, where, missing_module(part, "model" if where == "model" else "block"))
         target = child
     return target
 

@@ -123,23 +123,39 @@ class Reference:
         return seen
 
 
+#: Block values every block computes after its attention (not a parallel block's MLP norm, computed beside it).
+AFTER_ATTENTION = ("layer_mid", "mlp_input", "mlp_output", "layer_output")
+
+
 def plan(model, reference: Reference, prompt_logits_after: str) -> list[tuple[str, Optional[int]]]:
     """Every (value, block) the model serves that the oracle computes, in the order the model computes them.
 
     Attention internals come just before their block's attention output, the
     router's values just before the MLP's output (a shared expert that runs
-    first, first), `prompt_logits` after the root value it is computed from.
+    first, first), `prompt_logits` after the root value it is computed from
+    (before the logits where the model has no such value).
     """
     support = model.support()
     steps: list[tuple[str, Optional[int]]] = []
-    for name, block in reference.order():
+    order = reference.order()
+    attended: set[int] = set()
+    # a post-LN block adds no tensor of the oracle's forward (the norm follows the add): its internals come
+    # before the first value computed after the attention
+    added = {block for name, block in order if name == "attention_output"}
+    # a model without that root value (no final norm: OPT-350m) computes prompt_logits just before its logits
+    after = prompt_logits_after if (prompt_logits_after, None) in order else "logits"
+    for name, block in order:
         if block is None:
+            if name == "logits" and after == "logits" != prompt_logits_after:
+                steps.append(("prompt_logits", None))
             steps.append((name, None))
-            if name == prompt_logits_after:
+            if name == after == prompt_logits_after:
                 steps.append(("prompt_logits", None))
             continue
-        if name == "attention_output":
+        if block not in attended and (name == "attention_output" or block not in added and name in AFTER_ATTENTION):
+            attended.add(block)
             steps += [(f"self_attn.{leaf}", block) for leaf in INTERNALS]
+        if name == "attention_output":
             mixer = "self_attn" if block in reference.attention_blocks else "linear_attn"
             steps.append((f"{mixer}.attention_output", block))
         elif name == "mlp_output":

@@ -86,6 +86,12 @@ ORACLE: dict[str, dict[str, Any]] = {
               "layer_mid": None, "mlp_norm_output": None, "mlp_input": None, "mlp_output": None},
 }
 
+#: OPT with ``do_layer_norm_before=False`` (OPT-350m): a norm after each residual add, none at the end. The
+#: stream between the halves is the attention half's norm output; what each sublayer adds is not a tensor of
+#: the forward (the norm comes after the add).
+OPT_POST_LN = {**ORACLE["opt"], "final_norm_output": None, "attention_norm_output": None, "mlp_norm_output": None,
+               "attention_output": None, "mlp_output": None, "layer_mid": ("self_attn_layer_norm", "out")}
+
 
 def _module(root: torch.nn.Module, path: str) -> Optional[torch.nn.Module]:
     module: Any = root
@@ -96,9 +102,16 @@ def _module(root: torch.nn.Module, path: str) -> Optional[torch.nn.Module]:
     return module
 
 
+def sites(model: torch.nn.Module, family: str) -> dict[str, Any]:
+    """The family's map for this model: OPT's post-LN layout (``do_layer_norm_before=False``) has its own."""
+    if family == "opt" and not model.config.do_layer_norm_before:
+        return OPT_POST_LN
+    return ORACLE[family]
+
+
 def site(model: torch.nn.Module, family: str, name: str, block: Optional[int] = None):
     """(module, "in" | "out", scale) where `name` is computed, or None where the model has no such value."""
-    spec = ORACLE[family][name]
+    spec = sites(model, family)[name]
     if spec is None:
         return None
     alternatives = spec if isinstance(spec[0], tuple) else (spec,)
@@ -161,8 +174,9 @@ def values(model: torch.nn.Module, family: str, input_ids: torch.Tensor) -> dict
 
     contexts = []
     for name in ("token_embeddings", "final_norm_output"):
-        module, where, factor = site(model, family, name)
-        contexts.append(record(name, None, where, module, factor))
+        located = site(model, family, name)
+        if located is not None:
+            contexts.append(record(name, None, located[1], located[0], located[2]))
     count = num_layers(model, family)
     for block in range(count):
         for name in (*BOUNDARIES, *CONTRIBUTIONS):

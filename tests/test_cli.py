@@ -52,8 +52,11 @@ def test_map_prints_the_support_table(checkpoints):
     assert "layer_mid                  unavailable: a parallel block" in done.stdout
 
 
-def test_check_passes_on_both_engines(checkpoints):
-    done = streamscope_command("check", str(checkpoints("llama")), "--engines", "transformers,vllm")
+@pytest.mark.parametrize("family, overrides", [("llama", {}),
+                                               ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32})],
+                         ids=["llama", "opt-post-ln"])
+def test_check_passes_on_both_engines(checkpoints, family, overrides):
+    done = streamscope_command("check", str(checkpoints(family, **overrides)), "--engines", "transformers,vllm")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.strip().endswith("PASS")
     rows = [line for line in done.stdout.splitlines() if line.strip().startswith(("layer_mid", "logits"))]

@@ -56,6 +56,8 @@ class Case:
 
 
 CASES = {family: Case(family) for family in VLLM_FAMILIES}
+# OPT-350m's layout: post-LN blocks, no final norm, the stream projected down to a narrower embedding width.
+CASES["opt-post-ln"] = Case("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32})
 # Qwen3-Next's CPU kernels run bfloat16 only (head dims of 64): its tolerance is measured.
 CASES["qwen3_next"] = Case("qwen3_next", precision.every_expert("qwen3_next"), dtype="bfloat16", tolerance=None)
 if precision.measured():  # GPU runs (TF32 rounding can flip a routing choice too) and bfloat16: pin routing
@@ -135,6 +137,12 @@ def test_value(engines, value):
             with model.trace(PROMPT, **GREEDY):
                 matrix.reach(model, value, block).save()
         assert raised.value.reason == reason, (value, block)
+
+
+def test_prompt_logits_are_served_on_every_layout(engines):
+    """Every model unembeds something, so prompt_logits are served everywhere (test_value holds them to the
+    oracle), a layout without a final norm too (OPT-350m's)."""
+    assert engines.support.root.rows["prompt_logits"] is None
 
 
 def test_every_row_of_the_support_table_is_a_value_the_matrix_checks(engines):

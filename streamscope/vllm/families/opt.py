@@ -6,6 +6,11 @@ the block itself, fc2 served as `mlp`. vLLM's tokens are flat already, so
 nothing is reshaped. fc2 is one of vLLM's parallel linears, whose class key
 in ``envoys=`` would win over the ``mlp`` alias: `RowParallel` picks the MLP
 envoy for it by path.
+
+`prompt_logits` unembed the model's output (the decoder's, every position),
+what the unembedding reads in every layout: a post-LN decoder (OPT-350m) has
+no final norm, and projects its last block's output down to the embedding
+width (``project_out``) first.
 """
 
 from vllm.model_executor.layers.linear import RowParallelLinear
@@ -15,7 +20,7 @@ from ...blocks.post_norm import OPTLayer
 from ...families import FamilySpec
 from ...families.renames import OPT
 from ...nnsight_seam import ParallelEnvoy
-from ...values import INPUT
+from ...values import INPUT, OUTPUT
 from ..attention import Flat, VllmAttention
 from ..blocks import VllmLayer
 
@@ -56,4 +61,5 @@ class RowParallel:
 
 
 SPEC = FamilySpec(rename=OPT, envoys={"layers.*": VllmOPTLayer, "self_attn": OPTAttention,
-                                      RowParallelLinear: RowParallel})
+                                      RowParallelLinear: RowParallel},
+                  root_sites={"prompt_logits": (None, OUTPUT)})
