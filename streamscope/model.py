@@ -40,7 +40,7 @@ class Standardized(StreamEnvoy):
         with its ``rename=`` and ``envoys=`` (over the engine's own `envoys`)
         where the caller gave none. `_check_family` runs once the tree is built.
         """
-        from .families.spec import spec_of
+        from .families.spec import UnsupportedCheckpoint, spec_of
 
         module: ModuleType
         if isinstance(family, str):
@@ -50,6 +50,10 @@ class Standardized(StreamEnvoy):
         else:
             module = family
         spec = spec_of(module)
+        if spec.cannot_run is not None:
+            reason = spec.cannot_run(_config(path, settings))
+            if reason is not None:
+                raise UnsupportedCheckpoint(f"{path}: {reason}")
         object.__setattr__(self, "family", module)
         settings = {**spec.engine_defaults, **settings}
         settings.setdefault("rename", spec.rename)

@@ -47,6 +47,9 @@ class FamilySpec:
     check: Optional[Callable[[Any], None]] = None
     #: Engine settings the family needs unless the caller sets them (vLLM: engine arguments).
     engine_defaults: Mapping[str, Any] = field(default_factory=dict)
+    #: Called with the checkpoint's config before the engine starts: why this engine cannot run it, naming what
+    #: to do instead (None where it can). A load it refuses raises `UnsupportedCheckpoint` and starts nothing.
+    cannot_run: Optional[Callable[[Any], Optional[str]]] = None
 
     def problems(self) -> list[str]:
         """What is wrong with this spec, one line per field that is wrong; empty where nothing is."""
@@ -93,9 +96,15 @@ class FamilySpec:
                 found.append(f"unserved[{name!r}] is {reason!r}: the reason is a sentence (a string)")
         if self.check is not None and not callable(self.check):
             found.append(f"check is {self.check!r}, not a function of the model (or None)")
+        if self.cannot_run is not None and not callable(self.cannot_run):
+            found.append(f"cannot_run is {self.cannot_run!r}, not a function of the config (or None)")
         found += [f"engine_defaults has the key {key!r}, not a setting's name (a string)"
                   for key in self.engine_defaults if not isinstance(key, str)]
         return found
+
+
+class UnsupportedCheckpoint(ValueError):
+    """A checkpoint whose layout the engine's own model class for its family cannot run (`FamilySpec.cannot_run`)."""
 
 
 class FamilySpecError(ValueError):

@@ -92,6 +92,24 @@ def test_a_model_type_without_a_vllm_family_says_how_to_go_on(tmp_path, checkpoi
         family_for("not_a_family")
 
 
+@pytest.mark.parametrize("options", [{"qk_layernorm": True}, {"use_parallel_residual": True},
+                                     {"qk_layernorm": True, "use_parallel_residual": True}],
+                         ids=["qk-norm", "parallel", "both"])
+def test_a_layout_vllms_block_lacks_is_refused_before_the_engine_starts(checkpoints, options):
+    """StableLM 2 12B's layout (vLLM's StableLM block has neither option): refused with the option and the fix,
+    and the checkpoint serves on transformers."""
+    from streamscope.families import UnsupportedCheckpoint
+
+    path = checkpoints("stablelm", **options)
+    with pytest.raises(UnsupportedCheckpoint, match="engine='transformers'") as refused:
+        streamscope.load(path, engine="vllm", **precision.engine_kwargs())
+    assert all(option in str(refused.value) for option in options)
+    model = streamscope.load(path)
+    with model.trace(PROMPT):
+        logits = model.logits.save()
+    assert logits.shape[-1] == model.vocab_size
+
+
 SCRIPT = textwrap.dedent('''
     import json, os, sys, torch
     import streamscope

@@ -2,9 +2,15 @@
 
 ``forward(positions, hidden_states)`` returns ``(hidden_states, residual)``:
 the whole stream first, layer_mid second; the values read the first.
+
+vLLM's StableLM block (0.22 and 0.32 alike) is sequential and has no per-head
+query and key norms: a checkpoint with ``use_parallel_residual`` or
+``qk_layernorm`` (StableLM 2 12B) is refused before the engine starts, where
+vLLM would stop loading its weights.
 """
 
 from dataclasses import replace
+from typing import Any, Optional
 
 from ...blocks import Mlp
 from ..attention import VllmAttention
@@ -18,4 +24,16 @@ class StableLMLayer(VllmLayer):
     RETURNS_TUPLE = True
 
 
-SPEC = replace(llama.SPEC, envoys={"layers.*": StableLMLayer, "self_attn": VllmAttention, "mlp": Mlp})
+def cannot_run(config: Any) -> Optional[str]:
+    """Why vLLM's StableLM block cannot run this checkpoint: the layout options it does not implement."""
+    missing = [f"{option} ({what})" for option, what in (
+        ("use_parallel_residual", "attention and MLP both reading the block's input"),
+        ("qk_layernorm", "a norm on each head's queries and keys")) if getattr(config, option, False)]
+    if not missing:
+        return None
+    return (f"this StableLM checkpoint sets {' and '.join(missing)}, which vLLM's StableLM model does not "
+            f"implement (it would stop loading the weights those need). Load it with engine='transformers'.")
+
+
+SPEC = replace(llama.SPEC, envoys={"layers.*": StableLMLayer, "self_attn": VllmAttention, "mlp": Mlp},
+               cannot_run=cannot_run)
