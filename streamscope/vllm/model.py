@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
+import copy
 import gc
 import os
 import sys
@@ -42,6 +43,8 @@ def _on_cpu() -> bool:
 
 
 _ENGINES: "weakref.WeakSet[StandardizedVLLM]" = weakref.WeakSet()
+#: The config of the last engine this process started (one; `beside_engine` after every engine has closed).
+_STARTED: list = []
 
 
 CLOSED = ("this vLLM engine was closed (`model.close()`) and serves no more traces: start a new one with "
@@ -80,13 +83,23 @@ def beside_engine() -> contextlib.AbstractContextManager:
 
     vLLM's Transformers backend (GPT-NeoX, OLMo 2) decorates transformers' own
     model classes in place, and an instance built afterwards asks for a current
-    vLLM config: the live engine's (eager, it runs transformers' forward as is).
+    vLLM config: the live engine's (eager, it runs transformers' forward as is),
+    or once every engine has closed, the last one's without compilation.
     """
     from vllm.config import set_current_vllm_config
 
     for engine in list(_ENGINES):
         if engine.vllm_entrypoint is not None:
             return set_current_vllm_config(engine.vllm_entrypoint.llm_engine.vllm_config)
+    if _STARTED:
+        # The classes stay decorated after the last engine closed: an eager copy of the last engine's config
+        # (it reads the model config to decide on compiling) lets them build as plain transformers modules.
+        from vllm.config import CompilationConfig
+        from vllm.config.compilation import CompilationMode
+
+        config = copy.copy(_STARTED[-1])
+        config.compilation_config = CompilationConfig(mode=CompilationMode.NONE)
+        return set_current_vllm_config(config)
     return contextlib.nullcontext()
 
 
@@ -164,6 +177,7 @@ class StandardizedVLLM(Standardized, VLLM):
                 cleanup_dist_env_and_memory()
             raise
         _ENGINES.add(self)
+        _STARTED[:] = [self.vllm_entrypoint.llm_engine.vllm_config]
         self._check_family()
 
     def _resolve_taps(self, module: torch.nn.Module) -> tuple[str, ...]:

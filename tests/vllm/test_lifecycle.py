@@ -75,3 +75,20 @@ def test_a_start_that_fails_half_way_leaves_the_process_able_to_start_the_next(c
     output, logits = _read(model)
     assert torch.isfinite(logits).all()
     model.close()
+
+
+def test_the_transformers_engine_loads_a_family_after_its_vllm_engine_closed(checkpoints):
+    """vLLM's Transformers backend (GPT-NeoX on the CPU build) decorates transformers' own classes for good; once
+    the process's last engine has closed, streamscope's transformers engine still builds and runs the family,
+    and computes what the vLLM engine did."""
+    path = checkpoints("gpt_neox")
+    engine = streamscope.load(path, engine="vllm", **precision.engine_kwargs())
+    _, served = _read(engine)
+    engine.close()
+    model = streamscope.load(path, device_map=precision.DEVICE)
+    with model.trace(PROMPT):
+        logits = model.logits.save()
+    tolerance = precision.GPU_ENGINE_TOLERANCE[precision.DTYPE] if precision.measured() else precision.CPU_FLOAT32
+    reference = logits[0, -1].float().cpu()
+    error = ((served.reshape(-1).float().cpu() - reference).abs().max() / reference.abs().max()).item()
+    assert error <= tolerance, error
