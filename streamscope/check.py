@@ -63,9 +63,11 @@ SITES: dict[str, dict[str, Any]] = {
             "final_norm_output": ("model.decoder.final_layer_norm", "out"), **_PRE,
             "attention_norm_output": ("self_attn_layer_norm", "out"), "layer_mid": ("final_layer_norm", "in"),
             "mlp_norm_output": ("final_layer_norm", "out"), "mlp_input": ("fc1", "in"), "mlp_output": ("fc2", "out")},
+    # by the norms a block has: parallel (ln_attn, ln_mlp; or input_layernorm alone) or sequential (Falcon-RW)
     "falcon": {**_GPT, "token_embeddings": ("transformer.word_embeddings", "out"),
-               "attention_norm_output": ("ln_attn", "out"), "attention_output": ("self_attention", "out"),
-               "layer_mid": None, "mlp_norm_output": ("ln_mlp", "out")},
+               "attention_norm_output": (("ln_attn", "out"), ("input_layernorm", "out")),
+               "attention_output": ("self_attention", "out"), "layer_mid": ("post_attention_layernorm", "in"),
+               "mlp_norm_output": (("ln_mlp", "out"), ("post_attention_layernorm", "out"), ("input_layernorm", "out"))},
     "mamba": {"layers": "backbone.layers", "token_embeddings": ("backbone.embeddings", "out"),
               "final_norm_output": ("backbone.norm_f", "out"), **_PRE, "attention_norm_output": ("norm", "out"),
               "attention_output": ("mixer", "out"), "layer_mid": None, "mlp_norm_output": None, "mlp_input": None,

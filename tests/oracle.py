@@ -76,10 +76,13 @@ ORACLE: dict[str, dict[str, Any]] = {
             "attention_norm_output": ("self_attn_layer_norm", "out"),
             "layer_mid": ("final_layer_norm", "in"), "mlp_norm_output": ("final_layer_norm", "out"),
             "mlp_input": ("fc1", "in"), "mlp_output": ("fc2", "out")},
+    # three layouts, by the norms a block has: ln_attn and ln_mlp (parallel, the new layout), input_layernorm
+    # alone (parallel, one norm: Falcon-7B), input_layernorm and post_attention_layernorm (sequential: Falcon-RW)
     "falcon": {"layers": "transformer.h", "token_embeddings": ("transformer.word_embeddings", "out"),
                "final_norm_output": ("transformer.ln_f", "out"), **_PRE_NORM,
-               "attention_norm_output": ("ln_attn", "out"), "attention_output": ("self_attention", "out"),
-               "layer_mid": None, "mlp_norm_output": ("ln_mlp", "out")},
+               "attention_norm_output": (("ln_attn", "out"), ("input_layernorm", "out")),
+               "attention_output": ("self_attention", "out"), "layer_mid": ("post_attention_layernorm", "in"),
+               "mlp_norm_output": (("ln_mlp", "out"), ("post_attention_layernorm", "out"), ("input_layernorm", "out"))},
     "mamba": {"layers": "backbone.layers", "token_embeddings": ("backbone.embeddings", "out"),
               "final_norm_output": ("backbone.norm_f", "out"), **_PRE_NORM,
               "attention_norm_output": ("norm", "out"), "attention_output": ("mixer", "out"),

@@ -62,7 +62,9 @@ class Family:
 
 #: Layouts of a family that its tiny checkpoint does not have: {case: (family, checkpoint overrides)}.
 VARIANTS = {"opt-post-ln": ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}),  # OPT-350m's
-            "stablelm-parallel": ("stablelm", {"qk_layernorm": True, "use_parallel_residual": True})}  # 2 12B's
+            "stablelm-parallel": ("stablelm", {"qk_layernorm": True, "use_parallel_residual": True}),  # 2 12B's
+            "falcon-sequential-bias": ("falcon", {"new_decoder_architecture": False, "parallel_attn": False,
+                                                  "bias": True})}
 
 
 @pytest.fixture(scope="module", params=[*FAMILIES, *VARIANTS])

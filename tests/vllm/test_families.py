@@ -58,6 +58,9 @@ class Case:
 CASES = {family: Case(family) for family in VLLM_FAMILIES}
 # OPT-350m's layout: post-LN blocks, no final norm, the stream projected down to a narrower embedding width.
 CASES["opt-post-ln"] = Case("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32})
+# Falcon's sequential layout with biases (Falcon-RW's, but rotary): vLLM adds the biases in the block.
+CASES["falcon-sequential-bias"] = Case("falcon", {"new_decoder_architecture": False, "parallel_attn": False,
+                                                  "bias": True})
 # Qwen3-Next's CPU kernels run bfloat16 only (head dims of 64): its tolerance is measured.
 CASES["qwen3_next"] = Case("qwen3_next", precision.every_expert("qwen3_next"), dtype="bfloat16", tolerance=None)
 if precision.measured():  # GPU runs (TF32 rounding can flip a routing choice too) and bfloat16: pin routing

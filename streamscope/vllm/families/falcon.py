@@ -1,14 +1,17 @@
 """Falcon on vLLM (vllm.model_executor.models.falcon): a whole-stream block, ``forward(positions, hidden_states)``.
 
 The tree and the three layouts are transformers' (`streamscope.blocks.parallel.FalconLayer`);
-the block returns the stream as a tensor. The attention and the
-MLP return ``(output, bias)``; the values read the output. With ``bias=True``
-on a parallel layout vLLM adds both biases after the MLP (one all-reduce
-for both sublayers), so there attention_output and mlp_output lack their
-biases and the identity does not hold.
+the block returns the stream as a tensor. The attention and the MLP return
+``(output, bias)`` and the block adds each bias itself (on a parallel layout
+both after the MLP, for one all-reduce), so with ``bias=True`` (Falcon-RW)
+neither sublayer's output is what it adds to the stream: the block serves
+neither contribution there, and says why.
 """
 
+from typing import Optional
+
 from ...blocks import Mlp
+from ...blocks.envoy import module_config
 from ...blocks.parallel import FalconLayer
 from ...families import FamilySpec
 from ...families.renames import FALCON
@@ -16,10 +19,21 @@ from ..attention import VllmAttention
 from ..blocks import VllmLayer
 
 
+#: Why a Falcon block with biases serves no contribution on vLLM.
+BIASES_ADDED_LATER = ("vLLM's Falcon block adds the attention's and the MLP's output biases itself, after the "
+                      "sublayers return (bias=True), so neither sublayer's output is what it adds to the stream; "
+                      "layer_mid and layer_output hold the stream with the biases. engine='transformers' serves both")
+
+
 class VllmFalconLayer(VllmLayer, FalconLayer):
     """One of Falcon's three layouts; the block returns a tensor."""
 
     RETURNS_TUPLE = False
+
+    def reason(self, name: str) -> Optional[str]:
+        if name in ("self_attn.attention_output", "mlp.mlp_output") and getattr(module_config(self), "bias", False):
+            return BIASES_ADDED_LATER
+        return super().reason(name)
 
 
 SPEC = FamilySpec(rename=FALCON, envoys={"layers.*": VllmFalconLayer, "self_attn": VllmAttention, "mlp": Mlp})
