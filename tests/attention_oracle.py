@@ -124,6 +124,38 @@ def output_projection_inputs(model, input_ids) -> dict[int, torch.Tensor]:
     return caught
 
 
+def eager_adds_alibi_twice(family: str, config: Any) -> bool:
+    """Whether transformers' eager forward computes another function than its sdpa one: Falcon with ALiBi. Its
+    model folds ALiBi into the mask, which the sdpa path adds once, and the eager path adds ALiBi to the scores
+    as well (4e-2 apart on the logits of a tiny checkpoint); vLLM computes the sdpa path's function."""
+    return family == "falcon" and bool(getattr(config, "alibi", False))
+
+
+@torch.no_grad()
+def kernel_weights(model, family: str, input_ids) -> dict[int, torch.Tensor]:
+    """The attention weights per block as an sdpa kernel computes them from its arguments, [batch, heads, q_seq,
+    k_seq]: softmax(q k^T * scale + mask), for a family whose eager weights are another function's."""
+    caught: dict[int, torch.Tensor] = {}
+
+    def catch(block, kernel, before, query, key, value, *rest, attn_mask=None, is_causal=False, scale=None,
+              **kwargs):
+        keys = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        logits = query.float() @ keys.float().transpose(-1, -2) * (scale or query.shape[-1] ** -0.5)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            logits = logits.masked_fill(~attn_mask, float("-inf"))
+        elif attn_mask is not None:
+            logits = logits + attn_mask.float()
+        elif is_causal:
+            logits = logits.masked_fill(torch.ones_like(logits, dtype=torch.bool).triu(1), float("-inf"))
+        caught[block] = torch.softmax(logits, dim=-1)
+        return kernel(*before, query, key, value, *rest, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                      **kwargs)
+
+    with kernel_wrapped(model, family, catch):
+        model(input_ids)
+    return caught
+
+
 @torch.no_grad()
 def eager_weights(eager_model, input_ids) -> dict[int, torch.Tensor]:
     """transformers' eager attention weights per block, [batch, heads, q_seq, k_seq] (None for a recurrent block)."""

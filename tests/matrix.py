@@ -95,7 +95,12 @@ class Reference:
         with context(), torch.no_grad():
             self.stream = oracle.values(self.model, family, input_ids)
             self.kernel = attention_oracle.kernel_tensors(self.model, family, input_ids)
-            self.weights = attention_oracle.eager_weights(self.eager, input_ids) if self.attention_blocks else {}
+            if not self.attention_blocks:
+                self.weights = {}
+            elif attention_oracle.eager_adds_alibi_twice(family, self.model.config):
+                self.weights = attention_oracle.kernel_weights(self.model, family, input_ids)
+            else:
+                self.weights = attention_oracle.eager_weights(self.eager, input_ids)
             self.routing = moe_oracle.router_outputs(self.model, family, input_ids)
 
     def expected(self, name: str, block: Optional[int]) -> Optional[torch.Tensor]:

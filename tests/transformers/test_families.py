@@ -64,7 +64,9 @@ class Family:
 VARIANTS = {"opt-post-ln": ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}),  # OPT-350m's
             "stablelm-parallel": ("stablelm", {"qk_layernorm": True, "use_parallel_residual": True}),  # 2 12B's
             "falcon-sequential-bias": ("falcon", {"new_decoder_architecture": False, "parallel_attn": False,
-                                                  "bias": True})}
+                                                  "bias": True}),
+            "falcon-rw": ("falcon", {"new_decoder_architecture": False, "parallel_attn": False, "bias": True,
+                                     "alibi": True, "multi_query": False, "num_kv_heads": 2})}
 
 
 @pytest.fixture(scope="module", params=[*FAMILIES, *VARIANTS])
