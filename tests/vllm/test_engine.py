@@ -92,15 +92,17 @@ def test_a_model_type_without_a_vllm_family_says_how_to_go_on(tmp_path, checkpoi
         family_for("not_a_family")
 
 
-@pytest.mark.parametrize("options", [{"qk_layernorm": True}, {"use_parallel_residual": True},
-                                     {"qk_layernorm": True, "use_parallel_residual": True}],
-                         ids=["qk-norm", "parallel", "both"])
-def test_a_layout_vllms_block_lacks_is_refused_before_the_engine_starts(checkpoints, options):
-    """StableLM 2 12B's layout (vLLM's StableLM block has neither option): refused with the option and the fix,
-    and the checkpoint serves on transformers."""
+@pytest.mark.parametrize("family, options", [
+    ("stablelm", {"qk_layernorm": True}), ("stablelm", {"use_parallel_residual": True}),
+    ("stablelm", {"qk_layernorm": True, "use_parallel_residual": True}),  # StableLM 2 12B's
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}), ("gpt2", {"reorder_and_upcast_attn": True})],
+    ids=["stablelm-qk-norm", "stablelm-parallel", "stablelm-both", "gpt2-scaled-by-block", "gpt2-upcast"])
+def test_a_layout_vllms_block_lacks_is_refused_before_the_engine_starts(checkpoints, family, options):
+    """Options vLLM's model class for the family does not implement: refused with the option and the fix before
+    anything starts, and the checkpoint serves on transformers (its values: the transformers matrix)."""
     from streamscope.families import UnsupportedCheckpoint
 
-    path = checkpoints("stablelm", **options)
+    path = checkpoints(family, **options)
     with pytest.raises(UnsupportedCheckpoint, match="engine='transformers'") as refused:
         streamscope.load(path, engine="vllm", **precision.engine_kwargs())
     assert all(option in str(refused.value) for option in options)

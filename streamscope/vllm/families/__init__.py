@@ -9,7 +9,7 @@ Which model types have one is `streamscope.families.FAMILIES`.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +28,20 @@ def runs_natively(architecture: str) -> bool:
 
     registered = ModelRegistry.models.get(architecture)
     return registered is not None and not getattr(registered, "module_name", "").endswith(".transformers")
+
+
+def options_not_implemented(family: str, lacked: dict[str, str]) -> Callable[[Any], Optional[str]]:
+    """A `FamilySpec.cannot_run` for config options vLLM's model class of `family` does not implement
+    ({option: what it does}): it names those a checkpoint sets, and the transformers engine as the way on."""
+
+    def cannot_run(config: Any) -> Optional[str]:
+        found = [f"{option} ({what})" for option, what in lacked.items() if getattr(config, option, False)]
+        if not found:
+            return None
+        return (f"this {family} checkpoint sets {' and '.join(found)}, which vLLM's {family} model does not "
+                f"implement (it would stop at loading or starting). Load it with engine='transformers'.")
+
+    return cannot_run
 
 
 def family_for(model_type: str) -> ModuleType:

@@ -2,7 +2,9 @@
 
 The tree is transformers' (``transformer.h``, ``ln_1``, ``attn``, ``ln_2``,
 ``mlp``); the block takes the stream alone and returns it. The attention
-is aliased by class: its kernel inside is also called ``attn``.
+is aliased by class: its kernel inside is also called ``attn``. vLLM's
+GPT-2 has neither of transformers' attention variants below (it asserts so
+while starting): a checkpoint that sets one is refused before the engine starts.
 """
 
 from vllm.model_executor.models.gpt2 import GPT2Attention
@@ -11,6 +13,7 @@ from ...blocks import Mlp
 from ...families import FamilySpec
 from ..attention import VllmAttention
 from ..blocks import VllmLayer
+from . import options_not_implemented
 
 
 class GPT2Layer(VllmLayer):
@@ -23,4 +26,8 @@ SPEC = FamilySpec(
     rename={"transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
             GPT2Attention: "self_attn", "ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"},
     envoys={"layers.*": GPT2Layer, "self_attn": VllmAttention, "mlp": Mlp},
+    cannot_run=options_not_implemented("GPT-2", {
+        "scale_attn_by_inverse_layer_idx": "attention scores scaled down by the block's index",
+        "reorder_and_upcast_attn": "attention computed in float32 in another order",
+        "add_cross_attention": "cross-attention to an encoder"}),
 )

@@ -10,12 +10,11 @@ vLLM would stop loading its weights.
 """
 
 from dataclasses import replace
-from typing import Any, Optional
 
 from ...blocks import Mlp
 from ..attention import VllmAttention
 from ..blocks import VllmLayer
-from . import llama
+from . import llama, options_not_implemented
 
 
 class StableLMLayer(VllmLayer):
@@ -24,16 +23,7 @@ class StableLMLayer(VllmLayer):
     RETURNS_TUPLE = True
 
 
-def cannot_run(config: Any) -> Optional[str]:
-    """Why vLLM's StableLM block cannot run this checkpoint: the layout options it does not implement."""
-    missing = [f"{option} ({what})" for option, what in (
-        ("use_parallel_residual", "attention and MLP both reading the block's input"),
-        ("qk_layernorm", "a norm on each head's queries and keys")) if getattr(config, option, False)]
-    if not missing:
-        return None
-    return (f"this StableLM checkpoint sets {' and '.join(missing)}, which vLLM's StableLM model does not "
-            f"implement (it would stop loading the weights those need). Load it with engine='transformers'.")
-
-
 SPEC = replace(llama.SPEC, envoys={"layers.*": StableLMLayer, "self_attn": VllmAttention, "mlp": Mlp},
-               cannot_run=cannot_run)
+               cannot_run=options_not_implemented("StableLM", {
+                   "use_parallel_residual": "attention and MLP both reading the block's input",
+                   "qk_layernorm": "a norm on each head's queries and keys"}))
