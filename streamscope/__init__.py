@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import Any
 
 from .checks import check_load
-from .errors import Unavailable
+from .errors import Unavailable, UnsupportedCheckpoint
 from .support import BlockSupport, ModelSupport
 
-__all__ = ["load", "Unavailable", "BlockSupport", "ModelSupport", "Steer", "Harvest", "Generation",
+__all__ = ["load", "Unavailable", "UnsupportedCheckpoint", "BlockSupport", "ModelSupport", "Steer", "Harvest", "Generation",
            "load_harvest", "iter_harvest", "Cache", "Lens", "lens", "Patching", "patch"]
 
 ENGINES = ("transformers", "vllm")

@@ -19,6 +19,11 @@ class Unavailable(Exception):
         super().__init__(f"{where}.{value} is unavailable: {reason}")
 
 
+class UnsupportedCheckpoint(ValueError):
+    """A checkpoint whose layout the engine's own model class for its family cannot run, refused before the
+    engine starts; the message names the options and what to do instead (`FamilySpec.cannot_run`)."""
+
+
 PARALLEL = "a parallel block: the attention and the MLP read the same input, so there is no stream between them"
 POST_NORM_ATTENTION = "a post-norm block: the attention reads the residual stream itself, layer_input"
 POST_NORM_MLP = "a post-norm block: the MLP reads the residual stream itself, layer_mid"

@@ -40,7 +40,8 @@ class Standardized(StreamEnvoy):
         with its ``rename=`` and ``envoys=`` (over the engine's own `envoys`)
         where the caller gave none. `_check_family` runs once the tree is built.
         """
-        from .families.spec import UnsupportedCheckpoint, spec_of
+        from .errors import UnsupportedCheckpoint
+        from .families.spec import spec_of
 
         module: ModuleType
         if isinstance(family, str):

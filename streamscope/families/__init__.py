@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Optional
 
-from .spec import FamilySpec, FamilySpecError, UnsupportedCheckpoint, spec_of
+from .spec import FamilySpec, FamilySpecError, spec_of
 
 TRANSFORMERS, VLLM = "transformers", "vllm"
 ENGINES = (TRANSFORMERS, VLLM)
@@ -88,4 +88,4 @@ def named_family(engine: str, name: str) -> ModuleType:
 
 
 __all__ = ["ENGINES", "FAMILIES", "MODEL_TYPES", "TRANSFORMERS", "VLLM", "Family", "FamilySpec", "FamilySpecError",
-           "UnsupportedCheckpoint", "find_family", "known_families", "named_family", "on", "spec_of"]
+           "find_family", "known_families", "named_family", "on", "spec_of"]

@@ -103,10 +103,6 @@ class FamilySpec:
         return found
 
 
-class UnsupportedCheckpoint(ValueError):
-    """A checkpoint whose layout the engine's own model class for its family cannot run (`FamilySpec.cannot_run`)."""
-
-
 class FamilySpecError(ValueError):
     """A family module whose `SPEC` is missing or wrong: raised when a model of the family loads."""
 

@@ -102,10 +102,8 @@ def test_a_model_type_without_a_vllm_family_says_how_to_go_on(tmp_path, checkpoi
 def test_a_layout_vllms_block_lacks_is_refused_before_the_engine_starts(checkpoints, family, options):
     """Options vLLM's model class for the family does not implement: refused with the option and the fix before
     anything starts, and the checkpoint serves on transformers (its values: the transformers matrix)."""
-    from streamscope.families import UnsupportedCheckpoint
-
     path = checkpoints(family, **options)
-    with pytest.raises(UnsupportedCheckpoint, match="engine='transformers'") as refused:
+    with pytest.raises(streamscope.UnsupportedCheckpoint, match="engine='transformers'") as refused:
         streamscope.load(path, engine="vllm", **precision.engine_kwargs())
     assert all(option in str(refused.value) for option in options)
     model = streamscope.load(path)
