@@ -284,17 +284,11 @@ def test_a_skip_in_one_invoke_leaves_the_others_exact(engines):
 
 
 def test_the_support_table_matches_transformers_except_where_vllm_hides_a_value(engines):
-    """The tables differ only where vLLM hides a value (its reason names vLLM), or where vLLM reads a kernel
-    that transformers cannot (Falcon's with ALiBi inside the mask; test_value holds those to the oracle)."""
-    from streamscope.transformers.families.falcon import FALCON_ALIBI
-
     on_vllm, on_transformers = engines.model.support(), engines.transformers.support()
     assert on_vllm.root.rows == on_transformers.root.rows
     for block in range(engines.model.num_layers):
         for name, reason in on_transformers[block].rows.items():
             vllm_reason = on_vllm[block].rows.get(name)
-            if vllm_reason is None and reason == FALCON_ALIBI:
-                continue
             if vllm_reason != reason:
                 assert reason is None and vllm_reason is not None and "vLLM" in vllm_reason, (block, name)
 

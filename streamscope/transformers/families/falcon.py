@@ -12,32 +12,33 @@ from ...blocks.heads import INTERNALS
 from ...blocks.parallel import FalconLayer
 from ...families import FamilySpec
 from ...families.renames import FALCON
+from ...values import argument
 
 FALCON_EAGER = ("Falcon's eager path computes its attention inline, with no kernel call to read; load the model "
                 "with attn_implementation='sdpa' (the default), and read without output_attentions")
-FALCON_ALIBI = "Falcon with ALiBi (alibi=True) is not served: its kernel takes ALiBi inside the mask"
 
 
 class FalconAttention(Attention):
-    """Falcon's attention with rotary (no ALiBi) on sdpa: the kernel is ``F.scaled_dot_product_attention``.
+    """Falcon's attention on sdpa: the kernel is ``F.scaled_dot_product_attention``.
 
     The new architecture repeats each key and value head for its group of
     query heads before the kernel; keys and values are served once per key
     head, [batch, kv_heads, seq, head_dim], and an edit goes to every copy.
     The kernel returns [batch, heads, seq, head_dim], served per position.
+    With ALiBi (Falcon-RW) the model folds the bias into the additive mask the
+    kernel takes, per head (slope * key position / sqrt(head_dim)), and the
+    scores add it from there.
     """
 
     KERNEL = "torch_nn_functional_scaled_dot_product_attention_0"
+    #: The forward's second sdpa call: the branch it takes with ALiBi.
+    ALIBI_KERNEL = "torch_nn_functional_scaled_dot_product_attention_1"
     ARGUMENTS = {"queries": (0, "query"), "keys": (1, "key"), "values": (2, "value"), "mask": (3, "attn_mask")}
     OUTPUT_LAYOUT = "bhsd"
 
     def reason(self, name: str) -> Optional[str]:
-        if name in INTERNALS:
-            config = module_config(self)
-            if config.alibi:
-                return FALCON_ALIBI
-            if config._attn_implementation != "sdpa":
-                return FALCON_EAGER
+        if name in INTERNALS and module_config(self)._attn_implementation != "sdpa":
+            return FALCON_EAGER
         return super().reason(name)
 
     def _group(self, heads: int) -> int:
@@ -54,8 +55,18 @@ class FalconAttention(Attention):
             return value.repeat_interleave(self._group(live.shape[1]), dim=1)
         return super().internals_to_engine(value, live, name)
 
+    def kernel(self) -> str:
+        return self.ALIBI_KERNEL if module_config(self).alibi else self.KERNEL
+
     def spec(self, inputs: tuple) -> Spec:
         return Spec(scale=self._module.head_dim ** -0.5)
+
+    def recompute_scores(self, inputs: tuple) -> torch.Tensor:
+        scores = super().recompute_scores(inputs)
+        if not module_config(self).alibi:
+            return scores
+        mask = argument(inputs, *self.ARGUMENTS["mask"])[..., -scores.shape[-2]:, :scores.shape[-1]]
+        return scores + mask.float()  # -inf stays -inf where masked; ALiBi where seen
 
 
 SPEC = FamilySpec(rename=FALCON, envoys={"layers.*": FalconLayer, "self_attn": FalconAttention, "mlp": Mlp})
