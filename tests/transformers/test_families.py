@@ -68,7 +68,9 @@ VARIANTS = {"opt-post-ln": ("opt", {"do_layer_norm_before": False, "word_embed_p
             "falcon-rw": ("falcon", {"new_decoder_architecture": False, "parallel_attn": False, "bias": True,
                                      "alibi": True, "multi_query": False, "num_kv_heads": 2}),
             "gpt2-scaled-by-block": ("gpt2", {"scale_attn_by_inverse_layer_idx": True}),
-            "gpt2-upcast": ("gpt2", {"reorder_and_upcast_attn": True})}
+            "gpt2-upcast": ("gpt2", {"reorder_and_upcast_attn": True}),
+            "qwen2-some-sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 4,
+                                             "max_window_layers": 1})}
 
 
 @pytest.fixture(scope="module", params=[*FAMILIES, *VARIANTS])

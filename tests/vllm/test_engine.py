@@ -96,9 +96,10 @@ def test_a_model_type_without_a_vllm_family_says_how_to_go_on(tmp_path, checkpoi
     ("stablelm", {"qk_layernorm": True}), ("stablelm", {"use_parallel_residual": True}),
     ("stablelm", {"qk_layernorm": True, "use_parallel_residual": True}),  # StableLM 2 12B's
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}), ("gpt2", {"reorder_and_upcast_attn": True}),
-    ("gptj", {"tie_word_embeddings": True})],
+    ("gptj", {"tie_word_embeddings": True}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})],
     ids=["stablelm-qk-norm", "stablelm-parallel", "stablelm-both", "gpt2-scaled-by-block", "gpt2-upcast",
-         "gptj-tied"])
+         "gptj-tied", "qwen2-some-sliding"])
 def test_a_layout_vllms_block_lacks_is_refused_before_the_engine_starts(checkpoints, family, options):
     """Options vLLM's model class for the family does not implement: refused with the option and the fix before
     anything starts, and the checkpoint serves on transformers (its values: the transformers matrix)."""

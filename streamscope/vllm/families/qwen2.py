@@ -1,5 +1,25 @@
-"""Qwen2 on vLLM (vllm.model_executor.models.qwen2): Llama's names and Llama's fused block."""
+"""Qwen2 on vLLM (vllm.model_executor.models.qwen2): Llama's names and Llama's fused block.
 
-from .llama import SPEC
+vLLM's Qwen2 slides its attention window on every block or on none: a
+checkpoint that slides it on some blocks only (``use_sliding_window`` with
+``max_window_layers`` below the block count) is refused before the engine starts.
+"""
 
-__all__ = ["SPEC"]
+from dataclasses import replace
+from typing import Any, Optional
+
+from . import llama
+
+
+def cannot_run(config: Any) -> Optional[str]:
+    """Why vLLM's Qwen2 cannot run this checkpoint: a sliding window on some blocks only."""
+    if len(set(getattr(config, "layer_types", None) or ())) > 1 and \
+            config.max_window_layers != config.num_hidden_layers:
+        return (f"this Qwen2 checkpoint slides its attention window (use_sliding_window, sliding_window="
+                f"{config.sliding_window}) on some blocks only (max_window_layers={config.max_window_layers} of "
+                f"{config.num_hidden_layers}), which vLLM's Qwen2 model does not implement. Load it with "
+                f"engine='transformers'.")
+    return None
+
+
+SPEC = replace(llama.SPEC, cannot_run=cannot_run)
