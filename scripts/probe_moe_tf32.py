@@ -129,13 +129,11 @@ def kernel(say) -> None:
     import torch
     import torch.nn.functional as F
     from access import relative_error
+    from moe_oracle import truncated_to_tf32
     from vllm.model_executor.layers.fused_moe import fused_experts
 
-    def tf32(tensor: torch.Tensor, nearest: bool) -> torch.Tensor:
-        bits = tensor.contiguous().view(torch.int32)
-        if nearest:  # to nearest, ties away: add half of the dropped unit first
-            bits = bits + (1 << 12)
-        return (bits & ~((1 << 13) - 1)).view(torch.float32)
+    def nearest_tf32(tensor: torch.Tensor) -> torch.Tensor:  # ties away: add half of the dropped unit first
+        return truncated_to_tf32((tensor.contiguous().view(torch.int32) + (1 << 12)).view(torch.float32))
 
     def experts(x, w1, w2, weights, rounding):
         out = torch.zeros(x.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
@@ -155,8 +153,8 @@ def kernel(say) -> None:
         exact = experts(x.double(), w1.double(), w2.double(), weights.double(), lambda t: t)
         rows = {"vllm fused_experts": fused_experts(x, w1, w2, weights, ids),
                 "torch float32": experts(x, w1, w2, weights, lambda t: t),
-                "tf32 truncated": experts(x, w1, w2, weights, lambda t: tf32(t, False)),
-                "tf32 nearest": experts(x, w1, w2, weights, lambda t: tf32(t, True))}
+                "tf32 truncated": experts(x, w1, w2, weights, truncated_to_tf32),
+                "tf32 nearest": experts(x, w1, w2, weights, nearest_tf32)}
         torch.backends.cuda.matmul.allow_tf32 = True
         rows["cuBLAS tf32"] = experts(x, w1, w2, weights, lambda t: t)
         torch.backends.cuda.matmul.allow_tf32 = False

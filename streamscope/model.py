@@ -44,15 +44,17 @@ class Standardized(StreamEnvoy):
         from .families.spec import spec_of
 
         module: ModuleType
+        config = None
         if isinstance(family, str):
             module = families.family_called(family)
         elif family is None:
-            module = families.family_for(_config(path, settings).model_type)
+            config = _config(path, settings)
+            module = families.family_for(config.model_type)
         else:
             module = family
         spec = spec_of(module)
         if spec.cannot_run is not None:
-            reason = spec.cannot_run(_config(path, settings))
+            reason = spec.cannot_run(config if config is not None else _config(path, settings))
             if reason is not None:
                 raise UnsupportedCheckpoint(f"{path}: {reason}")
         object.__setattr__(self, "family", module)

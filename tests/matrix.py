@@ -148,13 +148,13 @@ def plan(model, reference: Reference, prompt_logits_after: str) -> list[tuple[st
     # before the first value computed after the attention
     added = {block for name, block in order if name == "attention_output"}
     # a model without that root value (no final norm: OPT-350m) computes prompt_logits just before its logits
-    after = prompt_logits_after if (prompt_logits_after, None) in order else "logits"
+    has_source = (prompt_logits_after, None) in order
     for name, block in order:
         if block is None:
-            if name == "logits" and after == "logits" != prompt_logits_after:
+            if name == "logits" and not has_source:
                 steps.append(("prompt_logits", None))
             steps.append((name, None))
-            if name == after == prompt_logits_after:
+            if name == prompt_logits_after:
                 steps.append(("prompt_logits", None))
             continue
         if block not in attended and (name == "attention_output" or block not in added and name in AFTER_ATTENTION):

@@ -148,7 +148,8 @@ def test_an_untapped_value_is_refused_with_the_fix_and_the_engine_serves_on(pair
 
 
 @pytest.mark.skipif("llama" not in TAP_FAMILIES,
-                    reason="checked once, on the llama checkpoint; this run selects other families "
+                    reason="tap names resolve the same on every family, so this is checked once, on the llama "
+                           "checkpoint, in the run that selects llama; this run selects other families "
                            "(STREAMSCOPE_TEST_FAMILIES), whose own taps the tests above check")
 def test_tap_names_are_checked_before_the_engine_starts(checkpoints):
     path = checkpoints("llama")
