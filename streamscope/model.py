@@ -36,8 +36,8 @@ class Standardized(StreamEnvoy):
         family of the checkpoint's ``config.model_type``, found in the
         engine's `families` package. Its spec is checked (`spec_of`), and it is
         set on the model before the tree is built: the root's values consult
-        it. Returns the caller's `settings` over the family's engine defaults,
-        with its ``rename=`` and ``envoys=`` (over the engine's own `envoys`)
+        it. Returns the caller's `settings` over the family's engine defaults
+        (with those its checkpoint needs, `FamilySpec.checkpoint_defaults`), with its ``rename=`` and ``envoys=`` (over the engine's own `envoys`)
         where the caller gave none. `_check_family` runs once the tree is built.
         """
         from .errors import UnsupportedCheckpoint
@@ -53,12 +53,16 @@ class Standardized(StreamEnvoy):
         else:
             module = family
         spec = spec_of(module)
-        if spec.cannot_run is not None:
-            reason = spec.cannot_run(config if config is not None else _config(path, settings))
+        defaults = dict(spec.engine_defaults)
+        if spec.cannot_run is not None or spec.checkpoint_defaults is not None:
+            config = config if config is not None else _config(path, settings)
+            reason = spec.cannot_run(config) if spec.cannot_run is not None else None
             if reason is not None:
                 raise UnsupportedCheckpoint(f"{path}: {reason}")
+            if spec.checkpoint_defaults is not None:
+                defaults.update(spec.checkpoint_defaults(config, settings))
         object.__setattr__(self, "family", module)
-        settings = {**spec.engine_defaults, **settings}
+        settings = {**defaults, **settings}
         settings.setdefault("rename", spec.rename)
         settings.setdefault("envoys", {**envoys, "layers": Blocks, **spec.envoys})
         return settings

@@ -148,6 +148,8 @@ def test_the_family_specs_mistakes_are_named_with_the_module_and_the_field():
         "unserved": replace(llama.SPEC, unserved={"num_experts": "no experts"}),
         "check": replace(llama.SPEC, check="warn"),
         "engine_defaults": replace(llama.SPEC, engine_defaults=[("dtype", "float32")]),
+        "cannot_run": replace(llama.SPEC, cannot_run="never"),
+        "checkpoint_defaults": replace(llama.SPEC, checkpoint_defaults={"dtype": "float32"}),
     }
     for field, spec in wrong.items():
         with pytest.raises(FamilySpecError, match=rf"the family module my_families.{field} .*SPEC\.{field}[ \[]"):

@@ -50,6 +50,9 @@ class FamilySpec:
     #: Called with the checkpoint's config before the engine starts: why this engine cannot run it, naming what
     #: to do instead (None where it can). A load it refuses raises `UnsupportedCheckpoint` and starts nothing.
     cannot_run: Optional[Callable[[Any], Optional[str]]] = None
+    #: Called with the checkpoint's config and the caller's settings before the engine starts: further engine
+    #: settings this checkpoint needs (a kernel that serves its layout), over `engine_defaults`, under the caller's.
+    checkpoint_defaults: Optional[Callable[[Any, Mapping[str, Any]], Mapping[str, Any]]] = None
 
     def problems(self) -> list[str]:
         """What is wrong with this spec, one line per field that is wrong; empty where nothing is."""
@@ -98,6 +101,9 @@ class FamilySpec:
             found.append(f"check is {self.check!r}, not a function of the model (or None)")
         if self.cannot_run is not None and not callable(self.cannot_run):
             found.append(f"cannot_run is {self.cannot_run!r}, not a function of the config (or None)")
+        if self.checkpoint_defaults is not None and not callable(self.checkpoint_defaults):
+            found.append(f"checkpoint_defaults is {self.checkpoint_defaults!r}, not a function of the config and the "
+                         f"caller's settings (or None)")
         found += [f"engine_defaults has the key {key!r}, not a setting's name (a string)"
                   for key in self.engine_defaults if not isinstance(key, str)]
         return found

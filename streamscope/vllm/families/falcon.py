@@ -6,9 +6,15 @@ the block returns the stream as a tensor. The attention and the MLP return
 both after the MLP, for one all-reduce), so with ``bias=True`` (Falcon-RW)
 neither sublayer's output is what it adds to the stream: the block serves
 neither contribution there, and says why.
+
+With ALiBi (Falcon-RW) on a GPU the engine runs vLLM's Triton attention kernel
+unless the caller picks one (`alibi_kernel`).
 """
 
-from typing import Optional
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from vllm.platforms import current_platform
 
 from ...blocks import Mlp
 from ...blocks.envoy import module_config
@@ -36,4 +42,17 @@ class VllmFalconLayer(VllmLayer, FalconLayer):
         return super().reason(name)
 
 
-SPEC = FamilySpec(rename=FALCON, envoys={"layers.*": VllmFalconLayer, "self_attn": VllmAttention, "mlp": Mlp})
+def alibi_kernel(config: Any, asked: Mapping[str, Any]) -> dict[str, Any]:
+    """The attention kernel for ALiBi on a GPU: Triton's, where the caller chose none.
+
+    vLLM 0.22 on Hopper picks FlashAttention for 16-bit models; for ALiBi it runs
+    FlashAttention 2 on metadata scheduled for version 3, and every forward fails
+    ("FA2 does not support scheduler_metadata"). Float32 runs Triton's kernel already.
+    """
+    if not getattr(config, "alibi", False) or "attention_backend" in asked or "attention_config" in asked:
+        return {}
+    return {"attention_backend": "TRITON_ATTN"} if current_platform.is_cuda() else {}
+
+
+SPEC = FamilySpec(rename=FALCON, envoys={"layers.*": VllmFalconLayer, "self_attn": VllmAttention, "mlp": Mlp},
+                  checkpoint_defaults=alibi_kernel)
