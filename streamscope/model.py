@@ -37,7 +37,8 @@ class Standardized(StreamEnvoy):
         engine's `families` package. Its spec is checked (`spec_of`), and it is
         set on the model before the tree is built: the root's values consult
         it. Returns the caller's `settings` over the family's engine defaults
-        (with those its checkpoint needs, `FamilySpec.checkpoint_defaults`), with its ``rename=`` and ``envoys=`` (over the engine's own `envoys`)
+        and those its checkpoint needs (`FamilySpec.checkpoint_defaults`),
+        with its ``rename=`` and ``envoys=`` (over the engine's own `envoys`)
         where the caller gave none. `_check_family` runs once the tree is built.
         """
         from .errors import UnsupportedCheckpoint
