@@ -15,6 +15,9 @@ the same device with random init), then times, each ``--rounds`` times
       bare        vLLM generate
       steered     model.generate(steer=[Steer("layer_output", 16, v, positions="all")])  bound <= 1.15x bare
       hf-steered  the same steering on streamscope's transformers engine (its tokens/s; bound: vLLM >= 5x)
+      traced      the same steering written in a trace: one invoke per prompt, the vector added to the
+                  block's layer_output at every step (the per-invoke path, no bound: how far a trace is
+                  from the bulk path)
   T   16 prompts x 256 tokens, every block's layer_output at every position
       bare        vLLM generate(max_tokens=1)
       trace       one trace, 16 invokes, every block read per invoke (the per-read path: "before")
@@ -26,6 +29,7 @@ the same device with random init), then times, each ``--rounds`` times
       (vLLM's breakable graphs, replayed at every decode step, broken at the tap)
       bare        the same tapped engine's vLLM generate, no streamscope work
       steered     the same steer  bound <= 1.15x bare; >= 5x hf-steered's tokens/s
+      traced      W2's trace on the tapped engine (the edit at the tap, in the replayed graph's break)
       graph bare  plain vLLM with the same graph settings and no tap (a child process)
 
 "Bare" is the same engine (eager, no prefix caching, no chunked prefill: the
@@ -194,6 +198,19 @@ def bare_w2(llm, prompts, tokens, marked: bool = False):
     return lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
+def traced_w2(model, prompts, tokens, block: int, vector):
+    """W2's steer written in a trace: an invoke per prompt, the vector added to block `block`'s layer_output at
+    every step of its generation."""
+    def run():
+        with model.trace(max_tokens=tokens, temperature=1.0, seed=0, ignore_eos=True) as tracer:
+            for prompt in prompts:
+                with tracer.invoke({"prompt_token_ids": prompt}):
+                    for _ in tracer.iter[:tokens]:
+                        current = model.layers[block].layer_output
+                        current[:] += vector.to(device=current.device, dtype=current.dtype)
+    return run
+
+
 #: The graph settings of a tapped streamscope engine, for plain vLLM (`streamscope.vllm.model._graph_settings`).
 GRAPHS = {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}, "enable_prefix_caching": False,
           "enable_chunked_prefill": False}
@@ -326,11 +343,14 @@ def main() -> None:
             "bare": bare_w2(llm, prompts, count),
             "steered": lambda: model.generate(prompts, max_tokens=count, steer=[steer], temperature=1.0, seed=0,
                                               ignore_eos=True, progress=False),
-            "marked": bare_w2(llm, prompts, count, marked=True)}, args.rounds)
-        bare, steered, marked = measured["bare"], measured["steered"], measured["marked"]
+            "marked": bare_w2(llm, prompts, count, marked=True),
+            "traced": traced_w2(model, prompts, count, settings["steer_block"], vector)}, args.rounds)
+        bare, steered, marked, traced = (measured[key] for key in ("bare", "steered", "marked", "traced"))
         rows += [("W2", "vLLM bare generation", bare, f"{generated / bare:,.0f} tok/s"),
                  ("W2", "steered generation", steered,
-                  f"{steered / bare:.3f}x bare (bound 1.15), {generated / steered:,.0f} tok/s")]
+                  f"{steered / bare:.3f}x bare (bound 1.15), {generated / steered:,.0f} tok/s"),
+                 ("W2", "the same steer in a trace, an invoke per prompt", traced,
+                  f"{traced / bare:.2f}x bare, {traced / steered:.2f}x steered")]
         rows.append(("W2", "  bare, a SamplingParams per request (as sent)", marked, f"{marked / bare:.3f}x bare"))
         steps, host = host_time(lambda: model.generate(prompts, max_tokens=count, steer=[steer], temperature=1.0,
                                                        seed=0, ignore_eos=True, progress=False))
@@ -405,11 +425,13 @@ def tapped_w2(folder: Path, tiny: bool, rounds: int) -> dict:
     prompts = token_prompts(settings["w2_prompts"], settings["w2_lengths"], 2)
     count = settings["w2_tokens"]
     torch.manual_seed(0)
-    steer = streamscope.Steer("layer_output", block, torch.randn(tapped.hidden_size), positions="all")
+    vector = torch.randn(tapped.hidden_size)
+    steer = streamscope.Steer("layer_output", block, vector, positions="all")
     return timed_together({
         "bare": bare_w2(tapped.vllm_entrypoint, prompts, count),
         "steered": lambda: tapped.generate(prompts, max_tokens=count, steer=[steer], temperature=1.0, seed=0,
-                                           ignore_eos=True, progress=False)}, rounds)
+                                           ignore_eos=True, progress=False),
+        "traced": traced_w2(tapped, prompts, count, block, vector)}, rounds)
 
 
 def w2_graphs(folder: Path, settings: dict, args: Any, rows: list, hf_time: float | None) -> None:
@@ -425,7 +447,13 @@ def w2_graphs(folder: Path, settings: dict, args: Any, rows: list, hf_time: floa
     bare, steered = measured["bare"], measured["steered"]
     rows += [("W2g", "tapped engine (graphs), bare generation", bare, f"{generated / bare:,.0f} tok/s"),
              ("W2g", "tapped engine (graphs), steered generation", steered,
-              f"{steered / bare:.3f}x bare (bound 1.15), {generated / steered:,.0f} tok/s")]
+              f"{steered / bare:.3f}x bare (bound 1.15), {generated / steered:,.0f} tok/s"),
+             ("W2g", "tapped engine (graphs), the steer in a trace", measured["traced"],
+              f"{measured['traced'] / bare:.2f}x bare, {measured['traced'] / steered:.2f}x steered")]
+    eager_trace = next((seconds for w, what, seconds, _ in rows if w == "W2" and "in a trace" in what), None)
+    if eager_trace is not None:
+        rows.append(("W2g", "  W2's trace, eager engine in this process", eager_trace,
+                     f"the tapped engine's trace takes {measured['traced'] / eager_trace:.2f}x its time"))
     if hf_time is not None:
         rows.append(("W2g", "  against transformers' steered generation (W2)", hf_time,
                      f"vLLM {hf_time / steered:.1f}x the tokens/s (bound 5)"))
