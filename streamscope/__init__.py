@@ -9,8 +9,8 @@ from .checks import check_load
 from .errors import Unavailable, UnsupportedCheckpoint
 from .support import BlockSupport, ModelSupport
 
-__all__ = ["load", "Unavailable", "UnsupportedCheckpoint", "BlockSupport", "ModelSupport", "Steer", "Harvest", "Generation",
-           "load_harvest", "iter_harvest", "Cache", "Lens", "lens", "Patching", "patch"]
+__all__ = ["load", "Unavailable", "UnsupportedCheckpoint", "BlockSupport", "ModelSupport", "Steer", "Harvest",
+           "Generation", "load_harvest", "iter_harvest", "Cache", "Lens", "lens", "Patching", "patch"]
 
 ENGINES = ("transformers", "vllm")
 _BULK = ("Steer", "Harvest", "Generation", "load_harvest", "iter_harvest")

@@ -30,16 +30,20 @@ def runs_natively(architecture: str) -> bool:
     return registered is not None and not getattr(registered, "module_name", "").endswith(".transformers")
 
 
+def not_implemented(family: str, what: str) -> str:
+    """A `FamilySpec.cannot_run` reason: `what` the checkpoint does, which vLLM's `family` model lacks, and the
+    way on."""
+    return (f"this {family} checkpoint {what}, which vLLM's {family} model does not implement (it would stop at "
+            f"loading or starting). Load it with engine='transformers'.")
+
+
 def options_not_implemented(family: str, lacked: dict[str, str]) -> Callable[[Any], Optional[str]]:
     """A `FamilySpec.cannot_run` for config options vLLM's model class of `family` does not implement
-    ({option: what it does}): it names those a checkpoint sets, and the transformers engine as the way on."""
+    ({option: what it does}): it names those a checkpoint sets."""
 
     def cannot_run(config: Any) -> Optional[str]:
         found = [f"{option} ({what})" for option, what in lacked.items() if getattr(config, option, False)]
-        if not found:
-            return None
-        return (f"this {family} checkpoint sets {' and '.join(found)}, which vLLM's {family} model does not "
-                f"implement (it would stop at loading or starting). Load it with engine='transformers'.")
+        return not_implemented(family, "sets " + " and ".join(found)) if found else None
 
     return cannot_run
 

@@ -8,17 +8,16 @@ checkpoint that slides it on some blocks only (``use_sliding_window`` with
 from dataclasses import replace
 from typing import Any, Optional
 
-from . import llama
+from . import llama, not_implemented
 
 
 def cannot_run(config: Any) -> Optional[str]:
     """Why vLLM's Qwen2 cannot run this checkpoint: a sliding window on some blocks only."""
     if len(set(getattr(config, "layer_types", None) or ())) > 1 and \
             config.max_window_layers != config.num_hidden_layers:
-        return (f"this Qwen2 checkpoint slides its attention window (use_sliding_window, sliding_window="
-                f"{config.sliding_window}) on some blocks only (max_window_layers={config.max_window_layers} of "
-                f"{config.num_hidden_layers}), which vLLM's Qwen2 model does not implement. Load it with "
-                f"engine='transformers'.")
+        return not_implemented("Qwen2", f"slides its attention window (use_sliding_window, sliding_window="
+                                        f"{config.sliding_window}) on some blocks only (max_window_layers="
+                                        f"{config.max_window_layers} of {config.num_hidden_layers})")
     return None
 
 
