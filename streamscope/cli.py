@@ -5,6 +5,7 @@
     streamscope lens PATH "The capital of France is" --png lens.png
     streamscope patch PATH --clean "..." --corrupted "..." --answer " Paris" --wrong " Rome" --png patch.png
     streamscope attention PATH "prompt" --layer 3 --png pattern.png
+    streamscope harvest PATH DATASET --values layer_output --layers 8 --out acts/ --replicas 2
 
 PATH is a checkpoint folder, or ``smollm2`` for SmolLM2-135M-Instruct (fetched and converted once).
 """
@@ -134,6 +135,10 @@ def parser() -> argparse.ArgumentParser:
     attention.add_argument("prompt")
     attention.add_argument("--layer", type=int, default=0)
     attention.add_argument("--png", required=True)
+    from .scale.command import add_arguments, command_harvest
+
+    add_arguments(command("harvest", "harvest a dataset's values on Ray replicas into a resumable folder of shards",
+                          command_harvest, engine=False))
     return root
 
 

@@ -1,0 +1,364 @@
+"""A dataset's harvest over a Ray cluster: N replicas of an engine, one shard at a time each, resumable.
+
+The driver (the process that calls `harvest`) reads the prompts, checks the
+run, cuts the prompts into shards of ``shard_size`` and hands them to Ray
+actors, one engine per actor (`Replica`): a vLLM engine with its own tensor
+and pipeline parallel sizes, or a transformers model. Each replica harvests
+its shard with the engine's own bulk path (`model.harvest`, so a shard holds
+exactly what one process's harvest of the same prompts holds) and writes it
+into the run folder itself (`streamscope.scale.shards`): on several nodes the
+folder must be one every node sees (a shared file system).
+
+The driver keeps one shard in flight per replica. A replica that dies (its
+process killed, its node lost, its engine out of memory) is reported and
+dropped; its shard goes back to the queue for the others, and finished shards
+stay. An error inside a shard (a value the family does not serve, a position
+past a prompt's end) would fail on any replica: the run stops once the shards
+in flight are written, and says why. Either way nothing is half-written, and
+running the same call again resumes: finished shards are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ..bulk.spec import ROOT_VALUES, Positions, value_names
+from .dataset import fingerprint, read_prompts
+from .shards import RunFolder, write_shard
+
+ENGINES = ("vllm", "transformers")
+
+
+class HarvestFailed(RuntimeError):
+    """A distributed harvest stopped before every shard was written; finished shards are kept for a resume.
+
+    Attributes:
+        folder: The run's folder.
+        finished: How many of the run's shards are written.
+        shards: How many shards the run has.
+        failures: One dict per failure: ``replica``, ``shard``, ``node``, ``error``.
+    """
+
+    def __init__(self, message: str, folder: Path, finished: int, shards: int, failures: list[dict[str, Any]]):
+        super().__init__(message)
+        self.folder, self.finished, self.shards, self.failures = folder, finished, shards, failures
+
+
+@dataclass
+class Progress:
+    """Where a distributed harvest stands, handed to a ``progress=`` callable after every shard.
+
+    Attributes:
+        shards_done: Shards written (those a resumed run found finished included).
+        shards: The run's shards.
+        tokens: Prompt tokens harvested by this call.
+        tokens_per_second: This call's harvested tokens over its seconds so far.
+        eta_seconds: Seconds left at this call's rate of shards (None before the first).
+        replicas: Replicas still serving.
+        failures: The replicas' failures so far (see `HarvestFailed.failures`).
+        record: The shard just written (its prompts, tokens, replica, node, seconds).
+    """
+
+    shards_done: int
+    shards: int
+    tokens: int
+    tokens_per_second: float
+    eta_seconds: Optional[float]
+    replicas: int
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+class Replica:
+    """One engine in a Ray actor: harvests a shard of prompts and writes it to the run folder.
+
+    Made into a Ray actor class by `harvest` (``ray.remote(Replica)``), so
+    `streamscope.scale` imports without Ray.
+    """
+
+    def __init__(self, checkpoint: str, engine: str, options: dict[str, Any], index: int) -> None:
+        ranks = int(options.get("tensor_parallel_size", 1)) * int(options.get("pipeline_parallel_size", 1))
+        if engine == "vllm" and ranks == 1:
+            # One rank: the engine runs in this actor's process rather than in two more of its own.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        import streamscope
+
+        self.index = index
+        self.engine = engine
+        self.model = streamscope.load(checkpoint, engine=engine, **options)
+
+    def where(self) -> dict[str, Any]:
+        """This replica's node id, host and process id."""
+        import ray
+
+        return {"replica": self.index, "node": ray.get_runtime_context().get_node_id(),
+                "host": socket.gethostname(), "pid": os.getpid()}
+
+    def run(self, job: dict[str, Any]) -> dict[str, Any]:
+        """Harvest one shard's prompts (global indices ``job["first"]``...) and write the shard."""
+        from ..bulk.transformers import token_ids
+
+        start = time.perf_counter()
+        ids = token_ids(self.model, job["prompts"])
+        options = dict(job["harvest_options"])
+        if self.engine == "vllm":
+            options.setdefault("shard_size", len(ids))  # the whole shard in one engine run
+        harvest = self.model.harvest(ids, job["values"], job["layers"], job["positions"], progress=False, **options)
+        harvest.prompts = list(range(job["first"], job["first"] + len(ids)))
+        record = {**self.where(), "tokens": sum(len(tokens) for tokens in ids),
+                  "seconds": time.perf_counter() - start}
+        write_shard(Path(job["folder"]), job["shard"], harvest, record)
+        return {**record, "shard": job["shard"], "prompts": len(ids)}
+
+    def close(self) -> None:
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
+
+
+def _positions_key(positions: Any) -> Any:
+    """The positions rule as JSON, for the manifest."""
+    if isinstance(positions, slice):
+        return {"slice": [positions.start, positions.stop, positions.step]}
+    if isinstance(positions, (list, tuple, range)):
+        return [_positions_key(item) for item in positions]
+    return positions
+
+
+def _nested(positions: Positions) -> bool:
+    return (isinstance(positions, (list, tuple)) and len(positions) > 0
+            and all(isinstance(item, (list, tuple, range)) for item in positions))
+
+
+def _check_request(checkpoint: str, engine: str, values: Any, layers: Any, positions: Positions,
+                   count: int) -> tuple[list[str], Any]:
+    """The values and blocks checked against the checkpoint's config, before Ray starts."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}.")
+    if isinstance(values, str):
+        values = [values]
+    values = list(values)
+    if not values:
+        raise ValueError("harvest needs at least one value name.")
+    for value in values:
+        if value not in value_names():
+            raise ValueError(f"unknown value {value!r} for a harvest: choose one of {', '.join(value_names())}.")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    config = getattr(config, "text_config", None) or config
+    blocks = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    if isinstance(layers, int):
+        layers = [layers]
+    if layers is not None:
+        layers = list(layers)
+        if blocks is not None:
+            for layer in layers:
+                if not isinstance(layer, int) or not -blocks <= layer < blocks:
+                    raise IndexError(f"layers: block {layer!r} is out of range: {checkpoint} has {blocks} blocks "
+                                     f"(0-{blocks - 1}).")
+            layers = [layer % blocks for layer in layers]
+    elif all(value in ROOT_VALUES for value in values):
+        layers = []
+    if _nested(positions) and len(positions) != count:  # type: ignore[arg-type]
+        raise ValueError(f"positions has {len(positions)} lists for {count} prompts: give one list per prompt, "  # type: ignore[arg-type]
+                         f"or one rule for every prompt.")
+    return values, layers
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("a distributed harvest runs on Ray: `pip install 'streamscope[ray]'` "
+                          "(or `pip install 'ray[data]'`).") from None
+    return ray
+
+
+def _connect(ray: Any, address: Optional[str]) -> bool:
+    """Join the Ray cluster at `address` (or the one this process already joined); True if this call started it."""
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    except ConnectionError as error:
+        raise ConnectionError(f"no Ray cluster is reachable at {address!r} ({error}): start one with "
+                              f"`ray start --head` and pass its address, or pass address=None for a local one.") from None
+    return True
+
+
+def harvest(dataset: Any, checkpoint: str | Path, values: Any, layers: Any = None, positions: Positions = "last", *,
+            out: str | Path, replicas: int = 1, engine: str = "vllm", engine_options: Optional[dict[str, Any]] = None,
+            column: Optional[str] = None, split: Optional[str] = None, shard_size: int = 1024,
+            harvest_options: Optional[dict[str, Any]] = None, num_cpus: float = 1, num_gpus: Optional[float] = None,
+            address: Optional[str] = None, progress: bool | Callable[[Progress], None] = True) -> Path:
+    """Harvest values of a whole dataset on `replicas` engines over Ray, into a resumable folder of shards.
+
+    Args:
+        dataset: A list of prompts (strings or token-id lists) or of dicts, a
+            ``.jsonl`` or ``.parquet`` file, a `datasets.Dataset` or its
+            ``save_to_disk`` folder (`streamscope.scale.dataset.read_prompts`).
+        checkpoint: The model folder; every replica (every node) must see it.
+        values, layers, positions: As `model.harvest` takes them.
+        out: The run's folder (shared by every node). Running the same call
+            again on it resumes; a folder of another run is refused.
+        replicas: How many engines harvest side by side.
+        engine: ``"vllm"`` or ``"transformers"``.
+        engine_options: `streamscope.load`'s keyword arguments for each replica
+            (``tensor_parallel_size``, ``pipeline_parallel_size``, ``dtype``, ...).
+        column, split: The dataset's text or token-id column, and split.
+        shard_size: Prompts per shard (and per engine run on vLLM).
+        harvest_options: More of `model.harvest`'s options (``batch_size`` on transformers).
+        num_cpus, num_gpus: Ray resources each replica holds. ``num_gpus``
+            defaults to the replica's ranks (tensor x pipeline parallel size)
+            where the cluster has GPUs, else 0.
+        address: The Ray cluster (``"auto"``, ``"ray://host:10001"``); None: the
+            cluster this process joined, or a new local one.
+        progress: A bar with tokens/s and the ETA; or a callable given a `Progress` after each shard.
+
+    Returns:
+        The folder, which `streamscope.load_harvest` and `iter_harvest` read.
+
+    Raises:
+        HarvestFailed: when the run stopped with shards unwritten (every
+            replica died, or a shard raised); finished shards are kept.
+    """
+    checkpoint = str(Path(checkpoint).resolve()) if Path(checkpoint).exists() else str(checkpoint)
+    engine_options = dict(engine_options or {})
+    harvest_options = dict(harvest_options or {})
+    if not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas={replicas!r}: a harvest needs at least one replica.")
+    if not isinstance(shard_size, int) or shard_size < 1:
+        raise ValueError(f"shard_size={shard_size!r}: a shard holds at least one prompt.")
+    prompts = read_prompts(dataset, column, split)
+    if not prompts:
+        raise ValueError("the dataset has no rows.")
+    values, layers = _check_request(checkpoint, engine, values, layers, positions, len(prompts))
+    ray = _ray()
+    shards = math.ceil(len(prompts) / shard_size)
+    manifest = {"checkpoint": checkpoint, "engine": engine, "values": values, "layers": layers,
+                "positions": _positions_key(positions), "shard_size": shard_size, "prompts": len(prompts),
+                "dataset": fingerprint(prompts)}
+    folder = RunFolder(out, manifest)
+    folder.open()
+    finished = folder.finished()
+    pending = deque(number for number in range(shards) if number not in finished)
+    failures: list[dict[str, Any]] = []
+    if pending:
+        started = _connect(ray, address)
+        try:
+            _schedule(ray, folder, pending, prompts, shards, len(finished), values, layers, positions, checkpoint,
+                      engine, engine_options, harvest_options, replicas, num_cpus, num_gpus, progress, failures)
+        finally:
+            if started:
+                ray.shutdown()
+    return folder.close(shards, failures)
+
+
+def _schedule(ray: Any, folder: RunFolder, pending: deque, prompts: list[Any], shards: int, done: int,
+              values: list[str], layers: Any, positions: Positions, checkpoint: str, engine: str,
+              engine_options: dict[str, Any], harvest_options: dict[str, Any], replicas: int, num_cpus: float,
+              num_gpus: Optional[float], progress: Any, failures: list[dict[str, Any]]) -> None:
+    """Run the pending shards on the replicas until every one is written, or raise `HarvestFailed`."""
+    from tqdm.auto import tqdm
+
+    shard_size = folder.manifest["shard_size"]
+    ranks = int(engine_options.get("tensor_parallel_size", 1)) * int(engine_options.get("pipeline_parallel_size", 1))
+    if num_gpus is None:
+        num_gpus = ranks if ray.cluster_resources().get("GPU", 0) else 0
+    actor = ray.remote(Replica)
+    run = uuid.uuid4().hex[:8]
+    live = {index: actor.options(name=f"streamscope-harvest-{run}-{index}", num_cpus=num_cpus, num_gpus=num_gpus,
+                                 max_restarts=0, max_task_retries=0).remote(checkpoint, engine, engine_options, index)
+            for index in range(replicas)}
+
+    def job(number: int) -> dict[str, Any]:
+        first = number * shard_size
+        chosen = positions[first:first + shard_size] if _nested(positions) else positions  # type: ignore[index]
+        return {"shard": number, "first": first, "prompts": prompts[first:first + shard_size], "values": values,
+                "layers": layers, "positions": chosen, "folder": str(folder.folder),
+                "harvest_options": harvest_options}
+
+    in_flight: dict[Any, tuple[int, int]] = {}
+
+    def dispatch() -> None:
+        busy = {index for index, _ in in_flight.values()}
+        for index in live:
+            if index not in busy and pending:
+                number = pending.popleft()
+                in_flight[live[index].run.remote(job(number))] = (index, number)
+
+    bar = tqdm(total=shards, initial=done, desc="harvest", unit="shard", disable=progress is not True)
+    begun, tokens, written = time.perf_counter(), 0, 0
+    stop: Optional[str] = None
+    try:
+        dispatch()
+        while in_flight:
+            ready, _ = ray.wait(list(in_flight), num_returns=1)
+            index, number = in_flight.pop(ready[0])
+            try:
+                record = ray.get(ready[0])
+            except ray.exceptions.RayActorError as error:
+                # The replica's process is gone: its shard goes back to the queue for the others.
+                failures.append({"replica": index, "shard": number, "error": _first_line(error)})
+                live.pop(index, None)
+                pending.appendleft(number)
+                if not live:
+                    stop = "every replica failed"
+                    break
+                dispatch()
+                continue
+            except ray.exceptions.RayTaskError as error:
+                # The shard itself raised (bad input, an unserved value): any replica would. Stop once the
+                # shards in flight are written.
+                failures.append({"replica": index, "shard": number, "error": _first_line(error.cause or error)})
+                stop = f"shard {number} raised {_first_line(error.cause or error)}"
+                pending.clear()
+                continue
+            done, written, tokens = done + 1, written + 1, tokens + record["tokens"]
+            elapsed = time.perf_counter() - begun
+            rate = tokens / elapsed if elapsed > 0 else 0.0
+            left = shards - done
+            eta = elapsed / written * left if written else None  # wall seconds a shard, replicas side by side
+            bar.update(1)
+            bar.set_postfix_str(f"{rate:,.0f} tok/s, {len(live)} replicas" + (f", {len(failures)} failed" if failures else ""))
+            if callable(progress):
+                progress(Progress(done, shards, tokens, rate, eta, len(live), list(failures), record))
+            if stop is None:
+                dispatch()
+    finally:
+        bar.close()
+        _release(ray, live)
+    if stop is not None or pending:
+        finished = len(folder.finished())
+        lines = "\n".join(f"  replica {failure['replica']} on shard {failure['shard']}: {failure['error']}"
+                          for failure in failures)
+        raise HarvestFailed(f"the harvest stopped ({stop}); {finished} of {shards} shards are written in "
+                            f"{folder.folder}. Failures:\n{lines}\nRun the same harvest again to resume it.",
+                            folder.folder, finished, shards, failures)
+
+
+def _release(ray: Any, live: dict[int, Any]) -> None:
+    """Close every replica's engine (GPU memory back), then end its actor."""
+    closing = [handle.close.remote() for handle in live.values()]
+    try:
+        ray.get(closing, timeout=120)
+    except Exception:  # noqa: BLE001  (a replica that cannot close is killed below all the same)
+        pass
+    for handle in live.values():
+        ray.kill(handle)
+
+
+def _first_line(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}"
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[0][:500] if lines else type(error).__name__
+
