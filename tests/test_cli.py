@@ -41,7 +41,7 @@ def assert_image(path: Path, size: tuple[float, float], dpi: int = 100) -> None:
 def test_help_lists_the_commands():
     done = streamscope_command("--help")
     assert done.returncode == 0
-    for command in ("map", "check", "lens", "patch", "attention"):
+    for command in ("map", "check", "lens", "patch", "attention", "harvest"):
         assert command in done.stdout
 
 

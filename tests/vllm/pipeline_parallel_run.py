@@ -1,0 +1,69 @@
+"""Run by test_pipeline_parallel.py in a process of its own: a bulk harvest and a steered generation.
+
+    python pipeline_parallel_run.py CHECKPOINT PIPELINE_PARALLEL_SIZE OUT
+
+Saves (torch.save) to OUT: every bulk value at every block of a few prompts, a generation steered on the
+first and the last block with a harvest along and its logits, and what a trace and support() say.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # pipeline stages run as processes of their own
+
+import torch  # noqa: E402
+
+import streamscope  # noqa: E402
+from streamscope.bulk.spec import value_names  # noqa: E402
+
+PROMPTS = ["The Eiffel Tower is in Paris", "A quick brown fox jumps over", "Hello"]
+
+
+def served(model) -> list[str]:
+    """The bulk values this family serves on every block (and the root values)."""
+    from streamscope.bulk.spec import locate
+
+    names = []
+    for name in value_names():
+        try:
+            locate(model, name, None if name in ("token_embeddings", "final_norm_output") else 0)
+        except Exception:  # noqa: BLE001  (a value the family's blocks do not serve)
+            continue
+        names.append(name)
+    return names
+
+
+def main(path: str, size: int, out: str) -> None:
+    model = streamscope.load(path, engine="vllm", pipeline_parallel_size=size)
+    try:
+        result: dict = {"support": str(model.support())}
+        names = served(model)
+        harvest = model.harvest(PROMPTS, names, positions="all", progress=False)
+        result["harvest"] = {name: harvest[name] for name in names}
+        width, last = model.hidden_size, model.num_layers - 1
+        generator = torch.Generator().manual_seed(0)
+        steers = [streamscope.Steer("layer_output", layer=0, vector=torch.randn(width, generator=generator), scale=2.0),
+                  streamscope.Steer("mlp_output", layer=last, vector=torch.randn(width, generator=generator),
+                                    positions="last", prompts=[1])]
+        generation = model.generate(PROMPTS, max_tokens=4, steer=steers, return_logits=True, progress=False,
+                                    harvest={"values": ["layer_output", "final_norm_output"], "positions": "all"})
+        result["bare_logits"] = model.generate(PROMPTS, max_tokens=4, steer=[], return_logits=True,
+                                               progress=False).logits
+        result["tokens"] = generation.tokens
+        result["logits"] = generation.logits
+        result["generated_harvest"] = {name: generation.harvest[name] for name in generation.harvest.keys()}
+        try:
+            with model.trace(PROMPTS[0]):
+                model.layers[0].layer_output.save()
+            result["trace"] = "ran"
+        except NotImplementedError as error:
+            result["trace"] = str(error)
+        torch.save(result, out)
+    finally:
+        model.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

