@@ -19,14 +19,18 @@ from ..vllm.pipeline import missing
 
 
 def holds(root: Any, value: str, layer: Optional[int]) -> bool:
-    """Whether this worker's stage runs the module call that holds `value` at block `layer` (None: a root value)."""
+    """Whether this worker's stage runs the module call that holds `value` at block `layer` (None: a root value).
+
+    A block's values are on the stage whose model has the block (the others hold a placeholder). The root's
+    are by stage, not by module: a later stage of some families (GPT-2) builds the embedding too, but only
+    the first runs it; the final norm runs on the last.
+    """
     if layer is not None:
         return not missing(root.layers[layer]._module)
-    try:
-        site = locate(root, value, None)
-    except Exception:  # noqa: BLE001  (a root module this stage lacks cannot even resolve)
-        return False
-    return not missing(site.module)
+    from vllm.distributed.parallel_state import get_pp_group
+
+    group = get_pp_group()
+    return group.is_first_rank if value == "token_embeddings" else group.is_last_rank
 
 
 def site_count(spec: HarvestSpec) -> int:

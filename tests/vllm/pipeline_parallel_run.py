@@ -36,7 +36,9 @@ def served(model) -> list[str]:
 
 
 def main(path: str, size: int, out: str) -> None:
-    model = streamscope.load(path, engine="vllm", pipeline_parallel_size=size)
+    gpu = {"gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": 1 << 30} if torch.cuda.is_available() else {}
+    model = streamscope.load(path, engine="vllm", pipeline_parallel_size=size,
+                             dtype=os.environ.get("STREAMSCOPE_TEST_DTYPE", "float32"), **gpu)
     try:
         result: dict = {"support": str(model.support())}
         names = served(model)

