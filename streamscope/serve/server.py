@@ -25,6 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
+from fastapi import Request  # at module level: FastAPI reads the routes' annotations by name
+
 from .protocol import FIELD, XARG, Checker, Limits, RequestError, cache_salt, worker_payload
 from .storage import Harvests, Vectors, read_vector, unknown_vector
 
@@ -63,7 +65,7 @@ class Front:
         return app
 
     def router(self) -> Any:
-        from fastapi import APIRouter, Request
+        from fastapi import APIRouter
         from fastapi.responses import JSONResponse, Response
 
         router = APIRouter(prefix=PREFIX)
