@@ -7,8 +7,8 @@ what vLLM offers for it:
 
 * the engine's worker class (``--worker-cls``): vLLM's worker with nnsight's
   runner and `streamscope.serve.worker`, which applies each request's plan;
-* an ASGI middleware placed inside vLLM's own (so ``--api-key`` is checked
-  first) that checks a completion request's ``streamscope`` field and hands
+* an ASGI wrapper around vLLM's completion routes, inside every middleware
+  vLLM installs (so ``--api-key`` is checked first), that checks a completion request's ``streamscope`` field and hands
   the plan to vLLM in its ``vllm_xargs``, with a prefix-cache salt; a request
   without the field passes through untouched;
 * routes under ``/v1/streamscope/`` (guarded by ``--api-key`` as every ``/v1``
@@ -55,13 +55,17 @@ class Front:
 
     def extend(self, app: Any) -> Any:
         """Add streamscope's routes and request check to the app vLLM built; returns it."""
-        from starlette.middleware import Middleware
-
         app.include_router(self.router())
-        # Innermost: vLLM's middleware (its API key check first of all) runs before this one.
-        app.user_middleware.append(Middleware(SteerMiddleware, front=self))
-        if app.middleware_stack is not None:  # built already by what vLLM ran on the app: build it again
-            app.middleware_stack = app.build_middleware_stack()
+        # Around the completion routes' own handlers: inside every middleware vLLM installed (its API key
+        # check first of all), and without rebuilding its middleware stack (its metrics middleware is built once).
+        wrapped = 0
+        for route in app.routes:
+            if getattr(route, "path", None) in COMPLETIONS:
+                route.app = SteerMiddleware(route.app, self)
+                wrapped += 1
+        if wrapped != len(COMPLETIONS):
+            raise RuntimeError(f"vLLM's app has {wrapped} of the routes {', '.join(COMPLETIONS)}: this vLLM "
+                               f"release is not one streamscope serve knows.")
         return app
 
     def router(self) -> Any:

@@ -276,6 +276,9 @@ def test_prefix_caching_stays_correct_both_ways(api, server, model):
     plain_before = complete(api, LONG)
     hits = _prefix_hits(server)
     assert complete(api, LONG)[2] == plain_before[2]
+    deadline = time.monotonic() + 15  # vLLM's metrics are published by its output loop, a moment after the reply
+    while _prefix_hits(server) <= hits and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert _prefix_hits(server) > hits, "prefix caching is off: this test would prove nothing"
     expected_tokens, expected = in_process(model, LONG, steers)
     for _ in range(2):  # after the plain run, then after its own cached run
