@@ -82,7 +82,7 @@ class Checked:
 
     @property
     def empty(self) -> bool:
-        return not self.steers and self.harvest is None
+        return not self.steer_payload and self.harvest is None
 
 
 def vector_bytes(tensor: torch.Tensor) -> str:

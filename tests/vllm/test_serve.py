@@ -60,7 +60,7 @@ def server(path, tmp_path_factory):
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "streamscope", "serve", str(path), "--port", str(port), "--api-key", KEY,
-               "--dtype", "float32", "--max-model-len", "512", "--max-harvest-bytes", str(3 * 40 * HIDDEN * 4),
+               "--dtype", "float32", "--max-model-len", "512", "--max-harvest-bytes", str(2 * 300 * HIDDEN * 4),
                "--max-steers-per-request", "4", "--max-stored-vectors", "3"]
     with open(log, "w") as handle:
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
@@ -263,7 +263,9 @@ def test_32_concurrent_mixed_requests_each_equal_their_solo_run(api):
 
 
 def _prefix_hits(server) -> float:
-    text = httpx.get(server + "/metrics").text
+    response = httpx.get(server + "/metrics")
+    assert response.status_code == 200, f"vLLM's /metrics broke: {response.text[:300]}"
+    text = response.text
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("vllm:prefix_cache_hits") and not line.startswith("#"))
 
@@ -289,8 +291,8 @@ def test_prefix_caching_stays_correct_both_ways(api, server, model):
                  "steered after cached runs")
     assert complete(api, LONG)[2] == plain_before[2], "a plain request reused steered blocks"
     client = streamscope.Client(server, api_key=KEY)
-    remote = client.harvest([LONG], "layer_output", layers=[0, 1, 2], positions="all")
-    local = model.harvest([LONG], "layer_output", layers=[0, 1, 2], positions="all", progress=False)
+    remote = client.harvest([LONG], "layer_output", layers=[0, 2], positions="all")
+    local = model.harvest([LONG], "layer_output", layers=[0, 2], positions="all", progress=False)
     assert remote.positions == local.positions
     assert (remote["layer_output"][0] - local["layer_output"][0]).abs().max() \
         <= TOLERANCE * local["layer_output"][0].abs().max()
@@ -355,7 +357,7 @@ BAD = [
     ({"steer": [{"value": "layer_output", "layer": 1, "vector": [0.0] * 3}]}, 400, "hidden size is 64"),
     ({"steer": [{"value": "layer_output", "layer": 1, "vector": [float("nan")] * HIDDEN}]}, 400, "NaN or inf"),
     ({"steer": [{"value": "layer_output", "layer": 1, "vector": "nobody"}]}, 404, "no stored vector"),
-    ({"steer": [{"value": "layer_output", "layer": 1, "vector": [0.0] * HIDDEN, "positions": [99]}]}, 400,
+    ({"steer": [{"value": "layer_output", "layer": 1, "vector": [0.0] * HIDDEN, "positions": [999]}]}, 400,
      "out of range for prompt"),
     ({"steer": [{"value": "layer_output", "layer": 1, "vector": [0.0] * HIDDEN, "positions": "first"}]}, 400,
      "not a positions rule"),
@@ -375,11 +377,15 @@ BAD = [
 
 def test_every_bad_request_is_refused_and_the_server_serves_on(api, server):
     plain = complete(api, LONG)
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     for field, status, named in BAD:
-        with pytest.raises(openai.APIStatusError) as refused:
-            complete(api, LONG, field)
-        assert refused.value.status_code == status, (field, refused.value.message)
-        assert named in refused.value.message, (named, refused.value.message)
+        # Sent as raw JSON: the openai client refuses to encode NaN, which a careless client may well send.
+        body = {"model": api.models.list().data[0].id, "prompt": LONG, "max_tokens": STEPS, "streamscope": field}
+        refused = httpx.post(server + "/v1/completions", content=json.dumps(body), headers=auth)
+        assert "error" in refused.json(), f"{field} was served: {refused.text[:200]}"
+        message = refused.json()["error"]["message"]
+        assert refused.status_code == status, (field, message)
+        assert named in message, (named, message)
         assert complete(api, LONG)[2] == plain[2], f"the server answered differently after refusing {field}"
     auth = {"Authorization": f"Bearer {KEY}"}
     # Pickles are never read: not as a vector, not as a request body.
@@ -437,3 +443,62 @@ def test_the_readme_serving_blocks_run_against_the_server(server):
     assert len(blocks) == 2
     for block in blocks:
         exec(compile(block, "README.md#serving", "exec"), {"url": server, "api_key": KEY})
+
+
+def test_harvests_expire_and_the_total_is_bounded(tmp_path):
+    """The harvest ledger alone (the server's, in this process): a harvest past --harvest-ttl is gone (404), and
+    one that would pass --max-stored-harvest-bytes is refused with 413 until earlier ones are downloaded."""
+    import asyncio
+
+    from streamscope.serve.protocol import Limits, RequestError
+    from streamscope.serve.storage import Harvests
+
+    harvests = Harvests(tmp_path, Limits(max_stored_harvest_bytes=1000, harvest_ttl=0.2))
+    first = harvests.reserve(600)
+    with pytest.raises(RequestError, match="--max-stored-harvest-bytes") as refused:
+        harvests.reserve(600)
+    assert refused.value.status == 413
+    harvests.path(first).write_bytes(b"written by the worker")
+    assert asyncio.run(harvests.take(first, keep=False)) == b"written by the worker"
+    assert not harvests.path(first).exists()
+    late = harvests.reserve(600)  # the download freed its bytes
+    harvests.path(late).write_bytes(b"never fetched")
+    time.sleep(0.3)
+    with pytest.raises(RequestError, match="expired") as gone:
+        asyncio.run(harvests.take(late, keep=False))
+    assert gone.value.status == 404 and not harvests.path(late).exists()
+
+
+#: A chat template for the tiny tokenizer (it has none), which renders a message as its text after BOS: a chat
+#: request then runs the same tokens as the completion of that text.
+TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+def test_chat_completions_are_steered_and_harvested_alike(api, server):
+    name = api.models.list().data[0].id
+    steer = [steer_json(Steer("layer_output", 1, vector(12), scale=4.0, positions="last"))]
+    field = {"steer": steer, "harvest": {"values": "layer_mid", "layers": [1], "positions": "all"}}
+    chat = api.chat.completions.create(model=name, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=STEPS,
+                                       temperature=0, logprobs=True,
+                                       extra_body={"streamscope": field, "chat_template": TEMPLATE})
+    completion, _, logprobs = complete(api, PROMPTS[1], field)
+    assert [item.logprob for item in chat.choices[0].logprobs.content] == pytest.approx(logprobs, abs=TOLERANCE)
+    client = streamscope.Client(server, api_key=KEY)
+    from_chat = client.download(chat.model_extra["streamscope"]["harvest"])
+    from_completion = client.download(completion.model_extra["streamscope"]["harvest"])
+    assert from_chat["positions"] == from_completion["positions"]
+    assert (from_chat["tensors"]["layer_mid"] - from_completion["tensors"]["layer_mid"]).abs().max() <= \
+        TOLERANCE * from_completion["tensors"]["layer_mid"].abs().max()
+
+
+def test_a_streamed_completion_names_its_harvest_in_a_header(api, server):
+    body = {"model": api.models.list().data[0].id, "prompt": PROMPTS[2], "max_tokens": STEPS, "temperature": 0,
+            "stream": True, "streamscope": {"harvest": {"values": "layer_output", "layers": [0], "positions": "all"}}}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", server + "/v1/completions", json=body, headers=auth) as response:
+        assert response.status_code == 200
+        harvest_id = response.headers["x-streamscope-harvest"]
+        text = "".join(response.iter_text())
+    assert "[DONE]" in text
+    downloaded = streamscope.Client(server, api_key=KEY).download(harvest_id)
+    assert downloaded["tensors"]["layer_output"].shape[1] == len(downloaded["positions"]) > 1
