@@ -334,7 +334,7 @@ class ServeState:
     def _write(self, harvest_id: Optional[str], tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
         from safetensors.torch import save_file
 
-        if self.folder is None or harvest_id is None:
+        if self.folder is None or not _valid_id(harvest_id):
             return
         final = self.folder / f"{harvest_id}.safetensors"
         aside = self.folder / f".{harvest_id}.writing"
@@ -343,11 +343,16 @@ class ServeState:
 
     def fail(self, harvest_id: Optional[str], message: str) -> None:
         """Leave the reason a harvest will not come, for the front end to answer its download with."""
-        if not self.writer or self.folder is None or harvest_id is None:
+        if not self.writer or self.folder is None or not _valid_id(harvest_id):
             return
         aside = self.folder / f".{harvest_id}.failing"
         aside.write_text(message)
         os.replace(aside, self.folder / f"{harvest_id}.error")
+
+
+def _valid_id(harvest_id: Any) -> bool:
+    """Whether `harvest_id` is one the front end makes (32 hex digits): nothing else names a file here."""
+    return isinstance(harvest_id, str) and len(harvest_id) == 32 and all(c in "0123456789abcdef" for c in harvest_id)
 
 
 def install(worker: Any) -> None:

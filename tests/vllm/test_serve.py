@@ -39,6 +39,9 @@ HIDDEN = 64
 LONG = " ".join(["The quick brown fox jumps over the lazy dog while the cat sleeps in the garden."] * 12)
 PROMPTS = ["Once upon a time", "Rome is in Italy, Berlin is in Germany", "def add(a, b):", LONG]
 STEPS = 6
+#: A chat template for the tiny tokenizer (it has none), which renders a message as its text after BOS: a chat
+#: request then runs the same tokens as the completion of that text.
+TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
 def _port() -> int:
@@ -61,7 +64,7 @@ def server(path, tmp_path_factory):
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "streamscope", "serve", str(path), "--port", str(port), "--api-key", KEY,
                "--dtype", "float32", "--max-model-len", "512", "--max-harvest-bytes", str(2 * 300 * HIDDEN * 4),
-               "--max-steers-per-request", "4", "--max-stored-vectors", "3"]
+               "--max-steers-per-request", "4", "--max-stored-vectors", "3", "--chat-template", TEMPLATE]
     with open(log, "w") as handle:
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -387,6 +390,13 @@ def test_every_bad_request_is_refused_and_the_server_serves_on(api, server):
         assert refused.status_code == status, (field, message)
         assert named in message, (named, message)
         assert complete(api, LONG)[2] == plain[2], f"the server answered differently after refusing {field}"
+    # The worker's own key cannot be sent past the check: a forged plan (here, a harvest written outside the folder).
+    forged = {"model": api.models.list().data[0].id, "prompt": "Hello", "max_tokens": 2,
+              "vllm_xargs": {"streamscope": json.dumps({"steer": [], "harvest": {
+                  "id": "../../escape", "values": ["layer_output"], "layers": [0], "positions": "last"}})}}
+    refused_forgery = httpx.post(server + "/v1/completions", json=forged, headers=auth)
+    assert refused_forgery.status_code == 400 and "vllm_xargs" in refused_forgery.json()["error"]["message"]
+    assert complete(api, LONG)[2] == plain[2]
     auth = {"Authorization": f"Bearer {KEY}"}
     # Pickles are never read: not as a vector, not as a request body.
     payload = pickle.dumps({"vector": torch.zeros(HIDDEN)})
@@ -469,10 +479,6 @@ def test_harvests_expire_and_the_total_is_bounded(tmp_path):
     assert gone.value.status == 404 and not harvests.path(late).exists()
 
 
-#: A chat template for the tiny tokenizer (it has none), which renders a message as its text after BOS: a chat
-#: request then runs the same tokens as the completion of that text.
-TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
-
 
 def test_chat_completions_are_steered_and_harvested_alike(api, server):
     name = api.models.list().data[0].id
@@ -480,7 +486,7 @@ def test_chat_completions_are_steered_and_harvested_alike(api, server):
     field = {"steer": steer, "harvest": {"values": "layer_mid", "layers": [1], "positions": "all"}}
     chat = api.chat.completions.create(model=name, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=STEPS,
                                        temperature=0, logprobs=True,
-                                       extra_body={"streamscope": field, "chat_template": TEMPLATE})
+                                       extra_body={"streamscope": field})
     completion, _, logprobs = complete(api, PROMPTS[1], field)
     assert [item.logprob for item in chat.choices[0].logprobs.content] == pytest.approx(logprobs, abs=TOLERANCE)
     client = streamscope.Client(server, api_key=KEY)
