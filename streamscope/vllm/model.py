@@ -261,20 +261,24 @@ class StandardizedVLLM(Standardized, VLLM):
         return harvest(self, prompts, values, layers, positions, out, **options)
 
     def generate(self, *inputs: Any, steer: Any = None, harvest: Any = None, **kwargs: Any) -> Any:
-        """With ``steer=`` or ``harvest=``: bulk sampling (`streamscope.bulk.vllm.generate`).
+        """Sample completions of many prompts: a `streamscope.Generation` (texts, tokens, optional logits).
 
-        Otherwise nnsight's generate: a trace as a ``with`` block, vLLM's
-        request outputs when called (its decision, made here at the caller's depth).
+        Called, it is the bulk path (`streamscope.bulk.vllm.generate`), with or without ``steer=`` and
+        ``harvest=``: the same `Generation` as on transformers. As a ``with`` block it is nnsight's
+        generate, a trace over every step (the decision is made here, at the caller's depth).
         """
-        if steer is not None or harvest is not None:
-            from ..bulk.vllm import generate
+        from ..bulk.vllm import generate
 
+        if steer is not None or harvest is not None:
             return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)
         tracer = self.trace(*inputs, **kwargs)
         try:
             tracer.capture()
         except seam.WithBlockNotFoundError:
-            return self._generate(*inputs, **kwargs)
+            from ..bulk.spec import plain_generation
+
+            prompts, settings = plain_generation(inputs, kwargs)
+            return generate(self, prompts, **settings)
         return tracer
 
     @staticmethod

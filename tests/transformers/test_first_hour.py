@@ -108,3 +108,81 @@ def test_a_nan_slice_assignment_warns_every_time(tiny):
     messages = [str(warning.message) for warning in caught if issubclass(warning.category, RuntimeWarning)]
     assert sum("model.layers[1].layer_mid is written with NaN or inf" in text for text in messages) == 2, messages
     assert all(warning.filename == __file__ for warning in caught if "NaN" in str(warning.message))
+
+
+# 3. One `generate`.
+
+
+def test_generate_called_returns_a_generation_as_transformers_generates(tiny):
+    steps = 4
+    result = tiny.model.generate(PROMPTS, max_tokens=steps, return_logits=True, ignore_eos=True, progress=False)
+    assert isinstance(result, streamscope.Generation)
+    assert len(result.texts) == len(result.tokens) == len(result.logits) == len(PROMPTS)
+    for ids, tokens, text, logits in zip(tiny.ids, result.tokens, result.texts, result.logits):
+        expected = tiny.reference.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                                           output_logits=True, return_dict_in_generate=True, pad_token_id=2)
+        assert tokens == expected.sequences[0, ids.shape[1]:].tolist()
+        assert text == tiny.tokenizer.decode(tokens, skip_special_tokens=True)
+        assert relative_error(logits, torch.cat(expected.logits)) <= RELATIVE
+    # transformers' spellings, and one prompt as a string.
+    same = tiny.model.generate(PROMPTS[1], max_new_tokens=steps, do_sample=False, ignore_eos=True, progress=False)
+    assert same.tokens == [result.tokens[1]]
+    assert tiny.model.generate(PROMPTS[1], max_tokens=steps, progress=False).logits is None
+
+
+# 4. Loading as users type it.
+
+
+def test_a_gguf_file_loads_with_the_checkpoints_weights(tiny, tmp_path, monkeypatch):
+    from gguf_file import write_llama_gguf
+
+    monkeypatch.setenv("STREAMSCOPE_CACHE", str(tmp_path / "cache"))
+    gguf = write_llama_gguf(tiny.path, tmp_path / "tiny-llama.gguf")
+    model = streamscope.load(str(gguf))
+    # transformers' own GGUF reader (the oracle's side) makes the tokenizer; the weights are the checkpoint's.
+    ids = model.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    with model.trace(PROMPTS[0]):
+        logits = model.logits.save()
+    with torch.no_grad():
+        expected = tiny.reference(ids).logits
+    assert relative_error(logits, expected) <= RELATIVE
+    assert streamscope.load(gguf).config.num_hidden_layers == tiny.model.num_layers  # converted once, reused
+    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 1
+    with pytest.raises(FileNotFoundError, match="no GGUF file"):
+        streamscope.load(tmp_path / "missing.gguf")
+
+
+def test_smollm2_by_name_as_the_command_line_takes_it(tiny, tmp_path, monkeypatch):
+    """The converted folder stands in for the download (the fetch itself is `make demo`'s)."""
+    import shutil
+
+    monkeypatch.setenv("STREAMSCOPE_CACHE", str(tmp_path))
+    shutil.copytree(tiny.path, tmp_path / "smollm2-135m-instruct")
+    model = streamscope.load("smollm2")
+    assert str(model.config._name_or_path).endswith("smollm2-135m-instruct")
+    assert model.num_layers == tiny.model.num_layers
+
+
+@pytest.mark.parametrize("engine", ["transformers", "vllm"])
+def test_a_hub_id_without_the_hub_fails_at_once_with_what_to_do(engine, monkeypatch):
+    """Only the network boundary is replaced (`streamscope.models.hub_unreachable`): this machine has no hub.
+
+    Where the hub is reachable the id goes to the engine unchanged and it fetches the repository as
+    transformers and vLLM do; that path cannot be exercised here.
+    """
+    import time
+
+    import streamscope.models
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(streamscope.models, "hub_unreachable", lambda timeout=3.0: "timed out")
+    started = time.monotonic()
+    with pytest.raises(ConnectionError) as raised:
+        streamscope.load("HuggingFaceTB/SmolLM2-135M-Instruct", engine=engine)
+    assert time.monotonic() - started < 2.0
+    message = str(raised.value)
+    for hint in ("cannot reach the Hugging Face hub", "local checkpoint folder", "HF_HUB_OFFLINE=1", "hub cache ("):
+        assert hint in message
+    # Where the hub answers, nothing is refused before the engine (which then fetches the repository).
+    monkeypatch.setattr(streamscope.models, "hub_unreachable", lambda timeout=3.0: None)
+    assert streamscope.models.resolve("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"

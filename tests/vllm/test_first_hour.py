@@ -1,13 +1,15 @@
 """What a researcher meets in the first hour, inside a vLLM engine (issue 20): no input accepted and then
-ignored, write checks that name the value and warn every time, reads out of order named, one `generate`.
+ignored, write checks that name the value and warn every time, reads out of order named, one `generate`,
+a GGUF file loaded as users type it.
 
-One engine (a tiny Llama) shared by the module's tests; the oracle is transformers' own float32 forward of
-the same checkpoint read with torch hooks (`oracle.py`).
+One engine shared by the module's tests: a tiny Llama loaded from a GGUF file of it; the oracle is
+transformers' own float32 forward of the same checkpoint read with torch hooks (`oracle.py`).
 """
 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ import oracle
 import precision
 from access import relative_error
 import streamscope
+import streamscope.models
 from streamscope.nnsight_seam import OutOfOrderError
 from streamscope.vllm.model import beside_engine
 
@@ -27,19 +30,27 @@ GREEDY = {"temperature": 0.0, "max_tokens": 1}
 
 
 class Engine:
-    def __init__(self, path):
-        self.path = path
-        self.model = streamscope.load(path, engine="vllm", **precision.engine_kwargs())
+    def __init__(self, gguf: Path):
+        # Loaded from a GGUF file as users type it: converted once (streamscope.models.from_gguf); the oracle
+        # is transformers' own forward of the converted checkpoint (tests/transformers/test_first_hour.py
+        # shows its weights are the original checkpoint's).
+        self.path = streamscope.models.from_gguf(gguf, quiet=True)
+        self.model = streamscope.load(str(gguf), engine="vllm", **precision.engine_kwargs())
         with beside_engine():
-            self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+            self.reference = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.ids = [self.tokenizer(prompt, return_tensors="pt").input_ids for prompt in PROMPTS]
         self.expected = [oracle.values(self.reference, "llama", ids) for ids in self.ids]
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoints):
-    engine = Engine(checkpoints("llama"))
+def engine(checkpoints, tmp_path_factory):
+    from gguf_file import write_llama_gguf
+
+    folder = tmp_path_factory.mktemp("gguf")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("STREAMSCOPE_CACHE", str(folder / "cache"))
+        engine = Engine(write_llama_gguf(checkpoints("llama"), folder / "tiny-llama.gguf"))
     yield engine
     engine.model.close()
 
@@ -117,3 +128,23 @@ def test_reading_prompt_logits_after_logits_names_both(engine):
             engine.model.logits.save()
             engine.model.prompt_logits.save()
     _serves_the_next_request(engine)
+
+
+# 3. One `generate`.
+
+
+def test_generate_called_returns_a_generation_with_the_oracles_logits(engine):
+    steps = 3
+    result = engine.model.generate(PROMPTS, max_tokens=steps, return_logits=True, ignore_eos=True, progress=False)
+    assert isinstance(result, streamscope.Generation)
+    assert len(result.texts) == len(result.tokens) == len(result.logits) == len(PROMPTS)
+    for ids, tokens, text, logits in zip(engine.ids, result.tokens, result.texts, result.logits):
+        # The oracle: transformers' forward over the prompt and the engine's own tokens, greedy at each step.
+        sequence = torch.cat([ids, torch.tensor([tokens])], dim=1)
+        with torch.no_grad():
+            expected = engine.reference(sequence).logits[0, ids.shape[1] - 1 : -1]
+        assert relative_error(logits, expected) <= TOLERANCE
+        assert tokens == expected.argmax(-1).tolist()
+        assert text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    same = engine.model.generate(PROMPTS[1], max_new_tokens=steps, do_sample=False, ignore_eos=True, progress=False)
+    assert same.tokens == [result.tokens[1]]
