@@ -20,11 +20,9 @@ from typing import Any, Optional, Sequence
 
 
 def _path(text: str) -> str:
-    if text == "smollm2":
-        from .models import smollm2
+    from .models import resolve
 
-        return str(smollm2())
-    return text
+    return str(resolve(text))
 
 
 def _load(path: str, engine: str) -> Any:
