@@ -46,7 +46,7 @@ def checkpoint(shape: str, folder: Path) -> tuple[Path, list[str]]:
     from streamscope.testing import build_checkpoint
 
     if shape == "tiny":
-        return build_checkpoint("llama", folder / "tiny"), ["--dtype", "float32", "--max-model-len", "1024"]
+        return build_checkpoint("llama", folder / "tiny"), ["--dtype", "float32", "--max-model-len", "512"]
     path = build_checkpoint("llama", folder / "tokenizer-source")
     target = folder / "llama3-8b"
     target.mkdir(exist_ok=True)
