@@ -11,6 +11,7 @@ by a request that must equal a fresh server's answer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -55,38 +56,46 @@ def path(checkpoints):
     return checkpoints("llama")
 
 
-@pytest.fixture(scope="module")
-def server(path, tmp_path_factory):
-    """The server's URL: ``python -m streamscope serve PATH`` with an API key and small limits, until the module ends."""
+@contextlib.contextmanager
+def running(path, log: Path, *options: str):
+    """``python -m streamscope serve PATH --api-key KEY *options`` on a free port: its URL, until the block ends."""
     port = _port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "streamscope", "serve", str(path), "--port", str(port), "--api-key", KEY,
-               "--dtype", "float32", "--max-model-len", "512", "--max-harvest-bytes", str(2 * 300 * HIDDEN * 4),
-               "--max-steers-per-request", "4", "--max-stored-vectors", "3", "--chat-template", TEMPLATE]
+               "--dtype", "float32", "--max-model-len", "512", *options]
     with open(log, "w") as handle:
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"the server exited ({process.returncode}):\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"the server did not come up in 300 s:\n{log.read_text()[-4000:]}")
-        time.sleep(1)
-    yield url
-    process.terminate()
     try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        process.kill()
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"the server exited ({process.returncode}):\n{log.read_text()[-4000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server did not come up in 300 s:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@pytest.fixture(scope="module")
+def server(path, tmp_path_factory):
+    """The module's server: an API key, small limits, a chat template for the tiny tokenizer."""
+    with running(path, tmp_path_factory.mktemp("serve") / "server.log", "--max-harvest-bytes",
+                 str(2 * 300 * HIDDEN * 4), "--max-steers-per-request", "4", "--max-stored-vectors", "3",
+                 "--chat-template", TEMPLATE) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -425,22 +434,25 @@ def test_every_bad_request_is_refused_and_the_server_serves_on(api, server):
     assert complete(api, LONG)[2] == plain[2]
 
 
-def test_an_untapped_value_is_refused_naming_the_tap(path):
-    """The check a server started with --taps runs on every request (the meta tree it builds at start)."""
-    from streamscope.serve.protocol import Checker, Limits, RequestError
-    from streamscope.vllm.model import StandardizedVLLM
-    from streamscope.vllm.taps import tap_locations
-
-    meta = StandardizedVLLM(path, dispatch=False, dtype="float32")
-    object.__setattr__(meta, "tapped", frozenset(tap_locations(meta, ["layers.*.layer_output"])))
-    checker = Checker(meta, {}, Limits())
-    body = {"prompt": "Hello", "streamscope": {"steer": [{"value": "layer_output", "layer": 1,
-                                                          "vector": [0.0] * HIDDEN}]}}
-    assert checker.check(body, chat=False).steers
-    body["streamscope"]["steer"][0]["value"] = "layer_mid"
-    with pytest.raises(RequestError, match=r"--taps \.\.\. layers\.1\.layer_mid") as refused:
-        checker.check(body, chat=False)
-    assert refused.value.status == 400
+def test_a_tapped_server_serves_its_taps_and_refuses_the_rest(path, model, tmp_path):
+    """``--taps``: the engine starts with only those values served (on this CPU it runs eagerly, as a tapped
+    in-process engine does); a steer at a tap equals the in-process steer, and any other value gets 400 naming the
+    tap to add. Started after the module's server has answered, for this test alone."""
+    with running(path, tmp_path / "tapped.log", "--taps", "layers.*.layer_output") as url:
+        api = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        assert streamscope.Client(url, api_key=KEY).info()["taps"] == ["layers.*.layer_output"]
+        steers = [Steer("layer_output", 1, vector(13), scale=4.0)]
+        response = api.completions.create(model=api.models.list().data[0].id, prompt=PROMPTS[0], max_tokens=STEPS,
+                                          temperature=0, logprobs=1,
+                                          extra_body={"streamscope": {"steer": [steer_json(item) for item in steers]},
+                                                      "return_token_ids": True})
+        expected_tokens, expected = in_process(model, PROMPTS[0], steers)
+        same_run(ids(api, response), response.choices[0].logprobs.token_logprobs, expected_tokens, expected,
+                 "tapped server")
+        with pytest.raises(openai.BadRequestError, match=r"--taps \.\.\. layers\.1\.layer_mid"):
+            complete(api, PROMPTS[0], {"steer": [steer_json(Steer("layer_mid", 1, vector(13)))]})
+        with pytest.raises(openai.BadRequestError, match=r"layers\.0\.mlp\.mlp_output"):
+            complete(api, PROMPTS[0], {"harvest": {"values": "mlp_output", "layers": [0]}})
 
 
 def test_the_readme_serving_blocks_run_against_the_server(server):
