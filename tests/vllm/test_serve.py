@@ -437,15 +437,30 @@ def test_every_bad_request_is_refused_and_the_server_serves_on(api, server):
 def test_a_tapped_server_serves_its_taps_and_refuses_the_rest(path, model, tmp_path):
     """``--taps``: the engine starts with only those values served (on this CPU it runs eagerly, as a tapped
     in-process engine does); a steer at a tap equals the in-process steer, and any other value gets 400 naming the
-    tap to add. Started after the module's server has answered, for this test alone."""
-    with running(path, tmp_path / "tapped.log", "--taps", "layers.*.layer_output") as url:
+    tap to add. The same server starts with ``--vectors`` and ``--default-steer``. Started after the module's
+    server has answered, for this test alone."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "vectors").mkdir()
+    save_file({"vector": vector(14)}, str(tmp_path / "vectors" / "happy.safetensors"))
+    (tmp_path / "default.json").write_text(json.dumps([{"value": "layer_output", "layer": 2, "vector": "happy",
+                                                        "scale": 2.0}]))
+    with running(path, tmp_path / "tapped.log", "--taps", "layers.*.layer_output", "--vectors",
+                 str(tmp_path / "vectors"), "--default-steer", str(tmp_path / "default.json")) as url:
         api = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
-        assert streamscope.Client(url, api_key=KEY).info()["taps"] == ["layers.*.layer_output"]
+        info = streamscope.Client(url, api_key=KEY).info()
+        assert info["taps"] == ["layers.*.layer_output"] and info["vectors"] == ["happy"] and info["default_steer"]
+        # Started with --default-steer: a request without the field is steered by it.
+        response = api.completions.create(model=api.models.list().data[0].id, prompt=PROMPTS[1], max_tokens=STEPS,
+                                          temperature=0, logprobs=1, extra_body={"return_token_ids": True})
+        expected_tokens, expected = in_process(model, PROMPTS[1], [Steer("layer_output", 2, vector(14), scale=2.0)])
+        same_run(ids(api, response), response.choices[0].logprobs.token_logprobs, expected_tokens, expected,
+                 "the default steer")
         steers = [Steer("layer_output", 1, vector(13), scale=4.0)]
+        field = {"steer": [steer_json(item) for item in steers], "default_steer": False}
         response = api.completions.create(model=api.models.list().data[0].id, prompt=PROMPTS[0], max_tokens=STEPS,
                                           temperature=0, logprobs=1,
-                                          extra_body={"streamscope": {"steer": [steer_json(item) for item in steers]},
-                                                      "return_token_ids": True})
+                                          extra_body={"streamscope": field, "return_token_ids": True})
         expected_tokens, expected = in_process(model, PROMPTS[0], steers)
         same_run(ids(api, response), response.choices[0].logprobs.token_logprobs, expected_tokens, expected,
                  "tapped server")
