@@ -18,6 +18,7 @@ what vLLM offers for it:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -225,7 +226,9 @@ class SteerMiddleware:
                 body["vllm_xargs"] = {**xargs, XARG: worker_payload(checked, harvest_id)}
                 salt = cache_salt(checked, body, harvest_id)
                 if salt is not None:
-                    body["cache_salt"] = f"{body['cache_salt']}|{salt}" if body.get("cache_salt") else salt
+                    if isinstance(body.get("cache_salt"), str) and body["cache_salt"]:  # the caller's salt, kept
+                        salt = "streamscope-" + hashlib.sha256(f"{body['cache_salt']}|{salt}".encode()).hexdigest()
+                    body["cache_salt"] = salt  # vLLM takes at most 128 characters
         except RequestError as error:
             await _answer(send, error.status, error.body())
             return
