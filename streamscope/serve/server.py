@@ -396,6 +396,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
+    from ..models import resolve
+
+    args.model = str(resolve(args.model))  # as streamscope.load: a folder, "smollm2", a .gguf file, a hub id
     api.validate(args)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm.platforms import current_platform
