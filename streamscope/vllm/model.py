@@ -301,7 +301,9 @@ class StandardizedVLLM(Standardized, VLLM):
 
         if steer is not None or harvest is not None:
             return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)
-        tracer = self.trace(*inputs, **kwargs)
+        # Under pipeline parallelism only the called form runs (the bulk path); a with block is refused below.
+        pipelined = self.pipeline_parallel_size > 1
+        tracer = super().trace(*inputs, **kwargs) if pipelined else self.trace(*inputs, **kwargs)
         try:
             tracer.capture()
         except seam.WithBlockNotFoundError:
@@ -309,6 +311,8 @@ class StandardizedVLLM(Standardized, VLLM):
 
             prompts, settings = plain_generation(inputs, kwargs)
             return generate(self, prompts, **settings)
+        if pipelined:
+            raise NotImplementedError(PIPELINED.format(stages=self._stages()))
         return tracer
 
     @staticmethod

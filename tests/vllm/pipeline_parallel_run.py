@@ -56,12 +56,19 @@ def main(path: str, size: int, out: str) -> None:
         result["tokens"] = generation.tokens
         result["logits"] = generation.logits
         result["generated_harvest"] = {name: generation.harvest[name] for name in generation.harvest.keys()}
+        result["plain"] = model.generate(PROMPTS, max_tokens=4, return_logits=True, progress=False).logits
         try:
             with model.trace(PROMPTS[0]):
                 model.layers[0].layer_output.save()
             result["trace"] = "ran"
         except NotImplementedError as error:
             result["trace"] = str(error)
+        try:
+            with model.generate(PROMPTS[0], max_tokens=2):
+                model.layers[0].layer_output.save()
+            result["traced_generate"] = "ran"
+        except NotImplementedError as error:
+            result["traced_generate"] = str(error)
         torch.save(result, out)
     finally:
         model.close()

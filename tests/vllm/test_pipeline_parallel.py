@@ -79,8 +79,14 @@ def test_a_steer_lands_on_the_stage_holding_its_block(runs):
 
 def test_a_trace_is_refused_naming_the_bulk_path_and_the_stages(runs):
     one, two = runs
-    assert one["trace"] == "ran"
+    assert one["trace"] == "ran" and one["traced_generate"] == "ran"
     assert "model.harvest" in two["trace"] and "stage 0: blocks 0-1, token_embeddings" in two["trace"]
+    assert two["traced_generate"] == two["trace"]
+
+
+def test_a_called_generate_is_the_bulk_path_on_two_stages(runs):
+    one, two = runs
+    _equal(two["plain"], one["plain"], "plain generation's logits")
     assert "stage 1: blocks 2-3, final_norm_output, logits" in two["support"]
 
 
