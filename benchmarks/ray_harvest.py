@@ -3,8 +3,8 @@
 W1 as benchmarks/gpu_workloads.py defines it: 1,024 prompts of 64-1,024 random tokens (seeded uniform) on the
 Llama-3-8B shape (dummy bfloat16 weights, as there), every block's layer_output at the last position. Each
 replica is a vLLM engine on one GPU in a Ray actor (``num_gpus=1``). Each run writes its own folder of shards;
-the rate counted is the steady one, from the first shard's end to the last's (engine start-up, the same for
-any number of replicas, is reported apart). Bound: two replicas >= 1.8x one replica's tokens/s.
+the rate counted is the steady one, from the moment every replica has written a shard (every engine is up) to
+the last shard's end (start-up is reported apart). Bound: two replicas >= 1.8x one replica's tokens/s.
 
     python benchmarks/ray_harvest.py                      # on a host with 2+ GPUs (the lent nvidia-h200-x2)
     python benchmarks/ray_harvest.py --tiny --engine transformers   # the same code at a tiny shape on this CPU
@@ -34,13 +34,21 @@ def run(prompts, folder: Path, out: Path, replicas: int, engine: str, tiny: bool
 
     options = {} if engine == "transformers" else {"load_format": "dummy", "max_model_len": sizes(tiny)["max_model_len"],
                                                    "dtype": sizes(tiny)["dtype"]}
-    marks: list[tuple[float, int]] = []
+    marks: list[tuple[float, int, int]] = []  # (time, tokens so far, replica) after each shard
     start = time.perf_counter()
     streamscope.scale.harvest(prompts, folder, ["layer_output"], None, "last", out=out, replicas=replicas,
                               engine=engine, engine_options=options, shard_size=shard_size, num_cpus=1,
-                              progress=lambda event: marks.append((time.perf_counter(), event.tokens)))
+                              progress=lambda event: marks.append((time.perf_counter(), event.tokens,
+                                                                   event.record["replica"])))
     wall = time.perf_counter() - start
-    (first_time, first_tokens), (last_time, last_tokens) = marks[0], marks[-1]
+    # Steady: from the moment every replica has written a shard (every engine is up) to the last shard.
+    seen: set[int] = set()
+    for begin, (moment, tokens, replica) in enumerate(marks):
+        seen.add(replica)
+        if len(seen) == replicas:
+            break
+    first_time, first_tokens = marks[begin][0], marks[begin][1]
+    last_time, last_tokens = marks[-1][0], marks[-1][1]
     steady = (last_tokens - first_tokens) / (last_time - first_time) if last_time > first_time else float("nan")
     return {"wall": wall, "startup": first_time - start, "steady": steady, "tokens": last_tokens}
 
@@ -86,6 +94,9 @@ def main() -> None:
              "",
              f"two replicas: {ratio:.2f}x one replica's steady tokens/s (bound >= 1.8"
              f"{'' if not args.tiny else '; not asked of a tiny run on a shared CPU'})"]
+    if ratio != ratio:  # nan: a replica was up only for the last shard
+        lines.append("no steady rate: a replica started only as the last shards finished; use more prompts or a "
+                     "smaller --shard-size")
     print("\n".join(lines))
     if args.record:
         with open(ROOT / "benchmarks" / "RESULTS.md", "a") as results:
