@@ -6,13 +6,15 @@ from pathlib import Path
 from typing import Any
 
 from .checks import check_load
+from .engine import MODULES, engine_module
 from .errors import Unavailable, UnsupportedCheckpoint
 from .support import BlockSupport, ModelSupport
 
 __all__ = ["load", "Unavailable", "UnsupportedCheckpoint", "BlockSupport", "ModelSupport", "Steer", "Harvest",
            "Generation", "load_harvest", "iter_harvest", "Cache", "Lens", "lens", "Patching", "patch"]
 
-ENGINES = ("transformers", "vllm")
+#: The engines `load` takes, by name.
+ENGINES = tuple(MODULES)
 _BULK = ("Steer", "Harvest", "Generation", "load_harvest", "iter_harvest")
 #: The workflows' names, loaded on first use like the bulk path's: {name: module}.
 _WORKFLOWS = {"Cache": "cache", "Lens": "logit_lens", "lens": "logit_lens", "Patching": "patching", "patch": "patching"}
@@ -43,12 +45,4 @@ def load(path: str | Path, engine: str = "transformers", **kwargs: Any) -> Any:
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}")
     check_load(path, kwargs)
-    if engine == "transformers":
-        from .transformers import load as load_transformers
-
-        return load_transformers(path, **kwargs)
-    if engine == "vllm":
-        from .vllm import load as load_vllm
-
-        return load_vllm(path, **kwargs)
-    raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    return engine_module(engine).load(path, **kwargs)

@@ -202,8 +202,7 @@ def check(path: str, engines: tuple[str, ...] = ("transformers", "vllm"),
         try:
             cache = model.cache(prompt, progress=False)
         finally:
-            if engine == "vllm":
-                model.close()
+            model.engine.close()
         got = {**cache.values, "logits": cache.logits}
         for key, value in got.items():
             short = _short(key)

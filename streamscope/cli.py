@@ -12,10 +12,11 @@ PATH is a checkpoint folder, or ``smollm2`` for SmolLM2-135M-Instruct (fetched a
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 from typing import Any, Optional, Sequence
+
+from .engine import MODULES, prepare_process
 
 
 def _path(text: str) -> str:
@@ -29,8 +30,7 @@ def _path(text: str) -> str:
 def _load(path: str, engine: str) -> Any:
     import streamscope
 
-    if engine == "vllm":  # one engine in this process, with a small KV cache on a CPU
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    prepare_process(engine)  # vLLM: one engine in this process
     return streamscope.load(_path(path), engine=engine)
 
 
@@ -53,12 +53,12 @@ def command_check(arguments: argparse.Namespace) -> int:
     from .check import check
 
     engines = tuple(engine.strip() for engine in arguments.engines.split(",") if engine.strip())
-    unknown = [engine for engine in engines if engine not in ("transformers", "vllm")]
+    unknown = [engine for engine in engines if engine not in MODULES]
     if unknown:
-        print(f"unknown engine {', '.join(unknown)}: choose from transformers, vllm", file=sys.stderr)
+        print(f"unknown engine {', '.join(unknown)}: choose from {', '.join(MODULES)}", file=sys.stderr)
         return 2
-    if "vllm" in engines:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    for engine in engines:
+        prepare_process(engine)
     report = check(_path(arguments.path), engines, prompt=arguments.prompt)
     print(report)
     return 0 if report.passed else 1
@@ -107,7 +107,7 @@ def parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=help_text)
         sub.add_argument("path", help="a checkpoint folder, or smollm2")
         if engine:
-            sub.add_argument("--engine", default="transformers", choices=("transformers", "vllm"))
+            sub.add_argument("--engine", default="transformers", choices=tuple(MODULES))
         sub.set_defaults(function=function)
         return sub
 

@@ -13,13 +13,13 @@ block's attention and MLP contributions.
 from __future__ import annotations
 
 import argparse
-import os
 import warnings
 from pathlib import Path
 
 import torch
 
 import streamscope
+import streamscope.engine
 from streamscope import plot
 from streamscope.models import smollm2
 
@@ -35,8 +35,7 @@ def _top(logits: torch.Tensor, tokenizer, k: int = 3) -> str:
 
 
 def _last_logits(saved) -> torch.Tensor:
-    """The last position's logits of one prompt, [vocab] (vLLM returns one per invoke, [1, vocab])."""
-    saved = saved[0] if isinstance(saved, list) else saved
+    """The last position's logits of one prompt, [vocab] (`model.logits` is [1, seq, vocab]; on vLLM [1, vocab])."""
     return saved.reshape(-1, saved.shape[-1])[-1].detach()
 
 
@@ -51,13 +50,12 @@ def main(argv: list[str] | None = None) -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    if arguments.engine == "vllm":
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    streamscope.engine.prepare_process(arguments.engine)
 
     path = arguments.path or smollm2()
     model = streamscope.load(path, engine=arguments.engine)
     tokenizer = model.tokenizer
-    settings = {"temperature": 0.0, "max_tokens": 1} if arguments.engine == "vllm" else {}
+    settings = model.engine.one_forward  # on vLLM: run the prompt, sample one token
     out = arguments.out
     answer = tokenizer(ANSWER, add_special_tokens=False)["input_ids"][0]
     print(f"SmolLM2-135M-Instruct on {arguments.engine} ({path})\n")
@@ -83,7 +81,6 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad(), model.trace(CLEAN, **settings):
         france = model.layers[10].layer_output.save()
         clean_logits = model.logits.save()
-    italy, france = (value[0] if isinstance(value, list) else value for value in (italy, france))
     clean_logits = _last_logits(clean_logits)
     with torch.no_grad(), model.trace(CLEAN, **settings):
         model.layers[10].layer_output[:, 3] += italy[0, 3] - france[0, 3]
@@ -133,8 +130,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{total:.2f}, the logit {float(cache.logits[0, -1, answer]):.2f}):")
     print("  " + ", ".join(f"{labels[i]} {float(attributions[i]):+.2f}" for i in order))
 
-    if arguments.engine == "vllm":
-        model.close()
+    model.engine.close()
 
 
 if __name__ == "__main__":

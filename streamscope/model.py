@@ -14,6 +14,7 @@ from .families.spec import ROOT_ORDER, Site
 from .values import OUTPUT, StreamValue
 
 if TYPE_CHECKING:
+    from .engine import Engine
     from .families.spec import FamilySpec
 
 
@@ -22,11 +23,23 @@ class Standardized(StreamEnvoy):
 
     Mixed into an engine's nnsight model class; the family module (found by
     ``config.model_type``) is `family`, what it states `family_spec`. Each
-    engine adds `logits` its own way.
+    engine adds `logits` its own way, and names its `Engine` class
+    (`ENGINE_CLASS`): what the workflows ask of the engine goes through
+    `model.engine`, never through a test of which engine this is.
     """
 
     family: ModuleType
     ORDER = ROOT_ORDER
+    #: The engine's `streamscope.engine.Engine` subclass, set by each engine's model class.
+    ENGINE_CLASS: type["Engine"]
+
+    @property
+    def engine(self) -> "Engine":
+        """The engine running this model, as the workflows use it (`streamscope.engine.Engine`): built once."""
+        engine = self.__dict__.get("_streamscope_engine")
+        if engine is None:
+            engine = self.__dict__["_streamscope_engine"] = self.ENGINE_CLASS(self)
+        return engine
 
     def _take_family(self, path: Any, family: str | ModuleType | None, families: ModuleType,
                      settings: dict[str, Any], envoys: dict) -> dict[str, Any]:
@@ -169,10 +182,8 @@ class Standardized(StreamEnvoy):
         """Every value of every block, served or why not, computed without running the model."""
         root = BlockSupport("model", {**self.served(), "logits": None})
         blocks = [layer.support() for layer in self.layers]
-        name = f"{self.config.model_type} ({len(blocks)} blocks, {type(self).ENGINE})"
+        name = f"{self.config.model_type} ({len(blocks)} blocks, {self.engine.name})"
         return ModelSupport(name, root, blocks)
-
-    ENGINE = "engine"
 
 
 def _config(path: Any, settings: dict[str, Any]) -> Any:

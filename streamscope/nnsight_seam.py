@@ -93,7 +93,9 @@ from nnsight.intervention.source import (SourceNotAvailable, compiled, decorator
 from nnsight.tracing.tracer import WithBlockNotFoundError, _saves  # noqa: E402
 
 __all__ = [
-    "SUPPORTED", "ALLOW_ENV", "check_version", "eproperty", "Worker", "OutOfOrderError", "WithBlockNotFoundError",
+    "SUPPORTED", "ALLOW_ENV", "check_version", "eproperty", "LocatedProperty", "Worker", "OutOfOrderError",
+    "WithBlockNotFoundError", "module_of", "children", "RebindingEnvoy", "generate_untraced", "wrap_replay",
+    "wrap_update_states",
     "set_callbacks", "location", "call_location", "running_worker", "worker_at", "step_of", "read_at", "skip_at",
     "is_saved", "invoke_rows", "with_invoke_rows", "PendingWriteBack", "pending_write_back", "held_view",
     "redirect_write_back",
@@ -105,6 +107,21 @@ __all__ = [
 
 
 # eproperty: the base of every streamscope value.
+
+class LocatedProperty(eproperty):
+    """An eproperty that says where its value is through a public `location(obj)`.
+
+    nnsight asks an eproperty for its location through the private
+    ``_location``; this is the one override of it.
+    """
+
+    def _location(self, obj: Any) -> str:
+        return self.location(obj)
+
+    def location(self, obj: Any) -> str:
+        """The nnsight location (``"{path}.{key}"``) that holds the value on `obj`."""
+        return super()._location(obj)
+
 
 def set_callbacks(value: eproperty, read: Callable, write_back: Callable, assign: Callable) -> None:
     """Give an eproperty its three callbacks.
@@ -358,6 +375,33 @@ def around_worker_run(after: Callable[[Worker], None],
     Worker._run = checked_run
 
 
+# Envoys: the module an envoy wraps, its children, and being told when nnsight gives it another module.
+
+def module_of(envoy: Any) -> Any:
+    """The ``torch.nn.Module`` that `envoy` wraps (nnsight keeps it as the envoy's ``_module``)."""
+    return envoy._module
+
+
+def children(envoy: Any) -> dict[str, Any]:
+    """`envoy`'s child envoys by their attribute names, in the module's order (nnsight's ``_child_map``)."""
+    return dict(envoy._child_map)
+
+
+class RebindingEnvoy(nnsight.Envoy):
+    """An envoy told when nnsight swaps the module under it (a dispatch replaces the meta model's modules).
+
+    Subclasses override `module_bound`; nnsight's hook for the swap is its
+    private ``_update``, overridden here only.
+    """
+
+    def _update(self, module: Any) -> None:
+        super()._update(module)
+        self.module_bound(module)
+
+    def module_bound(self, module: Any) -> None:
+        """Called with the new module after nnsight has put it under this envoy."""
+
+
 # Source instrumentation: a call inside a module's forward as a location.
 
 def kernel_call_names(module: Any) -> Any:
@@ -377,7 +421,7 @@ def kernel_call_names(module: Any) -> Any:
 
 def ensure_source(envoy: Any) -> None:
     """Instrument `envoy`'s module forward (once), so each call in it is a location (``path.source.<call>``)."""
-    state = envoy._module.__dict__.get("__nnsight__")
+    state = module_of(envoy).__dict__.get("__nnsight__")
     if state is None or not state.sourced:
         install_source(envoy)
 
@@ -391,6 +435,43 @@ def unwrapped_generate(model: Any, base: type) -> Callable:
     adds bulk sampling), so it calls the function nnsight's wrapper wraps.
     """
     return getattr(base, "generate").__wrapped__.__get__(model, type(model))
+
+
+def generate_untraced(model: Any, *inputs: Any, **kwargs: Any) -> Any:
+    """nnsight's vLLM generation without a trace (its ``_generate``): vLLM's request outputs."""
+    return model._generate(*inputs, **kwargs)
+
+
+def wrap_replay(interleaver: Any, around: Callable[[Callable, str, Any], Any]) -> bool:
+    """Run `around(original, location, tensors)` at every replayed tap of nnsight's tapped vLLM interleaver.
+
+    nnsight calls the interleaver's ``replay(location, tensors)`` at each tap
+    of a replayed CUDA graph (looked up at each replay, so wrapping it on the
+    instance reaches graphs recorded before). Returns False, wrapping nothing,
+    where the interleaver has no taps (an eager engine).
+    """
+    if not getattr(interleaver, "taps", None):
+        return False
+    original = interleaver.replay
+    interleaver.replay = partial(around, original)
+    return True
+
+
+def wrap_update_states(runner: Any, after: Callable[[Any], None]) -> None:
+    """Call `after(scheduler_output)` each step once vLLM's model runner has taken the step's schedule in.
+
+    The runner's ``_update_states`` is where it does; it is wrapped on the
+    instance, as ``execute_model`` calls it through ``self`` whatever the
+    runner's class (nnsight's, or streamscope's CPU one).
+    """
+    original = runner._update_states
+
+    def update_states(scheduler_output: Any) -> Any:
+        result = original(scheduler_output)
+        after(scheduler_output)
+        return result
+
+    runner._update_states = update_states
 
 
 def interleaving(model: Any) -> bool:

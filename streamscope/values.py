@@ -38,7 +38,7 @@ import torch
 
 from . import nnsight_seam as seam
 from .errors import Unavailable, missing_module, untapped
-from .nnsight_seam import OutOfOrderError, PendingWriteBack, Worker, eproperty
+from .nnsight_seam import LocatedProperty, OutOfOrderError, PendingWriteBack, Worker
 
 Residual = torch.Tensor
 """A tensor of the residual stream's width, ``[batch, seq, hidden_size]``."""
@@ -137,7 +137,7 @@ def served(host: Host, name: str, location: str) -> str:
     return location
 
 
-class StreamValue(eproperty):
+class StreamValue(LocatedProperty):
     """A tensor at one module's input or output, served as a private copy and written back in place.
 
     Args:
@@ -205,7 +205,9 @@ class StreamValue(eproperty):
         module = self.site(host)[0]
         return resolve(host, module) if module else host
 
-    def _location(self, host: Host) -> str:
+    def location(self, host: Host) -> str:
+        """The nnsight location that holds this value on `host` (a module call's input or output, or a call
+        inside its forward); `Unavailable` where the host cannot serve it."""
         # Resolved once per envoy: aliases, relocations and reasons do not change while it lives.
         cache = host.__dict__.get("_streamscope_locations")
         if cache is None:
@@ -220,7 +222,7 @@ class StreamValue(eproperty):
             return self
         # The location is resolved before anything waits on the model, so an
         # unavailable value raises Unavailable at once.
-        location = self._location(host)
+        location = self.location(host)
         mediator = in_trace(f"{host.where()}.{self.name}", "read")
         name = f"{host.where()}.{self.name}"
         held = self.held(host)
@@ -265,11 +267,11 @@ class StreamValue(eproperty):
         return raw
 
     def __set__(self, host: Host, value: Any) -> None:
-        self._location(host)
+        self.location(host)
         mediator = in_trace(f"{host.where()}.{self.name}", "written")
         held = self.held(host)
         if held is None:
-            mediator.streamscope_wanted = (self._location(host), f"{host.where()}.{self.name}")
+            mediator.streamscope_wanted = (self.location(host), f"{host.where()}.{self.name}")
             return super().__set__(host, value)
         # Read earlier in this block and not yet written back: the assignment
         # takes the place of that read's copy and goes back the way an in-place
@@ -289,11 +291,11 @@ class StreamValue(eproperty):
 
     def held(self, host: Host) -> Optional[torch.Tensor]:
         """This value's copy that a read on `host` handed out and nnsight has not written back yet."""
-        location = self._location(host)
+        location = self.location(host)
         return seam.held_view(seam.worker_at(location), self, location)
 
     def _assign(self, host: Host, value: Any) -> Any:
-        raw = seam.read_at(self._location(host))
+        raw = seam.read_at(self.location(host))
         self.write(host, raw, self.checked(host, raw, value))
         return raw
 

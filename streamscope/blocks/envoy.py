@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from ..families.spec import Site
 
 
-class StreamEnvoy(Envoy):
+class StreamEnvoy(seam.RebindingEnvoy):
     """An envoy that hosts `StreamValue`s.
 
     A family's subclass states what it cannot serve in `UNSERVED` (value name to
@@ -169,7 +169,7 @@ def stream_shape(envoy: Envoy) -> Optional[torch.Size]:
     """The leading shape of the stream of the block `envoy` is in, where the block records it."""
     node: Optional[Envoy] = envoy
     while node is not None:
-        shape = node._module.__dict__.get(STREAM_SHAPE)
+        shape = seam.module_of(node).__dict__.get(STREAM_SHAPE)
         if shape is not None:
             return shape
         node = node.parent
@@ -195,7 +195,7 @@ def module_config(envoy: Envoy) -> Any:
     """The config the module of `envoy` (or its nearest ancestor) was built from."""
     node: Optional[Envoy] = envoy
     while node is not None:
-        config = getattr(node._module, "config", None)
+        config = getattr(seam.module_of(node), "config", None)
         if config is not None:
             return config
         node = node.parent

@@ -68,7 +68,7 @@ class KernelValue(StreamValue):
         host.instrument()
         return host
 
-    def _location(self, host: KernelHost) -> str:
+    def location(self, host: KernelHost) -> str:
         self.located(host)
         return served(host, self.name, seam.call_location(host.path, host.kernel(), self.site(host)[1]))
 
@@ -83,7 +83,7 @@ class KernelValue(StreamValue):
         return raw
 
     def _assign(self, host: KernelHost, value: Any) -> Any:
-        raw = seam.read_at(self._location(host))
+        raw = seam.read_at(self.location(host))
         return self.put(host, raw, self.checked(host, raw, value))
 
     def put(self, host: KernelHost, raw: Any, value: torch.Tensor) -> Any:
@@ -198,7 +198,7 @@ class AttentionInternals:
 
     def kernel_reason(self) -> Optional[str]:
         """Why this module's forward has no kernel call to read, or None."""
-        if self.kernel() not in seam.kernel_call_names(self._module):
+        if self.kernel() not in seam.kernel_call_names(seam.module_of(self)):
             return NO_KERNEL.format(kernel=self.kernel().rsplit("_", 1)[0])
         return None
 
@@ -212,14 +212,14 @@ class AttentionInternals:
         return {}
 
     def module_config(self) -> Any:
-        return getattr(self._module, "config", None)
+        return getattr(seam.module_of(self), "config", None)
 
     def spec(self, inputs: tuple) -> attention.Spec:
         """The family's attention for one kernel call, from the call's keywords and the module."""
         _, kwargs = inputs
         scale = kwargs.get("scaling")
         if scale is None:
-            scale = getattr(self._module, "scaling", None)
+            scale = getattr(seam.module_of(self), "scaling", None)
         if scale is None:
             scale = argument(inputs, *self.ARGUMENTS["queries"]).shape[-1] ** -0.5
         softcap = kwargs.get("softcap")

@@ -84,8 +84,7 @@ class Layer(StreamEnvoy):
         if self.FLATTENS_TOKENS:
             record_stream_shape(module)
 
-    def _update(self, module: torch.nn.Module) -> None:
-        super()._update(module)
+    def module_bound(self, module: torch.nn.Module) -> None:
         if self.FLATTENS_TOKENS:
             record_stream_shape(module)
 
@@ -98,7 +97,7 @@ class Layer(StreamEnvoy):
 
     def __getattr__(self, name: str) -> Any:
         if name in MODULE_NAMES and "_module" in self.__dict__:
-            module = getattr(self._module, name, None)
+            module = getattr(seam.module_of(self), name, None)
             if not isinstance(module, torch.nn.Module):
                 raise Unavailable(name, self.where(), missing_module(name))
         return super().__getattr__(name)

@@ -32,6 +32,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
+from .. import nnsight_seam as seam
 from ..values import OUTPUT, ComputedValue, Host, StreamValue
 from .envoy import record_stream_shape
 from .sublayers import DENSE, ROUTING, Mlp  # noqa: F401  (ROUTING: re-exported)
@@ -92,8 +93,7 @@ class _RecordsStream(Mlp):
         if self.is_moe():
             record_stream_shape(module)
 
-    def _update(self, module: torch.nn.Module) -> None:
-        super()._update(module)
+    def module_bound(self, module: torch.nn.Module) -> None:
         if self.is_moe():
             record_stream_shape(module)
 
@@ -122,7 +122,7 @@ class TopKRouterMlp(_RecordsStream):
         "edits reach the experts."))
 
     def reroute(self, raw: Any) -> None:
-        router = self._module.gate
+        router = seam.module_of(self).gate
         logits = raw[0]
         probabilities = torch.softmax(logits, dim=-1, dtype=torch.float)
         top, chosen = torch.topk(probabilities, router.top_k, dim=-1)
@@ -151,18 +151,18 @@ class Llama4Mlp(_RecordsStream):
     @ComputedRouterValue("router", 1, shape=_CHOSEN)
     def chosen_experts(self, logits: torch.Tensor) -> torch.Tensor:
         """The experts each token is sent to, the router's top-k of its logits, [batch, seq, top_k] (read-only)."""
-        return torch.topk(logits, self._module.router.top_k, dim=-1).indices
+        return torch.topk(logits, seam.module_of(self).router.top_k, dim=-1).indices
 
     @ComputedRouterValue("router", 1, shape=_WEIGHTS)
     def routing_weights(self, logits: torch.Tensor) -> torch.Tensor:
         """The sigmoid of each chosen expert's logit, which scales the token it is called with, [batch, seq, top_k]
         (read-only)."""
-        top = torch.topk(logits, self._module.router.top_k, dim=-1).values
+        top = torch.topk(logits, seam.module_of(self).router.top_k, dim=-1).values
         return torch.sigmoid(top.float()).to(logits.dtype)
 
     def reroute(self, raw: Any) -> None:
         logits = raw[1]
-        top, chosen = torch.topk(logits, self._module.router.top_k, dim=1)
+        top, chosen = torch.topk(logits, seam.module_of(self).router.top_k, dim=1)
         scores = torch.full_like(logits, float("-inf")).scatter_(1, chosen, top)
         with torch.no_grad():
             raw[0].copy_(torch.sigmoid(scores.float()).to(scores.dtype))

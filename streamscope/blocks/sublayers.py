@@ -6,6 +6,7 @@ from typing import ClassVar, Optional
 
 import torch
 
+from .. import nnsight_seam as seam
 from ..values import OUTPUT, StreamValue
 from .envoy import StreamEnvoy
 from .heads import INTERNALS, AttentionInternals
@@ -100,7 +101,7 @@ class Mlp(Sublayer):
 
     def is_moe(self) -> bool:
         """Whether this feed-forward is a mixture of experts (its module has `experts`)."""
-        return isinstance(getattr(self._module, "experts", None), torch.nn.Module)
+        return isinstance(getattr(seam.module_of(self), "experts", None), torch.nn.Module)
 
     def reason(self, name: str) -> Optional[str]:
         own = super().reason(name)

@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence, Union, cast
 
 import torch
 
+from .. import nnsight_seam as seam
 from ..errors import Unavailable
 from ..values import ComputedValue, Host, StreamValue, resolve
 
@@ -165,7 +166,7 @@ def locate(model: Any, value: str, layer: Optional[int]) -> Site:
         raise ValueError(f"{host.where()}.{name} is not a value a bulk request can read or write.")
     target = descriptor.located(host)  # raises Unavailable with the family's reason
     where = descriptor.site(host)[1]
-    return Site(value, layer, host, descriptor, target._module, where, descriptor._location(host))
+    return Site(value, layer, host, descriptor, seam.module_of(target), where, descriptor.location(host))
 
 
 def layer_list(model: Any, layers: Any) -> list[int]:

@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .. import nnsight_seam as seam
 from .apply import Applier, Span, steer_plans
 from .results import Generation, Harvest, ShardWriter, assemble
 from .spec import Positions, check_steer, generation_harvest, harvest_spec
@@ -46,7 +47,7 @@ def _pad_id(model: Any) -> int:
 
 
 def _parameters(model: Any) -> tuple[torch.dtype, torch.device]:
-    parameter = next(model._module.parameters())
+    parameter = next(seam.module_of(model).parameters())
     return parameter.dtype, parameter.device
 
 
@@ -114,7 +115,7 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
     spec = harvest_spec(model, values, layers, positions, [len(tokens) for tokens in ids])
     sites = spec.sites(model)
     dtype, device = _parameters(model)
-    module = model._module
+    module = seam.module_of(model)
     writer = ShardWriter(out, spec, len(ids)) if out is not None else None
     applier = Applier(sites, {index: spec.positions[index] for index in range(len(ids))}, [], device).install()
     collected: dict[int, list] = {}
@@ -168,7 +169,7 @@ def generate(model: Any, prompts: Sequence[Any], max_tokens: int = 16, *, steer:
     sites = spec.sites(model) if spec is not None else []
     wanted = {index: spec.positions[index] for index in range(len(ids))} if spec is not None else {}
     applier = Applier(sites, wanted, plans, device).install()
-    module = model._module
+    module = seam.module_of(model)
     keys: list[int] = []
 
     def scope(_: Any, args: tuple, kwargs: dict) -> None:

@@ -53,6 +53,14 @@ class FamilySpec:
     #: Called with the checkpoint's config and the caller's settings before the engine starts: further engine
     #: settings this checkpoint needs (a kernel that serves its layout), over `engine_defaults`, under the caller's.
     checkpoint_defaults: Optional[Callable[[Any, Mapping[str, Any]], Mapping[str, Any]]] = None
+    #: Whether the family adds learned position embeddings to the token embeddings before block 0 (GPT-2, OPT):
+    #: then block 0's input is not the token embeddings alone (a cache's ``hook_pos_embed`` is their difference).
+    learned_positions: bool = False
+    #: What the family's head does to the unembedding's output, given the config and the logits
+    #: ``[..., vocab_size]`` (a soft cap, a scale): the transformers head's last step, which a lens applied to a
+    #: stream repeats (`streamscope.families.logits`). None where the logits are the unembedding's output as is.
+    #: vLLM's engine applies its own (its logits processor's soft cap and scale), so its families state none.
+    logit_scaling: Optional[Callable[[Any, Any], Any]] = None
 
     def problems(self) -> list[str]:
         """What is wrong with this spec, one line per field that is wrong; empty where nothing is."""
@@ -97,6 +105,11 @@ class FamilySpec:
                              f"({', '.join(SIZE_NAMES)})")
             if not isinstance(reason, str) or not reason:
                 found.append(f"unserved[{name!r}] is {reason!r}: the reason is a sentence (a string)")
+        if not isinstance(self.learned_positions, bool):
+            found.append(f"learned_positions is {self.learned_positions!r}, not True or False")
+        if self.logit_scaling is not None and not callable(self.logit_scaling):
+            found.append(f"logit_scaling is {self.logit_scaling!r}, not a function of the config and the logits "
+                         f"(or None)")
         if self.check is not None and not callable(self.check):
             found.append(f"check is {self.check!r}, not a function of the model (or None)")
         if self.cannot_run is not None and not callable(self.cannot_run):

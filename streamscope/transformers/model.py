@@ -12,6 +12,7 @@ import torch
 from nnsight import TransformersModel
 
 from . import families
+from .engine import TransformersEngine
 from .. import nnsight_seam as seam
 from ..checks import check_token_ids
 from ..model import Standardized
@@ -21,7 +22,7 @@ from ..values import OUTPUT, ComputedValue, StreamValue
 class StandardizedTransformers(Standardized, TransformersModel):
     """A transformers causal LM under streamscope's names: `model.layers[i].layer_mid` and the rest."""
 
-    ENGINE = "transformers"
+    ENGINE_CLASS = TransformersEngine
 
     @StreamValue(None, OUTPUT, shape="[batch, seq, vocab_size]")
     def logits(self) -> torch.Tensor:

@@ -196,12 +196,12 @@ class VllmAttentionInternals:
 
     def kernel_layer(self) -> Any:
         """vLLM's attention layer module inside this attention."""
-        return self._module.__dict__["_modules"][KERNEL_LAYER]
+        return seam.module_of(self).__dict__["_modules"][KERNEL_LAYER]
 
     def kernel_reason(self) -> Optional[str]:
         from vllm.model_executor.layers.attention import Attention as VllmAttentionLayer
 
-        layer = getattr(self._module, "_modules", {}).get(KERNEL_LAYER)
+        layer = getattr(seam.module_of(self), "_modules", {}).get(KERNEL_LAYER)
         if layer is None:
             return NO_LAYER.format(name=KERNEL_LAYER)
         if not isinstance(layer, VllmAttentionLayer):
@@ -219,7 +219,7 @@ class VllmAttentionInternals:
     def kv_replicas(self) -> int:
         """How many ranks hold each key/value head: more than one where the ranks outnumber the kv heads."""
         world, _ = tensor_parallel()
-        total = getattr(self._module, "total_num_kv_heads", None)
+        total = getattr(seam.module_of(self), "total_num_kv_heads", None)
         if world == 1 or not total or total >= world:
             return 1
         return world // total

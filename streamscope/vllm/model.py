@@ -25,6 +25,7 @@ from .. import nnsight_seam as seam
 from ..model import Standardized
 from ..values import OUTPUT, ComputedValue
 from . import families
+from .engine import VllmEngine
 from .logits import engine_logits
 from .taps import tap_locations
 
@@ -109,7 +110,7 @@ class StandardizedVLLM(Standardized, VLLM):
     `logits` is nnsight's: the logits of the position this step samples, ``[1, vocab_size]``.
     """
 
-    ENGINE = "vllm"
+    ENGINE_CLASS = VllmEngine
 
     @ComputedValue("norm", OUTPUT, shape="[1, tokens, vocab_size]")
     def prompt_logits(self, normed: torch.Tensor) -> torch.Tensor:
@@ -120,7 +121,7 @@ class StandardizedVLLM(Standardized, VLLM):
         engine's own unembedding, soft cap and scale. Read-only: edit
         `final_norm_output` or `model.logits` instead.
         """
-        return engine_logits(self._module, normed)
+        return engine_logits(seam.module_of(self), normed)
 
     def __init__(self, path: str | Path, family: str | ModuleType | None = None, taps: Sequence[str] = (),
                  **kwargs: Any) -> None:
@@ -252,7 +253,7 @@ class StandardizedVLLM(Standardized, VLLM):
         try:
             tracer.capture()
         except seam.WithBlockNotFoundError:
-            return self._generate(*inputs, **kwargs)
+            return seam.generate_untraced(self, *inputs, **kwargs)
         return tracer
 
     @staticmethod
