@@ -22,20 +22,19 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
+from .blocks import BOUNDARIES, CONTRIBUTIONS, SHORT_CONTRIBUTIONS, Attention
+from .blocks.heads import INTERNALS
 from .engine import right_padded
+from .families.spec import ROOT_STREAMS
 from .errors import Unavailable
 
-BOUNDARIES = ("layer_input", "attention_norm_output", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output")
-CONTRIBUTIONS = ("self_attn.attention_output", "linear_attn.attention_output", "mlp.mlp_output")
-ATTENTION = ("self_attn.queries", "self_attn.keys", "self_attn.values", "self_attn.scores", "self_attn.pattern",
-             "self_attn.head_outputs")
-ROOT = ("token_embeddings", "final_norm_output")
+ATTENTION = tuple(f"{Attention.ROLE}.{name}" for name in INTERNALS)
+ROOT = ROOT_STREAMS
 #: What `model.cache` reads by default: every served boundary and contribution, and the root values.
-DEFAULT_VALUES = (*BOUNDARIES, "attention_output", "mlp_output")
+DEFAULT_VALUES = (*BOUNDARIES, *SHORT_CONTRIBUTIONS)
 
 #: Short names accepted for a block value: the mixer's or the MLP's contribution, whichever the block has.
-_SHORT = {"attention_output": ("self_attn.attention_output", "linear_attn.attention_output"),
-          "mlp_output": ("mlp.mlp_output",)}
+_SHORT = {name: tuple(f"{role}.{name}" for role in roles) for name, roles in SHORT_CONTRIBUTIONS.items()}
 
 #: TransformerLens block hook -> (streamscope block value, how TL lays it out relative to streamscope).
 TL_BLOCK = {

@@ -59,7 +59,13 @@ def command_check(arguments: argparse.Namespace) -> int:
         return 2
     for engine in engines:
         prepare_process(engine)
-    report = check(_path(arguments.path), engines, prompt=arguments.prompt)
+    from .testing.oracle import UnknownFamily
+
+    try:
+        report = check(_path(arguments.path), engines, prompt=arguments.prompt)
+    except UnknownFamily as refused:
+        print(f"streamscope check: {refused}", file=sys.stderr)
+        return 2
     print(report)
     return 0 if report.passed else 1
 

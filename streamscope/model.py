@@ -10,7 +10,7 @@ import torch
 from .blocks.envoy import Blocks, StreamEnvoy
 from .errors import Unavailable
 from .support import BlockSupport, ModelSupport
-from .families.spec import ROOT_ORDER, Site
+from .families.spec import ROOT_ORDER, Relocation
 from .values import OUTPUT, StreamValue
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class Standardized(StreamEnvoy):
     def where(self) -> str:
         return "model"
 
-    def relocated(self) -> dict[str, Site]:
+    def relocated(self) -> dict[str, Relocation]:
         return dict(self.family_spec.root_sites)
 
     def reason(self, name: str) -> Optional[str]:
@@ -180,7 +180,7 @@ class Standardized(StreamEnvoy):
 
     def support(self) -> ModelSupport:
         """Every value of every block, served or why not, computed without running the model."""
-        root = BlockSupport("model", {**self.served(), "logits": None})
+        root = BlockSupport("model", {**self.value_reasons(), "logits": None})
         blocks = [layer.support() for layer in self.layers]
         name = f"{self.config.model_type} ({len(blocks)} blocks, {self.engine.name})"
         return ModelSupport(name, root, blocks)

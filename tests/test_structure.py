@@ -126,6 +126,31 @@ def test_the_engine_switch_check_sees_every_kind_of_switch(tmp_path):
     assert {"streamscope/cache.py", "streamscope/logit_lens.py", "streamscope/patching.py"} <= read
 
 
+# ---- One source for each name: the block kinds'; the oracle's own lists agree with them. ----
+
+
+def test_the_oracles_value_names_are_the_block_kinds():
+    from streamscope.blocks import BOUNDARIES, SHORT_CONTRIBUTIONS, STREAM_ORDER
+    from streamscope.testing import oracle as reference
+
+    assert reference.BOUNDARIES == BOUNDARIES
+    assert reference.CONTRIBUTIONS == tuple(SHORT_CONTRIBUTIONS)
+    assert reference.BLOCK_VALUES == STREAM_ORDER
+    for family, sites in reference.ORACLE.items():
+        assert set(sites) - {"layers", "token_embeddings", "final_norm_output"} <= set(STREAM_ORDER), family
+
+
+def test_the_oracle_refuses_a_family_it_does_not_know():
+    from types import SimpleNamespace
+
+    from streamscope.testing.oracle import UnknownFamily, sites
+
+    with pytest.raises(UnknownFamily) as refused:
+        sites(SimpleNamespace(config=SimpleNamespace(model_type="nonesuch")), "nonesuch")
+    message = str(refused.value)
+    assert "'nonesuch'" in message and "llama" in message and "streamscope/testing/oracle.py" in message
+
+
 # ---- The one list of families: every family has what `streamscope.families.FAMILIES` says it has. ----
 
 

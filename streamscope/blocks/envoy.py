@@ -12,7 +12,7 @@ from .. import nnsight_seam as seam
 from ..values import StreamValue
 
 if TYPE_CHECKING:
-    from ..families.spec import Site
+    from ..families.spec import Relocation
 
 
 class StreamEnvoy(seam.RebindingEnvoy):
@@ -32,7 +32,7 @@ class StreamEnvoy(seam.RebindingEnvoy):
         """Why this envoy cannot serve `name`, or None where it can."""
         return self.UNSERVED.get(name)
 
-    def relocated(self) -> dict[str, "Site"]:
+    def relocated(self) -> dict[str, "Relocation"]:
         """Values this envoy serves from another (module, where) than their kind declares."""
         return {}
 
@@ -47,7 +47,7 @@ class StreamEnvoy(seam.RebindingEnvoy):
             if name.startswith("_") or "_module" not in self.__dict__:
                 raise
             try:
-                values = [value for value, reason in self.served().items() if reason is None]
+                values = [value for value, reason in self.value_reasons().items() if reason is None]
             except Exception:  # a tree still being built: name what the kind declares
                 values = self.value_names()
             raise AttributeError(no_such_name(self, name, values)) from None
@@ -96,7 +96,7 @@ class StreamEnvoy(seam.RebindingEnvoy):
     #: The order of computation, for support tables.
     ORDER: ClassVar[tuple[str, ...]] = ()
 
-    def served(self) -> dict[str, Optional[str]]:
+    def value_reasons(self) -> dict[str, Optional[str]]:
         """Every value of this envoy: None where it is served, else the reason it is not."""
         table: dict[str, Optional[str]] = {}
         for name in self.value_names():

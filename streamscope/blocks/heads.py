@@ -22,7 +22,7 @@ import torch
 from .. import attention
 from .. import nnsight_seam as seam
 from ..errors import Unavailable
-from ..values import (INPUT, OUTPUT, Host, ReadOnly, StreamValue, argument, first_tensor, is_edited, served,
+from ..values import (INPUT, OUTPUT, Host, ReadOnly, StreamValue, argument, first_tensor, is_edited, require_tapped,
                       with_argument)
 
 #: transformers' attention kernels that take a soft cap and ignore it (Gemma 2 on sdpa runs uncapped).
@@ -70,7 +70,7 @@ class KernelValue(StreamValue):
 
     def location(self, host: KernelHost) -> str:
         self.located(host)
-        return served(host, self.name, seam.call_location(host.path, host.kernel(), self.site(host)[1]))
+        return require_tapped(host, self.name, seam.call_location(host.path, host.kernel(), self.site(host)[1]))
 
     def live(self, host: KernelHost, raw: Any) -> torch.Tensor:
         if self.site(host)[1] == INPUT:

@@ -16,17 +16,15 @@ from typing import Any, Optional, Sequence, Union, cast
 import torch
 
 from .. import nnsight_seam as seam
+from ..blocks import BOUNDARIES, CONTRIBUTIONS, SHORT_CONTRIBUTIONS
 from ..errors import Unavailable
+from ..families.spec import ROOT_STREAMS
 from ..values import ComputedValue, Host, StreamValue, resolve
 
-#: The residual stream's boundaries on every block.
-BOUNDARIES = ("layer_input", "attention_norm_output", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output")
-#: What each sublayer adds to the stream, under the sublayer that adds it.
-CONTRIBUTIONS = ("self_attn.attention_output", "linear_attn.attention_output", "mlp.mlp_output")
 #: Values of the model's root: one per model, not per block.
-ROOT_VALUES = ("token_embeddings", "final_norm_output")
+ROOT_VALUES = ROOT_STREAMS
 #: Short spellings of the contributions: the mixer a block has, its MLP.
-SHORT = {"attention_output": ("self_attn", "linear_attn"), "mlp_output": ("mlp",)}
+SHORT = SHORT_CONTRIBUTIONS
 
 Positions = Union[str, slice, Sequence[int], Sequence[Sequence[int]]]
 """``"last"``, ``"all"``, a slice of the prompt, one list of indices for every prompt, or one list per prompt."""

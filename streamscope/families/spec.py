@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Optional, Union
 
+#: The root's values that are residual streams, [batch, seq, hidden_size], in the order the model computes them.
+ROOT_STREAMS = ("token_embeddings", "final_norm_output")
 #: The values of a model's root, in the order the model computes them.
-ROOT_ORDER = ("token_embeddings", "final_norm_output", "logits", "prompt_logits")
+ROOT_ORDER = (*ROOT_STREAMS, "logits", "prompt_logits")
 #: The sizes every model states (a family's `FamilySpec.unserved` may say why it has none of one).
 SIZE_NAMES = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
 
@@ -20,7 +22,7 @@ MODULE_NAMES = (
 
 #: Where a root value is read instead of its default: (module path or None for the root, "input" | "output"),
 #: and for an input, optionally the argument that holds it, (index, name).
-Site = Union[tuple[Optional[str], str], tuple[Optional[str], str, tuple[int, str]]]
+Relocation = Union[tuple[Optional[str], str], tuple[Optional[str], str, tuple[int, str]]]
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class FamilySpec:
     #: envoy kinds that serve their values (`streamscope.blocks`, and each engine's own).
     envoys: Mapping[Union[str, type], type]
     #: Root values read elsewhere than their default: ``{"token_embeddings": ("layers.0", "input")}``.
-    root_sites: Mapping[str, Site] = field(default_factory=dict)
+    root_sites: Mapping[str, Relocation] = field(default_factory=dict)
     #: Root values and sizes the family cannot serve, with the reason (a state-space model's heads).
     unserved: Mapping[str, str] = field(default_factory=dict)
     #: Called with the model once its tree is built (the default family warns there what it could not map).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import nnsight
 import torch
 
 from .. import nnsight_seam as seam
@@ -19,7 +20,7 @@ class TransformersEngine(Engine):
     def run(self, prompts: Sequence[str], body: Body, seq_axes: Sequence[tuple[int, ...]]) -> list[list[torch.Tensor]]:
         tokens, mask = right_padded(self.model.tokenizer, prompts)
         with self.model.trace({"input_ids": tokens, "attention_mask": mask.long()}):
-            found = list().save()
+            found: list = nnsight.save([])
             found.extend(body())
         lengths = mask.sum(-1).tolist()
         return [[cut(value, row, length, axes) for value, axes in zip(found, seq_axes)]
@@ -27,7 +28,7 @@ class TransformersEngine(Engine):
 
     def run_each(self, prompt: str, bodies: Sequence[Body]) -> list[list[torch.Tensor]]:
         with self.model.trace() as tracer:
-            results = list().save()
+            results: list = nnsight.save([])
             for body in bodies:
                 with tracer.invoke(prompt):
                     results.append(list(body()))

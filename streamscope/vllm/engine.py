@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 from typing import Any, Optional, Sequence
 
+import nnsight
 import torch
 
 from .. import nnsight_seam as seam
@@ -28,7 +29,7 @@ class VllmEngine(Engine):
         with model.trace(**ONE_FORWARD) as tracer:
             for prompt in prompts:
                 with tracer.invoke(prompt):
-                    found = list(body()).save()
+                    found = nnsight.save(list(body()))
         return _per_invoke(found, len(prompts))
 
     def run_each(self, prompt: str, bodies: Sequence[Body]) -> list[list[torch.Tensor]]:
@@ -36,7 +37,7 @@ class VllmEngine(Engine):
         with model.trace(**ONE_FORWARD) as tracer:
             for body in bodies:
                 with tracer.invoke(prompt):
-                    found = list(body()).save()
+                    found = nnsight.save(list(body()))
         return _per_invoke(found, len(bodies))
 
     def unembed(self, normed: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ from dataclasses import replace
 from ... import nnsight_seam as seam
 from ...attention import Spec
 from ...blocks import Attention, Layer
-from ...blocks.moe import Llama4Mlp, SharedExpert
+from ...blocks import SharedExpert
+from ..moe import Llama4Mlp
 from . import llama
 
 

@@ -1,4 +1,4 @@
-"""Mixtures of experts: the router's values on a block's `mlp`, and the shared expert as an `Mlp` of its own.
+"""Mixtures of experts on transformers: the router's values on a block's `mlp`.
 
 Every `Mlp` has three routing values, in transformers' conventions:
 
@@ -23,7 +23,10 @@ outputs, in place, before the experts read them.
 
 The shared expert of a mixture (Llama 4's ``shared_expert``, Qwen3-Next's, both
 aliased to ``shared_experts``) is a dense MLP, so it is an `Mlp` too
-(`SharedExpert`): its ``mlp_output`` is the shared expert module's output.
+(`streamscope.blocks.SharedExpert`, which both engines use).
+
+These read transformers' router modules, so they live with the transformers
+engine; vLLM's fused kernel routes inside itself (`streamscope.vllm.moe`).
 """
 
 from __future__ import annotations
@@ -34,10 +37,8 @@ import torch
 
 from .. import nnsight_seam as seam
 from ..values import OUTPUT, ComputedValue, Host, StreamValue
-from .envoy import record_stream_shape
-from .sublayers import DENSE, ROUTING, Mlp  # noqa: F401  (ROUTING: re-exported)
-
-SHARED_ROUTING = "the shared expert: every token goes through it, no router chooses it"
+from ..blocks.envoy import record_stream_shape
+from ..blocks.sublayers import DENSE, ROUTING, Mlp  # noqa: F401  (ROUTING: re-exported)
 
 _LOGITS, _CHOSEN, _WEIGHTS = (
     "[batch, seq, num_experts]", "[batch, seq, top_k]", "[batch, seq, top_k]")
@@ -166,23 +167,3 @@ class Llama4Mlp(_RecordsStream):
         scores = torch.full_like(logits, float("-inf")).scatter_(1, chosen, top)
         with torch.no_grad():
             raw[0].copy_(torch.sigmoid(scores.float()).to(scores.dtype))
-
-
-class SharedExpert(Mlp):
-    """The shared expert of a mixture of experts (`mlp.shared_experts`): a dense MLP every token goes through.
-
-    Its mlp_output is the shared expert module's output, ``[batch, seq,
-    hidden_size]``: on Llama 4 what the mixture adds besides the routed
-    experts; on Qwen3-Next before its sigmoid gate (``shared_expert_gate``),
-    so the mixture adds ``sigmoid(gate(x)) * mlp_output``. In-place edits and
-    assignment reach the model. It has no router of its own.
-    """
-
-    ROLE = "mlp.shared_experts"
-
-    @classmethod
-    def value_names(cls) -> list[str]:
-        return ["mlp_output"]
-
-    def routing_reason(self, name: str) -> Optional[str]:
-        return SHARED_ROUTING
