@@ -22,7 +22,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from .blocks import BOUNDARIES, CONTRIBUTIONS, SHORT_CONTRIBUTIONS, Attention
+from .blocks import BOUNDARIES, SHORT_CONTRIBUTIONS, Attention
 from .blocks.heads import INTERNALS
 from .engine import right_padded
 from .families.spec import ROOT_STREAMS
@@ -33,8 +33,16 @@ ROOT = ROOT_STREAMS
 #: What `model.cache` reads by default: every served boundary and contribution, and the root values.
 DEFAULT_VALUES = (*BOUNDARIES, *SHORT_CONTRIBUTIONS)
 
-#: Short names accepted for a block value: the mixer's or the MLP's contribution, whichever the block has.
-_SHORT = {name: tuple(f"{role}.{name}" for role in roles) for name, roles in SHORT_CONTRIBUTIONS.items()}
+#: The sublayers whose values a short name reaches: ``pattern`` is ``self_attn.pattern``, ``attention_output``
+#: the mixer's (``self_attn`` or ``linear_attn``, whichever the block has), ``mlp_output`` the MLP's.
+SUBLAYERS = tuple(role for roles in SHORT_CONTRIBUTIONS.values() for role in roles)
+
+
+def _spellings(name: str) -> tuple[str, ...]:
+    """A block value's name as given, then as each sublayer's (a short name reaches the sublayer's value)."""
+    if "." in name:
+        return (name,)
+    return (name, *(f"{sublayer}.{name}" for sublayer in SUBLAYERS))
 
 #: TransformerLens block hook -> (streamscope block value, how TL lays it out relative to streamscope).
 TL_BLOCK = {
@@ -119,8 +127,11 @@ class Cache(Mapping):
             return self.values[key]
         block = _BLOCK_NAME.match(key)
         if block is not None:
-            index, name = int(block.group(1)) % self.num_layers, block.group(2)
-            for full in _SHORT.get(name, (name,)):
+            index, name = int(block.group(1)), block.group(2)
+            if index >= self.num_layers:
+                raise KeyError(f"{key!r}: block {index} is out of range: the model has {self.num_layers} "
+                               f"(layers.0 to layers.{self.num_layers - 1})")
+            for full in _spellings(name):
                 if f"layers.{index}.{full}" in self.values:
                     return self.values[f"layers.{index}.{full}"]
                 if f"layers.{index}.{full}" in self.unavailable:
@@ -337,7 +348,8 @@ def _block_keys(model: Any, values: Sequence[str], layers: Sequence[int]) -> tup
         rows = model.layers[index].support().rows
         for full, reason in rows.items():
             short = full.split(".")[-1]
-            if full in wanted or (short in wanted and full in CONTRIBUTIONS):
+            # A short name (``pattern``, ``attention_output``) selects the sublayer's value of that name.
+            if full in wanted or (short in wanted and full in _spellings(short)):
                 if reason is None:
                     reads.append((index, full))
                 else:
@@ -418,16 +430,21 @@ def build_cache(model: Any, prompts: str | Sequence[str], values: Optional[Seque
     """Run `prompts` and keep `values` of `layers` (every block by default): `model.cache`'s work."""
     from tqdm.auto import tqdm
 
+    from .checks import indices, names
+
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     if not prompts:
         raise ValueError("model.cache needs at least one prompt")
+    if not all(isinstance(prompt, str) for prompt in prompts):
+        raise TypeError("model.cache takes a prompt (a string) or a list of them")
+    values = names(values)
     roots = list(ROOT) if values is None else [name for name in values if name in ROOT]
     values = list(DEFAULT_VALUES if values is None else values)
     root_rows = model.support().root.rows
     root_unavailable = {name: root_rows[name] for name in roots if root_rows.get(name) is not None}
     roots = [name for name in roots if name not in root_unavailable]
     block_values = [name for name in values if name not in ROOT]
-    layers = list(range(model.num_layers)) if layers is None else [int(i) % model.num_layers for i in layers]
+    layers = indices(layers, model.num_layers, "block", "model.cache")
     reads, unavailable = _block_keys(model, block_values, layers)
     unavailable.update(root_unavailable)
     reads, aliases = _unique(model, reads)

@@ -35,8 +35,6 @@ class Engine:
 
     #: The engine's name, as `streamscope.load(engine=...)` takes it.
     name: ClassVar[str] = "engine"
-    #: The largest relative error against transformers' float32 values that `streamscope check` accepts.
-    check_tolerance: ClassVar[float] = 1e-5
     #: The settings a trace takes to run its prompts through one forward pass (no further tokens sampled).
     one_forward: ClassVar[Mapping[str, Any]] = {}
 

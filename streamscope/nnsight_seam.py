@@ -96,7 +96,7 @@ from nnsight.tracing.tracer import WithBlockNotFoundError, _saves  # noqa: E402
 
 __all__ = [
     "SUPPORTED", "ALLOW_ENV", "check_version", "eproperty", "LocatedProperty", "Mediator", "OutOfOrderError",
-    "WithBlockNotFoundError", "module_of", "children", "RebindingEnvoy", "generate_untraced", "wrap_replay",
+    "WithBlockNotFoundError", "module_of", "children", "RebindingEnvoy", "wrap_replay",
     "wrap_update_states",
     "set_callbacks", "location", "call_location", "running_mediator", "mediator_at", "step_of", "read_at", "skip_at",
     "is_saved", "invoke_rows", "with_invoke_rows", "PendingWriteBack", "pending_write_back", "held_view",
@@ -437,11 +437,6 @@ def unwrapped_generate(model: Any, base: type) -> Callable:
     adds bulk sampling), so it calls the function nnsight's wrapper wraps.
     """
     return getattr(base, "generate").__wrapped__.__get__(model, type(model))
-
-
-def generate_untraced(model: Any, *inputs: Any, **kwargs: Any) -> Any:
-    """nnsight's vLLM generation without a trace (its ``_generate``): vLLM's request outputs."""
-    return model._generate(*inputs, **kwargs)
 
 
 def wrap_replay(interleaver: Any, around: Callable[[Callable, str, Any], Any]) -> bool:

@@ -133,11 +133,18 @@ def private_accesses(path: Path, names: frozenset[str], overrides: frozenset[str
 
     An attribute read or write (``envoy._module``, ``runner._update_states = ...``)
     and a method definition (an override nnsight would call; a module's own
-    functions are its business) count; in a
+    functions, and the methods of its classes without a base, are its
+    business) count; in a
     module allowed `overrides`, defining one of those and calling the parent's
     (``super()._batch(...)`` inside ``def _batch``) does not.
     """
     found: list[tuple[int, str]] = []
+    tree = ast.parse(path.read_text(), str(path))
+    # A method of a class with no base is the module's own (no nnsight class can be among its ancestors): its
+    # definition and its calls are not nnsight's, whatever the name.
+    own = {item.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and not node.bases
+           for item in node.body if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    names = names - own
 
     def visit(node: ast.AST, function: str | None, in_class: bool = False) -> None:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -152,7 +159,7 @@ def private_accesses(path: Path, names: frozenset[str], overrides: frozenset[str
         for child in ast.iter_child_nodes(node):
             visit(child, function, isinstance(node, ast.ClassDef))
 
-    visit(ast.parse(path.read_text(), str(path)), None)
+    visit(tree, None)
     return sorted(found)
 
 
@@ -182,8 +189,11 @@ def test_the_private_name_check_sees_every_kind_of_access(tmp_path):
         "def _module(envoy, runner):\n"
         "    runner._update_states = None\n"
         "    return envoy._module, envoy._own\n"
+        "class Client:\n"
+        "    def _call(self):\n"
+        "        return self._call()\n"
     )
-    names = frozenset({"_batch", "_update", "_update_states", "_module"})
+    names = frozenset({"_batch", "_update", "_update_states", "_module", "_call"})
     assert private_accesses(probe, names) == [
         (2, "def _batch"), (3, "._batch"), (4, "def _update"), (5, "._update"), (6, "._batch"),
         (8, "._update_states"), (9, "._module")]

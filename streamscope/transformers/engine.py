@@ -15,7 +15,6 @@ class TransformersEngine(Engine):
     """Runs prompts as one right-padded batch; reads weights straight off the model's modules."""
 
     name = "transformers"
-    check_tolerance = 1e-5
 
     def run(self, prompts: Sequence[str], body: Body, seq_axes: Sequence[tuple[int, ...]]) -> list[list[torch.Tensor]]:
         tokens, mask = right_padded(self.model.tokenizer, prompts)

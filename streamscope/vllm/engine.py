@@ -20,7 +20,6 @@ class VllmEngine(Engine):
     """Runs each prompt as its own request (its values come back as ``[1, tokens, ...]``); reads weights in the worker."""
 
     name = "vllm"
-    check_tolerance = 1e-4
     one_forward = ONE_FORWARD
 
     def run(self, prompts: Sequence[str], body: Body, seq_axes: Sequence[tuple[int, ...]]) -> list[list[torch.Tensor]]:
