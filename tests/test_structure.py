@@ -123,7 +123,8 @@ def test_the_engine_switch_check_sees_every_kind_of_switch(tmp_path):
                                       (2, "a comparison with 'transformers'"), (4, "a comparison with 'vllm'")]
     # The check is only as good as its reading of the package: the workflows it guards are among the files it reads.
     read = {str(path.relative_to(PACKAGE.parent)) for path in _modules(PACKAGE)}
-    assert {"streamscope/cache.py", "streamscope/logit_lens.py", "streamscope/patching.py"} <= read
+    assert {"streamscope/workflows/cache.py", "streamscope/workflows/logit_lens.py",
+            "streamscope/workflows/patching.py"} <= read
 
 
 # ---- One source for each name: the block kinds'; the oracle's own lists agree with them. ----

@@ -299,3 +299,20 @@ def plain_generation(inputs: tuple, kwargs: dict[str, Any]) -> tuple[list, dict[
         else:
             settings.setdefault("temperature", 1.0)
     return prompts, settings
+
+
+def token_ids(model: Any, prompts: Sequence[Any]) -> list[list[int]]:
+    """Each prompt's token ids: a string is tokenized as a trace tokenizes it; a list of ids is taken as is."""
+    if isinstance(prompts, str):
+        raise TypeError("bulk runs take a list of prompts; wrap a single prompt in a list.")
+    ids = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            ids.append(list(model.tokenizer(prompt)["input_ids"]))
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(token, int) for token in prompt):
+            ids.append(list(prompt))
+        else:
+            raise TypeError(f"prompt {index} is a {type(prompt).__name__}: give a string or a list of token ids.")
+        if not ids[-1]:
+            raise ValueError(f"prompt {index} has no tokens.")
+    return ids

@@ -73,7 +73,7 @@ class ServeState:
     """The live requests' plans on one worker, the hooks they need, and each step's rows."""
 
     def __init__(self, runner: Any, model_type: str, folder: Optional[str], writer: bool) -> None:
-        from ..bulk.vllm import worker_tree
+        from ..vllm.bulk import worker_tree
 
         self.runner = runner
         self.root = worker_tree(runner.get_model(), model_type)

@@ -14,8 +14,8 @@ from nnsight import TransformersModel
 from . import families
 from .engine import TransformersEngine
 from .. import nnsight_seam as seam
-from ..checks import check_token_ids
-from ..model import Standardized
+from ..input_checks import check_token_ids
+from ..standardized import Standardized
 from ..values import OUTPUT, ComputedValue, StreamValue
 
 
@@ -69,7 +69,7 @@ class StandardizedTransformers(Standardized, TransformersModel):
         See `streamscope.bulk` for the layout; ``batch_size`` (8), ``shard_size``
         and ``progress`` are options.
         """
-        from ..bulk.transformers import harvest
+        from .bulk import harvest
 
         return harvest(self, prompts, values, layers, positions, out, **options)
 
@@ -81,7 +81,7 @@ class StandardizedTransformers(Standardized, TransformersModel):
         vLLM (transformers' ``max_new_tokens`` and ``do_sample`` are taken too). As a ``with`` block it
         is nnsight's generate, a trace over every step (the decision is made here, at the caller's depth).
         """
-        from ..bulk.transformers import generate
+        from .bulk import generate
 
         if steer is not None or harvest is not None:
             return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)

@@ -21,12 +21,12 @@ class BulkRPC:
     """Worker methods the client calls through ``collective_rpc`` to run a bulk request (`streamscope.bulk.vllm`)."""
 
     def streamscope_bulk_begin(self, payload: bytes) -> None:
-        from ..bulk.vllm import worker_begin
+        from .bulk import worker_begin
 
         return worker_begin(self, payload)
 
     def streamscope_bulk_finish(self, inline: bool) -> Any:
-        from ..bulk.vllm import worker_finish
+        from .bulk import worker_finish
 
         return worker_finish(self, inline)
 
@@ -36,7 +36,7 @@ class BulkRPC:
 
     def streamscope_norm_parameters(self, inline: bool, model_type: str) -> Any:
         """The final norm's ``(weight, bias, eps)``."""
-        from ..bulk.vllm import worker_root
+        from .bulk import worker_root
         from ..engine import norm_parameters
 
         weight, bias, eps = norm_parameters(module_of(worker_root(self, model_type).norm))

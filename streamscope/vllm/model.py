@@ -19,10 +19,10 @@ from nnsight.modeling.vllm import VLLM
 import torch
 
 from .. import errors
-from ..checks import check_token_ids
+from ..input_checks import check_token_ids
 from ..errors import Unavailable
 from .. import nnsight_seam as seam
-from ..model import Standardized
+from ..standardized import Standardized
 from ..values import OUTPUT, ComputedValue, check_write
 from . import families
 from .engine import VllmEngine
@@ -258,7 +258,7 @@ class StandardizedVLLM(Standardized, VLLM):
         See `streamscope.bulk` for the layout; ``shard_size`` (prompts per
         engine run and per shard) and ``progress`` are options.
         """
-        from ..bulk.vllm import harvest
+        from .bulk import harvest
 
         return harvest(self, prompts, values, layers, positions, out, **options)
 
@@ -269,7 +269,7 @@ class StandardizedVLLM(Standardized, VLLM):
         ``harvest=``: the same `Generation` as on transformers. As a ``with`` block it is nnsight's
         generate, a trace over every step (the decision is made here, at the caller's depth).
         """
-        from ..bulk.vllm import generate
+        from .bulk import generate
 
         if steer is not None or harvest is not None:
             return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)

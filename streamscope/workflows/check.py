@@ -19,8 +19,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from .blocks import SHORT_CONTRIBUTIONS
-from .testing import oracle
+from ..blocks import SHORT_CONTRIBUTIONS
+from ..testing import oracle
 
 #: Relative tolerances: float32 on CPU agrees to about 1e-6 on the same kernels; vLLM's kernels differ
 #: in their order of operations (and Gemma 2's attention soft cap is compiled), hence more room.

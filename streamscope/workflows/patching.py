@@ -165,7 +165,7 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
     """
     from tqdm.auto import tqdm
 
-    from .checks import indices, one_prompt
+    from ..input_checks import indices, one_prompt
 
     several = "Patch each pair of prompts with its own call."
     clean, corrupted = (one_prompt(prompt, "streamscope.patch", several) for prompt in (clean, corrupted))
@@ -184,7 +184,7 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
     for layer in layers:  # an unserved value says why before anything runs
         reason = model.layers[layer].support().rows.get(names[layer], "not a value of this block")
         if reason is not None:
-            from .errors import Unavailable
+            from ..errors import Unavailable
 
             raise Unavailable(value, f"model.layers[{layer}]", reason)
     heads = value == "head_outputs"

@@ -22,11 +22,11 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from .blocks import BOUNDARIES, SHORT_CONTRIBUTIONS, Attention
-from .blocks.heads import INTERNALS
-from .engine import right_padded
-from .families.spec import ROOT_STREAMS
-from .errors import Unavailable
+from ..blocks import BOUNDARIES, SHORT_CONTRIBUTIONS, Attention
+from ..blocks.heads import INTERNALS
+from ..engine import right_padded
+from ..families.spec import ROOT_STREAMS
+from ..errors import Unavailable
 
 ATTENTION = tuple(f"{Attention.ROLE}.{name}" for name in INTERNALS)
 ROOT = ROOT_STREAMS
@@ -362,7 +362,7 @@ def _block_keys(model: Any, values: Sequence[str], layers: Sequence[int]) -> tup
 
 def _location(model: Any, index: int, full: str) -> Optional[tuple]:
     """Where a plain value is read (module, input or output, argument), or None for a computed or scaled one."""
-    from .values import StreamValue
+    from ..values import StreamValue
 
     host = model.layers[index]
     *path, name = full.split(".")
@@ -430,7 +430,7 @@ def build_cache(model: Any, prompts: str | Sequence[str], values: Optional[Seque
     """Run `prompts` and keep `values` of `layers` (every block by default): `model.cache`'s work."""
     from tqdm.auto import tqdm
 
-    from .checks import indices, names
+    from ..input_checks import indices, names
 
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     if not prompts:

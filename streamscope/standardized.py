@@ -13,8 +13,9 @@ from .support import BlockSupport, ModelSupport
 from .families.spec import ROOT_ORDER, Relocation
 from .values import OUTPUT, StreamValue
 
+from .engine import Engine
+
 if TYPE_CHECKING:
-    from .engine import Engine
     from .families.spec import FamilySpec
 
 
@@ -30,11 +31,12 @@ class Standardized(StreamEnvoy):
 
     family: ModuleType
     ORDER = ROOT_ORDER
-    #: The engine's `streamscope.engine.Engine` subclass, set by each engine's model class.
-    ENGINE_CLASS: type["Engine"]
+    #: The engine's `streamscope.engine.Engine` subclass, set by each engine's model class (a tree built without
+    #: an engine, as a vLLM worker's, has the base: it names no engine and runs nothing).
+    ENGINE_CLASS: type[Engine] = Engine
 
     @property
-    def engine(self) -> "Engine":
+    def engine(self) -> Engine:
         """The engine running this model, as the workflows use it (`streamscope.engine.Engine`): built once."""
         engine = self.__dict__.get("_streamscope_engine")
         if engine is None:
@@ -174,7 +176,7 @@ class Standardized(StreamEnvoy):
         TransformerLens's hook names; see `streamscope.cache`. Keyword
         arguments: ``logits``, ``batch_size``, ``progress``.
         """
-        from .cache import build_cache
+        from .workflows.cache import build_cache
 
         return build_cache(self, prompts, values, layers, **kwargs)
 

@@ -136,7 +136,7 @@ def lens(model: Any, prompt: str | Sequence[str], *, layers: Optional[Sequence[i
     Returns:
         A `Lens` (a list of them for a list of prompts); print it for the table, `.plot(path)` for the heatmap.
     """
-    from .checks import indices
+    from ..input_checks import indices
 
     if not isinstance(prompt, str):
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(item, str) for item in prompt):

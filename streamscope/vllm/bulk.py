@@ -26,12 +26,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .apply import Applier, Span, steer_plans
-from .results import Generation, Harvest, ShardWriter, assemble
+from ..bulk.apply import Applier, Span, steer_plans
+from ..bulk.results import Generation, Harvest, ShardWriter, assemble
 from .. import nnsight_seam as seam
 from ..errors import Unavailable, untapped
-from .spec import HarvestSpec, Positions, Site, Steer, check_steer, generation_harvest, harvest_spec, locate
-from .transformers import token_ids
+from ..bulk.spec import (HarvestSpec, Positions, Site, Steer, check_steer, generation_harvest, harvest_spec, locate,
+                         token_ids)
 
 #: The sampling params' extra_args key that marks a request as a bulk run's, with its prompt index.
 MARK = "streamscope_bulk"
@@ -109,7 +109,7 @@ class WorkerState:
 
 def worker_tree(module: torch.nn.Module, model_type: str) -> Any:
     """streamscope's envoy tree over the worker's real model: the same family envoys the client's tree has."""
-    from ..vllm.families import envoy_tree, family_for
+    from .families import envoy_tree, family_for
 
     return envoy_tree(module, family_for(model_type))
 

@@ -16,26 +16,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .. import nnsight_seam as seam
-from .apply import Applier, Span, steer_plans
-from .results import Generation, Harvest, ShardWriter, assemble
-from .spec import Positions, check_steer, generation_harvest, harvest_spec
-
-
-def token_ids(model: Any, prompts: Sequence[Any]) -> list[list[int]]:
-    """Each prompt's token ids: a string is tokenized as a trace tokenizes it; a list of ids is taken as is."""
-    if isinstance(prompts, str):
-        raise TypeError("bulk runs take a list of prompts; wrap a single prompt in a list.")
-    ids = []
-    for index, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            ids.append(list(model.tokenizer(prompt)["input_ids"]))
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(token, int) for token in prompt):
-            ids.append(list(prompt))
-        else:
-            raise TypeError(f"prompt {index} is a {type(prompt).__name__}: give a string or a list of token ids.")
-        if not ids[-1]:
-            raise ValueError(f"prompt {index} has no tokens.")
-    return ids
+from ..bulk.apply import Applier, Span, steer_plans
+from ..bulk.results import Generation, Harvest, ShardWriter, assemble
+from ..bulk.spec import Positions, check_steer, generation_harvest, harvest_spec, token_ids
 
 
 def _pad_id(model: Any) -> int:
