@@ -44,10 +44,6 @@ class Engine:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
 
-    def trace(self, *prompts: Any) -> Any:
-        """A trace over `prompts` that runs one forward pass: ``with model.engine.trace(prompt): ...``."""
-        return self.model.trace(*prompts, **self.one_forward)
-
     def run(self, prompts: Sequence[str], body: Body, seq_axes: Sequence[tuple[int, ...]]) -> list[list[torch.Tensor]]:
         """Each prompt's tensors from `body`, run once per prompt: ``[prompt][tensor]``, each ``[1, ...]``.
 
