@@ -76,7 +76,7 @@ class StandardizedTransformers(Standardized, TransformersModel):
     def generate(self, *inputs: Any, steer: Any = None, harvest: Any = None, **kwargs: Any) -> Any:
         """Sample completions of many prompts: a `streamscope.Generation` (texts, tokens, optional logits).
 
-        Called, it is the bulk path (`streamscope.bulk.transformers.generate`), with or without ``steer=``
+        Called, it is the bulk path (`streamscope.transformers.bulk.generate`), with or without ``steer=``
         and ``harvest=``: ``model.generate(prompts, max_tokens=20)`` returns the same `Generation` as on
         vLLM (transformers' ``max_new_tokens`` and ``do_sample`` are taken too). As a ``with`` block it
         is nnsight's generate, a trace over every step (the decision is made here, at the caller's depth).

@@ -18,7 +18,7 @@ from ..nnsight_seam import NNsightGPUWorker, module_of
 
 
 class BulkRPC:
-    """Worker methods the client calls through ``collective_rpc`` to run a bulk request (`streamscope.bulk.vllm`)."""
+    """Worker methods the client calls through ``collective_rpc`` to run a bulk request (`streamscope.vllm.bulk`)."""
 
     def streamscope_bulk_begin(self, payload: bytes) -> None:
         from .bulk import worker_begin

@@ -265,7 +265,7 @@ class StandardizedVLLM(Standardized, VLLM):
     def generate(self, *inputs: Any, steer: Any = None, harvest: Any = None, **kwargs: Any) -> Any:
         """Sample completions of many prompts: a `streamscope.Generation` (texts, tokens, optional logits).
 
-        Called, it is the bulk path (`streamscope.bulk.vllm.generate`), with or without ``steer=`` and
+        Called, it is the bulk path (`streamscope.vllm.bulk.generate`), with or without ``steer=`` and
         ``harvest=``: the same `Generation` as on transformers. As a ``with`` block it is nnsight's
         generate, a trace over every step (the decision is made here, at the caller's depth).
         """
