@@ -44,12 +44,12 @@ class BulkRPC:
             return weight, bias, eps
         return pickle.dumps((None if weight is None else weight.cpu(), None if bias is None else bias.cpu(), eps))
 
-    def streamscope_unembedding_rows(self, inline: bool, model_type: str, ids: torch.Tensor) -> Any:
+    def streamscope_unembedding_rows(self, inline: bool, model_type: str, ids: list[int]) -> Any:
         """``[len(ids), hidden_size]``: the unembedding's rows for token `ids`."""
         from .logits import unembedding
 
         weight = unembedding(self.model_runner.get_model()).weight.detach()
-        rows = weight[ids.to(weight.device)].clone()
+        rows = weight[torch.tensor(ids, dtype=torch.long, device=weight.device)].clone()
         return rows if inline else pickle.dumps(rows.cpu())
 
 

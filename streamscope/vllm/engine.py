@@ -47,7 +47,9 @@ class VllmEngine(Engine):
         return _rpc(self.model, "streamscope_norm_parameters")
 
     def unembedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return _rpc(self.model, "streamscope_unembedding_rows", ids)
+        # as plain ints: vLLM's broadcast to worker processes cannot pickle a tensor's storage
+        return _rpc(self.model, "streamscope_unembedding_rows", [int(i) for i in ids.flatten()]).reshape(
+            *ids.shape, -1)
 
     def close(self) -> None:
         self.model.close()
