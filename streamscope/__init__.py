@@ -9,11 +9,11 @@ from .checks import check_load
 from .errors import Unavailable, UnsupportedCheckpoint
 from .support import BlockSupport, ModelSupport
 
-__all__ = ["load", "Unavailable", "UnsupportedCheckpoint", "BlockSupport", "ModelSupport", "Steer", "Harvest",
+__all__ = ["load", "Unavailable", "UnsupportedCheckpoint", "BlockSupport", "ModelSupport", "Steer", "apply_steers", "Harvest",
            "Generation", "load_harvest", "iter_harvest", "Cache", "Lens", "lens", "Patching", "patch"]
 
 ENGINES = ("transformers", "vllm")
-_BULK = ("Steer", "Harvest", "Generation", "load_harvest", "iter_harvest")
+_BULK = ("Steer", "apply_steers", "Harvest", "Generation", "load_harvest", "iter_harvest")
 #: The workflows' names, loaded on first use like the bulk path's: {name: module}.
 _WORKFLOWS = {"Cache": "cache", "Lens": "logit_lens", "lens": "logit_lens", "Patching": "patching", "patch": "patching"}
 

@@ -29,6 +29,6 @@ at once.
 """
 
 from .results import Generation, Harvest, iter_harvest, load_harvest
-from .spec import Steer, value_names
+from .spec import Steer, apply_steers, value_names
 
-__all__ = ["Steer", "Harvest", "Generation", "load_harvest", "iter_harvest", "value_names"]
+__all__ = ["Steer", "apply_steers", "Harvest", "Generation", "load_harvest", "iter_harvest", "value_names"]

@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence, Union, cast
 import torch
 
 from ..errors import Unavailable
+from .operations import DIRECTIONAL, MODES, Operation, prepare
 from ..values import ComputedValue, Host, StreamValue, resolve
 
 #: The residual stream's boundaries on every block.
@@ -38,20 +39,34 @@ def value_names() -> tuple[str, ...]:
 
 @dataclass
 class Steer:
-    """Add (or set) a vector at one value of one block, at chosen positions, on the prompt and every generated token.
+    """Edit one value of one block at chosen positions: add, set, ablate or clamp a direction.
+
+    A plain record (every field a number, a string, a list or the vector), so
+    a steer travels to a worker or as JSON unchanged. The same steer runs on
+    the bulk path (``model.generate(steer=[...])``, ``model.harvest``) and in
+    a trace (`apply`). What each mode does to a row ``x`` (with ``v`` the
+    vector and ``d = v / |v|``) is in `streamscope.bulk.operations`.
 
     Args:
         value: A block's value (``"layer_output"``, ``"mlp.mlp_output"``, ...)
             or a root value (``"token_embeddings"``), as `model.harvest` names them.
         layer: The block's index (negative counts from the end); None for a root value.
-        vector: ``[hidden_size]``, the direction to add (or the value to set).
-        scale: The vector is multiplied by it once, before the run.
-        positions: Which prompt positions: ``"all"``, ``"last"``, a slice, or
-            indices (negative from the prompt's end).
-        mode: ``"add"`` (``value[pos] += scale * vector``) or ``"set"``
-            (``value[pos] = scale * vector``).
-        generated: Whether every generated token is steered too.
+        vector: ``[hidden_size]``: the vector to add (or set), or the direction
+            to ablate or clamp (any length: its unit vector is used).
+        scale: ``add``/``set``: the vector is multiplied by it once, before the
+            run. ``ablate``: the fraction of the component removed (1: all of it).
+        positions: Which prompt positions: ``"all"``, ``"last"``, ``"none"``
+            (generated tokens only), a slice, or indices (negative from the
+            prompt's end).
+        mode: ``"add"`` (``x + scale * v``), ``"set"`` (``scale * v``),
+            ``"ablate"`` (``x - scale * (x . d) d``) or ``"clamp"``
+            (``x + (projection - x . d) d``).
+        generated: Whether generated tokens are steered too.
         prompts: The indices of the prompts this steer applies to; None for all.
+        projection: ``clamp``: the projection on ``d`` that every edited row gets.
+        norm_match: After the edit, rescale each edited row to the norm it had before.
+        from_step: The first generated token steered (0: every one; ``k``: from
+            the ``k``-th generated token on), where `generated` is true.
     """
 
     value: str
@@ -62,10 +77,77 @@ class Steer:
     mode: str = "add"
     generated: bool = True
     prompts: Optional[Sequence[int]] = None
+    projection: float = 0.0
+    norm_match: bool = False
+    from_step: int = 0
 
     def delta(self, dtype: torch.dtype, device: Any) -> torch.Tensor:
         """The vector the run adds (or sets): ``scale * vector`` in the engine's dtype, on its device."""
         return (self.vector.detach().to(device=device, dtype=torch.float32) * self.scale).to(dtype)
+
+    def operation(self, dtype: torch.dtype, device: Any) -> Operation:
+        """What the steer does to the rows it edits, with its vectors in `dtype` on `device`."""
+        return prepare(self.mode, self.vector, self.scale, self.projection, self.norm_match, dtype, device)
+
+    def steers_generated(self, step: int) -> bool:
+        """Whether the `step`-th generated token (0 for the first) is edited."""
+        return bool(self.generated) and step >= self.from_step
+
+    def apply(self, model: Any, step: int = 0) -> None:
+        """Apply the steer inside a trace, at one step of it (one invoke's value, ``[1, tokens, hidden]``).
+
+        `step` 0 is the prompt: its `positions` are edited. Step ``k >= 1``
+        is a decode step, whose one row is the ``(k - 1)``-th generated
+        token: edited where `generated` holds from `from_step` on. So a
+        trace steers as ``model.generate(steer=[...])`` does with::
+
+            for step in tracer.iter[:]:
+                steer.apply(model, step)
+
+        The edit goes through the value's write checks (shape, dtype, NaN).
+        """
+        check_vector(self, model.hidden_size)
+        host, name = host_and_name(model, self.value, None if self.layer is None
+                                   else block_index(model, self.layer, self.value))
+        current = getattr(host, name)
+        if step == 0:
+            rows = prompt_positions(self.positions, current.shape[1], 0)
+        else:
+            rows = list(range(current.shape[1])) if self.steers_generated(step - 1) else []
+        if not rows:
+            return
+        operation = self.operation(current.dtype, current.device)
+        if rows == list(range(current.shape[1])):
+            current[:, :] = operation(current[:, :])
+        else:
+            current[:, rows] = operation(current[:, rows])
+
+
+#: A block's values in the order a sequential block computes them, for applying steers in a trace.
+COMPUTE_ORDER = ("layer_input", "attention_norm_output", "self_attn.attention_output", "linear_attn.attention_output",
+                 "attention_output", "layer_mid", "mlp_norm_output", "mlp_input", "mlp.mlp_output", "mlp_output",
+                 "layer_output")
+
+
+def apply_steers(model: Any, steers: Sequence[Steer], step: int = 0) -> None:
+    """Apply several steers inside a trace at one step, in the order the model computes their values.
+
+    A trace reads values in the model's order; this sorts the steers by block
+    and by value (a root's token embeddings first, its final norm last) and
+    applies each (`Steer.apply`). Steers at the same value apply in the
+    order given, as on the bulk path.
+    """
+    def order(steer: Steer) -> tuple[int, int]:
+        if steer.value == "token_embeddings":
+            return (-1, 0)
+        if steer.value == "final_norm_output":
+            return (len(model.layers), 0)
+        layer = block_index(model, steer.layer, steer.value) if steer.layer is not None else 0
+        rank = COMPUTE_ORDER.index(steer.value) if steer.value in COMPUTE_ORDER else len(COMPUTE_ORDER)
+        return (layer, rank)
+
+    for steer in sorted(steers, key=order):
+        steer.apply(model, step)
 
 
 def host_and_name(model: Any, value: str, layer: Optional[int]) -> tuple[Any, str]:
@@ -134,14 +216,14 @@ class Site:
         # A slice is a view of the whole batch's copy: keep only its rows.
         return picked.clone() if isinstance(rows, slice) else picked
 
-    def edit_rows(self, raw: Any, rows: torch.Tensor, delta: torch.Tensor, mode: str) -> None:
-        """Add `delta` to (or set it at) rows of the flattened batch, written back as a trace's edit is."""
+    def edit_rows(self, raw: Any, rows: torch.Tensor, operation: Operation) -> None:
+        """Apply `operation` to rows of the flattened batch, written back as a trace's edit is."""
         view = self.user(raw)
         flat = view.reshape(-1, view.shape[-1])
-        if mode == "add":
-            flat[rows] += delta
+        if operation.adds_only:
+            flat[rows] += operation.delta
         else:
-            flat[rows] = delta
+            flat[rows] = operation(flat[rows])
         descriptor = self.descriptor
         if descriptor.factor is None:
             # The other rows go back as they were read (a copy of themselves, or a zero change
@@ -184,7 +266,9 @@ def prompt_positions(positions: Positions, length: int, prompt: int) -> list[int
             return [length - 1]
         if positions == "all":
             return list(range(length))
-        raise ValueError(f"positions={positions!r}: use 'last', 'all', a slice, or a list of indices.")
+        if positions == "none":
+            return []
+        raise ValueError(f"positions={positions!r}: use 'last', 'all', 'none', a slice, or a list of indices.")
     if isinstance(positions, slice):
         return list(range(length))[positions]
     if isinstance(positions, int):
@@ -214,19 +298,41 @@ def per_prompt_positions(positions: Positions, lengths: Sequence[int]) -> list[l
     return [prompt_positions(positions, length, prompt) for prompt, length in enumerate(lengths)]
 
 
+def check_vector(steer: Steer, width: int) -> None:
+    """Refuse a steer whose vector, mode or settings cannot run, naming the steer and the fix."""
+    name = f"Steer({steer.value!r}, layer={steer.layer}, mode={steer.mode!r})"
+    vector = steer.vector
+    if hasattr(vector, "as_steer_vector"):  # a streamscope.directions.Direction: checked against the model there
+        raise TypeError(f"{name}: pass direction.vector, or build the steer with direction.steer(...).")
+    if not isinstance(vector, torch.Tensor) or tuple(vector.shape) != (width,):
+        shape = tuple(vector.shape) if isinstance(vector, torch.Tensor) else type(vector).__name__
+        raise ValueError(f"{name} has a vector of shape {shape}: it must be [hidden_size] = ({width},).")
+    if vector.dtype == torch.bool or vector.is_complex() or not vector.is_floating_point():
+        raise TypeError(f"{name} has a {vector.dtype} vector: give a floating-point tensor (vector.float()).")
+    if steer.mode not in MODES:
+        raise ValueError(f"Steer mode {steer.mode!r}: use one of {', '.join(repr(mode) for mode in MODES)}.")
+    if not bool(torch.isfinite(vector).all()):
+        raise ValueError(f"{name} has NaN or inf in its vector: every steered row would become NaN. "
+                         f"Give a finite vector (torch.nan_to_num, or rebuild the direction).")
+    for field_name in ("scale", "projection"):
+        number = getattr(steer, field_name)
+        if not isinstance(number, (int, float)) or isinstance(number, bool) or number != number \
+                or number in (float("inf"), float("-inf")):
+            raise ValueError(f"{name}: {field_name}={number!r} must be a finite number.")
+    if steer.mode in DIRECTIONAL and not bool(vector.norm() > 0):
+        raise ValueError(f"{name}: the vector is all zeros, so it has no direction to {steer.mode} along. "
+                         f"Give the direction's vector.")
+    if not isinstance(steer.from_step, int) or isinstance(steer.from_step, bool) or steer.from_step < 0:
+        raise ValueError(f"{name}: from_step={steer.from_step!r} must be an int >= 0 "
+                         f"(0: every generated token; k: from the k-th on).")
+
+
 def check_steer(model: Any, steer: Steer, prompts: int) -> Site:
     """The steer's `Site`, after checking its vector, mode and prompts; errors name the steer and the fix."""
     if not isinstance(steer, Steer):
         raise TypeError(f"steer takes streamscope.Steer objects, not a {type(steer).__name__}.")
     site = locate(model, steer.value, steer.layer)
-    width = model.hidden_size
-    vector = steer.vector
-    if not isinstance(vector, torch.Tensor) or tuple(vector.shape) != (width,):
-        shape = tuple(vector.shape) if isinstance(vector, torch.Tensor) else type(vector).__name__
-        raise ValueError(f"Steer({steer.value!r}, layer={steer.layer}) has a vector of shape {shape}: "
-                         f"it must be [hidden_size] = ({width},).")
-    if steer.mode not in ("add", "set"):
-        raise ValueError(f"Steer mode {steer.mode!r}: use 'add' or 'set'.")
+    check_vector(steer, model.hidden_size)
     if steer.prompts is not None:
         for index in steer.prompts:
             if not 0 <= index < prompts:
@@ -260,7 +366,7 @@ def harvest_spec(model: Any, values: Any, layers: Any, positions: Positions, len
     return spec
 
 
-__all__ = ["Steer", "Site", "HarvestSpec", "harvest_spec", "check_steer", "locate", "value_names"]
+__all__ = ["Steer", "apply_steers", "Site", "HarvestSpec", "harvest_spec", "check_steer", "locate", "value_names"]
 
 
 def generation_harvest(model: Any, harvest: Any, lengths: Sequence[int]) -> Optional[HarvestSpec]:
