@@ -14,6 +14,8 @@ __all__ = ["load", "Unavailable", "UnsupportedCheckpoint", "BlockSupport", "Mode
 
 ENGINES = ("transformers", "vllm")
 _BULK = ("Steer", "apply_steers", "Harvest", "Generation", "load_harvest", "iter_harvest")
+#: Workflow modules reached as attributes (``streamscope.directions.find``), loaded on first use.
+_SUBMODULES = ("directions", "sae")
 #: The workflows' names, loaded on first use like the bulk path's: {name: module}.
 _WORKFLOWS = {"Cache": "cache", "Lens": "logit_lens", "lens": "logit_lens", "Patching": "patching", "patch": "patching"}
 
@@ -24,6 +26,10 @@ def __getattr__(name: str) -> Any:
         from . import bulk
 
         return getattr(bulk, name)
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     if name in _WORKFLOWS:
         import importlib
 

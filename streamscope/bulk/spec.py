@@ -67,6 +67,9 @@ class Steer:
         norm_match: After the edit, rescale each edited row to the norm it had before.
         from_step: The first generated token steered (0: every one; ``k``: from
             the ``k``-th generated token on), where `generated` is true.
+        origin: The shape of the model the vector was made on (``model_type``,
+            ``hidden_size``, ``num_layers``, ``vocab_size``; a `Direction`'s
+            steer sets it): a run on a model of another shape is refused.
     """
 
     value: str
@@ -80,6 +83,7 @@ class Steer:
     projection: float = 0.0
     norm_match: bool = False
     from_step: int = 0
+    origin: Optional[dict] = None
 
     def delta(self, dtype: torch.dtype, device: Any) -> torch.Tensor:
         """The vector the run adds (or sets): ``scale * vector`` in the engine's dtype, on its device."""
@@ -107,6 +111,7 @@ class Steer:
         The edit goes through the value's write checks (shape, dtype, NaN).
         """
         check_vector(self, model.hidden_size)
+        check_origin(self, model)
         host, name = host_and_name(model, self.value, None if self.layer is None
                                    else block_index(model, self.layer, self.value))
         current = getattr(host, name)
@@ -302,8 +307,9 @@ def check_vector(steer: Steer, width: int) -> None:
     """Refuse a steer whose vector, mode or settings cannot run, naming the steer and the fix."""
     name = f"Steer({steer.value!r}, layer={steer.layer}, mode={steer.mode!r})"
     vector = steer.vector
-    if hasattr(vector, "as_steer_vector"):  # a streamscope.directions.Direction: checked against the model there
-        raise TypeError(f"{name}: pass direction.vector, or build the steer with direction.steer(...).")
+    if not isinstance(vector, torch.Tensor) and hasattr(vector, "steer") and hasattr(vector, "unit"):
+        raise TypeError(f"{name} was given a Direction as its vector: build the steer with "
+                        f"direction.steer(mode=..., scale=...), which also checks the model it was made on.")
     if not isinstance(vector, torch.Tensor) or tuple(vector.shape) != (width,):
         shape = tuple(vector.shape) if isinstance(vector, torch.Tensor) else type(vector).__name__
         raise ValueError(f"{name} has a vector of shape {shape}: it must be [hidden_size] = ({width},).")
@@ -327,12 +333,27 @@ def check_vector(steer: Steer, width: int) -> None:
                          f"(0: every generated token; k: from the k-th on).")
 
 
+def check_origin(steer: Steer, model: Any) -> None:
+    """Refuse a steer whose vector was made on a model of another shape (`Steer.origin`), with the fix."""
+    if not steer.origin:
+        return
+    here = {"model_type": model.config.model_type, "hidden_size": model.hidden_size,
+            "num_layers": model.num_layers, "vocab_size": model.vocab_size}
+    different = [f"{key} {steer.origin[key]!r} there, {here[key]!r} here" for key in here
+                 if key in steer.origin and steer.origin[key] != here[key]]
+    if different:
+        raise ValueError(f"Steer({steer.value!r}, layer={steer.layer}): its vector was made on another model "
+                         f"({'; '.join(different)}). Find the direction on this model "
+                         f"(streamscope.directions.find), or steer the model it was made on.")
+
+
 def check_steer(model: Any, steer: Steer, prompts: int) -> Site:
     """The steer's `Site`, after checking its vector, mode and prompts; errors name the steer and the fix."""
     if not isinstance(steer, Steer):
         raise TypeError(f"steer takes streamscope.Steer objects, not a {type(steer).__name__}.")
     site = locate(model, steer.value, steer.layer)
     check_vector(steer, model.hidden_size)
+    check_origin(steer, model)
     if steer.prompts is not None:
         for index in steer.prompts:
             if not 0 <= index < prompts:
