@@ -366,18 +366,19 @@ class Sweep:
         from .plot import _pyplot, _save
 
         plt = _pyplot()
-        figure, accuracy_axis = plt.subplots(figsize=(max(4.0, 0.25 * len(self.directions) + 2), 3.2))
+        figure, accuracy_axis = plt.subplots(figsize=(max(6.0, 0.25 * len(self.directions) + 2), 3.4))
         blocks = [d.layer if d.layer is not None else -1 for d in self.directions]
         accuracy_axis.plot(blocks, [d.scores.get("accuracy", float("nan")) for d in self.directions], "o-",
                            color="tab:blue", label="held-out accuracy")
         accuracy_axis.set_ylim(0, 1.05)
         accuracy_axis.set_xlabel("block")
+        accuracy_axis.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
         accuracy_axis.set_ylabel("held-out accuracy", color="tab:blue")
         separation_axis = accuracy_axis.twinx()
         separation_axis.plot(blocks, [d.scores.get("separation", float("nan")) for d in self.directions], "s--",
                              color="tab:orange", label="separation")
         separation_axis.set_ylabel("separation (pooled std)", color="tab:orange")
-        accuracy_axis.set_title(f"{self.method} direction at {self.value}, per block")
+        accuracy_axis.set_title(f"{self.method} direction at {self.value}, per block", fontsize=10)
         figure.tight_layout()
         return _save(figure, path, dpi)
 
