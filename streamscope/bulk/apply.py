@@ -79,15 +79,18 @@ class Applier:
             harvest at the same site reads (a harvest sees the steered value).
         device: Where the step's row indices live (the engine's device).
         to_host: Whether harvested rows move to host memory as they are read.
+        readout: What each harvested row becomes before it is stored, where
+            the hooks run (an SAE's features); None to store the value.
     """
 
     def __init__(self, harvest_sites: Sequence[Site], harvest_positions: dict[Hashable, list[int]],
-                 steers: Sequence[SteerPlan], device: Any, to_host: bool = True) -> None:
+                 steers: Sequence[SteerPlan], device: Any, to_host: bool = True, readout: Any = None) -> None:
         self.harvest_sites = list(harvest_sites)
         self.harvest_positions = harvest_positions
         self.steers = list(steers)
         self.device = torch.device(device)
         self.to_host = to_host
+        self.readout = readout
         #: key -> [sites, positions, hidden], filled as the prompts run.
         self.harvested: dict[Hashable, torch.Tensor] = {}
         self.handles: list[Any] = []
@@ -202,7 +205,8 @@ class Applier:
                     plan = self.steers[index]
                     site.edit_rows(raw, rows, plan.operation)
             elif self._harvest_rows is not None:
-                self._store(index, site.read_rows(raw, self._harvest_rows))
+                rows = site.read_rows(raw, self._harvest_rows)
+                self._store(index, rows if self.readout is None else self.readout(rows))
 
     def _store(self, index: int, rows: torch.Tensor) -> None:
         # Each request's rows go straight into its own buffer (host memory, pinned where the engine is on

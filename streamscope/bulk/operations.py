@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 #: Every steer operation, by its ``mode`` name.
-MODES = ("add", "set", "ablate", "clamp")
+MODES = ("add", "set", "ablate", "clamp", "sae_clamp")  # sae_clamp: streamscope.sae.ClampFeature
 #: The operations that use the vector as a direction (its unit vector), not as an amount.
 DIRECTIONAL = ("ablate", "clamp")
 

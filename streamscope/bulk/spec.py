@@ -59,8 +59,10 @@ class Steer:
             (generated tokens only), a slice, or indices (negative from the
             prompt's end).
         mode: ``"add"`` (``x + scale * v``), ``"set"`` (``scale * v``),
-            ``"ablate"`` (``x - scale * (x . d) d``) or ``"clamp"``
-            (``x + (projection - x . d) d``).
+            ``"ablate"`` (``x - scale * (x . d) d``), ``"clamp"``
+            (``x + (projection - x . d) d``), or ``"sae_clamp"``: SAE
+            feature `feature` clamped to `projection` with the SAE's error
+            term kept (`streamscope.sae.SAE.clamp` builds it).
         generated: Whether generated tokens are steered too.
         prompts: The indices of the prompts this steer applies to; None for all.
         projection: ``clamp``: the projection on ``d`` that every edited row gets.
@@ -70,6 +72,7 @@ class Steer:
         origin: The shape of the model the vector was made on (``model_type``,
             ``hidden_size``, ``num_layers``, ``vocab_size``; a `Direction`'s
             steer sets it): a run on a model of another shape is refused.
+        sae, feature: ``sae_clamp``'s SAE (`streamscope.sae.SAE`) and feature index.
     """
 
     value: str
@@ -84,6 +87,8 @@ class Steer:
     norm_match: bool = False
     from_step: int = 0
     origin: Optional[dict] = None
+    sae: Optional[Any] = None
+    feature: Optional[int] = None
 
     def delta(self, dtype: torch.dtype, device: Any) -> torch.Tensor:
         """The vector the run adds (or sets): ``scale * vector`` in the engine's dtype, on its device."""
@@ -91,6 +96,10 @@ class Steer:
 
     def operation(self, dtype: torch.dtype, device: Any) -> Operation:
         """What the steer does to the rows it edits, with its vectors in `dtype` on `device`."""
+        if self.mode == "sae_clamp":
+            from ..sae import ClampFeature
+
+            return cast(Operation, ClampFeature(cast(Any, self.sae), cast(int, self.feature), self.projection, dtype, device))
         return prepare(self.mode, self.vector, self.scale, self.projection, self.norm_match, dtype, device)
 
     def steers_generated(self, step: int) -> bool:
@@ -112,6 +121,10 @@ class Steer:
         """
         check_vector(self, model.hidden_size)
         check_origin(self, model)
+        if self.mode == "sae_clamp":
+            from ..sae import check_clamp
+
+            check_clamp(self, model)
         host, name = host_and_name(model, self.value, None if self.layer is None
                                    else block_index(model, self.layer, self.value))
         current = getattr(host, name)
@@ -354,6 +367,10 @@ def check_steer(model: Any, steer: Steer, prompts: int) -> Site:
     site = locate(model, steer.value, steer.layer)
     check_vector(steer, model.hidden_size)
     check_origin(steer, model)
+    if steer.mode == "sae_clamp":
+        from ..sae import check_clamp
+
+        check_clamp(steer, model)
     if steer.prompts is not None:
         for index in steer.prompts:
             if not 0 <= index < prompts:
@@ -368,6 +385,8 @@ class HarvestSpec:
     values: list[str]
     layers: list[int]
     positions: list[list[int]] = field(default_factory=list)
+    #: What each harvested row becomes before it is stored (an SAE's features: `streamscope.sae.FeatureReadout`).
+    readout: Optional[Any] = None
 
     def sites(self, model: Any) -> list[Site]:
         """Every (value, block) `Site`, root values once."""

@@ -106,7 +106,7 @@ def _forward_kwargs(module: torch.nn.Module) -> dict[str, Any]:
 
 def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None, positions: Positions = "last",
             out: Optional[str | Path] = None, batch_size: int = 8, shard_size: int = 1024,
-            progress: bool = True) -> Harvest | Path:
+            progress: bool = True, readout: Any = None) -> Harvest | Path:
     """Read values at chosen blocks and positions of many prompts, in padded batches; see `streamscope.bulk`."""
     from tqdm.auto import tqdm
 
@@ -116,7 +116,8 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
     dtype, device = _parameters(model)
     module = model._module
     writer = ShardWriter(out, spec, len(ids)) if out is not None else None
-    applier = Applier(sites, {index: spec.positions[index] for index in range(len(ids))}, [], device).install()
+    applier = Applier(sites, {index: spec.positions[index] for index in range(len(ids))}, [], device,
+                      readout=readout).install()
     collected: dict[int, list] = {}
     pending: list[int] = []
     extra = _forward_kwargs(module)

@@ -61,13 +61,23 @@ class StandardizedTransformers(Standardized, TransformersModel):
 
     # The bulk path (streamscope.bulk): no trace, one hook per module for a whole padded batch.
 
-    def harvest(self, prompts: Any, values: Any, layers: Any = None, positions: Any = "last",
+    def harvest(self, prompts: Any, values: Any = None, layers: Any = None, positions: Any = "last",
                 out: str | Path | None = None, **options: Any) -> Any:
         """Read values at chosen blocks and positions of many prompts, per prompt or to shards on disk.
 
         See `streamscope.bulk` for the layout; ``batch_size`` (8), ``shard_size``
         and ``progress`` are options.
         """
+        if options.get("sae") is not None:  # an SAE's features at its own site: streamscope.sae
+            from ..sae import harvest_features
+
+            if values is not None or layers is not None:
+                raise TypeError("a harvest with sae= reads the SAE's own value and block: leave values and layers out.")
+            return harvest_features(self, prompts, options.pop("sae"), positions, options.pop("top_k", None),
+                                    out=out, **options)
+        options.pop("sae", None)
+        if values is None:
+            raise TypeError("harvest needs the values to read (or sae= for an SAE's features).")
         from ..bulk.transformers import harvest
 
         return harvest(self, prompts, values, layers, positions, out, **options)
