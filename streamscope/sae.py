@@ -35,6 +35,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from .bulk.operations import ClampFeature, check_clamp  # noqa: F401  (the sae_clamp operation, by its module)
 from .bulk.spec import ROOT_VALUES, Steer, locate
 
 ACTIVATIONS = ("relu", "jumprelu", "topk")
@@ -182,22 +183,6 @@ class SAE:
             raise IndexError(f"feature {index!r} is out of range: {self!r} has features 0-{self.d_sae - 1}.")
 
 
-class ClampFeature:
-    """The `sae_clamp` operation, ready on the engine: rows ``[n, d_in]`` -> rows with one feature clamped."""
-
-    adds_only = False
-
-    def __init__(self, sae: SAE, feature: int, value: float, dtype: torch.dtype, device: Any) -> None:
-        # The encoder runs in float32 whatever the engine's dtype: a feature's value decides what is added.
-        self.sae = sae.to(torch.float32, device)
-        self.feature, self.value, self.dtype = feature, float(value), dtype
-        self.direction = self.sae.W_dec[feature]
-
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        current = self.sae.encode(rows.float())[..., self.feature]
-        return (rows.float() + (self.value - current).unsqueeze(-1) * self.direction).to(rows.dtype)
-
-
 class FeatureReadout:
     """What a harvest with ``sae=`` stores per row: the SAE's features, dense or the top k (values, then indices).
 
@@ -220,20 +205,6 @@ class FeatureReadout:
             return features
         top = features.topk(self.top_k, dim=-1)
         return torch.cat([top.values, top.indices.float()], dim=-1)
-
-
-def check_clamp(steer: Steer, model: Any) -> None:
-    """Refuse an ``sae_clamp`` steer whose SAE or feature does not fit the steer's site or the model."""
-    sae = steer.sae
-    if not isinstance(sae, SAE):
-        raise TypeError(f"Steer mode 'sae_clamp' needs sae= a streamscope.sae.SAE (build it with sae.clamp(...)), "
-                        f"not {type(sae).__name__}.")
-    sae.check(model)
-    layer = None if steer.layer is None else steer.layer % model.num_layers
-    if (sae.value, sae.layer) != (steer.value, layer):
-        raise ValueError(f"{sae!r} reads {sae.value} at block {sae.layer}, and the steer edits {steer.value} at block "
-                         f"{steer.layer}: an SAE's features mean something at its own site only. Use sae.clamp(...).")
-    sae._check_feature(steer.feature if isinstance(steer.feature, int) else -1)
 
 
 def harvest_features(model: Any, prompts: Sequence[Any], sae: SAE, positions: Any = "last",

@@ -79,3 +79,33 @@ def prepare(mode: str, vector: torch.Tensor, scale: float, projection: float, no
     delta = (exact * scale).to(dtype)
     unit = (exact / exact.norm()).to(dtype) if mode in DIRECTIONAL else delta
     return Operation(mode, delta, unit, float(scale), float(projection), bool(norm_match))
+
+
+class ClampFeature:
+    """The `sae_clamp` operation, ready on the engine: rows ``[n, d_in]`` -> rows with one feature clamped."""
+
+    adds_only = False
+
+    def __init__(self, sae: Any, feature: int, value: float, dtype: torch.dtype, device: Any) -> None:
+        # The encoder runs in float32 whatever the engine's dtype: a feature's value decides what is added.
+        self.sae = sae.to(torch.float32, device)
+        self.feature, self.value, self.dtype = feature, float(value), dtype
+        self.direction = self.sae.W_dec[feature]
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        current = self.sae.encode(rows.float())[..., self.feature]
+        return (rows.float() + (self.value - current).unsqueeze(-1) * self.direction).to(rows.dtype)
+
+
+def check_clamp(steer: Any, model: Any) -> None:
+    """Refuse an ``sae_clamp`` steer whose SAE or feature does not fit the steer's site or the model."""
+    sae = steer.sae
+    if not (hasattr(sae, "encode") and hasattr(sae, "W_dec") and hasattr(sae, "check")):
+        raise TypeError(f"Steer mode 'sae_clamp' needs sae= a streamscope.sae.SAE (build it with sae.clamp(...)), "
+                        f"not {type(sae).__name__}.")
+    sae.check(model)
+    layer = None if steer.layer is None else steer.layer % model.num_layers
+    if (sae.value, sae.layer) != (steer.value, layer):
+        raise ValueError(f"{sae!r} reads {sae.value} at block {sae.layer}, and the steer edits {steer.value} at block "
+                         f"{steer.layer}: an SAE's features mean something at its own site only. Use sae.clamp(...).")
+    sae._check_feature(steer.feature if isinstance(steer.feature, int) else -1)

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, Union, cast
 import torch
 
 from ..errors import Unavailable
-from .operations import DIRECTIONAL, MODES, Operation, prepare
+from .operations import DIRECTIONAL, MODES, ClampFeature, Operation, check_clamp, prepare
 from ..values import ComputedValue, Host, StreamValue, resolve
 
 #: The residual stream's boundaries on every block.
@@ -97,8 +97,6 @@ class Steer:
     def operation(self, dtype: torch.dtype, device: Any) -> Operation:
         """What the steer does to the rows it edits, with its vectors in `dtype` on `device`."""
         if self.mode == "sae_clamp":
-            from ..sae import ClampFeature
-
             return cast(Operation, ClampFeature(cast(Any, self.sae), cast(int, self.feature), self.projection, dtype, device))
         return prepare(self.mode, self.vector, self.scale, self.projection, self.norm_match, dtype, device)
 
@@ -122,8 +120,6 @@ class Steer:
         check_vector(self, model.hidden_size)
         check_origin(self, model)
         if self.mode == "sae_clamp":
-            from ..sae import check_clamp
-
             check_clamp(self, model)
         host, name = host_and_name(model, self.value, None if self.layer is None
                                    else block_index(model, self.layer, self.value))
@@ -368,8 +364,6 @@ def check_steer(model: Any, steer: Steer, prompts: int) -> Site:
     check_vector(steer, model.hidden_size)
     check_origin(steer, model)
     if steer.mode == "sae_clamp":
-        from ..sae import check_clamp
-
         check_clamp(steer, model)
     if steer.prompts is not None:
         for index in steer.prompts:
