@@ -148,3 +148,22 @@ def check_bad_steers(model, **options) -> None:
                                                                                mode="ablate")],
                            progress=False, **options)
     assert len(after.tokens[0]) == 1
+
+
+def check_harvest_under_steers(model, **options) -> None:
+    """`model.harvest(..., steer=[...])` reads the values under the steers: the same rows a steered generation's
+    harvest reads, and an ablated direction is gone from the value it was ablated at."""
+    direction = vector(model, 10)
+    steers = [streamscope.Steer("layer_output", 0, direction, mode="ablate"),
+              streamscope.Steer("mlp_output", 1, vector(model, 11), mode="clamp", projection=2.0, norm_match=True)]
+    harvest = model.harvest(PROMPTS, "layer_output", layers=[0, 1], positions="all", steer=steers, progress=False,
+                            **options)
+    generated = model.generate(PROMPTS, max_tokens=1, steer=steers, progress=False,
+                               harvest={"values": "layer_output", "layers": [0, 1], "positions": "all"}, **options)
+    plain = model.harvest(PROMPTS, "layer_output", layers=[0, 1], positions="all", progress=False, **options)
+    unit = direction / direction.norm()
+    for index in range(len(PROMPTS)):
+        steered = harvest["layer_output"][index]
+        assert relative_error(steered, generated.harvest["layer_output"][index]) <= RELATIVE, index
+        assert float((steered[0] @ unit).abs().max()) <= 1e-5 * float(steered[0].abs().max()), index
+        assert (steered[1] - plain["layer_output"][index][1]).abs().max() > 1e-3, index

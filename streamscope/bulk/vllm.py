@@ -253,20 +253,20 @@ def _chunks(count: int, size: int) -> list[list[int]]:
 
 def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None, positions: Positions = "last",
             out: Optional[str | Path] = None, shard_size: int = 1024, progress: bool = True,
-            readout: Any = None) -> Harvest | Path:
+            readout: Any = None, steer: Sequence[Steer] = ()) -> Harvest | Path:
     """Read values at chosen blocks and positions of many prompts in the engine's own batches; see `streamscope.bulk`."""
     from tqdm.auto import tqdm
 
     ids = token_ids(model, prompts)
     spec = harvest_spec(model, values, layers, positions, [len(tokens) for tokens in ids])
     spec.readout = readout
-    _check_tapped(model, spec.sites(model))
+    _check_tapped(model, spec.sites(model) + [check_steer(model, item, len(ids)) for item in steer])
     writer = ShardWriter(out, spec, len(ids)) if out is not None else None
     parts: list[Harvest] = []
     bar = tqdm(total=len(ids), desc="harvest", unit="prompt", disable=not progress)
     try:
         for chunk in _chunks(len(ids), shard_size):
-            _, result = _run(model, ids, chunk, {"max_tokens": 1, "temperature": 0.0}, spec, (), False)
+            _, result = _run(model, ids, chunk, {"max_tokens": 1, "temperature": 0.0}, spec, steer, False)
             part = assemble(spec, [result["harvested"].get(local) for local in range(len(chunk))], chunk)
             if writer is not None:
                 writer.write(part)

@@ -65,7 +65,9 @@ class StandardizedTransformers(Standardized, TransformersModel):
                 out: str | Path | None = None, **options: Any) -> Any:
         """Read values at chosen blocks and positions of many prompts, per prompt or to shards on disk.
 
-        See `streamscope.bulk` for the layout; ``batch_size`` (8), ``shard_size``
+        ``steer=[...]`` reads them under steers; ``sae=`` (with ``top_k=``)
+        harvests an SAE's features at its own site (`streamscope.sae`). See
+        `streamscope.bulk` for the layout; ``batch_size`` (8), ``shard_size``
         and ``progress`` are options.
         """
         if options.get("sae") is not None:  # an SAE's features at its own site: streamscope.sae

@@ -231,7 +231,9 @@ class StandardizedVLLM(Standardized, VLLM):
                 out: str | Path | None = None, **options: Any) -> Any:
         """Read values at chosen blocks and positions of many prompts, per prompt or to shards on disk.
 
-        See `streamscope.bulk` for the layout; ``shard_size`` (prompts per
+        ``steer=[...]`` reads them under steers; ``sae=`` (with ``top_k=``)
+        harvests an SAE's features at its own site (`streamscope.sae`). See
+        `streamscope.bulk` for the layout; ``shard_size`` (prompts per
         engine run and per shard) and ``progress`` are options.
         """
         if options.get("sae") is not None:  # an SAE's features at its own site: streamscope.sae

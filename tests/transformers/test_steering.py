@@ -63,3 +63,7 @@ def test_bad_steers_are_refused_before_the_model_runs(engine):
     with pytest.raises(ValueError, match="NaN or inf"):
         with engine.model.trace(PROMPTS[0]):
             steer.apply(engine.model)
+
+
+def test_a_harvest_reads_the_values_under_steers(engine):
+    steer_checks.check_harvest_under_steers(engine.model)

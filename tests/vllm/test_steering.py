@@ -70,3 +70,7 @@ def test_a_trace_applying_the_steers_equals_the_bulk_path(engine, case):
 
 def test_bad_steers_are_refused_before_the_engine_runs_and_it_serves_on(engine):
     steer_checks.check_bad_steers(engine.model)
+
+
+def test_a_harvest_reads_the_values_under_steers(engine):
+    steer_checks.check_harvest_under_steers(engine.model)
