@@ -90,6 +90,37 @@ class Steer:
     sae: Optional[Any] = None
     feature: Optional[int] = None
 
+    def to_dict(self) -> dict[str, Any]:
+        """The steer as JSON-ready data (the vector as a list of floats); `from_dict` reads it back.
+
+        An ``sae_clamp`` steer holds its SAE, which is weights, not data: it is refused here.
+        """
+        if self.sae is not None:
+            raise ValueError("an sae_clamp steer holds its SAE's weights: send the SAE by name, not as data.")
+        data = {name: getattr(self, name) for name in ("value", "layer", "scale", "mode", "generated",
+                                                       "projection", "norm_match", "from_step", "origin", "feature")}
+        positions: Any = self.positions
+        if isinstance(positions, slice):
+            positions = {"slice": [positions.start, positions.stop, positions.step]}
+        data.update(vector=[float(number) for number in self.vector.detach().float().cpu().tolist()],
+                    positions=positions, prompts=None if self.prompts is None else list(self.prompts))
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Steer":
+        """A steer from `to_dict`'s data; unknown keys are refused, naming the ones there are."""
+        known = {"value", "layer", "vector", "scale", "positions", "mode", "generated", "prompts", "projection",
+                 "norm_match", "from_step", "origin", "feature"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"a steer has no {', '.join(unknown)}: its fields are {', '.join(sorted(known))}.")
+        fields = dict(data)
+        positions = fields.get("positions", "all")
+        if isinstance(positions, dict) and "slice" in positions:
+            fields["positions"] = slice(*positions["slice"])
+        fields["vector"] = torch.tensor(fields["vector"], dtype=torch.float32)
+        return cls(**fields)
+
     def delta(self, dtype: torch.dtype, device: Any) -> torch.Tensor:
         """The vector the run adds (or sets): ``scale * vector`` in the engine's dtype, on its device."""
         return (self.vector.detach().to(device=device, dtype=torch.float32) * self.scale).to(dtype)

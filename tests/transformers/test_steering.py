@@ -67,3 +67,20 @@ def test_bad_steers_are_refused_before_the_model_runs(engine):
 
 def test_a_harvest_reads_the_values_under_steers(engine):
     steer_checks.check_harvest_under_steers(engine.model)
+
+
+def test_a_steer_travels_as_json_and_steers_the_same(engine):
+    import json
+
+    model = engine.model
+    for case in ("clamp_norm_match_generated_only", "set_norm_match_prompt_positions", "several_blocks"):
+        steers = CASES[case](model)
+        again = [streamscope.Steer.from_dict(json.loads(json.dumps(steer.to_dict()))) for steer in steers]
+        options = {"max_tokens": STEPS, "return_logits": True, "ignore_eos": True, "progress": False}
+        first = model.generate(PROMPTS[:2], steer=steers, **options)
+        second = model.generate(PROMPTS[:2], steer=again, **options)
+        assert all(torch.equal(a, b) for a, b in zip(first.logits, second.logits)), case
+    sliced = streamscope.Steer("layer_output", 0, torch.ones(model.hidden_size), positions=slice(1, 3))
+    assert streamscope.Steer.from_dict(json.loads(json.dumps(sliced.to_dict()))).positions == slice(1, 3)
+    with pytest.raises(ValueError, match="a steer has no strength"):
+        streamscope.Steer.from_dict({**sliced.to_dict(), "strength": 2})
