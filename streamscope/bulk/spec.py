@@ -261,11 +261,21 @@ class Site:
         # A slice is a view of the whole batch's copy: keep only its rows.
         return picked.clone() if isinstance(rows, slice) else picked
 
-    def edit_rows(self, raw: Any, rows: torch.Tensor, operation: Operation) -> None:
-        """Apply `operation` to rows of the flattened batch, written back as a trace's edit is."""
+    def edit_rows(self, raw: Any, rows: torch.Tensor, operation: Any, mode: Optional[str] = None) -> None:
+        """Apply `operation` to rows of the flattened batch, written back as a trace's edit is.
+
+        `operation` is an `Operation` (or any callable of the rows); with
+        `mode` (``"add"`` or ``"set"``) it is instead the vector(s) to add or
+        set, ``[hidden]`` or one per row.
+        """
         view = self.user(raw)
         flat = view.reshape(-1, view.shape[-1])
-        if operation.adds_only:
+        if mode is not None:
+            if mode == "add":
+                flat[rows] += operation
+            else:
+                flat[rows] = operation
+        elif operation.adds_only:
             flat[rows] += operation.delta
         else:
             flat[rows] = operation(flat[rows])
@@ -444,3 +454,30 @@ def generation_harvest(model: Any, harvest: Any, lengths: Sequence[int]) -> Opti
     if options:
         raise TypeError(f"harvest= takes values, layers and positions; not {', '.join(options)}.")
     return spec
+
+
+def plain_generation(inputs: tuple, kwargs: dict[str, Any]) -> tuple[list, dict[str, Any]]:
+    """`model.generate(...)` called outside a ``with`` block, as the bulk path's (prompts, settings).
+
+    One prompt (a string) is a list of one; transformers' spellings are taken too: ``max_new_tokens`` is
+    ``max_tokens``, ``do_sample=False`` greedy (``temperature=0``), ``do_sample=True`` sampling at temperature 1
+    unless one is given.
+    """
+    if len(inputs) != 1:
+        raise TypeError(f"model.generate takes the prompts as one argument (a string or a list); got {len(inputs)}")
+    prompts = inputs[0]
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    settings = dict(kwargs)
+    if "max_new_tokens" in settings:
+        if "max_tokens" in settings:
+            raise TypeError("give max_tokens or max_new_tokens, not both")
+        settings["max_tokens"] = settings.pop("max_new_tokens")
+    if "do_sample" in settings:
+        sample = settings.pop("do_sample")
+        if not sample:
+            if settings.get("temperature", 0.0) != 0.0:
+                raise ValueError("do_sample=False is greedy: leave temperature out, or sample with do_sample=True")
+            settings["temperature"] = 0.0
+        else:
+            settings.setdefault("temperature", 1.0)
+    return prompts, settings
