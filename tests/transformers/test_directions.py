@@ -227,6 +227,17 @@ def test_gguf_control_vectors_export_and_import_in_repengs_layout(setup, tmp_pat
                                                               for layer, vector in vectors.items()],
                            return_logits=True, progress=False)
     assert torch.equal(result.logits[0], plain.logits[0])
+    narrow = tmp_path / "narrow.gguf"
+    writer = gguf.GGUFWriter(str(narrow), "controlvector")
+    writer.add_string("controlvector.model_hint", "llama")
+    writer.add_uint32("controlvector.layer_count", 1)
+    writer.add_tensor("direction.1", np.ones(model.hidden_size + 1, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=f"direction.1 is {model.hidden_size + 1} wide.*made for another model"):
+        import_gguf(narrow, model)
     other = streamscope.load(setup.model.config._name_or_path)
     other.config.model_type = "mistral"
     with pytest.raises(ValueError, match="made for a 'llama' model.*check_hint=False"):
