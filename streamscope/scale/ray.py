@@ -104,7 +104,7 @@ class Replica:
 
     def run(self, job: dict[str, Any]) -> dict[str, Any]:
         """Harvest one shard's prompts (global indices ``job["first"]``...) and write the shard."""
-        from ..bulk.transformers import token_ids
+        from ..bulk.spec import token_ids
 
         start = time.perf_counter()
         ids = token_ids(self.model, job["prompts"])

@@ -26,11 +26,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .apply import Applier, Span, steer_plans
-from .results import Generation, Harvest, ShardWriter, assemble
+from ..bulk.apply import Applier, Span, steer_plans
+from ..bulk.results import Generation, Harvest, ShardWriter, assemble
+from .. import nnsight_seam as seam
 from ..errors import Unavailable, untapped
-from .spec import HarvestSpec, Positions, Site, Steer, check_steer, generation_harvest, harvest_spec, locate
-from .transformers import token_ids
+from ..bulk.spec import (HarvestSpec, Positions, Site, Steer, check_steer, generation_harvest, harvest_spec, locate,
+                         token_ids)
 from .pipeline import gather, holds, site_count, stage_sites
 
 #: The sampling params' extra_args key that marks a request as a bulk run's, with its prompt index.
@@ -55,42 +56,25 @@ class WorkerState:
         self.logits: Optional[dict[int, list[torch.Tensor]]] = None
         self.sampled: list[Optional[int]] = []
         self.logits_hook: Any = None
-        original = runner._update_states
+        seam.wrap_update_states(runner, self._step_scheduled)
+        # On an engine that replays CUDA graphs, a replayed step runs no module call, so no hook fires: the bulk
+        # work runs at each tap instead. A step that runs eagerly (a prefill) fires the hooks and reaches no tap,
+        # so each step's work runs once either way.
+        seam.wrap_replay(getattr(getattr(runner, "nnsight_model", None), "interleaver", None), self._replayed)
 
-        def update_states(scheduler_output: Any) -> Any:
-            result = original(scheduler_output)
-            applier = self.applier
-            if applier is not None and applier.error is None:
-                try:
-                    self.observe(scheduler_output)
-                except Exception as error:  # noqa: BLE001  (the run's error, raised by the client; the engine serves on)
-                    applier.error = error
-            return result
+    def _step_scheduled(self, scheduler_output: Any) -> None:
+        applier = self.applier
+        if applier is not None and applier.error is None:
+            try:
+                self.observe(scheduler_output)
+            except Exception as error:  # noqa: BLE001  (the run's error, raised by the client; the engine serves on)
+                applier.error = error
 
-        # On the instance: vLLM's execute_model calls self._update_states, whatever the runner's class.
-        runner._update_states = update_states
-        self._serve_replayed_taps(getattr(getattr(runner, "nnsight_model", None), "interleaver", None))
-
-    def _serve_replayed_taps(self, interleaver: Any) -> None:
-        """On an engine that replays CUDA graphs, run the bulk work at each tap of a replayed step.
-
-        A replayed step runs no module call, so no hook fires; nnsight's tapped
-        interleaver calls its ``replay(location, tensors)`` at every tap instead
-        (looked up at each replay, so wrapping it on the instance reaches graphs
-        recorded before). A step that runs eagerly (a prefill) fires the hooks
-        and never reaches this, so each step's work runs once either way.
-        """
-        if not getattr(interleaver, "taps", None):
-            return
-        original = interleaver.replay
-
-        def replay(location: str, live: Any) -> Any:
-            applier = self.applier
-            if applier is not None:
-                applier.apply_at(location, live)
-            return original(location, live)
-
-        interleaver.replay = replay
+    def _replayed(self, original: Any, location: str, live: Any) -> Any:
+        applier = self.applier
+        if applier is not None:
+            applier.apply_at(location, live)
+        return original(location, live)
 
     def observe(self, scheduler_output: Any) -> None:
         """This step's spans, from the scheduler's token counts in the order of the runner's batch."""
@@ -128,9 +112,14 @@ class WorkerState:
 
 def worker_tree(module: torch.nn.Module, model_type: str) -> Any:
     """streamscope's envoy tree over the worker's real model: the same family envoys the client's tree has."""
-    from ..vllm.families import envoy_tree, family_for
+    from .families import envoy_tree, family_for
 
     return envoy_tree(module, family_for(model_type))
+
+
+def worker_root(worker: Any, model_type: str) -> Any:
+    """The worker's envoy tree over its real model (`worker_tree`), built once per worker."""
+    return _state(worker, model_type).root
 
 
 def _state(worker: Any, model_type: str) -> WorkerState:
@@ -149,7 +138,7 @@ def worker_begin(worker: Any, payload: bytes) -> None:
         worker_finish(worker, True)  # a run the client abandoned: its hooks go
     root = state.root
     spec: Optional[HarvestSpec] = plan["harvest"]
-    # Under pipeline parallelism this worker's stage reads and steers the blocks it holds (`bulk.pipeline`).
+    # Under pipeline parallelism this worker's stage reads and steers the blocks it holds (`vllm.pipeline`).
     sites, state.held = stage_sites(root, spec) if spec is not None else ([], [])
     state.total = site_count(spec) if spec is not None else 0
     device = next(state.runner.get_model().parameters()).device
@@ -160,7 +149,7 @@ def worker_begin(worker: Any, payload: bytes) -> None:
     plans = steer_plans(steers, keys, plan["lengths"], dtype, device)
     wanted = {key: spec.positions[key] for key in keys} if spec is not None else {}
     state.run, state.keys = plan["run"], {}
-    state.applier = Applier(sites, wanted, plans, device).install()
+    state.applier = Applier(sites, wanted, plans, device, readout=spec.readout if spec is not None else None).install()
     state.logits = {} if plan["logits"] else None
     processor = getattr(state.runner.get_model(), "logits_processor", None)  # the last stage's only
     if plan["logits"] and processor is not None:
@@ -224,7 +213,7 @@ def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str,
     local = {global_index: local_index for local_index, global_index in enumerate(chunk)}
     chunk_spec = None
     if spec is not None:
-        chunk_spec = HarvestSpec(spec.values, spec.layers, [spec.positions[index] for index in chunk])
+        chunk_spec = HarvestSpec(spec.values, spec.layers, [spec.positions[index] for index in chunk], spec.readout)
     chunk_steers = []
     for steer in steers:
         if steer.prompts is None:
@@ -243,7 +232,7 @@ def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str,
                                                  use_tqdm=False)
     finally:
         results = model.vllm_entrypoint.collective_rpc("streamscope_bulk_finish", args=(inline,))
-    # Every worker's part: under pipeline parallelism each stage read its own blocks (`bulk.pipeline.gather`).
+    # Every worker's part: under pipeline parallelism each stage read its own blocks (`vllm.pipeline.gather`).
     result = gather([item if inline or item is None else pickle.loads(item) for item in results])
     if result["error"] is not None:
         raise result["error"]
@@ -261,19 +250,21 @@ def _chunks(count: int, size: int) -> list[list[int]]:
 
 
 def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None, positions: Positions = "last",
-            out: Optional[str | Path] = None, shard_size: int = 1024, progress: bool = True) -> Harvest | Path:
+            out: Optional[str | Path] = None, shard_size: int = 1024, progress: bool = True,
+            readout: Any = None, steer: Sequence[Steer] = ()) -> Harvest | Path:
     """Read values at chosen blocks and positions of many prompts in the engine's own batches; see `streamscope.bulk`."""
     from tqdm.auto import tqdm
 
     ids = token_ids(model, prompts)
     spec = harvest_spec(model, values, layers, positions, [len(tokens) for tokens in ids])
-    _check_tapped(model, spec.sites(model))
+    spec.readout = readout
+    _check_tapped(model, spec.sites(model) + [check_steer(model, item, len(ids)) for item in steer])
     writer = ShardWriter(out, spec, len(ids)) if out is not None else None
     parts: list[Harvest] = []
     bar = tqdm(total=len(ids), desc="harvest", unit="prompt", disable=not progress)
     try:
         for chunk in _chunks(len(ids), shard_size):
-            _, result = _run(model, ids, chunk, {"max_tokens": 1, "temperature": 0.0}, spec, (), False)
+            _, result = _run(model, ids, chunk, {"max_tokens": 1, "temperature": 0.0}, spec, steer, False)
             part = assemble(spec, [result["harvested"].get(local) for local in range(len(chunk))], chunk)
             if writer is not None:
                 writer.write(part)
