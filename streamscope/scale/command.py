@@ -61,9 +61,9 @@ def command_harvest(arguments: argparse.Namespace) -> int:
     from .ray import HarvestFailed, harvest
 
     options = dict(arguments.engine_options)
-    if arguments.engine == "vllm":
-        options.setdefault("tensor_parallel_size", arguments.tensor_parallel_size)
-        options.setdefault("pipeline_parallel_size", arguments.pipeline_parallel_size)
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):  # only where asked: vLLM's settings
+        if getattr(arguments, name) != 1:
+            options.setdefault(name, getattr(arguments, name))
     harvest_options = {} if arguments.batch_size is None else {"batch_size": arguments.batch_size}
     values = [value.strip() for value in arguments.values.split(",") if value.strip()]
     try:

@@ -86,13 +86,12 @@ class Replica:
 
     def __init__(self, checkpoint: str, engine: str, options: dict[str, Any], index: int) -> None:
         ranks = int(options.get("tensor_parallel_size", 1)) * int(options.get("pipeline_parallel_size", 1))
-        if engine == "vllm" and ranks == 1:
-            # One rank: the engine runs in this actor's process rather than in two more of its own.
+        if ranks == 1:
+            # One rank: a vLLM engine runs in this actor's process rather than in two more of its own.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         import streamscope
 
         self.index = index
-        self.engine = engine
         self.model = streamscope.load(checkpoint, engine=engine, **options)
 
     def where(self) -> dict[str, Any]:
@@ -109,8 +108,7 @@ class Replica:
         start = time.perf_counter()
         ids = token_ids(self.model, job["prompts"])
         options = dict(job["harvest_options"])
-        if self.engine == "vllm":
-            options.setdefault("shard_size", len(ids))  # the whole shard in one engine run
+        options.setdefault("shard_size", len(ids))  # vLLM: the whole shard in one engine run
         harvest = self.model.harvest(ids, job["values"], job["layers"], job["positions"], progress=False, **options)
         harvest.prompts = list(range(job["first"], job["first"] + len(ids)))
         record = {**self.where(), "tokens": sum(len(tokens) for tokens in ids),
