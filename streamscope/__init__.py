@@ -10,12 +10,15 @@ from .errors import Unavailable, UnsupportedCheckpoint
 from .support import BlockSupport, ModelSupport
 
 __all__ = ["load", "Unavailable", "UnsupportedCheckpoint", "BlockSupport", "ModelSupport", "Steer", "Harvest",
-           "Generation", "load_harvest", "iter_harvest", "Cache", "Lens", "lens", "Patching", "patch"]
+           "Generation", "load_harvest", "iter_harvest", "Cache", "Lens", "lens", "Patching", "patch", "plot",
+           "views"]
 
 ENGINES = ("transformers", "vllm")
 _BULK = ("Steer", "Harvest", "Generation", "load_harvest", "iter_harvest")
 #: The workflows' names, loaded on first use like the bulk path's: {name: module}.
 _WORKFLOWS = {"Cache": "cache", "Lens": "logit_lens", "lens": "logit_lens", "Patching": "patching", "patch": "patching"}
+#: Submodules loaded on first use: `streamscope.plot.attention(...)` (PNG), `streamscope.views.lens(...)` (HTML).
+_MODULES = ("plot", "views")
 
 
 def __getattr__(name: str) -> Any:
@@ -28,7 +31,16 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return getattr(importlib.import_module(f".{_WORKFLOWS[name]}", __name__), name)
+    if name in _MODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'streamscope' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The lazily loaded names too: dir(), help(streamscope) and tab completion list them.
+    return sorted(set(globals()) | set(__all__))
 
 
 def load(path: str | Path, engine: str = "transformers", **kwargs: Any) -> Any:

@@ -31,7 +31,7 @@ def streamscope_command(*arguments: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=environment, timeout=600)
 
 
-def assert_image(path: Path, size: tuple[float, float], dpi: int = 100) -> None:
+def assert_image(path: Path, size: tuple[float, float], dpi: int = plot.DPI) -> None:
     assert path.exists() and path.stat().st_size > 0
     pixels = matplotlib.image.imread(str(path))
     assert pixels.shape[:2] == (round(size[1] * dpi), round(size[0] * dpi))
@@ -68,6 +68,8 @@ def test_check_fails_with_a_nonzero_exit_when_a_value_is_off(monkeypatch, capsys
 
     failing = Report("ckpt", "llama", ["transformers"], errors={"layer_mid": {"transformers": 3e-2}})
     monkeypatch.setattr("streamscope.check.check", lambda *args, **kwargs: failing)
+    # "ckpt" names no folder, so it is a hub id: the hub is taken as reachable (the network boundary only).
+    monkeypatch.setattr("streamscope.models.hub_unreachable", lambda timeout=3.0: None)
     assert cli.main(["check", "ckpt", "--engines", "transformers"]) == 1
     output = capsys.readouterr().out
     assert "FAIL" in output and "3.0e-02" in output
