@@ -10,13 +10,13 @@ from .errors import Unavailable, UnsupportedCheckpoint
 from .support import BlockSupport, ModelSupport
 
 __all__ = ["load", "Unavailable", "UnsupportedCheckpoint", "BlockSupport", "ModelSupport", "Steer", "Harvest",
-           "Generation", "load_harvest", "iter_harvest", "Cache", "Lens", "lens", "Patching", "patch", "plot",
-           "views"]
+           "Generation", "load_harvest", "iter_harvest", "Cache", "Lens", "lens", "Patching", "patch", "Client",
+           "plot", "views"]
 
 ENGINES = ("transformers", "vllm")
 _BULK = ("Steer", "Harvest", "Generation", "load_harvest", "iter_harvest")
 #: The workflows' names, loaded on first use like the bulk path's: {name: module}.
-_WORKFLOWS = {"Cache": "cache", "Lens": "logit_lens", "lens": "logit_lens", "Patching": "patching", "patch": "patching"}
+_WORKFLOWS = {"Client": "serve.client", "Cache": "cache", "Lens": "logit_lens", "lens": "logit_lens", "Patching": "patching", "patch": "patching"}
 #: Submodules loaded on first use: `streamscope.plot.attention(...)` (PNG), `streamscope.views.lens(...)` (HTML).
 _MODULES = ("plot", "views")
 

@@ -15,6 +15,18 @@ def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     return ((value - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
 
 
+def difference_tolerance(logits: torch.Tensor, relative: float) -> float:
+    """What a difference of two of `logits` may be off by, absolutely, when the logits are held to `relative`
+    (relative_error's measure: of their largest magnitude): each of the two by that much, so twice."""
+    return 2 * relative * logits.detach().float().abs().max().item()
+
+
+def sum_tolerance(parts: torch.Tensor, relative: float) -> float:
+    """What the sum of `parts` (over dim 0) may be off by, absolutely, when each part is held to `relative` of its
+    own largest magnitude: the sum of those bounds."""
+    return relative * parts.detach().float().flatten(1).abs().max(-1).values.sum().item()
+
+
 def mixer(layer):
     """The block's attention, or its recurrent mixer where it has one and no softmax attention."""
     return layer.linear_attn if "linear_attn" in layer.__dict__ and "self_attn" not in layer.__dict__ else layer.self_attn

@@ -28,6 +28,25 @@ def checkpoints(tmp_path_factory):
     return build
 
 
+def pytest_sessionfinish(session):
+    """Under pytest-xdist, a worker hands its matrix record to the controller, which prints the summary."""
+    import matrix
+
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["matrix"] = {"|".join(key): entry for key, entry in matrix.RECORD.items()}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller's side of `pytest_sessionfinish`: each worker's closest calls join its own record."""
+    import matrix
+
+    for key, entry in getattr(node, "workeroutput", {}).get("matrix", {}).items():
+        if "value" in entry:
+            matrix.record(*key.split("|"), entry["value"], entry["error"], entry["tolerance"])
+
+
 def pytest_terminal_summary(terminalreporter):
     """The value x family matrix's closest call per engine and family (tests/matrix.py), for the run record."""
     import matrix

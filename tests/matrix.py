@@ -199,6 +199,34 @@ def read(model, steps: list[tuple[str, Optional[int]]], trace_input, **trace_kwa
     return found
 
 
+def attention_kernel_error(model, saved: dict) -> float:
+    """How far the engine's attention kernel keeps from torch's arithmetic on the kernel's own inputs, relative,
+    the worst block: its `head_outputs` against `pattern @ values` in float64, all three read in one run (`saved`,
+    as `read` returns it; the pattern is the softmax of the kernel's queries and keys with the family's scale,
+    soft cap and mask). 0 where no block serves all three."""
+    worst = 0.0
+    for block in range(model.num_layers):
+        keys = [(f"self_attn.{name}", block) for name in ("pattern", "values", "head_outputs")]
+        if not all(key in saved for key in keys):
+            continue
+        pattern, values, outputs = (saved[key].double() for key in keys)
+        values = values.repeat_interleave(pattern.shape[1] // values.shape[1], dim=1)
+        mixed = (pattern @ values).transpose(1, 2)
+        worst = max(worst, ((outputs - mixed).abs().max() / mixed.abs().max().clamp_min(1e-30)).item())
+    return worst
+
+
+def attention_steps(model) -> list[tuple[str, Optional[int]]]:
+    """The `read` steps `attention_kernel_error` needs: each block's pattern, values and head_outputs it serves."""
+    steps: list[tuple[str, Optional[int]]] = []
+    for block in range(model.num_layers):
+        rows = model.layers[block].support().rows
+        names = [f"self_attn.{name}" for name in ("values", "pattern", "head_outputs")]  # the order they are computed
+        if all(rows.get(name, "absent") is None for name in names):
+            steps += [(name, block) for name in names]
+    return steps
+
+
 class Tolerances:
     """What a family's values are held to: relative for tensors, absolute for attention weights in [0, 1]."""
 

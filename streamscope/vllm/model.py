@@ -199,8 +199,9 @@ class StandardizedVLLM(Standardized, VLLM):
 
                 cleanup_dist_env_and_memory()
             raise
-        _ENGINES.add(self)
-        _STARTED[:] = [self.vllm_entrypoint.llm_engine.vllm_config]
+        if self.vllm_entrypoint is not None:  # dispatch=False builds the meta tree alone (a server's front end)
+            _ENGINES.add(self)
+            _STARTED[:] = [self.vllm_entrypoint.llm_engine.vllm_config]
         self._check_family()
 
     def _resolve_taps(self, module: torch.nn.Module) -> tuple[str, ...]:

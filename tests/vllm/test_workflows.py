@@ -13,34 +13,44 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import attention_oracle
+import matrix
 import oracle
 import precision
 from bulk_checks import ROUNDING
-from access import relative_error
+from access import difference_tolerance, relative_error, sum_tolerance
 import streamscope
 from streamscope.vllm.model import beside_engine
 
 PROMPTS = ["The Eiffel Tower is in Paris, and the quick brown fox", "Rome is in Italy"]
 CLEAN, CORRUPTED = "Paris is in Italy", "Rome is in Italy"
-#: float32 on CPU: vLLM's kernels agree with transformers' to about 1e-6; Gemma 2's attention soft cap is
-#: compiled into vLLM's CPU kernel and agrees with torch.tanh to about 2e-4 (see test_families.py).
-TOLERANCE = {"llama": 1e-5, "gptj": 1e-5, "olmo2": 1e-5, "gemma2": 5e-4}
+GREEDY = {"temperature": 0.0, "max_tokens": 1}
+FAMILIES = ["llama", "gptj", "olmo2", "gemma2"]
 
 
 class Engine:
     def __init__(self, family: str, path):
         self.name = family
         self.model = streamscope.load(path, engine="vllm", **precision.engine_kwargs())
+        # The family's own function: Gemma 2's sdpa forward in transformers drops its attention soft cap, which
+        # vLLM computes (5e-4 apart on this checkpoint), so its reference is the eager forward.
+        implementation = attention_oracle.exact_implementation(family)
         with beside_engine():
-            self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            self.reference = AutoModelForCausalLM.from_pretrained(
+                path, **attention_oracle.load_kwargs(family, implementation)).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.ids = [self.tokenizer(prompt, return_tensors="pt").input_ids for prompt in PROMPTS]
         self.expected = [oracle.values(self.reference, family, ids) for ids in self.ids]
-        # On a GPU: what a batched request keeps from its solo run there (tests/precision.py).
-        self.tolerance = precision.GPU_ENGINE_TOLERANCE[precision.DTYPE] if precision.ON_GPU else TOLERANCE[family]
+        # On a GPU: what a batched request keeps from its solo run there. On the CPU: the suite's float32 figure,
+        # scaled by what this machine's attention kernel measures against torch's arithmetic (tests/precision.py).
+        if precision.ON_GPU:
+            self.tolerance = precision.GPU_ENGINE_TOLERANCE[precision.DTYPE]
+        else:
+            attention = matrix.read(self.model, matrix.attention_steps(self.model), PROMPTS[0], **GREEDY)
+            self.tolerance = precision.cpu_float32(matrix.attention_kernel_error(self.model, attention))
 
 
-@pytest.fixture(scope="module", params=list(TOLERANCE))
+@pytest.fixture(scope="module", params=FAMILIES)
 def engine(request, checkpoints):
     engine = Engine(request.param, checkpoints(request.param))
     yield engine
@@ -70,7 +80,7 @@ def test_cache_of_several_requests_equals_the_oracle(engine):
     final = engine.expected[0]["layer_output"][-1]
     assert relative_error(parts.sum(0)[:1, : engine.ids[0].shape[1]], final) <= engine.tolerance
     # logit_attrs with the engine's own unembedding rows, read in the worker: summed, the raw logit.
-    attrs = cache.logit_attrs(parts, tokens=7)[:, :1, : engine.ids[0].shape[1]].sum(0)
+    attrs = cache.logit_attrs(parts, tokens=7)[:, :1, : engine.ids[0].shape[1]]
     head = engine.reference.get_output_embeddings()
     raw = head(engine.expected[0]["final_norm_output"])[..., 7]
     norm = oracle.site(engine.reference, engine.name, "final_norm_output")[0]
@@ -78,7 +88,8 @@ def test_cache_of_several_requests_equals_the_oracle(engine):
         raw = raw - norm.bias @ head.weight[7]
     if getattr(head, "bias", None) is not None:
         raw = raw - head.bias[7]
-    assert relative_error(attrs, raw) <= engine.tolerance * 10
+    # Each part is held to the tolerance of its own scale, so their sum to the sum of those bounds.
+    assert (attrs.sum(0) - raw).abs().max().item() <= sum_tolerance(attrs, engine.tolerance)
 
 
 def test_lens_in_the_worker_equals_the_hooked_head(engine):
@@ -113,9 +124,9 @@ def test_patches_run_as_invokes_of_one_step_and_match_hooked_patches(engine):
             with torch.no_grad(), oracle.hooked(module, where, replace):
                 logits = engine.reference(corrupted_ids).logits[0, -1]
             expected = (logits[3] - logits[4]).item()
-            # A logit difference: absolute, 1e-3 on the CPU; on a GPU the engine's tolerance of the logits' scale.
-            scale = 1e-3 if not precision.ON_GPU else engine.tolerance * logits.abs().max().item()
-            assert result.effects[row, position].item() == pytest.approx(expected, abs=scale), (block, position)
+            # A difference of two logits, each held to the engine's tolerance of the logits' scale.
+            bound = difference_tolerance(logits, engine.tolerance)
+            assert result.effects[row, position].item() == pytest.approx(expected, abs=bound), (block, position)
 
 
 def test_steering_over_generated_tokens_matches_a_hooked_generate(engine):
