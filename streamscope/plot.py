@@ -57,21 +57,26 @@ def _save(figure: Any, path: Any, dpi: int) -> Path:
     return path
 
 
+def _tenths(inches: float) -> float:
+    """`inches` to a tenth of an inch: a whole number of pixels at `DPI` (150 px per inch, 15 per tenth)."""
+    return round(inches * 10) / 10
+
+
 def attention_size(tokens: int, heads: int, columns: int = 4) -> tuple[float, float]:
     """The attention figure's (width, height) in inches: a square panel per head, `columns` to a row."""
     columns = min(columns, heads)
     side = 2.2 + 0.35 * tokens
-    return side * columns + 1.5, side * math.ceil(heads / columns) + 0.6
+    return _tenths(side * columns + 1.5), _tenths(side * math.ceil(heads / columns) + 0.6)
 
 
 def lens_size(positions: int, blocks: int) -> tuple[float, float]:
     """The lens heatmap's (width, height) in inches."""
-    return 3.0 + 0.9 * positions, 2.0 + 0.3 * blocks
+    return _tenths(3.0 + 0.9 * positions), _tenths(2.0 + 0.3 * blocks)
 
 
 def patching_size(columns: int, blocks: int) -> tuple[float, float]:
     """The patching heatmap's (width, height) in inches."""
-    return 3.0 + 0.7 * columns, 2.0 + 0.3 * blocks
+    return _tenths(3.0 + 0.7 * columns), _tenths(2.0 + 0.3 * blocks)
 
 
 def attention(pattern: torch.Tensor, tokens: Sequence[str], path: Any, *, heads: Optional[Sequence[int]] = None,

@@ -24,7 +24,6 @@ from .display import shortened, token
 _STYLE = """
 body { font-family: system-ui, sans-serif; font-size: 14px; margin: 12px; color: #222; }
 h1 { font-size: 16px; margin: 0 0 10px 0; }
-.tokens span, .cell { cursor: default; }
 .tok { display: inline-block; padding: 2px 4px; margin: 1px; border: 1px solid #ccc; border-radius: 3px;
        font-family: ui-monospace, monospace; white-space: pre; }
 .tok.active { outline: 2px solid #d33; }
@@ -133,14 +132,14 @@ def attention(pattern: torch.Tensor, tokens: Sequence[str], path: Optional[str |
     prompt = shortened("".join(tokens))
     title = title or f"{'block ' + str(block) + ' ' if block is not None else ''}attention on {prompt!r}"
 
-    def row(attribute: str, extra: str = "") -> str:
+    def row(attribute: str) -> str:
         return "".join(f"<span class='tok' data-{attribute}='{index}'>{html.escape(label)}</span>"
                        for index, label in enumerate(labels))
 
     body = ("<div class='query tokens'><b>hover a query token:</b><br>" + row("query") + "</div><hr>"
             + "".join(f"<div class='head tokens' data-head='{h}'><b>head {h}</b>{row('key')}</div>" for h in heads))
     data = {"labels": labels, "heads": heads, "pattern": pattern[heads].tolist()}
-    view = View(_page(title, body, data, _ATTENTION_SCRIPT), title, height=160 + 40 * len(heads) + 40 * len(heads))
+    view = View(_page(title, body, data, _ATTENTION_SCRIPT), title, height=200 + 70 * len(heads))
     if path is not None:
         view.save(path)
     return view

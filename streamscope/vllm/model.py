@@ -8,6 +8,7 @@ import contextlib
 import copy
 import functools
 import gc
+import inspect
 import os
 import sys
 import weakref
@@ -250,6 +251,8 @@ class StandardizedVLLM(Standardized, VLLM):
         # A trace is one engine run: vLLM's own bars ("Rendering prompts", "Processed prompts") would print
         # once per run, interleaved with the bar of the workflow (cache, lens, patch) that runs many of them.
         entry = self.vllm_entrypoint
+        if "use_tqdm" not in inspect.signature(type(entry).generate).parameters:  # an engine without bars
+            return super()._call(prompts, params, lora_requests, **kwargs)
         entry.generate = functools.partial(type(entry).generate, entry, use_tqdm=False)
         try:
             return super()._call(prompts, params, lora_requests, **kwargs)
