@@ -179,7 +179,8 @@ class Generation:
 
     Attributes:
         tokens: The generated token ids.
-        texts: The generated texts.
+        texts: The generated texts (on vLLM its own detokenizer's, which leaves out a last character whose
+            bytes the tokens end before completing; transformers' decode shows it as U+FFFD).
         logits: Per prompt, ``[steps, vocab_size]`` float32: the logits each
             generated token was sampled from (with ``return_logits=True``), else None.
         harvest: The prompts' harvest (a `Harvest`, or the folder it was written

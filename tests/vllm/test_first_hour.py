@@ -145,7 +145,9 @@ def test_generate_called_returns_a_generation_with_the_oracles_logits(engine):
             expected = engine.reference(sequence).logits[0, ids.shape[1] - 1 : -1]
         assert relative_error(logits, expected) <= TOLERANCE
         assert tokens == expected.argmax(-1).tolist()
-        assert text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
+        # vLLM's detokenizer holds back a last character whose bytes are incomplete; transformers' decode shows it as
+        # U+FFFD. Otherwise the texts are the same.
+        assert text == engine.tokenizer.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
     same = engine.model.generate(PROMPTS[1], max_new_tokens=steps, do_sample=False, ignore_eos=True, progress=False)
     assert same.tokens == [result.tokens[1]]
 
