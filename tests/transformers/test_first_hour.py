@@ -109,6 +109,13 @@ def test_a_nan_slice_assignment_warns_every_time(tiny):
     messages = [str(warning.message) for warning in caught if issubclass(warning.category, RuntimeWarning)]
     assert sum("model.layers[1].layer_mid is written with NaN or inf" in text for text in messages) == 2, messages
     assert all(warning.filename == __file__ for warning in caught if "NaN" in str(warning.message))
+    # A whole assignment after a read warns once too (its shape is checked at once, its numbers on the way back).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tiny.model.trace(PROMPTS[1]):
+            read = tiny.model.layers[1].layer_mid
+            tiny.model.layers[1].layer_mid = torch.full_like(read, float("inf"))
+    assert sum("layer_mid is written with NaN or inf" in str(warning.message) for warning in caught) == 1
 
 
 # 3. One `generate`.
