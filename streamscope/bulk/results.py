@@ -61,14 +61,14 @@ class Harvest:
         return list(self.values)
 
     def __repr__(self) -> str:
-        from ..display import shape
+        from ..workflows.display import shape
 
         first = {value: shape(tensors[0]) if tensors else "[]" for value, tensors in self.values.items()}
         held = ", ".join(f"{value} {size}" for value, size in first.items())
         return f"Harvest({len(self)} prompts, blocks {self.layers}; prompt 0: {held})"
 
     def _repr_html_(self) -> str:
-        from ..display import shape, table
+        from ..workflows.display import shape, table
 
         rows = [[value, len(tensors), shape(tensors[0]) if tensors else "-"] for value, tensors in self.values.items()]
         return table(f"harvest of {len(self)} prompts at blocks {self.layers}", ["value", "prompts", "prompt 0's shape"],
@@ -204,7 +204,7 @@ class Generation:
                 f"text 0: {first[:40] + ('…' if len(first) > 40 else '')!r})")
 
     def _repr_html_(self) -> str:
-        from ..display import table
+        from ..workflows.display import table
 
         rows = [[index, len(tokens), text] for index, (tokens, text) in enumerate(zip(self.tokens, self.texts))]
         return table(f"generation of {len(self)} prompts", ["prompt", "tokens", "text"], rows)

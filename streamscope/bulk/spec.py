@@ -15,17 +15,16 @@ from typing import Any, Optional, Sequence, Union, cast
 
 import torch
 
+from .. import nnsight_seam as seam
+from ..blocks import BOUNDARIES, CONTRIBUTIONS, SHORT_CONTRIBUTIONS
 from ..errors import Unavailable
+from ..families.spec import ROOT_STREAMS
 from ..values import ComputedValue, Host, StreamValue, resolve
 
-#: The residual stream's boundaries on every block.
-BOUNDARIES = ("layer_input", "attention_norm_output", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output")
-#: What each sublayer adds to the stream, under the sublayer that adds it.
-CONTRIBUTIONS = ("self_attn.attention_output", "linear_attn.attention_output", "mlp.mlp_output")
 #: Values of the model's root: one per model, not per block.
-ROOT_VALUES = ("token_embeddings", "final_norm_output")
+ROOT_VALUES = ROOT_STREAMS
 #: Short spellings of the contributions: the mixer a block has, its MLP.
-SHORT = {"attention_output": ("self_attn", "linear_attn"), "mlp_output": ("mlp",)}
+SHORT = SHORT_CONTRIBUTIONS
 
 Positions = Union[str, slice, Sequence[int], Sequence[Sequence[int]]]
 """``"last"``, ``"all"``, a slice of the prompt, one list of indices for every prompt, or one list per prompt."""
@@ -64,7 +63,7 @@ class Steer:
     prompts: Optional[Sequence[int]] = None
 
     def __repr__(self) -> str:
-        from ..display import shape
+        from ..workflows.display import shape
 
         where = f"layers[{self.layer}].{self.value}" if self.layer is not None else self.value
         prompts = "" if self.prompts is None else f", prompts {list(self.prompts)}"
@@ -173,7 +172,7 @@ def locate(model: Any, value: str, layer: Optional[int]) -> Site:
         raise ValueError(f"{host.where()}.{name} is not a value a bulk request can read or write.")
     target = descriptor.located(host)  # raises Unavailable with the family's reason
     where = descriptor.site(host)[1]
-    return Site(value, layer, host, descriptor, target._module, where, descriptor._location(host))
+    return Site(value, layer, host, descriptor, seam.module_of(target), where, descriptor.location(host))
 
 
 def layer_list(model: Any, layers: Any) -> list[int]:
@@ -308,3 +307,20 @@ def plain_generation(inputs: tuple, kwargs: dict[str, Any]) -> tuple[list, dict[
         else:
             settings.setdefault("temperature", 1.0)
     return prompts, settings
+
+
+def token_ids(model: Any, prompts: Sequence[Any]) -> list[list[int]]:
+    """Each prompt's token ids: a string is tokenized as a trace tokenizes it; a list of ids is taken as is."""
+    if isinstance(prompts, str):
+        raise TypeError("bulk runs take a list of prompts; wrap a single prompt in a list.")
+    ids = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            ids.append(list(model.tokenizer(prompt)["input_ids"]))
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(token, int) for token in prompt):
+            ids.append(list(prompt))
+        else:
+            raise TypeError(f"prompt {index} is a {type(prompt).__name__}: give a string or a list of token ids.")
+        if not ids[-1]:
+            raise ValueError(f"prompt {index} has no tokens.")
+    return ids

@@ -31,6 +31,8 @@ from typing import Any, Optional
 
 import torch
 
+from .. import nnsight_seam as seam
+
 from ..bulk.spec import ROOT_VALUES, Positions, Steer, check_steer, harvest_spec, prompt_positions, value_names
 from ..errors import Unavailable, untapped
 
@@ -156,7 +158,7 @@ class Checker:
         self.vectors = vectors
         self.limits = limits
         self.hidden = int(model.hidden_size)
-        parameter = next(model._module.parameters(), None)
+        parameter = next(seam.module_of(model).parameters(), None)
         self.element_bytes = parameter.element_size() if parameter is not None else 4
         self.default: list[dict[str, Any]] = []  # the server-wide default steers, as checked JSON
 

@@ -21,12 +21,13 @@ from nnsight.modeling.vllm import VLLM
 import torch
 
 from .. import errors
-from ..checks import check_token_ids
+from ..input_checks import check_token_ids
 from ..errors import Unavailable
 from .. import nnsight_seam as seam
-from ..model import Standardized
+from ..standardized import Standardized
 from ..values import OUTPUT, ComputedValue, check_write
 from . import families
+from .engine import VllmEngine
 from .logits import engine_logits
 from .taps import tap_locations
 
@@ -111,7 +112,7 @@ class StandardizedVLLM(Standardized, VLLM):
     `logits` is nnsight's: the logits of the position this step samples, ``[1, vocab_size]``.
     """
 
-    ENGINE = "vllm"
+    ENGINE_CLASS = VllmEngine
 
     @seam.eproperty(description="pre-sampling logits for this step")
     def logits(self, value: Any) -> Any:
@@ -119,9 +120,9 @@ class StandardizedVLLM(Standardized, VLLM):
 
         In-place edits reach the sampler; an assignment of another shape is refused naming the value.
         """
-        worker = seam.running_worker()
-        if worker is not None:  # a value read after this one, but computed before it, names this as the later read
-            worker.streamscope_read = "model.logits"
+        mediator = seam.running_mediator()
+        if mediator is not None:  # a value read after this one, but computed before it, names this as the later read
+            mediator.streamscope_read = "model.logits"
         return value
 
     @logits.postprocess
@@ -144,7 +145,7 @@ class StandardizedVLLM(Standardized, VLLM):
         engine's own unembedding, soft cap and scale. Read-only: edit
         `final_norm_output` or `model.logits` instead.
         """
-        return engine_logits(self._module, normed)
+        return engine_logits(seam.module_of(self), normed)
 
     def __init__(self, path: str | Path, family: str | ModuleType | None = None, taps: Sequence[str] = (),
                  **kwargs: Any) -> None:
@@ -268,18 +269,18 @@ class StandardizedVLLM(Standardized, VLLM):
         See `streamscope.bulk` for the layout; ``shard_size`` (prompts per
         engine run and per shard) and ``progress`` are options.
         """
-        from ..bulk.vllm import harvest
+        from .bulk import harvest
 
         return harvest(self, prompts, values, layers, positions, out, **options)
 
     def generate(self, *inputs: Any, steer: Any = None, harvest: Any = None, **kwargs: Any) -> Any:
         """Sample completions of many prompts: a `streamscope.Generation` (texts, tokens, optional logits).
 
-        Called, it is the bulk path (`streamscope.bulk.vllm.generate`), with or without ``steer=`` and
+        Called, it is the bulk path (`streamscope.vllm.bulk.generate`), with or without ``steer=`` and
         ``harvest=``: the same `Generation` as on transformers. As a ``with`` block it is nnsight's
         generate, a trace over every step (the decision is made here, at the caller's depth).
         """
-        from ..bulk.vllm import generate
+        from .bulk import generate
 
         if steer is not None or harvest is not None:
             return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)

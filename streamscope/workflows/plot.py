@@ -101,7 +101,7 @@ def attention(pattern: torch.Tensor, tokens: Sequence[str], path: Any, *, heads:
     if pattern.dim() != 3 or pattern.shape[-1] != pattern.shape[-2] or pattern.shape[-1] != len(tokens):
         raise ValueError(f"attention() takes one prompt's pattern [heads, seq, seq] and its {len(tokens)} tokens; "
                          f"got a pattern of shape {tuple(pattern.shape)}")
-    from .checks import indices
+    from ..input_checks import indices
 
     heads = indices(heads, pattern.shape[0], "head", "plot.attention")
     if not title:
@@ -140,7 +140,7 @@ def attention(pattern: torch.Tensor, tokens: Sequence[str], path: Any, *, heads:
 def lens_heatmap(result: Any, path: Any, *, positions: Optional[Sequence[int]] = None, title: str = "",
                  dpi: int = DPI) -> Path:
     """Write a logit lens as blocks x positions: each cell the block's top token there, coloured by its probability."""
-    from .checks import indices
+    from ..input_checks import indices
 
     positions = indices(positions, len(result.tokens), "position", "lens_heatmap")
     probabilities = result.top_probs[:, positions, 0].float().cpu()

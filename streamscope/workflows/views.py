@@ -119,7 +119,7 @@ def attention(pattern: torch.Tensor, tokens: Sequence[str], path: Optional[str |
         heads: Which heads to show (default: all).
         block: The block the pattern is from, for the title.
     """
-    from .checks import indices
+    from ..input_checks import indices
 
     pattern = pattern.detach().float().cpu()
     if pattern.dim() == 4:
