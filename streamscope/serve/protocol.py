@@ -242,6 +242,11 @@ class Checker:
         scale = _number(item.get("scale", 1.0), f"{param}.scale")
         positions = positions_rule(item.get("positions", "all"), f"{param}.positions")
         mode = item.get("mode", "add")
+        if mode not in ("add", "set"):
+            # The server's worker batches its requests' vectors as additions and assignments; the other operations
+            # (ablate, clamp, norm_match, sae_clamp) run in-process for now (model.generate(steer=[...])).
+            raise _bad(f"{param}.mode", f"mode {mode!r}: this server steers with 'add' or 'set'; run ablate, clamp "
+                                        f"and norm-matched steers with model.generate(steer=[...]) in-process.")
         generated = item.get("generated", True)
         if not isinstance(generated, bool):
             raise _bad(f"{param}.generated", f"true or false, not {generated!r}.")

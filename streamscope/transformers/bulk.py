@@ -90,17 +90,21 @@ def _forward_kwargs(module: torch.nn.Module) -> dict[str, Any]:
 
 def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None, positions: Positions = "last",
             out: Optional[str | Path] = None, batch_size: int = 8, shard_size: int = 1024,
-            progress: bool = True) -> Harvest | Path:
+            progress: bool = True, readout: Any = None, steer: Sequence[Any] = ()) -> Harvest | Path:
     """Read values at chosen blocks and positions of many prompts, in padded batches; see `streamscope.bulk`."""
     from tqdm.auto import tqdm
 
     ids = token_ids(model, prompts)
-    spec = harvest_spec(model, values, layers, positions, [len(tokens) for tokens in ids])
+    lengths = [len(tokens) for tokens in ids]
+    spec = harvest_spec(model, values, layers, positions, lengths)
+    checked = [(item, check_steer(model, item, len(ids))) for item in steer]
     sites = spec.sites(model)
     dtype, device = _parameters(model)
+    plans = steer_plans(checked, list(range(len(ids))), lengths, dtype, device)
     module = seam.module_of(model)
     writer = ShardWriter(out, spec, len(ids)) if out is not None else None
-    applier = Applier(sites, {index: spec.positions[index] for index in range(len(ids))}, [], device).install()
+    applier = Applier(sites, {index: spec.positions[index] for index in range(len(ids))}, plans, device,
+                      readout=readout).install()
     collected: dict[int, list] = {}
     pending: list[int] = []
     extra = _forward_kwargs(module)

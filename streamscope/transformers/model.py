@@ -62,16 +62,19 @@ class StandardizedTransformers(Standardized, TransformersModel):
 
     # The bulk path (streamscope.bulk): no trace, one hook per module for a whole padded batch.
 
-    def harvest(self, prompts: Any, values: Any, layers: Any = None, positions: Any = "last",
+    def harvest(self, prompts: Any, values: Any = None, layers: Any = None, positions: Any = "last",
                 out: str | Path | None = None, **options: Any) -> Any:
         """Read values at chosen blocks and positions of many prompts, per prompt or to shards on disk.
 
-        See `streamscope.bulk` for the layout; ``batch_size`` (8), ``shard_size``
+        ``steer=[...]`` reads them under steers; ``sae=`` (with ``top_k=``)
+        harvests an SAE's features at its own site (`streamscope.sae`). See
+        `streamscope.bulk` for the layout; ``batch_size`` (8), ``shard_size``
         and ``progress`` are options.
         """
+        from ..sae import route_harvest
         from .bulk import harvest
 
-        return harvest(self, prompts, values, layers, positions, out, **options)
+        return route_harvest(self, prompts, values, layers, positions, out, options, harvest)
 
     def generate(self, *inputs: Any, steer: Any = None, harvest: Any = None, **kwargs: Any) -> Any:
         """Sample completions of many prompts: a `streamscope.Generation` (texts, tokens, optional logits).

@@ -143,7 +143,7 @@ def worker_begin(worker: Any, payload: bytes) -> None:
     plans = steer_plans(steers, keys, plan["lengths"], dtype, device)
     wanted = {key: spec.positions[key] for key in keys} if spec is not None else {}
     state.run, state.keys = plan["run"], {}
-    state.applier = Applier(sites, wanted, plans, device).install()
+    state.applier = Applier(sites, wanted, plans, device, readout=spec.readout if spec is not None else None).install()
     state.logits = {} if plan["logits"] else None
     if plan["logits"]:
         state.logits_hook = state.runner.get_model().logits_processor.register_forward_hook(state.record_logits)
@@ -204,7 +204,7 @@ def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str,
     local = {global_index: local_index for local_index, global_index in enumerate(chunk)}
     chunk_spec = None
     if spec is not None:
-        chunk_spec = HarvestSpec(spec.values, spec.layers, [spec.positions[index] for index in chunk])
+        chunk_spec = HarvestSpec(spec.values, spec.layers, [spec.positions[index] for index in chunk], spec.readout)
     chunk_steers = []
     for steer in steers:
         if steer.prompts is None:
@@ -241,19 +241,21 @@ def _chunks(count: int, size: int) -> list[list[int]]:
 
 
 def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None, positions: Positions = "last",
-            out: Optional[str | Path] = None, shard_size: int = 1024, progress: bool = True) -> Harvest | Path:
+            out: Optional[str | Path] = None, shard_size: int = 1024, progress: bool = True,
+            readout: Any = None, steer: Sequence[Steer] = ()) -> Harvest | Path:
     """Read values at chosen blocks and positions of many prompts in the engine's own batches; see `streamscope.bulk`."""
     from tqdm.auto import tqdm
 
     ids = token_ids(model, prompts)
     spec = harvest_spec(model, values, layers, positions, [len(tokens) for tokens in ids])
-    _check_tapped(model, spec.sites(model))
+    spec.readout = readout
+    _check_tapped(model, spec.sites(model) + [check_steer(model, item, len(ids)) for item in steer])
     writer = ShardWriter(out, spec, len(ids)) if out is not None else None
     parts: list[Harvest] = []
     bar = tqdm(total=len(ids), desc="harvest", unit="prompt", disable=not progress)
     try:
         for chunk in _chunks(len(ids), shard_size):
-            _, result = _run(model, ids, chunk, {"max_tokens": 1, "temperature": 0.0}, spec, (), False)
+            _, result = _run(model, ids, chunk, {"max_tokens": 1, "temperature": 0.0}, spec, steer, False)
             part = assemble(spec, [result["harvested"].get(local) for local in range(len(chunk))], chunk)
             if writer is not None:
                 writer.write(part)

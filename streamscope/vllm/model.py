@@ -262,16 +262,19 @@ class StandardizedVLLM(Standardized, VLLM):
 
     # The bulk path (streamscope.bulk): applied in the worker per token span, no trace.
 
-    def harvest(self, prompts: Any, values: Any, layers: Any = None, positions: Any = "last",
+    def harvest(self, prompts: Any, values: Any = None, layers: Any = None, positions: Any = "last",
                 out: str | Path | None = None, **options: Any) -> Any:
         """Read values at chosen blocks and positions of many prompts, per prompt or to shards on disk.
 
-        See `streamscope.bulk` for the layout; ``shard_size`` (prompts per
+        ``steer=[...]`` reads them under steers; ``sae=`` (with ``top_k=``)
+        harvests an SAE's features at its own site (`streamscope.sae`). See
+        `streamscope.bulk` for the layout; ``shard_size`` (prompts per
         engine run and per shard) and ``progress`` are options.
         """
+        from ..sae import route_harvest
         from .bulk import harvest
 
-        return harvest(self, prompts, values, layers, positions, out, **options)
+        return route_harvest(self, prompts, values, layers, positions, out, options, harvest)
 
     def generate(self, *inputs: Any, steer: Any = None, harvest: Any = None, **kwargs: Any) -> Any:
         """Sample completions of many prompts: a `streamscope.Generation` (texts, tokens, optional logits).
