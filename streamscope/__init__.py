@@ -26,6 +26,36 @@ _MODULES = {"plot": "workflows.plot", "cache": "workflows.cache", "logit_lens": 
             "views": "workflows.views"}
 
 
+class _MovedModules:
+    """`import streamscope.plot` (and the other workflows' paths from before they moved to `workflows/`) imports
+    the module where it lives now; both names then hold the same module object."""
+
+    @staticmethod
+    def find_spec(fullname: str, path: Any = None, target: Any = None) -> Any:
+        package, _, name = fullname.partition(".")
+        if package != __name__ or name not in _MODULES or _MODULES[name] == name:
+            return None
+        import importlib.util
+
+        return importlib.util.spec_from_loader(fullname, _MovedModules())  # type: ignore[arg-type]
+
+    @staticmethod
+    def create_module(spec: Any) -> Any:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{_MODULES[spec.name.partition('.')[2]]}")
+
+    @staticmethod
+    def exec_module(module: Any) -> None:
+        """The module ran when it was imported under its own name."""
+
+
+import sys as _sys  # noqa: E402
+
+if not any(isinstance(finder, _MovedModules) for finder in _sys.meta_path):
+    _sys.meta_path.append(_MovedModules())
+
+
 def __getattr__(name: str) -> Any:
     # The bulk path's names load with it (torch, nnsight), not with `import streamscope`.
     if name in _BULK:

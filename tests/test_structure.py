@@ -367,3 +367,16 @@ def test_the_cycle_check_finds_a_cycle(tmp_path):
 
 
 # --- end of the import-cycle checks -------------------------------------------------------------------------------
+
+
+def test_the_workflows_old_module_paths_import_the_moved_modules():
+    """`import streamscope.plot` and the other paths from before `workflows/` still work, as the same modules."""
+    import importlib
+
+    import streamscope
+    from streamscope.workflows import cache, check, logit_lens, patching, plot
+
+    for module in (cache, check, logit_lens, patching, plot):
+        short = module.__name__.rsplit(".", 1)[1]
+        assert importlib.import_module(f"streamscope.{short}") is module
+        assert getattr(streamscope, short) is module

@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .. import nnsight_seam as seam
 from ..bulk.spec import ROOT_VALUES, HarvestSpec, Site, locate
 
 
@@ -54,7 +55,7 @@ def holds(root: Any, value: str, layer: Optional[int]) -> bool:
     the first runs it; the final norm runs on the last.
     """
     if layer is not None:
-        return not missing(root.layers[layer]._module)
+        return not missing(seam.module_of(root.layers[layer]))
     from vllm.distributed.parallel_state import get_pp_group
 
     group = get_pp_group()
