@@ -1,0 +1,394 @@
+"""TransformerLens 4.3's ActivationCache, method for method, over a streamscope `Cache`.
+
+`streamscope.Cache` inherits `TransformerLensCache`: a TransformerLens notebook's
+cache calls (``cache["pattern", 3]``, ``cache.accumulated_resid(apply_ln=True)``,
+``cache.decompose_resid(layer=2, mode="attn")``, ``cache.logit_attrs(...)``) give
+TransformerLens 4.3's numbers for a `TransformerBridge` booted with its default
+(unprocessed) weights, which is HookedTransformer with ``fold_ln=False``,
+``center_writing_weights=False``, ``center_unembed=False``. Where streamscope
+offers another convention (the final norm's weight applied, as TransformerLens
+gives it with ``fold_ln=True``), it is an explicit argument. ``docs/transformerlens.md``
+tabulates every name.
+
+Norm scales (``ln1.hook_scale``, ``ln2.hook_scale``, ``ln_final.hook_scale``) are
+computed from the stream each norm reads, ``sqrt(mean(x'^2) + eps)`` with ``x'``
+centred for a layer norm: the block norms are assumed to share the final norm's
+form and epsilon (one config field states both in every family served).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from .errors import Unavailable
+
+SliceInput = Union[None, int, tuple, slice, list, torch.Tensor]
+
+#: TransformerLens's shorthand (`get_act_name`) aliases.
+_ACT_ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
+                "mlp_pre": "pre", "mlp_mid": "mid", "mlp_post": "post"}
+_LAYER_TYPE_ALIASES = {"a": "attn", "m": "mlp", "b": "", "block": "", "blocks": "", "attention": "attn"}
+_ATTN_NAMES = ("k", "v", "q", "z", "rot_k", "rot_q", "result", "pattern", "attn_scores", "attn_in")
+_MLP_NAMES = ("pre", "post", "mid", "pre_linear")
+
+
+def act_name(name: str, layer: Optional[int] = None, layer_type: Optional[str] = None) -> str:
+    """The full TransformerLens hook name of a shorthand, as TransformerLens 4.3's ``utilities.get_act_name``.
+
+    ``act_name("pattern", 3) == "blocks.3.attn.hook_pattern"``; ``act_name("scale", 2, "ln1")``
+    is ``"blocks.2.ln1.hook_scale"``; ``act_name("scale")`` is ``"ln_final.hook_scale"``.
+    """
+    if ("." in name or name.startswith("hook_")) and layer is None and layer_type is None:
+        return name
+    match = re.match(r"([a-z_]+?)(\d+)([a-z]?.*)$", name)
+    if match is not None and layer is None:
+        name, layer, layer_type = match.group(1), int(match.group(2)), match.group(3) or None
+    name = _ACT_ALIASES.get(name, name)
+    full = "" if layer is None else f"blocks.{layer}."
+    if name in _ATTN_NAMES:
+        layer_type = "attn"
+    elif name in _MLP_NAMES:
+        layer_type = "mlp"
+    elif layer_type in _LAYER_TYPE_ALIASES:
+        layer_type = _LAYER_TYPE_ALIASES[layer_type]
+    if layer_type:
+        full += f"{layer_type}."
+    full += f"hook_{name}"
+    if name in ("scale", "normalized") and layer is None:
+        full = f"ln_final.{full}"
+    return full
+
+
+def apply_slice(tensor: torch.Tensor, index: SliceInput, dim: int) -> torch.Tensor:
+    """`tensor` sliced along `dim` as TransformerLens's ``Slice``: None keeps all, an int drops the axis,
+    a tuple is ``slice(*tuple)``, a list or tensor picks those indices."""
+    if index is None:
+        return tensor
+    if isinstance(index, tuple):
+        index = slice(*index)
+    elif isinstance(index, list):
+        index = torch.as_tensor(index, dtype=torch.long)
+    elif isinstance(index, torch.Tensor) and index.dim() == 0:
+        index = int(index)
+    where: list[Any] = [slice(None)] * tensor.dim()
+    where[dim] = index
+    return tensor[tuple(where)]
+
+
+class NormForm:
+    """A norm's form, enough to compute its scale on a stream: centred (layer norm) or not (RMS), and epsilon."""
+
+    def __init__(self, centred: bool, eps: float) -> None:
+        self.centred, self.eps = centred, eps
+
+    def centre(self, stream: torch.Tensor) -> torch.Tensor:
+        return stream - stream.mean(-1, keepdim=True) if self.centred else stream
+
+    def scale(self, stream: torch.Tensor) -> torch.Tensor:
+        """``[..., 1]``: ``sqrt(mean(x'^2) + eps)``, TransformerLens's ``hook_scale``."""
+        return (self.centre(stream.float()).pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
+
+
+class TransformerLensCache:
+    """TransformerLens 4.3's ActivationCache methods; mixed into `streamscope.Cache` (which supplies the state)."""
+
+    stored: dict[str, torch.Tensor]
+    num_layers: int
+    final_norm: Any
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    logits: Optional[torch.Tensor]
+    model_type: str
+    has_batch_dim: bool
+    #: Per block: the stream its attention norm (``ln1``) and MLP norm (``ln2``) read, or the reason it has none.
+    norm_inputs: dict[int, dict[str, str]]
+    _unembedding: Any
+    _tokenizer: Any
+
+    def __getitem__(self, key: Any) -> torch.Tensor:  # supplied by Cache
+        raise NotImplementedError
+
+    def __contains__(self, key: object) -> bool:  # supplied by Cache
+        raise NotImplementedError
+
+    # Keys.
+
+    def tl_key(self, key: Any) -> str:
+        """The full hook name of a TransformerLens key: a name, a shorthand, or ``(name, layer[, layer_type])``.
+
+        A negative layer counts from the end, as TransformerLens 4.3's ``cache["pattern", -1]``.
+        """
+        if isinstance(key, str):
+            return key
+        name, layer, layer_type = (*key, None, None)[:3]
+        if layer is not None and layer < 0:
+            layer += self.num_layers
+        return act_name(name, layer, layer_type)
+
+    # Norm scales, computed from the stream each norm reads.
+
+    @property
+    def norm_form(self) -> NormForm:
+        if self.final_norm is None:
+            raise ValueError("this cache has no final norm: model.cache reads it with the last block's layer_output "
+                             "and final_norm_output (values=None reads both)")
+        return NormForm(self.final_norm.centred, self.final_norm.eps)
+
+    def norm_input(self, layer: int, mlp_input: bool = False) -> torch.Tensor:
+        """The stream block `layer`'s attention norm (or MLP norm, `mlp_input`) reads; the final stream at num_layers."""
+        if layer == self.num_layers:
+            return self[f"layers.{self.num_layers - 1}.layer_output"]
+        norm = "ln2" if mlp_input else "ln1"
+        source = self.norm_inputs.get(layer, {}).get(norm)
+        if source is None or not source.startswith("layers."):
+            raise Unavailable(f"{norm}.hook_scale", f"blocks.{layer}",
+                              source or "this cache does not know which stream the norm reads")
+        return self[source]
+
+    def norm_scale(self, layer: Optional[int] = None, mlp_input: bool = False) -> torch.Tensor:
+        """``[batch, seq, 1]``: TransformerLens's ``blocks.{layer}.ln{1,2}.hook_scale`` (``ln_final`` at num_layers)."""
+        layer = self._layer(layer)
+        return self.norm_form.scale(self.norm_input(layer, mlp_input))
+
+    def _layer(self, layer: Optional[int]) -> int:
+        if layer is None or layer == -1:
+            return self.num_layers
+        if not -self.num_layers <= layer <= self.num_layers:
+            raise IndexError(f"layer {layer} is outside 0..{self.num_layers} (num_layers means after the last block)")
+        return layer % (self.num_layers + 1) if layer >= 0 else layer + self.num_layers
+
+    # TransformerLens's ActivationCache methods.
+
+    def stack_activation(self, activation_name: str, layer: int = -1,
+                         sublayer_type: Optional[str] = None) -> torch.Tensor:
+        """``[layers, ...]``: the TransformerLens activation of every block before `layer` (-1: all), as TL 4.3."""
+        end = self._layer(layer)
+        return torch.stack([self[self.tl_key((activation_name, index, sublayer_type))] for index in range(end)])
+
+    def accumulated_resid(self, layer: Optional[int] = None, incl_mid: bool = False, apply_ln: bool = False,
+                          pos_slice: SliceInput = None, mlp_input: bool = False, return_labels: bool = False,
+                          frozen_final_scale: bool = False) -> Any:
+        """``[components, batch, seq, hidden]``: the stream entering each block up to `layer`, as TL 4.3.
+
+        Block i's ``layer_input`` (``{i}_pre``) for i <= `layer`, each ``layer_mid``
+        before `layer` when `incl_mid` (and block `layer`'s when `mlp_input`); at
+        `layer` = None, -1 or num_layers the last entry is the final stream
+        (``final_post``). `pos_slice` slices positions.
+
+        `apply_ln` as TransformerLens 4.3: at the final stream, each component
+        through the final norm with its own statistics (weight and bias applied,
+        the logit lens); at `layer` = k < num_layers, centred (layer norm) and
+        divided by block k's ``ln1.hook_scale`` (``ln2`` with `mlp_input`), no
+        weight. `frozen_final_scale` (streamscope before 0.2; TransformerLens
+        ``apply_ln_to_stack(recompute_ln=False)`` with ``fold_ln=True``) instead
+        divides every component by the final stream's scale and applies the weight.
+        """
+        end = self._layer(layer)
+        parts, labels = [], []
+        for index in range(end + 1):
+            if index == self.num_layers:
+                parts.append(self[f"layers.{self.num_layers - 1}.layer_output"])
+                labels.append("final_post")
+                continue
+            parts.append(self[f"layers.{index}.layer_input"])
+            labels.append(f"{index}_pre")
+            if (incl_mid and index < end) or (mlp_input and index == end):
+                parts.append(self[f"layers.{index}.layer_mid"])
+                labels.append(f"{index}_mid")
+        stack = torch.stack([apply_slice(part, pos_slice, -2) for part in parts])
+        if apply_ln:
+            if frozen_final_scale:
+                stack = self.apply_ln_to_stack(stack, end, mlp_input, pos_slice, norm_weight=True)
+            else:
+                stack = self.apply_ln_to_stack(stack, end, mlp_input, pos_slice, has_batch_dim=self.has_batch_dim,
+                                               recompute_ln=end == self.num_layers)
+        return (stack, labels) if return_labels else stack
+
+    def decompose_resid(self, layer: Optional[int] = None, mlp_input: bool = False, mode: str = "all",
+                        apply_ln: bool = False, pos_slice: SliceInput = None, incl_embeds: bool = True,
+                        return_labels: bool = False) -> Any:
+        """``[components, batch, seq, hidden]``: what the stream entering block `layer` is the sum of, as TL 4.3.
+
+        ``embed`` (the token embeddings) and ``pos_embed`` (learned position
+        embeddings, GPT-2 and OPT) when `incl_embeds`, then ``{i}_attn_out`` and
+        ``{i}_mlp_out`` of each block before `layer` (`mode` "attn" or "mlp"
+        keeps one kind), and block `layer`'s attention when `mlp_input`. They sum
+        to block `layer`'s ``layer_input`` (num_layers, the default: the final
+        stream). `apply_ln` divides by the target norm's cached scale
+        (`apply_ln_to_stack`). Note that TL 4.3's default is
+        ``return_labels=False``. A post-norm block (OLMo 2) adds no contribution
+        unchanged and raises `Unavailable` with the reason; a block with one
+        sublayer (Mamba) contributes its mixer only.
+        """
+        if mode not in ("all", "attn", "mlp"):
+            raise ValueError(f"mode must be 'all', 'attn' or 'mlp', not {mode!r}")
+        end = self._layer(layer)
+        parts, labels = [], []
+        if incl_embeds:
+            parts.append(self["token_embeddings"])
+            labels.append("embed")
+            if "hook_pos_embed" in self:
+                parts.append(self["hook_pos_embed"])
+                labels.append("pos_embed")
+        wanted = {"attn": ("attention_output",), "mlp": ("mlp_output",)}.get(mode, ("attention_output", "mlp_output"))
+        for index in range(end + (1 if mlp_input else 0)):
+            for short, label in (("attention_output", "attn_out"), ("mlp_output", "mlp_out")):
+                if short not in wanted or (index == end and short == "mlp_output"):
+                    continue
+                try:
+                    parts.append(self[f"layers.{index}.{short}"])
+                except Unavailable as error:
+                    if short == "mlp_output" and ("no mlp module" in error.reason or "one sublayer" in error.reason):
+                        continue  # a block with one sublayer (Mamba's mixer) adds no MLP: nothing is missing
+                    raise
+                labels.append(f"{index}_{label}")
+        if not parts:
+            raise ValueError(f"decompose_resid(layer={layer}, mode={mode!r}, incl_embeds={incl_embeds}) selects no "
+                             "component: include the embeddings or a later layer")
+        stack = torch.stack([apply_slice(part, pos_slice, -2) for part in parts])
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, end, mlp_input, pos_slice)
+        return (stack, labels) if return_labels else stack
+
+    def apply_ln_to_stack(self, residual_stack: torch.Tensor, layer: Optional[int] = None, mlp_input: bool = False,
+                          pos_slice: SliceInput = None, batch_slice: SliceInput = None, has_batch_dim: bool = True,
+                          recompute_ln: bool = False, norm_weight: bool = False) -> torch.Tensor:
+        """Each component of `residual_stack` as block `layer`'s norm sees it, as TL 4.3.
+
+        Default: centred (layer norm) and divided by the scale the norm
+        computed on the whole stream, block `layer`'s ``ln1.hook_scale``
+        (``ln2`` with `mlp_input`; ``ln_final`` at None, -1 or num_layers), no
+        weight or bias: linear, so the components still sum. `recompute_ln` at
+        the final layer applies the final norm to each component with its own
+        statistics, weight and bias (TL's logit lens). `pos_slice` and
+        `batch_slice` are applied to the scale (and `batch_slice` to the stack),
+        the stack assumed already sliced in positions.
+
+        `norm_weight` (streamscope's convention; TL 4.3 with ``fold_ln=True``,
+        whose unembedding carries the weight) multiplies the frozen result by the
+        norm's weight (Gemma's ``1 + w``): then the components' results sum to
+        the norm's output less its bias. Only at the final norm.
+        """
+        end = self._layer(layer)
+        if has_batch_dim:
+            residual_stack = apply_slice(residual_stack, batch_slice, 1)
+        if recompute_ln and end == self.num_layers:
+            if self.final_norm is None:
+                raise ValueError("this cache has no final norm parameters: read layer_output and final_norm_output")
+            return self.final_norm(residual_stack)
+        form = self.norm_form
+        scale = apply_slice(self.norm_scale(end, mlp_input), pos_slice, -2)
+        if not self.has_batch_dim or not has_batch_dim:
+            scale = scale if self.has_batch_dim is has_batch_dim else scale[0]
+        elif batch_slice is not None:
+            scale = apply_slice(scale, batch_slice, 0)
+        out = form.centre(residual_stack) / scale
+        if norm_weight:
+            if end != self.num_layers:
+                raise ValueError("norm_weight applies the final norm's weight: layer must be the final one")
+            out = out * (self.final_norm.weight if self.final_norm.weight is not None else 1)
+        return out
+
+    def tokens_to_residual_directions(self, tokens: Any) -> torch.Tensor:
+        """``[*tokens.shape, hidden]``: the unembedding row of each token (an id, a string, or a tensor of ids)."""
+        if isinstance(tokens, str):
+            tokens = self.to_single_token(tokens)
+        ids = torch.as_tensor(tokens, dtype=torch.long)
+        if self._unembedding is None:
+            raise ValueError("this cache was built without access to the model's unembedding")
+        return self._unembedding(ids.reshape(-1)).reshape(*ids.shape, -1)
+
+    def logit_attrs(self, residual_stack: torch.Tensor, tokens: Any, incorrect_tokens: Any = None,
+                    pos_slice: SliceInput = None, batch_slice: SliceInput = None, has_batch_dim: bool = True,
+                    norm_weight: bool = False) -> torch.Tensor:
+        """Each component's direct effect on the logit of `tokens` (less `incorrect_tokens`'), as TL 4.3.
+
+        `residual_stack` ``[components, batch, seq, hidden]`` (or without batch,
+        `has_batch_dim` False) is put through `apply_ln_to_stack` at the final
+        norm (frozen final scale, `pos_slice`, `batch_slice`) and projected on
+        the unembedding rows of `tokens`: a string or id (one token everywhere),
+        ``[batch]`` ids (one per prompt, over every position), or ``[batch,
+        pos]`` ids (one per prompt and position; ``[1, pos]`` shares them over
+        the batch). A ``[n]`` tensor whose n is not the batch picks a token per
+        position. Returns ``[components, batch, seq]`` (TL's broadcasting).
+
+        `norm_weight` applies the final norm's weight before the projection
+        (TL with ``fold_ln=True``; streamscope 0.1's default): summed over
+        `decompose_resid`'s components this is then the model's logit before
+        any soft cap or scale, less the unembedding of the norm's bias and the
+        head's bias.
+        """
+        directions = self.tokens_to_residual_directions(tokens)
+        if incorrect_tokens is not None:
+            wrong = self.tokens_to_residual_directions(incorrect_tokens)
+            if wrong.shape != directions.shape:
+                raise ValueError(f"tokens and incorrect_tokens must have the same shape (tokens give "
+                                 f"{tuple(directions.shape[:-1])}, incorrect_tokens {tuple(wrong.shape[:-1])})")
+            directions = directions - wrong
+        scaled = self.apply_ln_to_stack(residual_stack, -1, pos_slice=pos_slice, batch_slice=batch_slice,
+                                        has_batch_dim=has_batch_dim, norm_weight=norm_weight)
+        batch_int = isinstance(batch_slice, int)
+        if (has_batch_dim and not batch_int and scaled.dim() == 4 and directions.dim() == 2
+                and directions.shape[0] == scaled.shape[1]):
+            directions = directions.unsqueeze(-2)  # one token per prompt: broadcast over positions, not the batch
+        return (scaled * directions.to(scaled.dtype)).sum(-1)
+
+    # Batch handling and devices.
+
+    def to(self, device: Union[str, torch.device]) -> "TransformerLensCache":
+        """Move every value (and the tokens, mask and logits) to `device`, in place; returns the cache (as TL)."""
+        self.stored = {key: value.to(device) for key, value in self.stored.items()}
+        self.tokens, self.mask = self.tokens.to(device), self.mask.to(device)
+        if self.logits is not None:
+            self.logits = self.logits.to(device)
+        return self
+
+    def _map_batch(self, function: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+        return {"stored": {key: function(value) for key, value in self.stored.items()},
+                "tokens": function(self.tokens), "mask": function(self.mask),
+                "logits": None if self.logits is None else function(self.logits)}
+
+    def remove_batch_dim(self) -> "TransformerLensCache":
+        """Drop the batch axis of a cache of one prompt, in place (TL 4.3's ``remove_batch_dim``)."""
+        if not self.has_batch_dim:
+            raise ValueError("this cache has no batch axis left to remove")
+        if self.tokens.shape[0] != 1:
+            raise ValueError(f"remove_batch_dim needs a cache of one prompt, not {self.tokens.shape[0]}: "
+                             "apply_slice_to_batch_dim(i) picks one")
+        for name, value in self._map_batch(lambda tensor: tensor[0]).items():
+            setattr(self, name, value)
+        self.has_batch_dim = False
+        return self
+
+    def apply_slice_to_batch_dim(self, batch_slice: SliceInput) -> Any:
+        """A new cache of the prompts `batch_slice` picks (an int drops the batch axis), as TL 4.3."""
+        import copy
+
+        if not self.has_batch_dim:
+            raise ValueError("this cache has no batch axis to slice")
+        new = copy.copy(self)
+        for name, value in self._map_batch(lambda tensor: apply_slice(tensor, batch_slice, 0)).items():
+            setattr(new, name, value)
+        new.has_batch_dim = not isinstance(batch_slice, int)
+        return new
+
+    # Tokens.
+
+    def to_single_token(self, string: str) -> int:
+        """The one token id of `string` (no BOS), as TL's ``to_single_token``; a string of several tokens is refused."""
+        return to_single_token(self._tokenizer, string)
+
+
+def to_single_token(tokenizer: Any, string: str) -> int:
+    ids = tokenizer(string, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        raise ValueError(f"{string!r} is {len(ids)} tokens, not one: {ids}")
+    return int(ids[0])
+
+
+def tl_hook_names(num_layers: int, names: Sequence[str]) -> list[str]:
+    """Every ``blocks.{i}.{name}`` for `names`, in block order."""
+    return [f"blocks.{index}.{name}" for index in range(num_layers) for name in names]
