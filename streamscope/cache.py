@@ -65,12 +65,11 @@ TL_COMPUTED = {
     "ln2.hook_normalized": "the MLP norm's input centred (layer norm) and divided by its scale, before weight",
     "hook_mlp_in": "the stream the MLP norm reads (layer_mid; layer_input in a parallel block)",
     "hook_attn_in": "[batch, pos, head, d_model]: layer_input, once per head (TL's use_attn_in)",
+    "attn.hook_result": "[batch, pos, head, d_model]: each head's output after the output projection, no bias",
 }
 TL_ROOT = {"hook_embed": "token_embeddings", "ln_final.hook_out": "final_norm_output"}
 #: TransformerLens hooks streamscope serves no value for, with the reason.
 TL_UNSERVED = {
-    "attn.hook_result": "streamscope serves each head's output before the output projection "
-                        "(attn.hook_z, self_attn.head_outputs), not after it",
     "mlp.hook_pre": "streamscope serves the MLP's input and output, not its hidden activations",
     "mlp.hook_post": "streamscope serves the MLP's input and output, not its hidden activations",
 }
@@ -104,8 +103,10 @@ class Cache(TransformerLensCache, Mapping):
                  logits: Optional[torch.Tensor], model_type: str, num_layers: int,
                  unavailable: dict[str, str], final_norm: "FinalNorm | None", unembedding: Any = None,
                  norm_inputs: Optional[dict[int, dict[str, str]]] = None, num_heads: Optional[int] = None,
-                 tokenizer: Any = None, logit_transform: Optional[str] = None) -> None:
+                 tokenizer: Any = None, logit_transform: Optional[str] = None,
+                 output_weights: Any = None) -> None:
         self.stored = values
+        self._output_weights, self._weights_read = output_weights, None
         self.logit_transform = logit_transform
         self.has_batch_dim = True
         self.norm_inputs = norm_inputs or {}
@@ -155,6 +156,8 @@ class Cache(TransformerLensCache, Mapping):
         return None
 
     def _computable(self, index: int, hook: str) -> bool:
+        if hook == "attn.hook_result":
+            return f"layers.{index}.self_attn.head_outputs" in self.stored and self._output_weights is not None
         source = self.norm_inputs.get(index, {}).get("ln2" if hook.startswith(("ln2", "hook_mlp")) else "ln1")
         return (source is not None and source in self.stored
                 and (self.final_norm is not None or not hook.startswith("ln")))
@@ -237,6 +240,8 @@ class Cache(TransformerLensCache, Mapping):
 
     def _computed(self, index: int, hook: str) -> torch.Tensor:
         """A TransformerLens block hook computed from served values (`TL_COMPUTED`)."""
+        if hook == "attn.hook_result":
+            return self.head_results(index)
         if hook == "hook_attn_in":
             if self.num_heads is None:
                 raise KeyError("hook_attn_in needs the number of heads, which this cache was built without")
@@ -500,6 +505,7 @@ def logit_transform(config: Any) -> Optional[str]:
 def norm_inputs(model: Any) -> dict[int, dict[str, str]]:
     """Per block: the stream (a cache key) its attention norm (``ln1``) and MLP norm (``ln2``) read, else why none."""
     from .blocks.parallel import SharedNormParallelLayer
+    from .blocks.post_norm import SandwichLayer
 
     found = {}
     for index in range(model.num_layers):
@@ -518,6 +524,10 @@ def norm_inputs(model: Any) -> dict[int, dict[str, str]]:
         else:
             ln2 = f"layers.{index}.layer_input" if mid == PARALLEL else mid
         found[index] = {"ln1": ln1, "ln2": ln2}
+        if isinstance(model.layers[index], SandwichLayer):
+            found[index]["sandwich"] = (f"block {index} normalizes the attention's output before adding it to the "
+                                        "stream (a sandwich norm), so its heads' results do not add up to what it "
+                                        "adds (TransformerLens 4.3 sums them regardless)")
     return found
 
 
@@ -588,7 +598,8 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
     cache = Cache(stored, tokens=tokens, mask=mask, logits=stored_logits, model_type=model.config.model_type,
                   num_layers=model.num_layers, unavailable=unavailable, final_norm=final_norm,
                   unembedding=lambda ids: unembedding_rows(model, ids), norm_inputs=norm_inputs(model),
-                  num_heads=heads, tokenizer=model.tokenizer, logit_transform=logit_transform(model.config))
+                  num_heads=heads, tokenizer=model.tokenizer, logit_transform=logit_transform(model.config),
+                  output_weights=lambda: output_projections(model))
     keep = _names_filter(names_filter)
     if keep is not None:
         _keep(cache, keep)
@@ -715,6 +726,46 @@ def _head_weight(module: torch.nn.Module) -> torch.Tensor:
     from .vllm.logits import unembedding
 
     return unembedding(module).weight
+
+
+#: What the attention's output projection is called, across the families (Linear layout, or GPT-2's Conv1D).
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj")
+
+
+def _output_projection(attention: torch.nn.Module) -> Any:
+    """The attention module's output projection weight as a Linear's ``[hidden, heads * head_dim]``, or why not."""
+    for name in OUTPUT_PROJECTIONS:
+        weight = getattr(getattr(attention, name, None), "weight", None)
+        if isinstance(weight, torch.Tensor):
+            weight = weight.detach()
+            if type(getattr(attention, name)).__name__ == "Conv1D":  # GPT-2 stores [in, out]
+                weight = weight.t()
+            return weight.float().clone()
+    return (f"its attention ({type(attention).__name__}) has none of the output projections streamscope knows "
+            f"({', '.join(OUTPUT_PROJECTIONS)})")
+
+
+def output_projections(model: Any) -> list:
+    """Each block's attention output projection weight ``[hidden, heads * head_dim]`` (or why none)."""
+    def body() -> list:
+        found = []
+        for index in range(model.num_layers):
+            try:
+                found.append(_output_projection(model.layers[index].self_attn._module))
+            except (AttributeError, Unavailable) as error:
+                found.append(f"block {index} has no attention output projection to read ({error})")
+        return found
+
+    if getattr(type(model), "ENGINE", "") != "vllm":
+        return body()
+    with model.trace("a", temperature=0.0, max_tokens=1):
+        saved = [(weight if isinstance(weight, torch.Tensor) else torch.zeros(0)).save() for weight in body()]
+    out: list = []
+    for value in saved:
+        value = value[0] if isinstance(value, list) else value
+        out.append(value if value.numel() else "its attention has none of the output projections streamscope "
+                   f"knows ({', '.join(OUTPUT_PROJECTIONS)})")
+    return out
 
 
 def unembedding_rows(model: Any, ids: torch.Tensor) -> torch.Tensor:

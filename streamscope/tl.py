@@ -336,6 +336,110 @@ class TransformerLensCache:
             directions = directions.unsqueeze(-2)  # one token per prompt: broadcast over positions, not the batch
         return (scaled * directions.to(scaled.dtype)).sum(-1)
 
+    # Per-head results: each head's output after the output projection, from head_outputs and its weights.
+
+    _output_weights: Optional[Callable[[], list]]
+    _weights_read: Optional[list]
+
+    def output_weights(self, layer: int) -> torch.Tensor:
+        """``[heads, head_dim, hidden]``: block `layer`'s output projection split per head (TL's ``W_O``).
+
+        Read from the model (on vLLM, from its worker) once per cache, all blocks at once.
+        """
+        if self._weights_read is None:
+            if self._output_weights is None:
+                raise ValueError("this cache was built without access to the model's output projections")
+            self._weights_read = self._output_weights()
+        weight = self._weights_read[layer]
+        if isinstance(weight, str):
+            raise Unavailable("attn.hook_result", f"blocks.{layer}", weight)
+        z = self[f"layers.{layer}.self_attn.head_outputs"]
+        heads, head_dim = z.shape[-2:]
+        # A Linear's weight is [hidden, heads * head_dim]; the input's columns are head-major.
+        return weight.reshape(weight.shape[0], heads, head_dim).permute(1, 2, 0)
+
+    def head_results(self, layer: int) -> torch.Tensor:
+        """``[batch, seq, heads, hidden]``: each head's contribution to the stream at block `layer`, TL's
+        ``attn.hook_result``: ``head_outputs @ W_O[head]``, without the projection's bias (TL 4.3 keeps it out too:
+        the block's attention output is the heads' sum plus that bias). Computed once, then kept."""
+        key = f"layers.{layer}.self_attn.head_results"
+        if key not in self.stored:
+            z = self[f"layers.{layer}.self_attn.head_outputs"]
+            weights = self.output_weights(layer).to(z.device)
+            self.stored[key] = torch.einsum("...hd,hdm->...hm", z.to(weights.dtype), weights)
+        return self.stored[key]
+
+    def compute_head_results(self) -> None:
+        """Compute every block's ``attn.hook_result`` (`head_results`) and keep it in the cache, as TL 4.3."""
+        for layer in range(self.num_layers):
+            self.head_results(layer)
+
+    def stack_head_results(self, layer: int = -1, return_labels: bool = False, incl_remainder: bool = False,
+                           pos_slice: SliceInput = None, apply_ln: bool = False) -> Any:
+        """``[blocks * heads (+1), batch, seq, hidden]``: every head's result before block `layer`, as TL 4.3.
+
+        Labels ``L{layer}H{head}``; `incl_remainder` adds the stream less the
+        heads' sum (``remainder``); `apply_ln` as `apply_ln_to_stack` at `layer`.
+        """
+        end = self._layer(layer)
+        parts, labels = [], []
+        for index in range(end):
+            results = apply_slice(self.head_results(index), pos_slice, -3)
+            parts.append(results.movedim(-2, 0))
+            labels += [f"L{index}H{head}" for head in range(results.shape[-2])]
+        if parts:
+            stack = torch.cat(parts)
+        else:
+            embed = apply_slice(self["token_embeddings"], pos_slice, -2)
+            stack = embed.new_zeros(0, *embed.shape)
+        if incl_remainder:
+            if end == 0:
+                raise ValueError("stack_head_results(layer=0, incl_remainder=True): there is no stream before "
+                                 "block 0 to take the heads from")
+            stream = apply_slice(self[f"layers.{end - 1}.layer_output"], pos_slice, -2)
+            stack = torch.cat([stack, (stream - stack.sum(0))[None]])
+            labels.append("remainder")
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, end, pos_slice=pos_slice)
+        return (stack, labels) if return_labels else stack
+
+    def get_full_resid_decomposition(self, layer: Optional[int] = None, mlp_input: bool = False,
+                                     expand_neurons: bool = True, apply_ln: bool = False,
+                                     pos_slice: SliceInput = None, return_labels: bool = False) -> Any:
+        """The stream entering block `layer` as every head's result, each MLP's output, ``embed``,
+        ``pos_embed`` and ``bias`` (the attention projections' biases summed), as TL 4.3 with
+        ``expand_neurons=False``; they sum to the stream. Per-neuron results (TL's default) are refused:
+        streamscope does not serve the MLP's hidden activations."""
+        if expand_neurons:
+            raise Unavailable("mlp.hook_post", "model", "streamscope does not serve the MLP's hidden activations, "
+                              "so the MLPs cannot be split per neuron: pass expand_neurons=False")
+        end = self._layer(layer)
+        for index in range(min(end + 1, self.num_layers)):
+            reason = self.norm_inputs.get(index, {}).get("sandwich")
+            if reason is not None:
+                raise Unavailable("get_full_resid_decomposition", f"blocks.{index}", reason)
+        heads, labels = self.stack_head_results(end + (1 if mlp_input else 0), return_labels=True,
+                                                pos_slice=pos_slice)
+        parts = [heads]
+        if end > 0:
+            mlps, mlp_labels = self.decompose_resid(end, mlp_input=mlp_input, mode="mlp", incl_embeds=False,
+                                                   pos_slice=pos_slice, return_labels=True)
+            parts.append(mlps)
+            labels = labels + mlp_labels
+        embeds, embed_labels = self.decompose_resid(0, pos_slice=pos_slice, return_labels=True)
+        parts.append(embeds)
+        labels = labels + embed_labels
+        # What each attention adds beyond its heads' results: its output projection's bias, at every position.
+        bias = sum((apply_slice(self[f"layers.{index}.attention_output"], pos_slice, -2)
+                    - apply_slice(self.head_results(index), pos_slice, -3).sum(-2)
+                    for index in range(end + (1 if mlp_input else 0))), torch.zeros_like(embeds[0]))
+        parts.append(bias[None])
+        labels.append("bias")
+        stack = torch.cat(parts)
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, end, mlp_input, pos_slice)
+        return (stack, labels) if return_labels else stack
+
     # Batch handling and devices.
 
     def to(self, device: Union[str, torch.device]) -> "TransformerLensCache":

@@ -57,3 +57,7 @@ def test_stack_activation_batch_slices_and_devices(pair):
 
 def test_model_cache_takes_token_ids_names_filter_and_pos_slice(pair):
     parity.model_cache_takes_token_ids_names_filter_and_pos_slice(pair)
+
+
+def test_head_results_stacks_and_full_decomposition(pair):
+    parity.head_results(pair)
