@@ -505,7 +505,7 @@ def logit_transform(config: Any) -> Optional[str]:
 def norm_inputs(model: Any) -> dict[int, dict[str, str]]:
     """Per block: the stream (a cache key) its attention norm (``ln1``) and MLP norm (``ln2``) read, else why none."""
     from .blocks.parallel import SharedNormParallelLayer
-    from .blocks.post_norm import SandwichLayer
+    from .blocks.sublayers import PostNormedAttention
 
     found = {}
     for index in range(model.num_layers):
@@ -524,7 +524,11 @@ def norm_inputs(model: Any) -> dict[int, dict[str, str]]:
         else:
             ln2 = f"layers.{index}.layer_input" if mid == PARALLEL else mid
         found[index] = {"ln1": ln1, "ln2": ln2}
-        if isinstance(model.layers[index], SandwichLayer):
+        try:
+            attention = model.layers[index].self_attn
+        except (AttributeError, Unavailable):
+            attention = None
+        if isinstance(attention, PostNormedAttention):
             found[index]["sandwich"] = (f"block {index} normalizes the attention's output before adding it to the "
                                         "stream (a sandwich norm), so its heads' results do not add up to what it "
                                         "adds (TransformerLens 4.3 sums them regardless)")
@@ -732,40 +736,53 @@ def _head_weight(module: torch.nn.Module) -> torch.Tensor:
 OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj")
 
 
-def _output_projection(attention: torch.nn.Module) -> Any:
-    """The attention module's output projection weight as a Linear's ``[hidden, heads * head_dim]``, or why not."""
+def _output_projection(attention: torch.nn.Module, width: int) -> Any:
+    """The attention module's output projection as a Linear's weight ``[hidden, width]``, or why not.
+
+    Read by applying the projection to the identity (less its output at zero,
+    the bias): the engines keep the weight in their own layouts (GPT-2's
+    Conv1D is ``[in, out]``; vLLM's CPU kernels pack it and leave ``weight``
+    empty), and this reads what the projection computes whatever the layout.
+    """
     for name in OUTPUT_PROJECTIONS:
-        weight = getattr(getattr(attention, name, None), "weight", None)
-        if isinstance(weight, torch.Tensor):
-            weight = weight.detach()
-            if type(getattr(attention, name)).__name__ == "Conv1D":  # GPT-2 stores [in, out]
-                weight = weight.t()
-            return weight.float().clone()
+        module = getattr(attention, name, None)
+        if isinstance(module, torch.nn.Module):
+            reference = next(iter(module.parameters()), None)
+            dtype = reference.dtype if reference is not None else torch.float32
+            device = reference.device if reference is not None else "cpu"
+            probe = torch.cat([torch.zeros(1, width), torch.eye(width)]).to(dtype=dtype, device=device)
+            out = module(probe)
+            out = out[0] if isinstance(out, tuple) else out
+            return (out[1:] - out[:1]).t().float().clone()
     return (f"its attention ({type(attention).__name__}) has none of the output projections streamscope knows "
             f"({', '.join(OUTPUT_PROJECTIONS)})")
 
 
 def output_projections(model: Any) -> list:
     """Each block's attention output projection weight ``[hidden, heads * head_dim]`` (or why none)."""
+    # The attention modules by path from the root module: inside a vLLM trace, the worker's own.
+    paths = [model.layers[index].self_attn.path.split(".", 1)[1] for index in range(model.num_layers)]
+    width = model.num_heads * model.head_dim
+
     def body() -> list:
         found = []
-        for index in range(model.num_layers):
+        for path in paths:
             try:
-                found.append(_output_projection(model.layers[index].self_attn._module))
-            except (AttributeError, Unavailable) as error:
-                found.append(f"block {index} has no attention output projection to read ({error})")
+                found.append(_output_projection(model._module.get_submodule(path), width))
+            except AttributeError as error:
+                found.append(f"there is no attention module to read its output projection from ({error})")
         return found
 
     if getattr(type(model), "ENGINE", "") != "vllm":
         return body()
+    # A vLLM trace hands back what it saved by name, as tensors: the weights travel as one flat tensor.
     with model.trace("a", temperature=0.0, max_tokens=1):
-        saved = [(weight if isinstance(weight, torch.Tensor) else torch.zeros(0)).save() for weight in body()]
-    out: list = []
-    for value in saved:
-        value = value[0] if isinstance(value, list) else value
-        out.append(value if value.numel() else "its attention has none of the output projections streamscope "
-                   f"knows ({', '.join(OUTPUT_PROJECTIONS)})")
-    return out
+        flat, shapes = flatten([weight if isinstance(weight, torch.Tensor) else torch.zeros(0) for weight in body()])
+        flat, shapes = flat.save(), shapes.save()
+    flat = flat[0] if isinstance(flat, list) else flat
+    shapes = shapes[0] if isinstance(shapes, list) else shapes
+    return [value if value.numel() else "its attention has none of the output projections streamscope knows "
+            f"({', '.join(OUTPUT_PROJECTIONS)})" for value in unflatten(flat, shapes)]
 
 
 def unembedding_rows(model: Any, ids: torch.Tensor) -> torch.Tensor:

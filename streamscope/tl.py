@@ -485,12 +485,117 @@ class TransformerLensCache:
         """The one token id of `string` (no BOS), as TL's ``to_single_token``; a string of several tokens is refused."""
         return to_single_token(self._tokenizer, string)
 
+    def to_str_tokens(self, input: Any, prepend_bos: Optional[bool] = None) -> Any:
+        """Each token as its string, as TL's ``to_str_tokens``: ``cache.to_str_tokens(cache.tokens[0])``."""
+        return to_str_tokens(self._tokenizer, input, prepend_bos)
+
+
+def tokenizer_prepends_bos(tokenizer: Any) -> bool:
+    """Whether `tokenizer` puts the BOS token first by itself (TransformerLens's ``tokenizer_prepends_bos``)."""
+    if tokenizer.bos_token_id is None:
+        return False
+    ids = tokenizer("a")["input_ids"]
+    return bool(ids) and ids[0] == tokenizer.bos_token_id
+
+
+def to_tokens(tokenizer: Any, input: str | Sequence[str], prepend_bos: Optional[bool] = None,
+              padding_side: Optional[str] = None) -> torch.Tensor:
+    """``[batch, pos]`` token ids of a string or strings, as TransformerLens 4.3's ``to_tokens``.
+
+    `prepend_bos` None means True (TL's ``default_prepend_bos``; TL's own
+    adapters turn it off for a few families, such as Granite: pass it
+    explicitly there). True puts one BOS first whether or not the tokenizer
+    adds it itself; False leaves it out even where the tokenizer adds it.
+    Several strings are padded on `padding_side` (the tokenizer's by default).
+    """
+    prepend_bos = True if prepend_bos is None else prepend_bos
+    texts = [input] if isinstance(input, str) else list(input)
+    adds = tokenizer_prepends_bos(tokenizer)
+    if prepend_bos and not adds and tokenizer.bos_token is not None:
+        texts = [tokenizer.bos_token + text for text in texts]
+    encoded = [list(tokenizer(text)["input_ids"]) for text in texts]
+    if not prepend_bos and adds:
+        encoded = [ids[1:] if ids and ids[0] == tokenizer.bos_token_id else ids for ids in encoded]
+    side = padding_side or getattr(tokenizer, "padding_side", "right")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    longest = max(map(len, encoded))
+    rows = [ids + [pad] * (longest - len(ids)) if side == "right" else [pad] * (longest - len(ids)) + ids
+            for ids in encoded]
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def to_str_tokens(tokenizer: Any, input: Any, prepend_bos: Optional[bool] = None,
+                  padding_side: Optional[str] = None) -> Any:
+    """Each token of `input` (a string, a list of them, or token ids) as its string, as TL 4.3's ``to_str_tokens``."""
+    if isinstance(input, list) and input and not isinstance(input[0], int):
+        return [to_str_tokens(tokenizer, item, prepend_bos, padding_side) for item in input]
+    if isinstance(input, str):
+        ids = to_tokens(tokenizer, input, prepend_bos, padding_side)[0]
+    else:
+        ids = torch.as_tensor(input).squeeze()
+        ids = ids.unsqueeze(0) if ids.dim() == 0 else ids
+        if ids.dim() != 1:
+            raise ValueError(f"to_str_tokens takes one sequence of token ids, not a tensor of shape {tuple(ids.shape)}")
+    return tokenizer.batch_decode([[int(token)] for token in ids.tolist()], clean_up_tokenization_spaces=False)
+
 
 def to_single_token(tokenizer: Any, string: str) -> int:
-    ids = tokenizer(string, add_special_tokens=False)["input_ids"]
-    if len(ids) != 1:
-        raise ValueError(f"{string!r} is {len(ids)} tokens, not one: {ids}")
+    """The one token id of `string` (no BOS), as TL 4.3's ``to_single_token``; several tokens are refused."""
+    ids = to_tokens(tokenizer, string, prepend_bos=False)[0]
+    if ids.numel() != 1:
+        raise ValueError(f"{string!r} is {ids.numel()} tokens, not one: {ids.tolist()}")
     return int(ids[0])
+
+
+def test_prompt(prompt: str, answer: str | Sequence[str], model: Any, prepend_space_to_answer: bool = True,
+                print_details: bool = True, prepend_bos: Optional[bool] = None, top_k: int = 10) -> list:
+    """TransformerLens 4.3's ``utilities.test_prompt`` on a streamscope model (either engine).
+
+    Runs `prompt` followed by `answer` (several answers: their first tokens,
+    compared as next-token candidates) and prints, in TL's words, the prompt's
+    and answer's tokens, each answer token's rank, logit and probability, and
+    the `top_k` tokens at each answer position. Returns ``[(answer token,
+    rank)]`` per answer position (TL returns nothing; its printout ends with
+    the same list).
+    """
+    tokenizer = model.tokenizer
+    answers = [answer] if isinstance(answer, str) else list(answer)
+    if prepend_space_to_answer:
+        answers = [text if text.startswith(" ") else " " + text for text in answers]
+    several = len(answers) > 1
+    prompt_ids = to_tokens(tokenizer, prompt, prepend_bos)[0]
+    answer_ids = [to_tokens(tokenizer, text, prepend_bos=False)[0] for text in answers]
+    if several:
+        answer_ids = [ids[:1] for ids in answer_ids]
+    sequences = [torch.cat([prompt_ids, ids]) for ids in answer_ids]
+    last = model.num_layers - 1
+    logits = model.cache([ids.tolist() for ids in sequences], values=["layer_output"], layers=[last],
+                         progress=False).logits.float()
+    probs = logits.softmax(-1)
+    prompt_length = len(prompt_ids)
+    if print_details:
+        print("Tokenized prompt:", to_str_tokens(tokenizer, prompt_ids))
+        strings = [to_str_tokens(tokenizer, ids) for ids in answer_ids]
+        print("Tokenized answers:" if several else "Tokenized answer:", strings if several else strings[0])
+    ranks = []
+    for position in range(prompt_length, prompt_length + len(answer_ids[0])):
+        for row, ids in enumerate(answer_ids):
+            token = int(ids[position - prompt_length])
+            order = probs[row, position - 1].argsort(descending=True)
+            rank = int((order == token).nonzero()[0, 0])
+            text = tokenizer.decode([token])
+            ranks.append((text, rank))
+            if print_details:
+                print(f"Performance on answer token{'s' if several else ''}:")
+                print(f"Rank: {rank: <8} Logit: {logits[row, position - 1, token].item():5.2f} "
+                      f"Prob: {probs[row, position - 1, token].item():6.2%} Token: |{text}|")
+                for k in range(top_k):
+                    top = int(order[k])
+                    print(f"Top {k}th token. Logit: {logits[row, position - 1, top].item():5.2f} "
+                          f"Prob: {probs[row, position - 1, top].item():6.2%} Token: |{tokenizer.decode([top])}|")
+    if print_details:
+        print(f"Ranks of the answer tokens: {ranks}")
+    return ranks
 
 
 def tl_hook_names(num_layers: int, names: Sequence[str]) -> list[str]:
