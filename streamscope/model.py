@@ -169,17 +169,17 @@ class Standardized(StreamEnvoy):
 
     def to_tokens(self, input: Any, prepend_bos: Optional[bool] = None, padding_side: Optional[str] = None) -> Any:
         """``[batch, pos]`` token ids of a string or strings, as TransformerLens 4.3's ``to_tokens``: one BOS
-        first unless ``prepend_bos=False`` (whether or not the tokenizer adds it itself)."""
+        first where ``prepend_bos`` (default: TL 4.3's for the family), whether or not the tokenizer adds it."""
         from .tl import to_tokens
 
-        return to_tokens(self.tokenizer, input, prepend_bos, padding_side)
+        return to_tokens(self.tokenizer, input, prepend_bos, padding_side, self.config.model_type)
 
     def to_str_tokens(self, input: Any, prepend_bos: Optional[bool] = None,
                       padding_side: Optional[str] = None) -> Any:
         """Each token of a string, strings or token ids as its string, as TransformerLens 4.3's ``to_str_tokens``."""
         from .tl import to_str_tokens
 
-        return to_str_tokens(self.tokenizer, input, prepend_bos, padding_side)
+        return to_str_tokens(self.tokenizer, input, prepend_bos, padding_side, self.config.model_type)
 
     def to_single_token(self, string: str) -> int:
         """The one token id of `string`, no BOS (TransformerLens 4.3's ``to_single_token``); several are refused."""

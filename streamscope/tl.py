@@ -487,7 +487,7 @@ class TransformerLensCache:
 
     def to_str_tokens(self, input: Any, prepend_bos: Optional[bool] = None) -> Any:
         """Each token as its string, as TL's ``to_str_tokens``: ``cache.to_str_tokens(cache.tokens[0])``."""
-        return to_str_tokens(self._tokenizer, input, prepend_bos)
+        return to_str_tokens(self._tokenizer, input, prepend_bos, model_type=self.model_type)
 
 
 def tokenizer_prepends_bos(tokenizer: Any) -> bool:
@@ -498,17 +498,24 @@ def tokenizer_prepends_bos(tokenizer: Any) -> bool:
     return bool(ids) and ids[0] == tokenizer.bos_token_id
 
 
+#: Model types whose TransformerLens 4.3 adapter sets ``default_prepend_bos = False`` (the rest: True).
+NO_DEFAULT_BOS = ("bloom", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "glm", "glm4_moe", "glm4v", "gpt_neox",
+                  "granite", "llada", "minimax_m2", "mpt", "phi", "phimoe", "qwen2", "qwen2_5_vl", "qwen3",
+                  "qwen3_moe", "qwen3_vl", "recurrent_gemma", "seed_oss", "smollm3", "starcoder2")
+
+
 def to_tokens(tokenizer: Any, input: str | Sequence[str], prepend_bos: Optional[bool] = None,
-              padding_side: Optional[str] = None) -> torch.Tensor:
+              padding_side: Optional[str] = None, model_type: Optional[str] = None) -> torch.Tensor:
     """``[batch, pos]`` token ids of a string or strings, as TransformerLens 4.3's ``to_tokens``.
 
-    `prepend_bos` None means True (TL's ``default_prepend_bos``; TL's own
-    adapters turn it off for a few families, such as Granite: pass it
-    explicitly there). True puts one BOS first whether or not the tokenizer
+    `prepend_bos` None is TL 4.3's ``default_prepend_bos`` for `model_type`:
+    True, but False for the families in `NO_DEFAULT_BOS` (GPT-NeoX, Granite,
+    Qwen 2 and 3, ...). True puts one BOS first whether or not the tokenizer
     adds it itself; False leaves it out even where the tokenizer adds it.
     Several strings are padded on `padding_side` (the tokenizer's by default).
     """
-    prepend_bos = True if prepend_bos is None else prepend_bos
+    if prepend_bos is None:
+        prepend_bos = model_type not in NO_DEFAULT_BOS
     texts = [input] if isinstance(input, str) else list(input)
     adds = tokenizer_prepends_bos(tokenizer)
     if prepend_bos and not adds and tokenizer.bos_token is not None:
@@ -525,12 +532,12 @@ def to_tokens(tokenizer: Any, input: str | Sequence[str], prepend_bos: Optional[
 
 
 def to_str_tokens(tokenizer: Any, input: Any, prepend_bos: Optional[bool] = None,
-                  padding_side: Optional[str] = None) -> Any:
+                  padding_side: Optional[str] = None, model_type: Optional[str] = None) -> Any:
     """Each token of `input` (a string, a list of them, or token ids) as its string, as TL 4.3's ``to_str_tokens``."""
     if isinstance(input, list) and input and not isinstance(input[0], int):
-        return [to_str_tokens(tokenizer, item, prepend_bos, padding_side) for item in input]
+        return [to_str_tokens(tokenizer, item, prepend_bos, padding_side, model_type) for item in input]
     if isinstance(input, str):
-        ids = to_tokens(tokenizer, input, prepend_bos, padding_side)[0]
+        ids = to_tokens(tokenizer, input, prepend_bos, padding_side, model_type)[0]
     else:
         ids = torch.as_tensor(input).squeeze()
         ids = ids.unsqueeze(0) if ids.dim() == 0 else ids
@@ -554,48 +561,48 @@ def test_prompt(prompt: str, answer: str | Sequence[str], model: Any, prepend_sp
     Runs `prompt` followed by `answer` (several answers: their first tokens,
     compared as next-token candidates) and prints, in TL's words, the prompt's
     and answer's tokens, each answer token's rank, logit and probability, and
-    the `top_k` tokens at each answer position. Returns ``[(answer token,
-    rank)]`` per answer position (TL returns nothing; its printout ends with
-    the same list).
+    the `top_k` tokens at each answer position. Returns what TL's printout
+    ends with: ``[(answer token, rank)]`` per answer position (one answer),
+    or per position a list over the answers (TL returns nothing).
     """
     tokenizer = model.tokenizer
     answers = [answer] if isinstance(answer, str) else list(answer)
     if prepend_space_to_answer:
         answers = [text if text.startswith(" ") else " " + text for text in answers]
     several = len(answers) > 1
-    prompt_ids = to_tokens(tokenizer, prompt, prepend_bos)[0]
-    answer_ids = [to_tokens(tokenizer, text, prepend_bos=False)[0] for text in answers]
-    if several:
-        answer_ids = [ids[:1] for ids in answer_ids]
-    sequences = [torch.cat([prompt_ids, ids]) for ids in answer_ids]
-    last = model.num_layers - 1
-    logits = model.cache([ids.tolist() for ids in sequences], values=["layer_output"], layers=[last],
+    prompt_ids = to_tokens(tokenizer, prompt, prepend_bos, model_type=model.config.model_type)[0]
+    full_answers = [to_tokens(tokenizer, text, prepend_bos=False)[0] for text in answers]
+    answer_ids = [ids[:1] for ids in full_answers] if several else full_answers
+    sequences = [torch.cat([prompt_ids, ids]).tolist() for ids in answer_ids]
+    logits = model.cache(sequences, values=["layer_output"], layers=[model.num_layers - 1],
                          progress=False).logits.float()
     probs = logits.softmax(-1)
     prompt_length = len(prompt_ids)
+    answer_strings = [to_str_tokens(tokenizer, ids) for ids in full_answers]
     if print_details:
         print("Tokenized prompt:", to_str_tokens(tokenizer, prompt_ids))
-        strings = [to_str_tokens(tokenizer, ids) for ids in answer_ids]
-        print("Tokenized answers:" if several else "Tokenized answer:", strings if several else strings[0])
-    ranks = []
+        print("Tokenized answers:" if several else "Tokenized answer:", answer_strings if several else answer_strings[0])
+    ranks: list = []
     for position in range(prompt_length, prompt_length + len(answer_ids[0])):
-        for row, ids in enumerate(answer_ids):
-            token = int(ids[position - prompt_length])
-            order = probs[row, position - 1].argsort(descending=True)
-            rank = int((order == token).nonzero()[0, 0])
-            text = tokenizer.decode([token])
-            ranks.append((text, rank))
-            if print_details:
-                print(f"Performance on answer token{'s' if several else ''}:")
-                print(f"Rank: {rank: <8} Logit: {logits[row, position - 1, token].item():5.2f} "
-                      f"Prob: {probs[row, position - 1, token].item():6.2%} Token: |{text}|")
-                for k in range(top_k):
-                    top = int(order[k])
-                    print(f"Top {k}th token. Logit: {logits[row, position - 1, top].item():5.2f} "
-                          f"Prob: {probs[row, position - 1, top].item():6.2%} Token: |{tokenizer.decode([top])}|")
+        step = position - 1  # the logits at a position predict the next token
+        order = probs[:, step].argsort(-1, descending=True)
+        tokens = [int(ids[position - prompt_length]) for ids in answer_ids]
+        found = [(answer_strings[row][position - prompt_length], int((order[row] == token).nonzero()[0, 0]))
+                 for row, token in enumerate(tokens)]
+        ranks.append(found)
+        if print_details:
+            print(f"Performance on answer token{'s' if several else ''}:")
+            for row, token in enumerate(tokens):
+                print(f"Rank: {found[row][1]: <8} Logit: {logits[row, step, token].item():5.2f} "
+                      f"Prob: {probs[row, step, token].item():6.2%} Token: |{found[row][0]}|")
+            for k in range(top_k):
+                top = int(order[0, k])
+                print(f"Top {k}th token. Logit: {logits[0, step, top].item():5.2f} "
+                      f"Prob: {probs[0, step, top].item():6.2%} Token: |{tokenizer.decode([top])}|")
+    result = ranks if several else [row[0] for row in ranks]
     if print_details:
-        print(f"Ranks of the answer tokens: {ranks}")
-    return ranks
+        print(f"Ranks of the answer tokens: {result}")
+    return result
 
 
 def tl_hook_names(num_layers: int, names: Sequence[str]) -> list[str]:

@@ -354,3 +354,31 @@ def head_results(pair):
     close(full.sum(0), ours[f"layers.{pair.layers - 1}.layer_output"], pair.mask, "the decomposition's sum")
     with pytest.raises(Exception, match="expand_neurons=False"):
         ours.get_full_resid_decomposition()
+
+
+def tokens_and_test_prompt(pair, capsys):
+    """The token helpers with TL's BOS rule, and test_prompt's printout, against TL 4.3's own."""
+    from streamscope.tl import test_prompt
+    from transformer_lens import utilities
+
+    model, tl = pair.model, pair.tl
+    for prepend_bos in (None, True, False):
+        for text in (PROMPTS[0], PROMPTS):
+            assert model.to_tokens(text, prepend_bos=prepend_bos).tolist() == tl.to_tokens(
+                text, prepend_bos=prepend_bos).tolist(), (text, prepend_bos)
+        assert model.to_str_tokens(PROMPTS[1], prepend_bos=prepend_bos) == tl.to_str_tokens(
+            PROMPTS[1], prepend_bos=prepend_bos)
+    assert model.to_str_tokens(pair.ours.tokens[1]) == tl.to_str_tokens(pair.ours.tokens[1])
+    assert model.to_string(pair.ours.tokens) == tl.to_string(pair.ours.tokens)
+    single = next(text for text in (" the", " is", "e", "a") if len(tl.to_tokens(text, prepend_bos=False)[0]) == 1)
+    assert model.to_single_token(single) == tl.to_single_token(single) == pair.ours.to_single_token(single)
+    with pytest.raises(ValueError, match="not one"):
+        model.to_single_token(PROMPTS[1])
+    for answer in ("Paris", ["Paris", "Rome", "Italy"]):
+        ranks = test_prompt(PROMPTS[1], answer, model, top_k=3)
+        ours = capsys.readouterr().out
+        utilities.test_prompt(PROMPTS[1], answer, tl, top_k=3)
+        theirs = capsys.readouterr().out
+        assert ours.splitlines()[-1] == theirs.splitlines()[-1] == f"Ranks of the answer tokens: {ranks}"
+        if LIMIT[0] == TOLERANCE:  # on transformers the printed logits and probabilities are the same digits
+            assert ours == theirs

@@ -77,3 +77,7 @@ def test_model_cache_takes_token_ids_names_filter_and_pos_slice(pair):
 
 def test_head_results_stacks_and_full_decomposition(pair):
     parity.head_results(pair)
+
+
+def test_token_helpers_and_test_prompt(pair, capsys):
+    parity.tokens_and_test_prompt(pair, capsys)
