@@ -182,7 +182,7 @@ class TransformerLensCache:
         through the final norm with its own statistics (weight and bias applied,
         the logit lens); at `layer` = k < num_layers, centred (layer norm) and
         divided by block k's ``ln1.hook_scale`` (``ln2`` with `mlp_input`), no
-        weight. `frozen_final_scale` (streamscope before 0.2; TransformerLens
+        weight. `frozen_final_scale` (streamscope's earlier default; TransformerLens
         ``apply_ln_to_stack(recompute_ln=False)`` with ``fold_ln=True``) instead
         divides every component by the final stream's scale and applies the weight.
         """
@@ -316,7 +316,7 @@ class TransformerLensCache:
         position. Returns ``[components, batch, seq]`` (TL's broadcasting).
 
         `norm_weight` applies the final norm's weight before the projection
-        (TL with ``fold_ln=True``; streamscope 0.1's default): summed over
+        (TL with ``fold_ln=True``; streamscope's earlier default): summed over
         `decompose_resid`'s components this is then the model's logit before
         any soft cap or scale, less the unembedding of the norm's bias and the
         head's bias.
