@@ -446,7 +446,8 @@ def _token_ids(model: Any, prompts: Any) -> list[list[int]]:
                 raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{model.vocab_size - 1})")
             encoded.append(ids)
         else:
-            raise ValueError(f"a prompt is a string or a non-empty list of token ids, not {prompt!r:.80}")
+            raise TypeError(f"model.cache takes a prompt (a string, or a non-empty list of token ids) or a list of "
+                            f"them, not {prompt!r:.80}")
     return encoded
 
 
