@@ -10,12 +10,12 @@ from .errors import Unavailable, UnsupportedCheckpoint
 from .support import BlockSupport, ModelSupport
 
 __all__ = ["load", "Unavailable", "UnsupportedCheckpoint", "BlockSupport", "ModelSupport", "Steer", "Harvest",
-           "Generation", "load_harvest", "iter_harvest", "Cache", "Lens", "lens", "Patching", "patch"]
+           "Generation", "load_harvest", "iter_harvest", "Cache", "Lens", "lens", "Patching", "patch", "Client"]
 
 ENGINES = ("transformers", "vllm")
 _BULK = ("Steer", "Harvest", "Generation", "load_harvest", "iter_harvest")
 #: The workflows' names, loaded on first use like the bulk path's: {name: module}.
-_WORKFLOWS = {"Cache": "cache", "Lens": "logit_lens", "lens": "logit_lens", "Patching": "patching", "patch": "patching"}
+_WORKFLOWS = {"Client": "serve.client", "Cache": "cache", "Lens": "logit_lens", "lens": "logit_lens", "Patching": "patching", "patch": "patching"}
 
 
 def __getattr__(name: str) -> Any:
@@ -35,13 +35,20 @@ def load(path: str | Path, engine: str = "transformers", **kwargs: Any) -> Any:
     """Load a decoder-only model under streamscope's names.
 
     Args:
-        path: A checkpoint folder (or a hub repository where the hub is reachable).
+        path: A checkpoint folder; ``"smollm2"`` (SmolLM2-135M-Instruct, fetched and converted once, as the
+            command line takes it); a ``.gguf`` file (converted once to a float32 checkpoint); or a hub
+            repository id, fetched as transformers and vLLM fetch it (where the hub cannot be reached,
+            this fails at once saying what to do).
         engine: ``"transformers"`` or ``"vllm"``.
         **kwargs: Passed to the engine (``dtype``, ``device_map``; vLLM's
             engine arguments).
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    if isinstance(path, (str, Path)):
+        from .models import resolve
+
+        path = resolve(path)
     check_load(path, kwargs)
     if engine == "transformers":
         from .transformers import load as load_transformers

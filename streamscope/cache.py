@@ -33,9 +33,16 @@ ROOT = ("token_embeddings", "final_norm_output")
 #: What `model.cache` reads by default: every served boundary and contribution, and the root values.
 DEFAULT_VALUES = (*BOUNDARIES, "attention_output", "mlp_output")
 
-#: Short names accepted for a block value: the mixer's or the MLP's contribution, whichever the block has.
-_SHORT = {"attention_output": ("self_attn.attention_output", "linear_attn.attention_output"),
-          "mlp_output": ("mlp.mlp_output",)}
+#: The sublayers whose values a short name reaches: ``pattern`` is ``self_attn.pattern``, ``attention_output``
+#: the mixer's (``self_attn`` or ``linear_attn``, whichever the block has), ``mlp_output`` the MLP's.
+SUBLAYERS = ("self_attn", "linear_attn", "mlp")
+
+
+def _spellings(name: str) -> tuple[str, ...]:
+    """A block value's name as given, then as each sublayer's (a short name reaches the sublayer's value)."""
+    if "." in name:
+        return (name,)
+    return (name, *(f"{sublayer}.{name}" for sublayer in SUBLAYERS))
 
 #: TransformerLens block hook -> (streamscope block value, how TL lays it out relative to streamscope).
 TL_BLOCK = {
@@ -150,7 +157,7 @@ class Cache(TransformerLensCache, Mapping):
 
     def _block_key(self, index: int, name: str) -> Optional[str]:
         """The stored key of block `index`'s value `name` (a short contribution name resolved), or None."""
-        for full in _SHORT.get(name, (name,)):
+        for full in _spellings(name):
             if f"layers.{index}.{full}" in self.stored:
                 return f"layers.{index}.{full}"
         return None
@@ -179,11 +186,10 @@ class Cache(TransformerLensCache, Mapping):
         block = _BLOCK_NAME.match(key)
         if block is not None:
             index, name = int(block.group(1)), block.group(2)
-            if not -self.num_layers <= index < self.num_layers:
-                raise KeyError(f"{key!r}: there are {self.num_layers} blocks, 0..{self.num_layers - 1} "
-                               f"(or -{self.num_layers}..-1 from the end)")
-            index %= self.num_layers
-            for full in _SHORT.get(name, (name,)):
+            if index >= self.num_layers:
+                raise KeyError(f"{key!r}: block {index} is out of range: the model has {self.num_layers} "
+                               f"(layers.0 to layers.{self.num_layers - 1})")
+            for full in _spellings(name):
                 if f"layers.{index}.{full}" in self.stored:
                     return self.stored[f"layers.{index}.{full}"]
                 if f"layers.{index}.{full}" in self.unavailable:
@@ -344,7 +350,8 @@ def _block_keys(model: Any, values: Sequence[str], layers: Sequence[int]) -> tup
         rows = model.layers[index].support().rows
         for full, reason in rows.items():
             short = full.split(".")[-1]
-            if full in wanted or (short in wanted and full in CONTRIBUTIONS):
+            # A short name (``pattern``, ``attention_output``) selects the sublayer's value of that name.
+            if full in wanted or (short in wanted and full in _spellings(short)):
                 if reason is None:
                     reads.append((index, full))
                 else:
@@ -550,15 +557,18 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
     """
     from tqdm.auto import tqdm
 
+    from .checks import indices, names
+
     encoded = _token_ids(model, prompts)
     prompts = [ids for ids in encoded]
+    values = names(values)
     roots = list(ROOT) if values is None else [name for name in values if name in ROOT]
     values = list(DEFAULT_VALUES if values is None else values)
     root_rows = model.support().root.rows
     root_unavailable = {name: root_rows[name] for name in roots if root_rows.get(name) is not None}
     roots = [name for name in roots if name not in root_unavailable]
     block_values = [name for name in values if name not in ROOT]
-    layers = list(range(model.num_layers)) if layers is None else [int(i) % model.num_layers for i in layers]
+    layers = indices(layers, model.num_layers, "block", "model.cache")
     reads, unavailable = _block_keys(model, block_values, layers)
     unavailable.update(root_unavailable)
     reads, aliases = _unique(model, reads)

@@ -104,3 +104,42 @@ def _flatten(ids: Any):
             yield from _flatten(item)
         elif isinstance(item, int) and not isinstance(item, bool):
             yield item
+
+
+# What the workflows (cache, lens, patch) refuse rather than silently read something else.
+
+
+def indices(asked: Any, count: int, what: str, call: str) -> list[int]:
+    """`asked` (None for all, one int, or ints in ``[-count, count)``) as indices in ``[0, count)``.
+
+    An index out of range is refused: wrapped modulo `count` it would read another block or position
+    under the asked one's label.
+    """
+    if asked is None:
+        return list(range(count))
+    items = [asked] if isinstance(asked, int) else list(asked)
+    found = []
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, (int, torch.Tensor)) or (
+                isinstance(item, torch.Tensor) and (item.numel() != 1 or item.is_floating_point())):
+            raise TypeError(f"{call}: {what}s are given as integers; got {item!r}")
+        index = int(item)
+        if not -count <= index < count:
+            raise IndexError(f"{call}: {what} {index} is out of range: there are {count} (0 to {count - 1}, "
+                             f"or -{count} to -1 from the end)")
+        found.append(index % count)
+    if not found:
+        raise ValueError(f"{call}: no {what}s asked for (an empty list); leave it out for all")
+    return found
+
+
+def one_prompt(prompt: Any, call: str, several: str) -> str:
+    """`prompt` when it is one string; otherwise a TypeError saying what to do with several."""
+    if isinstance(prompt, str):
+        return prompt
+    raise TypeError(f"{call} takes one prompt (a string); got {type(prompt).__name__}. {several}")
+
+
+def names(values: Any) -> Any:
+    """Value names as a list: one name given as a string is one name, not its characters."""
+    return [values] if isinstance(values, str) else values

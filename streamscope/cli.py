@@ -5,6 +5,7 @@
     streamscope lens PATH "The capital of France is" --png lens.png
     streamscope patch PATH --clean "..." --corrupted "..." --answer " Paris" --wrong " Rome" --png patch.png
     streamscope attention PATH "prompt" --layer 3 --png pattern.png
+    streamscope serve PATH [--taps ...] [any vllm serve option]     (vLLM's OpenAI-compatible server, steerable)
 
 PATH is a checkpoint folder, or ``smollm2`` for SmolLM2-135M-Instruct (fetched and converted once).
 """
@@ -19,11 +20,9 @@ from typing import Any, Optional, Sequence
 
 
 def _path(text: str) -> str:
-    if text == "smollm2":
-        from .models import smollm2
+    from .models import resolve
 
-        return str(smollm2())
-    return text
+    return str(resolve(text))
 
 
 def _load(path: str, engine: str) -> Any:
@@ -142,6 +141,11 @@ def _token(text: str) -> Any:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # every vllm serve option is its own: vLLM's parser reads the rest
+        from .serve.server import main as serve
+
+        return serve(argv[1:])
     arguments = parser().parse_args(argv)
     for name in ("answer", "wrong"):
         if hasattr(arguments, name):

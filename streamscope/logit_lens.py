@@ -132,24 +132,35 @@ class Lens:
         return lens_heatmap(self, path, **kwargs)
 
 
-def lens(model: Any, prompt: str, *, layers: Optional[Sequence[int]] = None, value: str = DEFAULT_VALUE,
-         top_k: Optional[int] = 10, keep_logits: bool = False) -> Lens:
+def lens(model: Any, prompt: str | Sequence[str], *, layers: Optional[Sequence[int]] = None,
+         value: str = DEFAULT_VALUE, top_k: Optional[int] = 10, keep_logits: bool = False) -> Any:
     """Read every block's stream (`value`, ``layer_output`` by default) through the model's own head.
 
     Args:
         model: A streamscope model on either engine.
-        prompt: The prompt text.
-        layers: The blocks to read (default: all).
+        prompt: The prompt text; or a list of prompts, for a list of `Lens`, one per prompt (each its own run).
+        layers: The blocks to read (default: all; negative indices count from the last).
         value: A boundary served on those blocks (``layer_input``, ``layer_mid``, ...).
-        top_k: How many top tokens to keep per block and position.
+        top_k: How many top tokens to keep per block and position; None keeps every token's logits
+            (as `keep_logits`), with the top 10 for the table.
         keep_logits: Also return the whole ``[blocks, seq, vocab_size]`` logits (on vLLM they travel
             from the worker; for large vocabularies keep it False).
 
     Returns:
-        A `Lens`; print it for the table, `.plot(path)` for the heatmap.
+        A `Lens` (a list of them for a list of prompts); print it for the table, `.plot(path)` for the heatmap.
     """
-    layers = list(range(model.num_layers)) if layers is None else [int(i) % model.num_layers for i in layers]
-    k = top_k or 10
+    from .checks import indices
+
+    if not isinstance(prompt, str):
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(item, str) for item in prompt):
+            return [lens(model, item, layers=layers, value=value, top_k=top_k, keep_logits=keep_logits)
+                    for item in prompt]
+        raise TypeError(f"streamscope.lens takes a prompt (a string) or a non-empty list of them; got {prompt!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k={top_k!r}: give a positive number of top tokens, or None for every token's logits")
+    layers = indices(layers, model.num_layers, "block", "streamscope.lens")
+    keep_logits = keep_logits or top_k is None
+    k = min(top_k or 10, model.vocab_size)
     settings = {"temperature": 0.0, "max_tokens": 1} if getattr(type(model), "ENGINE", "") == "vllm" else {}
     with torch.no_grad(), model.trace(prompt, **settings):
         logits, probs, ids = lens_body(model, layers, value, None if keep_logits else k)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -37,11 +38,22 @@ def smollm2(folder: Optional[str | Path] = None, *, quiet: bool = False) -> Path
     target = Path(folder) if folder is not None else cache_root() / "smollm2-135m-instruct"
     if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
         return target
+    target.mkdir(parents=True, exist_ok=True)
+    gguf = _gguf_file(target.parent / "downloads", quiet=quiet)
+    return convert_gguf(gguf, target, quiet=quiet)
+
+
+def convert_gguf(gguf: str | Path, target: str | Path, *, quiet: bool = False) -> Path:
+    """Convert a GGUF file to a float32 safetensors checkpoint with its tokenizer at `target`; return it.
+
+    transformers reads the file (``gguf_file=``; the ``gguf`` package dequantizes quantized weights), so
+    the architectures are transformers' GGUF ones (Llama, Mistral, Qwen2/3, Gemma 2/3, GPT-2, Phi-3, ...).
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    gguf, target = Path(gguf), Path(target)
     target.mkdir(parents=True, exist_ok=True)
-    gguf = _gguf_file(target.parent / "downloads", quiet=quiet)
     if not quiet:
         print(f"Converting {gguf.name} to a float32 safetensors checkpoint at {target}", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -61,6 +73,95 @@ def smollm2(folder: Optional[str | Path] = None, *, quiet: bool = False) -> Path
         for item in Path(staging).iterdir():
             item.replace(target / item.name)
     return target
+
+
+def from_gguf(gguf: str | Path, *, quiet: bool = False) -> Path:
+    """The checkpoint folder of a GGUF file, converted once (`convert_gguf`) under ``<cache_root()>/gguf``.
+
+    The folder is named after the file, its size and modification time, so a changed file is converted again.
+    """
+    gguf = Path(gguf).expanduser().resolve()
+    stat = gguf.stat()
+    digest = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = cache_root() / "gguf" / f"{gguf.stem}-{digest}"
+    if (target / "config.json").exists() and (target / "tokenizer_config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return convert_gguf(gguf, target, quiet=quiet)
+
+
+#: Names `streamscope.load` and the command line take for the models this module fetches.
+NAMED = {"smollm2": smollm2}
+
+
+def resolve(path: str | Path) -> str | Path:
+    """What `streamscope.load` is given, as the engines take it: a folder, a named model, a GGUF file, a hub id.
+
+    A folder is taken as is. ``"smollm2"`` (where no such folder exists) is `smollm2()`'s folder. A ``.gguf``
+    file is converted once (`from_gguf`). Anything else names a hub repository: where the hub cannot be
+    reached this fails at once, saying what to do, rather than after the hub client's retries; where it
+    can, the engine fetches the repository as transformers and vLLM do.
+    """
+    text = str(path)
+    local = Path(text).expanduser()
+    if local.is_dir():
+        return path
+    if text.lower() in NAMED and not local.exists():
+        return NAMED[text.lower()]()
+    if text.lower().endswith(".gguf"):
+        if not local.is_file():
+            raise FileNotFoundError(f"no GGUF file at {text}: check the path (read from {Path.cwd()} when relative)")
+        return from_gguf(local)
+    if local.is_file():
+        raise ValueError(f"{text} is a file: streamscope.load takes a checkpoint folder (with config.json), a "
+                         f"GGUF file (.gguf), a hub repository id, or one of {', '.join(NAMED)}")
+    from .checks import local_folder
+
+    if local_folder(path) is None:
+        check_hub(text)
+    return path
+
+
+def check_hub(repository: str) -> None:
+    """Fail fast, with what to do instead, where the hub `repository` would come from cannot be reached."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return  # the hub client reads its cache only, and says at once when the repository is not there
+    reason = hub_unreachable()
+    if reason is None:
+        return
+    from huggingface_hub import constants
+
+    cache = Path(constants.HF_HUB_CACHE)
+    cached = (cache / f"models--{repository.replace('/', '--')}").is_dir()
+    where = (f"It is in the hub cache ({cache}): set HF_HUB_OFFLINE=1 to load it from there."
+             if cached else f"It is not in the hub cache ({cache}); with HF_HUB_OFFLINE=1 a repository "
+             f"downloaded there earlier loads without the network.")
+    raise ConnectionError(
+        f"cannot reach the Hugging Face hub ({_endpoint()}: {reason}) to fetch {repository!r}. Load a local "
+        f"checkpoint folder instead (streamscope.load('/path/to/folder'), the folder with config.json), a "
+        f"GGUF file, or 'smollm2'. {where}"
+    )
+
+
+def _endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+
+
+def hub_unreachable(timeout: float = 3.0) -> Optional[str]:
+    """Why the hub's endpoint cannot be reached (a TCP connection within `timeout` seconds), or None.
+
+    The one network call of `resolve`; tests replace it (they run without the hub).
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(_endpoint())
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", port), timeout=timeout):
+            return None
+    except OSError as error:
+        return str(error) or type(error).__name__
 
 
 def _gguf_file(downloads: Path, *, quiet: bool) -> Path:

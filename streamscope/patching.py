@@ -164,6 +164,10 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
     """
     from tqdm.auto import tqdm
 
+    from .checks import indices, one_prompt
+
+    several = "Patch each pair of prompts with its own call."
+    clean, corrupted = (one_prompt(prompt, "streamscope.patch", several) for prompt in (clean, corrupted))
     tokenizer = model.tokenizer
     clean_ids, corrupted_ids = tokenizer(clean)["input_ids"], tokenizer(corrupted)["input_ids"]
     if len(clean_ids) != len(corrupted_ids):
@@ -174,7 +178,7 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
             raise ValueError("give a metric (a function of the last position's logits), or answer= and wrong= "
                              "for their logit difference")
         metric = logit_difference(_token_id(tokenizer, answer), _token_id(tokenizer, wrong))
-    layers = list(range(model.num_layers)) if layers is None else [int(i) % model.num_layers for i in layers]
+    layers = indices(layers, model.num_layers, "block", "streamscope.patch")
     names = {layer: _full_name(model, layer, value) for layer in layers}
     for layer in layers:  # an unserved value says why before anything runs
         reason = model.layers[layer].support().rows.get(names[layer], "not a value of this block")
@@ -184,7 +188,7 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
             raise Unavailable(value, f"model.layers[{layer}]", reason)
     heads = value == "head_outputs"
     length = len(corrupted_ids)
-    positions = list(range(length)) if positions is None else [int(p) % length for p in positions]
+    positions = indices(positions, length, "position", "streamscope.patch")
 
     stacked, clean_logits = clean_values(model, clean, layers, names)
     _, corrupted_logits = clean_values(model, corrupted, layers[:1], names)

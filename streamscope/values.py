@@ -370,12 +370,34 @@ def check_write(name: str, shape: str, expected: tuple[int, ...], value: Any,
             introduced = ~finite
         count = int(introduced.sum())
         if count:
-            warnings.warn(
+            warn_every_time(
                 f"{name} is written with NaN or inf at {count} of its {value.numel()} entries, where the "
                 f"model's values were finite: every later position that attends to them (and every value "
-                f"after them) becomes NaN. Write finite numbers unless that is what you mean to study.",
-                RuntimeWarning, stacklevel=4,
-            )
+                f"after them) becomes NaN. Write finite numbers unless that is what you mean to study.")
+
+
+def warn_every_time(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """Warn at the user's line (the innermost frame outside streamscope and nnsight), on every occurrence.
+
+    `warnings.warn` shows a message once per code location; a write check fires from the same line of
+    streamscope for every write, so the second trace's NaN write (same text, same line) would pass unseen.
+    """
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    # Library frames (streamscope, nnsight, torch, vLLM, the standard library) are passed over.
+    # A trace body nnsight compiled ("<edit-...>") is not a file the warning could show a line of.
+    libraries = ("<", str(Path(__file__).parent), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"])
+    caller = sys._getframe(1)
+    frame: Any = caller
+    while frame is not None and frame.f_code.co_filename.startswith(libraries):
+        frame = frame.f_back
+    frame = frame or caller
+    module = frame.f_globals.get("__name__")
+    # No registry: "default" shows the warning every time (a registry would keep the first only).
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                           **({"module": module} if module else {}), registry=None)
 
 
 class ReadOnly:

@@ -63,15 +63,15 @@ def test_check_passes_on_both_engines(checkpoints, family, overrides):
     assert len(rows) == 2 and all(row.count(" ok") == 2 for row in rows)
 
 
-def test_check_fails_with_a_nonzero_exit_when_a_value_is_off(monkeypatch, capsys):
+def test_check_fails_with_a_nonzero_exit_when_a_value_is_off(monkeypatch, capsys, tmp_path):
     from streamscope import cli
 
-    failing = Report("ckpt", "llama", ["transformers"], errors={"layer_mid": {"transformers": 3e-2}})
+    failing = Report(str(tmp_path), "llama", ["transformers"], errors={"layer_mid": {"transformers": 3e-2}})
     monkeypatch.setattr("streamscope.check.check", lambda *args, **kwargs: failing)
-    assert cli.main(["check", "ckpt", "--engines", "transformers"]) == 1
+    assert cli.main(["check", str(tmp_path), "--engines", "transformers"]) == 1
     output = capsys.readouterr().out
     assert "FAIL" in output and "3.0e-02" in output
-    assert cli.main(["check", "ckpt", "--engines", "tensorflow"]) == 2
+    assert cli.main(["check", str(tmp_path), "--engines", "tensorflow"]) == 2
 
 
 def test_lens_prints_the_table_and_writes_the_heatmap(checkpoints, tmp_path):

@@ -273,3 +273,30 @@ def generation_harvest(model: Any, harvest: Any, lengths: Sequence[int]) -> Opti
     if options:
         raise TypeError(f"harvest= takes values, layers and positions; not {', '.join(options)}.")
     return spec
+
+
+def plain_generation(inputs: tuple, kwargs: dict[str, Any]) -> tuple[list, dict[str, Any]]:
+    """`model.generate(...)` called outside a ``with`` block, as the bulk path's (prompts, settings).
+
+    One prompt (a string) is a list of one; transformers' spellings are taken too: ``max_new_tokens`` is
+    ``max_tokens``, ``do_sample=False`` greedy (``temperature=0``), ``do_sample=True`` sampling at temperature 1
+    unless one is given.
+    """
+    if len(inputs) != 1:
+        raise TypeError(f"model.generate takes the prompts as one argument (a string or a list); got {len(inputs)}")
+    prompts = inputs[0]
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    settings = dict(kwargs)
+    if "max_new_tokens" in settings:
+        if "max_tokens" in settings:
+            raise TypeError("give max_tokens or max_new_tokens, not both")
+        settings["max_tokens"] = settings.pop("max_new_tokens")
+    if "do_sample" in settings:
+        sample = settings.pop("do_sample")
+        if not sample:
+            if settings.get("temperature", 0.0) != 0.0:
+                raise ValueError("do_sample=False is greedy: leave temperature out, or sample with do_sample=True")
+            settings["temperature"] = 0.0
+        else:
+            settings.setdefault("temperature", 1.0)
+    return prompts, settings

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -24,8 +25,8 @@ CORPUS = [
 ]
 
 
-def train_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer with a BOS token prepended to every prompt."""
+def train_tokenizer(vocab_size: int = 512, corpus: Sequence[str] = CORPUS) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with a BOS token prepended to every prompt, trained on `corpus`."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -35,7 +36,7 @@ def train_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(CORPUS * 20, trainer=trainer)
+    tokenizer.train_from_iterator(list(corpus) * 20, trainer=trainer)
     bos = tokenizer.token_to_id("<|bos|>")
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos)]
@@ -49,7 +50,8 @@ def train_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     )
 
 
-def save_tokenizer(path: str | Path, vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    tokenizer = train_tokenizer(vocab_size)
+def save_tokenizer(path: str | Path, vocab_size: int = 512, corpus: Sequence[str] = CORPUS) -> PreTrainedTokenizerFast:
+    """Train a tokenizer on `corpus` and save it into the checkpoint folder `path` (replacing any there)."""
+    tokenizer = train_tokenizer(vocab_size, corpus)
     tokenizer.save_pretrained(str(path))
     return tokenizer

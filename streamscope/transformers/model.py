@@ -73,14 +73,16 @@ class StandardizedTransformers(Standardized, TransformersModel):
         return harvest(self, prompts, values, layers, positions, out, **options)
 
     def generate(self, *inputs: Any, steer: Any = None, harvest: Any = None, **kwargs: Any) -> Any:
-        """With ``steer=`` or ``harvest=``: bulk sampling (`streamscope.bulk.transformers.generate`).
+        """Sample completions of many prompts: a `streamscope.Generation` (texts, tokens, optional logits).
 
-        Otherwise nnsight's generate: a trace as a ``with`` block, a plain
-        generation when called (its decision, made here at the caller's depth).
+        Called, it is the bulk path (`streamscope.bulk.transformers.generate`), with or without ``steer=``
+        and ``harvest=``: ``model.generate(prompts, max_tokens=20)`` returns the same `Generation` as on
+        vLLM (transformers' ``max_new_tokens`` and ``do_sample`` are taken too). As a ``with`` block it
+        is nnsight's generate, a trace over every step (the decision is made here, at the caller's depth).
         """
-        if steer is not None or harvest is not None:
-            from ..bulk.transformers import generate
+        from ..bulk.transformers import generate
 
+        if steer is not None or harvest is not None:
             return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)
         fn = seam.unwrapped_generate(self, TransformersModel)
         if seam.interleaving(self):
@@ -89,7 +91,10 @@ class StandardizedTransformers(Standardized, TransformersModel):
         try:
             tracer.capture()
         except seam.WithBlockNotFoundError:
-            return self.interleave(fn, *inputs, **kwargs)
+            from ..bulk.spec import plain_generation
+
+            prompts, settings = plain_generation(inputs, kwargs)
+            return generate(self, prompts, **settings)
         return tracer
 
 

@@ -23,7 +23,7 @@ from ..checks import check_token_ids
 from ..errors import Unavailable
 from .. import nnsight_seam as seam
 from ..model import Standardized
-from ..values import OUTPUT, ComputedValue
+from ..values import OUTPUT, ComputedValue, check_write
 from . import families
 from .logits import engine_logits
 from .taps import tap_locations
@@ -111,6 +111,28 @@ class StandardizedVLLM(Standardized, VLLM):
 
     ENGINE = "vllm"
 
+    @seam.eproperty(description="pre-sampling logits for this step")
+    def logits(self, value: Any) -> Any:
+        """The logits of the position this step samples, ``[1, vocab_size]`` (nnsight's value).
+
+        In-place edits reach the sampler; an assignment of another shape is refused naming the value.
+        """
+        worker = seam.running_worker()
+        if worker is not None:  # a value read after this one, but computed before it, names this as the later read
+            worker.streamscope_read = "model.logits"
+        return value
+
+    @logits.postprocess
+    def _checked_logits(self, value: Any) -> Any:
+        # nnsight splices each invoke's rows back with torch.cat, which fails deep in the engine on another width.
+        if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[-1] != self.vocab_size:
+            from ..values import refuse_write
+
+            rows = value.shape[0] if isinstance(value, torch.Tensor) and value.dim() == 2 else 1
+            refuse_write("model.logits", "[samples, vocab_size]", (rows, self.vocab_size), value)
+        check_write("model.logits", "[samples, vocab_size]", tuple(value.shape), value)
+        return value
+
     @ComputedValue("norm", OUTPUT, shape="[1, tokens, vocab_size]")
     def prompt_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """The logits at every prompt position, [1, tokens, vocab_size], as transformers computes them.
@@ -176,8 +198,9 @@ class StandardizedVLLM(Standardized, VLLM):
 
                 cleanup_dist_env_and_memory()
             raise
-        _ENGINES.add(self)
-        _STARTED[:] = [self.vllm_entrypoint.llm_engine.vllm_config]
+        if self.vllm_entrypoint is not None:  # dispatch=False builds the meta tree alone (a server's front end)
+            _ENGINES.add(self)
+            _STARTED[:] = [self.vllm_entrypoint.llm_engine.vllm_config]
         self._check_family()
 
     def _resolve_taps(self, module: torch.nn.Module) -> tuple[str, ...]:
@@ -239,20 +262,24 @@ class StandardizedVLLM(Standardized, VLLM):
         return harvest(self, prompts, values, layers, positions, out, **options)
 
     def generate(self, *inputs: Any, steer: Any = None, harvest: Any = None, **kwargs: Any) -> Any:
-        """With ``steer=`` or ``harvest=``: bulk sampling (`streamscope.bulk.vllm.generate`).
+        """Sample completions of many prompts: a `streamscope.Generation` (texts, tokens, optional logits).
 
-        Otherwise nnsight's generate: a trace as a ``with`` block, vLLM's
-        request outputs when called (its decision, made here at the caller's depth).
+        Called, it is the bulk path (`streamscope.bulk.vllm.generate`), with or without ``steer=`` and
+        ``harvest=``: the same `Generation` as on transformers. As a ``with`` block it is nnsight's
+        generate, a trace over every step (the decision is made here, at the caller's depth).
         """
-        if steer is not None or harvest is not None:
-            from ..bulk.vllm import generate
+        from ..bulk.vllm import generate
 
+        if steer is not None or harvest is not None:
             return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)
         tracer = self.trace(*inputs, **kwargs)
         try:
             tracer.capture()
         except seam.WithBlockNotFoundError:
-            return self._generate(*inputs, **kwargs)
+            from ..bulk.spec import plain_generation
+
+            prompts, settings = plain_generation(inputs, kwargs)
+            return generate(self, prompts, **settings)
         return tracer
 
     @staticmethod

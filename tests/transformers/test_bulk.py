@@ -124,13 +124,15 @@ def test_bad_specs_fail_before_the_model_runs(engine):
     bulk_checks.check_bad_specs_fail_before_running(engine.model, engine.family)
 
 
-def test_generate_without_bulk_arguments_is_still_nnsight_generate(engine):
+def test_generate_as_a_with_block_is_nnsight_generate_and_called_a_generation(engine):
     model = engine.model
     with model.generate(PROMPTS[0], max_new_tokens=2, do_sample=False) as tracer:
         output = tracer.result.save()
     assert output.shape[-1] >= 2
-    plain = model.generate(PROMPTS[0], max_new_tokens=2, do_sample=False)
-    assert torch.equal(plain, output)
+    plain = model.generate(PROMPTS[0], max_new_tokens=2, do_sample=False, progress=False)
+    assert isinstance(plain, streamscope.Generation)
+    length = len(model.tokenizer(PROMPTS[0])["input_ids"])
+    assert plain.tokens[0] == output[0, length:].tolist()
 
 
 def test_a_steer_at_chosen_prompt_positions_edits_those_rows_only(engine):

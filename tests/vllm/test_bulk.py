@@ -220,10 +220,11 @@ def test_a_steer_at_chosen_prompt_positions_edits_those_rows_only(engine):
         assert torch.equal(result.logits[index][0], logits[index][0].cpu()), index
 
 
-def test_generate_without_bulk_arguments_is_still_nnsight_generate(engine):
+def test_generate_as_a_with_block_is_nnsight_generate_and_called_a_generation(engine):
     model = engine.model
     with model.generate(PROMPTS[0], temperature=0.0, max_tokens=2):
         traced = model.layers[0].layer_output.save()
     assert traced.shape[0] == 1 and traced.shape[-1] == model.hidden_size
-    outputs = model.generate(PROMPTS[:2], temperature=0.0, max_tokens=2)
-    assert len(outputs) == 2 and len(outputs[0].outputs[0].token_ids) == 2
+    outputs = model.generate(PROMPTS[:2], temperature=0.0, max_tokens=2, ignore_eos=True, progress=False)
+    assert isinstance(outputs, streamscope.Generation)
+    assert len(outputs.tokens) == 2 and all(len(tokens) == 2 for tokens in outputs.tokens)

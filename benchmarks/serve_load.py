@@ -1,0 +1,176 @@
+"""streamscope serve under load, against plain vLLM serve, in one run, with vLLM's own load generator.
+
+Servers, one at a time, on the same checkpoint and engine settings:
+
+* ``plain``: vLLM's server (``python -m vllm.entrypoints.openai.api_server``), eager;
+* ``streamscope``: ``python -m streamscope serve``, eager (and, with ``--taps``, a tapped one replaying CUDA graphs,
+  beside a plain vLLM server with the same graph settings).
+
+Workloads, each run by ``vllm.benchmarks.serve`` (random prompts, ``--input-len`` / ``--output-len`` tokens,
+``--concurrency`` clients), with streamscope's part sent as the requests' extra body:
+
+* ``plain``: no streamscope field;
+* ``steer``: one stored vector added at ``layer_output`` of the middle block, every position;
+* ``harvest``: every block's ``layer_output`` at the prompt's last position (kept on the server's disk until it
+  expires: the load generator does not download).
+
+Prints request and output throughput and p99 TTFT per (server, workload), with each streamscope figure as a ratio
+of plain vLLM's plain one. Shapes:
+
+    python benchmarks/serve_load.py --shape tiny                 # this CPU: a 3-block float32 Llama
+    python benchmarks/serve_load.py --shape llama3-8b --taps     # a GPU: Llama-3-8B's shape, dummy weights, bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+             "rope_theta": 500000.0, "vocab_size": 128256, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+             "bos_token_id": 1, "eos_token_id": 2}
+
+
+def checkpoint(shape: str, folder: Path) -> tuple[Path, list[str]]:
+    """The checkpoint and the engine options for `shape`."""
+    from streamscope.testing import build_checkpoint
+
+    if shape == "tiny":
+        return build_checkpoint("llama", folder / "tiny"), ["--dtype", "float32", "--max-model-len", "1024"]
+    path = build_checkpoint("llama", folder / "tokenizer-source")
+    target = folder / "llama3-8b"
+    target.mkdir(exist_ok=True)
+    (target / "config.json").write_text(json.dumps(LLAMA3_8B))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (target / name).write_bytes((path / name).read_bytes())
+    return target, ["--dtype", "bfloat16", "--load-format", "dummy", "--max-model-len", "4096",
+                    "--gpu-memory-utilization", "0.85"]
+
+
+def port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Server:
+    def __init__(self, command: list[str], log: Path) -> None:
+        import httpx
+
+        self.port = port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        self.handle = open(log, "w")
+        self.process = subprocess.Popen([*command, "--port", str(self.port)], stdout=self.handle,
+                                        stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 900
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited: {log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start: {log.read_text()[-3000:]}")
+            time.sleep(2)
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.handle.close()
+
+
+def load(url: str, model: str, options: argparse.Namespace, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """One run of vLLM's load generator (``vllm bench serve``) against `url`; its result dict."""
+    from vllm.benchmarks import serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    serve.add_cli_args(parser)
+    argv = ["--backend", "vllm", "--base-url", url, "--model", model, "--dataset-name", "random",
+            "--random-input-len", str(options.input_len), "--random-output-len", str(options.output_len),
+            "--num-prompts", str(options.prompts), "--max-concurrency", str(options.concurrency),
+            "--ignore-eos", "--seed", "0", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--metric-percentiles", "50,99"]
+    if extra:
+        argv += ["--extra-body", json.dumps(extra)]
+    return serve.main(parser.parse_args(argv))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=("tiny", "llama3-8b"), default="tiny")
+    parser.add_argument("--taps", action="store_true", help="also a tapped streamscope server (CUDA graphs)")
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=256)
+    options = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="serve-load-"))
+    path, engine = checkpoint(options.shape, folder)
+    config = json.loads((path / "config.json").read_text())
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    middle = layers // 2
+    steer = {"streamscope": {"steer": [{"value": "layer_output", "layer": middle, "vector": "bench"}]}}
+    harvest = {"streamscope": {"harvest": {"values": "layer_output", "layers": None, "positions": "last"}}}
+    runs: list[tuple[str, str, dict]] = []
+    taps = [f"layers.{middle}.layer_output", "layers.*.layer_output"]
+    setups = [("plain eager", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
+                               *engine, "--enforce-eager"], [("plain", None)]),
+              ("streamscope eager", [sys.executable, "-m", "streamscope", "serve", str(path), *engine,
+                                     "--max-stored-harvest-bytes", str(2**36), "--harvest-ttl", "60"],
+               [("plain", None), ("steer", steer), ("harvest", harvest)])]
+    if options.taps:
+        setups += [("plain graphs", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
+                                     *engine, "-cc", json.dumps({"cudagraph_mode": "FULL_DECODE_ONLY"})],
+                    [("plain", None)]),
+                   ("streamscope tapped", [sys.executable, "-m", "streamscope", "serve", str(path), *engine,
+                                           "--taps", *taps, "--max-stored-harvest-bytes", str(2**36),
+                                           "--harvest-ttl", "60"],
+                    [("plain", None), ("steer", steer), ("harvest", harvest)])]
+    for name, command, workloads in setups:
+        server = Server(command, folder / f"{name.replace(' ', '-')}.log")
+        try:
+            if name.startswith("streamscope"):
+                import httpx
+                import torch
+
+                vector = torch.randn(hidden, generator=torch.Generator().manual_seed(0)).tolist()
+                httpx.put(f"{server.url}/v1/streamscope/vectors/bench", json={"vector": vector}).raise_for_status()
+            for workload, extra in workloads:
+                load(server.url, str(path), options, extra)  # warm-up: the first run pays the engine's first steps
+                result = load(server.url, str(path), options, extra)
+                runs.append((name, workload, result))
+        finally:
+            server.close()
+    baseline = {kind: result for name, workload, result in runs if workload == "plain"
+                for kind in [name.split()[1]] if name.startswith("plain")}
+    print(f"\nshape {options.shape}: {options.input_len} prompt / {options.output_len} generated tokens, "
+          f"{options.concurrency} clients, {options.prompts} requests per run")
+    print(f"{'server':<20}{'workload':<10}{'req/s':>9}{'out tok/s':>11}{'p99 TTFT ms':>13}{'thr ratio':>11}"
+          f"{'TTFT ratio':>12}")
+    for name, workload, result in runs:
+        base = baseline.get("graphs" if "tapped" in name else "eager", result)
+        print(f"{name:<20}{workload:<10}{result['request_throughput']:>9.2f}{result['output_throughput']:>11.1f}"
+              f"{result['p99_ttft_ms']:>13.1f}{result['output_throughput'] / base['output_throughput']:>11.3f}"
+              f"{result['p99_ttft_ms'] / base['p99_ttft_ms']:>12.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""`streamscope.Client`: a ``streamscope serve`` server with the in-process engines' `generate` and `harvest`.
+
+    client = streamscope.Client("http://localhost:8000", api_key="...")
+    result = client.generate(prompts, max_tokens=32, steer=[streamscope.Steer("layer_output", 16, v, scale=4.0)],
+                             harvest={"values": "layer_output", "layers": [16]})
+    result.texts, result.tokens, result.harvest["layer_output"][0]
+
+Each prompt is one completion request (sent concurrently, ``concurrency`` at a
+time) through the ``openai`` client, with its steers and harvest in the
+request's ``streamscope`` field; harvests are downloaded as safetensors
+through the ``openai`` client's own HTTP session. The results are the same
+`Generation` and `Harvest` types the engines return.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..bulk.results import Generation, Harvest, ShardWriter
+from ..bulk.spec import ROOT_VALUES, HarvestSpec, Positions, Steer
+from .protocol import FIELD, rule_json, vector_bytes  # noqa: F401  (vector_bytes: the wire format, for readers)
+
+
+class Client:
+    """A ``streamscope serve`` server, spoken to with `generate` and `harvest` as a model is.
+
+    Args:
+        url: The server's address (``http://host:8000``; ``/v1`` is added).
+        api_key: The server's ``--api-key``, if it has one.
+        model: The served model's name; the server's first by default.
+        concurrency: How many requests are in flight at once.
+        timeout: Seconds one request may take.
+    """
+
+    def __init__(self, url: str, api_key: Optional[str] = None, model: Optional[str] = None, concurrency: int = 32,
+                 timeout: float = 600.0) -> None:
+        import httpx
+        import openai
+
+        base = url.rstrip("/")
+        base = base if base.endswith("/v1") else base + "/v1"
+        self.openai = openai.OpenAI(base_url=base, api_key=api_key or "none", timeout=timeout, max_retries=0)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=base + "/", headers=headers, timeout=timeout)
+        self.model = model or self.openai.models.list().data[0].id
+        self.concurrency = concurrency
+
+    # ---------------------------------------------------------------- the server's own endpoints
+
+    def _call(self, method: str, path: str, **options: Any) -> Any:
+        """One request to the server's ``/v1/streamscope/`` routes; a refusal raises the ``openai`` error for it."""
+        import openai
+
+        response = self.http.request(method, f"streamscope/{path}", **options)
+        if response.status_code >= 400:
+            try:
+                body = response.json()
+                message = body["error"]["message"]
+            except Exception:  # noqa: BLE001  (not vLLM's error layout: the text)
+                body, message = None, response.text
+            kinds = {400: openai.BadRequestError, 401: openai.AuthenticationError, 404: openai.NotFoundError}
+            raise kinds.get(response.status_code, openai.APIStatusError)(message, response=response, body=body)
+        return response
+
+    def info(self) -> dict[str, Any]:
+        """The served model's layers, hidden size, values, taps, limits and stored vectors."""
+        return self._call("GET", "info").json()
+
+    def store_vector(self, name: str, vector: torch.Tensor) -> None:
+        """Store `vector` (``[hidden_size]``) on the server under `name`; a steer may then name it."""
+        from safetensors.torch import save
+
+        data = save({"vector": vector.detach().to(torch.float32).contiguous().cpu()})
+        self._call("PUT", f"vectors/{name}", content=data, headers={"Content-Type": "application/octet-stream"})
+
+    def vectors(self) -> list[dict[str, Any]]:
+        return self._call("GET", "vectors").json()["vectors"]
+
+    def delete_vector(self, name: str) -> None:
+        self._call("DELETE", f"vectors/{name}")
+
+    def download(self, harvest_id: str, keep: bool = False) -> dict[str, Any]:
+        """A harvest's tensors and its values, layers and positions, by the id a completion named."""
+        from .storage import harvest_tensors
+
+        response = self._call("GET", f"harvests/{harvest_id}", params={"keep": "true" if keep else "false"})
+        tensors, metadata = harvest_tensors(response.content)
+        return {"tensors": tensors, **metadata}
+
+    # ---------------------------------------------------------------- generate and harvest
+
+    def _steer_json(self, steer: Steer) -> dict[str, Any]:
+        if not isinstance(steer, Steer):
+            raise TypeError(f"steer takes streamscope.Steer objects, not a {type(steer).__name__}.")
+        vector: Any = steer.vector
+        if isinstance(vector, torch.Tensor):
+            vector = vector.detach().to(torch.float32).cpu().reshape(-1).tolist()
+        return {"value": steer.value, "layer": steer.layer, "vector": vector, "scale": steer.scale,
+                "positions": rule_json(steer.positions), "mode": steer.mode, "generated": steer.generated}
+
+    def _complete(self, prompt: Any, options: dict[str, Any], field: dict[str, Any]) -> Any:
+        import inspect
+
+        known = inspect.signature(self.openai.completions.create).parameters
+        # vLLM's own sampling options (top_k, ignore_eos, return_token_ids, ...) travel as extra body fields.
+        extra = {key: value for key, value in options.items() if key not in known}
+        if field:
+            extra[FIELD] = field
+        options = {key: value for key, value in options.items() if key in known}
+        return self.openai.completions.create(model=self.model, prompt=prompt, extra_body=extra or None, **options)
+
+    def _run(self, prompts: Sequence[Any], options: dict[str, Any], fields: list[dict[str, Any]]) -> list[Any]:
+        if isinstance(prompts, str):
+            raise TypeError("generate and harvest take a list of prompts; wrap a single prompt in a list.")
+        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
+            return list(pool.map(lambda pair: self._complete(pair[0], options, pair[1]), zip(prompts, fields)))
+
+    @staticmethod
+    def _per_prompt(positions: Positions, count: int) -> list[Any]:
+        nested = (isinstance(positions, (list, tuple)) and len(positions) > 0
+                  and all(isinstance(item, (list, tuple, range)) for item in positions))
+        if nested:
+            if len(positions) != count:
+                raise ValueError(f"positions has {len(positions)} lists for {count} prompts: give one list per "
+                                 f"prompt, or one rule for every prompt.")
+            return [rule_json(list(item)) for item in positions]  # type: ignore[union-attr]
+        return [rule_json(positions)] * count
+
+    def _harvest_field(self, values: Any, layers: Any, positions: Positions, count: int) -> list[dict[str, Any]]:
+        values = [values] if isinstance(values, str) else list(values)
+        if isinstance(layers, range):
+            layers = list(layers)
+        return [{"values": values, "layers": layers, "positions": rule} for rule in self._per_prompt(positions, count)]
+
+    def _assemble(self, downloads: list[dict[str, Any]]) -> Harvest:
+        first = downloads[0]
+        values: dict[str, list[torch.Tensor]] = {value: [] for value in first["values"]}
+        for item in downloads:
+            for value in values:
+                values[value].append(item["tensors"][value])
+        return Harvest(values, list(first["layers"]), [list(item["positions"]) for item in downloads],
+                       list(range(len(downloads))))
+
+    def _downloads(self, responses: list[Any]) -> list[dict[str, Any]]:
+        ids = [response.model_extra[FIELD]["harvest"] for response in responses]
+        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(ids)))) as pool:
+            return list(pool.map(self.download, ids))
+
+    def generate(self, prompts: Sequence[Any], max_tokens: int = 16, *, steer: Sequence[Steer] = (),
+                 harvest: Optional[dict[str, Any]] = None, return_logits: bool = False, progress: bool = False,
+                 **sampling: Any) -> Generation:
+        """Sample a completion of each prompt with steers applied and values harvested, as `model.generate`.
+
+        `sampling` is the completion request's (``temperature``, ``top_p``,
+        ``seed``, ...; greedy by default, as in process). Logits are not
+        served over HTTP: ask for ``logprobs=k`` and read the responses'.
+        """
+        if return_logits:
+            raise ValueError("return_logits: a server sends no logits; pass logprobs=k (vLLM's top-k log-probs) "
+                             "and read them from the completions, or run the model in process.")
+        steer = list(steer or ())
+        count = len(prompts)
+        harvest_fields = None
+        if harvest is not None:
+            options = dict(harvest)
+            harvest_fields = self._harvest_field(options.pop("values"), options.pop("layers", None),
+                                                 options.pop("positions", "last"), count)
+            if options:
+                raise TypeError(f"harvest= takes values, layers and positions; not {', '.join(options)}.")
+        fields: list[dict[str, Any]] = []
+        for index in range(count):
+            field: dict[str, Any] = {}
+            mine = [self._steer_json(item) for item in steer if item.prompts is None or index in item.prompts]
+            if mine:
+                field["steer"] = mine
+            if harvest_fields is not None:
+                field["harvest"] = harvest_fields[index]
+            fields.append(field)
+        options = {"temperature": 0.0, **sampling, "max_tokens": max_tokens, "return_token_ids": True}
+        responses = self._run(prompts, options, fields)
+        tokens = [list(response.choices[0].model_extra.get("token_ids") or []) for response in responses]
+        texts = [response.choices[0].text for response in responses]
+        harvested = self._assemble(self._downloads(responses)) if harvest is not None else None
+        return Generation(tokens, texts, None, harvested)
+
+    def harvest(self, prompts: Sequence[Any], values: Any, layers: Any = None, positions: Positions = "last",
+                out: Optional[str | Path] = None, shard_size: int = 1024, progress: bool = False) -> Harvest | Path:
+        """Read values at chosen blocks and positions of many prompts, as `model.harvest` (``out=`` writes shards)."""
+        fields = [{"harvest": item} for item in self._harvest_field(values, layers, positions, len(prompts))]
+        options = {"max_tokens": 1, "temperature": 0.0}
+        if out is None:
+            return self._assemble(self._downloads(self._run(prompts, options, fields)))
+        writer: Optional[ShardWriter] = None
+        for start in range(0, len(prompts), shard_size):
+            chunk = list(range(start, min(start + shard_size, len(prompts))))
+            part = self._assemble(self._downloads(self._run([prompts[i] for i in chunk], options,
+                                                            [fields[i] for i in chunk])))
+            part.prompts = chunk
+            if writer is None:
+                spec = HarvestSpec(list(part.values), part.layers, [])
+                writer = ShardWriter(out, spec, len(prompts))
+            writer.spec.positions.extend(part.positions)
+            writer.write(part)
+        assert writer is not None, "harvest needs at least one prompt"
+        return writer.close()
+
+
+__all__ = ["Client", "ROOT_VALUES"]

@@ -1,0 +1,393 @@
+"""What a request may ask of the server, as declarative JSON, checked before vLLM sees it.
+
+A completion or chat request carries streamscope's part in one body field (the
+``openai`` client sends it unchanged through ``extra_body``)::
+
+    "streamscope": {
+        "steer": [{"value": "layer_output", "layer": 1, "vector": [0.1, ...] or "stored-name",
+                   "scale": 4.0, "positions": "all", "mode": "add", "generated": true}],
+        "harvest": {"values": ["layer_output"], "layers": [0, 1], "positions": "last", "keep": false},
+        "default_steer": true
+    }
+
+Every field is a string, a number, a boolean or a list of them: nothing names
+code, a module or a pickle. `check_request` turns it into a `Checked` plan (the
+steers as `streamscope.Steer`, the harvest's sites resolved on the server's own
+envoy tree) or raises `RequestError`: an HTTP status, the field, and the fix.
+The plan travels to the engine's worker as a JSON string in vLLM's own
+``vllm_xargs`` (`worker_payload`), where `streamscope.serve.worker` applies it
+to the request's token rows.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ..bulk.spec import ROOT_VALUES, Positions, Steer, check_steer, harvest_spec, prompt_positions, value_names
+from ..errors import Unavailable, untapped
+
+#: The body field that carries a request's steers and harvest.
+FIELD = "streamscope"
+#: vLLM's ``vllm_xargs`` key (the request's ``SamplingParams.extra_args``) under which the plan reaches the worker.
+XARG = "streamscope"
+STEER_FIELDS = ("value", "layer", "vector", "scale", "positions", "mode", "generated")
+HARVEST_FIELDS = ("values", "layers", "positions", "keep")
+NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+class RequestError(Exception):
+    """A refused request: the HTTP status (400, 404, 413), the body field at fault, and a message with the fix."""
+
+    def __init__(self, status: int, param: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.message = message
+
+    def body(self) -> dict[str, Any]:
+        """vLLM's own error layout, which the ``openai`` client raises as ``BadRequestError`` and friends."""
+        kinds = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestTooLargeError"}
+        return {"error": {"message": self.message, "type": kinds.get(self.status, "BadRequestError"),
+                          "param": self.param, "code": self.status}}
+
+
+@dataclass
+class Limits:
+    """What one request and the server as a whole may hold; each has a ``streamscope serve`` flag."""
+
+    max_steers: int = 16                       # --max-steers-per-request
+    max_harvest_bytes: int = 64 * 2**20        # --max-harvest-bytes (one request's harvest)
+    max_stored_harvest_bytes: int = 2**30      # --max-stored-harvest-bytes (all harvests not yet downloaded)
+    harvest_ttl: float = 600.0                 # --harvest-ttl (seconds a harvest waits to be downloaded)
+    max_stored_vectors: int = 256              # --max-stored-vectors
+    max_upload_bytes: int = 16 * 2**20         # --max-upload-bytes (a vector upload, a request's streamscope field)
+
+
+@dataclass
+class Checked:
+    """A request's checked plan: steers (the default's first), the harvest, and what the worker is sent."""
+
+    steers: list[Steer] = field(default_factory=list)
+    steer_payload: list[dict[str, Any]] = field(default_factory=list)
+    harvest: Optional[dict[str, Any]] = None  # values, layers, positions (a JSON rule), keep, bytes
+    length: Optional[int] = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.steers and self.harvest is None
+
+
+def vector_bytes(tensor: torch.Tensor) -> str:
+    """A float32 vector as base64: exact, and a quarter of its JSON size."""
+    return base64.b64encode(tensor.detach().to(torch.float32).contiguous().numpy().tobytes()).decode("ascii")
+
+
+def vector_from_bytes(text: str) -> torch.Tensor:
+    import numpy
+
+    return torch.from_numpy(numpy.frombuffer(base64.b64decode(text), dtype=numpy.float32).copy())
+
+
+def _bad(param: str, message: str, status: int = 400) -> RequestError:
+    return RequestError(status, param, f"{param}: {message}")
+
+
+def positions_rule(raw: Any, param: str) -> Positions:
+    """A JSON positions rule: ``"all"``, ``"last"``, a list of ints, or ``{"slice": [start, stop, step]}``."""
+    if raw in ("all", "last"):
+        return raw
+    if isinstance(raw, list) and raw and all(isinstance(item, int) and not isinstance(item, bool) for item in raw):
+        return list(raw)
+    if isinstance(raw, dict) and set(raw) == {"slice"} and isinstance(raw["slice"], list) and len(raw["slice"]) <= 3 \
+            and all(item is None or (isinstance(item, int) and not isinstance(item, bool)) for item in raw["slice"]):
+        if len(raw["slice"]) == 3 and raw["slice"][2] == 0:
+            raise _bad(param, "a slice's step cannot be 0.")
+        return slice(*raw["slice"])
+    raise _bad(param, f"{json.dumps(raw)[:80]} is not a positions rule: use \"all\", \"last\", a non-empty list of "
+                      "indices (negative from the prompt's end), or {\"slice\": [start, stop, step]}.")
+
+
+def rule_json(positions: Any) -> Any:
+    """`positions` (as `streamscope.Steer` and `harvest` take them) as the JSON rule the server takes."""
+    if isinstance(positions, slice):
+        return {"slice": [positions.start, positions.stop, positions.step]}
+    if isinstance(positions, range):
+        return list(positions)
+    if isinstance(positions, int):
+        return [positions]
+    return list(positions) if isinstance(positions, (list, tuple)) else positions
+
+
+def _number(raw: Any, param: str) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
+        raise _bad(param, f"{raw!r} is not a finite number.")
+    return float(raw)
+
+
+def _fields(raw: Any, allowed: tuple[str, ...], param: str, hint: str = "") -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise _bad(param, f"expected a JSON object with {', '.join(allowed)}; got {type(raw).__name__}.")
+    unknown = [key for key in raw if key not in allowed]
+    if unknown:
+        raise _bad(param, f"unknown field{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: "
+                          f"the fields are {', '.join(allowed)}.{hint}")
+    return raw
+
+
+class Checker:
+    """Checks requests against the server's model: its envoy tree (a meta copy, no weights), tokenizer and taps.
+
+    Args:
+        model: streamscope's vLLM model built with ``dispatch=False`` (the same names the engine's worker serves).
+        vectors: The stored vectors, name -> ``[hidden_size]`` float32.
+        limits: The server's `Limits`.
+    """
+
+    def __init__(self, model: Any, vectors: dict[str, torch.Tensor], limits: Limits) -> None:
+        self.model = model
+        self.vectors = vectors
+        self.limits = limits
+        self.hidden = int(model.hidden_size)
+        parameter = next(model._module.parameters(), None)
+        self.element_bytes = parameter.element_size() if parameter is not None else 4
+        self.default: list[dict[str, Any]] = []  # the server-wide default steers, as checked JSON
+
+    # ---------------------------------------------------------------- pieces
+
+    def vector(self, raw: Any, param: str) -> torch.Tensor:
+        """A steer's vector: an inline list of ``hidden_size`` finite numbers, or a stored vector's name."""
+        if isinstance(raw, str):
+            if raw not in self.vectors:
+                known = ", ".join(sorted(self.vectors)[:20]) or "none yet"
+                raise _bad(param, f"no stored vector is named {raw!r} (stored: {known}); upload it with "
+                                  f"POST /v1/streamscope/vectors/{raw}, or send the vector inline.", 404)
+            return self.vectors[raw]
+        if not isinstance(raw, list):
+            raise _bad(param, f"a vector is a list of {self.hidden} numbers or a stored vector's name, "
+                              f"not a {type(raw).__name__}.")
+        if len(raw) != self.hidden:
+            raise _bad(param, f"the vector has {len(raw)} numbers; this model's hidden size is {self.hidden}.")
+        if not all(isinstance(item, (int, float)) and not isinstance(item, bool) for item in raw):
+            raise _bad(param, "every element of a vector is a number.")
+        return self.finite(torch.tensor(raw, dtype=torch.float32), param)
+
+    def finite(self, tensor: torch.Tensor, param: str) -> torch.Tensor:
+        tensor = tensor.to(torch.float32).reshape(-1) if tensor.dim() <= 1 else tensor
+        if tuple(tensor.shape) != (self.hidden,):
+            raise _bad(param, f"a vector has shape ({self.hidden},) on this model, not {tuple(tensor.shape)}.")
+        if not bool(torch.isfinite(tensor).all()):
+            raise _bad(param, "the vector holds NaN or inf: send finite numbers.")
+        return tensor
+
+    def site(self, value: Any, layer: Any, param: str) -> Any:
+        """The value's `Site` on the server's tree; refusals name the field and, on a tapped server, the tap."""
+        from ..bulk.spec import locate
+
+        if not isinstance(value, str):
+            raise _bad(f"{param}.value", f"a value is named by a string ({', '.join(value_names())}).")
+        if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool)):
+            raise _bad(f"{param}.layer", f"a block index is an int (or null for a root value), not {layer!r}.")
+        try:
+            site = locate(self.model, value, layer)
+        except IndexError as error:
+            raise _bad(f"{param}.layer", str(error)) from None
+        except Unavailable as error:
+            raise _bad(f"{param}.value", str(error)) from None
+        except (ValueError, TypeError) as error:
+            where = "layer" if "layer=" in str(error) else "value"
+            raise _bad(f"{param}.{where}", str(error)) from None
+        self.tapped(site, f"{param}.value")
+        return site
+
+    def tapped(self, site: Any, param: str) -> None:
+        """On a server started with --taps, refuse a value at an untapped location, naming the tap to add."""
+        tapped = getattr(self.model, "tapped", None)
+        if tapped and site.location not in tapped:
+            name = f"{site.host.where()}.{site.descriptor.name}"
+            tap = name.removeprefix("model.").replace("[", ".").replace("]", "")
+            raise _bad(param, f"{untapped(name, site.location, len(tapped))}. On this server: streamscope serve "
+                              f"PATH --taps ... {tap}")
+
+    def positions(self, rule: Positions, length: Optional[int], param: str) -> None:
+        if length is None:
+            return
+        try:
+            prompt_positions(rule, length, 0)
+        except (IndexError, TypeError, ValueError) as error:
+            raise _bad(param, str(error).removeprefix("positions: ")) from None
+
+    # ---------------------------------------------------------------- steers and harvests
+
+    def steer(self, raw: Any, param: str, length: Optional[int]) -> tuple[Steer, dict[str, Any]]:
+        """One steer: a `streamscope.Steer` and the JSON the worker gets (its vector as float32 base64)."""
+        item = _fields(raw, STEER_FIELDS, param,
+                       " One request is one prompt, so a steer has no 'prompts' (streamscope.Client sends each "
+                       "prompt its own steers)." if isinstance(raw, dict) and "prompts" in raw else "")
+        for required in ("value", "vector"):
+            if required not in item:
+                raise _bad(f"{param}.{required}", f"a steer needs {required!r}.")
+        layer = item.get("layer")
+        self.site(item["value"], layer, param)
+        vector = self.vector(item["vector"], f"{param}.vector")
+        scale = _number(item.get("scale", 1.0), f"{param}.scale")
+        positions = positions_rule(item.get("positions", "all"), f"{param}.positions")
+        mode = item.get("mode", "add")
+        generated = item.get("generated", True)
+        if not isinstance(generated, bool):
+            raise _bad(f"{param}.generated", f"true or false, not {generated!r}.")
+        if not bool(torch.isfinite(vector * scale).all()):
+            raise _bad(f"{param}.scale", "scale times the vector overflows float32: use a smaller scale.")
+        steer = Steer(item["value"], layer, vector, scale=scale, positions=positions, mode=mode, generated=generated)
+        try:
+            check_steer(self.model, steer, 1)
+        except (ValueError, TypeError, IndexError) as error:
+            where = "mode" if "mode" in str(error) else "vector"
+            raise _bad(f"{param}.{where}", str(error)) from None
+        self.positions(positions, length, f"{param}.positions")
+        payload = {"value": steer.value, "layer": layer, "vector": vector_bytes(vector), "scale": scale,
+                   "positions": rule_json(positions), "mode": mode, "generated": generated}
+        return steer, payload
+
+    def steers(self, raw: Any, param: str, length: Optional[int]) -> tuple[list[Steer], list[dict[str, Any]]]:
+        if isinstance(raw, dict):
+            raw = [raw]
+        if not isinstance(raw, list):
+            raise _bad(param, "a list of steers (JSON objects with value, layer, vector, ...).")
+        if len(raw) > self.limits.max_steers:
+            raise _bad(param, f"{len(raw)} steers; this server takes at most {self.limits.max_steers} per request "
+                              f"(--max-steers-per-request).", 413)
+        pairs = [self.steer(item, f"{param}[{index}]", length) for index, item in enumerate(raw)]
+        return [steer for steer, _ in pairs], [payload for _, payload in pairs]
+
+    def harvest(self, raw: Any, param: str, length: Optional[int]) -> dict[str, Any]:
+        item = _fields(raw, HARVEST_FIELDS, param)
+        if "values" not in item:
+            raise _bad(f"{param}.values", "a harvest names its values (\"layer_output\", [\"layer_mid\", ...]).")
+        values = [item["values"]] if isinstance(item["values"], str) else item["values"]
+        if not isinstance(values, list) or not values or not all(isinstance(value, str) for value in values):
+            raise _bad(f"{param}.values", "a value name or a non-empty list of them.")
+        layers = item.get("layers")
+        if layers is not None and not isinstance(layers, (int, list)):
+            raise _bad(f"{param}.layers", "a block index, a list of them, or null for every block.")
+        keep = item.get("keep", False)
+        if not isinstance(keep, bool):
+            raise _bad(f"{param}.keep", f"true or false, not {keep!r}.")
+        positions = positions_rule(item.get("positions", "last"), f"{param}.positions")
+        try:
+            spec = harvest_spec(self.model, values, layers, positions, [length or 1])
+        except IndexError as error:
+            raise _bad(f"{param}.layers", str(error)) from None
+        except (ValueError, TypeError, Unavailable) as error:
+            raise _bad(f"{param}.values", str(error)) from None
+        for site in spec.sites(self.model):
+            self.tapped(site, f"{param}.values")
+        self.positions(positions, length, f"{param}.positions")
+        count = len(prompt_positions(positions, length, 0)) if length is not None else 1
+        sites = sum(1 if value in ROOT_VALUES else len(spec.layers) for value in spec.values)
+        size = sites * count * self.hidden * self.element_bytes
+        if size > self.limits.max_harvest_bytes:
+            raise _bad(param, f"this harvest is {size} bytes ({sites} value-blocks x {count} positions x "
+                              f"{self.hidden} x {self.element_bytes} bytes); a request may harvest at most "
+                              f"{self.limits.max_harvest_bytes} (--max-harvest-bytes): ask for fewer blocks or "
+                              f"positions, or split the request.", 413)
+        return {"values": spec.values, "layers": spec.layers, "positions": rule_json(positions), "keep": keep,
+                "bytes": size}
+
+    def default_steers(self, raw: Any) -> list[dict[str, Any]]:
+        """Check the server-wide default steers (the same JSON as a request's), without a prompt."""
+        _, payload = self.steers(raw, "steer", None)
+        return payload
+
+    # ---------------------------------------------------------------- a whole request
+
+    def check(self, body: dict[str, Any], chat: bool) -> Checked:
+        """Check a completion (or chat) request's streamscope field; the default steer unless it opts out."""
+        raw = body.get(FIELD)
+        if raw is None:
+            raw = {}
+        own = _fields(raw, ("steer", "harvest", "default_steer"), FIELD)
+        use_default = own.get("default_steer", True)
+        if not isinstance(use_default, bool):
+            raise _bad(f"{FIELD}.default_steer", f"true or false, not {use_default!r}.")
+        checked = Checked()
+        if not own and not (self.default and use_default):
+            return checked
+        length = self.prompt_length(body, chat) if own else None
+        if self.default and use_default:
+            checked.steer_payload.extend(self.default)
+        if "steer" in own:
+            steers, payload = self.steers(own["steer"], f"{FIELD}.steer", length)
+            if len(payload) + len(checked.steer_payload) > self.limits.max_steers:
+                raise _bad(f"{FIELD}.steer", f"with the server's {len(self.default)} default steers this request has "
+                                             f"{len(payload) + len(checked.steer_payload)}; the limit is "
+                                             f"{self.limits.max_steers}: send default_steer: false, or fewer.", 413)
+            checked.steers, checked.steer_payload = steers, checked.steer_payload + payload
+        if "harvest" in own:
+            for option in ("n", "best_of"):
+                if (body.get(option) or 1) != 1:
+                    raise _bad(option, "a harvest reads one prompt once: send n=1 (and best_of=1) with a harvest.")
+            checked.harvest = self.harvest(own["harvest"], f"{FIELD}.harvest", length)
+        checked.length = length
+        return checked
+
+    def prompt_length(self, body: dict[str, Any], chat: bool) -> Optional[int]:
+        """The prompt's token count as vLLM will see it (None where only the engine can tell)."""
+        tokenizer = self.model.tokenizer
+        if chat:
+            messages = body.get("messages")
+            try:
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.get("add_generation_prompt",
+                                                                                             True), tokenize=True)
+            except Exception:  # noqa: BLE001  (vLLM renders and refuses it itself)
+                return None
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            return len(ids)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return len(tokenizer(prompt, add_special_tokens=body.get("add_special_tokens", True))["input_ids"])
+        if isinstance(prompt, list) and prompt and all(isinstance(token, int) for token in prompt):
+            return len(prompt)
+        raise _bad("prompt", "a request with a streamscope field takes one prompt (a string or a list of token "
+                             "ids); send several prompts as several requests (streamscope.Client does).")
+
+
+def worker_payload(checked: Checked, harvest_id: Optional[str]) -> str:
+    """The JSON the worker reads from the request's ``extra_args``: steers and harvest, no prompt."""
+    payload: dict[str, Any] = {"steer": checked.steer_payload}
+    if checked.harvest is not None:
+        payload["harvest"] = {key: checked.harvest[key] for key in ("values", "layers", "positions")}
+        payload["harvest"]["id"] = harvest_id
+    return json.dumps(payload, separators=(",", ":"))
+
+
+def cache_salt(checked: Checked, body: dict[str, Any], harvest_id: Optional[str]) -> Optional[str]:
+    """vLLM's per-request prefix-cache salt: KV blocks are shared only between requests steered alike.
+
+    A harvest gets a salt of its own (every position it reads must run). A
+    steer that edits every position, prompt and generated, changes the KV of
+    any prefix the same way, so requests with the same steers share blocks;
+    any other steer (``"last"``, some indices, ``generated: false``) depends on
+    where the prompt ends, so its salt also holds the prompt.
+    """
+    if harvest_id is not None:
+        return f"streamscope-harvest-{harvest_id}"
+    if not checked.steer_payload:
+        return None
+    steers = json.dumps(checked.steer_payload, sort_keys=True)
+    uniform = all(item["positions"] == "all" and item["generated"] for item in checked.steer_payload)
+    prompt = "" if uniform else json.dumps([body.get("prompt"), body.get("messages")], sort_keys=True, default=str)
+    return "streamscope-" + hashlib.sha256((steers + "|" + prompt).encode()).hexdigest()
+
+
+__all__ = ["Checker", "Checked", "Limits", "RequestError", "FIELD", "XARG", "worker_payload", "cache_salt",
+           "rule_json", "positions_rule", "vector_bytes", "vector_from_bytes"]

@@ -1,0 +1,410 @@
+"""``streamscope serve PATH [--taps ...] [vllm serve options]``: vLLM's own OpenAI-compatible server, steerable by name.
+
+vLLM builds and runs everything a ``vllm serve`` user relies on (its engine
+client, FastAPI app, ``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``, ``--api-key``, metrics). streamscope adds three things through
+what vLLM offers for it:
+
+* the engine's worker class (``--worker-cls``): vLLM's worker with nnsight's
+  runner and `streamscope.serve.worker`, which applies each request's plan;
+* an ASGI wrapper around vLLM's completion routes, inside every middleware
+  vLLM installs (so ``--api-key`` is checked first), that checks a completion request's ``streamscope`` field and hands
+  the plan to vLLM in its ``vllm_xargs``, with a prefix-cache salt; a request
+  without the field passes through untouched;
+* routes under ``/v1/streamscope/`` (guarded by ``--api-key`` as every ``/v1``
+  route is): stored vectors, harvest downloads, the default steer, info.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional, Sequence
+
+from fastapi import Request  # at module level: FastAPI reads the routes' annotations by name
+
+from .protocol import FIELD, XARG, Checker, Limits, RequestError, cache_salt, worker_payload
+from .storage import Harvests, Vectors, read_vector, unknown_vector
+
+COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+PREFIX = "/v1/streamscope"
+
+
+class Front:
+    """The API server's streamscope state: the model's names (a meta copy), stored vectors, harvests, limits."""
+
+    def __init__(self, model: Any, limits: Limits, folder: Path, taps: Sequence[str] = ()) -> None:
+        self.model = model
+        self.limits = limits
+        self.taps = list(taps)
+        self.vectors = Vectors(limits)
+        self.checker = Checker(model, self.vectors, limits)
+        self.harvests = Harvests(folder, limits)
+
+    def info(self) -> dict[str, Any]:
+        from ..bulk.spec import value_names
+
+        return {"model_type": self.model.config.model_type, "layers": len(self.model.layers),
+                "hidden_size": self.checker.hidden, "values": list(value_names()), "taps": self.taps,
+                "default_steer": bool(self.checker.default), "vectors": sorted(self.vectors),
+                "limits": vars(self.limits)}
+
+    def extend(self, app: Any) -> Any:
+        """Add streamscope's routes and request check to the app vLLM built; returns it."""
+        app.include_router(self.router())
+        # Around the completion routes' own handlers: inside every middleware vLLM installed (its API key
+        # check first of all), and without rebuilding its middleware stack (its metrics middleware is built once).
+        wrapped = 0
+        for route in app.routes:
+            if getattr(route, "path", None) in COMPLETIONS:
+                route.app = SteerMiddleware(route.app, self)
+                wrapped += 1
+        if wrapped != len(COMPLETIONS):
+            raise RuntimeError(f"vLLM's app has {wrapped} of the routes {', '.join(COMPLETIONS)}: this vLLM "
+                               f"release is not one streamscope serve knows.")
+        return app
+
+    def router(self) -> Any:
+        from fastapi import APIRouter
+        from fastapi.responses import JSONResponse, Response
+
+        router = APIRouter(prefix=PREFIX)
+
+        def refused(error: RequestError) -> Any:
+            return JSONResponse(error.body(), status_code=error.status)
+
+        async def body(request: Request) -> bytes:
+            declared = request.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > self.limits.max_upload_bytes:
+                raise RequestError(413, "body", f"body: {declared} bytes; uploads are limited to "
+                                                f"{self.limits.max_upload_bytes} (--max-upload-bytes).")
+            data = await request.body()
+            if len(data) > self.limits.max_upload_bytes:
+                raise RequestError(413, "body", f"body: {len(data)} bytes; uploads are limited to "
+                                                f"{self.limits.max_upload_bytes} (--max-upload-bytes).")
+            return data
+
+        @router.get("/info")
+        async def info() -> Any:
+            return self.info()
+
+        @router.get("/vectors")
+        async def vectors() -> Any:
+            return {"vectors": self.vectors.listing()}
+
+        @router.put("/vectors/{name}")
+        @router.post("/vectors/{name}")
+        async def store(name: str, request: Request) -> Any:
+            try:
+                vector = read_vector(await body(request), request.headers.get("content-type", ""), self.checker)
+                self.vectors.store(name, vector)
+            except RequestError as error:
+                return refused(error)
+            return {"name": name, "size": int(vector.numel()), "norm": float(vector.norm())}
+
+        @router.get("/vectors/{name}")
+        async def fetch(name: str) -> Any:
+            from safetensors.torch import save
+
+            if name not in self.vectors:
+                return refused(unknown_vector(name))
+            return Response(save({"vector": self.vectors[name]}), media_type="application/octet-stream")
+
+        @router.delete("/vectors/{name}")
+        async def delete(name: str) -> Any:
+            if self.vectors.pop(name, None) is None:
+                return refused(unknown_vector(name))
+            return {"deleted": name}
+
+        @router.get("/harvests")
+        async def harvests() -> Any:
+            return {"harvests": self.harvests.listing()}
+
+        @router.get("/harvests/{harvest_id}")
+        async def download(harvest_id: str, keep: bool = False) -> Any:
+            try:
+                data = await self.harvests.take(harvest_id, keep)
+            except RequestError as error:
+                return refused(error)
+            return Response(data, media_type="application/octet-stream")
+
+        @router.delete("/harvests/{harvest_id}")
+        async def forget(harvest_id: str) -> Any:
+            if not self.harvests.delete(harvest_id):
+                return refused(RequestError(404, "id", f"id: no harvest {harvest_id!r} on this server."))
+            return {"deleted": harvest_id}
+
+        @router.get("/default-steer")
+        async def default() -> Any:
+            return {"steer": self.checker.default}
+
+        @router.put("/default-steer")
+        async def set_default(request: Request) -> Any:
+            try:
+                data = await body(request)
+                try:
+                    parsed = json.loads(data)
+                except ValueError:
+                    raise RequestError(400, "body", "body: not JSON; send {\"steer\": [...]}.") from None
+                if not isinstance(parsed, dict) or set(parsed) != {"steer"}:
+                    raise RequestError(400, "body", "body: send {\"steer\": [steers]} (the request field's form).")
+                self.checker.default = self.checker.default_steers(parsed["steer"])
+            except RequestError as error:
+                return refused(error)
+            return {"steer": len(self.checker.default)}
+
+        @router.delete("/default-steer")
+        async def clear_default() -> Any:
+            self.checker.default = []
+            return {"steer": 0}
+
+        return router
+
+
+Scope = dict
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+class SteerMiddleware:
+    """Checks a completion request's ``streamscope`` field and passes its plan to vLLM in ``vllm_xargs``.
+
+    Any other request, and a completion request without the field (on a
+    server with no default steer), reaches vLLM byte for byte as sent.
+    """
+
+    def __init__(self, app: Any, front: Front) -> None:
+        self.app = app
+        self.front = front
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "").removeprefix(scope.get("root_path", "")) if scope["type"] == "http" else ""
+        if path not in COMPLETIONS or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                await self.app(scope, _replay(b"", receive, message), send)
+                return
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        raw = b"".join(chunks)
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict) or (FIELD not in body and not self.front.checker.default):
+            await self.app(scope, _replay(raw, receive), send)  # vLLM's own answer, to vLLM's request
+            return
+        harvest_id: Optional[str] = None
+        try:
+            if len(json.dumps(body.get(FIELD))) > self.front.limits.max_upload_bytes:
+                raise RequestError(413, FIELD, f"{FIELD}: larger than {self.front.limits.max_upload_bytes} bytes "
+                                               f"(--max-upload-bytes): store large vectors once "
+                                               f"(POST {PREFIX}/vectors/NAME) and steer by name.")
+            checked = self.front.checker.check(body, chat=path.endswith("chat/completions"))
+            body.pop(FIELD, None)
+            if not checked.empty:
+                xargs = body.get("vllm_xargs") or {}
+                if not isinstance(xargs, dict) or XARG in xargs:
+                    raise RequestError(400, "vllm_xargs", f"vllm_xargs: the key {XARG!r} is streamscope's; send "
+                                                          f"steers and harvests in the {FIELD!r} field.")
+                if checked.harvest is not None:
+                    harvest_id = self.front.harvests.reserve(checked.harvest["bytes"])
+                body["vllm_xargs"] = {**xargs, XARG: worker_payload(checked, harvest_id)}
+                salt = cache_salt(checked, body, harvest_id)
+                if salt is not None:
+                    body["cache_salt"] = f"{body['cache_salt']}|{salt}" if body.get("cache_salt") else salt
+        except RequestError as error:
+            await _answer(send, error.status, error.body())
+            return
+        data = json.dumps(body).encode()
+        scope = dict(scope)
+        scope["headers"] = [(name, value) for name, value in scope["headers"] if name.lower() != b"content-length"]
+        scope["headers"].append((b"content-length", str(len(data)).encode()))
+        if harvest_id is None:
+            await self.app(scope, _replay(data, receive), send)
+        else:
+            await self.app(scope, _replay(data, receive), _with_harvest(send, harvest_id, self.front.harvests))
+
+
+def _replay(data: bytes, receive: Receive, first: Optional[dict] = None) -> Receive:
+    """A receive that gives the (rewritten) body once, then the client's own messages (a disconnect)."""
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if first is not None and not sent:
+            sent = True
+            return first
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _with_harvest(send: Send, harvest_id: str, harvests: Harvests) -> Send:
+    """A send that names the harvest: header ``x-streamscope-harvest``, and ``streamscope.harvest`` in a JSON body."""
+    state: dict[str, Any] = {"start": None, "chunks": []}
+
+    async def sending(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", [])) + [(b"x-streamscope-harvest", harvest_id.encode())]
+            kind = dict((name.lower(), value) for name, value in headers).get(b"content-type", b"")
+            if message.get("status") != 200:
+                harvests.cancel(harvest_id)
+            if b"json" not in kind or message.get("status") != 200:
+                state["start"] = False
+                await send({**message, "headers": headers})
+                return
+            state["start"] = {**message, "headers": headers}
+            return
+        if message["type"] != "http.response.body" or state["start"] is False:
+            await send(message)
+            return
+        state["chunks"].append(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        data = b"".join(state["chunks"])
+        try:
+            parsed = json.loads(data)
+            parsed[FIELD] = {"harvest": harvest_id}
+            data = json.dumps(parsed).encode()
+        except (ValueError, TypeError):
+            pass
+        start = state["start"]
+        start["headers"] = [(name, value) for name, value in start["headers"] if name.lower() != b"content-length"]
+        start["headers"].append((b"content-length", str(len(data)).encode()))
+        await send(start)
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+
+    return sending
+
+
+async def _answer(send: Send, status: int, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+# ---------------------------------------------------------------- the command
+
+
+def add_arguments(parser: Any) -> None:
+    """streamscope's own options, beside every ``vllm serve`` option."""
+    group = parser.add_argument_group("streamscope")
+    defaults = Limits()
+    group.add_argument("--taps", nargs="+", default=[],
+                       help="serve only these values, with CUDA graphs broken at them (as streamscope.load(..., "
+                            "taps=...)): 'layers.16.layer_output' 'layers.*.layer_output'. Default: eager, every value.")
+    group.add_argument("--default-steer", help="a JSON file: steers (the request field's form) applied to every "
+                                               "request that does not send default_steer: false")
+    group.add_argument("--vectors", help="a folder of NAME.safetensors files (one tensor each) stored at start")
+    group.add_argument("--harvest-dir", help="where harvests wait to be downloaded (default: a temporary folder)")
+    group.add_argument("--max-steers-per-request", type=int, default=defaults.max_steers)
+    group.add_argument("--max-harvest-bytes", type=int, default=defaults.max_harvest_bytes,
+                       help="one request's harvest, in bytes")
+    group.add_argument("--max-stored-harvest-bytes", type=int, default=defaults.max_stored_harvest_bytes,
+                       help="all harvests not yet downloaded, in bytes")
+    group.add_argument("--harvest-ttl", type=float, default=defaults.harvest_ttl,
+                       help="seconds a harvest waits to be downloaded before it is deleted")
+    group.add_argument("--max-stored-vectors", type=int, default=defaults.max_stored_vectors)
+    group.add_argument("--max-upload-bytes", type=int, default=defaults.max_upload_bytes,
+                       help="a vector upload or a request's streamscope field, in bytes")
+
+
+def limits_of(args: argparse.Namespace) -> Limits:
+    return Limits(args.max_steers_per_request, args.max_harvest_bytes, args.max_stored_harvest_bytes,
+                  args.harvest_ttl, args.max_stored_vectors, args.max_upload_bytes)
+
+
+def _given(argv: Sequence[str], *flags: str) -> bool:
+    return any(item == flag or item.startswith(flag + "=") for item in argv for flag in flags)
+
+
+def engine_settings(args: argparse.Namespace, argv: Sequence[str], on_cpu: bool, locations: Sequence[str]) -> None:
+    """The engine options streamscope needs, over what the caller passed: its worker, eager or graphs at the taps."""
+    from .worker import worker_cls
+
+    if _given(argv, "--worker-cls"):
+        raise SystemExit("streamscope serve runs its own worker class; drop --worker-cls.")
+    args.worker_cls = worker_cls(on_cpu)
+    if not locations or on_cpu:
+        if _given(argv, "--no-enforce-eager") or _given(argv, "-cc", "--compilation-config") and not locations:
+            print("streamscope serve: an untapped server runs eagerly (hooks do not fire inside compiled graphs); "
+                  "pass --taps to replay CUDA graphs.", file=sys.stderr)
+        args.enforce_eager = True  # no graphs on a CPU; an untapped GPU engine serves every value eagerly
+    else:
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+        args.enforce_eager = False
+        if not _given(argv, "-cc", "--compilation-config"):
+            args.compilation_config = {"cudagraph_mode": "FULL_DECODE_ONLY"}
+    if locations:
+        args.additional_config = {**(args.additional_config or {}), "nnsight_taps": list(locations)}
+
+
+def front_model(args: argparse.Namespace, on_cpu: bool) -> Any:
+    """streamscope's names for the served checkpoint: the model's envoy tree on meta tensors, no weights, no engine."""
+    from ..vllm.model import StandardizedVLLM
+
+    options: dict[str, Any] = {"dispatch": False}
+    if args.dtype and args.dtype != "auto":
+        options["dtype"] = args.dtype
+    elif on_cpu:
+        args.dtype = "float32"  # as streamscope.load on a CPU: exact against transformers
+        options["dtype"] = "float32"
+    for name in ("trust_remote_code", "max_model_len", "tokenizer"):
+        if getattr(args, name, None):
+            options[name] = getattr(args, name)
+    return StandardizedVLLM(args.model, **options)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``streamscope serve PATH [options]``: parse vLLM's and streamscope's options, then run vLLM's server."""
+    from .vllm_api import serve, server_api
+    from .worker import ENVIRONMENT
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and not argv[0].startswith("-"):
+        argv = ["--model", argv[0], *argv[1:]]
+    api = server_api()
+    api.env_setup()
+    parser = api.make_arg_parser(api.parser_class(prog="streamscope serve", description=__doc__,
+                                                  formatter_class=argparse.RawDescriptionHelpFormatter))
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    api.validate(args)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm.platforms import current_platform
+
+    on_cpu = current_platform.is_cpu()
+    model = front_model(args, on_cpu)
+    locations: list[str] = []
+    if args.taps:
+        from ..vllm.taps import tap_locations
+
+        locations = tap_locations(model, args.taps)
+        object.__setattr__(model, "tapped", frozenset(locations))
+    folder = Path(args.harvest_dir) if args.harvest_dir else Path(tempfile.mkdtemp(prefix="streamscope-harvests-"))
+    front = Front(model, limits_of(args), folder, args.taps)
+    if args.vectors:
+        for path in sorted(Path(args.vectors).glob("*.safetensors")):
+            front.vectors.store(path.stem, read_vector(path.read_bytes(), "application/octet-stream", front.checker,
+                                                       str(path)))
+    if args.default_steer:
+        front.checker.default = front.checker.default_steers(json.loads(Path(args.default_steer).read_text()))
+    os.environ[ENVIRONMENT] = json.dumps({"harvests": str(folder)})
+    engine_settings(args, argv, on_cpu, locations)
+    serve(api, args, front.extend)
+    return 0
