@@ -4,8 +4,9 @@
     cache["layers.3.layer_mid"]              # [batch, seq, hidden_size]
     cache["blocks.3.hook_resid_mid"]         # the same tensor, by its TransformerLens name
     cache.stack("layer_output")              # [blocks, batch, seq, hidden_size]
-    parts, labels = cache.decompose_resid()  # embeddings, then each block's attention and MLP
-    cache.logit_attrs(parts, tokens=answer)  # each part's direct effect on the answer's logit
+    parts, labels = cache.decompose_resid(return_labels=True)  # embeddings, then each block's attention and MLP
+    cache.logit_attrs(parts, tokens=answer)  # each part's direct effect on the answer's logit (TL 4.3's)
+    cache["pattern", 3]                      # TransformerLens's shorthand; the methods are `streamscope.tl`'s
 
 Several prompts are padded on the right to the longest, and `mask`
 ``[batch, seq]`` says which positions are real; the values at padded positions
@@ -99,7 +100,7 @@ class Cache(TransformerLensCache, Mapping):
         model_type: The family's ``config.model_type``.
         num_layers: The number of blocks.
         unavailable: ``{key: reason}`` for every asked-for value some block cannot serve.
-        final_norm: The final norm as a frozen-scale map, see `apply_ln_to_stack`.
+        final_norm: The final norm's parameters, in the form that reproduces the model's output (`FinalNorm`).
         stored: ``{streamscope name: tensor}``, what the run kept (``values()`` are its tensors).
         has_batch_dim: False after `remove_batch_dim`.
         logit_transform: What the model applies to the unembedding's output (a soft cap, a scale), or None.
@@ -277,22 +278,13 @@ class Cache(TransformerLensCache, Mapping):
         tl = name in TL_BLOCK or name in TL_COMPUTED or name in TL_UNSERVED
         return torch.stack([self[f"blocks.{i}.{name}" if tl else f"layers.{i}.{name}"] for i in layers])
 
-    def unembedding_rows(self, tokens: Any, batch: int) -> torch.Tensor:
-        """``[batch, hidden]``: the unembedding row of each prompt's token."""
-        ids = torch.as_tensor(tokens).reshape(-1)
-        if ids.numel() == 1:
-            ids = ids.expand(batch)
-        if self._unembedding is None:
-            raise ValueError("this cache was built without access to the model's unembedding")
-        return self._unembedding(ids)
-
     def __repr__(self) -> str:
         return (f"Cache({self.model_type}, {self.num_layers} blocks, batch {self.tokens.shape[0]}, "
                 f"seq {self.tokens.shape[-1]}, {len(self.stored)} values)")
 
 
 class FinalNorm:
-    """A final norm's parameters, for applying it frozen at a given stream's scale."""
+    """A final norm's parameters: applied to a stream (`__call__`), or its form for the scales (`streamscope.tl`)."""
 
     def __init__(self, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float, centred: bool) -> None:
         self.weight, self.bias, self.eps, self.centred = weight, bias, eps, centred
@@ -307,11 +299,6 @@ class FinalNorm:
         centred, scale = self.normalize(stream)
         out = centred / scale * (self.weight if self.weight is not None else 1)
         return out + self.bias if self.bias is not None else out
-
-    def frozen(self, stack: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
-        _, scale = self.normalize(final)
-        centred = stack - stack.mean(-1, keepdim=True) if self.centred else stack
-        return centred / scale * (self.weight if self.weight is not None else 1)
 
 
 def fit_final_norm(weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,

@@ -281,9 +281,7 @@ class TransformerLensCache:
             return self.final_norm(residual_stack)
         form = self.norm_form
         scale = apply_slice(self.norm_scale(end, mlp_input), pos_slice, -2)
-        if not self.has_batch_dim or not has_batch_dim:
-            scale = scale if self.has_batch_dim is has_batch_dim else scale[0]
-        elif batch_slice is not None:
+        if self.has_batch_dim:  # as TL 4.3: the scale keeps the cache's batch axis, sliced like the stack
             scale = apply_slice(scale, batch_slice, 0)
         out = form.centre(residual_stack) / scale
         if norm_weight:
@@ -603,8 +601,3 @@ def test_prompt(prompt: str, answer: str | Sequence[str], model: Any, prepend_sp
     if print_details:
         print(f"Ranks of the answer tokens: {result}")
     return result
-
-
-def tl_hook_names(num_layers: int, names: Sequence[str]) -> list[str]:
-    """Every ``blocks.{i}.{name}`` for `names`, in block order."""
-    return [f"blocks.{index}.{name}" for index in range(num_layers) for name in names]
