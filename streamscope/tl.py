@@ -158,7 +158,7 @@ class TransformerLensCache:
             return self.num_layers
         if not -self.num_layers <= layer <= self.num_layers:
             raise IndexError(f"layer {layer} is outside 0..{self.num_layers} (num_layers means after the last block)")
-        return layer % (self.num_layers + 1) if layer >= 0 else layer + self.num_layers
+        return layer if layer >= 0 else layer + self.num_layers
 
     # TransformerLens's ActivationCache methods.
 
