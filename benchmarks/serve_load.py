@@ -46,7 +46,7 @@ def checkpoint(shape: str, folder: Path) -> tuple[Path, list[str]]:
     from streamscope.testing import build_checkpoint
 
     if shape == "tiny":
-        return build_checkpoint("llama", folder / "tiny"), ["--dtype", "float32", "--max-model-len", "1024"]
+        return build_checkpoint("llama", folder / "tiny"), ["--dtype", "float32", "--max-model-len", "512"]
     path = build_checkpoint("llama", folder / "tokenizer-source")
     target = folder / "llama3-8b"
     target.mkdir(exist_ok=True)
@@ -117,6 +117,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=("tiny", "llama3-8b"), default="tiny")
     parser.add_argument("--taps", action="store_true", help="also a tapped streamscope server (CUDA graphs)")
+    parser.add_argument("--only-taps", action="store_true", help="the tapped pair alone (a second run's half)")
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=64)
@@ -136,7 +137,7 @@ def main() -> None:
               ("streamscope eager", [sys.executable, "-m", "streamscope", "serve", str(path), *engine,
                                      "--max-stored-harvest-bytes", str(2**36), "--harvest-ttl", "60"],
                [("plain", None), ("steer", steer), ("harvest", harvest)])]
-    if options.taps:
+    if options.taps or options.only_taps:
         setups += [("plain graphs", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
                                      *engine, "-cc", json.dumps({"cudagraph_mode": "FULL_DECODE_ONLY"})],
                     [("plain", None)]),
@@ -144,6 +145,8 @@ def main() -> None:
                                            "--taps", *taps, "--max-stored-harvest-bytes", str(2**36),
                                            "--harvest-ttl", "60"],
                     [("plain", None), ("steer", steer), ("harvest", harvest)])]
+    if options.only_taps:
+        setups = setups[2:]
     for name, command, workloads in setups:
         server = Server(command, folder / f"{name.replace(' ', '-')}.log")
         try:
@@ -154,7 +157,8 @@ def main() -> None:
                 vector = torch.randn(hidden, generator=torch.Generator().manual_seed(0)).tolist()
                 httpx.put(f"{server.url}/v1/streamscope/vectors/bench", json={"vector": vector}).raise_for_status()
             for workload, extra in workloads:
-                load(server.url, str(path), options, extra)  # warm-up: the first run pays the engine's first steps
+                warm = argparse.Namespace(**{**vars(options), "prompts": min(options.prompts, options.concurrency)})
+                load(server.url, str(path), warm, extra)  # warm-up: the first run pays the engine's first steps
                 result = load(server.url, str(path), options, extra)
                 runs.append((name, workload, result))
         finally:

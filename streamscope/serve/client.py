@@ -21,8 +21,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..bulk.results import Generation, Harvest, ShardWriter
-from ..bulk.spec import ROOT_VALUES, HarvestSpec, Positions, Steer
-from .protocol import FIELD, rule_json, vector_bytes  # noqa: F401  (vector_bytes: the wire format, for readers)
+from ..bulk.spec import HarvestSpec, Positions, Steer
+from .protocol import FIELD, rule_json
 
 
 class Client:
@@ -158,6 +158,8 @@ class Client:
         `sampling` is the completion request's (``temperature``, ``top_p``,
         ``seed``, ...; greedy by default, as in process). Logits are not
         served over HTTP: ask for ``logprobs=k`` and read the responses'.
+        ``progress`` is taken for the model's signature; nothing is drawn. A
+        steer's vector may also be a stored vector's name (``vector="happy"``).
         """
         if return_logits:
             raise ValueError("return_logits: a server sends no logits; pass logprobs=k (vLLM's top-k log-probs) "
@@ -209,4 +211,4 @@ class Client:
         return writer.close()
 
 
-__all__ = ["Client", "ROOT_VALUES"]
+__all__ = ["Client"]

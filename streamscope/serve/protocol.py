@@ -82,7 +82,7 @@ class Checked:
 
     @property
     def empty(self) -> bool:
-        return not self.steers and self.harvest is None
+        return not self.steer_payload and self.harvest is None
 
 
 def vector_bytes(tensor: torch.Tensor) -> str:
@@ -286,7 +286,8 @@ class Checker:
         except IndexError as error:
             raise _bad(f"{param}.layers", str(error)) from None
         except (ValueError, TypeError, Unavailable) as error:
-            raise _bad(f"{param}.values", str(error)) from None
+            where = "layers" if "block index" in str(error) else "values"
+            raise _bad(f"{param}.{where}", str(error)) from None
         for site in spec.sites(self.model):
             self.tapped(site, f"{param}.values")
         self.positions(positions, length, f"{param}.positions")

@@ -18,6 +18,7 @@ what vLLM offers for it:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -199,6 +200,12 @@ class SteerMiddleware:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             body = None
+        forged = isinstance(body, dict) and isinstance(body.get("vllm_xargs"), dict) and XARG in body["vllm_xargs"]
+        if forged:  # the worker trusts this key: only a plan checked here may carry it
+            error = RequestError(400, "vllm_xargs", f"vllm_xargs: the key {XARG!r} is streamscope's; send steers "
+                                                    f"and harvests in the {FIELD!r} field.")
+            await _answer(send, error.status, error.body())
+            return
         if not isinstance(body, dict) or (FIELD not in body and not self.front.checker.default):
             await self.app(scope, _replay(raw, receive), send)  # vLLM's own answer, to vLLM's request
             return
@@ -212,15 +219,16 @@ class SteerMiddleware:
             body.pop(FIELD, None)
             if not checked.empty:
                 xargs = body.get("vllm_xargs") or {}
-                if not isinstance(xargs, dict) or XARG in xargs:
-                    raise RequestError(400, "vllm_xargs", f"vllm_xargs: the key {XARG!r} is streamscope's; send "
-                                                          f"steers and harvests in the {FIELD!r} field.")
+                if not isinstance(xargs, dict):
+                    raise RequestError(400, "vllm_xargs", "vllm_xargs: a JSON object of vLLM's extra arguments.")
                 if checked.harvest is not None:
                     harvest_id = self.front.harvests.reserve(checked.harvest["bytes"])
                 body["vllm_xargs"] = {**xargs, XARG: worker_payload(checked, harvest_id)}
                 salt = cache_salt(checked, body, harvest_id)
                 if salt is not None:
-                    body["cache_salt"] = f"{body['cache_salt']}|{salt}" if body.get("cache_salt") else salt
+                    if isinstance(body.get("cache_salt"), str) and body["cache_salt"]:  # the caller's salt, kept
+                        salt = "streamscope-" + hashlib.sha256(f"{body['cache_salt']}|{salt}".encode()).hexdigest()
+                    body["cache_salt"] = salt  # vLLM takes at most 128 characters
         except RequestError as error:
             await _answer(send, error.status, error.body())
             return
@@ -365,7 +373,11 @@ def front_model(args: argparse.Namespace, on_cpu: bool) -> Any:
     for name in ("trust_remote_code", "max_model_len", "tokenizer"):
         if getattr(args, name, None):
             options[name] = getattr(args, name)
-    return StandardizedVLLM(args.model, **options)
+    model = StandardizedVLLM(args.model, **options)
+    template = getattr(args, "chat_template", None)
+    if template:  # the server's chat template, so a chat prompt's length is counted as vLLM renders it
+        model.tokenizer.chat_template = Path(template).read_text() if Path(template).is_file() else template
+    return model
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -384,6 +396,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
+    from ..models import resolve
+
+    args.model = str(resolve(args.model))  # as streamscope.load: a folder, "smollm2", a .gguf file, a hub id
     api.validate(args)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm.platforms import current_platform

@@ -84,6 +84,7 @@ class ServeState:
         self.locations: dict[str, tuple[int, str]] = {}
         self.work: dict[tuple[int, str], tuple[list, list]] = {}
         self.done: list[Live] = []
+        self.last_shape: Optional[tuple] = None  # the requests' rows of the last step whose work can be reused
         model = runner.get_model()
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, runner.model_config.dtype
@@ -95,7 +96,7 @@ class ServeState:
                 self.observe(scheduler_output)
             except Exception:  # noqa: BLE001  (a bad plan must not stop the engine serving everyone else)
                 logger.exception("streamscope serve: a step's plan failed; its requests run unsteered")
-                self.work = {}
+                self.work, self.last_shape = {}, None
             return result
 
         def executed(*args: Any, **kwargs: Any) -> Any:
@@ -162,6 +163,7 @@ class ServeState:
         """Take this step's new and finished requests, then work out every hook's rows."""
         from .protocol import XARG
 
+        before, admitted = len(self.live), False
         for data in scheduler_output.scheduled_new_reqs:
             params = getattr(data, "sampling_params", None)
             payload = (getattr(params, "extra_args", None) or {}).get(XARG)
@@ -169,6 +171,7 @@ class ServeState:
                 continue
             try:
                 self.live[data.req_id] = self.admit(payload, len(data.prompt_token_ids or ()))
+                admitted = True
             except Exception as error:  # noqa: BLE001  (this request's harvest says why; the engine serves on)
                 logger.exception("streamscope serve: request %s's plan was refused in the worker", data.req_id)
                 self.fail(json.loads(payload).get("harvest", {}).get("id"), f"{type(error).__name__}: {error}")
@@ -176,8 +179,12 @@ class ServeState:
             live = self.live.pop(request_id, None)
             if live is not None and live.harvest_id is not None and not live.written:
                 self.fail(live.harvest_id, "the request finished before its prompt ran (aborted?)")
-        self.hook(set().union(*(live.keys() for live in self.live.values())) if self.live else set())
-        self.work = self.plan_step(scheduler_output) if self.live else {}
+        if len(self.live) != before or admitted:  # the hooks change only when the live requests do
+            self.hook(set().union(*(live.keys() for live in self.live.values())) if self.live else set())
+        if not self.live:
+            self.work, self.last_shape = {}, None
+            return
+        self.work = self.plan_step(scheduler_output)
 
     def plan_step(self, scheduler_output: Any) -> dict[tuple[int, str], tuple[list, list]]:
         counts = scheduler_output.num_scheduled_tokens.get
@@ -192,6 +199,14 @@ class ServeState:
             if live is not None:
                 spans.append((live, Span(request_id, start, count, states[request_id].num_computed_tokens)))
             start += count
+        # A run of decode steps over the same requests, each steered at every row and none harvesting, edits the
+        # same rows with the same vectors every step: the last step's work is this one's.
+        shape = tuple((span.key, span.start, span.count) for _, span in spans)
+        uniform = all(not live.harvest_sites or live.written for live, _ in spans) and \
+            all(entry.chosen is None and entry.generated for live, _ in spans for entry in live.steers)
+        if uniform and shape == self.last_shape:
+            return self.work
+        self.last_shape = shape if uniform else None
         # key -> (rounds of steer edits, harvest reads)
         steers: dict[tuple[int, str], dict[int, dict[tuple[int, str], tuple[Site, str, list, list]]]] = {}
         reads: dict[tuple[int, str], dict[int, tuple[Site, list, list]]] = {}
@@ -288,7 +303,7 @@ class ServeState:
                     start += len(slots)
         except Exception:  # noqa: BLE001  (logged; a hook must not take the engine down)
             logger.exception("streamscope serve: a hook failed; this step's plans were dropped")
-            self.work = {}
+            self.work, self.last_shape = {}, None
 
     def _store(self, live: Live, index: int, slots: list[int], rows: torch.Tensor) -> None:
         if live.buffer is None:
@@ -334,7 +349,7 @@ class ServeState:
     def _write(self, harvest_id: Optional[str], tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
         from safetensors.torch import save_file
 
-        if self.folder is None or harvest_id is None:
+        if self.folder is None or not _valid_id(harvest_id):
             return
         final = self.folder / f"{harvest_id}.safetensors"
         aside = self.folder / f".{harvest_id}.writing"
@@ -343,11 +358,16 @@ class ServeState:
 
     def fail(self, harvest_id: Optional[str], message: str) -> None:
         """Leave the reason a harvest will not come, for the front end to answer its download with."""
-        if not self.writer or self.folder is None or harvest_id is None:
+        if not self.writer or self.folder is None or not _valid_id(harvest_id):
             return
         aside = self.folder / f".{harvest_id}.failing"
         aside.write_text(message)
         os.replace(aside, self.folder / f"{harvest_id}.error")
+
+
+def _valid_id(harvest_id: Any) -> bool:
+    """Whether `harvest_id` is one the front end makes (32 hex digits): nothing else names a file here."""
+    return isinstance(harvest_id, str) and len(harvest_id) == 32 and all(c in "0123456789abcdef" for c in harvest_id)
 
 
 def install(worker: Any) -> None:

@@ -11,6 +11,7 @@ by a request that must equal a fresh server's answer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -39,6 +40,9 @@ HIDDEN = 64
 LONG = " ".join(["The quick brown fox jumps over the lazy dog while the cat sleeps in the garden."] * 12)
 PROMPTS = ["Once upon a time", "Rome is in Italy, Berlin is in Germany", "def add(a, b):", LONG]
 STEPS = 6
+#: A chat template for the tiny tokenizer (it has none), which renders a message as its text after BOS: a chat
+#: request then runs the same tokens as the completion of that text.
+TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
 def _port() -> int:
@@ -52,38 +56,46 @@ def path(checkpoints):
     return checkpoints("llama")
 
 
-@pytest.fixture(scope="module")
-def server(path, tmp_path_factory):
-    """The server's URL: ``python -m streamscope serve PATH`` with an API key and small limits, until the module ends."""
+@contextlib.contextmanager
+def running(path, log: Path, *options: str):
+    """``python -m streamscope serve PATH --api-key KEY *options`` on a free port: its URL, until the block ends."""
     port = _port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "streamscope", "serve", str(path), "--port", str(port), "--api-key", KEY,
-               "--dtype", "float32", "--max-model-len", "512", "--max-harvest-bytes", str(3 * 40 * HIDDEN * 4),
-               "--max-steers-per-request", "4", "--max-stored-vectors", "3"]
+               "--dtype", "float32", "--max-model-len", "512", *options]
     with open(log, "w") as handle:
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"the server exited ({process.returncode}):\n{log.read_text()[-4000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"the server did not come up in 300 s:\n{log.read_text()[-4000:]}")
-        time.sleep(1)
-    yield url
-    process.terminate()
     try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        process.kill()
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"the server exited ({process.returncode}):\n{log.read_text()[-4000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server did not come up in 300 s:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@pytest.fixture(scope="module")
+def server(path, tmp_path_factory):
+    """The module's server: an API key, small limits, a chat template for the tiny tokenizer."""
+    with running(path, tmp_path_factory.mktemp("serve") / "server.log", "--max-harvest-bytes",
+                 str(2 * 300 * HIDDEN * 4), "--max-steers-per-request", "4", "--max-stored-vectors", "3",
+                 "--chat-template", TEMPLATE) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +275,9 @@ def test_32_concurrent_mixed_requests_each_equal_their_solo_run(api):
 
 
 def _prefix_hits(server) -> float:
-    text = httpx.get(server + "/metrics").text
+    response = httpx.get(server + "/metrics")
+    assert response.status_code == 200, f"vLLM's /metrics broke: {response.text[:300]}"
+    text = response.text
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("vllm:prefix_cache_hits") and not line.startswith("#"))
 
@@ -289,8 +303,8 @@ def test_prefix_caching_stays_correct_both_ways(api, server, model):
                  "steered after cached runs")
     assert complete(api, LONG)[2] == plain_before[2], "a plain request reused steered blocks"
     client = streamscope.Client(server, api_key=KEY)
-    remote = client.harvest([LONG], "layer_output", layers=[0, 1, 2], positions="all")
-    local = model.harvest([LONG], "layer_output", layers=[0, 1, 2], positions="all", progress=False)
+    remote = client.harvest([LONG], "layer_output", layers=[0, 2], positions="all")
+    local = model.harvest([LONG], "layer_output", layers=[0, 2], positions="all", progress=False)
     assert remote.positions == local.positions
     assert (remote["layer_output"][0] - local["layer_output"][0]).abs().max() \
         <= TOLERANCE * local["layer_output"][0].abs().max()
@@ -355,7 +369,7 @@ BAD = [
     ({"steer": [{"value": "layer_output", "layer": 1, "vector": [0.0] * 3}]}, 400, "hidden size is 64"),
     ({"steer": [{"value": "layer_output", "layer": 1, "vector": [float("nan")] * HIDDEN}]}, 400, "NaN or inf"),
     ({"steer": [{"value": "layer_output", "layer": 1, "vector": "nobody"}]}, 404, "no stored vector"),
-    ({"steer": [{"value": "layer_output", "layer": 1, "vector": [0.0] * HIDDEN, "positions": [99]}]}, 400,
+    ({"steer": [{"value": "layer_output", "layer": 1, "vector": [0.0] * HIDDEN, "positions": [999]}]}, 400,
      "out of range for prompt"),
     ({"steer": [{"value": "layer_output", "layer": 1, "vector": [0.0] * HIDDEN, "positions": "first"}]}, 400,
      "not a positions rule"),
@@ -375,12 +389,23 @@ BAD = [
 
 def test_every_bad_request_is_refused_and_the_server_serves_on(api, server):
     plain = complete(api, LONG)
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     for field, status, named in BAD:
-        with pytest.raises(openai.APIStatusError) as refused:
-            complete(api, LONG, field)
-        assert refused.value.status_code == status, (field, refused.value.message)
-        assert named in refused.value.message, (named, refused.value.message)
+        # Sent as raw JSON: the openai client refuses to encode NaN, which a careless client may well send.
+        body = {"model": api.models.list().data[0].id, "prompt": LONG, "max_tokens": STEPS, "streamscope": field}
+        refused = httpx.post(server + "/v1/completions", content=json.dumps(body), headers=auth)
+        assert "error" in refused.json(), f"{field} was served: {refused.text[:200]}"
+        message = refused.json()["error"]["message"]
+        assert refused.status_code == status, (field, message)
+        assert named in message, (named, message)
         assert complete(api, LONG)[2] == plain[2], f"the server answered differently after refusing {field}"
+    # The worker's own key cannot be sent past the check: a forged plan (here, a harvest written outside the folder).
+    forged = {"model": api.models.list().data[0].id, "prompt": "Hello", "max_tokens": 2,
+              "vllm_xargs": {"streamscope": json.dumps({"steer": [], "harvest": {
+                  "id": "../../escape", "values": ["layer_output"], "layers": [0], "positions": "last"}})}}
+    refused_forgery = httpx.post(server + "/v1/completions", json=forged, headers=auth)
+    assert refused_forgery.status_code == 400 and "vllm_xargs" in refused_forgery.json()["error"]["message"]
+    assert complete(api, LONG)[2] == plain[2]
     auth = {"Authorization": f"Bearer {KEY}"}
     # Pickles are never read: not as a vector, not as a request body.
     payload = pickle.dumps({"vector": torch.zeros(HIDDEN)})
@@ -409,22 +434,40 @@ def test_every_bad_request_is_refused_and_the_server_serves_on(api, server):
     assert complete(api, LONG)[2] == plain[2]
 
 
-def test_an_untapped_value_is_refused_naming_the_tap(path):
-    """The check a server started with --taps runs on every request (the meta tree it builds at start)."""
-    from streamscope.serve.protocol import Checker, Limits, RequestError
-    from streamscope.vllm.model import StandardizedVLLM
-    from streamscope.vllm.taps import tap_locations
+def test_a_tapped_server_serves_its_taps_and_refuses_the_rest(path, model, tmp_path):
+    """``--taps``: the engine starts with only those values served (on this CPU it runs eagerly, as a tapped
+    in-process engine does); a steer at a tap equals the in-process steer, and any other value gets 400 naming the
+    tap to add. The same server starts with ``--vectors`` and ``--default-steer``. Started after the module's
+    server has answered, for this test alone."""
+    from safetensors.torch import save_file
 
-    meta = StandardizedVLLM(path, dispatch=False, dtype="float32")
-    object.__setattr__(meta, "tapped", frozenset(tap_locations(meta, ["layers.*.layer_output"])))
-    checker = Checker(meta, {}, Limits())
-    body = {"prompt": "Hello", "streamscope": {"steer": [{"value": "layer_output", "layer": 1,
-                                                          "vector": [0.0] * HIDDEN}]}}
-    assert checker.check(body, chat=False).steers
-    body["streamscope"]["steer"][0]["value"] = "layer_mid"
-    with pytest.raises(RequestError, match=r"--taps \.\.\. layers\.1\.layer_mid") as refused:
-        checker.check(body, chat=False)
-    assert refused.value.status == 400
+    (tmp_path / "vectors").mkdir()
+    save_file({"vector": vector(14)}, str(tmp_path / "vectors" / "happy.safetensors"))
+    (tmp_path / "default.json").write_text(json.dumps([{"value": "layer_output", "layer": 2, "vector": "happy",
+                                                        "scale": 2.0}]))
+    with running(path, tmp_path / "tapped.log", "--taps", "layers.*.layer_output", "--vectors",
+                 str(tmp_path / "vectors"), "--default-steer", str(tmp_path / "default.json")) as url:
+        api = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        info = streamscope.Client(url, api_key=KEY).info()
+        assert info["taps"] == ["layers.*.layer_output"] and info["vectors"] == ["happy"] and info["default_steer"]
+        # Started with --default-steer: a request without the field is steered by it.
+        response = api.completions.create(model=api.models.list().data[0].id, prompt=PROMPTS[1], max_tokens=STEPS,
+                                          temperature=0, logprobs=1, extra_body={"return_token_ids": True})
+        expected_tokens, expected = in_process(model, PROMPTS[1], [Steer("layer_output", 2, vector(14), scale=2.0)])
+        same_run(ids(api, response), response.choices[0].logprobs.token_logprobs, expected_tokens, expected,
+                 "the default steer")
+        steers = [Steer("layer_output", 1, vector(13), scale=4.0)]
+        field = {"steer": [steer_json(item) for item in steers], "default_steer": False}
+        response = api.completions.create(model=api.models.list().data[0].id, prompt=PROMPTS[0], max_tokens=STEPS,
+                                          temperature=0, logprobs=1,
+                                          extra_body={"streamscope": field, "return_token_ids": True})
+        expected_tokens, expected = in_process(model, PROMPTS[0], steers)
+        same_run(ids(api, response), response.choices[0].logprobs.token_logprobs, expected_tokens, expected,
+                 "tapped server")
+        with pytest.raises(openai.BadRequestError, match=r"--taps \.\.\. layers\.1\.layer_mid"):
+            complete(api, PROMPTS[0], {"steer": [steer_json(Steer("layer_mid", 1, vector(13)))]})
+        with pytest.raises(openai.BadRequestError, match=r"layers\.0\.mlp\.mlp_output"):
+            complete(api, PROMPTS[0], {"harvest": {"values": "mlp_output", "layers": [0]}})
 
 
 def test_the_readme_serving_blocks_run_against_the_server(server):
@@ -437,3 +480,58 @@ def test_the_readme_serving_blocks_run_against_the_server(server):
     assert len(blocks) == 2
     for block in blocks:
         exec(compile(block, "README.md#serving", "exec"), {"url": server, "api_key": KEY})
+
+
+def test_harvests_expire_and_the_total_is_bounded(tmp_path):
+    """The harvest ledger alone (the server's, in this process): a harvest past --harvest-ttl is gone (404), and
+    one that would pass --max-stored-harvest-bytes is refused with 413 until earlier ones are downloaded."""
+    import asyncio
+
+    from streamscope.serve.protocol import Limits, RequestError
+    from streamscope.serve.storage import Harvests
+
+    harvests = Harvests(tmp_path, Limits(max_stored_harvest_bytes=1000, harvest_ttl=0.2))
+    first = harvests.reserve(600)
+    with pytest.raises(RequestError, match="--max-stored-harvest-bytes") as refused:
+        harvests.reserve(600)
+    assert refused.value.status == 413
+    harvests.path(first).write_bytes(b"written by the worker")
+    assert asyncio.run(harvests.take(first, keep=False)) == b"written by the worker"
+    assert not harvests.path(first).exists()
+    late = harvests.reserve(600)  # the download freed its bytes
+    harvests.path(late).write_bytes(b"never fetched")
+    time.sleep(0.3)
+    with pytest.raises(RequestError, match="expired") as gone:
+        asyncio.run(harvests.take(late, keep=False))
+    assert gone.value.status == 404 and not harvests.path(late).exists()
+
+
+
+def test_chat_completions_are_steered_and_harvested_alike(api, server):
+    name = api.models.list().data[0].id
+    steer = [steer_json(Steer("layer_output", 1, vector(12), scale=4.0, positions="last"))]
+    field = {"steer": steer, "harvest": {"values": "layer_mid", "layers": [1], "positions": "all"}}
+    chat = api.chat.completions.create(model=name, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=STEPS,
+                                       temperature=0, logprobs=True,
+                                       extra_body={"streamscope": field})
+    completion, _, logprobs = complete(api, PROMPTS[1], field)
+    assert [item.logprob for item in chat.choices[0].logprobs.content] == pytest.approx(logprobs, abs=TOLERANCE)
+    client = streamscope.Client(server, api_key=KEY)
+    from_chat = client.download(chat.model_extra["streamscope"]["harvest"])
+    from_completion = client.download(completion.model_extra["streamscope"]["harvest"])
+    assert from_chat["positions"] == from_completion["positions"]
+    assert (from_chat["tensors"]["layer_mid"] - from_completion["tensors"]["layer_mid"]).abs().max() <= \
+        TOLERANCE * from_completion["tensors"]["layer_mid"].abs().max()
+
+
+def test_a_streamed_completion_names_its_harvest_in_a_header(api, server):
+    body = {"model": api.models.list().data[0].id, "prompt": PROMPTS[2], "max_tokens": STEPS, "temperature": 0,
+            "stream": True, "streamscope": {"harvest": {"values": "layer_output", "layers": [0], "positions": "all"}}}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", server + "/v1/completions", json=body, headers=auth) as response:
+        assert response.status_code == 200
+        harvest_id = response.headers["x-streamscope-harvest"]
+        text = "".join(response.iter_text())
+    assert "[DONE]" in text
+    downloaded = streamscope.Client(server, api_key=KEY).download(harvest_id)
+    assert downloaded["tensors"]["layer_output"].shape[1] == len(downloaded["positions"]) > 1
