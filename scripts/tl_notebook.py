@@ -59,7 +59,7 @@ def demo(model, cache_of, directions_of) -> dict[str, torch.Tensor]:
 def main() -> None:
     import streamscope
     import transformer_lens_parity as parity
-    from streamscope.cache import DEFAULT_VALUES
+    from streamscope.workflows.cache import DEFAULT_VALUES
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", nargs="?", default=None)

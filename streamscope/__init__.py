@@ -5,17 +5,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .checks import check_load
+from .input_checks import check_load
+from .engine import MODULES, engine_module
 from .errors import Unavailable, UnsupportedCheckpoint
 from .support import BlockSupport, ModelSupport
 
-__all__ = ["load", "Unavailable", "UnsupportedCheckpoint", "BlockSupport", "ModelSupport", "Steer", "Harvest",
-           "Generation", "load_harvest", "iter_harvest", "Cache", "Lens", "lens", "Patching", "patch", "Client"]
+__all__ = ["load", "Unavailable", "UnsupportedCheckpoint", "BlockSupport", "ModelSupport", "Steer", "apply_steers",
+           "Harvest", "Generation", "load_harvest", "iter_harvest", "Cache", "Lens", "lens", "Patching", "patch",
+           "Client"]
 
-ENGINES = ("transformers", "vllm")
-_BULK = ("Steer", "Harvest", "Generation", "load_harvest", "iter_harvest")
+#: The engines `load` takes, by name.
+ENGINES = tuple(MODULES)
+_BULK = ("Steer", "apply_steers", "Harvest", "Generation", "load_harvest", "iter_harvest")
 #: The workflows' names, loaded on first use like the bulk path's: {name: module}.
-_WORKFLOWS = {"Client": "serve.client", "Cache": "cache", "Lens": "logit_lens", "lens": "logit_lens", "Patching": "patching", "patch": "patching"}
+_WORKFLOWS = {"Client": "serve.client", "Cache": "workflows.cache", "Lens": "workflows.logit_lens",
+              "lens": "workflows.logit_lens", "Patching": "workflows.patching", "patch": "workflows.patching"}
+#: Workflow modules reached as attributes of the package, as they were before they moved to `workflows/`.
+_MODULES = {"plot": "workflows.plot", "cache": "workflows.cache", "logit_lens": "workflows.logit_lens",
+            "patching": "workflows.patching", "check": "workflows.check", "directions": "directions", "sae": "sae"}
 
 
 def __getattr__(name: str) -> Any:
@@ -28,6 +35,10 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return getattr(importlib.import_module(f".{_WORKFLOWS[name]}", __name__), name)
+    if name in _MODULES:
+        import importlib
+
+        return importlib.import_module(f".{_MODULES[name]}", __name__)
     raise AttributeError(f"module 'streamscope' has no attribute {name!r}")
 
 
@@ -50,12 +61,4 @@ def load(path: str | Path, engine: str = "transformers", **kwargs: Any) -> Any:
 
         path = resolve(path)
     check_load(path, kwargs)
-    if engine == "transformers":
-        from .transformers import load as load_transformers
-
-        return load_transformers(path, **kwargs)
-    if engine == "vllm":
-        from .vllm import load as load_vllm
-
-        return load_vllm(path, **kwargs)
-    raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    return engine_module(engine).load(path, **kwargs)

@@ -115,7 +115,7 @@ def resolve(path: str | Path) -> str | Path:
     if local.is_file():
         raise ValueError(f"{text} is a file: streamscope.load takes a checkpoint folder (with config.json), a "
                          f"GGUF file (.gguf), a hub repository id, or one of {', '.join(NAMED)}")
-    from .checks import local_folder
+    from .input_checks import local_folder
 
     if local_folder(path) is None:
         check_hub(text)

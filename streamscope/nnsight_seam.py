@@ -1,8 +1,8 @@
 """Everything streamscope takes from nnsight beyond its public API, in one place, checked against one version.
 
 streamscope serves its values through nnsight's interleaving machinery at a
-depth nnsight does not promise to keep: the worker (``Mediator``) that runs a
-trace's code, its pending write-back, the ``eproperty`` callbacks, the
+depth nnsight does not promise to keep: the ``Mediator`` that runs each
+invoke's code of a trace (nnsight's word; vLLM's "workers" are its processes), its pending write-back, the ``eproperty`` callbacks, the
 source-instrumented forward, the vLLM workers. nnsight moves these between
 releases, so every use of them lives here, written against one release
 (`SUPPORTED`), which is checked when this module is imported.
@@ -18,17 +18,19 @@ the ``rename=`` and ``envoys=`` arguments. Everything reached by another
 module path (``nnsight.intervention.*``, ``nnsight.tracing.*``,
 ``nnsight.modeling.vllm.<submodule>``) or by a private name is internal, and
 only this module touches it. `tests/test_nnsight_seam.py` fails when another
-module imports an internal path.
+module imports an internal path, or reaches a private name nnsight's classes
+define (``envoy._module``: `module_of` here instead).
 
-Three kinds of contact stay outside this module, each covered by the version
+Two kinds of contact stay outside this module, each covered by the version
 check all the same:
 
-* an envoy's ``_module`` (the wrapped ``torch.nn.Module``), read across the
-  block and family modules: the attribute every envoy subclass works from;
-* the methods streamscope's engine classes override on nnsight's model
-  classes (``_batch``, ``_call``, ``_collect``) and the one they call
-  (``VLLM._generate``): a subclass's override cannot live elsewhere;
-* streamscope's own notes kept on a worker (``streamscope_wanted``,
+* the methods streamscope's engine model classes override on nnsight's
+  (``_batch`` on transformers; ``_call``, ``_collect``, ``_resolve_taps`` on
+  vLLM), each calling its parent's: nnsight calls them, and a subclass's
+  override cannot live elsewhere (the seam test allows these, in those two
+  modules only). Envoys and values override nnsight through this module
+  (`RebindingEnvoy`, `LocatedProperty`).
+* streamscope's own notes kept on a mediator (``streamscope_wanted``,
   ``streamscope_read``, ``streamscope_retired``, the vLLM attention history):
   attributes nnsight never reads, kept where each invoke's state lives.
 
@@ -78,26 +80,28 @@ check_version()
 # Imported after the check: on another release these paths may not exist at all. Re-exported as they are:
 # * eproperty: the descriptor nnsight's envoys serve ``.output``/``.input`` with; every streamscope value
 #   subclasses it, so a read waits for the model like nnsight's own and books a write-back.
-# * Worker (nnsight's Mediator): the worker that runs one invoke's code of a trace, on a greenlet beside the
-#   model; used in annotations, and its instance ``__dict__`` keeps streamscope's notes per invoke.
+# * Mediator: nnsight's runner of one invoke's code of a trace (not a vLLM worker process), on a greenlet
+#   beside the model; used in annotations, and its instance ``__dict__`` keeps streamscope's notes per invoke.
 # * OutOfOrderError: what nnsight raises for a value asked for after the model passed it; streamscope raises it
 #   too (an edit made after the trace moved on), so one except clause catches both.
 # * WithBlockNotFoundError: what a tracer's ``capture()`` raises when it was not called as a ``with``
 #   statement; ``generate`` then runs plainly instead of tracing.
 from nnsight.intervention import interleaver as _interleaver  # noqa: E402
 from nnsight.intervention.eproperty import eproperty  # noqa: E402
-from nnsight.intervention.interleaver import Mediator as Worker  # noqa: E402
+from nnsight.intervention.interleaver import Mediator  # noqa: E402
 from nnsight.intervention.interleaver import OutOfOrderError  # noqa: E402
 from nnsight.intervention.source import (SourceNotAvailable, compiled, decorator_chain,  # noqa: E402
                                          install_source, module_body)
 from nnsight.tracing.tracer import WithBlockNotFoundError, _saves  # noqa: E402
 
 __all__ = [
-    "SUPPORTED", "ALLOW_ENV", "check_version", "eproperty", "Worker", "OutOfOrderError", "WithBlockNotFoundError",
-    "set_callbacks", "location", "call_location", "running_worker", "worker_at", "step_of", "read_at", "skip_at",
+    "SUPPORTED", "ALLOW_ENV", "check_version", "eproperty", "LocatedProperty", "Mediator", "OutOfOrderError",
+    "WithBlockNotFoundError", "module_of", "children", "RebindingEnvoy", "wrap_replay",
+    "wrap_update_states",
+    "set_callbacks", "location", "call_location", "running_mediator", "mediator_at", "step_of", "read_at", "skip_at",
     "is_saved", "invoke_rows", "with_invoke_rows", "PendingWriteBack", "pending_write_back", "held_view",
     "redirect_write_back",
-    "filter_write_backs", "rename_out_of_order", "around_worker_run", "kernel_call_names", "ensure_source",
+    "filter_write_backs", "rename_out_of_order", "around_mediator_run", "kernel_call_names", "ensure_source",
     "unwrapped_generate", "running_taps", "interleaving", "take_request_error", "collect_requests", "set_client_worker",
     # Loaded on first use by the module's __getattr__ (vLLM is not imported with streamscope).
     "NNsightGPUWorker", "NNsightGPUModelRunner", "ParallelEnvoy", "parallel_envoys", "VLLMClient",  # noqa: F822
@@ -105,6 +109,21 @@ __all__ = [
 
 
 # eproperty: the base of every streamscope value.
+
+class LocatedProperty(eproperty):
+    """An eproperty that says where its value is through a public `location(obj)`.
+
+    nnsight asks an eproperty for its location through the private
+    ``_location``; this is the one override of it.
+    """
+
+    def _location(self, obj: Any) -> str:
+        return self.location(obj)
+
+    def location(self, obj: Any) -> str:
+        """The nnsight location (``"{path}.{key}"``) that holds the value on `obj`."""
+        return super()._location(obj)
+
 
 def set_callbacks(value: eproperty, read: Callable, write_back: Callable, assign: Callable) -> None:
     """Give an eproperty its three callbacks.
@@ -123,23 +142,23 @@ def set_callbacks(value: eproperty, read: Callable, write_back: Callable, assign
 
 # The worker of a trace and what it asks of the model.
 
-def running_worker() -> Optional[Worker]:
-    """The worker of the trace whose code runs now, or None outside a trace.
+def running_mediator() -> Optional[Mediator]:
+    """The mediator of the trace whose code runs now, or None outside a trace.
 
     nnsight runs a trace's code on a greenlet that holds a weak reference to
-    its worker; streamscope asks for it to refuse a read outside a trace with
-    its own message, and to keep its notes of what was read (the worker's
+    its mediator; streamscope asks for it to refuse a read outside a trace with
+    its own message, and to keep its notes of what was read (the mediator's
     ``__dict__``).
     """
-    worker = getattr(getcurrent(), "mediator", None)
-    return None if worker is None else worker()
+    mediator = getattr(getcurrent(), "mediator", None)
+    return None if mediator is None else mediator()
 
 
 def running_taps() -> frozenset[str]:
-    """The locations the running worker's engine serves when it replays CUDA graphs (nnsight's tapped
+    """The locations the running mediator's engine serves when it replays CUDA graphs (nnsight's tapped
     interleaver); empty outside a trace and on an eager engine, which serves every location."""
-    worker = running_worker()
-    interleaver = getattr(worker, "interleaver", None) if worker is not None else None
+    mediator = running_mediator()
+    interleaver = getattr(mediator, "interleaver", None) if mediator is not None else None
     return getattr(interleaver, "taps", None) or frozenset()
 
 
@@ -155,28 +174,28 @@ def call_location(path: str, call: str, where: str) -> str:
     return f"{path}.source.{call}.{where}"
 
 
-def worker_at(location: str) -> Worker:
-    """The running worker (nnsight's ``Mediator.current``); ValueError naming `location` outside a trace."""
-    return Worker.current(location)
+def mediator_at(location: str) -> Mediator:
+    """The running mediator (nnsight's ``Mediator.current``); ValueError naming `location` outside a trace."""
+    return Mediator.current(location)
 
 
-def step_of(worker: Worker, location: str) -> int:
-    """How many times the model has reached `location` since `worker` started (a vLLM request's decode step)."""
-    return worker.occurrence(location)
+def step_of(mediator: Mediator, location: str) -> int:
+    """How many times the model has reached `location` since `mediator` started (a vLLM request's decode step)."""
+    return mediator.occurrence(location)
 
 
 def read_at(location: str) -> Any:
-    """The value the model produces at `location` (``path.input`` / ``path.output``), waited for by the worker.
+    """The value the model produces at `location` (``path.input`` / ``path.output``), waited for by the mediator.
 
     nnsight's ``Mediator.value``: used where a value is read raw, to write it
     (an assignment), or to wait for a block's input before skipping it.
     """
-    return Worker.value(location)
+    return Mediator.value(location)
 
 
 def skip_at(location: str, value: Any) -> None:
     """Skip the module call gated at `location` (``path.skip``), returning `value` in its stead (``Mediator.skip``)."""
-    Worker.skip(location, value)
+    Mediator.skip(location, value)
 
 
 def is_saved(value: Any) -> bool:
@@ -191,12 +210,12 @@ def is_saved(value: Any) -> bool:
 # An invoke's rows of a batched trace, for a value nnsight cannot narrow itself.
 
 def _invoke_batch() -> Optional[tuple[Any, Any]]:
-    """The running worker's batcher and its ``[start, size]`` rows in the run's batch; None where no batched run
+    """The running mediator's batcher and its ``[start, size]`` rows in the run's batch; None where no batched run
     narrows anything for it (outside a trace, or a run that does not batch)."""
-    worker = running_worker()
-    if worker is None or worker.interleaver is None or worker.interleaver.batcher is None:
+    mediator = running_mediator()
+    if mediator is None or mediator.interleaver is None or mediator.interleaver.batcher is None:
         return None
-    return worker.interleaver.batcher, worker.batch_group
+    return mediator.interleaver.batcher, mediator.batch_group
 
 
 def invoke_rows(batch_leading: Any) -> Any:
@@ -234,47 +253,47 @@ class PendingWriteBack(NamedTuple):
     view: Any
 
 
-def pending_write_back(worker: Worker) -> Optional[PendingWriteBack]:
-    """The write-back `worker` has pending (nnsight's ``Mediator.transform``), or None."""
-    waiting = worker.transform
+def pending_write_back(mediator: Mediator) -> Optional[PendingWriteBack]:
+    """The write-back `mediator` has pending (nnsight's ``Mediator.transform``), or None."""
+    waiting = mediator.transform
     if waiting is None:
         return None
     return PendingWriteBack(waiting.eproperty, waiting.fn.args[0], waiting.view)
 
 
-def held_view(worker: Worker, value: eproperty, location: str) -> Any:
+def held_view(mediator: Mediator, value: eproperty, location: str) -> Any:
     """The copy `value`'s read at `location` handed out and not yet written back, or None.
 
     nnsight keys a pending write-back on (eproperty, location, occurrence):
-    it is this read's only while the worker still wants that occurrence.
+    it is this read's only while the mediator still wants that occurrence.
     """
-    waiting = worker.transform
-    if waiting is not None and waiting.key == (value, location, worker.wanted(location)):
+    waiting = mediator.transform
+    if waiting is not None and waiting.key == (value, location, mediator.wanted(location)):
         return waiting.view
     return None
 
 
-def redirect_write_back(worker: Worker, value: eproperty, host: Any, view: Any) -> None:
-    """Make `view` what `worker`'s pending write-back sends to the model (and what later reads answer with).
+def redirect_write_back(mediator: Mediator, value: eproperty, host: Any, view: Any) -> None:
+    """Make `view` what `mediator`'s pending write-back sends to the model (and what later reads answer with).
 
     The pending write-back's function is ``value``'s transform bound to
     ``(host, view, raw)``; the raw call the model made stays, the view changes.
     """
-    waiting = worker.transform
+    waiting = mediator.transform
     raw = waiting.fn.args[2]
-    worker.transform = waiting._replace(view=view, fn=partial(value._transform, host, view, raw))
+    mediator.transform = waiting._replace(view=view, fn=partial(value._transform, host, view, raw))
 
 
-# Process-wide changes to nnsight's worker, made once (each is idempotent).
+# Process-wide changes to nnsight's mediator, made once (each is idempotent).
 
 def filter_write_backs(served: type, send: Callable[[PendingWriteBack], bool],
-                       after: Callable[[Worker, PendingWriteBack], None]) -> None:
+                       after: Callable[[Mediator, PendingWriteBack], None]) -> None:
     """Let streamscope decide whether a pending write-back of one of its values reaches the model.
 
     nnsight's ``Mediator.flush`` swaps a pending write-back into the model
-    whenever the worker moves on, edited or not: one round trip between the
-    worker and the model per read. For an eproperty of type `served`,
-    ``send(pending)`` decides; one it declines is dropped. ``after(worker,
+    whenever the mediator moves on, edited or not: one round trip between the
+    mediator and the model per read. For an eproperty of type `served`,
+    ``send(pending)`` decides; one it declines is dropped. ``after(mediator,
     pending)`` then runs either way. Other write-backs flush as nnsight does.
 
     A sent write-back that wrote into the model's own tensor in place (it
@@ -284,78 +303,105 @@ def filter_write_backs(served: type, send: Callable[[PendingWriteBack], bool],
     kept the old one (a residual saved before the call) would then miss this
     and every later invoke's edit of that call.
     """
-    flush = Worker.flush
+    flush = Mediator.flush
     if getattr(flush, "streamscope_filter", False):
         return
 
-    def filtered_flush(worker: Worker) -> None:
-        waiting = worker.transform
+    def filtered_flush(mediator: Mediator) -> None:
+        waiting = mediator.transform
         if waiting is None or not isinstance(waiting.eproperty, served):
-            return flush(worker)
+            return flush(mediator)
         pending = PendingWriteBack(waiting.eproperty, waiting.fn.args[0], waiting.view)
         if not send(pending):
-            worker.transform = None
+            mediator.transform = None
         else:
             raw = waiting.fn.args[2]
             result = waiting.fn()
             if result is raw:
-                worker.transform = None  # written in place: nothing to swap
+                mediator.transform = None  # written in place: nothing to swap
             else:
-                worker.transform = waiting._replace(fn=lambda: result)
-                flush(worker)
-        after(worker, pending)
+                mediator.transform = waiting._replace(fn=lambda: result)
+                flush(mediator)
+        after(mediator, pending)
 
     setattr(filtered_flush, "streamscope_filter", True)  # marks the patch as applied (a function attribute)
-    Worker.flush = filtered_flush
+    Mediator.flush = filtered_flush
 
 
-def rename_out_of_order(message: Callable[[Worker, str], Optional[str]]) -> None:
+def rename_out_of_order(message: Callable[[Mediator, str], Optional[str]]) -> None:
     """Let streamscope word nnsight's out-of-order error in its own names.
 
-    When a run ends with a worker still waiting for a location the model has
+    When a run ends with a mediator still waiting for a location the model has
     passed, nnsight's ``dangling_unwind`` builds an OutOfOrderError naming the
-    raw location. ``message(worker, location)`` may return streamscope's
+    raw location. ``message(mediator, location)`` may return streamscope's
     message for it (None keeps nnsight's).
     """
     unwind = _interleaver.dangling_unwind
     if getattr(unwind, "streamscope_names", False):
         return
 
-    def named_unwind(worker: Worker) -> tuple[BaseException, Optional[str]]:
-        error, expected = unwind(worker)
-        pending = worker.pending
+    def named_unwind(mediator: Mediator) -> tuple[BaseException, Optional[str]]:
+        error, expected = unwind(mediator)
+        pending = mediator.pending
         if not isinstance(error, OutOfOrderError) or expected is not None or pending is None:
             return error, expected
-        text = message(worker, pending.provider)
+        text = message(mediator, pending.provider)
         return (error, expected) if text is None else (OutOfOrderError(text), None)
 
     setattr(named_unwind, "streamscope_names", True)  # marks the patch as applied (a function attribute)
     _interleaver.dangling_unwind = named_unwind
 
 
-def around_worker_run(after: Callable[[Worker], None],
-                      explain: Callable[[Worker, RuntimeError], None]) -> None:
-    """Run streamscope's checks when a worker's code ends, and let it explain a RuntimeError raised in it.
+def around_mediator_run(after: Callable[[Mediator], None],
+                      explain: Callable[[Mediator, RuntimeError], None]) -> None:
+    """Run streamscope's checks when a mediator's code ends, and let it explain a RuntimeError raised in it.
 
-    nnsight's ``Mediator._run`` runs one invoke's code. ``after(worker)`` runs
-    when it returns (it may raise); ``explain(worker, error)`` sees a
+    nnsight's ``Mediator._run`` runs one invoke's code. ``after(mediator)`` runs
+    when it returns (it may raise); ``explain(mediator, error)`` sees a
     RuntimeError the code raised (it may reword ``error.args``) before it
     propagates.
     """
-    run = Worker._run
+    run = Mediator._run
     if getattr(run, "streamscope_checks", False):
         return
 
-    def checked_run(worker: Worker) -> None:
+    def checked_run(mediator: Mediator) -> None:
         try:
-            run(worker)
-            after(worker)
+            run(mediator)
+            after(mediator)
         except RuntimeError as error:
-            explain(worker, error)
+            explain(mediator, error)
             raise
 
     setattr(checked_run, "streamscope_checks", True)  # marks the patch as applied (a function attribute)
-    Worker._run = checked_run
+    Mediator._run = checked_run
+
+
+# Envoys: the module an envoy wraps, its children, and being told when nnsight gives it another module.
+
+def module_of(envoy: Any) -> Any:
+    """The ``torch.nn.Module`` that `envoy` wraps (nnsight keeps it as the envoy's ``_module``)."""
+    return envoy._module
+
+
+def children(envoy: Any) -> dict[str, Any]:
+    """`envoy`'s child envoys by their attribute names, in the module's order (nnsight's ``_child_map``)."""
+    return dict(envoy._child_map)
+
+
+class RebindingEnvoy(nnsight.Envoy):
+    """An envoy told when nnsight swaps the module under it (a dispatch replaces the meta model's modules).
+
+    Subclasses override `module_bound`; nnsight's hook for the swap is its
+    private ``_update``, overridden here only.
+    """
+
+    def _update(self, module: Any) -> None:
+        super()._update(module)
+        self.module_bound(module)
+
+    def module_bound(self, module: Any) -> None:
+        """Called with the new module after nnsight has put it under this envoy."""
 
 
 # Source instrumentation: a call inside a module's forward as a location.
@@ -377,7 +423,7 @@ def kernel_call_names(module: Any) -> Any:
 
 def ensure_source(envoy: Any) -> None:
     """Instrument `envoy`'s module forward (once), so each call in it is a location (``path.source.<call>``)."""
-    state = envoy._module.__dict__.get("__nnsight__")
+    state = module_of(envoy).__dict__.get("__nnsight__")
     if state is None or not state.sourced:
         install_source(envoy)
 
@@ -391,6 +437,38 @@ def unwrapped_generate(model: Any, base: type) -> Callable:
     adds bulk sampling), so it calls the function nnsight's wrapper wraps.
     """
     return getattr(base, "generate").__wrapped__.__get__(model, type(model))
+
+
+def wrap_replay(interleaver: Any, around: Callable[[Callable, str, Any], Any]) -> bool:
+    """Run `around(original, location, tensors)` at every replayed tap of nnsight's tapped vLLM interleaver.
+
+    nnsight calls the interleaver's ``replay(location, tensors)`` at each tap
+    of a replayed CUDA graph (looked up at each replay, so wrapping it on the
+    instance reaches graphs recorded before). Returns False, wrapping nothing,
+    where the interleaver has no taps (an eager engine).
+    """
+    if not getattr(interleaver, "taps", None):
+        return False
+    original = interleaver.replay
+    interleaver.replay = partial(around, original)
+    return True
+
+
+def wrap_update_states(runner: Any, after: Callable[[Any], None]) -> None:
+    """Call `after(scheduler_output)` each step once vLLM's model runner has taken the step's schedule in.
+
+    The runner's ``_update_states`` is where it does; it is wrapped on the
+    instance, as ``execute_model`` calls it through ``self`` whatever the
+    runner's class (nnsight's, or streamscope's CPU one).
+    """
+    original = runner._update_states
+
+    def update_states(scheduler_output: Any) -> Any:
+        result = original(scheduler_output)
+        after(scheduler_output)
+        return result
+
+    runner._update_states = update_states
 
 
 def interleaving(model: Any) -> bool:

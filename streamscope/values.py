@@ -38,7 +38,7 @@ import torch
 
 from . import nnsight_seam as seam
 from .errors import Unavailable, missing_module, untapped
-from .nnsight_seam import OutOfOrderError, PendingWriteBack, Worker, eproperty
+from .nnsight_seam import LocatedProperty, OutOfOrderError, PendingWriteBack, Mediator
 
 Residual = torch.Tensor
 """A tensor of the residual stream's width, ``[batch, seq, hidden_size]``."""
@@ -128,7 +128,7 @@ def resolve(envoy: Host, module: str) -> Any:
     return target
 
 
-def served(host: Host, name: str, location: str) -> str:
+def require_tapped(host: Host, name: str, location: str) -> str:
     """`location`, where the running trace's engine serves it; `Unavailable` with the fix on a tapped vLLM
     engine (one that replays CUDA graphs, `streamscope.vllm.taps`) that was not started with it."""
     taps = seam.running_taps()
@@ -137,7 +137,7 @@ def served(host: Host, name: str, location: str) -> str:
     return location
 
 
-class StreamValue(eproperty):
+class StreamValue(LocatedProperty):
     """A tensor at one module's input or output, served as a private copy and written back in place.
 
     Args:
@@ -205,7 +205,9 @@ class StreamValue(eproperty):
         module = self.site(host)[0]
         return resolve(host, module) if module else host
 
-    def _location(self, host: Host) -> str:
+    def location(self, host: Host) -> str:
+        """The nnsight location that holds this value on `host` (a module call's input or output, or a call
+        inside its forward); `Unavailable` where the host cannot serve it."""
         # Resolved once per envoy: aliases, relocations and reasons do not change while it lives.
         cache = host.__dict__.get("_streamscope_locations")
         if cache is None:
@@ -213,14 +215,14 @@ class StreamValue(eproperty):
         location = cache.get(self.name)
         if location is None:
             location = cache[self.name] = seam.location(self.located(host).path, self.site(host)[1])
-        return served(host, self.name, location)
+        return require_tapped(host, self.name, location)
 
     def __get__(self, host: Optional[Host], owner: Any = None) -> Any:
         if host is None:
             return self
         # The location is resolved before anything waits on the model, so an
         # unavailable value raises Unavailable at once.
-        location = self._location(host)
+        location = self.location(host)
         mediator = in_trace(f"{host.where()}.{self.name}", "read")
         name = f"{host.where()}.{self.name}"
         held = self.held(host)
@@ -265,11 +267,11 @@ class StreamValue(eproperty):
         return raw
 
     def __set__(self, host: Host, value: Any) -> None:
-        self._location(host)
+        self.location(host)
         mediator = in_trace(f"{host.where()}.{self.name}", "written")
         held = self.held(host)
         if held is None:
-            mediator.streamscope_wanted = (self._location(host), f"{host.where()}.{self.name}")
+            mediator.streamscope_wanted = (self.location(host), f"{host.where()}.{self.name}")
             return super().__set__(host, value)
         # Read earlier in this block and not yet written back: the assignment
         # takes the place of that read's copy and goes back the way an in-place
@@ -283,17 +285,17 @@ class StreamValue(eproperty):
         _retire(mediator, held, f"{host.where()}.{self.name}")
         self.rebind(host, mediator, _copy(value.to(held.dtype), edited=True))
 
-    def rebind(self, host: Host, mediator: Worker, view: torch.Tensor) -> None:
+    def rebind(self, host: Host, mediator: Mediator, view: torch.Tensor) -> None:
         """Make `view` the copy this value's pending write-back sends to the model (and later reads answer with)."""
         seam.redirect_write_back(mediator, self, host, view)
 
     def held(self, host: Host) -> Optional[torch.Tensor]:
         """This value's copy that a read on `host` handed out and nnsight has not written back yet."""
-        location = self._location(host)
-        return seam.held_view(seam.worker_at(location), self, location)
+        location = self.location(host)
+        return seam.held_view(seam.mediator_at(location), self, location)
 
     def _assign(self, host: Host, value: Any) -> Any:
-        raw = seam.read_at(self._location(host))
+        raw = seam.read_at(self.location(host))
         self.write(host, raw, self.checked(host, raw, value))
         return raw
 
@@ -450,9 +452,9 @@ class ComputedValue(ReadOnly, StreamValue):
             return self.compute(host, tensor)
 
 
-def in_trace(name: str, done: str) -> Worker:
-    """The running trace's worker, or a clear error: `name` can only be `done` (read, written) inside a trace."""
-    mediator = seam.running_worker()
+def in_trace(name: str, done: str) -> Mediator:
+    """The running trace's mediator, or a clear error: `name` can only be `done` (read, written) inside a trace."""
+    mediator = seam.running_mediator()
     if mediator is None:
         raise ValueError(
             f"{name} can only be {done} inside a trace, while the model runs: "
@@ -471,18 +473,18 @@ def _copy(tensor: torch.Tensor, *, edited: bool) -> torch.Tensor:
         return copy
 
 
-def _retire(mediator: Worker, view: torch.Tensor, name: str) -> None:
+def _retire(mediator: Mediator, view: torch.Tensor, name: str) -> None:
     """Remember a read whose write-back is gone, so an in-place edit of it later is not dropped without a word."""
     retired = mediator.__dict__.setdefault("streamscope_retired", [])
     try:
         version = view._version
     except RuntimeError:  # an inference tensor keeps no version, and cannot be edited outside inference mode
         return
-    wanted = mediator.__dict__.get("streamscope_wanted")  # what the worker moves on to, where a value asks
+    wanted = mediator.__dict__.get("streamscope_wanted")  # what the mediator moves on to, where a value asks
     retired.append((weakref.ref(view), version, name, wanted[1] if wanted else None))
 
 
-def _check_retired(mediator: Worker) -> None:
+def _check_retired(mediator: Mediator) -> None:
     """Raise where a read was edited in place after its write-back had gone to the model."""
     retired = mediator.__dict__.get("streamscope_retired")
     if not retired:
@@ -508,8 +510,8 @@ def _check_retired(mediator: Worker) -> None:
 def _skip_unedited_write_backs() -> None:
     """Let nnsight drop a streamscope value's pending write-back when the view was not edited.
 
-    nnsight swaps a pending write-back into the model whenever the worker moves
-    on, edited or not: one more round trip between the worker and the model per
+    nnsight swaps a pending write-back into the model whenever the mediator moves
+    on, edited or not: one more round trip between the mediator and the model per
     read. A streamscope value's write-back is the identity on an unedited view
     (its version counter says so), so the swap is skipped and an unedited read
     costs what raw nnsight's read of the same tensor plus a copy costs.
@@ -518,7 +520,7 @@ def _skip_unedited_write_backs() -> None:
     not reach the model, so when the block ends such an edit raises instead of
     vanishing (checked once, at the end, so a block of many reads stays linear).
     """
-    def retire(mediator: Worker, pending: PendingWriteBack) -> None:
+    def retire(mediator: Mediator, pending: PendingWriteBack) -> None:
         _retire(mediator, pending.view, f"{pending.host.where()}.{pending.value.name}")
 
     seam.filter_write_backs(StreamValue, lambda pending: is_edited(pending.view), retire)
@@ -535,12 +537,12 @@ def is_edited(view: torch.Tensor) -> bool:
 def _explain_out_of_order() -> None:
     """Name streamscope's values in nnsight's out-of-order error: which value was read after which.
 
-    nnsight reports the module location a worker was still waiting for when the
+    nnsight reports the module location a mediator was still waiting for when the
     run ended (``'model.model.layers.0.output.i0' was requested but the model
     already ran past it``). Each streamscope read records the value it asks for
     and the last one it was served, so the error can say it in the user's names.
     """
-    def message(mediator: Worker, location: str) -> Optional[str]:
+    def message(mediator: Mediator, location: str) -> Optional[str]:
         wanted = mediator.__dict__.get("streamscope_wanted")
         if wanted is None or location != wanted[0]:
             return None
@@ -570,10 +572,10 @@ def _explain_edit_errors() -> None:
 
     ``model.layers[1].layer_mid += vector`` fails inside torch ("The size of
     tensor a (64) must match the size of tensor b (32)"); the read being edited
-    is the worker's pending write-back, so the message can say which value it
+    is the mediator's pending write-back, so the message can say which value it
     was, its shape, and how to edit it.
     """
-    def explain(mediator: Worker, error: RuntimeError) -> None:
+    def explain(mediator: Mediator, error: RuntimeError) -> None:
         waiting = seam.pending_write_back(mediator)
         message = str(error)
         sizes = re.search(r"size of tensor a \((\d+)\)|expanded size of the tensor \((\d+)\)", message)
@@ -588,7 +590,7 @@ def _explain_edit_errors() -> None:
                 f"`...{value.name}[:, -1] += vector`.",
             )
 
-    seam.around_worker_run(_check_retired, explain)
+    seam.around_mediator_run(_check_retired, explain)
 
 
 _skip_unedited_write_backs()

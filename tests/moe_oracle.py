@@ -85,7 +85,7 @@ def experts_in_truncated_tf32(experts: torch.nn.Module, hidden_states: torch.Ten
     their operands truncated to TF32 and sum in float32: how vLLM's fused MoE Triton kernel computes a float32
     mixture of experts on a GPU (Triton's `tl.dot` hands float32 operands to the tensor cores as they are).
 
-    scripts/probe_moe_tf32.py measured it on the H200: vLLM 0.22's `fused_experts` against this rounding,
+    A one-off probe (tests/GPU.md, run F; `git show 377664b:scripts/probe_moe_tf32.py`) measured it on the H200: vLLM 0.22's `fused_experts` against this rounding,
     7e-7 to 9e-5 relative; against float64, 2.1-2.3e-3, where cuBLAS's TF32 (rounded to nearest) keeps 3.7-6.9e-4.
     """
     assert not (experts.has_bias or experts.is_transposed) and experts.is_concatenated, type(experts).__name__

@@ -18,7 +18,7 @@ import torch
 
 import streamscope
 from streamscope import plot
-from streamscope.check import Report
+from streamscope.workflows.check import Report
 
 ROOT = Path(__file__).resolve().parent.parent
 CLEAN, CORRUPTED = "Paris is in Italy", "Rome is in Italy"
@@ -67,7 +67,7 @@ def test_check_fails_with_a_nonzero_exit_when_a_value_is_off(monkeypatch, capsys
     from streamscope import cli
 
     failing = Report(str(tmp_path), "llama", ["transformers"], errors={"layer_mid": {"transformers": 3e-2}})
-    monkeypatch.setattr("streamscope.check.check", lambda *args, **kwargs: failing)
+    monkeypatch.setattr("streamscope.workflows.check.check", lambda *args, **kwargs: failing)
     assert cli.main(["check", str(tmp_path), "--engines", "transformers"]) == 1
     output = capsys.readouterr().out
     assert "FAIL" in output and "3.0e-02" in output

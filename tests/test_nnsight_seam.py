@@ -96,6 +96,112 @@ def test_the_import_check_sees_every_kind_of_import(tmp_path):
         "nnsight.tracing.tracer", "nnsight.modeling.vllm.vllm", "nnsight.modeling.vllm.NotExported"]
 
 
+# ---- nnsight's private names: reached only through the seam. ----
+
+#: The methods of nnsight's model classes that streamscope's engine model classes override (nnsight calls them;
+#: an override cannot live elsewhere), with the modules allowed to define them and call their parent's.
+OVERRIDES = {
+    "streamscope/transformers/model.py": {"_batch"},
+    "streamscope/vllm/model.py": {"_call", "_collect", "_resolve_taps"},
+}
+
+
+def nnsight_private_names() -> frozenset[str]:
+    """The private names (``_x``, not dunders) nnsight's classes define: methods, class attributes, ``self._x =``."""
+    names: set[str] = set()
+    private = lambda name: name.startswith("_") and not name.startswith("__")  # noqa: E731
+    for path in Path(nnsight.__file__).parent.rglob("*.py"):
+        try:
+            tree = ast.parse(path.read_text(), str(path))
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for item in ast.walk(node):
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and private(item.name):
+                    names.add(item.name)
+                elif isinstance(item, ast.Attribute) and isinstance(item.ctx, ast.Store) and private(item.attr):
+                    names.add(item.attr)
+                elif isinstance(item, ast.Name) and isinstance(item.ctx, ast.Store) and private(item.id):
+                    names.add(item.id)
+    return frozenset(names)
+
+
+def private_accesses(path: Path, names: frozenset[str], overrides: frozenset[str] = frozenset()) -> list[tuple[int, str]]:
+    """Where `path` reaches one of nnsight's private `names`: ``(line, what)``.
+
+    An attribute read or write (``envoy._module``, ``runner._update_states = ...``)
+    and a method definition (an override nnsight would call; a module's own
+    functions, and the methods of its classes without a base, are its
+    business) count; in a
+    module allowed `overrides`, defining one of those and calling the parent's
+    (``super()._batch(...)`` inside ``def _batch``) does not.
+    """
+    found: list[tuple[int, str]] = []
+    tree = ast.parse(path.read_text(), str(path))
+    # A method of a class with no base is the module's own (no nnsight class can be among its ancestors): its
+    # definition and its calls are not nnsight's, whatever the name.
+    own = {item.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and not node.bases
+           for item in node.body if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    names = names - own
+
+    def visit(node: ast.AST, function: str | None, in_class: bool = False) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if in_class and node.name in names and node.name not in overrides:
+                found.append((node.lineno, f"def {node.name}"))
+            function = node.name
+        elif isinstance(node, ast.Attribute) and node.attr in names:
+            calls_parent = (isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
+                            and node.value.func.id == "super" and node.attr == function)
+            if not (calls_parent and node.attr in overrides):
+                found.append((node.lineno, f".{node.attr}"))
+        for child in ast.iter_child_nodes(node):
+            visit(child, function, isinstance(node, ast.ClassDef))
+
+    visit(tree, None)
+    return sorted(found)
+
+
+def test_only_the_seam_reaches_nnsight_private_names():
+    names = nnsight_private_names()
+    assert {"_module", "_child_map", "_update", "_location", "_batch"} <= names  # the walk reads nnsight's classes
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == SEAM:
+            continue
+        where = str(path.relative_to(PACKAGE.parent))
+        bad += [f"{where}:{line} {what}" for line, what in
+                private_accesses(path, names, frozenset(OVERRIDES.get(where, ())))]
+    assert not bad, ("these modules reach nnsight's private names; add a function to streamscope/nnsight_seam.py "
+                     "and call it instead:\n" + "\n".join(bad))
+
+
+def test_the_private_name_check_sees_every_kind_of_access(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "class Model(Base):\n"
+        "    def _batch(self, invokes):\n"
+        "        return super()._batch(invokes)\n"
+        "    def _update(self, module):\n"
+        "        super()._update(module)\n"
+        "        return self._batch([])\n"
+        "def _module(envoy, runner):\n"
+        "    runner._update_states = None\n"
+        "    return envoy._module, envoy._own\n"
+        "class Client:\n"
+        "    def _call(self):\n"
+        "        return self._call()\n"
+    )
+    names = frozenset({"_batch", "_update", "_update_states", "_module", "_call"})
+    assert private_accesses(probe, names) == [
+        (2, "def _batch"), (3, "._batch"), (4, "def _update"), (5, "._update"), (6, "._batch"),
+        (8, "._update_states"), (9, "._module")]
+    # An allowed override may define the method and call its parent's, nothing more.
+    assert private_accesses(probe, names, frozenset({"_batch"})) == [
+        (4, "def _update"), (5, "._update"), (6, "._batch"), (8, "._update_states"), (9, "._module")]
+
+
 def test_the_supported_version_passes():
     assert nnsight.__version__ == nnsight_seam.SUPPORTED == "0.8.1"
     nnsight_seam.check_version()

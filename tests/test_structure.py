@@ -70,6 +70,88 @@ def test_class_names_are_unique_across_the_package():
     assert not repeated, f"class names defined more than once (name an engine's own kind Vllm...): {repeated}"
 
 
+# ---- The engines' differences live in the engines: no code elsewhere asks which engine runs a model. ----
+
+#: Where engine names may be compared: the engines themselves, and the registry that maps a name to its engine.
+ENGINE_HOMES = ("streamscope/transformers/", "streamscope/vllm/", "streamscope/engine.py")
+
+
+def engine_switches(path: Path) -> list[tuple[int, str]]:
+    """Every test of which engine runs in `path`: ``(line, what)``.
+
+    A read of an ``ENGINE`` attribute or name (the engine classes' old tag), and
+    a comparison (``==``, ``!=``, ``in``, ``is``) against an engine's name as a
+    literal (``engine == "vllm"``, ``"vllm" in engines``).
+    """
+    from streamscope.engine import MODULES
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr == "ENGINE":
+            found.append((node.lineno, f".{node.attr}"))
+        elif isinstance(node, ast.Name) and node.id == "ENGINE":
+            found.append((node.lineno, node.id))
+        elif isinstance(node, ast.Compare):
+            literals = [side.value for side in (node.left, *node.comparators)
+                        if isinstance(side, ast.Constant) and side.value in MODULES]
+            found += [(node.lineno, f"a comparison with {literal!r}") for literal in literals]
+    return sorted(found)
+
+
+def test_no_code_outside_the_engines_asks_which_engine_runs():
+    offending = [f"{path.relative_to(PACKAGE.parent)}:{line} {what}" for path in _modules(PACKAGE)
+                 if not str(path.relative_to(PACKAGE.parent)).startswith(ENGINE_HOMES)
+                 for line, what in engine_switches(path)]
+    assert not offending, ("these modules ask which engine runs the model; ask the model's engine object instead "
+                           "(model.engine: streamscope/engine.py), or move the difference into the engines:\n"
+                           + "\n".join(offending))
+
+
+def test_the_engine_switch_check_sees_every_kind_of_switch(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "vllm = getattr(type(model), 'ENGINE', '') == 'vllm'\n"
+        "if type(model).ENGINE != 'transformers':\n"
+        "    pass\n"
+        "if 'vllm' in engines:\n"
+        "    pass\n"
+        "settings = model.engine.one_forward\n"
+        "if name in ('prompt', 'logits'):\n"
+        "    pass\n"
+    )
+    assert engine_switches(probe) == [(1, "a comparison with 'vllm'"), (2, ".ENGINE"),
+                                      (2, "a comparison with 'transformers'"), (4, "a comparison with 'vllm'")]
+    # The check is only as good as its reading of the package: the workflows it guards are among the files it reads.
+    read = {str(path.relative_to(PACKAGE.parent)) for path in _modules(PACKAGE)}
+    assert {"streamscope/workflows/cache.py", "streamscope/workflows/logit_lens.py",
+            "streamscope/workflows/patching.py"} <= read
+
+
+# ---- One source for each name: the block kinds'; the oracle's own lists agree with them. ----
+
+
+def test_the_oracles_value_names_are_the_block_kinds():
+    from streamscope.blocks import BOUNDARIES, SHORT_CONTRIBUTIONS, STREAM_ORDER
+    from streamscope.testing import oracle as reference
+
+    assert reference.BOUNDARIES == BOUNDARIES
+    assert reference.CONTRIBUTIONS == tuple(SHORT_CONTRIBUTIONS)
+    assert reference.BLOCK_VALUES == STREAM_ORDER
+    for family, sites in reference.ORACLE.items():
+        assert set(sites) - {"layers", "token_embeddings", "final_norm_output"} <= set(STREAM_ORDER), family
+
+
+def test_the_oracle_refuses_a_family_it_does_not_know():
+    from types import SimpleNamespace
+
+    from streamscope.testing.oracle import UnknownFamily, sites
+
+    with pytest.raises(UnknownFamily) as refused:
+        sites(SimpleNamespace(config=SimpleNamespace(model_type="nonesuch")), "nonesuch")
+    message = str(refused.value)
+    assert "'nonesuch'" in message and "llama" in message and "streamscope/testing/oracle.py" in message
+
+
 # ---- The one list of families: every family has what `streamscope.families.FAMILIES` says it has. ----
 
 

@@ -163,7 +163,7 @@ class Pair:
     """
 
     def __init__(self, name: str, path: Any, model: Any) -> None:
-        from streamscope.cache import DEFAULT_VALUES
+        from streamscope.workflows.cache import DEFAULT_VALUES
 
         self.name = name
         self.model = model

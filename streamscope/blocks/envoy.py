@@ -12,10 +12,10 @@ from .. import nnsight_seam as seam
 from ..values import StreamValue
 
 if TYPE_CHECKING:
-    from ..families.spec import Site
+    from ..families.spec import Relocation
 
 
-class StreamEnvoy(Envoy):
+class StreamEnvoy(seam.RebindingEnvoy):
     """An envoy that hosts `StreamValue`s.
 
     A family's subclass states what it cannot serve in `UNSERVED` (value name to
@@ -32,7 +32,7 @@ class StreamEnvoy(Envoy):
         """Why this envoy cannot serve `name`, or None where it can."""
         return self.UNSERVED.get(name)
 
-    def relocated(self) -> dict[str, "Site"]:
+    def relocated(self) -> dict[str, "Relocation"]:
         """Values this envoy serves from another (module, where) than their kind declares."""
         return {}
 
@@ -47,7 +47,7 @@ class StreamEnvoy(Envoy):
             if name.startswith("_") or "_module" not in self.__dict__:
                 raise
             try:
-                values = [value for value, reason in self.served().items() if reason is None]
+                values = [value for value, reason in self.value_reasons().items() if reason is None]
             except Exception:  # a tree still being built: name what the kind declares
                 values = self.value_names()
             raise AttributeError(no_such_name(self, name, values)) from None
@@ -96,7 +96,7 @@ class StreamEnvoy(Envoy):
     #: The order of computation, for support tables.
     ORDER: ClassVar[tuple[str, ...]] = ()
 
-    def served(self) -> dict[str, Optional[str]]:
+    def value_reasons(self) -> dict[str, Optional[str]]:
         """Every value of this envoy: None where it is served, else the reason it is not."""
         table: dict[str, Optional[str]] = {}
         for name in self.value_names():
@@ -169,7 +169,7 @@ def stream_shape(envoy: Envoy) -> Optional[torch.Size]:
     """The leading shape of the stream of the block `envoy` is in, where the block records it."""
     node: Optional[Envoy] = envoy
     while node is not None:
-        shape = node._module.__dict__.get(STREAM_SHAPE)
+        shape = seam.module_of(node).__dict__.get(STREAM_SHAPE)
         if shape is not None:
             return shape
         node = node.parent
@@ -195,7 +195,7 @@ def module_config(envoy: Envoy) -> Any:
     """The config the module of `envoy` (or its nearest ancestor) was built from."""
     node: Optional[Envoy] = envoy
     while node is not None:
-        config = getattr(node._module, "config", None)
+        config = getattr(seam.module_of(node), "config", None)
         if config is not None:
             return config
         node = node.parent

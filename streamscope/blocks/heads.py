@@ -22,7 +22,7 @@ import torch
 from .. import attention
 from .. import nnsight_seam as seam
 from ..errors import Unavailable
-from ..values import (INPUT, OUTPUT, Host, ReadOnly, StreamValue, argument, first_tensor, is_edited, served,
+from ..values import (INPUT, OUTPUT, Host, ReadOnly, StreamValue, argument, first_tensor, is_edited, require_tapped,
                       with_argument)
 
 #: transformers' attention kernels that take a soft cap and ignore it (Gemma 2 on sdpa runs uncapped).
@@ -68,9 +68,9 @@ class KernelValue(StreamValue):
         host.instrument()
         return host
 
-    def _location(self, host: KernelHost) -> str:
+    def location(self, host: KernelHost) -> str:
         self.located(host)
-        return served(host, self.name, seam.call_location(host.path, host.kernel(), self.site(host)[1]))
+        return require_tapped(host, self.name, seam.call_location(host.path, host.kernel(), self.site(host)[1]))
 
     def live(self, host: KernelHost, raw: Any) -> torch.Tensor:
         if self.site(host)[1] == INPUT:
@@ -83,7 +83,7 @@ class KernelValue(StreamValue):
         return raw
 
     def _assign(self, host: KernelHost, value: Any) -> Any:
-        raw = seam.read_at(self._location(host))
+        raw = seam.read_at(self.location(host))
         return self.put(host, raw, self.checked(host, raw, value))
 
     def put(self, host: KernelHost, raw: Any, value: torch.Tensor) -> Any:
@@ -198,7 +198,7 @@ class AttentionInternals:
 
     def kernel_reason(self) -> Optional[str]:
         """Why this module's forward has no kernel call to read, or None."""
-        if self.kernel() not in seam.kernel_call_names(self._module):
+        if self.kernel() not in seam.kernel_call_names(seam.module_of(self)):
             return NO_KERNEL.format(kernel=self.kernel().rsplit("_", 1)[0])
         return None
 
@@ -212,14 +212,14 @@ class AttentionInternals:
         return {}
 
     def module_config(self) -> Any:
-        return getattr(self._module, "config", None)
+        return getattr(seam.module_of(self), "config", None)
 
     def spec(self, inputs: tuple) -> attention.Spec:
         """The family's attention for one kernel call, from the call's keywords and the module."""
         _, kwargs = inputs
         scale = kwargs.get("scaling")
         if scale is None:
-            scale = getattr(self._module, "scaling", None)
+            scale = getattr(seam.module_of(self), "scaling", None)
         if scale is None:
             scale = argument(inputs, *self.ARGUMENTS["queries"]).shape[-1] ** -0.5
         softcap = kwargs.get("softcap")

@@ -17,6 +17,13 @@ from .sublayers import Attention, LinearAttention, Mlp, Sublayer
 MODULE_NAMES = ("self_attn", "linear_attn", "mlp", "input_layernorm", "post_attention_layernorm")
 
 
+#: The residual stream's boundaries on a block, as the stream passes them: before the attention half, between
+#: the halves, after the block. `Layer.ORDER` is all of them; every other list of the names is built from these.
+BEFORE_ATTENTION = ("layer_input", "attention_norm_output")
+BETWEEN_HALVES = ("layer_mid", "mlp_norm_output", "mlp_input")
+AFTER_BLOCK = ("layer_output",)
+
+
 class Layer(StreamEnvoy):
     """A decoder block. Its hidden states are layer_output, whatever the block returns.
 
@@ -45,7 +52,7 @@ class Layer(StreamEnvoy):
     RETURNS_TUPLE: ClassVar[bool] = False
     #: Whether the block flattens its tokens for a sublayer, so values there need the stream's shape.
     FLATTENS_TOKENS: ClassVar[bool] = False
-    ORDER = ("layer_input", "attention_norm_output", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output")
+    ORDER = (*BEFORE_ATTENTION, *BETWEEN_HALVES, *AFTER_BLOCK)
     _ROLE_KINDS: ClassVar[dict[str, type[Sublayer]]] = {
         "self_attn": Attention, "linear_attn": LinearAttention, "mlp": Mlp,
     }
@@ -84,8 +91,7 @@ class Layer(StreamEnvoy):
         if self.FLATTENS_TOKENS:
             record_stream_shape(module)
 
-    def _update(self, module: torch.nn.Module) -> None:
-        super()._update(module)
+    def module_bound(self, module: torch.nn.Module) -> None:
         if self.FLATTENS_TOKENS:
             record_stream_shape(module)
 
@@ -98,7 +104,7 @@ class Layer(StreamEnvoy):
 
     def __getattr__(self, name: str) -> Any:
         if name in MODULE_NAMES and "_module" in self.__dict__:
-            module = getattr(self._module, name, None)
+            module = getattr(seam.module_of(self), name, None)
             if not isinstance(module, torch.nn.Module):
                 raise Unavailable(name, self.where(), missing_module(name))
         return super().__getattr__(name)
@@ -137,7 +143,7 @@ class Layer(StreamEnvoy):
 
     def support(self) -> BlockSupport:
         """Every value of this block: served, or the reason it is not. Runs nothing."""
-        rows: dict[str, Any] = dict(self.served())
+        rows: dict[str, Any] = dict(self.value_reasons())
         for role in self.ROLES:
             sublayer = self.__dict__.get(role)
             if isinstance(sublayer, Sublayer):
@@ -151,9 +157,9 @@ class Layer(StreamEnvoy):
 
         attention = [f"self_attn.{name}" for name in Attention.ORDER]
         mlp = [f"mlp.{name}" for name in Mlp.ORDER]
-        order = [*self.ORDER[:2], *attention, *nested("self_attn", attention),
-                 "linear_attn.attention_output",
-                 *self.ORDER[2:5], *mlp, *nested("mlp", mlp), self.ORDER[5]]
+        order = [*BEFORE_ATTENTION, *attention, *nested("self_attn", attention),
+                 f"{LinearAttention.ROLE}.{LinearAttention.CONTRIBUTION}",
+                 *BETWEEN_HALVES, *mlp, *nested("mlp", mlp), *AFTER_BLOCK]
         rank = {name: position for position, name in enumerate(order)}
         ordered = sorted(rows, key=lambda name: rank.get(name, len(order)))
         return BlockSupport(self.where(), {name: rows[name] for name in ordered})
@@ -161,10 +167,22 @@ class Layer(StreamEnvoy):
 
 def _sublayer_rows(sublayer: Sublayer, prefix: str) -> dict[str, Any]:
     """A sublayer's rows under `prefix` (``mlp``), then those of the sublayers inside it (``mlp.shared_experts``)."""
-    rows = {f"{prefix}.{name}": reason for name, reason in sublayer.served().items()}
+    rows = {f"{prefix}.{name}": reason for name, reason in sublayer.value_reasons().items()}
     seen: set[int] = set()
     for attribute, child in list(sublayer.__dict__.items()):
         if isinstance(child, Sublayer) and id(child) not in seen:
             seen.add(id(child))
             rows.update(_sublayer_rows(child, child.ROLE))
     return rows
+
+
+#: The residual stream's boundaries on every block, in the order the block computes them.
+BOUNDARIES = Layer.ORDER
+#: The sublayers that add to the stream, and the value each adds under its role: ``self_attn.attention_output``.
+CONTRIBUTORS = (Attention, LinearAttention, Mlp)
+CONTRIBUTIONS = tuple(f"{kind.ROLE}.{kind.CONTRIBUTION}" for kind in CONTRIBUTORS)
+#: A contribution's short name (the sublayer's own value name) and the roles that may add it, first found first.
+SHORT_CONTRIBUTIONS = {name: tuple(kind.ROLE for kind in CONTRIBUTORS if kind.CONTRIBUTION == name)
+                       for name in dict.fromkeys(kind.CONTRIBUTION for kind in CONTRIBUTORS)}
+#: The boundaries and the short contributions, in the order a block computes them.
+STREAM_ORDER = (*BEFORE_ATTENTION, Attention.CONTRIBUTION, *BETWEEN_HALVES, Mlp.CONTRIBUTION, *AFTER_BLOCK)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from .. import nnsight_seam as seam
 from ..errors import PARALLEL
 from ..values import OUTPUT, Residual, StreamValue
 from .envoy import module_config
@@ -55,7 +56,7 @@ class FalconLayer(ConfigParallelLayer):
     RETURNS_TUPLE = True
 
     def relocated(self) -> dict:
-        if self.parallel() and not hasattr(self._module, "ln_mlp"):
+        if self.parallel() and not hasattr(seam.module_of(self), "ln_mlp"):
             # One norm feeds both sublayers.
             return {"mlp_norm_output": ("input_layernorm", OUTPUT)}
         return {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .. import nnsight_seam as seam
 from ..errors import POST_LN, POST_NORM_ATTENTION, POST_NORM_MLP
 from ..values import INPUT, OUTPUT, Residual, StreamValue
 from .layer import Layer
@@ -61,7 +62,7 @@ class OPTLayer(Layer):
         """What the MLP's first projection fc1 is called with, [batch, seq, hidden_size]."""
 
     def _post_ln(self) -> bool:
-        return not getattr(self._module, "do_layer_norm_before", True)
+        return not getattr(seam.module_of(self), "do_layer_norm_before", True)
 
     def reason(self, name: str) -> Optional[str]:
         if self._post_ln() and name in _POST_LN_UNSERVED:

@@ -6,6 +6,7 @@ from typing import ClassVar, Optional
 
 import torch
 
+from .. import nnsight_seam as seam
 from ..values import OUTPUT, StreamValue
 from .envoy import StreamEnvoy
 from .heads import INTERNALS, AttentionInternals
@@ -39,6 +40,9 @@ class Sublayer(StreamEnvoy):
 class Mixer(Sublayer):
     """A sublayer that mixes positions: softmax attention (`Attention`) or a recurrent mixer (`LinearAttention`)."""
 
+    #: The value that is what this sublayer adds to the residual stream.
+    CONTRIBUTION: ClassVar[str] = "attention_output"
+
     @StreamValue(None, OUTPUT)
     def attention_output(self):
         """What the attention adds to the residual stream, [batch, seq, hidden_size].
@@ -55,7 +59,7 @@ class Attention(AttentionInternals, Mixer):
     pattern and head outputs (`streamscope.blocks.heads`)."""
 
     ROLE = "self_attn"
-    ORDER = (*INTERNALS, "attention_output")
+    ORDER = (*INTERNALS, Mixer.CONTRIBUTION)
 
     def reason(self, name: str) -> Optional[str]:
         own = super().reason(name)
@@ -85,6 +89,8 @@ DENSE = "a dense MLP: no router"
 #: Why a mixture of experts of a family streamscope maps no router for serves none.
 UNMAPPED_ROUTER = "a mixture of experts whose router streamscope does not map for this family"
 ROUTING = ("router_logits", "chosen_experts", "routing_weights")
+#: Why a shared expert serves no routing values.
+SHARED_ROUTING = "the shared expert: every token goes through it, no router chooses it"
 
 
 class Mlp(Sublayer):
@@ -92,15 +98,17 @@ class Mlp(Sublayer):
 
     Every Mlp has the routing values of a mixture of experts (a dense one says
     it has no router); a family whose router streamscope maps serves them
-    through a subclass (`streamscope.blocks.moe`).
+    through a subclass (`streamscope.transformers.moe`; on vLLM, `streamscope.vllm.moe`).
     """
 
     ROLE = "mlp"
-    ORDER = (*ROUTING, "mlp_output")
+    #: The value that is what this sublayer adds to the residual stream.
+    CONTRIBUTION: ClassVar[str] = "mlp_output"
+    ORDER = (*ROUTING, CONTRIBUTION)
 
     def is_moe(self) -> bool:
         """Whether this feed-forward is a mixture of experts (its module has `experts`)."""
-        return isinstance(getattr(self._module, "experts", None), torch.nn.Module)
+        return isinstance(getattr(seam.module_of(self), "experts", None), torch.nn.Module)
 
     def reason(self, name: str) -> Optional[str]:
         own = super().reason(name)
@@ -145,3 +153,23 @@ class PostNormedMlp(Mlp):
     @StreamValue("..post_feedforward_layernorm", OUTPUT)
     def mlp_output(self):
         """What the MLP adds to the residual stream, after its post-norm, [batch, seq, hidden_size]."""
+
+
+class SharedExpert(Mlp):
+    """The shared expert of a mixture of experts (`mlp.shared_experts`): a dense MLP every token goes through.
+
+    Its mlp_output is the shared expert module's output, ``[batch, seq,
+    hidden_size]``: on Llama 4 what the mixture adds besides the routed
+    experts; on Qwen3-Next before its sigmoid gate (``shared_expert_gate``),
+    so the mixture adds ``sigmoid(gate(x)) * mlp_output``. In-place edits and
+    assignment reach the model. It has no router of its own.
+    """
+
+    ROLE = "mlp.shared_experts"
+
+    @classmethod
+    def value_names(cls) -> list[str]:
+        return ["mlp_output"]
+
+    def routing_reason(self, name: str) -> Optional[str]:
+        return SHARED_ROUTING

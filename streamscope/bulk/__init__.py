@@ -17,6 +17,11 @@ edits every request of a step at its rows (`streamscope.bulk.apply`). On vLLM
 the hooks run in the engine's worker, by each request's token span; on
 transformers, on padded batches (`batch_size`).
 
+``model.harvest(prompts, values, steer=[...])`` reads the values under steers
+(a prompt-only run). A `Steer` adds, sets, ablates or clamps a direction,
+optionally norm-matched (`streamscope.bulk.operations`); `apply_steers` does
+the same inside a trace.
+
 Positions are those of each prompt: ``"last"``, ``"all"``, a slice, indices
 (negative from the prompt's end), or one list per prompt. A harvest reads the
 prompt; a steer edits its prompt positions and, unless ``generated=False``,
@@ -29,6 +34,6 @@ at once.
 """
 
 from .results import Generation, Harvest, iter_harvest, load_harvest
-from .spec import Steer, value_names
+from .spec import Steer, apply_steers, value_names
 
-__all__ = ["Steer", "Harvest", "Generation", "load_harvest", "iter_harvest", "value_names"]
+__all__ = ["Steer", "apply_steers", "Harvest", "Generation", "load_harvest", "iter_harvest", "value_names"]

@@ -15,6 +15,7 @@ from typing import Any, Hashable, NamedTuple, Optional, Sequence
 
 import torch
 
+from .operations import Operation
 from .spec import Site, Steer
 from ..values import INPUT
 
@@ -35,18 +36,19 @@ class Span(NamedTuple):
 
 @dataclass
 class SteerPlan:
-    """A checked steer: its site, the vector to add or set, and which prompts' positions it touches."""
+    """A checked steer: its site, its operation ready on the engine, and which prompts' positions it touches."""
 
     steer: Steer
     site: Site
-    delta: torch.Tensor
+    operation: Operation
     positions: dict[Hashable, frozenset[int]]  # each steered request's prompt positions
     lengths: dict[Hashable, int]               # each steered request's prompt length
 
     @property
     def every_row(self) -> bool:
         """Whether the steer edits every row of the requests it owns: each prompt position, each generated token."""
-        return self.steer.generated and all(len(chosen) == self.lengths[key] for key, chosen in self.positions.items())
+        return (self.steer.generated and self.steer.from_step == 0
+                and all(len(chosen) == self.lengths[key] for key, chosen in self.positions.items()))
 
 
 def rows_of(ranges: list[tuple[int, int]], device: Any) -> Any:
@@ -77,15 +79,18 @@ class Applier:
             harvest at the same site reads (a harvest sees the steered value).
         device: Where the step's row indices live (the engine's device).
         to_host: Whether harvested rows move to host memory as they are read.
+        readout: What each harvested row becomes before it is stored, where
+            the hooks run (an SAE's features); None to store the value.
     """
 
     def __init__(self, harvest_sites: Sequence[Site], harvest_positions: dict[Hashable, list[int]],
-                 steers: Sequence[SteerPlan], device: Any, to_host: bool = True) -> None:
+                 steers: Sequence[SteerPlan], device: Any, to_host: bool = True, readout: Any = None) -> None:
         self.harvest_sites = list(harvest_sites)
         self.harvest_positions = harvest_positions
         self.steers = list(steers)
         self.device = torch.device(device)
         self.to_host = to_host
+        self.readout = readout
         #: key -> [sites, positions, hidden], filled as the prompts run.
         self.harvested: dict[Hashable, torch.Tensor] = {}
         self.handles: list[Any] = []
@@ -132,7 +137,7 @@ class Applier:
             return rows_of([(span.start, span.start + span.count) for span in self.spans if span.key in owned],
                            self.device)
         ranges: list[tuple[int, int]] = []
-        generated = plan.steer.generated
+        steers_generated = plan.steer.steers_generated
         for span in self.spans:
             chosen = plan.positions.get(span.key) if span.key is not None else None
             if chosen is None:
@@ -140,7 +145,7 @@ class Applier:
             length = plan.lengths[span.key]
             for offset in range(span.count):
                 position = span.first + offset
-                if (position in chosen) if position < length else generated:
+                if (position in chosen) if position < length else steers_generated(position - length):
                     ranges.append((span.start + offset, span.start + offset + 1))
         return rows_of(ranges, self.device)
 
@@ -198,9 +203,10 @@ class Applier:
                 rows = self._steer_rows[index] if index < len(self._steer_rows) else None
                 if rows is not None:
                     plan = self.steers[index]
-                    site.edit_rows(raw, rows, plan.delta, plan.steer.mode)
+                    site.edit_rows(raw, rows, plan.operation)
             elif self._harvest_rows is not None:
-                self._store(index, site.read_rows(raw, self._harvest_rows))
+                rows = site.read_rows(raw, self._harvest_rows)
+                self._store(index, rows if self.readout is None else self.readout(rows))
 
     def _store(self, index: int, rows: torch.Tensor) -> None:
         # Each request's rows go straight into its own buffer (host memory, pinned where the engine is on
@@ -236,6 +242,6 @@ def steer_plans(steers: Sequence[tuple[Steer, Site]], keys: Sequence[Hashable], 
     for steer, site in steers:
         indices = range(len(keys)) if steer.prompts is None else steer.prompts
         positions = {keys[i]: frozenset(prompt_positions(steer.positions, lengths[i], i)) for i in indices}
-        plans.append(SteerPlan(steer, site, steer.delta(dtype, device), positions,
+        plans.append(SteerPlan(steer, site, steer.operation(dtype, device), positions,
                                {keys[i]: lengths[i] for i in indices}))
     return plans

@@ -15,17 +15,17 @@ from typing import Any, Optional, Sequence, Union, cast
 
 import torch
 
+from .. import nnsight_seam as seam
+from ..blocks import BOUNDARIES, CONTRIBUTIONS, SHORT_CONTRIBUTIONS
 from ..errors import Unavailable
+from ..families.spec import ROOT_STREAMS
+from .operations import DIRECTIONAL, MODES, ClampFeature, Operation, check_clamp, prepare
 from ..values import ComputedValue, Host, StreamValue, resolve
 
-#: The residual stream's boundaries on every block.
-BOUNDARIES = ("layer_input", "attention_norm_output", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output")
-#: What each sublayer adds to the stream, under the sublayer that adds it.
-CONTRIBUTIONS = ("self_attn.attention_output", "linear_attn.attention_output", "mlp.mlp_output")
 #: Values of the model's root: one per model, not per block.
-ROOT_VALUES = ("token_embeddings", "final_norm_output")
+ROOT_VALUES = ROOT_STREAMS
 #: Short spellings of the contributions: the mixer a block has, its MLP.
-SHORT = {"attention_output": ("self_attn", "linear_attn"), "mlp_output": ("mlp",)}
+SHORT = SHORT_CONTRIBUTIONS
 
 Positions = Union[str, slice, Sequence[int], Sequence[Sequence[int]]]
 """``"last"``, ``"all"``, a slice of the prompt, one list of indices for every prompt, or one list per prompt."""
@@ -38,20 +38,40 @@ def value_names() -> tuple[str, ...]:
 
 @dataclass
 class Steer:
-    """Add (or set) a vector at one value of one block, at chosen positions, on the prompt and every generated token.
+    """Edit one value of one block at chosen positions: add, set, ablate or clamp a direction.
+
+    A plain record (every field a number, a string, a list or the vector), so
+    a steer travels to a worker or as JSON unchanged. The same steer runs on
+    the bulk path (``model.generate(steer=[...])``, ``model.harvest``) and in
+    a trace (`apply`). What each mode does to a row ``x`` (with ``v`` the
+    vector and ``d = v / |v|``) is in `streamscope.bulk.operations`.
 
     Args:
         value: A block's value (``"layer_output"``, ``"mlp.mlp_output"``, ...)
             or a root value (``"token_embeddings"``), as `model.harvest` names them.
         layer: The block's index (negative counts from the end); None for a root value.
-        vector: ``[hidden_size]``, the direction to add (or the value to set).
-        scale: The vector is multiplied by it once, before the run.
-        positions: Which prompt positions: ``"all"``, ``"last"``, a slice, or
-            indices (negative from the prompt's end).
-        mode: ``"add"`` (``value[pos] += scale * vector``) or ``"set"``
-            (``value[pos] = scale * vector``).
-        generated: Whether every generated token is steered too.
+        vector: ``[hidden_size]``: the vector to add (or set), or the direction
+            to ablate or clamp (any length: its unit vector is used).
+        scale: ``add``/``set``: the vector is multiplied by it once, before the
+            run. ``ablate``: the fraction of the component removed (1: all of it).
+        positions: Which prompt positions: ``"all"``, ``"last"``, ``"none"``
+            (generated tokens only), a slice, or indices (negative from the
+            prompt's end).
+        mode: ``"add"`` (``x + scale * v``), ``"set"`` (``scale * v``),
+            ``"ablate"`` (``x - scale * (x . d) d``), ``"clamp"``
+            (``x + (projection - x . d) d``), or ``"sae_clamp"``: SAE
+            feature `feature` clamped to `projection` with the SAE's error
+            term kept (`streamscope.sae.SAE.clamp` builds it).
+        generated: Whether generated tokens are steered too.
         prompts: The indices of the prompts this steer applies to; None for all.
+        projection: ``clamp``: the projection on ``d`` that every edited row gets.
+        norm_match: After the edit, rescale each edited row to the norm it had before.
+        from_step: The first generated token steered (0: every one; ``k``: from
+            the ``k``-th generated token on), where `generated` is true.
+        origin: The shape of the model the vector was made on (``model_type``,
+            ``hidden_size``, ``num_layers``, ``vocab_size``; a `Direction`'s
+            steer sets it): a run on a model of another shape is refused.
+        sae, feature: ``sae_clamp``'s SAE (`streamscope.sae.SAE`) and feature index.
     """
 
     value: str
@@ -62,10 +82,116 @@ class Steer:
     mode: str = "add"
     generated: bool = True
     prompts: Optional[Sequence[int]] = None
+    projection: float = 0.0
+    norm_match: bool = False
+    from_step: int = 0
+    origin: Optional[dict] = None
+    sae: Optional[Any] = None
+    feature: Optional[int] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The steer as JSON-ready data (the vector as a list of floats); `from_dict` reads it back.
+
+        An ``sae_clamp`` steer holds its SAE, which is weights, not data: it is refused here.
+        """
+        if self.sae is not None:
+            raise ValueError("an sae_clamp steer holds its SAE's weights: send the SAE by name, not as data.")
+        data = {name: getattr(self, name) for name in ("value", "layer", "scale", "mode", "generated",
+                                                       "projection", "norm_match", "from_step", "origin", "feature")}
+        positions: Any = self.positions
+        if isinstance(positions, slice):
+            positions = {"slice": [positions.start, positions.stop, positions.step]}
+        data.update(vector=[float(number) for number in self.vector.detach().float().cpu().tolist()],
+                    positions=positions, prompts=None if self.prompts is None else list(self.prompts))
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Steer":
+        """A steer from `to_dict`'s data; unknown keys are refused, naming the ones there are."""
+        known = {"value", "layer", "vector", "scale", "positions", "mode", "generated", "prompts", "projection",
+                 "norm_match", "from_step", "origin", "feature"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"a steer has no {', '.join(unknown)}: its fields are {', '.join(sorted(known))}.")
+        fields = dict(data)
+        positions = fields.get("positions", "all")
+        if isinstance(positions, dict) and "slice" in positions:
+            fields["positions"] = slice(*positions["slice"])
+        fields["vector"] = torch.tensor(fields["vector"], dtype=torch.float32)
+        return cls(**fields)
 
     def delta(self, dtype: torch.dtype, device: Any) -> torch.Tensor:
         """The vector the run adds (or sets): ``scale * vector`` in the engine's dtype, on its device."""
         return (self.vector.detach().to(device=device, dtype=torch.float32) * self.scale).to(dtype)
+
+    def operation(self, dtype: torch.dtype, device: Any) -> Operation:
+        """What the steer does to the rows it edits, with its vectors in `dtype` on `device`."""
+        if self.mode == "sae_clamp":
+            return cast(Operation, ClampFeature(cast(Any, self.sae), cast(int, self.feature), self.projection, dtype, device))
+        return prepare(self.mode, self.vector, self.scale, self.projection, self.norm_match, dtype, device)
+
+    def steers_generated(self, step: int) -> bool:
+        """Whether the `step`-th generated token (0 for the first) is edited."""
+        return bool(self.generated) and step >= self.from_step
+
+    def apply(self, model: Any, step: int = 0) -> None:
+        """Apply the steer inside a trace, at one step of it (one invoke's value, ``[1, tokens, hidden]``).
+
+        `step` 0 is the prompt: its `positions` are edited. Step ``k >= 1``
+        is a decode step, whose one row is the ``(k - 1)``-th generated
+        token: edited where `generated` holds from `from_step` on. So a
+        trace steers as ``model.generate(steer=[...])`` does with::
+
+            for step in tracer.iter[:]:
+                steer.apply(model, step)
+
+        The edit goes through the value's write checks (shape, dtype, NaN).
+        """
+        check_vector(self, model.hidden_size)
+        check_origin(self, model)
+        if self.mode == "sae_clamp":
+            check_clamp(self, model)
+        host, name = host_and_name(model, self.value, None if self.layer is None
+                                   else block_index(model, self.layer, self.value))
+        current = getattr(host, name)
+        if step == 0:
+            rows = prompt_positions(self.positions, current.shape[1], 0)
+        else:
+            rows = list(range(current.shape[1])) if self.steers_generated(step - 1) else []
+        if not rows:
+            return
+        operation = self.operation(current.dtype, current.device)
+        if rows == list(range(current.shape[1])):
+            current[:, :] = operation(current[:, :])
+        else:
+            current[:, rows] = operation(current[:, rows])
+
+
+#: A block's values in the order a sequential block computes them, for applying steers in a trace.
+COMPUTE_ORDER = ("layer_input", "attention_norm_output", "self_attn.attention_output", "linear_attn.attention_output",
+                 "attention_output", "layer_mid", "mlp_norm_output", "mlp_input", "mlp.mlp_output", "mlp_output",
+                 "layer_output")
+
+
+def apply_steers(model: Any, steers: Sequence[Steer], step: int = 0) -> None:
+    """Apply several steers inside a trace at one step, in the order the model computes their values.
+
+    A trace reads values in the model's order; this sorts the steers by block
+    and by value (a root's token embeddings first, its final norm last) and
+    applies each (`Steer.apply`). Steers at the same value apply in the
+    order given, as on the bulk path.
+    """
+    def order(steer: Steer) -> tuple[int, int]:
+        if steer.value == "token_embeddings":
+            return (-1, 0)
+        if steer.value == "final_norm_output":
+            return (len(model.layers), 0)
+        layer = block_index(model, steer.layer, steer.value) if steer.layer is not None else 0
+        rank = COMPUTE_ORDER.index(steer.value) if steer.value in COMPUTE_ORDER else len(COMPUTE_ORDER)
+        return (layer, rank)
+
+    for steer in sorted(steers, key=order):
+        steer.apply(model, step)
 
 
 def host_and_name(model: Any, value: str, layer: Optional[int]) -> tuple[Any, str]:
@@ -134,14 +260,24 @@ class Site:
         # A slice is a view of the whole batch's copy: keep only its rows.
         return picked.clone() if isinstance(rows, slice) else picked
 
-    def edit_rows(self, raw: Any, rows: torch.Tensor, delta: torch.Tensor, mode: str) -> None:
-        """Add `delta` to (or set it at) rows of the flattened batch, written back as a trace's edit is."""
+    def edit_rows(self, raw: Any, rows: torch.Tensor, operation: Any, mode: Optional[str] = None) -> None:
+        """Apply `operation` to rows of the flattened batch, written back as a trace's edit is.
+
+        `operation` is an `Operation` (or any callable of the rows); with
+        `mode` (``"add"`` or ``"set"``) it is instead the vector(s) to add or
+        set, ``[hidden]`` or one per row.
+        """
         view = self.user(raw)
         flat = view.reshape(-1, view.shape[-1])
-        if mode == "add":
-            flat[rows] += delta
+        if mode is not None:
+            if mode == "add":
+                flat[rows] += operation
+            else:
+                flat[rows] = operation
+        elif operation.adds_only:
+            flat[rows] += operation.delta
         else:
-            flat[rows] = delta
+            flat[rows] = operation(flat[rows])
         descriptor = self.descriptor
         if descriptor.factor is None:
             # The other rows go back as they were read (a copy of themselves, or a zero change
@@ -165,7 +301,7 @@ def locate(model: Any, value: str, layer: Optional[int]) -> Site:
         raise ValueError(f"{host.where()}.{name} is not a value a bulk request can read or write.")
     target = descriptor.located(host)  # raises Unavailable with the family's reason
     where = descriptor.site(host)[1]
-    return Site(value, layer, host, descriptor, target._module, where, descriptor._location(host))
+    return Site(value, layer, host, descriptor, seam.module_of(target), where, descriptor.location(host))
 
 
 def layer_list(model: Any, layers: Any) -> list[int]:
@@ -184,7 +320,9 @@ def prompt_positions(positions: Positions, length: int, prompt: int) -> list[int
             return [length - 1]
         if positions == "all":
             return list(range(length))
-        raise ValueError(f"positions={positions!r}: use 'last', 'all', a slice, or a list of indices.")
+        if positions == "none":
+            return []
+        raise ValueError(f"positions={positions!r}: use 'last', 'all', 'none', a slice, or a list of indices.")
     if isinstance(positions, slice):
         return list(range(length))[positions]
     if isinstance(positions, int):
@@ -214,19 +352,59 @@ def per_prompt_positions(positions: Positions, lengths: Sequence[int]) -> list[l
     return [prompt_positions(positions, length, prompt) for prompt, length in enumerate(lengths)]
 
 
+def check_vector(steer: Steer, width: int) -> None:
+    """Refuse a steer whose vector, mode or settings cannot run, naming the steer and the fix."""
+    name = f"Steer({steer.value!r}, layer={steer.layer}, mode={steer.mode!r})"
+    vector = steer.vector
+    if not isinstance(vector, torch.Tensor) and hasattr(vector, "steer") and hasattr(vector, "unit"):
+        raise TypeError(f"{name} was given a Direction as its vector: build the steer with "
+                        f"direction.steer(mode=..., scale=...), which also checks the model it was made on.")
+    if not isinstance(vector, torch.Tensor) or tuple(vector.shape) != (width,):
+        shape = tuple(vector.shape) if isinstance(vector, torch.Tensor) else type(vector).__name__
+        raise ValueError(f"{name} has a vector of shape {shape}: it must be [hidden_size] = ({width},).")
+    if vector.dtype == torch.bool or vector.is_complex() or not vector.is_floating_point():
+        raise TypeError(f"{name} has a {vector.dtype} vector: give a floating-point tensor (vector.float()).")
+    if steer.mode not in MODES:
+        raise ValueError(f"Steer mode {steer.mode!r}: use one of {', '.join(repr(mode) for mode in MODES)}.")
+    if not bool(torch.isfinite(vector).all()):
+        raise ValueError(f"{name} has NaN or inf in its vector: every steered row would become NaN. "
+                         f"Give a finite vector (torch.nan_to_num, or rebuild the direction).")
+    for field_name in ("scale", "projection"):
+        number = getattr(steer, field_name)
+        if not isinstance(number, (int, float)) or isinstance(number, bool) or number != number \
+                or number in (float("inf"), float("-inf")):
+            raise ValueError(f"{name}: {field_name}={number!r} must be a finite number.")
+    if steer.mode in DIRECTIONAL and not bool(vector.norm() > 0):
+        raise ValueError(f"{name}: the vector is all zeros, so it has no direction to {steer.mode} along. "
+                         f"Give the direction's vector.")
+    if not isinstance(steer.from_step, int) or isinstance(steer.from_step, bool) or steer.from_step < 0:
+        raise ValueError(f"{name}: from_step={steer.from_step!r} must be an int >= 0 "
+                         f"(0: every generated token; k: from the k-th on).")
+
+
+def check_origin(steer: Steer, model: Any) -> None:
+    """Refuse a steer whose vector was made on a model of another shape (`Steer.origin`), with the fix."""
+    if not steer.origin:
+        return
+    here = {"model_type": model.config.model_type, "hidden_size": model.hidden_size,
+            "num_layers": model.num_layers, "vocab_size": model.vocab_size}
+    different = [f"{key} {steer.origin[key]!r} there, {here[key]!r} here" for key in here
+                 if key in steer.origin and steer.origin[key] != here[key]]
+    if different:
+        raise ValueError(f"Steer({steer.value!r}, layer={steer.layer}): its vector was made on another model "
+                         f"({'; '.join(different)}). Find the direction on this model "
+                         f"(streamscope.directions.find), or steer the model it was made on.")
+
+
 def check_steer(model: Any, steer: Steer, prompts: int) -> Site:
     """The steer's `Site`, after checking its vector, mode and prompts; errors name the steer and the fix."""
     if not isinstance(steer, Steer):
         raise TypeError(f"steer takes streamscope.Steer objects, not a {type(steer).__name__}.")
     site = locate(model, steer.value, steer.layer)
-    width = model.hidden_size
-    vector = steer.vector
-    if not isinstance(vector, torch.Tensor) or tuple(vector.shape) != (width,):
-        shape = tuple(vector.shape) if isinstance(vector, torch.Tensor) else type(vector).__name__
-        raise ValueError(f"Steer({steer.value!r}, layer={steer.layer}) has a vector of shape {shape}: "
-                         f"it must be [hidden_size] = ({width},).")
-    if steer.mode not in ("add", "set"):
-        raise ValueError(f"Steer mode {steer.mode!r}: use 'add' or 'set'.")
+    check_vector(steer, model.hidden_size)
+    check_origin(steer, model)
+    if steer.mode == "sae_clamp":
+        check_clamp(steer, model)
     if steer.prompts is not None:
         for index in steer.prompts:
             if not 0 <= index < prompts:
@@ -241,6 +419,8 @@ class HarvestSpec:
     values: list[str]
     layers: list[int]
     positions: list[list[int]] = field(default_factory=list)
+    #: What each harvested row becomes before it is stored (an SAE's features: `streamscope.sae.FeatureReadout`).
+    readout: Optional[Any] = None
 
     def sites(self, model: Any) -> list[Site]:
         """Every (value, block) `Site`, root values once."""
@@ -260,7 +440,7 @@ def harvest_spec(model: Any, values: Any, layers: Any, positions: Positions, len
     return spec
 
 
-__all__ = ["Steer", "Site", "HarvestSpec", "harvest_spec", "check_steer", "locate", "value_names"]
+__all__ = ["Steer", "apply_steers", "Site", "HarvestSpec", "harvest_spec", "check_steer", "locate", "value_names"]
 
 
 def generation_harvest(model: Any, harvest: Any, lengths: Sequence[int]) -> Optional[HarvestSpec]:
@@ -300,3 +480,20 @@ def plain_generation(inputs: tuple, kwargs: dict[str, Any]) -> tuple[list, dict[
         else:
             settings.setdefault("temperature", 1.0)
     return prompts, settings
+
+
+def token_ids(model: Any, prompts: Sequence[Any]) -> list[list[int]]:
+    """Each prompt's token ids: a string is tokenized as a trace tokenizes it; a list of ids is taken as is."""
+    if isinstance(prompts, str):
+        raise TypeError("bulk runs take a list of prompts; wrap a single prompt in a list.")
+    ids = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            ids.append(list(model.tokenizer(prompt)["input_ids"]))
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(token, int) for token in prompt):
+            ids.append(list(prompt))
+        else:
+            raise TypeError(f"prompt {index} is a {type(prompt).__name__}: give a string or a list of token ids.")
+        if not ids[-1]:
+            raise ValueError(f"prompt {index} has no tokens.")
+    return ids

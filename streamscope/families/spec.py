@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Optional, Union
 
+#: The root's values that are residual streams, [batch, seq, hidden_size], in the order the model computes them.
+ROOT_STREAMS = ("token_embeddings", "final_norm_output")
 #: The values of a model's root, in the order the model computes them.
-ROOT_ORDER = ("token_embeddings", "final_norm_output", "logits", "prompt_logits")
+ROOT_ORDER = (*ROOT_STREAMS, "logits", "prompt_logits")
 #: The sizes every model states (a family's `FamilySpec.unserved` may say why it has none of one).
 SIZE_NAMES = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
 
@@ -20,7 +22,7 @@ MODULE_NAMES = (
 
 #: Where a root value is read instead of its default: (module path or None for the root, "input" | "output"),
 #: and for an input, optionally the argument that holds it, (index, name).
-Site = Union[tuple[Optional[str], str], tuple[Optional[str], str, tuple[int, str]]]
+Relocation = Union[tuple[Optional[str], str], tuple[Optional[str], str, tuple[int, str]]]
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class FamilySpec:
     #: envoy kinds that serve their values (`streamscope.blocks`, and each engine's own).
     envoys: Mapping[Union[str, type], type]
     #: Root values read elsewhere than their default: ``{"token_embeddings": ("layers.0", "input")}``.
-    root_sites: Mapping[str, Site] = field(default_factory=dict)
+    root_sites: Mapping[str, Relocation] = field(default_factory=dict)
     #: Root values and sizes the family cannot serve, with the reason (a state-space model's heads).
     unserved: Mapping[str, str] = field(default_factory=dict)
     #: Called with the model once its tree is built (the default family warns there what it could not map).
@@ -53,6 +55,14 @@ class FamilySpec:
     #: Called with the checkpoint's config and the caller's settings before the engine starts: further engine
     #: settings this checkpoint needs (a kernel that serves its layout), over `engine_defaults`, under the caller's.
     checkpoint_defaults: Optional[Callable[[Any, Mapping[str, Any]], Mapping[str, Any]]] = None
+    #: Whether the family adds learned position embeddings to the token embeddings before block 0 (GPT-2, OPT):
+    #: then block 0's input is not the token embeddings alone (a cache's ``hook_pos_embed`` is their difference).
+    learned_positions: bool = False
+    #: What the family's head does to the unembedding's output, given the config and the logits
+    #: ``[..., vocab_size]`` (a soft cap, a scale): the transformers head's last step, which a lens applied to a
+    #: stream repeats (`streamscope.families.logits`). None where the logits are the unembedding's output as is.
+    #: vLLM's engine applies its own (its logits processor's soft cap and scale), so its families state none.
+    logit_scaling: Optional[Callable[[Any, Any], Any]] = None
 
     def problems(self) -> list[str]:
         """What is wrong with this spec, one line per field that is wrong; empty where nothing is."""
@@ -97,6 +107,11 @@ class FamilySpec:
                              f"({', '.join(SIZE_NAMES)})")
             if not isinstance(reason, str) or not reason:
                 found.append(f"unserved[{name!r}] is {reason!r}: the reason is a sentence (a string)")
+        if not isinstance(self.learned_positions, bool):
+            found.append(f"learned_positions is {self.learned_positions!r}, not True or False")
+        if self.logit_scaling is not None and not callable(self.logit_scaling):
+            found.append(f"logit_scaling is {self.logit_scaling!r}, not a function of the config and the logits "
+                         f"(or None)")
         if self.check is not None and not callable(self.check):
             found.append(f"check is {self.check!r}, not a function of the model (or None)")
         if self.cannot_run is not None and not callable(self.cannot_run):

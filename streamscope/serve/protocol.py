@@ -31,6 +31,8 @@ from typing import Any, Optional
 
 import torch
 
+from .. import nnsight_seam as seam
+
 from ..bulk.spec import ROOT_VALUES, Positions, Steer, check_steer, harvest_spec, prompt_positions, value_names
 from ..errors import Unavailable, untapped
 
@@ -156,7 +158,7 @@ class Checker:
         self.vectors = vectors
         self.limits = limits
         self.hidden = int(model.hidden_size)
-        parameter = next(model._module.parameters(), None)
+        parameter = next(seam.module_of(model).parameters(), None)
         self.element_bytes = parameter.element_size() if parameter is not None else 4
         self.default: list[dict[str, Any]] = []  # the server-wide default steers, as checked JSON
 
@@ -240,6 +242,11 @@ class Checker:
         scale = _number(item.get("scale", 1.0), f"{param}.scale")
         positions = positions_rule(item.get("positions", "all"), f"{param}.positions")
         mode = item.get("mode", "add")
+        if mode not in ("add", "set"):
+            # The server's worker batches its requests' vectors as additions and assignments; the other operations
+            # (ablate, clamp, norm_match, sae_clamp) run in-process for now (model.generate(steer=[...])).
+            raise _bad(f"{param}.mode", f"mode {mode!r}: this server steers with 'add' or 'set'; run ablate, clamp "
+                                        f"and norm-matched steers with model.generate(steer=[...]) in-process.")
         generated = item.get("generated", True)
         if not isinstance(generated, bool):
             raise _bad(f"{param}.generated", f"true or false, not {generated!r}.")

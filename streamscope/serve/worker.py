@@ -1,6 +1,6 @@
 """The server's side in vLLM's worker: each request's own steers and harvest, applied to its token rows every step.
 
-The in-process bulk path (`streamscope.bulk.vllm`) runs one planned batch at
+The in-process bulk path (`streamscope.vllm.bulk`) runs one planned batch at
 a time. A server's requests arrive and finish at any step, each with its own
 plan, which vLLM hands the worker in the request's ``SamplingParams.extra_args``
 (the body's ``vllm_xargs``, filled in by the server's front end after checking
@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 import torch
 
+from .. import nnsight_seam as seam
 from ..bulk.apply import Span, rows_of
 from ..bulk.spec import ROOT_VALUES, Site, Steer, layer_list, locate, prompt_positions
 from ..values import INPUT
@@ -72,7 +73,7 @@ class ServeState:
     """The live requests' plans on one worker, the hooks they need, and each step's rows."""
 
     def __init__(self, runner: Any, model_type: str, folder: Optional[str], writer: bool) -> None:
-        from ..bulk.vllm import worker_tree
+        from ..vllm.bulk import worker_tree
 
         self.runner = runner
         self.root = worker_tree(runner.get_model(), model_type)
@@ -88,16 +89,14 @@ class ServeState:
         model = runner.get_model()
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, runner.model_config.dtype
-        update_states, execute_model = runner._update_states, runner.execute_model
+        execute_model = runner.execute_model
 
-        def updated(scheduler_output: Any) -> Any:
-            result = update_states(scheduler_output)
+        def updated(scheduler_output: Any) -> None:
             try:
                 self.observe(scheduler_output)
             except Exception:  # noqa: BLE001  (a bad plan must not stop the engine serving everyone else)
                 logger.exception("streamscope serve: a step's plan failed; its requests run unsteered")
                 self.work, self.last_shape = {}, None
-            return result
 
         def executed(*args: Any, **kwargs: Any) -> Any:
             output = execute_model(*args, **kwargs)
@@ -106,7 +105,7 @@ class ServeState:
             return output
 
         # On the instance: vLLM's worker calls these through the runner, whatever its class.
-        runner._update_states = updated
+        seam.wrap_update_states(runner, updated)
         runner.execute_model = executed
         interleaver = getattr(getattr(runner, "nnsight_model", None), "interleaver", None)
         if getattr(interleaver, "taps", None):

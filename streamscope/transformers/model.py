@@ -12,16 +12,17 @@ import torch
 from nnsight import TransformersModel
 
 from . import families
+from .engine import TransformersEngine
 from .. import nnsight_seam as seam
-from ..checks import check_token_ids
-from ..model import Standardized
+from ..input_checks import check_token_ids
+from ..standardized import Standardized
 from ..values import OUTPUT, ComputedValue, StreamValue
 
 
 class StandardizedTransformers(Standardized, TransformersModel):
     """A transformers causal LM under streamscope's names: `model.layers[i].layer_mid` and the rest."""
 
-    ENGINE = "transformers"
+    ENGINE_CLASS = TransformersEngine
 
     @StreamValue(None, OUTPUT, shape="[batch, seq, vocab_size]")
     def logits(self) -> torch.Tensor:
@@ -61,26 +62,29 @@ class StandardizedTransformers(Standardized, TransformersModel):
 
     # The bulk path (streamscope.bulk): no trace, one hook per module for a whole padded batch.
 
-    def harvest(self, prompts: Any, values: Any, layers: Any = None, positions: Any = "last",
+    def harvest(self, prompts: Any, values: Any = None, layers: Any = None, positions: Any = "last",
                 out: str | Path | None = None, **options: Any) -> Any:
         """Read values at chosen blocks and positions of many prompts, per prompt or to shards on disk.
 
-        See `streamscope.bulk` for the layout; ``batch_size`` (8), ``shard_size``
+        ``steer=[...]`` reads them under steers; ``sae=`` (with ``top_k=``)
+        harvests an SAE's features at its own site (`streamscope.sae`). See
+        `streamscope.bulk` for the layout; ``batch_size`` (8), ``shard_size``
         and ``progress`` are options.
         """
-        from ..bulk.transformers import harvest
+        from ..sae import route_harvest
+        from .bulk import harvest
 
-        return harvest(self, prompts, values, layers, positions, out, **options)
+        return route_harvest(self, prompts, values, layers, positions, out, options, harvest)
 
     def generate(self, *inputs: Any, steer: Any = None, harvest: Any = None, **kwargs: Any) -> Any:
         """Sample completions of many prompts: a `streamscope.Generation` (texts, tokens, optional logits).
 
-        Called, it is the bulk path (`streamscope.bulk.transformers.generate`), with or without ``steer=``
+        Called, it is the bulk path (`streamscope.transformers.bulk.generate`), with or without ``steer=``
         and ``harvest=``: ``model.generate(prompts, max_tokens=20)`` returns the same `Generation` as on
         vLLM (transformers' ``max_new_tokens`` and ``do_sample`` are taken too). As a ``with`` block it
         is nnsight's generate, a trace over every step (the decision is made here, at the caller's depth).
         """
-        from ..bulk.transformers import generate
+        from .bulk import generate
 
         if steer is not None or harvest is not None:
             return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)

@@ -82,7 +82,7 @@ class LayerHost(Host, Protocol):
     def remember(self, raw: Any) -> None:
         """Keep this step's keys for later decode steps."""
 
-    def recompute_scores(self, raw: Any, name: str) -> torch.Tensor:
+    def scores_so_far(self, raw: Any, name: str) -> torch.Tensor:
         """`scores` of this step's queries over every key of the request so far."""
 
 
@@ -101,7 +101,7 @@ class Flat(StreamValue):
         super().__init__(KERNEL_LAYER, where, shape=shape, argument=argument, factor=factor,
                          description=description)
 
-    def served(self, host: LayerHost, raw: Any) -> torch.Tensor:
+    def user_view(self, host: LayerHost, raw: Any) -> torch.Tensor:
         """The value in the user's layout, scaled where it is, without a copy where none is needed."""
         view = host.to_user(self.live(host, raw), self.name)
         if self.factor is not None:
@@ -123,7 +123,7 @@ class Recomputed(ReadOnly, Flat):
     def _read(self, host: LayerHost, raw: Any) -> torch.Tensor:
         with torch.inference_mode(False):
             host.remember(raw)
-            logits = host.recompute_scores(raw, self.name)
+            logits = host.scores_so_far(raw, self.name)
             return logits if self.name == "scores" else attention.pattern(logits)
 
 
@@ -132,7 +132,7 @@ class VllmAttentionInternals:
 
     A family whose layer differs says how: `CHANNELS_PERMUTED` (Llama 4's
     load-time permutation of q and k channels), `QUERIES_SCALED` (OPT's queries,
-    which transformers serves scaled), or overrides `spec`.
+    which transformers serves scaled), or overrides `layer_spec`.
     """
 
     #: Whether vLLM permuted each head's q and k channels at load (`pairs_first`).
@@ -196,12 +196,12 @@ class VllmAttentionInternals:
 
     def kernel_layer(self) -> Any:
         """vLLM's attention layer module inside this attention."""
-        return self._module.__dict__["_modules"][KERNEL_LAYER]
+        return seam.module_of(self).__dict__["_modules"][KERNEL_LAYER]
 
     def kernel_reason(self) -> Optional[str]:
         from vllm.model_executor.layers.attention import Attention as VllmAttentionLayer
 
-        layer = getattr(self._module, "_modules", {}).get(KERNEL_LAYER)
+        layer = getattr(seam.module_of(self), "_modules", {}).get(KERNEL_LAYER)
         if layer is None:
             return NO_LAYER.format(name=KERNEL_LAYER)
         if not isinstance(layer, VllmAttentionLayer):
@@ -219,7 +219,7 @@ class VllmAttentionInternals:
     def kv_replicas(self) -> int:
         """How many ranks hold each key/value head: more than one where the ranks outnumber the kv heads."""
         world, _ = tensor_parallel()
-        total = getattr(self._module, "total_num_kv_heads", None)
+        total = getattr(seam.module_of(self), "total_num_kv_heads", None)
         if world == 1 or not total or total >= world:
             return 1
         return world // total
@@ -271,8 +271,11 @@ class VllmAttentionInternals:
 
     # Scores, over the whole prefix.
 
-    def spec(self) -> attention.Spec:
-        """What the layer computes between queries and keys, from the layer and its implementation."""
+    def layer_spec(self) -> attention.Spec:
+        """What the layer computes between queries and keys, from the layer and its implementation.
+
+        (Not transformers' ``spec(inputs)``, which reads one kernel call's keywords: vLLM's layer states it.)
+        """
         layer = self.kernel_layer()
         impl = layer.impl
         softcap = getattr(impl, "logits_soft_cap", None) or None
@@ -290,7 +293,7 @@ class VllmAttentionInternals:
     def _step(self) -> tuple[dict, int]:
         """This request's record of this layer's earlier steps, and the step the model is at."""
         location = f"{self.__dict__[KERNEL_LAYER].path}.{INPUT}"
-        mediator = seam.worker_at(location)
+        mediator = seam.mediator_at(location)
         history = mediator.__dict__.setdefault(HISTORY, {}).setdefault(location, {})
         return history, seam.step_of(mediator, location)
 
@@ -299,13 +302,13 @@ class VllmAttentionInternals:
         history, step = self._step()
         keys = type(self).keys
         with torch.inference_mode(False):
-            history[step] = keys.served(self, raw).detach().float().clone()
+            history[step] = keys.user_view(self, raw).detach().float().clone()
 
-    def recompute_scores(self, raw: Any, name: str) -> torch.Tensor:
+    def scores_so_far(self, raw: Any, name: str) -> torch.Tensor:
         """`scores` of this step's queries over every key of the request so far."""
         kind = type(self)
-        queries = kind.queries.served(self, raw)
-        keys = kind.keys.served(self, raw)
+        queries = kind.queries.user_view(self, raw)
+        keys = kind.keys.user_view(self, raw)
         history, step = self._step()
         missing = [earlier for earlier in range(step) if earlier not in history]
         if missing:
@@ -314,7 +317,7 @@ class VllmAttentionInternals:
         keys = torch.cat([*(history[earlier] for earlier in range(step)), keys.float()], dim=-2)
         total, new = keys.shape[-2], queries.shape[-2]
         key_positions = torch.arange(total, device=keys.device)
-        return attention.scores(queries, keys, self.spec(), key_positions[total - new:], key_positions)
+        return attention.scores(queries, keys, self.layer_spec(), key_positions[total - new:], key_positions)
 
 
 class VllmAttention(VllmAttentionInternals, blocks.Attention):

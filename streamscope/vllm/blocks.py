@@ -81,7 +81,7 @@ class VllmSkip:
                              f"not a {type(hidden).__name__}.")
         # As on transformers, a skip waits for the block's call: once the block has run (a value of it, or
         # of a later block, was read), it is too late, and the run says so rather than overwrite that read.
-        self.block_input(type(self).layer_input._location(self))  # Granite reads it at its first norm
+        self.block_input(type(self).layer_input.location(self))  # Granite reads it at its first norm
         try:
             self.layer_output = hidden
         except ValueError as error:

@@ -9,23 +9,57 @@ nnsight's GPU worker plus these methods.
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
-from ..nnsight_seam import NNsightGPUWorker
+import torch
+
+from ..nnsight_seam import NNsightGPUWorker, module_of
 
 
 class BulkRPC:
-    """Worker methods the client calls through ``collective_rpc`` to run a bulk request (`streamscope.bulk.vllm`)."""
+    """Worker methods the client calls through ``collective_rpc`` to run a bulk request (`streamscope.vllm.bulk`)."""
 
     def streamscope_bulk_begin(self, payload: bytes) -> None:
-        from ..bulk.vllm import worker_begin
+        from .bulk import worker_begin
 
         return worker_begin(self, payload)
 
     def streamscope_bulk_finish(self, inline: bool) -> Any:
-        from ..bulk.vllm import worker_finish
+        from .bulk import worker_finish
 
         return worker_finish(self, inline)
+
+    # The weights a workflow reads (`streamscope.vllm.engine.VllmEngine`), off the worker's own modules.
+
+    # An answer stays as it is for a client in this process, and travels pickled, on the CPU, to one in another.
+
+    def streamscope_norm_parameters(self, inline: bool, model_type: str) -> Any:
+        """The final norm's ``(weight, bias, eps)``."""
+        from .bulk import worker_root
+        from ..engine import norm_parameters
+
+        weight, bias, eps = norm_parameters(module_of(worker_root(self, model_type).norm))
+        if inline:
+            return weight, bias, eps
+        return pickle.dumps((None if weight is None else weight.cpu(), None if bias is None else bias.cpu(), eps))
+
+    def streamscope_unembedding_rows(self, inline: bool, model_type: str, ids: list[int]) -> Any:
+        """``[len(ids), hidden_size]``: the unembedding's rows for token `ids`."""
+        from .logits import unembedding
+
+        weight = unembedding(self.model_runner.get_model()).weight.detach()
+        rows = weight[torch.tensor(ids, dtype=torch.long, device=weight.device)].clone()
+        return rows if inline else pickle.dumps(rows.cpu())
+
+    def streamscope_output_projections(self, inline: bool, model_type: str, num_layers: int, width: int) -> Any:
+        """Per block: its attention's output projection ``[hidden_size, width]``, or why it has none."""
+        from .bulk import worker_root
+        from ..engine import attention_modules, output_projection
+
+        found = [module if isinstance(module, str) else output_projection(module, width)
+                 for module in attention_modules(worker_root(self, model_type), num_layers)]
+        return found if inline else pickle.dumps(found)
 
 
 class GPUWorker(BulkRPC, NNsightGPUWorker):

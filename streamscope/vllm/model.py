@@ -19,12 +19,13 @@ from nnsight.modeling.vllm import VLLM
 import torch
 
 from .. import errors
-from ..checks import check_token_ids
+from ..input_checks import check_token_ids
 from ..errors import Unavailable
 from .. import nnsight_seam as seam
-from ..model import Standardized
+from ..standardized import Standardized
 from ..values import OUTPUT, ComputedValue, check_write
 from . import families
+from .engine import VllmEngine
 from .logits import engine_logits
 from .taps import tap_locations
 
@@ -109,7 +110,7 @@ class StandardizedVLLM(Standardized, VLLM):
     `logits` is nnsight's: the logits of the position this step samples, ``[1, vocab_size]``.
     """
 
-    ENGINE = "vllm"
+    ENGINE_CLASS = VllmEngine
 
     @seam.eproperty(description="pre-sampling logits for this step")
     def logits(self, value: Any) -> Any:
@@ -117,9 +118,9 @@ class StandardizedVLLM(Standardized, VLLM):
 
         In-place edits reach the sampler; an assignment of another shape is refused naming the value.
         """
-        worker = seam.running_worker()
-        if worker is not None:  # a value read after this one, but computed before it, names this as the later read
-            worker.streamscope_read = "model.logits"
+        mediator = seam.running_mediator()
+        if mediator is not None:  # a value read after this one, but computed before it, names this as the later read
+            mediator.streamscope_read = "model.logits"
         return value
 
     @logits.postprocess
@@ -142,7 +143,7 @@ class StandardizedVLLM(Standardized, VLLM):
         engine's own unembedding, soft cap and scale. Read-only: edit
         `final_norm_output` or `model.logits` instead.
         """
-        return engine_logits(self._module, normed)
+        return engine_logits(seam.module_of(self), normed)
 
     def __init__(self, path: str | Path, family: str | ModuleType | None = None, taps: Sequence[str] = (),
                  **kwargs: Any) -> None:
@@ -250,25 +251,28 @@ class StandardizedVLLM(Standardized, VLLM):
 
     # The bulk path (streamscope.bulk): applied in the worker per token span, no trace.
 
-    def harvest(self, prompts: Any, values: Any, layers: Any = None, positions: Any = "last",
+    def harvest(self, prompts: Any, values: Any = None, layers: Any = None, positions: Any = "last",
                 out: str | Path | None = None, **options: Any) -> Any:
         """Read values at chosen blocks and positions of many prompts, per prompt or to shards on disk.
 
-        See `streamscope.bulk` for the layout; ``shard_size`` (prompts per
+        ``steer=[...]`` reads them under steers; ``sae=`` (with ``top_k=``)
+        harvests an SAE's features at its own site (`streamscope.sae`). See
+        `streamscope.bulk` for the layout; ``shard_size`` (prompts per
         engine run and per shard) and ``progress`` are options.
         """
-        from ..bulk.vllm import harvest
+        from ..sae import route_harvest
+        from .bulk import harvest
 
-        return harvest(self, prompts, values, layers, positions, out, **options)
+        return route_harvest(self, prompts, values, layers, positions, out, options, harvest)
 
     def generate(self, *inputs: Any, steer: Any = None, harvest: Any = None, **kwargs: Any) -> Any:
         """Sample completions of many prompts: a `streamscope.Generation` (texts, tokens, optional logits).
 
-        Called, it is the bulk path (`streamscope.bulk.vllm.generate`), with or without ``steer=`` and
+        Called, it is the bulk path (`streamscope.vllm.bulk.generate`), with or without ``steer=`` and
         ``harvest=``: the same `Generation` as on transformers. As a ``with`` block it is nnsight's
         generate, a trace over every step (the decision is made here, at the caller's depth).
         """
-        from ..bulk.vllm import generate
+        from .bulk import generate
 
         if steer is not None or harvest is not None:
             return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .. import blocks
-from ..blocks.moe import SharedExpert
+from ..blocks import SharedExpert
 
 FUSED_ROUTING = {
     "router_logits": ("vLLM's fused MoE layer takes the router's logits and routes inside one call; streamscope "

@@ -56,10 +56,10 @@ def _value_location(host: Any, path: str, tap: str) -> str:
     role, _, name = path.rpartition(".")
     owner = resolve(host, role) if role else host
     descriptor = getattr(type(owner), name, None)
-    if descriptor is None or not hasattr(descriptor, "_location"):
+    if descriptor is None or not hasattr(descriptor, "location"):
         raise ValueError(f"tap {tap!r}: {owner.where()} has no value {name!r}. A tap names a value as a trace "
                          f"reads it: 'layers.16.layer_output', 'layers.*.self_attn.queries', 'final_norm_output'.")
-    return descriptor._location(owner)
+    return descriptor.location(owner)
 
 
 def tap_locations(root: Any, taps: Iterable[str]) -> list[str]:

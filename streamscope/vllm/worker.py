@@ -61,7 +61,7 @@ class NNsightCPUWorker(BulkRPC, CPUWorker, NNsightGPUWorker):
     ``nnsight_register``, ``nnsight_clear_registered``) are inherited from
     ``NNsightGPUWorker``, which defines nothing else but its GPU ``init_device``
     (bypassed here: ``CPUWorker.init_device`` does not chain to ``super()``).
-    `BulkRPC` adds the bulk path's methods (`streamscope.bulk.vllm`).
+    `BulkRPC` adds the bulk path's methods (`streamscope.vllm.bulk`).
     """
 
     def init_device(self) -> None:

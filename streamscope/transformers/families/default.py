@@ -18,9 +18,11 @@ from typing import Any
 
 import torch
 
+from ... import nnsight_seam as seam
 from ...blocks import Attention, Mlp
 from ...blocks.parallel import ConfigParallelLayer
 from ...families import FamilySpec
+from ...families.logits import as_the_config_says
 
 # Keys that do not resolve are skipped, so every spelling can be listed. A
 # `*` stands for the backbone (`model`, `transformer`, ...); names that blocks
@@ -55,7 +57,7 @@ class DefaultLayer(ConfigParallelLayer):
     """Llama's pre-norm block, or a parallel one where the config says the block is parallel."""
 
     def pack(self, hidden: torch.Tensor) -> Any:
-        return (hidden, None) if returns_tuple(type(self._module)) else hidden
+        return (hidden, None) if returns_tuple(type(seam.module_of(self))) else hidden
 
 
 ENVOYS = {"layers.*": DefaultLayer, "self_attn": Attention, "mlp": Mlp}
@@ -83,8 +85,8 @@ def unread(model: Any) -> list[str]:
     names: list[str] = []
     for block in model.__dict__.get("layers") or []:
         mapped = {id(block.__dict__[name]) for name in _BLOCK if name in block.__dict__}
-        for name, child in block._child_map.items():
-            has_weights = any(True for _ in child._module.parameters())
+        for name, child in seam.children(block).items():
+            has_weights = any(True for _ in seam.module_of(child).parameters())
             if id(child) not in mapped and has_weights and name not in names:
                 names.append(name)
     return names
@@ -113,4 +115,4 @@ def check(model: Any) -> None:
     warnings.warn(" ".join(lines), stacklevel=3)
 
 
-SPEC = FamilySpec(rename=RENAME, envoys=ENVOYS, check=check)
+SPEC = FamilySpec(rename=RENAME, envoys=ENVOYS, check=check, logit_scaling=as_the_config_says)

@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 
+from ... import nnsight_seam as seam
 from ...attention import Spec
 from ...blocks import Attention, Mlp
 from ...blocks.envoy import module_config
@@ -59,7 +60,7 @@ class FalconAttention(Attention):
         return self.ALIBI_KERNEL if module_config(self).alibi else self.KERNEL
 
     def spec(self, inputs: tuple) -> Spec:
-        return Spec(scale=self._module.head_dim ** -0.5)
+        return Spec(scale=seam.module_of(self).head_dim ** -0.5)
 
     def recompute_scores(self, inputs: tuple) -> torch.Tensor:
         scores = super().recompute_scores(inputs)

@@ -8,6 +8,8 @@ The embeddings are scaled by sqrt(hidden_size) inside ``embed_tokens``.
 from dataclasses import replace
 
 from ...blocks import PostNormedAttention, PostNormedMlp, SandwichLayer
+from ...families.logits import soft_capped
 from . import llama
 
-SPEC = replace(llama.SPEC, envoys={"layers.*": SandwichLayer, "self_attn": PostNormedAttention, "mlp": PostNormedMlp})
+SPEC = replace(llama.SPEC, envoys={"layers.*": SandwichLayer, "self_attn": PostNormedAttention, "mlp": PostNormedMlp},
+               logit_scaling=soft_capped)

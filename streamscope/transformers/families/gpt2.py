@@ -7,4 +7,5 @@ SPEC = FamilySpec(
     rename={"transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
             "attn": "self_attn", "ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"},
     envoys={"layers.*": Layer, "self_attn": Attention, "mlp": Mlp},
+    learned_positions=True,
 )

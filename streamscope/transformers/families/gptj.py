@@ -4,6 +4,7 @@ Its attention has its own eager kernel, ``self._attn(query, key, value, attentio
 whatever the attention implementation: its pattern is the kernel's own weights.
 """
 
+from ... import nnsight_seam as seam
 from ...attention import Spec
 from ...blocks import Attention, Mlp, SharedNormParallelLayer
 from ...families import FamilySpec
@@ -30,7 +31,7 @@ class GPTJAttention(Attention):
         return {"pattern": (None, OUTPUT)}  # always eager
 
     def spec(self, inputs: tuple) -> Spec:
-        return Spec(scale=1.0 / float(self._module.scale_attn))
+        return Spec(scale=1.0 / float(seam.module_of(self).scale_attn))
 
 
 SPEC = FamilySpec(

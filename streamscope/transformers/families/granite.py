@@ -10,7 +10,8 @@ from dataclasses import replace
 from ...blocks import Layer
 from ...blocks.scaled import GraniteAttention, GraniteMlp
 from ...values import INPUT
+from ...families.logits import divided_by_logits_scaling
 from . import llama
 
 SPEC = replace(llama.SPEC, envoys={"layers.*": Layer, "self_attn": GraniteAttention, "mlp": GraniteMlp},
-               root_sites={"token_embeddings": ("layers.0", INPUT)})
+               root_sites={"token_embeddings": ("layers.0", INPUT)}, logit_scaling=divided_by_logits_scaling)

@@ -12,9 +12,11 @@ mlp_output is what it adds, unscaled, besides the routed experts.
 
 from dataclasses import replace
 
+from ... import nnsight_seam as seam
 from ...attention import Spec
 from ...blocks import Attention, Layer
-from ...blocks.moe import Llama4Mlp, SharedExpert
+from ...blocks import SharedExpert
+from ..moe import Llama4Mlp
 from . import llama
 
 
@@ -29,9 +31,9 @@ class Llama4Attention(Attention):
 
     def spec(self, inputs: tuple) -> Spec:
         spec = super().spec(inputs)
-        config = self._module.config
+        config = seam.module_of(self).config
         types = getattr(config, "layer_types", None)
-        if types is not None and types[self._module.layer_idx] == "chunked_attention":
+        if types is not None and types[seam.module_of(self).layer_idx] == "chunked_attention":
             return replace(spec, chunk_size=config.attention_chunk_size)
         return spec
 

@@ -12,4 +12,5 @@ from ...blocks.post_norm import OPTLayer
 from ...families import FamilySpec
 from ...families.renames import OPT
 
-SPEC = FamilySpec(rename=OPT, envoys={"layers.*": OPTLayer, "self_attn": Attention, "mlp": Mlp})
+SPEC = FamilySpec(rename=OPT, envoys={"layers.*": OPTLayer, "self_attn": Attention, "mlp": Mlp},
+                  learned_positions=True)

@@ -8,7 +8,7 @@ mixture's `mlp` as router_logits, routing_weights and chosen_experts
 
 from dataclasses import replace
 
-from ...blocks.moe import TopKRouterMlp
+from ..moe import TopKRouterMlp
 from . import llama
 
 SPEC = replace(llama.SPEC, envoys={**llama.SPEC.envoys, "mlp": TopKRouterMlp})

@@ -11,7 +11,8 @@ mixture adds ``sigmoid(shared_expert_gate(x)) * mlp_output``.
 from dataclasses import replace
 
 from ...blocks import Attention, HybridLayer, LinearAttention
-from ...blocks.moe import SharedExpert, TopKRouterMlp
+from ...blocks import SharedExpert
+from ..moe import TopKRouterMlp
 from . import llama
 
 SPEC = replace(

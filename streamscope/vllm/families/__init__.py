@@ -73,7 +73,7 @@ def envoy_tree(module: "torch.nn.Module", family: ModuleType) -> Any:
     ``taps=`` on before the engine starts.
     """
     from ...families.spec import spec_of
-    from ...model import Standardized
+    from ...standardized import Standardized
     from ...nnsight_seam import parallel_envoys
 
     spec = spec_of(family)

@@ -30,4 +30,5 @@ SPEC = FamilySpec(
         "scale_attn_by_inverse_layer_idx": "attention scores scaled down by the block's index",
         "reorder_and_upcast_attn": "attention computed in float32 in another order",
         "add_cross_attention": "cross-attention to an encoder"}),
+    learned_positions=True,
 )

@@ -62,4 +62,4 @@ class RowParallel:
 
 SPEC = FamilySpec(rename=OPT, envoys={"layers.*": VllmOPTLayer, "self_attn": OPTAttention,
                                       RowParallelLinear: RowParallel},
-                  root_sites={"prompt_logits": (None, OUTPUT)})
+                  root_sites={"prompt_logits": (None, OUTPUT)}, learned_positions=True)

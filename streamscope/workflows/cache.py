@@ -23,20 +23,22 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from .errors import PARALLEL, Unavailable
+from ..blocks import BOUNDARIES, SHORT_CONTRIBUTIONS, Attention
+from ..blocks.heads import INTERNALS
+from ..engine import right_padded
+from ..errors import Unavailable, code_of
+from ..families.logits import scaling_in_words
+from ..families.spec import ROOT_STREAMS
 from .tl import TransformerLensCache
 
-BOUNDARIES = ("layer_input", "attention_norm_output", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output")
-CONTRIBUTIONS = ("self_attn.attention_output", "linear_attn.attention_output", "mlp.mlp_output")
-ATTENTION = ("self_attn.queries", "self_attn.keys", "self_attn.values", "self_attn.scores", "self_attn.pattern",
-             "self_attn.head_outputs")
-ROOT = ("token_embeddings", "final_norm_output")
+ATTENTION = tuple(f"{Attention.ROLE}.{name}" for name in INTERNALS)
+ROOT = ROOT_STREAMS
 #: What `model.cache` reads by default: every served boundary and contribution, and the root values.
-DEFAULT_VALUES = (*BOUNDARIES, "attention_output", "mlp_output")
+DEFAULT_VALUES = (*BOUNDARIES, *SHORT_CONTRIBUTIONS)
 
 #: The sublayers whose values a short name reaches: ``pattern`` is ``self_attn.pattern``, ``attention_output``
 #: the mixer's (``self_attn`` or ``linear_attn``, whichever the block has), ``mlp_output`` the MLP's.
-SUBLAYERS = ("self_attn", "linear_attn", "mlp")
+SUBLAYERS = tuple(role for roles in SHORT_CONTRIBUTIONS.values() for role in roles)
 
 
 def _spellings(name: str) -> tuple[str, ...]:
@@ -81,8 +83,6 @@ TL_UNSERVED = {
     "mlp.hook_pre": "streamscope serves the MLP's input and output, not its hidden activations",
     "mlp.hook_post": "streamscope serves the MLP's input and output, not its hidden activations",
 }
-#: Families whose position embeddings are added to the token embeddings before block 0.
-LEARNED_POSITIONS = ("gpt2", "opt")
 _TL_BLOCK_NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
 _BLOCK_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
 
@@ -98,6 +98,8 @@ class Cache(TransformerLensCache, Mapping):
         mask: ``[batch, seq]``, True at real positions.
         logits: ``[batch, seq, vocab_size]``: the model's logits at every position.
         model_type: The family's ``config.model_type``.
+        learned_positions: Whether the family adds learned position embeddings to the stream before block 0
+            (`FamilySpec.learned_positions`: GPT-2, OPT).
         num_layers: The number of blocks.
         unavailable: ``{key: reason}`` for every asked-for value some block cannot serve.
         final_norm: The final norm's parameters, in the form that reproduces the model's output (`FinalNorm`).
@@ -112,7 +114,7 @@ class Cache(TransformerLensCache, Mapping):
                  unavailable: dict[str, str], final_norm: "FinalNorm | None", unembedding: Any = None,
                  norm_inputs: Optional[dict[int, dict[str, str]]] = None, num_heads: Optional[int] = None,
                  tokenizer: Any = None, logit_transform: Optional[str] = None,
-                 output_weights: Any = None) -> None:
+                 output_weights: Any = None, learned_positions: bool = False) -> None:
         self.stored = values
         self._output_weights, self._weights_read = output_weights, None
         self.logit_transform = logit_transform
@@ -122,6 +124,7 @@ class Cache(TransformerLensCache, Mapping):
         self._tokenizer = tokenizer
         self.tokens, self.mask, self.logits = tokens, mask, logits
         self.model_type, self.num_layers = model_type, num_layers
+        self.learned_positions = learned_positions
         self.unavailable = unavailable
         self.final_norm = final_norm
         self._unembedding = unembedding
@@ -216,7 +219,7 @@ class Cache(TransformerLensCache, Mapping):
                                   f"output, before the {self.logit_transform}; cache.logits are after it")
             return self.logits
         if key == "hook_pos_embed":
-            if self.model_type not in LEARNED_POSITIONS:
+            if not self.learned_positions:
                 raise Unavailable("hook_pos_embed", "model", f"a {self.model_type} model adds no position embedding "
                                   "to the stream (its positions enter inside attention, by rotary or not at all)")
             # Exact: block 0's input is the token embeddings plus the position embeddings.
@@ -265,7 +268,7 @@ class Cache(TransformerLensCache, Mapping):
     @property
     def rotary(self) -> bool:
         """Whether the family rotates queries and keys (TransformerLens's hook_q is before the rotation)."""
-        return self.model_type not in LEARNED_POSITIONS
+        return not self.learned_positions
 
     # streamscope's own stacking; TransformerLens's ActivationCache methods come from `TransformerLensCache`.
 
@@ -351,7 +354,7 @@ def _block_keys(model: Any, values: Sequence[str], layers: Sequence[int]) -> tup
 
 def _location(model: Any, index: int, full: str) -> Optional[tuple]:
     """Where a plain value is read (module, input or output, argument), or None for a computed or scaled one."""
-    from .values import StreamValue
+    from ..values import StreamValue
 
     host = model.layers[index]
     *path, name = full.split(".")
@@ -361,7 +364,7 @@ def _location(model: Any, index: int, full: str) -> Optional[tuple]:
     if type(descriptor) is not StreamValue or descriptor.factor is not None:
         return None
     _, where, position = descriptor.site(host)
-    return descriptor._location(host), repr(position)
+    return descriptor.location(host), repr(position)
 
 
 def _unique(model: Any, reads: list) -> tuple[list, dict[str, str]]:
@@ -486,21 +489,10 @@ def _slice_positions(cache: Cache, pos_slice: Any) -> None:
         cache.logits = apply_slice(cache.logits, pos_slice, 1)
 
 
-def logit_transform(config: Any) -> Optional[str]:
-    """What the family applies to the unembedding's output before the logits, in words, or None."""
-    if getattr(config, "final_logit_softcapping", None) is not None:
-        return f"final soft cap (tanh(x / {config.final_logit_softcapping}) * {config.final_logit_softcapping})"
-    if getattr(config, "logits_scaling", None) is not None:
-        return f"division by logits_scaling ({config.logits_scaling})"
-    if getattr(config, "logit_scale", None) is not None and config.model_type == "cohere":
-        return f"multiplication by logit_scale ({config.logit_scale})"
-    return None
-
-
 def norm_inputs(model: Any) -> dict[int, dict[str, str]]:
     """Per block: the stream (a cache key) its attention norm (``ln1``) and MLP norm (``ln2``) read, else why none."""
-    from .blocks.parallel import SharedNormParallelLayer
-    from .blocks.sublayers import PostNormedAttention
+    from ..blocks.parallel import SharedNormParallelLayer
+    from ..blocks.sublayers import PostNormedAttention
 
     found = {}
     for index in range(model.num_layers):
@@ -517,7 +509,7 @@ def norm_inputs(model: Any) -> dict[int, dict[str, str]]:
         elif mid is None:
             ln2 = f"layers.{index}.layer_mid"
         else:
-            ln2 = f"layers.{index}.layer_input" if mid == PARALLEL else mid
+            ln2 = f"layers.{index}.layer_input" if code_of(mid) == "parallel" else mid
         found[index] = {"ln1": ln1, "ln2": ln2}
         try:
             attention = model.layers[index].self_attn
@@ -544,7 +536,7 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
     """
     from tqdm.auto import tqdm
 
-    from .checks import indices, names
+    from ..input_checks import indices, names
 
     encoded = _token_ids(model, prompts)
     prompts = [ids for ids in encoded]
@@ -562,14 +554,13 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
     keys = [*(["token_embeddings"] if "token_embeddings" in roots else []),
             *(f"layers.{index}.{full}" for index, full in reads),
             *(["final_norm_output"] if "final_norm_output" in roots else [])]
-    vllm = getattr(type(model), "ENGINE", "") == "vllm"
-    longest = max(map(len, encoded))
-    pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else 0
-    tokens = torch.full((len(prompts), longest), pad, dtype=torch.long)
-    mask = torch.zeros(len(prompts), longest, dtype=torch.bool)
-    for row, ids in enumerate(encoded):
-        tokens[row, : len(ids)] = torch.tensor(ids)
-        mask[row, : len(ids)] = True
+    tokens, mask = right_padded(model.tokenizer, prompts)
+    longest = tokens.shape[1]
+    axes = [seq_axes(key) for key in keys] + ([seq_axes("logits")] if logits else [])
+
+    def body() -> list[torch.Tensor]:
+        found, prompt_logits = _body(model, reads, roots, logits)
+        return [*found, *([prompt_logits] if logits else [])]
 
     per_prompt: list[list[torch.Tensor]] = []  # each prompt's values, [1, ...] without padding
     per_logits: list[torch.Tensor] = []
@@ -578,12 +569,9 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
     for start in tqdm(starts, desc="cache", unit="batch", disable=not show):
         chunk = list(range(start, min(start + batch_size, len(prompts))))
         with torch.no_grad():  # not inference mode: its tensors keep no version, so every read would count as an edit
-            if vllm:
-                found, chunk_logits = _run_vllm(model, [prompts[i] for i in chunk], reads, roots, keys, logits)
-            else:
-                found, chunk_logits = _run_transformers(model, tokens[chunk], mask[chunk], reads, roots, keys, logits)
-        per_prompt.extend(found)
-        per_logits.extend(chunk_logits)
+            found = model.engine.run([prompts[i] for i in chunk], body, axes)
+        per_prompt.extend(values[: len(keys)] for values in found)
+        per_logits.extend(values[len(keys)] for values in found if logits)
 
     stored: dict[str, torch.Tensor] = {}
     for position, key in enumerate(keys):
@@ -599,9 +587,10 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
         heads = None
     cache = Cache(stored, tokens=tokens, mask=mask, logits=stored_logits, model_type=model.config.model_type,
                   num_layers=model.num_layers, unavailable=unavailable, final_norm=final_norm,
-                  unembedding=lambda ids: unembedding_rows(model, ids), norm_inputs=norm_inputs(model),
-                  num_heads=heads, tokenizer=model.tokenizer, logit_transform=logit_transform(model.config),
-                  output_weights=lambda: output_projections(model))
+                  unembedding=model.engine.unembedding_rows, norm_inputs=norm_inputs(model),
+                  num_heads=heads, tokenizer=model.tokenizer, logit_transform=scaling_in_words(model.config),
+                  output_weights=model.engine.output_projections,
+                  learned_positions=model.family_spec.learned_positions)
     keep = _names_filter(names_filter)
     if keep is not None:
         _keep(cache, keep)
@@ -630,163 +619,11 @@ def _pad(key: str, per_prompt: list[torch.Tensor], longest: int) -> torch.Tensor
     return out
 
 
-def _cut(key: str, value: torch.Tensor, row: int, length: int) -> torch.Tensor:
-    """Prompt `row`'s value ``[1, ...]`` out of a right-padded batch, its seq axes cut to `length`."""
-    index: list[Any] = [slice(row, row + 1)] + [slice(None)] * (value.dim() - 1)
-    for axis in seq_axes(key):
-        index[axis] = slice(0, length)
-    return value[tuple(index)]
-
-
-def _run_transformers(model, tokens, mask, reads, roots, keys, with_logits) -> tuple[list, list]:
-    with model.trace({"input_ids": tokens, "attention_mask": mask.long()}):
-        found = list().save()
-        values, logits = _body(model, reads, roots, with_logits)
-        found.extend(values)
-        if logits is not None:
-            logits = logits.save()
-    lengths = mask.sum(-1).tolist()
-    per_prompt = [[_cut(key, value, row, length) for key, value in zip(keys, found)]
-                  for row, length in enumerate(lengths)]
-    per_logits = [logits[row : row + 1, :length] for row, length in enumerate(lengths)] if with_logits else []
-    return per_prompt, per_logits
-
-
-def flatten(found: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inside a vLLM trace: values of several shapes as one flat tensor and their shapes ``[n, 4]`` (-1 padded).
-
-    A vLLM trace returns what it saved by name, one per invoke, so the values
-    of one request travel as one tensor.
-    """
-    flat = torch.cat([value.reshape(-1).float() for value in found])
-    shapes = torch.tensor([list(value.shape) + [-1] * (4 - value.dim()) for value in found])
-    return flat, shapes
-
-
-def unflatten(flat: torch.Tensor, shapes: torch.Tensor) -> list[torch.Tensor]:
-    values, start = [], 0
-    for row in shapes.tolist():
-        shape = [size for size in row if size >= 0]
-        count = int(torch.tensor(shape).prod())
-        values.append(flat[start : start + count].reshape(shape))
-        start += count
-    return values
-
-
-def _run_vllm(model, prompts, reads, roots, keys, with_logits) -> tuple[list, list]:
-    with model.trace(temperature=0.0, max_tokens=1) as tracer:
-        for prompt in prompts:
-            with tracer.invoke(prompt):
-                found, prompt_logits = _body(model, reads, roots, with_logits)
-                flat, shape = flatten(found)
-                flat, shape = flat.save(), shape.save()
-                if prompt_logits is not None:
-                    prompt_logits = prompt_logits.save()
-    flats = flat if isinstance(flat, list) else [flat]
-    shapes = shape if isinstance(shape, list) else [shape]
-    per_logits = []
-    if with_logits:
-        per_logits = prompt_logits if isinstance(prompt_logits, list) else [prompt_logits]
-    return [unflatten(f, s) for f, s in zip(flats, shapes)], per_logits
-
-
-# The final norm's parameters and the unembedding rows, read from the model (on vLLM, from its worker).
-
-
-def _norm_parameters(module: torch.nn.Module) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], float]:
-    weight = getattr(module, "weight", None)
-    bias = getattr(module, "bias", None)
-    eps = next((getattr(module, name) for name in ("eps", "variance_epsilon", "epsilon")
-                if isinstance(getattr(module, name, None), float)), 1e-5)
-    return (None if weight is None else weight.detach().clone(),
-            None if bias is None else bias.detach().clone(), float(eps))
-
-
 def _final_norm(model: Any, stored: dict[str, torch.Tensor], mask: torch.Tensor) -> Optional[FinalNorm]:
     """The final norm, in the form that reproduces the model's own output on this run (None where not read)."""
     key = f"layers.{model.num_layers - 1}.layer_output"
     if key not in stored or "final_norm_output" not in stored:
         return None
-    weight, bias, eps = worker_norm_parameters(model)
+    weight, bias, eps = model.engine.norm_parameters()
     real = mask  # padded positions hold zeros, which a norm with a bias does not map to zero
     return fit_final_norm(weight, bias, eps, stored[key][real], stored["final_norm_output"][real])
-
-
-def worker_norm_parameters(model: Any) -> tuple:
-    if getattr(type(model), "ENGINE", "") != "vllm":
-        return _norm_parameters(model.norm._module)
-    with model.trace("a", temperature=0.0, max_tokens=1):
-        weight, bias, eps = _norm_parameters(model.norm._module)
-        weight = (weight if weight is not None else torch.zeros(0)).save()
-        bias = (bias if bias is not None else torch.zeros(0)).save()
-        eps = torch.tensor(eps).save()
-    weight, bias, eps = (value[0] if isinstance(value, list) else value for value in (weight, bias, eps))
-    return (weight if weight.numel() else None, bias if bias.numel() else None, float(eps))
-
-
-def _head_weight(module: torch.nn.Module) -> torch.Tensor:
-    from .vllm.logits import unembedding
-
-    return unembedding(module).weight
-
-
-#: What the attention's output projection is called, across the families (Linear layout, or GPT-2's Conv1D).
-OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj")
-
-
-def _output_projection(attention: torch.nn.Module, width: int) -> Any:
-    """The attention module's output projection as a Linear's weight ``[hidden, width]``, or why not.
-
-    Read by applying the projection to the identity (less its output at zero,
-    the bias): the engines keep the weight in their own layouts (GPT-2's
-    Conv1D is ``[in, out]``; vLLM's CPU kernels pack it and leave ``weight``
-    empty), and this reads what the projection computes whatever the layout.
-    """
-    for name in OUTPUT_PROJECTIONS:
-        module = getattr(attention, name, None)
-        if isinstance(module, torch.nn.Module):
-            reference = next(iter(module.parameters()), None)
-            dtype = reference.dtype if reference is not None else torch.float32
-            device = reference.device if reference is not None else "cpu"
-            probe = torch.cat([torch.zeros(1, width), torch.eye(width)]).to(dtype=dtype, device=device)
-            out = module(probe)
-            out = out[0] if isinstance(out, tuple) else out
-            return (out[1:] - out[:1]).t().float().clone()
-    return (f"its attention ({type(attention).__name__}) has none of the output projections streamscope knows "
-            f"({', '.join(OUTPUT_PROJECTIONS)})")
-
-
-def output_projections(model: Any) -> list:
-    """Each block's attention output projection weight ``[hidden, heads * head_dim]`` (or why none)."""
-    # The attention modules by path from the root module: inside a vLLM trace, the worker's own.
-    paths = [model.layers[index].self_attn.path.split(".", 1)[1] for index in range(model.num_layers)]
-    width = model.num_heads * model.head_dim
-
-    def body() -> list:
-        found = []
-        for path in paths:
-            try:
-                found.append(_output_projection(model._module.get_submodule(path), width))
-            except AttributeError as error:
-                found.append(f"there is no attention module to read its output projection from ({error})")
-        return found
-
-    if getattr(type(model), "ENGINE", "") != "vllm":
-        return body()
-    # A vLLM trace hands back what it saved by name, as tensors: the weights travel as one flat tensor.
-    with model.trace("a", temperature=0.0, max_tokens=1):
-        flat, shapes = flatten([weight if isinstance(weight, torch.Tensor) else torch.zeros(0) for weight in body()])
-        flat, shapes = flat.save(), shapes.save()
-    flat = flat[0] if isinstance(flat, list) else flat
-    shapes = shapes[0] if isinstance(shapes, list) else shapes
-    return [value if value.numel() else "its attention has none of the output projections streamscope knows "
-            f"({', '.join(OUTPUT_PROJECTIONS)})" for value in unflatten(flat, shapes)]
-
-
-def unembedding_rows(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    """``[len(ids), hidden]``: the unembedding's rows for token `ids` (the head's, or the tied embedding's)."""
-    if getattr(type(model), "ENGINE", "") != "vllm":
-        return model.lm_head._module.weight.detach()[ids].clone()
-    with model.trace("a", temperature=0.0, max_tokens=1):
-        rows = _head_weight(model._module)[ids].clone().save()
-    return rows[0] if isinstance(rows, list) else rows

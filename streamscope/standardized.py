@@ -10,8 +10,10 @@ import torch
 from .blocks.envoy import Blocks, StreamEnvoy
 from .errors import Unavailable
 from .support import BlockSupport, ModelSupport
-from .families.spec import ROOT_ORDER, Site
+from .families.spec import ROOT_ORDER, Relocation
 from .values import OUTPUT, StreamValue
+
+from .engine import Engine
 
 if TYPE_CHECKING:
     from .families.spec import FamilySpec
@@ -22,11 +24,24 @@ class Standardized(StreamEnvoy):
 
     Mixed into an engine's nnsight model class; the family module (found by
     ``config.model_type``) is `family`, what it states `family_spec`. Each
-    engine adds `logits` its own way.
+    engine adds `logits` its own way, and names its `Engine` class
+    (`ENGINE_CLASS`): what the workflows ask of the engine goes through
+    `model.engine`, never through a test of which engine this is.
     """
 
     family: ModuleType
     ORDER = ROOT_ORDER
+    #: The engine's `streamscope.engine.Engine` subclass, set by each engine's model class (a tree built without
+    #: an engine, as a vLLM worker's, has the base: it names no engine and runs nothing).
+    ENGINE_CLASS: type[Engine] = Engine
+
+    @property
+    def engine(self) -> Engine:
+        """The engine running this model, as the workflows use it (`streamscope.engine.Engine`): built once."""
+        engine = self.__dict__.get("_streamscope_engine")
+        if engine is None:
+            engine = self.__dict__["_streamscope_engine"] = self.ENGINE_CLASS(self)
+        return engine
 
     def _take_family(self, path: Any, family: str | ModuleType | None, families: ModuleType,
                      settings: dict[str, Any], envoys: dict) -> dict[str, Any]:
@@ -94,7 +109,7 @@ class Standardized(StreamEnvoy):
     def where(self) -> str:
         return "model"
 
-    def relocated(self) -> dict[str, Site]:
+    def relocated(self) -> dict[str, Relocation]:
         return dict(self.family_spec.root_sites)
 
     def reason(self, name: str) -> Optional[str]:
@@ -161,29 +176,29 @@ class Standardized(StreamEnvoy):
         TransformerLens's hook names; see `streamscope.cache`. Keyword
         arguments: ``logits``, ``batch_size``, ``progress``.
         """
-        from .cache import build_cache
+        from .workflows.cache import build_cache
 
         return build_cache(self, prompts, values, layers, **kwargs)
 
-    # TransformerLens 4.3's token helpers (streamscope.tl), with its BOS behaviour.
+    # TransformerLens 4.3's token helpers (streamscope.workflows.tl), with its BOS behaviour.
 
     def to_tokens(self, input: Any, prepend_bos: Optional[bool] = None, padding_side: Optional[str] = None) -> Any:
         """``[batch, pos]`` token ids of a string or strings, as TransformerLens 4.3's ``to_tokens``: one BOS
         first where ``prepend_bos`` (default: TL 4.3's for the family), whether or not the tokenizer adds it."""
-        from .tl import to_tokens
+        from .workflows.tl import to_tokens
 
         return to_tokens(self.tokenizer, input, prepend_bos, padding_side, self.config.model_type)
 
     def to_str_tokens(self, input: Any, prepend_bos: Optional[bool] = None,
                       padding_side: Optional[str] = None) -> Any:
         """Each token of a string, strings or token ids as its string, as TransformerLens 4.3's ``to_str_tokens``."""
-        from .tl import to_str_tokens
+        from .workflows.tl import to_str_tokens
 
         return to_str_tokens(self.tokenizer, input, prepend_bos, padding_side, self.config.model_type)
 
     def to_single_token(self, string: str) -> int:
         """The one token id of `string`, no BOS (TransformerLens 4.3's ``to_single_token``); several are refused."""
-        from .tl import to_single_token
+        from .workflows.tl import to_single_token
 
         return to_single_token(self.tokenizer, string)
 
@@ -196,12 +211,10 @@ class Standardized(StreamEnvoy):
 
     def support(self) -> ModelSupport:
         """Every value of every block, served or why not, computed without running the model."""
-        root = BlockSupport("model", {**self.served(), "logits": None})
+        root = BlockSupport("model", {**self.value_reasons(), "logits": None})
         blocks = [layer.support() for layer in self.layers]
-        name = f"{self.config.model_type} ({len(blocks)} blocks, {type(self).ENGINE})"
+        name = f"{self.config.model_type} ({len(blocks)} blocks, {self.engine.name})"
         return ModelSupport(name, root, blocks)
-
-    ENGINE = "engine"
 
 
 def _config(path: Any, settings: dict[str, Any]) -> Any:

@@ -16,6 +16,7 @@ batched forward, on vLLM as invokes (requests) of one engine step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -98,14 +99,18 @@ def _envoy(model: Any, layer: int, value: str) -> Any:
 
 def clean_values(model: Any, prompt: str, layers: Sequence[int], names: dict[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
     """``([blocks, 1, seq, ...], [vocab])``: value ``names[block]`` of each block on a run, and its last logits."""
-    vllm = getattr(type(model), "ENGINE", "") == "vllm"
-    settings = {"temperature": 0.0, "max_tokens": 1} if vllm else {}
-    with torch.no_grad(), model.trace(prompt, **settings):
-        stacked = torch.stack([_envoy(model, layer, names[layer]) for layer in layers]).save()
-        logits = model.logits.save()
-    stacked = stacked[0] if isinstance(stacked, list) else stacked
-    logits = logits[0] if isinstance(logits, list) else logits
-    return stacked, logits[0, -1] if logits.dim() == 3 else logits[-1]
+
+    def body() -> list[torch.Tensor]:  # [1, blocks, 1, seq, ...] and the logits
+        return [torch.stack([_envoy(model, layer, names[layer]) for layer in layers])[None], model.logits[..., -1, :]]
+
+    with torch.no_grad():
+        ((stacked, logits),) = model.engine.run([prompt], body, [(), ()])  # one prompt: nothing padded to cut
+    return stacked[0], _last(logits)
+
+
+def _last(logits: torch.Tensor) -> torch.Tensor:
+    """``[vocab]``: the last row of `model.logits` read at its last position (on vLLM, the sampled one)."""
+    return logits.reshape(-1, logits.shape[-1])[-1]
 
 
 def _patched_logits(model: Any, prompt: str, patches: list[tuple[int, int, torch.Tensor]], names: dict[int, str],
@@ -114,22 +119,18 @@ def _patched_logits(model: Any, prompt: str, patches: list[tuple[int, int, torch
 
     `heads` is None for a stream value, else the positions a head's output is patched at.
     """
-    vllm = getattr(type(model), "ENGINE", "") == "vllm"
-    if vllm:
-        with torch.no_grad(), model.trace(temperature=0.0, max_tokens=1) as tracer:
-            for layer, column, replacement in patches:
-                with tracer.invoke(prompt):
-                    _write_patch(_envoy(model, layer, names[layer]), heads, column, replacement)
-                    logits = model.logits.save()
-        logits = logits if isinstance(logits, list) else [logits]
-        return [row[-1] for row in logits]
-    with torch.no_grad(), model.trace() as tracer:
-        results = list().save()
-        for layer, column, replacement in patches:
-            with tracer.invoke(prompt):
-                _write_patch(_envoy(model, layer, names[layer]), heads, column, replacement)
-                results.append(model.logits[0, -1])
-    return list(results)
+    def bodies() -> list:
+        return [partial(_patched, model, names[layer], layer, heads, column, replacement)
+                for layer, column, replacement in patches]
+
+    with torch.no_grad():
+        return [_last(logits) for (logits,) in model.engine.run_each(prompt, bodies())]
+
+
+def _patched(model: Any, name: str, layer: int, heads: Any, column: Any, replacement: torch.Tensor) -> list:
+    """Inside an invoke: one patch written, and the logits it gives."""
+    _write_patch(_envoy(model, layer, name), heads, column, replacement)
+    return [model.logits[..., -1, :]]
 
 
 def _write_patch(target: Any, heads: Any, column: Any, replacement: torch.Tensor) -> None:
@@ -164,7 +165,7 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
     """
     from tqdm.auto import tqdm
 
-    from .checks import indices, one_prompt
+    from ..input_checks import indices, one_prompt
 
     several = "Patch each pair of prompts with its own call."
     clean, corrupted = (one_prompt(prompt, "streamscope.patch", several) for prompt in (clean, corrupted))
@@ -183,7 +184,7 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
     for layer in layers:  # an unserved value says why before anything runs
         reason = model.layers[layer].support().rows.get(names[layer], "not a value of this block")
         if reason is not None:
-            from .errors import Unavailable
+            from ..errors import Unavailable
 
             raise Unavailable(value, f"model.layers[{layer}]", reason)
     heads = value == "head_outputs"

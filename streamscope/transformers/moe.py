@@ -1,4 +1,4 @@
-"""Mixtures of experts: the router's values on a block's `mlp`, and the shared expert as an `Mlp` of its own.
+"""Mixtures of experts on transformers: the router's values on a block's `mlp`.
 
 Every `Mlp` has three routing values, in transformers' conventions:
 
@@ -23,7 +23,10 @@ outputs, in place, before the experts read them.
 
 The shared expert of a mixture (Llama 4's ``shared_expert``, Qwen3-Next's, both
 aliased to ``shared_experts``) is a dense MLP, so it is an `Mlp` too
-(`SharedExpert`): its ``mlp_output`` is the shared expert module's output.
+(`streamscope.blocks.SharedExpert`, which both engines use).
+
+These read transformers' router modules, so they live with the transformers
+engine; vLLM's fused kernel routes inside itself (`streamscope.vllm.moe`).
 """
 
 from __future__ import annotations
@@ -32,11 +35,10 @@ from typing import Any, Optional, Protocol
 
 import torch
 
+from .. import nnsight_seam as seam
 from ..values import OUTPUT, ComputedValue, Host, StreamValue
-from .envoy import record_stream_shape
-from .sublayers import DENSE, ROUTING, Mlp  # noqa: F401  (ROUTING: re-exported)
-
-SHARED_ROUTING = "the shared expert: every token goes through it, no router chooses it"
+from ..blocks.envoy import record_stream_shape
+from ..blocks.sublayers import DENSE, ROUTING, Mlp  # noqa: F401  (ROUTING: re-exported)
 
 _LOGITS, _CHOSEN, _WEIGHTS = (
     "[batch, seq, num_experts]", "[batch, seq, top_k]", "[batch, seq, top_k]")
@@ -92,8 +94,7 @@ class _RecordsStream(Mlp):
         if self.is_moe():
             record_stream_shape(module)
 
-    def _update(self, module: torch.nn.Module) -> None:
-        super()._update(module)
+    def module_bound(self, module: torch.nn.Module) -> None:
         if self.is_moe():
             record_stream_shape(module)
 
@@ -122,7 +123,7 @@ class TopKRouterMlp(_RecordsStream):
         "edits reach the experts."))
 
     def reroute(self, raw: Any) -> None:
-        router = self._module.gate
+        router = seam.module_of(self).gate
         logits = raw[0]
         probabilities = torch.softmax(logits, dim=-1, dtype=torch.float)
         top, chosen = torch.topk(probabilities, router.top_k, dim=-1)
@@ -151,38 +152,18 @@ class Llama4Mlp(_RecordsStream):
     @ComputedRouterValue("router", 1, shape=_CHOSEN)
     def chosen_experts(self, logits: torch.Tensor) -> torch.Tensor:
         """The experts each token is sent to, the router's top-k of its logits, [batch, seq, top_k] (read-only)."""
-        return torch.topk(logits, self._module.router.top_k, dim=-1).indices
+        return torch.topk(logits, seam.module_of(self).router.top_k, dim=-1).indices
 
     @ComputedRouterValue("router", 1, shape=_WEIGHTS)
     def routing_weights(self, logits: torch.Tensor) -> torch.Tensor:
         """The sigmoid of each chosen expert's logit, which scales the token it is called with, [batch, seq, top_k]
         (read-only)."""
-        top = torch.topk(logits, self._module.router.top_k, dim=-1).values
+        top = torch.topk(logits, seam.module_of(self).router.top_k, dim=-1).values
         return torch.sigmoid(top.float()).to(logits.dtype)
 
     def reroute(self, raw: Any) -> None:
         logits = raw[1]
-        top, chosen = torch.topk(logits, self._module.router.top_k, dim=1)
+        top, chosen = torch.topk(logits, seam.module_of(self).router.top_k, dim=1)
         scores = torch.full_like(logits, float("-inf")).scatter_(1, chosen, top)
         with torch.no_grad():
             raw[0].copy_(torch.sigmoid(scores.float()).to(scores.dtype))
-
-
-class SharedExpert(Mlp):
-    """The shared expert of a mixture of experts (`mlp.shared_experts`): a dense MLP every token goes through.
-
-    Its mlp_output is the shared expert module's output, ``[batch, seq,
-    hidden_size]``: on Llama 4 what the mixture adds besides the routed
-    experts; on Qwen3-Next before its sigmoid gate (``shared_expert_gate``),
-    so the mixture adds ``sigmoid(gate(x)) * mlp_output``. In-place edits and
-    assignment reach the model. It has no router of its own.
-    """
-
-    ROLE = "mlp.shared_experts"
-
-    @classmethod
-    def value_names(cls) -> list[str]:
-        return ["mlp_output"]
-
-    def routing_reason(self, name: str) -> Optional[str]:
-        return SHARED_ROUTING

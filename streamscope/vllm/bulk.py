@@ -26,11 +26,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .apply import Applier, Span, steer_plans
-from .results import Generation, Harvest, ShardWriter, assemble
+from ..bulk.apply import Applier, Span, steer_plans
+from ..bulk.results import Generation, Harvest, ShardWriter, assemble
+from .. import nnsight_seam as seam
 from ..errors import Unavailable, untapped
-from .spec import HarvestSpec, Positions, Site, Steer, check_steer, generation_harvest, harvest_spec, locate
-from .transformers import token_ids
+from ..bulk.spec import (HarvestSpec, Positions, Site, Steer, check_steer, generation_harvest, harvest_spec, locate,
+                         token_ids)
 
 #: The sampling params' extra_args key that marks a request as a bulk run's, with its prompt index.
 MARK = "streamscope_bulk"
@@ -52,42 +53,25 @@ class WorkerState:
         self.logits: Optional[dict[int, list[torch.Tensor]]] = None
         self.sampled: list[Optional[int]] = []
         self.logits_hook: Any = None
-        original = runner._update_states
+        seam.wrap_update_states(runner, self._step_scheduled)
+        # On an engine that replays CUDA graphs, a replayed step runs no module call, so no hook fires: the bulk
+        # work runs at each tap instead. A step that runs eagerly (a prefill) fires the hooks and reaches no tap,
+        # so each step's work runs once either way.
+        seam.wrap_replay(getattr(getattr(runner, "nnsight_model", None), "interleaver", None), self._replayed)
 
-        def update_states(scheduler_output: Any) -> Any:
-            result = original(scheduler_output)
-            applier = self.applier
-            if applier is not None and applier.error is None:
-                try:
-                    self.observe(scheduler_output)
-                except Exception as error:  # noqa: BLE001  (the run's error, raised by the client; the engine serves on)
-                    applier.error = error
-            return result
+    def _step_scheduled(self, scheduler_output: Any) -> None:
+        applier = self.applier
+        if applier is not None and applier.error is None:
+            try:
+                self.observe(scheduler_output)
+            except Exception as error:  # noqa: BLE001  (the run's error, raised by the client; the engine serves on)
+                applier.error = error
 
-        # On the instance: vLLM's execute_model calls self._update_states, whatever the runner's class.
-        runner._update_states = update_states
-        self._serve_replayed_taps(getattr(getattr(runner, "nnsight_model", None), "interleaver", None))
-
-    def _serve_replayed_taps(self, interleaver: Any) -> None:
-        """On an engine that replays CUDA graphs, run the bulk work at each tap of a replayed step.
-
-        A replayed step runs no module call, so no hook fires; nnsight's tapped
-        interleaver calls its ``replay(location, tensors)`` at every tap instead
-        (looked up at each replay, so wrapping it on the instance reaches graphs
-        recorded before). A step that runs eagerly (a prefill) fires the hooks
-        and never reaches this, so each step's work runs once either way.
-        """
-        if not getattr(interleaver, "taps", None):
-            return
-        original = interleaver.replay
-
-        def replay(location: str, live: Any) -> Any:
-            applier = self.applier
-            if applier is not None:
-                applier.apply_at(location, live)
-            return original(location, live)
-
-        interleaver.replay = replay
+    def _replayed(self, original: Any, location: str, live: Any) -> Any:
+        applier = self.applier
+        if applier is not None:
+            applier.apply_at(location, live)
+        return original(location, live)
 
     def observe(self, scheduler_output: Any) -> None:
         """This step's spans, from the scheduler's token counts in the order of the runner's batch."""
@@ -125,9 +109,14 @@ class WorkerState:
 
 def worker_tree(module: torch.nn.Module, model_type: str) -> Any:
     """streamscope's envoy tree over the worker's real model: the same family envoys the client's tree has."""
-    from ..vllm.families import envoy_tree, family_for
+    from .families import envoy_tree, family_for
 
     return envoy_tree(module, family_for(model_type))
+
+
+def worker_root(worker: Any, model_type: str) -> Any:
+    """The worker's envoy tree over its real model (`worker_tree`), built once per worker."""
+    return _state(worker, model_type).root
 
 
 def _state(worker: Any, model_type: str) -> WorkerState:
@@ -154,7 +143,7 @@ def worker_begin(worker: Any, payload: bytes) -> None:
     plans = steer_plans(steers, keys, plan["lengths"], dtype, device)
     wanted = {key: spec.positions[key] for key in keys} if spec is not None else {}
     state.run, state.keys = plan["run"], {}
-    state.applier = Applier(sites, wanted, plans, device).install()
+    state.applier = Applier(sites, wanted, plans, device, readout=spec.readout if spec is not None else None).install()
     state.logits = {} if plan["logits"] else None
     if plan["logits"]:
         state.logits_hook = state.runner.get_model().logits_processor.register_forward_hook(state.record_logits)
@@ -215,7 +204,7 @@ def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str,
     local = {global_index: local_index for local_index, global_index in enumerate(chunk)}
     chunk_spec = None
     if spec is not None:
-        chunk_spec = HarvestSpec(spec.values, spec.layers, [spec.positions[index] for index in chunk])
+        chunk_spec = HarvestSpec(spec.values, spec.layers, [spec.positions[index] for index in chunk], spec.readout)
     chunk_steers = []
     for steer in steers:
         if steer.prompts is None:
@@ -252,19 +241,21 @@ def _chunks(count: int, size: int) -> list[list[int]]:
 
 
 def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None, positions: Positions = "last",
-            out: Optional[str | Path] = None, shard_size: int = 1024, progress: bool = True) -> Harvest | Path:
+            out: Optional[str | Path] = None, shard_size: int = 1024, progress: bool = True,
+            readout: Any = None, steer: Sequence[Steer] = ()) -> Harvest | Path:
     """Read values at chosen blocks and positions of many prompts in the engine's own batches; see `streamscope.bulk`."""
     from tqdm.auto import tqdm
 
     ids = token_ids(model, prompts)
     spec = harvest_spec(model, values, layers, positions, [len(tokens) for tokens in ids])
-    _check_tapped(model, spec.sites(model))
+    spec.readout = readout
+    _check_tapped(model, spec.sites(model) + [check_steer(model, item, len(ids)) for item in steer])
     writer = ShardWriter(out, spec, len(ids)) if out is not None else None
     parts: list[Harvest] = []
     bar = tqdm(total=len(ids), desc="harvest", unit="prompt", disable=not progress)
     try:
         for chunk in _chunks(len(ids), shard_size):
-            _, result = _run(model, ids, chunk, {"max_tokens": 1, "temperature": 0.0}, spec, (), False)
+            _, result = _run(model, ids, chunk, {"max_tokens": 1, "temperature": 0.0}, spec, steer, False)
             part = assemble(spec, [result["harvested"].get(local) for local in range(len(chunk))], chunk)
             if writer is not None:
                 writer.write(part)

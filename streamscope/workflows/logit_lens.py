@@ -38,20 +38,7 @@ def unembed(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     normed = model.norm(hidden.reshape(-1, shape[-1]))
     if isinstance(normed, tuple):
         normed = normed[0]
-    if getattr(type(model), "ENGINE", None) == "vllm":
-        from .vllm.logits import engine_logits
-
-        logits = engine_logits(model._module, normed)
-    else:
-        logits = model.lm_head(normed)
-        config = model.config
-        cap = getattr(config, "final_logit_softcapping", None)
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        if getattr(config, "logits_scaling", None) is not None:  # Granite divides
-            logits = logits / config.logits_scaling
-        if getattr(config, "logit_scale", None) is not None and config.model_type == "cohere":
-            logits = logits * config.logit_scale
+    logits = model.engine.unembed(normed)
     return logits.reshape(*shape[:-1], logits.shape[-1])
 
 
@@ -149,7 +136,7 @@ def lens(model: Any, prompt: str | Sequence[str], *, layers: Optional[Sequence[i
     Returns:
         A `Lens` (a list of them for a list of prompts); print it for the table, `.plot(path)` for the heatmap.
     """
-    from .checks import indices
+    from ..input_checks import indices
 
     if not isinstance(prompt, str):
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(item, str) for item in prompt):
@@ -161,19 +148,20 @@ def lens(model: Any, prompt: str | Sequence[str], *, layers: Optional[Sequence[i
     layers = indices(layers, model.num_layers, "block", "streamscope.lens")
     keep_logits = keep_logits or top_k is None
     k = min(top_k or 10, model.vocab_size)
-    settings = {"temperature": 0.0, "max_tokens": 1} if getattr(type(model), "ENGINE", "") == "vllm" else {}
-    with torch.no_grad(), model.trace(prompt, **settings):
+
+    def body() -> list[torch.Tensor]:  # each [1, blocks, seq, ...]: the run's one prompt
         logits, probs, ids = lens_body(model, layers, value, None if keep_logits else k)
-        if keep_logits:
-            logits = logits.save()
-        else:
-            probs, ids = probs.save(), ids.save()
+        return [logits[None]] if keep_logits else [probs[None], ids[None]]
+
+    with torch.no_grad():
+        (found,) = model.engine.run([prompt], body, [(2,)] if keep_logits else [(2,), (2,)])
+    found = [tensor[0] for tensor in found]
     if keep_logits:
-        logits = logits[0] if isinstance(logits, list) else logits  # vLLM: one per invoke
+        (logits,) = found
         top = logits.float().softmax(-1).topk(k, dim=-1)
         probs, ids = top.values, top.indices
-    elif isinstance(probs, list):
-        probs, ids = probs[0], ids[0]
+    else:
+        probs, ids = found
     ids_of_prompt = model.tokenizer(prompt)["input_ids"]
     tokens = [model.tokenizer.decode([token]) for token in ids_of_prompt]
     decode = lambda token: model.tokenizer.decode([token])  # noqa: E731

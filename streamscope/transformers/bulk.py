@@ -15,26 +15,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .apply import Applier, Span, steer_plans
-from .results import Generation, Harvest, ShardWriter, assemble
-from .spec import Positions, check_steer, generation_harvest, harvest_spec
-
-
-def token_ids(model: Any, prompts: Sequence[Any]) -> list[list[int]]:
-    """Each prompt's token ids: a string is tokenized as a trace tokenizes it; a list of ids is taken as is."""
-    if isinstance(prompts, str):
-        raise TypeError("bulk runs take a list of prompts; wrap a single prompt in a list.")
-    ids = []
-    for index, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            ids.append(list(model.tokenizer(prompt)["input_ids"]))
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(token, int) for token in prompt):
-            ids.append(list(prompt))
-        else:
-            raise TypeError(f"prompt {index} is a {type(prompt).__name__}: give a string or a list of token ids.")
-        if not ids[-1]:
-            raise ValueError(f"prompt {index} has no tokens.")
-    return ids
+from .. import nnsight_seam as seam
+from ..bulk.apply import Applier, Span, steer_plans
+from ..bulk.results import Generation, Harvest, ShardWriter, assemble
+from ..bulk.spec import Positions, check_steer, generation_harvest, harvest_spec, token_ids
 
 
 def _pad_id(model: Any) -> int:
@@ -46,7 +30,7 @@ def _pad_id(model: Any) -> int:
 
 
 def _parameters(model: Any) -> tuple[torch.dtype, torch.device]:
-    parameter = next(model._module.parameters())
+    parameter = next(seam.module_of(model).parameters())
     return parameter.dtype, parameter.device
 
 
@@ -106,17 +90,21 @@ def _forward_kwargs(module: torch.nn.Module) -> dict[str, Any]:
 
 def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None, positions: Positions = "last",
             out: Optional[str | Path] = None, batch_size: int = 8, shard_size: int = 1024,
-            progress: bool = True) -> Harvest | Path:
+            progress: bool = True, readout: Any = None, steer: Sequence[Any] = ()) -> Harvest | Path:
     """Read values at chosen blocks and positions of many prompts, in padded batches; see `streamscope.bulk`."""
     from tqdm.auto import tqdm
 
     ids = token_ids(model, prompts)
-    spec = harvest_spec(model, values, layers, positions, [len(tokens) for tokens in ids])
+    lengths = [len(tokens) for tokens in ids]
+    spec = harvest_spec(model, values, layers, positions, lengths)
+    checked = [(item, check_steer(model, item, len(ids))) for item in steer]
     sites = spec.sites(model)
     dtype, device = _parameters(model)
-    module = model._module
+    plans = steer_plans(checked, list(range(len(ids))), lengths, dtype, device)
+    module = seam.module_of(model)
     writer = ShardWriter(out, spec, len(ids)) if out is not None else None
-    applier = Applier(sites, {index: spec.positions[index] for index in range(len(ids))}, [], device).install()
+    applier = Applier(sites, {index: spec.positions[index] for index in range(len(ids))}, plans, device,
+                      readout=readout).install()
     collected: dict[int, list] = {}
     pending: list[int] = []
     extra = _forward_kwargs(module)
@@ -168,7 +156,7 @@ def generate(model: Any, prompts: Sequence[Any], max_tokens: int = 16, *, steer:
     sites = spec.sites(model) if spec is not None else []
     wanted = {index: spec.positions[index] for index in range(len(ids))} if spec is not None else {}
     applier = Applier(sites, wanted, plans, device).install()
-    module = model._module
+    module = seam.module_of(model)
     keys: list[int] = []
 
     def scope(_: Any, args: tuple, kwargs: dict) -> None:

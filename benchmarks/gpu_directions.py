@@ -1,0 +1,95 @@
+"""Issue 21's speed bounds on one run: ablation at every block, an SAE clamp, and an SAE harvest, against bare.
+
+On a Llama-3-8B-shape checkpoint with dummy bfloat16 weights (the folder and
+helpers of `gpu_workloads.py`), for an eager engine and for one started with
+taps at every block's output (CUDA graphs replayed for decode steps), in
+turn, one engine at a time, interleaved round by round (medians):
+
+  bare        256 prompts x 128 sampled tokens, bare vLLM on the same engine
+  ablate      the same with `Steer(mode="ablate")` at every block's layer_output
+  sae_clamp   the same with one SAE feature (width 16 x hidden) clamped at block 16
+  dense       `model.harvest` of block 16's layer_output at the last position, 1,024 prompts
+  sae         `model.harvest(..., sae=...)` of the same SAE's top-64 features at the last position
+
+and prints the ratios against the bounds: ablate <= 1.15 x bare with graphs,
+sae <= 1.2 x dense. `--tiny` runs it at a tiny shape on the CPU (a check that
+it runs, not a measurement). Record figures in benchmarks/RESULTS.md.
+
+    python benchmarks/gpu_directions.py              # on the H200
+    python benchmarks/gpu_directions.py --tiny --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_workloads as workloads  # noqa: E402  (its folder, sizes, prompts and timing)
+
+
+def random_sae(width: int, features: int, value: str, layer: int, device: str):
+    import torch
+
+    from streamscope.sae import SAE
+
+    generator = torch.Generator().manual_seed(0)
+    return SAE(torch.randn(width, features, generator=generator) / width ** 0.5, torch.zeros(features),
+               torch.randn(features, width, generator=generator) / features ** 0.5, torch.zeros(width),
+               value, layer).to(torch.float32, device)
+
+
+def measure(folder: Path, tiny: bool, rounds: int, tapped: bool) -> dict:
+    import torch
+
+    import streamscope
+
+    settings = workloads.sizes(tiny)
+    block = settings["steer_block"]
+    taps = {"taps": ["layers.*.layer_output"]} if tapped else {}
+    model = streamscope.load(folder, engine="vllm", **taps, **workloads.engine_kwargs(settings, tiny))
+    try:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        sae = random_sae(model.hidden_size, 16 * model.hidden_size, "layer_output", block, device)
+        torch.manual_seed(0)
+        direction = torch.randn(model.hidden_size)
+        ablations = [streamscope.Steer("layer_output", layer, direction, mode="ablate")
+                     for layer in range(model.num_layers)]
+        prompts = workloads.token_prompts(settings["w2_prompts"], settings["w2_lengths"], 2)
+        harvest_prompts = workloads.token_prompts(settings["w1_prompts"], settings["w1_lengths"], 1)
+        count = settings["w2_tokens"]
+        sampling = {"max_tokens": count, "temperature": 1.0, "seed": 0, "ignore_eos": True, "progress": False}
+        return workloads.timed_together({
+            "bare": workloads.bare_w2(model.vllm_entrypoint, prompts, count),
+            "ablate": lambda: model.generate(prompts, steer=ablations, **sampling),
+            "sae_clamp": lambda: model.generate(prompts, steer=[sae.clamp(0, 4.0)], **sampling),
+            "dense": lambda: model.harvest(harvest_prompts, "layer_output", layers=[block], progress=False),
+            "sae": lambda: model.harvest(harvest_prompts, sae=sae, positions="last", top_k=64, progress=False),
+        }, rounds)
+    finally:
+        model.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        workloads.build_folder(Path(folder), args.tiny)
+        for tapped in (False, True):
+            times = measure(Path(folder), args.tiny, args.rounds, tapped)
+            name = "tapped (graphs)" if tapped else "eager"
+            print(f"{name}: " + ", ".join(f"{key} {value:.3f}s" for key, value in times.items()))
+            print(f"  ablate at every block / bare: {times['ablate'] / times['bare']:.3f}"
+                  + (" (bound 1.15 with graphs)" if tapped else ""))
+            print(f"  SAE clamp at one block / bare: {times['sae_clamp'] / times['bare']:.3f}")
+            print(f"  SAE harvest (16x, top-64, last position) / dense last-position harvest: "
+                  f"{times['sae'] / times['dense']:.3f} (bound 1.2)")
+
+
+if __name__ == "__main__":
+    main()

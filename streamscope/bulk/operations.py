@@ -1,0 +1,111 @@
+"""What a steer does to the rows it edits: add, set, ablate, clamp, each optionally norm-matched.
+
+Every operation takes rows of one value, ``[rows, hidden_size]``, and
+returns their new contents, the same arithmetic in a trace (`Steer.apply`)
+and on the bulk path (`streamscope.bulk.apply`). With ``v`` the steer's
+vector, ``d = v / |v|`` its unit direction and ``x`` a row:
+
+* ``add``: ``x + scale * v``;
+* ``set``: ``scale * v``, whatever ``x`` was;
+* ``ablate``: ``x - scale * (x . d) d``: the component along ``d`` removed
+  (``scale=1``, directional ablation), partly removed (``0 < scale < 1``) or
+  reflected (``scale=2``);
+* ``clamp``: ``x + (projection - x . d) d``: the projection on ``d`` set to
+  ``projection``, the rest of ``x`` kept.
+
+``norm_match=True`` then rescales each edited row to the norm it had before
+the edit, so the steer turns the stream without making it longer or
+shorter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: Every steer operation, by its ``mode`` name.
+MODES = ("add", "set", "ablate", "clamp", "sae_clamp")  # sae_clamp: streamscope.sae.ClampFeature
+#: The operations that use the vector as a direction (its unit vector), not as an amount.
+DIRECTIONAL = ("ablate", "clamp")
+
+
+@dataclass
+class Operation:
+    """A steer's operation with its vectors ready on the engine's device, in the engine's dtype.
+
+    `delta` is ``scale * vector`` (add, set); `unit` the unit direction
+    (ablate, clamp).
+    """
+
+    mode: str
+    delta: torch.Tensor
+    unit: torch.Tensor
+    scale: float
+    projection: float
+    norm_match: bool
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        """The edited rows, ``[..., hidden_size]``, a new tensor (`rows` is not changed)."""
+        if self.mode == "add":
+            edited = rows + self.delta
+        elif self.mode == "set":
+            edited = self.delta.expand_as(rows).clone()
+        else:
+            along = rows @ self.unit  # [...]: each row's projection on the direction
+            if self.mode == "ablate":
+                edited = rows - (self.scale * along).unsqueeze(-1) * self.unit
+            else:
+                edited = rows + (self.projection - along).unsqueeze(-1) * self.unit
+        if self.norm_match:
+            before = rows.norm(dim=-1, keepdim=True)
+            after = edited.norm(dim=-1, keepdim=True)
+            # A row the edit left at zero stays zero: there is no direction to give the old norm to.
+            edited = edited * torch.where(after > 0, before / after.clamp_min(torch.finfo(after.dtype).tiny),
+                                          torch.zeros_like(after))
+        return edited
+
+    @property
+    def adds_only(self) -> bool:
+        """Whether the operation is a plain addition, which the bulk path applies in place."""
+        return self.mode == "add" and not self.norm_match
+
+
+def prepare(mode: str, vector: torch.Tensor, scale: float, projection: float, norm_match: bool,
+            dtype: torch.dtype, device: Any) -> Operation:
+    """The `Operation` for these settings, its vectors rounded once to `dtype` on `device`."""
+    exact = vector.detach().to(device=device, dtype=torch.float32)
+    delta = (exact * scale).to(dtype)
+    unit = (exact / exact.norm()).to(dtype) if mode in DIRECTIONAL else delta
+    return Operation(mode, delta, unit, float(scale), float(projection), bool(norm_match))
+
+
+class ClampFeature:
+    """The `sae_clamp` operation, ready on the engine: rows ``[n, d_in]`` -> rows with one feature clamped."""
+
+    adds_only = False
+
+    def __init__(self, sae: Any, feature: int, value: float, dtype: torch.dtype, device: Any) -> None:
+        # The encoder runs in float32 whatever the engine's dtype: a feature's value decides what is added.
+        self.sae = sae.to(torch.float32, device)
+        self.feature, self.value, self.dtype = feature, float(value), dtype
+        self.direction = self.sae.W_dec[feature]
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        current = self.sae.encode(rows.float())[..., self.feature]
+        return (rows.float() + (self.value - current).unsqueeze(-1) * self.direction).to(rows.dtype)
+
+
+def check_clamp(steer: Any, model: Any) -> None:
+    """Refuse an ``sae_clamp`` steer whose SAE or feature does not fit the steer's site or the model."""
+    sae = steer.sae
+    if not (hasattr(sae, "encode") and hasattr(sae, "W_dec") and hasattr(sae, "check")):
+        raise TypeError(f"Steer mode 'sae_clamp' needs sae= a streamscope.sae.SAE (build it with sae.clamp(...)), "
+                        f"not {type(sae).__name__}.")
+    sae.check(model)
+    layer = None if steer.layer is None else steer.layer % model.num_layers
+    if (sae.value, sae.layer) != (steer.value, layer):
+        raise ValueError(f"{sae!r} reads {sae.value} at block {sae.layer}, and the steer edits {steer.value} at block "
+                         f"{steer.layer}: an SAE's features mean something at its own site only. Use sae.clamp(...).")
+    sae._check_feature(steer.feature if isinstance(steer.feature, int) else -1)

@@ -1,0 +1,540 @@
+"""Directions in a model's activations: found from contrastive prompts, swept over blocks, saved, steered with.
+
+A researcher's loop, by streamscope's names::
+
+    sweep = streamscope.directions.find(model, happy_prompts, sad_prompts, value="layer_output",
+                                        method="mean_difference")        # or "pca", "probe"
+    sweep.scores                    # per block: held-out accuracy, separation
+    sweep.plot("sweep.png")
+    direction = sweep.best          # a Direction: vector, model, value, block, method, scores
+    model.generate(prompts, steer=[direction.steer(scale=4.0)])               # add it
+    model.generate(prompts, steer=[direction.steer(mode="ablate")])           # remove it
+    direction.save("happy")         # happy.safetensors + happy.json
+    streamscope.directions.Direction.load("happy", model)   # refused on a model of another shape
+
+The activations come from `model.harvest` (prompts, with a progress bar) or
+from `Harvest` objects already made; each prompt's chosen positions are
+averaged (``positions="last"``, the default, takes the last token). The
+methods, per block, on positive activations ``P`` and negative ``N``
+(``[examples, hidden_size]``):
+
+* ``mean_difference``: ``mean(P) - mean(N)`` (for pairs, the mean of the
+  paired differences: the same vector);
+* ``pca``: the first principal component of the paired differences
+  ``P - N`` (centred, as PCA is), signed so the positives project higher;
+  its length is the differences' mean projection on it;
+* ``probe``: logistic regression (L-BFGS, L2 penalty) with ``P`` as class 1;
+  the vector is its weights and `Direction.bias` its bias.
+
+Scores, per block, on a held-out split (a `held_out` fraction of the
+examples, pairs kept together; the direction is fit on the rest for scoring,
+then on all of them): ``accuracy``, the held-out fraction classified right
+(a probe by its own decision; the others by the midpoint of the two training
+means' projections), and ``separation``, the held-out classes' difference of
+mean projections over their pooled standard deviation.
+
+`import_gguf` and `export_gguf` read and write the control-vector GGUF files
+of repeng (and llama.cpp): ``direction.N`` added to block ``N``'s output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from .bulk.results import Harvest
+from .bulk.spec import ROOT_VALUES, Steer, layer_list, value_names
+
+METHODS = ("mean_difference", "pca", "probe")
+#: What identifies a model's shape: a direction made on one loads onto another only where all of these agree.
+IDENTITY = ("model_type", "hidden_size", "num_layers", "vocab_size")
+
+Examples = Union[Sequence[Any], Harvest]
+"""Prompts (strings or token-id lists) to harvest, or a `Harvest` already made."""
+
+
+def identity(model: Any) -> dict[str, Any]:
+    """What a `Direction` records of the model it was made on: its shape, and its name where it has one."""
+    config = model.config
+    return {"model_type": config.model_type, "hidden_size": model.hidden_size, "num_layers": model.num_layers,
+            "vocab_size": model.vocab_size, "name": str(getattr(config, "_name_or_path", "") or "")}
+
+
+@dataclass
+class Direction:
+    """A direction in one value of one block of a model, with how it was made.
+
+    Attributes:
+        vector: ``[hidden_size]``, float32: the direction (its length is the
+            method's: a difference of means, a probe's weights).
+        value: The value it lives in (``"layer_output"``, ...), as `model.harvest` names it.
+        layer: The block; None for a root value.
+        method: ``"mean_difference"``, ``"pca"``, ``"probe"``, ``"gguf"`` (imported), or an SAE's.
+        model: The model's `identity`: a load onto a model whose shape differs is refused.
+        bias: A probe's bias: it predicts the positive class where ``vector . x + bias > 0``.
+        scores: Held-out ``accuracy`` and ``separation``, where they were measured.
+        details: Anything else the method states (examples used, explained variance).
+    """
+
+    vector: torch.Tensor
+    value: str
+    layer: Optional[int]
+    method: str
+    model: dict[str, Any]
+    bias: float = 0.0
+    scores: dict[str, float] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        where = self.value if self.layer is None else f"layers[{self.layer}].{self.value}"
+        scores = ", ".join(f"{name} {number:.3f}" for name, number in self.scores.items())
+        return (f"Direction({self.method} at {where} of {self.model.get('model_type')} "
+                f"(hidden {self.vector.shape[0]}), norm {float(self.vector.norm()):.4g}"
+                + (f"; {scores}" if scores else "") + ")")
+
+    @property
+    def unit(self) -> torch.Tensor:
+        """The direction as a unit vector, ``[hidden_size]``."""
+        return self.vector / self.vector.norm()
+
+    def project(self, activations: torch.Tensor) -> torch.Tensor:
+        """Each activation's projection on the unit direction: ``[..., hidden_size]`` -> ``[...]``."""
+        return activations.float() @ self.unit.to(activations.device)
+
+    def check(self, model: Any) -> None:
+        """Refuse `model` unless it has the shape this direction was made on, saying what differs and the fix."""
+        theirs = identity(model)
+        different = [f"{key} {self.model.get(key)!r} here, {theirs[key]!r} on the model"
+                     for key in IDENTITY if key in self.model and self.model[key] != theirs[key]]
+        if tuple(self.vector.shape) != (theirs["hidden_size"],):
+            different.append(f"a vector of shape {tuple(self.vector.shape)} for a stream of width "
+                             f"{theirs['hidden_size']}")
+        if self.layer is not None and not 0 <= self.layer < theirs["num_layers"]:
+            different.append(f"block {self.layer} of a model with {theirs['num_layers']} blocks")
+        if different:
+            made = self.model.get("name") or self.model.get("model_type")
+            raise ValueError(f"this direction ({self.method} at {self.value}, block {self.layer}) was made on "
+                             f"another model ({made}): {'; '.join(different)}. Load the model it was made on, "
+                             f"or find the direction again on this one (streamscope.directions.find).")
+
+    def steer(self, mode: str = "add", scale: float = 1.0, **options: Any) -> Steer:
+        """A `streamscope.Steer` with this direction at its value and block (``mode``: add, set, ablate, clamp)."""
+        return Steer(self.value, self.layer, self.vector.clone(), scale=scale, mode=mode,
+                     origin={key: self.model[key] for key in IDENTITY if key in self.model}, **options)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Everything but the vector, as JSON-ready metadata."""
+        return {"format": "streamscope.direction", "version": 1, "value": self.value, "layer": self.layer,
+                "method": self.method, "model": self.model, "bias": self.bias, "scores": self.scores,
+                "details": self.details, "hidden_size": int(self.vector.shape[0])}
+
+    def save(self, path: Union[str, Path]) -> Path:
+        """Write ``<path>.safetensors`` (the vector) and ``<path>.json`` (the rest); returns the safetensors path."""
+        from safetensors.torch import save_file
+
+        stem = _stem(path)
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        metadata = self.as_dict()
+        save_file({"vector": self.vector.detach().float().cpu().contiguous()}, str(stem.with_suffix(".safetensors")),
+                  metadata={"streamscope.direction": json.dumps(metadata)})
+        stem.with_suffix(".json").write_text(json.dumps(metadata, indent=2))
+        return stem.with_suffix(".safetensors")
+
+    @classmethod
+    def load(cls, path: Union[str, Path], model: Any = None) -> "Direction":
+        """Read a direction `save` wrote; with `model`, refuse it unless the model has the shape it was made on."""
+        from safetensors.torch import load_file
+
+        stem = _stem(path)
+        tensors = load_file(str(stem.with_suffix(".safetensors")))
+        metadata = json.loads(stem.with_suffix(".json").read_text())
+        if metadata.get("format") != "streamscope.direction":
+            raise ValueError(f"{stem}.json is not a streamscope direction's metadata (no format field).")
+        direction = cls(tensors["vector"], metadata["value"], metadata["layer"], metadata["method"],
+                        metadata["model"], metadata.get("bias", 0.0), metadata.get("scores", {}),
+                        metadata.get("details", {}))
+        if model is not None:
+            direction.check(model)
+        return direction
+
+
+def _stem(path: Union[str, Path]) -> Path:
+    path = Path(path)
+    return path.with_suffix("") if path.suffix in (".safetensors", ".json") else path
+
+
+# ---------------------------------------------------------------- the methods, on [examples, hidden] tensors
+
+
+def mean_difference(positive: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
+    """``mean(positive) - mean(negative)``, ``[hidden]``, from ``[examples, hidden]`` each."""
+    return positive.double().mean(0).sub(negative.double().mean(0)).float()
+
+
+def pca(positive: torch.Tensor, negative: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The paired differences' first principal component, signed and scaled; and its explained variance ratio.
+
+    The differences ``positive[i] - negative[i]`` are centred; the component
+    is signed so that the differences project positively on average, and
+    scaled to their mean projection (so it has the units of a difference).
+    """
+    differences = positive.double() - negative.double()
+    centred = differences - differences.mean(0)
+    _, singular, right = torch.linalg.svd(centred, full_matrices=False)
+    component = right[0]
+    mean_projection = float(differences.mean(0) @ component)
+    if mean_projection < 0:
+        component, mean_projection = -component, -mean_projection
+    total = float((singular ** 2).sum())
+    explained = float(singular[0] ** 2) / total if total > 0 else 0.0
+    return (component * mean_projection).float(), explained
+
+
+def probe(positive: torch.Tensor, negative: torch.Tensor, l2: float = 1e-3,
+          steps: int = 200) -> tuple[torch.Tensor, float]:
+    """A logistic-regression probe (positives as class 1): its weights ``[hidden]`` and bias.
+
+    Fit in float64 with L-BFGS on the mean log loss plus ``l2 * |w|^2``,
+    the features standardized for the fit and the weights mapped back, so
+    ``w . x + b > 0`` predicts the positive class on the raw activations.
+    """
+    features = torch.cat([positive, negative]).double()
+    labels = torch.cat([torch.ones(len(positive)), torch.zeros(len(negative))]).double()
+    centre, spread = features.mean(0), features.std(0).clamp_min(1e-12)
+    standard = (features - centre) / spread
+    weights = torch.zeros(features.shape[1], dtype=torch.float64, requires_grad=True)
+    bias = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.LBFGS([weights, bias], max_iter=steps, line_search_fn="strong_wolfe")
+
+    def loss() -> torch.Tensor:
+        optimizer.zero_grad()
+        value = torch.nn.functional.binary_cross_entropy_with_logits(standard @ weights + bias, labels)
+        value = value + l2 * weights.pow(2).sum()
+        value.backward()
+        return value
+
+    with torch.enable_grad():
+        optimizer.step(loss)
+    raw = (weights / spread).detach()
+    return raw.float(), float(bias.detach() - (centre * raw).sum())
+
+
+def _fit(method: str, positive: torch.Tensor, negative: torch.Tensor) -> tuple[torch.Tensor, float, dict]:
+    """(vector, bias, details) of `method` on these examples; bias 0 except for a probe."""
+    if method == "mean_difference":
+        return mean_difference(positive, negative), 0.0, {}
+    if method == "pca":
+        vector, explained = pca(positive, negative)
+        return vector, 0.0, {"explained_variance": explained}
+    vector, bias = probe(positive, negative)
+    return vector, bias, {}
+
+
+def _scores(method: str, vector: torch.Tensor, bias: float, train: tuple[torch.Tensor, torch.Tensor],
+            held: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+    """Held-out accuracy and separation of a direction fit on `train`."""
+    unit = vector.double() / vector.double().norm().clamp_min(1e-300)
+    positive, negative = (part.double() @ unit for part in held)
+    if method == "probe":
+        scale = float(vector.double().norm())
+        threshold = -bias / scale if scale > 0 else 0.0
+    else:
+        threshold = float((train[0].double().mean(0) @ unit + train[1].double().mean(0) @ unit) / 2)
+    right = int((positive > threshold).sum()) + int((negative <= threshold).sum())
+    accuracy = right / (len(positive) + len(negative))
+    pooled = torch.cat([positive - positive.mean(), negative - negative.mean()])
+    spread = float(pooled.pow(2).mean().sqrt())
+    gap = float(positive.mean() - negative.mean())
+    separation = gap / spread if spread > 0 else math.copysign(math.inf, gap) if gap else 0.0
+    return {"accuracy": accuracy, "separation": separation}
+
+
+def _split(count: int, held_out: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+    held = max(1, round(count * held_out))
+    return order[held:], order[:held]
+
+
+def fit(positive: torch.Tensor, negative: torch.Tensor, method: str = "mean_difference", held_out: float = 0.25,
+        seed: int = 0) -> tuple[torch.Tensor, float, dict[str, float], dict[str, Any]]:
+    """One block's direction: (vector, bias, held-out scores, details), from ``[examples, hidden]`` per class.
+
+    Checks the examples first (both classes, finite, equal counts for
+    ``pca``'s pairs, enough for the split) and refuses them with the fix.
+    """
+    _check_examples(positive, negative, method, held_out)
+    scores: dict[str, float] = {}
+    if held_out > 0:
+        if method == "pca":
+            train, held = _split(len(positive), held_out, seed)
+            train_pos, train_neg, held_pos, held_neg = positive[train], negative[train], positive[held], negative[held]
+        else:
+            train_p, held_p = _split(len(positive), held_out, seed)
+            train_n, held_n = _split(len(negative), held_out, seed + 1)
+            train_pos, train_neg, held_pos, held_neg = positive[train_p], negative[train_n], positive[held_p], \
+                negative[held_n]
+        vector, bias, _ = _fit(method, train_pos, train_neg)
+        scores = _scores(method, vector, bias, (train_pos, train_neg), (held_pos, held_neg))
+    vector, bias, details = _fit(method, positive, negative)
+    details = {**details, "positives": len(positive), "negatives": len(negative), "held_out": held_out}
+    return vector, bias, scores, details
+
+
+def _check_examples(positive: torch.Tensor, negative: torch.Tensor, method: str, held_out: float) -> None:
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}.")
+    for name, part, other in (("positive", positive, negative), ("negative", negative, positive)):
+        if len(part) == 0:
+            raise ValueError(f"no {name} examples (and {len(other)} of the other class): a direction separates two "
+                             f"classes, so give examples of both (a probe on one class learns nothing).")
+        if not bool(torch.isfinite(part).all()):
+            raise ValueError(f"the {name} activations hold NaN or inf: harvest them again from a model whose "
+                             f"values are finite (a steer or edit may have written NaN).")
+    if positive.shape[1:] != negative.shape[1:]:
+        raise ValueError(f"the classes have widths {positive.shape[-1]} and {negative.shape[-1]}: take both "
+                         f"from the same value of the same model.")
+    if method == "pca" and len(positive) != len(negative):
+        raise ValueError(f"pca takes pairs: {len(positive)} positives and {len(negative)} negatives. Give one "
+                         f"negative per positive (contrastive pairs), or use method='mean_difference'.")
+    if method == "pca" and len(positive) < 2:
+        raise ValueError("pca needs at least 2 pairs (its differences are centred: one pair leaves nothing).")
+    if not 0 <= held_out < 1:
+        raise ValueError(f"held_out={held_out}: a fraction in [0, 1) of the examples kept out of the fit.")
+    if held_out > 0:
+        least = 2 if method == "pca" else 1  # training examples per class the fit needs
+        for name, part in (("positive", positive), ("negative", negative)):
+            if len(part) - max(1, round(len(part) * held_out)) < least:
+                raise ValueError(f"held_out={held_out} leaves too few {name} examples ({len(part)}) to both fit "
+                                 f"and score: give more examples, or held_out=0 (no scores).")
+
+
+# ---------------------------------------------------------------- per block, from prompts or harvests
+
+
+@dataclass
+class Sweep:
+    """The same method's direction at every block swept, with its scores: ``sweep[block]`` is a `Direction`."""
+
+    directions: list[Direction]
+    value: str
+    method: str
+
+    def __getitem__(self, layer: int) -> Direction:
+        for direction in self.directions:
+            if direction.layer == layer:
+                return direction
+        raise KeyError(f"block {layer} was not swept: the sweep has blocks {self.layers}.")
+
+    def __len__(self) -> int:
+        return len(self.directions)
+
+    def __iter__(self) -> Any:
+        return iter(self.directions)
+
+    @property
+    def layers(self) -> list[Optional[int]]:
+        return [direction.layer for direction in self.directions]
+
+    @property
+    def scores(self) -> dict[Optional[int], dict[str, float]]:
+        """block -> its held-out ``accuracy`` and ``separation``."""
+        return {direction.layer: dict(direction.scores) for direction in self.directions}
+
+    @property
+    def best(self) -> Direction:
+        """The block's direction with the highest held-out accuracy (then separation)."""
+        if not all(direction.scores for direction in self.directions):
+            raise ValueError("the sweep has no scores (held_out=0): pick a block by hand, sweep[block].")
+        return max(self.directions, key=lambda d: (d.scores["accuracy"], d.scores["separation"]))
+
+    def table(self) -> str:
+        """One line per block: accuracy and separation."""
+        lines = [f"{self.method} at {self.value}: block, held-out accuracy, separation"]
+        for direction in self.directions:
+            scores = direction.scores
+            lines.append(f"  block {direction.layer:>3}: {scores.get('accuracy', float('nan')):.3f}  "
+                         f"{scores.get('separation', float('nan')):+.2f}")
+        return "\n".join(lines)
+
+    def plot(self, path: Union[str, Path], *, dpi: int = 100) -> Path:
+        """A PNG of the scores per block: held-out accuracy (left axis) and separation (right)."""
+        from .plot import _pyplot, _save
+
+        plt = _pyplot()
+        figure, accuracy_axis = plt.subplots(figsize=(max(6.0, 0.25 * len(self.directions) + 2), 3.4))
+        blocks = [d.layer if d.layer is not None else -1 for d in self.directions]
+        accuracy_axis.plot(blocks, [d.scores.get("accuracy", float("nan")) for d in self.directions], "o-",
+                           color="tab:blue", label="held-out accuracy")
+        accuracy_axis.set_ylim(0, 1.05)
+        accuracy_axis.set_xlabel("block")
+        accuracy_axis.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+        accuracy_axis.set_ylabel("held-out accuracy", color="tab:blue")
+        separation_axis = accuracy_axis.twinx()
+        separation_axis.plot(blocks, [d.scores.get("separation", float("nan")) for d in self.directions], "s--",
+                             color="tab:orange", label="separation")
+        separation_axis.set_ylabel("separation (pooled std)", color="tab:orange")
+        accuracy_axis.set_title(f"{self.method} direction at {self.value}, per block", fontsize=10)
+        figure.tight_layout()
+        return _save(figure, path, dpi)
+
+
+def _activations(harvest: Harvest, value: str, layers: list[int]) -> torch.Tensor:
+    """``[layers, prompts, hidden]``: each prompt's harvested positions averaged, at the chosen blocks."""
+    if value not in harvest:
+        raise ValueError(f"the harvest holds {', '.join(harvest.keys())}, not {value!r}: harvest {value!r}, "
+                         f"or ask for one of those.")
+    tensors = harvest[value]
+    if value in ROOT_VALUES:
+        return torch.stack([tensor.float().mean(-2) for tensor in tensors]).unsqueeze(0)
+    missing = [layer for layer in layers if layer not in harvest.layers]
+    if missing:
+        raise ValueError(f"blocks {missing} are not in the harvest (it has {harvest.layers}): harvest them, or "
+                         f"sweep layers={harvest.layers}.")
+    slots = [harvest.layers.index(layer) for layer in layers]
+    return torch.stack([tensor[slots].float().mean(-2) for tensor in tensors], dim=1)
+
+
+def find(model: Any, positive: Examples, negative: Examples, value: str = "layer_output", layers: Any = None,
+         method: str = "mean_difference", positions: Any = "last", held_out: float = 0.25, seed: int = 0,
+         progress: bool = True, **harvest_options: Any) -> Sweep:
+    """The `method`'s direction at `value` of every block in `layers`, with held-out scores: a `Sweep`.
+
+    Args:
+        model: A streamscope model (either engine): it harvests the prompts
+            and names the directions' model.
+        positive, negative: Prompts (harvested here, with a progress bar), or
+            `Harvest` objects holding `value` at `layers`. Pairs for ``pca``.
+        value: A block's value, or a root value (then `layers` is ignored).
+        layers: Blocks to sweep (None: every block; an int for one).
+        method: ``"mean_difference"``, ``"pca"`` or ``"probe"``.
+        positions: Which prompt positions to harvest; each prompt's are averaged.
+        held_out: Fraction of the examples kept out of the fit to score it (0: no scores).
+        seed: The split's seed.
+    """
+    if value not in value_names():
+        raise ValueError(f"unknown value {value!r}: choose one of {', '.join(value_names())}.")
+    root = value in ROOT_VALUES
+    blocks = [] if root else layer_list(model, layers)
+    # Check what can be checked without running: the classes and the method.
+    counts = [len(positive.positions) if isinstance(positive, Harvest) else len(positive),
+              len(negative.positions) if isinstance(negative, Harvest) else len(negative)]
+    width = model.hidden_size
+    _check_examples(torch.zeros(counts[0], width), torch.zeros(counts[1], width), method, held_out)
+    harvests = []
+    for examples in (positive, negative):
+        if isinstance(examples, Harvest):
+            harvests.append(examples)
+        else:
+            if isinstance(examples, str):
+                raise TypeError("give a list of prompts for each class, not a single string.")
+            harvests.append(model.harvest(list(examples), value, layers=None if root else blocks, positions=positions,
+                                          progress=progress, **harvest_options))
+    per_class = [_activations(harvest, value, blocks) for harvest in harvests]
+    if per_class[0].shape[-1] != width or per_class[1].shape[-1] != width:
+        raise ValueError(f"the harvests are {per_class[0].shape[-1]} and {per_class[1].shape[-1]} wide, the model "
+                         f"{width}: harvest them from this model.")
+    made_on = identity(model)
+    directions = []
+    for slot, layer in enumerate(blocks or [None]):
+        vector, bias, scores, details = fit(per_class[0][slot], per_class[1][slot], method, held_out, seed)
+        directions.append(Direction(vector, value, layer, method, made_on, bias, scores,
+                                    {**details, "positions": positions if isinstance(positions, str) else "chosen"}))
+    return Sweep(directions, value, method)
+
+
+# ---------------------------------------------------------------- repeng's control-vector GGUF files
+
+
+def export_gguf(directions: Union[Sweep, Sequence[Direction]], path: Union[str, Path]) -> Path:
+    """Write directions at ``layer_output`` as a repeng / llama.cpp control-vector GGUF file.
+
+    ``direction.N`` is block N's vector, ``controlvector.model_hint`` the
+    model type, ``controlvector.layer_count`` the number of directions.
+    """
+    import gguf
+    import numpy as np
+
+    directions = list(directions)
+    if not directions:
+        raise ValueError("export_gguf needs at least one direction.")
+    wrong = [f"{d.value} at block {d.layer}" for d in directions if d.value != "layer_output" or d.layer is None]
+    if wrong:
+        raise ValueError(f"a control vector adds to blocks' outputs: these directions are elsewhere ({', '.join(wrong)})."
+                         f" Find them at value='layer_output'.")
+    layers = [d.layer for d in directions]
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"one direction per block in a control vector: blocks {layers} repeat.")
+    hints = {d.model.get("model_type") for d in directions}
+    if len(hints) != 1:
+        raise ValueError(f"the directions come from models of types {sorted(map(str, hints))}: export one model's.")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), "controlvector")
+    writer.add_string("controlvector.model_hint", str(hints.pop()))
+    writer.add_uint32("controlvector.layer_count", len(directions))
+    for direction in sorted(directions, key=lambda d: d.layer or 0):
+        writer.add_tensor(f"direction.{direction.layer}", direction.vector.detach().float().cpu().numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def import_gguf(path: Union[str, Path], model: Any, check_hint: bool = True) -> list[Direction]:
+    """The directions of a repeng / llama.cpp control-vector GGUF file, for `model`'s blocks' outputs.
+
+    Refused, with the reason, where the file's width or blocks do not fit the
+    model, or (unless ``check_hint=False``) its model hint names another type.
+    Steer with all of them: ``[d.steer(scale=coefficient) for d in directions]``.
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    fields = reader.fields
+
+    def text(name: str) -> Optional[str]:
+        found = fields.get(name)
+        return None if found is None else bytes(found.parts[found.data[0]]).decode("utf-8")
+
+    if text("general.architecture") != "controlvector":
+        raise ValueError(f"{path} is not a control-vector GGUF (general.architecture is "
+                         f"{text('general.architecture')!r}, not 'controlvector').")
+    hint = text("controlvector.model_hint")
+    made_on = identity(model)
+    if check_hint and hint is not None and hint != made_on["model_type"]:
+        raise ValueError(f"{path} was made for a {hint!r} model, and this is a {made_on['model_type']!r} one. Load "
+                         f"the model it was made for, or pass check_hint=False where the types are the same "
+                         f"architecture under two names.")
+    directions = []
+    for tensor in reader.tensors:
+        if not tensor.name.startswith("direction."):
+            continue
+        layer = int(tensor.name.split(".", 1)[1])
+        vector = torch.tensor(tensor.data.astype("float32")).reshape(-1)
+        if vector.shape[0] != made_on["hidden_size"]:
+            raise ValueError(f"{path}: {tensor.name} is {vector.shape[0]} wide and the model's stream "
+                             f"{made_on['hidden_size']}: it was made for another model.")
+        if not 0 <= layer < made_on["num_layers"]:
+            raise ValueError(f"{path}: {tensor.name} names block {layer}, and the model has {made_on['num_layers']} "
+                             f"blocks: it was made for another model.")
+        directions.append(Direction(vector, "layer_output", layer, "gguf", {**made_on, "name": str(path)},
+                                    details={"model_hint": hint}))
+    if not directions:
+        raise ValueError(f"{path} holds no direction.N tensors.")
+    return sorted(directions, key=lambda d: d.layer or 0)
+
+
+def steers(directions: Union[Sweep, Sequence[Direction]], mode: str = "add", scale: float = 1.0,
+           **options: Any) -> list[Steer]:
+    """One `Steer` per direction (a control vector's blocks, a sweep's), all with the same settings."""
+    return [direction.steer(mode=mode, scale=scale, **options) for direction in directions]
+
+
+__all__ = ["Direction", "Sweep", "find", "fit", "mean_difference", "pca", "probe", "export_gguf", "import_gguf",
+           "steers", "identity", "METHODS"]

@@ -1,0 +1,189 @@
+"""What differs between the engines that the workflows need, as one object a model holds: `model.engine`.
+
+A workflow (a cache, the logit lens, patching) is written once against this
+object and the public names; it never asks which engine runs the model. Each
+engine supplies a subclass (`streamscope.transformers.engine`,
+`streamscope.vllm.engine`) that the model builds on first use. To add an
+engine, subclass `Engine` and provide every method below that raises
+NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
+
+if TYPE_CHECKING:  # torch loads with an engine, not with the engines' names (the command line's choices)
+    import torch
+
+#: The engines, by the name `streamscope.load(engine=...)` takes, and the module that serves each.
+MODULES: Mapping[str, str] = {"transformers": "streamscope.transformers", "vllm": "streamscope.vllm"}
+
+#: A prompt as a run takes it: text (tokenized by the model's tokenizer) or token ids, run as they are.
+Prompt = Union[str, list[int]]
+#: What a run's body returns for one prompt: the tensors to bring back, in order.
+Body = Callable[[], Sequence["torch.Tensor"]]
+
+
+class Engine:
+    """One engine's way of running prompts and reaching its weights, for a model of it (`model.engine`).
+
+    Methods that run prompts take a `body`, called inside the trace (on vLLM
+    in its worker) where the model's values can be read, and bring back what
+    it returns for every prompt as a list, one entry per prompt: never a
+    single value for one prompt and a list for several.
+    """
+
+    #: The engine's name, as `streamscope.load(engine=...)` takes it.
+    name: ClassVar[str] = "engine"
+    #: The settings a trace takes to run its prompts through one forward pass (no further tokens sampled).
+    one_forward: ClassVar[Mapping[str, Any]] = {}
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
+    def run(self, prompts: Sequence[Prompt], body: Body, seq_axes: Sequence[tuple[int, ...]]) -> list[list[torch.Tensor]]:
+        """Each prompt's tensors from `body`, run once per prompt: ``[prompt][tensor]``, each ``[1, ...]``.
+
+        A prompt is a string or its token ids (a list of ints, run as they are).
+
+        `seq_axes` gives, per tensor `body` returns, the axes that run over the
+        prompt's positions: every tensor comes back cut to the prompt's own
+        tokens, whether the engine ran the prompts as one padded batch or as
+        one request each.
+        """
+        raise NotImplementedError
+
+    def run_each(self, prompt: str, bodies: Sequence[Body]) -> list[list[torch.Tensor]]:
+        """`prompt` run once per body, each in its own invoke (an edit each, say): ``[body][tensor]``."""
+        raise NotImplementedError
+
+    def unembed(self, normed: torch.Tensor) -> torch.Tensor:
+        """Inside a trace: the logits ``[tokens, vocab_size]`` of final-norm outputs ``[tokens, hidden_size]``.
+
+        The model's own unembedding, then whatever scaling or soft cap its
+        head applies after it, as the model computes its logits.
+        """
+        raise NotImplementedError
+
+    def norm_parameters(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], float]:
+        """The final norm's ``(weight, bias, eps)``, copies on this process (None where the norm has none)."""
+        raise NotImplementedError
+
+    def unembedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[len(ids), hidden_size]``: the unembedding's rows for token `ids` (the head's, or the tied embedding's)."""
+        raise NotImplementedError
+
+    def output_projections(self) -> list[torch.Tensor | str]:
+        """Per block: its attention's output projection as a Linear's weight ``[hidden_size, heads * head_dim]``
+        (`output_projection`), copies on this process, or the reason the block has none (a sentence)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Give the engine's resources back; the model serves no more traces where the engine holds any."""
+
+
+def engine_module(name: str) -> Any:
+    """The module that serves the engine called `name` (its ``load``)."""
+    if name not in MODULES:
+        raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(MODULES)}")
+    return importlib.import_module(MODULES[name])
+
+
+#: What a command-line run (the demo, `streamscope check`, the `streamscope` command) sets in its environment
+#: before it loads each engine, unless already set: vLLM's engine in the command's own process.
+PROCESS_ENVIRONMENT: Mapping[str, Mapping[str, str]] = {"vllm": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+
+
+def prepare_process(name: str) -> None:
+    """Set up this process for a command-line run on the engine `name`, before the engine is loaded."""
+    if name not in MODULES:
+        raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(MODULES)}")
+    for key, value in PROCESS_ENVIRONMENT.get(name, {}).items():
+        os.environ.setdefault(key, value)
+
+
+def right_padded(tokenizer: Any, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, mask)``, both ``[len(prompts), longest]``: the prompts' token ids padded on the right.
+
+    A prompt is text (tokenized here) or its token ids (kept as they are).
+
+    Right padding leaves every real position's value exactly as the prompt
+    alone gives it (positions count from the first token).
+    """
+    import torch
+
+    encoded = [tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt) for prompt in prompts]
+    longest = max(map(len, encoded))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    tokens = torch.full((len(prompts), longest), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), longest, dtype=torch.bool)
+    for row, ids in enumerate(encoded):
+        tokens[row, : len(ids)] = torch.tensor(ids)
+        mask[row, : len(ids)] = True
+    return tokens, mask
+
+
+def cut(value: torch.Tensor, row: int, length: int, axes: tuple[int, ...]) -> torch.Tensor:
+    """Row `row` of a right-padded batch as ``[1, ...]``, its `axes` cut to the first `length` positions."""
+    index: list[Any] = [slice(row, row + 1)] + [slice(None)] * (value.dim() - 1)
+    for axis in axes:
+        index[axis] = slice(0, length)
+    return value[tuple(index)]
+
+
+def norm_parameters(module: torch.nn.Module) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], float]:
+    """A norm module's ``(weight, bias, eps)``, detached copies (None where it has none; eps 1e-5 where unstated)."""
+    weight = getattr(module, "weight", None)
+    bias = getattr(module, "bias", None)
+    eps = next((getattr(module, name) for name in ("eps", "variance_epsilon", "epsilon")
+                if isinstance(getattr(module, name, None), float)), 1e-5)
+    return (None if weight is None else weight.detach().clone(),
+            None if bias is None else bias.detach().clone(), float(eps))
+
+
+#: What the attention's output projection is called, across the families (a Linear, or GPT-2's Conv1D).
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj")
+
+
+def output_projection(attention: torch.nn.Module, width: int) -> torch.Tensor | str:
+    """`attention`'s output projection as a Linear's weight ``[hidden, width]``, or the reason it has none.
+
+    Read by applying the projection to the identity, less its output at zero
+    (the bias): the engines keep the weight in layouts of their own (GPT-2's
+    Conv1D is ``[in, out]``; vLLM's CPU kernels pack it and leave ``weight``
+    empty), and this reads what the projection computes whatever the layout.
+    """
+    import torch
+
+    for name in OUTPUT_PROJECTIONS:
+        module = getattr(attention, name, None)
+        if isinstance(module, torch.nn.Module):
+            reference = next(iter(module.parameters()), None)
+            dtype = reference.dtype if reference is not None else torch.float32
+            device = reference.device if reference is not None else "cpu"
+            probe = torch.cat([torch.zeros(1, width), torch.eye(width)]).to(dtype=dtype, device=device)
+            with torch.no_grad():
+                out = module(probe)
+            out = out[0] if isinstance(out, tuple) else out
+            return (out[1:] - out[:1]).t().float().cpu().clone()
+    return (f"its attention ({type(attention).__name__}) has none of the output projections streamscope knows "
+            f"({', '.join(OUTPUT_PROJECTIONS)})")
+
+
+def attention_modules(root: Any, num_layers: int) -> list[Any]:
+    """Per block of the envoy tree `root`: its attention module, or the reason it has none (a sentence)."""
+    from . import nnsight_seam as seam
+    from .errors import Unavailable
+
+    found: list[Any] = []
+    for index in range(num_layers):
+        try:
+            found.append(seam.module_of(root.layers[index].self_attn))
+        except (AttributeError, Unavailable) as error:
+            found.append(f"there is no attention module to read its output projection from ({error})")
+    return found

@@ -1,0 +1,81 @@
+"""The vLLM engine as the workflows see it: one request per prompt, the weights read in the worker by RPC."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Optional, Sequence
+
+import nnsight
+import torch
+
+from .. import nnsight_seam as seam
+from ..engine import Body, Engine, Prompt
+from .logits import engine_logits
+
+#: Sampling that runs a prompt through one forward pass and stops.
+ONE_FORWARD = {"temperature": 0.0, "max_tokens": 1}
+
+
+class VllmEngine(Engine):
+    """Runs each prompt as its own request (its values come back as ``[1, tokens, ...]``); reads weights in the worker."""
+
+    name = "vllm"
+    one_forward = ONE_FORWARD
+
+    def run(self, prompts: Sequence[Prompt], body: Body, seq_axes: Sequence[tuple[int, ...]]) -> list[list[torch.Tensor]]:
+        # A request holds its prompt's tokens only: nothing to cut, whatever the seq axes.
+        model = self.model
+        with model.trace(**ONE_FORWARD) as tracer:
+            for prompt in prompts:
+                with tracer.invoke(prompt):
+                    found = nnsight.save(list(body()))
+        return _per_invoke(found, len(prompts))
+
+    def run_each(self, prompt: str, bodies: Sequence[Body]) -> list[list[torch.Tensor]]:
+        model = self.model
+        with model.trace(**ONE_FORWARD) as tracer:
+            for body in bodies:
+                with tracer.invoke(prompt):
+                    found = nnsight.save(list(body()))
+        return _per_invoke(found, len(bodies))
+
+    def unembed(self, normed: torch.Tensor) -> torch.Tensor:
+        # In the worker: the engine's own head, soft cap and scale (its logits processor's).
+        return engine_logits(seam.module_of(self.model), normed)
+
+    def norm_parameters(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], float]:
+        return _rpc(self.model, "streamscope_norm_parameters")
+
+    def unembedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        # as plain ints: vLLM's broadcast to worker processes cannot pickle a tensor's storage
+        return _rpc(self.model, "streamscope_unembedding_rows", [int(i) for i in ids.flatten()]).reshape(
+            *ids.shape, -1)
+
+    def output_projections(self) -> list[torch.Tensor | str]:
+        model = self.model
+        return _rpc(model, "streamscope_output_projections", model.num_layers, model.num_heads * model.head_dim)
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def _per_invoke(saved: Any, count: int) -> list:
+    """What a trace of `count` invokes saved under one name, one entry per invoke.
+
+    nnsight's vLLM client returns a name saved by several invokes as a list
+    in submission order, and one saved by a single invoke as that value.
+    """
+    return [saved] if count == 1 else list(saved)
+
+
+def _rpc(model: Any, method: str, *args: Any) -> Any:
+    """The first worker's answer to its method `method` (`streamscope.vllm.bulk_worker.BulkRPC`).
+
+    Under tensor parallelism every rank answers; an engine in another process
+    sends its answer pickled.
+    """
+    from vllm import envs
+
+    inline = not envs.VLLM_ENABLE_V1_MULTIPROCESSING
+    answer = model.vllm_entrypoint.collective_rpc(method, args=(inline, model.config.model_type, *args))[0]
+    return answer if inline else pickle.loads(answer)

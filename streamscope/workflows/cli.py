@@ -1,0 +1,164 @@
+"""The `streamscope` command: support tables, checks, logit lenses, patching and attention plots from a shell.
+
+    streamscope map PATH
+    streamscope check PATH --engines transformers,vllm
+    streamscope lens PATH "The capital of France is" --png lens.png
+    streamscope patch PATH --clean "..." --corrupted "..." --answer " Paris" --wrong " Rome" --png patch.png
+    streamscope attention PATH "prompt" --layer 3 --png pattern.png
+    streamscope serve PATH [--taps ...] [any vllm serve option]     (vLLM's OpenAI-compatible server, steerable)
+
+PATH is a checkpoint folder, or ``smollm2`` for SmolLM2-135M-Instruct (fetched and converted once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from typing import Any, Optional, Sequence
+
+from ..engine import MODULES, prepare_process
+
+
+def _path(text: str) -> str:
+    from ..models import resolve
+
+    return str(resolve(text))
+
+
+def _load(path: str, engine: str) -> Any:
+    import streamscope
+
+    prepare_process(engine)  # vLLM: one engine in this process
+    return streamscope.load(_path(path), engine=engine)
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def command_map(arguments: argparse.Namespace) -> int:
+    model = _load(arguments.path, arguments.engine)
+    print(model.support())
+    print(f"\n{model.num_layers} blocks, hidden {model.hidden_size}, vocabulary {model.vocab_size}")
+    return 0
+
+
+def command_check(arguments: argparse.Namespace) -> int:
+    from .check import check
+
+    engines = tuple(engine.strip() for engine in arguments.engines.split(",") if engine.strip())
+    unknown = [engine for engine in engines if engine not in MODULES]
+    if unknown:
+        print(f"unknown engine {', '.join(unknown)}: choose from {', '.join(MODULES)}", file=sys.stderr)
+        return 2
+    for engine in engines:
+        prepare_process(engine)
+    from ..testing.oracle import UnknownFamily
+
+    try:
+        report = check(_path(arguments.path), engines, prompt=arguments.prompt)
+    except UnknownFamily as refused:
+        print(f"streamscope check: {refused}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0 if report.passed else 1
+
+
+def command_lens(arguments: argparse.Namespace) -> int:
+    from .logit_lens import lens
+
+    model = _load(arguments.path, arguments.engine)
+    result = lens(model, arguments.prompt, value=arguments.value, top_k=max(arguments.top_k, 1))
+    print(result.table(position=arguments.position, k=arguments.top_k))
+    if arguments.png:
+        print(f"wrote {result.plot(arguments.png)}")
+    return 0
+
+
+def command_patch(arguments: argparse.Namespace) -> int:
+    from .patching import patch
+
+    model = _load(arguments.path, arguments.engine)
+    result = patch(model, arguments.clean, arguments.corrupted, answer=arguments.answer, wrong=arguments.wrong,
+                   value=arguments.value)
+    print(result)
+    if arguments.png:
+        print(f"wrote {result.plot(arguments.png)}")
+    return 0
+
+
+def command_attention(arguments: argparse.Namespace) -> int:
+    from .plot import attention
+
+    model = _load(arguments.path, arguments.engine)
+    cache = model.cache(arguments.prompt, values=["self_attn.pattern"], layers=[arguments.layer], logits=False)
+    tokens = [model.tokenizer.decode([int(token)]) for token in cache.tokens[0]]
+    pattern = cache[f"layers.{arguments.layer}.self_attn.pattern"]
+    print(f"wrote {attention(pattern, tokens, arguments.png, title=f'block {arguments.layer}')}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="streamscope", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = root.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help_text: str, function: Any, engine: bool = True) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("path", help="a checkpoint folder, or smollm2")
+        if engine:
+            sub.add_argument("--engine", default="transformers", choices=tuple(MODULES))
+        sub.set_defaults(function=function)
+        return sub
+
+    command("map", "print the support table: every value each block serves, or why not", command_map)
+    check = command("check", "compare every served value on each engine with transformers' own forward; "
+                    "exit 1 when any exceeds its tolerance", command_check, engine=False)
+    check.add_argument("--engines", default="transformers,vllm", help="comma-separated (default: both)")
+    check.add_argument("--prompt", default="The Eiffel Tower is in Paris, and the quick brown fox")
+    lens = command("lens", "the logit lens: every block's stream through the model's own head", command_lens)
+    lens.add_argument("prompt")
+    lens.add_argument("--png", help="write the heatmap to this file")
+    lens.add_argument("--top-k", type=int, default=3)
+    lens.add_argument("--position", type=int, default=-1)
+    lens.add_argument("--value", default="layer_output", help="the block value read (default: layer_output)")
+    patch = command("patch", "activation patching from a clean into a corrupted prompt", command_patch)
+    patch.add_argument("--clean", required=True)
+    patch.add_argument("--corrupted", required=True)
+    patch.add_argument("--answer", required=True, help="the clean answer token (text or id)")
+    patch.add_argument("--wrong", required=True, help="the corrupted answer token (text or id)")
+    patch.add_argument("--value", default="layer_output",
+                       help="layer_output, layer_input, layer_mid, attention_output, mlp_output or head_outputs")
+    patch.add_argument("--png", help="write the heatmap to this file")
+    attention = command("attention", "plot a block's attention pattern, one panel per head", command_attention)
+    attention.add_argument("prompt")
+    attention.add_argument("--layer", type=int, default=0)
+    attention.add_argument("--png", required=True)
+    return root
+
+
+def _token(text: str) -> Any:
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # every vllm serve option is its own: vLLM's parser reads the rest
+        from ..serve.server import main as serve
+
+        return serve(argv[1:])
+    arguments = parser().parse_args(argv)
+    for name in ("answer", "wrong"):
+        if hasattr(arguments, name):
+            setattr(arguments, name, _token(getattr(arguments, name)))
+    _quiet()
+    return arguments.function(arguments)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
