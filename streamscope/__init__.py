@@ -12,7 +12,7 @@ from .support import BlockSupport, ModelSupport
 
 __all__ = ["load", "Unavailable", "UnsupportedCheckpoint", "BlockSupport", "ModelSupport", "Steer", "apply_steers",
            "Harvest", "Generation", "load_harvest", "iter_harvest", "Cache", "Lens", "lens", "Patching", "patch",
-           "Client"]
+           "Client", "plot", "views", "directions", "sae"]
 
 #: The engines `load` takes, by name.
 ENGINES = tuple(MODULES)
@@ -22,7 +22,8 @@ _WORKFLOWS = {"Client": "serve.client", "Cache": "workflows.cache", "Lens": "wor
               "lens": "workflows.logit_lens", "Patching": "workflows.patching", "patch": "workflows.patching"}
 #: Workflow modules reached as attributes of the package, as they were before they moved to `workflows/`.
 _MODULES = {"plot": "workflows.plot", "cache": "workflows.cache", "logit_lens": "workflows.logit_lens",
-            "patching": "workflows.patching", "check": "workflows.check", "directions": "directions", "sae": "sae"}
+            "patching": "workflows.patching", "check": "workflows.check", "directions": "directions", "sae": "sae",
+            "views": "workflows.views"}
 
 
 def __getattr__(name: str) -> Any:
@@ -40,6 +41,11 @@ def __getattr__(name: str) -> Any:
 
         return importlib.import_module(f".{_MODULES[name]}", __name__)
     raise AttributeError(f"module 'streamscope' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The lazily loaded names too: dir(), help(streamscope) and tab completion list them.
+    return sorted(set(globals()) | set(__all__))
 
 
 def load(path: str | Path, engine: str = "transformers", **kwargs: Any) -> Any:

@@ -363,7 +363,7 @@ class Sweep:
 
     def plot(self, path: Union[str, Path], *, dpi: int = 100) -> Path:
         """A PNG of the scores per block: held-out accuracy (left axis) and separation (right)."""
-        from .plot import _pyplot, _save
+        from .workflows.plot import _pyplot, _save
 
         plt = _pyplot()
         figure, accuracy_axis = plt.subplots(figsize=(max(6.0, 0.25 * len(self.directions) + 2), 3.4))

@@ -46,7 +46,7 @@ DICTIONARY_LEARNING_SITES = {"resid_post": "layer_output", "resid_pre": "layer_i
 
 def value_of_hook(hook_name: str) -> tuple[str, Optional[int]]:
     """A TransformerLens hook name (``blocks.5.hook_resid_post``) as streamscope's (value, block)."""
-    from .cache import TL_BLOCK, TL_ROOT
+    from .workflows.cache import TL_BLOCK, TL_ROOT
 
     if hook_name in TL_ROOT:
         return TL_ROOT[hook_name], None
@@ -385,7 +385,7 @@ def write_sae_lens_cache(harvest: Any, token_ids: Sequence[Sequence[int]], folde
 def harvest_for_sae_lens(model: Any, prompts: Sequence[Any], folder: Union[str, Path], hook_name: str,
                          context_size: int, **options: Any) -> Path:
     """Harvest `prompts` at the value `hook_name` names and write SAELens's cached-activations folder."""
-    from .bulk.transformers import token_ids
+    from .bulk.spec import token_ids
 
     value, layer = value_of_hook(hook_name)
     ids = token_ids(model, prompts)

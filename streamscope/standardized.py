@@ -168,6 +168,23 @@ class Standardized(StreamEnvoy):
         """The number of logits per position."""
         return self._size("vocab_size", "vocab_size")
 
+    def trace(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the model on `inputs` and serve its values under streamscope's names inside the ``with`` block.
+
+            with model.trace("The Eiffel Tower is in"):
+                mid = model.layers[1].layer_mid.save()           # read: a private copy, [batch, seq, hidden_size]
+                model.layers[1].layer_output[:, -1] += vector    # edit in place: reaches the model
+                model.layers[2].skip(model.layers[2].layer_input)
+                logits = model.logits.save()
+
+        `inputs` is a prompt, a list of prompts or token ids; with none, add prompts with
+        ``tracer.invoke(prompt)`` inside. Read values in the order the model computes them
+        (`model.support()` lists them). On vLLM pass sampling settings
+        (``model.trace(prompt, temperature=0.0, max_tokens=1)``); ``tracer.iter[:]`` steps through the
+        generated tokens, and each invoke's values are ``[1, tokens, hidden_size]``.
+        """
+        return super().trace(*inputs, **kwargs)  # type: ignore[misc]
+
     def cache(self, prompts: Any, values: Any = None, layers: Any = None, **kwargs: Any) -> Any:
         """Run `prompts` (a string or a list) and keep `values` of `layers` in a `streamscope.Cache`.
 

@@ -281,7 +281,8 @@ class StreamValue(LocatedProperty):
         # batcher does, would leave the block's own aliases of the old one.)
         if value is held:  # `value += x` edited the read in place and assigns it back
             return
-        self.validate(host, tuple(held.shape), value, held)
+        # Shape and type now, at the user's line; the NaN scan once, when the copy goes back to the model.
+        self.validate(host, tuple(held.shape), value, held, warn=False)
         _retire(mediator, held, f"{host.where()}.{self.name}")
         self.rebind(host, mediator, _copy(value.to(held.dtype), edited=True))
 
@@ -308,9 +309,10 @@ class StreamValue(LocatedProperty):
         self.validate(host, tuple(live.shape), value, live)
         return value
 
-    def validate(self, host: Host, expected: tuple[int, ...], value: Any, current: Optional[torch.Tensor]) -> None:
-        """Refuse what cannot be written here; warn where `value` brings NaN or inf into finite numbers."""
-        check_write(f"{host.where()}.{self.name}", self.shape, expected, value, current)
+    def validate(self, host: Host, expected: tuple[int, ...], value: Any, current: Optional[torch.Tensor],
+                 warn: bool = True) -> None:
+        """Refuse what cannot be written here; warn (where `warn`) where `value` brings NaN or inf into finite numbers."""
+        check_write(f"{host.where()}.{self.name}", self.shape, expected, value, current, warn=warn)
 
     def refuse(self, host: Host, expected: tuple[int, ...], value: Any) -> None:
         refuse_write(f"{host.where()}.{self.name}", self.shape, expected, value)
@@ -341,7 +343,7 @@ def refuse_write(name: str, shape: str, expected: tuple[int, ...], value: Any) -
 
 
 def check_write(name: str, shape: str, expected: tuple[int, ...], value: Any,
-                current: Optional[torch.Tensor] = None) -> None:
+                current: Optional[torch.Tensor] = None, warn: bool = True) -> None:
     """Refuse `value` as a write of `name` unless it is a real tensor of numbers of the `expected` shape.
 
     A bool or complex tensor is not a value of the stream, and a meta tensor
@@ -362,7 +364,7 @@ def check_write(name: str, shape: str, expected: tuple[int, ...], value: Any,
             f"'meta' device, as under `init_empty_weights` or `device='meta'`). Make it on the model's "
             f"device instead, e.g. `torch.zeros(..., device={name}.device)`."
         )
-    if WARN_NON_FINITE and value.is_floating_point():
+    if warn and WARN_NON_FINITE and value.is_floating_point():
         finite = torch.isfinite(value)
         if bool(finite.all()):  # the common case, in one reduction
             return

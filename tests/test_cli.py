@@ -31,7 +31,7 @@ def streamscope_command(*arguments: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=environment, timeout=600)
 
 
-def assert_image(path: Path, size: tuple[float, float], dpi: int = 100) -> None:
+def assert_image(path: Path, size: tuple[float, float], dpi: int = plot.DPI) -> None:
     assert path.exists() and path.stat().st_size > 0
     pixels = matplotlib.image.imread(str(path))
     assert pixels.shape[:2] == (round(size[1] * dpi), round(size[0] * dpi))

@@ -9,13 +9,14 @@ A Python block without such a comment fails `test_every_block_says_how_it_runs`,
 go untested by accident. Blocks under a heading named "Serving" (at any level) are skipped with that
 reason: they need a running `streamscope serve` server, and the serving feature's own tests run them.
 
-The blocks of a page run in order, one namespace per engine, as a reader would paste them into one session:
-a later block uses the `model` an earlier one loaded. Before the first block each namespace holds what the
+The blocks run in the pages' order, one test and one namespace per engine, as a reader would paste them
+into one session: a later block uses the `model` an earlier one loaded (one test per engine keeps that order
+under pytest-xdist too). Before the first block each namespace holds what the
 examples take as given (`prompt`, `prompts`, `steering_vector`/`vector`/`v` of the model's width, `clean`,
 `corrupted`, `my_metric`, `paris_id`, `i`, `path`, `torch`, `streamscope`). The model is the tiny Llama
 `build_checkpoint` writes, with a tokenizer trained on the examples' own strings, so that " Paris" is one
 token as in a real model's vocabulary; paths under /tmp/ in a block are moved to the test's temporary folder,
-and the blocks run there, in a folder per engine (files they write land in it). A vLLM engine a block replaces is closed.
+and the blocks run there (files they write land in it). A vLLM engine a block replaces is closed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import pytest
 
@@ -105,8 +106,6 @@ def _block(page: Path, start: int, headings: list[str], code: str, before: str) 
 
 
 ALL = [block for page in PAGES for block in blocks(page)]
-RUNS = [(block, engine) for block in ALL for engine in (block.engines or ("transformers",))
-        if not block.problems and block.directive is not None or block.skip is not None]
 
 
 def test_every_block_says_how_it_runs():
@@ -145,72 +144,71 @@ def _corpus() -> list[str]:
 
 
 class Session:
-    """One namespace per engine, as a reader's session; engines closed at the end."""
+    """One engine's namespace, as a reader's session of the page; its engines closed at the end."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, engine: str):
         import torch
 
         import streamscope
         from streamscope.testing import build_checkpoint
         from streamscope.testing.tokenizer import save_tokenizer
 
-        self.folder = folder
+        self.folder, self.engine = folder, engine
         path = build_checkpoint("llama", folder / "tiny-llama")
         tokenizer = save_tokenizer(path, corpus=_corpus())
-        hidden = 64
         torch.manual_seed(0)
-        vector = torch.randn(hidden) * 0.1
+        vector = torch.randn(64) * 0.1  # the tiny Llama's width
         paris, rome = (tokenizer(word, add_special_tokens=False)["input_ids"] for word in (" Paris", " Rome"))
         assert len(paris) == len(rome) == 1, "the examples' answers should be one token each"
-        given = {"torch": torch, "streamscope": streamscope, "path": path, "prompt": "The Eiffel Tower is in",
-                 "prompts": ["The Eiffel Tower is in", "The capital of France is", "Rome is the capital of"],
-                 "steering_vector": vector, "vector": vector, "v": vector, "i": 0,
-                 "clean": "The capital of France is", "corrupted": "The capital of Italy is",
-                 "paris_id": paris[0], "my_metric": lambda logits: logits[paris[0]] - logits[rome[0]]}
-        self.spaces = {engine: dict(given) for engine in ENGINES}
+        self.space = {"torch": torch, "streamscope": streamscope, "path": path, "prompt": "The Eiffel Tower is in",
+                      "prompts": ["The Eiffel Tower is in", "The capital of France is", "Rome is the capital of"],
+                      "steering_vector": vector, "vector": vector, "v": vector, "i": 0,
+                      "clean": "The capital of France is", "corrupted": "The capital of Italy is",
+                      "paris_id": paris[0], "my_metric": lambda logits: logits[paris[0]] - logits[rome[0]]}
 
-    def run(self, block: Block, engine: str) -> None:
-        space = self.spaces[engine]
-        if engine == "vllm" and "model" not in space and "streamscope.load(" not in block.code:
+    def run(self, block: Block) -> None:
+        space = self.space
+        if self.engine == "vllm" and "model" not in space and "streamscope.load(" not in block.code:
             import streamscope
 
             space["model"] = streamscope.load(space["path"], engine="vllm")
         before = space.get("model")
         code = block.code.replace("/tmp/", f"{self.folder}/")
         # nnsight reads a trace's body back from its source file: the block runs from a file of its own.
-        source = self.folder / f"{block.page.stem}_{block.line}_{engine}.py"
+        source = self.folder / f"{block.page.stem}_{block.line}_{self.engine}.py"
         source.write_text(code + "\n")
-        # Each engine's session has a folder of its own for the files its blocks write (acts/, lens.png).
-        workdir = self.folder / engine
-        workdir.mkdir(exist_ok=True)
-        os.chdir(workdir)
+        os.chdir(self.folder)  # files the blocks write (acts/, lens.png) land in the session's folder
         exec(compile(code, str(source), "exec"), space)  # noqa: S102 - the README's own code
         after = space.get("model")
         if before is not None and after is not before and hasattr(before, "close"):
             before.close()
 
     def close(self) -> None:
-        for space in self.spaces.values():
-            model = space.get("model")
-            if hasattr(model, "close"):
-                model.close()
+        model = self.space.get("model")
+        if hasattr(model, "close"):
+            model.close()
 
 
-@pytest.fixture(scope="module")
-def session(tmp_path_factory):
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    folder = tmp_path_factory.mktemp("readme")
-    here = Path.cwd()
-    os.chdir(folder)
-    session = Session(folder)
-    yield session
-    session.close()
-    os.chdir(here)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_blocks_run_as_written_in_order(engine: str, tmp_path, monkeypatch):
+    """One test per engine, so the blocks run in the page's order in one session (also under pytest-xdist)."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    monkeypatch.chdir(tmp_path)
+    runs = [block for block in ALL if block.skip is None and engine in block.engines]
+    assert runs, f"no README block runs on {engine}"
+    session = Session(tmp_path, engine)
+    try:
+        for block in runs:
+            try:
+                session.run(block)
+            except Exception as error:
+                raise AssertionError(f"{block.name} (under {' > '.join(block.headings)!r}) failed on {engine}: "
+                                     f"{type(error).__name__}: {error}") from error
+    finally:
+        session.close()
 
 
-@pytest.mark.parametrize("block, engine", RUNS, ids=[f"{block.name}-{engine}" for block, engine in RUNS])
-def test_block_runs_as_written(session: Any, block: Block, engine: str):
-    if block.skip is not None:
-        pytest.skip(block.skip)
-    session.run(block, engine)
+@pytest.mark.parametrize("block", [block for block in ALL if block.skip is not None], ids=lambda block: block.name)
+def test_skipped_blocks_say_why(block: Block):
+    pytest.skip(block.skip)

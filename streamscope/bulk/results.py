@@ -60,6 +60,20 @@ class Harvest:
     def keys(self) -> list[str]:
         return list(self.values)
 
+    def __repr__(self) -> str:
+        from ..workflows.display import shape
+
+        first = {value: shape(tensors[0]) if tensors else "[]" for value, tensors in self.values.items()}
+        held = ", ".join(f"{value} {size}" for value, size in first.items())
+        return f"Harvest({len(self)} prompts, blocks {self.layers}; prompt 0: {held})"
+
+    def _repr_html_(self) -> str:
+        from ..workflows.display import shape, table
+
+        rows = [[value, len(tensors), shape(tensors[0]) if tensors else "-"] for value, tensors in self.values.items()]
+        return table(f"harvest of {len(self)} prompts at blocks {self.layers}", ["value", "prompts", "prompt 0's shape"],
+                     rows)
+
     def stacked(self, value: str) -> torch.Tensor:
         """One tensor ``[prompts, layers, positions, hidden]`` (root: ``[prompts, positions, hidden]``).
 
@@ -165,7 +179,8 @@ class Generation:
 
     Attributes:
         tokens: The generated token ids.
-        texts: The generated texts.
+        texts: The generated texts (on vLLM its own detokenizer's, which leaves out a last character whose
+            bytes the tokens end before completing; transformers' decode shows it as U+FFFD).
         logits: Per prompt, ``[steps, vocab_size]`` float32: the logits each
             generated token was sampled from (with ``return_logits=True``), else None.
         harvest: The prompts' harvest (a `Harvest`, or the folder it was written
@@ -176,3 +191,20 @@ class Generation:
     texts: list[str]
     logits: Optional[list[torch.Tensor]] = None
     harvest: Any = None
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def __repr__(self) -> str:
+        counts = sorted({len(tokens) for tokens in self.tokens})
+        span = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}" if counts else "0"
+        extras = [name for name, held in (("logits", self.logits), ("harvest", self.harvest)) if held is not None]
+        first = self.texts[0] if self.texts else ""
+        return (f"Generation({len(self)} prompts, {span} tokens each{', with ' + ' and '.join(extras) if extras else ''}; "
+                f"text 0: {first[:40] + ('…' if len(first) > 40 else '')!r})")
+
+    def _repr_html_(self) -> str:
+        from ..workflows.display import table
+
+        rows = [[index, len(tokens), text] for index, (tokens, text) in enumerate(zip(self.tokens, self.texts))]
+        return table(f"generation of {len(self)} prompts", ["prompt", "tokens", "text"], rows)

@@ -120,6 +120,14 @@ class Steer:
         fields["vector"] = torch.tensor(fields["vector"], dtype=torch.float32)
         return cls(**fields)
 
+    def __repr__(self) -> str:
+        from ..workflows.display import shape
+
+        where = f"layers[{self.layer}].{self.value}" if self.layer is not None else self.value
+        prompts = "" if self.prompts is None else f", prompts {list(self.prompts)}"
+        return (f"Steer({self.mode} {shape(self.vector)} x {self.scale:g} at {where}, positions "
+                f"{self.positions!r}{', prompt only' if not self.generated else ''}{prompts})")
+
     def delta(self, dtype: torch.dtype, device: Any) -> torch.Tensor:
         """The vector the run adds (or sets): ``scale * vector`` in the engine's dtype, on its device."""
         return (self.vector.detach().to(device=device, dtype=torch.float32) * self.scale).to(dtype)

@@ -295,8 +295,7 @@ def generate(model: Any, prompts: Sequence[Any], max_tokens: int = 16, *, steer:
             for local, output in enumerate(outputs):
                 completion = output.outputs[0]
                 tokens.append(list(completion.token_ids))
-                # Decoded as transformers' engine does (vLLM's own text holds back a partial UTF-8 character).
-                texts.append(model.tokenizer.decode(list(completion.token_ids), skip_special_tokens=True))
+                texts.append(completion.text)
                 if return_logits:
                     logits.append(result["logits"][local][:len(completion.token_ids)])
                 if spec is not None:

@@ -6,7 +6,9 @@ import ast
 import builtins
 import contextlib
 import copy
+import functools
 import gc
+import inspect
 import os
 import sys
 import weakref
@@ -247,7 +249,16 @@ class StandardizedVLLM(Standardized, VLLM):
             ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
             if not isinstance(ids, str) and ids is not None:
                 check_token_ids(ids, self.vocab_size)
-        return super()._call(prompts, params, lora_requests, **kwargs)
+        # A trace is one engine run: vLLM's own bars ("Rendering prompts", "Processed prompts") would print
+        # once per run, interleaved with the bar of the workflow (cache, lens, patch) that runs many of them.
+        entry = self.vllm_entrypoint
+        if "use_tqdm" not in inspect.signature(type(entry).generate).parameters:  # an engine without bars
+            return super()._call(prompts, params, lora_requests, **kwargs)
+        entry.generate = functools.partial(type(entry).generate, entry, use_tqdm=False)
+        try:
+            return super()._call(prompts, params, lora_requests, **kwargs)
+        finally:
+            del entry.generate
 
     # The bulk path (streamscope.bulk): applied in the worker per token span, no trace.
 
@@ -300,6 +311,9 @@ class StandardizedVLLM(Standardized, VLLM):
         if failed:
             index, error = failed[0]
             raise _retyped(error, index if len(outputs) > 1 else None, len(failed)) from None
+
+
+StandardizedVLLM.trace.__doc__ = Standardized.trace.__doc__  # help(model.trace): streamscope's, not nnsight's
 
 
 def _graph_settings(settings: dict[str, Any], asked: dict[str, Any]) -> dict[str, Any]:

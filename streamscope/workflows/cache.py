@@ -285,6 +285,21 @@ class Cache(TransformerLensCache, Mapping):
         return (f"Cache({self.model_type}, {self.num_layers} blocks, batch {self.tokens.shape[0]}, "
                 f"seq {self.tokens.shape[-1]}, {len(self.stored)} values)")
 
+    def _repr_html_(self) -> str:
+        from .display import shape, table
+
+        # One row per value name, its blocks and shape (a block's values share their shapes).
+        names: dict[str, list] = {}
+        for key, value in self.stored.items():
+            match = _BLOCK_NAME.match(key)
+            name, block = (match.group(2), match.group(1)) if match else (key, "root")
+            names.setdefault(name, [[], shape(value)])[0].append(block)
+        rows = [[name, ", ".join(blocks) if len(blocks) < 6 else f"{blocks[0]}-{blocks[-1]}", size]
+                for name, (blocks, size) in names.items()]
+        if self.logits is not None:
+            rows.append(["logits", "root", shape(self.logits)])
+        return table(repr(self), ["value", "blocks", "shape"], rows)
+
 
 class FinalNorm:
     """A final norm's parameters: applied to a stream (`__call__`), or its form for the scales (`streamscope.tl`)."""

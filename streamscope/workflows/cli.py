@@ -73,10 +73,11 @@ def command_lens(arguments: argparse.Namespace) -> int:
     from .logit_lens import lens
 
     model = _load(arguments.path, arguments.engine)
-    result = lens(model, arguments.prompt, value=arguments.value, top_k=max(arguments.top_k, 1))
+    result = lens(model, arguments.prompt, value=arguments.value, top_k=max(arguments.top_k, 1),
+                  layers=arguments.layers)
     print(result.table(position=arguments.position, k=arguments.top_k))
     if arguments.png:
-        print(f"wrote {result.plot(arguments.png)}")
+        print(f"wrote {result.plot(arguments.png, positions=arguments.positions)}")
     return 0
 
 
@@ -85,7 +86,7 @@ def command_patch(arguments: argparse.Namespace) -> int:
 
     model = _load(arguments.path, arguments.engine)
     result = patch(model, arguments.clean, arguments.corrupted, answer=arguments.answer, wrong=arguments.wrong,
-                   value=arguments.value)
+                   value=arguments.value, layers=arguments.layers, positions=arguments.positions)
     print(result)
     if arguments.png:
         print(f"wrote {result.plot(arguments.png)}")
@@ -99,7 +100,9 @@ def command_attention(arguments: argparse.Namespace) -> int:
     cache = model.cache(arguments.prompt, values=["self_attn.pattern"], layers=[arguments.layer], logits=False)
     tokens = [model.tokenizer.decode([int(token)]) for token in cache.tokens[0]]
     pattern = cache[f"layers.{arguments.layer}.self_attn.pattern"]
-    print(f"wrote {attention(pattern, tokens, arguments.png, title=f'block {arguments.layer}')}")
+    written = attention(pattern, tokens, arguments.png, block=arguments.layer % model.num_layers, heads=arguments.heads,
+                        drop_first=arguments.drop_first, log_scale=arguments.log_scale)
+    print(f"wrote {written}")
     return 0
 
 
@@ -127,6 +130,8 @@ def parser() -> argparse.ArgumentParser:
     lens.add_argument("--top-k", type=int, default=3)
     lens.add_argument("--position", type=int, default=-1)
     lens.add_argument("--value", default="layer_output", help="the block value read (default: layer_output)")
+    lens.add_argument("--layers", type=_indices, help=INDICES.format("blocks to read"))
+    lens.add_argument("--positions", type=_indices, help=INDICES.format("positions the heatmap shows"))
     patch = command("patch", "activation patching from a clean into a corrupted prompt", command_patch)
     patch.add_argument("--clean", required=True)
     patch.add_argument("--corrupted", required=True)
@@ -135,11 +140,36 @@ def parser() -> argparse.ArgumentParser:
     patch.add_argument("--value", default="layer_output",
                        help="layer_output, layer_input, layer_mid, attention_output, mlp_output or head_outputs")
     patch.add_argument("--png", help="write the heatmap to this file")
+    patch.add_argument("--layers", type=_indices, help=INDICES.format("blocks to patch"))
+    patch.add_argument("--positions", type=_indices, help=INDICES.format("positions to patch"))
     attention = command("attention", "plot a block's attention pattern, one panel per head", command_attention)
     attention.add_argument("prompt")
     attention.add_argument("--layer", type=int, default=0)
     attention.add_argument("--png", required=True)
+    attention.add_argument("--heads", type=_indices, help=INDICES.format("heads to draw"))
+    attention.add_argument("--drop-first", action="store_true",
+                           help="leave out the first (sink) token, so the scale shows the rest")
+    attention.add_argument("--log-scale", action="store_true", help="colour by the logarithm of the weight")
     return root
+
+
+INDICES = "the {} (default: all): indices and ranges, 0,2,5-8; negative from the end"
+
+
+def _indices(text: str) -> list[int]:
+    """``"0,2,5-8"`` as [0, 2, 5, 6, 7, 8]; ``"-1"`` is the last."""
+    found: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        start, dash, end = part[1:].partition("-")
+        try:
+            if dash:
+                found.extend(range(int(part[0] + start), int(end) + 1))
+            else:
+                found.append(int(part))
+        except (ValueError, IndexError):
+            raise argparse.ArgumentTypeError(f"{text!r}: give indices and ranges such as 0,2,5-8") from None
+    return found
 
 
 def _token(text: str) -> Any:

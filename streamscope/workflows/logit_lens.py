@@ -80,6 +80,31 @@ class Lens:
     top_ids: torch.Tensor
     decode: Any = field(repr=False)
     logits: Optional[torch.Tensor] = None
+    prompt: str = ""
+
+    def __repr__(self) -> str:
+        from .display import shape, token
+
+        text, probability = self.top_tokens(-1)[-1][0]
+        logits = f", logits {shape(self.logits)}" if self.logits is not None else ""
+        return (f"Lens({self.value}, {len(self.layers)} blocks x {len(self.tokens)} positions, top "
+                f"{self.top_ids.shape[-1]}{logits}; block {self.layers[-1]} at the last position: "
+                f"{token(text)} {probability:.3f})")
+
+    def _repr_html_(self) -> str:
+        from .display import shortened, table, token
+
+        k = min(3, self.top_ids.shape[-1])
+        rows = [[layer, *(f"{token(text)} {probability:.3f}" for text, probability in row[:k])]
+                for layer, row in zip(self.layers, self.top_tokens(-1))]
+        caption = (f"logit lens of {self.value} on {shortened(self.prompt)!r}: top {k} at the last position "
+                   f"({token(self.tokens[-1])})")
+        return table(caption, ["block", *(f"top {i + 1}" for i in range(k))], rows)
+
+    def _repr_png_(self) -> bytes:
+        from .display import png
+
+        return png(self.plot)
 
     def top_tokens(self, position: int = -1) -> list[list[tuple[str, float]]]:
         """For each block, its top tokens at `position` with their probabilities."""
@@ -111,6 +136,12 @@ class Lens:
 
     def __str__(self) -> str:
         return self.table()
+
+    def view(self, path: Any = None, k: int = 5) -> Any:
+        """An interactive page (`streamscope.views.lens`): hover a cell for its top `k` tokens; inline in Jupyter."""
+        from .views import lens as lens_view
+
+        return lens_view(self, path, k=k)
 
     def plot(self, path: Any, **kwargs: Any) -> Any:
         """Write a heatmap PNG: blocks x positions, each cell the top token, coloured by its probability."""
@@ -166,4 +197,4 @@ def lens(model: Any, prompt: str | Sequence[str], *, layers: Optional[Sequence[i
     tokens = [model.tokenizer.decode([token]) for token in ids_of_prompt]
     decode = lambda token: model.tokenizer.decode([token])  # noqa: E731
     return Lens(tokens, layers, value, probs.detach(), ids.detach(), decode,
-                logits.detach() if keep_logits else None)
+                logits.detach() if keep_logits else None, prompt)

@@ -56,6 +56,28 @@ class Patching:
     labels: list[str]
     value: str
     metric_name: str
+    prompts: tuple[str, str] = ("", "")
+
+    def __repr__(self) -> str:
+        from .display import shape
+
+        columns = "heads" if self.value == "head_outputs" else "positions"
+        return (f"Patching({self.value}, effects {shape(self.effects)} blocks x {columns}, {self.metric_name}: "
+                f"clean {self.clean:.3f}, corrupted {self.corrupted:.3f})")
+
+    def _repr_html_(self) -> str:
+        from .display import shortened, table, token
+
+        caption = (f"patching {self.value} from {shortened(self.prompts[0])!r} into {shortened(self.prompts[1])!r}: "
+                   f"normalized {self.metric_name} (clean {self.clean:.3f}, corrupted {self.corrupted:.3f})")
+        labels = self.labels if self.value == "head_outputs" else [token(label) for label in self.labels]
+        rows = [[layer, *(f"{float(x):.2f}" for x in row)] for layer, row in zip(self.layers, self.normalized)]
+        return table(caption, ["block", *labels], rows)
+
+    def _repr_png_(self) -> bytes:
+        from .display import png
+
+        return png(self.plot)
 
     @property
     def normalized(self) -> torch.Tensor:
@@ -216,7 +238,7 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
             outcomes.append(float(metric(logits.float())))
     effects = torch.tensor(outcomes).reshape(len(layers), len(columns))
     return Patching(effects, float(metric(clean_logits.float())), float(metric(corrupted_logits.float())),
-                    layers, columns, labels, value, getattr(metric, "__name__", "metric"))
+                    layers, columns, labels, value, getattr(metric, "__name__", "metric"), (clean, corrupted))
 
 
 def _token_id(tokenizer: Any, token: str | int) -> int:

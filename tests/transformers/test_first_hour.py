@@ -17,6 +17,7 @@ import attention_oracle
 import oracle
 from access import relative_error
 import streamscope
+from streamscope.workflows.display import token
 
 PROMPTS = ["The Eiffel Tower is in Paris, and the quick brown fox", "Rome is in Italy"]
 RELATIVE = 1e-5  # float32 on CPU, the same ops: rounding only
@@ -108,6 +109,13 @@ def test_a_nan_slice_assignment_warns_every_time(tiny):
     messages = [str(warning.message) for warning in caught if issubclass(warning.category, RuntimeWarning)]
     assert sum("model.layers[1].layer_mid is written with NaN or inf" in text for text in messages) == 2, messages
     assert all(warning.filename == __file__ for warning in caught if "NaN" in str(warning.message))
+    # A whole assignment after a read warns once too (its shape is checked at once, its numbers on the way back).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tiny.model.trace(PROMPTS[1]):
+            read = tiny.model.layers[1].layer_mid
+            tiny.model.layers[1].layer_mid = torch.full_like(read, float("inf"))
+    assert sum("layer_mid is written with NaN or inf" in str(warning.message) for warning in caught) == 1
 
 
 # 3. One `generate`.
@@ -186,3 +194,182 @@ def test_a_hub_id_without_the_hub_fails_at_once_with_what_to_do(engine, monkeypa
     # Where the hub answers, nothing is refused before the engine (which then fetches the repository).
     monkeypatch.setattr(streamscope.models, "hub_unreachable", lambda timeout=3.0: None)
     assert streamscope.models.resolve("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+# 5. Notebooks: short reprs, rich display, names help() and tab completion find.
+
+
+def test_results_repr_shapes_not_numbers_and_display_in_html_and_png(tiny):
+    lens = streamscope.lens(tiny.model, PROMPTS[1], keep_logits=True)
+    patching = streamscope.patch(tiny.model, "Paris is in Italy", "Rome is in Italy", answer=7, wrong=8)
+    cache = tiny.model.cache(PROMPTS, values=["pattern", "layer_output"])
+    generation = tiny.model.generate(PROMPTS, max_tokens=2, return_logits=True, progress=False)
+    harvest = tiny.model.harvest(PROMPTS, ["layer_output"], layers=[0, 2], progress=False)
+    steer = streamscope.Steer("layer_output", 1, torch.ones(tiny.model.hidden_size), scale=2.0)
+    blocks, length = tiny.model.num_layers, tiny.ids[1].shape[1]
+    expected = [
+        (lens, f"Lens(layer_output, {blocks} blocks x {length} positions, top 10, logits [{blocks}, {length}, 512]; "),
+        (patching, f"Patching(layer_output, effects [{blocks}, 7] blocks x positions, logit difference: clean "),
+        (cache, f"Cache(llama, {blocks} blocks, batch 2, seq {tiny.ids[0].shape[1]}, {2 * blocks} values)"),
+        (generation, "Generation(2 prompts, 2 tokens each, with logits; text 0: "),
+        (harvest, f"Harvest(2 prompts, blocks [0, 2]; prompt 0: layer_output [2, 1, {tiny.model.hidden_size}])"),
+        (steer, f"Steer(add [{tiny.model.hidden_size}] x 2 at layers[1].layer_output, positions 'all')"),
+    ]
+    for result, start in expected:
+        text = repr(result)
+        assert text.startswith(start), text
+        assert "tensor(" not in text and len(text) < 200 and "\n" not in text
+        page = result._repr_html_() if hasattr(result, "_repr_html_") else None
+        if page is not None:
+            assert page.startswith("<table>") and "tensor(" not in page
+    assert "Rome is in Italy" in lens._repr_html_() and "layer_output" in cache._repr_html_()
+    for figure in (lens, patching):
+        assert figure._repr_png_().startswith(b"\x89PNG")
+
+
+def test_help_and_completion_find_streamscopes_names():
+    import pydoc
+
+    names = dir(streamscope)
+    for name in ("plot", "lens", "patch", "Lens", "Patching", "Cache", "Steer", "Generation", "Harvest", "load"):
+        assert name in names, name
+    assert callable(streamscope.plot.attention)
+    page = pydoc.render_doc(streamscope, renderer=pydoc.plaintext)
+    assert "lens(model" in page and "plot" in page
+
+
+def test_help_of_trace_is_streamscopes(tiny):
+    import pydoc
+
+    page = pydoc.render_doc(tiny.model.trace, renderer=pydoc.plaintext)
+    assert "model.layers[1].layer_mid.save()" in page and "gpt2" not in page.lower()
+
+
+# 6. Figures a paper can use.
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """The figures the plot functions draw, kept for inspection instead of closed."""
+    from streamscope import plot
+
+    drawn = []
+    original = plot._save
+
+    def keep(figure, path, dpi):
+        drawn.append(figure)
+        figure.savefig(path, dpi=dpi)
+        return path
+
+    monkeypatch.setattr(plot, "_save", keep)
+    yield drawn
+    monkeypatch.setattr(plot, "_save", original)
+
+
+def _texts(figure) -> list[str]:
+    found = [figure._suptitle.get_text()] if figure._suptitle is not None else []
+    for axis in figure.axes:
+        found += [axis.get_title(), *(label.get_text() for label in axis.get_xticklabels())]
+    return found
+
+
+def test_figures_carry_prompt_block_metric_and_visible_whitespace(tiny, figures, tmp_path):
+    from matplotlib.colors import LogNorm
+
+    from streamscope import plot
+
+    prompt = "Rome is in Italy\n and Paris"
+    lens = streamscope.lens(tiny.model, prompt)
+    lens.plot(tmp_path / "lens.png")
+    texts = _texts(figures[-1])
+    assert any("logit lens of layer_output on 'Rome is in Italy\\n and Paris'" in text for text in texts), texts
+    tokens = [tiny.tokenizer.decode([id_]) for id_ in tiny.tokenizer(prompt)["input_ids"]]
+    assert any(text.startswith(" ") for text in tokens)
+    for text in tokens:
+        if text.startswith(" "):
+            assert "␣" + text.lstrip(" ") in texts
+    assert all(label.get_fontsize() >= 9 for axis in figures[-1].axes for label in axis.get_xticklabels())
+
+    patching = streamscope.patch(tiny.model, "Paris is in Italy", "Rome is in Italy", answer=7, wrong=8)
+    patching.plot(tmp_path / "patch.png")
+    assert any("patching layer_output: normalized logit difference" in text and "'Paris is in Italy' into "
+               "'Rome is in Italy'" in text for text in _texts(figures[-1]))
+
+    with tiny.model.trace(prompt):
+        pattern = tiny.model.layers[1].self_attn.pattern.save()
+    plot.attention(pattern, tokens, tmp_path / "attention.png", block=1, heads=[1], drop_first=True)
+    figure = figures[-1]
+    assert figure._suptitle.get_text().startswith("block 1 attention on 'Rome is in Italy")
+    panel = figure.axes[0]
+    assert panel.get_title() == "head 1" and len(panel.get_xticklabels()) == len(tokens) - 1
+    shown = panel.images[0].get_array()
+    assert torch.equal(torch.as_tensor(shown.data), pattern[0, 1, 1:, 1:])
+    assert panel.images[0].norm.vmax == pytest.approx(float(pattern[0, 1, 1:, 1:].max()))
+    plot.attention(pattern, tokens, tmp_path / "log.png", log_scale=True)
+    assert isinstance(figures[-1].axes[0].images[0].norm, LogNorm)
+
+
+def test_the_command_line_takes_layers_positions_and_heads(tiny, tmp_path, capsys):
+    from streamscope import cli, plot
+
+    import matplotlib.image
+
+    assert cli.main(["lens", str(tiny.path), PROMPTS[1], "--layers", "0,-1", "--png", str(tmp_path / "l.png"),
+                     "--positions", "1-3"]) == 0
+    table = capsys.readouterr().out
+    assert "block   0" in table and f"block {tiny.model.num_layers - 1:>3}" in table and "block   1" not in table
+    pixels = matplotlib.image.imread(str(tmp_path / "l.png"))
+    width, height = plot.lens_size(3, 2)
+    assert pixels.shape[:2] == (round(height * plot.DPI), round(width * plot.DPI))
+    assert cli.main(["patch", str(tiny.path), "--clean", "Paris is in Italy", "--corrupted", "Rome is in Italy",
+                     "--answer", "7", "--wrong", "8", "--layers", "1", "--positions", "0,-1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1].split()[0] == "1" and len(lines[-1].split()) == 3
+    assert cli.main(["attention", str(tiny.path), PROMPTS[1], "--layer", "1", "--heads", "0", "--drop-first",
+                     "--png", str(tmp_path / "a.png")]) == 0
+    pixels = matplotlib.image.imread(str(tmp_path / "a.png"))
+    width, height = plot.attention_size(tiny.ids[1].shape[1] - 1, 1)
+    assert pixels.shape[:2] == (round(height * plot.DPI), round(width * plot.DPI))
+
+
+# 7. Interactive views, in a real browser.
+
+
+def test_attention_view_shows_each_heads_weights_on_hover(tiny, tmp_path):
+    from browser import page_of
+
+    eager = AutoModelForCausalLM.from_pretrained(tiny.path, **attention_oracle.load_kwargs("llama", "eager")).eval()
+    weights = attention_oracle.eager_weights(eager, tiny.ids[1])[1][0]  # block 1: [heads, seq, seq]
+    tokens = [tiny.tokenizer.decode([id_]) for id_ in tiny.ids[1][0]]
+    with tiny.model.trace(PROMPTS[1]):
+        pattern = tiny.model.layers[1].self_attn.pattern.save()
+    view = streamscope.views.attention(pattern, tokens, tmp_path / "attention.html", block=1)
+    assert "<iframe srcdoc=" in view._repr_html_()
+    with page_of(tmp_path / "attention.html") as (page, requests):
+        for query in (2, len(tokens) - 1):
+            page.hover(f".query [data-query='{query}']")
+            assert page.text_content("#query-label") == token(tokens[query])
+            for head in range(tiny.model.num_heads):
+                shown = [float(text) for text in page.locator(f"#weights tr[data-head='{head}'] td").all_text_contents()]
+                assert torch.allclose(torch.tensor(shown), weights[head, query], atol=5e-4 + 1e-6), (query, head)
+        assert all(url.startswith("file://") for url in requests), requests
+
+
+def test_lens_view_shows_the_top_tokens_of_a_cell_on_hover(tiny, tmp_path):
+    from browser import page_of
+
+    lens = streamscope.lens(tiny.model, PROMPTS[1])
+    lens.view(tmp_path / "lens.html", k=4)
+    # The oracle: the model's own logits are the last block's lens.
+    probabilities = tiny.expected[1]["logits"][0].softmax(-1)
+    last = tiny.model.num_layers - 1
+    with page_of(tmp_path / "lens.html") as (page, requests):
+        for position in (0, tiny.ids[1].shape[1] - 1):
+            page.hover(f"td.cell[data-row='{last}'][data-position='{position}']")
+            assert page.text_content("#block") == str(last)
+            top = probabilities[position].topk(4)
+            shown_tokens = page.locator("#top td.token").all_text_contents()
+            shown = [float(text) for text in page.locator("#top td.probability").all_text_contents()]
+            assert shown_tokens == [token(tiny.tokenizer.decode([int(i)])) for i in top.indices]
+            assert torch.allclose(torch.tensor(shown), top.values, atol=5e-4 + 1e-6)
+        assert all(url.startswith("file://") for url in requests), requests
