@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
 
 if TYPE_CHECKING:  # torch loads with an engine, not with the engines' names (the command line's choices)
     import torch
@@ -20,6 +20,8 @@ if TYPE_CHECKING:  # torch loads with an engine, not with the engines' names (th
 #: The engines, by the name `streamscope.load(engine=...)` takes, and the module that serves each.
 MODULES: Mapping[str, str] = {"transformers": "streamscope.transformers", "vllm": "streamscope.vllm"}
 
+#: A prompt as a run takes it: text (tokenized by the model's tokenizer) or token ids, run as they are.
+Prompt = Union[str, list[int]]
 #: What a run's body returns for one prompt: the tensors to bring back, in order.
 Body = Callable[[], Sequence["torch.Tensor"]]
 
@@ -44,8 +46,10 @@ class Engine:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
 
-    def run(self, prompts: Sequence[str], body: Body, seq_axes: Sequence[tuple[int, ...]]) -> list[list[torch.Tensor]]:
+    def run(self, prompts: Sequence[Prompt], body: Body, seq_axes: Sequence[tuple[int, ...]]) -> list[list[torch.Tensor]]:
         """Each prompt's tensors from `body`, run once per prompt: ``[prompt][tensor]``, each ``[1, ...]``.
+
+        A prompt is a string or its token ids (a list of ints, run as they are).
 
         `seq_axes` gives, per tensor `body` returns, the axes that run over the
         prompt's positions: every tensor comes back cut to the prompt's own
@@ -74,6 +78,11 @@ class Engine:
         """``[len(ids), hidden_size]``: the unembedding's rows for token `ids` (the head's, or the tied embedding's)."""
         raise NotImplementedError
 
+    def output_projections(self) -> list[torch.Tensor | str]:
+        """Per block: its attention's output projection as a Linear's weight ``[hidden_size, heads * head_dim]``
+        (`output_projection`), copies on this process, or the reason the block has none (a sentence)."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Give the engine's resources back; the model serves no more traces where the engine holds any."""
 
@@ -98,15 +107,17 @@ def prepare_process(name: str) -> None:
         os.environ.setdefault(key, value)
 
 
-def right_padded(tokenizer: Any, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+def right_padded(tokenizer: Any, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens, mask)``, both ``[len(prompts), longest]``: the prompts' token ids padded on the right.
+
+    A prompt is text (tokenized here) or its token ids (kept as they are).
 
     Right padding leaves every real position's value exactly as the prompt
     alone gives it (positions count from the first token).
     """
     import torch
 
-    encoded = [tokenizer(prompt)["input_ids"] for prompt in prompts]
+    encoded = [tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt) for prompt in prompts]
     longest = max(map(len, encoded))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     tokens = torch.full((len(prompts), longest), pad, dtype=torch.long)
@@ -133,3 +144,46 @@ def norm_parameters(module: torch.nn.Module) -> tuple[Optional[torch.Tensor], Op
                 if isinstance(getattr(module, name, None), float)), 1e-5)
     return (None if weight is None else weight.detach().clone(),
             None if bias is None else bias.detach().clone(), float(eps))
+
+
+#: What the attention's output projection is called, across the families (a Linear, or GPT-2's Conv1D).
+OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj")
+
+
+def output_projection(attention: torch.nn.Module, width: int) -> torch.Tensor | str:
+    """`attention`'s output projection as a Linear's weight ``[hidden, width]``, or the reason it has none.
+
+    Read by applying the projection to the identity, less its output at zero
+    (the bias): the engines keep the weight in layouts of their own (GPT-2's
+    Conv1D is ``[in, out]``; vLLM's CPU kernels pack it and leave ``weight``
+    empty), and this reads what the projection computes whatever the layout.
+    """
+    import torch
+
+    for name in OUTPUT_PROJECTIONS:
+        module = getattr(attention, name, None)
+        if isinstance(module, torch.nn.Module):
+            reference = next(iter(module.parameters()), None)
+            dtype = reference.dtype if reference is not None else torch.float32
+            device = reference.device if reference is not None else "cpu"
+            probe = torch.cat([torch.zeros(1, width), torch.eye(width)]).to(dtype=dtype, device=device)
+            with torch.no_grad():
+                out = module(probe)
+            out = out[0] if isinstance(out, tuple) else out
+            return (out[1:] - out[:1]).t().float().cpu().clone()
+    return (f"its attention ({type(attention).__name__}) has none of the output projections streamscope knows "
+            f"({', '.join(OUTPUT_PROJECTIONS)})")
+
+
+def attention_modules(root: Any, num_layers: int) -> list[Any]:
+    """Per block of the envoy tree `root`: its attention module, or the reason it has none (a sentence)."""
+    from . import nnsight_seam as seam
+    from .errors import Unavailable
+
+    found: list[Any] = []
+    for index in range(num_layers):
+        try:
+            found.append(seam.module_of(root.layers[index].self_attn))
+        except (AttributeError, Unavailable) as error:
+            found.append(f"there is no attention module to read its output projection from ({error})")
+    return found

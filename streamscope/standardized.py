@@ -197,6 +197,35 @@ class Standardized(StreamEnvoy):
 
         return build_cache(self, prompts, values, layers, **kwargs)
 
+    # TransformerLens 4.3's token helpers (streamscope.workflows.tl), with its BOS behaviour.
+
+    def to_tokens(self, input: Any, prepend_bos: Optional[bool] = None, padding_side: Optional[str] = None) -> Any:
+        """``[batch, pos]`` token ids of a string or strings, as TransformerLens 4.3's ``to_tokens``: one BOS
+        first where ``prepend_bos`` (default: TL 4.3's for the family), whether or not the tokenizer adds it."""
+        from .workflows.tl import to_tokens
+
+        return to_tokens(self.tokenizer, input, prepend_bos, padding_side, self.config.model_type)
+
+    def to_str_tokens(self, input: Any, prepend_bos: Optional[bool] = None,
+                      padding_side: Optional[str] = None) -> Any:
+        """Each token of a string, strings or token ids as its string, as TransformerLens 4.3's ``to_str_tokens``."""
+        from .workflows.tl import to_str_tokens
+
+        return to_str_tokens(self.tokenizer, input, prepend_bos, padding_side, self.config.model_type)
+
+    def to_single_token(self, string: str) -> int:
+        """The one token id of `string`, no BOS (TransformerLens 4.3's ``to_single_token``); several are refused."""
+        from .workflows.tl import to_single_token
+
+        return to_single_token(self.tokenizer, string)
+
+    def to_string(self, tokens: Any) -> Any:
+        """Token ids back to text: ``[pos]`` to a string, ``[batch, pos]`` to a list (TL's ``to_string``)."""
+        ids = torch.as_tensor(tokens)
+        if ids.dim() == 2:
+            return self.tokenizer.batch_decode(ids, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids.reshape(-1), clean_up_tokenization_spaces=False)
+
     def support(self) -> ModelSupport:
         """Every value of every block, served or why not, computed without running the model."""
         root = BlockSupport("model", {**self.value_reasons(), "logits": None})

@@ -33,3 +33,18 @@ def as_the_config_says(config: Any, logits: torch.Tensor) -> torch.Tensor:
     """
     logits = divided_by_logits_scaling(config, soft_capped(config, logits))
     return times_logit_scale(config, logits) if config.model_type == "cohere" else logits
+
+
+def scaling_in_words(config: Any) -> str | None:
+    """What a head applies to the unembedding's output under `config`, in words (None where nothing): the steps
+    above that `as_the_config_says` takes, which both engines' heads apply (vLLM's logits processor reads the same
+    config fields). A TransformerLens ``hook_unembed`` is before them."""
+    steps = []
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        cap = config.final_logit_softcapping
+        steps.append(f"final soft cap (tanh(x / {cap}) * {cap})")
+    if getattr(config, "logits_scaling", None) is not None:
+        steps.append(f"division by logits_scaling ({config.logits_scaling})")
+    if getattr(config, "logit_scale", None) is not None and config.model_type == "cohere":
+        steps.append(f"multiplication by logit_scale ({config.logit_scale})")
+    return " and ".join(steps) or None

@@ -8,7 +8,7 @@ import nnsight
 import torch
 
 from .. import nnsight_seam as seam
-from ..engine import Body, Engine, cut, norm_parameters, right_padded
+from ..engine import Body, Engine, Prompt, attention_modules, cut, norm_parameters, output_projection, right_padded
 
 
 class TransformersEngine(Engine):
@@ -16,7 +16,7 @@ class TransformersEngine(Engine):
 
     name = "transformers"
 
-    def run(self, prompts: Sequence[str], body: Body, seq_axes: Sequence[tuple[int, ...]]) -> list[list[torch.Tensor]]:
+    def run(self, prompts: Sequence[Prompt], body: Body, seq_axes: Sequence[tuple[int, ...]]) -> list[list[torch.Tensor]]:
         tokens, mask = right_padded(self.model.tokenizer, prompts)
         with self.model.trace({"input_ids": tokens, "attention_mask": mask.long()}):
             found: list = nnsight.save([])
@@ -44,3 +44,9 @@ class TransformersEngine(Engine):
 
     def unembedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
         return seam.module_of(self.model.lm_head).weight.detach()[ids].clone()
+
+    def output_projections(self) -> list[torch.Tensor | str]:
+        model = self.model
+        width = model.num_heads * model.head_dim
+        return [module if isinstance(module, str) else output_projection(module, width)
+                for module in attention_modules(model, model.num_layers)]

@@ -52,6 +52,15 @@ class BulkRPC:
         rows = weight[torch.tensor(ids, dtype=torch.long, device=weight.device)].clone()
         return rows if inline else pickle.dumps(rows.cpu())
 
+    def streamscope_output_projections(self, inline: bool, model_type: str, num_layers: int, width: int) -> Any:
+        """Per block: its attention's output projection ``[hidden_size, width]``, or why it has none."""
+        from .bulk import worker_root
+        from ..engine import attention_modules, output_projection
+
+        found = [module if isinstance(module, str) else output_projection(module, width)
+                 for module in attention_modules(worker_root(self, model_type), num_layers)]
+        return found if inline else pickle.dumps(found)
+
 
 class GPUWorker(BulkRPC, NNsightGPUWorker):
     """nnsight's GPU worker with the bulk path's RPC methods."""

@@ -9,7 +9,7 @@ import nnsight
 import torch
 
 from .. import nnsight_seam as seam
-from ..engine import Body, Engine
+from ..engine import Body, Engine, Prompt
 from .logits import engine_logits
 
 #: Sampling that runs a prompt through one forward pass and stops.
@@ -22,7 +22,7 @@ class VllmEngine(Engine):
     name = "vllm"
     one_forward = ONE_FORWARD
 
-    def run(self, prompts: Sequence[str], body: Body, seq_axes: Sequence[tuple[int, ...]]) -> list[list[torch.Tensor]]:
+    def run(self, prompts: Sequence[Prompt], body: Body, seq_axes: Sequence[tuple[int, ...]]) -> list[list[torch.Tensor]]:
         # A request holds its prompt's tokens only: nothing to cut, whatever the seq axes.
         model = self.model
         with model.trace(**ONE_FORWARD) as tracer:
@@ -50,6 +50,10 @@ class VllmEngine(Engine):
         # as plain ints: vLLM's broadcast to worker processes cannot pickle a tensor's storage
         return _rpc(self.model, "streamscope_unembedding_rows", [int(i) for i in ids.flatten()]).reshape(
             *ids.shape, -1)
+
+    def output_projections(self) -> list[torch.Tensor | str]:
+        model = self.model
+        return _rpc(model, "streamscope_output_projections", model.num_layers, model.num_heads * model.head_dim)
 
     def close(self) -> None:
         self.model.close()

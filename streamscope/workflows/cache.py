@@ -4,8 +4,9 @@
     cache["layers.3.layer_mid"]              # [batch, seq, hidden_size]
     cache["blocks.3.hook_resid_mid"]         # the same tensor, by its TransformerLens name
     cache.stack("layer_output")              # [blocks, batch, seq, hidden_size]
-    parts, labels = cache.decompose_resid()  # embeddings, then each block's attention and MLP
-    cache.logit_attrs(parts, tokens=answer)  # each part's direct effect on the answer's logit
+    parts, labels = cache.decompose_resid(return_labels=True)  # embeddings, then each block's attention and MLP
+    cache.logit_attrs(parts, tokens=answer)  # each part's direct effect on the answer's logit (TL 4.3's)
+    cache["pattern", 3]                      # TransformerLens's shorthand; the methods are `streamscope.tl`'s
 
 Several prompts are padded on the right to the longest, and `mask`
 ``[batch, seq]`` says which positions are real; the values at padded positions
@@ -25,8 +26,10 @@ import torch
 from ..blocks import BOUNDARIES, SHORT_CONTRIBUTIONS, Attention
 from ..blocks.heads import INTERNALS
 from ..engine import right_padded
+from ..errors import Unavailable, code_of
+from ..families.logits import scaling_in_words
 from ..families.spec import ROOT_STREAMS
-from ..errors import Unavailable
+from .tl import TransformerLensCache
 
 ATTENTION = tuple(f"{Attention.ROLE}.{name}" for name in INTERNALS)
 ROOT = ROOT_STREAMS
@@ -49,10 +52,11 @@ TL_BLOCK = {
     "hook_resid_pre": ("layer_input", None),
     "hook_resid_mid": ("layer_mid", None),
     "hook_resid_post": ("layer_output", None),
-    "ln1.hook_normalized": ("attention_norm_output", None),
-    "ln2.hook_normalized": ("mlp_norm_output", None),
+    "ln1.hook_out": ("attention_norm_output", None),
+    "ln2.hook_out": ("mlp_norm_output", None),
+    "attn.hook_in": ("attention_norm_output", None),
     "hook_attn_out": ("attention_output", None),
-    "hook_mlp_in": ("mlp_input", None),
+    "mlp.hook_in": ("mlp_input", None),
     "hook_mlp_out": ("mlp_output", None),
     "attn.hook_q": ("self_attn.queries", "heads_last"),
     "attn.hook_k": ("self_attn.keys", "heads_last"),
@@ -63,24 +67,31 @@ TL_BLOCK = {
     "attn.hook_attn_scores": ("self_attn.scores", None),
     "attn.hook_pattern": ("self_attn.pattern", None),
 }
-TL_ROOT = {"hook_embed": "token_embeddings", "ln_final.hook_normalized": "final_norm_output"}
+#: TransformerLens block hooks computed from served values (`Cache._computed`), with what each is.
+TL_COMPUTED = {
+    "ln1.hook_scale": "[batch, pos, 1]: the attention norm's scale, from the stream it reads",
+    "ln2.hook_scale": "[batch, pos, 1]: the MLP norm's scale, from the stream it reads",
+    "ln1.hook_normalized": "the attention norm's input centred (layer norm) and divided by its scale, before weight",
+    "ln2.hook_normalized": "the MLP norm's input centred (layer norm) and divided by its scale, before weight",
+    "hook_mlp_in": "the stream the MLP norm reads (layer_mid; layer_input in a parallel block)",
+    "hook_attn_in": "[batch, pos, head, d_model]: layer_input, once per head (TL's use_attn_in)",
+    "attn.hook_result": "[batch, pos, head, d_model]: each head's output after the output projection, no bias",
+}
+TL_ROOT = {"hook_embed": "token_embeddings", "ln_final.hook_out": "final_norm_output"}
 #: TransformerLens hooks streamscope serves no value for, with the reason.
 TL_UNSERVED = {
-    "attn.hook_result": "streamscope serves each head's output before the output projection "
-                        "(attn.hook_z, self_attn.head_outputs), not after it",
     "mlp.hook_pre": "streamscope serves the MLP's input and output, not its hidden activations",
     "mlp.hook_post": "streamscope serves the MLP's input and output, not its hidden activations",
-    "ln1.hook_scale": "streamscope serves the norms' outputs, not their scales",
-    "ln2.hook_scale": "streamscope serves the norms' outputs, not their scales",
-    "hook_attn_in": "streamscope serves what the attention is called with as attention_norm_output "
-                    "(ln1.hook_normalized), not per head",
 }
 _TL_BLOCK_NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
 _BLOCK_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
-class Cache(Mapping):
+class Cache(TransformerLensCache, Mapping):
     """The values of a run over one or more prompts, keyed ``layers.{i}.{value}`` and by root names.
+
+    Also keyed by TransformerLens 4.3's hook names and ``(name, layer)`` tuples,
+    with TransformerLens's ActivationCache methods (`streamscope.tl`).
 
     Attributes:
         tokens: ``[batch, seq]`` token ids, padded on the right with the pad id.
@@ -91,14 +102,26 @@ class Cache(Mapping):
             (`FamilySpec.learned_positions`: GPT-2, OPT).
         num_layers: The number of blocks.
         unavailable: ``{key: reason}`` for every asked-for value some block cannot serve.
-        final_norm: The final norm as a frozen-scale map, see `apply_ln_to_stack`.
+        final_norm: The final norm's parameters, in the form that reproduces the model's output (`FinalNorm`).
+        stored: ``{streamscope name: tensor}``, what the run kept (``values()`` are its tensors).
+        has_batch_dim: False after `remove_batch_dim`.
+        logit_transform: What the model applies to the unembedding's output (a soft cap, a scale), or None.
+        norm_inputs: Per block, the stream its ``ln1``/``ln2`` read (or the reason it has none).
     """
 
     def __init__(self, values: dict[str, torch.Tensor], *, tokens: torch.Tensor, mask: torch.Tensor,
                  logits: Optional[torch.Tensor], model_type: str, num_layers: int,
                  unavailable: dict[str, str], final_norm: "FinalNorm | None", unembedding: Any = None,
-                 learned_positions: bool = False) -> None:
-        self.values = values
+                 norm_inputs: Optional[dict[int, dict[str, str]]] = None, num_heads: Optional[int] = None,
+                 tokenizer: Any = None, logit_transform: Optional[str] = None,
+                 output_weights: Any = None, learned_positions: bool = False) -> None:
+        self.stored = values
+        self._output_weights, self._weights_read = output_weights, None
+        self.logit_transform = logit_transform
+        self.has_batch_dim = True
+        self.norm_inputs = norm_inputs or {}
+        self.num_heads = num_heads
+        self._tokenizer = tokenizer
         self.tokens, self.mask, self.logits = tokens, mask, logits
         self.model_type, self.num_layers = model_type, num_layers
         self.learned_positions = learned_positions
@@ -106,13 +129,49 @@ class Cache(Mapping):
         self.final_norm = final_norm
         self._unembedding = unembedding
 
-    # Mapping: keys are streamscope names.
+    # Mapping: iteration, len() and values() run over streamscope names; keys() adds TransformerLens's.
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.values)
+        return iter(self.stored)
 
     def __len__(self) -> int:
-        return len(self.values)
+        return len(self.stored)
+
+    def keys(self) -> list[str]:  # type: ignore[override]
+        """The streamscope names held, then the TransformerLens hook names that answer from them."""
+        return [*self.stored, *self.tl_names()]
+
+    def tl_names(self) -> list[str]:
+        """The TransformerLens 4.3 hook names this cache answers, in the order the model computes them."""
+        names = [tl for tl, name in TL_ROOT.items() if name in self.stored]
+        if "hook_pos_embed" in self:
+            names.append("hook_pos_embed")
+        computed = [hook for hook in TL_COMPUTED if hook != "hook_attn_in" or self.num_heads is not None]
+        for index in range(self.num_layers):
+            served = [hook for hook, (name, _) in TL_BLOCK.items()
+                      if self._block_key(index, name) is not None and not (hook in ("attn.hook_q", "attn.hook_k")
+                                                                            and self.rotary)]
+            names += [f"blocks.{index}.{hook}" for hook in served]
+            names += [f"blocks.{index}.{hook}" for hook in computed if self._computable(index, hook)]
+        if self.final_norm is not None and f"layers.{self.num_layers - 1}.layer_output" in self.stored:
+            names += ["ln_final.hook_scale", "ln_final.hook_normalized"]
+        if self.logits is not None and self.logit_transform is None:
+            names.append("hook_unembed")
+        return names
+
+    def _block_key(self, index: int, name: str) -> Optional[str]:
+        """The stored key of block `index`'s value `name` (a short contribution name resolved), or None."""
+        for full in _spellings(name):
+            if f"layers.{index}.{full}" in self.stored:
+                return f"layers.{index}.{full}"
+        return None
+
+    def _computable(self, index: int, hook: str) -> bool:
+        if hook == "attn.hook_result":
+            return f"layers.{index}.self_attn.head_outputs" in self.stored and self._output_weights is not None
+        source = self.norm_inputs.get(index, {}).get("ln2" if hook.startswith(("ln2", "hook_mlp")) else "ln1")
+        return (source is not None and source in self.stored
+                and (self.final_norm is not None or not hook.startswith("ln")))
 
     def __contains__(self, key: object) -> bool:
         try:
@@ -121,10 +180,13 @@ class Cache(Mapping):
         except (KeyError, Unavailable):
             return False
 
-    def __getitem__(self, key: str) -> torch.Tensor:
-        """The value under a streamscope name (``layers.3.layer_mid``, ``token_embeddings``) or a TL hook name."""
-        if key in self.values:
-            return self.values[key]
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        """The value under a streamscope name (``layers.3.layer_mid``, ``token_embeddings``), a TL hook name,
+        or a TL shorthand tuple (``cache["pattern", 3]``, ``cache["scale", 2, "ln1"]``, ``cache["resid_post", -1]``)."""
+        if not isinstance(key, str):
+            key = self.tl_key(key)
+        if key in self.stored:
+            return self.stored[key]
         block = _BLOCK_NAME.match(key)
         if block is not None:
             index, name = int(block.group(1)), block.group(2)
@@ -132,8 +194,8 @@ class Cache(Mapping):
                 raise KeyError(f"{key!r}: block {index} is out of range: the model has {self.num_layers} "
                                f"(layers.0 to layers.{self.num_layers - 1})")
             for full in _spellings(name):
-                if f"layers.{index}.{full}" in self.values:
-                    return self.values[f"layers.{index}.{full}"]
+                if f"layers.{index}.{full}" in self.stored:
+                    return self.stored[f"layers.{index}.{full}"]
                 if f"layers.{index}.{full}" in self.unavailable:
                     raise Unavailable(full, f"model.layers[{index}]", self.unavailable[f"layers.{index}.{full}"])
             raise KeyError(f"{key!r} is not in this cache: model.cache(..., values=[{name!r}]) reads it")
@@ -144,6 +206,18 @@ class Cache(Mapping):
     def _transformer_lens(self, key: str) -> torch.Tensor:
         if key in TL_ROOT:
             return self[TL_ROOT[key]]
+        if key == "ln_final.hook_scale":
+            return self.norm_scale(self.num_layers)
+        if key == "ln_final.hook_normalized":
+            stream = self[f"layers.{self.num_layers - 1}.layer_output"]
+            return self.norm_form.centre(stream.float()) / self.norm_scale(self.num_layers)
+        if key == "hook_unembed":
+            if self.logits is None:
+                raise KeyError("hook_unembed: this cache kept no logits (model.cache(..., logits=True) keeps them)")
+            if self.logit_transform is not None:
+                raise Unavailable("hook_unembed", "model", f"TransformerLens's hook_unembed is the unembedding's "
+                                  f"output, before the {self.logit_transform}; cache.logits are after it")
+            return self.logits
         if key == "hook_pos_embed":
             if not self.learned_positions:
                 raise Unavailable("hook_pos_embed", "model", f"a {self.model_type} model adds no position embedding "
@@ -154,13 +228,18 @@ class Cache(Mapping):
         if match is None:
             raise KeyError(f"{key!r} is neither a streamscope name (layers.3.layer_mid, token_embeddings) nor a "
                            f"TransformerLens hook name this cache knows ({', '.join(sorted(TL_ROOT))}, "
-                           f"blocks.3.{{{', '.join(TL_BLOCK)}}})")
+                           f"blocks.3.{{{', '.join([*TL_BLOCK, *TL_COMPUTED])}}}, or a tuple "
+                           f"(\"pattern\", 3)); cache.keys() lists every name")
         index, hook = int(match.group(1)), match.group(2)
+        if index < 0:
+            index += self.num_layers
+        if hook in TL_COMPUTED:
+            return self._computed(index, hook)
         if hook in TL_UNSERVED:
             raise Unavailable(hook, f"blocks.{index}", TL_UNSERVED[hook])
         if hook not in TL_BLOCK:
             raise KeyError(f"{key!r}: TransformerLens hook {hook!r} has no streamscope counterpart; known: "
-                           f"{', '.join(TL_BLOCK)}")
+                           f"{', '.join([*TL_BLOCK, *TL_COMPUTED])}")
         name, layout = TL_BLOCK[hook]
         if hook in ("attn.hook_q", "attn.hook_k") and self.rotary:
             raise Unavailable(hook, f"blocks.{index}", "streamscope serves queries and keys after the rotary "
@@ -169,12 +248,29 @@ class Cache(Mapping):
         # TransformerLens lays per-head values out [batch, pos, head, d_head]; streamscope [batch, head, seq, d].
         return value.transpose(1, 2) if layout == "heads_last" else value
 
+    def _computed(self, index: int, hook: str) -> torch.Tensor:
+        """A TransformerLens block hook computed from served values (`TL_COMPUTED`)."""
+        if hook == "attn.hook_result":
+            return self.head_results(index)
+        if hook == "hook_attn_in":
+            if self.num_heads is None:
+                raise KeyError("hook_attn_in needs the number of heads, which this cache was built without")
+            stream = self[f"layers.{index}.layer_input"]
+            return stream.unsqueeze(-2).expand(*stream.shape[:-1], self.num_heads, stream.shape[-1])
+        mlp = hook.startswith(("ln2", "hook_mlp"))
+        stream = self.norm_input(index, mlp)
+        if hook == "hook_mlp_in":
+            return stream
+        if hook.endswith("hook_scale"):
+            return self.norm_scale(index, mlp)
+        return self.norm_form.centre(stream.float()) / self.norm_scale(index, mlp)
+
     @property
     def rotary(self) -> bool:
         """Whether the family rotates queries and keys (TransformerLens's hook_q is before the rotation)."""
         return not self.learned_positions
 
-    # TransformerLens's ActivationCache operations.
+    # streamscope's own stacking; TransformerLens's ActivationCache methods come from `TransformerLensCache`.
 
     def stack(self, name: str, layers: Optional[Iterable[int]] = None) -> torch.Tensor:
         """``[blocks, ...]``: value `name` of every block (or of `layers`), a streamscope or TL block name.
@@ -182,118 +278,19 @@ class Cache(Mapping):
         ``cache.stack("layer_mid")`` and ``cache.stack("hook_resid_mid")`` are the same tensor.
         """
         layers = range(self.num_layers) if layers is None else layers
-        tl = name in TL_BLOCK or name in TL_UNSERVED
+        tl = name in TL_BLOCK or name in TL_COMPUTED or name in TL_UNSERVED
         return torch.stack([self[f"blocks.{i}.{name}" if tl else f"layers.{i}.{name}"] for i in layers])
-
-    def accumulated_resid(self, layer: Optional[int] = None, incl_mid: bool = False, apply_ln: bool = False,
-                          return_labels: bool = False) -> Any:
-        """``[components, batch, seq, hidden]``: the stream entering each block, then the final stream.
-
-        As TransformerLens's: block i's ``layer_input`` for i < `layer` (all blocks
-        by default), with each ``layer_mid`` after it when `incl_mid`, then
-        the stream after the last block read (``layer_output``). `apply_ln`
-        applies the final norm frozen at the final stream's scale (see
-        `apply_ln_to_stack`).
-        """
-        layer = self.num_layers if layer is None else layer
-        parts, labels = [], []
-        for index in range(layer):
-            parts.append(self[f"layers.{index}.layer_input"])
-            labels.append(f"{index}_pre")
-            if incl_mid:
-                parts.append(self[f"layers.{index}.layer_mid"])
-                labels.append(f"{index}_mid")
-        if layer == self.num_layers:
-            parts.append(self[f"layers.{layer - 1}.layer_output"])
-            labels.append("final_post")
-        else:
-            parts.append(self[f"layers.{layer}.layer_input"])
-            labels.append(f"{layer}_pre")
-        stack = torch.stack(parts)
-        if apply_ln:
-            stack = self.apply_ln_to_stack(stack)
-        return (stack, labels) if return_labels else stack
-
-    def decompose_resid(self, apply_ln: bool = False, return_labels: bool = True) -> Any:
-        """``[components, batch, seq, hidden]``: what the final stream is the sum of.
-
-        The stream entering block 0 (``embed``: token embeddings plus any
-        position embeddings), then each block's attention and MLP
-        contributions (``{i}_attn_out``, ``{i}_mlp_out``). They sum to the last
-        block's ``layer_output``. A family whose blocks don't add their
-        sublayers' outputs to the stream unchanged (a post-LN block) serves no
-        contributions, and this raises `Unavailable` with the block's reason; a
-        block with one sublayer (Mamba) contributes its mixer only.
-        """
-        parts, labels = [self["layers.0.layer_input"]], ["embed"]
-        for index in range(self.num_layers):
-            for short, label in (("attention_output", "attn_out"), ("mlp_output", "mlp_out")):
-                try:
-                    parts.append(self[f"layers.{index}.{short}"])
-                except Unavailable as error:
-                    # A block with one sublayer (Mamba's mixer) adds no MLP: nothing is missing from the sum.
-                    if short == "mlp_output" and error.code in ("missing_module", "one_sublayer"):
-                        continue
-                    raise
-                labels.append(f"{index}_{label}")
-        stack = torch.stack(parts)
-        if apply_ln:
-            stack = self.apply_ln_to_stack(stack)
-        return (stack, labels) if return_labels else stack
-
-    def apply_ln_to_stack(self, stack: torch.Tensor) -> torch.Tensor:
-        """The final norm applied to each component with the final stream's scale, as TransformerLens does.
-
-        A norm is ``(x - mean(x)) / scale(x) * weight + bias`` (no centring for
-        an RMS norm; Gemma's weight is ``1 + w``). Here ``scale`` is the
-        final stream's (the last block's ``layer_output``), so the map is linear
-        and the components' results sum to the final norm's output minus its
-        bias. The weight is applied (not folded into the unembedding); the bias
-        is left out, as it belongs to no component.
-        """
-        if self.final_norm is None:
-            raise ValueError("this cache has no final norm parameters")
-        return self.final_norm.frozen(stack, self[f"layers.{self.num_layers - 1}.layer_output"])
-
-    def logit_attrs(self, stack: torch.Tensor, tokens: Any, incorrect_tokens: Any = None,
-                    has_batch_dim: bool = True) -> torch.Tensor:
-        """Each component's direct effect on the logit of `tokens` (minus `incorrect_tokens`'), ``[components, batch, seq]``.
-
-        `stack` is a stack of streams ``[components, batch, seq, hidden]``
-        (`decompose_resid`, `accumulated_resid`), before any norm: the final
-        norm is applied here frozen at the final stream's scale
-        (`apply_ln_to_stack`), then each is projected on the unembedding row of
-        `tokens` (an id, or a ``[batch]`` tensor of ids). Summed over
-        `decompose_resid`'s components this is the model's logit of the token
-        before any soft cap or logit scale, less the unembedding of the norm's
-        bias and the head's bias. Reads the unembedding rows from the model
-        (on vLLM, from its worker).
-        """
-        normed = self.apply_ln_to_stack(stack)
-        direction = self.unembedding_rows(tokens, normed.shape[1])
-        if incorrect_tokens is not None:
-            direction = direction - self.unembedding_rows(incorrect_tokens, normed.shape[1])
-        return torch.einsum("cbsh,bh->cbs", normed, direction.to(normed.dtype))
-
-    def unembedding_rows(self, tokens: Any, batch: int) -> torch.Tensor:
-        """``[batch, hidden]``: the unembedding row of each prompt's token."""
-        ids = torch.as_tensor(tokens).reshape(-1)
-        if ids.numel() == 1:
-            ids = ids.expand(batch)
-        if self._unembedding is None:
-            raise ValueError("this cache was built without access to the model's unembedding")
-        return self._unembedding(ids)
 
     def __repr__(self) -> str:
         return (f"Cache({self.model_type}, {self.num_layers} blocks, batch {self.tokens.shape[0]}, "
-                f"seq {self.tokens.shape[1]}, {len(self.values)} values)")
+                f"seq {self.tokens.shape[-1]}, {len(self.stored)} values)")
 
     def _repr_html_(self) -> str:
         from .display import shape, table
 
         # One row per value name, its blocks and shape (a block's values share their shapes).
         names: dict[str, list] = {}
-        for key, value in self.values.items():
+        for key, value in self.stored.items():
             match = _BLOCK_NAME.match(key)
             name, block = (match.group(2), match.group(1)) if match else (key, "root")
             names.setdefault(name, [[], shape(value)])[0].append(block)
@@ -305,7 +302,7 @@ class Cache(Mapping):
 
 
 class FinalNorm:
-    """A final norm's parameters, for applying it frozen at a given stream's scale."""
+    """A final norm's parameters: applied to a stream (`__call__`), or its form for the scales (`streamscope.tl`)."""
 
     def __init__(self, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float, centred: bool) -> None:
         self.weight, self.bias, self.eps, self.centred = weight, bias, eps, centred
@@ -320,11 +317,6 @@ class FinalNorm:
         centred, scale = self.normalize(stream)
         out = centred / scale * (self.weight if self.weight is not None else 1)
         return out + self.bias if self.bias is not None else out
-
-    def frozen(self, stack: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
-        _, scale = self.normalize(final)
-        centred = stack - stack.mean(-1, keepdim=True) if self.centred else stack
-        return centred / scale * (self.weight if self.weight is not None else 1)
 
 
 def fit_final_norm(weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float,
@@ -439,19 +431,130 @@ def _body(model: Any, reads: list, roots: Sequence[str], with_logits: bool) -> t
     return found, logits
 
 
-def build_cache(model: Any, prompts: str | Sequence[str], values: Optional[Sequence[str]] = None,
+def _token_ids(model: Any, prompts: Any) -> list[list[int]]:
+    """Each prompt's token ids: strings are tokenized (the tokenizer's own special tokens, as transformers does);
+    token ids (a ``[batch, seq]`` or ``[seq]`` tensor, a list of ints or of lists) are taken as they are."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dtype.is_floating_point or prompts.dim() not in (1, 2):
+            raise ValueError(f"token ids must be an integer tensor [batch, seq] or [seq], not {prompts.dtype} "
+                             f"{tuple(prompts.shape)}")
+        prompts = prompts.reshape(-1, prompts.shape[-1]).tolist()
+    prompts = list(prompts)
+    if prompts and all(isinstance(item, int) for item in prompts):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("model.cache needs at least one prompt")
+    encoded = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            encoded.append(list(model.tokenizer(prompt)["input_ids"]))
+        elif isinstance(prompt, (list, tuple, torch.Tensor)) and len(prompt) and all(
+                isinstance(item, int) for item in torch.as_tensor(prompt).tolist()):
+            ids = [int(item) for item in torch.as_tensor(prompt).tolist()]
+            bad = [item for item in ids if not 0 <= item < model.vocab_size]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{model.vocab_size - 1})")
+            encoded.append(ids)
+        else:
+            raise TypeError(f"model.cache takes a prompt (a string, or a non-empty list of token ids) or a list of "
+                            f"them, not {prompt!r:.80}")
+    return encoded
+
+
+def _names_filter(names_filter: Any) -> Optional[Any]:
+    """TransformerLens's names_filter as a predicate: a callable, a name, or a list of names."""
+    if names_filter is None or callable(names_filter):
+        return names_filter
+    if isinstance(names_filter, str):
+        return lambda name: name == names_filter
+    wanted = set(names_filter)
+    return lambda name: name in wanted
+
+
+def _keep(cache: Cache, keep: Any) -> None:
+    """Drop every stored value whose streamscope name and TransformerLens names all fail `keep`."""
+    tl_of: dict[str, list[str]] = {}
+    for name in cache.tl_names():
+        source = _source_of(cache, name)
+        if source is not None:
+            tl_of.setdefault(source, []).append(name)
+    cache.stored = {key: value for key, value in cache.stored.items()
+                    if keep(key) or any(keep(name) for name in tl_of.get(key, []))}
+
+
+def _source_of(cache: Cache, tl: str) -> Optional[str]:
+    """The stored key a TransformerLens name is read from unchanged, or None for a computed one."""
+    if tl in TL_ROOT:
+        return TL_ROOT[tl]
+    match = _TL_BLOCK_NAME.match(tl)
+    if match is None or match.group(2) not in TL_BLOCK:
+        return None
+    return cache._block_key(int(match.group(1)), TL_BLOCK[match.group(2)][0])
+
+
+def _slice_positions(cache: Cache, pos_slice: Any) -> None:
+    """Slice every value's query-position axis as TransformerLens's run_with_cache(pos_slice=...)."""
+    from .tl import apply_slice
+
+    cache.stored = {key: apply_slice(value, pos_slice, seq_axes(key)[0]) for key, value in cache.stored.items()}
+    cache.tokens, cache.mask = apply_slice(cache.tokens, pos_slice, 1), apply_slice(cache.mask, pos_slice, 1)
+    if cache.logits is not None:
+        cache.logits = apply_slice(cache.logits, pos_slice, 1)
+
+
+def norm_inputs(model: Any) -> dict[int, dict[str, str]]:
+    """Per block: the stream (a cache key) its attention norm (``ln1``) and MLP norm (``ln2``) read, else why none."""
+    from ..blocks.parallel import SharedNormParallelLayer
+    from ..blocks.sublayers import PostNormedAttention
+
+    found = {}
+    for index in range(model.num_layers):
+        rows = model.layers[index].support().rows
+        attention = rows.get("attention_norm_output", "this block has no attention norm")
+        mlp = rows.get("mlp_norm_output", "this block has no MLP norm")
+        mid = rows.get("layer_mid", "no stream between the sublayers")
+        ln1 = f"layers.{index}.layer_input" if attention is None else attention
+        if isinstance(model.layers[index], SharedNormParallelLayer):
+            ln2 = ("this block has one norm (ln1), which the attention and the MLP both read: "
+                   "its scale is blocks.{i}.ln1.hook_scale (mlp_input=False)").replace("{i}", str(index))
+        elif mlp is not None:
+            ln2 = mlp
+        elif mid is None:
+            ln2 = f"layers.{index}.layer_mid"
+        else:
+            ln2 = f"layers.{index}.layer_input" if code_of(mid) == "parallel" else mid
+        found[index] = {"ln1": ln1, "ln2": ln2}
+        try:
+            attention = model.layers[index].self_attn
+        except (AttributeError, Unavailable):
+            attention = None
+        if isinstance(attention, PostNormedAttention):
+            found[index]["sandwich"] = (f"block {index} normalizes the attention's output before adding it to the "
+                                        "stream (a sandwich norm), so its heads' results do not add up to what it "
+                                        "adds (TransformerLens 4.3 sums them regardless)")
+    return found
+
+
+def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None,
                 layers: Optional[Sequence[int]] = None, *, logits: bool = True, batch_size: int = 8,
-                progress: Optional[bool] = None) -> Cache:
-    """Run `prompts` and keep `values` of `layers` (every block by default): `model.cache`'s work."""
+                progress: Optional[bool] = None, names_filter: Any = None, pos_slice: Any = None) -> Cache:
+    """Run `prompts` and keep `values` of `layers` (every block by default): `model.cache`'s work.
+
+    `prompts` are strings or token ids (`_token_ids`). `names_filter` (a
+    callable on names, a name or a list of names, as TransformerLens's
+    run_with_cache) keeps the values whose streamscope name or one of whose
+    TransformerLens names it accepts; `pos_slice` keeps those positions of
+    every value (TransformerLens's ``Slice``: an int, a ``(start, stop)``
+    tuple, a slice, a list of positions).
+    """
     from tqdm.auto import tqdm
 
     from ..input_checks import indices, names
 
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    if not prompts:
-        raise ValueError("model.cache needs at least one prompt")
-    if not all(isinstance(prompt, str) for prompt in prompts):
-        raise TypeError("model.cache takes a prompt (a string) or a list of them")
+    encoded = _token_ids(model, prompts)
+    prompts = [ids for ids in encoded]
     values = names(values)
     roots = list(ROOT) if values is None else [name for name in values if name in ROOT]
     values = list(DEFAULT_VALUES if values is None else values)
@@ -493,9 +596,22 @@ def build_cache(model: Any, prompts: str | Sequence[str], values: Optional[Seque
     stored = {key: stored[key] for key in _ordered(stored, aliases, keys)}
     stored_logits = _pad("logits", per_logits, longest) if logits else None
     final_norm = _final_norm(model, stored, mask)
-    return Cache(stored, tokens=tokens, mask=mask, logits=stored_logits, model_type=model.config.model_type,
-                 num_layers=model.num_layers, unavailable=unavailable, final_norm=final_norm,
-                 unembedding=model.engine.unembedding_rows, learned_positions=model.family_spec.learned_positions)
+    try:
+        heads: Optional[int] = model.num_heads
+    except Unavailable:
+        heads = None
+    cache = Cache(stored, tokens=tokens, mask=mask, logits=stored_logits, model_type=model.config.model_type,
+                  num_layers=model.num_layers, unavailable=unavailable, final_norm=final_norm,
+                  unembedding=model.engine.unembedding_rows, norm_inputs=norm_inputs(model),
+                  num_heads=heads, tokenizer=model.tokenizer, logit_transform=scaling_in_words(model.config),
+                  output_weights=model.engine.output_projections,
+                  learned_positions=model.family_spec.learned_positions)
+    keep = _names_filter(names_filter)
+    if keep is not None:
+        _keep(cache, keep)
+    if pos_slice is not None:
+        _slice_positions(cache, pos_slice)
+    return cache
 
 
 #: The axes of each value that run over positions (the rest are batch, heads or widths).

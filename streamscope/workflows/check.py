@@ -135,7 +135,7 @@ def check(path: str, engines: tuple[str, ...] = ("transformers", "vllm"),
             cache = model.cache(prompt, progress=False)
         finally:
             model.engine.close()
-        got = {**cache.values, "logits": cache.logits}
+        got = {**cache.stored, "logits": cache.logits}
         for key, value in got.items():
             short = _short(key)
             expected = reference.get(key if short == key.split(".", 2)[-1] else f"{key.split('.')[0]}."

@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> None:
 
     # 6. Direct logit attribution: which sublayers write the answer.
     cache = model.cache(FACT)
-    parts, labels = cache.decompose_resid()
-    attributions = cache.logit_attrs(parts, tokens=answer)[:, 0, -1]
+    parts, labels = cache.decompose_resid(return_labels=True)
+    attributions = cache.logit_attrs(parts, tokens=answer, norm_weight=True)[:, 0, -1]
     order = attributions.argsort(descending=True)[:5]
     total = float(attributions.sum())
     print(f"The {ANSWER!r} logit split over the stream's parts (final norm's scale applied; they sum to "

@@ -76,11 +76,11 @@ def test_cache_of_several_requests_equals_the_oracle(engine):
         # A lookup: exact, but for the engine's dtype (its rounding in a bfloat16 run).
         assert relative_error(cache["hook_embed"][row : row + 1, :length], expected["token_embeddings"]) <= ROUNDING
     assert checked >= 2 * 4 * engine.model.num_layers
-    parts, _ = cache.decompose_resid()
+    parts = cache.decompose_resid()
     final = engine.expected[0]["layer_output"][-1]
     assert relative_error(parts.sum(0)[:1, : engine.ids[0].shape[1]], final) <= engine.tolerance
     # logit_attrs with the engine's own unembedding rows, read in the worker: summed, the raw logit.
-    attrs = cache.logit_attrs(parts, tokens=7)[:, :1, : engine.ids[0].shape[1]]
+    attrs = cache.logit_attrs(parts, tokens=7, norm_weight=True)[:, :1, : engine.ids[0].shape[1]]
     head = engine.reference.get_output_embeddings()
     raw = head(engine.expected[0]["final_norm_output"])[..., 7]
     norm = oracle.site(engine.reference, engine.name, "final_norm_output")[0]

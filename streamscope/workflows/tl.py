@@ -1,0 +1,603 @@
+"""TransformerLens 4.3's ActivationCache, method for method, over a streamscope `Cache`.
+
+`streamscope.Cache` inherits `TransformerLensCache`: a TransformerLens notebook's
+cache calls (``cache["pattern", 3]``, ``cache.accumulated_resid(apply_ln=True)``,
+``cache.decompose_resid(layer=2, mode="attn")``, ``cache.logit_attrs(...)``) give
+TransformerLens 4.3's numbers for a `TransformerBridge` booted with its default
+(unprocessed) weights, which is HookedTransformer with ``fold_ln=False``,
+``center_writing_weights=False``, ``center_unembed=False``. Where streamscope
+offers another convention (the final norm's weight applied, as TransformerLens
+gives it with ``fold_ln=True``), it is an explicit argument. ``docs/transformerlens.md``
+tabulates every name.
+
+Norm scales (``ln1.hook_scale``, ``ln2.hook_scale``, ``ln_final.hook_scale``) are
+computed from the stream each norm reads, ``sqrt(mean(x'^2) + eps)`` with ``x'``
+centred for a layer norm: the block norms are assumed to share the final norm's
+form and epsilon (one config field states both in every family served).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from ..errors import Unavailable
+
+SliceInput = Union[None, int, tuple, slice, list, torch.Tensor]
+
+#: TransformerLens's shorthand (`get_act_name`) aliases.
+_ACT_ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
+                "mlp_pre": "pre", "mlp_mid": "mid", "mlp_post": "post"}
+_LAYER_TYPE_ALIASES = {"a": "attn", "m": "mlp", "b": "", "block": "", "blocks": "", "attention": "attn"}
+_ATTN_NAMES = ("k", "v", "q", "z", "rot_k", "rot_q", "result", "pattern", "attn_scores", "attn_in")
+_MLP_NAMES = ("pre", "post", "mid", "pre_linear")
+
+
+def act_name(name: str, layer: Optional[int] = None, layer_type: Optional[str] = None) -> str:
+    """The full TransformerLens hook name of a shorthand, as TransformerLens 4.3's ``utilities.get_act_name``.
+
+    ``act_name("pattern", 3) == "blocks.3.attn.hook_pattern"``; ``act_name("scale", 2, "ln1")``
+    is ``"blocks.2.ln1.hook_scale"``; ``act_name("scale")`` is ``"ln_final.hook_scale"``.
+    """
+    if ("." in name or name.startswith("hook_")) and layer is None and layer_type is None:
+        return name
+    match = re.match(r"([a-z_]+?)(\d+)([a-z]?.*)$", name)
+    if match is not None and layer is None:
+        name, layer, layer_type = match.group(1), int(match.group(2)), match.group(3) or None
+    name = _ACT_ALIASES.get(name, name)
+    full = "" if layer is None else f"blocks.{layer}."
+    if name in _ATTN_NAMES:
+        layer_type = "attn"
+    elif name in _MLP_NAMES:
+        layer_type = "mlp"
+    elif layer_type in _LAYER_TYPE_ALIASES:
+        layer_type = _LAYER_TYPE_ALIASES[layer_type]
+    if layer_type:
+        full += f"{layer_type}."
+    full += f"hook_{name}"
+    if name in ("scale", "normalized") and layer is None:
+        full = f"ln_final.{full}"
+    return full
+
+
+def apply_slice(tensor: torch.Tensor, index: SliceInput, dim: int) -> torch.Tensor:
+    """`tensor` sliced along `dim` as TransformerLens's ``Slice``: None keeps all, an int drops the axis,
+    a tuple is ``slice(*tuple)``, a list or tensor picks those indices."""
+    if index is None:
+        return tensor
+    if isinstance(index, tuple):
+        index = slice(*index)
+    elif isinstance(index, list):
+        index = torch.as_tensor(index, dtype=torch.long)
+    elif isinstance(index, torch.Tensor) and index.dim() == 0:
+        index = int(index)
+    where: list[Any] = [slice(None)] * tensor.dim()
+    where[dim] = index
+    return tensor[tuple(where)]
+
+
+class NormForm:
+    """A norm's form, enough to compute its scale on a stream: centred (layer norm) or not (RMS), and epsilon."""
+
+    def __init__(self, centred: bool, eps: float) -> None:
+        self.centred, self.eps = centred, eps
+
+    def centre(self, stream: torch.Tensor) -> torch.Tensor:
+        return stream - stream.mean(-1, keepdim=True) if self.centred else stream
+
+    def scale(self, stream: torch.Tensor) -> torch.Tensor:
+        """``[..., 1]``: ``sqrt(mean(x'^2) + eps)``, TransformerLens's ``hook_scale``."""
+        return (self.centre(stream.float()).pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
+
+
+class TransformerLensCache:
+    """TransformerLens 4.3's ActivationCache methods; mixed into `streamscope.Cache` (which supplies the state)."""
+
+    stored: dict[str, torch.Tensor]
+    num_layers: int
+    final_norm: Any
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    logits: Optional[torch.Tensor]
+    model_type: str
+    has_batch_dim: bool
+    #: Per block: the stream its attention norm (``ln1``) and MLP norm (``ln2``) read, or the reason it has none.
+    norm_inputs: dict[int, dict[str, str]]
+    _unembedding: Any
+    _tokenizer: Any
+
+    def __getitem__(self, key: Any) -> torch.Tensor:  # supplied by Cache
+        raise NotImplementedError
+
+    def __contains__(self, key: object) -> bool:  # supplied by Cache
+        raise NotImplementedError
+
+    # Keys.
+
+    def tl_key(self, key: Any) -> str:
+        """The full hook name of a TransformerLens key: a name, a shorthand, or ``(name, layer[, layer_type])``.
+
+        A negative layer counts from the end, as TransformerLens 4.3's ``cache["pattern", -1]``.
+        """
+        if isinstance(key, str):
+            return key
+        name, layer, layer_type = (*key, None, None)[:3]
+        if layer is not None and layer < 0:
+            layer += self.num_layers
+        return act_name(name, layer, layer_type)
+
+    # Norm scales, computed from the stream each norm reads.
+
+    @property
+    def norm_form(self) -> NormForm:
+        if self.final_norm is None:
+            raise ValueError("this cache has no final norm: model.cache reads it with the last block's layer_output "
+                             "and final_norm_output (values=None reads both)")
+        return NormForm(self.final_norm.centred, self.final_norm.eps)
+
+    def norm_input(self, layer: int, mlp_input: bool = False) -> torch.Tensor:
+        """The stream block `layer`'s attention norm (or MLP norm, `mlp_input`) reads; the final stream at num_layers."""
+        if layer == self.num_layers:
+            return self[f"layers.{self.num_layers - 1}.layer_output"]
+        norm = "ln2" if mlp_input else "ln1"
+        source = self.norm_inputs.get(layer, {}).get(norm)
+        if source is None or not source.startswith("layers."):
+            raise Unavailable(f"{norm}.hook_scale", f"blocks.{layer}",
+                              source or "this cache does not know which stream the norm reads")
+        return self[source]
+
+    def norm_scale(self, layer: Optional[int] = None, mlp_input: bool = False) -> torch.Tensor:
+        """``[batch, seq, 1]``: TransformerLens's ``blocks.{layer}.ln{1,2}.hook_scale`` (``ln_final`` at num_layers)."""
+        layer = self._layer(layer)
+        return self.norm_form.scale(self.norm_input(layer, mlp_input))
+
+    def _layer(self, layer: Optional[int]) -> int:
+        if layer is None or layer == -1:
+            return self.num_layers
+        if not -self.num_layers <= layer <= self.num_layers:
+            raise IndexError(f"layer {layer} is outside 0..{self.num_layers} (num_layers means after the last block)")
+        return layer if layer >= 0 else layer + self.num_layers
+
+    # TransformerLens's ActivationCache methods.
+
+    def stack_activation(self, activation_name: str, layer: int = -1,
+                         sublayer_type: Optional[str] = None) -> torch.Tensor:
+        """``[layers, ...]``: the TransformerLens activation of every block before `layer` (-1: all), as TL 4.3."""
+        end = self._layer(layer)
+        return torch.stack([self[self.tl_key((activation_name, index, sublayer_type))] for index in range(end)])
+
+    def accumulated_resid(self, layer: Optional[int] = None, incl_mid: bool = False, apply_ln: bool = False,
+                          pos_slice: SliceInput = None, mlp_input: bool = False, return_labels: bool = False,
+                          frozen_final_scale: bool = False) -> Any:
+        """``[components, batch, seq, hidden]``: the stream entering each block up to `layer`, as TL 4.3.
+
+        Block i's ``layer_input`` (``{i}_pre``) for i <= `layer`, each ``layer_mid``
+        before `layer` when `incl_mid` (and block `layer`'s when `mlp_input`); at
+        `layer` = None, -1 or num_layers the last entry is the final stream
+        (``final_post``). `pos_slice` slices positions.
+
+        `apply_ln` as TransformerLens 4.3: at the final stream, each component
+        through the final norm with its own statistics (weight and bias applied,
+        the logit lens); at `layer` = k < num_layers, centred (layer norm) and
+        divided by block k's ``ln1.hook_scale`` (``ln2`` with `mlp_input`), no
+        weight. `frozen_final_scale` (streamscope's earlier default; TransformerLens
+        ``apply_ln_to_stack(recompute_ln=False)`` with ``fold_ln=True``) instead
+        divides every component by the final stream's scale and applies the weight.
+        """
+        end = self._layer(layer)
+        parts, labels = [], []
+        for index in range(end + 1):
+            if index == self.num_layers:
+                parts.append(self[f"layers.{self.num_layers - 1}.layer_output"])
+                labels.append("final_post")
+                continue
+            parts.append(self[f"layers.{index}.layer_input"])
+            labels.append(f"{index}_pre")
+            if (incl_mid and index < end) or (mlp_input and index == end):
+                parts.append(self[f"layers.{index}.layer_mid"])
+                labels.append(f"{index}_mid")
+        stack = torch.stack([apply_slice(part, pos_slice, -2) for part in parts])
+        if apply_ln:
+            if frozen_final_scale:
+                stack = self.apply_ln_to_stack(stack, end, mlp_input, pos_slice, norm_weight=True)
+            else:
+                stack = self.apply_ln_to_stack(stack, end, mlp_input, pos_slice, has_batch_dim=self.has_batch_dim,
+                                               recompute_ln=end == self.num_layers)
+        return (stack, labels) if return_labels else stack
+
+    def decompose_resid(self, layer: Optional[int] = None, mlp_input: bool = False, mode: str = "all",
+                        apply_ln: bool = False, pos_slice: SliceInput = None, incl_embeds: bool = True,
+                        return_labels: bool = False) -> Any:
+        """``[components, batch, seq, hidden]``: what the stream entering block `layer` is the sum of, as TL 4.3.
+
+        ``embed`` (the token embeddings) and ``pos_embed`` (learned position
+        embeddings, GPT-2 and OPT) when `incl_embeds`, then ``{i}_attn_out`` and
+        ``{i}_mlp_out`` of each block before `layer` (`mode` "attn" or "mlp"
+        keeps one kind), and block `layer`'s attention when `mlp_input`. They sum
+        to block `layer`'s ``layer_input`` (num_layers, the default: the final
+        stream). `apply_ln` divides by the target norm's cached scale
+        (`apply_ln_to_stack`). Note that TL 4.3's default is
+        ``return_labels=False``. A post-norm block (OLMo 2) adds no contribution
+        unchanged and raises `Unavailable` with the reason; a block with one
+        sublayer (Mamba) contributes its mixer only.
+        """
+        if mode not in ("all", "attn", "mlp"):
+            raise ValueError(f"mode must be 'all', 'attn' or 'mlp', not {mode!r}")
+        end = self._layer(layer)
+        parts, labels = [], []
+        if incl_embeds:
+            parts.append(self["token_embeddings"])
+            labels.append("embed")
+            if "hook_pos_embed" in self:
+                parts.append(self["hook_pos_embed"])
+                labels.append("pos_embed")
+        wanted = {"attn": ("attention_output",), "mlp": ("mlp_output",)}.get(mode, ("attention_output", "mlp_output"))
+        for index in range(end + (1 if mlp_input else 0)):
+            for short, label in (("attention_output", "attn_out"), ("mlp_output", "mlp_out")):
+                if short not in wanted or (index == end and short == "mlp_output"):
+                    continue
+                try:
+                    parts.append(self[f"layers.{index}.{short}"])
+                except Unavailable as error:
+                    if short == "mlp_output" and error.code in ("missing_module", "one_sublayer"):
+                        continue  # a block with one sublayer (Mamba's mixer) adds no MLP: nothing is missing
+                    raise
+                labels.append(f"{index}_{label}")
+        if not parts:
+            raise ValueError(f"decompose_resid(layer={layer}, mode={mode!r}, incl_embeds={incl_embeds}) selects no "
+                             "component: include the embeddings or a later layer")
+        stack = torch.stack([apply_slice(part, pos_slice, -2) for part in parts])
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, end, mlp_input, pos_slice)
+        return (stack, labels) if return_labels else stack
+
+    def apply_ln_to_stack(self, residual_stack: torch.Tensor, layer: Optional[int] = None, mlp_input: bool = False,
+                          pos_slice: SliceInput = None, batch_slice: SliceInput = None, has_batch_dim: bool = True,
+                          recompute_ln: bool = False, norm_weight: bool = False) -> torch.Tensor:
+        """Each component of `residual_stack` as block `layer`'s norm sees it, as TL 4.3.
+
+        Default: centred (layer norm) and divided by the scale the norm
+        computed on the whole stream, block `layer`'s ``ln1.hook_scale``
+        (``ln2`` with `mlp_input`; ``ln_final`` at None, -1 or num_layers), no
+        weight or bias: linear, so the components still sum. `recompute_ln` at
+        the final layer applies the final norm to each component with its own
+        statistics, weight and bias (TL's logit lens). `pos_slice` and
+        `batch_slice` are applied to the scale (and `batch_slice` to the stack),
+        the stack assumed already sliced in positions.
+
+        `norm_weight` (streamscope's convention; TL 4.3 with ``fold_ln=True``,
+        whose unembedding carries the weight) multiplies the frozen result by the
+        norm's weight (Gemma's ``1 + w``): then the components' results sum to
+        the norm's output less its bias. Only at the final norm.
+        """
+        end = self._layer(layer)
+        if has_batch_dim:
+            residual_stack = apply_slice(residual_stack, batch_slice, 1)
+        if recompute_ln and end == self.num_layers:
+            if self.final_norm is None:
+                raise ValueError("this cache has no final norm parameters: read layer_output and final_norm_output")
+            return self.final_norm(residual_stack)
+        form = self.norm_form
+        scale = apply_slice(self.norm_scale(end, mlp_input), pos_slice, -2)
+        if self.has_batch_dim:  # as TL 4.3: the scale keeps the cache's batch axis, sliced like the stack
+            scale = apply_slice(scale, batch_slice, 0)
+        out = form.centre(residual_stack) / scale
+        if norm_weight:
+            if end != self.num_layers:
+                raise ValueError("norm_weight applies the final norm's weight: layer must be the final one")
+            out = out * (self.final_norm.weight if self.final_norm.weight is not None else 1)
+        return out
+
+    def tokens_to_residual_directions(self, tokens: Any) -> torch.Tensor:
+        """``[*tokens.shape, hidden]``: the unembedding row of each token (an id, a string, or a tensor of ids)."""
+        if isinstance(tokens, str):
+            tokens = self.to_single_token(tokens)
+        ids = torch.as_tensor(tokens, dtype=torch.long)
+        if self._unembedding is None:
+            raise ValueError("this cache was built without access to the model's unembedding")
+        return self._unembedding(ids.reshape(-1)).reshape(*ids.shape, -1)
+
+    def logit_attrs(self, residual_stack: torch.Tensor, tokens: Any, incorrect_tokens: Any = None,
+                    pos_slice: SliceInput = None, batch_slice: SliceInput = None, has_batch_dim: bool = True,
+                    norm_weight: bool = False) -> torch.Tensor:
+        """Each component's direct effect on the logit of `tokens` (less `incorrect_tokens`'), as TL 4.3.
+
+        `residual_stack` ``[components, batch, seq, hidden]`` (or without batch,
+        `has_batch_dim` False) is put through `apply_ln_to_stack` at the final
+        norm (frozen final scale, `pos_slice`, `batch_slice`) and projected on
+        the unembedding rows of `tokens`: a string or id (one token everywhere),
+        ``[batch]`` ids (one per prompt, over every position), or ``[batch,
+        pos]`` ids (one per prompt and position; ``[1, pos]`` shares them over
+        the batch). A ``[n]`` tensor whose n is not the batch picks a token per
+        position. Returns ``[components, batch, seq]`` (TL's broadcasting).
+
+        `norm_weight` applies the final norm's weight before the projection
+        (TL with ``fold_ln=True``; streamscope's earlier default): summed over
+        `decompose_resid`'s components this is then the model's logit before
+        any soft cap or scale, less the unembedding of the norm's bias and the
+        head's bias.
+        """
+        directions = self.tokens_to_residual_directions(tokens)
+        if incorrect_tokens is not None:
+            wrong = self.tokens_to_residual_directions(incorrect_tokens)
+            if wrong.shape != directions.shape:
+                raise ValueError(f"tokens and incorrect_tokens must have the same shape (tokens give "
+                                 f"{tuple(directions.shape[:-1])}, incorrect_tokens {tuple(wrong.shape[:-1])})")
+            directions = directions - wrong
+        scaled = self.apply_ln_to_stack(residual_stack, -1, pos_slice=pos_slice, batch_slice=batch_slice,
+                                        has_batch_dim=has_batch_dim, norm_weight=norm_weight)
+        batch_int = isinstance(batch_slice, int)
+        if (has_batch_dim and not batch_int and scaled.dim() == 4 and directions.dim() == 2
+                and directions.shape[0] == scaled.shape[1]):
+            directions = directions.unsqueeze(-2)  # one token per prompt: broadcast over positions, not the batch
+        return (scaled * directions.to(scaled.dtype)).sum(-1)
+
+    # Per-head results: each head's output after the output projection, from head_outputs and its weights.
+
+    _output_weights: Optional[Callable[[], list]]
+    _weights_read: Optional[list]
+
+    def output_weights(self, layer: int) -> torch.Tensor:
+        """``[heads, head_dim, hidden]``: block `layer`'s output projection split per head (TL's ``W_O``).
+
+        Read from the model (on vLLM, from its worker) once per cache, all blocks at once.
+        """
+        if self._weights_read is None:
+            if self._output_weights is None:
+                raise ValueError("this cache was built without access to the model's output projections")
+            self._weights_read = self._output_weights()
+        weight = self._weights_read[layer]
+        if isinstance(weight, str):
+            raise Unavailable("attn.hook_result", f"blocks.{layer}", weight)
+        z = self[f"layers.{layer}.self_attn.head_outputs"]
+        heads, head_dim = z.shape[-2:]
+        # A Linear's weight is [hidden, heads * head_dim]; the input's columns are head-major.
+        return weight.reshape(weight.shape[0], heads, head_dim).permute(1, 2, 0)
+
+    def head_results(self, layer: int) -> torch.Tensor:
+        """``[batch, seq, heads, hidden]``: each head's contribution to the stream at block `layer`, TL's
+        ``attn.hook_result``: ``head_outputs @ W_O[head]``, without the projection's bias (TL 4.3 keeps it out too:
+        the block's attention output is the heads' sum plus that bias). Computed once, then kept."""
+        key = f"layers.{layer}.self_attn.head_results"
+        if key not in self.stored:
+            z = self[f"layers.{layer}.self_attn.head_outputs"]
+            weights = self.output_weights(layer).to(z.device)
+            self.stored[key] = torch.einsum("...hd,hdm->...hm", z.to(weights.dtype), weights)
+        return self.stored[key]
+
+    def compute_head_results(self) -> None:
+        """Compute every block's ``attn.hook_result`` (`head_results`) and keep it in the cache, as TL 4.3."""
+        for layer in range(self.num_layers):
+            self.head_results(layer)
+
+    def stack_head_results(self, layer: int = -1, return_labels: bool = False, incl_remainder: bool = False,
+                           pos_slice: SliceInput = None, apply_ln: bool = False) -> Any:
+        """``[blocks * heads (+1), batch, seq, hidden]``: every head's result before block `layer`, as TL 4.3.
+
+        Labels ``L{layer}H{head}``; `incl_remainder` adds the stream less the
+        heads' sum (``remainder``); `apply_ln` as `apply_ln_to_stack` at `layer`.
+        """
+        end = self._layer(layer)
+        parts, labels = [], []
+        for index in range(end):
+            results = apply_slice(self.head_results(index), pos_slice, -3)
+            parts.append(results.movedim(-2, 0))
+            labels += [f"L{index}H{head}" for head in range(results.shape[-2])]
+        if parts:
+            stack = torch.cat(parts)
+        else:
+            embed = apply_slice(self["token_embeddings"], pos_slice, -2)
+            stack = embed.new_zeros(0, *embed.shape)
+        if incl_remainder:
+            if end == 0:
+                raise ValueError("stack_head_results(layer=0, incl_remainder=True): there is no stream before "
+                                 "block 0 to take the heads from")
+            stream = apply_slice(self[f"layers.{end - 1}.layer_output"], pos_slice, -2)
+            stack = torch.cat([stack, (stream - stack.sum(0))[None]])
+            labels.append("remainder")
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, end, pos_slice=pos_slice)
+        return (stack, labels) if return_labels else stack
+
+    def get_full_resid_decomposition(self, layer: Optional[int] = None, mlp_input: bool = False,
+                                     expand_neurons: bool = True, apply_ln: bool = False,
+                                     pos_slice: SliceInput = None, return_labels: bool = False) -> Any:
+        """The stream entering block `layer` as every head's result, each MLP's output, ``embed``,
+        ``pos_embed`` and ``bias`` (the attention projections' biases summed), as TL 4.3 with
+        ``expand_neurons=False``; they sum to the stream. Per-neuron results (TL's default) are refused:
+        streamscope does not serve the MLP's hidden activations."""
+        if expand_neurons:
+            raise Unavailable("mlp.hook_post", "model", "streamscope does not serve the MLP's hidden activations, "
+                              "so the MLPs cannot be split per neuron: pass expand_neurons=False")
+        end = self._layer(layer)
+        for index in range(min(end + 1, self.num_layers)):
+            reason = self.norm_inputs.get(index, {}).get("sandwich")
+            if reason is not None:
+                raise Unavailable("get_full_resid_decomposition", f"blocks.{index}", reason)
+        heads, labels = self.stack_head_results(end + (1 if mlp_input else 0), return_labels=True,
+                                                pos_slice=pos_slice)
+        parts = [heads]
+        if end > 0:
+            mlps, mlp_labels = self.decompose_resid(end, mlp_input=mlp_input, mode="mlp", incl_embeds=False,
+                                                   pos_slice=pos_slice, return_labels=True)
+            parts.append(mlps)
+            labels = labels + mlp_labels
+        embeds, embed_labels = self.decompose_resid(0, pos_slice=pos_slice, return_labels=True)
+        parts.append(embeds)
+        labels = labels + embed_labels
+        # What each attention adds beyond its heads' results: its output projection's bias, at every position.
+        bias = sum((apply_slice(self[f"layers.{index}.attention_output"], pos_slice, -2)
+                    - apply_slice(self.head_results(index), pos_slice, -3).sum(-2)
+                    for index in range(end + (1 if mlp_input else 0))), torch.zeros_like(embeds[0]))
+        parts.append(bias[None])
+        labels.append("bias")
+        stack = torch.cat(parts)
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, end, mlp_input, pos_slice)
+        return (stack, labels) if return_labels else stack
+
+    # Batch handling and devices.
+
+    def to(self, device: Union[str, torch.device]) -> "TransformerLensCache":
+        """Move every value (and the tokens, mask and logits) to `device`, in place; returns the cache (as TL)."""
+        self.stored = {key: value.to(device) for key, value in self.stored.items()}
+        self.tokens, self.mask = self.tokens.to(device), self.mask.to(device)
+        if self.logits is not None:
+            self.logits = self.logits.to(device)
+        return self
+
+    def _map_batch(self, function: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+        return {"stored": {key: function(value) for key, value in self.stored.items()},
+                "tokens": function(self.tokens), "mask": function(self.mask),
+                "logits": None if self.logits is None else function(self.logits)}
+
+    def remove_batch_dim(self) -> "TransformerLensCache":
+        """Drop the batch axis of a cache of one prompt, in place (TL 4.3's ``remove_batch_dim``)."""
+        if not self.has_batch_dim:
+            raise ValueError("this cache has no batch axis left to remove")
+        if self.tokens.shape[0] != 1:
+            raise ValueError(f"remove_batch_dim needs a cache of one prompt, not {self.tokens.shape[0]}: "
+                             "apply_slice_to_batch_dim(i) picks one")
+        for name, value in self._map_batch(lambda tensor: tensor[0]).items():
+            setattr(self, name, value)
+        self.has_batch_dim = False
+        return self
+
+    def apply_slice_to_batch_dim(self, batch_slice: SliceInput) -> Any:
+        """A new cache of the prompts `batch_slice` picks (an int drops the batch axis), as TL 4.3."""
+        import copy
+
+        if not self.has_batch_dim:
+            raise ValueError("this cache has no batch axis to slice")
+        new = copy.copy(self)
+        for name, value in self._map_batch(lambda tensor: apply_slice(tensor, batch_slice, 0)).items():
+            setattr(new, name, value)
+        new.has_batch_dim = not isinstance(batch_slice, int)
+        return new
+
+    # Tokens.
+
+    def to_single_token(self, string: str) -> int:
+        """The one token id of `string` (no BOS), as TL's ``to_single_token``; a string of several tokens is refused."""
+        return to_single_token(self._tokenizer, string)
+
+    def to_str_tokens(self, input: Any, prepend_bos: Optional[bool] = None) -> Any:
+        """Each token as its string, as TL's ``to_str_tokens``: ``cache.to_str_tokens(cache.tokens[0])``."""
+        return to_str_tokens(self._tokenizer, input, prepend_bos, model_type=self.model_type)
+
+
+def tokenizer_prepends_bos(tokenizer: Any) -> bool:
+    """Whether `tokenizer` puts the BOS token first by itself (TransformerLens's ``tokenizer_prepends_bos``)."""
+    if tokenizer.bos_token_id is None:
+        return False
+    ids = tokenizer("a")["input_ids"]
+    return bool(ids) and ids[0] == tokenizer.bos_token_id
+
+
+#: Model types whose TransformerLens 4.3 adapter sets ``default_prepend_bos = False`` (the rest: True).
+NO_DEFAULT_BOS = ("bloom", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "glm", "glm4_moe", "glm4v", "gpt_neox",
+                  "granite", "llada", "minimax_m2", "mpt", "phi", "phimoe", "qwen2", "qwen2_5_vl", "qwen3",
+                  "qwen3_moe", "qwen3_vl", "recurrent_gemma", "seed_oss", "smollm3", "starcoder2")
+
+
+def to_tokens(tokenizer: Any, input: str | Sequence[str], prepend_bos: Optional[bool] = None,
+              padding_side: Optional[str] = None, model_type: Optional[str] = None) -> torch.Tensor:
+    """``[batch, pos]`` token ids of a string or strings, as TransformerLens 4.3's ``to_tokens``.
+
+    `prepend_bos` None is TL 4.3's ``default_prepend_bos`` for `model_type`:
+    True, but False for the families in `NO_DEFAULT_BOS` (GPT-NeoX, Granite,
+    Qwen 2 and 3, ...). True puts one BOS first whether or not the tokenizer
+    adds it itself; False leaves it out even where the tokenizer adds it.
+    Several strings are padded on `padding_side` (the tokenizer's by default).
+    """
+    if prepend_bos is None:
+        prepend_bos = model_type not in NO_DEFAULT_BOS
+    texts = [input] if isinstance(input, str) else list(input)
+    adds = tokenizer_prepends_bos(tokenizer)
+    if prepend_bos and not adds and tokenizer.bos_token is not None:
+        texts = [tokenizer.bos_token + text for text in texts]
+    encoded = [list(tokenizer(text)["input_ids"]) for text in texts]
+    if not prepend_bos and adds:
+        encoded = [ids[1:] if ids and ids[0] == tokenizer.bos_token_id else ids for ids in encoded]
+    side = padding_side or getattr(tokenizer, "padding_side", "right")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    longest = max(map(len, encoded))
+    rows = [ids + [pad] * (longest - len(ids)) if side == "right" else [pad] * (longest - len(ids)) + ids
+            for ids in encoded]
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def to_str_tokens(tokenizer: Any, input: Any, prepend_bos: Optional[bool] = None,
+                  padding_side: Optional[str] = None, model_type: Optional[str] = None) -> Any:
+    """Each token of `input` (a string, a list of them, or token ids) as its string, as TL 4.3's ``to_str_tokens``."""
+    if isinstance(input, list) and input and not isinstance(input[0], int):
+        return [to_str_tokens(tokenizer, item, prepend_bos, padding_side, model_type) for item in input]
+    if isinstance(input, str):
+        ids = to_tokens(tokenizer, input, prepend_bos, padding_side, model_type)[0]
+    else:
+        ids = torch.as_tensor(input).squeeze()
+        ids = ids.unsqueeze(0) if ids.dim() == 0 else ids
+        if ids.dim() != 1:
+            raise ValueError(f"to_str_tokens takes one sequence of token ids, not a tensor of shape {tuple(ids.shape)}")
+    return tokenizer.batch_decode([[int(token)] for token in ids.tolist()], clean_up_tokenization_spaces=False)
+
+
+def to_single_token(tokenizer: Any, string: str) -> int:
+    """The one token id of `string` (no BOS), as TL 4.3's ``to_single_token``; several tokens are refused."""
+    ids = to_tokens(tokenizer, string, prepend_bos=False)[0]
+    if ids.numel() != 1:
+        raise ValueError(f"{string!r} is {ids.numel()} tokens, not one: {ids.tolist()}")
+    return int(ids[0])
+
+
+def test_prompt(prompt: str, answer: str | Sequence[str], model: Any, prepend_space_to_answer: bool = True,
+                print_details: bool = True, prepend_bos: Optional[bool] = None, top_k: int = 10) -> list:
+    """TransformerLens 4.3's ``utilities.test_prompt`` on a streamscope model (either engine).
+
+    Runs `prompt` followed by `answer` (several answers: their first tokens,
+    compared as next-token candidates) and prints, in TL's words, the prompt's
+    and answer's tokens, each answer token's rank, logit and probability, and
+    the `top_k` tokens at each answer position. Returns what TL's printout
+    ends with: ``[(answer token, rank)]`` per answer position (one answer),
+    or per position a list over the answers (TL returns nothing).
+    """
+    tokenizer = model.tokenizer
+    answers = [answer] if isinstance(answer, str) else list(answer)
+    if prepend_space_to_answer:
+        answers = [text if text.startswith(" ") else " " + text for text in answers]
+    several = len(answers) > 1
+    prompt_ids = to_tokens(tokenizer, prompt, prepend_bos, model_type=model.config.model_type)[0]
+    full_answers = [to_tokens(tokenizer, text, prepend_bos=False)[0] for text in answers]
+    answer_ids = [ids[:1] for ids in full_answers] if several else full_answers
+    sequences = [torch.cat([prompt_ids, ids]).tolist() for ids in answer_ids]
+    logits = model.cache(sequences, values=["layer_output"], layers=[model.num_layers - 1],
+                         progress=False).logits.float()
+    probs = logits.softmax(-1)
+    prompt_length = len(prompt_ids)
+    answer_strings = [to_str_tokens(tokenizer, ids) for ids in full_answers]
+    if print_details:
+        print("Tokenized prompt:", to_str_tokens(tokenizer, prompt_ids))
+        print("Tokenized answers:" if several else "Tokenized answer:", answer_strings if several else answer_strings[0])
+    ranks: list = []
+    for position in range(prompt_length, prompt_length + len(answer_ids[0])):
+        step = position - 1  # the logits at a position predict the next token
+        order = probs[:, step].argsort(-1, descending=True)
+        tokens = [int(ids[position - prompt_length]) for ids in answer_ids]
+        found = [(answer_strings[row][position - prompt_length], int((order[row] == token).nonzero()[0, 0]))
+                 for row, token in enumerate(tokens)]
+        ranks.append(found)
+        if print_details:
+            print(f"Performance on answer token{'s' if several else ''}:")
+            for row, token in enumerate(tokens):
+                print(f"Rank: {found[row][1]: <8} Logit: {logits[row, step, token].item():5.2f} "
+                      f"Prob: {probs[row, step, token].item():6.2%} Token: |{found[row][0]}|")
+            for k in range(top_k):
+                top = int(order[0, k])
+                print(f"Top {k}th token. Logit: {logits[0, step, top].item():5.2f} "
+                      f"Prob: {probs[0, step, top].item():6.2%} Token: |{tokenizer.decode([top])}|")
+    result = ranks if several else [row[0] for row in ranks]
+    if print_details:
+        print(f"Ranks of the answer tokens: {result}")
+    return result
