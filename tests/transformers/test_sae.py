@@ -40,7 +40,11 @@ def test_hook_names_map_to_streamscope_values():
     assert value_of_hook("blocks.5.hook_resid_post") == ("layer_output", 5)
     assert value_of_hook("blocks.0.hook_resid_pre") == ("layer_input", 0)
     assert value_of_hook("blocks.2.hook_mlp_out") == ("mlp_output", 2)
-    assert value_of_hook("blocks.2.ln2.hook_normalized") == ("mlp_norm_output", 2)
+    assert value_of_hook("blocks.2.ln2.hook_out") == ("mlp_norm_output", 2)
+    # TransformerLens 4.3's hook_normalized is the norm's input normalized before its weight: not the norm's
+    # output, so an SAE trained there reads no value streamscope serves (the cache computes it, the engine not)
+    with pytest.raises(ValueError, match="ln2.hook_normalized.*reads no value of the residual stream's width"):
+        value_of_hook("blocks.2.ln2.hook_normalized")
     assert value_of_hook("hook_embed") == ("token_embeddings", None)
     with pytest.raises(ValueError, match="attn.hook_q.*reads no value of the residual stream's width"):
         value_of_hook("blocks.1.attn.hook_q")
