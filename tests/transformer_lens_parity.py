@@ -48,8 +48,8 @@ def transformer_lens_4_3() -> Iterator[None]:
         except ImportError:
             version = "not installed"
         if not version.startswith(VERSION):
-            pytest.skip(f"the parity is held to TransformerLens 4.3 (scripts/setup.sh installs it in {HOME}), "
-                        f"found {version}")
+            pytest.fail(f"the parity is held to TransformerLens 4.3, found {version}: scripts/setup.sh installs it "
+                        f"in {HOME}")
         yield
     finally:
         sys.path.remove(str(HOME))

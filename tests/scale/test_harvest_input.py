@@ -34,7 +34,7 @@ def test_jsonl_and_parquet_files(tmp_path):
 
 
 def test_a_datasets_dataset_and_its_folder(tmp_path):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     dataset = datasets.Dataset.from_list(ROWS)
     assert read_prompts(dataset, column="ids") == [[5, 6, 7], [8, 9]]
     dataset.save_to_disk(str(tmp_path / "one"))
@@ -81,7 +81,7 @@ def refused(path, out, **options):
 
 
 def test_bad_requests_are_refused_before_ray_starts(path, tmp_path):
-    pytest.importorskip("ray")
+    import ray  # noqa: F401  (the ray extra)
     assert "unknown value 'layer_outptu'" in str(refused(path, tmp_path / "a", values=["layer_outptu"]))
     assert "block 7 is out of range" in str(refused(path, tmp_path / "b", layers=[7]))
     assert "unknown engine" in str(refused(path, tmp_path / "c", engine="sglang"))
@@ -91,7 +91,7 @@ def test_bad_requests_are_refused_before_ray_starts(path, tmp_path):
 
 
 def test_a_folder_of_another_run_is_refused(path, tmp_path):
-    pytest.importorskip("ray")
+    import ray  # noqa: F401  (the ray extra)
     other = tmp_path / "other"
     RunFolder(other, {"checkpoint": "elsewhere", "values": ["layer_output"]}).open()
     error = refused(path, other)

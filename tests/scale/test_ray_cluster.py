@@ -14,7 +14,7 @@ import torch
 import streamscope
 from streamscope.scale import harvest
 
-ray = pytest.importorskip("ray")
+import ray  # the ray extra, which scripts/setup.sh installs
 from ray.cluster_utils import Cluster  # noqa: E402
 
 PROMPTS = ["The Eiffel Tower is in Paris", "A quick brown fox", "Hello", "one two three four", "Ray nodes"]

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 import streamscope
 from streamscope.scale import harvest
 
-ray = pytest.importorskip("ray")
+import ray  # the ray extra, which scripts/setup.sh installs
 
 PROMPTS = ["The Eiffel Tower is in Paris", "A quick brown fox jumps", "Hello", "one two three four five",
            "Ray runs a vLLM engine"]

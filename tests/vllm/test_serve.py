@@ -308,8 +308,8 @@ def test_prefix_caching_stays_correct_both_ways(api, server, model):
     assert remote.positions == local.positions
     assert (remote["layer_output"][0] - local["layer_output"][0]).abs().max() \
         <= TOLERANCE * local["layer_output"][0].abs().max()
-    if not cached:  # the checks above ran, but no block was shared: they proved no reuse was avoided
-        pytest.skip("vLLM's /metrics reported no prefix-cache hit for a repeated 300-token prompt on this build")
+    # without a hit the checks above prove nothing: the server runs with prefix caching on, vLLM's serving default
+    assert cached, "vLLM's /metrics reported no prefix-cache hit for a repeated 300-token prompt"
 
 
 def test_stored_vectors_and_the_default_steer(client, api, model, server):
