@@ -47,3 +47,15 @@ def png(draw: Callable[[Path], Any]) -> bytes:
 def shortened(text: str, limit: int = 48) -> str:
     """`text` cut to `limit` characters with an ellipsis (a prompt in a title)."""
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def one_pattern(pattern: Any, tokens: Any, caller: str) -> Any:
+    """One prompt's attention pattern ``[heads, seq, seq]`` as float32 on the CPU (a batch of one is unwrapped),
+    refused with the shape where it is not one matching `tokens`."""
+    pattern = pattern.detach().float().cpu()
+    if pattern.dim() == 4:
+        pattern = pattern[0]
+    if pattern.dim() != 3 or pattern.shape[-1] != pattern.shape[-2] or pattern.shape[-1] != len(tokens):
+        raise ValueError(f"{caller} takes one prompt's pattern [heads, seq, seq] and its {len(tokens)} tokens; "
+                         f"got a pattern of shape {tuple(pattern.shape)}")
+    return pattern

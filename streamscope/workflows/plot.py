@@ -95,13 +95,10 @@ def attention(pattern: torch.Tensor, tokens: Sequence[str], path: Any, *, heads:
             so the colour scale shows how the rest is shared.
         log_scale: Colour by the logarithm of the weight (from 1e-4), which shows small weights beside the sink.
     """
-    pattern = pattern.detach().float().cpu()
-    if pattern.dim() == 4:
-        pattern = pattern[0]
-    if pattern.dim() != 3 or pattern.shape[-1] != pattern.shape[-2] or pattern.shape[-1] != len(tokens):
-        raise ValueError(f"attention() takes one prompt's pattern [heads, seq, seq] and its {len(tokens)} tokens; "
-                         f"got a pattern of shape {tuple(pattern.shape)}")
     from ..input_checks import indices
+    from .display import one_pattern
+
+    pattern = one_pattern(pattern, tokens, "attention()")
 
     heads = indices(heads, pattern.shape[0], "head", "plot.attention")
     if not title:

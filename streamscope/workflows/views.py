@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .display import shortened, token
+from .display import one_pattern, shortened, token
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; font-size: 14px; margin: 12px; color: #222; }
@@ -121,12 +121,7 @@ def attention(pattern: torch.Tensor, tokens: Sequence[str], path: Optional[str |
     """
     from ..input_checks import indices
 
-    pattern = pattern.detach().float().cpu()
-    if pattern.dim() == 4:
-        pattern = pattern[0]
-    if pattern.dim() != 3 or pattern.shape[-1] != pattern.shape[-2] or pattern.shape[-1] != len(tokens):
-        raise ValueError(f"views.attention takes one prompt's pattern [heads, seq, seq] and its {len(tokens)} tokens; "
-                         f"got a pattern of shape {tuple(pattern.shape)}")
+    pattern = one_pattern(pattern, tokens, "views.attention")
     heads = indices(heads, pattern.shape[0], "head", "views.attention")
     labels = [token(text) for text in tokens]
     prompt = shortened("".join(tokens))
