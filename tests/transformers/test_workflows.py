@@ -71,7 +71,7 @@ def test_cache_holds_every_served_value_of_each_prompt_as_the_oracle_computes_it
     checked = 0
     for row, (ids, expected) in enumerate(zip(family.ids, family.expected)):
         length = ids.shape[1]
-        for name in (*oracle.BOUNDARIES, *oracle.CONTRIBUTIONS):
+        for name in (*oracle.BOUNDARIES, *oracle.CONTRIBUTIONS, *oracle.NEURONS):
             for block, reference in enumerate(expected.get(name, [])):
                 if reference is None:
                     with pytest.raises((streamscope.Unavailable, KeyError)):
@@ -104,8 +104,14 @@ def test_transformer_lens_names_reach_the_same_tensors(family):
         assert error.value.reason == support["layer_mid"]
         if family.name in ("gptj", "gpt_neox"):
             assert error.value.reason == PARALLEL
-    with pytest.raises(streamscope.Unavailable, match="hidden activations"):
-        cache[f"blocks.{last}.mlp.hook_post"]
+    neurons = family.model.layers[last].support()["mlp.neurons"]
+    if neurons is None:  # TL's mlp.hook_pre/hook_post are the neurons, before and after the nonlinearity
+        assert cache[f"blocks.{last}.mlp.hook_post"] is cache[f"layers.{last}.mlp.neurons"]
+        assert cache[f"blocks.{last}.mlp.hook_pre"] is cache[f"layers.{last}.mlp.neurons_pre"]
+    else:
+        with pytest.raises(streamscope.Unavailable) as error:
+            cache[f"blocks.{last}.mlp.hook_post"]
+        assert error.value.reason == neurons
     if family.name != "mamba":  # each head's result is computed from head_outputs, which this cache did not read
         with pytest.raises(KeyError, match="head_outputs"):
             cache[f"blocks.{last}.attn.hook_result"]
