@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -113,11 +113,36 @@ UNKNOWN_NEURONS = (f"no down projection streamscope knows on this MLP (it looks 
 
 
 class NeuronValue(StreamValue):
-    """A dense MLP's hidden activation, at the module the MLP names it (`Mlp.neuron_sites`)."""
+    """A dense MLP's hidden activation, at the module the MLP names it (`Mlp.neuron_sites`).
+
+    A linear that leaves its bias for the caller to add (vLLM's, built with
+    ``skip_bias_add``: Falcon's up projection) returns ``(output, bias)``: the
+    value is served with the bias added, as the nonlinearity receives it, and
+    an edit goes back less the bias.
+    """
 
     def site(self, host: Host) -> tuple:
         module, where = host.neuron_sites()[self.name]  # type: ignore[attr-defined]
         return module, where, None
+
+    @staticmethod
+    def skipped_bias(raw: Any) -> Optional[torch.Tensor]:
+        """The bias a linear's output ``(output, bias)`` leaves for its caller to add, or None."""
+        if isinstance(raw, tuple) and len(raw) == 2 and isinstance(raw[1], torch.Tensor):
+            return raw[1]
+        return None
+
+    def _read(self, host: Host, raw: Any) -> torch.Tensor:
+        value = super()._read(host, raw)
+        bias = self.skipped_bias(raw)
+        if bias is None:
+            return value
+        with torch.inference_mode(False):
+            return value + bias.to(value.dtype)
+
+    def write(self, host: Host, raw: Any, value: torch.Tensor) -> None:
+        bias = self.skipped_bias(raw)
+        super().write(host, raw, value if bias is None else value - bias.to(value.dtype))
 
 
 class Mlp(Sublayer):

@@ -17,6 +17,7 @@ import torch
 
 from .. import nnsight_seam as seam
 from ..blocks import BOUNDARIES, CONTRIBUTIONS, SHORT_CONTRIBUTIONS
+from ..blocks.sublayers import NEURONS
 from ..errors import Unavailable
 from ..families.spec import ROOT_STREAMS
 from .operations import DIRECTIONAL, MODES, ClampFeature, Operation, check_clamp, prepare
@@ -33,7 +34,7 @@ Positions = Union[str, slice, Sequence[int], Sequence[Sequence[int]]]
 
 def value_names() -> tuple[str, ...]:
     """Every name a bulk request accepts."""
-    return (*BOUNDARIES, *CONTRIBUTIONS, *SHORT, *ROOT_VALUES)
+    return (*BOUNDARIES, *CONTRIBUTIONS, *SHORT, *(f"mlp.{name}" for name in NEURONS), *ROOT_VALUES)
 
 
 @dataclass
@@ -445,6 +446,12 @@ def harvest_spec(model: Any, values: Any, layers: Any, positions: Positions, len
         raise ValueError("harvest needs at least one value name.")
     spec = HarvestSpec(values, layer_list(model, layers), per_prompt_positions(positions, lengths))
     spec.sites(model)  # every site resolves, or the error says which does not
+    neurons = [value for value in values if value.split(".")[-1] in NEURONS]
+    if neurons and len(neurons) < len(values):
+        # Each prompt's rows are kept in one [sites, positions, width] buffer, filled as the steps run.
+        raise ValueError(f"harvest {', '.join(neurons)} (intermediate_size wide) in a harvest of their own: one "
+                         f"harvest's values share one width, and {', '.join(v for v in values if v not in neurons)} "
+                         f"are hidden_size wide.")
     return spec
 
 
