@@ -67,7 +67,7 @@ class Patching:
     def __repr__(self) -> str:
         from .display import shape
 
-        columns = "heads" if self.value in HEAD_VALUES else "positions"
+        columns = "heads" if self.per_head else "positions"
         return (f"Patching({self.value}, effects {shape(self.effects)} blocks x {columns}, {self.metric_name}: "
                 f"clean {self.clean:.3f}, corrupted {self.corrupted:.3f})")
 
@@ -76,7 +76,7 @@ class Patching:
 
         caption = (f"patching {self.value} from {shortened(self.prompts[0])!r} into {shortened(self.prompts[1])!r}: "
                    f"normalized {self.metric_name} (clean {self.clean:.3f}, corrupted {self.corrupted:.3f})")
-        labels = self.labels if self.value in HEAD_VALUES else [token(label) for label in self.labels]
+        labels = self.labels if self.per_head else [token(label) for label in self.labels]
         rows = [[layer, *(f"{float(x):.2f}" for x in row)] for layer, row in zip(self.layers, self.normalized)]
         return table(caption, ["block", *labels], rows)
 
@@ -84,6 +84,11 @@ class Patching:
         from .display import png
 
         return png(self.plot)
+
+    @property
+    def per_head(self) -> bool:
+        """Whether each column is a head (`HEAD_VALUES`) rather than a position."""
+        return self.value in HEAD_VALUES
 
     @property
     def normalized(self) -> torch.Tensor:
