@@ -56,6 +56,10 @@ def check_harvest_equals_the_oracle(model, reference, tokenizer, family: str, **
     if neurons:
         with pytest.raises(ValueError, match="a harvest of their own"):
             model.harvest(PROMPTS, [*neurons, "layer_output"], progress=False, **options)
+        with pytest.raises(ValueError, match="edit them in a trace"):
+            model.generate(PROMPTS[:1], max_tokens=1,
+                           steer=[streamscope.Steer("mlp.neurons", 0, torch.ones(model.hidden_size))],
+                           progress=False)
         harvested = model.harvest(PROMPTS, neurons, positions="all", progress=False, **options)
         harvest.values.update(harvested.values)
         names += neurons

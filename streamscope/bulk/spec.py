@@ -410,6 +410,10 @@ def check_steer(model: Any, steer: Steer, prompts: int) -> Site:
     if not isinstance(steer, Steer):
         raise TypeError(f"steer takes streamscope.Steer objects, not a {type(steer).__name__}.")
     site = locate(model, steer.value, steer.layer)
+    if steer.value.split(".")[-1] in NEURONS:
+        raise ValueError(f"Steer({steer.value!r}): a steer's vector is hidden_size wide, the neurons "
+                         f"intermediate_size: edit them in a trace (model.layers[{steer.layer}].{steer.value}"
+                         f"[:, -1] += vector), or steer mlp_output with the vector they write (vector @ W_out).")
     check_vector(steer, model.hidden_size)
     check_origin(steer, model)
     if steer.mode == "sae_clamp":
