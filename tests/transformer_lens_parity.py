@@ -365,8 +365,15 @@ def neuron_results(pair):
         for neuron_slice, pos_slice, project in itertools.product(
                 [None, 3, [0, 5, 7], (2, 9)], [None, -1, (1, 4)], [None, direction, directions]):
             kwargs = dict(neuron_slice=neuron_slice, pos_slice=pos_slice, project_output_onto=project)
-            assert "ok" == check(f"get_neuron_results({index}, {kwargs})", lambda: ours.get_neuron_results(index, **kwargs),
-                  lambda: theirs.get_neuron_results(index, **kwargs), _sliced(pair.mask, pos_slice), batch_axis=0)
+            # Held at the scale of the block's whole result (as the engines' tolerances are stated, relative to
+            # a whole tensor): one small neuron alone would measure the kernels' rounding against its own size.
+            whole = _real(theirs.get_neuron_results(index, project_output_onto=project).float(), pair.mask, 0)
+            got = ours.get_neuron_results(index, **kwargs)
+            expected = theirs.get_neuron_results(index, **kwargs)
+            assert tuple(got.shape) == tuple(expected.shape), kwargs
+            mask = _sliced(pair.mask, pos_slice)
+            difference = (_real(got.float(), mask, 0) - _real(expected.float(), mask, 0)).abs().max()
+            assert difference <= LIMIT[0] * whole.abs().max(), (index, kwargs, difference.item())
         # The neurons' results sum to the MLP's output less its down projection's bias (its output at zero).
         summed = ours.get_neuron_results(index).sum(-2)
         their_sum = theirs.get_neuron_results(index).sum(-2)
