@@ -41,6 +41,7 @@ first use (module ``__getattr__``), not with this module.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from functools import partial
@@ -103,6 +104,7 @@ __all__ = [
     "redirect_write_back",
     "filter_write_backs", "rename_out_of_order", "around_mediator_run", "kernel_call_names", "ensure_source",
     "unwrapped_generate", "running_taps", "interleaving", "take_request_error", "collect_requests", "set_client_worker",
+    "HandedSaves", "hand_saves_over", "saves_transport", "SAVES_TRANSPORT_ENV", "transport_counts",
     # Loaded on first use by the module's __getattr__ (vLLM is not imported with streamscope).
     "NNsightGPUWorker", "NNsightGPUModelRunner", "ParallelEnvoy", "parallel_envoys", "VLLMClient",  # noqa: F822
 ]
@@ -505,6 +507,183 @@ def set_client_worker(model_or_class: Any, worker_cls: str) -> None:
         setattr(model_or_class, "_WORKER_CLS", worker_cls)
     else:
         object.__setattr__(model_or_class, "_WORKER_CLS", worker_cls)
+
+
+# A vLLM trace's saves on their way home: handed over as tensors where the engine shares the caller's process.
+
+#: ``pickle`` makes every vLLM trace send its saves pickled, as nnsight does, even with the engine in this process.
+SAVES_TRANSPORT_ENV = "STREAMSCOPE_SAVES_TRANSPORT"
+_TRANSPORTS = ("auto", "pickle")
+#: The process whose vLLM client takes saves handed over (set by `hand_saves_over`; a forked child differs).
+_CLIENT_PID: list[int] = []
+#: Collects answered each way, per process (`transport_counts`).
+_COUNTS = {"handed": 0, "pickled": 0, "tensors_handed": 0}
+
+
+class HandedSaves:
+    """One collect's saves, from a vLLM worker to the client in the same process, with no tensor pickled.
+
+    nnsight's worker pickles what a trace saved (``dumps_compact``) and its
+    engine unpickles it, even where both are one process: a trace that saves
+    every block's activations copies them to host bytes and back. Here the
+    structure around the tensors (dicts, lists, the user's own objects, an
+    error's record) is still pickled, so the caller gets the same new objects
+    and the same identities the pickled path gives; every plain tensor travels
+    beside it as a device-side copy taken by nnsight's own rule: a tensor that
+    views part of a larger storage (a read narrowed out of the step's batch)
+    comes home as a copy of itself (``clone``), any other with a copy of its
+    whole storage at the same offset and strides, which is what unpickling
+    rebuilds. The copy is what makes it the caller's: the model's tensors are
+    inference tensors that later steps may write over.
+    """
+
+    __slots__ = ("structure", "tensors")
+
+    def __init__(self, structure: bytes, tensors: list) -> None:
+        self.structure = structure
+        self.tensors = tensors
+
+
+def _owned_copy(tensor: Any) -> Any:
+    """`tensor` as unpickling it would rebuild it: values, dtype, device, shape, strides, offset; not an
+    inference tensor (the copy is made outside inference mode)."""
+    import torch
+
+    with torch.inference_mode(False):
+        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+            return tensor.clone()  # nnsight's compact rule: a view of a larger storage comes home as itself alone
+        storage = tensor.untyped_storage().clone()
+        copy = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        copy.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+        copy.requires_grad_(tensor.requires_grad)
+        return copy
+
+
+def _pack(collected: Any, compact: Callable[[Any], bytes]) -> Any:
+    """`collected` as `HandedSaves` for a client of this process; pickled by `compact` (nnsight's) otherwise."""
+    # Read, not checked: the worker must answer whatever the setting (`hand_saves_over` refused a bad one).
+    if os.environ.get(SAVES_TRANSPORT_ENV) == "pickle" or not _CLIENT_PID or _CLIENT_PID[0] != os.getpid():
+        _COUNTS["pickled"] += 1
+        return compact(collected)
+    import io
+    import pickle
+
+    import torch
+
+    tensors: list = []
+    index: dict[int, int] = {}
+
+    class StructurePickler(pickle.Pickler):
+        def persistent_id(self, value: Any) -> Optional[int]:
+            if type(value) is not torch.Tensor:
+                return None
+            if id(value) not in index:  # one object saved twice stays one object, as pickle's memo keeps it
+                index[id(value)] = len(tensors)
+                tensors.append(_owned_copy(value))
+            return index[id(value)]
+
+        def reducer_override(self, value: Any) -> Any:
+            # A tensor subclass (a Parameter) is pickled, by nnsight's compact rule.
+            if isinstance(value, torch.Tensor) and (
+                    value.untyped_storage().nbytes() > value.numel() * value.element_size()):
+                return value.clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+            return NotImplemented
+
+    buffer = io.BytesIO()
+    StructurePickler(buffer, pickle.HIGHEST_PROTOCOL).dump(collected)
+    _COUNTS["handed"] += 1
+    _COUNTS["tensors_handed"] += len(tensors)
+    return HandedSaves(buffer.getvalue(), tensors)
+
+
+def _unpack(payload: Any) -> Any:
+    """What a worker's collect answered, as nnsight's engine reads it (a pickled payload is unpickled)."""
+    import io
+    import pickle
+
+    if not isinstance(payload, HandedSaves):
+        return pickle.loads(payload)
+    tensors = payload.tensors
+
+    class StructureUnpickler(pickle.Unpickler):
+        def persistent_load(self, key: Any) -> Any:
+            return tensors[key]
+
+    return StructureUnpickler(io.BytesIO(payload.structure)).load()
+
+
+class _HandoverPickle:
+    """The ``pickle`` nnsight's vLLM engine module calls: ``loads`` also takes `HandedSaves`; the rest is pickle's."""
+
+    def __init__(self) -> None:
+        import pickle
+
+        self._pickle = pickle
+
+    def loads(self, payload: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(payload, HandedSaves):
+            return _unpack(payload)
+        return self._pickle.loads(payload, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pickle, name)
+
+
+def _transport() -> str:
+    chosen = os.environ.get(SAVES_TRANSPORT_ENV, "auto")
+    if chosen not in _TRANSPORTS:
+        raise ValueError(f"{SAVES_TRANSPORT_ENV}={chosen!r}: use one of {_TRANSPORTS} ('auto' hands a vLLM "
+                         f"trace's saves over as tensors where the engine runs in this process; 'pickle' always "
+                         f"pickles them, as nnsight does).")
+    return chosen
+
+
+def hand_saves_over() -> None:
+    """Let vLLM traces of this process take their saves as tensors from a worker in this process (idempotent).
+
+    Called in the client's process before its engine starts. nnsight's
+    worker answers a collect with ``dumps_compact(collected)`` and its engine
+    reads each rank's answer with ``pickle.loads`` (``merge_collected``): the
+    first now answers with `HandedSaves` where the worker runs in the process
+    that called this (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` with one rank), and
+    pickles as before anywhere else (an engine process, a forked rank: its pid
+    differs); the second reads either. ``STREAMSCOPE_SAVES_TRANSPORT=pickle``
+    keeps the pickled path everywhere.
+    """
+    import importlib
+
+    _transport()  # a bad setting is refused before an engine starts
+    _CLIENT_PID[:] = [os.getpid()]
+    runner = importlib.import_module("nnsight.modeling.vllm.model_runners.GPUModelRunner")
+    engine = importlib.import_module("nnsight.modeling.vllm.engines.engine")
+    if not getattr(runner.dumps_compact, "streamscope_handover", False):
+        compact = runner.dumps_compact
+        packing = partial(_pack, compact=compact)
+        setattr(packing, "streamscope_handover", True)  # marks the patch as applied
+        runner.dumps_compact = packing
+    if not isinstance(engine.pickle, _HandoverPickle):
+        engine.pickle = _HandoverPickle()
+
+
+@contextlib.contextmanager
+def saves_transport(name: str) -> Any:
+    """Within the block, vLLM traces of this process send their saves by `name` (``"auto"`` or ``"pickle"``)."""
+    before = os.environ.get(SAVES_TRANSPORT_ENV)
+    os.environ[SAVES_TRANSPORT_ENV] = name
+    try:
+        _transport()
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SAVES_TRANSPORT_ENV, None)
+        else:
+            os.environ[SAVES_TRANSPORT_ENV] = before
+
+
+def transport_counts() -> dict[str, int]:
+    """How this process's vLLM workers have answered collects so far: ``handed`` (as `HandedSaves`),
+    ``pickled`` (nnsight's pickled payload), ``tensors_handed`` (tensors carried by the handed ones)."""
+    return dict(_COUNTS)
 
 
 _VLLM_NAMES = {

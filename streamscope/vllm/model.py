@@ -188,6 +188,8 @@ class StandardizedVLLM(Standardized, VLLM):
             # nnsight's GPU worker with the bulk path's RPC methods (nnsight passes worker_cls=self._WORKER_CLS).
             seam.set_client_worker(self, GPU_WORKER_CLS)
         settings.setdefault("dispatch", True)
+        # A worker in this process hands a trace's saves over as tensors, not pickled (nnsight_seam.HandedSaves).
+        seam.hand_saves_over()
         if self.tap_names:
             settings["taps"] = self.tap_names  # resolved to nnsight's locations by `_resolve_taps`
         if torch.cuda.is_initialized():
