@@ -41,6 +41,7 @@ first use (module ``__getattr__``), not with this module.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import warnings
@@ -104,7 +105,8 @@ __all__ = [
     "redirect_write_back",
     "filter_write_backs", "rename_out_of_order", "around_mediator_run", "kernel_call_names", "ensure_source",
     "unwrapped_generate", "running_taps", "interleaving", "take_request_error", "collect_requests", "set_client_worker",
-    "HandedSaves", "hand_saves_over", "saves_transport", "SAVES_TRANSPORT_ENV", "transport_counts",
+    "HandedSaves", "hand_saves_over", "handing_over", "saves_transport", "SAVES_TRANSPORT_ENV", "transport_counts",
+    "bundle_interventions", "bundle_counts",
     # Loaded on first use by the module's __getattr__ (vLLM is not imported with streamscope).
     "NNsightGPUWorker", "NNsightGPUModelRunner", "ParallelEnvoy", "parallel_envoys", "VLLMClient",  # noqa: F822
 ]
@@ -516,6 +518,9 @@ SAVES_TRANSPORT_ENV = "STREAMSCOPE_SAVES_TRANSPORT"
 _TRANSPORTS = ("auto", "pickle")
 #: The process whose vLLM client takes saves handed over (set by `hand_saves_over`; a forked child differs).
 _CLIENT_PID: list[int] = []
+#: Set while a streamscope worker answers a collect (`handing_over`): another engine's worker (raw nnsight's, in
+#: the same process) keeps nnsight's pickled answer.
+_HANDING: list[bool] = []
 #: Collects answered each way, per process (`transport_counts`).
 _COUNTS = {"handed": 0, "pickled": 0, "tensors_handed": 0}
 
@@ -562,7 +567,8 @@ def _owned_copy(tensor: Any) -> Any:
 def _pack(collected: Any, compact: Callable[[Any], bytes]) -> Any:
     """`collected` as `HandedSaves` for a client of this process; pickled by `compact` (nnsight's) otherwise."""
     # Read, not checked: the worker must answer whatever the setting (`hand_saves_over` refused a bad one).
-    if os.environ.get(SAVES_TRANSPORT_ENV) == "pickle" or not _CLIENT_PID or _CLIENT_PID[0] != os.getpid():
+    if (not _HANDING or os.environ.get(SAVES_TRANSPORT_ENV) == "pickle" or not _CLIENT_PID
+            or _CLIENT_PID[0] != os.getpid()):
         _COUNTS["pickled"] += 1
         return compact(collected)
     import io
@@ -666,6 +672,16 @@ def hand_saves_over() -> None:
 
 
 @contextlib.contextmanager
+def handing_over() -> Any:
+    """Within the block (a streamscope worker's ``collect_nnsight``), a collect may answer with `HandedSaves`."""
+    _HANDING.append(True)
+    try:
+        yield
+    finally:
+        _HANDING.pop()
+
+
+@contextlib.contextmanager
 def saves_transport(name: str) -> Any:
     """Within the block, vLLM traces of this process send their saves by `name` (``"auto"`` or ``"pickle"``)."""
     before = os.environ.get(SAVES_TRANSPORT_ENV)
@@ -684,6 +700,110 @@ def transport_counts() -> dict[str, int]:
     """How this process's vLLM workers have answered collects so far: ``handed`` (as `HandedSaves`),
     ``pickled`` (nnsight's pickled payload), ``tensors_handed`` (tensors carried by the handed ones)."""
     return dict(_COUNTS)
+
+
+# A vLLM trace's interventions on their way to the worker: one pickle per trace where the engine shares the process.
+
+#: Bundles pickled by this process's clients and not yet taken by its workers, by trace id (oldest first).
+_BUNDLES: "collections.OrderedDict[str, list]" = collections.OrderedDict()
+#: How many bundles a worker keeps while some of their invokes have not arrived (an aborted request's never does).
+_BUNDLES_KEPT = 16
+#: While a streamscope client attaches a trace's invokes: the trace's bundle, built on the first invoke's dumps.
+_ATTACHING: list[dict] = []
+_BUNDLE_COUNTS = {"bundles": 0, "invokes": 0, "loads": 0}
+_MEMBER = "streamscope-bundle"
+
+
+def _bundled_dumps(mediator: Any, *args: Any, dumps: Callable) -> Any:
+    """nnsight's ``dumps(mediator)`` for a request, or, while a streamscope trace attaches its invokes, a reference
+    to the trace's bundle (every invoke pickled together, once)."""
+    attaching = _ATTACHING[-1] if _ATTACHING else None
+    if attaching is None or id(mediator) not in attaching["index"]:
+        return dumps(mediator, *args)
+    if attaching["trace"] is None:
+        import uuid
+
+        trace = uuid.uuid4().hex
+        _BUNDLES[trace] = [dumps(attaching["mediators"], *args), None, len(attaching["mediators"])]
+        attaching["trace"] = trace
+        _BUNDLE_COUNTS["bundles"] += 1
+        _BUNDLE_COUNTS["invokes"] += len(attaching["mediators"])
+    return (_MEMBER, attaching["trace"], attaching["index"][id(mediator)])
+
+
+def _bundled_loads(payload: Any, *args: Any, loads: Callable, **kwargs: Any) -> Any:
+    """nnsight's worker-side ``loads`` of a request's intervention; a bundle reference takes its invoke from the
+    trace's bundle, unpickled by the first of its requests to arrive."""
+    if not (isinstance(payload, (tuple, list)) and len(payload) == 3 and payload[0] == _MEMBER):
+        return loads(payload, *args, **kwargs)
+    _, trace, index = payload
+    entry = _BUNDLES.get(trace)
+    if entry is None:
+        raise RuntimeError("this request's intervention was bundled with its trace's others, and the bundle is gone: "
+                           f"more than {_BUNDLES_KEPT} traces were attached while its requests waited. Run fewer "
+                           "traces at once (or set STREAMSCOPE_BUNDLE_INVOKES=0).")
+    if entry[1] is None:
+        entry[1] = loads(entry[0], *args, **kwargs)
+        _BUNDLE_COUNTS["loads"] += 1
+    entry[2] -= 1
+    if entry[2] <= 0:
+        del _BUNDLES[trace]
+    return entry[1][index]
+
+
+def bundle_interventions(client: type, in_process: Callable[[Any], bool]) -> None:
+    """Let `client` (streamscope's vLLM model class) pickle a trace's invokes once, together, for an engine in this
+    process (idempotent).
+
+    nnsight pickles each invoke of a vLLM trace on its own (``dumps(mediator)``
+    into its request's ``extra_args``) and the worker unpickles each: the
+    model's whole envoy tree, the trace's globals and every tensor an invoke
+    names travel once per invoke, and are rebuilt once per invoke. Where
+    ``in_process(model)`` holds (the engine and its one worker run in this
+    process), the invokes are pickled as one list instead, with one memo, so
+    what they share is pickled and rebuilt once and stays shared in the
+    worker, as it is in the caller's process (where every invoke of a trace
+    runs against the same objects); each request carries a reference to the
+    bundle, which the first of them to reach the worker unpickles.
+    Elsewhere (an engine process) each invoke is pickled as before.
+    ``STREAMSCOPE_BUNDLE_INVOKES=0`` keeps nnsight's way.
+    """
+    import importlib
+
+    vllm_client = importlib.import_module("nnsight.modeling.vllm.vllm")
+    runner = importlib.import_module("nnsight.modeling.vllm.model_runners.GPUModelRunner")
+    if not getattr(vllm_client.dumps, "streamscope_bundles", False):
+        dumps = partial(_bundled_dumps, dumps=vllm_client.dumps)
+        setattr(dumps, "streamscope_bundles", True)
+        vllm_client.dumps = dumps
+    if not getattr(runner.loads, "streamscope_bundles", False):
+        loads = partial(_bundled_loads, loads=runner.loads)
+        setattr(loads, "streamscope_bundles", True)
+        runner.loads = loads
+    if "_attach_mediators" in client.__dict__:
+        return
+    attach = __getattr__("VLLMClient")._attach_mediators
+
+    def attach_bundled(model: Any, params: list, **kwargs: Any) -> list:
+        # The invokes nnsight attaches (those with a prompt), in its order.
+        mediators = [mediator for mediator in model.interleaver.mediators if mediator.batch_group is not None]
+        if len(mediators) < 2 or os.environ.get("STREAMSCOPE_BUNDLE_INVOKES") == "0" or not in_process(model):
+            return attach(model, params, **kwargs)
+        _ATTACHING.append({"mediators": mediators, "index": {id(m): i for i, m in enumerate(mediators)},
+                           "trace": None})
+        try:
+            return attach(model, params, **kwargs)
+        finally:
+            _ATTACHING.pop()
+            while len(_BUNDLES) > _BUNDLES_KEPT:
+                _BUNDLES.popitem(last=False)
+
+    setattr(client, "_attach_mediators", attach_bundled)
+
+
+def bundle_counts() -> dict[str, int]:
+    """This process's bundled traces so far: ``bundles`` pickled, ``invokes`` in them, ``loads`` (unpickled)."""
+    return dict(_BUNDLE_COUNTS)
 
 
 _VLLM_NAMES = {

@@ -18,7 +18,15 @@ from ..nnsight_seam import NNsightGPUWorker, module_of
 
 
 class BulkRPC:
-    """Worker methods the client calls through ``collective_rpc`` to run a bulk request (`streamscope.vllm.bulk`)."""
+    """Worker methods the client calls through ``collective_rpc`` to run a bulk request (`streamscope.vllm.bulk`),
+    and nnsight's collect of a trace's saves, handed over as tensors to a client in this process."""
+
+    def collect_nnsight(self, *args: Any, **kwargs: Any) -> Any:
+        """nnsight's collect; where the client runs in this process, its answer is `nnsight_seam.HandedSaves`."""
+        from .. import nnsight_seam as seam
+
+        with seam.handing_over():
+            return super().collect_nnsight(*args, **kwargs)  # type: ignore[misc]
 
     def streamscope_bulk_begin(self, payload: bytes) -> None:
         from .bulk import worker_begin

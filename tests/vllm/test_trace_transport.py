@@ -217,3 +217,33 @@ def test_a_bad_transport_setting_is_refused(model, monkeypatch):
     monkeypatch.setenv(seam.SAVES_TRANSPORT_ENV, "shm")
     with pytest.raises(ValueError, match="STREAMSCOPE_SAVES_TRANSPORT='shm'"):
         seam.hand_saves_over()
+
+
+def test_invokes_are_pickled_once_per_trace(model, monkeypatch):
+    """A trace's invokes reach the in-process worker as one bundle, unpickled once, with the same results as one
+    pickle per invoke (nnsight's way, ``STREAMSCOPE_BUNDLE_INVOKES=0``), a shared container above the invokes
+    included."""
+    prompts = PROMPTS + ["Water boils at"]
+    vector = torch.arange(model.hidden_size, dtype=torch.float32) / model.hidden_size
+
+    def trace():
+        rows = [None] * len(prompts)
+        with model.trace(**GREEDY) as tracer:
+            rows.save()
+            for index, prompt in enumerate(prompts):
+                with tracer.invoke(prompt):
+                    model.layers[0].layer_output[:, -1] += vector
+                    rows[index] = model.layers[1].layer_output[0, -1]
+                    logits = model.logits.save()
+        return rows, logits
+
+    before = seam.bundle_counts()
+    bundled = trace()
+    after = seam.bundle_counts()
+    assert after["bundles"] - before["bundles"] == 1 and after["loads"] - before["loads"] == 1
+    assert after["invokes"] - before["invokes"] == len(prompts)
+    monkeypatch.setenv("STREAMSCOPE_BUNDLE_INVOKES", "0")
+    one_each = trace()
+    assert seam.bundle_counts() == after
+    same(bundled, one_each)
+    assert all(row is not None for row in bundled[0])
