@@ -666,9 +666,9 @@ def hand_saves_over() -> None:
         compact = runner.dumps_compact
         packing = partial(_pack, compact=compact)
         setattr(packing, "streamscope_handover", True)  # marks the patch as applied
-        runner.dumps_compact = packing
+        setattr(runner, "dumps_compact", packing)  # the name nnsight's worker pickles a collect with
     if not isinstance(engine.pickle, _HandoverPickle):
-        engine.pickle = _HandoverPickle()
+        setattr(engine, "pickle", _HandoverPickle())  # the pickle nnsight's engine reads a collect with
 
 
 @contextlib.contextmanager
@@ -775,11 +775,11 @@ def bundle_interventions(client: type, in_process: Callable[[Any], bool]) -> Non
     if not getattr(vllm_client.dumps, "streamscope_bundles", False):
         dumps = partial(_bundled_dumps, dumps=vllm_client.dumps)
         setattr(dumps, "streamscope_bundles", True)
-        vllm_client.dumps = dumps
+        setattr(vllm_client, "dumps", dumps)  # the name nnsight's client pickles each invoke with
     if not getattr(runner.loads, "streamscope_bundles", False):
         loads = partial(_bundled_loads, loads=runner.loads)
         setattr(loads, "streamscope_bundles", True)
-        runner.loads = loads
+        setattr(runner, "loads", loads)  # the name nnsight's worker unpickles each request's invoke with
     if "_attach_mediators" in client.__dict__:
         return
     attach = __getattr__("VLLMClient")._attach_mediators
