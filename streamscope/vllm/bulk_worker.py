@@ -21,11 +21,21 @@ class BulkRPC:
     """Worker methods the client calls through ``collective_rpc`` to run a bulk request (`streamscope.vllm.bulk`),
     and nnsight's collect of a trace's saves, handed over as tensors to a client in this process."""
 
+    def streamscope_hand_saves_over(self) -> None:
+        """Called by a streamscope client once its engine is up: this worker's collects may hand saves over.
+
+        Raw nnsight's client on the same CPU worker class never calls it, so its traces keep nnsight's pickling.
+        """
+        self.streamscope_hands_over = True
+
     def collect_nnsight(self, *args: Any, **kwargs: Any) -> Any:
-        """nnsight's collect; where the client runs in this process, its answer is `nnsight_seam.HandedSaves`."""
+        """nnsight's collect; for a streamscope client in this process, its answer is `nnsight_seam.HandedSaves`."""
+        import contextlib
+
         from .. import nnsight_seam as seam
 
-        with seam.handing_over():
+        handing = getattr(self, "streamscope_hands_over", False)
+        with seam.handing_over() if handing else contextlib.nullcontext():
             return super().collect_nnsight(*args, **kwargs)  # type: ignore[misc]
 
     def streamscope_bulk_begin(self, payload: bytes) -> None:

@@ -219,6 +219,8 @@ class StandardizedVLLM(Standardized, VLLM):
                 cleanup_dist_env_and_memory()
             raise
         if self.vllm_entrypoint is not None:  # dispatch=False builds the meta tree alone (a server's front end)
+            if hasattr(self.vllm_entrypoint, "llm_engine"):  # vLLM's LLM (an async engine's RPC is a coroutine)
+                self.vllm_entrypoint.collective_rpc("streamscope_hand_saves_over")
             _ENGINES.add(self)
             _STARTED[:] = [self.vllm_entrypoint.llm_engine.vllm_config]
         self._check_family()
