@@ -564,6 +564,14 @@ def _owned_copy(tensor: Any) -> Any:
         return copy
 
 
+def _plain(tensor: Any) -> bool:
+    """Whether `tensor` is a dense tensor over one storage (sparse, quantized and conjugated ones are pickled)."""
+    import torch
+
+    return (tensor.layout == torch.strided and not tensor.is_quantized and not tensor.is_conj()
+            and not tensor.is_neg())
+
+
 def _pack(collected: Any, compact: Callable[[Any], bytes]) -> Any:
     """`collected` as `HandedSaves` for a client of this process; pickled by `compact` (nnsight's) otherwise."""
     # Read, not checked: the worker must answer whatever the setting (`hand_saves_over` refused a bad one).
@@ -581,7 +589,7 @@ def _pack(collected: Any, compact: Callable[[Any], bytes]) -> Any:
 
     class StructurePickler(pickle.Pickler):
         def persistent_id(self, value: Any) -> Optional[int]:
-            if type(value) is not torch.Tensor:
+            if type(value) is not torch.Tensor or not _plain(value):
                 return None
             if id(value) not in index:  # one object saved twice stays one object, as pickle's memo keeps it
                 index[id(value)] = len(tensors)
@@ -590,7 +598,7 @@ def _pack(collected: Any, compact: Callable[[Any], bytes]) -> Any:
 
         def reducer_override(self, value: Any) -> Any:
             # A tensor subclass (a Parameter) is pickled, by nnsight's compact rule.
-            if isinstance(value, torch.Tensor) and (
+            if isinstance(value, torch.Tensor) and _plain(value) and (
                     value.untyped_storage().nbytes() > value.numel() * value.element_size()):
                 return value.clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
             return NotImplemented
@@ -704,8 +712,9 @@ def transport_counts() -> dict[str, int]:
 
 # A vLLM trace's interventions on their way to the worker: one pickle per trace where the engine shares the process.
 
-#: Bundles pickled by this process's clients and not yet taken by its workers, by trace id (oldest first).
-_BUNDLES: "collections.OrderedDict[str, list]" = collections.OrderedDict()
+#: The bundles of this process's last traces, by trace id (oldest first): their bytes, the unpickled invokes until
+#: every one is taken, which are taken.
+_BUNDLES: "collections.OrderedDict[str, dict]" = collections.OrderedDict()
 #: How many bundles a worker keeps while some of their invokes have not arrived (an aborted request's never does).
 _BUNDLES_KEPT = 16
 #: While a streamscope client attaches a trace's invokes: the trace's bundle, built on the first invoke's dumps.
@@ -724,7 +733,8 @@ def _bundled_dumps(mediator: Any, *args: Any, dumps: Callable) -> Any:
         import uuid
 
         trace = uuid.uuid4().hex
-        _BUNDLES[trace] = [dumps(attaching["mediators"], *args), None, len(attaching["mediators"])]
+        _BUNDLES[trace] = {"bytes": dumps(attaching["mediators"], *args), "loaded": None, "taken": set(),
+                           "count": len(attaching["mediators"])}
         attaching["trace"] = trace
         _BUNDLE_COUNTS["bundles"] += 1
         _BUNDLE_COUNTS["invokes"] += len(attaching["mediators"])
@@ -742,13 +752,18 @@ def _bundled_loads(payload: Any, *args: Any, loads: Callable, **kwargs: Any) -> 
         raise RuntimeError("this request's intervention was bundled with its trace's others, and the bundle is gone: "
                            f"more than {_BUNDLES_KEPT} traces were attached while its requests waited. Run fewer "
                            "traces at once (or set STREAMSCOPE_BUNDLE_INVOKES=0).")
-    if entry[1] is None:
-        entry[1] = loads(entry[0], *args, **kwargs)
-        _BUNDLE_COUNTS["loads"] += 1
-    entry[2] -= 1
-    if entry[2] <= 0:
-        del _BUNDLES[trace]
-    return entry[1][index]
+    _BUNDLE_COUNTS["loads"] += 1 if entry["loaded"] is None or index in entry["taken"] else 0
+    if index in entry["taken"]:
+        # A second request of the same invoke (one of the n sequences of a request with n > 1): its own copy, as
+        # nnsight unpickles one for each.
+        return loads(entry["bytes"], *args, **kwargs)[index]
+    if entry["loaded"] is None:
+        entry["loaded"] = loads(entry["bytes"], *args, **kwargs)
+    entry["taken"].add(index)
+    mediator = entry["loaded"][index]
+    if len(entry["taken"]) == entry["count"]:
+        entry["loaded"] = None  # every invoke is its request's now; the bytes stay for a late sibling sequence
+    return mediator
 
 
 def bundle_interventions(client: type, in_process: Callable[[Any], bool]) -> None:

@@ -10,7 +10,12 @@ another save).
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -247,3 +252,69 @@ def test_invokes_are_pickled_once_per_trace(model, monkeypatch):
     assert seam.bundle_counts() == after
     same(bundled, one_each)
     assert all(row is not None for row in bundled[0])
+
+
+ENGINE_PROCESS = textwrap.dedent('''
+    import json, sys
+    import torch
+    import streamscope
+    from streamscope import nnsight_seam as seam
+
+    path, out, prompts, kwargs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+    if __name__ == "__main__":
+        model = streamscope.load(path, engine="vllm", **kwargs)
+        with model.trace(temperature=0.0, max_tokens=1) as tracer:
+            for prompt in prompts:
+                with tracer.invoke(prompt):
+                    transposed = model.layers[0].mlp_norm_output.transpose(1, 2).save()
+                    every_other = model.layers[0].layer_output[:, ::2, 1::3].save()
+                    whole = model.layers[1].layer_output.save()
+                    logits = model.logits.save()
+        torch.save({"transposed": transposed, "every_other": every_other, "whole": whole, "logits": logits}, out)
+        print("RESULT " + json.dumps(seam.transport_counts()))
+        model.close()
+''')
+
+
+def test_the_engine_process_pickles_and_agrees(model, tmp_path, checkpoints):
+    """``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (the GPU layout): the worker runs in the engine's process, so the saves
+    travel pickled (nothing is handed over in the caller's process), and equal the in-process hand-over's bit for
+    bit, strides included."""
+    script, out = tmp_path / "engine_process.py", tmp_path / "saves.pt"
+    script.write_text(ENGINE_PROCESS)
+    environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    run = subprocess.run([sys.executable, str(script), str(checkpoints("llama")), str(out), json.dumps(PROMPTS),
+                          json.dumps(precision.engine_kwargs())], env=environment, capture_output=True, text=True,
+                         timeout=900)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    assert json.loads(lines[-1][len("RESULT "):])["handed"] == 0
+    there = torch.load(out)
+
+    with model.trace(**GREEDY) as tracer:
+        for prompt in PROMPTS:
+            with tracer.invoke(prompt):
+                transposed = model.layers[0].mlp_norm_output.transpose(1, 2).save()
+                every_other = model.layers[0].layer_output[:, ::2, 1::3].save()
+                whole = model.layers[1].layer_output.save()
+                logits = model.logits.save()
+    here = {"transposed": transposed, "every_other": every_other, "whole": whole, "logits": logits}
+    same(here, there)
+
+
+def test_several_sequences_per_request_each_get_their_invoke(model, monkeypatch):
+    """With ``n=2`` each request runs as two sequences, each with its own copy of the invoke (as nnsight gives
+    them), bundled or not: the same values come home, one per sequence."""
+    def trace():
+        with model.trace(temperature=0.0, max_tokens=1, n=2) as tracer:
+            for prompt in PROMPTS:
+                with tracer.invoke(prompt):
+                    hidden = model.layers[1].layer_output.save()
+        return hidden
+
+    bundled = trace()
+    monkeypatch.setenv("STREAMSCOPE_BUNDLE_INVOKES", "0")
+    one_each = trace()
+    assert len(bundled) == len(one_each) == 2 * len(PROMPTS)
+    same(bundled, one_each)
+    assert bundled[0] is not bundled[1] and torch.equal(bundled[0], bundled[1])
