@@ -306,7 +306,7 @@ def test_several_sequences_per_request_each_get_their_invoke(model, monkeypatch)
     """With ``n=2`` each request runs as two sequences, each with its own copy of the invoke (as nnsight gives
     them), bundled or not: the same values come home, one per sequence."""
     def trace():
-        with model.trace(temperature=0.0, max_tokens=1, n=2) as tracer:
+        with model.trace(temperature=1.0, seed=0, max_tokens=1, n=2) as tracer:
             for prompt in PROMPTS:
                 with tracer.invoke(prompt):
                     hidden = model.layers[1].layer_output.save()
