@@ -100,7 +100,9 @@ class Client:
         if isinstance(vector, torch.Tensor):
             vector = vector.detach().to(torch.float32).cpu().reshape(-1).tolist()
         return {"value": steer.value, "layer": steer.layer, "vector": vector, "scale": steer.scale,
-                "positions": rule_json(steer.positions), "mode": steer.mode, "generated": steer.generated}
+                "positions": rule_json(steer.positions), "mode": steer.mode, "generated": steer.generated,
+                "projection": steer.projection, "norm_match": steer.norm_match, "from_step": steer.from_step,
+                "origin": steer.origin}
 
     def _complete(self, prompt: Any, options: dict[str, Any], field: dict[str, Any]) -> Any:
         import inspect

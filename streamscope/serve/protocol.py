@@ -5,7 +5,8 @@ A completion or chat request carries streamscope's part in one body field (the
 
     "streamscope": {
         "steer": [{"value": "layer_output", "layer": 1, "vector": [0.1, ...] or "stored-name",
-                   "scale": 4.0, "positions": "all", "mode": "add", "generated": true}],
+                   "scale": 4.0, "positions": "all", "mode": "add", "generated": true,
+                   "projection": 0.0, "norm_match": false, "from_step": 0, "origin": null}],
         "harvest": {"values": ["layer_output"], "layers": [0, 1], "positions": "last", "keep": false},
         "default_steer": true
     }
@@ -33,6 +34,7 @@ import torch
 
 from .. import nnsight_seam as seam
 
+from ..bulk.operations import DIRECTIONAL
 from ..bulk.spec import ROOT_VALUES, Positions, Steer, check_steer, harvest_spec, prompt_positions, value_names
 from ..errors import Unavailable, untapped
 
@@ -40,9 +42,12 @@ from ..errors import Unavailable, untapped
 FIELD = "streamscope"
 #: vLLM's ``vllm_xargs`` key (the request's ``SamplingParams.extra_args``) under which the plan reaches the worker.
 XARG = "streamscope"
-STEER_FIELDS = ("value", "layer", "vector", "scale", "positions", "mode", "generated")
+STEER_FIELDS = ("value", "layer", "vector", "scale", "positions", "mode", "generated", "projection", "norm_match",
+                "from_step", "origin")
 HARVEST_FIELDS = ("values", "layers", "positions", "keep")
 NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+#: The steer operations the server applies (`streamscope.bulk.operations`).
+SERVED_MODES = ("add", "set", "ablate", "clamp")
 
 
 class RequestError(Exception):
@@ -103,8 +108,8 @@ def _bad(param: str, message: str, status: int = 400) -> RequestError:
 
 
 def positions_rule(raw: Any, param: str) -> Positions:
-    """A JSON positions rule: ``"all"``, ``"last"``, a list of ints, or ``{"slice": [start, stop, step]}``."""
-    if raw in ("all", "last"):
+    """A JSON positions rule: ``"all"``, ``"last"``, ``"none"``, a list of ints, or ``{"slice": [start, stop, step]}``."""
+    if raw in ("all", "last", "none"):
         return raw
     if isinstance(raw, list) and raw and all(isinstance(item, int) and not isinstance(item, bool) for item in raw):
         return list(raw)
@@ -113,8 +118,9 @@ def positions_rule(raw: Any, param: str) -> Positions:
         if len(raw["slice"]) == 3 and raw["slice"][2] == 0:
             raise _bad(param, "a slice's step cannot be 0.")
         return slice(*raw["slice"])
-    raise _bad(param, f"{json.dumps(raw)[:80]} is not a positions rule: use \"all\", \"last\", a non-empty list of "
-                      "indices (negative from the prompt's end), or {\"slice\": [start, stop, step]}.")
+    raise _bad(param, f"{json.dumps(raw)[:80]} is not a positions rule: use \"all\", \"last\", \"none\" (a steer's "
+                      "generated tokens only), a non-empty list of indices (negative from the prompt's end), or "
+                      "{\"slice\": [start, stop, step]}.")
 
 
 def rule_json(positions: Any) -> Any:
@@ -242,25 +248,38 @@ class Checker:
         scale = _number(item.get("scale", 1.0), f"{param}.scale")
         positions = positions_rule(item.get("positions", "all"), f"{param}.positions")
         mode = item.get("mode", "add")
-        if mode not in ("add", "set"):
-            # The server's worker batches its requests' vectors as additions and assignments; the other operations
-            # (ablate, clamp, norm_match, sae_clamp) run in-process for now (model.generate(steer=[...])).
-            raise _bad(f"{param}.mode", f"mode {mode!r}: this server steers with 'add' or 'set'; run ablate, clamp "
-                                        f"and norm-matched steers with model.generate(steer=[...]) in-process.")
+        if mode not in SERVED_MODES:
+            raise _bad(f"{param}.mode", f"mode {mode!r} is not one of {', '.join(map(repr, SERVED_MODES))}.")
         generated = item.get("generated", True)
         if not isinstance(generated, bool):
             raise _bad(f"{param}.generated", f"true or false, not {generated!r}.")
+        norm_match = item.get("norm_match", False)
+        if not isinstance(norm_match, bool):
+            raise _bad(f"{param}.norm_match", f"true or false, not {norm_match!r}.")
+        projection = _number(item.get("projection", 0.0), f"{param}.projection")
+        from_step = item.get("from_step", 0)
+        if isinstance(from_step, bool) or not isinstance(from_step, int) or from_step < 0:
+            raise _bad(f"{param}.from_step", f"the first generated token steered, an int >= 0 (0: every one), not "
+                                             f"{from_step!r}.")
         if not bool(torch.isfinite(vector * scale).all()):
             raise _bad(f"{param}.scale", "scale times the vector overflows float32: use a smaller scale.")
-        steer = Steer(item["value"], layer, vector, scale=scale, positions=positions, mode=mode, generated=generated)
+        if mode in DIRECTIONAL and not float(vector.norm()) > 0:
+            raise _bad(f"{param}.vector", f"mode {mode!r} uses the vector as a direction: send a non-zero vector.")
+        origin = item.get("origin")
+        if origin is not None and not (isinstance(origin, dict) and all(isinstance(key, str) for key in origin)):
+            raise _bad(f"{param}.origin", "the shape of the model the vector was made on, an object (model_type, "
+                                          "hidden_size, num_layers, vocab_size), or null.")
+        steer = Steer(item["value"], layer, vector, scale=scale, positions=positions, mode=mode, generated=generated,
+                      projection=projection, norm_match=norm_match, from_step=from_step, origin=origin)
         try:
             check_steer(self.model, steer, 1)
         except (ValueError, TypeError, IndexError) as error:
-            where = "mode" if "mode" in str(error) else "vector"
+            where = "mode" if "mode" in str(error) else "origin" if "another model" in str(error) else "vector"
             raise _bad(f"{param}.{where}", str(error)) from None
         self.positions(positions, length, f"{param}.positions")
         payload = {"value": steer.value, "layer": layer, "vector": vector_bytes(vector), "scale": scale,
-                   "positions": rule_json(positions), "mode": mode, "generated": generated}
+                   "positions": rule_json(positions), "mode": mode, "generated": generated, "projection": projection,
+                   "norm_match": norm_match, "from_step": from_step}
         return steer, payload
 
     def steers(self, raw: Any, param: str, length: Optional[int]) -> tuple[list[Steer], list[dict[str, Any]]]:
@@ -288,6 +307,9 @@ class Checker:
         if not isinstance(keep, bool):
             raise _bad(f"{param}.keep", f"true or false, not {keep!r}.")
         positions = positions_rule(item.get("positions", "last"), f"{param}.positions")
+        if positions == "none":
+            raise _bad(f"{param}.positions", "a harvest reads prompt positions: ask for \"last\", \"all\", indices or "
+                                             "a slice.")
         try:
             spec = harvest_spec(self.model, values, layers, positions, [length or 1])
         except IndexError as error:
@@ -299,6 +321,8 @@ class Checker:
             self.tapped(site, f"{param}.values")
         self.positions(positions, length, f"{param}.positions")
         count = len(prompt_positions(positions, length, 0)) if length is not None else 1
+        if count == 0:
+            raise _bad(f"{param}.positions", f"the rule selects none of the prompt's {length} positions.")
         sites = sum(1 if value in ROOT_VALUES else len(spec.layers) for value in spec.values)
         size = sites * count * self.hidden * self.element_bytes
         if size > self.limits.max_harvest_bytes:
@@ -392,7 +416,8 @@ def cache_salt(checked: Checked, body: dict[str, Any], harvest_id: Optional[str]
     if not checked.steer_payload:
         return None
     steers = json.dumps(checked.steer_payload, sort_keys=True)
-    uniform = all(item["positions"] == "all" and item["generated"] for item in checked.steer_payload)
+    uniform = all(item["positions"] == "all" and item["generated"] and not item.get("from_step")
+                  for item in checked.steer_payload)
     prompt = "" if uniform else json.dumps([body.get("prompt"), body.get("messages")], sort_keys=True, default=str)
     return "streamscope-" + hashlib.sha256((steers + "|" + prompt).encode()).hexdigest()
 

@@ -128,10 +128,12 @@ def complete(api, prompt, field=None, **options):
 
 
 def steer_json(steer: Steer) -> dict:
+    """The request field's form of `steer`, written out here (not by streamscope.Client) to pin the wire format."""
     from streamscope.serve.protocol import rule_json
 
     return {"value": steer.value, "layer": steer.layer, "vector": steer.vector.tolist(), "scale": steer.scale,
-            "positions": rule_json(steer.positions), "mode": steer.mode, "generated": steer.generated}
+            "positions": rule_json(steer.positions), "mode": steer.mode, "generated": steer.generated,
+            "projection": steer.projection, "norm_match": steer.norm_match, "from_step": steer.from_step}
 
 
 def in_process(model, prompt, steers):
@@ -162,6 +164,19 @@ STEERS = {
     "root": [Steer("token_embeddings", None, vector(5), scale=0.5)],
     "same-site-twice": [Steer("layer_output", 0, vector(6)), Steer("layer_output", 0, vector(7), mode="set",
                                                                     positions="last")],
+    # issue 21's operations, each as model.generate runs it in process
+    "ablate-every-block": [Steer("layer_output", layer, vector(9), mode="ablate") for layer in range(3)],
+    "ablate-half-last": [Steer("mlp_output", 1, vector(10), mode="ablate", scale=0.5, positions="last")],
+    "clamp": [Steer("layer_mid", 1, vector(11), mode="clamp", projection=6.0)],
+    "clamp-norm-matched": [Steer("layer_output", 0, vector(12), mode="clamp", projection=-4.0, norm_match=True)],
+    "add-norm-matched": [Steer("layer_output", 1, vector(13), scale=8.0, norm_match=True, positions=[0, 1])],
+    "set-norm-matched": [Steer("attention_output", 2, vector(14), mode="set", scale=3.0, norm_match=True)],
+    "generated-from-step-2": [Steer("layer_output", 1, vector(15), scale=6.0, positions="none", from_step=2)],
+    "several-modes-several-blocks": [
+        Steer("layer_output", 0, vector(16), scale=3.0, positions="last", from_step=1),
+        Steer("layer_output", 0, vector(17), mode="ablate"),
+        Steer("layer_mid", 2, vector(18), mode="clamp", projection=2.0, norm_match=True, generated=False),
+        Steer("token_embeddings", None, vector(19), mode="set", scale=0.5, positions=[1])],
 }
 
 
@@ -177,10 +192,12 @@ def test_steered_completion_equals_in_process_generate(api, model, name):
                                           temperature=0, logprobs=1,
                                           extra_body={"streamscope": {"steer": [steer_json(item) for item in steers]},
                                                       "return_token_ids": True})
-        tokens = ids(api, response)
+        tokens, logprobs = ids(api, response), response.choices[0].logprobs.token_logprobs
         expected_tokens, expected = in_process(model, prompt, steers)
-        same_run(tokens, response.choices[0].logprobs.token_logprobs, expected_tokens, expected, f"{name} {prompt!r}")
-        assert tokens != in_process(model, prompt, [])[0] or name == "set-last-prompt-only", "the steer changed nothing"
+        same_run(tokens, logprobs, expected_tokens, expected, f"{name} {prompt!r}")
+        plain_tokens, plain = in_process(model, prompt, [])
+        changed = tokens != plain_tokens or max(abs(a - b) for a, b in zip(logprobs, plain)) > 1e-3
+        assert changed, f"{name}: the steer changed nothing on {prompt!r}"
 
 
 def test_unsteered_completion_equals_plain_vllm(api, model):
