@@ -5,11 +5,13 @@
                              harvest={"values": "layer_output", "layers": [16]})
     result.texts, result.tokens, result.harvest["layer_output"][0]
 
-Each prompt is one completion request (sent concurrently, ``concurrency`` at a
-time) through the ``openai`` client, with its steers and harvest in the
-request's ``streamscope`` field; harvests are downloaded as safetensors
-through the ``openai`` client's own HTTP session. The results are the same
-`Generation` and `Harvest` types the engines return.
+Requests go through the ``openai`` client, ``concurrency`` at a time, with
+their steers and harvest in the request's ``streamscope`` field. Prompts that
+can share a request (no harvest, the same steers for each, every one editing
+every position alike) go ``batch`` to a request, as the completions API's
+prompt list; any other prompt is a request of its own. Harvests are
+downloaded as safetensors through the same HTTP session. The results are the
+same `Generation` and `Harvest` types the engines return.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ class Client:
         model: The served model's name; the server's first by default.
         concurrency: How many requests are in flight at once.
         timeout: Seconds one request may take.
+        batch: How many prompts one request may carry where they can share one (see above); 1 for one each.
     """
 
     def __init__(self, url: str, api_key: Optional[str] = None, model: Optional[str] = None, concurrency: int = 32,
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, batch: int = 16) -> None:
         import httpx
         import openai
 
@@ -48,6 +51,10 @@ class Client:
         self.http = httpx.Client(base_url=base + "/", headers=headers, timeout=timeout)
         self.model = model or self.openai.models.list().data[0].id
         self.concurrency = concurrency
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch: prompts per request, an int >= 1, not {batch!r}.")
+        self.batch = batch
+        self._default_steer: Optional[bool] = None
 
     # ---------------------------------------------------------------- the server's own endpoints
 
@@ -115,11 +122,36 @@ class Client:
         options = {key: value for key, value in options.items() if key in known}
         return self.openai.completions.create(model=self.model, prompt=prompt, extra_body=extra or None, **options)
 
-    def _run(self, prompts: Sequence[Any], options: dict[str, Any], fields: list[dict[str, Any]]) -> list[Any]:
+    def _run(self, prompts: Sequence[Any], options: dict[str, Any],
+             fields: list[dict[str, Any]]) -> list[tuple[Any, Any]]:
+        """Each prompt's completion choice and its response, in order: prompts that can share a request go `batch`
+        to one."""
         if isinstance(prompts, str):
             raise TypeError("generate and harvest take a list of prompts; wrap a single prompt in a list.")
-        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
-            return list(pool.map(lambda pair: self._complete(pair[0], options, pair[1]), zip(prompts, fields)))
+        prompts = list(prompts)
+        size = self.batch if self._shareable(fields) else 1
+        groups = [list(range(start, min(start + size, len(prompts)))) for start in range(0, len(prompts), size)]
+
+        def one(group: list[int]) -> list[Any]:
+            batch = [prompts[index] for index in group]
+            response = self._complete(batch[0] if len(group) == 1 else batch, options, fields[group[0]])
+            # (choice, its response): a harvest's id is on the response (one prompt each where there is one)
+            return [(choice, response) for choice in sorted(response.choices, key=lambda choice: choice.index)]
+
+        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(groups)))) as pool:
+            return [choice for choices in pool.map(one, groups) for choice in choices]
+
+    def _shareable(self, fields: list[dict[str, Any]]) -> bool:
+        """Whether these prompts may share requests: no harvest, the same steers each, each editing every position."""
+        from .protocol import uniform
+
+        if self.batch == 1 or not fields or any(field != fields[0] for field in fields) or "harvest" in fields[0]:
+            return False
+        if "steer" not in fields[0]:  # then the server's default steer, if any, applies: is it one that may share?
+            if self._default_steer is None:
+                self._default_steer = bool(self.info()["default_steer"])
+            return not self._default_steer
+        return uniform(fields[0]["steer"])
 
     @staticmethod
     def _per_prompt(positions: Positions, count: int) -> list[Any]:
@@ -147,8 +179,8 @@ class Client:
         return Harvest(values, list(first["layers"]), [list(item["positions"]) for item in downloads],
                        list(range(len(downloads))))
 
-    def _downloads(self, responses: list[Any]) -> list[dict[str, Any]]:
-        ids = [response.model_extra[FIELD]["harvest"] for response in responses]
+    def _downloads(self, choices: list[tuple[Any, Any]]) -> list[dict[str, Any]]:
+        ids = [response.model_extra[FIELD]["harvest"] for _, response in choices]
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(ids)))) as pool:
             return list(pool.map(self.download, ids))
 
@@ -185,10 +217,10 @@ class Client:
                 field["harvest"] = harvest_fields[index]
             fields.append(field)
         options = {"temperature": 0.0, **sampling, "max_tokens": max_tokens, "return_token_ids": True}
-        responses = self._run(prompts, options, fields)
-        tokens = [list(response.choices[0].model_extra.get("token_ids") or []) for response in responses]
-        texts = [response.choices[0].text for response in responses]
-        harvested = self._assemble(self._downloads(responses)) if harvest is not None else None
+        choices = self._run(prompts, options, fields)
+        tokens = [list(choice.model_extra.get("token_ids") or []) for choice, _ in choices]
+        texts = [choice.text for choice, _ in choices]
+        harvested = self._assemble(self._downloads(choices)) if harvest is not None else None
         return Generation(tokens, texts, None, harvested)
 
     def harvest(self, prompts: Sequence[Any], values: Any, layers: Any = None, positions: Positions = "last",

@@ -224,17 +224,17 @@ class Checker:
             raise _bad(param, f"{untapped(name, site.location, len(tapped))}. On this server: streamscope serve "
                               f"PATH --taps ... {tap}")
 
-    def positions(self, rule: Positions, length: Optional[int], param: str) -> None:
-        if length is None:
-            return
-        try:
-            prompt_positions(rule, length, 0)
-        except (IndexError, TypeError, ValueError) as error:
-            raise _bad(param, str(error).removeprefix("positions: ")) from None
+    def positions(self, rule: Positions, lengths: list[int], param: str) -> None:
+        """Refuse a rule that does not fit each prompt (`lengths`: their token counts; empty where unknown)."""
+        for index, length in enumerate(lengths):
+            try:
+                prompt_positions(rule, length, index)
+            except (IndexError, TypeError, ValueError) as error:
+                raise _bad(param, str(error).removeprefix("positions: ")) from None
 
     # ---------------------------------------------------------------- steers and harvests
 
-    def steer(self, raw: Any, param: str, length: Optional[int]) -> tuple[Steer, dict[str, Any]]:
+    def steer(self, raw: Any, param: str, lengths: list[int]) -> tuple[Steer, dict[str, Any]]:
         """One steer: a `streamscope.Steer` and the JSON the worker gets (its vector as float32 base64)."""
         item = _fields(raw, STEER_FIELDS, param,
                        " One request is one prompt, so a steer has no 'prompts' (streamscope.Client sends each "
@@ -274,15 +274,15 @@ class Checker:
         try:
             check_steer(self.model, steer, 1)
         except (ValueError, TypeError, IndexError) as error:
-            where = "mode" if "mode" in str(error) else "origin" if "another model" in str(error) else "vector"
+            where = "origin" if "another model" in str(error) else "mode" if "mode" in str(error) else "vector"
             raise _bad(f"{param}.{where}", str(error)) from None
-        self.positions(positions, length, f"{param}.positions")
+        self.positions(positions, lengths, f"{param}.positions")
         payload = {"value": steer.value, "layer": layer, "vector": vector_bytes(vector), "scale": scale,
                    "positions": rule_json(positions), "mode": mode, "generated": generated, "projection": projection,
                    "norm_match": norm_match, "from_step": from_step}
         return steer, payload
 
-    def steers(self, raw: Any, param: str, length: Optional[int]) -> tuple[list[Steer], list[dict[str, Any]]]:
+    def steers(self, raw: Any, param: str, lengths: list[int]) -> tuple[list[Steer], list[dict[str, Any]]]:
         if isinstance(raw, dict):
             raw = [raw]
         if not isinstance(raw, list):
@@ -290,7 +290,7 @@ class Checker:
         if len(raw) > self.limits.max_steers:
             raise _bad(param, f"{len(raw)} steers; this server takes at most {self.limits.max_steers} per request "
                               f"(--max-steers-per-request).", 413)
-        pairs = [self.steer(item, f"{param}[{index}]", length) for index, item in enumerate(raw)]
+        pairs = [self.steer(item, f"{param}[{index}]", lengths) for index, item in enumerate(raw)]
         return [steer for steer, _ in pairs], [payload for _, payload in pairs]
 
     def harvest(self, raw: Any, param: str, length: Optional[int]) -> dict[str, Any]:
@@ -319,7 +319,7 @@ class Checker:
             raise _bad(f"{param}.{where}", str(error)) from None
         for site in spec.sites(self.model):
             self.tapped(site, f"{param}.values")
-        self.positions(positions, length, f"{param}.positions")
+        self.positions(positions, [] if length is None else [length], f"{param}.positions")
         count = len(prompt_positions(positions, length, 0)) if length is not None else 1
         if count == 0:
             raise _bad(f"{param}.positions", f"the rule selects none of the prompt's {length} positions.")
@@ -335,7 +335,7 @@ class Checker:
 
     def default_steers(self, raw: Any) -> list[dict[str, Any]]:
         """Check the server-wide default steers (the same JSON as a request's), without a prompt."""
-        _, payload = self.steers(raw, "steer", None)
+        _, payload = self.steers(raw, "steer", [])
         return payload
 
     # ---------------------------------------------------------------- a whole request
@@ -352,26 +352,37 @@ class Checker:
         checked = Checked()
         if not own and not (self.default and use_default):
             return checked
-        length = self.prompt_length(body, chat) if own else None
+        lengths = self.prompt_lengths(body, chat) if own else []
         if self.default and use_default:
             checked.steer_payload.extend(self.default)
         if "steer" in own:
-            steers, payload = self.steers(own["steer"], f"{FIELD}.steer", length)
+            steers, payload = self.steers(own["steer"], f"{FIELD}.steer", lengths)
             if len(payload) + len(checked.steer_payload) > self.limits.max_steers:
                 raise _bad(f"{FIELD}.steer", f"with the server's {len(self.default)} default steers this request has "
                                              f"{len(payload) + len(checked.steer_payload)}; the limit is "
                                              f"{self.limits.max_steers}: send default_steer: false, or fewer.", 413)
             checked.steers, checked.steer_payload = steers, checked.steer_payload + payload
+        count = len(lengths) if lengths else _prompt_count(body)
+        if count > 1:
+            # One request has one prefix-cache salt: prompts of one request share KV blocks, which is sound only
+            # where a steer edits every position alike (then a shared prefix was steered the same way for each).
+            if "harvest" in own:
+                raise _bad("prompt", f"a harvest reads one prompt per request; this one has {count}: send "
+                                     f"them as separate requests (streamscope.Client.harvest does, concurrently).")
+            if not uniform(checked.steer_payload):
+                raise _bad("prompt", f"{count} prompts in one request, with a steer that does not edit every "
+                                     f"position (positions other than \"all\", generated false, or from_step): "
+                                     f"send each prompt as its own request (streamscope.Client does).")
         if "harvest" in own:
             for option in ("n", "best_of"):
                 if (body.get(option) or 1) != 1:
                     raise _bad(option, "a harvest reads one prompt once: send n=1 (and best_of=1) with a harvest.")
-            checked.harvest = self.harvest(own["harvest"], f"{FIELD}.harvest", length)
-        checked.length = length
+            checked.harvest = self.harvest(own["harvest"], f"{FIELD}.harvest", lengths[0] if lengths else None)
+        checked.length = lengths[0] if len(lengths) == 1 else None
         return checked
 
-    def prompt_length(self, body: dict[str, Any], chat: bool) -> Optional[int]:
-        """The prompt's token count as vLLM will see it (None where only the engine can tell)."""
+    def prompt_lengths(self, body: dict[str, Any], chat: bool) -> list[int]:
+        """Each prompt's token count as vLLM will see it (empty where only the engine can tell)."""
         tokenizer = self.model.tokenizer
         if chat:
             messages = body.get("messages")
@@ -379,18 +390,43 @@ class Checker:
                 ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.get("add_generation_prompt",
                                                                                              True), tokenize=True)
             except Exception:  # noqa: BLE001  (vLLM renders and refuses it itself)
-                return None
+                return []
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            return len(ids)
+            return [len(ids)]
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return len(tokenizer(prompt, add_special_tokens=body.get("add_special_tokens", True))["input_ids"])
-        if isinstance(prompt, list) and prompt and all(isinstance(token, int) for token in prompt):
-            return len(prompt)
-        raise _bad("prompt", "a request with a streamscope field takes one prompt (a string or a list of token "
-                             "ids); send several prompts as several requests (streamscope.Client does).")
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                       and all(isinstance(token, int) and not isinstance(token, bool)
+                                               for token in prompt)):
+            prompt = [prompt]
+        if isinstance(prompt, list) and prompt:
+            lengths = []
+            for item in prompt:
+                if isinstance(item, str):
+                    lengths.append(len(tokenizer(item, add_special_tokens=body.get("add_special_tokens",
+                                                                                   True))["input_ids"]))
+                elif isinstance(item, list) and item and all(isinstance(token, int) and not isinstance(token, bool)
+                                                             for token in item):
+                    lengths.append(len(item))
+                else:
+                    break
+            else:
+                return lengths
+        raise _bad("prompt", "a request with a streamscope field takes a prompt (a string or a list of token ids) or "
+                             "a list of them.")
+
+
+def _prompt_count(body: dict[str, Any]) -> int:
+    """How many prompts a completion request holds, without tokenizing them."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
+        return len(prompt)
+    return 1
+
+
+def uniform(steers: list[dict[str, Any]]) -> bool:
+    """Whether every steer edits every position, prompt and generated, alike (its edit does not depend on where a
+    prompt ends)."""
+    return all(item["positions"] == "all" and item["generated"] and not item.get("from_step") for item in steers)
 
 
 def worker_payload(checked: Checked, harvest_id: Optional[str]) -> str:
@@ -416,9 +452,7 @@ def cache_salt(checked: Checked, body: dict[str, Any], harvest_id: Optional[str]
     if not checked.steer_payload:
         return None
     steers = json.dumps(checked.steer_payload, sort_keys=True)
-    uniform = all(item["positions"] == "all" and item["generated"] and not item.get("from_step")
-                  for item in checked.steer_payload)
-    prompt = "" if uniform else json.dumps([body.get("prompt"), body.get("messages")], sort_keys=True, default=str)
+    prompt = "" if uniform(checked.steer_payload) else json.dumps([body.get("prompt"), body.get("messages")], sort_keys=True, default=str)
     return "streamscope-" + hashlib.sha256((steers + "|" + prompt).encode()).hexdigest()
 
 

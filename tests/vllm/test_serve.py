@@ -200,6 +200,53 @@ def test_steered_completion_equals_in_process_generate(api, model, name):
         assert changed, f"{name}: the steer changed nothing on {prompt!r}"
 
 
+def test_a_prompt_list_is_steered_prompt_by_prompt(api, server, model):
+    """The completions API's prompt list, with one steer for all of them: each choice equals its prompt's
+    in-process run. A steer that depends on where a prompt ends, or a harvest, takes one prompt a request."""
+    steers = [Steer("layer_output", 1, vector(20), scale=4.0), Steer("layer_mid", 0, vector(21), mode="ablate")]
+    response = api.completions.create(model=api.models.list().data[0].id, prompt=PROMPTS, max_tokens=STEPS,
+                                      temperature=0, logprobs=1,
+                                      extra_body={"streamscope": {"steer": [steer_json(item) for item in steers]},
+                                                  "return_token_ids": True})
+    assert len(response.choices) == len(PROMPTS)
+    for choice in response.choices:
+        expected_tokens, expected = in_process(model, PROMPTS[choice.index], steers)
+        same_run(choice.model_extra["token_ids"], choice.logprobs.token_logprobs, expected_tokens, expected,
+                 f"prompt {choice.index} of a list")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    plain = complete(api, LONG)
+    for field, named in (({"steer": [steer_json(Steer("layer_output", 1, vector(20), positions="last"))]},
+                          "its own request"),
+                         ({"harvest": {"values": "layer_output"}}, "one prompt per request")):
+        body = {"model": api.models.list().data[0].id, "prompt": PROMPTS[:2], "max_tokens": STEPS,
+                "streamscope": field}
+        refused = httpx.post(server + "/v1/completions", json=body, headers=auth)
+        assert refused.status_code == 400 and named in refused.json()["error"]["message"], refused.text
+        assert complete(api, LONG)[2] == plain[2]
+
+
+def test_client_sends_prompts_that_can_share_a_request_together(server, model):
+    client = streamscope.Client(server, api_key=KEY, batch=3)
+    sent = []
+    complete_one = client._complete
+
+    def recording(prompt, options, field):
+        sent.append(prompt)
+        return complete_one(prompt, options, field)
+
+    client._complete = recording
+    uniform_steer = [Steer("layer_output", 2, vector(22), scale=3.0)]
+    remote = client.generate(PROMPTS, max_tokens=STEPS, steer=uniform_steer)
+    local = model.generate(PROMPTS, max_tokens=STEPS, steer=uniform_steer, progress=False)
+    assert remote.tokens == local.tokens and remote.texts == local.texts
+    assert sorted(1 if isinstance(item, str) else len(item) for item in sent) == [1, 3], "four prompts went as one request of 3 and one of 1"
+    sent.clear()
+    last_only = [Steer("layer_output", 2, vector(22), scale=3.0, positions="last")]
+    remote = client.generate(PROMPTS, max_tokens=STEPS, steer=last_only)
+    assert remote.tokens == model.generate(PROMPTS, max_tokens=STEPS, steer=last_only, progress=False).tokens
+    assert all(isinstance(item, str) for item in sent) and len(sent) == len(PROMPTS), "one request a prompt"
+
+
 def test_unsteered_completion_equals_plain_vllm(api, model):
     from vllm import SamplingParams
 
@@ -401,6 +448,20 @@ BAD = [
     ({"harvest": {"values": "layer_output", "code": "import os"}}, 400, "unknown field"),
     ({"steer": [{"value": "layer_output", "layer": 1, "vector": [0.0] * HIDDEN, "scale": 1e39}]}, 400, "scale"),
     ("__import__('os')", 400, "expected a JSON object"),
+    # issue 21's fields
+    ({"steer": [{"value": "layer_output", "layer": 1, "vector": [1.0] * HIDDEN, "mode": "clamp", "projection": "x"}]},
+     400, "streamscope.steer[0].projection"),
+    ({"steer": [{"value": "layer_output", "layer": 1, "vector": [1.0] * HIDDEN, "norm_match": "yes"}]}, 400,
+     "streamscope.steer[0].norm_match"),
+    ({"steer": [{"value": "layer_output", "layer": 1, "vector": [1.0] * HIDDEN, "from_step": -1}]}, 400,
+     "streamscope.steer[0].from_step"),
+    ({"steer": [{"value": "layer_output", "layer": 1, "vector": [0.0] * HIDDEN, "mode": "ablate"}]}, 400,
+     "non-zero vector"),
+    ({"steer": [{"value": "layer_output", "layer": 1, "vector": [1.0] * HIDDEN, "origin": {"hidden_size": 4096}}]},
+     400, "streamscope.steer[0].origin"),
+    ({"steer": [{"value": "layer_output", "layer": 1, "vector": [1.0] * HIDDEN, "origin": "llama"}]}, 400,
+     "streamscope.steer[0].origin"),
+    ({"harvest": {"values": "layer_output", "positions": "none"}}, 400, "streamscope.harvest.positions"),
 ]
 
 
