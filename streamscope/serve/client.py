@@ -55,6 +55,7 @@ class Client:
             raise ValueError(f"batch: prompts per request, an int >= 1, not {batch!r}.")
         self.batch = batch
         self._default_steer: Optional[bool] = None
+        self._sae_names: dict[int, str] = {}  # id(SAE object) -> the name this client stored it under
 
     # ---------------------------------------------------------------- the server's own endpoints
 
@@ -84,6 +85,36 @@ class Client:
         data = save({"vector": vector.detach().to(torch.float32).contiguous().cpu()})
         self._call("PUT", f"vectors/{name}", content=data, headers={"Content-Type": "application/octet-stream"})
 
+    def store_sae(self, name: str, sae: Any) -> dict[str, Any]:
+        """Store a `streamscope.sae.SAE` on the server under `name` (its weights as safetensors, float32).
+
+        A steer (``sae.clamp(...)``) or ``harvest(..., sae=...)`` may then
+        use the SAE object itself through this client, or its name. The
+        server checks it against its model (width, block, value, taps).
+        """
+        from .storage import sae_bytes
+
+        response = self._call("PUT", f"saes/{name}", content=sae_bytes(sae),
+                              headers={"Content-Type": "application/octet-stream"})
+        self._sae_names[id(sae)] = name
+        return response.json()
+
+    def saes(self) -> list[dict[str, Any]]:
+        """The stored SAEs: name, value, layer, widths, activation, bytes."""
+        return self._call("GET", "saes").json()["saes"]
+
+    def delete_sae(self, name: str) -> None:
+        self._call("DELETE", f"saes/{name}")
+        self._sae_names = {key: value for key, value in self._sae_names.items() if value != name}
+
+    def _sae_name(self, sae: Any) -> str:
+        if isinstance(sae, str):
+            return sae
+        if id(sae) not in self._sae_names:
+            raise ValueError(f"{sae!r} is not stored on the server through this client: store it once with "
+                             f"client.store_sae(name, sae), then use it (or its name).")
+        return self._sae_names[id(sae)]
+
     def vectors(self) -> list[dict[str, Any]]:
         return self._call("GET", "vectors").json()["vectors"]
 
@@ -103,6 +134,10 @@ class Client:
     def _steer_json(self, steer: Steer) -> dict[str, Any]:
         if not isinstance(steer, Steer):
             raise TypeError(f"steer takes streamscope.Steer objects, not a {type(steer).__name__}.")
+        if steer.mode == "sae_clamp":  # the server clamps with its stored copy of the SAE
+            return {"value": steer.value, "layer": steer.layer, "mode": "sae_clamp", "sae": self._sae_name(steer.sae),
+                    "feature": steer.feature, "projection": steer.projection, "positions": rule_json(steer.positions),
+                    "generated": steer.generated, "from_step": steer.from_step, "norm_match": steer.norm_match}
         vector: Any = steer.vector
         if isinstance(vector, torch.Tensor):
             vector = vector.detach().to(torch.float32).cpu().reshape(-1).tolist()
@@ -223,10 +258,31 @@ class Client:
         harvested = self._assemble(self._downloads(choices)) if harvest is not None else None
         return Generation(tokens, texts, None, harvested)
 
-    def harvest(self, prompts: Sequence[Any], values: Any, layers: Any = None, positions: Positions = "last",
-                out: Optional[str | Path] = None, shard_size: int = 1024, progress: bool = False) -> Harvest | Path:
-        """Read values at chosen blocks and positions of many prompts, as `model.harvest` (``out=`` writes shards)."""
-        fields = [{"harvest": item} for item in self._harvest_field(values, layers, positions, len(prompts))]
+    def harvest(self, prompts: Sequence[Any], values: Any = None, layers: Any = None, positions: Positions = "last",
+                out: Optional[str | Path] = None, shard_size: int = 1024, progress: bool = False, sae: Any = None,
+                top_k: Optional[int] = None) -> Harvest | Path:
+        """Read values at chosen blocks and positions of many prompts, as `model.harvest` (``out=`` writes shards).
+
+        ``sae=`` (a stored SAE's name, or an SAE stored through this client)
+        harvests its features at its own site, computed on the server's
+        engine: ``"sae_features"`` ``[1, positions, d_sae]`` per prompt, or
+        with ``top_k``, ``"sae_values"`` and ``"sae_indices"``
+        ``[1, positions, top_k]``, as `model.harvest(..., sae=...)`.
+        """
+        if sae is not None:
+            if values is not None or layers is not None:
+                raise TypeError("a harvest with sae= reads the SAE's own value and block: leave values and layers "
+                                "out.")
+            if out is not None:
+                raise ValueError("a harvest with sae= returns the features in memory; harvest the dense value to "
+                                 "disk (out=) without sae=.")
+            name = self._sae_name(sae)
+            fields = [{"harvest": {"sae": name, "top_k": top_k, "positions": rule}}
+                      for rule in self._per_prompt(positions, len(prompts))]
+        elif values is None:
+            raise TypeError("harvest needs the values to read (or sae= for an SAE's features).")
+        else:
+            fields = [{"harvest": item} for item in self._harvest_field(values, layers, positions, len(prompts))]
         options = {"max_tokens": 1, "temperature": 0.0}
         if out is None:
             return self._assemble(self._downloads(self._run(prompts, options, fields)))

@@ -43,11 +43,11 @@ FIELD = "streamscope"
 #: vLLM's ``vllm_xargs`` key (the request's ``SamplingParams.extra_args``) under which the plan reaches the worker.
 XARG = "streamscope"
 STEER_FIELDS = ("value", "layer", "vector", "scale", "positions", "mode", "generated", "projection", "norm_match",
-                "from_step", "origin")
-HARVEST_FIELDS = ("values", "layers", "positions", "keep")
+                "from_step", "origin", "sae", "feature")
+HARVEST_FIELDS = ("values", "layers", "positions", "keep", "sae", "top_k")
 NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 #: The steer operations the server applies (`streamscope.bulk.operations`).
-SERVED_MODES = ("add", "set", "ablate", "clamp")
+SERVED_MODES = ("add", "set", "ablate", "clamp", "sae_clamp")
 
 
 class RequestError(Exception):
@@ -76,6 +76,8 @@ class Limits:
     harvest_ttl: float = 600.0                 # --harvest-ttl (seconds a harvest waits to be downloaded)
     max_stored_vectors: int = 256              # --max-stored-vectors
     max_upload_bytes: int = 16 * 2**20         # --max-upload-bytes (a vector upload, a request's streamscope field)
+    max_stored_saes: int = 8                   # --max-stored-saes
+    max_sae_bytes: int = 2**31                 # --max-sae-bytes (one SAE upload)
 
 
 @dataclass
@@ -167,6 +169,7 @@ class Checker:
         parameter = next(seam.module_of(model).parameters(), None)
         self.element_bytes = parameter.element_size() if parameter is not None else 4
         self.default: list[dict[str, Any]] = []  # the server-wide default steers, as checked JSON
+        self.saes: dict[str, Any] = {}  # the stored SAEs (`streamscope.serve.storage.SAEs`), set by the server
 
     # ---------------------------------------------------------------- pieces
 
@@ -239,6 +242,10 @@ class Checker:
         item = _fields(raw, STEER_FIELDS, param,
                        " One request is one prompt, so a steer has no 'prompts' (streamscope.Client sends each "
                        "prompt its own steers)." if isinstance(raw, dict) and "prompts" in raw else "")
+        mode = item.get("mode", "add")
+        sae: Optional[tuple[str, Any, int]] = None  # (name, stored SAE, feature)
+        if "sae" in item or "feature" in item or mode == "sae_clamp":
+            item, sae = self.sae_steer(item, param, mode)
         for required in ("value", "vector"):
             if required not in item:
                 raise _bad(f"{param}.{required}", f"a steer needs {required!r}.")
@@ -247,7 +254,6 @@ class Checker:
         vector = self.vector(item["vector"], f"{param}.vector")
         scale = _number(item.get("scale", 1.0), f"{param}.scale")
         positions = positions_rule(item.get("positions", "all"), f"{param}.positions")
-        mode = item.get("mode", "add")
         if mode not in SERVED_MODES:
             raise _bad(f"{param}.mode", f"mode {mode!r} is not one of {', '.join(map(repr, SERVED_MODES))}.")
         generated = item.get("generated", True)
@@ -269,8 +275,11 @@ class Checker:
         if origin is not None and not (isinstance(origin, dict) and all(isinstance(key, str) for key in origin)):
             raise _bad(f"{param}.origin", "the shape of the model the vector was made on, an object (model_type, "
                                           "hidden_size, num_layers, vocab_size), or null.")
-        steer = Steer(item["value"], layer, vector, scale=scale, positions=positions, mode=mode, generated=generated,
-                      projection=projection, norm_match=norm_match, from_step=from_step, origin=origin)
+        # An sae_clamp steer is checked here as the addition of its feature's direction (site, width, origin): the
+        # SAE itself was checked against the model when it was stored.
+        steer = Steer(item["value"], layer, vector, scale=scale, positions=positions,
+                      mode="add" if mode == "sae_clamp" else mode, generated=generated, projection=projection,
+                      norm_match=norm_match, from_step=from_step, origin=origin)
         try:
             check_steer(self.model, steer, 1)
         except (ValueError, TypeError, IndexError) as error:
@@ -280,7 +289,45 @@ class Checker:
         payload = {"value": steer.value, "layer": layer, "vector": vector_bytes(vector), "scale": scale,
                    "positions": rule_json(positions), "mode": mode, "generated": generated, "projection": projection,
                    "norm_match": norm_match, "from_step": from_step}
+        if mode == "sae_clamp" and sae is not None:
+            steer.mode = mode
+            payload.update(sae=sae[1].file, feature=sae[2])
         return steer, payload
+
+    def sae_steer(self, item: dict[str, Any], param: str, mode: str) -> tuple[dict[str, Any], tuple[str, Any, int]]:
+        """A steer by a stored SAE's feature: its value and block are the SAE's, its vector the feature's decoder
+        direction (``sae_clamp`` clamps the feature in the loop; any other mode adds, sets, ablates or clamps along
+        the direction)."""
+        name, feature = item.get("sae"), item.get("feature")
+        if name is None:
+            raise _bad(f"{param}.sae", "a steer by feature (mode 'sae_clamp', or 'feature') names a stored SAE: "
+                                       "\"sae\": \"NAME\" (upload it with PUT /v1/streamscope/saes/NAME).")
+        stored = self.stored_sae(name, f"{param}.sae")
+        if isinstance(feature, bool) or not isinstance(feature, int) or not 0 <= feature < stored.d_sae:
+            raise _bad(f"{param}.feature", f"{feature!r} is not a feature of SAE {name!r}: give an int in "
+                                           f"0..{stored.d_sae - 1}.")
+        if "vector" in item:
+            raise _bad(f"{param}.vector", "a steer by an SAE's feature takes the feature's decoder direction: "
+                                          "leave vector out.")
+        value, layer = item.get("value", stored.value), item.get("layer", stored.layer)
+        if isinstance(layer, int) and not isinstance(layer, bool) and stored.layer is not None:
+            layer = layer % len(self.model.layers) if -len(self.model.layers) <= layer < len(self.model.layers) \
+                else layer
+        if (value, layer) != (stored.value, stored.layer):
+            raise _bad(f"{param}.sae", f"SAE {name!r} reads {stored.value} at block {stored.layer}, and the steer "
+                                       f"names {value} at block {item.get('layer')}: a feature means something at "
+                                       f"its SAE's own site only; leave value and layer out.")
+        with torch.no_grad():
+            vector = self.saes.decoder_row(name, feature)
+        return {**item, "value": value, "layer": layer, "vector": vector.tolist()}, (name, stored, feature)
+
+    def stored_sae(self, name: Any, param: str) -> Any:
+        from .storage import unknown_sae
+
+        if not isinstance(name, str) or name not in self.saes:
+            error = unknown_sae(name, self.saes)
+            raise RequestError(error.status, param, f"{param}{error.message.removeprefix('sae')}")
+        return self.saes[name]
 
     def steers(self, raw: Any, param: str, lengths: list[int]) -> tuple[list[Steer], list[dict[str, Any]]]:
         if isinstance(raw, dict):
@@ -295,6 +342,8 @@ class Checker:
 
     def harvest(self, raw: Any, param: str, length: Optional[int]) -> dict[str, Any]:
         item = _fields(raw, HARVEST_FIELDS, param)
+        if "sae" in item or "top_k" in item:
+            return self.sae_harvest(item, param, length)
         if "values" not in item:
             raise _bad(f"{param}.values", "a harvest names its values (\"layer_output\", [\"layer_mid\", ...]).")
         values = [item["values"]] if isinstance(item["values"], str) else item["values"]
@@ -332,6 +381,39 @@ class Checker:
                               f"positions, or split the request.", 413)
         return {"values": spec.values, "layers": spec.layers, "positions": rule_json(positions), "keep": keep,
                 "bytes": size}
+
+    def sae_harvest(self, item: dict[str, Any], param: str, length: Optional[int]) -> dict[str, Any]:
+        """A harvest of a stored SAE's features at its site: every feature, or the `top_k` largest (values and
+        indices), computed in the engine's worker (float32), so the dense stream never leaves it."""
+        if "sae" not in item:
+            raise _bad(f"{param}.top_k", "top_k is for a harvest of an SAE's features: name the SAE (\"sae\").")
+        if "values" in item or "layers" in item:
+            raise _bad(param, "a harvest with sae reads the SAE's own value and block: leave values and layers out.")
+        stored = self.stored_sae(item["sae"], f"{param}.sae")
+        top_k = item.get("top_k")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                                  or not 0 < top_k <= stored.d_sae):
+            raise _bad(f"{param}.top_k", f"{top_k!r}: give an int in 1..{stored.d_sae}, or null for every feature.")
+        keep = item.get("keep", False)
+        if not isinstance(keep, bool):
+            raise _bad(f"{param}.keep", f"true or false, not {keep!r}.")
+        self.site(stored.value, stored.layer, f"{param}.sae")
+        positions = positions_rule(item.get("positions", "last"), f"{param}.positions")
+        if positions == "none":
+            raise _bad(f"{param}.positions", "a harvest reads prompt positions: ask for \"last\", \"all\", indices or "
+                                             "a slice.")
+        self.positions(positions, [] if length is None else [length], f"{param}.positions")
+        count = len(prompt_positions(positions, length, 0)) if length is not None else 1
+        if count == 0:
+            raise _bad(f"{param}.positions", f"the rule selects none of the prompt's {length} positions.")
+        width = stored.d_sae if top_k is None else 2 * top_k
+        size = count * width * 4
+        if size > self.limits.max_harvest_bytes:
+            raise _bad(param, f"this harvest is {size} bytes ({count} positions x {width} float32 features); a request "
+                              f"may harvest at most {self.limits.max_harvest_bytes} (--max-harvest-bytes): ask for "
+                              f"top_k, or fewer positions.", 413)
+        return {"values": [stored.value], "layers": [] if stored.layer is None else [stored.layer],
+                "positions": rule_json(positions), "keep": keep, "bytes": size, "sae": stored.file, "top_k": top_k}
 
     def default_steers(self, raw: Any) -> list[dict[str, Any]]:
         """Check the server-wide default steers (the same JSON as a request's), without a prompt."""
@@ -433,7 +515,8 @@ def worker_payload(checked: Checked, harvest_id: Optional[str]) -> str:
     """The JSON the worker reads from the request's ``extra_args``: steers and harvest, no prompt."""
     payload: dict[str, Any] = {"steer": checked.steer_payload}
     if checked.harvest is not None:
-        payload["harvest"] = {key: checked.harvest[key] for key in ("values", "layers", "positions")}
+        payload["harvest"] = {key: checked.harvest[key] for key in ("values", "layers", "positions", "sae", "top_k")
+                              if key in checked.harvest}
         payload["harvest"]["id"] = harvest_id
     return json.dumps(payload, separators=(",", ":"))
 

@@ -30,6 +30,7 @@ import logging
 import os
 import queue
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -75,6 +76,12 @@ class Live:
     buffer: Optional[torch.Tensor] = None  # [sites, positions, hidden] on the host, filled by the writer thread
     read: int = 0  # how many (site, position) rows have been read (counted on the engine's thread)
     written: bool = False  # every row read: the writer thread writes the file
+    readout: Optional[tuple[Any, Optional[int]]] = None  # a harvest of SAE features: (the SAE, top_k)
+
+    def sae_objects(self) -> list[Any]:
+        """The SAEs this request uses (its clamps' and its harvest's)."""
+        found = [entry.delta.sae for entry in self.steers if hasattr(entry.delta, "sae")]
+        return found + ([self.readout[0]] if self.readout else [])
 
     def keys(self) -> set[tuple[int, str]]:
         return {entry.site.key for entry in self.steers} | {site.key for site in self.harvest_sites}
@@ -83,12 +90,17 @@ class Live:
 class ServeState:
     """The live requests' plans on one worker, the hooks they need, and each step's rows."""
 
-    def __init__(self, runner: Any, model_type: str, folder: Optional[str], writer: bool) -> None:
+    def __init__(self, runner: Any, model_type: str, folder: Optional[str], writer: bool,
+                 sae_folder: Optional[str] = None, sae_cache: int = 4) -> None:
         from ..vllm.bulk import worker_tree
 
         self.runner = runner
         self.root = worker_tree(runner.get_model(), model_type)
         self.folder = Path(folder) if folder else None
+        self.sae_folder = Path(sae_folder) if sae_folder else None
+        #: The SAEs loaded on the engine's device (float32), by file; the least recently used go past `sae_cache`.
+        self.saes: "OrderedDict[str, Any]" = OrderedDict()
+        self.sae_cache = sae_cache
         self.writer = writer  # the rank that writes harvests (others compute the same rows)
         self.live: dict[str, Live] = {}
         self.sites: dict[tuple[str, Optional[int]], Site] = {}
@@ -140,6 +152,25 @@ class ServeState:
             self.sites[key] = locate(self.root, value, layer)
         return self.sites[key]
 
+    def sae(self, stem: str) -> Any:
+        """A stored SAE by its file's stem (the front end's name for one upload), float32 on the engine's device."""
+        from .storage import sae_from_bytes
+
+        if stem in self.saes:
+            self.saes.move_to_end(stem)
+            return self.saes[stem]
+        if self.sae_folder is None or not _valid_stem(stem):
+            raise ValueError(f"no SAE file {stem!r}")
+        sae = sae_from_bytes((self.sae_folder / f"{stem}.safetensors").read_bytes()).to(torch.float32, self.device)
+        self.saes[stem] = sae
+        # (an operation holds a copy of the SAE's record around the same weight tensors)
+        in_use = {id(item.W_enc) for live in self.live.values() for item in live.sae_objects()}
+        for old in [key for key in self.saes if key != stem and id(self.saes[key].W_enc) not in in_use]:
+            if len(self.saes) <= self.sae_cache:
+                break
+            del self.saes[old]
+        return sae
+
     def admit(self, payload: str, length: int) -> Live:
         """A request's plan from its JSON (checked by the front end), with its positions for its real prompt."""
         from .protocol import positions_rule, vector_from_bytes
@@ -154,6 +185,8 @@ class ServeState:
                           positions=rule, mode=item["mode"], generated=item["generated"],
                           projection=item.get("projection", 0.0), norm_match=item.get("norm_match", False),
                           from_step=item.get("from_step", 0))
+            if steer.mode == "sae_clamp":
+                steer.sae, steer.feature = self.sae(item["sae"]), item["feature"]
             chosen = None if rule == "all" else frozenset(prompt_positions(rule, length, 0))
             order = per_key.get(site.key, 0)
             per_key[site.key] = order + 1
@@ -174,6 +207,10 @@ class ServeState:
             live.positions = prompt_positions(rule, length, 0)
             live.slots = {position: slot for slot, position in enumerate(live.positions)}
             live.harvest_meta = {"values": harvest["values"], "layers": layers, "positions": live.positions}
+            if harvest.get("sae") is not None:
+                top_k = harvest.get("top_k")
+                live.readout = (self.sae(harvest["sae"]), top_k)
+                live.harvest_meta["values"] = ["sae_features"] if top_k is None else ["sae_values", "sae_indices"]
         return live
 
     def observe(self, scheduler_output: Any) -> None:
@@ -315,8 +352,18 @@ class ServeState:
                 if rows is not None:
                     site.edit_rows(raw, rows, delta, mode)
             for site, rows, layout in harvests:
-                if rows is not None:
-                    self.reads.append((site.read_rows(raw, rows), layout))  # stays on the device until the step ends
+                if rows is None:
+                    continue
+                read = site.read_rows(raw, rows)  # stays on the device until the step ends
+                if not any(live.readout for live, _, _ in layout):
+                    self.reads.append((read, layout))
+                    continue
+                start = 0  # an SAE harvest's rows become its features here, so the dense rows never leave
+                for entry in layout:
+                    live, count = entry[0], len(entry[2])
+                    piece = read[start:start + count]
+                    self.reads.append((features(*live.readout, piece) if live.readout else piece, [entry]))
+                    start += count
         except Exception:  # noqa: BLE001  (logged; a hook must not take the engine down)
             logger.exception("streamscope serve: a hook failed; this step's plans were dropped")
             self.work, self.last_shape = {}, None
@@ -337,30 +384,36 @@ class ServeState:
                     live.read += len(slots)
                     live.written = live.read == len(live.harvest_sites) * len(live.positions)
             return
-        # (live, site index, slots, first element, rows, width): every read flattened into one tensor
-        pieces: list[tuple[Live, int, list[int], int, int, int]] = []
-        start = 0
-        for rows, layout in reads:
-            width = rows.shape[-1]
-            for live, index, slots in layout:
-                pieces.append((live, index, slots, start, len(slots), width))
-                start += len(slots) * width
-        flat = torch.cat([rows.reshape(-1) for rows, _ in reads]) if len(reads) > 1 else reads[0][0].reshape(-1)
+        # Per dtype (the model's; float32 for SAE features), every read flattened into one tensor and copied at once;
+        # a piece is (live, site index, slots, first element, rows, width) in its dtype's tensor.
+        copies = []
+        for dtype in {rows.dtype for rows, _ in reads}:
+            pieces: list[tuple[Live, int, list[int], int, int, int]] = []
+            start = 0
+            mine = [(rows, layout) for rows, layout in reads if rows.dtype == dtype]
+            for rows, layout in mine:
+                width = rows.shape[-1]
+                for live, index, slots in layout:
+                    pieces.append((live, index, slots, start, len(slots), width))
+                    start += len(slots) * width
+            flat = torch.cat([rows.reshape(-1) for rows, _ in mine]) if len(mine) > 1 else mine[0][0].reshape(-1)
+            if flat.device.type == "cuda":
+                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                host.copy_(flat, non_blocking=True)
+            else:
+                host = flat
+            copies.append((host, pieces))
         event = None
-        if flat.device.type == "cuda":
-            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            host.copy_(flat, non_blocking=True)
+        if any(host.is_pinned() for host, _ in copies):
             event = torch.cuda.Event()
             event.record()
-        else:
-            host = flat
         complete = []
-        for live, _, slots, *_ in pieces:
+        for live, _, slots, *_ in (piece for _, pieces in copies for piece in pieces):
             live.read += len(slots)
             if not live.written and live.read == len(live.harvest_sites) * len(live.positions):
                 live.written = True
                 complete.append(live)
-        self.writer_thread.put((event, host, pieces, complete))
+        self.writer_thread.put((event, copies, complete))
 
     def flush(self) -> None:
         """Wait until every harvest handed to the writer thread is on disk."""
@@ -373,7 +426,14 @@ class ServeState:
         tensors: dict[str, torch.Tensor] = {}
         index = 0
         layers = len(live.harvest_meta["layers"])
-        for value in live.harvest_meta["values"]:
+        if live.readout is not None:  # one site: [1, positions, d_sae], or the top k's values then indices
+            top_k = live.readout[1]
+            if top_k is None:
+                tensors["sae_features"] = live.buffer.clone()
+            else:
+                tensors["sae_values"] = live.buffer[..., :top_k].clone()
+                tensors["sae_indices"] = live.buffer[..., top_k:].long()
+        for value in live.harvest_meta["values"] if live.readout is None else ():
             if value in ROOT_VALUES:
                 tensors[value] = live.buffer[index].clone()
                 index += 1
@@ -427,17 +487,18 @@ class HarvestWriter:
 
     def run(self) -> None:
         while True:
-            event, host, pieces, complete = self.queue.get()
+            event, copies, complete = self.queue.get()
             try:
-                self.take(event, host, pieces, complete)
+                self.take(event, copies, complete)
             finally:
                 self.queue.task_done()
 
-    def take(self, event: Any, host: torch.Tensor, pieces: list, complete: list[Live]) -> None:
+    def take(self, event: Any, copies: list, complete: list[Live]) -> None:
+        pieces = [(host, *piece) for host, pieces in copies for piece in pieces]
         try:
             if event is not None:
                 event.synchronize()  # this step's copy to host memory has landed; the engine has not waited for it
-            for live, index, slots, start, count, width in pieces:
+            for host, live, index, slots, start, count, width in pieces:
                 if live.buffer is None:
                     live.buffer = torch.empty((len(live.harvest_sites), len(live.positions), width), dtype=host.dtype)
                 rows = host[start:start + count * width].view(count, width)
@@ -448,7 +509,7 @@ class HarvestWriter:
                     live.buffer[index, slots] = rows
         except Exception as error:  # noqa: BLE001  (each of these requests' harvests says why)
             logger.exception("streamscope serve: a step's harvested rows could not be stored")
-            for live in {id(live): live for live, *_ in pieces}.values():
+            for live in {id(live): live for _, live, *_ in pieces}.values():
                 live.buffer = None
                 self.state.fail(live.harvest_id, f"{type(error).__name__}: {error}")
             return
@@ -458,6 +519,25 @@ class HarvestWriter:
             except Exception as error:  # noqa: BLE001
                 logger.exception("streamscope serve: harvest %s could not be written", live.harvest_id)
                 self.state.fail(live.harvest_id, f"{type(error).__name__}: {error}")
+
+
+def features(sae: Any, top_k: Optional[int], rows: torch.Tensor) -> torch.Tensor:
+    """An SAE harvest's rows: the SAE's features ``[rows, d_sae]`` (float32), or the top k's values then indices
+    ``[rows, 2 k]``, as `streamscope.sae.FeatureReadout` computes them in process."""
+    encoded = sae.encode(rows.float())
+    if top_k is None:
+        return encoded
+    top = encoded.topk(top_k, dim=-1)
+    return torch.cat([top.values, top.indices.float()], dim=-1)
+
+
+def _valid_stem(stem: Any) -> bool:
+    """Whether `stem` is an SAE file name the front end makes (a stored name, '-', 16 hex digits)."""
+    from .protocol import NAME
+
+    name, _, token = stem.rpartition("-") if isinstance(stem, str) else ("", "", "")
+    return bool(NAME.match(name)) and len(token) == 16 and all(c in "0123456789abcdef" for c in token) \
+        and "/" not in stem and not stem.startswith(".")
 
 
 def _valid_id(harvest_id: Any) -> bool:
@@ -480,7 +560,8 @@ def install(worker: Any) -> None:
     except Exception:  # noqa: BLE001  (no parallel groups: one rank)
         pass
     runner.__dict__["_streamscope_serve"] = ServeState(runner, runner.model_config.hf_config.model_type,
-                                                       options.get("harvests"), writer)
+                                                       options.get("harvests"), writer, options.get("saes"),
+                                                       options.get("sae_cache", 4))
 
 
 class ServeRPC:

@@ -247,6 +247,88 @@ def test_client_sends_prompts_that_can_share_a_request_together(server, model):
     assert all(isinstance(item, str) for item in sent) and len(sent) == len(PROMPTS), "one request a prompt"
 
 
+def tiny_sae(activation: str = "relu", k=None, seed: int = 30, width: int = HIDDEN, layer: int = 1):
+    """A random SAE on layer_output of block `layer` (weights scaled so that a fair share of features fire)."""
+    from streamscope.sae import SAE
+
+    generator, features = torch.Generator().manual_seed(seed), 96
+    return SAE(torch.randn(width, features, generator=generator) / width ** 0.5,
+               torch.randn(features, generator=generator) * 0.1,
+               torch.randn(features, width, generator=generator) / features ** 0.5,
+               torch.randn(width, generator=generator) * 0.1, "layer_output", layer, activation, k=k)
+
+
+def test_saes_over_http_equal_in_process(client, api, model, server):
+    """A stored SAE: its features harvested in the server's engine (dense and top k) equal ``model.harvest(...,
+    sae=...)``; a feature clamped in the loop and a steer along a feature's direction, sent by the SAE's name,
+    equal ``model.generate(steer=[sae.clamp(...)])`` and ``[sae.steer(...)]``. Each bad SAE request is refused,
+    naming the field, and the server serves on."""
+    from streamscope.serve.storage import sae_bytes
+
+    relu, topk = tiny_sae(), tiny_sae("topk", k=8, seed=31)
+    client.store_sae("relu", relu)
+    client.store_sae("topk", topk)
+    assert [(item["name"], item["d_sae"]) for item in client.saes()] == [("relu", 96), ("topk", 96)]
+    for sae in (relu, topk):
+        for top_k in (None, 5):
+            remote = client.harvest(PROMPTS[:3], sae=sae, positions="all", top_k=top_k)
+            local = model.harvest(PROMPTS[:3], sae=sae, positions="all", top_k=top_k, progress=False)
+            assert sorted(remote.values) == sorted(local.values) and remote.positions == local.positions
+            for name in local.values:
+                for got, want in zip(remote[name], local[name]):
+                    assert got.shape == want.shape and got.dtype == want.dtype, name
+                    if name == "sae_indices":
+                        assert torch.equal(got, want)
+                    else:
+                        assert (got - want).abs().max() <= TOLERANCE * max(1.0, float(want.abs().max())), name
+    clamp = [relu.clamp(3, 12.0, positions=[0, -1]), topk.clamp(7, 5.0)]
+    remote_run = client.generate(PROMPTS[:3], max_tokens=STEPS, steer=clamp)
+    assert remote_run.tokens == model.generate(PROMPTS[:3], max_tokens=STEPS, steer=clamp, progress=False).tokens
+    by_name = [{"mode": "sae_clamp", "sae": "relu", "feature": 3, "projection": 12.0},
+               {"sae": "topk", "feature": 11, "scale": 6.0, "positions": "last"}]
+    in_process_steers = [relu.clamp(3, 12.0), topk.steer(11, scale=6.0, positions="last")]
+    for prompt in PROMPTS[:2]:
+        response = api.completions.create(model=api.models.list().data[0].id, prompt=prompt, max_tokens=STEPS,
+                                          temperature=0, logprobs=1,
+                                          extra_body={"streamscope": {"steer": by_name}, "return_token_ids": True})
+        expected_tokens, expected = in_process(model, prompt, in_process_steers)
+        same_run(ids(api, response), response.choices[0].logprobs.token_logprobs, expected_tokens, expected,
+                 f"SAE steers by name on {prompt!r}")
+        plain_tokens, plain_logprobs = in_process(model, prompt, [])
+        assert ids(api, response) != plain_tokens or max(
+            abs(a - b) for a, b in zip(response.choices[0].logprobs.token_logprobs, plain_logprobs)) > 1e-3
+    auth = {"Authorization": f"Bearer {KEY}"}
+    plain = complete(api, LONG)
+    for field, status, named in (
+            ({"steer": [{"mode": "sae_clamp", "sae": "nobody", "feature": 1}]}, 404, "streamscope.steer[0].sae"),
+            ({"steer": [{"mode": "sae_clamp", "sae": "relu", "feature": 96}]}, 400, "streamscope.steer[0].feature"),
+            ({"steer": [{"mode": "sae_clamp", "feature": 1, "value": "layer_output", "layer": 1}]}, 400,
+             "streamscope.steer[0].sae"),
+            ({"steer": [{"sae": "relu", "feature": 1, "value": "layer_output", "layer": 0}]}, 400,
+             "its SAE's own site"),
+            ({"steer": [{"sae": "relu", "feature": 1, "vector": [0.0] * HIDDEN}]}, 400, "streamscope.steer[0].vector"),
+            ({"harvest": {"sae": "relu", "top_k": 0}}, 400, "streamscope.harvest.top_k"),
+            ({"harvest": {"sae": "relu", "values": "layer_output"}}, 400, "leave values and layers out"),
+            ({"harvest": {"top_k": 3}}, 400, "streamscope.harvest.top_k")):
+        body = {"model": api.models.list().data[0].id, "prompt": LONG, "max_tokens": STEPS, "streamscope": field}
+        refused = httpx.post(server + "/v1/completions", json=body, headers=auth)
+        assert refused.status_code == status and named in refused.json()["error"]["message"], (field, refused.text)
+        assert complete(api, LONG)[2] == plain[2]
+    for data, kind, named in ((sae_bytes(tiny_sae(width=32)), "application/octet-stream", "32 wide"),
+                              (sae_bytes(tiny_sae(layer=7)), "application/octet-stream", "block 7"),
+                              (pickle.dumps(relu), "application/octet-stream", "never pickles"),
+                              (sae_bytes(relu), "application/json", "Content-Type")):
+        refused = httpx.put(server + "/v1/streamscope/saes/bad", content=data, headers={**auth, "Content-Type": kind})
+        assert refused.status_code == 400 and named in refused.json()["error"]["message"], refused.text
+    client.delete_sae("topk")
+    gone = httpx.post(server + "/v1/completions", headers=auth, json={
+        "model": api.models.list().data[0].id, "prompt": LONG, "max_tokens": 2,
+        "streamscope": {"harvest": {"sae": "topk"}}})
+    assert gone.status_code == 404 and "no stored SAE" in gone.json()["error"]["message"]
+    client.delete_sae("relu")
+    assert client.saes() == [] and complete(api, LONG)[2] == plain[2]
+
+
 def test_unsteered_completion_equals_plain_vllm(api, model):
     from vllm import SamplingParams
 
@@ -555,7 +637,7 @@ def test_the_readme_serving_blocks_run_against_the_server(server):
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     section = readme.split("\n## Serving\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     for block in blocks:
         exec(compile(block, "README.md#serving", "exec"), {"url": server, "api_key": KEY})
 
