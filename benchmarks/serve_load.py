@@ -72,11 +72,12 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        if source is not None:  # another streamscope source tree first on the path (--before)
+        if source is not None:  # another streamscope source tree (--before): first on the path, and the working
+            # folder (``python -m`` puts the working folder before PYTHONPATH)
             env["PYTHONPATH"] = os.pathsep.join([source, env.get("PYTHONPATH", "")])
         self.handle = open(log, "w")
         self.process = subprocess.Popen([*command, "--port", str(self.port)], stdout=self.handle,
-                                        stderr=subprocess.STDOUT, env=env)
+                                        stderr=subprocess.STDOUT, env=env, cwd=source)
         deadline = time.monotonic() + 900
         while True:
             if self.process.poll() is not None:

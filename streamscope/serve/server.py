@@ -48,6 +48,7 @@ class Front:
         self.harvests = Harvests(folder, limits)
         self.saes = SAEs(sae_folder or Path(tempfile.mkdtemp(prefix="streamscope-saes-")), limits)
         self.checker.saes = self.saes
+        self.worker = ""  # the engine's worker class (vLLM's own without taps, nnsight's with them)
 
     def store_sae(self, name: str, data: bytes, param: str = "body") -> dict[str, Any]:
         """Check an uploaded SAE (its layout, weights, width, site, a tap on a tapped server) and store it."""
@@ -68,7 +69,7 @@ class Front:
         return {"model_type": self.model.config.model_type, "layers": len(self.model.layers),
                 "hidden_size": self.checker.hidden, "values": list(value_names()), "taps": self.taps,
                 "default_steer": bool(self.checker.default), "vectors": sorted(self.vectors),
-                "saes": sorted(self.saes),
+                "saes": sorted(self.saes), "worker": self.worker,
                 "limits": vars(self.limits)}
 
     def extend(self, app: Any) -> Any:
@@ -389,7 +390,7 @@ def engine_settings(args: argparse.Namespace, argv: Sequence[str], on_cpu: bool,
 
     if _given(argv, "--worker-cls"):
         raise SystemExit("streamscope serve runs its own worker class; drop --worker-cls.")
-    args.worker_cls = worker_cls(on_cpu)
+    args.worker_cls = worker_cls(on_cpu, bool(locations))
     if not locations or on_cpu:
         if _given(argv, "--no-enforce-eager") or _given(argv, "-cc", "--compilation-config") and not locations:
             print("streamscope serve: an untapped server runs eagerly (hooks do not fire inside compiled graphs); "
@@ -469,5 +470,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ[ENVIRONMENT] = json.dumps({"harvests": str(folder), "saes": str(front.saes.folder),
                                           "sae_cache": max(1, min(4, args.max_stored_saes))})
     engine_settings(args, argv, on_cpu, locations)
+    front.worker = args.worker_cls
     serve(api, args, front.extend)
     return 0

@@ -95,7 +95,12 @@ class ServeState:
         from ..vllm.bulk import worker_tree
 
         self.runner = runner
-        self.root = worker_tree(runner.get_model(), model_type)
+        if getattr(runner, "nnsight_model", None) is None:
+            # vLLM's own runner (a server without taps): the tree finds the sites, plain torch hooks do the work,
+            # and the model keeps vLLM's forwards, so a request without a plan costs what it costs plain vLLM.
+            self.root = seam.uninstrumented(runner.get_model(), lambda module: worker_tree(module, model_type))
+        else:
+            self.root = worker_tree(runner.get_model(), model_type)
         self.folder = Path(folder) if folder else None
         self.sae_folder = Path(sae_folder) if sae_folder else None
         #: The SAEs loaded on the engine's device (float32), by file; the least recently used go past `sae_cache`.
@@ -579,11 +584,22 @@ def _gpu_worker() -> type:
     return type("ServeGPUWorker", (ServeRPC, GPUWorker), {"__module__": __name__})
 
 
+def _plain_worker(on_cpu: bool) -> type:
+    if on_cpu:
+        from vllm.v1.worker.cpu_worker import CPUWorker as base
+    else:
+        from vllm.v1.worker.gpu_worker import Worker as base
+    name = "ServePlainCPUWorker" if on_cpu else "ServePlainGPUWorker"
+    return type(name, (ServeRPC, base), {"__module__": __name__})
+
+
 def __getattr__(name: str) -> Any:
     # The worker classes vLLM imports by path in its worker process; built on first use, so that importing this
     # module does not import a platform's worker that the other platform lacks.
     if name == "ServeGPUWorker":
         klass = _gpu_worker()
+    elif name in ("ServePlainGPUWorker", "ServePlainCPUWorker"):
+        klass = _plain_worker(name == "ServePlainCPUWorker")
     elif name == "ServeCPUWorker":
         from ..vllm.worker import NNsightCPUWorker
 
@@ -594,6 +610,12 @@ def __getattr__(name: str) -> Any:
     return klass
 
 
-def worker_cls(on_cpu: bool) -> str:
-    """The worker class vLLM starts for ``streamscope serve``, as the import path it takes."""
-    return f"{__name__}.{'ServeCPUWorker' if on_cpu else 'ServeGPUWorker'}"
+def worker_cls(on_cpu: bool, tapped: bool) -> str:
+    """The worker class vLLM starts for ``streamscope serve``, as the import path it takes.
+
+    With taps, nnsight's runner (it breaks CUDA graphs at the taps and replays
+    them through its interleaver). Without, vLLM's own worker and runner: the
+    server runs no traces, and its hooks are plain torch hooks.
+    """
+    kind = ("Serve" if tapped else "ServePlain") + ("CPUWorker" if on_cpu else "GPUWorker")
+    return f"{__name__}.{kind}"

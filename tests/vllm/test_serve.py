@@ -329,8 +329,12 @@ def test_saes_over_http_equal_in_process(client, api, model, server):
     assert client.saes() == [] and complete(api, LONG)[2] == plain[2]
 
 
-def test_unsteered_completion_equals_plain_vllm(api, model):
+def test_unsteered_completion_equals_plain_vllm(api, model, client):
+    """The untapped server runs vLLM's own worker and runner (no nnsight controller on any module), and an
+    unsteered request equals plain vLLM's."""
     from vllm import SamplingParams
+
+    assert client.info()["worker"] == "streamscope.serve.worker.ServePlainCPUWorker"
 
     for prompt in PROMPTS:
         response = api.completions.create(model=api.models.list().data[0].id, prompt=prompt, max_tokens=STEPS,
@@ -610,6 +614,7 @@ def test_a_tapped_server_serves_its_taps_and_refuses_the_rest(path, model, tmp_p
         api = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         info = streamscope.Client(url, api_key=KEY).info()
         assert info["taps"] == ["layers.*.layer_output"] and info["vectors"] == ["happy"] and info["default_steer"]
+        assert info["worker"] == "streamscope.serve.worker.ServeCPUWorker"  # nnsight's runner, for the taps
         # Started with --default-steer: a request without the field is steered by it.
         response = api.completions.create(model=api.models.list().data[0].id, prompt=PROMPTS[1], max_tokens=STEPS,
                                           temperature=0, logprobs=1, extra_body={"return_token_ids": True})
