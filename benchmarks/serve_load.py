@@ -188,6 +188,8 @@ def main() -> None:
                 results = sorted((load(server.url, str(path), options, extra) for _ in range(options.rounds)),
                                  key=lambda result: result["output_throughput"])
                 runs.append((name, workload, results[len(results) // 2]))
+                print(f"{name} {workload}: {runs[-1][2]['output_throughput']:.1f} out tok/s, p99 TTFT "
+                      f"{runs[-1][2]['p99_ttft_ms']:.1f} ms", flush=True)  # kept if a later server fails
                 if workload == "harvest":  # every harvest was written (the load generator does not download)
                     written[name] = harvests_written(server.url, warm.prompts + options.rounds * options.prompts)
         finally:
