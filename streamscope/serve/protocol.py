@@ -105,6 +105,13 @@ def vector_from_bytes(text: str) -> torch.Tensor:
     return torch.from_numpy(numpy.frombuffer(base64.b64decode(text), dtype=numpy.float32).copy())
 
 
+def unknown_sae(name: Any, stored: Any) -> RequestError:
+    """The 404 for an SAE name the server does not hold, listing the ones it does."""
+    known = ", ".join(sorted(stored)[:20]) or "none yet"
+    return RequestError(404, "sae", f"sae: no stored SAE is named {name!r} (stored: {known}); upload it with PUT "
+                                    f"/v1/streamscope/saes/NAME (streamscope.Client.store_sae).")
+
+
 def _bad(param: str, message: str, status: int = 400) -> RequestError:
     return RequestError(status, param, f"{param}: {message}")
 
@@ -322,8 +329,6 @@ class Checker:
         return {**item, "value": value, "layer": layer, "vector": vector.tolist()}, (name, stored, feature)
 
     def stored_sae(self, name: Any, param: str) -> Any:
-        from .storage import unknown_sae
-
         if not isinstance(name, str) or name not in self.saes:
             error = unknown_sae(name, self.saes)
             raise RequestError(error.status, param, f"{param}{error.message.removeprefix('sae')}")

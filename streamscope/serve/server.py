@@ -28,8 +28,8 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from fastapi import Request  # at module level: FastAPI reads the routes' annotations by name
 
-from .protocol import FIELD, XARG, Checker, Limits, RequestError, cache_salt, worker_payload
-from .storage import SAEs, Harvests, Vectors, read_vector, sae_from_bytes, unknown_sae, unknown_vector
+from .protocol import FIELD, XARG, Checker, Limits, RequestError, cache_salt, unknown_sae, worker_payload
+from .storage import SAEs, Harvests, Vectors, read_vector, sae_from_bytes, unknown_vector
 
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 PREFIX = "/v1/streamscope"

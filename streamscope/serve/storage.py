@@ -296,10 +296,5 @@ class SAEs(dict):
                  "activation": item.activation, "bytes": item.bytes} for name, item in sorted(self.items())]
 
 
-def unknown_sae(name: Any, stored: Any) -> RequestError:
-    known = ", ".join(sorted(stored)[:20]) or "none yet"
-    return RequestError(404, "sae", f"sae: no stored SAE is named {name!r} (stored: {known}); upload it with PUT "
-                                    f"/v1/streamscope/saes/NAME (streamscope.Client.store_sae).")
-
 
 __all__ = ["Harvests", "Vectors", "SAEs", "read_vector", "harvest_tensors", "sae_bytes", "sae_from_bytes"]
