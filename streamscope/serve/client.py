@@ -55,7 +55,8 @@ class Client:
             raise ValueError(f"batch: prompts per request, an int >= 1, not {batch!r}.")
         self.batch = batch
         self._default_steer: Optional[bool] = None
-        self._sae_names: dict[int, str] = {}  # id(SAE object) -> the name this client stored it under
+        # id(SAE object) -> (the object, kept so that its id is not reused; the name this client stored it under)
+        self._sae_names: dict[int, tuple[Any, str]] = {}
 
     # ---------------------------------------------------------------- the server's own endpoints
 
@@ -96,7 +97,7 @@ class Client:
 
         response = self._call("PUT", f"saes/{name}", content=sae_bytes(sae),
                               headers={"Content-Type": "application/octet-stream"})
-        self._sae_names[id(sae)] = name
+        self._sae_names[id(sae)] = (sae, name)
         return response.json()
 
     def saes(self) -> list[dict[str, Any]]:
@@ -105,7 +106,7 @@ class Client:
 
     def delete_sae(self, name: str) -> None:
         self._call("DELETE", f"saes/{name}")
-        self._sae_names = {key: value for key, value in self._sae_names.items() if value != name}
+        self._sae_names = {key: value for key, value in self._sae_names.items() if value[1] != name}
 
     def _sae_name(self, sae: Any) -> str:
         if isinstance(sae, str):
@@ -113,7 +114,7 @@ class Client:
         if id(sae) not in self._sae_names:
             raise ValueError(f"{sae!r} is not stored on the server through this client: store it once with "
                              f"client.store_sae(name, sae), then use it (or its name).")
-        return self._sae_names[id(sae)]
+        return self._sae_names[id(sae)][1]
 
     def vectors(self) -> list[dict[str, Any]]:
         return self._call("GET", "vectors").json()["vectors"]
@@ -164,7 +165,8 @@ class Client:
         if isinstance(prompts, str):
             raise TypeError("generate and harvest take a list of prompts; wrap a single prompt in a list.")
         prompts = list(prompts)
-        size = self.batch if self._shareable(fields) else 1
+        one_each = (options.get("n") or 1) != 1 or (options.get("best_of") or 1) != 1  # a choice per prompt, as read
+        size = 1 if one_each or not self._shareable(fields) else self.batch
         groups = [list(range(start, min(start + size, len(prompts)))) for start in range(0, len(prompts), size)]
 
         def one(group: list[int]) -> list[Any]:

@@ -420,10 +420,6 @@ class ServeState:
                 complete.append(live)
         self.writer_thread.put((event, copies, complete))
 
-    def flush(self) -> None:
-        """Wait until every harvest handed to the writer thread is on disk."""
-        self.writer_thread.join()
-
     def write(self, live: Live) -> None:
         """Write one complete harvest (called on the writer thread)."""
         if live.buffer is None:
@@ -485,10 +481,6 @@ class HarvestWriter:
             self.thread = threading.Thread(target=self.run, name="streamscope-harvest-writer", daemon=True)
             self.thread.start()
         self.queue.put(item)
-
-    def join(self) -> None:
-        if self.thread is not None:
-            self.queue.join()
 
     def run(self) -> None:
         while True:
