@@ -24,8 +24,9 @@ ratios of the medians against plain vLLM's plain median and against the same ser
 bound of issue 18 as met, not met, or inconclusive (the spread of the ratio straddles the bound).
 ``--deadline S`` stops starting rounds that would end after S seconds and still prints what ran. Shapes:
 
-    python benchmarks/serve_load.py --shape tiny --prompts 32 --concurrency 8 --rounds 2   # this CPU
-    python benchmarks/serve_load.py --shape llama3-8b --taps --deadline 500                # the H200
+    python benchmarks/serve_load.py --shape tiny --input-len 64 --output-len 16 --concurrency 8 --prompts 32
+    python benchmarks/serve_load.py --shape llama3-8b --taps --prompts 384 --deadline 520   # H200: one 10-minute call
+    python benchmarks/serve_load.py --shape tiny --before /tmp/old   # also an earlier tree's eager server, same rounds
 """
 
 from __future__ import annotations
