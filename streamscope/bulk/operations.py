@@ -88,7 +88,7 @@ class ClampFeature:
 
     def __init__(self, sae: Any, feature: int, value: float, dtype: torch.dtype, device: Any) -> None:
         # The encoder runs in float32 whatever the engine's dtype: a feature's value decides what is added.
-        self.sae = sae.to(torch.float32, device)
+        self.sae = sae.placed(device)
         self.feature, self.value, self.dtype = feature, float(value), dtype
         self.direction = self.sae.W_dec[feature]
 
