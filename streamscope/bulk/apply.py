@@ -101,6 +101,8 @@ class Applier:
         self._harvest_layout: list[tuple[Hashable, int, int]] = []  # (key, rows this step, first slot)
         self._steer_rows: list[Any] = []
         self._every_row = [plan.every_row for plan in self.steers]
+        # Steers that edit the same rows (an ablation at every block) share one computation of them per step.
+        self._row_groups = _row_groups(self.steers, self._every_row)
         #: The first error a hook met; the run's other hooks stop working and the caller raises it.
         self.error: Optional[BaseException] = None
 
@@ -129,7 +131,11 @@ class Applier:
             layout.append((span.key, len(chosen), wanted.index(chosen[0])))
         self._harvest_rows = rows_of(harvest_ranges, self.device)
         self._harvest_layout = layout
-        self._steer_rows = [self._rows_for(plan, every) for plan, every in zip(self.steers, self._every_row)]
+        found: dict[int, Any] = {}
+        for group, first in self._row_groups:
+            if group not in found:
+                found[group] = self._rows_for(self.steers[first], self._every_row[first])
+        self._steer_rows = [found[group] for group, _ in self._row_groups]
 
     def _rows_for(self, plan: SteerPlan, every_row: bool) -> Any:
         if every_row:  # the usual steer: no per-token test, one range a request
@@ -228,6 +234,22 @@ class Applier:
     def take(self, key: Hashable) -> Optional[torch.Tensor]:
         """One request's harvest, ``[sites, positions, hidden]`` in site order (None if none ran), forgotten here."""
         return self.harvested.pop(key, None)
+
+
+def _row_groups(plans: Sequence[SteerPlan], every_row: Sequence[bool]) -> list[tuple[int, int]]:
+    """Per plan, (its group, the group's first plan): plans in one group edit the same rows at every step."""
+    groups: dict[Any, tuple[int, int]] = {}
+    found = []
+    for index, (plan, every) in enumerate(zip(plans, every_row)):
+        steer = plan.steer
+        # Made once per run: which prompts, at which positions, and from which generated token on.
+        signature: Any = (("every", tuple(sorted(plan.lengths.items()))) if every else
+                          ("some", tuple(sorted((key, tuple(sorted(chosen))) for key, chosen in plan.positions.items())),
+                           tuple(sorted(plan.lengths.items())), bool(steer.generated), steer.from_step))
+        if signature not in groups:
+            groups[signature] = (len(groups), index)
+        found.append(groups[signature])
+    return found
 
 
 def steer_plans(steers: Sequence[tuple[Steer, Site]], keys: Sequence[Hashable], lengths: Sequence[int],

@@ -275,6 +275,11 @@ class Site:
         `mode` (``"add"`` or ``"set"``) it is instead the vector(s) to add or
         set, ``[hidden]`` or one per row.
         """
+        if mode is None and self.descriptor.factor is None:
+            # A value held in two halves takes the edit as a change to one of them, at the edited rows only.
+            adds = getattr(self.descriptor, "add_rows", None)
+            if adds is not None and hasattr(operation, "change") and adds(raw, rows, operation):
+                return
         view = self.user(raw)
         flat = view.reshape(-1, view.shape[-1])
         if mode is not None:
