@@ -180,6 +180,7 @@ def worker_finish(worker: Any, inline: bool) -> Any:
         state.logits_hook = None
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the non-blocking copies to host memory are complete
+    applier.settle()
     keys = list(applier.harvested)
     result = {
         "harvested": {key: applier.take(key) for key in keys},
