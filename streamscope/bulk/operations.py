@@ -66,30 +66,6 @@ class Operation:
                                           torch.zeros_like(after))
         return edited
 
-    def change(self, rows: torch.Tensor) -> torch.Tensor:
-        """What the edit adds to `rows` (``[n, hidden_size]``): ``[n, hidden_size]``, or ``[hidden_size]`` for all.
-
-        For the engines that hold the stream in two halves (vLLM's fused
-        blocks), where adding this to one half is the edit: ablate and clamp
-        without the detour through the edited rows.
-        """
-        if self.norm_match or self.mode == "set":
-            return self(rows) - rows
-        if self.mode == "add":
-            return self.delta
-        along = rows @ self.unit  # [n]: each row's projection on the direction
-        if self.mode == "ablate":
-            return along.unsqueeze(-1) * self.ablating
-        return (self.projection - along).unsqueeze(-1) * self.unit
-
-    @property
-    def ablating(self) -> torch.Tensor:
-        """``-scale * unit``, made once: an ablation adds ``(x . d)`` times it."""
-        made = self.__dict__.get("_ablating")
-        if made is None:
-            made = self.__dict__["_ablating"] = self.unit * -self.scale
-        return made
-
     @property
     def adds_only(self) -> bool:
         """Whether the operation is a plain addition, which the bulk path applies in place."""
@@ -117,15 +93,8 @@ class ClampFeature:
         self.direction = self.sae.W_dec[feature]
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        return (rows.float() + self._added(rows)).to(rows.dtype)
-
-    def change(self, rows: torch.Tensor) -> torch.Tensor:
-        """What the clamp adds to `rows`: ``(value - f(x)) W_dec[feature]`` per row, in the rows' dtype."""
-        return self._added(rows).to(rows.dtype)
-
-    def _added(self, rows: torch.Tensor) -> torch.Tensor:
         current = self.sae.encode(rows.float())[..., self.feature]
-        return (self.value - current).unsqueeze(-1) * self.direction
+        return (rows.float() + (self.value - current).unsqueeze(-1) * self.direction).to(rows.dtype)
 
 
 def check_clamp(steer: Any, model: Any) -> None:

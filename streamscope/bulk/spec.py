@@ -276,9 +276,9 @@ class Site:
         set, ``[hidden]`` or one per row.
         """
         if mode is None and self.descriptor.factor is None:
-            # A value held in two halves takes the edit as a change to one of them, at the edited rows only.
-            adds = getattr(self.descriptor, "add_rows", None)
-            if adds is not None and hasattr(operation, "change") and adds(raw, rows, operation):
+            # A value held in two halves (vLLM's fused blocks) takes the edit at the edited rows only.
+            edits = getattr(self.descriptor, "edit_rows", None)
+            if edits is not None and edits(raw, rows, operation):
                 return
         view = self.user(raw)
         flat = view.reshape(-1, view.shape[-1])

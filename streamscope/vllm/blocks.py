@@ -55,27 +55,26 @@ class Summed(StreamValue):
                 return host.to_user(hidden, self.name).clone()
             return host.to_user(hidden + residual, self.name)
 
-    def add_rows(self, raw: Any, rows: Any, operation: Any) -> bool:
-        """Apply a bulk steer's `operation` to rows `rows` of the stream (a slice or a tensor of row indices) by
-        adding its ``change`` to the hidden half, those rows only; False, doing nothing, where the halves are
-        not the step's flattened tokens ``[tokens, hidden]``.
+    def edit_rows(self, raw: Any, rows: Any, operation: Any) -> bool:
+        """Apply a bulk steer's `operation` to rows `rows` of the stream (a slice or a tensor of row indices),
+        those rows only; False, doing nothing, where the halves are not the step's flattened tokens.
 
-        One read of the rows (none for a plain addition), one add, no other
-        row touched: the edit the write-back of the whole batch makes, at a
-        fraction of its work on the engine's critical path.
+        The hidden half of each edited row takes ``edited - stream``, the
+        change the write-back of the whole batch (`write`) would make, bit
+        for bit, and no other row is touched: two reads and one add over the
+        edited rows, instead of two sums and a copy of the whole batch.
         """
         hidden, residual = self.halves(raw)
         if hidden.dim() != 2 or (residual is not None and residual.shape != hidden.shape):
             return False
-        if operation.adds_only:
-            added = operation.delta
-        else:
-            added = operation.change(hidden[rows] if residual is None else hidden[rows] + residual[rows])
+        stream = hidden[rows] if residual is None else hidden[rows] + residual[rows]
+        edited = stream + operation.delta if operation.adds_only else operation(stream)
+        change = edited.to(hidden.dtype) - stream
         with torch.no_grad():
             if isinstance(rows, slice):
-                hidden[rows].add_(added)
+                hidden[rows].add_(change)
             else:
-                hidden.index_add_(0, rows, added.to(hidden.dtype).expand(rows.shape[0], hidden.shape[-1]))
+                hidden.index_add_(0, rows, change)
         return True
 
     def write(self, host: Host, raw: Any, value: torch.Tensor) -> None:
