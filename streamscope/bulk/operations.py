@@ -66,6 +66,22 @@ class Operation:
                                           torch.zeros_like(after))
         return edited
 
+    def add_change(self, target: torch.Tensor, rows: torch.Tensor) -> bool:
+        """Add the edit's change of `rows` to `target` in place, in one kernel after the projection, where the
+        operation is a direction's ablate or clamp (no norm match); False, doing nothing, otherwise.
+
+        ``target += -scale (x . d) d`` (ablate) or ``(projection - x . d) d``
+        (clamp): the same change as ``self(rows) - rows``, rounded once.
+        """
+        if self.mode not in DIRECTIONAL or self.norm_match:
+            return False
+        along = rows @ self.unit  # [n]: each row's projection on the direction
+        if self.mode == "ablate":
+            target.addr_(along, self.unit, alpha=-self.scale)
+        else:
+            target.addr_(self.projection - along, self.unit)
+        return True
+
     @property
     def adds_only(self) -> bool:
         """Whether the operation is a plain addition, which the bulk path applies in place."""

@@ -61,16 +61,23 @@ class Summed(StreamValue):
 
         The hidden half of each edited row takes ``edited - stream``, the
         change the write-back of the whole batch (`write`) would make, bit
-        for bit, and no other row is touched: two reads and one add over the
-        edited rows, instead of two sums and a copy of the whole batch.
+        for bit (an ablation or a clamp: that change in one kernel,
+        `Operation.add_change`), and no other row is touched: no sum, copy
+        and write-back of the whole batch.
         """
         hidden, residual = self.halves(raw)
         if hidden.dim() != 2 or (residual is not None and residual.shape != hidden.shape):
             return False
         stream = hidden[rows] if residual is None else hidden[rows] + residual[rows]
-        edited = stream + operation.delta if operation.adds_only else operation(stream)
-        change = edited.to(hidden.dtype) - stream
         with torch.no_grad():
+            if isinstance(rows, slice):
+                # An ablation or clamp adds its change in one kernel (rounded once); anything else adds
+                # edited - stream, bit for bit the write-back's change.
+                add_change = getattr(operation, "add_change", None)
+                if add_change is not None and add_change(hidden[rows], stream):
+                    return True
+            edited = stream + operation.delta if operation.adds_only else operation(stream)
+            change = edited.to(hidden.dtype) - stream
             if isinstance(rows, slice):
                 hidden[rows].add_(change)
             else:
