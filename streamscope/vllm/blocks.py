@@ -59,11 +59,11 @@ class Summed(StreamValue):
         """Apply a bulk steer's `operation` to rows `rows` of the stream (a slice or a tensor of row indices),
         those rows only; False, doing nothing, where the halves are not the step's flattened tokens.
 
-        The hidden half of each edited row takes ``edited - stream``, the
-        change the write-back of the whole batch (`write`) would make, bit
-        for bit (an ablation or a clamp: that change in one kernel,
-        `Operation.add_change`), and no other row is touched: no sum, copy
-        and write-back of the whole batch.
+        The hidden half of each edited row takes ``edited - stream``, bit
+        for bit the change the write-back of the whole batch (`write`) would
+        make; an ablation or a clamp adds the same change in one kernel,
+        rounded once (`Operation.add_change`). No other row is touched, and
+        the whole batch is neither summed, copied nor written back.
         """
         hidden, residual = self.halves(raw)
         if hidden.dim() != 2 or (residual is not None and residual.shape != hidden.shape):
@@ -76,7 +76,7 @@ class Summed(StreamValue):
                 add_change = getattr(operation, "add_change", None)
                 if add_change is not None and add_change(hidden[rows], stream):
                     return True
-            edited = stream + operation.delta if operation.adds_only else operation(stream)
+            edited = stream + operation.delta if getattr(operation, "adds_only", False) else operation(stream)
             change = edited.to(hidden.dtype) - stream
             if isinstance(rows, slice):
                 hidden[rows].add_(change)
