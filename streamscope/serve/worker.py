@@ -33,6 +33,7 @@ from .. import nnsight_seam as seam
 from ..bulk.apply import Span, rows_of
 from ..bulk.spec import ROOT_VALUES, Site, Steer, layer_list, locate, prompt_positions
 from ..values import INPUT
+from .stages import Stage, sites_of, write_part, writes
 
 #: The environment variable that carries the server's settings (the harvest folder) to the engine's processes.
 ENVIRONMENT = "STREAMSCOPE_SERVE"
@@ -77,6 +78,7 @@ class ServeState:
 
         self.runner = runner
         self.root = worker_tree(runner.get_model(), model_type)
+        self.stage = Stage(self.root)  # under pipeline parallelism: the blocks this worker holds (serve/stages.py)
         self.folder = Path(folder) if folder else None
         self.writer = writer  # the rank that writes harvests (others compute the same rows)
         self.live: dict[str, Live] = {}
@@ -135,6 +137,8 @@ class ServeState:
         steers: list[SteerEntry] = []
         per_key: dict[tuple[int, str], int] = {}
         for item in plan.get("steer", ()):
+            if not self.stage.holds(item["value"], item["layer"]):
+                continue  # another pipeline stage's block: that stage applies it
             site = self.site(item["value"], item["layer"])
             rule = positions_rule(item["positions"], "positions")
             steer = Steer(item["value"], item["layer"], vector_from_bytes(item["vector"]), scale=item["scale"],
@@ -150,12 +154,15 @@ class ServeState:
             rule = positions_rule(harvest["positions"], "positions")
             layers = layer_list(self.root, harvest["layers"])
             live.harvest_id = harvest["id"]
-            live.harvest_sites = [self.site(value, None) if value in ROOT_VALUES else self.site(value, layer)
-                                  for value in harvest["values"]
-                                  for layer in ([None] if value in ROOT_VALUES else layers)]
+            sites = sites_of(harvest["values"], layers)
+            held = [index for index, (value, layer) in enumerate(sites) if self.stage.holds(value, layer)]
+            live.harvest_sites = [self.site(*sites[index]) for index in held]
             live.positions = prompt_positions(rule, length, 0)
             live.slots = {position: slot for slot, position in enumerate(live.positions)}
             live.harvest_meta = {"values": harvest["values"], "layers": layers, "positions": live.positions}
+            if self.stage.pipelined:
+                live.harvest_meta["held"] = held
+                live.written = not held  # a stage holding none of its sites has nothing to write
         return live
 
     def observe(self, scheduler_output: Any) -> None:
@@ -331,6 +338,11 @@ class ServeState:
             live.written = True
             if not self.writer or self.folder is None or live.buffer is None:
                 continue
+            if self.stage.pipelined:  # this stage's sites only: the front end puts the stages' parts together
+                if _valid_id(live.harvest_id):
+                    write_part(self.folder, str(live.harvest_id), self.stage.rank, live.buffer, live.harvest_meta)
+                live.buffer = None
+                continue
             tensors: dict[str, torch.Tensor] = {}
             index = 0
             layers = len(live.harvest_meta["layers"])
@@ -378,9 +390,11 @@ def install(worker: Any) -> None:
     options = json.loads(settings)
     writer = True
     try:
-        from vllm.distributed import get_pipeline_model_parallel_group, get_tensor_model_parallel_rank
+        from vllm.distributed import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_pp_group
 
-        writer = get_tensor_model_parallel_rank() == 0 and get_pipeline_model_parallel_group().is_last_rank
+        stages = get_pp_group()
+        writer = writes(get_tensor_model_parallel_rank(), stages.is_last_rank, stages.world_size > 1)
     except Exception:  # noqa: BLE001  (no parallel groups: one rank)
         pass
     runner.__dict__["_streamscope_serve"] = ServeState(runner, runner.model_config.hf_config.model_type,
