@@ -158,9 +158,6 @@ def _check_request(checkpoint: str, engine: str, values: Any, layers: Any, posit
         size = engine_options.get(name, 1)
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"engine_options {name}={size!r}: give a whole number, 1 or more.")
-        if engine != "vllm" and size != 1:
-            raise ValueError(f"{name} is vLLM's: a transformers replica runs on one device; use engine='vllm' to "
-                             f"split a replica.")
     stages = engine_options.get("pipeline_parallel_size", 1)
     if blocks is not None and stages > blocks:  # as streamscope.load refuses it, but before any replica starts
         raise ValueError(f"pipeline_parallel_size={stages} is more stages than the model's {blocks} blocks: every "
@@ -288,17 +285,17 @@ def harvest(dataset: Any, checkpoint: str | Path, values: Any, layers: Any = Non
     folder = RunFolder(out, manifest)
     folder.check()  # another run's folder is refused before Ray starts
     started = _connect(ray, address) if _unfinished(folder, shards) else False
-    folder.open()
-    finished = folder.finished()
-    pending = deque(number for number in range(shards) if number not in finished)
     failures: list[dict[str, Any]] = []
-    if pending:
-        try:
+    try:
+        folder.open()
+        finished = folder.finished()
+        pending = deque(number for number in range(shards) if number not in finished)
+        if pending:
             _schedule(ray, folder, pending, prompts, shards, len(finished), values, layers, positions, checkpoint,
                       engine, engine_options, harvest_options, replicas, num_cpus, num_gpus, progress, failures)
-        finally:
-            if started:
-                ray.shutdown()
+    finally:
+        if started:
+            ray.shutdown()
     return folder.close(shards, failures)
 
 

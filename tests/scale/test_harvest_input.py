@@ -118,8 +118,8 @@ def test_parallel_sizes_and_the_format_are_checked_before_ray_starts(path, tmp_p
     assert f"pipeline_parallel_size={blocks + 1} is more stages than the model's {blocks} blocks" in str(error)
     assert "a whole number" in str(refused(path, tmp_path / "b", engine="vllm",
                                            engine_options={"pipeline_parallel_size": 0}))
-    assert "tensor_parallel_size is vLLM's" in str(refused(path, tmp_path / "c",
-                                                           engine_options={"tensor_parallel_size": 2}))
+    assert "tensor_parallel_size=2.0: give a whole number" in str(refused(path, tmp_path / "c", engine="vllm",
+                                                                       engine_options={"tensor_parallel_size": 2.0}))
     assert "format='csv': choose one of safetensors, parquet" in str(refused(path, tmp_path / "d", format="csv"))
     assert not any((tmp_path / name).exists() for name in "abcd")  # nothing written
 

@@ -215,3 +215,12 @@ def test_parquet_shards_hold_the_safetensors_harvest_and_resume_whole(local_ray,
         run(path, out)  # the same run in another format is another run
     with pytest.raises(ValueError, match="Parquet shards: read them with pyarrow"):
         streamscope.load_harvest(out)
+
+
+def test_replicas_whose_engines_cannot_start_stop_the_run_cleanly(local_ray, path, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(HarvestFailed, match="every replica failed") as stopped:
+        run(path, out, engine_options={"dtype": "float7"})  # each replica's streamscope.load raises
+    assert stopped.value.finished == 0 and len(stopped.value.failures) == 2
+    assert all("float7" in failure["error"] or "creation" in failure["error"] for failure in stopped.value.failures)
+    assert sorted(path.name for path in out.iterdir()) == ["run.json"] and not replicas_of()  # nothing half-written
