@@ -34,7 +34,7 @@ PART = "stage"
 
 
 class Stage:
-    """This worker's pipeline stage: which values it holds, and whether it writes harvest parts."""
+    """This worker's pipeline stage (its rank among the stages, how many there are) and which values it holds."""
 
     def __init__(self, root: Any) -> None:
         self.root = root
@@ -60,11 +60,6 @@ class Stage:
         if value in ROOT_VALUES or layer is None:
             return holds(self.root, value, None)
         return holds(self.root, value, layer % len(self.root.layers))
-
-
-def writes(tensor_rank: int, is_last_stage: bool, pipelined: bool) -> bool:
-    """Whether this rank writes harvests: one rank a stage under pipeline parallelism (its parts), else the last."""
-    return tensor_rank == 0 and (pipelined or is_last_stage)
 
 
 def sites_of(values: Sequence[str], layers: Sequence[int]) -> list[tuple[str, Optional[int]]]:

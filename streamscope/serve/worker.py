@@ -33,7 +33,7 @@ from .. import nnsight_seam as seam
 from ..bulk.apply import Span, rows_of
 from ..bulk.spec import ROOT_VALUES, Site, Steer, layer_list, locate, prompt_positions
 from ..values import INPUT
-from .stages import Stage, sites_of, write_part, writes
+from .stages import Stage, sites_of, write_part
 
 #: The environment variable that carries the server's settings (the harvest folder) to the engine's processes.
 ENVIRONMENT = "STREAMSCOPE_SERVE"
@@ -391,10 +391,10 @@ def install(worker: Any) -> None:
     writer = True
     try:
         from vllm.distributed import get_tensor_model_parallel_rank
-        from vllm.distributed.parallel_state import get_pp_group
 
-        stages = get_pp_group()
-        writer = writes(get_tensor_model_parallel_rank(), stages.is_last_rank, stages.world_size > 1)
+        # The first tensor-parallel rank of each pipeline stage: with one stage it writes the harvest, with
+        # several its stage's part (serve/stages.py).
+        writer = get_tensor_model_parallel_rank() == 0
     except Exception:  # noqa: BLE001  (no parallel groups: one rank)
         pass
     runner.__dict__["_streamscope_serve"] = ServeState(runner, runner.model_config.hf_config.model_type,
