@@ -45,7 +45,9 @@ def table(harvest: Harvest, token_ids: Sequence[Sequence[int]]) -> Any:
     import numpy
     import pyarrow
 
-    prompts, positions, tokens = [], [], []
+    prompts: list[int] = []
+    positions: list[int] = []
+    tokens: list[int] = []
     for prompt, chosen, ids in zip(harvest.prompts, harvest.positions, token_ids):
         prompts.extend([prompt] * len(chosen))
         positions.extend(chosen)
