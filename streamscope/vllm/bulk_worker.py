@@ -48,6 +48,16 @@ class BulkRPC:
 
         return worker_finish(self, inline)
 
+    def streamscope_bulk_release(self, keys: list[str]) -> None:
+        from .bulk import worker_release
+
+        return worker_release(self, keys)
+
+    def streamscope_held_saes(self) -> list[str]:
+        """The keys of the SAEs this worker holds between runs (`streamscope.vllm.held`)."""
+        state = self.model_runner.__dict__.get("_streamscope_bulk")
+        return [] if state is None else sorted(state.saes.saes)
+
     # The weights a workflow reads (`streamscope.vllm.engine.VllmEngine`), off the worker's own modules.
 
     # An answer stays as it is for a client in this process, and travels pickled, on the CPU, to one in another.
