@@ -207,7 +207,9 @@ def linear_weight(module: torch.nn.Module, width: int) -> torch.Tensor:
             return method.apply(module, probe, None).t().float().cpu().clone()
     probe = torch.cat([torch.zeros(1, width), torch.eye(width)]).to(dtype=dtype, device=device)
     with torch.no_grad():
-        out = module(probe)
+        # The module's own forward, past any hooks: read inside a trace (head_results), a hooked call would be
+        # one more call of the module the trace intervenes on.
+        out = type(module).forward(module, probe)
     out = out[0] if isinstance(out, tuple) else out
     return (out[1:] - out[:1]).t().float().cpu().clone()
 

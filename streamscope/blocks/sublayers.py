@@ -9,6 +9,7 @@ import torch
 from .. import nnsight_seam as seam
 from ..values import INPUT, OUTPUT, Host, StreamValue
 from .envoy import StreamEnvoy
+from .head_results import HEAD_RESULTS, HeadResults, projection_reason
 from .heads import INTERNALS, AttentionInternals
 
 
@@ -56,16 +57,48 @@ class Mixer(Sublayer):
 
 class Attention(AttentionInternals, Mixer):
     """The softmax attention of a block (`self_attn`): its output, and its queries, keys, values, scores,
-    pattern and head outputs (`streamscope.blocks.heads`)."""
+    pattern and head outputs (`streamscope.blocks.heads`), and each head's result after the output projection
+    (`streamscope.blocks.head_results`)."""
 
     ROLE = "self_attn"
-    ORDER = (*INTERNALS, Mixer.CONTRIBUTION)
+    ORDER = (*INTERNALS, HEAD_RESULTS, Mixer.CONTRIBUTION)
+
+    head_results = HeadResults(description=(
+        "Each head's contribution to the attention's output, [batch, seq, heads, hidden_size] (TransformerLens's "
+        "attn.hook_result): what the output projection reads, per head, times that head's columns, no bias."))
+    head_results.__doc__ = """Each head's result after the output projection, ``[batch, seq, heads, hidden_size]``.
+
+    TransformerLens's ``attn.hook_result``: the output projection's input split
+    per head times that head's columns of the projection, without its bias, so
+    the heads' sum plus the bias is the projection's output (before any
+    post-attention norm, and unscaled by Granite's residual multiplier). An
+    in-place edit or an assignment adds what it changes, summed over heads, to
+    the projection's output: the stream sees exactly the edited results.
+    """
 
     def reason(self, name: str) -> Optional[str]:
         own = super().reason(name)
         if own is None and name in INTERNALS:
             return self.kernel_reason()
+        if own is None and name == HEAD_RESULTS:
+            return self.kernel_reason() or projection_reason(self) or self.head_results_reason()
         return own
+
+    def head_results_reason(self) -> Optional[str]:
+        """Why this engine cannot serve head_results here beyond a missing kernel or projection, or None."""
+        return None
+
+    def result_heads(self) -> int:
+        """How many heads the output projection's input holds."""
+        module = seam.module_of(self)
+        config = getattr(module, "config", None)
+        heads = getattr(config, "num_attention_heads", None) if config is not None else None
+        for name in ("num_heads", "num_attention_heads", "n_head"):
+            if heads is None:
+                heads = getattr(module, name, None)
+        if heads is None:
+            raise ValueError(f"{self.where()}: no head count on {type(module).__name__}")
+        return int(heads)
 
     def to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         if name in INTERNALS:

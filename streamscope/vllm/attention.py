@@ -49,6 +49,11 @@ MISSING_STEPS = ("{where}.{name} on decode step {step} spans the request's whole
                  "of this attention's queries, keys, values, scores or pattern at every step "
                  "(`for step in tracer.iter[:]`).")
 
+TENSOR_PARALLEL_RESULTS = ("under tensor parallelism ({world} ranks) each rank's output projection reads its own heads "
+                           "only and returns their sum already reduced over ranks, so a trace does not serve "
+                           "head_results; read head_outputs in the trace (the heads of every rank), or "
+                           "model.cache's head_results, which joins the ranks' projections")
+
 
 def tensor_parallel() -> tuple[int, int]:
     """This engine's tensor-parallel world size and this rank's place in it; ``(1, 0)`` outside an engine."""
@@ -210,6 +215,13 @@ class VllmAttentionInternals:
 
     def relocated(self) -> dict:
         return {}
+
+    def head_results_reason(self) -> Optional[str]:
+        world, _ = tensor_parallel()
+        return TENSOR_PARALLEL_RESULTS.format(world=world) if world > 1 else None
+
+    def result_heads(self) -> int:
+        return self.head_count("head_outputs")
 
     def head_count(self, name: str) -> int:
         """How many heads `name` has on this rank (under tensor parallelism, this rank's share)."""
