@@ -234,3 +234,47 @@ def logits_with_head_result_patched(model, clean_ids, corrupted_ids, block: int,
         return model(corrupted_ids).logits[0, -1]
     finally:
         handle.remove()
+
+
+def projection_columns(projection: torch.nn.Module, heads: int) -> torch.Tensor:
+    """A projection's weight as ``[hidden, heads, head_dim]``: a Linear's ``[out, in]``; GPT-2's Conv1D keeps
+    ``[in, out]``."""
+    weight = projection.weight.detach().float()
+    if type(projection).__name__ == "Conv1D":
+        weight = weight.t()
+    return weight.unflatten(-1, (heads, -1))
+
+
+def results_of(inputs: torch.Tensor, projection: torch.nn.Module, heads: int) -> torch.Tensor:
+    """Each head's result, ``[batch, seq, heads, hidden]``: the projection's input split per head times that
+    head's columns, without the bias (TransformerLens's attn.hook_result)."""
+    return torch.einsum("bshd,mhd->bshm", inputs.float().unflatten(-1, (heads, -1)),
+                        projection_columns(projection, heads))
+
+
+@torch.no_grad()
+def head_results(model, input_ids, kernel: dict[int, dict[str, torch.Tensor]]) -> dict[int, torch.Tensor]:
+    """Per attention block whose kernel `kernel` caught: each head's result (`results_of`), from the output
+    projection's input read with a torch hook; the head count is that of the kernel's head_outputs."""
+    inputs = output_projection_inputs(model, input_ids)
+    modules = attention_modules(model)
+    return {block: results_of(inputs[block], output_projection(modules[block]),
+                              kernel[block]["head_outputs"].shape[-2])
+            for block in kernel if block in inputs}
+
+
+@torch.no_grad()
+def logits_with_head_scaled(model, input_ids, block: int, head: int, heads: int, scale: float) -> torch.Tensor:
+    """The logits when `head`'s result at `block` is `scale` times what it was: a forward hook on the output
+    projection adds ``(scale - 1)`` times that head's result (`results_of` of the hook's input) to its output."""
+    projection = output_projection(attention_modules(model)[block])
+
+    def add(_, args, output):
+        change = (scale - 1) * results_of(args[0], projection, heads)[:, :, head]
+        return output + change.to(output.dtype)
+
+    handle = projection.register_forward_hook(add)
+    try:
+        return model(input_ids).logits
+    finally:
+        handle.remove()

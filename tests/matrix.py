@@ -24,7 +24,8 @@ import moe_oracle
 import oracle
 from access import relative_error
 
-INTERNALS = ("queries", "keys", "values", "scores", "pattern", "head_outputs")
+#: head_results: the output projection's input per head times its columns (`attention_oracle.head_results`).
+INTERNALS = ("queries", "keys", "values", "scores", "pattern", "head_outputs", "head_results")
 ROUTING = ("router_logits", "chosen_experts", "routing_weights")
 NEURONS = oracle.NEURONS
 ROOT = ("token_embeddings", "final_norm_output", "logits", "prompt_logits")
@@ -97,6 +98,7 @@ class Reference:
         with context(), torch.no_grad():
             self.stream = oracle.values(self.model, family, input_ids)
             self.kernel = attention_oracle.kernel_tensors(self.model, family, input_ids)
+            self.results = attention_oracle.head_results(self.model, input_ids, self.kernel)
             if not self.attention_blocks:
                 self.weights = {}
             elif attention_oracle.eager_adds_alibi_twice(family, self.model.config):
@@ -113,6 +115,8 @@ class Reference:
         if owner == ["self_attn"] and leaf in INTERNALS:
             if block not in self.kernel:
                 return None
+            if leaf == "head_results":
+                return self.results.get(block)
             return self.weights[block] if leaf in ("scores", "pattern") else self.kernel[block][leaf]
         if owner == ["mlp"] and leaf in ROUTING:
             return self.routing.get(block, {}).get(leaf)
@@ -254,6 +258,7 @@ class Tolerances:
             relative.append(relative_error(value, reference))
         for block, tensors in exact.kernel.items():
             relative += [relative_error(low.kernel[block][name], tensor) for name, tensor in tensors.items()]
+        relative += [relative_error(low.results[block], results) for block, results in exact.results.items()]
         pattern = [(low.weights[block].float() - weights.float()).abs().max().item()
                    for block, weights in exact.weights.items()]
         return cls(factor * max(relative), factor * max(pattern, default=0.0))
@@ -292,3 +297,30 @@ def check(name: str, value: torch.Tensor, reference: Reference, block: Optional[
     error = relative_error(value, expected)
     assert error <= tolerances.of(name), (where, error, tolerances.of(name))
     return error
+
+
+def head_results_edit_error(model, reference: Reference, trace_input, tolerance: float, sampled: bool = False,
+                            **trace_kwargs) -> float:
+    """Scale one head's `head_results` (the last head of every block that serves it, one block at a time) and
+    assert the logits are the oracle's with that head's result scaled by a hook on its output projection
+    (`attention_oracle.logits_with_head_scaled`), held to `tolerance`, and differ from the unedited logits; return
+    the largest error. `sampled`: the engine serves the last position's logits only (vLLM)."""
+    worst = 0.0
+    for block, reason in rows(model.support(), "self_attn.head_results").items():
+        if reason is not None:
+            continue
+        heads = reference.results[block].shape[-2]
+        with model.trace(trace_input, **trace_kwargs):
+            results = model.layers[block].self_attn.head_results
+            results[:, :, heads - 1] *= 3.0
+            logits = model.logits.save()
+        expected = attention_oracle.logits_with_head_scaled(reference.model, reference.input_ids, block, heads - 1,
+                                                            heads, 3.0)
+        if sampled:
+            expected = expected[:, -1]
+        unedited = reference.stream["logits"][:, -1] if sampled else reference.stream["logits"]
+        assert relative_error(expected, unedited) > 100 * tolerance, (block, "the edit changes nothing")
+        error = relative_error(logits, expected)
+        assert error <= tolerance, (block, error, tolerance)
+        worst = max(worst, error)
+    return worst

@@ -98,6 +98,12 @@ def test_value(family, value):
         assert raised.value.reason == reason, (value, block)
 
 
+def test_an_edit_of_head_results_matches_the_oracle_scaling_that_heads_result(family):
+    if not any(reason is None for reason in matrix.rows(family.model.support(), "self_attn.head_results").values()):
+        pytest.skip(f"{family.name} serves no head_results")
+    matrix.head_results_edit_error(family.model, family.oracle, PROMPT, RELATIVE)
+
+
 def test_every_row_of_the_support_table_is_a_value_the_matrix_checks(family):
     support = family.model.support()
     listed = set(support.root.rows).union(*(table.rows for table in support.blocks))

@@ -147,6 +147,14 @@ def test_value(engines, value):
         assert raised.value.reason == reason, (value, block)
 
 
+def test_an_edit_of_head_results_matches_the_oracle_scaling_that_heads_result(engines):
+    if not any(reason is None for reason in matrix.rows(engines.support, "self_attn.head_results").values()):
+        pytest.skip(f"{engines.name} serves no head_results")
+    error = matrix.head_results_edit_error(engines.model, engines.oracle, PROMPT, engines.tolerances.relative,
+                                           sampled=True, **GREEDY)
+    matrix.record("vllm", engines.case_id, "head_results edit", error, engines.tolerances.relative)
+
+
 def test_prompt_logits_are_served_on_every_layout(engines):
     """Every model unembeds something, so prompt_logits are served everywhere (test_value holds them to the
     oracle), a layout without a final norm too (OPT-350m's)."""
