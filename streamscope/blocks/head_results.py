@@ -25,6 +25,12 @@ HEAD_RESULTS = "head_results"
 #: What a read of head_results keeps on the trace's mediator until its write-back: the projection's input.
 STASH = "_streamscope_head_results_inputs"
 
+#: Why the bulk path (harvest, generate's steers) refuses it; formatted with the value's name (``name``).
+BULK_REFUSAL = ("{name} is not served on the bulk path (harvest, generate's steers): it is computed from the "
+                "output projection's input and written into its output, and the bulk path's hooks see one point "
+                "of a module's call. Read or edit it in a trace (`with model.trace(prompt): results = "
+                "model.layers[i].{name}.save()`), or use model.cache(prompts).head_results(i).")
+
 NO_PROJECTION = ("its attention has none of the output projections streamscope knows ({names}), so its heads' "
                  "results cannot be computed")
 

@@ -17,6 +17,7 @@ import torch
 
 from .. import nnsight_seam as seam
 from ..blocks import BOUNDARIES, CONTRIBUTIONS, SHORT_CONTRIBUTIONS
+from ..blocks.head_results import BULK_REFUSAL, HEAD_RESULTS
 from ..blocks.sublayers import NEURONS
 from ..errors import Unavailable
 from ..families.spec import ROOT_STREAMS
@@ -209,6 +210,8 @@ def host_and_name(model: Any, value: str, layer: Optional[int]) -> tuple[Any, st
         if layer is not None:
             raise ValueError(f"{value} is a root value (one per model, not per block): pass layer=None for it.")
         return model, value
+    if value in (HEAD_RESULTS, f"self_attn.{HEAD_RESULTS}"):
+        raise ValueError(BULK_REFUSAL.format(name=f"self_attn.{HEAD_RESULTS}"))
     if value not in value_names():
         raise ValueError(
             f"unknown value {value!r} for a bulk request: choose one of {', '.join(value_names())}."
