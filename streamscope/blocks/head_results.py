@@ -18,7 +18,7 @@ import torch
 
 from .. import nnsight_seam as seam
 from ..engine import OUTPUT_PROJECTIONS, linear_weight
-from ..values import INPUT, OUTPUT, Host, StreamValue, first_tensor, require_tapped
+from ..values import INPUT, OUTPUT, Host, StreamValue, first_tensor, in_trace, require_tapped
 
 #: The value's name on the attention.
 HEAD_RESULTS = "head_results"
@@ -68,12 +68,14 @@ class HeadResults(StreamValue):
         if host is None:
             return self
         location = self.location(host)
+        in_trace(f"{host.where()}.{self.name}", "read")
         if self.held(host) is None:  # a first read: the projection's input comes first in the run
             self.stash(host, location)
         return super().__get__(host, owner)
 
     def __set__(self, host: Host, value: Any) -> None:
         location = self.location(host)
+        in_trace(f"{host.where()}.{self.name}", "written")
         if self.held(host) is None:
             self.stash(host, location)
         super().__set__(host, value)
