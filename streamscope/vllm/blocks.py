@@ -96,8 +96,8 @@ class VllmSkip:
 
 
 
-STREAM_DOC = "The residual stream entering this block, before any of its norms, [1, tokens, hidden_size]"
-HALVES = ", hidden_states + residual, [1, tokens, hidden_size]"
+STREAM_DOC = "The residual stream entering this block, before any of its norms, [1, tokens, hidden_size]."
+HALVES = ": hidden_states + residual, [1, tokens, hidden_size]"
 
 
 @dataclass(frozen=True)
