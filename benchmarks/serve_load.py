@@ -19,6 +19,7 @@ of plain vLLM's plain one. Shapes:
 
     python benchmarks/serve_load.py --shape tiny                 # this CPU: a 3-block float32 Llama
     python benchmarks/serve_load.py --shape llama3-8b --taps     # a GPU: Llama-3-8B's shape, dummy weights, bf16
+    python benchmarks/serve_load.py --shape tiny --before /tmp/old   # also an earlier tree's eager server, same run
 """
 
 from __future__ import annotations
@@ -64,16 +65,19 @@ def port() -> int:
 
 
 class Server:
-    def __init__(self, command: list[str], log: Path) -> None:
+    def __init__(self, command: list[str], log: Path, source: str | None = None) -> None:
         import httpx
 
         self.port = port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        if source is not None:  # another streamscope source tree (--before): first on the path, and the working
+            # folder (``python -m`` puts the working folder before PYTHONPATH)
+            env["PYTHONPATH"] = os.pathsep.join([source, env.get("PYTHONPATH", "")])
         self.handle = open(log, "w")
         self.process = subprocess.Popen([*command, "--port", str(self.port)], stdout=self.handle,
-                                        stderr=subprocess.STDOUT, env=env)
+                                        stderr=subprocess.STDOUT, env=env, cwd=source)
         deadline = time.monotonic() + 900
         while True:
             if self.process.poll() is not None:
@@ -113,6 +117,19 @@ def load(url: str, model: str, options: argparse.Namespace, extra: dict[str, Any
     return serve.main(parser.parse_args(argv))
 
 
+def harvests_written(url: str, expected: int, wait: float = 30.0) -> str:
+    """How many of the run's harvests are on the server's disk, ready to download (waiting for the writer)."""
+    import httpx
+
+    deadline = time.monotonic() + wait
+    while True:
+        listing = httpx.get(f"{url}/v1/streamscope/harvests", timeout=30).json()["harvests"]
+        ready = sum(1 for item in listing if item["ready"])
+        if ready >= expected or time.monotonic() > deadline:
+            return f"{ready}/{expected} (of {len(listing)} reserved)"
+        time.sleep(0.5)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=("tiny", "llama3-8b"), default="tiny")
@@ -122,6 +139,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each workload; the median one is reported")
+    parser.add_argument("--before", help="another streamscope source tree (e.g. `git archive` of an earlier commit): "
+                                         "its eager server runs too, in the same invocation, for a before/after row")
     options = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="serve-load-"))
     path, engine = checkpoint(options.shape, folder)
@@ -132,25 +152,31 @@ def main() -> None:
     harvest = {"streamscope": {"harvest": {"values": "layer_output", "layers": None, "positions": "last"}}}
     runs: list[tuple[str, str, dict]] = []
     taps = [f"layers.{middle}.layer_output", "layers.*.layer_output"]
-    setups = [("plain eager", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
-                               *engine, "--enforce-eager"], [("plain", None)]),
-              ("streamscope eager", [sys.executable, "-m", "streamscope", "serve", str(path), *engine,
-                                     "--max-stored-harvest-bytes", str(2**36), "--harvest-ttl", "60"],
-               [("plain", None), ("steer", steer), ("harvest", harvest)])]
+    stored = ["--max-stored-harvest-bytes", str(2**36), "--harvest-ttl", "600"]
+    setups: list[tuple[str, list[str], list[tuple[str, Any]], str | None]] = [
+        ("plain eager", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), *engine,
+                         "--enforce-eager"], [("plain", None)], None),
+        ("streamscope eager", [sys.executable, "-m", "streamscope", "serve", str(path), *engine, *stored],
+         [("plain", None), ("steer", steer), ("harvest", harvest)], None)]
+    if options.before:
+        setups.append(("before eager", [sys.executable, "-m", "streamscope", "serve", str(path), *engine, *stored],
+                       [("plain", None), ("steer", steer), ("harvest", harvest)], str(Path(options.before).resolve())))
+    if options.only_taps:
+        setups = []
     if options.taps or options.only_taps:
         setups += [("plain graphs", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
                                      *engine, "-cc", json.dumps({"cudagraph_mode": "FULL_DECODE_ONLY"})],
-                    [("plain", None)]),
+                    [("plain", None)], None),
                    ("streamscope tapped", [sys.executable, "-m", "streamscope", "serve", str(path), *engine,
-                                           "--taps", *taps, "--max-stored-harvest-bytes", str(2**36),
-                                           "--harvest-ttl", "60"],
-                    [("plain", None), ("steer", steer), ("harvest", harvest)])]
-    if options.only_taps:
-        setups = setups[2:]
-    for name, command, workloads in setups:
-        server = Server(command, folder / f"{name.replace(' ', '-')}.log")
+                                           "--taps", *taps, *stored],
+                    [("plain", None), ("steer", steer), ("harvest", harvest)], None)]
+    written: dict[str, str] = {}
+    for name, command, workloads, source in setups:
+        started = time.monotonic()
+        server = Server(command, folder / f"{name.replace(' ', '-')}.log", source)
+        print(f"{name}: up in {time.monotonic() - started:.0f} s", flush=True)
         try:
-            if name.startswith("streamscope"):
+            if not name.startswith("plain"):
                 import httpx
                 import torch
 
@@ -159,14 +185,19 @@ def main() -> None:
             for workload, extra in workloads:
                 warm = argparse.Namespace(**{**vars(options), "prompts": min(options.prompts, options.concurrency)})
                 load(server.url, str(path), warm, extra)  # warm-up: the first run pays the engine's first steps
-                result = load(server.url, str(path), options, extra)
-                runs.append((name, workload, result))
+                results = sorted((load(server.url, str(path), options, extra) for _ in range(options.rounds)),
+                                 key=lambda result: result["output_throughput"])
+                runs.append((name, workload, results[len(results) // 2]))
+                print(f"{name} {workload}: {runs[-1][2]['output_throughput']:.1f} out tok/s, p99 TTFT "
+                      f"{runs[-1][2]['p99_ttft_ms']:.1f} ms", flush=True)  # kept if a later server fails
+                if workload == "harvest":  # every harvest was written (the load generator does not download)
+                    written[name] = harvests_written(server.url, warm.prompts + options.rounds * options.prompts)
         finally:
             server.close()
     baseline = {kind: result for name, workload, result in runs if workload == "plain"
                 for kind in [name.split()[1]] if name.startswith("plain")}
     print(f"\nshape {options.shape}: {options.input_len} prompt / {options.output_len} generated tokens, "
-          f"{options.concurrency} clients, {options.prompts} requests per run")
+          f"{options.concurrency} clients, {options.prompts} requests per run, median of {options.rounds}")
     print(f"{'server':<20}{'workload':<10}{'req/s':>9}{'out tok/s':>11}{'p99 TTFT ms':>13}{'thr ratio':>11}"
           f"{'TTFT ratio':>12}")
     for name, workload, result in runs:
@@ -174,6 +205,8 @@ def main() -> None:
         print(f"{name:<20}{workload:<10}{result['request_throughput']:>9.2f}{result['output_throughput']:>11.1f}"
               f"{result['p99_ttft_ms']:>13.1f}{result['output_throughput'] / base['output_throughput']:>11.3f}"
               f"{result['p99_ttft_ms'] / base['p99_ttft_ms']:>12.3f}")
+    for name, count in written.items():
+        print(f"{name}: harvests written {count}")
 
 
 if __name__ == "__main__":

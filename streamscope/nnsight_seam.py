@@ -97,7 +97,7 @@ from nnsight.tracing.tracer import WithBlockNotFoundError, _saves  # noqa: E402
 __all__ = [
     "SUPPORTED", "ALLOW_ENV", "check_version", "eproperty", "LocatedProperty", "Mediator", "OutOfOrderError",
     "WithBlockNotFoundError", "module_of", "children", "RebindingEnvoy", "wrap_replay",
-    "wrap_update_states",
+    "wrap_update_states", "uninstrumented",
     "set_callbacks", "location", "call_location", "running_mediator", "mediator_at", "step_of", "read_at", "skip_at",
     "is_saved", "invoke_rows", "with_invoke_rows", "PendingWriteBack", "pending_write_back", "held_view",
     "redirect_write_back",
@@ -469,6 +469,32 @@ def wrap_update_states(runner: Any, after: Callable[[Any], None]) -> None:
         return result
 
     runner._update_states = update_states
+
+
+def uninstrumented(module: Any, build: Callable[[Any], Any]) -> Any:
+    """`build(module)` (an envoy tree over it), with `module`'s forwards left as they were before.
+
+    Building an envoy installs nnsight's controller as every submodule's
+    ``forward`` (the handoff to a trace, a Python call per module call, kept
+    for the process). A tree used only to find modules and read or write
+    their tensors from plain torch hooks (a server's worker without traces)
+    needs none of it: each module's instance ``forward`` is put back (or
+    removed, where it had none) and nnsight's per-module state dropped, so
+    the model runs as vLLM built it.
+    """
+    from nnsight.intervention.source import STATE
+
+    before = {id(item): item.__dict__.get("forward") for item in module.modules()}
+    built = build(module)
+    for item in module.modules():
+        if item.__dict__.pop(STATE, None) is None:
+            continue
+        forward = before.get(id(item))
+        if forward is None:
+            item.__dict__.pop("forward", None)
+        else:
+            item.__dict__["forward"] = forward
+    return built
 
 
 def interleaving(model: Any) -> bool:

@@ -5,11 +5,13 @@
                              harvest={"values": "layer_output", "layers": [16]})
     result.texts, result.tokens, result.harvest["layer_output"][0]
 
-Each prompt is one completion request (sent concurrently, ``concurrency`` at a
-time) through the ``openai`` client, with its steers and harvest in the
-request's ``streamscope`` field; harvests are downloaded as safetensors
-through the ``openai`` client's own HTTP session. The results are the same
-`Generation` and `Harvest` types the engines return.
+Requests go through the ``openai`` client, ``concurrency`` at a time, with
+their steers and harvest in the request's ``streamscope`` field. Prompts that
+can share a request (no harvest, the same steers for each, every one editing
+every position alike) go ``batch`` to a request, as the completions API's
+prompt list; any other prompt is a request of its own. Harvests are
+downloaded as safetensors through the same HTTP session. The results are the
+same `Generation` and `Harvest` types the engines return.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ class Client:
         model: The served model's name; the server's first by default.
         concurrency: How many requests are in flight at once.
         timeout: Seconds one request may take.
+        batch: How many prompts one request may carry where they can share one (see above); 1 for one each.
     """
 
     def __init__(self, url: str, api_key: Optional[str] = None, model: Optional[str] = None, concurrency: int = 32,
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, batch: int = 16) -> None:
         import httpx
         import openai
 
@@ -48,6 +51,12 @@ class Client:
         self.http = httpx.Client(base_url=base + "/", headers=headers, timeout=timeout)
         self.model = model or self.openai.models.list().data[0].id
         self.concurrency = concurrency
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch: prompts per request, an int >= 1, not {batch!r}.")
+        self.batch = batch
+        self._default_steer: Optional[bool] = None
+        # id(SAE object) -> (the object, kept so that its id is not reused; the name this client stored it under)
+        self._sae_names: dict[int, tuple[Any, str]] = {}
 
     # ---------------------------------------------------------------- the server's own endpoints
 
@@ -77,6 +86,36 @@ class Client:
         data = save({"vector": vector.detach().to(torch.float32).contiguous().cpu()})
         self._call("PUT", f"vectors/{name}", content=data, headers={"Content-Type": "application/octet-stream"})
 
+    def store_sae(self, name: str, sae: Any) -> dict[str, Any]:
+        """Store a `streamscope.sae.SAE` on the server under `name` (its weights as safetensors, float32).
+
+        A steer (``sae.clamp(...)``) or ``harvest(..., sae=...)`` may then
+        use the SAE object itself through this client, or its name. The
+        server checks it against its model (width, block, value, taps).
+        """
+        from .storage import sae_bytes
+
+        response = self._call("PUT", f"saes/{name}", content=sae_bytes(sae),
+                              headers={"Content-Type": "application/octet-stream"})
+        self._sae_names[id(sae)] = (sae, name)
+        return response.json()
+
+    def saes(self) -> list[dict[str, Any]]:
+        """The stored SAEs: name, value, layer, widths, activation, bytes."""
+        return self._call("GET", "saes").json()["saes"]
+
+    def delete_sae(self, name: str) -> None:
+        self._call("DELETE", f"saes/{name}")
+        self._sae_names = {key: value for key, value in self._sae_names.items() if value[1] != name}
+
+    def _sae_name(self, sae: Any) -> str:
+        if isinstance(sae, str):
+            return sae
+        if id(sae) not in self._sae_names:
+            raise ValueError(f"{sae!r} is not stored on the server through this client: store it once with "
+                             f"client.store_sae(name, sae), then use it (or its name).")
+        return self._sae_names[id(sae)][1]
+
     def vectors(self) -> list[dict[str, Any]]:
         return self._call("GET", "vectors").json()["vectors"]
 
@@ -96,11 +135,17 @@ class Client:
     def _steer_json(self, steer: Steer) -> dict[str, Any]:
         if not isinstance(steer, Steer):
             raise TypeError(f"steer takes streamscope.Steer objects, not a {type(steer).__name__}.")
+        if steer.mode == "sae_clamp":  # the server clamps with its stored copy of the SAE
+            return {"value": steer.value, "layer": steer.layer, "mode": "sae_clamp", "sae": self._sae_name(steer.sae),
+                    "feature": steer.feature, "projection": steer.projection, "positions": rule_json(steer.positions),
+                    "generated": steer.generated, "from_step": steer.from_step, "norm_match": steer.norm_match}
         vector: Any = steer.vector
         if isinstance(vector, torch.Tensor):
             vector = vector.detach().to(torch.float32).cpu().reshape(-1).tolist()
         return {"value": steer.value, "layer": steer.layer, "vector": vector, "scale": steer.scale,
-                "positions": rule_json(steer.positions), "mode": steer.mode, "generated": steer.generated}
+                "positions": rule_json(steer.positions), "mode": steer.mode, "generated": steer.generated,
+                "projection": steer.projection, "norm_match": steer.norm_match, "from_step": steer.from_step,
+                "origin": steer.origin}
 
     def _complete(self, prompt: Any, options: dict[str, Any], field: dict[str, Any]) -> Any:
         import inspect
@@ -113,11 +158,37 @@ class Client:
         options = {key: value for key, value in options.items() if key in known}
         return self.openai.completions.create(model=self.model, prompt=prompt, extra_body=extra or None, **options)
 
-    def _run(self, prompts: Sequence[Any], options: dict[str, Any], fields: list[dict[str, Any]]) -> list[Any]:
+    def _run(self, prompts: Sequence[Any], options: dict[str, Any],
+             fields: list[dict[str, Any]]) -> list[tuple[Any, Any]]:
+        """Each prompt's completion choice and its response, in order: prompts that can share a request go `batch`
+        to one."""
         if isinstance(prompts, str):
             raise TypeError("generate and harvest take a list of prompts; wrap a single prompt in a list.")
-        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(prompts)))) as pool:
-            return list(pool.map(lambda pair: self._complete(pair[0], options, pair[1]), zip(prompts, fields)))
+        prompts = list(prompts)
+        one_each = (options.get("n") or 1) != 1 or (options.get("best_of") or 1) != 1  # a choice per prompt, as read
+        size = 1 if one_each or not self._shareable(fields) else self.batch
+        groups = [list(range(start, min(start + size, len(prompts)))) for start in range(0, len(prompts), size)]
+
+        def one(group: list[int]) -> list[Any]:
+            batch = [prompts[index] for index in group]
+            response = self._complete(batch[0] if len(group) == 1 else batch, options, fields[group[0]])
+            # (choice, its response): a harvest's id is on the response (one prompt each where there is one)
+            return [(choice, response) for choice in sorted(response.choices, key=lambda choice: choice.index)]
+
+        with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(groups)))) as pool:
+            return [choice for choices in pool.map(one, groups) for choice in choices]
+
+    def _shareable(self, fields: list[dict[str, Any]]) -> bool:
+        """Whether these prompts may share requests: no harvest, the same steers each, each editing every position."""
+        from .protocol import uniform
+
+        if self.batch == 1 or not fields or any(field != fields[0] for field in fields) or "harvest" in fields[0]:
+            return False
+        if "steer" not in fields[0]:  # then the server's default steer, if any, applies: is it one that may share?
+            if self._default_steer is None:
+                self._default_steer = bool(self.info()["default_steer"])
+            return not self._default_steer
+        return uniform(fields[0]["steer"])
 
     @staticmethod
     def _per_prompt(positions: Positions, count: int) -> list[Any]:
@@ -145,8 +216,8 @@ class Client:
         return Harvest(values, list(first["layers"]), [list(item["positions"]) for item in downloads],
                        list(range(len(downloads))))
 
-    def _downloads(self, responses: list[Any]) -> list[dict[str, Any]]:
-        ids = [response.model_extra[FIELD]["harvest"] for response in responses]
+    def _downloads(self, choices: list[tuple[Any, Any]]) -> list[dict[str, Any]]:
+        ids = [response.model_extra[FIELD]["harvest"] for _, response in choices]
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(ids)))) as pool:
             return list(pool.map(self.download, ids))
 
@@ -183,16 +254,37 @@ class Client:
                 field["harvest"] = harvest_fields[index]
             fields.append(field)
         options = {"temperature": 0.0, **sampling, "max_tokens": max_tokens, "return_token_ids": True}
-        responses = self._run(prompts, options, fields)
-        tokens = [list(response.choices[0].model_extra.get("token_ids") or []) for response in responses]
-        texts = [response.choices[0].text for response in responses]
-        harvested = self._assemble(self._downloads(responses)) if harvest is not None else None
+        choices = self._run(prompts, options, fields)
+        tokens = [list(choice.model_extra.get("token_ids") or []) for choice, _ in choices]
+        texts = [choice.text for choice, _ in choices]
+        harvested = self._assemble(self._downloads(choices)) if harvest is not None else None
         return Generation(tokens, texts, None, harvested)
 
-    def harvest(self, prompts: Sequence[Any], values: Any, layers: Any = None, positions: Positions = "last",
-                out: Optional[str | Path] = None, shard_size: int = 1024, progress: bool = False) -> Harvest | Path:
-        """Read values at chosen blocks and positions of many prompts, as `model.harvest` (``out=`` writes shards)."""
-        fields = [{"harvest": item} for item in self._harvest_field(values, layers, positions, len(prompts))]
+    def harvest(self, prompts: Sequence[Any], values: Any = None, layers: Any = None, positions: Positions = "last",
+                out: Optional[str | Path] = None, shard_size: int = 1024, progress: bool = False, sae: Any = None,
+                top_k: Optional[int] = None) -> Harvest | Path:
+        """Read values at chosen blocks and positions of many prompts, as `model.harvest` (``out=`` writes shards).
+
+        ``sae=`` (a stored SAE's name, or an SAE stored through this client)
+        harvests its features at its own site, computed on the server's
+        engine: ``"sae_features"`` ``[1, positions, d_sae]`` per prompt, or
+        with ``top_k``, ``"sae_values"`` and ``"sae_indices"``
+        ``[1, positions, top_k]``, as `model.harvest(..., sae=...)`.
+        """
+        if sae is not None:
+            if values is not None or layers is not None:
+                raise TypeError("a harvest with sae= reads the SAE's own value and block: leave values and layers "
+                                "out.")
+            if out is not None:
+                raise ValueError("a harvest with sae= returns the features in memory; harvest the dense value to "
+                                 "disk (out=) without sae=.")
+            name = self._sae_name(sae)
+            fields = [{"harvest": {"sae": name, "top_k": top_k, "positions": rule}}
+                      for rule in self._per_prompt(positions, len(prompts))]
+        elif values is None:
+            raise TypeError("harvest needs the values to read (or sae= for an SAE's features).")
+        else:
+            fields = [{"harvest": item} for item in self._harvest_field(values, layers, positions, len(prompts))]
         options = {"max_tokens": 1, "temperature": 0.0}
         if out is None:
             return self._assemble(self._downloads(self._run(prompts, options, fields)))

@@ -5,7 +5,8 @@ A completion or chat request carries streamscope's part in one body field (the
 
     "streamscope": {
         "steer": [{"value": "layer_output", "layer": 1, "vector": [0.1, ...] or "stored-name",
-                   "scale": 4.0, "positions": "all", "mode": "add", "generated": true}],
+                   "scale": 4.0, "positions": "all", "mode": "add", "generated": true,
+                   "projection": 0.0, "norm_match": false, "from_step": 0, "origin": null}],
         "harvest": {"values": ["layer_output"], "layers": [0, 1], "positions": "last", "keep": false},
         "default_steer": true
     }
@@ -33,6 +34,7 @@ import torch
 
 from .. import nnsight_seam as seam
 
+from ..bulk.operations import DIRECTIONAL
 from ..bulk.spec import ROOT_VALUES, Positions, Steer, check_steer, harvest_spec, prompt_positions, value_names
 from ..errors import Unavailable, untapped
 
@@ -40,9 +42,12 @@ from ..errors import Unavailable, untapped
 FIELD = "streamscope"
 #: vLLM's ``vllm_xargs`` key (the request's ``SamplingParams.extra_args``) under which the plan reaches the worker.
 XARG = "streamscope"
-STEER_FIELDS = ("value", "layer", "vector", "scale", "positions", "mode", "generated")
-HARVEST_FIELDS = ("values", "layers", "positions", "keep")
+STEER_FIELDS = ("value", "layer", "vector", "scale", "positions", "mode", "generated", "projection", "norm_match",
+                "from_step", "origin", "sae", "feature")
+HARVEST_FIELDS = ("values", "layers", "positions", "keep", "sae", "top_k")
 NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+#: The steer operations the server applies (`streamscope.bulk.operations`).
+SERVED_MODES = ("add", "set", "ablate", "clamp", "sae_clamp")
 
 
 class RequestError(Exception):
@@ -71,6 +76,8 @@ class Limits:
     harvest_ttl: float = 600.0                 # --harvest-ttl (seconds a harvest waits to be downloaded)
     max_stored_vectors: int = 256              # --max-stored-vectors
     max_upload_bytes: int = 16 * 2**20         # --max-upload-bytes (a vector upload, a request's streamscope field)
+    max_stored_saes: int = 8                   # --max-stored-saes
+    max_sae_bytes: int = 2**31                 # --max-sae-bytes (one SAE upload)
 
 
 @dataclass
@@ -98,13 +105,20 @@ def vector_from_bytes(text: str) -> torch.Tensor:
     return torch.from_numpy(numpy.frombuffer(base64.b64decode(text), dtype=numpy.float32).copy())
 
 
+def unknown_sae(name: Any, stored: Any) -> RequestError:
+    """The 404 for an SAE name the server does not hold, listing the ones it does."""
+    known = ", ".join(sorted(stored)[:20]) or "none yet"
+    return RequestError(404, "sae", f"sae: no stored SAE is named {name!r} (stored: {known}); upload it with PUT "
+                                    f"/v1/streamscope/saes/NAME (streamscope.Client.store_sae).")
+
+
 def _bad(param: str, message: str, status: int = 400) -> RequestError:
     return RequestError(status, param, f"{param}: {message}")
 
 
 def positions_rule(raw: Any, param: str) -> Positions:
-    """A JSON positions rule: ``"all"``, ``"last"``, a list of ints, or ``{"slice": [start, stop, step]}``."""
-    if raw in ("all", "last"):
+    """A JSON positions rule: ``"all"``, ``"last"``, ``"none"``, a list of ints, or ``{"slice": [start, stop, step]}``."""
+    if raw in ("all", "last", "none"):
         return raw
     if isinstance(raw, list) and raw and all(isinstance(item, int) and not isinstance(item, bool) for item in raw):
         return list(raw)
@@ -113,8 +127,9 @@ def positions_rule(raw: Any, param: str) -> Positions:
         if len(raw["slice"]) == 3 and raw["slice"][2] == 0:
             raise _bad(param, "a slice's step cannot be 0.")
         return slice(*raw["slice"])
-    raise _bad(param, f"{json.dumps(raw)[:80]} is not a positions rule: use \"all\", \"last\", a non-empty list of "
-                      "indices (negative from the prompt's end), or {\"slice\": [start, stop, step]}.")
+    raise _bad(param, f"{json.dumps(raw)[:80]} is not a positions rule: use \"all\", \"last\", \"none\" (a steer's "
+                      "generated tokens only), a non-empty list of indices (negative from the prompt's end), or "
+                      "{\"slice\": [start, stop, step]}.")
 
 
 def rule_json(positions: Any) -> Any:
@@ -161,6 +176,7 @@ class Checker:
         parameter = next(seam.module_of(model).parameters(), None)
         self.element_bytes = parameter.element_size() if parameter is not None else 4
         self.default: list[dict[str, Any]] = []  # the server-wide default steers, as checked JSON
+        self.saes: dict[str, Any] = {}  # the stored SAEs (`streamscope.serve.storage.SAEs`), set by the server
 
     # ---------------------------------------------------------------- pieces
 
@@ -218,21 +234,25 @@ class Checker:
             raise _bad(param, f"{untapped(name, site.location, len(tapped))}. On this server: streamscope serve "
                               f"PATH --taps ... {tap}")
 
-    def positions(self, rule: Positions, length: Optional[int], param: str) -> None:
-        if length is None:
-            return
-        try:
-            prompt_positions(rule, length, 0)
-        except (IndexError, TypeError, ValueError) as error:
-            raise _bad(param, str(error).removeprefix("positions: ")) from None
+    def positions(self, rule: Positions, lengths: list[int], param: str) -> None:
+        """Refuse a rule that does not fit each prompt (`lengths`: their token counts; empty where unknown)."""
+        for index, length in enumerate(lengths):
+            try:
+                prompt_positions(rule, length, index)
+            except (IndexError, TypeError, ValueError) as error:
+                raise _bad(param, str(error).removeprefix("positions: ")) from None
 
     # ---------------------------------------------------------------- steers and harvests
 
-    def steer(self, raw: Any, param: str, length: Optional[int]) -> tuple[Steer, dict[str, Any]]:
+    def steer(self, raw: Any, param: str, lengths: list[int]) -> tuple[Steer, dict[str, Any]]:
         """One steer: a `streamscope.Steer` and the JSON the worker gets (its vector as float32 base64)."""
         item = _fields(raw, STEER_FIELDS, param,
                        " One request is one prompt, so a steer has no 'prompts' (streamscope.Client sends each "
                        "prompt its own steers)." if isinstance(raw, dict) and "prompts" in raw else "")
+        mode = item.get("mode", "add")
+        sae: Optional[tuple[str, Any, int]] = None  # (name, stored SAE, feature)
+        if "sae" in item or "feature" in item or mode == "sae_clamp":
+            item, sae = self.sae_steer(item, param, mode)
         for required in ("value", "vector"):
             if required not in item:
                 raise _bad(f"{param}.{required}", f"a steer needs {required!r}.")
@@ -241,29 +261,80 @@ class Checker:
         vector = self.vector(item["vector"], f"{param}.vector")
         scale = _number(item.get("scale", 1.0), f"{param}.scale")
         positions = positions_rule(item.get("positions", "all"), f"{param}.positions")
-        mode = item.get("mode", "add")
-        if mode not in ("add", "set"):
-            # The server's worker batches its requests' vectors as additions and assignments; the other operations
-            # (ablate, clamp, norm_match, sae_clamp) run in-process for now (model.generate(steer=[...])).
-            raise _bad(f"{param}.mode", f"mode {mode!r}: this server steers with 'add' or 'set'; run ablate, clamp "
-                                        f"and norm-matched steers with model.generate(steer=[...]) in-process.")
+        if mode not in SERVED_MODES:
+            raise _bad(f"{param}.mode", f"mode {mode!r} is not one of {', '.join(map(repr, SERVED_MODES))}.")
         generated = item.get("generated", True)
         if not isinstance(generated, bool):
             raise _bad(f"{param}.generated", f"true or false, not {generated!r}.")
+        norm_match = item.get("norm_match", False)
+        if not isinstance(norm_match, bool):
+            raise _bad(f"{param}.norm_match", f"true or false, not {norm_match!r}.")
+        projection = _number(item.get("projection", 0.0), f"{param}.projection")
+        from_step = item.get("from_step", 0)
+        if isinstance(from_step, bool) or not isinstance(from_step, int) or from_step < 0:
+            raise _bad(f"{param}.from_step", f"the first generated token steered, an int >= 0 (0: every one), not "
+                                             f"{from_step!r}.")
         if not bool(torch.isfinite(vector * scale).all()):
             raise _bad(f"{param}.scale", "scale times the vector overflows float32: use a smaller scale.")
-        steer = Steer(item["value"], layer, vector, scale=scale, positions=positions, mode=mode, generated=generated)
+        if mode in DIRECTIONAL and not float(vector.norm()) > 0:
+            raise _bad(f"{param}.vector", f"mode {mode!r} uses the vector as a direction: send a non-zero vector.")
+        origin = item.get("origin")
+        if origin is not None and not (isinstance(origin, dict) and all(isinstance(key, str) for key in origin)):
+            raise _bad(f"{param}.origin", "the shape of the model the vector was made on, an object (model_type, "
+                                          "hidden_size, num_layers, vocab_size), or null.")
+        # An sae_clamp steer is checked here as the addition of its feature's direction (site, width, origin): the
+        # SAE itself was checked against the model when it was stored.
+        steer = Steer(item["value"], layer, vector, scale=scale, positions=positions,
+                      mode="add" if mode == "sae_clamp" else mode, generated=generated, projection=projection,
+                      norm_match=norm_match, from_step=from_step, origin=origin)
         try:
             check_steer(self.model, steer, 1)
         except (ValueError, TypeError, IndexError) as error:
-            where = "mode" if "mode" in str(error) else "vector"
+            where = "origin" if "another model" in str(error) else "mode" if "mode" in str(error) else "vector"
             raise _bad(f"{param}.{where}", str(error)) from None
-        self.positions(positions, length, f"{param}.positions")
+        self.positions(positions, lengths, f"{param}.positions")
         payload = {"value": steer.value, "layer": layer, "vector": vector_bytes(vector), "scale": scale,
-                   "positions": rule_json(positions), "mode": mode, "generated": generated}
+                   "positions": rule_json(positions), "mode": mode, "generated": generated, "projection": projection,
+                   "norm_match": norm_match, "from_step": from_step}
+        if mode == "sae_clamp" and sae is not None:
+            steer.mode = mode
+            payload.update(sae=sae[1].file, feature=sae[2])
         return steer, payload
 
-    def steers(self, raw: Any, param: str, length: Optional[int]) -> tuple[list[Steer], list[dict[str, Any]]]:
+    def sae_steer(self, item: dict[str, Any], param: str, mode: str) -> tuple[dict[str, Any], tuple[str, Any, int]]:
+        """A steer by a stored SAE's feature: its value and block are the SAE's, its vector the feature's decoder
+        direction (``sae_clamp`` clamps the feature in the loop; any other mode adds, sets, ablates or clamps along
+        the direction)."""
+        name, feature = item.get("sae"), item.get("feature")
+        if name is None:
+            raise _bad(f"{param}.sae", "a steer by feature (mode 'sae_clamp', or 'feature') names a stored SAE: "
+                                       "\"sae\": \"NAME\" (upload it with PUT /v1/streamscope/saes/NAME).")
+        stored = self.stored_sae(name, f"{param}.sae")
+        if isinstance(feature, bool) or not isinstance(feature, int) or not 0 <= feature < stored.d_sae:
+            raise _bad(f"{param}.feature", f"{feature!r} is not a feature of SAE {name!r}: give an int in "
+                                           f"0..{stored.d_sae - 1}.")
+        if "vector" in item:
+            raise _bad(f"{param}.vector", "a steer by an SAE's feature takes the feature's decoder direction: "
+                                          "leave vector out.")
+        value, layer = item.get("value", stored.value), item.get("layer", stored.layer)
+        if isinstance(layer, int) and not isinstance(layer, bool) and stored.layer is not None:
+            layer = layer % len(self.model.layers) if -len(self.model.layers) <= layer < len(self.model.layers) \
+                else layer
+        if (value, layer) != (stored.value, stored.layer):
+            raise _bad(f"{param}.sae", f"SAE {name!r} reads {stored.value} at block {stored.layer}, and the steer "
+                                       f"names {value} at block {item.get('layer')}: a feature means something at "
+                                       f"its SAE's own site only; leave value and layer out.")
+        with torch.no_grad():
+            vector = self.saes.decoder_row(name, feature)
+        return {**item, "value": value, "layer": layer, "vector": vector.tolist()}, (name, stored, feature)
+
+    def stored_sae(self, name: Any, param: str) -> Any:
+        if not isinstance(name, str) or name not in self.saes:
+            error = unknown_sae(name, self.saes)
+            raise RequestError(error.status, param, f"{param}{error.message.removeprefix('sae')}")
+        return self.saes[name]
+
+    def steers(self, raw: Any, param: str, lengths: list[int]) -> tuple[list[Steer], list[dict[str, Any]]]:
         if isinstance(raw, dict):
             raw = [raw]
         if not isinstance(raw, list):
@@ -271,11 +342,13 @@ class Checker:
         if len(raw) > self.limits.max_steers:
             raise _bad(param, f"{len(raw)} steers; this server takes at most {self.limits.max_steers} per request "
                               f"(--max-steers-per-request).", 413)
-        pairs = [self.steer(item, f"{param}[{index}]", length) for index, item in enumerate(raw)]
+        pairs = [self.steer(item, f"{param}[{index}]", lengths) for index, item in enumerate(raw)]
         return [steer for steer, _ in pairs], [payload for _, payload in pairs]
 
     def harvest(self, raw: Any, param: str, length: Optional[int]) -> dict[str, Any]:
         item = _fields(raw, HARVEST_FIELDS, param)
+        if "sae" in item or "top_k" in item:
+            return self.sae_harvest(item, param, length)
         if "values" not in item:
             raise _bad(f"{param}.values", "a harvest names its values (\"layer_output\", [\"layer_mid\", ...]).")
         values = [item["values"]] if isinstance(item["values"], str) else item["values"]
@@ -288,6 +361,9 @@ class Checker:
         if not isinstance(keep, bool):
             raise _bad(f"{param}.keep", f"true or false, not {keep!r}.")
         positions = positions_rule(item.get("positions", "last"), f"{param}.positions")
+        if positions == "none":
+            raise _bad(f"{param}.positions", "a harvest reads prompt positions: ask for \"last\", \"all\", indices or "
+                                             "a slice.")
         try:
             spec = harvest_spec(self.model, values, layers, positions, [length or 1])
         except IndexError as error:
@@ -297,8 +373,10 @@ class Checker:
             raise _bad(f"{param}.{where}", str(error)) from None
         for site in spec.sites(self.model):
             self.tapped(site, f"{param}.values")
-        self.positions(positions, length, f"{param}.positions")
+        self.positions(positions, [] if length is None else [length], f"{param}.positions")
         count = len(prompt_positions(positions, length, 0)) if length is not None else 1
+        if count == 0:
+            raise _bad(f"{param}.positions", f"the rule selects none of the prompt's {length} positions.")
         sites = sum(1 if value in ROOT_VALUES else len(spec.layers) for value in spec.values)
         size = sites * count * self.hidden * self.element_bytes
         if size > self.limits.max_harvest_bytes:
@@ -309,9 +387,42 @@ class Checker:
         return {"values": spec.values, "layers": spec.layers, "positions": rule_json(positions), "keep": keep,
                 "bytes": size}
 
+    def sae_harvest(self, item: dict[str, Any], param: str, length: Optional[int]) -> dict[str, Any]:
+        """A harvest of a stored SAE's features at its site: every feature, or the `top_k` largest (values and
+        indices), computed in the engine's worker (float32), so the dense stream never leaves it."""
+        if "sae" not in item:
+            raise _bad(f"{param}.top_k", "top_k is for a harvest of an SAE's features: name the SAE (\"sae\").")
+        if "values" in item or "layers" in item:
+            raise _bad(param, "a harvest with sae reads the SAE's own value and block: leave values and layers out.")
+        stored = self.stored_sae(item["sae"], f"{param}.sae")
+        top_k = item.get("top_k")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                                  or not 0 < top_k <= stored.d_sae):
+            raise _bad(f"{param}.top_k", f"{top_k!r}: give an int in 1..{stored.d_sae}, or null for every feature.")
+        keep = item.get("keep", False)
+        if not isinstance(keep, bool):
+            raise _bad(f"{param}.keep", f"true or false, not {keep!r}.")
+        self.site(stored.value, stored.layer, f"{param}.sae")
+        positions = positions_rule(item.get("positions", "last"), f"{param}.positions")
+        if positions == "none":
+            raise _bad(f"{param}.positions", "a harvest reads prompt positions: ask for \"last\", \"all\", indices or "
+                                             "a slice.")
+        self.positions(positions, [] if length is None else [length], f"{param}.positions")
+        count = len(prompt_positions(positions, length, 0)) if length is not None else 1
+        if count == 0:
+            raise _bad(f"{param}.positions", f"the rule selects none of the prompt's {length} positions.")
+        width = stored.d_sae if top_k is None else 2 * top_k
+        size = count * width * 4
+        if size > self.limits.max_harvest_bytes:
+            raise _bad(param, f"this harvest is {size} bytes ({count} positions x {width} float32 features); a request "
+                              f"may harvest at most {self.limits.max_harvest_bytes} (--max-harvest-bytes): ask for "
+                              f"top_k, or fewer positions.", 413)
+        return {"values": [stored.value], "layers": [] if stored.layer is None else [stored.layer],
+                "positions": rule_json(positions), "keep": keep, "bytes": size, "sae": stored.file, "top_k": top_k}
+
     def default_steers(self, raw: Any) -> list[dict[str, Any]]:
         """Check the server-wide default steers (the same JSON as a request's), without a prompt."""
-        _, payload = self.steers(raw, "steer", None)
+        _, payload = self.steers(raw, "steer", [])
         return payload
 
     # ---------------------------------------------------------------- a whole request
@@ -328,26 +439,37 @@ class Checker:
         checked = Checked()
         if not own and not (self.default and use_default):
             return checked
-        length = self.prompt_length(body, chat) if own else None
+        lengths = self.prompt_lengths(body, chat) if own else []
         if self.default and use_default:
             checked.steer_payload.extend(self.default)
         if "steer" in own:
-            steers, payload = self.steers(own["steer"], f"{FIELD}.steer", length)
+            steers, payload = self.steers(own["steer"], f"{FIELD}.steer", lengths)
             if len(payload) + len(checked.steer_payload) > self.limits.max_steers:
                 raise _bad(f"{FIELD}.steer", f"with the server's {len(self.default)} default steers this request has "
                                              f"{len(payload) + len(checked.steer_payload)}; the limit is "
                                              f"{self.limits.max_steers}: send default_steer: false, or fewer.", 413)
             checked.steers, checked.steer_payload = steers, checked.steer_payload + payload
+        count = len(lengths) if lengths else _prompt_count(body)
+        if count > 1:
+            # One request has one prefix-cache salt: prompts of one request share KV blocks, which is sound only
+            # where a steer edits every position alike (then a shared prefix was steered the same way for each).
+            if "harvest" in own:
+                raise _bad("prompt", f"a harvest reads one prompt per request; this one has {count}: send "
+                                     f"them as separate requests (streamscope.Client.harvest does, concurrently).")
+            if not uniform(checked.steer_payload):
+                raise _bad("prompt", f"{count} prompts in one request, with a steer that does not edit every "
+                                     f"position (positions other than \"all\", generated false, or from_step): "
+                                     f"send each prompt as its own request (streamscope.Client does).")
         if "harvest" in own:
             for option in ("n", "best_of"):
                 if (body.get(option) or 1) != 1:
                     raise _bad(option, "a harvest reads one prompt once: send n=1 (and best_of=1) with a harvest.")
-            checked.harvest = self.harvest(own["harvest"], f"{FIELD}.harvest", length)
-        checked.length = length
+            checked.harvest = self.harvest(own["harvest"], f"{FIELD}.harvest", lengths[0] if lengths else None)
+        checked.length = lengths[0] if len(lengths) == 1 else None
         return checked
 
-    def prompt_length(self, body: dict[str, Any], chat: bool) -> Optional[int]:
-        """The prompt's token count as vLLM will see it (None where only the engine can tell)."""
+    def prompt_lengths(self, body: dict[str, Any], chat: bool) -> list[int]:
+        """Each prompt's token count as vLLM will see it (empty where only the engine can tell)."""
         tokenizer = self.model.tokenizer
         if chat:
             messages = body.get("messages")
@@ -355,25 +477,51 @@ class Checker:
                 ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.get("add_generation_prompt",
                                                                                              True), tokenize=True)
             except Exception:  # noqa: BLE001  (vLLM renders and refuses it itself)
-                return None
+                return []
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            return len(ids)
+            return [len(ids)]
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return len(tokenizer(prompt, add_special_tokens=body.get("add_special_tokens", True))["input_ids"])
-        if isinstance(prompt, list) and prompt and all(isinstance(token, int) for token in prompt):
-            return len(prompt)
-        raise _bad("prompt", "a request with a streamscope field takes one prompt (a string or a list of token "
-                             "ids); send several prompts as several requests (streamscope.Client does).")
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                       and all(isinstance(token, int) and not isinstance(token, bool)
+                                               for token in prompt)):
+            prompt = [prompt]
+        if isinstance(prompt, list) and prompt:
+            lengths = []
+            for item in prompt:
+                if isinstance(item, str):
+                    lengths.append(len(tokenizer(item, add_special_tokens=body.get("add_special_tokens",
+                                                                                   True))["input_ids"]))
+                elif isinstance(item, list) and item and all(isinstance(token, int) and not isinstance(token, bool)
+                                                             for token in item):
+                    lengths.append(len(item))
+                else:
+                    break
+            else:
+                return lengths
+        raise _bad("prompt", "a request with a streamscope field takes a prompt (a string or a list of token ids) or "
+                             "a list of them.")
+
+
+def _prompt_count(body: dict[str, Any]) -> int:
+    """How many prompts a completion request holds, without tokenizing them."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(item, (str, list)) for item in prompt):
+        return len(prompt)
+    return 1
+
+
+def uniform(steers: list[dict[str, Any]]) -> bool:
+    """Whether every steer edits every position, prompt and generated, alike (its edit does not depend on where a
+    prompt ends)."""
+    return all(item["positions"] == "all" and item["generated"] and not item.get("from_step") for item in steers)
 
 
 def worker_payload(checked: Checked, harvest_id: Optional[str]) -> str:
     """The JSON the worker reads from the request's ``extra_args``: steers and harvest, no prompt."""
     payload: dict[str, Any] = {"steer": checked.steer_payload}
     if checked.harvest is not None:
-        payload["harvest"] = {key: checked.harvest[key] for key in ("values", "layers", "positions")}
+        payload["harvest"] = {key: checked.harvest[key] for key in ("values", "layers", "positions", "sae", "top_k")
+                              if key in checked.harvest}
         payload["harvest"]["id"] = harvest_id
     return json.dumps(payload, separators=(",", ":"))
 
@@ -392,8 +540,7 @@ def cache_salt(checked: Checked, body: dict[str, Any], harvest_id: Optional[str]
     if not checked.steer_payload:
         return None
     steers = json.dumps(checked.steer_payload, sort_keys=True)
-    uniform = all(item["positions"] == "all" and item["generated"] for item in checked.steer_payload)
-    prompt = "" if uniform else json.dumps([body.get("prompt"), body.get("messages")], sort_keys=True, default=str)
+    prompt = "" if uniform(checked.steer_payload) else json.dumps([body.get("prompt"), body.get("messages")], sort_keys=True, default=str)
     return "streamscope-" + hashlib.sha256((steers + "|" + prompt).encode()).hexdigest()
 
 

@@ -12,7 +12,7 @@ what vLLM offers for it:
   the plan to vLLM in its ``vllm_xargs``, with a prefix-cache salt; a request
   without the field passes through untouched;
 * routes under ``/v1/streamscope/`` (guarded by ``--api-key`` as every ``/v1``
-  route is): stored vectors, harvest downloads, the default steer, info.
+  route is): stored vectors and SAEs, harvest downloads, the default steer, info.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from fastapi import Request  # at module level: FastAPI reads the routes' annotations by name
 
-from .protocol import FIELD, XARG, Checker, Limits, RequestError, cache_salt, worker_payload
-from .storage import Harvests, Vectors, read_vector, unknown_vector
+from .protocol import FIELD, XARG, Checker, Limits, RequestError, cache_salt, unknown_sae, worker_payload
+from .storage import SAEs, Harvests, Vectors, read_vector, sae_from_bytes, unknown_vector
 
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 PREFIX = "/v1/streamscope"
@@ -38,13 +38,30 @@ PREFIX = "/v1/streamscope"
 class Front:
     """The API server's streamscope state: the model's names (a meta copy), stored vectors, harvests, limits."""
 
-    def __init__(self, model: Any, limits: Limits, folder: Path, taps: Sequence[str] = ()) -> None:
+    def __init__(self, model: Any, limits: Limits, folder: Path, taps: Sequence[str] = (),
+                 sae_folder: Optional[Path] = None) -> None:
         self.model = model
         self.limits = limits
         self.taps = list(taps)
         self.vectors = Vectors(limits)
         self.checker = Checker(model, self.vectors, limits)
         self.harvests = Harvests(folder, limits)
+        self.saes = SAEs(sae_folder or Path(tempfile.mkdtemp(prefix="streamscope-saes-")), limits)
+        self.checker.saes = self.saes
+        self.worker = ""  # the engine's worker class (vLLM's own without taps, nnsight's with them)
+
+    def store_sae(self, name: str, data: bytes, param: str = "body") -> dict[str, Any]:
+        """Check an uploaded SAE (its layout, weights, width, site, a tap on a tapped server) and store it."""
+        from ..errors import Unavailable
+
+        sae = sae_from_bytes(data, param)
+        try:
+            sae.check(self.model)
+        except (ValueError, IndexError, Unavailable) as error:
+            raise RequestError(400, param, f"{param}: {error}") from None
+        self.checker.site(sae.value, sae.layer, param)  # on a tapped server, its site must be a tap
+        self.saes.store(name, sae, data)
+        return self.saes.listing()[[item["name"] for item in self.saes.listing()].index(name)]
 
     def info(self) -> dict[str, Any]:
         from ..bulk.spec import value_names
@@ -52,6 +69,7 @@ class Front:
         return {"model_type": self.model.config.model_type, "layers": len(self.model.layers),
                 "hidden_size": self.checker.hidden, "values": list(value_names()), "taps": self.taps,
                 "default_steer": bool(self.checker.default), "vectors": sorted(self.vectors),
+                "saes": sorted(self.saes), "worker": self.worker,
                 "limits": vars(self.limits)}
 
     def extend(self, app: Any) -> Any:
@@ -78,15 +96,14 @@ class Front:
         def refused(error: RequestError) -> Any:
             return JSONResponse(error.body(), status_code=error.status)
 
-        async def body(request: Request) -> bytes:
+        async def body(request: Request, limit: Optional[int] = None, flag: str = "--max-upload-bytes") -> bytes:
+            limit = self.limits.max_upload_bytes if limit is None else limit
             declared = request.headers.get("content-length")
-            if declared is not None and declared.isdigit() and int(declared) > self.limits.max_upload_bytes:
-                raise RequestError(413, "body", f"body: {declared} bytes; uploads are limited to "
-                                                f"{self.limits.max_upload_bytes} (--max-upload-bytes).")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise RequestError(413, "body", f"body: {declared} bytes; uploads are limited to {limit} ({flag}).")
             data = await request.body()
-            if len(data) > self.limits.max_upload_bytes:
-                raise RequestError(413, "body", f"body: {len(data)} bytes; uploads are limited to "
-                                                f"{self.limits.max_upload_bytes} (--max-upload-bytes).")
+            if len(data) > limit:
+                raise RequestError(413, "body", f"body: {len(data)} bytes; uploads are limited to {limit} ({flag}).")
             return data
 
         @router.get("/info")
@@ -119,6 +136,29 @@ class Front:
         async def delete(name: str) -> Any:
             if self.vectors.pop(name, None) is None:
                 return refused(unknown_vector(name))
+            return {"deleted": name}
+
+        @router.get("/saes")
+        async def saes() -> Any:
+            return {"saes": self.saes.listing()}
+
+        @router.put("/saes/{name}")
+        @router.post("/saes/{name}")
+        async def store_sae(name: str, request: Request) -> Any:
+            try:
+                kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+                if kind not in ("application/octet-stream", "application/safetensors"):
+                    raise RequestError(400, "Content-Type", f"Content-Type: {kind or 'none'} is not taken; send an "
+                                                            f"SAE as safetensors bytes (application/octet-stream).")
+                data = await body(request, self.limits.max_sae_bytes, "--max-sae-bytes")
+                return self.store_sae(name, data)
+            except RequestError as error:
+                return refused(error)
+
+        @router.delete("/saes/{name}")
+        async def delete_sae(name: str) -> Any:
+            if not self.saes.delete(name):
+                return refused(unknown_sae(name, self.saes))
             return {"deleted": name}
 
         @router.get("/harvests")
@@ -328,11 +368,16 @@ def add_arguments(parser: Any) -> None:
     group.add_argument("--max-stored-vectors", type=int, default=defaults.max_stored_vectors)
     group.add_argument("--max-upload-bytes", type=int, default=defaults.max_upload_bytes,
                        help="a vector upload or a request's streamscope field, in bytes")
+    group.add_argument("--saes", help="a folder of NAME.safetensors SAE files (streamscope.serve.storage.sae_bytes's "
+                                      "layout) stored at start")
+    group.add_argument("--max-stored-saes", type=int, default=defaults.max_stored_saes)
+    group.add_argument("--max-sae-bytes", type=int, default=defaults.max_sae_bytes, help="one SAE upload, in bytes")
 
 
 def limits_of(args: argparse.Namespace) -> Limits:
     return Limits(args.max_steers_per_request, args.max_harvest_bytes, args.max_stored_harvest_bytes,
-                  args.harvest_ttl, args.max_stored_vectors, args.max_upload_bytes)
+                  args.harvest_ttl, args.max_stored_vectors, args.max_upload_bytes, args.max_stored_saes,
+                  args.max_sae_bytes)
 
 
 def _given(argv: Sequence[str], *flags: str) -> bool:
@@ -345,7 +390,7 @@ def engine_settings(args: argparse.Namespace, argv: Sequence[str], on_cpu: bool,
 
     if _given(argv, "--worker-cls"):
         raise SystemExit("streamscope serve runs its own worker class; drop --worker-cls.")
-    args.worker_cls = worker_cls(on_cpu)
+    args.worker_cls = worker_cls(on_cpu, bool(locations))
     if not locations or on_cpu:
         if _given(argv, "--no-enforce-eager") or _given(argv, "-cc", "--compilation-config") and not locations:
             print("streamscope serve: an untapped server runs eagerly (hooks do not fire inside compiled graphs); "
@@ -417,9 +462,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for path in sorted(Path(args.vectors).glob("*.safetensors")):
             front.vectors.store(path.stem, read_vector(path.read_bytes(), "application/octet-stream", front.checker,
                                                        str(path)))
+    if args.saes:
+        for path in sorted(Path(args.saes).glob("*.safetensors")):
+            front.store_sae(path.stem, path.read_bytes(), str(path))
     if args.default_steer:
         front.checker.default = front.checker.default_steers(json.loads(Path(args.default_steer).read_text()))
-    os.environ[ENVIRONMENT] = json.dumps({"harvests": str(folder)})
+    os.environ[ENVIRONMENT] = json.dumps({"harvests": str(folder), "saes": str(front.saes.folder),
+                                          "sae_cache": max(1, min(4, args.max_stored_saes))})
     engine_settings(args, argv, on_cpu, locations)
+    front.worker = args.worker_cls
     serve(api, args, front.extend)
     return 0

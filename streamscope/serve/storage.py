@@ -182,4 +182,119 @@ def harvest_tensors(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any
     return load(data), {key: json.loads(value) for key, value in metadata.items()}
 
 
-__all__ = ["Harvests", "Vectors", "read_vector", "harvest_tensors"]
+
+
+# ---------------------------------------------------------------- SAEs
+
+SAE_TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")
+
+
+def sae_bytes(sae: Any) -> bytes:
+    """An `streamscope.sae.SAE` as the safetensors bytes the server stores: its weights, and its site and
+    activation in the file's metadata (``value``, ``layer``, ``activation``, ``k``, ``apply_b_dec_to_input``)."""
+    from safetensors.torch import save
+
+    tensors = {name: getattr(sae, name).detach().to(torch.float32).contiguous().cpu() for name in SAE_TENSORS
+               if getattr(sae, name) is not None}
+    metadata = {"value": sae.value, "layer": json.dumps(sae.layer), "activation": sae.activation,
+                "k": json.dumps(sae.k), "apply_b_dec_to_input": json.dumps(bool(sae.apply_b_dec_to_input))}
+    return save(tensors, metadata=metadata)
+
+
+def sae_from_bytes(data: bytes, param: str = "body") -> Any:
+    """An `SAE` from `sae_bytes`'s layout; anything else is refused naming what is wrong. Nothing in it can run."""
+    from safetensors.torch import load
+
+    from ..sae import SAE
+
+    try:
+        tensors = load(data)
+        size = int.from_bytes(data[:8], "little")
+        metadata = json.loads(data[8:8 + size]).get("__metadata__") or {}
+    except Exception:  # noqa: BLE001  (pickles, torch.save files, garbage)
+        raise RequestError(400, param, f"{param}: not a safetensors file. The server reads an SAE as safetensors "
+                                       f"only (never pickles): send streamscope.serve.storage.sae_bytes(sae), or "
+                                       f"use streamscope.Client.store_sae.") from None
+    missing = [name for name in SAE_TENSORS[:4] + ("value", "activation") if name not in tensors and
+               name not in metadata]
+    unknown = sorted(set(tensors) - set(SAE_TENSORS))
+    if missing or unknown:
+        raise RequestError(400, param, f"{param}: an SAE file holds the tensors W_enc, b_enc, W_dec, b_dec (and "
+                                       f"threshold for JumpReLU) and the metadata value, layer, activation, k, "
+                                       f"apply_b_dec_to_input; "
+                                       f"{'missing ' + ', '.join(missing) if missing else ''}"
+                                       f"{'; unknown tensors ' + ', '.join(unknown) if unknown else ''}.")
+    try:
+        layer = json.loads(metadata.get("layer", "null"))
+        k = json.loads(metadata.get("k", "null"))
+        apply = json.loads(metadata.get("apply_b_dec_to_input", "true"))
+        if layer is not None and not isinstance(layer, int) or k is not None and not isinstance(k, int) \
+                or not isinstance(apply, bool):
+            raise ValueError("layer and k are ints or null; apply_b_dec_to_input is true or false")
+        if any(not tensor.is_floating_point() for tensor in tensors.values()):
+            raise ValueError("the weights are floating-point numbers")
+        return SAE(*(tensors[name].to(torch.float32) for name in SAE_TENSORS[:4]), value=metadata["value"],
+                   layer=layer, activation=metadata["activation"],
+                   threshold=tensors["threshold"].to(torch.float32) if "threshold" in tensors else None, k=k,
+                   apply_b_dec_to_input=apply, source={"format": "streamscope serve"})
+    except (ValueError, TypeError) as error:
+        raise RequestError(400, param, f"{param}: {error}.") from None
+
+
+@dataclass
+class StoredSAE:
+    """An SAE the server holds: its file (which the engine's worker loads by name) and what checks need."""
+
+    file: str  # the file's stem in the SAE folder: the name and a random part, new at every upload
+    value: str
+    layer: Any
+    d_in: int
+    d_sae: int
+    activation: str
+    bytes: int
+
+
+class SAEs(dict):
+    """Stored SAEs, name -> `StoredSAE`, their files in one folder, bounded by ``--max-stored-saes``."""
+
+    def __init__(self, folder: Path, limits: Limits) -> None:
+        super().__init__()
+        self.folder = folder
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.limits = limits
+
+    def store(self, name: str, sae: Any, data: bytes) -> StoredSAE:
+        check_name(name)
+        if name not in self and len(self) >= self.limits.max_stored_saes:
+            raise RequestError(413, "name", f"name: the server holds {len(self)} SAEs, its limit "
+                                            f"(--max-stored-saes); delete one first (DELETE /v1/streamscope/saes/NAME).")
+        stem = f"{name}-{secrets.token_hex(8)}"
+        aside = self.folder / f".{stem}.writing"
+        aside.write_bytes(data)
+        aside.replace(self.folder / f"{stem}.safetensors")
+        self.delete(name)
+        self[name] = StoredSAE(stem, sae.value, sae.layer, sae.d_in, sae.d_sae, sae.activation, len(data))
+        return self[name]
+
+    def delete(self, name: str) -> bool:
+        stored = self.pop(name, None)
+        if stored is None:
+            return False
+        # A request admitted before may still load it: the worker keeps the SAEs it loaded, so the file can go.
+        (self.folder / f"{stored.file}.safetensors").unlink(missing_ok=True)
+        return True
+
+    def decoder_row(self, name: str, feature: int) -> torch.Tensor:
+        """Feature `feature`'s decoder direction ``[d_in]`` float32, read from the file alone."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.folder / f"{self[name].file}.safetensors"), framework="pt") as handle:
+            return handle.get_slice("W_dec")[feature:feature + 1].reshape(-1).to(torch.float32)
+
+    def listing(self) -> list[dict[str, Any]]:
+        return [{"name": name, "value": item.value, "layer": item.layer, "d_in": item.d_in, "d_sae": item.d_sae,
+                 "activation": item.activation, "bytes": item.bytes} for name, item in sorted(self.items())]
+
+
+
+__all__ = ["Harvests", "Vectors", "SAEs", "read_vector", "harvest_tensors", "sae_bytes", "sae_from_bytes"]

@@ -13,9 +13,14 @@ never touched: its rows are not among those edited or read, and a step with
 no planned request runs no hook at all (hooks are installed while a request
 needs them).
 
-A harvest is complete once its prompt positions have run; its tensors are
-written to the server's harvest folder as ``<id>.safetensors`` (atomically:
-written aside, then renamed), which the front end serves and deletes.
+A step's harvested rows stay on the device: each hooked module call makes one
+gathered read of every harvesting request's rows, and after the step the
+reads go to host memory in one non-blocking copy (pinned memory on a GPU),
+so the step never waits for them. A writer thread takes each step's copy once
+it has landed, puts the rows in their requests' buffers and, once a
+request's prompt positions have all run, writes its harvest to the server's
+folder as ``<id>.safetensors`` (atomically: written aside, then renamed),
+which the front end serves (waiting for the file) and deletes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -42,12 +50,17 @@ logger = logging.getLogger("streamscope.serve")
 @dataclass
 class SteerEntry:
     site: Site
-    delta: torch.Tensor
-    mode: str
+    delta: Any  # add/set: ``scale * vector`` in the engine's dtype; any other operation: its `Operation`
+    mode: Optional[str]  # "add" or "set" (batched across requests), None for an `Operation` applied per request
     chosen: Optional[frozenset]  # the prompt positions steered; None for every one
     generated: bool
     length: int
     order: int  # the steer's index among the request's steers at this module call
+    from_step: int = 0  # the first generated token steered
+
+    @property
+    def every_row(self) -> bool:
+        return self.chosen is None and self.generated and self.from_step == 0
 
 
 @dataclass(eq=False)
@@ -60,10 +73,15 @@ class Live:
     harvest_meta: dict[str, Any] = field(default_factory=dict)
     positions: list[int] = field(default_factory=list)
     slots: dict[int, int] = field(default_factory=dict)  # position -> its slot in the buffer
-    buffer: Optional[torch.Tensor] = None
-    filled: Optional[torch.Tensor] = None  # which slots were read
-    written: bool = False
-    error: Optional[str] = None
+    buffer: Optional[torch.Tensor] = None  # [sites, positions, hidden] on the host, filled by the writer thread
+    read: int = 0  # how many (site, position) rows have been read (counted on the engine's thread)
+    written: bool = False  # every row read: the writer thread writes the file
+    readout: Optional[tuple[Any, Optional[int]]] = None  # a harvest of SAE features: (the SAE, top_k)
+
+    def sae_objects(self) -> list[Any]:
+        """The SAEs this request uses (its clamps' and its harvest's)."""
+        found = [entry.delta.sae for entry in self.steers if hasattr(entry.delta, "sae")]
+        return found + ([self.readout[0]] if self.readout else [])
 
     def keys(self) -> set[tuple[int, str]]:
         return {entry.site.key for entry in self.steers} | {site.key for site in self.harvest_sites}
@@ -72,23 +90,35 @@ class Live:
 class ServeState:
     """The live requests' plans on one worker, the hooks they need, and each step's rows."""
 
-    def __init__(self, runner: Any, model_type: str, folder: Optional[str], writer: bool) -> None:
+    def __init__(self, runner: Any, model_type: str, folder: Optional[str], writer: bool,
+                 sae_folder: Optional[str] = None, sae_cache: int = 4) -> None:
         from ..vllm.bulk import worker_tree
 
         self.runner = runner
-        self.root = worker_tree(runner.get_model(), model_type)
+        if getattr(runner, "nnsight_model", None) is None:
+            # vLLM's own runner (a server without taps): the tree finds the sites, plain torch hooks do the work,
+            # and the model keeps vLLM's forwards, so a request without a plan costs what it costs plain vLLM.
+            self.root = seam.uninstrumented(runner.get_model(), lambda module: worker_tree(module, model_type))
+        else:
+            self.root = worker_tree(runner.get_model(), model_type)
         self.folder = Path(folder) if folder else None
+        self.sae_folder = Path(sae_folder) if sae_folder else None
+        #: The SAEs loaded on the engine's device (float32), by file; the least recently used go past `sae_cache`.
+        self.saes: "OrderedDict[str, Any]" = OrderedDict()
+        self.sae_cache = sae_cache
         self.writer = writer  # the rank that writes harvests (others compute the same rows)
         self.live: dict[str, Live] = {}
         self.sites: dict[tuple[str, Optional[int]], Site] = {}
         self.hooks: dict[tuple[int, str], Any] = {}
         self.locations: dict[str, tuple[int, str]] = {}
         self.work: dict[tuple[int, str], tuple[list, list]] = {}
-        self.done: list[Live] = []
+        #: This step's harvested rows, still on the device: (rows [n, hidden], [(live, site index, slots)]).
+        self.reads: list[tuple[torch.Tensor, list[tuple[Live, int, list[int]]]]] = []
         self.last_shape: Optional[tuple] = None  # the requests' rows of the last step whose work can be reused
         model = runner.get_model()
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, runner.model_config.dtype
+        self.writer_thread = HarvestWriter(self)
         execute_model = runner.execute_model
 
         def updated(scheduler_output: Any) -> None:
@@ -100,8 +130,8 @@ class ServeState:
 
         def executed(*args: Any, **kwargs: Any) -> Any:
             output = execute_model(*args, **kwargs)
-            if self.done:
-                self.flush()
+            if self.reads:
+                self.send()
             return output
 
         # On the instance: vLLM's worker calls these through the runner, whatever its class.
@@ -127,6 +157,25 @@ class ServeState:
             self.sites[key] = locate(self.root, value, layer)
         return self.sites[key]
 
+    def sae(self, stem: str) -> Any:
+        """A stored SAE by its file's stem (the front end's name for one upload), float32 on the engine's device."""
+        from .storage import sae_from_bytes
+
+        if stem in self.saes:
+            self.saes.move_to_end(stem)
+            return self.saes[stem]
+        if self.sae_folder is None or not _valid_stem(stem):
+            raise ValueError(f"no SAE file {stem!r}")
+        sae = sae_from_bytes((self.sae_folder / f"{stem}.safetensors").read_bytes()).to(torch.float32, self.device)
+        self.saes[stem] = sae
+        # (an operation holds a copy of the SAE's record around the same weight tensors)
+        in_use = {id(item.W_enc) for live in self.live.values() for item in live.sae_objects()}
+        for old in [key for key in self.saes if key != stem and id(self.saes[key].W_enc) not in in_use]:
+            if len(self.saes) <= self.sae_cache:
+                break
+            del self.saes[old]
+        return sae
+
     def admit(self, payload: str, length: int) -> Live:
         """A request's plan from its JSON (checked by the front end), with its positions for its real prompt."""
         from .protocol import positions_rule, vector_from_bytes
@@ -138,12 +187,19 @@ class ServeState:
             site = self.site(item["value"], item["layer"])
             rule = positions_rule(item["positions"], "positions")
             steer = Steer(item["value"], item["layer"], vector_from_bytes(item["vector"]), scale=item["scale"],
-                          positions=rule, mode=item["mode"], generated=item["generated"])
+                          positions=rule, mode=item["mode"], generated=item["generated"],
+                          projection=item.get("projection", 0.0), norm_match=item.get("norm_match", False),
+                          from_step=item.get("from_step", 0))
+            if steer.mode == "sae_clamp":
+                steer.sae, steer.feature = self.sae(item["sae"]), item["feature"]
             chosen = None if rule == "all" else frozenset(prompt_positions(rule, length, 0))
             order = per_key.get(site.key, 0)
             per_key[site.key] = order + 1
-            steers.append(SteerEntry(site, steer.delta(self.dtype, self.device), steer.mode, chosen,
-                                     steer.generated, length, order))
+            if steer.mode in ("add", "set") and not steer.norm_match:  # batched: one edit per step for every request
+                delta, mode = steer.delta(self.dtype, self.device), steer.mode
+            else:
+                delta, mode = steer.operation(self.dtype, self.device), None
+            steers.append(SteerEntry(site, delta, mode, chosen, steer.generated, length, order, steer.from_step))
         live = Live(steers)
         harvest = plan.get("harvest")
         if harvest is not None:
@@ -156,6 +212,10 @@ class ServeState:
             live.positions = prompt_positions(rule, length, 0)
             live.slots = {position: slot for slot, position in enumerate(live.positions)}
             live.harvest_meta = {"values": harvest["values"], "layers": layers, "positions": live.positions}
+            if harvest.get("sae") is not None:
+                top_k = harvest.get("top_k")
+                live.readout = (self.sae(harvest["sae"]), top_k)
+                live.harvest_meta["values"] = ["sae_features"] if top_k is None else ["sae_values", "sae_indices"]
         return live
 
     def observe(self, scheduler_output: Any) -> None:
@@ -202,7 +262,7 @@ class ServeState:
         # same rows with the same vectors every step: the last step's work is this one's.
         shape = tuple((span.key, span.start, span.count) for _, span in spans)
         uniform = all(not live.harvest_sites or live.written for live, _ in spans) and \
-            all(entry.chosen is None and entry.generated for live, _ in spans for entry in live.steers)
+            all(entry.every_row for live, _ in spans for entry in live.steers)
         if uniform and shape == self.last_shape:
             return self.work
         self.last_shape = shape if uniform else None
@@ -214,7 +274,9 @@ class ServeState:
                 ranges = self._steer_ranges(entry, span)
                 if ranges:
                     rounds = steers.setdefault(entry.site.key, {}).setdefault(entry.order, {})
-                    group = rounds.setdefault((id(entry.site), entry.mode), (entry.site, entry.mode, [], []))
+                    # add and set batch every request's rows into one edit; any other operation edits its own rows
+                    batch = (id(entry.site), entry.mode) if entry.mode is not None else (id(entry.site), id(entry))
+                    group = rounds.setdefault(batch, (entry.site, entry.mode, [], []))
                     group[2].extend(ranges)
                     group[3].append((len(ranges), entry.delta, sum(stop - begin for begin, stop in ranges)))
             if live.harvest_sites and not live.written:
@@ -223,16 +285,18 @@ class ServeState:
                 if chosen:
                     ranges = [(span.start + position - span.first, span.start + position - span.first + 1)
                               for position in chosen]
+                    slots = [live.slots[position] for position in chosen]
                     for index, site in enumerate(live.harvest_sites):
                         read = reads.setdefault(site.key, {}).setdefault(id(site), (site, [], []))
                         read[1].extend(ranges)
-                        read[2].append((live, index, [live.slots[position] for position in chosen]))
+                        read[2].append((live, index, slots))
         work: dict[tuple[int, str], tuple[list, list]] = {}
         for key in set(steers) | set(reads):
             edits = []
             for order in sorted(steers.get(key, {})):
                 for site, mode, ranges, deltas in steers[key][order].values():
-                    edits.append((site, mode, rows_of(ranges, self.device), self._deltas(deltas)))
+                    edits.append((site, mode, rows_of(ranges, self.device),
+                                  self._deltas(deltas) if mode is not None else deltas[0][1]))
             harvests = [(site, rows_of(ranges, self.device), layout)
                         for site, ranges, layout in reads.get(key, {}).values()]
             work[key] = (edits, harvests)
@@ -240,13 +304,13 @@ class ServeState:
 
     @staticmethod
     def _steer_ranges(entry: SteerEntry, span: Span) -> list[tuple[int, int]]:
-        if entry.chosen is None and entry.generated:
+        if entry.every_row:
             return [(span.start, span.start + span.count)]
         ranges = []
         for offset in range(span.count):
             position = span.first + offset
             steered = (entry.chosen is None or position in entry.chosen) if position < entry.length \
-                else entry.generated
+                else entry.generated and position - entry.length >= entry.from_step
             if steered:
                 ranges.append((span.start + offset, span.start + offset + 1))
         return ranges
@@ -295,55 +359,91 @@ class ServeState:
             for site, rows, layout in harvests:
                 if rows is None:
                     continue
-                read = site.read_rows(raw, rows)
-                start = 0
-                for live, index, slots in layout:
-                    self._store(live, index, slots, read[start:start + len(slots)])
-                    start += len(slots)
+                read = site.read_rows(raw, rows)  # stays on the device until the step ends
+                if not any(live.readout for live, _, _ in layout):
+                    self.reads.append((read, layout))
+                    continue
+                start = 0  # an SAE harvest's rows become its features here, so the dense rows never leave
+                for entry in layout:
+                    live, count = entry[0], len(entry[2])
+                    piece = read[start:start + count]
+                    self.reads.append((features(*live.readout, piece) if live.readout else piece, [entry]))
+                    start += count
         except Exception:  # noqa: BLE001  (logged; a hook must not take the engine down)
             logger.exception("streamscope serve: a hook failed; this step's plans were dropped")
             self.work, self.last_shape = {}, None
 
-    def _store(self, live: Live, index: int, slots: list[int], rows: torch.Tensor) -> None:
-        if live.buffer is None:
-            shape = (len(live.harvest_sites), len(live.positions), rows.shape[-1])
-            pinned = rows.device.type != "cpu"
-            live.buffer = torch.empty(shape, dtype=rows.dtype, pin_memory=pinned)
-            live.filled = torch.zeros(shape[:2], dtype=torch.bool)
-        first, count = slots[0], len(slots)
-        if slots == list(range(first, first + count)):
-            live.buffer[index, first:first + count].copy_(rows, non_blocking=True)
-            live.filled[index, first:first + count] = True
-        else:
-            live.buffer[index, slots] = rows.to("cpu")
-            live.filled[index, slots] = True
-        if bool(live.filled.all()) and not any(item is live for item in self.done):
-            self.done.append(live)
-
     # ---------------------------------------------------------------- harvests to disk
 
-    def flush(self) -> None:
-        """Write every completed harvest to the server's folder (once its copies to host memory have landed)."""
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        done, self.done = self.done, []
-        for live in done:
-            live.written = True
-            if not self.writer or self.folder is None or live.buffer is None:
-                continue
-            tensors: dict[str, torch.Tensor] = {}
-            index = 0
-            layers = len(live.harvest_meta["layers"])
-            for value in live.harvest_meta["values"]:
-                if value in ROOT_VALUES:
-                    tensors[value] = live.buffer[index].clone()
-                    index += 1
-                else:
-                    tensors[value] = live.buffer[index:index + layers].clone()
-                    index += layers
-            metadata = {key: json.dumps(item) for key, item in live.harvest_meta.items()}
-            self._write(live.harvest_id, tensors, metadata)
-            live.buffer = None
+    def send(self) -> None:
+        """Hand the step's harvested rows to the writer thread: one gathered copy to host memory, not waited for.
+
+        Counts each request's rows read here, on the engine's thread, so the
+        next step's plan knows which harvests are complete without waiting
+        for the copies.
+        """
+        reads, self.reads = self.reads, []
+        if not self.writer or self.folder is None:  # another rank of a parallel engine: it writes nothing
+            for _, layout in reads:
+                for live, _, slots in layout:
+                    live.read += len(slots)
+                    live.written = live.read == len(live.harvest_sites) * len(live.positions)
+            return
+        # Per dtype (the model's; float32 for SAE features), every read flattened into one tensor and copied at once;
+        # a piece is (live, site index, slots, first element, rows, width) in its dtype's tensor.
+        copies = []
+        for dtype in {rows.dtype for rows, _ in reads}:
+            pieces: list[tuple[Live, int, list[int], int, int, int]] = []
+            start = 0
+            mine = [(rows, layout) for rows, layout in reads if rows.dtype == dtype]
+            for rows, layout in mine:
+                width = rows.shape[-1]
+                for live, index, slots in layout:
+                    pieces.append((live, index, slots, start, len(slots), width))
+                    start += len(slots) * width
+            flat = torch.cat([rows.reshape(-1) for rows, _ in mine]) if len(mine) > 1 else mine[0][0].reshape(-1)
+            if flat.device.type == "cuda":
+                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                host.copy_(flat, non_blocking=True)
+            else:
+                host = flat
+            copies.append((host, pieces))
+        event = None
+        if any(host.is_pinned() for host, _ in copies):
+            event = torch.cuda.Event()
+            event.record()
+        complete = []
+        for live, _, slots, *_ in (piece for _, pieces in copies for piece in pieces):
+            live.read += len(slots)
+            if not live.written and live.read == len(live.harvest_sites) * len(live.positions):
+                live.written = True
+                complete.append(live)
+        self.writer_thread.put((event, copies, complete))
+
+    def write(self, live: Live) -> None:
+        """Write one complete harvest (called on the writer thread)."""
+        if live.buffer is None:
+            return
+        tensors: dict[str, torch.Tensor] = {}
+        index = 0
+        layers = len(live.harvest_meta["layers"])
+        if live.readout is not None:  # one site: [1, positions, d_sae], or the top k's values then indices
+            top_k = live.readout[1]
+            if top_k is None:
+                tensors["sae_features"] = live.buffer.clone()
+            else:
+                tensors["sae_values"] = live.buffer[..., :top_k].clone()
+                tensors["sae_indices"] = live.buffer[..., top_k:].long()
+        for value in live.harvest_meta["values"] if live.readout is None else ():
+            if value in ROOT_VALUES:
+                tensors[value] = live.buffer[index].clone()
+                index += 1
+            else:
+                tensors[value] = live.buffer[index:index + layers].clone()
+                index += layers
+        metadata = {key: json.dumps(item) for key, item in live.harvest_meta.items()}
+        self._write(live.harvest_id, tensors, metadata)
+        live.buffer = None
 
     def _write(self, harvest_id: Optional[str], tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
         from safetensors.torch import save_file
@@ -362,6 +462,79 @@ class ServeState:
         aside = self.folder / f".{harvest_id}.failing"
         aside.write_text(message)
         os.replace(aside, self.folder / f"{harvest_id}.error")
+
+
+class HarvestWriter:
+    """A thread that takes each step's harvested rows once their copy has landed and writes complete harvests.
+
+    Its queue is in step order, so a request's rows from every step are in its
+    buffer before the step that completed it is written. Started on first use.
+    """
+
+    def __init__(self, state: ServeState) -> None:
+        self.state = state
+        self.queue: "queue.Queue[Any]" = queue.Queue()
+        self.thread: Optional[threading.Thread] = None
+
+    def put(self, item: Any) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.run, name="streamscope-harvest-writer", daemon=True)
+            self.thread.start()
+        self.queue.put(item)
+
+    def run(self) -> None:
+        while True:
+            event, copies, complete = self.queue.get()
+            try:
+                self.take(event, copies, complete)
+            finally:
+                self.queue.task_done()
+
+    def take(self, event: Any, copies: list, complete: list[Live]) -> None:
+        pieces = [(host, *piece) for host, pieces in copies for piece in pieces]
+        try:
+            if event is not None:
+                event.synchronize()  # this step's copy to host memory has landed; the engine has not waited for it
+            for host, live, index, slots, start, count, width in pieces:
+                if live.buffer is None:
+                    live.buffer = torch.empty((len(live.harvest_sites), len(live.positions), width), dtype=host.dtype)
+                rows = host[start:start + count * width].view(count, width)
+                first = slots[0]
+                if slots == list(range(first, first + count)):
+                    live.buffer[index, first:first + count] = rows
+                else:
+                    live.buffer[index, slots] = rows
+        except Exception as error:  # noqa: BLE001  (each of these requests' harvests says why)
+            logger.exception("streamscope serve: a step's harvested rows could not be stored")
+            for live in {id(live): live for _, live, *_ in pieces}.values():
+                live.buffer = None
+                self.state.fail(live.harvest_id, f"{type(error).__name__}: {error}")
+            return
+        for live in complete:
+            try:
+                self.state.write(live)
+            except Exception as error:  # noqa: BLE001
+                logger.exception("streamscope serve: harvest %s could not be written", live.harvest_id)
+                self.state.fail(live.harvest_id, f"{type(error).__name__}: {error}")
+
+
+def features(sae: Any, top_k: Optional[int], rows: torch.Tensor) -> torch.Tensor:
+    """An SAE harvest's rows: the SAE's features ``[rows, d_sae]`` (float32), or the top k's values then indices
+    ``[rows, 2 k]``, as `streamscope.sae.FeatureReadout` computes them in process."""
+    encoded = sae.encode(rows.float())
+    if top_k is None:
+        return encoded
+    top = encoded.topk(top_k, dim=-1)
+    return torch.cat([top.values, top.indices.float()], dim=-1)
+
+
+def _valid_stem(stem: Any) -> bool:
+    """Whether `stem` is an SAE file name the front end makes (a stored name, '-', 16 hex digits)."""
+    from .protocol import NAME
+
+    name, _, token = stem.rpartition("-") if isinstance(stem, str) else ("", "", "")
+    return bool(NAME.match(name)) and len(token) == 16 and all(c in "0123456789abcdef" for c in token) \
+        and "/" not in stem and not stem.startswith(".")
 
 
 def _valid_id(harvest_id: Any) -> bool:
@@ -384,7 +557,8 @@ def install(worker: Any) -> None:
     except Exception:  # noqa: BLE001  (no parallel groups: one rank)
         pass
     runner.__dict__["_streamscope_serve"] = ServeState(runner, runner.model_config.hf_config.model_type,
-                                                       options.get("harvests"), writer)
+                                                       options.get("harvests"), writer, options.get("saes"),
+                                                       options.get("sae_cache", 4))
 
 
 class ServeRPC:
@@ -402,11 +576,22 @@ def _gpu_worker() -> type:
     return type("ServeGPUWorker", (ServeRPC, GPUWorker), {"__module__": __name__})
 
 
+def _plain_worker(on_cpu: bool) -> type:
+    if on_cpu:
+        from vllm.v1.worker.cpu_worker import CPUWorker as base
+    else:
+        from vllm.v1.worker.gpu_worker import Worker as base
+    name = "ServePlainCPUWorker" if on_cpu else "ServePlainGPUWorker"
+    return type(name, (ServeRPC, base), {"__module__": __name__})
+
+
 def __getattr__(name: str) -> Any:
     # The worker classes vLLM imports by path in its worker process; built on first use, so that importing this
     # module does not import a platform's worker that the other platform lacks.
     if name == "ServeGPUWorker":
         klass = _gpu_worker()
+    elif name in ("ServePlainGPUWorker", "ServePlainCPUWorker"):
+        klass = _plain_worker(name == "ServePlainCPUWorker")
     elif name == "ServeCPUWorker":
         from ..vllm.worker import NNsightCPUWorker
 
@@ -417,6 +602,12 @@ def __getattr__(name: str) -> Any:
     return klass
 
 
-def worker_cls(on_cpu: bool) -> str:
-    """The worker class vLLM starts for ``streamscope serve``, as the import path it takes."""
-    return f"{__name__}.{'ServeCPUWorker' if on_cpu else 'ServeGPUWorker'}"
+def worker_cls(on_cpu: bool, tapped: bool) -> str:
+    """The worker class vLLM starts for ``streamscope serve``, as the import path it takes.
+
+    With taps, nnsight's runner (it breaks CUDA graphs at the taps and replays
+    them through its interleaver). Without, vLLM's own worker and runner: the
+    server runs no traces, and its hooks are plain torch hooks.
+    """
+    kind = ("Serve" if tapped else "ServePlain") + ("CPUWorker" if on_cpu else "GPUWorker")
+    return f"{__name__}.{kind}"

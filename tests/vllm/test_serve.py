@@ -128,10 +128,12 @@ def complete(api, prompt, field=None, **options):
 
 
 def steer_json(steer: Steer) -> dict:
+    """The request field's form of `steer`, written out here (not by streamscope.Client) to pin the wire format."""
     from streamscope.serve.protocol import rule_json
 
     return {"value": steer.value, "layer": steer.layer, "vector": steer.vector.tolist(), "scale": steer.scale,
-            "positions": rule_json(steer.positions), "mode": steer.mode, "generated": steer.generated}
+            "positions": rule_json(steer.positions), "mode": steer.mode, "generated": steer.generated,
+            "projection": steer.projection, "norm_match": steer.norm_match, "from_step": steer.from_step}
 
 
 def in_process(model, prompt, steers):
@@ -162,6 +164,19 @@ STEERS = {
     "root": [Steer("token_embeddings", None, vector(5), scale=0.5)],
     "same-site-twice": [Steer("layer_output", 0, vector(6)), Steer("layer_output", 0, vector(7), mode="set",
                                                                     positions="last")],
+    # issue 21's operations, each as model.generate runs it in process
+    "ablate-every-block": [Steer("layer_output", layer, vector(9), mode="ablate") for layer in range(3)],
+    "ablate-half-last": [Steer("mlp_output", 1, vector(10), mode="ablate", scale=0.5, positions="last")],
+    "clamp": [Steer("layer_mid", 1, vector(11), mode="clamp", projection=6.0)],
+    "clamp-norm-matched": [Steer("layer_output", 0, vector(12), mode="clamp", projection=-4.0, norm_match=True)],
+    "add-norm-matched": [Steer("layer_output", 1, vector(13), scale=8.0, norm_match=True, positions=[0, 1])],
+    "set-norm-matched": [Steer("attention_output", 2, vector(14), mode="set", scale=3.0, norm_match=True)],
+    "generated-from-step-2": [Steer("layer_output", 1, vector(15), scale=6.0, positions="none", from_step=2)],
+    "several-modes-several-blocks": [
+        Steer("layer_output", 0, vector(16), scale=3.0, positions="last", from_step=1),
+        Steer("layer_output", 0, vector(17), mode="ablate"),
+        Steer("layer_mid", 2, vector(18), mode="clamp", projection=2.0, norm_match=True, generated=False),
+        Steer("token_embeddings", None, vector(19), mode="set", scale=0.5, positions=[1])],
 }
 
 
@@ -177,14 +192,149 @@ def test_steered_completion_equals_in_process_generate(api, model, name):
                                           temperature=0, logprobs=1,
                                           extra_body={"streamscope": {"steer": [steer_json(item) for item in steers]},
                                                       "return_token_ids": True})
-        tokens = ids(api, response)
+        tokens, logprobs = ids(api, response), response.choices[0].logprobs.token_logprobs
         expected_tokens, expected = in_process(model, prompt, steers)
-        same_run(tokens, response.choices[0].logprobs.token_logprobs, expected_tokens, expected, f"{name} {prompt!r}")
-        assert tokens != in_process(model, prompt, [])[0] or name == "set-last-prompt-only", "the steer changed nothing"
+        same_run(tokens, logprobs, expected_tokens, expected, f"{name} {prompt!r}")
+        plain_tokens, plain = in_process(model, prompt, [])
+        changed = tokens != plain_tokens or max(abs(a - b) for a, b in zip(logprobs, plain)) > 1e-3
+        assert changed, f"{name}: the steer changed nothing on {prompt!r}"
 
 
-def test_unsteered_completion_equals_plain_vllm(api, model):
+def test_a_prompt_list_is_steered_prompt_by_prompt(api, server, model):
+    """The completions API's prompt list, with one steer for all of them: each choice equals its prompt's
+    in-process run. A steer that depends on where a prompt ends, or a harvest, takes one prompt a request."""
+    steers = [Steer("layer_output", 1, vector(20), scale=4.0), Steer("layer_mid", 0, vector(21), mode="ablate")]
+    response = api.completions.create(model=api.models.list().data[0].id, prompt=PROMPTS, max_tokens=STEPS,
+                                      temperature=0, logprobs=1,
+                                      extra_body={"streamscope": {"steer": [steer_json(item) for item in steers]},
+                                                  "return_token_ids": True})
+    assert len(response.choices) == len(PROMPTS)
+    for choice in response.choices:
+        expected_tokens, expected = in_process(model, PROMPTS[choice.index], steers)
+        same_run(choice.model_extra["token_ids"], choice.logprobs.token_logprobs, expected_tokens, expected,
+                 f"prompt {choice.index} of a list")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    plain = complete(api, LONG)
+    for field, named in (({"steer": [steer_json(Steer("layer_output", 1, vector(20), positions="last"))]},
+                          "its own request"),
+                         ({"harvest": {"values": "layer_output"}}, "one prompt per request")):
+        body = {"model": api.models.list().data[0].id, "prompt": PROMPTS[:2], "max_tokens": STEPS,
+                "streamscope": field}
+        refused = httpx.post(server + "/v1/completions", json=body, headers=auth)
+        assert refused.status_code == 400 and named in refused.json()["error"]["message"], refused.text
+        assert complete(api, LONG)[2] == plain[2]
+
+
+def test_client_sends_prompts_that_can_share_a_request_together(server, model):
+    client = streamscope.Client(server, api_key=KEY, batch=3)
+    sent = []
+    complete_one = client._complete
+
+    def recording(prompt, options, field):
+        sent.append(prompt)
+        return complete_one(prompt, options, field)
+
+    client._complete = recording
+    uniform_steer = [Steer("layer_output", 2, vector(22), scale=3.0)]
+    remote = client.generate(PROMPTS, max_tokens=STEPS, steer=uniform_steer)
+    local = model.generate(PROMPTS, max_tokens=STEPS, steer=uniform_steer, progress=False)
+    assert remote.tokens == local.tokens and remote.texts == local.texts
+    assert sorted(1 if isinstance(item, str) else len(item) for item in sent) == [1, 3], "four prompts went as one request of 3 and one of 1"
+    sent.clear()
+    last_only = [Steer("layer_output", 2, vector(22), scale=3.0, positions="last")]
+    remote = client.generate(PROMPTS, max_tokens=STEPS, steer=last_only)
+    assert remote.tokens == model.generate(PROMPTS, max_tokens=STEPS, steer=last_only, progress=False).tokens
+    assert all(isinstance(item, str) for item in sent) and len(sent) == len(PROMPTS), "one request a prompt"
+
+
+def tiny_sae(activation: str = "relu", k=None, seed: int = 30, width: int = HIDDEN, layer: int = 1):
+    """A random SAE on layer_output of block `layer` (weights scaled so that a fair share of features fire)."""
+    from streamscope.sae import SAE
+
+    generator, features = torch.Generator().manual_seed(seed), 96
+    return SAE(torch.randn(width, features, generator=generator) / width ** 0.5,
+               torch.randn(features, generator=generator) * 0.1,
+               torch.randn(features, width, generator=generator) / features ** 0.5,
+               torch.randn(width, generator=generator) * 0.1, "layer_output", layer, activation, k=k)
+
+
+def test_saes_over_http_equal_in_process(client, api, model, server):
+    """A stored SAE: its features harvested in the server's engine (dense and top k) equal ``model.harvest(...,
+    sae=...)``; a feature clamped in the loop and a steer along a feature's direction, sent by the SAE's name,
+    equal ``model.generate(steer=[sae.clamp(...)])`` and ``[sae.steer(...)]``. Each bad SAE request is refused,
+    naming the field, and the server serves on."""
+    from streamscope.serve.storage import sae_bytes
+
+    relu, topk = tiny_sae(), tiny_sae("topk", k=8, seed=31)
+    client.store_sae("relu", relu)
+    client.store_sae("topk", topk)
+    assert [(item["name"], item["d_sae"]) for item in client.saes()] == [("relu", 96), ("topk", 96)]
+    for sae in (relu, topk):
+        for top_k in (None, 5):
+            remote = client.harvest(PROMPTS[:3], sae=sae, positions="all", top_k=top_k)
+            local = model.harvest(PROMPTS[:3], sae=sae, positions="all", top_k=top_k, progress=False)
+            assert sorted(remote.values) == sorted(local.values) and remote.positions == local.positions
+            for name in local.values:
+                for got, want in zip(remote[name], local[name]):
+                    assert got.shape == want.shape and got.dtype == want.dtype, name
+                    if name == "sae_indices":
+                        assert torch.equal(got, want)
+                    else:
+                        assert (got - want).abs().max() <= TOLERANCE * max(1.0, float(want.abs().max())), name
+    clamp = [relu.clamp(3, 12.0, positions=[0, -1]), topk.clamp(7, 5.0)]
+    remote_run = client.generate(PROMPTS[:3], max_tokens=STEPS, steer=clamp)
+    assert remote_run.tokens == model.generate(PROMPTS[:3], max_tokens=STEPS, steer=clamp, progress=False).tokens
+    by_name = [{"mode": "sae_clamp", "sae": "relu", "feature": 3, "projection": 12.0},
+               {"sae": "topk", "feature": 11, "scale": 6.0, "positions": "last"}]
+    in_process_steers = [relu.clamp(3, 12.0), topk.steer(11, scale=6.0, positions="last")]
+    for prompt in PROMPTS[:2]:
+        response = api.completions.create(model=api.models.list().data[0].id, prompt=prompt, max_tokens=STEPS,
+                                          temperature=0, logprobs=1,
+                                          extra_body={"streamscope": {"steer": by_name}, "return_token_ids": True})
+        expected_tokens, expected = in_process(model, prompt, in_process_steers)
+        same_run(ids(api, response), response.choices[0].logprobs.token_logprobs, expected_tokens, expected,
+                 f"SAE steers by name on {prompt!r}")
+        plain_tokens, plain_logprobs = in_process(model, prompt, [])
+        assert ids(api, response) != plain_tokens or max(
+            abs(a - b) for a, b in zip(response.choices[0].logprobs.token_logprobs, plain_logprobs)) > 1e-3
+    auth = {"Authorization": f"Bearer {KEY}"}
+    plain = complete(api, LONG)
+    for field, status, named in (
+            ({"steer": [{"mode": "sae_clamp", "sae": "nobody", "feature": 1}]}, 404, "streamscope.steer[0].sae"),
+            ({"steer": [{"mode": "sae_clamp", "sae": "relu", "feature": 96}]}, 400, "streamscope.steer[0].feature"),
+            ({"steer": [{"mode": "sae_clamp", "feature": 1, "value": "layer_output", "layer": 1}]}, 400,
+             "streamscope.steer[0].sae"),
+            ({"steer": [{"sae": "relu", "feature": 1, "value": "layer_output", "layer": 0}]}, 400,
+             "its SAE's own site"),
+            ({"steer": [{"sae": "relu", "feature": 1, "vector": [0.0] * HIDDEN}]}, 400, "streamscope.steer[0].vector"),
+            ({"harvest": {"sae": "relu", "top_k": 0}}, 400, "streamscope.harvest.top_k"),
+            ({"harvest": {"sae": "relu", "values": "layer_output"}}, 400, "leave values and layers out"),
+            ({"harvest": {"top_k": 3}}, 400, "streamscope.harvest.top_k")):
+        body = {"model": api.models.list().data[0].id, "prompt": LONG, "max_tokens": STEPS, "streamscope": field}
+        refused = httpx.post(server + "/v1/completions", json=body, headers=auth)
+        assert refused.status_code == status and named in refused.json()["error"]["message"], (field, refused.text)
+        assert complete(api, LONG)[2] == plain[2]
+    for data, kind, named in ((sae_bytes(tiny_sae(width=32)), "application/octet-stream", "32 wide"),
+                              (sae_bytes(tiny_sae(layer=7)), "application/octet-stream", "block 7"),
+                              (pickle.dumps(relu), "application/octet-stream", "never pickles"),
+                              (sae_bytes(relu), "application/json", "Content-Type")):
+        refused = httpx.put(server + "/v1/streamscope/saes/bad", content=data, headers={**auth, "Content-Type": kind})
+        assert refused.status_code == 400 and named in refused.json()["error"]["message"], refused.text
+    client.delete_sae("topk")
+    gone = httpx.post(server + "/v1/completions", headers=auth, json={
+        "model": api.models.list().data[0].id, "prompt": LONG, "max_tokens": 2,
+        "streamscope": {"harvest": {"sae": "topk"}}})
+    assert gone.status_code == 404 and "no stored SAE" in gone.json()["error"]["message"]
+    client.delete_sae("relu")
+    assert client.saes() == [] and complete(api, LONG)[2] == plain[2]
+
+
+def test_unsteered_completion_equals_plain_vllm(api, model, client):
+    """The untapped server runs vLLM's own worker and runner (no nnsight controller on any module), and an
+    unsteered request equals plain vLLM's."""
     from vllm import SamplingParams
+
+    assert client.info()["worker"] == "streamscope.serve.worker.ServePlainCPUWorker"
 
     for prompt in PROMPTS:
         response = api.completions.create(model=api.models.list().data[0].id, prompt=prompt, max_tokens=STEPS,
@@ -384,6 +534,20 @@ BAD = [
     ({"harvest": {"values": "layer_output", "code": "import os"}}, 400, "unknown field"),
     ({"steer": [{"value": "layer_output", "layer": 1, "vector": [0.0] * HIDDEN, "scale": 1e39}]}, 400, "scale"),
     ("__import__('os')", 400, "expected a JSON object"),
+    # issue 21's fields
+    ({"steer": [{"value": "layer_output", "layer": 1, "vector": [1.0] * HIDDEN, "mode": "clamp", "projection": "x"}]},
+     400, "streamscope.steer[0].projection"),
+    ({"steer": [{"value": "layer_output", "layer": 1, "vector": [1.0] * HIDDEN, "norm_match": "yes"}]}, 400,
+     "streamscope.steer[0].norm_match"),
+    ({"steer": [{"value": "layer_output", "layer": 1, "vector": [1.0] * HIDDEN, "from_step": -1}]}, 400,
+     "streamscope.steer[0].from_step"),
+    ({"steer": [{"value": "layer_output", "layer": 1, "vector": [0.0] * HIDDEN, "mode": "ablate"}]}, 400,
+     "non-zero vector"),
+    ({"steer": [{"value": "layer_output", "layer": 1, "vector": [1.0] * HIDDEN, "origin": {"hidden_size": 4096}}]},
+     400, "streamscope.steer[0].origin"),
+    ({"steer": [{"value": "layer_output", "layer": 1, "vector": [1.0] * HIDDEN, "origin": "llama"}]}, 400,
+     "streamscope.steer[0].origin"),
+    ({"harvest": {"values": "layer_output", "positions": "none"}}, 400, "streamscope.harvest.positions"),
 ]
 
 
@@ -450,6 +614,7 @@ def test_a_tapped_server_serves_its_taps_and_refuses_the_rest(path, model, tmp_p
         api = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         info = streamscope.Client(url, api_key=KEY).info()
         assert info["taps"] == ["layers.*.layer_output"] and info["vectors"] == ["happy"] and info["default_steer"]
+        assert info["worker"] == "streamscope.serve.worker.ServeCPUWorker"  # nnsight's runner, for the taps
         # Started with --default-steer: a request without the field is steered by it.
         response = api.completions.create(model=api.models.list().data[0].id, prompt=PROMPTS[1], max_tokens=STEPS,
                                           temperature=0, logprobs=1, extra_body={"return_token_ids": True})
@@ -477,7 +642,7 @@ def test_the_readme_serving_blocks_run_against_the_server(server):
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     section = readme.split("\n## Serving\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     for block in blocks:
         exec(compile(block, "README.md#serving", "exec"), {"url": server, "api_key": KEY})
 
