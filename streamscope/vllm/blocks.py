@@ -9,7 +9,7 @@ hidden_states), with the stream whole (`WholeStream`: where it sits in the
 call, whether the block returns it first in a tuple), or as transformers' own
 module inside vLLM's Transformers backend (`Backend`). Every layout skips per
 request (`VllmSkip`). The engine composes the layout with the family's
-engine-neutral block kind (`vllm_kind`); the sublayers are `streamscope.blocks`'
+engine-neutral block kind (`block_kind`); the sublayers are `streamscope.blocks`'
 own, but for the attention, whose internals are read at vLLM's attention layer
 (`streamscope.vllm.attention`).
 """
