@@ -62,6 +62,16 @@ class Engine:
         """`prompt` run once per body, each in its own invoke (an edit each, say): ``[body][tensor]``."""
         raise NotImplementedError
 
+    def batch(self, asked: Optional[int], default: int, count: int) -> int:
+        """How many of a workflow's `count` prompts (or patches) one `run` (`run_each`) takes: `asked` where the
+        caller gave it, else the engine's choice. Here `default`, the workflow's batch of one padded forward."""
+        if asked is None:
+            return default
+        if isinstance(asked, bool) or not isinstance(asked, int) or asked < 1:
+            raise ValueError(f"batch_size={asked!r}: give a positive whole number (or leave it out for the "
+                             f"engine's choice)")
+        return asked
+
     def unembed(self, normed: torch.Tensor) -> torch.Tensor:
         """Inside a trace: the logits ``[tokens, vocab_size]`` of final-norm outputs ``[tokens, hidden_size]``.
 

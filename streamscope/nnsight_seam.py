@@ -41,6 +41,8 @@ first use (module ``__getattr__``), not with this module.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import warnings
 from functools import partial
@@ -103,6 +105,8 @@ __all__ = [
     "redirect_write_back",
     "filter_write_backs", "rename_out_of_order", "around_mediator_run", "kernel_call_names", "ensure_source",
     "unwrapped_generate", "running_taps", "interleaving", "take_request_error", "collect_requests", "set_client_worker",
+    "HandedSaves", "hand_saves_over", "handing_over", "saves_transport", "SAVES_TRANSPORT_ENV", "transport_counts",
+    "bundle_interventions", "bundle_counts",
     # Loaded on first use by the module's __getattr__ (vLLM is not imported with streamscope).
     "NNsightGPUWorker", "NNsightGPUModelRunner", "ParallelEnvoy", "parallel_envoys", "VLLMClient",  # noqa: F822
 ]
@@ -531,6 +535,316 @@ def set_client_worker(model_or_class: Any, worker_cls: str) -> None:
         setattr(model_or_class, "_WORKER_CLS", worker_cls)
     else:
         object.__setattr__(model_or_class, "_WORKER_CLS", worker_cls)
+
+
+# A vLLM trace's saves on their way home: handed over as tensors where the engine shares the caller's process.
+
+#: ``pickle`` makes every vLLM trace send its saves pickled, as nnsight does, even with the engine in this process.
+SAVES_TRANSPORT_ENV = "STREAMSCOPE_SAVES_TRANSPORT"
+_TRANSPORTS = ("auto", "pickle")
+#: The process whose vLLM client takes saves handed over (set by `hand_saves_over`; a forked child differs).
+_CLIENT_PID: list[int] = []
+#: Set while a streamscope worker answers a collect (`handing_over`): another engine's worker (raw nnsight's, in
+#: the same process) keeps nnsight's pickled answer.
+_HANDING: list[bool] = []
+#: Collects answered each way, per process (`transport_counts`).
+_COUNTS = {"handed": 0, "pickled": 0, "tensors_handed": 0}
+
+
+class HandedSaves:
+    """One collect's saves, from a vLLM worker to the client in the same process, with no tensor pickled.
+
+    nnsight's worker pickles what a trace saved (``dumps_compact``) and its
+    engine unpickles it, even where both are one process: a trace that saves
+    every block's activations copies them to host bytes and back. Here the
+    structure around the tensors (dicts, lists, the user's own objects, an
+    error's record) is still pickled, so the caller gets the same new objects
+    and the same identities the pickled path gives; every plain tensor travels
+    beside it as a device-side copy taken by nnsight's own rule: a tensor that
+    views part of a larger storage (a read narrowed out of the step's batch)
+    comes home as a copy of itself (``clone``), any other with a copy of its
+    whole storage at the same offset and strides, which is what unpickling
+    rebuilds. The copy is what makes it the caller's: the model's tensors are
+    inference tensors that later steps may write over.
+    """
+
+    __slots__ = ("structure", "tensors")
+
+    def __init__(self, structure: bytes, tensors: list) -> None:
+        self.structure = structure
+        self.tensors = tensors
+
+
+def _owned_copy(tensor: Any) -> Any:
+    """`tensor` as unpickling it would rebuild it: values, dtype, device, shape, strides, offset; not an
+    inference tensor (the copy is made outside inference mode)."""
+    import torch
+
+    with torch.inference_mode(False):
+        if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+            return tensor.clone()  # nnsight's compact rule: a view of a larger storage comes home as itself alone
+        storage = tensor.untyped_storage().clone()
+        copy = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        copy.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+        copy.requires_grad_(tensor.requires_grad)
+        return copy
+
+
+def _plain(tensor: Any) -> bool:
+    """Whether `tensor` is a dense tensor over one storage (sparse, quantized and conjugated ones are pickled)."""
+    import torch
+
+    return (tensor.layout == torch.strided and not tensor.is_quantized and not tensor.is_conj()
+            and not tensor.is_neg())
+
+
+def _pack(collected: Any, compact: Callable[[Any], bytes]) -> Any:
+    """`collected` as `HandedSaves` for a client of this process; pickled by `compact` (nnsight's) otherwise."""
+    # Read, not checked: the worker must answer whatever the setting (`hand_saves_over` refused a bad one).
+    if (not _HANDING or os.environ.get(SAVES_TRANSPORT_ENV) == "pickle" or not _CLIENT_PID
+            or _CLIENT_PID[0] != os.getpid()):
+        _COUNTS["pickled"] += 1
+        return compact(collected)
+    import io
+    import pickle
+
+    import torch
+
+    tensors: list = []
+    index: dict[int, int] = {}
+
+    class StructurePickler(pickle.Pickler):
+        def persistent_id(self, value: Any) -> Optional[int]:
+            if type(value) is not torch.Tensor or not _plain(value):
+                return None
+            if id(value) not in index:  # one object saved twice stays one object, as pickle's memo keeps it
+                index[id(value)] = len(tensors)
+                tensors.append(_owned_copy(value))
+            return index[id(value)]
+
+        def reducer_override(self, value: Any) -> Any:
+            # A tensor subclass (a Parameter) is pickled, by nnsight's compact rule.
+            if isinstance(value, torch.Tensor) and _plain(value) and (
+                    value.untyped_storage().nbytes() > value.numel() * value.element_size()):
+                return value.clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+            return NotImplemented
+
+    buffer = io.BytesIO()
+    StructurePickler(buffer, pickle.HIGHEST_PROTOCOL).dump(collected)
+    _COUNTS["handed"] += 1
+    _COUNTS["tensors_handed"] += len(tensors)
+    return HandedSaves(buffer.getvalue(), tensors)
+
+
+def _unpack(payload: Any) -> Any:
+    """What a worker's collect answered, as nnsight's engine reads it (a pickled payload is unpickled)."""
+    import io
+    import pickle
+
+    if not isinstance(payload, HandedSaves):
+        return pickle.loads(payload)
+    tensors = payload.tensors
+
+    class StructureUnpickler(pickle.Unpickler):
+        def persistent_load(self, key: Any) -> Any:
+            return tensors[key]
+
+    return StructureUnpickler(io.BytesIO(payload.structure)).load()
+
+
+class _HandoverPickle:
+    """The ``pickle`` nnsight's vLLM engine module calls: ``loads`` also takes `HandedSaves`; the rest is pickle's."""
+
+    def __init__(self) -> None:
+        import pickle
+
+        self._pickle = pickle
+
+    def loads(self, payload: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(payload, HandedSaves):
+            return _unpack(payload)
+        return self._pickle.loads(payload, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pickle, name)
+
+
+def _transport() -> str:
+    chosen = os.environ.get(SAVES_TRANSPORT_ENV, "auto")
+    if chosen not in _TRANSPORTS:
+        raise ValueError(f"{SAVES_TRANSPORT_ENV}={chosen!r}: use one of {_TRANSPORTS} ('auto' hands a vLLM "
+                         f"trace's saves over as tensors where the engine runs in this process; 'pickle' always "
+                         f"pickles them, as nnsight does).")
+    return chosen
+
+
+def hand_saves_over() -> None:
+    """Let vLLM traces of this process take their saves as tensors from a worker in this process (idempotent).
+
+    Called in the client's process before its engine starts. nnsight's
+    worker answers a collect with ``dumps_compact(collected)`` and its engine
+    reads each rank's answer with ``pickle.loads`` (``merge_collected``): the
+    first now answers with `HandedSaves` where the worker runs in the process
+    that called this (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` with one rank), and
+    pickles as before anywhere else (an engine process, a forked rank: its pid
+    differs); the second reads either. ``STREAMSCOPE_SAVES_TRANSPORT=pickle``
+    keeps the pickled path everywhere.
+    """
+    import importlib
+
+    _transport()  # a bad setting is refused before an engine starts
+    _CLIENT_PID[:] = [os.getpid()]
+    runner = importlib.import_module("nnsight.modeling.vllm.model_runners.GPUModelRunner")
+    engine = importlib.import_module("nnsight.modeling.vllm.engines.engine")
+    if not getattr(runner.dumps_compact, "streamscope_handover", False):
+        compact = runner.dumps_compact
+        packing = partial(_pack, compact=compact)
+        setattr(packing, "streamscope_handover", True)  # marks the patch as applied
+        setattr(runner, "dumps_compact", packing)  # the name nnsight's worker pickles a collect with
+    if not isinstance(engine.pickle, _HandoverPickle):
+        setattr(engine, "pickle", _HandoverPickle())  # the pickle nnsight's engine reads a collect with
+
+
+@contextlib.contextmanager
+def handing_over() -> Any:
+    """Within the block (a streamscope worker's ``collect_nnsight``), a collect may answer with `HandedSaves`."""
+    _HANDING.append(True)
+    try:
+        yield
+    finally:
+        _HANDING.pop()
+
+
+@contextlib.contextmanager
+def saves_transport(name: str) -> Any:
+    """Within the block, vLLM traces of this process send their saves by `name` (``"auto"`` or ``"pickle"``)."""
+    before = os.environ.get(SAVES_TRANSPORT_ENV)
+    os.environ[SAVES_TRANSPORT_ENV] = name
+    try:
+        _transport()
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(SAVES_TRANSPORT_ENV, None)
+        else:
+            os.environ[SAVES_TRANSPORT_ENV] = before
+
+
+def transport_counts() -> dict[str, int]:
+    """How this process's vLLM workers have answered collects so far: ``handed`` (as `HandedSaves`),
+    ``pickled`` (nnsight's pickled payload), ``tensors_handed`` (tensors carried by the handed ones)."""
+    return dict(_COUNTS)
+
+
+# A vLLM trace's interventions on their way to the worker: one pickle per trace where the engine shares the process.
+
+#: The bundles of this process's last traces, by trace id (oldest first): their bytes, the unpickled invokes until
+#: every one is taken, which are taken.
+_BUNDLES: "collections.OrderedDict[str, dict]" = collections.OrderedDict()
+#: How many bundles a worker keeps while some of their invokes have not arrived (an aborted request's never does).
+_BUNDLES_KEPT = 16
+#: While a streamscope client attaches a trace's invokes: the trace's bundle, built on the first invoke's dumps.
+_ATTACHING: list[dict] = []
+_BUNDLE_COUNTS = {"bundles": 0, "invokes": 0, "loads": 0}
+_MEMBER = "streamscope-bundle"
+
+
+def _bundled_dumps(mediator: Any, *args: Any, dumps: Callable) -> Any:
+    """nnsight's ``dumps(mediator)`` for a request, or, while a streamscope trace attaches its invokes, a reference
+    to the trace's bundle (every invoke pickled together, once)."""
+    attaching = _ATTACHING[-1] if _ATTACHING else None
+    if attaching is None or id(mediator) not in attaching["index"]:
+        return dumps(mediator, *args)
+    if attaching["trace"] is None:
+        import uuid
+
+        trace = uuid.uuid4().hex
+        _BUNDLES[trace] = {"bytes": dumps(attaching["mediators"], *args), "loaded": None, "taken": set(),
+                           "count": len(attaching["mediators"])}
+        attaching["trace"] = trace
+        _BUNDLE_COUNTS["bundles"] += 1
+        _BUNDLE_COUNTS["invokes"] += len(attaching["mediators"])
+    return (_MEMBER, attaching["trace"], attaching["index"][id(mediator)])
+
+
+def _bundled_loads(payload: Any, *args: Any, loads: Callable, **kwargs: Any) -> Any:
+    """nnsight's worker-side ``loads`` of a request's intervention; a bundle reference takes its invoke from the
+    trace's bundle, unpickled by the first of its requests to arrive."""
+    if not (isinstance(payload, (tuple, list)) and len(payload) == 3 and payload[0] == _MEMBER):
+        return loads(payload, *args, **kwargs)
+    _, trace, index = payload
+    entry = _BUNDLES.get(trace)
+    if entry is None:
+        raise RuntimeError("this request's intervention was bundled with its trace's others, and the bundle is gone: "
+                           f"more than {_BUNDLES_KEPT} traces were attached while its requests waited. Run fewer "
+                           "traces at once (or set STREAMSCOPE_BUNDLE_INVOKES=0).")
+    _BUNDLE_COUNTS["loads"] += 1 if entry["loaded"] is None or index in entry["taken"] else 0
+    if index in entry["taken"]:
+        # A second request of the same invoke (one of the n sequences of a request with n > 1): its own copy, as
+        # nnsight unpickles one for each.
+        return loads(entry["bytes"], *args, **kwargs)[index]
+    if entry["loaded"] is None:
+        entry["loaded"] = loads(entry["bytes"], *args, **kwargs)
+    entry["taken"].add(index)
+    mediator = entry["loaded"][index]
+    if len(entry["taken"]) == entry["count"]:
+        entry["loaded"] = None  # every invoke is its request's now; the bytes stay for a late sibling sequence
+    return mediator
+
+
+def bundle_interventions(client: type, in_process: Callable[[Any], bool]) -> None:
+    """Let `client` (streamscope's vLLM model class) pickle a trace's invokes once, together, for an engine in this
+    process (idempotent).
+
+    nnsight pickles each invoke of a vLLM trace on its own (``dumps(mediator)``
+    into its request's ``extra_args``) and the worker unpickles each: the
+    model's whole envoy tree, the trace's globals and every tensor an invoke
+    names travel once per invoke, and are rebuilt once per invoke. Where
+    ``in_process(model)`` holds (the engine and its one worker run in this
+    process), the invokes are pickled as one list instead, with one memo, so
+    what they share is pickled and rebuilt once and stays shared in the
+    worker, as it is in the caller's process (where every invoke of a trace
+    runs against the same objects); each request carries a reference to the
+    bundle, which the first of them to reach the worker unpickles.
+    Elsewhere (an engine process) each invoke is pickled as before.
+    ``STREAMSCOPE_BUNDLE_INVOKES=0`` keeps nnsight's way.
+    """
+    import importlib
+
+    vllm_client = importlib.import_module("nnsight.modeling.vllm.vllm")
+    runner = importlib.import_module("nnsight.modeling.vllm.model_runners.GPUModelRunner")
+    if not getattr(vllm_client.dumps, "streamscope_bundles", False):
+        dumps = partial(_bundled_dumps, dumps=vllm_client.dumps)
+        setattr(dumps, "streamscope_bundles", True)
+        setattr(vllm_client, "dumps", dumps)  # the name nnsight's client pickles each invoke with
+    if not getattr(runner.loads, "streamscope_bundles", False):
+        loads = partial(_bundled_loads, loads=runner.loads)
+        setattr(loads, "streamscope_bundles", True)
+        setattr(runner, "loads", loads)  # the name nnsight's worker unpickles each request's invoke with
+    if "_attach_mediators" in client.__dict__:
+        return
+    attach = __getattr__("VLLMClient")._attach_mediators
+
+    def attach_bundled(model: Any, params: list, **kwargs: Any) -> list:
+        # The invokes nnsight attaches (those with a prompt), in its order.
+        mediators = [mediator for mediator in model.interleaver.mediators if mediator.batch_group is not None]
+        if len(mediators) < 2 or os.environ.get("STREAMSCOPE_BUNDLE_INVOKES") == "0" or not in_process(model):
+            return attach(model, params, **kwargs)
+        _ATTACHING.append({"mediators": mediators, "index": {id(m): i for i, m in enumerate(mediators)},
+                           "trace": None})
+        try:
+            return attach(model, params, **kwargs)
+        finally:
+            _ATTACHING.pop()
+            while len(_BUNDLES) > _BUNDLES_KEPT:
+                _BUNDLES.popitem(last=False)
+
+    setattr(client, "_attach_mediators", attach_bundled)
+
+
+def bundle_counts() -> dict[str, int]:
+    """This process's bundled traces so far: ``bundles`` pickled, ``invokes`` in them, ``loads`` (unpickled)."""
+    return dict(_BUNDLE_COUNTS)
 
 
 _VLLM_NAMES = {

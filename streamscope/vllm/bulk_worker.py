@@ -18,7 +18,25 @@ from ..nnsight_seam import NNsightGPUWorker, module_of
 
 
 class BulkRPC:
-    """Worker methods the client calls through ``collective_rpc`` to run a bulk request (`streamscope.vllm.bulk`)."""
+    """Worker methods the client calls through ``collective_rpc`` to run a bulk request (`streamscope.vllm.bulk`),
+    and nnsight's collect of a trace's saves, handed over as tensors to a client in this process."""
+
+    def streamscope_hand_saves_over(self) -> None:
+        """Called by a streamscope client once its engine is up: this worker's collects may hand saves over.
+
+        Raw nnsight's client on the same CPU worker class never calls it, so its traces keep nnsight's pickling.
+        """
+        self.streamscope_hands_over = True
+
+    def collect_nnsight(self, *args: Any, **kwargs: Any) -> Any:
+        """nnsight's collect; for a streamscope client in this process, its answer is `nnsight_seam.HandedSaves`."""
+        import contextlib
+
+        from .. import nnsight_seam as seam
+
+        handing = getattr(self, "streamscope_hands_over", False)
+        with seam.handing_over() if handing else contextlib.nullcontext():
+            return super().collect_nnsight(*args, **kwargs)  # type: ignore[misc]
 
     def streamscope_bulk_begin(self, payload: bytes) -> None:
         from .bulk import worker_begin
@@ -29,6 +47,16 @@ class BulkRPC:
         from .bulk import worker_finish
 
         return worker_finish(self, inline)
+
+    def streamscope_bulk_release(self, keys: list[str]) -> None:
+        from .bulk import worker_release
+
+        return worker_release(self, keys)
+
+    def streamscope_held_saes(self) -> list[str]:
+        """The keys of the SAEs this worker holds between runs (`streamscope.vllm.held`)."""
+        state = self.model_runner.__dict__.get("_streamscope_bulk")
+        return [] if state is None else sorted(state.saes.saes)
 
     # The weights a workflow reads (`streamscope.vllm.engine.VllmEngine`), off the worker's own modules.
 

@@ -39,6 +39,11 @@ class VllmEngine(Engine):
                     found = nnsight.save(list(body()))
         return _per_invoke(found, len(bodies))
 
+    def batch(self, asked: Optional[int], default: int, count: int) -> int:
+        # The engine schedules a trace's requests into its steps itself (as many as its batch holds, the rest in
+        # the next steps): by default a workflow submits all of them in one trace.
+        return super().batch(asked, default, count) if asked is not None else max(count, 1)
+
     def unembed(self, normed: torch.Tensor) -> torch.Tensor:
         # In the worker: the engine's own head, soft cap and scale (its logits processor's).
         return engine_logits(seam.module_of(self.model), normed)

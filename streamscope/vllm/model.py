@@ -66,6 +66,13 @@ def _in_process(engine: "StandardizedVLLM") -> bool:
     return entry is not None and hasattr(entry.llm_engine.engine_core, "engine_core")
 
 
+def _one_worker_here(engine: "StandardizedVLLM") -> bool:
+    """Whether the engine's core and its only worker run in this process (one rank, no engine process)."""
+    if not _in_process(engine):
+        return False
+    return engine.vllm_entrypoint.llm_engine.vllm_config.parallel_config.world_size == 1
+
+
 @contextlib.contextmanager
 def _keeping_process_state() -> Any:
     """Shut one in-process engine down while others of the process still run.
@@ -188,6 +195,10 @@ class StandardizedVLLM(Standardized, VLLM):
             # nnsight's GPU worker with the bulk path's RPC methods (nnsight passes worker_cls=self._WORKER_CLS).
             seam.set_client_worker(self, GPU_WORKER_CLS)
         settings.setdefault("dispatch", True)
+        # A worker in this process hands a trace's saves over as tensors, not pickled (nnsight_seam.HandedSaves),
+        # and takes a trace's invokes pickled once, together (nnsight_seam.bundle_interventions).
+        seam.hand_saves_over()
+        seam.bundle_interventions(StandardizedVLLM, _one_worker_here)
         if self.tap_names:
             settings["taps"] = self.tap_names  # resolved to nnsight's locations by `_resolve_taps`
         if torch.cuda.is_initialized():
@@ -208,6 +219,8 @@ class StandardizedVLLM(Standardized, VLLM):
                 cleanup_dist_env_and_memory()
             raise
         if self.vllm_entrypoint is not None:  # dispatch=False builds the meta tree alone (a server's front end)
+            if hasattr(self.vllm_entrypoint, "llm_engine"):  # vLLM's LLM (an async engine's RPC is a coroutine)
+                self.vllm_entrypoint.collective_rpc("streamscope_hand_saves_over")
             _ENGINES.add(self)
             _STARTED[:] = [self.vllm_entrypoint.llm_engine.vllm_config]
         self._check_family()
@@ -304,6 +317,18 @@ class StandardizedVLLM(Standardized, VLLM):
         from .bulk import harvest
 
         return route_harvest(self, prompts, values, layers, positions, out, options, harvest)
+
+    def release_saes(self, sae: Any = None) -> None:
+        """Let the engine's workers drop their copy of `sae` (of every SAE where None) now.
+
+        A bulk run with an SAE (``harvest(sae=...)``, ``steer=[sae.clamp(...)]``)
+        sends its weights to the workers once; they keep the last
+        `streamscope.vllm.held.CAPACITY` SAEs used, on the engine's device,
+        for the next run. A later run with the SAE sends it again.
+        """
+        from .bulk import release_saes
+
+        release_saes(self, sae)
 
     def generate(self, *inputs: Any, steer: Any = None, harvest: Any = None, **kwargs: Any) -> Any:
         """Sample completions of many prompts: a `streamscope.Generation` (texts, tokens, optional logits).

@@ -538,7 +538,7 @@ def norm_inputs(model: Any) -> dict[int, dict[str, str]]:
 
 
 def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None,
-                layers: Optional[Sequence[int]] = None, *, logits: bool = True, batch_size: int = 8,
+                layers: Optional[Sequence[int]] = None, *, logits: bool = True, batch_size: Optional[int] = None,
                 progress: Optional[bool] = None, names_filter: Any = None, pos_slice: Any = None) -> Cache:
     """Run `prompts` and keep `values` of `layers` (every block by default): `model.cache`'s work.
 
@@ -579,6 +579,7 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
 
     per_prompt: list[list[torch.Tensor]] = []  # each prompt's values, [1, ...] without padding
     per_logits: list[torch.Tensor] = []
+    batch_size = model.engine.batch(batch_size, 8, len(prompts))  # vLLM: every prompt in one trace
     show = progress if progress is not None else len(prompts) > batch_size
     starts = range(0, len(prompts), batch_size)
     for start in tqdm(starts, desc="cache", unit="batch", disable=not show):

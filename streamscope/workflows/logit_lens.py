@@ -156,7 +156,8 @@ def lens(model: Any, prompt: str | Sequence[str], *, layers: Optional[Sequence[i
 
     Args:
         model: A streamscope model on either engine.
-        prompt: The prompt text; or a list of prompts, for a list of `Lens`, one per prompt (each its own run).
+        prompt: The prompt text; or a list of prompts, for a list of `Lens`, one per prompt (on vLLM one
+            trace runs them all, batched by the engine; on transformers each is its own run).
         layers: The blocks to read (default: all; negative indices count from the last).
         value: A boundary served on those blocks (``layer_input``, ``layer_mid``, ...).
         top_k: How many top tokens to keep per block and position; None keeps every token's logits
@@ -169,24 +170,35 @@ def lens(model: Any, prompt: str | Sequence[str], *, layers: Optional[Sequence[i
     """
     from ..input_checks import indices
 
+    several = isinstance(prompt, (list, tuple))
     if not isinstance(prompt, str):
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(item, str) for item in prompt):
-            return [lens(model, item, layers=layers, value=value, top_k=top_k, keep_logits=keep_logits)
-                    for item in prompt]
-        raise TypeError(f"streamscope.lens takes a prompt (a string) or a non-empty list of them; got {prompt!r}")
+        if not (several and prompt and all(isinstance(item, str) for item in prompt)):
+            raise TypeError(f"streamscope.lens takes a prompt (a string) or a non-empty list of them; got {prompt!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k={top_k!r}: give a positive number of top tokens, or None for every token's logits")
     layers = indices(layers, model.num_layers, "block", "streamscope.lens")
     keep_logits = keep_logits or top_k is None
     k = min(top_k or 10, model.vocab_size)
+    prompts = list(prompt) if several else [prompt]
 
-    def body() -> list[torch.Tensor]:  # each [1, blocks, seq, ...]: the run's one prompt
+    def body() -> list[torch.Tensor]:  # each [1, blocks, seq, ...]: one prompt's
         logits, probs, ids = lens_body(model, layers, value, None if keep_logits else k)
         return [logits[None]] if keep_logits else [probs[None], ids[None]]
 
-    with torch.no_grad():
-        (found,) = model.engine.run([prompt], body, [(2,)] if keep_logits else [(2,), (2,)])
-    found = [tensor[0] for tensor in found]
+    engine = model.engine
+    found_all: list = []
+    batch = engine.batch(None, 1, len(prompts))  # vLLM: every prompt in one trace; transformers: one at a time
+    for start in range(0, len(prompts), batch):
+        with torch.no_grad():
+            found_all += engine.run(prompts[start:start + batch], body, [(2,)] if keep_logits else [(2,), (2,)])
+    lenses = [_lens(model, text, [tensor[0] for tensor in found], layers, value, k, keep_logits)
+              for text, found in zip(prompts, found_all)]
+    return lenses if several else lenses[0]
+
+
+def _lens(model: Any, prompt: str, found: list, layers: list, value: str, k: int, keep_logits: bool) -> Lens:
+    """One prompt's `Lens` from what its run brought back (its logits, or its top probabilities and ids)."""
+    logits = None
     if keep_logits:
         (logits,) = found
         top = logits.float().softmax(-1).topk(k, dim=-1)

@@ -166,7 +166,7 @@ def _write_patch(target: Any, heads: Any, column: Any, replacement: torch.Tensor
 def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[torch.Tensor], Any]] = None, *,
           answer: Optional[str | int] = None, wrong: Optional[str | int] = None, value: str = "layer_output",
           layers: Optional[Sequence[int]] = None, positions: Optional[Sequence[int]] = None,
-          batch_size: int = 16, progress: Optional[bool] = None) -> Patching:
+          batch_size: Optional[int] = None, progress: Optional[bool] = None) -> Patching:
     """Patch `value` from the clean run into the corrupted one, block by block and position by position.
 
     Args:
@@ -180,7 +180,8 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
         layers: The blocks to patch (default: all).
         positions: The positions to patch (default: all); with ``head_outputs``, the positions each
             head's output is patched at (default: all), one column per head.
-        batch_size: Patches per forward (transformers) or per engine step (vLLM).
+        batch_size: Patches per forward (transformers, default 16) or per trace (vLLM, default: every patch in
+            one trace, which the engine schedules into its steps as its batch allows).
 
     Returns:
         A `Patching`: the metric under each patch, ``[blocks, positions]`` or ``[blocks, heads]``.
@@ -230,6 +231,7 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
             for position in positions:
                 patches.append((layer, position, stacked[row, :, position]))
 
+    batch_size = model.engine.batch(batch_size, 16, len(patches))
     show = progress if progress is not None else len(patches) > batch_size
     outcomes: list[float] = []
     for start in tqdm(range(0, len(patches), batch_size), desc="patch", unit="step", disable=not show):

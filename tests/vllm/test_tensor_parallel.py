@@ -32,13 +32,14 @@ DTYPE = precision.DTYPE
 TOLERANCE = precision.GPU_ENGINE_TOLERANCE[DTYPE] if precision.ON_GPU else precision.CPU_FLOAT32
 
 #: (family, checkpoint overrides): a fused block with two kv heads (one a rank), the same with one kv head
-#: (repeated on both ranks), a whole-stream block, and a mixture of experts (every expert for every token on a GPU:
-#: the ranks' other sum order must not flip a routing choice).
+#: (repeated on both ranks), a whole-stream block, a mixture of experts (every expert for every token on a GPU:
+#: the ranks' other sum order must not flip a routing choice), and a sandwich-normed block with soft caps (gemma2).
 CASES = precision.selected({
     "llama": ("llama", {}),
     "llama-one-kv-head": ("llama", {"num_key_value_heads": 1}),
     "gpt2": ("gpt2", {}),
     "mixtral": ("mixtral", precision.every_expert("mixtral") if precision.measured() else {}),
+    "gemma2": ("gemma2", {}),
 })
 
 

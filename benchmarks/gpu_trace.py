@@ -1,0 +1,268 @@
+"""Issue 24's workloads: the trace on vLLM against bare vLLM, raw nnsight and plain forwards, side by side in one run.
+
+Builds the Llama-3-8B-shape checkpoint folder of `gpu_workloads.py` (config and tokenizer only: vLLM starts with
+``load_format="dummy"``, random bfloat16 weights) and times, each ``--rounds`` times after a warm-up, round by
+round (medians):
+
+  T     16 prompts x 256 tokens, every block's layer_output read in each invoke (one trace, 16 invokes)
+        bare        vLLM generate(max_tokens=1), the same engine, no streamscope work       target: trace <= 3x
+        trace       streamscope's trace
+        nnsight     raw nnsight 0.8.1's same trace (its own engine, a child process without streamscope's changes:
+                    each block's output is (hidden, residual), summed as streamscope's layer_output is)
+  W2    256 prompts (32-256 tokens) x 128 sampled tokens (temperature 1, ignore_eos), a streamscope engine started
+        with taps=["layers.16.layer_output"] (CUDA graphs for decode steps), in a child process
+        bare        that engine's vLLM generate                                             target: trace <= 2x
+        trace       the steer written in a trace, an invoke per prompt, the vector added at every step
+        steered     the same steer on the bulk path (model.generate(steer=...)), for reference
+  P     streamscope.patch of layer_output over every block and the last 16 positions of a 64-token prompt pair
+        patch       the call, on the T engine
+        forwards    the same number of plain forwards (blocks x 16 + the two clean runs), one vLLM generate of that
+                    many 64-token prompts, max_tokens=1                                      target: patch <= 2x
+
+Every engine runs in its process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager unless tapped, no prefix caching,
+no chunked prefill: the settings that keep values exact. The trace's transport is reported with each figure
+(``handed`` collects, ``pickled`` collects), so a run that fell back to pickling says so.
+
+    python benchmarks/gpu_trace.py                 # the H200 run, one command, about 5 minutes
+    python benchmarks/gpu_trace.py --tiny          # the same code at a tiny shape on this CPU
+    python benchmarks/gpu_trace.py --skip w2       # parts to skip: t,nnsight,w2,patch
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_workloads import (bare_w1, bare_w2, build_folder, engine_kwargs, sizes, timed_together,  # noqa: E402
+                           token_prompts, traced_w2)
+
+#: The patch workload: a prompt pair of this many tokens, the last `PATCH_POSITIONS` positions patched.
+PATCH_TOKENS, PATCH_POSITIONS = 64, 16
+
+
+def shape(tiny: bool) -> dict:
+    settings = sizes(tiny)
+    if not tiny:
+        settings["gpu_memory_utilization"] = 0.40  # the T engine, and the tapped engine of the child after it
+    settings["patch_tokens"] = 24 if tiny else PATCH_TOKENS
+    settings["patch_positions"] = 6 if tiny else PATCH_POSITIONS
+    return settings
+
+
+def kwargs_for(settings: dict, tiny: bool) -> dict:
+    kwargs = engine_kwargs(settings, tiny)
+    if not tiny:
+        kwargs["gpu_memory_utilization"] = settings["gpu_memory_utilization"]
+    return kwargs
+
+
+def t_trace(model, prompts):
+    """T on streamscope: one trace, an invoke per prompt, every block's layer_output stacked and saved."""
+    import torch
+
+    def run():
+        with model.trace(temperature=0.0, max_tokens=1) as tracer:
+            for prompt in prompts:
+                with tracer.invoke({"prompt_token_ids": prompt}):
+                    blocks = torch.stack([layer.layer_output for layer in model.layers]).save()  # noqa: F841
+    return run
+
+
+def raw_nnsight(folder: Path, tiny: bool, rounds: int) -> dict:
+    """T on raw nnsight (a child process): its VLLM, its own trace, nnsight's transport."""
+    import torch
+
+    settings = shape(tiny)
+    kwargs = {**kwargs_for(settings, tiny), "enforce_eager": True, "enable_prefix_caching": False,
+              "enable_chunked_prefill": False}
+    if tiny:
+        from streamscope.vllm.worker import cpu_vllm  # nnsight's VLLM through the CPU worker (no GPU here)
+
+        model = cpu_vllm(str(folder), dispatch=True, **kwargs)
+    else:
+        from nnsight.modeling.vllm import VLLM
+
+        model = VLLM(str(folder), dispatch=True, **kwargs)
+    prompts = token_prompts(settings["t_prompts"], (settings["t_length"], settings["t_length"]), 3)
+    layers = model.model.layers
+
+    def run():
+        with model.trace(temperature=0.0, max_tokens=1) as tracer:
+            for prompt in prompts:
+                with tracer.invoke({"prompt_token_ids": prompt}):
+                    # vLLM's Llama block returns (hidden, residual); the stream after the block is their sum.
+                    blocks = torch.stack([layer.output[0] + layer.output[1] for layer in layers]).save()  # noqa: F841
+
+    return timed_together({"bare": bare_w1(model.vllm_entrypoint, prompts), "nnsight": run}, rounds)
+
+
+def tapped_w2(folder: Path, tiny: bool, rounds: int) -> dict:
+    """W2 on a tapped streamscope engine (a child process): bare, the steer in a trace, the bulk steer."""
+    import torch
+
+    import streamscope
+    from streamscope import nnsight_seam as seam
+
+    settings = shape(tiny)
+    block = settings["steer_block"]
+    tapped = streamscope.load(folder, engine="vllm", taps=[f"layers.{block}.layer_output"],
+                              **kwargs_for(settings, tiny))
+    prompts = token_prompts(settings["w2_prompts"], settings["w2_lengths"], 2)
+    count = settings["w2_tokens"]
+    torch.manual_seed(0)
+    vector = torch.randn(tapped.hidden_size)
+    steer = streamscope.Steer("layer_output", block, vector, positions="all")
+    before = seam.transport_counts()
+    times = timed_together({
+        "bare": bare_w2(tapped.vllm_entrypoint, prompts, count),
+        "trace": traced_w2(tapped, prompts, count, block, vector),
+        "steered": lambda: tapped.generate(prompts, max_tokens=count, steer=[steer], temperature=1.0, seed=0,
+                                           ignore_eos=True, progress=False)}, rounds)
+    times["transport"] = transport_since(before)
+    tapped.close()
+    return times
+
+
+def transport_since(before: dict) -> str:
+    from streamscope import nnsight_seam as seam
+
+    after = seam.transport_counts()
+    return f"collects handed {after['handed'] - before['handed']}, pickled {after['pickled'] - before['pickled']}"
+
+
+def child(part: str, folder: Path, tiny: bool, rounds: int) -> dict | None:
+    """Run `part` ("nnsight" or "w2") in a child process, its engine in that process; its times, or None."""
+    command = [sys.executable, __file__, "--child", part, "--folder", str(folder), "--rounds", str(rounds)] + (
+        ["--tiny"] if tiny else [])
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(command, capture_output=True, text=True, env=environment)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("CHILD ")]
+    if run.returncode != 0 or not lines:
+        print(f"the {part} run failed:\n" + run.stderr[-3000:], flush=True)
+        return None
+    return json.loads(lines[-1][len("CHILD "):])
+
+
+def report(rows: list) -> None:
+    print()
+    print(f"{'':3} {'what':<58} {'seconds':>9}  ratio", flush=True)
+    for workload, what, seconds, note in rows:
+        print(f"{workload:3} {what:<58} {seconds:9.3f}  {note}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape, for a CPU check")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: t,nnsight,w2,patch")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        if not args.tiny:
+            import torch  # noqa: F401  (CUDA before vLLM in a child, as in gpu_workloads)
+        times = (raw_nnsight if args.child == "nnsight" else tapped_w2)(Path(args.folder), args.tiny, args.rounds)
+        print("CHILD " + json.dumps(times), flush=True)
+        return
+    skip = set(filter(None, args.skip.split(",")))
+    started = time.perf_counter()
+
+    import torch
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    settings = shape(args.tiny)
+    folder = build_folder(Path(tempfile.mkdtemp(prefix="gpu-trace-")), args.tiny)
+    import nnsight
+    import vllm
+
+    import streamscope
+    from streamscope import nnsight_seam as seam
+
+    print(f"gpu_trace.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC  "
+          f"{'tiny' if args.tiny else 'Llama-3-8B shape'}  {settings['dtype']}  rounds={args.rounds}")
+    device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    print(f"device {device_name}; vllm {vllm.__version__}, torch {torch.__version__}, nnsight {nnsight.__version__}, "
+          f"python {platform.python_version()}", flush=True)
+    rows: list = []
+
+    # Raw nnsight first, in a child, while no engine of this process holds the GPU.
+    peer = None if "nnsight" in skip or "t" in skip else child("nnsight", folder, args.tiny, args.rounds)
+
+    model = streamscope.load(folder, engine="vllm", **kwargs_for(settings, args.tiny))
+    llm = model.vllm_entrypoint
+    if "t" not in skip:
+        prompts = token_prompts(settings["t_prompts"], (settings["t_length"], settings["t_length"]), 3)
+        before = seam.transport_counts()
+        times = timed_together({"bare": bare_w1(llm, prompts), "trace": t_trace(model, prompts)}, args.rounds)
+        bare, traced = times["bare"], times["trace"]
+        rows += [("T", f"vLLM bare, {len(prompts)} prompts x {settings['t_length']} tokens", bare, ""),
+                 ("T", f"trace, {len(prompts)} invokes x every block's layer_output", traced,
+                  f"{traced / bare:.2f}x bare (target 3); {transport_since(before)}")]
+        if peer is not None:
+            rows += [("T", "raw nnsight, the same trace (its own engine)", peer["nnsight"],
+                      f"{peer['nnsight'] / peer['bare']:.2f}x its bare ({peer['bare']:.3f} s); "
+                      f"streamscope {peer['nnsight'] / traced:.1f}x faster")]
+        report(rows)
+
+    if "patch" not in skip:
+        generator = torch.Generator().manual_seed(4)
+        length = settings["patch_tokens"]
+        clean_ids = [0] + torch.randint(3, 512, (length - 1,), generator=generator).tolist()
+        corrupted_ids = list(clean_ids)
+        corrupted_ids[length // 2] = 3 + (corrupted_ids[length // 2] - 3 + 7) % 509
+        tokenizer = model.tokenizer
+        clean, corrupted = tokenizer.decode(clean_ids[1:]), tokenizer.decode(corrupted_ids[1:])
+        clean_tokens = tokenizer(clean)["input_ids"]
+        corrupted_tokens = tokenizer(corrupted)["input_ids"]
+        if len(clean_tokens) != len(corrupted_tokens):  # the decoded text re-tokenized otherwise: patch token ids
+            corrupted = clean
+        positions = list(range(len(clean_tokens) - settings["patch_positions"], len(clean_tokens)))
+        count = model.num_layers * len(positions) + 2
+        forwards = [tokenizer(corrupted)["input_ids"]] * count
+
+        def patch():
+            streamscope.patch(model, clean, corrupted, lambda logits: logits[5] - logits[6], positions=positions,
+                              progress=False)
+
+        before = seam.transport_counts()
+        times = timed_together({"forwards": bare_w1(llm, forwards), "patch": patch}, args.rounds)
+        rows += [("P", f"{count} plain forwards of {len(clean_tokens)} tokens, one generate", times["forwards"], ""),
+                 ("P", f"patch: layer_output, {model.num_layers} blocks x {len(positions)} positions",
+                  times["patch"], f"{times['patch'] / times['forwards']:.2f}x the forwards (target 2); "
+                  f"{transport_since(before)}")]
+        report(rows)
+    model.close()
+
+    if "w2" not in skip:
+        measured = child("w2", folder, args.tiny, args.rounds)
+        if measured is not None:
+            generated = settings["w2_prompts"] * settings["w2_tokens"]
+            bare = measured["bare"]
+            rows += [("W2", "tapped engine (graphs), bare generation", bare, f"{generated / bare:,.0f} tok/s"),
+                     ("W2", "the steer in a trace, an invoke per prompt", measured["trace"],
+                      f"{measured['trace'] / bare:.2f}x bare (target 2); {measured['transport']}"),
+                     ("W2", "the same steer, bulk path (generate(steer=))", measured["steered"],
+                      f"{measured['steered'] / bare:.3f}x bare")]
+    report(rows)
+    print(f"\nwhole run {time.perf_counter() - started:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
