@@ -141,7 +141,8 @@ def host_time(run) -> tuple[int, dict[str, float]]:
     Wraps the worker's per-step span bookkeeping and the hooks' edits (the engine runs in this process) with
     wall clocks; the GPU work those calls queue is not waited for, so this is the time they hold the host.
     """
-    from streamscope.bulk import apply, vllm as bulk_vllm
+    from streamscope.bulk import apply
+    from streamscope.vllm import bulk as bulk_vllm
 
     spent = {"spans": 0.0, "hooks": 0.0}
     calls = {"spans": 0}

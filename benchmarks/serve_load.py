@@ -1,25 +1,32 @@
-"""streamscope serve under load, against plain vLLM serve, in one run, with vLLM's own load generator.
+"""streamscope serve under load against plain vLLM serve: every server up at once, workloads alternated by round.
 
-Servers, one at a time, on the same checkpoint and engine settings:
+Servers, all started together on the same checkpoint and engine settings and kept up for the whole run (on a GPU
+each gets an equal share of the memory and the same fixed KV cache size, so none waits for another's memory):
 
-* ``plain``: vLLM's server (``python -m vllm.entrypoints.openai.api_server``), eager;
-* ``streamscope``: ``python -m streamscope serve``, eager (and, with ``--taps``, a tapped one replaying CUDA graphs,
-  beside a plain vLLM server with the same graph settings).
+* ``plain eager``: vLLM's server (``python -m vllm.entrypoints.openai.api_server``), eager;
+* ``streamscope eager``: ``python -m streamscope serve``, eager;
+* with ``--taps``: ``plain graphs`` (vLLM's server replaying CUDA graphs) and ``streamscope tapped`` (taps at the
+  steered and harvested sites, graphs replayed);
+* with ``--before TREE``: ``before eager``, an earlier streamscope tree's eager server, in the same rounds.
 
 Workloads, each run by ``vllm.benchmarks.serve`` (random prompts, ``--input-len`` / ``--output-len`` tokens,
-``--concurrency`` clients), with streamscope's part sent as the requests' extra body:
+``--concurrency`` clients, ``--ignore-eos``), streamscope's part sent as the requests' extra body:
 
 * ``plain``: no streamscope field;
 * ``steer``: one stored vector added at ``layer_output`` of the middle block, every position;
-* ``harvest``: every block's ``layer_output`` at the prompt's last position (kept on the server's disk until it
-  expires: the load generator does not download).
+* ``harvest``: every block's ``layer_output`` at the prompt's last position (kept on the server's disk: the load
+  generator does not download).
 
-Prints request and output throughput and p99 TTFT per (server, workload), with each streamscope figure as a ratio
-of plain vLLM's plain one. Shapes:
+A round runs every (server, workload) once, in a fixed order (plain vLLM plain, streamscope plain, steer,
+harvest, then the next pair), so load that drifts over minutes lands on every workload alike. The summary gives
+per workload the median and the spread (min-max over rounds) of output throughput, p99 TTFT and mean TPOT, the
+ratios of the medians against plain vLLM's plain median and against the same server's own plain median, and each
+bound of issue 18 as met, not met, or inconclusive (the spread of the ratio straddles the bound).
+``--deadline S`` stops starting rounds that would end after S seconds and still prints what ran. Shapes:
 
-    python benchmarks/serve_load.py --shape tiny                 # this CPU: a 3-block float32 Llama
-    python benchmarks/serve_load.py --shape llama3-8b --taps     # a GPU: Llama-3-8B's shape, dummy weights, bf16
-    python benchmarks/serve_load.py --shape tiny --before /tmp/old   # also an earlier tree's eager server, same run
+    python benchmarks/serve_load.py --shape tiny --input-len 64 --output-len 16 --concurrency 8 --prompts 32
+    python benchmarks/serve_load.py --shape llama3-8b --taps --prompts 384 --deadline 520   # H200: one 10-minute call
+    python benchmarks/serve_load.py --shape tiny --before /tmp/old   # also an earlier tree's eager server, same rounds
 """
 
 from __future__ import annotations
@@ -54,8 +61,7 @@ def checkpoint(shape: str, folder: Path) -> tuple[Path, list[str]]:
     (target / "config.json").write_text(json.dumps(LLAMA3_8B))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (target / name).write_bytes((path / name).read_bytes())
-    return target, ["--dtype", "bfloat16", "--load-format", "dummy", "--max-model-len", "4096",
-                    "--gpu-memory-utilization", "0.85"]
+    return target, ["--dtype", "bfloat16", "--load-format", "dummy", "--max-model-len", "4096"]
 
 
 def port() -> int:
@@ -65,30 +71,36 @@ def port() -> int:
 
 
 class Server:
-    def __init__(self, command: list[str], log: Path, source: str | None = None) -> None:
-        import httpx
+    """A server process, started at construction; `wait_up` returns once it answers ``/health``."""
 
+    def __init__(self, command: list[str], log: Path, source: str | None = None) -> None:
+        self.log = log
         self.port = port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        # servers start at the same moment: each its own compile cache, so none reads another's half-written one
+        env["VLLM_CACHE_ROOT"] = str(log.with_suffix(".cache"))
         if source is not None:  # another streamscope source tree (--before): first on the path, and the working
             # folder (``python -m`` puts the working folder before PYTHONPATH)
             env["PYTHONPATH"] = os.pathsep.join([source, env.get("PYTHONPATH", "")])
         self.handle = open(log, "w")
         self.process = subprocess.Popen([*command, "--port", str(self.port)], stdout=self.handle,
                                         stderr=subprocess.STDOUT, env=env, cwd=source)
-        deadline = time.monotonic() + 900
+
+    def wait_up(self, until: float) -> None:
+        import httpx
+
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited: {log.read_text()[-3000:]}")
+                raise RuntimeError(f"server exited: {self.log.read_text()[-3000:]}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start: {log.read_text()[-3000:]}")
+            if time.monotonic() > until:
+                raise RuntimeError(f"server did not start: {self.log.read_text()[-3000:]}")
             time.sleep(2)
 
     def close(self) -> None:
@@ -100,8 +112,10 @@ class Server:
         self.handle.close()
 
 
-def load(url: str, model: str, options: argparse.Namespace, extra: dict[str, Any] | None) -> dict[str, Any]:
-    """One run of vLLM's load generator (``vllm bench serve``) against `url`; its result dict."""
+def load(url: str, model: str, options: argparse.Namespace, extra: dict[str, Any] | None,
+         prompts: int, seed: int) -> dict[str, Any]:
+    """One run of vLLM's load generator (``vllm bench serve``) against `url`: `prompts` random requests; its result
+    dict (``output_throughput`` tokens/s, ``p99_ttft_ms``, ``mean_tpot_ms``, ``completed``, ...)."""
     from vllm.benchmarks import serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -109,8 +123,8 @@ def load(url: str, model: str, options: argparse.Namespace, extra: dict[str, Any
     serve.add_cli_args(parser)
     argv = ["--backend", "vllm", "--base-url", url, "--model", model, "--dataset-name", "random",
             "--random-input-len", str(options.input_len), "--random-output-len", str(options.output_len),
-            "--num-prompts", str(options.prompts), "--max-concurrency", str(options.concurrency),
-            "--ignore-eos", "--seed", "0", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--num-prompts", str(prompts), "--max-concurrency", str(options.concurrency),
+            "--ignore-eos", "--seed", str(seed), "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,99"]
     if extra:
         argv += ["--extra-body", json.dumps(extra)]
@@ -130,19 +144,54 @@ def harvests_written(url: str, expected: int, wait: float = 30.0) -> str:
         time.sleep(0.5)
 
 
+BOUNDS = {"steer": (("throughput", ">=", 0.95), ("p99 TTFT", "<=", 1.2)), "harvest": (("throughput", ">=", 0.90),)}
+METRICS = {"throughput": "output_throughput", "p99 TTFT": "p99_ttft_ms", "mean TPOT": "mean_tpot_ms"}
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def verdict(results: list[dict], base: list[dict], metric: str, sense: str, bound: float) -> tuple[float, str]:
+    """The ratio of the medians of `metric` (workload over base) and whether it meets `bound`: ``inconclusive`` when
+    the ratio's spread (worst and best pairing of the two spreads) straddles the bound."""
+    key = METRICS[metric]
+    ours, theirs = [result[key] for result in results], [result[key] for result in base]
+    ratio = median(ours) / median(theirs)
+    low, high = min(ours) / max(theirs), max(ours) / min(theirs)
+    if low < bound < high:
+        return ratio, "inconclusive"
+    met = ratio >= bound if sense == ">=" else ratio <= bound
+    return ratio, "met" if met else "NOT met"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=("tiny", "llama3-8b"), default="tiny")
-    parser.add_argument("--taps", action="store_true", help="also a tapped streamscope server (CUDA graphs)")
-    parser.add_argument("--only-taps", action="store_true", help="the tapped pair alone (a second run's half)")
+    parser.add_argument("--taps", action="store_true", help="also plain graphs against a tapped streamscope server")
+    parser.add_argument("--only-taps", action="store_true", help="the graphs pair alone")
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=1, help="runs of each workload; the median one is reported")
+    parser.add_argument("--prompts", type=int, default=512, help="requests per run (512 at 64 clients: >= 15 s a run "
+                                                                 "for Llama-3-8B's shape on an H200)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; each runs every (server, workload) once")
+    parser.add_argument("--deadline", type=float, help="seconds from the start: no round starts that would end "
+                                                       "after it (predicted from the last round); the summary of "
+                                                       "what ran is printed anyway")
+    parser.add_argument("--kv-cache-gib", type=float, default=8.0, help="fixed KV cache per server on a GPU")
     parser.add_argument("--before", help="another streamscope source tree (e.g. `git archive` of an earlier commit): "
-                                         "its eager server runs too, in the same invocation, for a before/after row")
+                                         "its eager server runs in the same rounds, for a before/after row")
     options = parser.parse_args()
+    began = time.monotonic()
+
+    def stamp(phase: str, since: float) -> float:
+        now = time.monotonic()
+        print(f"[{now - began:7.1f} s] {phase}: {now - since:.1f} s", flush=True)
+        return now
+
     folder = Path(tempfile.mkdtemp(prefix="serve-load-"))
     path, engine = checkpoint(options.shape, folder)
     config = json.loads((path / "config.json").read_text())
@@ -150,61 +199,115 @@ def main() -> None:
     middle = layers // 2
     steer = {"streamscope": {"steer": [{"value": "layer_output", "layer": middle, "vector": "bench"}]}}
     harvest = {"streamscope": {"harvest": {"values": "layer_output", "layers": None, "positions": "last"}}}
-    runs: list[tuple[str, str, dict]] = []
+    streamscope_loads: list[tuple[str, Any]] = [("plain", None), ("steer", steer), ("harvest", harvest)]
     taps = [f"layers.{middle}.layer_output", "layers.*.layer_output"]
-    stored = ["--max-stored-harvest-bytes", str(2**36), "--harvest-ttl", "600"]
-    setups: list[tuple[str, list[str], list[tuple[str, Any]], str | None]] = [
-        ("plain eager", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), *engine,
-                         "--enforce-eager"], [("plain", None)], None),
-        ("streamscope eager", [sys.executable, "-m", "streamscope", "serve", str(path), *engine, *stored],
-         [("plain", None), ("steer", steer), ("harvest", harvest)], None)]
-    if options.before:
-        setups.append(("before eager", [sys.executable, "-m", "streamscope", "serve", str(path), *engine, *stored],
-                       [("plain", None), ("steer", steer), ("harvest", harvest)], str(Path(options.before).resolve())))
-    if options.only_taps:
-        setups = []
+    stored = ["--max-stored-harvest-bytes", str(2**36), "--harvest-ttl", "3600"]
+    vllm_server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path)]
+    ours = [sys.executable, "-m", "streamscope", "serve", str(path)]
+    graphs = ["-cc", json.dumps({"cudagraph_mode": "FULL_DECODE_ONLY"})]
+    # (name, command, workloads, source tree, the plain vLLM server it is judged against)
+    setups: list[tuple[str, list[str], list[tuple[str, Any]], str | None, str]] = []
+    if not options.only_taps:
+        setups += [("plain eager", [*vllm_server, "--enforce-eager"], [("plain", None)], None, "plain eager"),
+                   ("streamscope eager", ours, streamscope_loads, None, "plain eager")]
+        if options.before:
+            setups.append(("before eager", ours, streamscope_loads, str(Path(options.before).resolve()),
+                           "plain eager"))
     if options.taps or options.only_taps:
-        setups += [("plain graphs", [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
-                                     *engine, "-cc", json.dumps({"cudagraph_mode": "FULL_DECODE_ONLY"})],
-                    [("plain", None)], None),
-                   ("streamscope tapped", [sys.executable, "-m", "streamscope", "serve", str(path), *engine,
-                                           "--taps", *taps, *stored],
-                    [("plain", None), ("steer", steer), ("harvest", harvest)], None)]
-    written: dict[str, str] = {}
-    for name, command, workloads, source in setups:
-        started = time.monotonic()
-        server = Server(command, folder / f"{name.replace(' ', '-')}.log", source)
-        print(f"{name}: up in {time.monotonic() - started:.0f} s", flush=True)
-        try:
-            if not name.startswith("plain"):
-                import httpx
-                import torch
+        setups += [("plain graphs", [*vllm_server, *graphs], [("plain", None)], None, "plain graphs"),
+                   ("streamscope tapped", [*ours, "--taps", *taps], streamscope_loads, None, "plain graphs")]
+    if options.shape != "tiny":  # an equal share of the GPU each, and the same KV cache whatever the share
+        engine += ["--gpu-memory-utilization", f"{0.9 / len(setups):.3f}",
+                   "--kv-cache-memory-bytes", str(int(options.kv_cache_gib * 2**30))]
 
-                vector = torch.randn(hidden, generator=torch.Generator().manual_seed(0)).tolist()
+    since = time.monotonic()
+    servers: dict[str, Server] = {}
+    try:
+        for name, command, _, source, _ in setups:
+            extra = stored if name.split()[0] != "plain" else []
+            servers[name] = Server([*command, *engine, *extra], folder / f"{name.replace(' ', '-')}.log", source)
+        for server in servers.values():
+            server.wait_up(since + 900)
+        since = stamp(f"{len(servers)} servers up together ({', '.join(servers)})", since)
+
+        import httpx
+        import torch
+
+        vector = torch.randn(hidden, generator=torch.Generator().manual_seed(0)).tolist()
+        for name, server in servers.items():
+            if name.split()[0] != "plain":
                 httpx.put(f"{server.url}/v1/streamscope/vectors/bench", json={"vector": vector}).raise_for_status()
-            for workload, extra in workloads:
-                warm = argparse.Namespace(**{**vars(options), "prompts": min(options.prompts, options.concurrency)})
-                load(server.url, str(path), warm, extra)  # warm-up: the first run pays the engine's first steps
-                results = sorted((load(server.url, str(path), options, extra) for _ in range(options.rounds)),
-                                 key=lambda result: result["output_throughput"])
-                runs.append((name, workload, results[len(results) // 2]))
-                print(f"{name} {workload}: {runs[-1][2]['output_throughput']:.1f} out tok/s, p99 TTFT "
-                      f"{runs[-1][2]['p99_ttft_ms']:.1f} ms", flush=True)  # kept if a later server fails
-                if workload == "harvest":  # every harvest was written (the load generator does not download)
-                    written[name] = harvests_written(server.url, warm.prompts + options.rounds * options.prompts)
-        finally:
+        runs = [(name, workload, extra) for name, _, workloads, _, _ in setups for workload, extra in workloads]
+        for index, (name, workload, extra) in enumerate(runs):  # the first steps of each kind of request
+            load(servers[name].url, str(path), options, extra, options.concurrency, seed=10**6 + index)
+        since = stamp(f"warm-up ({len(runs)} runs of {options.concurrency} requests)", since)
+
+        results: dict[tuple[str, str], list[dict]] = {(name, workload): [] for name, workload, _ in runs}
+        last_round = 0.0
+        for round_number in range(options.rounds):
+            if options.deadline is not None and time.monotonic() - began + last_round > options.deadline:
+                print(f"deadline {options.deadline:.0f} s: round {round_number + 1} would end after it; stopping",
+                      flush=True)
+                break
+            for index, (name, workload, extra) in enumerate(runs):
+                # fresh prompts for every run: no run reads the prefix cache another filled
+                result = load(servers[name].url, str(path), options, extra, options.prompts,
+                              seed=1000 * round_number + index)
+                results[name, workload].append(result)
+                print(f"  round {round_number + 1} {name} {workload}: {result['output_throughput']:.1f} out tok/s, "
+                      f"p99 TTFT {result['p99_ttft_ms']:.1f} ms, mean TPOT {result['mean_tpot_ms']:.2f} ms, "
+                      f"{result['completed']}/{options.prompts} completed", flush=True)
+            last_round = time.monotonic() - since
+            since = stamp(f"round {round_number + 1}", since)
+        written = {}
+        for name, server in servers.items():  # every harvest was written (the load generator does not download)
+            if (name, "harvest") in results:
+                expected = options.concurrency + options.prompts * len(results[name, "harvest"])
+                written[name] = harvests_written(server.url, expected)
+    finally:
+        for server in servers.values():
             server.close()
-    baseline = {kind: result for name, workload, result in runs if workload == "plain"
-                for kind in [name.split()[1]] if name.startswith("plain")}
+    since = stamp("servers closed", since)
+    summary(options, results, setups, written)
+    print(f"total {time.monotonic() - began:.1f} s")
+
+
+def summary(options: argparse.Namespace, results: dict[tuple[str, str], list[dict]], setups: list,
+            written: dict[str, str]) -> None:
+    rounds = max((len(values) for values in results.values()), default=0)
     print(f"\nshape {options.shape}: {options.input_len} prompt / {options.output_len} generated tokens, "
-          f"{options.concurrency} clients, {options.prompts} requests per run, median of {options.rounds}")
-    print(f"{'server':<20}{'workload':<10}{'req/s':>9}{'out tok/s':>11}{'p99 TTFT ms':>13}{'thr ratio':>11}"
-          f"{'TTFT ratio':>12}")
-    for name, workload, result in runs:
-        base = baseline.get("graphs" if "tapped" in name else "eager", result)
-        print(f"{name:<20}{workload:<10}{result['request_throughput']:>9.2f}{result['output_throughput']:>11.1f}"
-              f"{result['p99_ttft_ms']:>13.1f}{result['output_throughput'] / base['output_throughput']:>11.3f}"
-              f"{result['p99_ttft_ms'] / base['p99_ttft_ms']:>12.3f}")
+          f"{options.concurrency} clients, {options.prompts} requests per run, {rounds} round(s); "
+          "median [min-max] over rounds")
+    print(f"{'server':<20}{'workload':<9}{'out tok/s':>26}{'p99 TTFT ms':>26}{'mean TPOT ms':>24}"
+          f"{'thr/vLLM':>10}{'TTFT/vLLM':>11}{'thr/own':>9}{'TTFT/own':>10}")
+    base_of = {name: base for name, _, _, _, base in setups}
+    for (name, workload), values in results.items():
+        if not values:
+            continue
+        cells = []
+        for key, width, digits in (("output_throughput", 26, 1), ("p99_ttft_ms", 26, 1), ("mean_tpot_ms", 24, 2)):
+            series = [value[key] for value in values]
+            cells.append(f"{median(series):.{digits}f} [{min(series):.{digits}f}-{max(series):.{digits}f}]"
+                         .rjust(width))
+        ratios = []
+        for base in (results.get((base_of[name], "plain")), results.get((name, "plain"))):
+            for metric in ("throughput", "p99 TTFT"):
+                if base:
+                    ratios.append(f"{verdict(values, base, metric, '>=', 0)[0]:.3f}")
+                else:
+                    ratios.append("-")
+        print(f"{name:<20}{workload:<9}{''.join(cells)}{ratios[0]:>10}{ratios[1]:>11}{ratios[2]:>9}{ratios[3]:>10}")
+    print("\nbounds (issue 18; ratio of medians, inconclusive when the spreads straddle the bound):")
+    for (name, workload), values in results.items():
+        if name.split()[0] == "plain" or workload not in BOUNDS or not values:
+            continue
+        for against, base in (("plain vLLM", results.get((base_of[name], "plain"))),
+                              ("own plain", results.get((name, "plain")))):
+            if not base:
+                continue
+            for metric, sense, bound in BOUNDS[workload]:
+                ratio, judged = verdict(values, base, metric, sense, bound)
+                print(f"  {name} {workload} {metric} against {against}: {ratio:.3f} ({sense} {bound}): {judged}")
     for name, count in written.items():
         print(f"{name}: harvests written {count}")
 

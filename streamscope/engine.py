@@ -93,6 +93,12 @@ class Engine:
         (`output_projection`), copies on this process, or the reason the block has none (a sentence)."""
         raise NotImplementedError
 
+    def down_projections(self) -> list[torch.Tensor | str]:
+        """Per block: its MLP's down projection as a Linear's weight ``[hidden_size, intermediate_size]``, scaled
+        as the block scales the MLP's output (`streamscope.engine.down_projections`; TransformerLens's ``W_out``,
+        transposed), copies on this process, or the reason the block has no neurons (a sentence)."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Give the engine's resources back; the model serves no more traces where the engine holds any."""
 
@@ -163,26 +169,85 @@ OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj")
 def output_projection(attention: torch.nn.Module, width: int) -> torch.Tensor | str:
     """`attention`'s output projection as a Linear's weight ``[hidden, width]``, or the reason it has none.
 
-    Read by applying the projection to the identity, less its output at zero
-    (the bias): the engines keep the weight in layouts of their own (GPT-2's
-    Conv1D is ``[in, out]``; vLLM's CPU kernels pack it and leave ``weight``
-    empty), and this reads what the projection computes whatever the layout.
+    Under tensor parallelism (vLLM's row-parallel projection) this rank's
+    columns only, ``[hidden, width / ranks]``: `join_shards` puts the ranks'
+    together.
     """
     import torch
 
     for name in OUTPUT_PROJECTIONS:
         module = getattr(attention, name, None)
         if isinstance(module, torch.nn.Module):
-            reference = next(iter(module.parameters()), None)
-            dtype = reference.dtype if reference is not None else torch.float32
-            device = reference.device if reference is not None else "cpu"
-            probe = torch.cat([torch.zeros(1, width), torch.eye(width)]).to(dtype=dtype, device=device)
-            with torch.no_grad():
-                out = module(probe)
-            out = out[0] if isinstance(out, tuple) else out
-            return (out[1:] - out[:1]).t().float().cpu().clone()
+            return linear_weight(module, width)
     return (f"its attention ({type(attention).__name__}) has none of the output projections streamscope knows "
             f"({', '.join(OUTPUT_PROJECTIONS)})")
+
+
+def linear_weight(module: torch.nn.Module, width: int) -> torch.Tensor:
+    """What the linear `module` computes, as a Linear's weight ``[out, width]`` without its bias, a float32 copy.
+
+    Read by applying it to the identity, less its output at zero (the bias):
+    the engines keep the weight in layouts of their own (GPT-2's Conv1D is
+    ``[in, out]``; vLLM's CPU kernels pack it and leave ``weight`` empty), and
+    this reads what the projection computes whatever the layout. A vLLM
+    row-parallel linear (``input_size_per_partition``) is applied through its
+    own kernel without the all-reduce of its forward, on this rank's share of
+    the input: the result is this rank's columns, ``[out, width / ranks]``.
+    """
+    import torch
+
+    reference = next(iter(module.parameters()), None)
+    dtype = reference.dtype if reference is not None else torch.float32
+    device = reference.device if reference is not None else "cpu"
+    shard = getattr(module, "input_size_per_partition", None)
+    method = getattr(module, "quant_method", None)
+    if shard is not None and method is not None:
+        probe = torch.eye(int(shard), dtype=dtype, device=device)
+        with torch.no_grad():
+            return method.apply(module, probe, None).t().float().cpu().clone()
+    probe = torch.cat([torch.zeros(1, width), torch.eye(width)]).to(dtype=dtype, device=device)
+    with torch.no_grad():
+        out = module(probe)
+    out = out[0] if isinstance(out, tuple) else out
+    return (out[1:] - out[:1]).t().float().cpu().clone()
+
+
+def join_shards(answers: Sequence[list]) -> list:
+    """One list of per-block weights from every tensor-parallel rank's (in rank order): each block's columns
+    side by side, ``[out, width]``, as the ranks split a row-parallel linear's input; a reason as it is."""
+    import torch
+
+    return [parts[0] if isinstance(parts[0], str) else torch.cat(list(parts), dim=1) for parts in zip(*answers)]
+
+
+def down_projections(root: Any, num_layers: int) -> list[torch.Tensor | str]:
+    """Per block of the envoy tree `root`: its MLP's down projection as a Linear's weight ``[hidden_size,
+    intermediate_size]`` (this rank's columns under tensor parallelism), times the factor the block scales the
+    MLP's output by (Granite's residual multiplier), so ``neurons @ weight.T`` is what the neurons add to
+    mlp_output; or the reason the block has no neurons (a sentence)."""
+    from . import nnsight_seam as seam
+    from .errors import Unavailable
+    from .values import resolve
+
+    found: list[torch.Tensor | str] = []
+    for index in range(num_layers):
+        try:
+            mlp = root.layers[index].mlp
+        except (AttributeError, Unavailable) as error:
+            found.append(f"there is no MLP to read its down projection from ({error})")
+            continue
+        reason = mlp.reason("neurons")
+        if reason is not None:
+            found.append(reason)
+            continue
+        place = mlp.neuron_sites()["neurons"][0]
+        module = seam.module_of(mlp if place is None else resolve(mlp, place))
+        width = next(int(getattr(module, name)) for name in ("in_features", "nx", "input_size")
+                     if hasattr(module, name))
+        weight = linear_weight(module, width)
+        factor = type(mlp).mlp_output.factor
+        found.append(weight * factor(mlp) if factor is not None else weight)
+    return found
 
 
 def attention_modules(root: Any, num_layers: int) -> list[Any]:

@@ -125,6 +125,21 @@ class SAE:
         return SAE(**moved, value=self.value, layer=self.layer, activation=self.activation, threshold=threshold,
                    k=self.k, apply_b_dec_to_input=self.apply_b_dec_to_input, source=dict(self.source))
 
+    def placed(self, device: Any) -> "SAE":
+        """This SAE where its weights are float32 on `device` already (no copy, no check), else such a copy."""
+        weights = [self.W_enc, self.b_enc, self.W_dec, self.b_dec] + ([self.threshold] if self.threshold is not None
+                                                                       else [])
+        target = torch.device(device)
+        if all(tensor.dtype == torch.float32 and _same_device(tensor.device, target) for tensor in weights):
+            return self
+        return self.to(torch.float32, device)
+
+    def release(self, model: Any) -> None:
+        """Let `model`'s engine drop its copy of this SAE now (a vLLM engine's workers keep a few between runs)."""
+        release = getattr(model, "release_saes", None)
+        if release is not None:
+            release(self)
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Feature activations ``[..., d_sae]`` of activations ``[..., d_in]``, in the weights' dtype."""
         x = x.to(self.W_enc.dtype)
@@ -183,6 +198,15 @@ class SAE:
             raise IndexError(f"feature {index!r} is out of range: {self!r} has features 0-{self.d_sae - 1}.")
 
 
+def _same_device(have: torch.device, want: torch.device) -> bool:
+    if have.type != want.type:
+        return False
+    if have.type != "cuda":
+        return True
+    current = torch.cuda.current_device()  # "cuda" is the current device, "cuda:0" a numbered one
+    return (current if have.index is None else have.index) == (current if want.index is None else want.index)
+
+
 class FeatureReadout:
     """What a harvest with ``sae=`` stores per row: the SAE's features, dense or the top k (values, then indices).
 
@@ -197,9 +221,13 @@ class FeatureReadout:
     def __getstate__(self) -> dict:
         return {"sae": self.sae, "top_k": self.top_k, "prepared": None}
 
+    def holding(self, sae: Any) -> "FeatureReadout":
+        """The same readout over `sae` (the worker's own copy, or the key that names it in a plan)."""
+        return FeatureReadout(sae, self.top_k)
+
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         if self.prepared is None or self.prepared.W_enc.device != rows.device:
-            self.prepared = self.sae.to(torch.float32, rows.device)
+            self.prepared = self.sae.placed(rows.device)
         features = self.prepared.encode(rows.float())
         if self.top_k is None:
             return features

@@ -39,8 +39,8 @@ def value_of(model, name: str, block):
     layer = model.layers[block]
     if name == "attention_output":
         return mixer(layer).attention_output
-    if name == "mlp_output":
-        return layer.mlp.mlp_output
+    if name in ("mlp_output", "neurons_pre", "neurons"):
+        return getattr(layer.mlp, name)
     return getattr(layer, name)
 
 
@@ -50,8 +50,8 @@ def set_value(model, name: str, block, value) -> None:
         setattr(model, name, value)
     elif name == "attention_output":
         mixer(model.layers[block]).attention_output = value
-    elif name == "mlp_output":
-        model.layers[block].mlp.mlp_output = value
+    elif name in ("mlp_output", "neurons_pre", "neurons"):
+        setattr(model.layers[block].mlp, name, value)
     else:
         setattr(model.layers[block], name, value)
 

@@ -208,3 +208,29 @@ def load_kwargs(family: str, implementation: str) -> dict[str, Any]:
     if family in ("gptj", "mamba"):
         implementation = "eager"
     return {"dtype": torch.float32, "attn_implementation": implementation}
+
+
+@torch.no_grad()
+def logits_with_head_result_patched(model, clean_ids, corrupted_ids, block: int, head: int, head_dim: int,
+                                    positions) -> torch.Tensor:
+    """The corrupted run's logits with head `head`'s result at `positions` (its output times its columns of the
+    output projection's weight, TransformerLens's attn.hook_result) replaced by the clean run's: the difference
+    of the two results added to the projection's output."""
+    clean = output_projection_inputs(model, clean_ids)[block]
+    corrupted = output_projection_inputs(model, corrupted_ids)[block]
+    projection = output_projection(attention_modules(model)[block])
+    weight = projection.weight if isinstance(projection, torch.nn.Linear) else projection.weight.t()  # GPT-2 Conv1D
+    columns = slice(head * head_dim, (head + 1) * head_dim)
+    difference = (clean[..., columns] - corrupted[..., columns]) @ weight[:, columns].t()
+    keep = torch.zeros(difference.shape[1], dtype=torch.bool)
+    keep[positions] = True
+    difference[:, ~keep] = 0
+
+    def add(_, args, output):
+        return output + difference.reshape(output.shape)
+
+    handle = projection.register_forward_hook(add)
+    try:
+        return model(corrupted_ids).logits[0, -1]
+    finally:
+        handle.remove()

@@ -34,10 +34,10 @@ BULK_FAMILIES = ("llama", "gpt2", "gptj")
 
 
 def served_values(model, family: str) -> list[str]:
-    """The oracle's value names (short spellings) that this family's blocks serve."""
+    """The oracle's value names (short spellings; the neurons under ``mlp.``) that this family's blocks serve."""
     names = []
-    for name in (*oracle.BOUNDARIES, *oracle.CONTRIBUTIONS):
-        if oracle.ORACLE[family].get(name) is None:
+    for name in (*oracle.BOUNDARIES, *oracle.CONTRIBUTIONS, *(f"mlp.{name}" for name in oracle.NEURONS)):
+        if oracle.ORACLE[family].get(name.split(".")[-1]) is None:
             continue
         try:
             locate(model, name, 0)
@@ -48,19 +48,31 @@ def served_values(model, family: str) -> list[str]:
 
 
 def check_harvest_equals_the_oracle(model, reference, tokenizer, family: str, **options) -> None:
-    names = served_values(model, family)
+    served = served_values(model, family)
+    names = [name for name in served if not name.startswith("mlp.")]
     harvest = model.harvest(PROMPTS, [*names, "token_embeddings", "final_norm_output"], positions="all",
                             progress=False, **options)
+    neurons = [name for name in served if name.startswith("mlp.")]  # intermediate_size wide: a harvest of their own
+    if neurons:
+        with pytest.raises(ValueError, match="a harvest of their own"):
+            model.harvest(PROMPTS, [*neurons, "layer_output"], progress=False, **options)
+        with pytest.raises(ValueError, match="edit them in a trace"):
+            model.generate(PROMPTS[:1], max_tokens=1,
+                           steer=[streamscope.Steer("mlp.neurons", 0, torch.ones(model.hidden_size))],
+                           progress=False)
+        harvested = model.harvest(PROMPTS, neurons, positions="all", progress=False, **options)
+        harvest.values.update(harvested.values)
+        names += neurons
     assert harvest.layers == list(range(model.num_layers))
     for index, prompt in enumerate(PROMPTS):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         expected = oracle.values(reference, family, ids)
         assert harvest.positions[index] == list(range(ids.shape[1]))
         for name in names:
-            got = harvest[name][index]
-            assert got.shape == (model.num_layers, ids.shape[1], model.hidden_size), (name, got.shape)
+            got, wanted = harvest[name][index], expected[name.split(".")[-1]]  # mlp.neurons: the oracle's neurons
+            assert got.shape == (model.num_layers, ids.shape[1], wanted[0].shape[-1]), (name, got.shape)
             for block in range(model.num_layers):
-                error = relative_error(got[block], expected[name][block][0])
+                error = relative_error(got[block], wanted[block][0])
                 assert error <= RELATIVE, (prompt, name, block, error)
         for name in ("token_embeddings", "final_norm_output"):
             assert relative_error(harvest[name][index], expected[name][0]) <= RELATIVE, (prompt, name)

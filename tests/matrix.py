@@ -26,10 +26,12 @@ from access import relative_error
 
 INTERNALS = ("queries", "keys", "values", "scores", "pattern", "head_outputs")
 ROUTING = ("router_logits", "chosen_experts", "routing_weights")
+NEURONS = oracle.NEURONS
 ROOT = ("token_embeddings", "final_norm_output", "logits", "prompt_logits")
 BLOCK = ("layer_input", "attention_norm_output", *(f"self_attn.{name}" for name in INTERNALS),
          "self_attn.attention_output", "linear_attn.attention_output", "layer_mid", "mlp_norm_output", "mlp_input",
-         *(f"mlp.{name}" for name in ROUTING), "mlp.shared_experts.mlp_output", "mlp.mlp_output", "layer_output")
+         *(f"mlp.{name}" for name in ROUTING), *(f"mlp.{name}" for name in NEURONS), "mlp.shared_experts.mlp_output",
+         "mlp.mlp_output", "layer_output")
 #: Every value a support table can list: a row not named here is a value no test compares.
 VALUES = ROOT + BLOCK
 
@@ -114,6 +116,9 @@ class Reference:
             return self.weights[block] if leaf in ("scores", "pattern") else self.kernel[block][leaf]
         if owner == ["mlp"] and leaf in ROUTING:
             return self.routing.get(block, {}).get(leaf)
+        if owner == ["mlp"] and leaf in NEURONS:
+            by_block = self.stream.get(leaf)
+            return None if by_block is None else by_block[block]
         if owner == ["mlp", "shared_experts"]:
             return self.routing.get(block, {}).get("shared")
         by_block = self.stream.get(leaf)
@@ -163,6 +168,8 @@ def plan(model, reference: Reference, prompt_logits_after: str) -> list[tuple[st
         if name == "attention_output":
             mixer = "self_attn" if block in reference.attention_blocks else "linear_attn"
             steps.append((f"{mixer}.attention_output", block))
+        elif name in NEURONS:
+            steps.append((f"mlp.{name}", block))
         elif name == "mlp_output":
             routing = [(f"mlp.{leaf}", block) for leaf in ROUTING]
             shared = [("mlp.shared_experts.mlp_output", block)]

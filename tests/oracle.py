@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from streamscope.testing.oracle import (BOUNDARIES, CONTRIBUTIONS, OPT_POST_LN, ORACLE, UnknownFamily,  # noqa: F401
+from streamscope.testing.oracle import (BOUNDARIES, CONTRIBUTIONS, NEURONS, OPT_POST_LN, ORACLE,  # noqa: F401
+                                        UnknownFamily,
                                         module_at as _module, site, sites)
 
 
@@ -71,7 +72,7 @@ def values(model: torch.nn.Module, family: str, input_ids: torch.Tensor) -> dict
             contexts.append(record(name, None, located[1], located[0], located[2]))
     count = num_layers(model, family)
     for block in range(count):
-        for name in (*BOUNDARIES, *CONTRIBUTIONS):
+        for name in (*BOUNDARIES, *CONTRIBUTIONS, *NEURONS):
             located = site(model, family, name, block)
             if located is not None:
                 contexts.append(record(name, block, located[1], located[0], located[2]))

@@ -59,8 +59,9 @@ def test_check_passes_on_both_engines(checkpoints, family, overrides):
     done = streamscope_command("check", str(checkpoints(family, **overrides)), "--engines", "transformers,vllm")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.strip().endswith("PASS")
-    rows = [line for line in done.stdout.splitlines() if line.strip().startswith(("layer_mid", "logits"))]
-    assert len(rows) == 2 and all(row.count(" ok") == 2 for row in rows)
+    rows = [line for line in done.stdout.splitlines() if line.strip().startswith(("layer_mid", "logits",
+                                                                                  "neurons_pre", "neurons "))]
+    assert len(rows) == 4 and all(row.count(" ok") == 2 for row in rows)
 
 
 def test_check_fails_with_a_nonzero_exit_when_a_value_is_off(monkeypatch, capsys, tmp_path):

@@ -11,7 +11,7 @@ from ..errors import Unavailable, missing_module
 from ..support import BlockSupport
 from ..values import INPUT, OUTPUT, Residual, StreamValue, check_write, first_tensor, in_trace
 from .envoy import StreamEnvoy, record_stream_shape
-from .sublayers import Attention, LinearAttention, Mlp, Sublayer
+from .sublayers import NEURONS, Attention, LinearAttention, Mlp, Sublayer
 
 #: The modules a block's values are keyed on, under their aliased names.
 MODULE_NAMES = ("self_attn", "linear_attn", "mlp", "input_layernorm", "post_attention_layernorm")
@@ -184,5 +184,5 @@ CONTRIBUTIONS = tuple(f"{kind.ROLE}.{kind.CONTRIBUTION}" for kind in CONTRIBUTOR
 #: A contribution's short name (the sublayer's own value name) and the roles that may add it, first found first.
 SHORT_CONTRIBUTIONS = {name: tuple(kind.ROLE for kind in CONTRIBUTORS if kind.CONTRIBUTION == name)
                        for name in dict.fromkeys(kind.CONTRIBUTION for kind in CONTRIBUTORS)}
-#: The boundaries and the short contributions, in the order a block computes them.
-STREAM_ORDER = (*BEFORE_ATTENTION, Attention.CONTRIBUTION, *BETWEEN_HALVES, Mlp.CONTRIBUTION, *AFTER_BLOCK)
+#: The boundaries, the short contributions and a dense MLP's neurons, in the order a block computes them.
+STREAM_ORDER = (*BEFORE_ATTENTION, Attention.CONTRIBUTION, *BETWEEN_HALVES, *NEURONS, Mlp.CONTRIBUTION, *AFTER_BLOCK)

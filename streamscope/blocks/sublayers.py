@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
 from .. import nnsight_seam as seam
-from ..values import OUTPUT, StreamValue
+from ..values import INPUT, OUTPUT, Host, StreamValue
 from .envoy import StreamEnvoy
 from .heads import INTERNALS, AttentionInternals
 
@@ -93,18 +93,74 @@ ROUTING = ("router_logits", "chosen_experts", "routing_weights")
 SHARED_ROUTING = "the shared expert: every token goes through it, no router chooses it"
 
 
+#: A dense MLP's neurons: before its nonlinearity, and after it (the input of its down projection).
+NEURONS = ("neurons_pre", "neurons")
+#: The module whose input is a dense MLP's neurons (its down projection), by the names the families give it.
+DOWN_PROJECTIONS = ("down_proj", "c_proj", "fc_out", "dense_4h_to_h")
+#: The module whose output is the nonlinearity's input: a gated MLP's gate, or its gate and up projection fused
+#: into one (`FUSED_GATE_UP`, the gate first); a plain MLP's up projection.
+PRE_ACTIVATIONS = ("gate_proj", "gate_up_proj", "c_fc", "fc_in", "dense_h_to_4h")
+FUSED_GATE_UP = "gate_up_proj"
+#: A block whose MLP is its own two linears, the second served as `mlp` (OPT): the first's name on the block.
+BLOCK_UP_PROJECTION = "fc1"
+#: Why a mixture of experts serves no neurons.
+MOE_NEURONS = ("a mixture of experts: each expert has neurons of its own and a token goes through its chosen "
+               "experts only, so there is no one hidden activation of the block; read mlp_output, or the shared "
+               "expert's mlp_output where the family has one")
+#: Why an MLP with no down projection streamscope knows serves no neurons.
+UNKNOWN_NEURONS = (f"no down projection streamscope knows on this MLP (it looks for "
+                   f"{', '.join(DOWN_PROJECTIONS)} and {', '.join(PRE_ACTIVATIONS)})")
+
+
+class NeuronValue(StreamValue):
+    """A dense MLP's hidden activation, at the module the MLP names it (`Mlp.neuron_sites`).
+
+    A linear that leaves its bias for the caller to add (vLLM's, built with
+    ``skip_bias_add``: Falcon's up projection) returns ``(output, bias)``: the
+    value is served with the bias added, as the nonlinearity receives it, and
+    an edit goes back less the bias.
+    """
+
+    def site(self, host: Host) -> tuple:
+        module, where = host.neuron_sites()[self.name]  # type: ignore[attr-defined]
+        return module, where, None
+
+    @staticmethod
+    def skipped_bias(raw: Any) -> Optional[torch.Tensor]:
+        """The bias a linear's output ``(output, bias)`` leaves for its caller to add, or None."""
+        if isinstance(raw, tuple) and len(raw) == 2 and isinstance(raw[1], torch.Tensor):
+            return raw[1]
+        return None
+
+    def _read(self, host: Host, raw: Any) -> torch.Tensor:
+        value = super()._read(host, raw)
+        bias = self.skipped_bias(raw)
+        if bias is None:
+            return value
+        with torch.inference_mode(False):
+            return value + bias.to(value.dtype)
+
+    def write(self, host: Host, raw: Any, value: torch.Tensor) -> None:
+        bias = self.skipped_bias(raw)
+        super().write(host, raw, value if bias is None else value - bias.to(value.dtype))
+
+
 class Mlp(Sublayer):
     """The feed-forward of a block (`mlp`): a dense MLP or a mixture of experts.
 
     Every Mlp has the routing values of a mixture of experts (a dense one says
     it has no router); a family whose router streamscope maps serves them
     through a subclass (`streamscope.transformers.moe`; on vLLM, `streamscope.vllm.moe`).
+    A dense MLP serves its neurons (`neurons`, `neurons_pre`), found at its
+    down projection and at its gate or up projection under the names the
+    families give them (`DOWN_PROJECTIONS`, `PRE_ACTIVATIONS`); a mixture of
+    experts says why it has none.
     """
 
     ROLE = "mlp"
     #: The value that is what this sublayer adds to the residual stream.
     CONTRIBUTION: ClassVar[str] = "mlp_output"
-    ORDER = (*ROUTING, CONTRIBUTION)
+    ORDER = (*ROUTING, *NEURONS, CONTRIBUTION)
 
     def is_moe(self) -> bool:
         """Whether this feed-forward is a mixture of experts (its module has `experts`)."""
@@ -114,7 +170,65 @@ class Mlp(Sublayer):
         own = super().reason(name)
         if own is None and name in ROUTING:
             return self.routing_reason(name)
+        if own is None and name in NEURONS:
+            return self.neurons_reason()
         return own
+
+    def neurons_reason(self) -> Optional[str]:
+        """Why the neurons are not served here, or None where they are."""
+        if self.is_moe():
+            return MOE_NEURONS
+        return UNKNOWN_NEURONS if self.neuron_sites() is None else None
+
+    def neuron_sites(self) -> Optional[dict[str, tuple[Optional[str], str]]]:
+        """Where the neurons sit, ``{name: (module, where)}`` from this envoy; None where no module says.
+
+        A module of the MLP's own named in `DOWN_PROJECTIONS` (its input is
+        `neurons`) and one in `PRE_ACTIVATIONS` (its output, or the gate half
+        of a fused gate and up projection, is `neurons_pre`); or, where the
+        envoy is a block's second linear itself (OPT's fc2), its own input
+        and the block's `BLOCK_UP_PROJECTION`'s output.
+        """
+        cached = self.__dict__.get("_streamscope_neurons", False)
+        if cached is not False:
+            return cached
+        module = seam.module_of(self)
+        children = dict(module.named_children())
+        down = next((name for name in DOWN_PROJECTIONS if name in children), None)
+        up = next((name for name in PRE_ACTIVATIONS if name in children), None)
+        block = self.block()
+        sites: Optional[dict[str, tuple[Optional[str], str]]] = None
+        if down is not None and up is not None:
+            sites = {"neurons": (down, INPUT), "neurons_pre": (up, OUTPUT)}
+        elif not children and block is not None and BLOCK_UP_PROJECTION in block.__dict__:
+            sites = {"neurons": (None, INPUT), "neurons_pre": (f"..{BLOCK_UP_PROJECTION}", OUTPUT)}
+        self.__dict__["_streamscope_neurons"] = sites
+        return sites
+
+    def gate_shards(self) -> int:
+        """How many shards the fused gate and up projection's output comes in, each ``[gate | up]``: one, or
+        the tensor-parallel ranks' (vLLM's merged column-parallel linear, gathered in rank order); 0 where the
+        gate is a module of its own."""
+        sites = self.neuron_sites()
+        if sites is None or not sites["neurons_pre"][0] == FUSED_GATE_UP:
+            return 0
+        return int(getattr(seam.module_of(self.__dict__[FUSED_GATE_UP]), "tp_size", 1))
+
+    def to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        tensor = super().to_user(tensor, name)
+        shards = self.gate_shards() if name == "neurons_pre" else 0
+        if shards:
+            return _gate_half(tensor, shards).flatten(-2)
+        return tensor
+
+    def to_engine(self, value: torch.Tensor, live: torch.Tensor, name: str) -> torch.Tensor:
+        shards = self.gate_shards() if name == "neurons_pre" else 0
+        if not shards:
+            return super().to_engine(value, live, name)
+        whole = live.clone()
+        gate = _gate_half(whole, shards)
+        gate.copy_(value.reshape(gate.shape))
+        return whole
 
     def routing_reason(self, name: str) -> Optional[str]:
         """Why routing value `name` is not served here, or None where a family's subclass serves it."""
@@ -127,6 +241,28 @@ class Mlp(Sublayer):
         "The experts each token is sent to, as the model chose them, [batch, seq, top_k]."))
     routing_weights = StreamValue("experts", OUTPUT, shape="[batch, seq, top_k]", description=(
         "The weight of each chosen expert in the sum the mixture adds, [batch, seq, top_k]."))
+
+    neurons_pre = NeuronValue(None, OUTPUT, shape="[batch, seq, intermediate_size]", description=(
+        "The MLP's neurons before its nonlinearity, [batch, seq, intermediate_size] (TransformerLens's "
+        "mlp.hook_pre): a gated MLP's gate projection, a plain MLP's up projection."))
+    neurons_pre.__doc__ = """The input of the MLP's nonlinearity, ``[batch, seq, intermediate_size]``.
+
+    TransformerLens's ``mlp.hook_pre``: on a gated MLP (``act(gate(x)) *
+    up(x)``) the gate projection's output, on a plain one (``act(up(x))``)
+    the up projection's, with its bias. An in-place edit or an assignment
+    changes what the nonlinearity receives (the gate half only, where the
+    family fuses the gate and up projections into one).
+    """
+    neurons = NeuronValue(None, INPUT, shape="[batch, seq, intermediate_size]", description=(
+        "The MLP's neurons after its nonlinearity, [batch, seq, intermediate_size] (TransformerLens's "
+        "mlp.hook_post): the input of its down projection."))
+    neurons.__doc__ = """The MLP's hidden activation after the nonlinearity, ``[batch, seq, intermediate_size]``.
+
+    TransformerLens's ``mlp.hook_post``: ``act(gate(x)) * up(x)`` on a gated
+    MLP, ``act(up(x))`` on a plain one; the input of the down projection, so
+    ``mlp_output`` is ``neurons @ W_out + b_out`` on a pre-norm block. An
+    in-place edit or an assignment changes what the down projection receives.
+    """
 
     @StreamValue(None, OUTPUT)
     def mlp_output(self):
@@ -173,3 +309,9 @@ class SharedExpert(Mlp):
 
     def routing_reason(self, name: str) -> Optional[str]:
         return SHARED_ROUTING
+
+
+def _gate_half(tensor: torch.Tensor, shards: int) -> torch.Tensor:
+    """The gate half of a fused gate and up projection's output, ``[..., shards, width]``, as a view: each of
+    `shards` pieces of the last dimension is ``[gate | up]``."""
+    return tensor.unflatten(-1, (shards, 2, tensor.shape[-1] // (2 * shards)))[..., 0, :]

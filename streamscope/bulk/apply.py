@@ -69,6 +69,10 @@ def rows_of(ranges: list[tuple[int, int]], device: Any) -> Any:
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
+#: Up to this many harvested rows a request in a step, the step's rows go to the host in one copy per site.
+STAGED_ROWS = 4
+
+
 class Applier:
     """Hooks that steer and harvest a bulk run's requests, installed on the engine's modules for the run.
 
@@ -99,8 +103,12 @@ class Applier:
         self.spans: list[Span] = []
         self._harvest_rows: Any = None
         self._harvest_layout: list[tuple[Hashable, int, int]] = []  # (key, rows this step, first slot)
+        self._staged = False
+        self._pending: list[tuple[int, torch.Tensor, list[tuple[Hashable, int, int]]]] = []  # (site, rows, layout)
         self._steer_rows: list[Any] = []
         self._every_row = [plan.every_row for plan in self.steers]
+        # Steers that edit the same rows (an ablation at every block) share one computation of them per step.
+        self._row_groups = _row_groups(self.steers, self._every_row)
         #: The first error a hook met; the run's other hooks stop working and the caller raises it.
         self.error: Optional[BaseException] = None
 
@@ -129,7 +137,14 @@ class Applier:
             layout.append((span.key, len(chosen), wanted.index(chosen[0])))
         self._harvest_rows = rows_of(harvest_ranges, self.device)
         self._harvest_layout = layout
-        self._steer_rows = [self._rows_for(plan, every) for plan, every in zip(self.steers, self._every_row)]
+        # Few rows a request (last-position reads, SAE features): one copy of the step's rows per site, split
+        # per request afterwards, instead of a copy a request. Many rows a request: straight into its buffer.
+        self._staged = len(harvest_ranges) <= STAGED_ROWS * len(layout)
+        found: dict[int, Any] = {}
+        for group, first in self._row_groups:
+            if group not in found:
+                found[group] = self._rows_for(self.steers[first], self._every_row[first])
+        self._steer_rows = [found[group] for group, _ in self._row_groups]
 
     def _rows_for(self, plan: SteerPlan, every_row: bool) -> Any:
         if every_row:  # the usual steer: no per-token test, one range a request
@@ -209,25 +224,67 @@ class Applier:
                 self._store(index, rows if self.readout is None else self.readout(rows))
 
     def _store(self, index: int, rows: torch.Tensor) -> None:
-        # Each request's rows go straight into its own buffer (host memory, pinned where the engine is on
-        # a GPU, so the copies queue behind the step's kernels without a sync): no copy is made later.
+        if self._staged:
+            # The step's rows in one copy (into pinned host memory on a GPU, queued behind the step's kernels
+            # without a sync); `settle` hands each request its rows once the copies are done.
+            staged = self._empty(tuple(rows.shape), rows)
+            staged.copy_(rows, non_blocking=True)
+            self._pending.append((index, staged, self._harvest_layout))
+            return
+        # Each request's rows straight into its own buffer: no copy is made later.
+        self._split(index, rows, self._harvest_layout, non_blocking=True)
+
+    def _split(self, index: int, rows: torch.Tensor, layout: list[tuple[Hashable, int, int]],
+               non_blocking: bool) -> None:
         start = 0
-        for key, count, offset in self._harvest_layout:
+        for key, count, offset in layout:
             buffer = self.harvested.get(key)
             if buffer is None:
                 buffer = self.harvested[key] = self._buffer(len(self.harvest_positions[key]), rows)
-            buffer[index, offset:offset + count].copy_(rows[start:start + count], non_blocking=True)
+            buffer[index, offset:offset + count].copy_(rows[start:start + count], non_blocking=non_blocking)
             start += count
 
-    def _buffer(self, positions: int, rows: torch.Tensor) -> torch.Tensor:
-        shape = (len(self.harvest_sites), positions, rows.shape[-1])
+    def settle(self) -> None:
+        """Hand the staged rows to each request's buffer (waiting for their copies to the host first)."""
+        if not self._pending:
+            return
+        if any(staged.is_pinned() for _, staged, _ in self._pending):
+            torch.cuda.synchronize()
+        pending, self._pending = self._pending, []
+        for index, staged, layout in pending:
+            self._split(index, staged, layout, non_blocking=False)
+
+    def _empty(self, shape: tuple[int, ...], rows: torch.Tensor) -> torch.Tensor:
         if not self.to_host or rows.device.type == "cpu":
             return torch.empty(shape, dtype=rows.dtype, device=rows.device)
         return torch.empty(shape, dtype=rows.dtype, pin_memory=True)
 
+    def _buffer(self, positions: int, rows: torch.Tensor) -> torch.Tensor:
+        shape = (len(self.harvest_sites), positions, rows.shape[-1])
+        if rows.device.type == "cpu" and rows.is_pinned():  # staged rows: the buffer is read on the host only
+            return torch.empty(shape, dtype=rows.dtype)
+        return self._empty(shape, rows)
+
     def take(self, key: Hashable) -> Optional[torch.Tensor]:
         """One request's harvest, ``[sites, positions, hidden]`` in site order (None if none ran), forgotten here."""
+        self.settle()
         return self.harvested.pop(key, None)
+
+
+def _row_groups(plans: Sequence[SteerPlan], every_row: Sequence[bool]) -> list[tuple[int, int]]:
+    """Per plan, (its group, the group's first plan): plans in one group edit the same rows at every step."""
+    groups: dict[Any, tuple[int, int]] = {}
+    found = []
+    for index, (plan, every) in enumerate(zip(plans, every_row)):
+        steer = plan.steer
+        # Made once per run: which prompts, at which positions, and from which generated token on.
+        signature: Any = (("every", tuple(sorted(plan.lengths.items()))) if every else
+                          ("some", tuple(sorted((key, tuple(sorted(chosen))) for key, chosen in plan.positions.items())),
+                           tuple(sorted(plan.lengths.items())), bool(steer.generated), steer.from_step))
+        if signature not in groups:
+            groups[signature] = (len(groups), index)
+        found.append(groups[signature])
+    return found
 
 
 def steer_plans(steers: Sequence[tuple[Steer, Site]], keys: Sequence[Hashable], lengths: Sequence[int],

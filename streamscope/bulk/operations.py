@@ -66,6 +66,22 @@ class Operation:
                                           torch.zeros_like(after))
         return edited
 
+    def add_change(self, target: torch.Tensor, rows: torch.Tensor) -> bool:
+        """Add the edit's change of `rows` to `target` in place, in one kernel after the projection, where the
+        operation is a direction's ablate or clamp (no norm match); False, doing nothing, otherwise.
+
+        ``target += -scale (x . d) d`` (ablate) or ``(projection - x . d) d``
+        (clamp): the same change as ``self(rows) - rows``, rounded once.
+        """
+        if self.mode not in DIRECTIONAL or self.norm_match:
+            return False
+        along = rows @ self.unit  # [n]: each row's projection on the direction
+        if self.mode == "ablate":
+            target.addr_(along, self.unit, alpha=-self.scale)
+        else:
+            target.addr_(self.projection - along, self.unit)
+        return True
+
     @property
     def adds_only(self) -> bool:
         """Whether the operation is a plain addition, which the bulk path applies in place."""
@@ -88,7 +104,7 @@ class ClampFeature:
 
     def __init__(self, sae: Any, feature: int, value: float, dtype: torch.dtype, device: Any) -> None:
         # The encoder runs in float32 whatever the engine's dtype: a feature's value decides what is added.
-        self.sae = sae.to(torch.float32, device)
+        self.sae = sae.placed(device)
         self.feature, self.value, self.dtype = feature, float(value), dtype
         self.direction = self.sae.W_dec[feature]
 

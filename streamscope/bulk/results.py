@@ -139,7 +139,12 @@ def _index(folder: Path) -> dict[str, Any]:
     path = folder / INDEX
     if not path.exists():
         raise FileNotFoundError(f"{folder} holds no harvest index ({INDEX}): was the run finished?")
-    return json.loads(path.read_text())
+    index = json.loads(path.read_text())
+    if index.get("format", "safetensors") != "safetensors":
+        raise ValueError(f"{folder} holds {index['format'].capitalize()} shards: read them with pyarrow "
+                         f"(pyarrow.parquet.read_table on each file of its {INDEX}) or datasets "
+                         f"(load_dataset('parquet', data_files=[...])); load_harvest reads safetensors shards.")
+    return index
 
 
 def iter_harvest(folder: str | Path) -> Iterator[Harvest]:

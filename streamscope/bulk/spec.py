@@ -17,6 +17,7 @@ import torch
 
 from .. import nnsight_seam as seam
 from ..blocks import BOUNDARIES, CONTRIBUTIONS, SHORT_CONTRIBUTIONS
+from ..blocks.sublayers import NEURONS
 from ..errors import Unavailable
 from ..families.spec import ROOT_STREAMS
 from .operations import DIRECTIONAL, MODES, ClampFeature, Operation, check_clamp, prepare
@@ -33,7 +34,7 @@ Positions = Union[str, slice, Sequence[int], Sequence[Sequence[int]]]
 
 def value_names() -> tuple[str, ...]:
     """Every name a bulk request accepts."""
-    return (*BOUNDARIES, *CONTRIBUTIONS, *SHORT, *ROOT_VALUES)
+    return (*BOUNDARIES, *CONTRIBUTIONS, *SHORT, *(f"mlp.{name}" for name in NEURONS), *ROOT_VALUES)
 
 
 @dataclass
@@ -275,6 +276,11 @@ class Site:
         `mode` (``"add"`` or ``"set"``) it is instead the vector(s) to add or
         set, ``[hidden]`` or one per row.
         """
+        if mode is None and self.descriptor.factor is None:
+            # A value held in two halves (vLLM's fused blocks) takes the edit at the edited rows only.
+            edits = getattr(self.descriptor, "edit_rows", None)
+            if edits is not None and edits(raw, rows, operation):
+                return
         view = self.user(raw)
         flat = view.reshape(-1, view.shape[-1])
         if mode is not None:
@@ -409,6 +415,10 @@ def check_steer(model: Any, steer: Steer, prompts: int) -> Site:
     if not isinstance(steer, Steer):
         raise TypeError(f"steer takes streamscope.Steer objects, not a {type(steer).__name__}.")
     site = locate(model, steer.value, steer.layer)
+    if steer.value.split(".")[-1] in NEURONS:
+        raise ValueError(f"Steer({steer.value!r}): a steer's vector is hidden_size wide, the neurons "
+                         f"intermediate_size: edit them in a trace (model.layers[{steer.layer}].{steer.value}"
+                         f"[:, -1] += vector), or steer mlp_output with the vector they write (vector @ W_out).")
     check_vector(steer, model.hidden_size)
     check_origin(steer, model)
     if steer.mode == "sae_clamp":
@@ -445,6 +455,12 @@ def harvest_spec(model: Any, values: Any, layers: Any, positions: Positions, len
         raise ValueError("harvest needs at least one value name.")
     spec = HarvestSpec(values, layer_list(model, layers), per_prompt_positions(positions, lengths))
     spec.sites(model)  # every site resolves, or the error says which does not
+    neurons = [value for value in values if value.split(".")[-1] in NEURONS]
+    if neurons and len(neurons) < len(values):
+        # Each prompt's rows are kept in one [sites, positions, width] buffer, filled as the steps run.
+        raise ValueError(f"harvest {', '.join(neurons)} (intermediate_size wide) in a harvest of their own: one "
+                         f"harvest's values share one width, and {', '.join(v for v in values if v not in neurons)} "
+                         f"are hidden_size wide.")
     return spec
 
 

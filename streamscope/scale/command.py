@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 
@@ -52,6 +53,8 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
                      help='more streamscope.load arguments as JSON: \'{"dtype": "bfloat16"}\'')
     sub.add_argument("--batch-size", type=int, default=None, help="prompts per padded batch (transformers)")
     sub.add_argument("--shard-size", type=int, default=1024, help="prompts per shard (default 1024)")
+    sub.add_argument("--format", default="safetensors", choices=("safetensors", "parquet"),
+                     help="the shards: safetensors (load_harvest reads them) or parquet (one row a token)")
     sub.add_argument("--num-cpus", type=float, default=1, help="Ray CPUs each replica holds")
     sub.add_argument("--num-gpus", type=float, default=None, help="Ray GPUs each replica holds (default: its ranks)")
     sub.add_argument("--address", default=None, help="the Ray cluster (auto, ray://host:10001); default: local")
@@ -71,10 +74,15 @@ def command_harvest(arguments: argparse.Namespace) -> int:
                          out=arguments.out, replicas=arguments.replicas, engine=arguments.engine,
                          engine_options=options, column=arguments.column, split=arguments.split,
                          shard_size=arguments.shard_size, harvest_options=harvest_options, num_cpus=arguments.num_cpus, num_gpus=arguments.num_gpus,
-                         address=arguments.address)
+                         address=arguments.address, format=arguments.format)
     except HarvestFailed as error:
         print(error)
         return 1
+    except (ValueError, TypeError, KeyError, IndexError, ImportError, OSError) as error:
+        # Refused before any replica ran (a missing column, another run's folder, no cluster...): the reason alone.
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"streamscope harvest: {message}", file=sys.stderr)
+        return 2
     index = json.loads((folder / "index.json").read_text())
     print(f"wrote {index['prompts']} prompts ({index['tokens']} tokens) in {len(index['shards'])} shards to {folder}")
     for failure in index["failures"]:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 from ..bulk.spec import ROOT_VALUES, Positions, value_names
 from .dataset import fingerprint, read_prompts
-from .shards import RunFolder, write_shard
+from .shards import FORMATS, RunFolder, write_shard
 
 ENGINES = ("vllm", "transformers")
 
@@ -113,7 +113,7 @@ class Replica:
         harvest.prompts = list(range(job["first"], job["first"] + len(ids)))
         record = {**self.where(), "tokens": sum(len(tokens) for tokens in ids),
                   "seconds": time.perf_counter() - start}
-        write_shard(Path(job["folder"]), job["shard"], harvest, record)
+        write_shard(Path(job["folder"]), job["shard"], harvest, record, job["format"], ids)
         return {**record, "shard": job["shard"], "prompts": len(ids)}
 
     def close(self) -> None:
@@ -137,8 +137,8 @@ def _nested(positions: Positions) -> bool:
 
 
 def _check_request(checkpoint: str, engine: str, values: Any, layers: Any, positions: Positions,
-                   count: int) -> tuple[list[str], Any]:
-    """The values and blocks checked against the checkpoint's config, before Ray starts."""
+                   count: int, engine_options: dict[str, Any]) -> tuple[list[str], Any]:
+    """The values, blocks and parallel sizes checked against the checkpoint's config, before Ray starts."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}.")
     if isinstance(values, str):
@@ -154,6 +154,14 @@ def _check_request(checkpoint: str, engine: str, values: Any, layers: Any, posit
     config = AutoConfig.from_pretrained(checkpoint)
     config = getattr(config, "text_config", None) or config
     blocks = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        size = engine_options.get(name, 1)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"engine_options {name}={size!r}: give a whole number, 1 or more.")
+    stages = engine_options.get("pipeline_parallel_size", 1)
+    if blocks is not None and stages > blocks:  # as streamscope.load refuses it, but before any replica starts
+        raise ValueError(f"pipeline_parallel_size={stages} is more stages than the model's {blocks} blocks: every "
+                         f"stage needs a block. Use at most {blocks} (vLLM splits the blocks as evenly as it can).")
     if isinstance(layers, int):
         layers = [layers]
     if layers is not None:
@@ -185,6 +193,7 @@ def _connect(ray: Any, address: Optional[str]) -> bool:
     """Join the Ray cluster at `address` (or the one this process already joined); True if this call started it."""
     if ray.is_initialized():
         return False
+    _probe(address)
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     except ConnectionError as error:
@@ -193,11 +202,29 @@ def _connect(ray: Any, address: Optional[str]) -> bool:
     return True
 
 
+def _probe(address: Optional[str], timeout: float = 5.0) -> None:
+    """Refuse a cluster address nothing answers at within `timeout` seconds (``ray.init`` would wait minutes)."""
+    if address is None or address == "auto" or address.startswith("local"):
+        return  # a new local cluster, or the one `ray start` left the address of (ray.init says at once if none)
+    where = address.split("://", 1)[-1]
+    host, _, port = where.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"address={address!r}: give HOST:PORT (the head's GCS, 6379 by default), "
+                         f"ray://HOST:10001, or 'auto'.")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as error:
+        raise ConnectionError(f"no Ray cluster is reachable at {address!r} ({error}): start one with "
+                              f"`ray start --head` there and pass its address, or pass address=None for a local "
+                              f"one.") from None
+
+
 def harvest(dataset: Any, checkpoint: str | Path, values: Any, layers: Any = None, positions: Positions = "last", *,
             out: str | Path, replicas: int = 1, engine: str = "vllm", engine_options: Optional[dict[str, Any]] = None,
             column: Optional[str] = None, split: Optional[str] = None, shard_size: int = 1024,
             harvest_options: Optional[dict[str, Any]] = None, num_cpus: float = 1, num_gpus: Optional[float] = None,
-            address: Optional[str] = None, progress: bool | Callable[[Progress], None] = True) -> Path:
+            address: Optional[str] = None, progress: bool | Callable[[Progress], None] = True,
+            format: str = "safetensors") -> Path:
     """Harvest values of a whole dataset on `replicas` engines over Ray, into a resumable folder of shards.
 
     Args:
@@ -221,6 +248,9 @@ def harvest(dataset: Any, checkpoint: str | Path, values: Any, layers: Any = Non
         address: The Ray cluster (``"auto"``, ``"ray://host:10001"``); None: the
             cluster this process joined, or a new local one.
         progress: A bar with tokens/s and the ETA; or a callable given a `Progress` after each shard.
+        format: ``"safetensors"``: the shards `load_harvest` and `iter_harvest` read; ``"parquet"``: Parquet
+            tables of one row a harvested token (prompt, position, token id, one fixed-size list column a
+            value and block: `streamscope.scale.parquet`), the form SAE trainers stream.
 
     Returns:
         The folder, which `streamscope.load_harvest` and `iter_harvest` read.
@@ -236,29 +266,42 @@ def harvest(dataset: Any, checkpoint: str | Path, values: Any, layers: Any = Non
         raise ValueError(f"replicas={replicas!r}: a harvest needs at least one replica.")
     if not isinstance(shard_size, int) or shard_size < 1:
         raise ValueError(f"shard_size={shard_size!r}: a shard holds at least one prompt.")
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r}: choose one of {', '.join(FORMATS)}.")
+    if format == "parquet":
+        try:
+            import pyarrow.parquet  # noqa: F401
+        except ImportError:
+            raise ImportError("format='parquet' writes with pyarrow: `pip install pyarrow`.") from None
     prompts = read_prompts(dataset, column, split)
     if not prompts:
         raise ValueError("the dataset has no rows.")
-    values, layers = _check_request(checkpoint, engine, values, layers, positions, len(prompts))
+    values, layers = _check_request(checkpoint, engine, values, layers, positions, len(prompts), engine_options)
     ray = _ray()
     shards = math.ceil(len(prompts) / shard_size)
     manifest = {"checkpoint": checkpoint, "engine": engine, "values": values, "layers": layers,
                 "positions": _positions_key(positions), "shard_size": shard_size, "prompts": len(prompts),
-                "dataset": fingerprint(prompts)}
+                "dataset": fingerprint(prompts), "format": format}
     folder = RunFolder(out, manifest)
-    folder.open()
-    finished = folder.finished()
-    pending = deque(number for number in range(shards) if number not in finished)
+    folder.check()  # another run's folder is refused before Ray starts
+    started = _connect(ray, address) if _unfinished(folder, shards) else False
     failures: list[dict[str, Any]] = []
-    if pending:
-        started = _connect(ray, address)
-        try:
+    try:
+        folder.open()
+        finished = folder.finished()
+        pending = deque(number for number in range(shards) if number not in finished)
+        if pending:
             _schedule(ray, folder, pending, prompts, shards, len(finished), values, layers, positions, checkpoint,
                       engine, engine_options, harvest_options, replicas, num_cpus, num_gpus, progress, failures)
-        finally:
-            if started:
-                ray.shutdown()
+    finally:
+        if started:
+            ray.shutdown()
     return folder.close(shards, failures)
+
+
+def _unfinished(folder: RunFolder, shards: int) -> bool:
+    """Whether the run has shards to harvest (a finished run run again needs no cluster)."""
+    return not folder.folder.exists() or len(folder.finished()) < shards
 
 
 def _schedule(ray: Any, folder: RunFolder, pending: deque, prompts: list[Any], shards: int, done: int,
@@ -283,7 +326,7 @@ def _schedule(ray: Any, folder: RunFolder, pending: deque, prompts: list[Any], s
         chosen = positions[first:first + shard_size] if _nested(positions) else positions  # type: ignore[index]
         return {"shard": number, "first": first, "prompts": prompts[first:first + shard_size], "values": values,
                 "layers": layers, "positions": chosen, "folder": str(folder.folder),
-                "harvest_options": harvest_options}
+                "harvest_options": harvest_options, "format": folder.format}
 
     in_flight: dict[Any, tuple[int, int]] = {}
 

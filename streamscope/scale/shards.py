@@ -3,7 +3,9 @@
 The folder a distributed harvest writes is the one `model.harvest(out=...)`
 writes (``shard-00000.safetensors`` ..., tensors ``"<value>/<prompt>"``,
 ``index.json``), so `streamscope.load_harvest` and `iter_harvest` read it.
-Beside it:
+With ``format="parquet"`` the shards are Parquet tables instead,
+``shard-00000.parquet`` ..., one row per harvested token
+(`streamscope.scale.parquet`), and ``index.json`` says so. Beside them:
 
 * ``run.json``, the run's manifest (checkpoint, engine, values, blocks,
   positions, shard size, the dataset's digest), written first. A restarted
@@ -28,10 +30,12 @@ from typing import Any, Optional
 from ..bulk.results import INDEX, Harvest
 
 MANIFEST = "run.json"
+#: The shard formats: the safetensors shards `load_harvest` reads, or Parquet tables of one row a token.
+FORMATS = ("safetensors", "parquet")
 
 
-def shard_file(number: int) -> str:
-    return f"shard-{number:05d}.safetensors"
+def shard_file(number: int, format: str = "safetensors") -> str:
+    return f"shard-{number:05d}.{format}"
 
 
 def record_file(number: int) -> str:
@@ -53,15 +57,25 @@ def write_text(path: Path, text: str) -> None:
     _atomic_write(path, lambda temporary: temporary.write_text(text))
 
 
-def write_shard(folder: Path, number: int, harvest: Harvest, record: dict[str, Any]) -> None:
-    """Write one finished shard: its tensors, then its record (which marks it finished)."""
-    from safetensors.torch import save_file
+def write_shard(folder: Path, number: int, harvest: Harvest, record: dict[str, Any], format: str = "safetensors",
+                token_ids: Optional[list[list[int]]] = None) -> None:
+    """Write one finished shard: its tensors (or its Parquet table, which needs the prompts' `token_ids`), then
+    its record (which marks it finished)."""
+    name = shard_file(number, format)
+    if format == "parquet":
+        from . import parquet
 
-    tensors = {f"{value}/{prompt}": tensor.contiguous().clone()  # own storage: a harvest hands out views
-               for value, per_prompt in harvest.values.items()
-               for prompt, tensor in zip(harvest.prompts, per_prompt)}
-    _atomic_write(folder / shard_file(number), lambda temporary: save_file(tensors, str(temporary)))
-    record = {**record, "file": shard_file(number), "prompts": list(harvest.prompts),
+        if token_ids is None:
+            raise ValueError("a Parquet shard has a token column: pass the prompts' token_ids.")
+        _atomic_write(folder / name, lambda temporary: parquet.write(temporary, harvest, token_ids))
+    else:
+        from safetensors.torch import save_file
+
+        tensors = {f"{value}/{prompt}": tensor.contiguous().clone()  # own storage: a harvest hands out views
+                   for value, per_prompt in harvest.values.items()
+                   for prompt, tensor in zip(harvest.prompts, per_prompt)}
+        _atomic_write(folder / name, lambda temporary: save_file(tensors, str(temporary)))
+    record = {**record, "file": name, "prompts": list(harvest.prompts),
               "positions": harvest.positions, "layers": harvest.layers}
     write_text(folder / record_file(number), json.dumps(record))
 
@@ -72,10 +86,10 @@ class RunFolder:
     def __init__(self, folder: str | Path, manifest: dict[str, Any]) -> None:
         self.folder = Path(folder)
         self.manifest = manifest
+        self.format = manifest.get("format", "safetensors")
 
-    def open(self) -> None:
-        """Create the folder and its manifest, or check that the folder holds this run; clear stray temporaries."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+    def check(self) -> None:
+        """Refuse a folder that holds another run (or a harvest not written by a resumable run); writes nothing."""
         path = self.folder / MANIFEST
         if path.exists():
             held = json.loads(path.read_text())
@@ -84,10 +98,16 @@ class RunFolder:
                 details = "; ".join(f"{key}: {held.get(key)!r} there, {self.manifest.get(key)!r} now" for key in differ)
                 raise FileExistsError(f"{self.folder} holds another run's shards ({details}): choose another folder, "
                                       f"or run the same harvest again there to resume it.")
-        elif (self.folder / INDEX).exists() or any(self.folder.glob("shard-*")):
+        elif self.folder.exists() and ((self.folder / INDEX).exists() or any(self.folder.glob("shard-*"))):
             raise FileExistsError(f"{self.folder} holds a harvest that is not a resumable run (no {MANIFEST}): "
                                   f"choose an empty folder.")
-        else:
+
+    def open(self) -> None:
+        """Create the folder and its manifest, or check that the folder holds this run; clear stray temporaries."""
+        self.check()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / MANIFEST
+        if not path.exists():
             write_text(path, json.dumps(self.manifest, indent=1))
         for stray in self.folder.glob(".shard-*.tmp"):
             stray.unlink(missing_ok=True)  # a replica died writing it: the shard runs again
@@ -97,7 +117,7 @@ class RunFolder:
         records = {}
         for path in self.folder.glob("shard-*.json"):
             number = int(path.stem.split("-")[1])
-            if (self.folder / shard_file(number)).exists():
+            if (self.folder / shard_file(number, self.format)).exists():
                 records[number] = json.loads(path.read_text())
         return records
 
@@ -117,5 +137,7 @@ class RunFolder:
                             for number in range(shards)],
                  "tokens": sum(records[number]["tokens"] for number in range(shards)),
                  "failures": failures or []}
+        if self.format != "safetensors":
+            index["format"] = self.format  # load_harvest reads safetensors shards; it says so of any other
         write_text(self.folder / INDEX, json.dumps(index))
         return self.folder

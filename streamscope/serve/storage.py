@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from . import stages
 from .protocol import NAME, Checker, Limits, RequestError
 
 
@@ -71,14 +72,14 @@ class Harvests:
 
     def delete(self, harvest_id: str) -> bool:
         found = self.entries.pop(harvest_id, None) is not None
-        for path in (self.path(harvest_id), self.folder / f"{harvest_id}.error"):
+        for path in (self.path(harvest_id), self.folder / f"{harvest_id}.error", *stages.parts(self.folder, harvest_id)):
             path.unlink(missing_ok=True)
         return found
 
     def listing(self) -> list[dict[str, Any]]:
         self.expire()
         now = time.monotonic()
-        return [{"id": key, "bytes": entry.bytes, "ready": self.path(key).exists(),
+        return [{"id": key, "bytes": entry.bytes, "ready": self.path(key).exists() or stages.merge(self.folder, key),
                  "expires_in": round(self.limits.harvest_ttl - (now - entry.created), 1)}
                 for key, entry in self.entries.items()]
 
@@ -91,7 +92,7 @@ class Harvests:
                                           f"after {self.limits.harvest_ttl:g} s (--harvest-ttl).")
         path, failed = self.path(harvest_id), self.folder / f"{harvest_id}.error"
         deadline = time.monotonic() + wait
-        while not path.exists():
+        while not path.exists() and not stages.merge(self.folder, harvest_id):  # pipeline stages write parts
             if failed.exists():
                 message = failed.read_text()
                 self.delete(harvest_id)

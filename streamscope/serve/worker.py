@@ -41,6 +41,7 @@ from .. import nnsight_seam as seam
 from ..bulk.apply import Span, rows_of
 from ..bulk.spec import ROOT_VALUES, Site, Steer, layer_list, locate, prompt_positions
 from ..values import INPUT
+from .stages import CPUStageBuffers, Stage, sites_of, write_part
 
 #: The environment variable that carries the server's settings (the harvest folder) to the engine's processes.
 ENVIRONMENT = "STREAMSCOPE_SERVE"
@@ -101,6 +102,7 @@ class ServeState:
             self.root = seam.uninstrumented(runner.get_model(), lambda module: worker_tree(module, model_type))
         else:
             self.root = worker_tree(runner.get_model(), model_type)
+        self.stage = Stage(self.root)  # under pipeline parallelism: the blocks this worker holds (serve/stages.py)
         self.folder = Path(folder) if folder else None
         self.sae_folder = Path(sae_folder) if sae_folder else None
         #: The SAEs loaded on the engine's device (float32), by file; the least recently used go past `sae_cache`.
@@ -184,6 +186,8 @@ class ServeState:
         steers: list[SteerEntry] = []
         per_key: dict[tuple[int, str], int] = {}
         for item in plan.get("steer", ()):
+            if not self.stage.holds(item["value"], item["layer"]):
+                continue  # another pipeline stage's block: that stage applies it
             site = self.site(item["value"], item["layer"])
             rule = positions_rule(item["positions"], "positions")
             steer = Steer(item["value"], item["layer"], vector_from_bytes(item["vector"]), scale=item["scale"],
@@ -206,13 +210,16 @@ class ServeState:
             rule = positions_rule(harvest["positions"], "positions")
             layers = layer_list(self.root, harvest["layers"])
             live.harvest_id = harvest["id"]
-            live.harvest_sites = [self.site(value, None) if value in ROOT_VALUES else self.site(value, layer)
-                                  for value in harvest["values"]
-                                  for layer in ([None] if value in ROOT_VALUES else layers)]
+            sites = sites_of(harvest["values"], layers)
+            held = [index for index, (value, layer) in enumerate(sites) if self.stage.holds(value, layer)]
+            live.harvest_sites = [self.site(*sites[index]) for index in held]
             live.positions = prompt_positions(rule, length, 0)
             live.slots = {position: slot for slot, position in enumerate(live.positions)}
             live.harvest_meta = {"values": harvest["values"], "layers": layers, "positions": live.positions}
-            if harvest.get("sae") is not None:
+            if len(held) < len(sites):  # pipeline stages split the harvest: this one writes its part, if any
+                live.harvest_meta["held"] = held
+                live.written = not held  # a stage holding none of its sites has nothing to write
+            if harvest.get("sae") is not None:  # one site: on one stage, which holds (and writes) all of it
                 top_k = harvest.get("top_k")
                 live.readout = (self.sae(harvest["sae"]), top_k)
                 live.harvest_meta["values"] = ["sae_features"] if top_k is None else ["sae_values", "sae_indices"]
@@ -424,6 +431,11 @@ class ServeState:
         """Write one complete harvest (called on the writer thread)."""
         if live.buffer is None:
             return
+        if "held" in live.harvest_meta:  # this pipeline stage's sites only: the front end puts the parts together
+            if self.folder is not None and _valid_id(live.harvest_id):
+                write_part(self.folder, str(live.harvest_id), self.stage.rank, live.buffer, live.harvest_meta)
+            live.buffer = None
+            return
         tensors: dict[str, torch.Tensor] = {}
         index = 0
         layers = len(live.harvest_meta["layers"])
@@ -551,9 +563,11 @@ def install(worker: Any) -> None:
     options = json.loads(settings)
     writer = True
     try:
-        from vllm.distributed import get_pipeline_model_parallel_group, get_tensor_model_parallel_rank
+        from vllm.distributed import get_tensor_model_parallel_rank
 
-        writer = get_tensor_model_parallel_rank() == 0 and get_pipeline_model_parallel_group().is_last_rank
+        # The first tensor-parallel rank of each pipeline stage: with one stage it writes the harvest, with
+        # several its stage's part (serve/stages.py).
+        writer = get_tensor_model_parallel_rank() == 0
     except Exception:  # noqa: BLE001  (no parallel groups: one rank)
         pass
     runner.__dict__["_streamscope_serve"] = ServeState(runner, runner.model_config.hf_config.model_type,
@@ -582,7 +596,8 @@ def _plain_worker(on_cpu: bool) -> type:
     else:
         from vllm.v1.worker.gpu_worker import Worker as base
     name = "ServePlainCPUWorker" if on_cpu else "ServePlainGPUWorker"
-    return type(name, (ServeRPC, base), {"__module__": __name__})
+    bases = (ServeRPC, CPUStageBuffers, base) if on_cpu else (ServeRPC, base)  # CPU: pipeline stages' buffers
+    return type(name, bases, {"__module__": __name__})
 
 
 def __getattr__(name: str) -> Any:

@@ -20,11 +20,17 @@ import torch
 #: (the oracle's own list: it is checked against the block kinds' `streamscope.blocks.BOUNDARIES` by the tests).
 BOUNDARIES = ("layer_input", "attention_norm_output", "layer_mid", "mlp_norm_output", "mlp_input", "layer_output")
 CONTRIBUTIONS = ("attention_output", "mlp_output")
+#: A dense MLP's hidden activation: the input of its nonlinearity, and the input of its down projection.
+NEURONS = ("neurons_pre", "neurons")
 #: Every block value the map places, in the order a block computes them.
 BLOCK_VALUES = ("layer_input", "attention_norm_output", "attention_output", "layer_mid", "mlp_norm_output",
-                "mlp_input", "mlp_output", "layer_output")
+                "mlp_input", *NEURONS, "mlp_output", "layer_output")
 
+# The neurons are read where the MLP's own activation module and down projection are called: a mixture of
+# experts' block has neither (its experts are batched weights), so it has no such value.
 _PRE_NORM = {
+    "neurons_pre": ("mlp.act_fn", "in"),
+    "neurons": ("mlp.down_proj", "in"),
     "layer_input": ("", "in"),
     "attention_norm_output": ("input_layernorm", "out"),
     "attention_output": ("self_attn", "out"),
@@ -55,7 +61,7 @@ ORACLE: dict[str, dict[str, Any]] = {
     "gemma": {**_LLAMA_ROOT, **_PRE_NORM},
     "gemma2": {**_LLAMA_ROOT, **_SANDWICH},
     "gemma3_text": {**_LLAMA_ROOT, **_SANDWICH},
-    "phi3": {**_LLAMA_ROOT, **_PRE_NORM},
+    "phi3": {**_LLAMA_ROOT, **_PRE_NORM, "neurons_pre": ("mlp.activation_fn", "in")},
     "granite": {**_LLAMA_ROOT, **_PRE_NORM, "token_embeddings": ("model.layers.0", "in"),
                 "attention_output": ("self_attn", "out", _residual), "mlp_output": ("mlp", "out", _residual)},
     "olmo2": {**_LLAMA_ROOT, **_POST_NORM},
@@ -63,36 +69,43 @@ ORACLE: dict[str, dict[str, Any]] = {
     "cohere": {**_LLAMA_ROOT, **_PRE_NORM, "layer_mid": None, "mlp_norm_output": ("input_layernorm", "out")},
     "stablelm": {**_LLAMA_ROOT, **_PRE_NORM},
     "llama4_text": {**_LLAMA_ROOT, **_PRE_NORM, "mlp_input": ("feed_forward", "in"),
-                    "mlp_output": ("feed_forward", "out")},
+                    "mlp_output": ("feed_forward", "out"), "neurons_pre": ("feed_forward.activation_fn", "in"),
+                    "neurons": ("feed_forward.down_proj", "in")},
     "qwen3_next": {**_LLAMA_ROOT, **_PRE_NORM,
                    "attention_output": (("self_attn", "out"), ("linear_attn", "out"))},
     "gpt2": {"layers": "transformer.h", "token_embeddings": ("transformer.wte", "out"),
              "final_norm_output": ("transformer.ln_f", "out"), **_PRE_NORM,
              "attention_norm_output": ("ln_1", "out"), "attention_output": ("attn", "out"),
-             "layer_mid": ("ln_2", "in"), "mlp_norm_output": ("ln_2", "out")},
+             "layer_mid": ("ln_2", "in"), "mlp_norm_output": ("ln_2", "out"),
+             "neurons_pre": ("mlp.act", "in"), "neurons": ("mlp.c_proj", "in")},
     "gptj": {"layers": "transformer.h", "token_embeddings": ("transformer.wte", "out"),
              "final_norm_output": ("transformer.ln_f", "out"), **_PRE_NORM,
              "attention_norm_output": ("ln_1", "out"), "attention_output": ("attn", "out"),
-             "layer_mid": None, "mlp_norm_output": ("ln_1", "out")},
+             "layer_mid": None, "mlp_norm_output": ("ln_1", "out"),
+             "neurons_pre": ("mlp.act", "in"), "neurons": ("mlp.fc_out", "in")},
     "gpt_neox": {"layers": "gpt_neox.layers", "token_embeddings": ("gpt_neox.embed_in", "out"),
                  "final_norm_output": ("gpt_neox.final_layer_norm", "out"), **_PRE_NORM,
-                 "attention_output": ("attention", "out"), "layer_mid": None},
+                 "attention_output": ("attention", "out"), "layer_mid": None,
+                 "neurons_pre": ("mlp.act", "in"), "neurons": ("mlp.dense_4h_to_h", "in")},
     "opt": {"layers": "model.decoder.layers", "token_embeddings": ("model.decoder.embed_tokens", "out"),
             "final_norm_output": ("model.decoder.final_layer_norm", "out"), **_PRE_NORM,
             "attention_norm_output": ("self_attn_layer_norm", "out"),
             "layer_mid": ("final_layer_norm", "in"), "mlp_norm_output": ("final_layer_norm", "out"),
-            "mlp_input": ("fc1", "in"), "mlp_output": ("fc2", "out")},
+            "mlp_input": ("fc1", "in"), "mlp_output": ("fc2", "out"),
+            "neurons_pre": ("activation_fn", "in"), "neurons": ("fc2", "in")},
     # three layouts, by the norms a block has: ln_attn and ln_mlp (parallel, the new layout), input_layernorm
     # alone (parallel, one norm: Falcon-7B), input_layernorm and post_attention_layernorm (sequential: Falcon-RW)
     "falcon": {"layers": "transformer.h", "token_embeddings": ("transformer.word_embeddings", "out"),
                "final_norm_output": ("transformer.ln_f", "out"), **_PRE_NORM,
                "attention_norm_output": (("ln_attn", "out"), ("input_layernorm", "out")),
                "attention_output": ("self_attention", "out"), "layer_mid": ("post_attention_layernorm", "in"),
-               "mlp_norm_output": (("ln_mlp", "out"), ("post_attention_layernorm", "out"), ("input_layernorm", "out"))},
+               "mlp_norm_output": (("ln_mlp", "out"), ("post_attention_layernorm", "out"), ("input_layernorm", "out")),
+               "neurons_pre": ("mlp.act", "in"), "neurons": ("mlp.dense_4h_to_h", "in")},
     "mamba": {"layers": "backbone.layers", "token_embeddings": ("backbone.embeddings", "out"),
               "final_norm_output": ("backbone.norm_f", "out"), **_PRE_NORM,
               "attention_norm_output": ("norm", "out"), "attention_output": ("mixer", "out"),
-              "layer_mid": None, "mlp_norm_output": None, "mlp_input": None, "mlp_output": None},
+              "layer_mid": None, "mlp_norm_output": None, "mlp_input": None, "mlp_output": None,
+              "neurons_pre": None, "neurons": None},
 }
 
 #: OPT with ``do_layer_norm_before=False`` (OPT-350m): a norm after each residual add, none at the end. The

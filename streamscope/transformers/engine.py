@@ -8,7 +8,8 @@ import nnsight
 import torch
 
 from .. import nnsight_seam as seam
-from ..engine import Body, Engine, Prompt, attention_modules, cut, norm_parameters, output_projection, right_padded
+from ..engine import (Body, Engine, Prompt, attention_modules, cut, down_projections, norm_parameters,
+                      output_projection, right_padded)
 
 
 class TransformersEngine(Engine):
@@ -50,3 +51,6 @@ class TransformersEngine(Engine):
         width = model.num_heads * model.head_dim
         return [module if isinstance(module, str) else output_projection(module, width)
                 for module in attention_modules(model, model.num_layers)]
+
+    def down_projections(self) -> list[torch.Tensor | str]:
+        return down_projections(self.model, self.model.num_layers)

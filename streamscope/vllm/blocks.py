@@ -55,6 +55,35 @@ class Summed(StreamValue):
                 return host.to_user(hidden, self.name).clone()
             return host.to_user(hidden + residual, self.name)
 
+    def edit_rows(self, raw: Any, rows: Any, operation: Any) -> bool:
+        """Apply a bulk steer's `operation` to rows `rows` of the stream (a slice or a tensor of row indices),
+        those rows only; False, doing nothing, where the halves are not the step's flattened tokens.
+
+        The hidden half of each edited row takes ``edited - stream``, bit
+        for bit the change the write-back of the whole batch (`write`) would
+        make; an ablation or a clamp adds the same change in one kernel,
+        rounded once (`Operation.add_change`). No other row is touched, and
+        the whole batch is neither summed, copied nor written back.
+        """
+        hidden, residual = self.halves(raw)
+        if hidden.dim() != 2 or (residual is not None and residual.shape != hidden.shape):
+            return False
+        stream = hidden[rows] if residual is None else hidden[rows] + residual[rows]
+        with torch.no_grad():
+            if isinstance(rows, slice):
+                # An ablation or clamp adds its change in one kernel (rounded once); anything else adds
+                # edited - stream, bit for bit the write-back's change.
+                add_change = getattr(operation, "add_change", None)
+                if add_change is not None and add_change(hidden[rows], stream):
+                    return True
+            edited = stream + operation.delta if getattr(operation, "adds_only", False) else operation(stream)
+            change = edited.to(hidden.dtype) - stream
+            if isinstance(rows, slice):
+                hidden[rows].add_(change)
+            else:
+                hidden.index_add_(0, rows, change)
+        return True
+
     def write(self, host: Host, raw: Any, value: torch.Tensor) -> None:
         hidden, residual = self.halves(raw)
         value = host.to_engine(value.to(hidden.dtype), hidden, self.name)

@@ -32,6 +32,8 @@ from .. import nnsight_seam as seam
 from ..errors import Unavailable, untapped
 from ..bulk.spec import (HarvestSpec, Positions, Site, Steer, check_steer, generation_harvest, harvest_spec, locate,
                          token_ids)
+from . import held
+from .held import WorkerSAEs
 from .pipeline import gather, holds, site_count, stage_sites
 
 #: The sampling params' extra_args key that marks a request as a bulk run's, with its prompt index.
@@ -56,6 +58,7 @@ class WorkerState:
         self.logits: Optional[dict[int, list[torch.Tensor]]] = None
         self.sampled: list[Optional[int]] = []
         self.logits_hook: Any = None
+        self.saes = WorkerSAEs(next(runner.get_model().parameters()).device)  # `streamscope.vllm.held`
         seam.wrap_update_states(runner, self._step_scheduled)
         # On an engine that replays CUDA graphs, a replayed step runs no module call, so no hook fires: the bulk
         # work runs at each tap instead. A step that runs eagerly (a prefill) fires the hooks and reaches no tap,
@@ -137,23 +140,32 @@ def worker_begin(worker: Any, payload: bytes) -> None:
     if state.applier is not None:
         worker_finish(worker, True)  # a run the client abandoned: its hooks go
     root = state.root
+    state.saes.update(plan["ship"], plan["drop"])
+    steer_list, readout = state.saes.take_in(plan["steers"], plan["harvest"].readout if plan["harvest"] else None)
     spec: Optional[HarvestSpec] = plan["harvest"]
     # Under pipeline parallelism this worker's stage reads and steers the blocks it holds (`vllm.pipeline`).
     sites, state.held = stage_sites(root, spec) if spec is not None else ([], [])
     state.total = site_count(spec) if spec is not None else 0
     device = next(state.runner.get_model().parameters()).device
     dtype = state.runner.model_config.dtype
-    steers = [(steer, locate(root, steer.value, steer.layer)) for steer in plan["steers"]
+    steers = [(steer, locate(root, steer.value, steer.layer)) for steer in steer_list
               if holds(root, steer.value, steer.layer)]
     keys = list(range(len(plan["lengths"])))
     plans = steer_plans(steers, keys, plan["lengths"], dtype, device)
     wanted = {key: spec.positions[key] for key in keys} if spec is not None else {}
     state.run, state.keys = plan["run"], {}
-    state.applier = Applier(sites, wanted, plans, device, readout=spec.readout if spec is not None else None).install()
+    state.applier = Applier(sites, wanted, plans, device, readout=readout).install()
     state.logits = {} if plan["logits"] else None
     processor = getattr(state.runner.get_model(), "logits_processor", None)  # the last stage's only
     if plan["logits"] and processor is not None:
         state.logits_hook = processor.register_forward_hook(state.record_logits)
+
+
+def worker_release(worker: Any, keys: list[str]) -> None:
+    """RPC: let go of the SAEs held under `keys` (`streamscope.vllm.held`)."""
+    state = worker.model_runner.__dict__.get("_streamscope_bulk")
+    if state is not None:
+        state.saes.update({}, keys)
 
 
 def worker_finish(worker: Any, inline: bool) -> Any:
@@ -168,6 +180,7 @@ def worker_finish(worker: Any, inline: bool) -> Any:
         state.logits_hook = None
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # the non-blocking copies to host memory are complete
+    applier.settle()
     keys = list(applier.harvested)
     result = {
         "harvested": {key: applier.take(key) for key in keys},
@@ -222,10 +235,16 @@ def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str,
             mine = [local[index] for index in steer.prompts if index in local]
             if mine:
                 chunk_steers.append(_with_prompts(steer, mine))
+    # An SAE travels by key once the workers hold it (`streamscope.vllm.held`): its weights cross once.
+    chunk_steers, readout, ship, drop, used = held.swap_out(model, chunk_steers,
+                                                            chunk_spec.readout if chunk_spec is not None else None)
+    if chunk_spec is not None:
+        chunk_spec.readout = readout
     plan = {"run": run, "model_type": model.config.model_type, "harvest": chunk_spec, "steers": chunk_steers,
-            "lengths": [len(ids[index]) for index in chunk], "logits": logits}
+            "lengths": [len(ids[index]) for index in chunk], "logits": logits, "ship": ship, "drop": drop}
     inline = _in_process()
     _rpc(model, "streamscope_bulk_begin", pickle.dumps(plan))
+    held.record(model, used, drop)
     try:
         params = [SamplingParams(**sampling, extra_args={MARK: (run, local_index)}) for local_index in range(len(chunk))]
         outputs = model.vllm_entrypoint.generate([{"prompt_token_ids": ids[index]} for index in chunk], params,
@@ -237,6 +256,13 @@ def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str,
     if result["error"] is not None:
         raise result["error"]
     return outputs, result
+
+
+def release_saes(model: Any, sae: Any = None) -> None:
+    """Let the engine's workers drop their copy of `sae` (every SAE they hold where None) now."""
+    keys = held.forget(model, sae)
+    if keys and getattr(model, "vllm_entrypoint", None) is not None:
+        model.vllm_entrypoint.collective_rpc("streamscope_bulk_release", args=(keys,))
 
 
 def _with_prompts(steer: Steer, prompts: list[int]) -> Steer:

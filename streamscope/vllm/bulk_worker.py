@@ -48,6 +48,16 @@ class BulkRPC:
 
         return worker_finish(self, inline)
 
+    def streamscope_bulk_release(self, keys: list[str]) -> None:
+        from .bulk import worker_release
+
+        return worker_release(self, keys)
+
+    def streamscope_held_saes(self) -> list[str]:
+        """The keys of the SAEs this worker holds between runs (`streamscope.vllm.held`)."""
+        state = self.model_runner.__dict__.get("_streamscope_bulk")
+        return [] if state is None else sorted(state.saes.saes)
+
     # The weights a workflow reads (`streamscope.vllm.engine.VllmEngine`), off the worker's own modules.
 
     # An answer stays as it is for a client in this process, and travels pickled, on the CPU, to one in another.
@@ -70,13 +80,26 @@ class BulkRPC:
         rows = weight[torch.tensor(ids, dtype=torch.long, device=weight.device)].clone()
         return rows if inline else pickle.dumps(rows.cpu())
 
+    # Under tensor parallelism each rank answers with its own columns of a row-parallel projection;
+    # the client joins them in rank order (`streamscope.engine.join_shards`).
+
     def streamscope_output_projections(self, inline: bool, model_type: str, num_layers: int, width: int) -> Any:
-        """Per block: its attention's output projection ``[hidden_size, width]``, or why it has none."""
+        """Per block: this rank's columns of its attention's output projection ``[hidden_size, width / ranks]``,
+        or why it has none."""
         from .bulk import worker_root
         from ..engine import attention_modules, output_projection
 
         found = [module if isinstance(module, str) else output_projection(module, width)
                  for module in attention_modules(worker_root(self, model_type), num_layers)]
+        return found if inline else pickle.dumps(found)
+
+    def streamscope_down_projections(self, inline: bool, model_type: str, num_layers: int) -> Any:
+        """Per block: this rank's columns of its MLP's down projection ``[hidden_size, intermediate_size /
+        ranks]``, or why it has no neurons."""
+        from .bulk import worker_root
+        from ..engine import down_projections
+
+        found = down_projections(worker_root(self, model_type), num_layers)
         return found if inline else pickle.dumps(found)
 
 

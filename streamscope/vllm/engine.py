@@ -9,7 +9,7 @@ import nnsight
 import torch
 
 from .. import nnsight_seam as seam
-from ..engine import Body, Engine, Prompt
+from ..engine import Body, Engine, Prompt, join_shards
 from .logits import engine_logits
 
 #: Sampling that runs a prompt through one forward pass and stops.
@@ -58,7 +58,11 @@ class VllmEngine(Engine):
 
     def output_projections(self) -> list[torch.Tensor | str]:
         model = self.model
-        return _rpc(model, "streamscope_output_projections", model.num_layers, model.num_heads * model.head_dim)
+        return join_shards(_every_rank(model, "streamscope_output_projections", model.num_layers,
+                                       model.num_heads * model.head_dim))
+
+    def down_projections(self) -> list[torch.Tensor | str]:
+        return join_shards(_every_rank(self.model, "streamscope_down_projections", self.model.num_layers))
 
     def close(self) -> None:
         self.model.close()
@@ -79,8 +83,13 @@ def _rpc(model: Any, method: str, *args: Any) -> Any:
     Under tensor parallelism every rank answers; an engine in another process
     sends its answer pickled.
     """
+    return _every_rank(model, method, *args)[0]
+
+
+def _every_rank(model: Any, method: str, *args: Any) -> list:
+    """Every worker's answer to its method `method`, in rank order (vLLM's `collective_rpc` answers so)."""
     from vllm import envs
 
     inline = not envs.VLLM_ENABLE_V1_MULTIPROCESSING
-    answer = model.vllm_entrypoint.collective_rpc(method, args=(inline, model.config.model_type, *args))[0]
-    return answer if inline else pickle.loads(answer)
+    answers = model.vllm_entrypoint.collective_rpc(method, args=(inline, model.config.model_type, *args))
+    return [answer if inline else pickle.loads(answer) for answer in answers]

@@ -318,6 +318,18 @@ class StandardizedVLLM(Standardized, VLLM):
 
         return route_harvest(self, prompts, values, layers, positions, out, options, harvest)
 
+    def release_saes(self, sae: Any = None) -> None:
+        """Let the engine's workers drop their copy of `sae` (of every SAE where None) now.
+
+        A bulk run with an SAE (``harvest(sae=...)``, ``steer=[sae.clamp(...)]``)
+        sends its weights to the workers once; they keep the last
+        `streamscope.vllm.held.CAPACITY` SAEs used, on the engine's device,
+        for the next run. A later run with the SAE sends it again.
+        """
+        from .bulk import release_saes
+
+        release_saes(self, sae)
+
     def generate(self, *inputs: Any, steer: Any = None, harvest: Any = None, **kwargs: Any) -> Any:
         """Sample completions of many prompts: a `streamscope.Generation` (texts, tokens, optional logits).
 

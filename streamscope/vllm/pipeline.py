@@ -36,7 +36,8 @@ def describe(num_layers: int, size: int) -> str:
     lines = []
     for rank, (first, stop) in enumerate(stages(num_layers, size)):
         roots = (["token_embeddings"] if rank == 0 else []) + (["final_norm_output", "logits"] if rank == size - 1 else [])
-        lines.append(f"stage {rank}: blocks {first}-{stop - 1}" + (f", {', '.join(roots)}" if roots else ""))
+        blocks = f"block {first}" if stop - first == 1 else f"blocks {first}-{stop - 1}"
+        lines.append(f"stage {rank}: {blocks}" + (f", {', '.join(roots)}" if roots else ""))
     return "; ".join(lines)
 
 

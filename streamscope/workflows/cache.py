@@ -25,6 +25,7 @@ import torch
 
 from ..blocks import BOUNDARIES, SHORT_CONTRIBUTIONS, Attention
 from ..blocks.heads import INTERNALS
+from ..blocks.sublayers import NEURONS
 from ..engine import right_padded
 from ..errors import Unavailable, code_of
 from ..families.logits import scaling_in_words
@@ -34,7 +35,7 @@ from .tl import TransformerLensCache
 ATTENTION = tuple(f"{Attention.ROLE}.{name}" for name in INTERNALS)
 ROOT = ROOT_STREAMS
 #: What `model.cache` reads by default: every served boundary and contribution, and the root values.
-DEFAULT_VALUES = (*BOUNDARIES, *SHORT_CONTRIBUTIONS)
+DEFAULT_VALUES = (*BOUNDARIES, *SHORT_CONTRIBUTIONS, *(f"mlp.{name}" for name in NEURONS))
 
 #: The sublayers whose values a short name reaches: ``pattern`` is ``self_attn.pattern``, ``attention_output``
 #: the mixer's (``self_attn`` or ``linear_attn``, whichever the block has), ``mlp_output`` the MLP's.
@@ -58,6 +59,8 @@ TL_BLOCK = {
     "hook_attn_out": ("attention_output", None),
     "mlp.hook_in": ("mlp_input", None),
     "hook_mlp_out": ("mlp_output", None),
+    "mlp.hook_pre": ("mlp.neurons_pre", None),
+    "mlp.hook_post": ("mlp.neurons", None),
     "attn.hook_q": ("self_attn.queries", "heads_last"),
     "attn.hook_k": ("self_attn.keys", "heads_last"),
     "attn.hook_rot_q": ("self_attn.queries", "heads_last"),
@@ -80,8 +83,9 @@ TL_COMPUTED = {
 TL_ROOT = {"hook_embed": "token_embeddings", "ln_final.hook_out": "final_norm_output"}
 #: TransformerLens hooks streamscope serves no value for, with the reason.
 TL_UNSERVED = {
-    "mlp.hook_pre": "streamscope serves the MLP's input and output, not its hidden activations",
-    "mlp.hook_post": "streamscope serves the MLP's input and output, not its hidden activations",
+    "mlp.hook_pre_linear": ("streamscope serves a gated MLP's gate before the nonlinearity (mlp.hook_pre, "
+                            "mlp.neurons_pre) and the gated product (mlp.hook_post, mlp.neurons), not its up "
+                            "projection alone"),
 }
 _TL_BLOCK_NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
 _BLOCK_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -114,9 +118,10 @@ class Cache(TransformerLensCache, Mapping):
                  unavailable: dict[str, str], final_norm: "FinalNorm | None", unembedding: Any = None,
                  norm_inputs: Optional[dict[int, dict[str, str]]] = None, num_heads: Optional[int] = None,
                  tokenizer: Any = None, logit_transform: Optional[str] = None,
-                 output_weights: Any = None, learned_positions: bool = False) -> None:
+                 output_weights: Any = None, learned_positions: bool = False, down_weights: Any = None) -> None:
         self.stored = values
         self._output_weights, self._weights_read = output_weights, None
+        self._down_weights, self._down_read = down_weights, None
         self.logit_transform = logit_transform
         self.has_batch_dim = True
         self.norm_inputs = norm_inputs or {}
@@ -605,7 +610,7 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
                   num_layers=model.num_layers, unavailable=unavailable, final_norm=final_norm,
                   unembedding=model.engine.unembedding_rows, norm_inputs=norm_inputs(model),
                   num_heads=heads, tokenizer=model.tokenizer, logit_transform=scaling_in_words(model.config),
-                  output_weights=model.engine.output_projections,
+                  output_weights=model.engine.output_projections, down_weights=model.engine.down_projections,
                   learned_positions=model.family_spec.learned_positions)
     keep = _names_filter(names_filter)
     if keep is not None:

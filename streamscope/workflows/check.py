@@ -116,7 +116,7 @@ class Report:
 
 def _short(key: str) -> str:
     name = key.split(".", 2)[-1] if key.startswith("layers.") else key
-    return name.rsplit(".", 1)[-1] if name.endswith(tuple(SHORT_CONTRIBUTIONS)) else name
+    return name.rsplit(".", 1)[-1] if name.endswith((*SHORT_CONTRIBUTIONS, *oracle.NEURONS)) else name
 
 
 def check(path: str, engines: tuple[str, ...] = ("transformers", "vllm"),

@@ -139,7 +139,8 @@ def parser() -> argparse.ArgumentParser:
     patch.add_argument("--answer", required=True, help="the clean answer token (text or id)")
     patch.add_argument("--wrong", required=True, help="the corrupted answer token (text or id)")
     patch.add_argument("--value", default="layer_output",
-                       help="layer_output, layer_input, layer_mid, attention_output, mlp_output or head_outputs")
+                       help="layer_output, layer_input, layer_mid, attention_output, mlp_output, mlp.neurons, "
+                            "head_outputs or head_results")
     patch.add_argument("--png", help="write the heatmap to this file")
     patch.add_argument("--layers", type=_indices, help=INDICES.format("blocks to patch"))
     patch.add_argument("--positions", type=_indices, help=INDICES.format("positions to patch"))

@@ -23,7 +23,13 @@ import torch
 
 #: Values a patch can replace: streamscope's block values (short names for the contributions).
 _CONTRIBUTIONS = {"attention_output": "self_attn.attention_output", "mlp_output": "mlp.mlp_output",
-                  "head_outputs": "self_attn.head_outputs"}
+                  "head_outputs": "self_attn.head_outputs", "head_results": "self_attn.head_outputs",
+                  "neurons": "mlp.neurons", "neurons_pre": "mlp.neurons_pre"}
+#: Values patched one head at a time (a column per head). A head's result (TransformerLens's attn.hook_result,
+#: its output times its rows of the output projection) is linear in the head's output and has no bias, so
+#: putting the clean run's result of one head in place of the corrupted run's changes the attention's output by
+#: exactly what putting the clean head output there does: ``head_results`` is patched at head_outputs.
+HEAD_VALUES = ("head_outputs", "head_results")
 
 
 def logit_difference(answer: int, wrong: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -39,7 +45,7 @@ class Patching:
     """The result of `patch`.
 
     Attributes:
-        effects: ``[blocks, positions]`` (or ``[blocks, heads]`` for ``head_outputs``): the metric of the
+        effects: ``[blocks, positions]`` (or ``[blocks, heads]`` for `HEAD_VALUES`): the metric of the
             corrupted run with that one value patched from the clean run.
         clean, corrupted: The metric of the unpatched clean and corrupted runs.
         layers: The blocks patched (row i is block layers[i]).
@@ -61,7 +67,7 @@ class Patching:
     def __repr__(self) -> str:
         from .display import shape
 
-        columns = "heads" if self.value == "head_outputs" else "positions"
+        columns = "heads" if self.per_head else "positions"
         return (f"Patching({self.value}, effects {shape(self.effects)} blocks x {columns}, {self.metric_name}: "
                 f"clean {self.clean:.3f}, corrupted {self.corrupted:.3f})")
 
@@ -70,7 +76,7 @@ class Patching:
 
         caption = (f"patching {self.value} from {shortened(self.prompts[0])!r} into {shortened(self.prompts[1])!r}: "
                    f"normalized {self.metric_name} (clean {self.clean:.3f}, corrupted {self.corrupted:.3f})")
-        labels = self.labels if self.value == "head_outputs" else [token(label) for label in self.labels]
+        labels = self.labels if self.per_head else [token(label) for label in self.labels]
         rows = [[layer, *(f"{float(x):.2f}" for x in row)] for layer, row in zip(self.layers, self.normalized)]
         return table(caption, ["block", *labels], rows)
 
@@ -78,6 +84,11 @@ class Patching:
         from .display import png
 
         return png(self.plot)
+
+    @property
+    def per_head(self) -> bool:
+        """Whether each column is a head (`HEAD_VALUES`) rather than a position."""
+        return self.value in HEAD_VALUES
 
     @property
     def normalized(self) -> torch.Tensor:
@@ -175,10 +186,12 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
         metric: A function of the last position's logits ``[vocab_size]`` returning a number; or give
             `answer` and `wrong` (token ids or one-token strings) for their logit difference.
         value: A block value: a boundary (``layer_output``, ``layer_input``, ``layer_mid``, ...), a
-            contribution (``attention_output``, ``mlp_output``), or ``head_outputs`` to patch each
-            head's output (before the output projection) at every position in `positions`.
+            contribution (``attention_output``, ``mlp_output``), ``head_outputs`` to patch each
+            head's output (before the output projection) at every position in `positions`, or
+            ``head_results`` to patch each head's result there (after the output projection, TL's
+            ``attn.hook_result``; the same patch, `HEAD_VALUES`), or an MLP's ``mlp.neurons``.
         layers: The blocks to patch (default: all).
-        positions: The positions to patch (default: all); with ``head_outputs``, the positions each
+        positions: The positions to patch (default: all); per head, the positions each
             head's output is patched at (default: all), one column per head.
         batch_size: Patches per forward (transformers, default 16) or per trace (vLLM, default: every patch in
             one trace, which the engine schedules into its steps as its batch allows).
@@ -210,7 +223,7 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
             from ..errors import Unavailable
 
             raise Unavailable(value, f"model.layers[{layer}]", reason)
-    heads = value == "head_outputs"
+    heads = value in HEAD_VALUES
     length = len(corrupted_ids)
     positions = indices(positions, length, "position", "streamscope.patch")
 

@@ -167,10 +167,10 @@ def patching_heatmap(result: Any, path: Any, *, title: str = "", dpi: int = DPI)
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=patching_size(len(result.columns), len(result.layers)), layout="constrained")
     image = axis.imshow(effect.numpy(), cmap="RdBu_r", vmin=-bound, vmax=bound, aspect="auto", origin="lower")
-    labels = result.labels if result.value == "head_outputs" else _labels(result.labels)
+    labels = result.labels if result.per_head else _labels(result.labels)
     axis.set_xticks(range(len(result.columns)), labels, rotation=45, fontsize=FONT["ticks"])
     axis.set_yticks(range(len(result.layers)), [str(layer) for layer in result.layers], fontsize=FONT["ticks"])
-    axis.set_xlabel("head" if result.value == "head_outputs" else "position patched (corrupted prompt's token)",
+    axis.set_xlabel("head" if result.per_head else "position patched (corrupted prompt's token)",
                     fontsize=FONT["labels"])
     axis.set_ylabel("block", fontsize=FONT["labels"])
     figure.colorbar(image, ax=axis, label=f"normalized {result.metric_name}")

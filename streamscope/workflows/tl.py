@@ -401,16 +401,91 @@ class TransformerLensCache:
             stack = self.apply_ln_to_stack(stack, end, pos_slice=pos_slice)
         return (stack, labels) if return_labels else stack
 
+    # Per-neuron results: each neuron's activation times its row of the MLP's down projection.
+
+    _down_weights: Optional[Callable[[], list]]
+    _down_read: Optional[list]
+
+    def neuron_weights(self, layer: int) -> torch.Tensor:
+        """``[intermediate_size, hidden]``: block `layer`'s MLP down projection (TL's ``W_out``), scaled as the
+        block scales the MLP's output (Granite's residual multiplier, TL's ``residual_contribution_scale``).
+
+        Read from the model (on vLLM, from its worker, every rank's columns) once per cache, all blocks at once.
+        """
+        if self._down_read is None:
+            if self._down_weights is None:
+                raise ValueError("this cache was built without access to the model's MLP down projections")
+            self._down_read = self._down_weights()
+        weight = self._down_read[layer]
+        if isinstance(weight, str):
+            raise Unavailable("mlp.hook_post", f"blocks.{layer}", weight)
+        return weight.t()
+
+    def get_neuron_results(self, layer: int, neuron_slice: SliceInput = None, pos_slice: SliceInput = None,
+                           project_output_onto: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[batch, seq, neurons, hidden]``: what each neuron of block `layer` adds to the stream, as TL 4.3:
+        ``neurons[..., n] * W_out[n]`` (the down projection's bias left out, as TL leaves it). `neuron_slice`
+        and `pos_slice` pick neurons and positions; `project_output_onto` (``[hidden]`` or ``[hidden, k]``)
+        projects each result, the last axis then dropped or ``k``."""
+        acts = self[f"blocks.{layer}.mlp.hook_post"]
+        weights = self.neuron_weights(layer).to(acts.device)
+        acts = apply_slice(acts, pos_slice, -2)
+        acts = apply_slice(acts, neuron_slice, -1)
+        weights = apply_slice(weights, neuron_slice, 0)
+        acts = acts.to(weights.dtype)
+        if project_output_onto is None:
+            return acts[..., None] * weights
+        projected = weights @ project_output_onto.to(weights)
+        return acts * projected if project_output_onto.dim() == 1 else acts[..., None] * projected
+
+    def stack_neuron_results(self, layer: int, pos_slice: SliceInput = None, neuron_slice: SliceInput = None,
+                             return_labels: bool = False, incl_remainder: bool = False, apply_ln: bool = False,
+                             project_output_onto: Optional[torch.Tensor] = None, mlp_input: bool = False) -> Any:
+        """``[blocks * neurons (+1), batch, seq, hidden]``: every neuron's result before block `layer`, as TL 4.3.
+
+        Labels ``L{layer}N{neuron}``; `layer` None or -1 is every block. `incl_remainder` adds the stream
+        block `layer`'s norm reads (``resid_mid`` with `mlp_input`, else ``resid_pre``; at ``layer=0`` the
+        last block's output, TL's convention) less the neurons' sum; `apply_ln` as `apply_ln_to_stack`;
+        `project_output_onto` as in `get_neuron_results` (applied after the norm). An int `neuron_slice`
+        keeps its axis (``[n]``). Every neuron of every block is materialized: for small models or a few
+        neurons (`neuron_slice`).
+        """
+        if layer is None or layer == -1:
+            layer = self.num_layers
+        if incl_remainder and layer < 0:
+            raise ValueError(f"layer must be >= 0 with incl_remainder=True (-1/None mean every block); got {layer}")
+        if isinstance(neuron_slice, int) or (isinstance(neuron_slice, torch.Tensor) and neuron_slice.dim() == 0):
+            neuron_slice = [int(neuron_slice)]
+        parts, labels = [], []
+        for index in range(layer):
+            results = self.get_neuron_results(index, neuron_slice=neuron_slice, pos_slice=pos_slice)
+            parts.append(results.movedim(-2, 0))
+            picked = apply_slice(torch.arange(self.neuron_weights(index).shape[0]), neuron_slice, 0)
+            labels += [f"L{index}N{int(neuron)}" for neuron in picked]
+        if parts:
+            stack = torch.cat(parts)
+        else:
+            embed = apply_slice(self["token_embeddings"], pos_slice, -2)
+            stack = embed.new_zeros(0, *embed.shape)
+        if incl_remainder:
+            target = self[f"blocks.{layer}.hook_resid_mid" if mlp_input else f"blocks.{(layer - 1) % self.num_layers}.hook_resid_post"]
+            target = apply_slice(target, pos_slice, -2).to(stack.dtype)
+            stack = torch.cat([stack, (target - stack.sum(0))[None]])
+            labels.append("remainder")
+        if apply_ln:
+            stack = self.apply_ln_to_stack(stack, layer, mlp_input, pos_slice)
+        if project_output_onto is not None:
+            projected = stack @ project_output_onto.to(stack)
+            stack = projected
+        return (stack, labels) if return_labels else stack
+
     def get_full_resid_decomposition(self, layer: Optional[int] = None, mlp_input: bool = False,
                                      expand_neurons: bool = True, apply_ln: bool = False,
                                      pos_slice: SliceInput = None, return_labels: bool = False) -> Any:
-        """The stream entering block `layer` as every head's result, each MLP's output, ``embed``,
-        ``pos_embed`` and ``bias`` (the attention projections' biases summed), as TL 4.3 with
-        ``expand_neurons=False``; they sum to the stream. Per-neuron results (TL's default) are refused:
-        streamscope does not serve the MLP's hidden activations."""
-        if expand_neurons:
-            raise Unavailable("mlp.hook_post", "model", "streamscope does not serve the MLP's hidden activations, "
-                              "so the MLPs cannot be split per neuron: pass expand_neurons=False")
+        """The stream entering block `layer` as every head's result, every neuron's result (each MLP's output
+        with ``expand_neurons=False``), ``embed``, ``pos_embed`` and ``bias`` (the projections' biases summed:
+        the attentions' output projections', and the MLPs' down projections' where the neurons are expanded),
+        as TL 4.3; they sum to the stream."""
         end = self._layer(layer)
         for index in range(min(end + 1, self.num_layers)):
             reason = self.norm_inputs.get(index, {}).get("sandwich")
@@ -419,7 +494,12 @@ class TransformerLensCache:
         heads, labels = self.stack_head_results(end + (1 if mlp_input else 0), return_labels=True,
                                                 pos_slice=pos_slice)
         parts = [heads]
-        if end > 0:
+        if end > 0 and expand_neurons:
+            neurons, neuron_labels = self.stack_neuron_results(end, pos_slice=pos_slice, return_labels=True,
+                                                               mlp_input=mlp_input)
+            parts.append(neurons.to(heads.dtype))
+            labels = labels + neuron_labels
+        elif end > 0:
             mlps, mlp_labels = self.decompose_resid(end, mlp_input=mlp_input, mode="mlp", incl_embeds=False,
                                                    pos_slice=pos_slice, return_labels=True)
             parts.append(mlps)
@@ -427,10 +507,17 @@ class TransformerLensCache:
         embeds, embed_labels = self.decompose_resid(0, pos_slice=pos_slice, return_labels=True)
         parts.append(embeds)
         labels = labels + embed_labels
-        # What each attention adds beyond its heads' results: its output projection's bias, at every position.
+        # What each attention adds beyond its heads' results: its output projection's bias, at every position;
+        # with the neurons expanded, what each MLP adds beyond its neurons' results too (its down projection's).
         bias = sum((apply_slice(self[f"layers.{index}.attention_output"], pos_slice, -2)
                     - apply_slice(self.head_results(index), pos_slice, -3).sum(-2)
                     for index in range(end + (1 if mlp_input else 0))), torch.zeros_like(embeds[0]))
+        if expand_neurons:
+            for index in range(end):
+                acts = apply_slice(self[f"blocks.{index}.mlp.hook_post"], pos_slice, -2)
+                weights = self.neuron_weights(index).to(acts.device)
+                bias = bias + apply_slice(self[f"blocks.{index}.hook_mlp_out"], pos_slice, -2) - acts.to(
+                    weights.dtype) @ weights
         parts.append(bias[None])
         labels.append("bias")
         stack = torch.cat(parts)

@@ -107,3 +107,42 @@ def test_without_ray_the_error_says_what_to_install(path, tmp_path, monkeypatch)
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(ImportError, match=r"pip install 'streamscope\[ray\]'"):
         harvest(["a"], path, ["layer_output"], [0], out=tmp_path / "run", engine="transformers")
+
+
+def test_parallel_sizes_and_the_format_are_checked_before_ray_starts(path, tmp_path):
+    import ray  # noqa: F401  (the ray extra)
+    from transformers import AutoConfig
+
+    blocks = AutoConfig.from_pretrained(path).num_hidden_layers
+    error = refused(path, tmp_path / "a", engine="vllm", engine_options={"pipeline_parallel_size": blocks + 1})
+    assert f"pipeline_parallel_size={blocks + 1} is more stages than the model's {blocks} blocks" in str(error)
+    assert "a whole number" in str(refused(path, tmp_path / "b", engine="vllm",
+                                           engine_options={"pipeline_parallel_size": 0}))
+    assert "tensor_parallel_size=2.0: give a whole number" in str(refused(path, tmp_path / "c", engine="vllm",
+                                                                       engine_options={"tensor_parallel_size": 2.0}))
+    assert "format='csv': choose one of safetensors, parquet" in str(refused(path, tmp_path / "d", format="csv"))
+    assert not any((tmp_path / name).exists() for name in "abcd")  # nothing written
+
+
+def test_an_unreachable_cluster_is_refused_at_once_and_nothing_is_written(path, tmp_path):
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on once closed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    error = refused(path, tmp_path / "run", address=f"127.0.0.1:{port}")
+    assert isinstance(error, ConnectionError) and f"no Ray cluster is reachable at '127.0.0.1:{port}'" in str(error)
+    assert "ray start --head" in str(error) and not (tmp_path / "run").exists()
+    assert "give HOST:PORT" in str(refused(path, tmp_path / "run", address="nowhere"))
+
+
+def test_the_command_prints_a_refusal_without_a_traceback(path, tmp_path, capsys):
+    from streamscope.cli import main
+
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text("\n".join(json.dumps(row) for row in ROWS) + "\n")
+    code = main(["harvest", str(path), str(dataset), "--values", "layer_output", "--layers", "0", "--column", "body",
+                 "--out", str(tmp_path / "run"), "--engine", "transformers", "--format", "parquet"])
+    assert code == 2
+    assert capsys.readouterr().err.startswith(f"streamscope harvest: {dataset} has no column 'body'")
+    assert not (tmp_path / "run").exists()

@@ -158,3 +158,69 @@ def test_a_shard_that_raises_stops_the_run_with_the_reason(local_ray, path, tmp_
                 engine="transformers", shard_size=2, progress=False)
     assert stopped.value.finished == 1 and not replicas_of()
 
+
+
+def parquet_rows(folder):
+    """The run's Parquet shards as one table, read with pyarrow (as an SAE trainer reads them) in index order."""
+    import pyarrow
+    import pyarrow.parquet
+
+    index = json.loads((folder / "index.json").read_text())
+    assert index["format"] == "parquet"
+    return pyarrow.concat_tables([pyarrow.parquet.read_table(folder / shard["file"]) for shard in index["shards"]])
+
+
+def test_parquet_shards_hold_the_safetensors_harvest_and_resume_whole(local_ray, path, tmp_path):
+    import pyarrow.parquet
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "parquet"
+
+    def kill_all(event):
+        if event.shards_done == 1:
+            for actor in replicas_of():
+                ray.kill(actor, no_restart=True)
+
+    with pytest.raises(HarvestFailed) as stopped:
+        run(path, out, format="parquet", progress=kill_all)
+    kept = shard_stamps(out)
+    assert sorted(kept) == sorted(name for number in sorted(int(name[6:11]) for name in kept if name.endswith(".json"))
+                                  for name in (f"shard-{number:05d}.json", f"shard-{number:05d}.parquet"))
+    for name in kept:  # every shard there is whole: it reads
+        if name.endswith(".parquet"):
+            pyarrow.parquet.read_table(out / name)
+    (out / ".shard-00003.parquet.deadbeef.tmp").write_bytes(b"PAR1 half a table")  # a write a kill cut short
+    resumed = []
+    run(path, out, format="parquet", progress=resumed.append)
+    assert all(shard_stamps(out)[name] == stamp for name, stamp in kept.items())  # never written twice
+    assert len(resumed) == 4 - stopped.value.finished and not list(out.glob(".*.tmp"))
+
+    safetensors = streamscope.load_harvest(run(path, tmp_path / "safetensors"))
+    table = parquet_rows(out)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
+    assert table["prompt"].to_pylist() == [prompt for prompt, chosen in enumerate(safetensors.positions)
+                                           for _ in chosen]
+    assert table["position"].to_pylist() == [position for chosen in safetensors.positions for position in chosen]
+    assert table["token"].to_pylist() == [ids[prompt][position] for prompt, chosen in enumerate(safetensors.positions)
+                                          for position in chosen]
+    for value in VALUES:
+        for slot, layer in ([(None, None)] if value == "token_embeddings" else list(enumerate(LAYERS))):
+            name = value if slot is None else f"{value}/{layer}"
+            column = table[name].combine_chunks()
+            held = torch.from_numpy(column.flatten().to_numpy().reshape(len(column), column.type.list_size).copy())
+            expected = torch.cat([tensor if slot is None else tensor[slot] for tensor in safetensors[value]])
+            assert held.dtype == expected.dtype and torch.equal(held, expected), name
+    with pytest.raises(FileExistsError, match="format: 'parquet' there, 'safetensors' now"):
+        run(path, out)  # the same run in another format is another run
+    with pytest.raises(ValueError, match="Parquet shards: read them with pyarrow"):
+        streamscope.load_harvest(out)
+
+
+def test_replicas_whose_engines_cannot_start_stop_the_run_cleanly(local_ray, path, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(HarvestFailed, match="every replica failed") as stopped:
+        run(path, out, engine_options={"dtype": "float7"})  # each replica's streamscope.load raises
+    assert stopped.value.finished == 0 and len(stopped.value.failures) == 2
+    assert all("float7" in failure["error"] or "creation" in failure["error"] for failure in stopped.value.failures)
+    assert sorted(path.name for path in out.iterdir()) == ["run.json"] and not replicas_of()  # nothing half-written

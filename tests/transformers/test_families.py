@@ -138,14 +138,15 @@ def test_reading_every_value_changes_nothing(family):
 def _edit_sites(family):
     block = min(1, family.model.num_layers - 1)
     sites = [(name, None) for name in ("token_embeddings", "final_norm_output") if family.expected.get(name) is not None]
-    for name in (*oracle.BOUNDARIES, *oracle.CONTRIBUTIONS):
+    for name in (*oracle.BOUNDARIES, *oracle.CONTRIBUTIONS, *oracle.NEURONS):
         if family.expected.get(name) is not None and family.expected[name][block] is not None:
             sites.append((name, block))
     return sites
 
 
 def _width(family, name: str, block) -> int:
-    """The last dimension of the oracle's `name`: hidden_size, but for OPT-350m's narrower token embeddings."""
+    """The last dimension of the oracle's `name`: hidden_size, but for OPT-350m's narrower token embeddings and
+    the MLP's neurons (intermediate_size)."""
     expected = family.expected[name] if block is None else family.expected[name][block]
     return expected.shape[-1]
 
@@ -286,10 +287,11 @@ def test_a_flattened_value_edited_at_every_step_of_a_batched_generate(name, flat
 
 def test_in_place_edit_assignment_and_read_twice_edit_once_agree(family):
     block = min(1, family.model.num_layers - 1)
-    vector = torch.linspace(-1.0, 1.0, family.model.hidden_size)
-    for name, block in [("layer_input", block), ("layer_output", block), ("mlp_output", block)]:
+    for name, block in [("layer_input", block), ("layer_output", block), ("mlp_output", block),
+                        ("neurons_pre", block)]:
         if family.expected.get(name) is None or family.expected[name][block] is None:
             continue
+        vector = torch.linspace(-1.0, 1.0, _width(family, name, block))
         with family.model.trace(PROMPT):
             value_of(family.model, name, block)[:, -1] += vector
             in_place = family.model.logits.save()

@@ -63,5 +63,9 @@ def test_head_results_stacks_and_full_decomposition(pair):
     parity.head_results(pair)
 
 
+def test_neuron_results_stacks_and_expanded_decomposition(pair):
+    parity.neuron_results(pair)
+
+
 def test_token_helpers_and_test_prompt(pair, capsys):
     parity.tokens_and_test_prompt(pair, capsys)

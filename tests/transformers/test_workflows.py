@@ -71,7 +71,7 @@ def test_cache_holds_every_served_value_of_each_prompt_as_the_oracle_computes_it
     checked = 0
     for row, (ids, expected) in enumerate(zip(family.ids, family.expected)):
         length = ids.shape[1]
-        for name in (*oracle.BOUNDARIES, *oracle.CONTRIBUTIONS):
+        for name in (*oracle.BOUNDARIES, *oracle.CONTRIBUTIONS, *oracle.NEURONS):
             for block, reference in enumerate(expected.get(name, [])):
                 if reference is None:
                     with pytest.raises((streamscope.Unavailable, KeyError)):
@@ -104,8 +104,14 @@ def test_transformer_lens_names_reach_the_same_tensors(family):
         assert error.value.reason == support["layer_mid"]
         if family.name in ("gptj", "gpt_neox"):
             assert error.value.reason == PARALLEL
-    with pytest.raises(streamscope.Unavailable, match="hidden activations"):
-        cache[f"blocks.{last}.mlp.hook_post"]
+    neurons = family.model.layers[last].support()["mlp.neurons"]
+    if neurons is None:  # TL's mlp.hook_pre/hook_post are the neurons, before and after the nonlinearity
+        assert cache[f"blocks.{last}.mlp.hook_post"] is cache[f"layers.{last}.mlp.neurons"]
+        assert cache[f"blocks.{last}.mlp.hook_pre"] is cache[f"layers.{last}.mlp.neurons_pre"]
+    else:
+        with pytest.raises(streamscope.Unavailable) as error:
+            cache[f"blocks.{last}.mlp.hook_post"]
+        assert error.value.reason == neurons
     if family.name != "mamba":  # each head's result is computed from head_outputs, which this cache did not read
         with pytest.raises(KeyError, match="head_outputs"):
             cache[f"blocks.{last}.attn.hook_result"]
@@ -269,7 +275,7 @@ def _oracle_patch(family: Family, clean_ids, corrupted_ids, name: str, block: in
     return (logits[token_a] - logits[token_b]).item()
 
 
-@pytest.mark.parametrize("name", ["layer_output", "layer_mid", "attention_output"])
+@pytest.mark.parametrize("name", ["layer_output", "layer_mid", "attention_output", "neurons"])
 def test_patching_matches_hooked_patches(family, name):
     _check_patching(family, name)
 
@@ -293,7 +299,8 @@ def _check_patching(family: Family, name: str, layers=None) -> None:
     """`patch` of `name` on `layers` (blocks 0 and the last by default), at the second and last positions,
     against hooked patches."""
     model = family.model
-    reason = model.layers[0].support().rows.get(name) if name != "attention_output" else None
+    rows = model.layers[0].support().rows
+    reason = rows.get(name, rows.get(f"mlp.{name}")) if name != "attention_output" else None
     clean_ids = family.tokenizer(CLEAN, return_tensors="pt").input_ids
     corrupted_ids = family.tokenizer(CORRUPTED, return_tensors="pt").input_ids
     if reason is not None:
@@ -307,6 +314,8 @@ def _check_patching(family: Family, name: str, layers=None) -> None:
     layers = [0, model.num_layers - 1] if layers is None else layers
     result = streamscope.patch(model, CLEAN, CORRUPTED, answer=3, wrong=4, value=name_for_patch, layers=layers)
     assert result.effects.shape == (2, clean_ids.shape[1])
+    if name == "neurons":  # a neuron patch is the whole activation vector at one position
+        assert not torch.allclose(result.effects, torch.full_like(result.effects, result.corrupted))
     with torch.no_grad():
         clean_logits = family.reference(clean_ids).logits[0, -1]
         corrupted_logits = family.reference(corrupted_ids).logits[0, -1]
@@ -342,6 +351,27 @@ def test_patching_heads_matches_hooked_output_projection(checkpoints):
             with torch.no_grad():
                 logits = reference(corrupted_ids).logits[0, -1]
             handle.remove()
+            assert result.effects[block, head].item() == pytest.approx((logits[3] - logits[4]).item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("family_name", ["llama", "gpt2"])
+def test_patching_head_results_matches_hooked_results(family_name, checkpoints):
+    """Each head's result (after the output projection) patched from the clean run, at every position, against
+    transformers whose output projection's output is moved by the difference of the two results, by a hook."""
+    path = checkpoints(family_name)
+    model = streamscope.load(path)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    clean_ids = tokenizer(CLEAN, return_tensors="pt").input_ids
+    corrupted_ids = tokenizer(CORRUPTED, return_tensors="pt").input_ids
+    positions = [1, clean_ids.shape[1] - 1]
+    result = streamscope.patch(model, CLEAN, CORRUPTED, answer=3, wrong=4, value="head_results", positions=positions)
+    assert result.effects.shape == (model.num_layers, model.num_heads) and result.value == "head_results"
+    assert "heads" in repr(result)
+    for block in range(model.num_layers):
+        for head in range(model.num_heads):
+            logits = attention_oracle.logits_with_head_result_patched(reference, clean_ids, corrupted_ids, block,
+                                                                      head, model.head_dim, positions)
             assert result.effects[block, head].item() == pytest.approx((logits[3] - logits[4]).item(), abs=1e-4)
 
 

