@@ -155,6 +155,8 @@ STREAM_SHAPE = "_streamscope_stream_shape"
 
 def record_stream_shape(module: torch.nn.Module) -> None:
     """Keep the leading shape (batch, seq) of what `module` is called with, for values it flattens."""
+    global _RECORDERS_INSTALLED
+    _RECORDERS_INSTALLED += 1  # also for a module hooked before: it may be newly bound under another envoy
     if getattr(module, "_streamscope_shape_hook", None) is not None:
         return
 
@@ -164,11 +166,9 @@ def record_stream_shape(module: torch.nn.Module) -> None:
             object.__setattr__(module, STREAM_SHAPE, hidden.shape[:-1])
 
     module._streamscope_shape_hook = module.register_forward_pre_hook(record, with_kwargs=True)
-    global _RECORDERS_INSTALLED
-    _RECORDERS_INSTALLED += 1
 
 
-#: How many modules `record_stream_shape` has hooked in this process: a change tells `stream_shape` that the
+#: How many times `record_stream_shape` has been called in this process: a change tells `stream_shape` that the
 #: envoys it noted as recording (per envoy, as the count stood) may be out of date.
 _RECORDERS_INSTALLED = 0
 #: Per envoy: (the count above when noted, the envoys of its chain whose module records a shape). Kept off the
