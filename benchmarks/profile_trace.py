@@ -21,6 +21,7 @@ host ops for the trace (on a GPU: kernel time against host time).
 
     python benchmarks/profile_trace.py            # Llama-3-8B shape on a GPU
     python benchmarks/profile_trace.py --tiny     # a tiny shape on this CPU
+    python benchmarks/profile_trace.py --tiny --w2  # W2's steer in a trace (an invoke per prompt, every step)
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--w2", action="store_true",
+                        help="profile W2's steer written in a trace (an invoke per prompt, every step) instead of T")
+    parser.add_argument("--prompts", type=int, help="--w2: this many prompts (invokes) instead of the shape's")
+    parser.add_argument("--tokens", type=int, help="--w2: this many generated tokens (steps) instead of the shape's")
     parser.add_argument("--torch", action="store_true", help="also torch.profiler's op table for the trace")
     args = parser.parse_args()
 
@@ -117,8 +122,18 @@ def main() -> None:
         model.vllm_entrypoint.generate([{"prompt_token_ids": p} for p in prompts],
                                        SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
 
-    for name, function in (("bare generate", bare), (f"trace, {len(prompts)} invokes x every block", trace),
-                           ("bulk harvest, the same values", bulk)):
+    parts = [("bare generate", bare), (f"trace, {len(prompts)} invokes x every block", trace),
+             ("bulk harvest, the same values", bulk)]
+    if args.w2:
+        from gpu_workloads import FULL, TINY, bare_w2, traced_w2
+
+        prompts = token_prompts(args.prompts or settings["w2_prompts"], settings["w2_lengths"], 2)
+        vector = torch.randn((TINY if args.tiny else FULL)["hidden_size"], generator=torch.Generator().manual_seed(0))
+        tokens = args.tokens or settings["w2_tokens"]
+        trace = traced_w2(model, prompts, tokens, settings["steer_block"], vector)
+        parts = [("bare generate (W2)", bare_w2(model.vllm_entrypoint, prompts, tokens)),
+                 (f"W2 steer in a trace, {len(prompts)} invokes x {tokens} steps", trace)]
+    for name, function in parts:
         function()  # warm-up
         profile = cProfile.Profile()
         start = time.perf_counter()
@@ -127,6 +142,8 @@ def main() -> None:
         profile.disable()
         wall = time.perf_counter() - start
         print(f"\n{name}: {wall * 1000:.1f} ms under cProfile")
+        if os.environ.get("PROFILE_DUMP"):
+            profile.dump_stats(f"{os.environ['PROFILE_DUMP']}.{len(name)}")
         table(profile, wall, args.top)
 
     if args.torch:

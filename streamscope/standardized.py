@@ -53,7 +53,8 @@ class Standardized(StreamEnvoy):
         set on the model before the tree is built: the root's values consult
         it. Returns the caller's `settings` over the family's engine defaults
         and those its checkpoint needs (`FamilySpec.checkpoint_defaults`),
-        with its ``rename=`` and ``envoys=`` (over the engine's own `envoys`)
+        with its ``rename=`` and ``envoys=`` (the family's kinds as the engine
+        composes them, ``families.envoys_for``, over the engine's own `envoys`)
         where the caller gave none. `_check_family` runs once the tree is built.
         """
         from .errors import UnsupportedCheckpoint
@@ -80,7 +81,7 @@ class Standardized(StreamEnvoy):
         object.__setattr__(self, "family", module)
         settings = {**defaults, **settings}
         settings.setdefault("rename", spec.rename)
-        settings.setdefault("envoys", {**envoys, "layers": Blocks, **spec.envoys})
+        settings.setdefault("envoys", {**envoys, "layers": Blocks, **families.envoys_for(spec)})
         return settings
 
     def _check_family(self) -> None:

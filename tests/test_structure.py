@@ -204,6 +204,96 @@ def test_the_engines_find_families_through_the_list():
         vllm_family("default")
 
 
+# ---- A family module is data: engine-neutral block kinds, which each engine composes with its own part. ----
+
+
+def combining_classes(module: types.ModuleType) -> list[str]:
+    """Classes `module` defines that mix an engine's part into a block kind: one with a vLLM layout (`VllmSkip`) or
+    vLLM's attention internals in its bases, or with bases from both an engine package and `streamscope.blocks`."""
+    from streamscope.vllm.attention import VllmAttentionInternals
+    from streamscope.vllm.blocks import VllmSkip
+
+    found = []
+    for name, value in sorted(vars(module).items()):
+        if not isinstance(value, type) or value.__module__ != module.__name__:
+            continue
+        homes = {base.__module__.split(".")[1] for base in value.__bases__
+                 if base.__module__.startswith("streamscope.") and base.__module__.count(".") >= 1}
+        engine_parts = [base for base in value.__bases__ if base in (VllmSkip, VllmAttentionInternals)]
+        if engine_parts or issubclass(value, VllmSkip) or ("blocks" in homes and homes & {"vllm", "transformers"}):
+            found.append(f"{module.__name__}.{name}{tuple(base.__name__ for base in value.__bases__)}")
+    return found
+
+
+def test_vllm_family_modules_state_block_kinds_and_a_layout_not_combining_classes():
+    from streamscope import blocks
+    from streamscope.families import FAMILIES, VLLM
+    from streamscope.vllm.blocks import Layout, VllmSkip
+    from streamscope.vllm.families import family_for
+
+    combined, layouts = [], []
+    for family in FAMILIES:
+        if VLLM not in family.engines:
+            continue
+        module = family_for(family.name)
+        combined += combining_classes(module)
+        spec = module.SPEC
+        kind = spec.envoys.get("layers.*")
+        if kind is None or not issubclass(kind, blocks.Layer) or issubclass(kind, VllmSkip):
+            layouts.append(f"{family.name}: layers.* is {kind}, not an engine-neutral block kind")
+        if spec.layout is not None and not isinstance(spec.layout, Layout):
+            layouts.append(f"{family.name}: layout is {spec.layout!r}, not a streamscope.vllm.blocks.Layout")
+    assert not combined, ("a vLLM family module states the block kind (streamscope.blocks, or a family's own kind "
+                          "derived from one) and how vLLM calls it (SPEC.layout); the engine composes the two: "
+                          f"{combined}")
+    assert not layouts, layouts
+
+
+def test_the_combining_class_check_finds_one():
+    from streamscope.blocks import PostNormLayer
+    from streamscope.blocks.scaled import GraniteAttention
+    from streamscope.vllm.attention import VllmAttention
+    from streamscope.vllm.blocks import VllmSkip
+
+    probe = types.ModuleType("my_families.probe")
+    for name, bases in (("Olmo2Layer", (VllmSkip, PostNormLayer)), ("GraniteAttn", (VllmAttention, GraniteAttention)),
+                        ("Fine", (PostNormLayer,)), ("OwnAttention", (VllmAttention,))):
+        setattr(probe, name, type(name, bases, {"__module__": probe.__name__}))
+    assert [found.split("(")[0] for found in combining_classes(probe)] == [
+        "my_families.probe.GraniteAttn", "my_families.probe.Olmo2Layer"]
+
+
+def test_composed_envoy_classes_are_found_by_name_in_a_fresh_process():
+    # A vLLM engine in another process gets the trace's envoys by reference: every class the engines compose must
+    # be importable by its module and qualified name there, before anything in that process composed it.
+    import pickle
+    import subprocess
+    import sys
+
+    from streamscope.transformers.families import envoys_for as transformers_envoys, family_for as transformers_family
+    from streamscope.vllm.families import envoys_for as vllm_envoys, family_for as vllm_family
+
+    composed = {}
+    for name in ("gpt2", "granite", "gemma2", "olmo2", "qwen3_next", "falcon"):
+        for engine, envoys in (("vllm", vllm_envoys(vllm_family(name).SPEC)),
+                               ("transformers", transformers_envoys(transformers_family(name).SPEC))):
+            for key, kind in envoys.items():
+                if isinstance(kind, type) and "[" in kind.__qualname__:
+                    composed[f"{engine} {name} {key}"] = kind
+    assert any(name.startswith("vllm gpt2 layers") for name in composed), composed
+    assert any(name.startswith("transformers gemma2 self_attn") for name in composed), composed
+    payload = pickle.dumps(composed)
+    code = ("import pickle, sys\n"
+            "classes = pickle.loads(sys.stdin.buffer.read())\n"
+            "print(sorted((name, kind.__module__, kind.__qualname__, [base.__name__ for base in kind.__mro__[1:3]]) "
+            "for name, kind in classes.items()))\n")
+    result = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, timeout=600)
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    expected = sorted((name, kind.__module__, kind.__qualname__, [base.__name__ for base in kind.__mro__[1:3]])
+                      for name, kind in composed.items())
+    assert result.stdout.decode().strip().splitlines()[-1] == str(expected)
+
+
 # ---- The family spec: checked when a model loads, with an error naming the module and the field. ----
 
 

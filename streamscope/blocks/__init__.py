@@ -1,4 +1,4 @@
-"""The block kinds and their sublayers, as nnsight envoys; engines subclass them for their layouts."""
+"""The engine-neutral block kinds and their sublayers, as nnsight envoys; each engine composes its part with them."""
 
 from .layer import BOUNDARIES, CONTRIBUTIONS, SHORT_CONTRIBUTIONS, STREAM_ORDER, Layer
 from .parallel import ParallelLayer, SharedNormParallelLayer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import weakref
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import torch
@@ -154,6 +155,8 @@ STREAM_SHAPE = "_streamscope_stream_shape"
 
 def record_stream_shape(module: torch.nn.Module) -> None:
     """Keep the leading shape (batch, seq) of what `module` is called with, for values it flattens."""
+    global _RECORDERS_INSTALLED
+    _RECORDERS_INSTALLED += 1  # also for a module hooked before: it may be newly bound under another envoy
     if getattr(module, "_streamscope_shape_hook", None) is not None:
         return
 
@@ -165,14 +168,45 @@ def record_stream_shape(module: torch.nn.Module) -> None:
     module._streamscope_shape_hook = module.register_forward_pre_hook(record, with_kwargs=True)
 
 
-def stream_shape(envoy: Envoy) -> Optional[torch.Size]:
-    """The leading shape of the stream of the block `envoy` is in, where the block records it."""
+#: How many times `record_stream_shape` has been called in this process: a change tells `stream_shape` that the
+#: envoys it noted as recording (per envoy, as the count stood) may be out of date.
+_RECORDERS_INSTALLED = 0
+#: Per envoy: (the count above when noted, the envoys of its chain whose module records a shape). Kept off the
+#: envoy, whose attributes travel with a pickled trace, so a note never outlives the process that took it.
+_RECORDING_CHAINS: "weakref.WeakKeyDictionary[Envoy, tuple[int, tuple]]" = weakref.WeakKeyDictionary()
+
+
+def _recording_chain(envoy: Envoy) -> tuple:
+    """The envoys from `envoy` up to the root whose module records its stream's shape, noted per envoy.
+
+    Only a module that `record_stream_shape` hooked ever holds the shape, and every hook bumps the count, so
+    the note stands until the next hook anywhere (a block bound to a new module, another model loaded).
+    Without it a read on an engine whose blocks record nothing (vLLM: every value is a request's tokens)
+    walks the envoy's whole chain of parents at every read of every invoke at every step.
+    """
+    noted = _RECORDING_CHAINS.get(envoy)
+    if noted is not None and noted[0] == _RECORDERS_INSTALLED:
+        return tuple(node() for node in noted[1])
+    chain = []
     node: Optional[Envoy] = envoy
     while node is not None:
+        if getattr(seam.module_of(node), "_streamscope_shape_hook", None) is not None:
+            chain.append(node)
+        node = node.parent
+    # Weak: the chain holds the envoy itself or its ancestors, which hold it; strong, the note would keep
+    # the key alive and the model with it.
+    _RECORDING_CHAINS[envoy] = (_RECORDERS_INSTALLED, tuple(weakref.ref(node) for node in chain))
+    return tuple(chain)
+
+
+def stream_shape(envoy: Envoy) -> Optional[torch.Size]:
+    """The leading shape of the stream of the block `envoy` is in, where the block records it."""
+    for node in _recording_chain(envoy):
+        if node is None:  # an ancestor gone while `envoy` lives: nothing to read on it
+            continue
         shape = seam.module_of(node).__dict__.get(STREAM_SHAPE)
         if shape is not None:
             return shape
-        node = node.parent
     return None
 
 

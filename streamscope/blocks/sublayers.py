@@ -10,7 +10,7 @@ from .. import nnsight_seam as seam
 from ..values import INPUT, OUTPUT, Host, StreamValue
 from .envoy import StreamEnvoy
 from .head_results import HEAD_RESULTS, HeadResults, projection_reason
-from .heads import INTERNALS, AttentionInternals
+from .heads import INTERNALS
 
 
 class Sublayer(StreamEnvoy):
@@ -55,10 +55,12 @@ class Mixer(Sublayer):
         """
 
 
-class Attention(AttentionInternals, Mixer):
+class Attention(Mixer):
     """The softmax attention of a block (`self_attn`): its output, and its queries, keys, values, scores,
-    pattern and head outputs (`streamscope.blocks.heads`), and each head's result after the output projection
-    (`streamscope.blocks.head_results`)."""
+    pattern and head outputs (`streamscope.blocks.heads`), which each engine reads where its model holds them:
+    the engine composes its part with this kind at load (`kernel_reason`, `internals_to_user`,
+    `internals_to_engine` and the values' descriptors are that part's); and each head's result after the output
+    projection (`streamscope.blocks.head_results`), computed from the projection's input on either engine."""
 
     ROLE = "self_attn"
     ORDER = (*INTERNALS, HEAD_RESULTS, Mixer.CONTRIBUTION)
@@ -75,6 +77,22 @@ class Attention(AttentionInternals, Mixer):
     in-place edit or an assignment adds what it changes, summed over heads, to
     the projection's output: the stream sees exactly the edited results.
     """
+
+    @classmethod
+    def value_names(cls) -> list[str]:
+        # The internals too, where no engine's part declares them yet (a support table's row for a missing module).
+        names = dict.fromkeys([*INTERNALS, *super().value_names()])
+        return sorted(names, key=lambda name: cls.ORDER.index(name) if name in cls.ORDER else len(cls.ORDER))
+
+    def kernel_reason(self) -> Optional[str]:
+        """Why the internals cannot be read here (the engine's part says), or None."""
+        return "no engine reads this attention's internals: its kind was not composed with an engine's part"
+
+    def internals_to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return tensor
+
+    def internals_to_engine(self, value: torch.Tensor, live: torch.Tensor, name: str) -> torch.Tensor:
+        return value
 
     def reason(self, name: str) -> Optional[str]:
         own = super().reason(name)

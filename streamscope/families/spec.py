@@ -63,6 +63,10 @@ class FamilySpec:
     #: stream repeats (`streamscope.families.logits`). None where the logits are the unembedding's output as is.
     #: vLLM's engine applies its own (its logits processor's soft cap and scale), so its families state none.
     logit_scaling: Optional[Callable[[Any, Any], Any]] = None
+    #: How the engine calls the family's blocks, where that engine needs telling (vLLM: a
+    #: `streamscope.vllm.blocks.Layout`, fused halves where None): the engine composes it with the block kind of
+    #: ``envoys`` at load, so the kinds stay engine-neutral. transformers' families state none.
+    layout: Optional[Any] = None
 
     def problems(self) -> list[str]:
         """What is wrong with this spec, one line per field that is wrong; empty where nothing is."""
@@ -112,6 +116,9 @@ class FamilySpec:
         if self.logit_scaling is not None and not callable(self.logit_scaling):
             found.append(f"logit_scaling is {self.logit_scaling!r}, not a function of the config and the logits "
                          f"(or None)")
+        if self.layout is not None and not callable(getattr(self.layout, "namespace", None)):
+            found.append(f"layout is {self.layout!r}, not an engine's block layout (streamscope.vllm.blocks: Fused(), "
+                         f"WholeStream(...), Backend()) or None")
         if self.check is not None and not callable(self.check):
             found.append(f"check is {self.check!r}, not a function of the model (or None)")
         if self.cannot_run is not None and not callable(self.cannot_run):

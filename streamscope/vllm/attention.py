@@ -32,6 +32,7 @@ import torch
 from .. import attention
 from .. import blocks
 from .. import nnsight_seam as seam
+from ..blocks.composed import Composer
 from ..blocks.heads import READ_ONLY
 from ..values import INPUT, OUTPUT, Host, ReadOnly, StreamValue
 
@@ -332,14 +333,30 @@ class VllmAttentionInternals:
         return attention.scores(queries, keys, self.layer_spec(), key_positions[total - new:], key_positions)
 
 
-class VllmAttention(VllmAttentionInternals, blocks.Attention):
-    """A softmax attention on vLLM (`self_attn`): its output, and its internals read at vLLM's attention layer
-    (`blocks.Attention.reason` asks `kernel_reason` whether the layer is there)."""
+def _internals_part(token: str) -> tuple[str, tuple[type, ...], Callable[[type], dict]]:
+    return "Vllm", (VllmAttentionInternals,), lambda kind: {}
 
 
-class VllmPostNormedAttention(VllmAttention, blocks.PostNormedAttention):
-    """An attention on vLLM whose output passes through the block's `post_attention_layernorm` before the add."""
+#: The attentions composed here, importable as ``streamscope.vllm.attention.<qualified name>`` in every process.
+ATTENTIONS = Composer(__name__, _internals_part)
 
 
-__all__ = ["Flat", "Recomputed", "VllmAttention", "VllmAttentionInternals", "VllmPostNormedAttention",
+def __getattr__(name: str) -> type:
+    return ATTENTIONS.rebuild(name)
+
+
+def attention_kind(kind: type) -> type:
+    """The envoy class of an engine-neutral attention `kind` (`blocks.Attention`, `blocks.PostNormedAttention`, a
+    family's) on vLLM: its internals read at vLLM's attention layer. A kind that has them already is itself."""
+    if issubclass(kind, VllmAttentionInternals):
+        return kind
+    return ATTENTIONS.compose("AttentionLayer", kind)
+
+
+#: A softmax attention on vLLM (`self_attn`): its output, and its internals read at vLLM's attention layer
+#: (`blocks.Attention.reason` asks `kernel_reason` whether the layer is there). A family's own vLLM attention
+#: derives from it.
+VllmAttention = attention_kind(blocks.Attention)
+
+__all__ = ["Flat", "Recomputed", "VllmAttention", "VllmAttentionInternals", "attention_kind",
            "halves_first", "pairs_first"]

@@ -1,22 +1,29 @@
-"""VllmLayer and FusedLayer: a vLLM decoder block, called with the residual stream or with its two halves.
+"""How vLLM calls a decoder block, as data: a family's `FamilySpec.layout`, composed with its block kind at load.
 
 vLLM runs every request of a step as one flat ``[tokens, hidden]`` batch and
 nnsight hands each invoke its own rows; the values serve them as
-``[1, tokens, hidden]``. Block 0 of a fused family is called with residual
-None and the embeddings as hidden_states. The sublayers are `streamscope.blocks`'
-own (they take and return whole tensors on vLLM as on transformers), but for
-the attention, whose internals are read at vLLM's attention layer
-(`streamscope.vllm.attention.VllmAttention`).
+``[1, tokens, hidden]``. A block is called one of three ways, each a layout
+here: with the stream in two halves it hands on fused into the next norm
+(`Fused`, most families; block 0 gets residual None and the embeddings as
+hidden_states), with the stream whole (`WholeStream`: where it sits in the
+call, whether the block returns it first in a tuple), or as transformers' own
+module inside vLLM's Transformers backend (`Backend`). Every layout skips per
+request (`VllmSkip`). The engine composes the layout with the family's
+engine-neutral block kind (`block_kind`); the sublayers are `streamscope.blocks`'
+own, but for the attention, whose internals are read at vLLM's attention layer
+(`streamscope.vllm.attention`).
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+import ast
+from dataclasses import astuple, dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
-from .. import blocks
-from ..values import INPUT, OUTPUT, Host, Residual, StreamValue, argument
+from ..blocks.composed import Composer
+from ..values import INPUT, OUTPUT, Host, StreamValue, argument
 
 
 class Summed(StreamValue):
@@ -117,52 +124,105 @@ class VllmSkip:
             raise ValueError(f"{self.where()}.skip takes the block's layer_output: {error}") from None
 
 
-class VllmLayer(VllmSkip, blocks.Layer):
-    """A vLLM block that is called with the residual stream and returns it (GPT-2, GPT-J, OPT, Falcon, ...).
 
-    Two things vary between the blocks that work this way, and a family states
-    them: `STREAM`, where the stream sits in the block's call (GPT-2's block
-    takes it alone, most take the positions first), and whether the block
-    returns a tuple with the whole stream first (Cohere, Exaone4, StableLM),
-    which the values read as its first element.
-    """
-
-    #: Where the stream sits in the block's call, (index, name).
-    STREAM: ClassVar[tuple[int, str]] = (1, "hidden_states")
-
-    @StreamValue(None, INPUT, argument="STREAM")
-    def layer_input(self) -> Residual:
-        """The residual stream entering this block, before any of its norms, [1, tokens, hidden_size]."""
+STREAM_DOC = "The residual stream entering this block, before any of its norms, [1, tokens, hidden_size]."
+HALVES = ": hidden_states + residual, [1, tokens, hidden_size]"
 
 
-class FusedLayer(VllmSkip, blocks.Layer):
-    """A vLLM block with the residual add fused into the next norm (Llama, Qwen, Gemma, most families).
+@dataclass(frozen=True)
+class Layout:
+    """How vLLM calls a family's blocks: what the engine adds to the block kind to read its values there."""
+
+    def namespace(self, kind: type) -> dict[str, Any]:
+        """What the composed class overrides on `kind`: the values this call layout moves, and its settings."""
+        return {"FLATTENS_TOKENS": False}  # vLLM's tokens are flat already: nothing to reshape
+
+    def token(self) -> str:
+        """This layout as the first part of a composed class's name: ``WholeStream((0, 'hidden_states'), ...)``."""
+        return f"{type(self).__name__}{astuple(self)!r}"
+
+
+@dataclass(frozen=True)
+class Fused(Layout):
+    """A block with the residual add fused into the next norm (Llama, Qwen, Gemma, Mamba, most families).
 
     It is called ``forward(positions, hidden_states, residual)`` and returns
     ``(hidden_states, residual)``: hidden_states is what the last sublayer
     produced and residual the stream before it, so the stream is their sum,
     entering and leaving. Its norms are called ``norm(x, residual)`` and return
-    ``(normed(x + residual), x + residual)``.
+    ``(normed(x + residual), x + residual)``: layer_mid is the halves' sum at
+    the norm the kind reads it at (``post_attention_layernorm``; a sandwich
+    block's ``pre_feedforward_layernorm``).
     """
 
-    layer_input = Summed(None, INPUT, hidden=(1, "hidden_states"), residual=(2, "residual"),
-                         description="The residual stream entering this block: hidden_states + residual, "
-                                     "[1, tokens, hidden_size]")
-    layer_mid = Summed("post_attention_layernorm", INPUT,
-                       description="The residual stream after the attention add: hidden_states + residual, "
-                                   "[1, tokens, hidden_size]")
-    layer_output = Summed(None, OUTPUT, description="The residual stream leaving this block: hidden_states + "
-                                                    "residual, [1, tokens, hidden_size]")
+    def namespace(self, kind: type) -> dict[str, Any]:
+        middle = getattr(kind, "layer_mid")  # the kind's own declaration (a descriptor, read on the class)
+        return {
+            **super().namespace(kind),
+            "layer_input": Summed(None, INPUT, hidden=(1, "hidden_states"), residual=(2, "residual"),
+                                  description=f"The residual stream entering this block{HALVES}"),
+            "layer_mid": Summed(middle.module, INPUT,
+                                description=f"The residual stream after the attention add{HALVES}"),
+            "layer_output": Summed(None, OUTPUT, description=f"The residual stream leaving this block{HALVES}"),
+        }
 
 
-class FusedSandwichLayer(FusedLayer):
-    """A fused block with norms on both sides of each sublayer (Gemma 2 and 3): the MLP's pre-norm adds the halves."""
+@dataclass(frozen=True)
+class WholeStream(Layout):
+    """A block called with the residual stream whole, which returns it (GPT-2, GPT-J, OPT, Falcon, Cohere, ...).
 
-    layer_mid = Summed("pre_feedforward_layernorm", INPUT,
-                       description="The residual stream after the attention add: hidden_states + residual, "
-                                   "[1, tokens, hidden_size]")
+    Args:
+        stream: Where the stream sits in the block's call, ``(index, name)``:
+            most take the positions first, GPT-2's and OPT's take it alone.
+        returns_tuple: Whether the block returns a tuple with the stream
+            first (Cohere, Exaone4, StableLM); the values read its first element.
+        input_at: A module whose input is the block's input, where the block
+            changes its argument before it runs (Granite, whose model scales
+            the embeddings in place after block 0 is called): layer_input is
+            read there. None: at the block's call.
+    """
 
-    @StreamValue("pre_feedforward_layernorm", OUTPUT)
-    def mlp_norm_output(self) -> Residual:
-        """The MLP's pre-norm output, [1, tokens, hidden_size]."""
+    stream: tuple[int, str] = (1, "hidden_states")
+    returns_tuple: bool = False
+    input_at: Optional[str] = None
 
+    def namespace(self, kind: type) -> dict[str, Any]:
+        if self.input_at is None:
+            layer_input = StreamValue(None, INPUT, argument="STREAM", description=STREAM_DOC)
+        else:
+            layer_input = StreamValue(self.input_at, INPUT, description=STREAM_DOC)
+        return {**super().namespace(kind), "STREAM": self.stream, "RETURNS_TUPLE": self.returns_tuple,
+                "layer_input": layer_input}
+
+
+@dataclass(frozen=True)
+class Backend(Layout):
+    """transformers' own block inside vLLM's Transformers backend (where the installed vLLM has no class of its
+    own for the family): values ``[1, tokens, hidden]`` already, the call as on transformers."""
+
+    def namespace(self, kind: type) -> dict[str, Any]:
+        return {}
+
+
+#: The layout of a family that states none.
+FUSED = Fused()
+LAYOUTS = {layout.__name__: layout for layout in (Fused, WholeStream, Backend)}
+
+
+def _layout_part(token: str) -> tuple[str, tuple[type, ...], Callable[[type], dict]]:
+    name, _, fields = token.partition("(")
+    layout = LAYOUTS[name](*ast.literal_eval(f"({fields}"))
+    return "Vllm", (VllmSkip,), layout.namespace
+
+
+#: The blocks composed here, importable as ``streamscope.vllm.blocks.<qualified name>`` in every process.
+BLOCKS = Composer(__name__, _layout_part)
+
+
+def __getattr__(name: str) -> type:
+    return BLOCKS.rebuild(name)
+
+
+def block_kind(kind: type, layout: Optional[Layout]) -> type:
+    """The envoy class of a block of `kind` called the way `layout` says (`FUSED` where it says nothing)."""
+    return BLOCKS.compose((layout or FUSED).token(), kind)

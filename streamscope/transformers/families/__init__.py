@@ -24,8 +24,12 @@ says what it could not.
 from __future__ import annotations
 
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from ...families import TRANSFORMERS, find_family, named_family
+
+if TYPE_CHECKING:
+    from ...families.spec import FamilySpec
 
 
 def family_for(model_type: str) -> ModuleType:
@@ -36,3 +40,13 @@ def family_for(model_type: str) -> ModuleType:
 def family_called(name: str) -> ModuleType:
     """The family module a user named (``family="gpt2"``, ``"default"``); a ValueError listing the known ones."""
     return named_family(TRANSFORMERS, name)
+
+
+def envoys_for(spec: "FamilySpec") -> dict:
+    """The family's ``envoys=`` on transformers: each attention kind composed with the kernel call's internals
+    (`transformers.attention.attention_kind`); the block kinds and the rest as stated."""
+    from ... import blocks
+    from ..attention import attention_kind
+
+    return {key: attention_kind(kind) if isinstance(kind, type) and issubclass(kind, blocks.Attention) else kind
+            for key, kind in spec.envoys.items()}

@@ -7,19 +7,20 @@ import torch
 
 from ... import nnsight_seam as seam
 from ...attention import Spec
-from ...blocks import Attention, Mlp
+from ...blocks import Mlp
 from ...blocks.envoy import module_config
 from ...blocks.heads import INTERNALS
 from ...blocks.parallel import FalconLayer
 from ...families import FamilySpec
 from ...families.renames import FALCON
 from ...values import argument
+from ..attention import KernelAttention
 
 FALCON_EAGER = ("Falcon's eager path computes its attention inline, with no kernel call to read; load the model "
                 "with attn_implementation='sdpa' (the default), and read without output_attentions")
 
 
-class FalconAttention(Attention):
+class FalconAttention(KernelAttention):
     """Falcon's attention on sdpa: the kernel is ``F.scaled_dot_product_attention``.
 
     The new architecture repeats each key and value head for its group of

@@ -6,16 +6,17 @@ whatever the attention implementation: its pattern is the kernel's own weights.
 
 from ... import nnsight_seam as seam
 from ...attention import Spec
-from ...blocks import Attention, Mlp, SharedNormParallelLayer
+from ...blocks import Mlp, SharedNormParallelLayer
 from ...families import FamilySpec
 from ...values import OUTPUT
+from ..attention import KernelAttention
 
 
 class GPTJLayer(SharedNormParallelLayer):
     RETURNS_TUPLE = True
 
 
-class GPTJAttention(Attention):
+class GPTJAttention(KernelAttention):
     """GPT-J's attention: interleaved rotary on the first rotary_dim channels, then its own eager `_attn`.
 
     The queries and keys are served as `_attn` receives them, after the

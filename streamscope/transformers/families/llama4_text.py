@@ -14,8 +14,9 @@ from dataclasses import replace
 
 from ... import nnsight_seam as seam
 from ...attention import Spec
-from ...blocks import Attention, Layer
+from ...blocks import Layer
 from ...blocks import SharedExpert
+from ..attention import KernelAttention
 from ..moe import Llama4Mlp
 from . import llama
 
@@ -24,7 +25,7 @@ class Llama4Layer(Layer):
     FLATTENS_TOKENS = True
 
 
-class Llama4Attention(Attention):
+class Llama4Attention(KernelAttention):
     """iRoPE attention: a rotary block (``no_rope_layers[i] == 1``) rotates, L2-norms its queries and keys and
     attends within chunks of ``attention_chunk_size``; a NoPE block does neither, attends over the whole prefix,
     and scales its queries by the temperature tuning (served in the queries: the kernel receives them scaled)."""

@@ -2,8 +2,11 @@
 
 The same contract as the transformers families (a
 `streamscope.families.FamilySpec`), stated against vLLM's classes in
-``vllm.model_executor.models``: the block kinds of `streamscope.vllm.blocks`.
-Which model types have one is `streamscope.families.FAMILIES`.
+``vllm.model_executor.models``: the engine-neutral block kinds of
+`streamscope.blocks` (or a family's own), and how vLLM calls the blocks,
+``layout`` (a `streamscope.vllm.blocks.Layout`: fused halves where it says
+nothing). The engine composes the two at load (`envoys_for`). Which model types
+have one is `streamscope.families.FAMILIES`.
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ from __future__ import annotations
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from ...families import VLLM, find_family, named_family
+
 if TYPE_CHECKING:
     import torch
 
-from ...families import VLLM, find_family, named_family
+    from ...families.spec import FamilySpec
 
 
 def runs_natively(architecture: str) -> bool:
@@ -65,6 +70,23 @@ def family_called(name: str) -> ModuleType:
     return named_family(VLLM, name)
 
 
+def envoys_for(spec: "FamilySpec") -> dict:
+    """The family's ``envoys=`` on vLLM: each block kind composed with the family's layout (`vllm.blocks.block_kind`),
+    each attention kind with vLLM's attention layer (`vllm.attention.attention_kind`), the rest as stated."""
+    from ... import blocks
+    from ..attention import attention_kind
+    from ..blocks import VllmSkip, block_kind
+
+    def engine_kind(kind: Any) -> Any:
+        if isinstance(kind, type) and issubclass(kind, blocks.Layer) and not issubclass(kind, VllmSkip):
+            return block_kind(kind, spec.layout)
+        if isinstance(kind, type) and issubclass(kind, blocks.Attention):
+            return attention_kind(kind)
+        return kind
+
+    return {key: engine_kind(kind) for key, kind in spec.envoys.items()}
+
+
 def envoy_tree(module: "torch.nn.Module", family: ModuleType) -> Any:
     """streamscope's envoy tree over a vLLM model module (the worker's real one, or the client's meta one).
 
@@ -79,5 +101,5 @@ def envoy_tree(module: "torch.nn.Module", family: ModuleType) -> Any:
     spec = spec_of(family)
     root = Standardized.__new__(Standardized)
     object.__setattr__(root, "family", family)
-    Standardized.__init__(root, module, rename=spec.rename, envoys={**parallel_envoys(), **spec.envoys})
+    Standardized.__init__(root, module, rename=spec.rename, envoys={**parallel_envoys(), **envoys_for(spec)})
     return root

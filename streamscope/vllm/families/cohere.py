@@ -8,17 +8,9 @@ block's input second; the values read the first. Its norm returns
 
 from dataclasses import replace
 
-from ...blocks import SharedNormParallelLayer
-from ...blocks import Mlp
-from ..attention import VllmAttention
-from ..blocks import VllmLayer
+from ...blocks import Attention, Mlp, SharedNormParallelLayer
+from ..blocks import WholeStream
 from . import llama
 
-
-class CohereLayer(VllmLayer, SharedNormParallelLayer):
-    """Cohere's block: one norm for both sublayers, the stream first in a tuple."""
-
-    RETURNS_TUPLE = True
-
-
-SPEC = replace(llama.SPEC, envoys={"layers.*": CohereLayer, "self_attn": VllmAttention, "mlp": Mlp})
+SPEC = replace(llama.SPEC, envoys={"layers.*": SharedNormParallelLayer, "self_attn": Attention, "mlp": Mlp},
+               layout=WholeStream(returns_tuple=True))

@@ -8,17 +8,9 @@ second; the values read the first.
 
 from dataclasses import replace
 
-from ...blocks import PostNormedMlp, PostNormLayer
-from ..attention import VllmPostNormedAttention
-from ..blocks import VllmLayer
+from ...blocks import PostNormedAttention, PostNormedMlp, PostNormLayer
+from ..blocks import WholeStream
 from . import llama
 
-
-class Exaone4Layer(VllmLayer, PostNormLayer):
-    """EXAONE 4's block: post-norm, the stream first in a tuple."""
-
-    RETURNS_TUPLE = True
-
-
-SPEC = replace(llama.SPEC, envoys={"layers.*": Exaone4Layer, "self_attn": VllmPostNormedAttention,
-                                   "mlp": PostNormedMlp})
+SPEC = replace(llama.SPEC, envoys={"layers.*": PostNormLayer, "self_attn": PostNormedAttention, "mlp": PostNormedMlp},
+               layout=WholeStream(returns_tuple=True))

@@ -16,13 +16,12 @@ from typing import Any, Optional
 
 from vllm.platforms import current_platform
 
-from ...blocks import Mlp
+from ...blocks import Attention, Mlp
 from ...blocks.envoy import module_config
 from ...blocks.parallel import FalconLayer
 from ...families import FamilySpec
 from ...families.renames import FALCON
-from ..attention import VllmAttention
-from ..blocks import VllmLayer
+from ..blocks import WholeStream
 
 
 #: Why a Falcon block with biases serves no contribution on vLLM.
@@ -31,10 +30,8 @@ BIASES_ADDED_LATER = ("vLLM's Falcon block adds the attention's and the MLP's ou
                       "layer_mid and layer_output hold the stream with the biases. engine='transformers' serves both")
 
 
-class VllmFalconLayer(VllmLayer, FalconLayer):
-    """One of Falcon's three layouts; the block returns a tensor."""
-
-    RETURNS_TUPLE = False
+class BiasesAddedLaterLayer(FalconLayer):
+    """One of Falcon's three layouts, where a block with biases adds them after its sublayers return (vLLM's)."""
 
     def reason(self, name: str) -> Optional[str]:
         if name in ("self_attn.attention_output", "mlp.mlp_output") and getattr(module_config(self), "bias", False):
@@ -54,5 +51,6 @@ def alibi_kernel(config: Any, asked: Mapping[str, Any]) -> dict[str, Any]:
     return {"attention_backend": "TRITON_ATTN"} if current_platform.is_cuda() else {}
 
 
-SPEC = FamilySpec(rename=FALCON, envoys={"layers.*": VllmFalconLayer, "self_attn": VllmAttention, "mlp": Mlp},
+SPEC = FamilySpec(rename=FALCON, envoys={"layers.*": BiasesAddedLaterLayer, "self_attn": Attention, "mlp": Mlp},
+                  layout=WholeStream(),  # the stream after the positions, returned as a tensor
                   checkpoint_defaults=alibi_kernel)

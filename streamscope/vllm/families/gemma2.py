@@ -12,10 +12,8 @@ at block 0's hidden_states. vLLM's Gemma 2 has no `lm_head`: its logits use
 
 from dataclasses import replace
 
-from ...blocks import PostNormedMlp
-from ..attention import VllmPostNormedAttention
-from ..blocks import FusedSandwichLayer
+from ...blocks import PostNormedAttention, PostNormedMlp, SandwichLayer
 from . import gemma
 
-SPEC = replace(gemma.SPEC, envoys={"layers.*": FusedSandwichLayer, "self_attn": VllmPostNormedAttention,
+SPEC = replace(gemma.SPEC, envoys={"layers.*": SandwichLayer, "self_attn": PostNormedAttention,
                                    "mlp": PostNormedMlp})

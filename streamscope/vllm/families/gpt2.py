@@ -9,23 +9,16 @@ while starting): a checkpoint that sets one is refused before the engine starts.
 
 from vllm.model_executor.models.gpt2 import GPT2Attention
 
-from ...blocks import Mlp
+from ...blocks import Attention, Layer, Mlp
 from ...families import FamilySpec
-from ..attention import VllmAttention
-from ..blocks import VllmLayer
+from ..blocks import WholeStream
 from . import options_not_implemented
-
-
-class GPT2Layer(VllmLayer):
-    """GPT-2's block: called ``forward(hidden_states)``."""
-
-    STREAM = (0, "hidden_states")
-
 
 SPEC = FamilySpec(
     rename={"transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
             GPT2Attention: "self_attn", "ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"},
-    envoys={"layers.*": GPT2Layer, "self_attn": VllmAttention, "mlp": Mlp},
+    envoys={"layers.*": Layer, "self_attn": Attention, "mlp": Mlp},
+    layout=WholeStream(stream=(0, "hidden_states")),
     cannot_run=options_not_implemented("GPT-2", {
         "scale_attn_by_inverse_layer_idx": "attention scores scaled down by the block's index",
         "reorder_and_upcast_attn": "attention computed in float32 in another order",

@@ -9,28 +9,20 @@ backend: ``model`` is then the ``GPTNeoXModel`` and ``lm_head`` sits on the
 root; values are ``[1, tokens, hidden]`` already.
 """
 
-from ...blocks import Mlp
+from ...blocks import Attention, Mlp
 from ...blocks.parallel import ConfigParallelLayer
 from ...families import FamilySpec
 from ...families.renames import GPT_NEOX
-from ..attention import VllmAttention
-from ..blocks import VllmLayer, VllmSkip
+from ..blocks import Backend, WholeStream
 from . import runs_natively
-
-
-class VllmGPTNeoXLayer(VllmLayer, ConfigParallelLayer):
-    """vLLM's native block: the stream after the positions; parallel or sequential as ``use_parallel_residual`` says."""
-
-
-class GPTNeoXBackendLayer(VllmSkip, ConfigParallelLayer):
-    """transformers' block inside vLLM's Transformers backend, with vLLM's per-request skip."""
-
 
 NATIVE = runs_natively("GPTNeoXForCausalLM")
 SPEC = FamilySpec(
     rename=GPT_NEOX if NATIVE else {"model.layers": "layers", "model.embed_in": "embed_tokens",
                                     "model.final_layer_norm": "norm", "attention": "self_attn"},
-    envoys={"layers.*": VllmGPTNeoXLayer if NATIVE else GPTNeoXBackendLayer, "self_attn": VllmAttention, "mlp": Mlp},
+    envoys={"layers.*": ConfigParallelLayer, "self_attn": Attention, "mlp": Mlp},
+    # vLLM's native block takes the stream after the positions; the backend's is transformers' own.
+    layout=WholeStream() if NATIVE else Backend(),
 )
 
 __all__ = ["SPEC"]

@@ -12,25 +12,13 @@ one read in the order transformers computes them.
 
 from dataclasses import replace
 
+from ...blocks import Layer
 from ...blocks.scaled import GraniteAttention, GraniteMlp
-from ...values import INPUT, Residual, StreamValue
-from ..attention import VllmAttention
-from ..blocks import VllmLayer
+from ...values import INPUT
+from ..blocks import WholeStream
 from . import llama
 
-
-class VllmGraniteAttention(VllmAttention, GraniteAttention):
-    """Granite's attention: its output scaled by residual_multiplier; the internals at vLLM's attention layer
-    (whose scale is the config's attention_multiplier)."""
-
-
-class GraniteLayer(VllmLayer):
-    """Granite's block, whose input is read where it is handed to the block's first norm."""
-
-    @StreamValue("input_layernorm", INPUT)
-    def layer_input(self) -> Residual:
-        """The residual stream entering this block, before any of its norms, [1, tokens, hidden_size]."""
-
-
-SPEC = replace(llama.SPEC, envoys={"layers.*": GraniteLayer, "self_attn": VllmGraniteAttention, "mlp": GraniteMlp},
+# The attention's internals are read at vLLM's attention layer, whose scale is the config's attention_multiplier.
+SPEC = replace(llama.SPEC, envoys={"layers.*": Layer, "self_attn": GraniteAttention, "mlp": GraniteMlp},
+               layout=WholeStream(input_at="input_layernorm"),
                root_sites={"token_embeddings": ("layers.0.input_layernorm", INPUT)})

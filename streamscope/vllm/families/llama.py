@@ -1,9 +1,8 @@
 """Llama on vLLM (vllm.model_executor.models.llama): the fused block every fused family shares."""
 
-from ...blocks import Mlp
+from ...blocks import Attention, Layer, Mlp
 from ...families import FamilySpec
 from ...families.renames import LLAMA
-from ..attention import VllmAttention
-from ..blocks import FusedLayer
+from ..blocks import FUSED
 
-SPEC = FamilySpec(rename=LLAMA, envoys={"layers.*": FusedLayer, "self_attn": VllmAttention, "mlp": Mlp})
+SPEC = FamilySpec(rename=LLAMA, envoys={"layers.*": Layer, "self_attn": Attention, "mlp": Mlp}, layout=FUSED)

@@ -23,8 +23,9 @@ than that agree either way.
 
 from dataclasses import replace
 
+from ...blocks import Layer
+
 from ..attention import VllmAttention
-from ..blocks import FusedLayer
 from ..moe import VllmMlp, VllmSharedExpert
 from . import llama
 
@@ -41,6 +42,6 @@ class VllmLlama4Attention(VllmAttention):
 
 SPEC = replace(
     llama.SPEC, rename={**llama.SPEC.rename, "feed_forward": "mlp", "shared_expert": "shared_experts"},
-    envoys={"layers.*": FusedLayer, "self_attn": VllmLlama4Attention, "mlp": VllmMlp,
+    envoys={"layers.*": Layer, "self_attn": VllmLlama4Attention, "mlp": VllmMlp,
             "shared_experts": VllmSharedExpert},
 )

@@ -17,12 +17,7 @@ from ...blocks.state_space import HEADLESS
 from ...families import FamilySpec
 from ...families.renames import MAMBA
 from ...values import OUTPUT, StreamValue
-from ..blocks import FusedLayer
-
-
-class MambaLayer(FusedLayer, StateSpaceLayer):
-    """Mamba's fused block: one sublayer, the mixer (`linear_attn`), no stream between sublayers, no MLP."""
-
+from ..blocks import FUSED
 
 class BlockOutputHalf(StreamValue):
     """The first half of what the sublayer's block returns: Mamba's mixer writes its output there."""
@@ -39,4 +34,5 @@ class MambaMixer(LinearAttention):
         None, OUTPUT, description="What the mixer adds to the residual stream, [1, tokens, hidden_size]")
 
 
-SPEC = FamilySpec(rename=MAMBA, envoys={"layers.*": MambaLayer, "linear_attn": MambaMixer}, unserved=HEADLESS)
+SPEC = FamilySpec(rename=MAMBA, envoys={"layers.*": StateSpaceLayer, "linear_attn": MambaMixer}, layout=FUSED,
+                  unserved=HEADLESS)

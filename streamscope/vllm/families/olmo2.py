@@ -11,22 +11,13 @@ Llama's either way (``model.layers``, ``model.embed_tokens``, ``model.norm``,
 
 from dataclasses import replace
 
-from ...blocks import PostNormedMlp, PostNormLayer
-from ..attention import VllmPostNormedAttention
-from ..blocks import VllmLayer, VllmSkip
+from ...blocks import PostNormedAttention, PostNormedMlp, PostNormLayer
+from ..blocks import Backend, WholeStream
 from . import llama, runs_natively
 
-
-class Olmo2Layer(VllmLayer, PostNormLayer):
-    """vLLM's native OLMo 2 block: post-norm, the stream after the positions, returned as a tensor."""
-
-
-class Olmo2BackendLayer(VllmSkip, PostNormLayer):
-    """transformers' OLMo 2 block inside vLLM's Transformers backend, with vLLM's per-request skip."""
-
-
 NATIVE = runs_natively("Olmo2ForCausalLM")
-SPEC = replace(llama.SPEC, envoys={"layers.*": Olmo2Layer if NATIVE else Olmo2BackendLayer,
-                                   "self_attn": VllmPostNormedAttention, "mlp": PostNormedMlp})
+SPEC = replace(llama.SPEC, envoys={"layers.*": PostNormLayer, "self_attn": PostNormedAttention, "mlp": PostNormedMlp},
+               # vLLM's native block takes the stream after the positions and returns it as a tensor.
+               layout=WholeStream() if NATIVE else Backend())
 
 __all__ = ["SPEC"]

@@ -22,14 +22,7 @@ from ...families.renames import OPT
 from ...nnsight_seam import ParallelEnvoy
 from ...values import INPUT, OUTPUT
 from ..attention import Flat, VllmAttention
-from ..blocks import VllmLayer
-
-
-class VllmOPTLayer(VllmLayer, OPTLayer):
-    """OPT's block: called with the stream alone, its tokens already flat."""
-
-    STREAM = (0, "hidden_states")
-    FLATTENS_TOKENS = False
+from ..blocks import WholeStream
 
 
 def _query_scale(host) -> float:
@@ -60,6 +53,6 @@ class RowParallel:
         return kind(module, *args, path=path, **kwargs)
 
 
-SPEC = FamilySpec(rename=OPT, envoys={"layers.*": VllmOPTLayer, "self_attn": OPTAttention,
-                                      RowParallelLinear: RowParallel},
+SPEC = FamilySpec(rename=OPT, envoys={"layers.*": OPTLayer, "self_attn": OPTAttention, RowParallelLinear: RowParallel},
+                  layout=WholeStream(stream=(0, "hidden_states")),  # the stream alone, its tokens flat already
                   root_sites={"prompt_logits": (None, OUTPUT)}, learned_positions=True)

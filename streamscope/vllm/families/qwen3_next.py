@@ -25,15 +25,8 @@ from vllm.platforms import current_platform
 from ...blocks import HybridLayer, LinearAttention
 from ...values import INPUT, StreamValue
 from ..attention import VllmAttention
-from ..blocks import FusedLayer
 from ..moe import VllmMlp, VllmSharedExpert
 from . import llama
-
-
-class Qwen3NextLayer(FusedLayer):
-    """The fused block, listing both mixers in its support table (as transformers' `HybridLayer`)."""
-
-    ROLES = HybridLayer.ROLES
 
 
 class InPlaceAttention(VllmAttention):
@@ -92,7 +85,7 @@ def warn_on_gpus(model: Any) -> None:
 
 SPEC = replace(
     llama.SPEC, rename={**llama.SPEC.rename, "shared_expert": "shared_experts"},
-    envoys={"layers.*": Qwen3NextLayer, "self_attn": InPlaceAttention if IN_PLACE else VllmAttention,
+    envoys={"layers.*": HybridLayer, "self_attn": InPlaceAttention if IN_PLACE else VllmAttention,
             "linear_attn": InPlaceLinearAttention if IN_PLACE else LinearAttention, "mlp": VllmMlp,
             "shared_experts": VllmSharedExpert},
     check=warn_on_gpus,

@@ -11,19 +11,10 @@ vLLM would stop loading its weights.
 
 from dataclasses import replace
 
-from ...blocks import Mlp
-from ..attention import VllmAttention
-from ..blocks import VllmLayer
+from ..blocks import WholeStream
 from . import llama, options_not_implemented
 
-
-class StableLMLayer(VllmLayer):
-    """StableLM's block: returns the stream first in a tuple."""
-
-    RETURNS_TUPLE = True
-
-
-SPEC = replace(llama.SPEC, envoys={"layers.*": StableLMLayer, "self_attn": VllmAttention, "mlp": Mlp},
+SPEC = replace(llama.SPEC, layout=WholeStream(returns_tuple=True),
                cannot_run=options_not_implemented("StableLM", {
                    "use_parallel_residual": "attention and MLP both reading the block's input",
                    "qk_layernorm": "a norm on each head's queries and keys"}))

@@ -1,0 +1,273 @@
+"""The inside of a softmax attention on transformers: queries, keys, values, scores, pattern and head outputs.
+
+They are read at the attention kernel's call inside the attention module's
+forward, through nnsight's ``.source``: the call's inputs are the queries, keys
+and values exactly as the kernel receives them (after rotary and any q/k norm),
+its output the per-head mix. On transformers the kernel is the
+``attention_interface(self, query, key, value, attention_mask, scaling=...)``
+call every family but GPT-J and Falcon makes; a family whose forward calls
+something else names it (`KERNEL`, `ARGUMENTS`, `OUTPUT_LAYOUT`).
+
+Scores and the pattern are recomputed from the queries and keys with
+`streamscope.attention` where the kernel fuses them (sdpa); on eager, the
+pattern is the kernel's own weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Optional, Protocol
+
+import torch
+
+from .. import attention, blocks
+from .. import nnsight_seam as seam
+from ..blocks.composed import Composer
+from ..blocks.heads import READ_ONLY
+from ..errors import Unavailable
+from ..values import (INPUT, OUTPUT, Host, ReadOnly, StreamValue, argument, first_tensor, is_edited, require_tapped,
+                      with_argument)
+
+#: transformers' attention kernels that take a soft cap and ignore it (Gemma 2 on sdpa runs uncapped).
+KERNELS_WITHOUT_SOFTCAP = frozenset({"sdpa"})
+
+NO_KERNEL = ("this attention's forward makes no call to an attention kernel that streamscope knows "
+             "({kernel}), so its queries, keys and values cannot be read where the kernel receives them")
+EAGER_READ_ONLY = ("{name} is the eager kernel's weights, which the model has already applied to the "
+                   "values when it is read, so it cannot be written; edit queries or keys instead.")
+
+
+class KernelHost(Host, Protocol):
+    """What a value at the attention kernel's call needs of its attention envoy (`AttentionInternals`), beyond `Host`."""
+
+    #: Where each value and the mask sit in the kernel call, as ``(index, name)``.
+    ARGUMENTS: ClassVar[dict[str, tuple[int, str]]]
+
+    def kernel(self) -> str:
+        """The nnsight source name of the kernel call in the module's forward."""
+
+    def instrument(self) -> None:
+        """Make the kernel call a location (once)."""
+
+    def recompute_scores(self, inputs: tuple) -> torch.Tensor:
+        """The attention scores of the kernel call `inputs`."""
+
+
+class KernelValue(StreamValue):
+    """A tensor at the attention kernel's call: one of its arguments, or its output."""
+
+    def __init__(self, where: str, *, shape: str, description: Optional[str] = None) -> None:
+        super().__init__(None, where, shape=shape, description=description)
+
+    def located(self, host: KernelHost) -> Any:
+        reason = host.reason(self.name)
+        if reason is not None:
+            raise Unavailable(self.name, host.where(), reason)
+        host.instrument()
+        return host
+
+    def location(self, host: KernelHost) -> str:
+        self.located(host)
+        return require_tapped(host, self.name, seam.call_location(host.path, host.kernel(), self.site(host)[1]))
+
+    def live(self, host: KernelHost, raw: Any) -> torch.Tensor:
+        if self.site(host)[1] == INPUT:
+            return argument(raw, *host.ARGUMENTS[self.name])
+        return first_tensor(raw)
+
+    def _write_back(self, host: KernelHost, view: torch.Tensor, raw: Any) -> Any:
+        if is_edited(view):
+            return self.put(host, raw, self.checked(host, raw, view))
+        return raw
+
+    def _assign(self, host: KernelHost, value: Any) -> Any:
+        raw = seam.read_at(self.location(host))
+        return self.put(host, raw, self.checked(host, raw, value))
+
+    def put(self, host: KernelHost, raw: Any, value: torch.Tensor) -> Any:
+        """`raw` with `value` in it: copied into the model's tensor in place, or, where that tensor is a view
+        autograd forbids editing in place (GPT-2's queries, split from c_attn's output), passed in its stead."""
+        live = self.live(host, raw)
+        if self.site(host)[1] == INPUT and live._base is not None and live.requires_grad:
+            replacement = host.to_engine(value.to(live.dtype), live, self.name).detach().clone()
+            return with_argument(raw, *host.ARGUMENTS[self.name], replacement)
+        self.write(host, raw, value)
+        return raw
+
+
+class RecomputedValue(ReadOnly, KernelValue):
+    """Scores or the pattern: recomputed for the read from the kernel's inputs, or the eager kernel's weights."""
+
+    def _read(self, host: KernelHost, raw: Any) -> torch.Tensor:
+        with torch.inference_mode(False):
+            if self.site(host)[1] == OUTPUT:  # the eager kernel's own weights
+                return raw[1].detach().clone()
+            logits = host.recompute_scores(raw)
+            return logits if self.name == "scores" else attention.pattern(logits)
+
+    def put(self, host: KernelHost, raw: Any, value: torch.Tensor) -> Any:
+        self.write(host, raw, value)
+
+    def refusal(self, host: KernelHost) -> str:
+        message = EAGER_READ_ONLY if self.site(host)[1] == OUTPUT else READ_ONLY
+        return message.format(name=f"{host.where()}.{self.name}")
+
+
+class AttentionInternals:
+    """The values inside a softmax attention, read at transformers' kernel call: composed with an attention kind.
+
+    An engine or family whose attention calls its kernel differently states it:
+    `KERNEL` (the call's nnsight source name), `ARGUMENTS` (where each value
+    and the mask sit in the call, as ``(index, name)``), `OUTPUT_LAYOUT`
+    (``"bshd"`` or ``"bhsd"``), and overrides `spec` for what the call's
+    keywords do not say (chunks, ALiBi).
+    """
+
+    #: The kernel call inside the module's forward, as nnsight's source names it.
+    KERNEL: ClassVar[str] = "attention_interface_1"
+    #: Where the queries, keys, values and mask sit in the kernel's call.
+    ARGUMENTS: ClassVar[dict[str, tuple[int, str]]] = {
+        "queries": (1, "query"), "keys": (2, "key"), "values": (3, "value"), "mask": (4, "attention_mask"),
+    }
+    #: The kernel output's layout: [batch, seq, heads, head_dim] ("bshd") or [batch, heads, seq, head_dim].
+    OUTPUT_LAYOUT: ClassVar[str] = "bshd"
+
+    @KernelValue(INPUT, shape="[batch, heads, seq, head_dim]")
+    def queries(self) -> torch.Tensor:
+        """The queries the attention kernel receives, after rotary and any query norm, [batch, heads, seq, head_dim].
+
+        In transformers' channel order, and after anything the family folds
+        into them (OPT's scaling, Llama 4's temperature tuning on NoPE blocks).
+        In-place edits and assignment reach the kernel.
+        """
+
+    @KernelValue(INPUT, shape="[batch, kv_heads, seq, head_dim]")
+    def keys(self) -> torch.Tensor:
+        """The keys the attention kernel receives, after rotary and any key norm, [batch, kv_heads, seq, head_dim].
+
+        Every key position the queries attend to (past ones too, under a
+        cache). In-place edits and assignment reach the kernel (and the cache).
+        """
+
+    @KernelValue(INPUT, shape="[batch, kv_heads, seq, head_dim]")
+    def values(self) -> torch.Tensor:
+        """The values the attention kernel receives, [batch, kv_heads, seq, head_dim].
+
+        In-place edits and assignment reach the kernel (and the cache).
+        """
+
+    @RecomputedValue(INPUT, shape="[batch, heads, q_seq, k_seq]")
+    def scores(self) -> torch.Tensor:
+        """The attention logits before the softmax, [batch, heads, q_seq, k_seq], float32; -inf where masked.
+
+        Recomputed from queries and keys (``q @ k.T * scale``, the family's
+        soft cap and ALiBi, the causal, sliding-window or chunked mask, and
+        any padding in the mask the kernel receives), on every attention
+        implementation. The soft cap (Gemma 2) is applied where the kernel
+        applies it: transformers' sdpa kernel ignores it, so a Gemma 2 model
+        on sdpa runs, and is served, uncapped; load it with
+        ``attn_implementation="eager"`` for the capped model. Read-only:
+        writing it raises.
+        """
+
+    @RecomputedValue(INPUT, shape="[batch, heads, q_seq, k_seq]")
+    def pattern(self) -> torch.Tensor:
+        """The attention weights, softmax(scores) over keys, [batch, heads, q_seq, k_seq]: rows sum to 1, masked entries are 0.
+
+        On eager attention, the kernel's own weights; on a kernel that fuses
+        them (sdpa, the default), recomputed from queries and keys as
+        `scores` is. Read-only either way: writing it raises.
+        """
+
+    @KernelValue(OUTPUT, shape="[batch, seq, heads, head_dim]")
+    def head_outputs(self) -> torch.Tensor:
+        """Each head's mix of values, pattern @ values, [batch, seq, heads, head_dim]: what the kernel returns.
+
+        What the output projection reads, viewed per head (before Qwen3-Next's
+        output gate, which scales it per channel). In-place edits and
+        assignment reach the model: zeroing a head removes its contribution.
+        """
+
+    # What the host supplies.
+
+    def kernel(self) -> str:
+        """The nnsight source name of the kernel call in this module's forward."""
+        return self.KERNEL
+
+    def kernel_reason(self) -> Optional[str]:
+        """Why this module's forward has no kernel call to read, or None."""
+        if self.kernel() not in seam.kernel_call_names(seam.module_of(self)):
+            return NO_KERNEL.format(kernel=self.kernel().rsplit("_", 1)[0])
+        return None
+
+    def instrument(self) -> None:
+        """Source-instrument the module's forward (once), so the kernel call is a location."""
+        seam.ensure_source(self)
+
+    def relocated(self) -> dict:
+        if getattr(self.module_config(), "_attn_implementation", None) == "eager":
+            return {"pattern": (None, OUTPUT)}
+        return {}
+
+    def module_config(self) -> Any:
+        return getattr(seam.module_of(self), "config", None)
+
+    def spec(self, inputs: tuple) -> attention.Spec:
+        """The family's attention for one kernel call, from the call's keywords and the module."""
+        _, kwargs = inputs
+        scale = kwargs.get("scaling")
+        if scale is None:
+            scale = getattr(seam.module_of(self), "scaling", None)
+        if scale is None:
+            scale = argument(inputs, *self.ARGUMENTS["queries"]).shape[-1] ** -0.5
+        softcap = kwargs.get("softcap")
+        if getattr(self.module_config(), "_attn_implementation", None) in KERNELS_WITHOUT_SOFTCAP:
+            softcap = None  # the kernel ignores it, so the model runs uncapped
+        return attention.Spec(scale=float(scale), softcap=softcap, sliding_window=kwargs.get("sliding_window"))
+
+    def recompute_scores(self, inputs: tuple) -> torch.Tensor:
+        """`scores` for one kernel call: its queries, keys and mask, the family's `spec`."""
+        queries = argument(inputs, *self.ARGUMENTS["queries"])
+        keys = argument(inputs, *self.ARGUMENTS["keys"])
+        mask = attention.additive_mask_to_bool(argument(inputs, *self.ARGUMENTS["mask"]))
+        if mask is not None and mask.dim() == 4:
+            mask = mask[..., -queries.shape[-2]:, :keys.shape[-2]]
+        else:
+            mask = None
+        return attention.scores(queries, keys, self.spec(inputs), mask=mask)
+
+    def internals_to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        if name == "head_outputs" and self.OUTPUT_LAYOUT == "bhsd":
+            return tensor.transpose(1, 2)
+        return tensor
+
+    def internals_to_engine(self, value: torch.Tensor, live: torch.Tensor, name: str) -> torch.Tensor:
+        if name == "head_outputs" and self.OUTPUT_LAYOUT == "bhsd":
+            return value.transpose(1, 2)
+        return value.reshape(live.shape)
+
+
+def _internals_part(token: str) -> tuple[str, tuple[type, ...], Callable[[type], dict]]:
+    return "Kernel", (AttentionInternals,), lambda kind: {}
+
+
+#: The attentions composed here, importable as ``streamscope.transformers.attention.<qualified name>``.
+ATTENTIONS = Composer(__name__, _internals_part)
+
+
+def __getattr__(name: str) -> type:
+    return ATTENTIONS.rebuild(name)
+
+
+def attention_kind(kind: type) -> type:
+    """The envoy class of an engine-neutral attention `kind` (`blocks.Attention`, `blocks.PostNormedAttention`, a
+    family's) on transformers: its internals read at the kernel call. A kind that has them already is itself."""
+    if issubclass(kind, AttentionInternals):
+        return kind
+    return ATTENTIONS.compose("KernelCall", kind)
+
+
+#: A softmax attention on transformers (`self_attn`): its output, and its internals read at the kernel call. A
+#: family whose attention calls its kernel otherwise derives from it (`KERNEL`, `ARGUMENTS`, `spec`).
+KernelAttention = attention_kind(blocks.Attention)
+
+__all__ = ["AttentionInternals", "KernelAttention", "KernelValue", "RecomputedValue", "attention_kind"]
