@@ -183,7 +183,7 @@ def output_projection(attention: torch.nn.Module, width: int) -> torch.Tensor | 
             f"({', '.join(OUTPUT_PROJECTIONS)})")
 
 
-def linear_weight(module: torch.nn.Module, width: int) -> torch.Tensor:
+def linear_weight(module: torch.nn.Module, width: int, in_trace: bool = False) -> torch.Tensor:
     """What the linear `module` computes, as a Linear's weight ``[out, width]`` without its bias, a float32 copy.
 
     Read by applying it to the identity, less its output at zero (the bias):
@@ -193,6 +193,8 @@ def linear_weight(module: torch.nn.Module, width: int) -> torch.Tensor:
     row-parallel linear (``input_size_per_partition``) is applied through its
     own kernel without the all-reduce of its forward, on this rank's share of
     the input: the result is this rank's columns, ``[out, width / ranks]``.
+    `in_trace`: read inside a running trace (head_results), where the call goes
+    to the module's class's forward, past the trace's hooks on the module.
     """
     import torch
 
@@ -207,9 +209,8 @@ def linear_weight(module: torch.nn.Module, width: int) -> torch.Tensor:
             return method.apply(module, probe, None).t().float().cpu().clone()
     probe = torch.cat([torch.zeros(1, width), torch.eye(width)]).to(dtype=dtype, device=device)
     with torch.no_grad():
-        # The module's own forward, past any hooks: read inside a trace (head_results), a hooked call would be
-        # one more call of the module the trace intervenes on.
-        out = type(module).forward(module, probe)
+        # Inside a trace a hooked call would be one more call of a module the trace intervenes on.
+        out = type(module).forward(module, probe) if in_trace else module(probe)
     out = out[0] if isinstance(out, tuple) else out
     return (out[1:] - out[:1]).t().float().cpu().clone()
 

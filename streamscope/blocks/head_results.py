@@ -96,7 +96,7 @@ class HeadResults(StreamValue):
         width = inputs.shape[-1]
         heads = host.result_heads()  # type: ignore[attr-defined]
         with torch.inference_mode(False):
-            weight = linear_weight(projection, width).to(inputs.device)  # [hidden, heads * head_dim]
+            weight = linear_weight(projection, width, in_trace=True).to(inputs.device)  # [hidden, heads * head_dim]
             per_head = inputs.detach().float().unflatten(-1, (heads, width // heads))
             if per_head.dim() == 3:  # vLLM's flat tokens: one sequence of them
                 per_head = per_head.unsqueeze(0)
