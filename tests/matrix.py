@@ -301,10 +301,11 @@ def check(name: str, value: torch.Tensor, reference: Reference, block: Optional[
 
 def head_results_edit_error(model, reference: Reference, trace_input, tolerance: float, sampled: bool = False,
                             **trace_kwargs) -> float:
-    """Scale one head's `head_results` (the last head of every block that serves it, one block at a time) and
-    assert the logits are the oracle's with that head's result scaled by a hook on its output projection
-    (`attention_oracle.logits_with_head_scaled`), held to `tolerance`, and that those differ from the unedited logits by more
-    than twice it (so a dropped edit fails); return the largest error. `sampled`: the engine serves the last position's logits only (vLLM)."""
+    """Scale one head's `head_results` (the last head, each block that serves it in turn) by 10 and assert the
+    logits are the oracle's with that head's result scaled by a hook on its output projection
+    (`attention_oracle.logits_with_head_scaled`), held to `tolerance`, and that those differ from the unedited
+    logits by more than twice it (so a dropped edit fails); return the largest error. `sampled`: the engine
+    serves the last position's logits only (vLLM)."""
     worst = 0.0
     for block, reason in rows(model.support(), "self_attn.head_results").items():
         if reason is not None:
