@@ -89,3 +89,10 @@ def named_family(engine: str, name: str) -> ModuleType:
 
 __all__ = ["ENGINES", "FAMILIES", "MODEL_TYPES", "TRANSFORMERS", "VLLM", "Family", "FamilySpec", "FamilySpecError",
            "find_family", "known_families", "named_family", "on", "spec_of"]
+
+
+#: Qwen3-Next's attention multiplies the heads' mix by a sigmoid output gate (the other half of `q_proj`) before the
+#: output projection, on both engines (`FamilySpec.gated_head_outputs`).
+QWEN3_NEXT_GATED_HEAD_OUTPUTS = ("Qwen3-Next's attention scales each head's output (head_outputs) by a sigmoid "
+                                 "output gate before the output projection, so head_outputs times W_O is not what a "
+                                 "head adds")

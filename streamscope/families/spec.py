@@ -67,6 +67,10 @@ class FamilySpec:
     #: `streamscope.vllm.blocks.Layout`, fused halves where None): the engine composes it with the block kind of
     #: ``envoys`` at load, so the kinds stay engine-neutral. transformers' families state none.
     layout: Optional[Any] = None
+    #: Why a head's output (`head_outputs`) times its slice of the output projection is not what the head adds to
+    #: the stream (an output gate scales it between them), or None. TransformerLens's computed results
+    #: (`cache.head_results`) are then refused with it, naming the value that is right (`self_attn.head_results`).
+    gated_head_outputs: Optional[str] = None
 
     def problems(self) -> list[str]:
         """What is wrong with this spec, one line per field that is wrong; empty where nothing is."""

@@ -19,7 +19,7 @@ afterwards.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -468,6 +468,17 @@ def _token_ids(model: Any, prompts: Any) -> list[list[int]]:
     return encoded
 
 
+def _output_weights(model: Any) -> Callable[[], list]:
+    """What a cache reads TransformerLens's ``W_O`` with: the engine's output projections, or per block the reason
+    a head's result cannot be computed from its output where the family gates it (`FamilySpec.gated_head_outputs`)."""
+    gated = model.family_spec.gated_head_outputs
+    if gated is None:
+        return model.engine.output_projections
+    reason = (f"{gated}: read self_attn.head_results instead, which is taken at the projection's input "
+              f"(model.cache(prompt, values=['self_attn.head_results']), or in a trace)")
+    return lambda: [reason] * model.num_layers
+
+
 def _names_filter(names_filter: Any) -> Optional[Any]:
     """TransformerLens's names_filter as a predicate: a callable, a name, or a list of names."""
     if names_filter is None or callable(names_filter):
@@ -610,7 +621,7 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
                   num_layers=model.num_layers, unavailable=unavailable, final_norm=final_norm,
                   unembedding=model.engine.unembedding_rows, norm_inputs=norm_inputs(model),
                   num_heads=heads, tokenizer=model.tokenizer, logit_transform=scaling_in_words(model.config),
-                  output_weights=model.engine.output_projections, down_weights=model.engine.down_projections,
+                  output_weights=_output_weights(model), down_weights=model.engine.down_projections,
                   learned_positions=model.family_spec.learned_positions)
     keep = _names_filter(names_filter)
     if keep is not None:

@@ -216,6 +216,13 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
                              "for their logit difference")
         metric = logit_difference(_token_id(tokenizer, answer), _token_id(tokenizer, wrong))
     layers = indices(layers, model.num_layers, "block", "streamscope.patch")
+    gated = model.family_spec.gated_head_outputs
+    if value == "head_results" and gated is not None:
+        from ..errors import Unavailable
+
+        raise Unavailable(value, "streamscope.patch", f"{gated}, and a patch of head_results is made at head_outputs: "
+                          f"patch value='head_outputs' (each head's output before the gate), or edit "
+                          f"self_attn.head_results in a trace")
     names = {layer: _full_name(model, layer, value) for layer in layers}
     for layer in layers:  # an unserved value says why before anything runs
         reason = model.layers[layer].support().rows.get(names[layer], "not a value of this block")

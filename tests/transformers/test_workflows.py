@@ -412,3 +412,26 @@ def test_steering_every_generated_token_matches_a_hooked_generate(checkpoints):
         unsteered = reference.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
     assert torch.stack(tokens).tolist() == expected[0, -steps:].tolist()
     assert not torch.equal(expected, unsteered)  # the vector changes the text
+
+
+def test_a_gated_attention_refuses_head_results_computed_from_head_outputs(checkpoints):
+    """Qwen3-Next gates each head's output before the output projection: the cache's computed `head_results`
+    (head_outputs @ W_O) and a patch of head_results (made at head_outputs) are refused with the reason, while the
+    traced `self_attn.head_results` (taken at the projection's input) sums to the attention's output less its bias."""
+    from streamscope.errors import Unavailable
+
+    model = streamscope.load(checkpoints("qwen3_next"))
+    block = next(layer for layer, reason in
+                 ((layer, model.layers[layer].support().rows.get("self_attn.head_results", "none"))
+                  for layer in range(model.num_layers)) if reason is None)
+    cache = model.cache(PROMPTS[1], values=["self_attn.head_outputs", "self_attn.attention_output"])
+    with pytest.raises(Unavailable, match="output gate"):
+        cache.head_results(block)
+    with pytest.raises(Unavailable, match="output gate"):
+        streamscope.patch(model, CLEAN, CORRUPTED, answer=3, wrong=4, value="head_results", layers=[block])
+    traced = model.cache(PROMPTS[1], values=["self_attn.head_results", "self_attn.attention_output"])
+    results = traced.head_results(block)
+    output = traced[f"layers.{block}.self_attn.attention_output"]
+    bias_free = output - results.sum(-2)
+    # The projection has no bias on Qwen3-Next: the heads' results add up to the attention's output.
+    assert relative_error(results.sum(-2), output) < RELATIVE, bias_free.abs().max()

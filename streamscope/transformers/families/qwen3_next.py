@@ -12,11 +12,13 @@ from dataclasses import replace
 
 from ...blocks import Attention, HybridLayer, LinearAttention
 from ...blocks import SharedExpert
+from ...families import QWEN3_NEXT_GATED_HEAD_OUTPUTS
 from ..moe import TopKRouterMlp
 from . import llama
 
 SPEC = replace(
     llama.SPEC, rename={**llama.SPEC.rename, "shared_expert": "shared_experts"},
+    gated_head_outputs=QWEN3_NEXT_GATED_HEAD_OUTPUTS,
     envoys={"layers.*": HybridLayer, "self_attn": Attention, "linear_attn": LinearAttention, "mlp": TopKRouterMlp,
             "shared_experts": SharedExpert},
 )

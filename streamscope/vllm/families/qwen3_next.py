@@ -23,6 +23,7 @@ from vllm.model_executor.models import qwen3_next as vllm_qwen3_next
 from vllm.platforms import current_platform
 
 from ...blocks import HybridLayer, LinearAttention
+from ...families import QWEN3_NEXT_GATED_HEAD_OUTPUTS
 from ...values import INPUT, StreamValue
 from ..attention import VllmAttention
 from ..moe import VllmMlp, VllmSharedExpert
@@ -85,6 +86,7 @@ def warn_on_gpus(model: Any) -> None:
 
 SPEC = replace(
     llama.SPEC, rename={**llama.SPEC.rename, "shared_expert": "shared_experts"},
+    gated_head_outputs=QWEN3_NEXT_GATED_HEAD_OUTPUTS,
     envoys={"layers.*": HybridLayer, "self_attn": InPlaceAttention if IN_PLACE else VllmAttention,
             "linear_attn": InPlaceLinearAttention if IN_PLACE else LinearAttention, "mlp": VllmMlp,
             "shared_experts": VllmSharedExpert},
