@@ -42,8 +42,13 @@ def main(path: str, size: int, out: str) -> None:
     try:
         result: dict = {"support": str(model.support())}
         names = served(model)
-        harvest = model.harvest(PROMPTS, names, positions="all", progress=False)
-        result["harvest"] = {name: harvest[name] for name in names}
+        # One harvest's values share one width: the MLP's neurons (intermediate_size wide) go in a harvest of their own.
+        neurons = [name for name in names if name.startswith("mlp.neurons")]
+        result["harvest"] = {}
+        for group in ([name for name in names if name not in neurons], neurons):
+            if group:
+                harvest = model.harvest(PROMPTS, group, positions="all", progress=False)
+                result["harvest"].update({name: harvest[name] for name in group})
         width, last = model.hidden_size, model.num_layers - 1
         generator = torch.Generator().manual_seed(0)
         steers = [streamscope.Steer("layer_output", layer=0, vector=torch.randn(width, generator=generator), scale=2.0),
