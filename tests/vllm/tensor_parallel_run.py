@@ -35,7 +35,10 @@ def main(path: str, tensor_parallel_size: int, prompt: str, dtype: str = "float3
                              **({"gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": 1 << 30} if torch.cuda.is_available() else {}))
     names = list(ROOT)
     for block in range(model.num_layers):
-        names += [f"{block}.{row}" for row, reason in model.layers[block].support().rows.items() if reason is None]
+        # head_results: a trace under tensor parallelism refuses it in the worker (each rank's projection sums its
+        # own heads); the client's support table does not yet say so (a known gap, see the session notes).
+        names += [f"{block}.{row}" for row, reason in model.layers[block].support().rows.items()
+                  if reason is None and not row.endswith("head_results")]
     result = {}
     for name in names:  # one trace a value: no value is read after the model passed it
         with model.trace(prompt, **GREEDY):
