@@ -10,20 +10,13 @@ float32 kernels on the same rows; the bulk path's PP test measures the same).
 
 from __future__ import annotations
 
-import contextlib
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import torch
 
 import precision
+from serve_process import KEY, running
 import streamscope
 from streamscope import Steer
 from streamscope.serve.protocol import rule_json
@@ -32,43 +25,7 @@ pytestmark = pytest.mark.skipif(precision.ON_GPU, reason="the CPU build's server
 
 PROMPTS = ["Once upon a time", "Rome is in Italy, Berlin is in Germany"]
 HIDDEN = 64
-KEY = "test-key"
 VALUES = ["layer_output", "layer_mid", "mlp_output", "token_embeddings", "final_norm_output"]
-
-
-@contextlib.contextmanager
-def running(path, log: Path, *options: str):
-    """``python -m streamscope serve PATH *options`` on a free port (as tests/vllm/test_serve.py starts it)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "streamscope", "serve", str(path), "--port", str(port), "--api-key", KEY,
-               "--dtype", "float32", "--max-model-len", "512", *options]
-    with open(log, "w") as handle:
-        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    try:
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"the server exited ({process.returncode}):\n{log.read_text()[-4000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the server did not come up in 300 s:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def steer_json(steer: Steer) -> dict:
