@@ -258,6 +258,45 @@ def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str,
     return outputs, result
 
 
+def settable(model: Any, value: str, layer: int) -> Optional[str]:
+    """None where `set_each` can set `value` (a name as `model.harvest` takes it) of block `layer`, else why not."""
+    try:
+        site = locate(model, value, layer)
+        _check_tapped(model, [site])
+    except (ValueError, AttributeError, Unavailable) as error:
+        return str(error)
+    return None
+
+
+def set_each(model: Any, prompt: str, edits: Sequence[tuple[str, int, int, torch.Tensor]]) -> list[torch.Tensor]:
+    """`prompt` run once per edit, every run a request of one bulk run: each request's own steer sets one value at
+    one position, and the request's last position's logits ``[vocab_size]`` (float32, on the CPU) come back.
+
+    An edit ``(value, layer, position, vector)`` sets `value` of block `layer` at prompt position `position` to
+    `vector` (``[width]``): a ``set`` `Steer` of that one request, prompt only, written as a trace's
+    ``model.layers[layer].<value>[:, position] = vector`` is (`Site.edit_rows`: the other rows, and the other
+    requests of the step, keep their values bit for bit). The logits are the engine's own of the sampled
+    position (its logits processor's output, which a trace reads as ``model.logits``). `settable` says which
+    values this serves; the patching workflow runs each patch of them this way (`streamscope.patch`).
+    """
+    if not edits:
+        return []
+    ids = token_ids(model, [prompt])[0]
+    for value, layer in dict.fromkeys((value, layer) for value, layer, _, _ in edits):
+        reason = settable(model, value, layer)
+        if reason is not None:
+            raise Unavailable(value, f"model.layers[{layer}]", f"a bulk run cannot set it: {reason}")
+    # Every vector to the host in one copy, then each its own storage: a steer's vector travels pickled, and a
+    # view would carry its whole base with it.
+    vectors = torch.stack([vector.detach().reshape(-1) for _, _, _, vector in edits]).cpu()
+    steers = [Steer(value, layer, vectors[index].clone(), mode="set", positions=[position], generated=False,
+                    prompts=[index])
+              for index, (value, layer, position, _) in enumerate(edits)]
+    one_forward = {"max_tokens": 1, "temperature": 0.0}
+    _, result = _run(model, [ids] * len(edits), list(range(len(edits))), one_forward, None, steers, True)
+    return [result["logits"][index][-1] for index in range(len(edits))]
+
+
 def release_saes(model: Any, sae: Any = None) -> None:
     """Let the engine's workers drop their copy of `sae` (every SAE they hold where None) now."""
     keys = held.forget(model, sae)
