@@ -18,6 +18,8 @@ round (medians):
         patch       the call, on the T engine
         forwards    the same number of plain forwards (blocks x 16 + the two clean runs), one vLLM generate of that
                     many 64-token prompts, max_tokens=1                                      target: patch <= 2x
+        traced      (--trace-route) the same patches, one trace invoke each: the route before the bulk path
+                    The patch row counts the patches each route ran (bulk requests, trace invokes).
 
 Every engine runs in its process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager unless tapped, no prefix caching,
 no chunked prefill: the settings that keep values exact. The trace's transport is reported with each figure
@@ -26,6 +28,7 @@ no chunked prefill: the settings that keep values exact. The trace's transport i
     python benchmarks/gpu_trace.py                 # the H200 run, one command, about 5 minutes
     python benchmarks/gpu_trace.py --tiny          # the same code at a tiny shape on this CPU
     python benchmarks/gpu_trace.py --skip w2       # parts to skip: t,nnsight,w2,patch
+    python benchmarks/gpu_trace.py --skip t,nnsight,w2 --trace-route   # P alone, with the old route beside it
 """
 
 from __future__ import annotations
@@ -170,6 +173,11 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny shape, for a CPU check")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: t,nnsight,w2,patch")
+    parser.add_argument("--patch-positions", type=int, default=None,
+                        help="P: patch this many last positions (default 16; --tiny: 6)")
+    parser.add_argument("--trace-route", action="store_true",
+                        help="P: time the same patches run as one trace invoke each (the route before the bulk path) "
+                             "in the same rounds, for the ratio between the routes")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -188,6 +196,8 @@ def main() -> None:
     if current_platform.is_cpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     settings = shape(args.tiny)
+    if args.patch_positions is not None:
+        settings["patch_positions"] = args.patch_positions
     folder = build_folder(Path(tempfile.mkdtemp(prefix="gpu-trace-")), args.tiny)
     import nnsight
     import vllm
@@ -237,16 +247,51 @@ def main() -> None:
         count = model.num_layers * len(positions) + 2
         forwards = [tokenizer(corrupted)["input_ids"]] * count
 
-        def patch():
+        routes = {"set_each": 0, "run_each": 0}
+        per_call: dict = {}
+
+        def patch(label="patch"):
+            start = dict(routes)
             streamscope.patch(model, clean, corrupted, lambda logits: logits[5] - logits[6], positions=positions,
                               progress=False)
+            per_call[label] = {name: routes[name] - start[name] for name in routes}  # what one call ran, by route
 
+        def traced_patch():
+            # The route every patch took before the bulk path: one trace invoke per patch.
+            kind = type(model.engine)
+            settable = kind.settable
+            kind.settable = lambda self, value, block: "the trace route, for the benchmark"
+            try:
+                patch("traced")
+            finally:
+                kind.settable = settable
+
+        counted = {name: getattr(type(model.engine), name) for name in routes}
+
+        def counting(name):
+            def method(self, prompt, items):
+                routes[name] += len(items)
+                return counted[name](self, prompt, items)
+            return method
+
+        for name in routes:
+            setattr(type(model.engine), name, counting(name))
+        workloads = {"forwards": bare_w1(llm, forwards), "patch": patch}
+        if args.trace_route:
+            workloads["traced"] = traced_patch
         before = seam.transport_counts()
-        times = timed_together({"forwards": bare_w1(llm, forwards), "patch": patch}, args.rounds)
+        times = timed_together(workloads, args.rounds)
+        for name, method in counted.items():
+            setattr(type(model.engine), name, method)
         rows += [("P", f"{count} plain forwards of {len(clean_tokens)} tokens, one generate", times["forwards"], ""),
                  ("P", f"patch: layer_output, {model.num_layers} blocks x {len(positions)} positions",
                   times["patch"], f"{times['patch'] / times['forwards']:.2f}x the forwards (target 2); "
-                  f"{transport_since(before)}")]
+                  f"{transport_since(before)}; a call's patches: {per_call['patch']['set_each']} bulk requests, "
+                  f"{per_call['patch']['run_each']} trace invokes")]
+        if args.trace_route:
+            rows += [("P", "the same patches, a trace invoke each (the old route)", times["traced"],
+                      f"{times['traced'] / times['forwards']:.2f}x the forwards; "
+                      f"{times['traced'] / times['patch']:.1f}x the bulk route")]
         report(rows)
     model.close()
 
