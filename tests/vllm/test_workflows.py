@@ -166,7 +166,7 @@ def test_patching_head_results_and_neurons_matches_hooked_patches(engine):
 def test_patches_run_on_the_bulk_path_as_one_engine_run_and_equal_the_traced_patches(engine, monkeypatch):
     """A block value's patches run as requests of one bulk run (`Engine.set_each`), never as a trace invoke per
     patch (on an H200 that route took 19.6x the plain forwards); the numbers equal the traced route's bit for
-    bit. Head values keep the trace (`patching._trace_route` says why)."""
+    bit on the CPU. Head values keep the trace (`patching._trace_route` says why)."""
     model = engine.model
     kind = type(model.engine)
     calls: dict[str, list[int]] = {"set_each": [], "run_each": []}
@@ -195,7 +195,10 @@ def test_patches_run_on_the_bulk_path_as_one_engine_run_and_equal_the_traced_pat
     for value, result in found.items():
         traced = streamscope.patch(model, CLEAN, CORRUPTED, answer=3, wrong=4, value=value, positions=positions,
                                    layers=result.layers)
-        assert torch.equal(result.effects, traced.effects), value
+        if precision.ON_GPU:  # a GPU's kernels need not round the two routes alike: the engine's tolerance
+            assert relative_error(result.effects, traced.effects) <= engine.tolerance, value
+        else:
+            assert torch.equal(result.effects, traced.effects), value
     assert calls["set_each"] == [len(layers) * len(positions), len(served) * len(positions)]
 
 
