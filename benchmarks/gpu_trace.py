@@ -27,7 +27,7 @@ Every engine runs in its process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager u
 no chunked prefill: the settings that keep values exact. The trace's transport is reported with each figure
 (``handed`` collects, ``pickled`` collects), so a run that fell back to pickling says so.
 
-    python benchmarks/gpu_trace.py                 # the H200 run, one command, about 5 minutes
+    python benchmarks/gpu_trace.py                 # the H200 run, one command, about 6 minutes
     python benchmarks/gpu_trace.py --tiny          # the same code at a tiny shape on this CPU
     python benchmarks/gpu_trace.py --skip w2       # parts to skip: t,nnsight,w2,patch
 """
