@@ -105,7 +105,9 @@ class Applier:
         self._harvest_layout: list[tuple[Hashable, int, int]] = []  # (key, rows this step, first slot)
         self._staged = False
         self._pending: list[tuple[int, torch.Tensor, list[tuple[Hashable, int, int]]]] = []  # (site, rows, layout)
-        self._steer_rows: list[Any] = []
+        self._steer_rows: list[Any] = [None] * len(self.steers)  # each steer's rows this step (None: none)
+        # Each steer's edit, its route (vLLM's halves, an ablation's kernels) chosen once for the run.
+        self._editors = [plan.site.row_editor(plan.operation) for plan in self.steers]
         self._every_row = [plan.every_row for plan in self.steers]
         # Steers that edit the same rows (an ablation at every block) share one computation of them per step.
         self._row_groups = _row_groups(self.steers, self._every_row)
@@ -215,10 +217,9 @@ class Applier:
     def _apply_all(self, work: list[tuple[str, int, Site]], raw: Any) -> None:
         for kind, index, site in work:
             if kind == "steer":
-                rows = self._steer_rows[index] if index < len(self._steer_rows) else None
+                rows = self._steer_rows[index]
                 if rows is not None:
-                    plan = self.steers[index]
-                    site.edit_rows(raw, rows, plan.operation)
+                    self._editors[index](raw, rows)
             elif self._harvest_rows is not None:
                 rows = site.read_rows(raw, self._harvest_rows)
                 self._store(index, rows if self.readout is None else self.readout(rows))

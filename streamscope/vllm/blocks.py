@@ -68,27 +68,60 @@ class Summed(StreamValue):
 
         The hidden half of each edited row takes ``edited - stream``, bit
         for bit the change the write-back of the whole batch (`write`) would
-        make; an ablation or a clamp adds the same change in one kernel,
-        rounded once (`Operation.add_change`). No other row is touched, and
-        the whole batch is neither summed, copied nor written back.
+        make; an ablation or a clamp adds its change straight from the two
+        halves, rounded once (`Operation.add_change`). No other row is
+        touched, and the whole batch is neither summed, copied nor written back.
         """
         hidden, residual = self.halves(raw)
         if hidden.dim() != 2 or (residual is not None and residual.shape != hidden.shape):
             return False
-        stream = hidden[rows] if residual is None else hidden[rows] + residual[rows]
-        with torch.no_grad():
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._edit_rows(hidden, residual, rows, operation)
+        return self._edit_rows(hidden, residual, rows, operation)
+
+    def row_editor(self, operation: Any, otherwise: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+        """``edit(raw, rows)``: `edit_rows` for one steer's `operation`, chosen once for the run, or `otherwise`
+        (the site's general edit) where the halves are not the step's flattened tokens.
+
+        A direction's ablate or clamp at every row of the step (the usual
+        steer, with no padding rows past the step's tokens) is its three or
+        four kernels on the halves themselves: no slice, no sum, no Python
+        beyond this closure (`Operation.add_change`).
+        """
+        if not getattr(operation, "along_direction", False):
+            def general(raw: Any, rows: Any) -> None:
+                if not self.edit_rows(raw, rows, operation):
+                    otherwise(raw, rows)
+            return general
+        halves, add_change = self.halves, operation.add_change
+
+        def edit(raw: Any, rows: Any) -> None:
+            hidden, residual = halves(raw)
+            if (type(rows) is slice and rows.start == 0 and rows.stop == hidden.shape[0] and hidden.dim() == 2
+                    and (residual is None or residual.shape == hidden.shape) and not torch.is_grad_enabled()):
+                add_change(hidden, hidden, residual)
+            elif not self.edit_rows(raw, rows, operation):
+                otherwise(raw, rows)
+        return edit
+
+    @staticmethod
+    def _edit_rows(hidden: torch.Tensor, residual: Optional[torch.Tensor], rows: Any, operation: Any) -> bool:
+        if getattr(operation, "along_direction", False):
             if isinstance(rows, slice):
-                # An ablation or clamp adds its change in one kernel (rounded once); anything else adds
-                # edited - stream, bit for bit the write-back's change.
-                add_change = getattr(operation, "add_change", None)
-                if add_change is not None and add_change(hidden[rows], stream):
-                    return True
-            edited = stream + operation.delta if getattr(operation, "adds_only", False) else operation(stream)
-            change = edited.to(hidden.dtype) - stream
-            if isinstance(rows, slice):
-                hidden[rows].add_(change)
+                target = hidden[rows]
+                operation.add_change(target, target, None if residual is None else residual[rows])
             else:
-                hidden.index_add_(0, rows, change)
+                operation.add_change_at(hidden, rows, hidden[rows], None if residual is None else residual[rows])
+            return True
+        stream = hidden[rows] if residual is None else hidden[rows] + residual[rows]
+        # Anything else adds edited - stream, bit for bit the write-back's change.
+        edited = stream + operation.delta if getattr(operation, "adds_only", False) else operation(stream)
+        change = edited.to(hidden.dtype) - stream
+        if isinstance(rows, slice):
+            hidden[rows].add_(change)
+        else:
+            hidden.index_add_(0, rows, change)
         return True
 
     def write(self, host: Host, raw: Any, value: torch.Tensor) -> None:
