@@ -66,7 +66,25 @@ def rows_of(ranges: list[tuple[int, int]], device: Any) -> Any:
     rows: list[int] = []
     for start, stop in merged:
         rows.extend(range(start, stop))
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    # Without a wait for the device: a blocking copy from host memory would stall the host until the step's
+    # queued kernels are done (the copy from pageable memory is staged before this returns, so it is safe).
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+
+
+def owned_ranges(spans: Sequence[Span], owned: Any) -> list[tuple[int, int]]:
+    """The rows of the spans whose key is in `owned`, as ranges, adjacent spans merged (one pass, once a step)."""
+    ranges: list[tuple[int, int]] = []
+    first = stop = -1
+    for key, start, count, _ in spans:
+        if key in owned:
+            if start != stop:
+                if stop >= 0:
+                    ranges.append((first, stop))
+                first = start
+            stop = start + count
+    if stop >= 0:
+        ranges.append((first, stop))
+    return ranges
 
 
 #: Up to this many harvested rows a request in a step, the step's rows go to the host in one copy per site.
@@ -149,10 +167,8 @@ class Applier:
         self._steer_rows = [found[group] for group, _ in self._row_groups]
 
     def _rows_for(self, plan: SteerPlan, every_row: bool) -> Any:
-        if every_row:  # the usual steer: no per-token test, one range a request
-            owned = plan.lengths
-            return rows_of([(span.start, span.start + span.count) for span in self.spans if span.key in owned],
-                           self.device)
+        if every_row:  # the usual steer: no per-token test, the owned requests' rows merged as they come
+            return rows_of(owned_ranges(self.spans, plan.lengths), self.device)
         ranges: list[tuple[int, int]] = []
         steers_generated = plan.steer.steers_generated
         for span in self.spans:
