@@ -81,11 +81,14 @@ class Operation:
         two halves (`other`: vLLM's hidden and residual) is never summed: its
         projection is ``stream . d + other . d``. Three kernels for an
         ablation (the projection, its second half, the rank-one update), one
-        more for a clamp; no row is gathered, copied or allocated.
+        more for a clamp; nothing of the rows' size is gathered, copied or
+        allocated (only the projections, ``[n]``).
         """
         if not self.along_direction:
             return False
-        along = self._projection(stream, other)
+        along = torch.mv(stream, self.unit)  # [n]: each row's projection on the direction (inlined: once a hook)
+        if other is not None:
+            along.addmv_(other, self.unit)
         if self.mode == "ablate":
             target.addr_(along, self.unit, alpha=-self.scale)
         else:
@@ -98,18 +101,14 @@ class Operation:
         the change goes in with one ``index_add_``."""
         if not self.along_direction:
             return False
-        along = self._projection(stream, other)
+        along = torch.mv(stream, self.unit)
+        if other is not None:
+            along.addmv_(other, self.unit)
         if self.mode == "ablate":
             target.index_add_(0, index, torch.outer(along, self.unit), alpha=-self.scale)
         else:
             target.index_add_(0, index, torch.outer(self.projection - along, self.unit))
         return True
-
-    def _projection(self, stream: torch.Tensor, other: Optional[torch.Tensor]) -> torch.Tensor:
-        along = torch.mv(stream, self.unit)  # [n]: each row's projection on the direction
-        if other is not None:
-            along.addmv_(other, self.unit)
-        return along
 
     @property
     def adds_only(self) -> bool:
