@@ -66,8 +66,8 @@ def rows_of(ranges: list[tuple[int, int]], device: Any) -> Any:
     rows: list[int] = []
     for start, stop in merged:
         rows.extend(range(start, stop))
-    # Without a wait for the device: a blocking copy from host memory would stall the host until the step's
-    # queued kernels are done (the copy from pageable memory is staged before this returns, so it is safe).
+    # Not a blocking copy, which waits for the step's queued kernels before the host goes on; from pageable
+    # memory the driver takes the data before the call returns, so the list may go at once.
     return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
 
 

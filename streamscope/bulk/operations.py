@@ -86,7 +86,7 @@ class Operation:
         """
         if not self.along_direction:
             return False
-        along = torch.mv(stream, self.unit)  # [n]: each row's projection on the direction (inlined: once a hook)
+        along = torch.mv(stream, self.unit)  # [n]: each row's projection on the direction
         if other is not None:
             along.addmv_(other, self.unit)
         if self.mode == "ablate":

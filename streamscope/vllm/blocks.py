@@ -86,8 +86,8 @@ class Summed(StreamValue):
 
         A direction's ablate or clamp at every row of the step (the usual
         steer, with no padding rows past the step's tokens) is its three or
-        four kernels on the halves themselves: no slice, no sum, no Python
-        beyond this closure (`Operation.add_change`).
+        four kernels on the halves themselves (`Operation.add_change`): no
+        slice, no sum, no other Python call.
         """
         if not getattr(operation, "along_direction", False):
             def general(raw: Any, rows: Any) -> None:
