@@ -101,7 +101,7 @@ def summed_halves(rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.randn(rows, width, generator=generator) * 0.1, torch.randn(rows, width, generator=generator))
 
 
-#: (mode, scale, projection) of a direction's edit, and the row choice -> the exact operations of one edit of the
+#: (a direction's edit, the rows it edits) -> the exact operations of one edit of the
 #: hidden half: the projection from both halves (mv, addmv_), then the change in one rank-one update; a slice of
 #: the batch where the step has padding rows past its tokens, a gather and index_add_ where rows are scattered.
 ROUTES = {
@@ -111,6 +111,7 @@ ROUTES = {
     ("clamp", "whole"): ["mv", "addmv_", "rsub", "addr_"],
     ("clamp", "padded"): ["slice", "slice", "mv", "addmv_", "rsub", "addr_"],
     ("clamp", "scattered"): ["index", "index", "mv", "addmv_", "rsub", "outer", "index_add_"],
+    ("ablate", "one half"): ["mv", "addr_"],  # block 0's input: the embeddings, no residual yet
 }
 
 
@@ -119,10 +120,13 @@ def test_a_direction_edits_fused_halves_in_the_fewest_operations_and_equals_plai
     """`Summed.row_editor` (what a bulk steer's hook calls on vLLM's fused blocks) on halves ``[12, 64]``: the exact
     operations of `ROUTES`, and the stream ``hidden + residual`` afterwards equal to plain torch's edit of it
     (steer_checks.plain_operation) at the chosen rows, the others unchanged bit for bit."""
-    chosen = {"whole": slice(0, 12), "padded": slice(0, 9), "scattered": torch.tensor([1, 4, 5, 10])}[rows]
+    chosen = {"whole": slice(0, 12), "padded": slice(0, 9), "scattered": torch.tensor([1, 4, 5, 10]),
+              "one half": slice(0, 12)}[rows]
     steer = streamscope.Steer("layer_output", 0, torch.randn(64, generator=torch.Generator().manual_seed(3)) * 5,
                               mode=mode, scale=0.75, projection=-2.5)
     hidden, residual = summed_halves(12, 64)
+    if rows == "one half":
+        residual = torch.zeros_like(hidden)  # only for the sums below: the call gets None
     before = hidden + residual
     expected = before.clone()
     expected[chosen] = steer_checks.plain_operation(before[chosen], steer)
@@ -131,7 +135,7 @@ def test_a_direction_edits_fused_halves_in_the_fewest_operations_and_equals_plai
         raise AssertionError("the general route was taken")
     editor = Summed(None, OUTPUT).row_editor(steer.operation(torch.float32, "cpu"), refused)
     with torch.inference_mode(), DispatchedOps() as ops:
-        editor((hidden, residual), chosen)
+        editor((hidden, None if rows == "one half" else residual), chosen)
     assert ops.names == ROUTES[(mode, rows)]
     after = hidden + residual
     assert relative_error(after, expected) <= 1e-6
