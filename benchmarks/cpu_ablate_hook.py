@@ -11,7 +11,7 @@ in inference mode as a worker runs. For each checkout (`--tree NAME=PATH`,
 run in its own process, the checkouts alternating round by round) it prints:
 
   ops/call      tensor operations one hook call dispatches (counted: exact, whatever the CPU's load)
-  kernels/call  those of them that launch a kernel on a GPU (all but views: slice, view, index is a kernel)
+  kernels/call  those of them that launch a kernel on a GPU (a view such as a slice launches none)
   us/call       host time of one hook call (median; its tensor work included, as the CPU runs it)
   rows us/step  host time of `Applier.step` (the rows every steer edits, found once per step)
 
