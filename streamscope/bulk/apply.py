@@ -214,8 +214,11 @@ class Applier:
         tensors (rows past the step's tokens are padding no span owns).
         """
         work = self.work_at.get(location)
-        if work is not None:
-            self._apply(work, raw)
+        if work is not None and self.error is None:
+            try:  # `_apply`, written out: this runs at every tap of every replayed step
+                self._apply_all(work, raw)
+            except Exception as error:  # noqa: BLE001  (kept for the caller: a hook must not take the engine down)
+                self.error = error
 
     def remove(self) -> None:
         for handle in self.handles:

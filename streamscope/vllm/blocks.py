@@ -94,10 +94,14 @@ class Summed(StreamValue):
                 if not self.edit_rows(raw, rows, operation):
                     otherwise(raw, rows)
             return general
-        halves, add_change = self.halves, operation.add_change
+        halves, add_change, output = self.halves, operation.add_change, self.where == OUTPUT
 
         def edit(raw: Any, rows: Any) -> None:
-            hidden, residual = halves(raw)
+            # `halves`, written out for an output (a block's layer_output): this runs once a block a step.
+            if output:
+                hidden, residual = (raw[0], raw[1]) if isinstance(raw, tuple) else (raw, None)
+            else:
+                hidden, residual = halves(raw)
             if (type(rows) is slice and rows.start == 0 and rows.stop == hidden.shape[0] and hidden.dim() == 2
                     and (residual is None or residual.shape == hidden.shape) and not torch.is_grad_enabled()):
                 add_change(hidden, hidden, residual)
