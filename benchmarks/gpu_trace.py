@@ -13,6 +13,10 @@ round (medians):
         with taps=["layers.16.layer_output"] (CUDA graphs for decode steps), in a child process
         bare        that engine's vLLM generate                                             target: trace <= 2x
         trace       the steer written in a trace, an invoke per prompt, the vector added at every step
+        placed      the same trace with the vector on the device in the model's dtype beforehand (the trace's
+                    `vector.to(device, dtype)` at each step then copies nothing)
+        unchecked   `placed` with streamscope's NaN/inf check of each write off (it waits for the device once
+                    per write): what the remaining per-write wait costs
         steered     the same steer on the bulk path (model.generate(steer=...)), for reference
   P     streamscope.patch of layer_output over every block and the last 16 positions of a 64-token prompt pair
         patch       the call, on the T engine
@@ -23,7 +27,7 @@ Every engine runs in its process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager u
 no chunked prefill: the settings that keep values exact. The trace's transport is reported with each figure
 (``handed`` collects, ``pickled`` collects), so a run that fell back to pickling says so.
 
-    python benchmarks/gpu_trace.py                 # the H200 run, one command, about 5 minutes
+    python benchmarks/gpu_trace.py                 # the H200 run, one command, about 6 minutes
     python benchmarks/gpu_trace.py --tiny          # the same code at a tiny shape on this CPU
     python benchmarks/gpu_trace.py --skip w2       # parts to skip: t,nnsight,w2,patch
 """
@@ -127,6 +131,9 @@ def tapped_w2(folder: Path, tiny: bool, rounds: int) -> dict:
     torch.manual_seed(0)
     vector = torch.randn(tapped.hidden_size)
     steer = streamscope.Steer("layer_output", block, vector, positions="all")
+    # The trace's own vector.to(device, dtype) at every step is a copy from host memory (and a wait for the
+    # device) per invoke-step; with the vector on the model's device and in its dtype already it is a no-op.
+    placed = vector.to(device="cuda" if torch.cuda.is_available() else "cpu", dtype=getattr(torch, settings["dtype"]))
     before = seam.transport_counts()
     times = timed_together({
         "bare": bare_w2(tapped.vllm_entrypoint, prompts, count),
@@ -134,8 +141,31 @@ def tapped_w2(folder: Path, tiny: bool, rounds: int) -> dict:
         "steered": lambda: tapped.generate(prompts, max_tokens=count, steer=[steer], temperature=1.0, seed=0,
                                            ignore_eos=True, progress=False)}, rounds)
     times["transport"] = transport_since(before)
+    try:  # the variants after, against bare again: a failure of theirs leaves the figures above standing
+        variants = timed_together({
+            "bare": bare_w2(tapped.vllm_entrypoint, prompts, count),
+            "placed": traced_w2(tapped, prompts, count, block, placed),
+            "unchecked": unchecked(traced_w2(tapped, prompts, count, block, placed))}, rounds)
+        times.update({"variants bare": variants["bare"], "placed": variants["placed"],
+                      "unchecked": variants["unchecked"]})
+    except Exception as error:  # noqa: BLE001 (reported, and the run goes on)
+        print(f"the W2 variants failed: {error!r}", file=sys.stderr, flush=True)
     tapped.close()
     return times
+
+
+def unchecked(run):
+    """`run` with streamscope's NaN/inf check of each write off (`values.WARN_NON_FINITE`): the check reads one
+    number back from the device per write, so this measures what that wait costs."""
+    from streamscope import values
+
+    def call():
+        values.WARN_NON_FINITE = False
+        try:
+            run()
+        finally:
+            values.WARN_NON_FINITE = True
+    return call
 
 
 def transport_since(before: dict) -> str:
@@ -260,6 +290,13 @@ def main() -> None:
                       f"{measured['trace'] / bare:.2f}x bare (target 2); {measured['transport']}"),
                      ("W2", "the same steer, bulk path (generate(steer=))", measured["steered"],
                       f"{measured['steered'] / bare:.3f}x bare")]
+            if "placed" in measured:
+                again = measured["variants bare"]
+                rows += [("W2", "bare again, for the two rows below", again, ""),
+                         ("W2", "the trace, the vector on the device beforehand", measured["placed"],
+                          f"{measured['placed'] / again:.2f}x bare"),
+                         ("W2", "the same, and the writes' NaN/inf check off", measured["unchecked"],
+                          f"{measured['unchecked'] / again:.2f}x bare")]
     report(rows)
     print(f"\nwhole run {time.perf_counter() - started:.0f} s", flush=True)
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..blocks.composed import Composer
-from ..values import INPUT, OUTPUT, Host, StreamValue, argument
+from ..values import INPUT, OUTPUT, Host, StreamValue, argument, in_dtype
 
 
 class Summed(StreamValue):
@@ -129,13 +129,15 @@ class Summed(StreamValue):
         return True
 
     def write(self, host: Host, raw: Any, value: torch.Tensor) -> None:
+        if torch.is_grad_enabled():  # vLLM runs in inference mode, where grad is off already
+            with torch.no_grad():
+                return self.write(host, raw, value)
         hidden, residual = self.halves(raw)
-        value = host.to_engine(value.to(hidden.dtype), hidden, self.name)
-        with torch.no_grad():
-            if residual is None:
-                hidden.copy_(value)
-            else:
-                hidden.add_(value - (hidden + residual))
+        value = host.to_engine(in_dtype(value, hidden.dtype), hidden, self.name)
+        if residual is None:
+            hidden.copy_(value)
+        else:
+            hidden.add_(value - (hidden + residual))
 
 
 class VllmSkip:
