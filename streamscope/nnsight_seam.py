@@ -106,6 +106,7 @@ __all__ = [
     "filter_write_backs", "rename_out_of_order", "around_mediator_run", "kernel_call_names", "ensure_source",
     "unwrapped_generate", "running_taps", "interleaving", "take_request_error", "collect_requests", "set_client_worker",
     "HandedSaves", "hand_saves_over", "handing_over", "saves_transport", "SAVES_TRANSPORT_ENV", "transport_counts",
+    "PACKED_SAVES", "pack_saves_in_this_process", "received_counts",
     "bundle_interventions", "bundle_counts",
     # Loaded on first use by the module's __getattr__ (vLLM is not imported with streamscope).
     "NNsightGPUWorker", "NNsightGPUModelRunner", "ParallelEnvoy", "parallel_envoys", "VLLMClient",  # noqa: F822
@@ -547,8 +548,10 @@ _CLIENT_PID: list[int] = []
 #: Set while a streamscope worker answers a collect (`handing_over`): another engine's worker (raw nnsight's, in
 #: the same process) keeps nnsight's pickled answer.
 _HANDING: list[bool] = []
-#: Collects answered each way, per process (`transport_counts`).
-_COUNTS = {"handed": 0, "pickled": 0, "tensors_handed": 0}
+#: Collects answered each way, per process (`transport_counts`): counted where the worker runs.
+_COUNTS = {"handed": 0, "pickled": 0, "tensors_handed": 0, "packed": 0, "tensors_packed": 0, "bytes_packed": 0}
+#: Collects read each way by this process's vLLM clients (`received_counts`): counted where the caller runs.
+_RECEIVED = {"handed": 0, "packed": 0, "pickled": 0}
 
 
 class HandedSaves:
@@ -599,12 +602,14 @@ def _plain(tensor: Any) -> bool:
 
 
 def _pack(collected: Any, compact: Callable[[Any], bytes]) -> Any:
-    """`collected` as `HandedSaves` for a client of this process; pickled by `compact` (nnsight's) otherwise."""
+    """`collected` as `HandedSaves` for a client of this process, packed (`_pack_into_buffer`) for a client in
+    another; pickled by `compact` (nnsight's) for a worker no streamscope client set up, or where asked."""
     # Read, not checked: the worker must answer whatever the setting (`hand_saves_over` refused a bad one).
-    if (not _HANDING or os.environ.get(SAVES_TRANSPORT_ENV) == "pickle" or not _CLIENT_PID
-            or _CLIENT_PID[0] != os.getpid()):
+    if not _HANDING or os.environ.get(SAVES_TRANSPORT_ENV) == "pickle":
         _COUNTS["pickled"] += 1
         return compact(collected)
+    if not _CLIENT_PID or _CLIENT_PID[0] != os.getpid():
+        return _pack_into_buffer(collected)
     import io
     import pickle
 
@@ -641,6 +646,8 @@ def _unpack(payload: Any) -> Any:
     import io
     import pickle
 
+    if _is_packed(payload):
+        return _unpack_buffer(payload)
     if not isinstance(payload, HandedSaves):
         return pickle.loads(payload)
     tensors = payload.tensors
@@ -661,8 +668,10 @@ class _HandoverPickle:
         self._pickle = pickle
 
     def loads(self, payload: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(payload, HandedSaves):
+        if isinstance(payload, HandedSaves) or _is_packed(payload):
+            _RECEIVED["handed" if isinstance(payload, HandedSaves) else "packed"] += 1
             return _unpack(payload)
+        _RECEIVED["pickled"] += 1
         return self._pickle.loads(payload, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -686,21 +695,17 @@ def hand_saves_over() -> None:
     reads each rank's answer with ``pickle.loads`` (``merge_collected``): the
     first now answers with `HandedSaves` where the worker runs in the process
     that called this (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` with one rank), and
-    pickles as before anywhere else (an engine process, a forked rank: its pid
-    differs); the second reads either. ``STREAMSCOPE_SAVES_TRANSPORT=pickle``
-    keeps the pickled path everywhere.
+    packs them into one buffer anywhere else (an engine process, a forked
+    rank: its pid differs; `pack_saves_in_this_process`); the second reads
+    any of the three. ``STREAMSCOPE_SAVES_TRANSPORT=pickle`` keeps the pickled
+    path everywhere.
     """
     import importlib
 
     _transport()  # a bad setting is refused before an engine starts
     _CLIENT_PID[:] = [os.getpid()]
-    runner = importlib.import_module("nnsight.modeling.vllm.model_runners.GPUModelRunner")
+    pack_saves_in_this_process()
     engine = importlib.import_module("nnsight.modeling.vllm.engines.engine")
-    if not getattr(runner.dumps_compact, "streamscope_handover", False):
-        compact = runner.dumps_compact
-        packing = partial(_pack, compact=compact)
-        setattr(packing, "streamscope_handover", True)  # marks the patch as applied
-        setattr(runner, "dumps_compact", packing)  # the name nnsight's worker pickles a collect with
     if not isinstance(engine.pickle, _HandoverPickle):
         setattr(engine, "pickle", _HandoverPickle())  # the pickle nnsight's engine reads a collect with
 
@@ -732,8 +737,201 @@ def saves_transport(name: str) -> Any:
 
 def transport_counts() -> dict[str, int]:
     """How this process's vLLM workers have answered collects so far: ``handed`` (as `HandedSaves`),
-    ``pickled`` (nnsight's pickled payload), ``tensors_handed`` (tensors carried by the handed ones)."""
+    ``packed`` (one buffer for a client in another process, `PACKED_SAVES`), ``pickled`` (nnsight's pickled
+    payload), ``tensors_handed`` / ``tensors_packed`` (tensors carried by those), ``bytes_packed`` (their buffers'
+    size). An engine process's worker counts in that process: a streamscope worker answers them through
+    ``collective_rpc("streamscope_transport_counts")``."""
     return dict(_COUNTS)
+
+
+def received_counts() -> dict[str, int]:
+    """How this process's vLLM clients have read collects so far (one per rank's answer): ``handed``, ``packed``,
+    ``pickled`` (raw nnsight's engines in this process count too)."""
+    return dict(_RECEIVED)
+
+
+# A vLLM trace's saves from a worker in another process: one buffer, not one pickle per tensor.
+
+#: The first item of a packed collect (`_pack_into_buffer`).
+PACKED_SAVES = "streamscope-packed-saves-1"
+#: Where each tensor's bytes start in a packed buffer: aligned, so a slot can be viewed as any dtype on the device.
+_SLOT_ALIGN = 64
+
+
+def pack_saves_in_this_process() -> None:
+    """Let a streamscope worker of this process answer collects as `HandedSaves` or packed (idempotent).
+
+    Replaces the name nnsight's worker pickles a collect with
+    (``dumps_compact``) by `_pack`, which still pickles unless a streamscope
+    worker answers (`handing_over`). Called by `hand_saves_over` in the
+    client's process and by a streamscope worker in its own
+    (``streamscope_hand_saves_over``).
+    """
+    import importlib
+
+    runner = importlib.import_module("nnsight.modeling.vllm.model_runners.GPUModelRunner")
+    if not getattr(runner.dumps_compact, "streamscope_handover", False):
+        compact = runner.dumps_compact
+        packing = partial(_pack, compact=compact)
+        setattr(packing, "streamscope_handover", True)  # marks the patch as applied
+        setattr(runner, "dumps_compact", packing)  # the name nnsight's worker pickles a collect with
+
+
+def _is_packed(payload: Any) -> bool:
+    # After vLLM's msgpack the tuple is a list and the bytearray bytes.
+    return isinstance(payload, (list, tuple)) and len(payload) == 3 and payload[0] == PACKED_SAVES
+
+
+def _pack_into_buffer(collected: Any) -> list:
+    """`collected` for a client in another process: ``[PACKED_SAVES, structure, buffer]``.
+
+    ``structure`` is `collected` pickled with every plain tensor replaced by a
+    record of what unpickling rebuilds (dtype, device, the bytes of its
+    storage, shape, strides, storage offset, ``requires_grad``) and where its
+    bytes sit in ``buffer``, one ``bytearray`` holding every saved tensor's
+    storage. Which bytes is nnsight's compact rule, as in `HandedSaves`: a
+    tensor that views part of a larger storage travels as a copy of itself
+    (its clone's strides), any other with its whole storage. The tensors of
+    one device are packed into one device buffer and copied to the host once
+    (CPU tensors are copied straight in), where pickling copies and
+    serializes each tensor on its own. Both are plain ``bytes``-like values,
+    which vLLM's ``collective_rpc`` carries from an engine process natively.
+    """
+    import io
+    import pickle
+
+    import torch
+
+    slots: list[tuple[Any, int, bool]] = []  # (source, buffer offset, copied as `dense` strides rather than bytes)
+    index: dict[int, tuple] = {}
+    kept: list = []  # the tensors indexed by id, alive until packed
+    end = 0
+
+    def record(value: Any) -> tuple:
+        nonlocal end
+        with torch.inference_mode(False):
+            if value.untyped_storage().nbytes() > value.numel() * value.element_size():
+                if not value.is_contiguous():
+                    value = value.clone()  # its strides are the clone's, as nnsight's compact rule pickles it
+                    source, dense = value, True
+                    nbytes, offset = value.untyped_storage().nbytes(), 0
+                else:  # the clone would be the same dense layout: copied straight to its slot, no clone
+                    source, dense, nbytes, offset = value, True, value.numel() * value.element_size(), 0
+            else:
+                storage = value.untyped_storage()
+                nbytes, offset = storage.nbytes(), value.storage_offset()
+                source = torch.empty(0, dtype=torch.uint8, device=value.device).set_(storage, 0, (nbytes,), (1,))
+                dense = False
+        start = end
+        end += -(-nbytes // _SLOT_ALIGN) * _SLOT_ALIGN
+        slots.append((source if not dense else (source, tuple(value.shape), value.stride()), start, dense))
+        return (len(slots) - 1, str(value.dtype).removeprefix("torch."), str(value.device), start, nbytes,
+                tuple(value.shape), value.stride(), offset, value.requires_grad)
+
+    class StructurePickler(pickle.Pickler):
+        def persistent_id(self, value: Any) -> Optional[tuple]:
+            if type(value) is not torch.Tensor or not _plain(value):
+                return None
+            if id(value) not in index:  # one object saved twice stays one object, as pickle's memo keeps it
+                kept.append(value)
+                index[id(value)] = record(value)
+            return index[id(value)]
+
+        def reducer_override(self, value: Any) -> Any:
+            # A tensor subclass (a Parameter) is pickled, by nnsight's compact rule.
+            if isinstance(value, torch.Tensor) and _plain(value) and (
+                    value.untyped_storage().nbytes() > value.numel() * value.element_size()):
+                return value.clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+            return NotImplemented
+
+    structure = io.BytesIO()
+    StructurePickler(structure, pickle.HIGHEST_PROTOCOL).dump(collected)
+    buffer = bytearray(end)
+    if end:
+        host = torch.frombuffer(buffer, dtype=torch.uint8)
+        by_device: dict[Any, list] = {}
+        for slot in slots:
+            source = slot[0][0] if slot[2] else slot[0]
+            by_device.setdefault(source.device, []).append(slot)
+        with torch.inference_mode(False):
+            for device, placed in by_device.items():
+                low = min(start for _, start, _ in placed)
+                high = max(slot[1] + _slot_bytes(slot) for slot in placed)
+                # Every tensor of the device into one buffer there, then one copy to the host (the host's own
+                # tensors go straight in).
+                packed = host[low:high] if device.type == "cpu" else torch.empty(high - low, dtype=torch.uint8,
+                                                                                 device=device)
+                for slot in placed:
+                    _fill(packed, slot, slot[1] - low)
+                if device.type != "cpu":
+                    host[low:high].copy_(packed)
+    _COUNTS["packed"] += 1
+    _COUNTS["tensors_packed"] += len(slots)
+    _COUNTS["bytes_packed"] += end
+    return [PACKED_SAVES, structure.getvalue(), buffer]
+
+
+def _slot_bytes(slot: tuple) -> int:
+    if slot[2]:
+        tensor = slot[0][0]
+        return tensor.numel() * tensor.element_size()
+    return slot[0].numel()
+
+
+def _fill(packed: Any, slot: tuple, at: int) -> None:
+    """Copy one slot's source into `packed` (a uint8 buffer on the source's device) at byte `at`."""
+
+    if not slot[2]:
+        packed[at:at + slot[0].numel()].copy_(slot[0])
+        return
+    tensor, shape, stride = slot[0]
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes:
+        target = packed[at:at + nbytes].view(tensor.dtype)
+        target.as_strided(shape, stride, target.storage_offset()).copy_(tensor)  # an offset is the storage's
+
+
+def _unpack_buffer(payload: Any) -> Any:
+    """A packed collect (`_pack_into_buffer`) as unpickling nnsight's payload gives it: each tensor its own storage,
+    on its device, with its dtype, shape, strides, storage offset and ``requires_grad``."""
+    import io
+    import pickle
+    import warnings
+
+    import torch
+
+    _, structure, buffer = payload
+    rebuilt: dict[int, Any] = {}
+    staged: dict[str, Any] = {}  # per device: the buffer copied there once
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # bytes are read-only; every tensor is copied out of them
+        host = torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
+
+    def storage_for(device: str, start: int, nbytes: int) -> Any:
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8, device=device).untyped_storage()
+        if device == "cpu":
+            source = host[start:start + nbytes]
+        else:
+            if device not in staged:
+                staged[device] = host.to(device)  # one copy of the buffer to the device, sliced there
+            source = staged[device][start:start + nbytes]
+        return source.clone().untyped_storage()
+
+    class StructureUnpickler(pickle.Unpickler):
+        def persistent_load(self, key: Any) -> Any:
+            slot, dtype, device, start, nbytes, shape, stride, offset, requires_grad = key
+            if slot not in rebuilt:
+                storage = storage_for(device, start, nbytes)
+                tensor = torch.empty(0, dtype=getattr(torch, dtype), device=device)
+                tensor.set_(storage, offset, shape, stride)
+                tensor.requires_grad_(requires_grad)
+                rebuilt[slot] = tensor
+            return rebuilt[slot]
+
+    with torch.inference_mode(False):
+        return StructureUnpickler(io.BytesIO(structure)).load()
 
 
 # A vLLM trace's interventions on their way to the worker: one pickle per trace where the engine shares the process.
