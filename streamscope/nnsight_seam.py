@@ -786,23 +786,26 @@ def _pack_into_buffer(collected: Any) -> list:
     """`collected` for a client in another process: ``[PACKED_SAVES, structure, buffer]``.
 
     ``structure`` is `collected` pickled with every plain tensor replaced by a
-    record of what unpickling rebuilds (dtype, device, the bytes of its
+    record of what unpickling rebuilds (dtype, device, the size of its
     storage, shape, strides, storage offset, ``requires_grad``) and where its
-    bytes sit in ``buffer``, one ``bytearray`` holding every saved tensor's
-    storage. Which bytes is nnsight's compact rule, as in `HandedSaves`: a
+    storage's bytes sit in ``buffer``, one ``bytearray`` holding every saved
+    tensor's. Which bytes is nnsight's compact rule, as in `HandedSaves`: a
     tensor that views part of a larger storage travels as a copy of itself
-    (its clone's strides), any other with its whole storage. The tensors of
-    one device are packed into one device buffer and copied to the host once
-    (CPU tensors are copied straight in), where pickling copies and
-    serializes each tensor on its own. Both are plain ``bytes``-like values,
-    which vLLM's ``collective_rpc`` carries from an engine process natively.
+    (a contiguous one as its own bytes, with its strides, as its clone would
+    be; another as its clone), any other with its whole storage. The tensors
+    of one device are packed into one device buffer and copied to the host
+    once; a CPU tensor's bytes are copied straight in (by ``memcpy``, not a
+    torch kernel: no thread pool to wake for a few kilobytes). Pickling
+    instead copies and serializes each tensor on its own. Both parts are
+    plain ``bytes``-like values, which vLLM's ``collective_rpc`` carries from
+    an engine process natively.
     """
     import io
     import pickle
 
     import torch
 
-    slots: list[tuple[Any, int, bool]] = []  # (source, buffer offset, copied as `dense` strides rather than bytes)
+    slots: list[tuple[Any, int]] = []  # (the bytes to send: a uint8 view on the tensor's device, buffer offset)
     index: dict[int, tuple] = {}
     kept: list = []  # the tensors indexed by id, alive until packed
     end = 0
@@ -810,21 +813,18 @@ def _pack_into_buffer(collected: Any) -> list:
     def record(value: Any) -> tuple:
         nonlocal end
         with torch.inference_mode(False):
-            if value.untyped_storage().nbytes() > value.numel() * value.element_size():
-                if not value.is_contiguous():
-                    value = value.clone()  # its strides are the clone's, as nnsight's compact rule pickles it
-                    source, dense = value, True
-                    nbytes, offset = value.untyped_storage().nbytes(), 0
-                else:  # the clone would be the same dense layout: copied straight to its slot, no clone
-                    source, dense, nbytes, offset = value, True, value.numel() * value.element_size(), 0
+            size = value.numel() * value.element_size()
+            if value.untyped_storage().nbytes() > size and not value.is_contiguous():
+                value = value.clone()  # its strides are the clone's, as nnsight's compact rule pickles it
+            if value.untyped_storage().nbytes() > size:  # contiguous: its own bytes are its clone's, strides kept
+                first, nbytes, offset = value.storage_offset() * value.element_size(), size, 0
             else:
-                storage = value.untyped_storage()
-                nbytes, offset = storage.nbytes(), value.storage_offset()
-                source = torch.empty(0, dtype=torch.uint8, device=value.device).set_(storage, 0, (nbytes,), (1,))
-                dense = False
+                first, nbytes, offset = 0, value.untyped_storage().nbytes(), value.storage_offset()
+            source = torch.empty(0, dtype=torch.uint8, device=value.device).set_(
+                value.untyped_storage(), first, (nbytes,), (1,))
         start = end
         end += -(-nbytes // _SLOT_ALIGN) * _SLOT_ALIGN
-        slots.append((source if not dense else (source, tuple(value.shape), value.stride()), start, dense))
+        slots.append((source, start))
         return (len(slots) - 1, str(value.dtype).removeprefix("torch."), str(value.device), start, nbytes,
                 tuple(value.shape), value.stride(), offset, value.requires_grad)
 
@@ -847,48 +847,26 @@ def _pack_into_buffer(collected: Any) -> list:
     structure = io.BytesIO()
     StructurePickler(structure, pickle.HIGHEST_PROTOCOL).dump(collected)
     buffer = bytearray(end)
-    if end:
-        host = torch.frombuffer(buffer, dtype=torch.uint8)
-        by_device: dict[Any, list] = {}
-        for slot in slots:
-            source = slot[0][0] if slot[2] else slot[0]
-            by_device.setdefault(source.device, []).append(slot)
+    view = memoryview(buffer)
+    on_devices: dict[Any, list] = {}
+    for source, start in slots:
+        if source.device.type == "cpu":
+            view[start:start + source.numel()] = source.numpy()
+        elif source.numel():
+            on_devices.setdefault(source.device, []).append((source, start))
+    for device, placed in on_devices.items():
+        # Every tensor of the device into one buffer there, then one copy to the host.
+        low = min(start for _, start in placed)
+        high = max(start + source.numel() for source, start in placed)
         with torch.inference_mode(False):
-            for device, placed in by_device.items():
-                low = min(start for _, start, _ in placed)
-                high = max(slot[1] + _slot_bytes(slot) for slot in placed)
-                # Every tensor of the device into one buffer there, then one copy to the host (the host's own
-                # tensors go straight in).
-                packed = host[low:high] if device.type == "cpu" else torch.empty(high - low, dtype=torch.uint8,
-                                                                                 device=device)
-                for slot in placed:
-                    _fill(packed, slot, slot[1] - low)
-                if device.type != "cpu":
-                    host[low:high].copy_(packed)
+            packed = torch.empty(high - low, dtype=torch.uint8, device=device)
+            for source, start in placed:
+                packed[start - low:start - low + source.numel()].copy_(source)
+            torch.frombuffer(buffer, dtype=torch.uint8, count=high - low, offset=low).copy_(packed)
     _COUNTS["packed"] += 1
     _COUNTS["tensors_packed"] += len(slots)
     _COUNTS["bytes_packed"] += end
     return [PACKED_SAVES, structure.getvalue(), buffer]
-
-
-def _slot_bytes(slot: tuple) -> int:
-    if slot[2]:
-        tensor = slot[0][0]
-        return tensor.numel() * tensor.element_size()
-    return slot[0].numel()
-
-
-def _fill(packed: Any, slot: tuple, at: int) -> None:
-    """Copy one slot's source into `packed` (a uint8 buffer on the source's device) at byte `at`."""
-
-    if not slot[2]:
-        packed[at:at + slot[0].numel()].copy_(slot[0])
-        return
-    tensor, shape, stride = slot[0]
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes:
-        target = packed[at:at + nbytes].view(tensor.dtype)
-        target.as_strided(shape, stride, target.storage_offset()).copy_(tensor)  # an offset is the storage's
 
 
 def _unpack_buffer(payload: Any) -> Any:
@@ -898,26 +876,26 @@ def _unpack_buffer(payload: Any) -> Any:
     import pickle
     import warnings
 
+    import numpy
     import torch
 
     _, structure, buffer = payload
     rebuilt: dict[int, Any] = {}
     staged: dict[str, Any] = {}  # per device: the buffer copied there once
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # bytes are read-only; every tensor is copied out of them
-        host = torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
+    host = numpy.frombuffer(buffer, dtype=numpy.uint8)
 
     def storage_for(device: str, start: int, nbytes: int) -> Any:
+        if device == "cpu":
+            owned = torch.empty(nbytes, dtype=torch.uint8)
+            owned.numpy()[:] = host[start:start + nbytes]  # a memcpy, as unpickling's
+            return owned.untyped_storage()
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8, device=device).untyped_storage()
-        if device == "cpu":
-            source = host[start:start + nbytes]
-        else:
-            if device not in staged:
-                staged[device] = host.to(device)  # one copy of the buffer to the device, sliced there
-            source = staged[device][start:start + nbytes]
-        return source.clone().untyped_storage()
+        if device not in staged:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only bytes: only read, by the copy to the device
+                staged[device] = torch.from_numpy(host).to(device)  # one copy of the buffer there, sliced there
+        return staged[device][start:start + nbytes].clone().untyped_storage()
 
     class StructureUnpickler(pickle.Unpickler):
         def persistent_load(self, key: Any) -> Any:
