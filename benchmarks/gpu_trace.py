@@ -179,7 +179,7 @@ def engine_process(folder: Path, tiny: bool, rounds: int) -> dict:
                                 "pickled": with_transport("pickle", trace)}, rounds)
         after = worker_counts()
         moved = {key: after[key] - before[key] for key in after}
-        times.update(prompts=count, tokens=length, counts=moved)
+        times.update(prompts=count, tokens=length, counts=moved, traces=rounds + 1)  # the warm-up run too
         measured.append(times)
     model.close()
     return {"rows": measured}
@@ -189,13 +189,14 @@ def engine_process_rows(measured: dict, layers: int) -> list:
     rows = []
     for times in measured["rows"]:
         counts, bare = times["counts"], times["bare"]
-        runs = counts["packed"]  # one collect per trace: every request finishes in the same step
-        per_trace = counts["bytes_packed"] / max(runs, 1) / 2**20
+        # Collects counted include the bare runs' (nnsight's engine collects for every finished request), with no
+        # bytes: the bytes are the packed traces'.
+        per_trace = counts["bytes_packed"] / times["traces"] / 2**20
         what = f"{times['prompts']} x {times['tokens']} tokens, every block's layer_output ({layers} blocks)"
         rows += [("X", f"vLLM bare, {times['prompts']} prompts x {times['tokens']} tokens", bare, ""),
                  ("X", "trace packed: " + what, times["packed"],
                   f"{times['packed'] / bare:.2f}x bare; {times['pickled'] / times['packed']:.2f}x faster than "
-                  f"pickled; collects packed {counts['packed']} ({per_trace:.1f} MiB each), "
+                  f"pickled; {per_trace:.1f} MiB a trace; collects packed {counts['packed']}, "
                   f"pickled {counts['pickled']}"),
                  ("X", "trace pickled: " + what, times["pickled"], f"{times['pickled'] / bare:.2f}x bare")]
     return rows
