@@ -155,6 +155,7 @@ def tapped_w2(folder: Path, tiny: bool, rounds: int) -> dict:
 def engine_process(folder: Path, tiny: bool, rounds: int) -> dict:
     """X (a child process, the engine core in its own): bare, the T trace packed, the T trace pickled."""
     import streamscope
+    from streamscope import nnsight_seam as seam
 
     settings = shape(tiny)
     model = streamscope.load(folder, engine="vllm", **kwargs_for(settings, tiny))
@@ -174,12 +175,13 @@ def engine_process(folder: Path, tiny: bool, rounds: int) -> dict:
     for count, length in shapes:
         prompts = token_prompts(count, (length, length), 3)
         trace = t_trace(model, prompts)
-        before = worker_counts()
+        before, read_before = worker_counts(), seam.received_counts()
         times = timed_together({"bare": bare_w1(llm, prompts), "packed": with_transport(None, trace),
                                 "pickled": with_transport("pickle", trace)}, rounds)
-        after = worker_counts()
+        after, read_after = worker_counts(), seam.received_counts()
         moved = {key: after[key] - before[key] for key in after}
-        times.update(prompts=count, tokens=length, counts=moved, traces=rounds + 1)  # the warm-up run too
+        read = {key: read_after[key] - read_before[key] for key in read_after}
+        times.update(prompts=count, tokens=length, counts=moved, read=read, traces=rounds + 1)  # with the warm-up
         measured.append(times)
     model.close()
     return {"rows": measured}
@@ -191,14 +193,21 @@ def engine_process_rows(measured: dict, layers: int) -> list:
         counts, bare = times["counts"], times["bare"]
         # Collects counted include the bare runs' (nnsight's engine collects for every finished request), with no
         # bytes: the bytes are the packed traces'.
-        per_trace = counts["bytes_packed"] / times["traces"] / 2**20
+        traces, read = times["traces"], times["read"]
+        per_trace = counts["bytes_packed"] / traces / 2**20
         what = f"{times['prompts']} x {times['tokens']} tokens, every block's layer_output ({layers} blocks)"
+        # The transport's own time per trace: the worker answering the collect, the caller reading it (the bare runs'
+        # empty collects, a few per trace, fall on both arms alike).
+        packing, pickling = counts["seconds_packing"] / traces * 1e3, counts["seconds_pickling"] / traces * 1e3
+        unpacking, unpickling = read["seconds_packed"] / traces * 1e3, read["seconds_pickled"] / traces * 1e3
         rows += [("X", f"vLLM bare, {times['prompts']} prompts x {times['tokens']} tokens", bare, ""),
                  ("X", "trace packed: " + what, times["packed"],
-                  f"{times['packed'] / bare:.2f}x bare; {times['pickled'] / times['packed']:.2f}x faster than "
-                  f"pickled; {per_trace:.1f} MiB a trace; collects packed {counts['packed']}, "
-                  f"pickled {counts['pickled']}"),
-                 ("X", "trace pickled: " + what, times["pickled"], f"{times['pickled'] / bare:.2f}x bare")]
+                  f"{times['packed'] / bare:.2f}x bare; pickled / packed {times['pickled'] / times['packed']:.2f}; "
+                  f"{per_trace:.1f} MiB a trace; worker {packing:.1f} ms + caller {unpacking:.1f} ms a trace; "
+                  f"collects packed {counts['packed']}, pickled {counts['pickled']}"),
+                 ("X", "trace pickled: " + what, times["pickled"],
+                  f"{times['pickled'] / bare:.2f}x bare; worker {pickling:.1f} ms + caller {unpickling:.1f} ms a "
+                  "trace")]
     return rows
 
 

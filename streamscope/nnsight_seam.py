@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import time
 import warnings
 from functools import partial
 from typing import Any, Callable, NamedTuple, Optional
@@ -549,9 +550,11 @@ _CLIENT_PID: list[int] = []
 #: the same process) keeps nnsight's pickled answer.
 _HANDING: list[bool] = []
 #: Collects answered each way, per process (`transport_counts`): counted where the worker runs.
-_COUNTS = {"handed": 0, "pickled": 0, "tensors_handed": 0, "packed": 0, "tensors_packed": 0, "bytes_packed": 0}
+_COUNTS: dict[str, float] = {"handed": 0, "pickled": 0, "tensors_handed": 0, "packed": 0, "tensors_packed": 0,
+                              "bytes_packed": 0, "seconds_pickling": 0.0, "seconds_packing": 0.0}
 #: Collects read each way by this process's vLLM clients (`received_counts`): counted where the caller runs.
-_RECEIVED = {"handed": 0, "packed": 0, "pickled": 0}
+_RECEIVED: dict[str, float] = {"handed": 0, "packed": 0, "pickled": 0, "seconds_handed": 0.0, "seconds_packed": 0.0,
+                               "seconds_pickled": 0.0}
 
 
 class HandedSaves:
@@ -607,9 +610,15 @@ def _pack(collected: Any, compact: Callable[[Any], bytes]) -> Any:
     # Read, not checked: the worker must answer whatever the setting (`hand_saves_over` refused a bad one).
     if not _HANDING or os.environ.get(SAVES_TRANSPORT_ENV) == "pickle":
         _COUNTS["pickled"] += 1
-        return compact(collected)
+        started = time.perf_counter()
+        pickled = compact(collected)
+        _COUNTS["seconds_pickling"] += time.perf_counter() - started
+        return pickled
     if not _CLIENT_PID or _CLIENT_PID[0] != os.getpid():
-        return _pack_into_buffer(collected)
+        started = time.perf_counter()
+        packed = _pack_into_buffer(collected)
+        _COUNTS["seconds_packing"] += time.perf_counter() - started
+        return packed
     import io
     import pickle
 
@@ -668,11 +677,16 @@ class _HandoverPickle:
         self._pickle = pickle
 
     def loads(self, payload: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
         if isinstance(payload, HandedSaves) or _is_packed(payload):
-            _RECEIVED["handed" if isinstance(payload, HandedSaves) else "packed"] += 1
-            return _unpack(payload)
-        _RECEIVED["pickled"] += 1
-        return self._pickle.loads(payload, *args, **kwargs)
+            kind = "handed" if isinstance(payload, HandedSaves) else "packed"
+            loaded = _unpack(payload)
+        else:
+            kind = "pickled"
+            loaded = self._pickle.loads(payload, *args, **kwargs)
+        _RECEIVED[kind] += 1
+        _RECEIVED[f"seconds_{kind}"] += time.perf_counter() - started
+        return loaded
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pickle, name)
@@ -735,7 +749,7 @@ def saves_transport(name: str) -> Any:
             os.environ[SAVES_TRANSPORT_ENV] = before
 
 
-def transport_counts() -> dict[str, int]:
+def transport_counts() -> dict[str, float]:
     """How this process's vLLM workers have answered collects so far: ``handed`` (as `HandedSaves`),
     ``packed`` (one buffer for a client in another process, `PACKED_SAVES`), ``pickled`` (nnsight's pickled
     payload), ``tensors_handed`` / ``tensors_packed`` (tensors carried by those), ``bytes_packed`` (their buffers'
@@ -744,9 +758,9 @@ def transport_counts() -> dict[str, int]:
     return dict(_COUNTS)
 
 
-def received_counts() -> dict[str, int]:
+def received_counts() -> dict[str, float]:
     """How this process's vLLM clients have read collects so far (one per rank's answer): ``handed``, ``packed``,
-    ``pickled`` (raw nnsight's engines in this process count too)."""
+    ``pickled`` (raw nnsight's engines in this process count too), and ``seconds_`` each, reading them."""
     return dict(_RECEIVED)
 
 
