@@ -770,6 +770,8 @@ def received_counts() -> dict[str, float]:
 PACKED_SAVES = "streamscope-packed-saves-1"
 #: Where each tensor's bytes start in a packed buffer: aligned, so a slot can be viewed as any dtype on the device.
 _SLOT_ALIGN = 64
+#: The most bytes of saves packed together on a device before their copy to the host.
+_DEVICE_PACK = 256 * 2**20
 
 
 def pack_saves_in_this_process() -> None:
@@ -868,19 +870,39 @@ def _pack_into_buffer(collected: Any) -> list:
             view[start:start + source.numel()] = source.numpy()
         elif source.numel():
             on_devices.setdefault(source.device, []).append((source, start))
-    for device, placed in on_devices.items():
-        # Every tensor of the device into one buffer there, then one copy to the host.
-        low = min(start for _, start in placed)
-        high = max(start + source.numel() for source, start in placed)
-        with torch.inference_mode(False):
-            packed = torch.empty(high - low, dtype=torch.uint8, device=device)
-            for source, start in placed:
-                packed[start - low:start - low + source.numel()].copy_(source)
-            torch.frombuffer(buffer, dtype=torch.uint8, count=high - low, offset=low).copy_(packed)
+    for placed in on_devices.values():
+        # The device's tensors packed into buffers there of at most _DEVICE_PACK bytes, each copied to the host at
+        # once: one copy for a collect's saves up to that size, and no more device memory than that beside them.
+        group: list = []
+        for slot in placed:
+            if group and slot[1] + slot[0].numel() - group[0][1] > _DEVICE_PACK:
+                _copy_home(group, buffer)
+                group = []
+            group.append(slot)
+        if group:
+            _copy_home(group, buffer)
     _COUNTS["packed"] += 1
     _COUNTS["tensors_packed"] += len(slots)
     _COUNTS["bytes_packed"] += end
     return [PACKED_SAVES, structure.getvalue(), buffer]
+
+
+def _copy_home(group: list, buffer: bytearray) -> None:
+    """Copy `group` (``(source, start)`` slots on one device, in order) into `buffer`: packed into one buffer on
+    the device and copied to the host once (a lone slot is copied as it is)."""
+    import torch
+
+    low = group[0][1]
+    high = group[-1][1] + group[-1][0].numel()
+    host = torch.frombuffer(buffer, dtype=torch.uint8, count=high - low, offset=low)
+    with torch.inference_mode(False):
+        if len(group) == 1:
+            host.copy_(group[0][0])
+            return
+        packed = torch.empty(high - low, dtype=group[0][0].dtype, device=group[0][0].device)
+        for source, start in group:
+            packed[start - low:start - low + source.numel()].copy_(source)
+        host.copy_(packed)
 
 
 def _unpack_buffer(payload: Any) -> Any:

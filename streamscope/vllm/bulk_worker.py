@@ -32,7 +32,7 @@ class BulkRPC:
         seam.pack_saves_in_this_process()  # in an engine process, nothing has replaced nnsight's pickling yet
         self.streamscope_hands_over = True
 
-    def streamscope_transport_counts(self) -> dict[str, int]:
+    def streamscope_transport_counts(self) -> dict[str, float]:
         """How the collects of this worker's process went: `nnsight_seam.transport_counts` where the worker runs."""
         from .. import nnsight_seam as seam
 
@@ -55,7 +55,8 @@ class BulkRPC:
         return before
 
     def collect_nnsight(self, *args: Any, **kwargs: Any) -> Any:
-        """nnsight's collect; for a streamscope client in this process, its answer is `nnsight_seam.HandedSaves`."""
+        """nnsight's collect; for a streamscope client in this process, its answer is `nnsight_seam.HandedSaves`,
+        for one in another the saves packed into one buffer (`nnsight_seam.PACKED_SAVES`)."""
         import contextlib
 
         from .. import nnsight_seam as seam
