@@ -6,7 +6,7 @@ layout) it packs every tensor of a collect into one buffer; ``STREAMSCOPE_SAVES_
 nnsight does, pickled. Each test runs the same trace both ways on one engine and compares: values bit for bit,
 dtype, shape, strides, storage offset, which saves share an object, errors' type and message, and that a tensor
 that came home is the caller's own (not an inference tensor of the engine's, not sharing memory with another save).
-The traces and the comparison live in tests/transport_cases.py, which the engine process run starts as a script.
+The traces and the comparison live in tests/transport_cases.py, which the engine process run imports.
 """
 
 from __future__ import annotations
