@@ -282,6 +282,7 @@ def worker_costs(model, steps: int, monkeypatch) -> tuple[dict, int]:
     return dict(ops), reads[0]
 
 
+@in_process
 def test_a_steer_at_every_step_costs_each_step_the_same_few_ops(model, monkeypatch):
     """What an invoke adds per step is exact: its read, its edit and the write-back, in the fewest torch ops
     streamscope knows for them (on a GPU each op that is not a view is a kernel launch, `item` a wait for the
