@@ -35,6 +35,7 @@ import torch
 from .. import nnsight_seam as seam
 
 from ..bulk.operations import DIRECTIONAL
+from ..blocks.head_results import HEAD_RESULTS
 from ..bulk.spec import ROOT_VALUES, Positions, Steer, check_steer, harvest_spec, prompt_positions, value_names
 from ..errors import Unavailable, untapped
 
@@ -110,6 +111,12 @@ def unknown_sae(name: Any, stored: Any) -> RequestError:
     known = ", ".join(sorted(stored)[:20]) or "none yet"
     return RequestError(404, "sae", f"sae: no stored SAE is named {name!r} (stored: {known}); upload it with PUT "
                                     f"/v1/streamscope/saes/NAME (streamscope.Client.store_sae).")
+
+
+def served_values() -> list[str]:
+    """The bulk values the server harvests and steers: every one `model.harvest` takes but head_results (a row of
+    ``[heads, hidden_size]``; the server's buffers hold one vector a row)."""
+    return [value for value in value_names() if value.split(".")[-1] != HEAD_RESULTS]
 
 
 def _bad(param: str, message: str, status: int = 400) -> RequestError:
@@ -210,9 +217,13 @@ class Checker:
         from ..bulk.spec import locate
 
         if not isinstance(value, str):
-            raise _bad(f"{param}.value", f"a value is named by a string ({', '.join(value_names())}).")
+            raise _bad(f"{param}.value", f"a value is named by a string ({', '.join(served_values())}).")
         if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool)):
             raise _bad(f"{param}.layer", f"a block index is an int (or null for a root value), not {layer!r}.")
+        if value.split(".")[-1] == HEAD_RESULTS:
+            raise _bad(f"{param}.value", "self_attn.head_results ([heads, hidden_size] a position) is not harvested by "
+                                         "the server, whose buffers hold one hidden_size vector a position: harvest "
+                                         "it in process, model.harvest(prompts, 'self_attn.head_results').")
         try:
             site = locate(self.model, value, layer)
         except IndexError as error:
