@@ -70,6 +70,18 @@ PROMPTS = ["The Eiffel Tower is in Paris, and the quick brown fox", "Rome is in 
 FAMILIES = ["llama", "gpt2", "gptj", "gpt_neox", "gemma2", "cohere"]
 
 
+def tl_notebook() -> Any:
+    """scripts/tl_notebook.py (TransformerLens's demo, cache section, on TL 4.3 and on streamscope) as a module."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "tl_notebook.py"
+    spec = importlib.util.spec_from_file_location("tl_notebook", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 #: Every call both libraries refused in this session: (call, TransformerLens's error), to inspect what was refused.
 REFUSED: list[tuple[str, str]] = []
 
