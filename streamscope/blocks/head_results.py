@@ -9,16 +9,18 @@ first, in the same run) gives the heads, and an edit adds the difference it
 makes, summed over heads, to the projection's output, before any post-attention
 norm or residual multiplier, so the stream sees exactly the edited results.
 
-Under tensor parallelism (vLLM) each rank's projection reads its own heads and
-holds their columns: each rank computes its heads' results and the host joins
-them in transformers' head order (`join_result_heads`), so every rank sees the
-whole value; an edit's change goes into the projection's output once (into the
-reduced output every rank holds, or into one rank's share where the projection
-leaves the reduction to its block, Falcon's: `result_change_here`).
+Under tensor parallelism (vLLM) each rank's projection holds its own heads'
+columns. In a trace nnsight hands every rank the projection's whole input
+(every rank's heads, gathered) and its whole output (reduced, where the
+projection leaves the reduction to its block, as Falcon's does, and split back
+after), so the ranks' columns are joined in head order (`join_result_heads`)
+and each rank computes the whole value and adds an edit's change to the whole
+output, which nnsight shares out again.
 
-The bulk path (`model.harvest`) reads it at the projection's input
-(`bulk_site`, `read_rows`): each harvested row's heads times their columns,
-the columns read once per run (`columns`), never the whole batch's results.
+The bulk path (`model.harvest`) reads it at the projection's input with a plain
+hook (`bulk_site`, `read_rows`), where each rank holds its own heads: each rank
+multiplies its heads by its columns, read once per run (`columns`), at the
+harvested rows only, and the ranks' results are joined in head order.
 """
 
 from __future__ import annotations
@@ -128,12 +130,12 @@ class HeadResults(StreamValue):
         if inputs is None:
             raise RuntimeError(f"{host.where()}.{self.name}: the output projection's input was not kept")
         with torch.inference_mode(False):
-            columns = self.columns(host).to(inputs.device)  # [hidden, heads, head_dim]
+            # Every rank's heads' columns: a trace sees the projection's whole input (nnsight gathers it).
+            columns = host.join_result_heads(self.columns(host).to(inputs.device))  # type: ignore[attr-defined]
             per_head = inputs.detach().float().unflatten(-1, tuple(columns.shape[1:]))
             if per_head.dim() == 3:  # vLLM's flat tokens: one sequence of them
                 per_head = per_head.unsqueeze(0)
-            local = torch.einsum("bshd,mhd->bshm", per_head, columns)
-            return host.join_result_heads(local).to(inputs.dtype)  # type: ignore[attr-defined]
+            return torch.einsum("bshd,mhd->bshm", per_head, columns).to(inputs.dtype)
 
     # The bulk path: read at the projection's input, at the harvested rows only.
 
@@ -164,12 +166,9 @@ class HeadResults(StreamValue):
         return value
 
     def write(self, host: Host, raw: Any, value: torch.Tensor) -> None:
-        """Add what the edit changes, summed over heads, to the projection's output, in place, once (under tensor
-        parallelism, `result_change_here` says whether this rank's output takes it)."""
+        """Add what the edit changes, summed over heads, to the projection's output, in place."""
         live = first_tensor(raw)
         with torch.inference_mode(False):
             change = (value.float() - self.results(host).float()).sum(-2)  # [batch, seq, hidden]
-        if not host.result_change_here(seam.module_of(self.located(host))):  # type: ignore[attr-defined]
-            return
         with torch.no_grad():
             live.add_(change.to(live.dtype).reshape(live.shape))

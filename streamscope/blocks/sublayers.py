@@ -106,15 +106,11 @@ class Attention(Mixer):
         """Why this engine cannot serve head_results here beyond a missing kernel or projection, or None."""
         return None
 
-    def join_result_heads(self, results: torch.Tensor) -> torch.Tensor:
-        """Every head's results from this process's, ``[..., heads, hidden]``: an engine that splits the heads
-        over processes (vLLM's tensor parallelism) joins them; one process holds them all."""
-        return results
-
-    def result_change_here(self, projection: torch.nn.Module) -> bool:
-        """Whether a head_results edit's change is added to `projection`'s output in this process: where the
-        engine splits the projection over processes, only one of them may add it."""
-        return True
+    def join_result_heads(self, per_head: torch.Tensor) -> torch.Tensor:
+        """Every head's slice from this process's, along the heads axis (``[..., heads, last]``: results, or the
+        output projection's columns): an engine that splits the heads over processes (vLLM's tensor
+        parallelism) joins them in head order; one process holds them all."""
+        return per_head
 
     def result_heads(self) -> int:
         """How many heads the output projection's input holds."""

@@ -215,24 +215,17 @@ class VllmAttentionInternals:
     def result_heads(self) -> int:
         return self.head_count("head_outputs")
 
-    def join_result_heads(self, results: torch.Tensor) -> torch.Tensor:
-        """Every rank's heads' results, ``[..., heads, hidden]``, in transformers' head order: rank r holds a
-        contiguous run of the heads (and their columns of the row-parallel output projection), so the ranks'
-        concatenation is the whole. Every rank reads head_results at the same place and joins the gather."""
+    def join_result_heads(self, per_head: torch.Tensor) -> torch.Tensor:
+        """Every rank's heads, along the heads axis of `per_head` (``[..., heads here, last]``: results, or the
+        output projection's columns), in transformers' head order: rank r holds a contiguous run of the heads
+        and their columns of the row-parallel output projection, so the ranks' concatenation is the whole.
+        Every rank reads head_results at the same place and joins the gather."""
         world, _ = tensor_parallel()
         if world == 1:
-            return results
+            return per_head
         from vllm.distributed import tensor_model_parallel_all_gather
 
-        return tensor_model_parallel_all_gather(results.contiguous(), dim=results.dim() - 2)
-
-    def result_change_here(self, projection: torch.nn.Module) -> bool:
-        """Whether this rank adds a head_results edit's change to `projection`'s output. A row-parallel projection
-        that reduces its output (``reduce_results``, the usual) gives every rank the whole sum: each adds the
-        change. One that leaves the reduction to its block (Falcon's parallel blocks) holds this rank's share:
-        the first rank adds the change, so the reduction adds it once."""
-        world, rank = tensor_parallel()
-        return world == 1 or getattr(projection, "reduce_results", True) or rank == 0
+        return tensor_model_parallel_all_gather(per_head.contiguous(), dim=per_head.dim() - 2)
 
     def head_count(self, name: str) -> int:
         """How many heads `name` has on this rank (under tensor parallelism, this rank's share)."""
