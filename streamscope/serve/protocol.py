@@ -113,6 +113,11 @@ def unknown_sae(name: Any, stored: Any) -> RequestError:
                                     f"/v1/streamscope/saes/NAME (streamscope.Client.store_sae).")
 
 
+NO_HEAD_RESULTS = ("self_attn.head_results ([heads, hidden_size] a position) is not served by the server, whose "
+                   "harvests and steers hold one hidden_size vector a position: harvest it in process "
+                   "(model.harvest(prompts, 'self_attn.head_results')), or edit it in a trace.")
+
+
 def served_values() -> list[str]:
     """The bulk values the server harvests and steers: every one `model.harvest` takes but head_results (a row of
     ``[heads, hidden_size]``; the server's buffers hold one vector a row)."""
@@ -221,9 +226,7 @@ class Checker:
         if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool)):
             raise _bad(f"{param}.layer", f"a block index is an int (or null for a root value), not {layer!r}.")
         if value.split(".")[-1] == HEAD_RESULTS:
-            raise _bad(f"{param}.value", "self_attn.head_results ([heads, hidden_size] a position) is not harvested by "
-                                         "the server, whose buffers hold one hidden_size vector a position: harvest "
-                                         "it in process, model.harvest(prompts, 'self_attn.head_results').")
+            raise _bad(f"{param}.value", NO_HEAD_RESULTS)
         try:
             site = locate(self.model, value, layer)
         except IndexError as error:
@@ -365,6 +368,8 @@ class Checker:
         values = [item["values"]] if isinstance(item["values"], str) else item["values"]
         if not isinstance(values, list) or not values or not all(isinstance(value, str) for value in values):
             raise _bad(f"{param}.values", "a value name or a non-empty list of them.")
+        if any(value.split(".")[-1] == HEAD_RESULTS for value in values):
+            raise _bad(f"{param}.values", NO_HEAD_RESULTS)
         layers = item.get("layers")
         if layers is not None and not isinstance(layers, (int, list)):
             raise _bad(f"{param}.layers", "a block index, a list of them, or null for every block.")
