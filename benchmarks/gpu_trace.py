@@ -13,19 +13,26 @@ round (medians):
         with taps=["layers.16.layer_output"] (CUDA graphs for decode steps), in a child process
         bare        that engine's vLLM generate                                             target: trace <= 2x
         trace       the steer written in a trace, an invoke per prompt, the vector added at every step
+        placed      the same trace with the vector on the device in the model's dtype beforehand (the trace's
+                    `vector.to(device, dtype)` at each step then copies nothing)
+        unchecked   `placed` with streamscope's NaN/inf check of each write off (it waits for the device once
+                    per write): what the remaining per-write wait costs
         steered     the same steer on the bulk path (model.generate(steer=...)), for reference
   P     streamscope.patch of layer_output over every block and the last 16 positions of a 64-token prompt pair
         patch       the call, on the T engine
         forwards    the same number of plain forwards (blocks x 16 + the two clean runs), one vLLM generate of that
                     many 64-token prompts, max_tokens=1                                      target: patch <= 2x
+        traced      (--trace-route) the same patches, one trace invoke each: the route before the bulk path
+                    The patch row counts the patches each route ran (bulk requests, trace invokes).
 
 Every engine runs in its process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager unless tapped, no prefix caching,
 no chunked prefill: the settings that keep values exact. The trace's transport is reported with each figure
 (``handed`` collects, ``pickled`` collects), so a run that fell back to pickling says so.
 
-    python benchmarks/gpu_trace.py                 # the H200 run, one command, about 5 minutes
+    python benchmarks/gpu_trace.py                 # the H200 run, one command, about 6 minutes
     python benchmarks/gpu_trace.py --tiny          # the same code at a tiny shape on this CPU
     python benchmarks/gpu_trace.py --skip w2       # parts to skip: t,nnsight,w2,patch
+    python benchmarks/gpu_trace.py --skip t,nnsight,w2 --trace-route   # P alone, with the old route beside it
 """
 
 from __future__ import annotations
@@ -127,6 +134,9 @@ def tapped_w2(folder: Path, tiny: bool, rounds: int) -> dict:
     torch.manual_seed(0)
     vector = torch.randn(tapped.hidden_size)
     steer = streamscope.Steer("layer_output", block, vector, positions="all")
+    # The trace's own vector.to(device, dtype) at every step is a copy from host memory (and a wait for the
+    # device) per invoke-step; with the vector on the model's device and in its dtype already it is a no-op.
+    placed = vector.to(device="cuda" if torch.cuda.is_available() else "cpu", dtype=getattr(torch, settings["dtype"]))
     before = seam.transport_counts()
     times = timed_together({
         "bare": bare_w2(tapped.vllm_entrypoint, prompts, count),
@@ -134,8 +144,31 @@ def tapped_w2(folder: Path, tiny: bool, rounds: int) -> dict:
         "steered": lambda: tapped.generate(prompts, max_tokens=count, steer=[steer], temperature=1.0, seed=0,
                                            ignore_eos=True, progress=False)}, rounds)
     times["transport"] = transport_since(before)
+    try:  # the variants after, against bare again: a failure of theirs leaves the figures above standing
+        variants = timed_together({
+            "bare": bare_w2(tapped.vllm_entrypoint, prompts, count),
+            "placed": traced_w2(tapped, prompts, count, block, placed),
+            "unchecked": unchecked(traced_w2(tapped, prompts, count, block, placed))}, rounds)
+        times.update({"variants bare": variants["bare"], "placed": variants["placed"],
+                      "unchecked": variants["unchecked"]})
+    except Exception as error:  # noqa: BLE001 (reported, and the run goes on)
+        print(f"the W2 variants failed: {error!r}", file=sys.stderr, flush=True)
     tapped.close()
     return times
+
+
+def unchecked(run):
+    """`run` with streamscope's NaN/inf check of each write off (`values.WARN_NON_FINITE`): the check reads one
+    number back from the device per write, so this measures what that wait costs."""
+    from streamscope import values
+
+    def call():
+        values.WARN_NON_FINITE = False
+        try:
+            run()
+        finally:
+            values.WARN_NON_FINITE = True
+    return call
 
 
 def transport_since(before: dict) -> str:
@@ -170,6 +203,11 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny shape, for a CPU check")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: t,nnsight,w2,patch")
+    parser.add_argument("--patch-positions", type=int, default=None,
+                        help="P: patch this many last positions (default 16; --tiny: 6)")
+    parser.add_argument("--trace-route", action="store_true",
+                        help="P: time the same patches run as one trace invoke each (the route before the bulk path) "
+                             "in the same rounds, for the ratio between the routes")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -188,6 +226,8 @@ def main() -> None:
     if current_platform.is_cpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     settings = shape(args.tiny)
+    if args.patch_positions is not None:
+        settings["patch_positions"] = args.patch_positions
     folder = build_folder(Path(tempfile.mkdtemp(prefix="gpu-trace-")), args.tiny)
     import nnsight
     import vllm
@@ -237,16 +277,51 @@ def main() -> None:
         count = model.num_layers * len(positions) + 2
         forwards = [tokenizer(corrupted)["input_ids"]] * count
 
-        def patch():
+        routes = {"set_each": 0, "run_each": 0}
+        per_call: dict = {}
+
+        def patch(label="patch"):
+            start = dict(routes)
             streamscope.patch(model, clean, corrupted, lambda logits: logits[5] - logits[6], positions=positions,
                               progress=False)
+            per_call[label] = {name: routes[name] - start[name] for name in routes}  # what one call ran, by route
 
+        def traced_patch():
+            # The route every patch took before the bulk path: one trace invoke per patch.
+            kind = type(model.engine)
+            settable = kind.settable
+            kind.settable = lambda self, value, block: "the trace route, for the benchmark"
+            try:
+                patch("traced")
+            finally:
+                kind.settable = settable
+
+        counted = {name: getattr(type(model.engine), name) for name in routes}
+
+        def counting(name):
+            def method(self, prompt, items):
+                routes[name] += len(items)
+                return counted[name](self, prompt, items)
+            return method
+
+        for name in routes:
+            setattr(type(model.engine), name, counting(name))
+        workloads = {"forwards": bare_w1(llm, forwards), "patch": patch}
+        if args.trace_route:
+            workloads["traced"] = traced_patch
         before = seam.transport_counts()
-        times = timed_together({"forwards": bare_w1(llm, forwards), "patch": patch}, args.rounds)
+        times = timed_together(workloads, args.rounds)
+        for name, method in counted.items():
+            setattr(type(model.engine), name, method)
         rows += [("P", f"{count} plain forwards of {len(clean_tokens)} tokens, one generate", times["forwards"], ""),
                  ("P", f"patch: layer_output, {model.num_layers} blocks x {len(positions)} positions",
                   times["patch"], f"{times['patch'] / times['forwards']:.2f}x the forwards (target 2); "
-                  f"{transport_since(before)}")]
+                  f"{transport_since(before)}; a call's patches: {per_call['patch']['set_each']} bulk requests, "
+                  f"{per_call['patch']['run_each']} trace invokes")]
+        if args.trace_route:
+            rows += [("P", "the same patches, a trace invoke each (the old route)", times["traced"],
+                      f"{times['traced'] / times['forwards']:.2f}x the forwards; "
+                      f"{times['traced'] / times['patch']:.1f}x the bulk route")]
         report(rows)
     model.close()
 
@@ -260,6 +335,13 @@ def main() -> None:
                       f"{measured['trace'] / bare:.2f}x bare (target 2); {measured['transport']}"),
                      ("W2", "the same steer, bulk path (generate(steer=))", measured["steered"],
                       f"{measured['steered'] / bare:.3f}x bare")]
+            if "placed" in measured:
+                again = measured["variants bare"]
+                rows += [("W2", "bare again, for the two rows below", again, ""),
+                         ("W2", "the trace, the vector on the device beforehand", measured["placed"],
+                          f"{measured['placed'] / again:.2f}x bare"),
+                         ("W2", "the same, and the writes' NaN/inf check off", measured["unchecked"],
+                          f"{measured['unchecked'] / again:.2f}x bare")]
     report(rows)
     print(f"\nwhole run {time.perf_counter() - started:.0f} s", flush=True)
 

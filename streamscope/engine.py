@@ -62,6 +62,21 @@ class Engine:
         """`prompt` run once per body, each in its own invoke (an edit each, say): ``[body][tensor]``."""
         raise NotImplementedError
 
+    def set_each(self, prompt: str, edits: Sequence[tuple[str, int, int, torch.Tensor]]) -> list[torch.Tensor]:
+        """`prompt` run once per edit without a trace: each run sets one block value at one position, and answers
+        its last position's logits ``[vocab_size]``.
+
+        An edit is ``(value, block, position, vector)``: the run's value `value` of block `block` (a name as
+        `model.harvest` takes it) becomes `vector` (``[width]``, the value's last axis) at `position`, as a
+        trace's ``model.layers[block].<value>[:, position] = vector`` does. Engines without such a route say
+        so with `settable`; the workflows then run the edits as invokes (`run_each`).
+        """
+        raise NotImplementedError
+
+    def settable(self, value: str, block: int) -> Optional[str]:
+        """None where `set_each` can set `value` of block `block`, else why not (a sentence)."""
+        return f"the {self.name} engine runs edits as invokes of a trace"
+
     def batch(self, asked: Optional[int], default: int, count: int) -> int:
         """How many of a workflow's `count` prompts (or patches) one `run` (`run_each`) takes: `asked` where the
         caller gave it, else the engine's choice. Here `default`, the workflow's batch of one padded forward."""

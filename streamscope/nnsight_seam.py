@@ -89,6 +89,7 @@ check_version()
 # * WithBlockNotFoundError: what a tracer's ``capture()`` raises when it was not called as a ``with``
 #   statement; ``generate`` then runs plainly instead of tracing.
 from nnsight.intervention import interleaver as _interleaver  # noqa: E402
+from nnsight.intervention.eproperty import WriteBack as _WriteBack  # noqa: E402
 from nnsight.intervention.eproperty import eproperty  # noqa: E402
 from nnsight.intervention.interleaver import Mediator  # noqa: E402
 from nnsight.intervention.interleaver import OutOfOrderError  # noqa: E402
@@ -100,7 +101,8 @@ __all__ = [
     "SUPPORTED", "ALLOW_ENV", "check_version", "eproperty", "LocatedProperty", "Mediator", "OutOfOrderError",
     "WithBlockNotFoundError", "module_of", "children", "RebindingEnvoy", "wrap_replay",
     "wrap_update_states", "uninstrumented",
-    "set_callbacks", "location", "call_location", "running_mediator", "mediator_at", "step_of", "read_at", "skip_at",
+    "set_callbacks", "read_located", "location", "call_location", "running_mediator", "mediator_at", "step_of",
+    "read_at", "skip_at",
     "is_saved", "invoke_rows", "with_invoke_rows", "PendingWriteBack", "pending_write_back", "held_view",
     "redirect_write_back",
     "filter_write_backs", "rename_out_of_order", "around_mediator_run", "kernel_call_names", "ensure_source",
@@ -127,6 +129,33 @@ class LocatedProperty(eproperty):
     def location(self, obj: Any) -> str:
         """The nnsight location (``"{path}.{key}"``) that holds the value on `obj`."""
         return super()._location(obj)
+
+
+def read_located(value: eproperty, host: Any, location: str, mediator: Mediator) -> Any:
+    """What reading `value` on `host` returns (nnsight's ``eproperty.__get__``), its `location` and the running
+    `mediator` already in hand.
+
+    nnsight's read asks the eproperty for its location and the greenlet for
+    its mediator again, and parks through ``Mediator.value``, which asks for
+    the mediator once more; a value read at every step of every invoke pays
+    that each time. This is the same read with what the caller knows: answered
+    with the pending write-back's view while it is this read's (same value,
+    location and occurrence), else the mediator writes back what it holds
+    (``flush``) and parks until the model serves `location`, and the
+    preprocess's result becomes the pending write-back.
+    """
+    occurrence = mediator.wanted(location)
+    if value._transform is not None:
+        waiting = mediator.transform
+        if waiting is not None and waiting.key == (value, location, occurrence):
+            return waiting.view
+    mediator.flush()
+    raw = getcurrent().parent.switch(_interleaver.Pending(_interleaver.Event.VALUE, location, occurrence))
+    result = value._preprocess(host, raw) if value._preprocess is not None else raw
+    if value._transform is not None:
+        mediator.transform = _WriteBack(partial(value._transform, host, result, raw), result, value, location,
+                                        occurrence)
+    return result
 
 
 def set_callbacks(value: eproperty, read: Callable, write_back: Callable, assign: Callable) -> None:

@@ -29,6 +29,7 @@ sits in a call; the envoy that hosts a value supplies both through
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 import weakref
@@ -217,22 +218,35 @@ class StreamValue(LocatedProperty):
             location = cache[self.name] = seam.location(self.located(host).path, self.site(host)[1])
         return require_tapped(host, self.name, location)
 
+    def named(self, host: Host) -> str:
+        """This value's name on `host` in messages: ``model.layers[3].layer_output``."""
+        # Kept per envoy beside its locations: a read at every step of every invoke names its value for the
+        # mediator's notes, and a block's name is rebuilt from its path each time it is asked.
+        names = host.__dict__.get("_streamscope_names")
+        if names is None:
+            names = host.__dict__["_streamscope_names"] = {}
+        name = names.get(self.name)
+        if name is None:
+            name = names[self.name] = f"{host.where()}.{self.name}"
+        return name
+
     def __get__(self, host: Optional[Host], owner: Any = None) -> Any:
         if host is None:
             return self
         # The location is resolved before anything waits on the model, so an
         # unavailable value raises Unavailable at once.
         location = self.location(host)
-        mediator = in_trace(f"{host.where()}.{self.name}", "read")
-        name = f"{host.where()}.{self.name}"
-        held = self.held(host)
+        name = self.named(host)
+        mediator = in_trace(name, "read")
+        held = seam.held_view(mediator, self, location)
         if held is not None and seam.is_saved(held):
             # A saved read keeps what was read: a second read of the value (to
             # edit it in place) gets a copy of its own, which is what goes back.
             self.rebind(host, mediator, _copy(held, edited=is_edited(held)))
             _retire(mediator, held, name)
         mediator.streamscope_wanted = (location, name)
-        value = super().__get__(host, owner)
+        # nnsight's eproperty read, given the location and mediator found above rather than asking again.
+        value = seam.read_located(self, host, location, mediator)
         mediator.streamscope_read = name
         return value
 
@@ -312,18 +326,20 @@ class StreamValue(LocatedProperty):
     def validate(self, host: Host, expected: tuple[int, ...], value: Any, current: Optional[torch.Tensor],
                  warn: bool = True) -> None:
         """Refuse what cannot be written here; warn (where `warn`) where `value` brings NaN or inf into finite numbers."""
-        check_write(f"{host.where()}.{self.name}", self.shape, expected, value, current, warn=warn)
+        check_write(self.named(host), self.shape, expected, value, current, warn=warn)
 
     def refuse(self, host: Host, expected: tuple[int, ...], value: Any) -> None:
         refuse_write(f"{host.where()}.{self.name}", self.shape, expected, value)
 
     def write(self, host: Host, raw: Any, value: torch.Tensor) -> None:
         """Copy `value` (the user's layout) into the model's tensor, in place."""
+        if torch.is_grad_enabled():  # vLLM runs in inference mode, where grad is off already
+            with torch.no_grad():
+                return self.write(host, raw, value)
         live = self.live(host, raw)
         if self.factor is not None:
             value = value / self.factor(host)
-        with torch.no_grad():
-            live.copy_(host.to_engine(value.to(live.dtype), live, self.name))
+        live.copy_(host.to_engine(in_dtype(value, live.dtype), live, self.name))
 
 
 def refuse_write(name: str, shape: str, expected: tuple[int, ...], value: Any) -> None:
@@ -365,9 +381,14 @@ def check_write(name: str, shape: str, expected: tuple[int, ...], value: Any,
             f"device instead, e.g. `torch.zeros(..., device={name}.device)`."
         )
     if warn and WARN_NON_FINITE and value.is_floating_point():
-        finite = torch.isfinite(value)
-        if bool(finite.all()):  # the common case, in one reduction
+        # The common case in one reduction (one kernel, one number read back): any NaN or inf makes the sum
+        # NaN or inf, and a sum of finite numbers is finite unless it overflows; a sum that is not finite is
+        # then looked at entry by entry, so an overflow costs time, never a wrong warning. float16 and
+        # bfloat16 are summed in float32 (float16's own range is soon exceeded by a sum of activations).
+        total = value.sum(dtype=torch.float32) if value.element_size() < 4 else value.sum()
+        if math.isfinite(total.item()):
             return
+        finite = torch.isfinite(value)
         if current is not None and current.shape == value.shape:
             introduced = ~finite & torch.isfinite(current)
         else:
@@ -454,6 +475,11 @@ class ComputedValue(ReadOnly, StreamValue):
             return self.compute(host, tensor)
 
 
+def in_dtype(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`value` in `dtype`: itself where it is already (no dispatch to torch), else a converted copy."""
+    return value if value.dtype == dtype else value.to(dtype)
+
+
 def in_trace(name: str, done: str) -> Mediator:
     """The running trace's mediator, or a clear error: `name` can only be `done` (read, written) inside a trace."""
     mediator = seam.running_mediator()
@@ -523,7 +549,7 @@ def _skip_unedited_write_backs() -> None:
     vanishing (checked once, at the end, so a block of many reads stays linear).
     """
     def retire(mediator: Mediator, pending: PendingWriteBack) -> None:
-        _retire(mediator, pending.view, f"{pending.host.where()}.{pending.value.name}")
+        _retire(mediator, pending.view, pending.value.named(pending.host))
 
     seam.filter_write_backs(StreamValue, lambda pending: is_edited(pending.view), retire)
 

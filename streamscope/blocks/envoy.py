@@ -186,7 +186,8 @@ def _recording_chain(envoy: Envoy) -> tuple:
     """
     noted = _RECORDING_CHAINS.get(envoy)
     if noted is not None and noted[0] == _RECORDERS_INSTALLED:
-        return tuple(node() for node in noted[1])
+        # An empty chain (every block on vLLM) is the common answer: returned as noted, with nothing to call.
+        return tuple(node() for node in noted[1]) if noted[1] else ()
     chain = []
     node: Optional[Envoy] = envoy
     while node is not None:

@@ -101,6 +101,7 @@ class Applier:
         #: location -> the work of its hook, for an engine that serves locations without hooks (`apply_at`).
         self.work_at: dict[str, list[tuple[str, int, Site]]] = {}
         self.spans: list[Span] = []
+        self._span_of: dict[Hashable, Span] = {}
         self._harvest_rows: Any = None
         self._harvest_layout: list[tuple[Hashable, int, int]] = []  # (key, rows this step, first slot)
         self._staged = False
@@ -117,6 +118,7 @@ class Applier:
     def step(self, spans: Sequence[Span]) -> None:
         """Take this step's spans: which rows each steer edits and each harvest reads."""
         self.spans = list(spans)
+        self._span_of = {span.key: span for span in self.spans if span.key is not None}
         harvest_ranges: list[tuple[int, int]] = []
         layout: list[tuple[Hashable, int, int]] = []
         for span in self.spans if self.harvest_positions else ():
@@ -153,7 +155,13 @@ class Applier:
                            self.device)
         ranges: list[tuple[int, int]] = []
         steers_generated = plan.steer.steers_generated
-        for span in self.spans:
+        spans = self.spans
+        if len(plan.positions) < len(spans):
+            # A steer of a few requests in a large step (a patch is one request's): its own spans, in row order,
+            # rather than a pass over every request of the step for each such steer.
+            span_of = self._span_of
+            spans = sorted((span_of[key] for key in plan.positions if key in span_of), key=lambda span: span.start)
+        for span in spans:
             chosen = plan.positions.get(span.key) if span.key is not None else None
             if chosen is None:
                 continue

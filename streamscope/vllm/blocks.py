@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..blocks.composed import Composer
-from ..values import INPUT, OUTPUT, Host, StreamValue, argument
+from ..values import INPUT, OUTPUT, Host, StreamValue, argument, in_dtype
 
 
 class Summed(StreamValue):
@@ -69,7 +69,9 @@ class Summed(StreamValue):
         The hidden half of each edited row takes ``edited - stream``, bit
         for bit the change the write-back of the whole batch (`write`) would
         make; an ablation or a clamp adds the same change in one kernel,
-        rounded once (`Operation.add_change`). No other row is touched, and
+        rounded once (`Operation.add_change`); a stream without a residual
+        half (block 0's input) takes the edited rows themselves, as `write`
+        copies them. No other row is touched, and
         the whole batch is neither summed, copied nor written back.
         """
         hidden, residual = self.halves(raw)
@@ -84,6 +86,10 @@ class Summed(StreamValue):
                 if add_change is not None and add_change(hidden[rows], stream):
                     return True
             edited = stream + operation.delta if getattr(operation, "adds_only", False) else operation(stream)
+            if residual is None:
+                # A stream in one tensor (block 0's input) takes the edited rows as they are, as `write` copies.
+                hidden[rows] = edited.to(hidden.dtype)
+                return True
             change = edited.to(hidden.dtype) - stream
             if isinstance(rows, slice):
                 hidden[rows].add_(change)
@@ -92,13 +98,15 @@ class Summed(StreamValue):
         return True
 
     def write(self, host: Host, raw: Any, value: torch.Tensor) -> None:
+        if torch.is_grad_enabled():  # vLLM runs in inference mode, where grad is off already
+            with torch.no_grad():
+                return self.write(host, raw, value)
         hidden, residual = self.halves(raw)
-        value = host.to_engine(value.to(hidden.dtype), hidden, self.name)
-        with torch.no_grad():
-            if residual is None:
-                hidden.copy_(value)
-            else:
-                hidden.add_(value - (hidden + residual))
+        value = host.to_engine(in_dtype(value, hidden.dtype), hidden, self.name)
+        if residual is None:
+            hidden.copy_(value)
+        else:
+            hidden.add_(value - (hidden + residual))
 
 
 class VllmSkip:

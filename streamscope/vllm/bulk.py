@@ -141,7 +141,8 @@ def worker_begin(worker: Any, payload: bytes) -> None:
         worker_finish(worker, True)  # a run the client abandoned: its hooks go
     root = state.root
     state.saes.update(plan["ship"], plan["drop"])
-    steer_list, readout = state.saes.take_in(plan["steers"], plan["harvest"].readout if plan["harvest"] else None)
+    steers_in = unpack_vectors(plan["steers"], plan.get("vectors"))
+    steer_list, readout = state.saes.take_in(steers_in, plan["harvest"].readout if plan["harvest"] else None)
     spec: Optional[HarvestSpec] = plan["harvest"]
     # Under pipeline parallelism this worker's stage reads and steers the blocks it holds (`vllm.pipeline`).
     sites, state.held = stage_sites(root, spec) if spec is not None else ([], [])
@@ -196,6 +197,34 @@ def worker_finish(worker: Any, inline: bool) -> Any:
 # ---------------------------------------------------------------- client side
 
 
+#: From this many steers a run's plan carries their vectors stacked in one tensor (`pack_vectors`).
+PACKED_STEERS = 8
+
+
+def pack_vectors(steers: list[Steer]) -> tuple[list[Steer], Optional[torch.Tensor]]:
+    """Many steers' vectors as one ``[steers, width]`` tensor, and the steers with empty vectors in their place.
+
+    The plan travels pickled, and a tensor pickles as a file of its own: hundreds of steers (a patch each) would
+    cost a save and a load apiece. Steers of differing widths or dtypes, or few of them, go as they are (None).
+    """
+    vectors = [steer.vector for steer in steers]
+    if len(steers) < PACKED_STEERS or len({(tuple(v.shape), v.dtype, v.device) for v in vectors}) != 1:
+        return steers, None
+    from dataclasses import replace
+
+    empty = vectors[0].new_empty(0)
+    return [replace(steer, vector=empty) for steer in steers], torch.stack([v.detach() for v in vectors])
+
+
+def unpack_vectors(steers: list[Steer], vectors: Optional[torch.Tensor]) -> list[Steer]:
+    """`pack_vectors` undone in the worker: each steer with its own row of `vectors` (None: as they came)."""
+    if vectors is None:
+        return steers
+    from dataclasses import replace
+
+    return [replace(steer, vector=vectors[index]) for index, steer in enumerate(steers)]
+
+
 def _check_tapped(model: Any, sites: Sequence[Site]) -> None:
     """On an engine that replays CUDA graphs, every site must be tapped; else `Unavailable` with the fix."""
     tapped = getattr(model, "tapped", None)
@@ -240,8 +269,10 @@ def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str,
                                                             chunk_spec.readout if chunk_spec is not None else None)
     if chunk_spec is not None:
         chunk_spec.readout = readout
+    chunk_steers, vectors = pack_vectors(chunk_steers)
     plan = {"run": run, "model_type": model.config.model_type, "harvest": chunk_spec, "steers": chunk_steers,
-            "lengths": [len(ids[index]) for index in chunk], "logits": logits, "ship": ship, "drop": drop}
+            "vectors": vectors, "lengths": [len(ids[index]) for index in chunk], "logits": logits, "ship": ship,
+            "drop": drop}
     inline = _in_process()
     _rpc(model, "streamscope_bulk_begin", pickle.dumps(plan))
     held.record(model, used, drop)
@@ -256,6 +287,43 @@ def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str,
     if result["error"] is not None:
         raise result["error"]
     return outputs, result
+
+
+def settable(model: Any, value: str, layer: int) -> Optional[str]:
+    """None where `set_each` can set `value` (a name as `model.harvest` takes it) of block `layer`, else why not."""
+    try:
+        site = locate(model, value, layer)
+        _check_tapped(model, [site])
+    except (ValueError, AttributeError, Unavailable) as error:
+        return str(error)
+    return None
+
+
+def set_each(model: Any, prompt: str, edits: Sequence[tuple[str, int, int, torch.Tensor]]) -> list[torch.Tensor]:
+    """`prompt` run once per edit, every run a request of one bulk run: each request's own steer sets one value at
+    one position, and the request's last position's logits ``[vocab_size]`` (float32, on the CPU) come back.
+
+    An edit ``(value, layer, position, vector)`` sets `value` of block `layer` at prompt position `position` to
+    `vector` (``[width]``): a ``set`` `Steer` of that one request, prompt only, written as a trace's
+    ``model.layers[layer].<value>[:, position] = vector`` is (`Site.edit_rows`: the other rows, and the other
+    requests of the step, keep their values bit for bit). The logits are the engine's own of the sampled
+    position (its logits processor's output, which a trace reads as ``model.logits``). `settable` says which
+    values this serves; the patching workflow runs each patch of them this way (`streamscope.patch`).
+    """
+    if not edits:
+        return []
+    ids = token_ids(model, [prompt])[0]
+    for value, layer in dict.fromkeys((value, layer) for value, layer, _, _ in edits):
+        reason = settable(model, value, layer)
+        if reason is not None:
+            raise Unavailable(value, f"model.layers[{layer}]", f"a bulk run cannot set it: {reason}")
+    # Every vector to the host in one copy; the plan carries them stacked (`pack_vectors`).
+    vectors = torch.stack([vector.detach().reshape(-1) for _, _, _, vector in edits]).cpu()
+    steers = [Steer(value, layer, vectors[index], mode="set", positions=[position], generated=False, prompts=[index])
+              for index, (value, layer, position, _) in enumerate(edits)]
+    one_forward = {"max_tokens": 1, "temperature": 0.0}
+    _, result = _run(model, [ids] * len(edits), list(range(len(edits))), one_forward, None, steers, True)
+    return [result["logits"][index][-1] for index in range(len(edits))]
 
 
 def release_saes(model: Any, sae: Any = None) -> None:

@@ -39,6 +39,17 @@ class VllmEngine(Engine):
                     found = nnsight.save(list(body()))
         return _per_invoke(found, len(bodies))
 
+    def set_each(self, prompt: str, edits: Sequence[tuple[str, int, int, torch.Tensor]]) -> list[torch.Tensor]:
+        # Requests of one bulk run, each with its own `set` steer (`streamscope.vllm.bulk.set_each`): no trace.
+        from .bulk import set_each
+
+        return set_each(self.model, prompt, edits)
+
+    def settable(self, value: str, block: int) -> Optional[str]:
+        from .bulk import settable
+
+        return settable(self.model, value, block)
+
     def batch(self, asked: Optional[int], default: int, count: int) -> int:
         # The engine schedules a trace's requests into its steps itself (as many as its batch holds, the rest in
         # the next steps): by default a workflow submits all of them in one trace.

@@ -10,7 +10,11 @@
 Each patch is one run of the corrupted prompt in which value `value` of one
 block at one position (or one head's output at every position) is replaced by
 the clean run's. Patches run in groups: on transformers as invokes of one
-batched forward, on vLLM as invokes (requests) of one engine step.
+batched forward; on vLLM as requests of one engine run on the bulk path, each
+with its own ``set`` steer of the clean value at its block and position
+(`Engine.set_each`: no trace, so the patches run at the engine's speed), or,
+for what that path cannot write, as invokes (requests) of one trace
+(`_trace_route`).
 """
 
 from __future__ import annotations
@@ -146,12 +150,43 @@ def _last(logits: torch.Tensor) -> torch.Tensor:
     return logits.reshape(-1, logits.shape[-1])[-1]
 
 
+def _trace_route(model: Any, layers: Sequence[int], names: dict[int, str], heads: bool) -> set[int]:
+    """The blocks whose patches run as invokes of a trace (`Engine.run_each`) rather than through `Engine.set_each`.
+
+    `set_each` sets one vector over one position's row of a block value (vLLM's bulk path). A head's patch is
+    not that: it writes one head's slice of ``head_outputs`` (``[1, heads, tokens, head_dim]``) at every patched
+    position, each with its own clean value, and ``head_outputs`` is no value of the bulk path, so head values
+    take the trace; so does every value the engine's `settable` refuses (the reason it gives), and every patch
+    on an engine without the route (transformers, whose invokes already share one padded forward).
+    """
+    if heads:
+        return set(layers)
+    return {layer for layer in layers if model.engine.settable(names[layer], layer) is not None}
+
+
 def _patched_logits(model: Any, prompt: str, patches: list[tuple[int, int, torch.Tensor]], names: dict[int, str],
-                    heads: Optional[list[int]]) -> list[torch.Tensor]:
+                    heads: Optional[list[int]], traced: set[int]) -> list[torch.Tensor]:
     """The last position's logits of `prompt` under each patch ``(block, position or head, clean value)``.
 
-    `heads` is None for a stream value, else the positions a head's output is patched at.
+    `heads` is None for a stream value, else the positions a head's output is patched at. Patches of blocks in
+    `traced` run as invokes of one trace, the others as requests of one `Engine.set_each` run.
     """
+    found: dict[int, torch.Tensor] = {}
+    direct = [index for index, (layer, _, _) in enumerate(patches) if layer not in traced]
+    if direct:
+        edits = [(names[patches[index][0]], patches[index][0], patches[index][1], patches[index][2])
+                 for index in direct]
+        found.update(zip(direct, model.engine.set_each(prompt, edits)))
+    traced_patches = [index for index in range(len(patches)) if index not in found]
+    if traced_patches:
+        found.update(zip(traced_patches, _traced_logits(model, prompt, [patches[index] for index in traced_patches],
+                                                        names, heads)))
+    return [found[index] for index in range(len(patches))]
+
+
+def _traced_logits(model: Any, prompt: str, patches: list[tuple[int, int, torch.Tensor]], names: dict[int, str],
+                   heads: Optional[list[int]]) -> list[torch.Tensor]:
+    """`_patched_logits` as invokes of one trace, a patch each."""
     def bodies() -> list:
         return [partial(_patched, model, names[layer], layer, heads, column, replacement)
                 for layer, column, replacement in patches]
@@ -193,8 +228,8 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
         layers: The blocks to patch (default: all).
         positions: The positions to patch (default: all); per head, the positions each
             head's output is patched at (default: all), one column per head.
-        batch_size: Patches per forward (transformers, default 16) or per trace (vLLM, default: every patch in
-            one trace, which the engine schedules into its steps as its batch allows).
+        batch_size: Patches per forward (transformers, default 16) or per engine run (vLLM, default: every
+            patch in one run, which the engine schedules into its steps as its batch allows).
 
     Returns:
         A `Patching`: the metric under each patch, ``[blocks, positions]`` or ``[blocks, heads]``.
@@ -251,12 +286,13 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
             for position in positions:
                 patches.append((layer, position, stacked[row, :, position]))
 
+    traced = _trace_route(model, layers, names, heads)
     batch_size = model.engine.batch(batch_size, 16, len(patches))
     show = progress if progress is not None else len(patches) > batch_size
     outcomes: list[float] = []
     for start in tqdm(range(0, len(patches), batch_size), desc="patch", unit="step", disable=not show):
         for logits in _patched_logits(model, corrupted, patches[start : start + batch_size], names,
-                                      positions if heads else None):
+                                      positions if heads else None, traced):
             outcomes.append(float(metric(logits.float())))
     effects = torch.tensor(outcomes).reshape(len(layers), len(columns))
     return Patching(effects, float(metric(clean_logits.float())), float(metric(corrupted_logits.float())),

@@ -147,7 +147,10 @@ def test_bad_specs_fail_before_the_engine_runs_and_it_serves_on(engine):
     bulk_checks.check_bad_specs_fail_before_running(engine.model, engine.family)
 
 
-MULTIPROCESS_SCRIPT = '''
+#: A clean and corrupted prompt of the same length, patched in another process and in this one.
+PATCH_PAIR = ("Paris is in Italy", "Rome is in Italy")
+
+MULTIPROCESS_SCRIPT = f"PATCH_PAIR = {PATCH_PAIR!r}\n" + '''
 import json, sys
 import torch
 import streamscope
@@ -159,14 +162,18 @@ if __name__ == "__main__":
     steer = streamscope.Steer("layer_output", 1, vector, prompts=[0])
     result = model.generate(prompts, max_tokens=3, steer=[steer], return_logits=True, ignore_eos=True,
                             progress=False)
+    # Patches: one request each with its own set steer, their vectors carried stacked (more than PACKED_STEERS).
+    patched = streamscope.patch(model, *PATCH_PAIR, answer=3, wrong=4, progress=False)
     print("RESULT " + json.dumps({"harvest": [t.tolist() for t in harvest["layer_output"]],
-                                  "logits": [t.tolist() for t in result.logits]}))
+                                  "logits": [t.tolist() for t in result.logits],
+                                  "patch": patched.effects.tolist()}))
     model.close()
 '''
 
 
 def test_the_bulk_path_runs_with_the_engine_in_another_process(engine, tmp_path):
-    """VLLM_ENABLE_V1_MULTIPROCESSING=1 (the GPU default): the requests reach the worker by RPC."""
+    """VLLM_ENABLE_V1_MULTIPROCESSING=1 (the GPU default): the requests reach the worker by RPC (a harvest, a steered
+    generation, and a patch call, whose many set steers travel with their vectors stacked)."""
     if engine.family != "llama":
         pytest.skip("one family is enough for the transport; the values are the in-process tests'")
     import json
@@ -192,9 +199,14 @@ def test_the_bulk_path_runs_with_the_engine_in_another_process(engine, tmp_path)
     harvest = model.harvest(prompts, "layer_output", positions="all", progress=False)
     result = model.generate(prompts, max_tokens=3, steer=[streamscope.Steer("layer_output", 1, vector, prompts=[0])],
                             return_logits=True, ignore_eos=True, progress=False)
-    for index in range(len(prompts)):
-        pairs = ((torch.tensor(remote["harvest"][index]), harvest["layer_output"][index]),
-                 (torch.tensor(remote["logits"][index]), result.logits[index]))
+    patched = streamscope.patch(model, *PATCH_PAIR, answer=3, wrong=4, progress=False)
+    assert patched.effects.numel() >= 8  # enough patches that the plan carries their vectors stacked
+    for index in range(len(prompts) + 1):
+        if index == len(prompts):
+            pairs = ((torch.tensor(remote["patch"]), patched.effects),)
+        else:
+            pairs = ((torch.tensor(remote["harvest"][index]), harvest["layer_output"][index]),
+                     (torch.tensor(remote["logits"][index]), result.logits[index]))
         for theirs, mine in pairs:
             if precision.ON_GPU:
                 # Another engine, in another process, scheduling on its own: a step may batch the requests

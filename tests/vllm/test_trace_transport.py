@@ -318,3 +318,69 @@ def test_several_sequences_per_request_each_get_their_invoke(model, monkeypatch)
     assert len(bundled) == len(one_each) == 2 * len(PROMPTS)
     same(bundled, one_each)
     assert bundled[0] is not bundled[1] and torch.equal(bundled[0], bundled[1])
+
+
+# An invoke's work at each step: the per-step cuts of issue 24 (W2's steer written in a trace), counted exactly.
+
+STEER_BLOCK = 1
+
+
+def steer_at_every_step(model, steps: int, vector: torch.Tensor) -> None:
+    """One invoke adding `vector` to a block's layer_output at each of `steps` generated tokens."""
+    with model.trace(PROMPTS[0], max_tokens=steps, temperature=0.0, ignore_eos=True) as tracer:
+        for _ in tracer.iter[:steps]:
+            model.layers[STEER_BLOCK].layer_output[:] += vector
+
+
+def worker_costs(model, steps: int, monkeypatch) -> tuple[dict, int]:
+    """The torch ops dispatched on the trace's worker greenlet, by name, and the calls of nnsight's own eproperty
+    read, over one `steer_at_every_step`."""
+    import collections
+
+    from greenlet import getcurrent
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: collections.Counter = collections.Counter()
+    reads = [0]
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if getattr(getcurrent(), "mediator", None) is not None:  # on a worker: the invoke's own work
+                ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    nnsight_read = seam.eproperty.__get__
+
+    def counted_read(self, obj, owner=None):
+        reads[0] += obj is not None
+        return nnsight_read(self, obj, owner)
+
+    vector = torch.linspace(-1, 1, model.hidden_size)
+    with monkeypatch.context() as patch:
+        patch.setattr(seam.eproperty, "__get__", counted_read)
+        with Counting():
+            steer_at_every_step(model, steps, vector)
+    return dict(ops), reads[0]
+
+
+def test_a_steer_at_every_step_costs_each_step_the_same_few_ops(model, monkeypatch):
+    """What an invoke adds per step is exact: its read, its edit and the write-back, in the fewest torch ops
+    streamscope knows for them (on a GPU each op that is not a view is a kernel launch, `item` a wait for the
+    device). A change that falls back to a longer path (nnsight's own eproperty read, the two-kernel NaN check,
+    a dtype conversion that is not needed) changes these counts."""
+    short, short_reads = worker_costs(model, 2, monkeypatch)
+    long, long_reads = worker_costs(model, 5, monkeypatch)
+    per_step = {name: (long.get(name, 0) - short.get(name, 0)) / 3 for name in set(short) | set(long)}
+    per_step = {name: count for name, count in per_step.items() if count}
+    assert per_step == {
+        # The read: the block's two halves summed (a new tensor), viewed [1, tokens, hidden].
+        "aten.add.Tensor": 2, "aten.unsqueeze.default": 2,
+        # The user's `[:] += vector`: a slice view, the add in place, the copy of the slice onto itself (torch
+        # sees the same memory and copies nothing).
+        "aten.slice.Tensor": 1, "aten.add_.Tensor": 2, "aten.copy_.default": 1,
+        # The write-back: the written value checked for NaN or inf in one reduction and one number read back,
+        # viewed in the engine's layout, and the change added to the hidden half (halves summed again, the
+        # difference, the add in place: bit for bit the bulk path's change).
+        "aten.sum.default": 1, "aten.item.default": 1, "aten.reshape.default": 1, "aten.sub.Tensor": 1,
+    }, per_step
+    assert long_reads == short_reads, "a read of a streamscope value went through nnsight's eproperty read"
