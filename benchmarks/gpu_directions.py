@@ -12,10 +12,14 @@ turn, one engine at a time, interleaved round by round (medians):
   sae         `model.harvest(..., sae=...)` of the same SAE's top-64 features at the last position
 
 and prints the ratios against the bounds: ablate <= 1.15 x bare with graphs,
-sae <= 1.2 x dense. `--tiny` runs it at a tiny shape on the CPU (a check that
-it runs, not a measurement). Record figures in benchmarks/RESULTS.md.
+sae <= 1.2 x dense. `--only ablate` (bare and ablate), `--only clamp` (bare and
+sae_clamp) or `--only harvest` (dense and sae) measures one pair, and
+`--engines tapped` (or `eager`) one engine, to spend less device time.
+`--tiny` runs it at a tiny shape on the CPU (a check that it runs, not a
+measurement). Record figures in benchmarks/RESULTS.md.
 
     python benchmarks/gpu_directions.py              # on the H200
+    python benchmarks/gpu_directions.py --only ablate --engines tapped   # the ablation's bound alone
     python benchmarks/gpu_directions.py --tiny --rounds 1
 """
 
@@ -42,7 +46,12 @@ def random_sae(width: int, features: int, value: str, layer: int, device: str):
                value, layer).to(torch.float32, device)
 
 
-def measure(folder: Path, tiny: bool, rounds: int, tapped: bool) -> dict:
+#: --only's pairs: the workloads each measures.
+PAIRS = {"all": ("bare", "ablate", "sae_clamp", "dense", "sae"), "ablate": ("bare", "ablate"),
+         "clamp": ("bare", "sae_clamp"), "harvest": ("dense", "sae")}
+
+
+def measure(folder: Path, tiny: bool, rounds: int, tapped: bool, only: str = "all") -> dict:
     import torch
 
     import streamscope
@@ -53,7 +62,9 @@ def measure(folder: Path, tiny: bool, rounds: int, tapped: bool) -> dict:
     model = streamscope.load(folder, engine="vllm", **taps, **workloads.engine_kwargs(settings, tiny))
     try:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        sae = random_sae(model.hidden_size, 16 * model.hidden_size, "layer_output", block, device)
+        wanted = PAIRS[only]
+        sae = (random_sae(model.hidden_size, 16 * model.hidden_size, "layer_output", block, device)
+               if {"sae_clamp", "sae"} & set(wanted) else None)  # 2 GiB at the full shape: made where measured
         torch.manual_seed(0)
         direction = torch.randn(model.hidden_size)
         ablations = [streamscope.Steer("layer_output", layer, direction, mode="ablate")
@@ -62,13 +73,14 @@ def measure(folder: Path, tiny: bool, rounds: int, tapped: bool) -> dict:
         harvest_prompts = workloads.token_prompts(settings["w1_prompts"], settings["w1_lengths"], 1)
         count = settings["w2_tokens"]
         sampling = {"max_tokens": count, "temperature": 1.0, "seed": 0, "ignore_eos": True, "progress": False}
-        return workloads.timed_together({
+        workloads_by_name = {
             "bare": workloads.bare_w2(model.vllm_entrypoint, prompts, count),
             "ablate": lambda: model.generate(prompts, steer=ablations, **sampling),
             "sae_clamp": lambda: model.generate(prompts, steer=[sae.clamp(0, 4.0)], **sampling),
             "dense": lambda: model.harvest(harvest_prompts, "layer_output", layers=[block], progress=False),
             "sae": lambda: model.harvest(harvest_prompts, sae=sae, positions="last", top_k=64, progress=False),
-        }, rounds)
+        }
+        return workloads.timed_together({name: workloads_by_name[name] for name in wanted}, rounds)
     finally:
         model.close()
 
@@ -77,18 +89,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", choices=list(PAIRS), default="all", help="one pair of workloads")
+    parser.add_argument("--engines", choices=["both", "eager", "tapped"], default="both")
     args = parser.parse_args()
+    engines = {"both": (False, True), "eager": (False,), "tapped": (True,)}[args.engines]
     with tempfile.TemporaryDirectory() as folder:
         workloads.build_folder(Path(folder), args.tiny)
-        for tapped in (False, True):
-            times = measure(Path(folder), args.tiny, args.rounds, tapped)
+        for tapped in engines:
+            times = measure(Path(folder), args.tiny, args.rounds, tapped, args.only)
             name = "tapped (graphs)" if tapped else "eager"
             print(f"{name}: " + ", ".join(f"{key} {value:.3f}s" for key, value in times.items()))
-            print(f"  ablate at every block / bare: {times['ablate'] / times['bare']:.3f}"
-                  + (" (bound 1.15 with graphs)" if tapped else ""))
-            print(f"  SAE clamp at one block / bare: {times['sae_clamp'] / times['bare']:.3f}")
-            print(f"  SAE harvest (16x, top-64, last position) / dense last-position harvest: "
-                  f"{times['sae'] / times['dense']:.3f} (bound 1.2)")
+            if "ablate" in times:
+                print(f"  ablate at every block / bare: {times['ablate'] / times['bare']:.3f}"
+                      + (" (bound 1.15 with graphs)" if tapped else ""))
+            if "sae_clamp" in times:
+                print(f"  SAE clamp at one block / bare: {times['sae_clamp'] / times['bare']:.3f}")
+            if "sae" in times:
+                print(f"  SAE harvest (16x, top-64, last position) / dense last-position harvest: "
+                      f"{times['sae'] / times['dense']:.3f} (bound 1.2)")
 
 
 if __name__ == "__main__":

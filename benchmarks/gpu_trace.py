@@ -29,10 +29,22 @@ Every engine runs in its process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), eager u
 no chunked prefill: the settings that keep values exact. The trace's transport is reported with each figure
 (``handed`` collects, ``pickled`` collects), so a run that fell back to pickling says so.
 
+``--engine-process`` runs instead T with the engine core in a process of its own (vLLM's default,
+``VLLM_ENABLE_V1_MULTIPROCESSING=1``, what ``streamscope.load(path, engine="vllm")`` gives on a GPU unless told
+otherwise), in a child process, on one engine, round by round:
+
+  X     bare        vLLM generate(max_tokens=1)
+        packed      the trace, its saves packed into one buffer per collect (the default there)
+        pickled     the trace, its saves pickled one tensor at a time as nnsight does (STREAMSCOPE_SAVES_TRANSPORT=
+                    pickle, set in the worker's process through its RPC before each run, as packed sets it back)
+        at T's shape, and with --tiny also 16 x 256 tokens (a larger read on the tiny model); the counters of the
+        worker's process say which path each ran and how many bytes the packed one carried.
+
     python benchmarks/gpu_trace.py                 # the H200 run, one command, about 6 minutes
     python benchmarks/gpu_trace.py --tiny          # the same code at a tiny shape on this CPU
     python benchmarks/gpu_trace.py --skip w2       # parts to skip: t,nnsight,w2,patch
     python benchmarks/gpu_trace.py --skip t,nnsight,w2 --trace-route   # P alone, with the old route beside it
+    python benchmarks/gpu_trace.py --engine-process [--tiny]   # X: packed against pickled, engine in its process
 """
 
 from __future__ import annotations
@@ -48,15 +60,17 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+#: The engine in this process, except in the --engine-process child, whose engine core runs in a process of its own.
+ENGINE_PROCESS = "--child" in sys.argv and "xproc" in sys.argv
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if ENGINE_PROCESS else "0"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_workloads import (bare_w1, bare_w2, build_folder, engine_kwargs, sizes, timed_together,  # noqa: E402
-                           token_prompts, traced_w2)
+from gpu_workloads import (FULL, TINY, bare_w1, bare_w2, build_folder, engine_kwargs, sizes,  # noqa: E402
+                           timed_together, token_prompts, traced_w2)
 
 #: The patch workload: a prompt pair of this many tokens, the last `PATCH_POSITIONS` positions patched.
 PATCH_TOKENS, PATCH_POSITIONS = 64, 16
@@ -157,6 +171,65 @@ def tapped_w2(folder: Path, tiny: bool, rounds: int) -> dict:
     return times
 
 
+def engine_process(folder: Path, tiny: bool, rounds: int) -> dict:
+    """X (a child process, the engine core in its own): bare, the T trace packed, the T trace pickled."""
+    import streamscope
+    from streamscope import nnsight_seam as seam
+
+    settings = shape(tiny)
+    model = streamscope.load(folder, engine="vllm", **kwargs_for(settings, tiny))
+    llm = model.vllm_entrypoint
+
+    def worker_counts() -> dict:
+        return llm.collective_rpc("streamscope_transport_counts")[0]
+
+    def with_transport(name, trace):
+        def run():
+            llm.collective_rpc("streamscope_saves_transport", args=(name,))
+            trace()
+        return run
+
+    shapes = [(settings["t_prompts"], settings["t_length"])] + ([(16, 256)] if tiny else [])
+    measured = []
+    for count, length in shapes:
+        prompts = token_prompts(count, (length, length), 3)
+        trace = t_trace(model, prompts)
+        before, read_before = worker_counts(), seam.received_counts()
+        times = timed_together({"bare": bare_w1(llm, prompts), "packed": with_transport(None, trace),
+                                "pickled": with_transport("pickle", trace)}, rounds)
+        after, read_after = worker_counts(), seam.received_counts()
+        moved = {key: after[key] - before[key] for key in after}
+        read = {key: read_after[key] - read_before[key] for key in read_after}
+        times.update(prompts=count, tokens=length, counts=moved, read=read, traces=rounds + 1)  # with the warm-up
+        measured.append(times)
+    model.close()
+    return {"rows": measured}
+
+
+def engine_process_rows(measured: dict, layers: int) -> list:
+    rows = []
+    for times in measured["rows"]:
+        counts, bare = times["counts"], times["bare"]
+        # Collects counted include the bare runs' (nnsight's engine collects for every finished request), with no
+        # bytes: the bytes are the packed traces'.
+        traces, read = times["traces"], times["read"]
+        per_trace = counts["bytes_packed"] / traces / 2**20
+        what = f"{times['prompts']} x {times['tokens']} tokens, every block's layer_output ({layers} blocks)"
+        # The transport's own time per trace: the worker answering the collect, the caller reading it (the bare runs'
+        # empty collects, a few per trace, fall on both arms alike).
+        packing, pickling = counts["seconds_packing"] / traces * 1e3, counts["seconds_pickling"] / traces * 1e3
+        unpacking, unpickling = read["seconds_packed"] / traces * 1e3, read["seconds_pickled"] / traces * 1e3
+        rows += [("X", f"vLLM bare, {times['prompts']} prompts x {times['tokens']} tokens", bare, ""),
+                 ("X", "trace packed: " + what, times["packed"],
+                  f"{times['packed'] / bare:.2f}x bare; pickled / packed {times['pickled'] / times['packed']:.2f}; "
+                  f"{per_trace:.1f} MiB a trace; worker {packing:.1f} ms + caller {unpacking:.1f} ms a trace; "
+                  f"collects packed {counts['packed']}, pickled {counts['pickled']}"),
+                 ("X", "trace pickled: " + what, times["pickled"],
+                  f"{times['pickled'] / bare:.2f}x bare; worker {pickling:.1f} ms + caller {unpickling:.1f} ms a "
+                  "trace")]
+    return rows
+
+
 def unchecked(run):
     """`run` with streamscope's NaN/inf check of each write off (`values.WARN_NON_FINITE`): the check reads one
     number back from the device per write, so this measures what that wait costs."""
@@ -203,6 +276,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny shape, for a CPU check")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: t,nnsight,w2,patch")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="only X: the trace with the engine core in its own process, packed against pickled")
     parser.add_argument("--patch-positions", type=int, default=None,
                         help="P: patch this many last positions (default 16; --tiny: 6)")
     parser.add_argument("--trace-route", action="store_true",
@@ -214,7 +289,8 @@ def main() -> None:
     if args.child:
         if not args.tiny:
             import torch  # noqa: F401  (CUDA before vLLM in a child, as in gpu_workloads)
-        times = (raw_nnsight if args.child == "nnsight" else tapped_w2)(Path(args.folder), args.tiny, args.rounds)
+        run = {"nnsight": raw_nnsight, "w2": tapped_w2, "xproc": engine_process}[args.child]
+        times = run(Path(args.folder), args.tiny, args.rounds)
         print("CHILD " + json.dumps(times), flush=True)
         return
     skip = set(filter(None, args.skip.split(",")))
@@ -241,6 +317,12 @@ def main() -> None:
     print(f"device {device_name}; vllm {vllm.__version__}, torch {torch.__version__}, nnsight {nnsight.__version__}, "
           f"python {platform.python_version()}", flush=True)
     rows: list = []
+    if args.engine_process:
+        measured = child("xproc", folder, args.tiny, args.rounds)
+        if measured is not None:
+            report(engine_process_rows(measured, (TINY if args.tiny else FULL)["num_hidden_layers"]))
+        print(f"\nwhole run {time.perf_counter() - started:.0f} s", flush=True)
+        return
 
     # Raw nnsight first, in a child, while no engine of this process holds the GPU.
     peer = None if "nnsight" in skip or "t" in skip else child("nnsight", folder, args.tiny, args.rounds)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import time
 import warnings
 from functools import partial
 from typing import Any, Callable, NamedTuple, Optional
@@ -108,6 +109,7 @@ __all__ = [
     "filter_write_backs", "rename_out_of_order", "around_mediator_run", "kernel_call_names", "ensure_source",
     "unwrapped_generate", "running_taps", "interleaving", "take_request_error", "collect_requests", "set_client_worker",
     "HandedSaves", "hand_saves_over", "handing_over", "saves_transport", "SAVES_TRANSPORT_ENV", "transport_counts",
+    "PACKED_SAVES", "pack_saves_in_this_process", "received_counts",
     "bundle_interventions", "bundle_counts",
     # Loaded on first use by the module's __getattr__ (vLLM is not imported with streamscope).
     "NNsightGPUWorker", "NNsightGPUModelRunner", "ParallelEnvoy", "parallel_envoys", "VLLMClient",  # noqa: F822
@@ -576,8 +578,12 @@ _CLIENT_PID: list[int] = []
 #: Set while a streamscope worker answers a collect (`handing_over`): another engine's worker (raw nnsight's, in
 #: the same process) keeps nnsight's pickled answer.
 _HANDING: list[bool] = []
-#: Collects answered each way, per process (`transport_counts`).
-_COUNTS = {"handed": 0, "pickled": 0, "tensors_handed": 0}
+#: Collects answered each way, per process (`transport_counts`): counted where the worker runs.
+_COUNTS: dict[str, float] = {"handed": 0, "pickled": 0, "tensors_handed": 0, "packed": 0, "tensors_packed": 0,
+                              "bytes_packed": 0, "seconds_pickling": 0.0, "seconds_packing": 0.0}
+#: Collects read each way by this process's vLLM clients (`received_counts`): counted where the caller runs.
+_RECEIVED: dict[str, float] = {"handed": 0, "packed": 0, "pickled": 0, "seconds_handed": 0.0, "seconds_packed": 0.0,
+                               "seconds_pickled": 0.0}
 
 
 class HandedSaves:
@@ -628,12 +634,20 @@ def _plain(tensor: Any) -> bool:
 
 
 def _pack(collected: Any, compact: Callable[[Any], bytes]) -> Any:
-    """`collected` as `HandedSaves` for a client of this process; pickled by `compact` (nnsight's) otherwise."""
+    """`collected` as `HandedSaves` for a client of this process, packed (`_pack_into_buffer`) for a client in
+    another; pickled by `compact` (nnsight's) for a worker no streamscope client set up, or where asked."""
     # Read, not checked: the worker must answer whatever the setting (`hand_saves_over` refused a bad one).
-    if (not _HANDING or os.environ.get(SAVES_TRANSPORT_ENV) == "pickle" or not _CLIENT_PID
-            or _CLIENT_PID[0] != os.getpid()):
+    if not _HANDING or os.environ.get(SAVES_TRANSPORT_ENV) == "pickle":
         _COUNTS["pickled"] += 1
-        return compact(collected)
+        started = time.perf_counter()
+        pickled = compact(collected)
+        _COUNTS["seconds_pickling"] += time.perf_counter() - started
+        return pickled
+    if not _CLIENT_PID or _CLIENT_PID[0] != os.getpid():
+        started = time.perf_counter()
+        packed = _pack_into_buffer(collected)
+        _COUNTS["seconds_packing"] += time.perf_counter() - started
+        return packed
     import io
     import pickle
 
@@ -670,6 +684,8 @@ def _unpack(payload: Any) -> Any:
     import io
     import pickle
 
+    if _is_packed(payload):
+        return _unpack_buffer(payload)
     if not isinstance(payload, HandedSaves):
         return pickle.loads(payload)
     tensors = payload.tensors
@@ -690,9 +706,16 @@ class _HandoverPickle:
         self._pickle = pickle
 
     def loads(self, payload: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(payload, HandedSaves):
-            return _unpack(payload)
-        return self._pickle.loads(payload, *args, **kwargs)
+        started = time.perf_counter()
+        if isinstance(payload, HandedSaves) or _is_packed(payload):
+            kind = "handed" if isinstance(payload, HandedSaves) else "packed"
+            loaded = _unpack(payload)
+        else:
+            kind = "pickled"
+            loaded = self._pickle.loads(payload, *args, **kwargs)
+        _RECEIVED[kind] += 1
+        _RECEIVED[f"seconds_{kind}"] += time.perf_counter() - started
+        return loaded
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pickle, name)
@@ -715,21 +738,17 @@ def hand_saves_over() -> None:
     reads each rank's answer with ``pickle.loads`` (``merge_collected``): the
     first now answers with `HandedSaves` where the worker runs in the process
     that called this (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` with one rank), and
-    pickles as before anywhere else (an engine process, a forked rank: its pid
-    differs); the second reads either. ``STREAMSCOPE_SAVES_TRANSPORT=pickle``
-    keeps the pickled path everywhere.
+    packs them into one buffer anywhere else (an engine process, a forked
+    rank: its pid differs; `pack_saves_in_this_process`); the second reads
+    any of the three. ``STREAMSCOPE_SAVES_TRANSPORT=pickle`` keeps the pickled
+    path everywhere.
     """
     import importlib
 
     _transport()  # a bad setting is refused before an engine starts
     _CLIENT_PID[:] = [os.getpid()]
-    runner = importlib.import_module("nnsight.modeling.vllm.model_runners.GPUModelRunner")
+    pack_saves_in_this_process()
     engine = importlib.import_module("nnsight.modeling.vllm.engines.engine")
-    if not getattr(runner.dumps_compact, "streamscope_handover", False):
-        compact = runner.dumps_compact
-        packing = partial(_pack, compact=compact)
-        setattr(packing, "streamscope_handover", True)  # marks the patch as applied
-        setattr(runner, "dumps_compact", packing)  # the name nnsight's worker pickles a collect with
     if not isinstance(engine.pickle, _HandoverPickle):
         setattr(engine, "pickle", _HandoverPickle())  # the pickle nnsight's engine reads a collect with
 
@@ -759,10 +778,203 @@ def saves_transport(name: str) -> Any:
             os.environ[SAVES_TRANSPORT_ENV] = before
 
 
-def transport_counts() -> dict[str, int]:
+def transport_counts() -> dict[str, float]:
     """How this process's vLLM workers have answered collects so far: ``handed`` (as `HandedSaves`),
-    ``pickled`` (nnsight's pickled payload), ``tensors_handed`` (tensors carried by the handed ones)."""
+    ``packed`` (one buffer for a client in another process, `PACKED_SAVES`), ``pickled`` (nnsight's pickled
+    payload), ``tensors_handed`` / ``tensors_packed`` (tensors carried by those), ``bytes_packed`` (their buffers'
+    size). An engine process's worker counts in that process: a streamscope worker answers them through
+    ``collective_rpc("streamscope_transport_counts")``."""
     return dict(_COUNTS)
+
+
+def received_counts() -> dict[str, float]:
+    """How this process's vLLM clients have read collects so far (one per rank's answer): ``handed``, ``packed``,
+    ``pickled`` (raw nnsight's engines in this process count too), and ``seconds_`` each, reading them."""
+    return dict(_RECEIVED)
+
+
+# A vLLM trace's saves from a worker in another process: one buffer, not one pickle per tensor.
+
+#: The first item of a packed collect (`_pack_into_buffer`).
+PACKED_SAVES = "streamscope-packed-saves-1"
+#: Where each tensor's bytes start in a packed buffer: aligned, so a slot can be viewed as any dtype on the device.
+_SLOT_ALIGN = 64
+#: The most bytes of saves packed together on a device before their copy to the host.
+_DEVICE_PACK = 256 * 2**20
+
+
+def pack_saves_in_this_process() -> None:
+    """Let a streamscope worker of this process answer collects as `HandedSaves` or packed (idempotent).
+
+    Replaces the name nnsight's worker pickles a collect with
+    (``dumps_compact``) by `_pack`, which still pickles unless a streamscope
+    worker answers (`handing_over`). Called by `hand_saves_over` in the
+    client's process and by a streamscope worker in its own
+    (``streamscope_hand_saves_over``).
+    """
+    import importlib
+
+    runner = importlib.import_module("nnsight.modeling.vllm.model_runners.GPUModelRunner")
+    if not getattr(runner.dumps_compact, "streamscope_handover", False):
+        compact = runner.dumps_compact
+        packing = partial(_pack, compact=compact)
+        setattr(packing, "streamscope_handover", True)  # marks the patch as applied
+        setattr(runner, "dumps_compact", packing)  # the name nnsight's worker pickles a collect with
+
+
+def _is_packed(payload: Any) -> bool:
+    # After vLLM's msgpack the tuple is a list and the bytearray bytes.
+    return isinstance(payload, (list, tuple)) and len(payload) == 3 and payload[0] == PACKED_SAVES
+
+
+def _pack_into_buffer(collected: Any) -> list:
+    """`collected` for a client in another process: ``[PACKED_SAVES, structure, buffer]``.
+
+    ``structure`` is `collected` pickled with every plain tensor replaced by a
+    record of what unpickling rebuilds (dtype, device, the size of its
+    storage, shape, strides, storage offset, ``requires_grad``) and where its
+    storage's bytes sit in ``buffer``, one ``bytearray`` holding every saved
+    tensor's. Which bytes is nnsight's compact rule, as in `HandedSaves`: a
+    tensor that views part of a larger storage travels as a copy of itself
+    (a contiguous one as its own bytes, with its strides, as its clone would
+    be; another as its clone), any other with its whole storage. The tensors
+    of one device are packed into one device buffer and copied to the host
+    once; a CPU tensor's bytes are copied straight in (by ``memcpy``, not a
+    torch kernel: no thread pool to wake for a few kilobytes). Pickling
+    instead copies and serializes each tensor on its own. Both parts are
+    plain ``bytes``-like values, which vLLM's ``collective_rpc`` carries from
+    an engine process natively.
+    """
+    import io
+    import pickle
+
+    import torch
+
+    slots: list[tuple[Any, int]] = []  # (the bytes to send: a uint8 view on the tensor's device, buffer offset)
+    index: dict[int, tuple] = {}
+    kept: list = []  # the tensors indexed by id, alive until packed
+    end = 0
+
+    def record(value: Any) -> tuple:
+        nonlocal end
+        with torch.inference_mode(False):
+            size = value.numel() * value.element_size()
+            if value.untyped_storage().nbytes() > size and not value.is_contiguous():
+                value = value.clone()  # its strides are the clone's, as nnsight's compact rule pickles it
+            if value.untyped_storage().nbytes() > size:  # contiguous: its own bytes are its clone's, strides kept
+                first, nbytes, offset = value.storage_offset() * value.element_size(), size, 0
+            else:
+                first, nbytes, offset = 0, value.untyped_storage().nbytes(), value.storage_offset()
+            source = torch.empty(0, dtype=torch.uint8, device=value.device).set_(
+                value.untyped_storage(), first, (nbytes,), (1,))
+        start = end
+        end += -(-nbytes // _SLOT_ALIGN) * _SLOT_ALIGN
+        slots.append((source, start))
+        return (len(slots) - 1, str(value.dtype).removeprefix("torch."), str(value.device), start, nbytes,
+                tuple(value.shape), value.stride(), offset, value.requires_grad)
+
+    class StructurePickler(pickle.Pickler):
+        def persistent_id(self, value: Any) -> Optional[tuple]:
+            if type(value) is not torch.Tensor or not _plain(value):
+                return None
+            if id(value) not in index:  # one object saved twice stays one object, as pickle's memo keeps it
+                kept.append(value)
+                index[id(value)] = record(value)
+            return index[id(value)]
+
+        def reducer_override(self, value: Any) -> Any:
+            # A tensor subclass (a Parameter) is pickled, by nnsight's compact rule.
+            if isinstance(value, torch.Tensor) and _plain(value) and (
+                    value.untyped_storage().nbytes() > value.numel() * value.element_size()):
+                return value.clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+            return NotImplemented
+
+    structure = io.BytesIO()
+    StructurePickler(structure, pickle.HIGHEST_PROTOCOL).dump(collected)
+    buffer = bytearray(end)
+    view = memoryview(buffer)
+    on_devices: dict[Any, list] = {}
+    for source, start in slots:
+        if source.device.type == "cpu":
+            view[start:start + source.numel()] = source.numpy()
+        elif source.numel():
+            on_devices.setdefault(source.device, []).append((source, start))
+    for placed in on_devices.values():
+        # The device's tensors packed into buffers there of at most _DEVICE_PACK bytes, each copied to the host at
+        # once: one copy for a collect's saves up to that size, and no more device memory than that beside them.
+        group: list = []
+        for slot in placed:
+            if group and slot[1] + slot[0].numel() - group[0][1] > _DEVICE_PACK:
+                _copy_home(group, buffer)
+                group = []
+            group.append(slot)
+        if group:
+            _copy_home(group, buffer)
+    _COUNTS["packed"] += 1
+    _COUNTS["tensors_packed"] += len(slots)
+    _COUNTS["bytes_packed"] += end
+    return [PACKED_SAVES, structure.getvalue(), buffer]
+
+
+def _copy_home(group: list, buffer: bytearray) -> None:
+    """Copy `group` (``(source, start)`` slots on one device, in order) into `buffer`: packed into one buffer on
+    the device and copied to the host once (a lone slot is copied as it is)."""
+    import torch
+
+    low = group[0][1]
+    high = group[-1][1] + group[-1][0].numel()
+    host = torch.frombuffer(buffer, dtype=torch.uint8, count=high - low, offset=low)
+    with torch.inference_mode(False):
+        if len(group) == 1:
+            host.copy_(group[0][0])
+            return
+        packed = torch.empty(high - low, dtype=group[0][0].dtype, device=group[0][0].device)
+        for source, start in group:
+            packed[start - low:start - low + source.numel()].copy_(source)
+        host.copy_(packed)
+
+
+def _unpack_buffer(payload: Any) -> Any:
+    """A packed collect (`_pack_into_buffer`) as unpickling nnsight's payload gives it: each tensor its own storage,
+    on its device, with its dtype, shape, strides, storage offset and ``requires_grad``."""
+    import io
+    import pickle
+    import warnings
+
+    import numpy
+    import torch
+
+    _, structure, buffer = payload
+    rebuilt: dict[int, Any] = {}
+    staged: dict[str, Any] = {}  # per device: the buffer copied there once
+    host = numpy.frombuffer(buffer, dtype=numpy.uint8)
+
+    def storage_for(device: str, start: int, nbytes: int) -> Any:
+        if device == "cpu":
+            owned = torch.empty(nbytes, dtype=torch.uint8)
+            owned.numpy()[:] = host[start:start + nbytes]  # a memcpy, as unpickling's
+            return owned.untyped_storage()
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8, device=device).untyped_storage()
+        if device not in staged:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only bytes: only read, by the copy to the device
+                staged[device] = torch.from_numpy(host).to(device)  # one copy of the buffer there, sliced there
+        return staged[device][start:start + nbytes].clone().untyped_storage()
+
+    class StructureUnpickler(pickle.Unpickler):
+        def persistent_load(self, key: Any) -> Any:
+            slot, dtype, device, start, nbytes, shape, stride, offset, requires_grad = key
+            if slot not in rebuilt:
+                storage = storage_for(device, start, nbytes)
+                tensor = torch.empty(0, dtype=getattr(torch, dtype), device=device)
+                tensor.set_(storage, offset, shape, stride)
+                tensor.requires_grad_(requires_grad)
+                rebuilt[slot] = tensor
+            return rebuilt[slot]
+
+    with torch.inference_mode(False):
+        return StructureUnpickler(io.BytesIO(structure)).load()
 
 
 # A vLLM trace's interventions on their way to the worker: one pickle per trace where the engine shares the process.

@@ -66,7 +66,25 @@ def rows_of(ranges: list[tuple[int, int]], device: Any) -> Any:
     rows: list[int] = []
     for start, stop in merged:
         rows.extend(range(start, stop))
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    # Not a blocking copy, which waits for the step's queued kernels before the host goes on; from pageable
+    # memory the driver takes the data before the call returns, so the list may go at once.
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+
+
+def owned_ranges(spans: Sequence[Span], owned: Any) -> list[tuple[int, int]]:
+    """The rows of the spans whose key is in `owned`, as ranges, adjacent spans merged (one pass, once a step)."""
+    ranges: list[tuple[int, int]] = []
+    first = stop = -1
+    for key, start, count, _ in spans:
+        if key in owned:
+            if start != stop:
+                if stop >= 0:
+                    ranges.append((first, stop))
+                first = start
+            stop = start + count
+    if stop >= 0:
+        ranges.append((first, stop))
+    return ranges
 
 
 #: Up to this many harvested rows a request in a step, the step's rows go to the host in one copy per site.
@@ -106,7 +124,9 @@ class Applier:
         self._harvest_layout: list[tuple[Hashable, int, int]] = []  # (key, rows this step, first slot)
         self._staged = False
         self._pending: list[tuple[int, torch.Tensor, list[tuple[Hashable, int, int]]]] = []  # (site, rows, layout)
-        self._steer_rows: list[Any] = []
+        self._steer_rows: list[Any] = [None] * len(self.steers)  # each steer's rows this step (None: none)
+        # Each steer's edit, its route (vLLM's halves, an ablation's kernels) chosen once for the run.
+        self._editors = [plan.site.row_editor(plan.operation) for plan in self.steers]
         self._every_row = [plan.every_row for plan in self.steers]
         # Steers that edit the same rows (an ablation at every block) share one computation of them per step.
         self._row_groups = _row_groups(self.steers, self._every_row)
@@ -149,10 +169,8 @@ class Applier:
         self._steer_rows = [found[group] for group, _ in self._row_groups]
 
     def _rows_for(self, plan: SteerPlan, every_row: bool) -> Any:
-        if every_row:  # the usual steer: no per-token test, one range a request
-            owned = plan.lengths
-            return rows_of([(span.start, span.start + span.count) for span in self.spans if span.key in owned],
-                           self.device)
+        if every_row:  # the usual steer: no per-token test, the owned requests' rows merged as they come
+            return rows_of(owned_ranges(self.spans, plan.lengths), self.device)
         ranges: list[tuple[int, int]] = []
         steers_generated = plan.steer.steers_generated
         spans = self.spans
@@ -206,8 +224,11 @@ class Applier:
         tensors (rows past the step's tokens are padding no span owns).
         """
         work = self.work_at.get(location)
-        if work is not None:
-            self._apply(work, raw)
+        if work is not None and self.error is None:
+            try:  # `_apply`, written out: this runs at every tap of every replayed step
+                self._apply_all(work, raw)
+            except Exception as error:  # noqa: BLE001  (kept for the caller: a hook must not take the engine down)
+                self.error = error
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -225,10 +246,9 @@ class Applier:
     def _apply_all(self, work: list[tuple[str, int, Site]], raw: Any) -> None:
         for kind, index, site in work:
             if kind == "steer":
-                rows = self._steer_rows[index] if index < len(self._steer_rows) else None
+                rows = self._steer_rows[index]
                 if rows is not None:
-                    plan = self.steers[index]
-                    site.edit_rows(raw, rows, plan.operation)
+                    self._editors[index](raw, rows)
             elif self._harvest_rows is not None:
                 rows = site.read_rows(raw, self._harvest_rows)
                 self._store(index, rows if self.readout is None else self.readout(rows))

@@ -20,8 +20,8 @@ shorter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
@@ -45,6 +45,12 @@ class Operation:
     scale: float
     projection: float
     norm_match: bool
+    #: Whether the edit's change is a multiple of the unit direction per row (an ablate or a clamp without a norm
+    #: match), which `add_change` adds in place. Set once, read by every hook call.
+    along_direction: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.along_direction = self.mode in DIRECTIONAL and not self.norm_match
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         """The edited rows, ``[..., hidden_size]``, a new tensor (`rows` is not changed)."""
@@ -66,20 +72,42 @@ class Operation:
                                           torch.zeros_like(after))
         return edited
 
-    def add_change(self, target: torch.Tensor, rows: torch.Tensor) -> bool:
-        """Add the edit's change of `rows` to `target` in place, in one kernel after the projection, where the
-        operation is a direction's ablate or clamp (no norm match); False, doing nothing, otherwise.
+    def add_change(self, target: torch.Tensor, stream: torch.Tensor, other: Optional[torch.Tensor] = None) -> bool:
+        """Add the edit's change of the rows ``x = stream (+ other)`` to `target` (rows of the same shape) in place,
+        where the operation is a direction's ablate or clamp without a norm match; False, doing nothing, otherwise.
 
         ``target += -scale (x . d) d`` (ablate) or ``(projection - x . d) d``
-        (clamp): the same change as ``self(rows) - rows``, rounded once.
+        (clamp): the same change as ``self(x) - x``, rounded once. A stream in
+        two halves (`other`: vLLM's hidden and residual) is never summed: its
+        projection is ``stream . d + other . d``. Three kernels for an
+        ablation (the projection, its second half, the rank-one update), one
+        more for a clamp; nothing of the rows' size is gathered, copied or
+        allocated (only the projections, ``[n]``).
         """
-        if self.mode not in DIRECTIONAL or self.norm_match:
+        if not self.along_direction:
             return False
-        along = rows @ self.unit  # [n]: each row's projection on the direction
+        along = torch.mv(stream, self.unit)  # [n]: each row's projection on the direction
+        if other is not None:
+            along.addmv_(other, self.unit)
         if self.mode == "ablate":
             target.addr_(along, self.unit, alpha=-self.scale)
         else:
             target.addr_(self.projection - along, self.unit)
+        return True
+
+    def add_change_at(self, target: torch.Tensor, index: torch.Tensor, stream: torch.Tensor,
+                      other: Optional[torch.Tensor] = None) -> bool:
+        """`add_change` for rows `index` of `target` (a tensor of row indices; `stream` and `other` are those rows):
+        the change goes in with one ``index_add_``."""
+        if not self.along_direction:
+            return False
+        along = torch.mv(stream, self.unit)
+        if other is not None:
+            along.addmv_(other, self.unit)
+        if self.mode == "ablate":
+            target.index_add_(0, index, torch.outer(along, self.unit), alpha=-self.scale)
+        else:
+            target.index_add_(0, index, torch.outer(self.projection - along, self.unit))
         return True
 
     @property

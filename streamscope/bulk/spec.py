@@ -11,7 +11,7 @@ sum on vLLM, Granite's multiplier, a parallel block's relocated stream).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union, cast
+from typing import Any, Callable, Optional, Sequence, Union, cast
 
 import torch
 
@@ -287,6 +287,23 @@ class Site:
         # A slice is a view of the whole batch's copy: keep only its rows.
         return picked.clone() if isinstance(rows, slice) else picked
 
+    def row_editor(self, operation: Any) -> Callable[[Any, torch.Tensor], None]:
+        """``edit(raw, rows)``: `edit_rows` for one steer's `operation`, its route chosen once for a run.
+
+        A value held in two halves (vLLM's fused blocks) answers with its own
+        editor (`streamscope.vllm.blocks.Summed.row_editor`); any other with
+        `edit_rows` itself.
+        """
+        make = getattr(self.descriptor, "row_editor", None) if self.descriptor.factor is None else None
+        if make is not None:
+            def whole_batch(raw: Any, rows: torch.Tensor) -> None:
+                self._write_rows(raw, rows, operation, None)
+            return cast(Callable[[Any, torch.Tensor], None], make(operation, whole_batch))
+
+        def edit(raw: Any, rows: torch.Tensor) -> None:
+            self.edit_rows(raw, rows, operation)
+        return edit
+
     def edit_rows(self, raw: Any, rows: torch.Tensor, operation: Any, mode: Optional[str] = None) -> None:
         """Apply `operation` to rows of the flattened batch, written back as a trace's edit is.
 
@@ -299,6 +316,10 @@ class Site:
             edits = getattr(self.descriptor, "edit_rows", None)
             if edits is not None and edits(raw, rows, operation):
                 return
+        self._write_rows(raw, rows, operation, mode)
+
+    def _write_rows(self, raw: Any, rows: torch.Tensor, operation: Any, mode: Optional[str]) -> None:
+        """`edit_rows` on the whole batch's copy in the user's layout, written back as a trace's edit is."""
         view = self.user(raw)
         flat = view.reshape(-1, view.shape[-1])
         if mode is not None:

@@ -68,33 +68,70 @@ class Summed(StreamValue):
 
         The hidden half of each edited row takes ``edited - stream``, bit
         for bit the change the write-back of the whole batch (`write`) would
-        make; an ablation or a clamp adds the same change in one kernel,
-        rounded once (`Operation.add_change`); a stream without a residual
-        half (block 0's input) takes the edited rows themselves, as `write`
-        copies them. No other row is touched, and
-        the whole batch is neither summed, copied nor written back.
+        make; an ablation or a clamp adds its change straight from the two
+        halves, rounded once (`Operation.add_change`); a stream without a
+        residual half (block 0's input) takes the edited rows themselves, as
+        `write` copies them. No other row is touched, and the whole batch is
+        neither summed, copied nor written back.
         """
         hidden, residual = self.halves(raw)
         if hidden.dim() != 2 or (residual is not None and residual.shape != hidden.shape):
             return False
-        stream = hidden[rows] if residual is None else hidden[rows] + residual[rows]
-        with torch.no_grad():
-            if isinstance(rows, slice):
-                # An ablation or clamp adds its change in one kernel (rounded once); anything else adds
-                # edited - stream, bit for bit the write-back's change.
-                add_change = getattr(operation, "add_change", None)
-                if add_change is not None and add_change(hidden[rows], stream):
-                    return True
-            edited = stream + operation.delta if getattr(operation, "adds_only", False) else operation(stream)
-            if residual is None:
-                # A stream in one tensor (block 0's input) takes the edited rows as they are, as `write` copies.
-                hidden[rows] = edited.to(hidden.dtype)
-                return True
-            change = edited.to(hidden.dtype) - stream
-            if isinstance(rows, slice):
-                hidden[rows].add_(change)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._edit_rows(hidden, residual, rows, operation)
+        return self._edit_rows(hidden, residual, rows, operation)
+
+    def row_editor(self, operation: Any, otherwise: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+        """``edit(raw, rows)``: `edit_rows` for one steer's `operation`, chosen once for the run, or `otherwise`
+        (the site's general edit) where the halves are not the step's flattened tokens.
+
+        A direction's ablate or clamp at every row of the step (the usual
+        steer, with no padding rows past the step's tokens) is its three or
+        four kernels on the halves themselves (`Operation.add_change`): no
+        slice, no sum, no other Python call.
+        """
+        if not getattr(operation, "along_direction", False):
+            def general(raw: Any, rows: Any) -> None:
+                if not self.edit_rows(raw, rows, operation):
+                    otherwise(raw, rows)
+            return general
+        halves, add_change, output = self.halves, operation.add_change, self.where == OUTPUT
+
+        def edit(raw: Any, rows: Any) -> None:
+            # `halves`, written out for an output (a block's layer_output): this runs once a block a step.
+            if output:
+                hidden, residual = (raw[0], raw[1]) if isinstance(raw, tuple) else (raw, None)
             else:
-                hidden.index_add_(0, rows, change)
+                hidden, residual = halves(raw)
+            if (type(rows) is slice and rows.start == 0 and rows.stop == hidden.shape[0] and hidden.dim() == 2
+                    and (residual is None or residual.shape == hidden.shape) and not torch.is_grad_enabled()):
+                add_change(hidden, hidden, residual)
+            elif not self.edit_rows(raw, rows, operation):
+                otherwise(raw, rows)
+        return edit
+
+    @staticmethod
+    def _edit_rows(hidden: torch.Tensor, residual: Optional[torch.Tensor], rows: Any, operation: Any) -> bool:
+        if getattr(operation, "along_direction", False):
+            if isinstance(rows, slice):
+                target = hidden[rows]
+                operation.add_change(target, target, None if residual is None else residual[rows])
+            else:
+                operation.add_change_at(hidden, rows, hidden[rows], None if residual is None else residual[rows])
+            return True
+        stream = hidden[rows] if residual is None else hidden[rows] + residual[rows]
+        edited = stream + operation.delta if getattr(operation, "adds_only", False) else operation(stream)
+        if residual is None:
+            # A stream in one tensor (block 0's input) takes the edited rows as they are, as `write` copies them.
+            hidden[rows] = edited.to(hidden.dtype)
+            return True
+        # Anything else adds edited - stream, bit for bit the write-back's change.
+        change = edited.to(hidden.dtype) - stream
+        if isinstance(rows, slice):
+            hidden[rows].add_(change)
+        else:
+            hidden.index_add_(0, rows, change)
         return True
 
     def write(self, host: Host, raw: Any, value: torch.Tensor) -> None:

@@ -22,14 +22,41 @@ class BulkRPC:
     and nnsight's collect of a trace's saves, handed over as tensors to a client in this process."""
 
     def streamscope_hand_saves_over(self) -> None:
-        """Called by a streamscope client once its engine is up: this worker's collects may hand saves over.
+        """Called by a streamscope client once its engine is up: this worker's collects hand saves over as tensors
+        to a client in this process, packed into one buffer for one in another (`nnsight_seam._pack`).
 
         Raw nnsight's client on the same CPU worker class never calls it, so its traces keep nnsight's pickling.
         """
+        from .. import nnsight_seam as seam
+
+        seam.pack_saves_in_this_process()  # in an engine process, nothing has replaced nnsight's pickling yet
         self.streamscope_hands_over = True
 
+    def streamscope_transport_counts(self) -> dict[str, float]:
+        """How the collects of this worker's process went: `nnsight_seam.transport_counts` where the worker runs."""
+        from .. import nnsight_seam as seam
+
+        return seam.transport_counts()
+
+    def streamscope_saves_transport(self, name: Any) -> Any:
+        """Set ``STREAMSCOPE_SAVES_TRANSPORT`` to `name` (``None`` unsets it) where this worker runs; the setting
+        before. An engine process reads its own environment, copied from the caller's when the engine started."""
+        import os
+
+        from .. import nnsight_seam as seam
+
+        before = os.environ.get(seam.SAVES_TRANSPORT_ENV)
+        if name is None:
+            os.environ.pop(seam.SAVES_TRANSPORT_ENV, None)
+        else:
+            with seam.saves_transport(name):  # refuses a bad name, and sets nothing then
+                pass
+            os.environ[seam.SAVES_TRANSPORT_ENV] = name
+        return before
+
     def collect_nnsight(self, *args: Any, **kwargs: Any) -> Any:
-        """nnsight's collect; for a streamscope client in this process, its answer is `nnsight_seam.HandedSaves`."""
+        """nnsight's collect; for a streamscope client in this process, its answer is `nnsight_seam.HandedSaves`,
+        for one in another the saves packed into one buffer (`nnsight_seam.PACKED_SAVES`)."""
         import contextlib
 
         from .. import nnsight_seam as seam

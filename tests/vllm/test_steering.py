@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import precision
@@ -18,6 +19,10 @@ from access import relative_error
 from bulk_checks import BULK_FAMILIES, PROMPTS
 from steer_checks import CASES, STEPS
 import streamscope
+from streamscope.bulk.apply import Applier
+from streamscope.bulk.spec import Site, locate
+from streamscope.values import OUTPUT
+from streamscope.vllm.blocks import Summed
 from streamscope.vllm.model import beside_engine
 
 TAPS = ["layers.*.layer_input", "layers.*.layer_output", "layers.*.mlp.mlp_output",
@@ -74,3 +79,101 @@ def test_bad_steers_are_refused_before_the_engine_runs_and_it_serves_on(engine):
 
 def test_a_harvest_reads_the_values_under_steers(engine):
     steer_checks.check_harvest_under_steers(engine.model)
+
+
+# The route of an ablation on vLLM's fused blocks, counted: the fewest tensor operations per hook call.
+
+
+class DispatchedOps(TorchDispatchMode):
+    """The tensor operations dispatched while it is on, by name (a view counts: it is host work on a GPU too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def summed_halves(rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(rows)
+    return (torch.randn(rows, width, generator=generator) * 0.1, torch.randn(rows, width, generator=generator))
+
+
+#: (a direction's edit, the rows it edits) -> the exact operations of one edit of the
+#: hidden half: the projection from both halves (mv, addmv_), then the change in one rank-one update; a slice of
+#: the batch where the step has padding rows past its tokens, a gather and index_add_ where rows are scattered.
+ROUTES = {
+    ("ablate", "whole"): ["mv", "addmv_", "addr_"],
+    ("ablate", "padded"): ["slice", "slice", "mv", "addmv_", "addr_"],
+    ("ablate", "scattered"): ["index", "index", "mv", "addmv_", "outer", "index_add_"],
+    ("clamp", "whole"): ["mv", "addmv_", "rsub", "addr_"],
+    ("clamp", "padded"): ["slice", "slice", "mv", "addmv_", "rsub", "addr_"],
+    ("clamp", "scattered"): ["index", "index", "mv", "addmv_", "rsub", "outer", "index_add_"],
+    ("ablate", "one half"): ["mv", "addr_"],  # block 0's input: the embeddings, no residual yet
+}
+
+
+@pytest.mark.parametrize("mode, rows", list(ROUTES))
+def test_a_direction_edits_fused_halves_in_the_fewest_operations_and_equals_plain_torch(mode, rows):
+    """`Summed.row_editor` (what a bulk steer's hook calls on vLLM's fused blocks) on halves ``[12, 64]``: the exact
+    operations of `ROUTES`, and the stream ``hidden + residual`` afterwards equal to plain torch's edit of it
+    (steer_checks.plain_operation) at the chosen rows, the others unchanged bit for bit."""
+    chosen = {"whole": slice(0, 12), "padded": slice(0, 9), "scattered": torch.tensor([1, 4, 5, 10]),
+              "one half": slice(0, 12)}[rows]
+    steer = streamscope.Steer("layer_output", 0, torch.randn(64, generator=torch.Generator().manual_seed(3)) * 5,
+                              mode=mode, scale=0.75, projection=-2.5)
+    hidden, residual = summed_halves(12, 64)
+    if rows == "one half":
+        residual = torch.zeros_like(hidden)  # only for the sums below: the call gets None
+    before = hidden + residual
+    expected = before.clone()
+    expected[chosen] = steer_checks.plain_operation(before[chosen], steer)
+
+    def refused(raw, rows):
+        raise AssertionError("the general route was taken")
+    editor = Summed(None, OUTPUT).row_editor(steer.operation(torch.float32, "cpu"), refused)
+    with torch.inference_mode(), DispatchedOps() as ops:
+        editor((hidden, None if rows == "one half" else residual), chosen)
+    assert ops.names == ROUTES[(mode, rows)]
+    after = hidden + residual
+    assert relative_error(after, expected) <= 1e-6
+    untouched = torch.ones(12, dtype=torch.bool)
+    untouched[chosen] = False
+    assert torch.equal(after[untouched], before[untouched])
+
+
+def test_an_ablation_at_every_block_runs_three_operations_a_hook_call_on_fused_blocks(engine, monkeypatch):
+    """A bulk generation with an ablation at every block's layer_output, every row steered: on a family whose
+    blocks hand the stream on in two halves (`Summed`), each hook call dispatches exactly mv, addmv_ and addr_
+    (eager and tapped engines; prompt and decode steps); on a whole-stream family each takes the general route
+    (the batch read, edited and written back), once a call. The steered logits are the oracle's
+    (test_a_steered_generation_equals_the_oracle_edited_by_plain_hooks)."""
+    model = engine.model
+    steers = [streamscope.Steer("layer_output", block, steer_checks.vector(model, 12), mode="ablate")
+              for block in range(model.num_layers)]
+    calls: list[list[str]] = []
+    general: list[int] = []
+    original_apply, original_write = Applier._apply_all, Site._write_rows
+
+    def counted(self, work, raw):
+        with DispatchedOps() as ops:
+            original_apply(self, work, raw)
+        calls.append(ops.names)
+
+    def write_rows(self, *args):
+        general.append(1)
+        return original_write(self, *args)
+
+    monkeypatch.setattr(Applier, "_apply_all", counted)
+    monkeypatch.setattr(Site, "_write_rows", write_rows)
+    result = model.generate(PROMPTS[:2], max_tokens=STEPS, steer=steers, ignore_eos=True, progress=False)
+    assert [len(tokens) for tokens in result.tokens] == [STEPS, STEPS]
+    # One call a block a step: the prompts' step, then a decode step for each token after the first.
+    assert len(calls) == model.num_layers * STEPS
+    if isinstance(locate(model, "layer_output", 0).descriptor, Summed):
+        assert all(names == ["mv", "addmv_", "addr_"] for names in calls), calls[:3]
+        assert not general
+    else:
+        assert len(general) == len(calls)

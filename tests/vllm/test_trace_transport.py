@@ -1,11 +1,12 @@
 """A vLLM trace's saves reach the caller by the transport its engine allows, equal bit for bit to the pickled path.
 
 With the engine in this process (this CPU's suite: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the worker hands the
-saves over as tensors (`nnsight_seam.HandedSaves`); ``STREAMSCOPE_SAVES_TRANSPORT=pickle`` sends them as nnsight
-does, pickled, which is also what an engine in another process does. Each test runs the same trace both ways on
-one engine and compares: values bit for bit, dtype, shape, strides, storage offset, which saves share an object,
-and that a handed tensor is the caller's own (not an inference tensor of the engine's, not sharing memory with
-another save).
+saves over as tensors (`nnsight_seam.HandedSaves`); with the engine in its own process (vLLM's default, the GPU
+layout) it packs every tensor of a collect into one buffer; ``STREAMSCOPE_SAVES_TRANSPORT=pickle`` sends them as
+nnsight does, pickled. Each test runs the same trace both ways on one engine and compares: values bit for bit,
+dtype, shape, strides, storage offset, which saves share an object, errors' type and message, and that a tensor
+that came home is the caller's own (not an inference tensor of the engine's, not sharing memory with another save).
+The traces and the comparison live in tests/transport_cases.py, which the engine process run imports.
 """
 
 from __future__ import annotations
@@ -15,34 +16,18 @@ import os
 import pickle
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
 
 import precision
 import streamscope
+import transport_cases
 from streamscope import nnsight_seam as seam
+from transport_cases import GREEDY, PROMPTS, Note, Refused, same
 
-GREEDY = {"temperature": 0.0, "max_tokens": 1}
-PROMPTS = ["The Eiffel Tower is in Paris, and the quick brown fox", "Once upon a time"]
-
-pytestmark = pytest.mark.skipif(precision.ON_GPU, reason="the in-process transport needs the engine in this process; "
-                                "the GPU suite runs it in its own (the pickled path, covered by every other test)")
-
-
-class Note:
-    """A plain Python object a trace saves (defined at module level, so it pickles by reference)."""
-
-    def __init__(self, text: str, values: list) -> None:
-        self.text, self.values = text, values
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Note) and (self.text, self.values) == (other.text, other.values)
-
-
-class Refused(Exception):
-    """Raised inside an invoke: it must come home with its type and message."""
+in_process = pytest.mark.skipif(precision.ON_GPU, reason="the hand-over needs the engine in this process; the GPU "
+                                "suite runs it in its own (the engine process tests below)")
 
 
 @pytest.fixture(scope="module")
@@ -73,38 +58,7 @@ def run_both(trace):
     return handed, pickled
 
 
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).contiguous().view(torch.uint8)
-
-
-def same_tensor(handed: torch.Tensor, pickled: torch.Tensor) -> None:
-    assert type(handed) is type(pickled) is torch.Tensor
-    assert handed.dtype == pickled.dtype and handed.device == pickled.device
-    assert handed.shape == pickled.shape
-    assert handed.stride() == pickled.stride() and handed.storage_offset() == pickled.storage_offset()
-    assert handed.untyped_storage().nbytes() == pickled.untyped_storage().nbytes()
-    assert torch.equal(bits(handed), bits(pickled))  # bit for bit, NaNs and signed zeros included
-    assert not handed.is_inference(), "handed the engine's inference tensor, not the caller's copy"
-    handed.add_(0)  # the caller may edit it in place, as an unpickled tensor
-
-
-def same(handed, pickled) -> None:
-    """Equal structures, tensors by `same_tensor`."""
-    assert type(handed) is type(pickled)
-    if isinstance(handed, torch.Tensor):
-        same_tensor(handed, pickled)
-    elif isinstance(handed, (list, tuple)):
-        assert len(handed) == len(pickled)
-        for a, b in zip(handed, pickled):
-            same(a, b)
-    elif isinstance(handed, dict):
-        assert handed.keys() == pickled.keys()
-        for key in handed:
-            same(handed[key], pickled[key])
-    else:
-        assert handed == pickled
-
-
+@in_process
 def test_no_tensor_is_pickled_on_the_fast_path(model, monkeypatch):
     """The fast path pickles no tensor at all: counted where torch pickles one."""
     pickled_tensors = []
@@ -127,32 +81,16 @@ def test_no_tensor_is_pickled_on_the_fast_path(model, monkeypatch):
     assert len(blocks) == len(PROMPTS) and blocks[0].shape[0] == model.num_layers
 
 
+@in_process
 def test_views_slices_and_shared_saves(model):
     """Reads narrowed out of the step's batch, non-contiguous slices, a tensor and its view, one object under two
     names, and an expanded (stride-0) tensor: as the pickled path gives them."""
-    def trace():
-        with model.trace(**GREEDY) as tracer:
-            for prompt in PROMPTS:
-                with tracer.invoke(prompt):
-                    first = model.layers[0].layer_mid[0, :3]
-                    transposed = model.layers[0].mlp_norm_output.transpose(1, 2).save()
-                    every_other = model.layers[0].layer_output[:, ::2, 1::3].save()
-                    stacked = torch.stack([first, model.layers[1].layer_mid[0, :3]])
-                    row = stacked[1]
-                    whole = model.layers[1].layer_output.save()
-                    last = model.layers[1].layer_output[0, -1].save()
-                    pair = [stacked, row, stacked].save()
-                    expanded = model.logits[:, :4].expand(3, 4).save()
-        return whole, every_other, transposed, last, pair, expanded
-
-    handed, pickled = run_both(trace)
+    handed, pickled = run_both(lambda: transport_cases.views_slices_and_shared(model))
     same(handed, pickled)
-    for pair in handed[4]:
-        assert pair[0] is pair[2], "one object saved twice came home as two"
-        assert pair[1].untyped_storage().data_ptr() != pair[0].untyped_storage().data_ptr()
-    assert not handed[2][0].is_contiguous()  # the transposed read keeps its strides, as unpickled
+    transport_cases.check_views_slices_and_shared(handed)
 
 
+@in_process
 def test_bfloat16(bf16):
     def trace():
         with bf16.trace(**GREEDY) as tracer:
@@ -168,24 +106,16 @@ def test_bfloat16(bf16):
     same(handed, pickled)
 
 
+@in_process
 def test_python_objects(model):
     """Saves that are not tensors (numbers, strings, containers, the user's own class, tensors inside them) come home
     as new objects, equal to the pickled path's."""
-    def trace():
-        with model.trace(**GREEDY) as tracer:
-            for prompt in PROMPTS:
-                with tracer.invoke(prompt):
-                    hidden = model.layers[0].layer_output
-                    summary = {"norm": float(hidden.norm()), "tokens": int(hidden.shape[1]), "name": "block 0",
-                               "rows": (hidden[0, 0], [hidden[0, -1], None])}.save()
-                    note = Note(prompt[:5], [1, 2.5, "x"]).save()
-        return summary, note
-
-    handed, pickled = run_both(trace)
+    handed, pickled = run_both(lambda: transport_cases.python_objects(model))
     same(handed, pickled)
     assert handed[1][0] == Note(PROMPTS[0][:5], [1, 2.5, "x"])
 
 
+@in_process
 def test_a_save_pickles_as_the_pickled_path_would(model):
     """A handed save pickles and unpickles afterwards like the pickled path's (it is an ordinary tensor)."""
     with model.trace(**GREEDY) as tracer:
@@ -195,21 +125,12 @@ def test_a_save_pickles_as_the_pickled_path_would(model):
     assert torch.equal(again, value) and again.stride() == value.stride()
 
 
+@in_process
 @pytest.mark.parametrize("failing", [0, 1])
 def test_errors_inside_an_invoke(model, failing):
     """An error raised in an invoke comes home with its type and message, whichever transport; the other invoke's
     saves are still handed over, and the engine serves the next trace."""
-    def trace():
-        with pytest.raises(Exception) as raised:
-            with model.trace(**GREEDY) as tracer:
-                for index, prompt in enumerate(PROMPTS):
-                    with tracer.invoke(prompt):
-                        model.layers[0].layer_output.save()
-                        if index == failing:
-                            raise Refused(f"invoke {index} refuses")
-        return raised.value
-
-    handed, pickled = run_both(trace)
+    handed, pickled = run_both(lambda: transport_cases.error_in_invoke(failing)(model))
     assert type(handed) is type(pickled) is Refused
     assert str(handed) == str(pickled) and f"invoke {failing} refuses" in str(handed)
     with model.trace(**GREEDY) as tracer:
@@ -218,12 +139,14 @@ def test_errors_inside_an_invoke(model, failing):
     assert logits.shape == (1, model.vocab_size)
 
 
+@in_process
 def test_a_bad_transport_setting_is_refused(model, monkeypatch):
     monkeypatch.setenv(seam.SAVES_TRANSPORT_ENV, "shm")
     with pytest.raises(ValueError, match="STREAMSCOPE_SAVES_TRANSPORT='shm'"):
         seam.hand_saves_over()
 
 
+@in_process
 def test_invokes_are_pickled_once_per_trace(model, monkeypatch):
     """A trace's invokes reach the in-process worker as one bundle, unpickled once, with the same results as one
     pickle per invoke (nnsight's way, ``STREAMSCOPE_BUNDLE_INVOKES=0``), a shared container above the invokes
@@ -254,54 +177,50 @@ def test_invokes_are_pickled_once_per_trace(model, monkeypatch):
     assert all(row is not None for row in bundled[0])
 
 
-ENGINE_PROCESS = textwrap.dedent('''
-    import json, sys
-    import torch
-    import streamscope
-    from streamscope import nnsight_seam as seam
-
-    path, out, prompts, kwargs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
-    if __name__ == "__main__":
-        model = streamscope.load(path, engine="vllm", **kwargs)
-        with model.trace(temperature=0.0, max_tokens=1) as tracer:
-            for prompt in prompts:
-                with tracer.invoke(prompt):
-                    transposed = model.layers[0].mlp_norm_output.transpose(1, 2).save()
-                    every_other = model.layers[0].layer_output[:, ::2, 1::3].save()
-                    whole = model.layers[1].layer_output.save()
-                    logits = model.logits.save()
-        torch.save({"transposed": transposed, "every_other": every_other, "whole": whole, "logits": logits}, out)
-        print("RESULT " + json.dumps(seam.transport_counts()))
-        model.close()
-''')
-
-
-def test_the_engine_process_pickles_and_agrees(model, tmp_path, checkpoints):
-    """``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (the GPU layout): the worker runs in the engine's process, so the saves
-    travel pickled (nothing is handed over in the caller's process), and equal the in-process hand-over's bit for
-    bit, strides included."""
-    script, out = tmp_path / "engine_process.py", tmp_path / "saves.pt"
-    script.write_text(ENGINE_PROCESS)
+@pytest.fixture(scope="module")
+def engine_process(checkpoints, tmp_path_factory):
+    """Every case of tests/transport_cases.py run packed and pickled on one engine in its own process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=1``): its report (which cases agreed, what the counters moved each way)."""
+    out = tmp_path_factory.mktemp("engine_process") / "report.json"
     environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    run = subprocess.run([sys.executable, str(script), str(checkpoints("llama")), str(out), json.dumps(PROMPTS),
+    environment.pop(seam.SAVES_TRANSPORT_ENV, None)  # the default: packed
+    start = ("import json, sys, transport_cases; "
+             "transport_cases.run_engine_process(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))")
+    run = subprocess.run([sys.executable, "-c", start, str(checkpoints("llama")), str(out),
                           json.dumps(precision.engine_kwargs())], env=environment, capture_output=True, text=True,
                          timeout=900)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-    assert run.returncode == 0 and lines, run.stderr[-3000:]
-    assert json.loads(lines[-1][len("RESULT "):])["handed"] == 0
-    there = torch.load(out)
-
-    with model.trace(**GREEDY) as tracer:
-        for prompt in PROMPTS:
-            with tracer.invoke(prompt):
-                transposed = model.layers[0].mlp_norm_output.transpose(1, 2).save()
-                every_other = model.layers[0].layer_output[:, ::2, 1::3].save()
-                whole = model.layers[1].layer_output.save()
-                logits = model.logits.save()
-    here = {"transposed": transposed, "every_other": every_other, "whole": whole, "logits": logits}
-    same(here, there)
+    assert run.returncode == 0 and out.exists(), run.stderr[-3000:]
+    return json.loads(out.read_text())
 
 
+@pytest.mark.parametrize("case", sorted(transport_cases.CASES))
+def test_the_engine_process_packs_bit_for_bit(engine_process, case):
+    """With the engine in its own process, the saves come home packed into one buffer per collect, equal to the
+    pickled path's bit for bit (bfloat16, views, non-contiguous slices, a tensor saved twice, Python objects,
+    an invoke's error with its type and message)."""
+    assert engine_process["cases"][case] == "ok", engine_process["cases"][case]
+
+
+@pytest.mark.parametrize("case", sorted(transport_cases.CASES))
+def test_the_engine_process_does_not_fall_back_to_pickling(engine_process, case):
+    """The counters of the worker's process (through ``collective_rpc``) and of the caller's say which path ran:
+    packed by default, with no collect pickled; nnsight's pickling only where ``STREAMSCOPE_SAVES_TRANSPORT=pickle``
+    asks for it."""
+    packed, pickled = engine_process["counts"][case]["auto"], engine_process["counts"][case]["pickle"]
+    assert packed["worker"]["packed"] > 0 and packed["worker"]["pickled"] == 0, packed
+    assert packed["worker"]["handed"] == 0, "a worker in another process handed tensors over"
+    assert packed["received"]["packed"] == packed["worker"]["packed"] and packed["received"]["pickled"] == 0
+    if not case.startswith("error_in_invoke"):  # a trace that raised brings no saves home, either way
+        assert packed["worker"]["tensors_packed"] > 0 and packed["worker"]["bytes_packed"] > 0, packed
+    assert pickled["worker"]["pickled"] > 0 and pickled["worker"]["packed"] == 0, pickled
+    assert pickled["received"]["pickled"] == pickled["worker"]["pickled"] and pickled["received"]["packed"] == 0
+
+
+def test_the_engine_process_serves_after_the_errors(engine_process):
+    assert engine_process["serves_after"]
+
+
+@in_process
 def test_several_sequences_per_request_each_get_their_invoke(model, monkeypatch):
     """With ``n=2`` each request runs as two sequences, each with its own copy of the invoke (as nnsight gives
     them), bundled or not: the same values come home, one per sequence."""
@@ -363,6 +282,7 @@ def worker_costs(model, steps: int, monkeypatch) -> tuple[dict, int]:
     return dict(ops), reads[0]
 
 
+@in_process
 def test_a_steer_at_every_step_costs_each_step_the_same_few_ops(model, monkeypatch):
     """What an invoke adds per step is exact: its read, its edit and the write-back, in the fewest torch ops
     streamscope knows for them (on a GPU each op that is not a view is a kernel launch, `item` a wait for the
