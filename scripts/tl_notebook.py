@@ -5,7 +5,11 @@
 The same calls run twice: once on TransformerLens 4.3's bridge (from .venv/transformer-lens-4.3), once with
 `TransformerBridge.boot_transformers(...)` replaced by `streamscope.load(...)` and `run_with_cache` by
 `model.cache`. Each prints the demo's numbers; the last lines give the largest difference per quantity.
-The default checkpoint is SmolLM2-135M-Instruct as `streamscope.load("smollm2")` converts it.
+Beyond the demo's own cells it attributes the logit difference to every head, MLP and neuron through
+`get_full_resid_decomposition` (the neurons with `project_output_onto`, as TL folds the projection in) and
+`get_neuron_results`. The default checkpoint is SmolLM2-135M-Instruct as `streamscope.load("smollm2")` converts
+it. The suite runs it on both engines (`test_the_tl_demo_cache_section_prints_tl_numbers_on_smollm2` in
+tests/transformers/ and tests/vllm/test_transformer_lens.py).
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ PROMPTS = ["When John and Mary went to the shops, John gave the bag to",
 ANSWERS = [(" Mary", " John"), (" John", " Mary"), (" Tom", " James"), (" James", " Tom")]
 
 
-def demo(model, cache_of, directions_of) -> dict[str, torch.Tensor]:
+def demo(model, cache_of, directions_of, layers: int) -> dict[str, torch.Tensor]:
     """The demo's cache section, written once against TransformerLens's names.
 
     `directions_of(cache)` is where the unembedding directions come from: TL's model, streamscope's cache.
+    `layers` is the model's block count (TL's ``model.cfg.n_layers``, streamscope's ``model.num_layers``).
     """
     answer_tokens = torch.tensor([[model.to_single_token(answer) for answer in pair] for pair in ANSWERS])
     tokens = model.to_tokens(PROMPTS, prepend_bos=True)
@@ -51,15 +56,53 @@ def demo(model, cache_of, directions_of) -> dict[str, torch.Tensor]:
     found["per head logit diffs"] = to_logit_diff(stack)
     found["attention pattern of L2 (prompt 0)"] = cache["pattern", 2][0]
     found["accumulated_resid(apply_ln=True), last position"] = cache.accumulated_resid(apply_ln=True)[:, :, -1]
+    # After the neurons: every head, MLP and neuron's share of the logit difference. Each prompt's direction is a
+    # column of the projection; prompt b's share is column b of its own row (the diagonal).
+    stack = cache.get_full_resid_decomposition(layer=-1, pos_slice=-1, expand_neurons=False)
+    found["per head and MLP logit diffs (full decomposition)"] = to_logit_diff(stack)
+    projected, labels = cache.get_full_resid_decomposition(layer=-1, pos_slice=-1, apply_ln=True, return_labels=True,
+                                                           project_output_onto=logit_diff_directions.T)
+    found["per neuron logit diffs (full decomposition, projected)"] = projected.diagonal(dim1=-2, dim2=-1).mean(-1)
+    last = layers - 1
+    neurons = cache.get_neuron_results(last, pos_slice=-1, project_output_onto=logit_diff_directions.T)
+    found[f"L{last} neuron results on the logit diff directions"] = neurons.diagonal(dim1=0, dim2=-1).mean(-1)
+    found["neuron activations of the last block"] = cache["post", last][:, -1]
     for name, value in found.items():
         print(f"{name}: {value.flatten()[:6].tolist()}")
     return found
 
 
-def main() -> None:
-    import streamscope
+def compare(path, load) -> dict[str, float]:
+    """Run the demo on TransformerLens 4.3's bridge and on `load()` (a streamscope model of the checkpoint at
+    `path`, closed after); each quantity's largest difference, relative to its largest value."""
     import transformer_lens_parity as parity
     from streamscope.workflows.cache import DEFAULT_VALUES
+
+    with parity.transformer_lens_4_3():
+        print("TransformerLens 4.3:")
+        bridge = parity.bridge(path)
+        theirs = demo(bridge, lambda tokens: bridge.run_with_cache(tokens)[1],
+                      lambda cache: bridge.tokens_to_residual_directions, bridge.cfg.n_layers)
+        model = load()
+        try:
+            print(f"streamscope on {model.engine.name}:")
+            values = [*DEFAULT_VALUES, "token_embeddings", "final_norm_output", "self_attn.pattern",
+                      "self_attn.head_outputs"]
+            ours = demo(model, lambda tokens: model.cache(tokens, values=values),
+                        lambda cache: cache.tokens_to_residual_directions, model.num_layers)
+        finally:
+            model.engine.close()
+    errors = {}
+    print("largest difference, relative to the largest value:")
+    for name in theirs:
+        assert ours[name].shape == theirs[name].shape, (name, ours[name].shape, theirs[name].shape)
+        errors[name] = ((ours[name] - theirs[name]).abs().max() / theirs[name].abs().max()).item()
+        print(f"  {name}: {errors[name]:.1e}")
+    return errors
+
+
+def main() -> None:
+    import streamscope
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", nargs="?", default=None)
@@ -68,21 +111,7 @@ def main() -> None:
     from streamscope.models import smollm2
 
     path = args.path or smollm2()
-    with parity.transformer_lens_4_3():
-        print("TransformerLens 4.3:")
-        bridge = parity.bridge(path)
-        theirs = demo(bridge, lambda tokens: bridge.run_with_cache(tokens)[1],
-                      lambda cache: bridge.tokens_to_residual_directions)
-        print(f"streamscope on {args.engine}:")
-        model = streamscope.load(path, engine=args.engine)
-        values = [*DEFAULT_VALUES, "token_embeddings", "final_norm_output", "self_attn.pattern",
-                  "self_attn.head_outputs"]
-        ours = demo(model, lambda tokens: model.cache(tokens, values=values),
-                    lambda cache: cache.tokens_to_residual_directions)
-    print("largest difference, relative to the largest value:")
-    for name in theirs:
-        error = ((ours[name] - theirs[name]).abs().max() / theirs[name].abs().max()).item()
-        print(f"  {name}: {error:.1e}")
+    compare(path, lambda: streamscope.load(path, engine=args.engine))
 
 
 if __name__ == "__main__":

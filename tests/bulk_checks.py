@@ -162,3 +162,39 @@ def check_bad_specs_fail_before_running(model, family: str, **options) -> None:
     # Nothing ran: the model serves the next request as before.
     after = model.harvest(PROMPTS[:1], "layer_output", layers=[0], progress=False, **options)
     assert after["layer_output"][0].shape == (1, 1, model.hidden_size)
+
+
+#: A harvest's head results against the trace's: the same projection input and columns, multiplied per row on the
+#: bulk path and per batch in the trace (other shapes, so other summation orders): one float32 rounding apart.
+HEAD_RESULTS_ROUNDING = 1e-6 if precision.DTYPE == "float32" else 1e-2
+
+
+def check_head_results_on_the_bulk_path(model, **options) -> None:
+    """`self_attn.head_results` harvested: each prompt's ``[layers, positions, heads, hidden]``, equal to the trace's
+    read (through `model.cache`) at every position and, at chosen positions, to those rows of the whole harvest;
+    a harvest mixing it with other widths, a steer of it and the bare name are refused before the engine runs,
+    and the engine serves on. (Against the oracle on every family: test_families.py.)"""
+    name = "self_attn.head_results"
+    harvest = model.harvest(PROMPTS, name, positions="all", progress=False, **options)
+    assert harvest.layers == list(range(model.num_layers))
+    for index, prompt in enumerate(PROMPTS):
+        cache = model.cache(prompt, values=[name])
+        got = harvest[name][index]
+        length = len(harvest.positions[index])
+        assert tuple(got.shape) == (model.num_layers, length, model.num_heads, model.hidden_size), got.shape
+        for block in range(model.num_layers):
+            expected = cache[f"layers.{block}.{name}"][0]
+            assert relative_error(got[block], expected) <= HEAD_RESULTS_ROUNDING, (index, block)
+    chosen = model.harvest(PROMPTS, name, layers=[-1], positions=[0, -1], progress=False, **options)
+    for index, positions in enumerate(chosen.positions):
+        assert relative_error(chosen[name][index][0], harvest[name][index][-1, positions]) <= HEAD_RESULTS_ROUNDING
+    with pytest.raises(ValueError, match=r"\[heads, hidden_size\] a row.*a harvest of their own"):
+        model.harvest(PROMPTS, [name, "layer_output"], progress=False, **options)
+    with pytest.raises(ValueError, match="name it 'self_attn.head_results'"):
+        model.harvest(PROMPTS, "head_results", progress=False, **options)
+    for value in (name, "head_results"):
+        with pytest.raises(ValueError, match="a steer of self_attn.head_results is refused.*in a trace"):
+            model.generate(PROMPTS[:1], max_tokens=1, steer=[streamscope.Steer(value, 0, torch.ones(model.hidden_size))],
+                           progress=False)
+    after = model.harvest(PROMPTS[:1], "layer_output", layers=[0], progress=False, **options)
+    assert after["layer_output"][0].shape == (1, 1, model.hidden_size)

@@ -325,3 +325,33 @@ def head_results_edit_error(model, reference: Reference, trace_input, tolerance:
         assert error <= tolerance, (block, error, tolerance)
         worst = max(worst, error)
     return worst
+
+
+def head_results_harvest_error(model, reference: Reference, trace_input, tolerance: float) -> float:
+    """Harvest `self_attn.head_results` at every position of `trace_input` on every block that serves it and
+    assert each block's ``[positions, heads, hidden]`` is the oracle's (`attention_oracle.head_results`: the output
+    projection's input read with a torch hook, per head times its columns), held to `tolerance`; every block that
+    does not serve it refuses the harvest before the engine runs, with support()'s reason. Returns the largest
+    error."""
+    import pytest
+
+    from streamscope.errors import Unavailable
+
+    where = rows(model.support(), "self_attn.head_results")
+    served = [block for block, reason in where.items() if reason is None]
+    worst = 0.0
+    if served:
+        harvest = model.harvest([trace_input], "self_attn.head_results", layers=served, positions="all",
+                                progress=False)
+        got = harvest["self_attn.head_results"][0]  # [blocks, positions, heads, hidden]
+        for slot, block in enumerate(served):
+            expected = reference.results[block][0]
+            assert tuple(got[slot].shape) == tuple(expected.shape), (block, tuple(got.shape), tuple(expected.shape))
+            error = relative_error(got[slot], expected)
+            assert error <= tolerance, (block, error, tolerance)
+            worst = max(worst, error)
+    for reason, block in {reason: block for block, reason in where.items() if reason is not None}.items():
+        with pytest.raises(Unavailable) as raised:
+            model.harvest([trace_input], "self_attn.head_results", layers=[block], progress=False)
+        assert raised.value.reason == reason, block
+    return worst

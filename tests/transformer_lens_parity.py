@@ -70,6 +70,18 @@ PROMPTS = ["The Eiffel Tower is in Paris, and the quick brown fox", "Rome is in 
 FAMILIES = ["llama", "gpt2", "gptj", "gpt_neox", "gemma2", "cohere"]
 
 
+def tl_notebook() -> Any:
+    """scripts/tl_notebook.py (TransformerLens's demo, cache section, on TL 4.3 and on streamscope) as a module."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "tl_notebook.py"
+    spec = importlib.util.spec_from_file_location("tl_notebook", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 #: Every call both libraries refused in this session: (call, TransformerLens's error), to inspect what was refused.
 REFUSED: list[tuple[str, str]] = []
 
@@ -344,10 +356,13 @@ def head_results(pair):
         with pytest.raises(Exception, match="sandwich"):
             ours.get_full_resid_decomposition(expand_neurons=False)
         return
-    for layer, mlp_input, apply_ln, pos_slice in itertools.product(
-            [None, 0, 1, pair.layers], [False, True], [False, True], [None, (1, 4)]):
+    hidden = ours["token_embeddings"].shape[-1]
+    directions = torch.stack([torch.linspace(-1.0, 1.0, hidden), torch.linspace(1.0, 0.0, hidden)], dim=-1)
+    for layer, mlp_input, apply_ln, pos_slice, project in itertools.product(
+            [None, 0, 1, pair.layers], [False, True], [False, True], [None, (1, 4)], [None, directions[:, 0],
+                                                                                     directions]):
         kwargs = dict(layer=layer, mlp_input=mlp_input, apply_ln=apply_ln, pos_slice=pos_slice, expand_neurons=False,
-                      return_labels=True)
+                      project_output_onto=project, return_labels=True)
         check(f"get_full_resid_decomposition({kwargs})", lambda: ours.get_full_resid_decomposition(**kwargs),
               lambda: theirs.get_full_resid_decomposition(**kwargs), _sliced(pair.mask, pos_slice))
     full, labels = ours.get_full_resid_decomposition(expand_neurons=False, return_labels=True)
@@ -393,9 +408,10 @@ def neuron_results(pair):
             ours.get_full_resid_decomposition()
         return
     outcomes = {}
-    for layer, mlp_input, apply_ln, pos_slice in itertools.product(
-            [None, 0, 1, pair.layers], [False, True], [False, True], [None, (1, 4)]):
-        kwargs = dict(layer=layer, mlp_input=mlp_input, apply_ln=apply_ln, pos_slice=pos_slice, return_labels=True)
+    for layer, mlp_input, apply_ln, pos_slice, project in itertools.product(
+            [None, 0, 1, pair.layers], [False, True], [False, True], [None, (1, 4)], [None, direction, directions]):
+        kwargs = dict(layer=layer, mlp_input=mlp_input, apply_ln=apply_ln, pos_slice=pos_slice,
+                      project_output_onto=project, return_labels=True)
         outcomes[str(kwargs)] = check(f"get_full_resid_decomposition({kwargs})",
                                       lambda: ours.get_full_resid_decomposition(**kwargs),
                                       lambda: theirs.get_full_resid_decomposition(**kwargs),
@@ -404,6 +420,13 @@ def neuron_results(pair):
     full, labels = ours.get_full_resid_decomposition(return_labels=True)
     assert f"L{pair.layers - 1}N0" in labels
     close(full.sum(0), ours[f"layers.{pair.layers - 1}.layer_output"], pair.mask, "the expanded decomposition's sum")
+    # Projected, the components are the whole ones projected (the neurons projected before they are multiplied out).
+    for apply_ln in (False, True):
+        whole = ours.get_full_resid_decomposition(apply_ln=apply_ln)
+        projected = ours.get_full_resid_decomposition(apply_ln=apply_ln, project_output_onto=directions)
+        close(projected, whole @ directions, pair.mask, f"the decomposition projected (apply_ln={apply_ln})", 1)
+    with pytest.raises(ValueError, match="project_output_onto is"):
+        ours.get_full_resid_decomposition(project_output_onto=torch.ones(hidden + 1))
 
 
 def tokens_and_test_prompt(pair, capsys):

@@ -8,6 +8,19 @@ output. It is read where the output projection returns: its input (fetched
 first, in the same run) gives the heads, and an edit adds the difference it
 makes, summed over heads, to the projection's output, before any post-attention
 norm or residual multiplier, so the stream sees exactly the edited results.
+
+Under tensor parallelism (vLLM) each rank's projection holds its own heads'
+columns. In a trace nnsight hands every rank the projection's whole input
+(every rank's heads, gathered) and its whole output (reduced, where the
+projection leaves the reduction to its block, as Falcon's does, and split back
+after), so the ranks' columns are joined in head order (`join_result_heads`)
+and each rank computes the whole value and adds an edit's change to the whole
+output, which nnsight shares out again.
+
+The bulk path (`model.harvest`) reads it at the projection's input with a plain
+hook (`bulk_site`, `read_rows`), where each rank holds its own heads: each rank
+multiplies its heads by its columns, read once per run (`columns`), at the
+harvested rows only, and the ranks' results are joined in head order.
 """
 
 from __future__ import annotations
@@ -25,11 +38,12 @@ HEAD_RESULTS = "head_results"
 #: What a read of head_results keeps on the trace's mediator until its write-back: the projection's input.
 STASH = "_streamscope_head_results_inputs"
 
-#: Why the bulk path (harvest, generate's steers) refuses it; formatted with the value's name (``name``).
-BULK_REFUSAL = ("{name} is not served on the bulk path (harvest, generate's steers): it is computed from the "
-                "output projection's input and written into its output, and the bulk path's hooks see one point "
-                "of a module's call. Read or edit it in a trace (`with model.trace(prompt): results = "
-                "model.layers[i].{name}.save()`), or use model.cache(prompts).head_results(i).")
+#: Why a bulk steer refuses it; formatted with the value's name (``name``).
+STEER_REFUSAL = ("a steer of {name} is refused: a steer's vector is one hidden_size row, and {name} holds one such "
+                 "row per head, computed from the output projection's input and written into its output. Edit one "
+                 "head's result in a trace (`model.layers[i].{name}[:, :, head] += vector`), or steer "
+                 "self_attn.attention_output with the vector (what that change adds to it). model.harvest reads "
+                 "{name}.")
 
 NO_PROJECTION = ("its attention has none of the output projections streamscope knows ({names}), so its heads' "
                  "results cannot be computed")
@@ -39,6 +53,16 @@ def output_projection_name(module: torch.nn.Module) -> Optional[str]:
     """The name of `module`'s output projection child (`streamscope.engine.OUTPUT_PROJECTIONS`), or None."""
     children = dict(module.named_children())
     return next((name for name in OUTPUT_PROJECTIONS if isinstance(children.get(name), torch.nn.Module)), None)
+
+
+def input_width(projection: torch.nn.Module) -> int:
+    """How wide `projection`'s input is in this process: a vLLM row-parallel linear's share
+    (``input_size_per_partition``), a Linear's ``in_features``, GPT-2's Conv1D's ``nx``."""
+    for name in ("input_size_per_partition", "in_features", "nx"):
+        width = getattr(projection, name, None)
+        if isinstance(width, int):
+            return width
+    raise ValueError(f"{type(projection).__name__}: no input width (input_size_per_partition, in_features, nx)")
 
 
 def projection_reason(host: Any) -> Optional[str]:
@@ -86,22 +110,50 @@ class HeadResults(StreamValue):
         mediator = seam.mediator_at(location)
         mediator.__dict__.setdefault(STASH, {})[location] = first_tensor(raw)
 
+    def columns(self, host: Host) -> torch.Tensor:
+        """This rank's heads' columns of the output projection, ``[hidden, heads here, head_dim]``, float32 on
+        the CPU.
+
+        Read through the projection's own kernel (`linear_weight`), past any hook on it; under tensor
+        parallelism the projection holds this rank's heads' columns only.
+        """
+        projection = seam.module_of(self.located(host))
+        heads = host.result_heads()  # type: ignore[attr-defined]
+        width = input_width(projection)
+        weight = linear_weight(projection, width, in_trace=True)  # [hidden, heads here * head_dim]
+        return weight.unflatten(-1, (heads, width // heads))
+
     def results(self, host: Host) -> torch.Tensor:
-        """The heads' results of the input kept for this read, in the user's layout."""
+        """The heads' results of the input kept for this read, in the user's layout (every rank's heads)."""
         location = self.location(host)
         inputs = seam.mediator_at(location).__dict__.get(STASH, {}).get(location)
         if inputs is None:
             raise RuntimeError(f"{host.where()}.{self.name}: the output projection's input was not kept")
-        projection = seam.module_of(self.located(host))
-        width = inputs.shape[-1]
-        heads = host.result_heads()  # type: ignore[attr-defined]
         with torch.inference_mode(False):
-            weight = linear_weight(projection, width, in_trace=True).to(inputs.device)  # [hidden, heads * head_dim]
-            per_head = inputs.detach().float().unflatten(-1, (heads, width // heads))
+            # Every rank's heads' columns: a trace sees the projection's whole input (nnsight gathers it).
+            columns = host.join_result_heads(self.columns(host).to(inputs.device))  # type: ignore[attr-defined]
+            per_head = inputs.detach().float().unflatten(-1, tuple(columns.shape[1:]))
             if per_head.dim() == 3:  # vLLM's flat tokens: one sequence of them
                 per_head = per_head.unsqueeze(0)
-            columns = weight.unflatten(-1, (heads, width // heads))  # [hidden, heads, head_dim]
             return torch.einsum("bshd,mhd->bshm", per_head, columns).to(inputs.dtype)
+
+    # The bulk path: read at the projection's input, at the harvested rows only.
+
+    def bulk_site(self, host: Host) -> tuple[Any, str, str]:
+        """(envoy, where, location) where the bulk path reads the value: the output projection's input."""
+        return self.located(host), INPUT, self.input_location(host)
+
+    def read_rows(self, host: Host, raw: Any, rows: Any, columns: torch.Tensor) -> torch.Tensor:
+        """``[rows, heads * hidden]``: the heads' results at `rows` of the flattened batch, each row's
+        ``[heads, hidden]`` flattened as a harvest buffer holds it; `raw` is the projection's call input and
+        `columns` this rank's `columns` on the input's device. Every rank of a tensor-parallel engine reads the
+        same rows and joins its heads' results (`join_result_heads`)."""
+        inputs = first_tensor(raw)
+        flat = inputs.reshape(-1, inputs.shape[-1])[rows]
+        with torch.inference_mode(False):
+            local = torch.einsum("nhd,mhd->nhm", flat.float().unflatten(-1, tuple(columns.shape[1:])), columns)
+            whole = host.join_result_heads(local)  # type: ignore[attr-defined]
+        return whole.to(inputs.dtype).flatten(-2)
 
     def _read(self, host: Host, raw: Any) -> torch.Tensor:
         return self.results(host)

@@ -106,6 +106,12 @@ class Attention(Mixer):
         """Why this engine cannot serve head_results here beyond a missing kernel or projection, or None."""
         return None
 
+    def join_result_heads(self, per_head: torch.Tensor) -> torch.Tensor:
+        """Every head's slice from this process's, along the heads axis (``[..., heads, last]``: results, or the
+        output projection's columns): an engine that splits the heads over processes (vLLM's tensor
+        parallelism) joins them in head order; one process holds them all."""
+        return per_head
+
     def result_heads(self) -> int:
         """How many heads the output projection's input holds."""
         module = seam.module_of(self)

@@ -194,6 +194,8 @@ class Applier:
 
     def install(self) -> "Applier":
         """Register one hook per (module, input or output) that any site of the run needs."""
+        for site in self.harvest_sites:  # what a site reads of the model once (head_results' columns), unhooked
+            site.prepare(self.device)
         calls: dict[tuple[int, str], list[tuple[str, int, Site]]] = {}
         for index, plan in enumerate(self.steers):
             calls.setdefault(plan.site.key, []).append(("steer", index, plan.site))

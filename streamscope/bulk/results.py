@@ -6,7 +6,9 @@ A harvest's layout, the same on both engines and on disk:
   ``[len(layers), positions, hidden_size]``: the blocks in ``harvest.layers``
   order, the prompt's chosen positions in ``harvest.positions[i]`` order;
 * a root value (``token_embeddings``, ``final_norm_output``) is one tensor per
-  prompt, ``[positions, hidden_size]``.
+  prompt, ``[positions, hidden_size]``;
+* ``harvest["self_attn.head_results"]`` holds each head's result a position,
+  ``[len(layers), positions, heads, hidden_size]``.
 
 On disk (``out=folder``) the prompts are written in shards as they finish,
 ``shard-00000.safetensors`` ..., each tensor named ``"<value>/<prompt>"``,
@@ -101,7 +103,9 @@ def assemble(spec: HarvestSpec, per_prompt: Sequence[Optional[torch.Tensor]], pr
                 index += 1
             else:
                 count = len(spec.layers)
-                values[value].append(buffer[index:index + count])
+                rows = buffer[index:index + count]
+                shape = spec.shapes.get(value)  # a row stored flattened (head_results' [heads, hidden])
+                values[value].append(rows if shape is None else rows.unflatten(-1, shape))
                 index += count
     return Harvest(values, list(spec.layers), [spec.positions[prompt] for prompt in prompts], list(prompts))
 

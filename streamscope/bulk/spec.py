@@ -17,7 +17,7 @@ import torch
 
 from .. import nnsight_seam as seam
 from ..blocks import BOUNDARIES, CONTRIBUTIONS, SHORT_CONTRIBUTIONS
-from ..blocks.head_results import BULK_REFUSAL, HEAD_RESULTS
+from ..blocks.head_results import HEAD_RESULTS, STEER_REFUSAL
 from ..blocks.sublayers import NEURONS
 from ..errors import Unavailable
 from ..families.spec import ROOT_STREAMS
@@ -28,6 +28,8 @@ from ..values import ComputedValue, Host, StreamValue, resolve
 ROOT_VALUES = ROOT_STREAMS
 #: Short spellings of the contributions: the mixer a block has, its MLP.
 SHORT = SHORT_CONTRIBUTIONS
+#: Each head's result after the output projection, ``[heads, hidden_size]`` a row (`streamscope.blocks.head_results`).
+HEAD_RESULTS_VALUE = f"self_attn.{HEAD_RESULTS}"
 
 Positions = Union[str, slice, Sequence[int], Sequence[Sequence[int]]]
 """``"last"``, ``"all"``, a slice of the prompt, one list of indices for every prompt, or one list per prompt."""
@@ -35,7 +37,8 @@ Positions = Union[str, slice, Sequence[int], Sequence[Sequence[int]]]
 
 def value_names() -> tuple[str, ...]:
     """Every name a bulk request accepts."""
-    return (*BOUNDARIES, *CONTRIBUTIONS, *SHORT, *(f"mlp.{name}" for name in NEURONS), *ROOT_VALUES)
+    return (*BOUNDARIES, *CONTRIBUTIONS, *SHORT, *(f"mlp.{name}" for name in NEURONS), HEAD_RESULTS_VALUE,
+            *ROOT_VALUES)
 
 
 @dataclass
@@ -210,8 +213,8 @@ def host_and_name(model: Any, value: str, layer: Optional[int]) -> tuple[Any, st
         if layer is not None:
             raise ValueError(f"{value} is a root value (one per model, not per block): pass layer=None for it.")
         return model, value
-    if value in (HEAD_RESULTS, f"self_attn.{HEAD_RESULTS}"):
-        raise ValueError(BULK_REFUSAL.format(name=f"self_attn.{HEAD_RESULTS}"))
+    if value == HEAD_RESULTS:
+        raise ValueError(f"{value!r} is an attention's value: name it {HEAD_RESULTS_VALUE!r}.")
     if value not in value_names():
         raise ValueError(
             f"unknown value {value!r} for a bulk request: choose one of {', '.join(value_names())}."
@@ -255,18 +258,30 @@ class Site:
     module: torch.nn.Module
     where: str
     location: str  # nnsight's name for the call's point: what a tapped vLLM engine's replay serves
+    #: What a value computed from its call (head_results) keeps for the run: its columns of the projection.
+    held: Optional[torch.Tensor] = None
 
     @property
     def key(self) -> tuple[int, str]:
         """Which module call holds it: sites on the same call share one hook."""
         return id(self.module), self.where
 
+    def prepare(self, device: Any) -> None:
+        """Read what the value needs of the model once, before the run's hooks are installed (head_results: this
+        rank's columns of the output projection, on `device`)."""
+        columns = getattr(self.descriptor, "columns", None)
+        if columns is not None and self.held is None:
+            self.held = columns(self.host).to(device)
+
     def user(self, raw: Any) -> torch.Tensor:
         """The whole batch's value, in the user's layout, as a private tensor."""
         return self.descriptor._read(self.host, raw)
 
     def read_rows(self, raw: Any, rows: torch.Tensor) -> torch.Tensor:
-        """Rows of the flattened batch, ``[rows, hidden]``: the trace's read, at those rows only."""
+        """Rows of the flattened batch, ``[rows, width]``: the trace's read, at those rows only (head_results:
+        each row's ``[heads, hidden]`` flattened; `HarvestSpec.shapes` gives it back its shape)."""
+        if self.held is not None:
+            return self.descriptor.read_rows(self.host, raw, rows, self.held)  # type: ignore[attr-defined]
         view = self.user(raw)
         picked = view.reshape(-1, view.shape[-1])[rows]
         # A slice is a view of the whole batch's copy: keep only its rows.
@@ -337,6 +352,10 @@ def locate(model: Any, value: str, layer: Optional[int]) -> Site:
     descriptor = getattr(type(host), name, None)
     if not isinstance(descriptor, StreamValue) or isinstance(descriptor, ComputedValue):
         raise ValueError(f"{host.where()}.{name} is not a value a bulk request can read or write.")
+    bulk_site = getattr(descriptor, "bulk_site", None)
+    if bulk_site is not None:  # a value computed from another point of a call (head_results: the projection's input)
+        target, where, location = bulk_site(host)
+        return Site(value, layer, host, descriptor, seam.module_of(target), where, location)
     target = descriptor.located(host)  # raises Unavailable with the family's reason
     where = descriptor.site(host)[1]
     return Site(value, layer, host, descriptor, seam.module_of(target), where, descriptor.location(host))
@@ -438,6 +457,8 @@ def check_steer(model: Any, steer: Steer, prompts: int) -> Site:
     """The steer's `Site`, after checking its vector, mode and prompts; errors name the steer and the fix."""
     if not isinstance(steer, Steer):
         raise TypeError(f"steer takes streamscope.Steer objects, not a {type(steer).__name__}.")
+    if steer.value in (HEAD_RESULTS, HEAD_RESULTS_VALUE):
+        raise ValueError(STEER_REFUSAL.format(name=HEAD_RESULTS_VALUE))
     site = locate(model, steer.value, steer.layer)
     if steer.value.split(".")[-1] in NEURONS:
         raise ValueError(f"Steer({steer.value!r}): a steer's vector is hidden_size wide, the neurons "
@@ -454,6 +475,15 @@ def check_steer(model: Any, steer: Steer, prompts: int) -> Site:
     return site
 
 
+def row_width(value: str) -> str:
+    """How wide a harvested row of `value` is, in words."""
+    if value.split(".")[-1] in NEURONS:
+        return "intermediate_size wide"
+    if value == HEAD_RESULTS_VALUE:
+        return "[heads, hidden_size] a row"
+    return "hidden_size wide"
+
+
 @dataclass
 class HarvestSpec:
     """A harvest: which values, at which blocks, at which positions of each prompt."""
@@ -463,6 +493,9 @@ class HarvestSpec:
     positions: list[list[int]] = field(default_factory=list)
     #: What each harvested row becomes before it is stored (an SAE's features: `streamscope.sae.FeatureReadout`).
     readout: Optional[Any] = None
+    #: A value whose row is not one vector: its row's shape (head_results: ``(heads, hidden_size)``), which the
+    #: run stores flattened and `streamscope.bulk.results.assemble` gives back.
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def sites(self, model: Any) -> list[Site]:
         """Every (value, block) `Site`, root values once."""
@@ -479,12 +512,16 @@ def harvest_spec(model: Any, values: Any, layers: Any, positions: Positions, len
         raise ValueError("harvest needs at least one value name.")
     spec = HarvestSpec(values, layer_list(model, layers), per_prompt_positions(positions, lengths))
     spec.sites(model)  # every site resolves, or the error says which does not
-    neurons = [value for value in values if value.split(".")[-1] in NEURONS]
-    if neurons and len(neurons) < len(values):
-        # Each prompt's rows are kept in one [sites, positions, width] buffer, filled as the steps run.
-        raise ValueError(f"harvest {', '.join(neurons)} (intermediate_size wide) in a harvest of their own: one "
-                         f"harvest's values share one width, and {', '.join(v for v in values if v not in neurons)} "
-                         f"are hidden_size wide.")
+    if HEAD_RESULTS_VALUE in values:
+        spec.shapes[HEAD_RESULTS_VALUE] = (model.num_heads, model.hidden_size)
+    # Each prompt's rows are kept in one [sites, positions, width] buffer, filled as the steps run.
+    widths: dict[str, list[str]] = {}
+    for value in values:
+        widths.setdefault(row_width(value), []).append(value)
+    if len(widths) > 1:
+        described = "; ".join(f"{', '.join(names)} {width}" for width, names in widths.items())
+        raise ValueError(f"one harvest's values share one width, and these differ ({described}): harvest the values "
+                         f"of each width in a harvest of their own.")
     return spec
 
 

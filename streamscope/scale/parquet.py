@@ -58,8 +58,9 @@ def table(harvest: Harvest, token_ids: Sequence[Sequence[int]]) -> Any:
     for value, per_prompt in harvest.values.items():
         layers: list[Any] = [None] if value in ROOT_VALUES else list(range(len(harvest.layers)))
         for slot in layers:
-            # A prompt's root value is [positions, hidden]; a block value [blocks, positions, hidden].
-            rows = [tensor if slot is None else tensor[slot] for tensor in per_prompt]
+            # A prompt's root value is [positions, hidden]; a block value [blocks, positions, hidden] (head_results
+            # [blocks, positions, heads, hidden]: a token's row is its heads' results, flattened).
+            rows = [(tensor if slot is None else tensor[slot]).flatten(1) for tensor in per_prompt]
             hidden = rows[0].shape[-1]
             flat = _floats(torch.cat(rows)).reshape(-1) if rows else numpy.zeros(0, numpy.float32)
             name = value if slot is None else f"{value}/{harvest.layers[slot]}"

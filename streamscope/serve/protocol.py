@@ -35,6 +35,7 @@ import torch
 from .. import nnsight_seam as seam
 
 from ..bulk.operations import DIRECTIONAL
+from ..blocks.head_results import HEAD_RESULTS
 from ..bulk.spec import ROOT_VALUES, Positions, Steer, check_steer, harvest_spec, prompt_positions, value_names
 from ..errors import Unavailable, untapped
 
@@ -110,6 +111,17 @@ def unknown_sae(name: Any, stored: Any) -> RequestError:
     known = ", ".join(sorted(stored)[:20]) or "none yet"
     return RequestError(404, "sae", f"sae: no stored SAE is named {name!r} (stored: {known}); upload it with PUT "
                                     f"/v1/streamscope/saes/NAME (streamscope.Client.store_sae).")
+
+
+NO_HEAD_RESULTS = ("self_attn.head_results ([heads, hidden_size] a position) is not served by the server, whose "
+                   "harvests and steers hold one hidden_size vector a position: harvest it in process "
+                   "(model.harvest(prompts, 'self_attn.head_results')), or edit it in a trace.")
+
+
+def served_values() -> list[str]:
+    """The bulk values the server harvests and steers: every one `model.harvest` takes but head_results (a row of
+    ``[heads, hidden_size]``; the server's buffers hold one vector a row)."""
+    return [value for value in value_names() if value.split(".")[-1] != HEAD_RESULTS]
 
 
 def _bad(param: str, message: str, status: int = 400) -> RequestError:
@@ -210,9 +222,11 @@ class Checker:
         from ..bulk.spec import locate
 
         if not isinstance(value, str):
-            raise _bad(f"{param}.value", f"a value is named by a string ({', '.join(value_names())}).")
+            raise _bad(f"{param}.value", f"a value is named by a string ({', '.join(served_values())}).")
         if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool)):
             raise _bad(f"{param}.layer", f"a block index is an int (or null for a root value), not {layer!r}.")
+        if value.split(".")[-1] == HEAD_RESULTS:
+            raise _bad(f"{param}.value", NO_HEAD_RESULTS)
         try:
             site = locate(self.model, value, layer)
         except IndexError as error:
@@ -354,6 +368,8 @@ class Checker:
         values = [item["values"]] if isinstance(item["values"], str) else item["values"]
         if not isinstance(values, list) or not values or not all(isinstance(value, str) for value in values):
             raise _bad(f"{param}.values", "a value name or a non-empty list of them.")
+        if any(value.split(".")[-1] == HEAD_RESULTS for value in values):
+            raise _bad(f"{param}.values", NO_HEAD_RESULTS)
         layers = item.get("layers")
         if layers is not None and not isinstance(layers, (int, list)):
             raise _bad(f"{param}.layers", "a block index, a list of them, or null for every block.")

@@ -64,10 +64,10 @@ class Front:
         return self.saes.listing()[[item["name"] for item in self.saes.listing()].index(name)]
 
     def info(self) -> dict[str, Any]:
-        from ..bulk.spec import value_names
+        from .protocol import served_values
 
         return {"model_type": self.model.config.model_type, "layers": len(self.model.layers),
-                "hidden_size": self.checker.hidden, "values": list(value_names()), "taps": self.taps,
+                "hidden_size": self.checker.hidden, "values": served_values(), "taps": self.taps,
                 "default_steer": bool(self.checker.default), "vectors": sorted(self.vectors),
                 "saes": sorted(self.saes), "worker": self.worker,
                 "limits": vars(self.limits)}

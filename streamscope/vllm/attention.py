@@ -50,11 +50,6 @@ MISSING_STEPS = ("{where}.{name} on decode step {step} spans the request's whole
                  "of this attention's queries, keys, values, scores or pattern at every step "
                  "(`for step in tracer.iter[:]`).")
 
-TENSOR_PARALLEL_RESULTS = ("under tensor parallelism ({world} ranks) each rank's output projection reads its own heads "
-                           "only and returns their sum already reduced over ranks, so a trace does not serve "
-                           "head_results; read head_outputs in the trace (the heads of every rank), or "
-                           "model.cache's head_results, which joins the ranks' projections")
-
 
 def tensor_parallel() -> tuple[int, int]:
     """This engine's tensor-parallel world size and this rank's place in it; ``(1, 0)`` outside an engine."""
@@ -217,12 +212,20 @@ class VllmAttentionInternals:
     def relocated(self) -> dict:
         return {}
 
-    def head_results_reason(self) -> Optional[str]:
-        world, _ = tensor_parallel()
-        return TENSOR_PARALLEL_RESULTS.format(world=world) if world > 1 else None
-
     def result_heads(self) -> int:
         return self.head_count("head_outputs")
+
+    def join_result_heads(self, per_head: torch.Tensor) -> torch.Tensor:
+        """Every rank's heads, along the heads axis of `per_head` (``[..., heads here, last]``: results, or the
+        output projection's columns), in transformers' head order: rank r holds a contiguous run of the heads
+        and their columns of the row-parallel output projection, so the ranks' concatenation is the whole.
+        Every rank reads head_results at the same place and joins the gather."""
+        world, _ = tensor_parallel()
+        if world == 1:
+            return per_head
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        return tensor_model_parallel_all_gather(per_head.contiguous(), dim=per_head.dim() - 2)
 
     def head_count(self, name: str) -> int:
         """How many heads `name` has on this rank (under tensor parallelism, this rank's share)."""

@@ -481,31 +481,55 @@ class TransformerLensCache:
 
     def get_full_resid_decomposition(self, layer: Optional[int] = None, mlp_input: bool = False,
                                      expand_neurons: bool = True, apply_ln: bool = False,
-                                     pos_slice: SliceInput = None, return_labels: bool = False) -> Any:
+                                     pos_slice: SliceInput = None, return_labels: bool = False,
+                                     project_output_onto: Optional[torch.Tensor] = None) -> Any:
         """The stream entering block `layer` as every head's result, every neuron's result (each MLP's output
         with ``expand_neurons=False``), ``embed``, ``pos_embed`` and ``bias`` (the projections' biases summed:
         the attentions' output projections', and the MLPs' down projections' where the neurons are expanded),
-        as TL 4.3; they sum to the stream."""
+        as TL 4.3; they sum to the stream.
+
+        `project_output_onto` (``[hidden]`` or ``[hidden, k]``) projects every component (after the norm, with
+        `apply_ln`), the last axis then dropped or ``k``, as TL 4.3: the neurons are projected through their
+        down projection's rows before they are multiplied out, so the ``[neurons, batch, pos, hidden]`` stack is
+        never made (with `apply_ln` each row is centred first: centring and the frozen scale are linear).
+        """
         end = self._layer(layer)
         for index in range(min(end + 1, self.num_layers)):
             reason = self.norm_inputs.get(index, {}).get("sandwich")
             if reason is not None:
                 raise Unavailable("get_full_resid_decomposition", f"blocks.{index}", reason)
+        projection = None
+        if project_output_onto is not None:
+            hidden = self["token_embeddings"].shape[-1]
+            if project_output_onto.dim() not in (1, 2) or project_output_onto.shape[0] != hidden:
+                raise ValueError(f"project_output_onto is [hidden_size] or [hidden_size, k] = [{hidden}] or "
+                                 f"[{hidden}, k]; got {list(project_output_onto.shape)}")
+            projection = project_output_onto[:, None] if project_output_onto.dim() == 1 else project_output_onto
+
+        def finished(stack: torch.Tensor) -> torch.Tensor:  # the norm, then the projection, of whole-width parts
+            if apply_ln:
+                stack = self.apply_ln_to_stack(stack, end, mlp_input, pos_slice)
+            return stack if projection is None else stack @ projection.to(stack)
+
         heads, labels = self.stack_head_results(end + (1 if mlp_input else 0), return_labels=True,
                                                 pos_slice=pos_slice)
-        parts = [heads]
-        if end > 0 and expand_neurons:
+        parts = [finished(heads)]
+        if end > 0 and expand_neurons and projection is not None:
+            neurons, neuron_labels = self._projected_neurons(end, mlp_input, apply_ln, pos_slice, projection)
+            parts.append(neurons.to(parts[0].dtype))
+            labels = labels + neuron_labels
+        elif end > 0 and expand_neurons:
             neurons, neuron_labels = self.stack_neuron_results(end, pos_slice=pos_slice, return_labels=True,
                                                                mlp_input=mlp_input)
-            parts.append(neurons.to(heads.dtype))
+            parts.append(finished(neurons.to(heads.dtype)))
             labels = labels + neuron_labels
         elif end > 0:
             mlps, mlp_labels = self.decompose_resid(end, mlp_input=mlp_input, mode="mlp", incl_embeds=False,
                                                    pos_slice=pos_slice, return_labels=True)
-            parts.append(mlps)
+            parts.append(finished(mlps))
             labels = labels + mlp_labels
         embeds, embed_labels = self.decompose_resid(0, pos_slice=pos_slice, return_labels=True)
-        parts.append(embeds)
+        parts.append(finished(embeds))
         labels = labels + embed_labels
         # What each attention adds beyond its heads' results: its output projection's bias, at every position;
         # with the neurons expanded, what each MLP adds beyond its neurons' results too (its down projection's).
@@ -518,12 +542,31 @@ class TransformerLensCache:
                 weights = self.neuron_weights(index).to(acts.device)
                 bias = bias + apply_slice(self[f"blocks.{index}.hook_mlp_out"], pos_slice, -2) - acts.to(
                     weights.dtype) @ weights
-        parts.append(bias[None])
+        parts.append(finished(bias[None]))
         labels.append("bias")
         stack = torch.cat(parts)
-        if apply_ln:
-            stack = self.apply_ln_to_stack(stack, end, mlp_input, pos_slice)
+        if project_output_onto is not None and project_output_onto.dim() == 1:
+            stack = stack.squeeze(-1)
         return (stack, labels) if return_labels else stack
+
+    def _projected_neurons(self, layer: int, mlp_input: bool, apply_ln: bool, pos_slice: SliceInput,
+                           projection: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+        """``[blocks * neurons, batch, pos, k]``: every neuron's result before block `layer` projected onto
+        `projection` ``[hidden, k]``, normed as `apply_ln_to_stack` norms it where `apply_ln`, and its labels;
+        each neuron's down projection row is projected (centred first, with a layer norm's `apply_ln`), then
+        multiplied by the neuron's activations, so no ``hidden``-wide result is made."""
+        scale = apply_slice(self.norm_scale(layer, mlp_input), pos_slice, -2) if apply_ln else None
+        parts, labels = [], []
+        for index in range(layer):
+            acts = apply_slice(self[f"blocks.{index}.mlp.hook_post"], pos_slice, -2)  # [batch, pos, neurons]
+            weights = self.neuron_weights(index).to(acts.device)  # [neurons, hidden]
+            if apply_ln:
+                weights = self.norm_form.centre(weights)
+            rows = weights @ projection.to(weights)  # [neurons, k]
+            part = (acts.to(rows.dtype)[..., None] * rows).movedim(-2, 0)  # [neurons, batch, pos, k]
+            parts.append(part if scale is None else part / scale.to(part))
+            labels += [f"L{index}N{neuron}" for neuron in range(weights.shape[0])]
+        return torch.cat(parts), labels
 
     # Batch handling and devices.
 

@@ -160,12 +160,5 @@ def test_a_harvest_refuses_a_prompt_whose_first_tokens_ran_unseen():
         applier.step([Span(0, start=0, count=2, first=2)])
 
 
-def test_head_results_on_the_bulk_path_is_refused_naming_the_trace(engine):
-    model = engine.model
-    for value in ("self_attn.head_results", "head_results"):
-        with pytest.raises(ValueError, match=r"not served on the bulk path.*in a trace") as raised:
-            model.harvest(["The cat sat"], value, layers=[0])
-        assert "self_attn.head_results" in str(raised.value)
-        with pytest.raises(ValueError, match="not served on the bulk path"):
-            model.generate(["The cat sat"], max_tokens=1, steer=[streamscope.Steer(value, 0, torch.ones(4))])
-    assert model.harvest(["The cat sat"], "layer_output", layers=[0])["layer_output"][0].shape[0] == 1  # still serves
+def test_head_results_on_the_bulk_path_equal_the_trace(engine):
+    bulk_checks.check_head_results_on_the_bulk_path(engine.model, batch_size=2)

@@ -104,6 +104,13 @@ def test_an_edit_of_head_results_matches_the_oracle_scaling_that_heads_result(fa
     matrix.head_results_edit_error(family.model, family.oracle, PROMPT, RELATIVE)
 
 
+def test_a_harvest_of_head_results_equals_the_oracle(family):
+    if not matrix.rows(family.model.support(), "self_attn.head_results"):
+        pytest.skip(f"{family.name} has no self_attn.head_results on any block")
+    error = matrix.head_results_harvest_error(family.model, family.oracle, PROMPT, RELATIVE)
+    matrix.record("transformers", family.case_id, "head_results harvest", error, RELATIVE)
+
+
 def test_every_row_of_the_support_table_is_a_value_the_matrix_checks(family):
     support = family.model.support()
     listed = set(support.root.rows).union(*(table.rows for table in support.blocks))

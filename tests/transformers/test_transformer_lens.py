@@ -69,3 +69,15 @@ def test_neuron_results_stacks_and_expanded_decomposition(pair):
 
 def test_token_helpers_and_test_prompt(pair, capsys):
     parity.tokens_and_test_prompt(pair, capsys)
+
+
+def test_the_tl_demo_cache_section_prints_tl_numbers_on_smollm2(transformer_lens):
+    """TransformerLens's exploratory-analysis demo, cache section (scripts/tl_notebook.py: the logit lens, per-layer,
+    per-head and, after the neurons, per-neuron attribution), on SmolLM2-135M: the same calls on TL 4.3's cache and
+    on streamscope's give the same numbers, to the parity's 1e-4."""
+    from streamscope.models import smollm2
+
+    path = smollm2(quiet=True)
+    errors = parity.tl_notebook().compare(path, lambda: streamscope.load(path, attn_implementation="eager"))
+    assert len(errors) == 10 and max(errors.values()) <= parity.TOLERANCE, errors
+

@@ -16,7 +16,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # pipeline stages run as pro
 import torch  # noqa: E402
 
 import streamscope  # noqa: E402
-from streamscope.bulk.spec import value_names  # noqa: E402
+from streamscope.bulk.spec import row_width, value_names  # noqa: E402
 
 PROMPTS = ["The Eiffel Tower is in Paris", "A quick brown fox jumps over", "Hello"]
 
@@ -42,13 +42,15 @@ def main(path: str, size: int, out: str) -> None:
     try:
         result: dict = {"support": str(model.support())}
         names = served(model)
-        # One harvest's values share one width: the MLP's neurons (intermediate_size wide) go in a harvest of their own.
-        neurons = [name for name in names if name.startswith("mlp.neurons")]
+        # One harvest's values share one width: the MLP's neurons (intermediate_size wide) and head_results
+        # ([heads, hidden_size] a row) go in harvests of their own.
+        groups: dict[str, list[str]] = {}
+        for name in names:
+            groups.setdefault(row_width(name), []).append(name)
         result["harvest"] = {}
-        for group in ([name for name in names if name not in neurons], neurons):
-            if group:
-                harvest = model.harvest(PROMPTS, group, positions="all", progress=False)
-                result["harvest"].update({name: harvest[name] for name in group})
+        for group in groups.values():
+            harvest = model.harvest(PROMPTS, group, positions="all", progress=False)
+            result["harvest"].update({name: harvest[name] for name in group})
         width, last = model.hidden_size, model.num_layers - 1
         generator = torch.Generator().manual_seed(0)
         steers = [streamscope.Steer("layer_output", layer=0, vector=torch.randn(width, generator=generator), scale=2.0),

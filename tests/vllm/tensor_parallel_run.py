@@ -34,11 +34,8 @@ def main(path: str, tensor_parallel_size: int, prompt: str, dtype: str = "float3
     model = streamscope.load(path, engine="vllm", dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                              **({"gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": 1 << 30} if torch.cuda.is_available() else {}))
     names = list(ROOT)
-    for block in range(model.num_layers):
-        # head_results: a trace under tensor parallelism refuses it in the worker (each rank's projection sums its
-        # own heads); the client's support table does not yet say so (a known gap, see the session notes).
-        names += [f"{block}.{row}" for row, reason in model.layers[block].support().rows.items()
-                  if reason is None and not row.endswith("head_results")]
+    for block in range(model.num_layers):  # every value the client's support table says the engine serves
+        names += [f"{block}.{row}" for row, reason in model.layers[block].support().rows.items() if reason is None]
     result = {}
     for name in names:  # one trace a value: no value is read after the model passed it
         with model.trace(prompt, **GREEDY):
@@ -61,6 +58,15 @@ def main(path: str, tensor_parallel_size: int, prompt: str, dtype: str = "float3
             neurons[:, -1, :4] = 0  # the first neurons: on the first rank
             edited = model.logits.float().cpu().save()
         result["neurons edited logits"] = edited.tolist()
+    if model.layers[0].support()["self_attn.head_results"] is None:
+        with model.trace(prompt, **GREEDY):
+            results = model.layers[0].self_attn.head_results
+            results[:, :, -1] *= 10.0  # the last head's result: its rank's heads, added once to the reduced output
+            edited = model.logits.float().cpu().save()
+        result["head result edited logits"] = edited.tolist()
+        # The bulk path: each rank's heads' results at the harvested rows, joined in head order.
+        harvest = model.harvest([prompt], "self_attn.head_results", positions="all", progress=False)
+        result["harvested head_results"] = harvest["self_attn.head_results"][0].float().tolist()
     # The per-block projections a workflow reads off the worker (TransformerLens's W_O and W_out).
     for kind, weights in (("output projection", model.engine.output_projections()),
                           ("down projection", model.engine.down_projections())):

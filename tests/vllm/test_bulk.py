@@ -63,6 +63,10 @@ def test_a_harvest_equals_the_trace_of_the_same_prompts_bit_for_bit(engine):
                 assert torch.equal(harvest[name][index][block], expected), (index, block, name)
 
 
+def test_head_results_on_the_bulk_path_equal_the_trace(engine):
+    bulk_checks.check_head_results_on_the_bulk_path(engine.model)
+
+
 def test_positions_select_the_same_rows(engine):
     bulk_checks.check_positions(engine.model)
 

@@ -155,6 +155,14 @@ def test_an_edit_of_head_results_matches_the_oracle_scaling_that_heads_result(en
     matrix.record("vllm", engines.case_id, "head_results edit", error, engines.tolerances.relative)
 
 
+def test_a_harvest_of_head_results_equals_the_oracle(engines):
+    if not matrix.rows(engines.support, "self_attn.head_results"):
+        pytest.skip(f"{engines.name} has no self_attn.head_results on any block")
+    tolerance = engines.tolerances.of("self_attn.head_results")
+    error = matrix.head_results_harvest_error(engines.model, engines.oracle, PROMPT, tolerance)
+    matrix.record("vllm", engines.case_id, "head_results harvest", error, tolerance)
+
+
 def test_prompt_logits_are_served_on_every_layout(engines):
     """Every model unembeds something, so prompt_logits are served everywhere (test_value holds them to the
     oracle), a layout without a final norm too (OPT-350m's)."""

@@ -2,10 +2,12 @@
 
 Each engine runs in a process of its own (vLLM runs its ranks as processes), from
 `tensor_parallel_run.py`. The per-head values (queries, keys, values, head outputs,
-scores, pattern) come back whole, every rank's heads gathered in transformers'
-order, where each rank holds its own heads; key/value heads that vLLM repeats on
-several ranks (more ranks than kv heads) come back once each. An edit of the last
-head lands on the rank that holds it, and a skip on every rank. On the CPU both
+scores, pattern, head results: in a trace and harvested) come back whole, every
+rank's heads gathered in transformers' order, where each rank holds its own heads;
+key/value heads that vLLM repeats on several ranks (more ranks than kv heads) come
+back once each. Every value the client's support table lists is read, so the table
+and the engine's ranks agree. An edit of the last head lands on the rank that holds
+it, an edit of its result once over the ranks, and a skip on every rank. On the CPU both
 runs are float32 and agree to float rounding; the GPU suite (tests/GPU.md) runs
 this file on two GPUs.
 """
@@ -63,8 +65,9 @@ def test_two_ranks_serve_every_value_of_one_rank_equal(runs):
     single, split = runs
     assert set(split) == set(single)
     per_head = [name for name in single if name.rsplit(".", 1)[-1] in
-                ("queries", "keys", "values", "head_outputs", "scores", "pattern")]
+                ("queries", "keys", "values", "head_outputs", "scores", "pattern", "head_results")]
     assert per_head, "the checkpoint serves no attention internals"
+    assert any(name.endswith(".head_results") for name in per_head) and "harvested head_results" in single
     # Each rank's columns of the row-parallel output and down projections, joined in rank order.
     assert any(name.endswith(".output projection") for name in single)
     assert any(name.endswith(".down projection") for name in single) == any(
@@ -81,6 +84,9 @@ def test_an_edit_and_a_skip_land_on_every_rank(runs):
     if "neurons edited logits" in single:  # the neurons' edits land in their ranks' shards (the gates' halves)
         assert not torch.allclose(single["neurons edited logits"], single["logits"])
         assert relative_error(split["neurons edited logits"], single["neurons edited logits"]) <= TOLERANCE
+    if "head result edited logits" in single:  # the last head's result x10: its change added once over the ranks
+        assert not torch.allclose(single["head result edited logits"], single["logits"])
+        assert relative_error(split["head result edited logits"], single["head result edited logits"]) <= TOLERANCE
     assert not torch.allclose(single["edited logits"], single["logits"])
     assert not torch.allclose(single["skipped logits"], single["logits"])
     assert relative_error(split["edited logits"], single["edited logits"]) <= TOLERANCE

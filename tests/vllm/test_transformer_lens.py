@@ -85,3 +85,25 @@ def test_neuron_results_stacks_and_expanded_decomposition(pair):
 
 def test_token_helpers_and_test_prompt(pair, capsys):
     parity.tokens_and_test_prompt(pair, capsys)
+
+
+def test_the_tl_demo_cache_section_prints_tl_numbers_on_smollm2(transformer_lens):
+    """TransformerLens's exploratory-analysis demo, cache section (scripts/tl_notebook.py), on SmolLM2-135M with
+    the engine in place of TL 4.3's bridge: the same numbers, to the parity's 1e-4 plus what this engine's attention
+    kernel measures on the model (as the parity's other tests are held)."""
+    from streamscope.models import smollm2
+
+    path = smollm2(quiet=True)
+    limit = []
+
+    def load():
+        model = streamscope.load(path, engine="vllm", **precision.engine_kwargs())
+        if precision.ON_GPU:
+            limit.append(precision.GPU_ENGINE_TOLERANCE[precision.DTYPE])
+        else:
+            attention = matrix.read(model, matrix.attention_steps(model), parity.PROMPTS[0], **GREEDY)
+            limit.append(precision.cpu_float32(matrix.attention_kernel_error(model, attention)))
+        return model
+
+    errors = parity.tl_notebook().compare(path, load)
+    assert len(errors) == 10 and max(errors.values()) <= parity.TOLERANCE + limit[0], (errors, limit)
