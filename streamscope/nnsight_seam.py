@@ -586,6 +586,19 @@ _RECEIVED: dict[str, float] = {"handed": 0, "packed": 0, "pickled": 0, "seconds_
                                "seconds_pickled": 0.0}
 
 
+def _compact_reduce(value: Any) -> Any:
+    """A save's pickler's `reducer_override`: a plain tensor that views part of a larger storage is pickled as its
+    clone, by nnsight's compact rule; anything else as pickle does (``NotImplemented``)."""
+    import pickle
+
+    import torch
+
+    if isinstance(value, torch.Tensor) and _plain(value) and (
+            value.untyped_storage().nbytes() > value.numel() * value.element_size()):
+        return value.clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return NotImplemented
+
+
 class HandedSaves:
     """One collect's saves, from a vLLM worker to the client in the same process, with no tensor pickled.
 
@@ -666,11 +679,7 @@ def _pack(collected: Any, compact: Callable[[Any], bytes]) -> Any:
             return index[id(value)]
 
         def reducer_override(self, value: Any) -> Any:
-            # A tensor subclass (a Parameter) is pickled, by nnsight's compact rule.
-            if isinstance(value, torch.Tensor) and _plain(value) and (
-                    value.untyped_storage().nbytes() > value.numel() * value.element_size()):
-                return value.clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-            return NotImplemented
+            return _compact_reduce(value)
 
     buffer = io.BytesIO()
     StructurePickler(buffer, pickle.HIGHEST_PROTOCOL).dump(collected)
@@ -873,7 +882,7 @@ def _pack_into_buffer(collected: Any) -> list:
         return (len(slots) - 1, str(value.dtype).removeprefix("torch."), str(value.device), start, nbytes,
                 tuple(value.shape), value.stride(), offset, value.requires_grad)
 
-    class StructurePickler(pickle.Pickler):
+    class PackingPickler(pickle.Pickler):
         def persistent_id(self, value: Any) -> Optional[tuple]:
             if type(value) is not torch.Tensor or not _plain(value):
                 return None
@@ -883,14 +892,10 @@ def _pack_into_buffer(collected: Any) -> list:
             return index[id(value)]
 
         def reducer_override(self, value: Any) -> Any:
-            # A tensor subclass (a Parameter) is pickled, by nnsight's compact rule.
-            if isinstance(value, torch.Tensor) and _plain(value) and (
-                    value.untyped_storage().nbytes() > value.numel() * value.element_size()):
-                return value.clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-            return NotImplemented
+            return _compact_reduce(value)
 
     structure = io.BytesIO()
-    StructurePickler(structure, pickle.HIGHEST_PROTOCOL).dump(collected)
+    PackingPickler(structure, pickle.HIGHEST_PROTOCOL).dump(collected)
     buffer = bytearray(end)
     view = memoryview(buffer)
     on_devices: dict[Any, list] = {}
@@ -962,7 +967,7 @@ def _unpack_buffer(payload: Any) -> Any:
                 staged[device] = torch.from_numpy(host).to(device)  # one copy of the buffer there, sliced there
         return staged[device][start:start + nbytes].clone().untyped_storage()
 
-    class StructureUnpickler(pickle.Unpickler):
+    class PackedUnpickler(pickle.Unpickler):
         def persistent_load(self, key: Any) -> Any:
             slot, dtype, device, start, nbytes, shape, stride, offset, requires_grad = key
             if slot not in rebuilt:
@@ -974,7 +979,7 @@ def _unpack_buffer(payload: Any) -> Any:
             return rebuilt[slot]
 
     with torch.inference_mode(False):
-        return StructureUnpickler(io.BytesIO(structure)).load()
+        return PackedUnpickler(io.BytesIO(structure)).load()
 
 
 # A vLLM trace's interventions on their way to the worker: one pickle per trace where the engine shares the process.

@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..blocks.sublayers import NEURONS
 from ..bulk.apply import Applier, Span, steer_plans
 from ..bulk.results import Generation, Harvest, ShardWriter, assemble
 from .. import nnsight_seam as seam
@@ -291,6 +292,9 @@ def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str,
 
 def settable(model: Any, value: str, layer: int) -> Optional[str]:
     """None where `set_each` can set `value` (a name as `model.harvest` takes it) of block `layer`, else why not."""
+    if value.split(".")[-1] in NEURONS and model.tensor_parallel_size > 1:
+        return (f"under tensor parallelism each of the {model.tensor_parallel_size} ranks holds a share of the MLP's "
+                f"neurons, and a bulk set writes {value} whole")
     try:
         site = locate(model, value, layer)
         _check_tapped(model, [site])

@@ -266,6 +266,14 @@ class StandardizedVLLM(Standardized, VLLM):
         return super().trace(*inputs, **kwargs)
 
     @property
+    def tensor_parallel_size(self) -> int:
+        """The engine's tensor-parallel ranks (1 without tensor parallelism)."""
+        entry = getattr(self, "vllm_entrypoint", None)
+        if entry is None:
+            return 1
+        return entry.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+
+    @property
     def pipeline_parallel_size(self) -> int:
         """The engine's pipeline stages (1 without pipeline parallelism)."""
         entry = getattr(self, "vllm_entrypoint", None)

@@ -244,3 +244,16 @@ def test_generate_as_a_with_block_is_nnsight_generate_and_called_a_generation(en
     outputs = model.generate(PROMPTS[:2], temperature=0.0, max_tokens=2, ignore_eos=True, progress=False)
     assert isinstance(outputs, streamscope.Generation)
     assert len(outputs.tokens) == 2 and all(len(tokens) == 2 for tokens in outputs.tokens)
+
+
+def test_a_neuron_patch_under_tensor_parallelism_is_not_a_bulk_set():
+    """Each rank holds a share of the MLP's neurons, so `streamscope.patch` keeps a neuron patch on the trace route
+    there (`settable` says why) rather than a bulk set the ranks' shards could not take."""
+    from streamscope.vllm.bulk import settable
+
+    class TwoRanks:
+        tensor_parallel_size = 2
+
+    for value in ("mlp.neurons", "mlp.neurons_pre"):
+        reason = settable(TwoRanks(), value, 0)
+        assert reason is not None and "tensor parallelism" in reason and value in reason
