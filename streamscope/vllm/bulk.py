@@ -20,6 +20,7 @@ carry them.
 from __future__ import annotations
 
 import itertools
+import os
 import pickle
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -279,8 +280,12 @@ def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str,
     held.record(model, used, drop)
     try:
         params = [SamplingParams(**sampling, extra_args={MARK: (run, local_index)}) for local_index in range(len(chunk))]
-        outputs = model.vllm_entrypoint.generate([{"prompt_token_ids": ids[index]} for index in chunk], params,
-                                                 use_tqdm=False)
+        prompts = [{"prompt_token_ids": ids[index]} for index in chunk]
+        for local_index in _salted(model, chunk_spec, chunk_steers, len(chunk)):
+            # Its own cache salt: under prefix caching a steered or harvested request neither reuses KV blocks
+            # computed under another steer (or none) nor skips the prompt positions a harvest reads.
+            prompts[local_index]["cache_salt"] = f"streamscope-{os.getpid()}-{run}-{local_index}"
+        outputs = model.vllm_entrypoint.generate(prompts, params, use_tqdm=False)
     finally:
         results = model.vllm_entrypoint.collective_rpc("streamscope_bulk_finish", args=(inline,))
     # Every worker's part: under pipeline parallelism each stage read its own blocks (`vllm.pipeline.gather`).
@@ -288,6 +293,16 @@ def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str,
     if result["error"] is not None:
         raise result["error"]
     return outputs, result
+
+
+def _salted(model: Any, spec: Optional[HarvestSpec], steers: Sequence[Steer], count: int) -> list[int]:
+    """The requests of a chunk that need a cache salt of their own: with prefix caching on, every one a steer or a
+    harvest touches (the others may share cached blocks, as plain vLLM's requests do)."""
+    if not model.vllm_entrypoint.llm_engine.vllm_config.cache_config.enable_prefix_caching:
+        return []
+    if spec is not None or any(steer.prompts is None for steer in steers):
+        return list(range(count))
+    return sorted({index for steer in steers for index in steer.prompts or ()})
 
 
 def settable(model: Any, value: str, layer: int) -> Optional[str]:

@@ -257,3 +257,30 @@ def test_a_neuron_patch_under_tensor_parallelism_is_not_a_bulk_set():
     for value in ("mlp.neurons", "mlp.neurons_pre"):
         reason = settable(TwoRanks(), value, 0)
         assert reason is not None and "tensor parallelism" in reason and value in reason
+
+
+def test_prefix_caching_never_serves_a_steered_or_harvested_request_from_another_requests_blocks(engine):
+    """With prefix caching on, a steered request of a prompt whose blocks an unsteered run cached equals the same
+    steer on an engine without the cache, and a harvest of it reads every position: each such request runs under a
+    cache salt of its own (`vllm.bulk._salted`), so no KV block computed under another steer (or none) is reused."""
+    if engine.family != "llama":
+        pytest.skip("one family is enough: the salt is the engine's, not the family's")
+    model = engine.model
+    long = " ".join(PROMPTS * 4)  # several whole KV blocks, so the unsteered run's blocks are cached and reusable
+    assert len(model.tokenizer(long)["input_ids"]) >= 48
+    steer = streamscope.Steer("layer_output", 1, torch.linspace(-1, 1, model.hidden_size))
+    sampling = {"max_tokens": 3, "return_logits": True, "ignore_eos": True, "progress": False}
+    exact = model.generate([long], steer=[steer], **sampling).logits[0]
+    exact_harvest = model.harvest([long], "layer_output", positions="all", progress=False)["layer_output"][0]
+    cached = streamscope.load(engine.path, engine="vllm", enable_prefix_caching=True, **precision.engine_kwargs())
+    try:
+        plain = cached.generate([long], **sampling).logits[0]  # fills the cache with unsteered blocks
+        steered = cached.generate([long], steer=[steer], **sampling).logits[0]
+        harvest = cached.harvest([long], "layer_output", positions="all", progress=False)["layer_output"][0]
+        again = cached.generate([long], **sampling).logits[0]  # and the steered run left nothing for plain ones
+    finally:
+        cached.close()
+    assert relative_error(plain, exact) > 100 * RELATIVE  # the steer moves the logits: a reused block would show
+    assert relative_error(steered, exact) <= RELATIVE
+    assert relative_error(harvest, exact_harvest) <= RELATIVE
+    assert relative_error(again, plain) <= RELATIVE
