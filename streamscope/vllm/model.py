@@ -268,18 +268,16 @@ class StandardizedVLLM(Standardized, VLLM):
     @property
     def tensor_parallel_size(self) -> int:
         """The engine's tensor-parallel ranks (1 without tensor parallelism)."""
-        entry = getattr(self, "vllm_entrypoint", None)
-        if entry is None:
-            return 1
-        return entry.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+        return self._parallel("tensor_parallel_size")
 
     @property
     def pipeline_parallel_size(self) -> int:
         """The engine's pipeline stages (1 without pipeline parallelism)."""
+        return self._parallel("pipeline_parallel_size")
+
+    def _parallel(self, size: str) -> int:
         entry = getattr(self, "vllm_entrypoint", None)
-        if entry is None:
-            return 1
-        return entry.llm_engine.vllm_config.parallel_config.pipeline_parallel_size
+        return 1 if entry is None else getattr(entry.llm_engine.vllm_config.parallel_config, size)
 
     def _stages(self) -> str:
         from .pipeline import describe

@@ -149,7 +149,8 @@ def test_value(engines, value):
 
 def test_an_edit_of_head_results_matches_the_oracle_scaling_that_heads_result(engines):
     if not any(reason is None for reason in matrix.rows(engines.support, "self_attn.head_results").values()):
-        pytest.skip(f"{engines.name} serves no head_results")
+        pytest.skip(f"{engines.name}: every block refuses head_results (test_value holds each refusal to its "
+                    "reason), so there is no edit to check")
     error = matrix.head_results_edit_error(engines.model, engines.oracle, PROMPT, engines.tolerances.relative,
                                            sampled=True, **GREEDY)
     matrix.record("vllm", engines.case_id, "head_results edit", error, engines.tolerances.relative)
@@ -157,7 +158,7 @@ def test_an_edit_of_head_results_matches_the_oracle_scaling_that_heads_result(en
 
 def test_a_harvest_of_head_results_equals_the_oracle(engines):
     if not matrix.rows(engines.support, "self_attn.head_results"):
-        pytest.skip(f"{engines.name} has no self_attn.head_results on any block")
+        pytest.skip(f"{engines.name} has no attention block, so no self_attn.head_results row to harvest")
     tolerance = engines.tolerances.of("self_attn.head_results")
     error = matrix.head_results_harvest_error(engines.model, engines.oracle, PROMPT, tolerance)
     matrix.record("vllm", engines.case_id, "head_results harvest", error, tolerance)

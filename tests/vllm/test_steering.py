@@ -138,7 +138,9 @@ def test_a_direction_edits_fused_halves_in_the_fewest_operations_and_equals_plai
         editor((hidden, None if rows == "one half" else residual), chosen)
     assert ops.names == ROUTES[(mode, rows)]
     after = hidden + residual
-    assert relative_error(after, expected) <= 1e-6
+    # The projection is a sum of 64 products, taken over the two halves apart here and over their sum in plain torch:
+    # the two orders differ by at most 64 float32 roundings of the largest term (a reduction's n * eps bound).
+    assert relative_error(after, expected) <= 64 * torch.finfo(torch.float32).eps
     untouched = torch.ones(12, dtype=torch.bool)
     untouched[chosen] = False
     assert torch.equal(after[untouched], before[untouched])
