@@ -40,7 +40,9 @@ BATCH = {"batch_size": 1}  # no padding: a prompt's forward is the same in a sha
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # "local": a cluster of this test's own; ray.init() alone joins the last one started on this machine,
+    # which may be another test file's, running beside this one under -n 2.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

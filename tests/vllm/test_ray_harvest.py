@@ -24,7 +24,9 @@ VALUES = ["layer_input", "layer_output", "mlp_output", "final_norm_output"]
 
 def test_a_vllm_replica_writes_the_engines_own_harvest(checkpoints, tmp_path):
     path = checkpoints("llama")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # "local": a cluster of this test's own; ray.init() alone joins the last one started on this machine,
+    # which may be another test file's, running beside this one under -n 2.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         folder = harvest(PROMPTS, path, VALUES, [0, 1], "all", out=tmp_path / "run", replicas=1, engine="vllm",
                          shard_size=3, num_cpus=2, progress=False)
