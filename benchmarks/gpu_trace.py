@@ -231,8 +231,8 @@ def engine_process_rows(measured: dict, layers: int) -> list:
 
 
 def unchecked(run):
-    """`run` with streamscope's NaN/inf check of each write off (`values.WARN_NON_FINITE`): the check reads one
-    number back from the device per write, so this measures what that wait costs."""
+    """`run` with streamscope's NaN/inf check of each write off (`values.WARN_NON_FINITE`): the check is two
+    reductions per write on the device, read together when an invoke ends, so this measures what is left of it."""
     from streamscope import values
 
     def call():

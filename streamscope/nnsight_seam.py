@@ -388,25 +388,31 @@ def rename_out_of_order(message: Callable[[Mediator, str], Optional[str]]) -> No
 
 
 def around_mediator_run(after: Callable[[Mediator], None],
-                      explain: Callable[[Mediator, RuntimeError], None]) -> None:
+                        explain: Callable[[Mediator, RuntimeError], None],
+                        ended: Callable[[bool], None]) -> None:
     """Run streamscope's checks when a mediator's code ends, and let it explain a RuntimeError raised in it.
 
     nnsight's ``Mediator._run`` runs one invoke's code. ``after(mediator)`` runs
     when it returns (it may raise); ``explain(mediator, error)`` sees a
     RuntimeError the code raised (it may reword ``error.args``) before it
-    propagates.
+    propagates; ``ended(raised)`` runs last either way, told whether the code
+    (or ``after``) raised.
     """
     run = Mediator._run
     if getattr(run, "streamscope_checks", False):
         return
 
     def checked_run(mediator: Mediator) -> None:
+        raised = True
         try:
             run(mediator)
             after(mediator)
+            raised = False
         except RuntimeError as error:
             explain(mediator, error)
             raise
+        finally:
+            ended(raised)
 
     setattr(checked_run, "streamscope_checks", True)  # marks the patch as applied (a function attribute)
     Mediator._run = checked_run

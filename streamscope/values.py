@@ -29,15 +29,14 @@ sits in a call; the envoy that hosts a value supplies both through
 
 from __future__ import annotations
 
-import math
 import re
-import warnings
 import weakref
 from typing import Any, Callable, Optional, Protocol
 
 import torch
 
 from . import nnsight_seam as seam
+from . import nonfinite
 from .errors import Unavailable, missing_module, untapped
 from .nnsight_seam import LocatedProperty, OutOfOrderError, PendingWriteBack, Mediator
 
@@ -48,7 +47,7 @@ Residual = torch.Tensor
 INPUT, OUTPUT = "input", "output"
 
 #: Whether a write is checked for NaN or inf it brings into finite values (a warning names the value).
-#: The check reads one number back from the device per write; set False where that sync matters.
+#: The check costs two reductions on the device per write, read together at the end of the invoke.
 WARN_NON_FINITE = True
 
 
@@ -363,9 +362,10 @@ def check_write(name: str, shape: str, expected: tuple[int, ...], value: Any,
     """Refuse `value` as a write of `name` unless it is a real tensor of numbers of the `expected` shape.
 
     A bool or complex tensor is not a value of the stream, and a meta tensor
-    has no numbers at all. Where `value` holds NaN or inf at entries that were
-    finite in `current` (the model's own value), it is written, with a warning
-    naming the value: every later position that attends to it is poisoned.
+    has no numbers at all. Where `value` holds NaN or inf and `current` (the
+    model's own value) held none, it is written, with a warning naming the
+    value, at the end of the invoke: every later position that attends to it
+    is poisoned.
     """
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected:
         refuse_write(name, shape, expected, value)
@@ -381,48 +381,8 @@ def check_write(name: str, shape: str, expected: tuple[int, ...], value: Any,
             f"device instead, e.g. `torch.zeros(..., device={name}.device)`."
         )
     if warn and WARN_NON_FINITE and value.is_floating_point():
-        # The common case in one reduction (one kernel, one number read back): any NaN or inf makes the sum
-        # NaN or inf, and a sum of finite numbers is finite unless it overflows; a sum that is not finite is
-        # then looked at entry by entry, so an overflow costs time, never a wrong warning. float16 and
-        # bfloat16 are summed in float32 (float16's own range is soon exceeded by a sum of activations).
-        total = value.sum(dtype=torch.float32) if value.element_size() < 4 else value.sum()
-        if math.isfinite(total.item()):
-            return
-        finite = torch.isfinite(value)
-        if current is not None and current.shape == value.shape:
-            introduced = ~finite & torch.isfinite(current)
-        else:
-            introduced = ~finite
-        count = int(introduced.sum())
-        if count:
-            warn_every_time(
-                f"{name} is written with NaN or inf at {count} of its {value.numel()} entries, where the "
-                f"model's values were finite: every later position that attends to them (and every value "
-                f"after them) becomes NaN. Write finite numbers unless that is what you mean to study.")
-
-
-def warn_every_time(message: str, category: type[Warning] = RuntimeWarning) -> None:
-    """Warn at the user's line (the innermost frame outside streamscope and nnsight), on every occurrence.
-
-    `warnings.warn` shows a message once per code location; a write check fires from the same line of
-    streamscope for every write, so the second trace's NaN write (same text, same line) would pass unseen.
-    """
-    import sys
-    import sysconfig
-    from pathlib import Path
-
-    # Library frames (streamscope, nnsight, torch, vLLM, the standard library) are passed over.
-    # A trace body nnsight compiled ("<edit-...>") is not a file the warning could show a line of.
-    libraries = ("<", str(Path(__file__).parent), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"])
-    caller = sys._getframe(1)
-    frame: Any = caller
-    while frame is not None and frame.f_code.co_filename.startswith(libraries):
-        frame = frame.f_back
-    frame = frame or caller
-    module = frame.f_globals.get("__name__")
-    # No registry: "default" shows the warning every time (a registry would keep the first only).
-    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
-                           **({"module": module} if module else {}), registry=None)
+        # Left on the device and read with the others of the invoke (`streamscope.nonfinite`): no wait per write.
+        nonfinite.scan_write(name, value, current)
 
 
 class ReadOnly:
@@ -597,6 +557,7 @@ def out_of_order(wanted: str, last: Optional[str]) -> str:
 def _explain_edit_errors() -> None:
     """Name the value in torch's broadcasting error when an in-place edit of a read has the wrong width;
     at the end of a block, raise for a read edited in place after its write-back had gone (`_check_retired`).
+    When an invoke's code ends, warn for its writes that brought NaN or inf (`streamscope.nonfinite`).
 
     ``model.layers[1].layer_mid += vector`` fails inside torch ("The size of
     tensor a (64) must match the size of tensor b (32)"); the read being edited
@@ -618,7 +579,10 @@ def _explain_edit_errors() -> None:
                 f"`...{value.name}[:, -1] += vector`.",
             )
 
-    seam.around_mediator_run(_check_retired, explain)
+    def ended(raised: bool) -> None:
+        nonfinite.warn_pending(raising=not raised)
+
+    seam.around_mediator_run(_check_retired, explain, ended)
 
 
 _skip_unedited_write_backs()

@@ -12,6 +12,7 @@ model still gives its baseline results.
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -336,6 +337,51 @@ def test_a_non_finite_write_warns_naming_the_value(runner, baseline):
         with runner.trace():
             model.layers[1].layer_output = torch.full_like(model.layers[1].layer_output, float("inf"))
             model.logits.save()
+    runner.assert_unchanged(baseline)
+
+
+def test_a_non_finite_write_warns_within_its_trace_even_as_the_last_statement(runner, baseline):
+    """The scans are read together when an invoke ends, not at each write: a NaN written by the invoke's last
+    statement (nothing read after it, so it goes to the model after the invoke's code has ended) still warns
+    before the trace returns, once."""
+    from streamscope import nonfinite
+
+    model = runner.model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with runner.trace():
+            model.layers[1].layer_mid[:, -1] = float("nan")
+    found = [warning for warning in caught if "model.layers[1].layer_mid is written with NaN or inf" in
+             str(warning.message)]
+    assert len(found) == 1, [str(warning.message) for warning in caught]
+    assert nonfinite.pending() == 0
+    runner.assert_unchanged(baseline)
+
+
+def test_a_write_over_values_the_model_made_non_finite_does_not_warn(runner, baseline):
+    """Once a write has poisoned the stream, the blocks after it hold NaN of the model's own: a later write that
+    keeps them is not what brought them in, and warns nothing (the first write warns once)."""
+    model = runner.model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with runner.trace():
+            model.layers[0].layer_output[:, 0] = float("inf")
+            model.layers[1].layer_mid[:] *= 2.0
+            model.logits.save()
+    messages = [str(warning.message) for warning in caught if "NaN or inf" in str(warning.message)]
+    assert len(messages) == 1 and messages[0].startswith("model.layers[0].layer_output is written"), messages
+    runner.assert_unchanged(baseline)
+
+
+def test_a_non_finite_write_under_an_error_filter_raises_in_its_trace(runner, baseline):
+    """Warnings made errors (`-W error`) raise the scan's warning out of the trace; the engine serves on."""
+    model = runner.model
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(RuntimeWarning, match=re.escape("model.layers[1].layer_mid is written with NaN")):
+            with runner.trace():
+                model.layers[1].layer_mid[:, 0] = float("nan")
+                model.logits.save()
     runner.assert_unchanged(baseline)
 
 
