@@ -110,7 +110,7 @@ __all__ = [
     "unwrapped_generate", "running_taps", "interleaving", "take_request_error", "collect_requests", "set_client_worker",
     "HandedSaves", "hand_saves_over", "handing_over", "saves_transport", "SAVES_TRANSPORT_ENV", "transport_counts",
     "PACKED_SAVES", "pack_saves_in_this_process", "received_counts",
-    "bundle_interventions", "bundle_counts",
+    "bundle_interventions", "bundle_counts", "take_bundle", "HERE",
     # Loaded on first use by the module's __getattr__ (vLLM is not imported with streamscope).
     "NNsightGPUWorker", "NNsightGPUModelRunner", "ParallelEnvoy", "parallel_envoys", "VLLMClient",  # noqa: F822
 ]
@@ -988,7 +988,8 @@ def _unpack_buffer(payload: Any) -> Any:
         return PackedUnpickler(io.BytesIO(structure)).load()
 
 
-# A vLLM trace's interventions on their way to the worker: one pickle per trace where the engine shares the process.
+# A vLLM trace's interventions on their way to the worker: one pickle per trace, kept here for a worker of this
+# process, or sent ahead of the trace's requests to workers elsewhere.
 
 #: The bundles of this process's last traces, by trace id (oldest first): their bytes, the unpickled invokes until
 #: every one is taken, which are taken.
@@ -997,7 +998,7 @@ _BUNDLES: "collections.OrderedDict[str, dict]" = collections.OrderedDict()
 _BUNDLES_KEPT = 16
 #: While a streamscope client attaches a trace's invokes: the trace's bundle, built on the first invoke's dumps.
 _ATTACHING: list[dict] = []
-_BUNDLE_COUNTS = {"bundles": 0, "invokes": 0, "loads": 0}
+_BUNDLE_COUNTS = {"bundles": 0, "invokes": 0, "loads": 0, "received": 0}
 _MEMBER = "streamscope-bundle"
 
 
@@ -1044,35 +1045,38 @@ def _bundled_loads(payload: Any, *args: Any, loads: Callable, **kwargs: Any) -> 
     return mediator
 
 
-def bundle_interventions(client: type, in_process: Callable[[Any], bool]) -> None:
-    """Let `client` (streamscope's vLLM model class) pickle a trace's invokes once, together, for an engine in this
-    process (idempotent).
+#: What `bundle_interventions`'s ``route`` answers for an engine whose one worker runs in this process.
+HERE = "here"
+
+
+def bundle_interventions(client: type, route: Callable[[Any], Any]) -> None:
+    """Let `client` (streamscope's vLLM model class) pickle a trace's invokes once, together (idempotent).
 
     nnsight pickles each invoke of a vLLM trace on its own (``dumps(mediator)``
     into its request's ``extra_args``) and the worker unpickles each: the
     model's whole envoy tree, the trace's globals and every tensor an invoke
-    names travel once per invoke, and are rebuilt once per invoke. Where
-    ``in_process(model)`` holds (the engine and its one worker run in this
-    process), the invokes are pickled as one list instead, with one memo, so
-    what they share is pickled and rebuilt once and stays shared in the
-    worker, as it is in the caller's process (where every invoke of a trace
-    runs against the same objects); each request carries a reference to the
-    bundle, which the first of them to reach the worker unpickles.
-    Elsewhere (an engine process) each invoke is pickled as before.
-    ``STREAMSCOPE_BUNDLE_INVOKES=0`` keeps nnsight's way.
+    names travel once per invoke, and are rebuilt once per invoke. Here the
+    invokes are pickled as one list instead, with one memo, so what they
+    share is pickled and rebuilt once and stays shared in the worker, as it
+    is in the caller's process (where every invoke of a trace runs against
+    the same objects); each request carries a reference to the bundle, which
+    the first of them to reach the worker unpickles.
+
+    ``route(model)`` says where the bundle goes: `HERE` (the engine's one
+    worker runs in this process, which keeps it), a function that hands it
+    to every worker elsewhere before the requests are added (``send(trace,
+    payload, count)``, each worker then calling `take_bundle`), or None for
+    nnsight's own pickling per invoke. ``STREAMSCOPE_BUNDLE_INVOKES=0`` keeps
+    nnsight's way everywhere.
     """
     import importlib
 
     vllm_client = importlib.import_module("nnsight.modeling.vllm.vllm")
-    runner = importlib.import_module("nnsight.modeling.vllm.model_runners.GPUModelRunner")
     if not getattr(vllm_client.dumps, "streamscope_bundles", False):
         dumps = partial(_bundled_dumps, dumps=vllm_client.dumps)
         setattr(dumps, "streamscope_bundles", True)
         setattr(vllm_client, "dumps", dumps)  # the name nnsight's client pickles each invoke with
-    if not getattr(runner.loads, "streamscope_bundles", False):
-        loads = partial(_bundled_loads, loads=runner.loads)
-        setattr(loads, "streamscope_bundles", True)
-        setattr(runner, "loads", loads)  # the name nnsight's worker unpickles each request's invoke with
+    _take_bundled_loads()
     if "_attach_mediators" in client.__dict__:
         return
     attach = __getattr__("VLLMClient")._attach_mediators
@@ -1080,22 +1084,52 @@ def bundle_interventions(client: type, in_process: Callable[[Any], bool]) -> Non
     def attach_bundled(model: Any, params: list, **kwargs: Any) -> list:
         # The invokes nnsight attaches (those with a prompt), in its order.
         mediators = [mediator for mediator in model.interleaver.mediators if mediator.batch_group is not None]
-        if len(mediators) < 2 or os.environ.get("STREAMSCOPE_BUNDLE_INVOKES") == "0" or not in_process(model):
+        send = route(model) if len(mediators) > 1 and os.environ.get("STREAMSCOPE_BUNDLE_INVOKES") != "0" else None
+        if send is None:
             return attach(model, params, **kwargs)
-        _ATTACHING.append({"mediators": mediators, "index": {id(m): i for i, m in enumerate(mediators)},
-                           "trace": None})
+        attaching: dict[str, Any] = {"mediators": mediators, "index": {id(m): i for i, m in enumerate(mediators)},
+                                     "trace": None}
+        _ATTACHING.append(attaching)
         try:
-            return attach(model, params, **kwargs)
+            attached = attach(model, params, **kwargs)
         finally:
             _ATTACHING.pop()
-            while len(_BUNDLES) > _BUNDLES_KEPT:
-                _BUNDLES.popitem(last=False)
+            _evict_bundles()
+        if send is not HERE and attaching["trace"] is not None:
+            entry = _BUNDLES.pop(attaching["trace"])
+            send(attaching["trace"], entry["bytes"], entry["count"])
+        return attached
 
     setattr(client, "_attach_mediators", attach_bundled)
 
 
+def _take_bundled_loads() -> None:
+    """Let nnsight's worker of this process take an invoke from its trace's bundle (idempotent)."""
+    import importlib
+
+    runner = importlib.import_module("nnsight.modeling.vllm.model_runners.GPUModelRunner")
+    if not getattr(runner.loads, "streamscope_bundles", False):
+        loads = partial(_bundled_loads, loads=runner.loads)
+        setattr(loads, "streamscope_bundles", True)
+        setattr(runner, "loads", loads)  # the name nnsight's worker unpickles each request's invoke with
+
+
+def take_bundle(trace: str, payload: bytes, count: int) -> None:
+    """Keep a trace's bundle (`bundle_interventions`), sent ahead of its requests, in this worker's process."""
+    _take_bundled_loads()
+    _BUNDLES[trace] = {"bytes": payload, "loaded": None, "taken": set(), "count": count}
+    _BUNDLE_COUNTS["received"] += 1
+    _evict_bundles()
+
+
+def _evict_bundles() -> None:
+    while len(_BUNDLES) > _BUNDLES_KEPT:
+        _BUNDLES.popitem(last=False)
+
+
 def bundle_counts() -> dict[str, int]:
-    """This process's bundled traces so far: ``bundles`` pickled, ``invokes`` in them, ``loads`` (unpickled)."""
+    """This process's bundled traces so far: ``bundles`` pickled, ``invokes`` in them, ``loads`` (unpickled),
+    ``received`` (sent here ahead of their requests, by a client in another process)."""
     return dict(_BUNDLE_COUNTS)
 
 

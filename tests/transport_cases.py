@@ -140,6 +140,41 @@ def error_in_invoke(failing: int) -> Callable[[Any], BaseException]:
     return trace
 
 
+def steered_rows(model: Any) -> tuple:
+    """Three invokes that edit block 0 and read block 1 into one list made above them (a container the invokes
+    share, as they share everything of the trace in the caller's process), and the logits."""
+    prompts = PROMPTS + ["Water boils at"]
+    vector = torch.arange(model.hidden_size, dtype=torch.float32) / model.hidden_size
+    rows = [None] * len(prompts)
+    with model.trace(**GREEDY) as tracer:
+        rows.save()
+        for index, prompt in enumerate(prompts):
+            with tracer.invoke(prompt):
+                model.layers[0].layer_output[:, -1] += vector
+                rows[index] = model.layers[1].layer_output[0, -1]
+                logits = model.logits.save()
+    assert all(row is not None for row in rows)
+    return rows, logits
+
+
+def bundled_and_one_each(model: Any, counts: Callable[[], dict]) -> dict:
+    """`steered_rows` with its invokes pickled together (the default) and one by one (``STREAMSCOPE_BUNDLE_INVOKES=0``):
+    the two results, and what `counts()` (the bundle counters that matter: the caller's, and the worker's where it
+    runs elsewhere) moved each way."""
+    import os
+
+    before = counts()
+    bundled = steered_rows(model)
+    middle = counts()
+    os.environ["STREAMSCOPE_BUNDLE_INVOKES"] = "0"
+    try:
+        one_each = steered_rows(model)
+    finally:
+        del os.environ["STREAMSCOPE_BUNDLE_INVOKES"]
+    return {"bundled": bundled, "one_each": one_each, "moved_bundled": moved(before, middle),
+            "moved_one_each": moved(middle, counts())}
+
+
 #: The engine process's cases: name -> the trace.
 CASES: dict[str, Callable[[Any], Any]] = {
     "views_slices_and_shared": views_slices_and_shared,
@@ -189,6 +224,17 @@ def run_engine_process(path: str, out: str, engine_kwargs: dict) -> None:
                 report["cases"][name] = "ok"
             except Exception:  # noqa: BLE001 (reported to the test, which fails on it)
                 report["cases"][name] = traceback.format_exc()
+        try:
+            def bundle_counts() -> dict:
+                worker = model.vllm_entrypoint.collective_rpc("streamscope_bundle_counts")[0]
+                return {**{f"worker_{key}": value for key, value in worker.items()}, **seam.bundle_counts()}
+
+            bundling = bundled_and_one_each(model, bundle_counts)
+            same(bundling["bundled"], bundling["one_each"])
+            report["bundles"] = {"same": "ok", "moved_bundled": bundling["moved_bundled"],
+                                 "moved_one_each": bundling["moved_one_each"]}
+        except Exception:  # noqa: BLE001 (reported to the test, which fails on it)
+            report["bundles"] = {"same": traceback.format_exc()}
         # The engine serves the next trace after the errors.
         with model.trace(**GREEDY) as tracer:
             with tracer.invoke(PROMPTS[1]):

@@ -32,6 +32,19 @@ class BulkRPC:
         seam.pack_saves_in_this_process()  # in an engine process, nothing has replaced nnsight's pickling yet
         self.streamscope_hands_over = True
 
+    def streamscope_take_bundle(self, trace: str, payload: bytes, count: int) -> None:
+        """Keep a trace's invokes, pickled together by a client in another process, for its requests to take
+        (`nnsight_seam.bundle_interventions`)."""
+        from .. import nnsight_seam as seam
+
+        seam.take_bundle(trace, payload, count)
+
+    def streamscope_bundle_counts(self) -> dict[str, int]:
+        """`nnsight_seam.bundle_counts` where this worker runs."""
+        from .. import nnsight_seam as seam
+
+        return seam.bundle_counts()
+
     def streamscope_transport_counts(self) -> dict[str, float]:
         """How the collects of this worker's process went: `nnsight_seam.transport_counts` where the worker runs."""
         from .. import nnsight_seam as seam

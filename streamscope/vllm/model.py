@@ -73,6 +73,21 @@ def _one_worker_here(engine: "StandardizedVLLM") -> bool:
     return engine.vllm_entrypoint.llm_engine.vllm_config.parallel_config.world_size == 1
 
 
+def _bundle_route(engine: "StandardizedVLLM") -> Any:
+    """Where a trace's bundle of invokes goes (`nnsight_seam.bundle_interventions`): kept in this process for a
+    worker here; sent ahead of the requests, by RPC, to workers elsewhere (an engine process, or the ranks of a
+    parallel engine); None (each invoke pickled on its own) on an engine whose RPC cannot be awaited here."""
+    if _one_worker_here(engine):
+        return seam.HERE
+    entry = engine.vllm_entrypoint
+    if not hasattr(entry, "llm_engine"):  # an async engine: its RPC is a coroutine
+        return None
+
+    def send(trace: str, payload: bytes, count: int) -> None:
+        entry.collective_rpc("streamscope_take_bundle", args=(trace, payload, count))
+    return send
+
+
 @contextlib.contextmanager
 def _keeping_process_state() -> Any:
     """Shut one in-process engine down while others of the process still run.
@@ -198,7 +213,7 @@ class StandardizedVLLM(Standardized, VLLM):
         # A worker in this process hands a trace's saves over as tensors, not pickled (nnsight_seam.HandedSaves),
         # and takes a trace's invokes pickled once, together (nnsight_seam.bundle_interventions).
         seam.hand_saves_over()
-        seam.bundle_interventions(StandardizedVLLM, _one_worker_here)
+        seam.bundle_interventions(StandardizedVLLM, _bundle_route)
         if self.tap_names:
             settings["taps"] = self.tap_names  # resolved to nnsight's locations by `_resolve_taps`
         if torch.cuda.is_initialized():

@@ -73,6 +73,18 @@ def main(path: str, tensor_parallel_size: int, prompt: str, dtype: str = "float3
         for block, weight in enumerate(weights):
             if not isinstance(weight, str):
                 result[f"{block}.{kind}"] = weight.tolist()
+    # Three invokes in one trace, each its own edit: their interventions pickled once, together, and sent to every
+    # rank ahead of the requests (`nnsight_seam.bundle_interventions`).
+    received = [counts["received"] for counts in model.vllm_entrypoint.collective_rpc("streamscope_bundle_counts")]
+    with model.trace(**GREEDY) as tracer:
+        for scale in (1.0, -1.0, 2.0):
+            with tracer.invoke(prompt):
+                mid = model.layers[last].layer_mid
+                mid[:, -1] += scale * vector.to(device=mid.device, dtype=mid.dtype)
+                invoked = model.logits.float().cpu().save()
+    result["invokes' edited logits"] = [logits.tolist() for logits in invoked]
+    result["bundles received"] = [counts["received"] - before for counts, before in
+                                  zip(model.vllm_entrypoint.collective_rpc("streamscope_bundle_counts"), received)]
     with model.trace(prompt, **GREEDY):
         model.layers[0].skip(model.layers[0].layer_input)
         skipped = model.logits.float().cpu().save()

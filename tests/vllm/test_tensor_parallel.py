@@ -73,6 +73,8 @@ def test_two_ranks_serve_every_value_of_one_rank_equal(runs):
     assert any(name.endswith(".down projection") for name in single) == any(
         name.endswith(".mlp.neurons") for name in single)
     for name, expected in single.items():
+        if name == "bundles received":  # a count per rank, not a value
+            continue
         assert split[name].shape == expected.shape, (name, split[name].shape, expected.shape)
         finite = torch.isfinite(expected)
         assert torch.equal(finite, torch.isfinite(split[name])), name  # the same masked scores
@@ -91,3 +93,14 @@ def test_an_edit_and_a_skip_land_on_every_rank(runs):
     assert not torch.allclose(single["skipped logits"], single["logits"])
     assert relative_error(split["edited logits"], single["edited logits"]) <= TOLERANCE
     assert relative_error(split["skipped logits"], single["skipped logits"]) <= TOLERANCE
+
+
+def test_a_traces_invokes_reach_every_rank_in_one_bundle(runs):
+    """Three invokes of one trace, pickled once together and sent to every rank ahead of the requests (each rank of
+    the two-rank engine takes the bundle once; the one-rank engine runs in its own process and takes it the same
+    way): each invoke's edit gives the one-rank engine's logits."""
+    single, split = runs
+    assert single["bundles received"].tolist() == [1] and split["bundles received"].tolist() == [1, 1]
+    edited = single["invokes' edited logits"]
+    assert edited.shape[0] == 3 and not torch.allclose(edited[0], edited[1])
+    assert relative_error(split["invokes' edited logits"], edited) <= TOLERANCE

@@ -147,34 +147,14 @@ def test_a_bad_transport_setting_is_refused(model, monkeypatch):
 
 
 @in_process
-def test_invokes_are_pickled_once_per_trace(model, monkeypatch):
+def test_invokes_are_pickled_once_per_trace(model):
     """A trace's invokes reach the in-process worker as one bundle, unpickled once, with the same results as one
     pickle per invoke (nnsight's way, ``STREAMSCOPE_BUNDLE_INVOKES=0``), a shared container above the invokes
     included."""
-    prompts = PROMPTS + ["Water boils at"]
-    vector = torch.arange(model.hidden_size, dtype=torch.float32) / model.hidden_size
-
-    def trace():
-        rows = [None] * len(prompts)
-        with model.trace(**GREEDY) as tracer:
-            rows.save()
-            for index, prompt in enumerate(prompts):
-                with tracer.invoke(prompt):
-                    model.layers[0].layer_output[:, -1] += vector
-                    rows[index] = model.layers[1].layer_output[0, -1]
-                    logits = model.logits.save()
-        return rows, logits
-
-    before = seam.bundle_counts()
-    bundled = trace()
-    after = seam.bundle_counts()
-    assert after["bundles"] - before["bundles"] == 1 and after["loads"] - before["loads"] == 1
-    assert after["invokes"] - before["invokes"] == len(prompts)
-    monkeypatch.setenv("STREAMSCOPE_BUNDLE_INVOKES", "0")
-    one_each = trace()
-    assert seam.bundle_counts() == after
-    same(bundled, one_each)
-    assert all(row is not None for row in bundled[0])
+    report = transport_cases.bundled_and_one_each(model, seam.bundle_counts)
+    assert report["moved_bundled"] == {"bundles": 1, "invokes": 3, "loads": 1, "received": 0}, report
+    assert set(report["moved_one_each"].values()) == {0}, report
+    same(report["bundled"], report["one_each"])
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +194,17 @@ def test_the_engine_process_does_not_fall_back_to_pickling(engine_process, case)
         assert packed["worker"]["tensors_packed"] > 0 and packed["worker"]["bytes_packed"] > 0, packed
     assert pickled["worker"]["pickled"] > 0 and pickled["worker"]["packed"] == 0, pickled
     assert pickled["received"]["pickled"] == pickled["worker"]["pickled"] and pickled["received"]["packed"] == 0
+
+
+def test_the_engine_process_takes_a_traces_invokes_pickled_once(engine_process):
+    """With the engine in its own process the caller pickles a trace's invokes once, together, and sends the bundle
+    to the worker ahead of the requests (one RPC), where the first request unpickles it: the results equal one
+    pickle per invoke bit for bit, and ``STREAMSCOPE_BUNDLE_INVOKES=0`` moves no counter."""
+    bundles = engine_process["bundles"]
+    assert bundles["same"] == "ok", bundles["same"]
+    assert bundles["moved_bundled"] == {"bundles": 1, "invokes": 3, "loads": 0, "received": 0, "worker_bundles": 0,
+                                        "worker_invokes": 0, "worker_loads": 1, "worker_received": 1}, bundles
+    assert set(bundles["moved_one_each"].values()) == {0}, bundles
 
 
 def test_the_engine_process_serves_after_the_errors(engine_process):
