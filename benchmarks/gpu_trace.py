@@ -37,6 +37,8 @@ otherwise), in a child process, on one engine, round by round:
         packed      the trace, its saves packed into one buffer per collect (the default there)
         pickled     the trace, its saves pickled one tensor at a time as nnsight does (STREAMSCOPE_SAVES_TRANSPORT=
                     pickle, set in the worker's process through its RPC before each run, as packed sets it back)
+        one each    packed, with the trace's invokes pickled one by one as nnsight does (STREAMSCOPE_BUNDLE_INVOKES=0)
+                    rather than together, once, and sent to the worker ahead of the requests
         at T's shape, and with --tiny also 16 x 256 tokens (a larger read on the tiny model); the counters of the
         worker's process say which path each ran and how many bytes the packed one carried.
 
@@ -172,7 +174,8 @@ def tapped_w2(folder: Path, tiny: bool, rounds: int) -> dict:
 
 
 def engine_process(folder: Path, tiny: bool, rounds: int) -> dict:
-    """X (a child process, the engine core in its own): bare, the T trace packed, the T trace pickled."""
+    """X (a child process, the engine core in its own): bare, the T trace packed, pickled, and with its invokes
+    pickled one by one."""
     import streamscope
     from streamscope import nnsight_seam as seam
 
@@ -189,6 +192,16 @@ def engine_process(folder: Path, tiny: bool, rounds: int) -> dict:
             trace()
         return run
 
+    def one_each(trace):  # each invoke pickled on its own (nnsight's way), the saves packed
+        def run():
+            llm.collective_rpc("streamscope_saves_transport", args=(None,))
+            os.environ["STREAMSCOPE_BUNDLE_INVOKES"] = "0"
+            try:
+                trace()
+            finally:
+                del os.environ["STREAMSCOPE_BUNDLE_INVOKES"]
+        return run
+
     shapes = [(settings["t_prompts"], settings["t_length"])] + ([(16, 256)] if tiny else [])
     measured = []
     for count, length in shapes:
@@ -196,7 +209,7 @@ def engine_process(folder: Path, tiny: bool, rounds: int) -> dict:
         trace = t_trace(model, prompts)
         before, read_before = worker_counts(), seam.received_counts()
         times = timed_together({"bare": bare_w1(llm, prompts), "packed": with_transport(None, trace),
-                                "pickled": with_transport("pickle", trace)}, rounds)
+                                "pickled": with_transport("pickle", trace), "one each": one_each(trace)}, rounds)
         after, read_after = worker_counts(), seam.received_counts()
         moved = {key: after[key] - before[key] for key in after}
         read = {key: read_after[key] - read_before[key] for key in read_after}
@@ -226,7 +239,9 @@ def engine_process_rows(measured: dict, layers: int) -> list:
                   f"collects packed {counts['packed']}, pickled {counts['pickled']}"),
                  ("X", "trace pickled: " + what, times["pickled"],
                   f"{times['pickled'] / bare:.2f}x bare; worker {pickling:.1f} ms + caller {unpickling:.1f} ms a "
-                  "trace")]
+                  "trace"),
+                 ("X", "trace packed, each invoke pickled on its own: " + what, times["one each"],
+                  f"{times['one each'] / bare:.2f}x bare; one each / bundled {times['one each'] / times['packed']:.2f}")]
     return rows
 
 
