@@ -203,6 +203,16 @@ def exact_implementation(family: str) -> str:
     return "eager" if family in SDPA_DIFFERS else "sdpa"
 
 
+def reference_model(path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """transformers' model of the checkpoint at `path`, computing the family's own function: its default (sdpa)
+    kernel, or the eager one where sdpa computes another (`SDPA_DIFFERS`). Both engines run that function."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    family = AutoConfig.from_pretrained(path).model_type
+    return AutoModelForCausalLM.from_pretrained(
+        path, **{**load_kwargs(family, exact_implementation(family)), "dtype": dtype}).eval()
+
+
 def load_kwargs(family: str, implementation: str) -> dict[str, Any]:
     """from_pretrained's arguments for `implementation`; GPT-J has only its own eager attention, Mamba none."""
     if family in ("gptj", "mamba"):

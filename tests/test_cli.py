@@ -53,8 +53,11 @@ def test_map_prints_the_support_table(checkpoints):
 
 
 @pytest.mark.parametrize("family, overrides", [("llama", {}),
-                                               ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32})],
-                         ids=["llama", "opt-post-ln"])
+                                               ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}),
+                                               # caps the tiny model's attention logits reach (HF's 50 they do not)
+                                               ("gemma2", {"attn_logit_softcapping": 2.0,
+                                                           "final_logit_softcapping": 3.0})],
+                         ids=["llama", "opt-post-ln", "gemma2-capped"])
 def test_check_passes_on_both_engines(checkpoints, family, overrides):
     done = streamscope_command("check", str(checkpoints(family, **overrides)), "--engines", "transformers,vllm")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
@@ -62,6 +65,16 @@ def test_check_passes_on_both_engines(checkpoints, family, overrides):
     rows = [line for line in done.stdout.splitlines() if line.strip().startswith(("layer_mid", "logits",
                                                                                   "neurons_pre", "neurons "))]
     assert len(rows) == 4 and all(row.count(" ok") == 2 for row in rows)
+
+
+def test_check_reports_an_engine_that_cannot_run_the_checkpoint_and_checks_the_other(checkpoints):
+    path = checkpoints("stablelm", qk_layernorm=True, use_parallel_residual=True)  # vLLM's StableLM has neither
+    done = streamscope_command("check", str(path), "--engines", "transformers,vllm")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "vllm cannot run this checkpoint, so nothing of it is checked: " in done.stdout
+    assert "Load it with engine='transformers'" in done.stdout and "Traceback" not in done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.strip().startswith(("layer_output", "logits"))]
+    assert len(rows) == 2 and all(row.count(" ok") == 1 and row.rstrip().endswith("-") for row in rows), rows
 
 
 def test_check_fails_with_a_nonzero_exit_when_a_value_is_off(monkeypatch, capsys, tmp_path):

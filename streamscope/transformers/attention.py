@@ -163,10 +163,10 @@ class AttentionInternals:
         soft cap and ALiBi, the causal, sliding-window or chunked mask, and
         any padding in the mask the kernel receives), on every attention
         implementation. The soft cap (Gemma 2) is applied where the kernel
-        applies it: transformers' sdpa kernel ignores it, so a Gemma 2 model
-        on sdpa runs, and is served, uncapped; load it with
-        ``attn_implementation="eager"`` for the capped model. Read-only:
-        writing it raises.
+        applies it: streamscope loads Gemma 2 with the eager kernel, which
+        does; transformers' sdpa kernel ignores it, so a Gemma 2 model loaded
+        with ``attn_implementation="sdpa"`` runs, and is served, uncapped.
+        Read-only: writing it raises.
         """
 
     @RecomputedValue(INPUT, shape="[batch, heads, q_seq, k_seq]")

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 import bulk_checks
 from access import relative_error
 from bulk_checks import BULK_FAMILIES, PROMPTS
+import attention_oracle
 import streamscope
 
 STEPS = 4
@@ -24,7 +25,7 @@ class Engine:
     def __init__(self, family: str, path):
         self.family = family
         self.model = streamscope.load(path)
-        self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.reference = attention_oracle.reference_model(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 import oracle
 from access import relative_error, row, value_of
+import attention_oracle
 import streamscope
 from streamscope.transformers.families import default
 
@@ -30,7 +31,7 @@ class Defaulted:
         with pytest.warns(UserWarning, match="default family reads this") as record:
             self.model = streamscope.load(path, family=family_override)
         self.warning = next(str(w.message) for w in record if "default family reads" in str(w.message))
-        self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.reference = attention_oracle.reference_model(path)
         self.input_ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt").input_ids
         self.expected = oracle.values(self.reference, family, self.input_ids)
         self.support = self.model.support()

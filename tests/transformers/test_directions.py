@@ -16,11 +16,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 import direction_checks
 from access import relative_error
 from direction_checks import NEGATIVE, POSITIVE
+import attention_oracle
 import streamscope
 from streamscope.bulk.results import Harvest
 from streamscope.directions import Direction, export_gguf, find, import_gguf
@@ -32,7 +33,7 @@ class Setup:
     def __init__(self, checkpoints):
         path = checkpoints("llama")
         self.model = streamscope.load(path)
-        self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.reference = attention_oracle.reference_model(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.positive = direction_checks.oracle_last_positions(self.reference, "llama", self.tokenizer, POSITIVE)
         self.negative = direction_checks.oracle_last_positions(self.reference, "llama", self.tokenizer, NEGATIVE)

@@ -15,7 +15,7 @@ import types
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 import attention_oracle
 import matrix
@@ -33,7 +33,7 @@ class Family:
     def __init__(self, name: str, path, case_id: str = ""):
         self.name, self.case_id = name, case_id or name
         self.model = streamscope.load(path)
-        self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.reference = attention_oracle.reference_model(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.input_ids = self.tokenizer(PROMPT, return_tensors="pt").input_ids
         self.expected = oracle.values(self.reference, name, self.input_ids)
@@ -42,7 +42,8 @@ class Family:
         # the weights it computes are those of the eager forward without what sdpa drops.
         sdpa = self.model.config._attn_implementation == "sdpa"
         overrides = {"attn_logit_softcapping": None} if sdpa and name in attention_oracle.SDPA_DIFFERS else None
-        self.oracle = matrix.Reference(path, name, self.input_ids, eager_overrides=overrides)
+        self.oracle = matrix.Reference(path, name, self.input_ids, eager_overrides=overrides,
+                                       implementation=self.model.config._attn_implementation)
         self.tolerances = matrix.Tolerances(RELATIVE, PATTERN)
         self.saved = matrix.read(self.model, matrix.plan(self.model, self.oracle, prompt_logits_after="logits"),
                                  PROMPT)
@@ -70,7 +71,9 @@ VARIANTS = {"opt-post-ln": ("opt", {"do_layer_norm_before": False, "word_embed_p
             "gpt2-scaled-by-block": ("gpt2", {"scale_attn_by_inverse_layer_idx": True}),
             "gpt2-upcast": ("gpt2", {"reorder_and_upcast_attn": True}),
             "qwen2-some-sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 4,
-                                             "max_window_layers": 1})}
+                                             "max_window_layers": 1}),
+            # soft caps the tiny model's attention logits and logits reach (the config's 50 and 30 they do not)
+            "gemma2-capped": ("gemma2", {"attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0})}
 
 
 @pytest.fixture(scope="module", params=[*FAMILIES, *VARIANTS])

@@ -27,7 +27,7 @@ class Tiny:
     def __init__(self, path):
         self.path = path
         self.model = streamscope.load(path)
-        self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.reference = attention_oracle.reference_model(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.ids = [self.tokenizer(prompt, return_tensors="pt").input_ids for prompt in PROMPTS]
         self.expected = [oracle.values(self.reference, "llama", ids) for ids in self.ids]

@@ -16,8 +16,9 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+import attention_oracle
 import streamscope
 from access import relative_error
 from moe_oracle import MOE  # per family: the feed-forward, its router, where its output holds the logits, shared
@@ -32,7 +33,7 @@ class Family:
     def __init__(self, name: str, path):
         self.name, self.spec = name, MOE[name]
         self.model = streamscope.load(path)
-        self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.reference = attention_oracle.reference_model(path)
         self.input_ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt").input_ids
         layers = self.reference.model.layers
         self.moe_blocks = [i for i, layer in enumerate(layers) if hasattr(self.feed_forward(i), "experts")]

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 import sae_checks
 from access import relative_error
 from sae_checks import HOOK, PROMPTS
+import attention_oracle
 import streamscope
 from streamscope.errors import Unavailable
 from streamscope.sae import from_dictionary_learning, from_sae_lens, value_of_hook
@@ -27,7 +28,7 @@ class Setup:
     def __init__(self, checkpoints):
         self.path = checkpoints("llama")
         self.model = streamscope.load(self.path)
-        self.reference = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32).eval()
+        self.reference = attention_oracle.reference_model(self.path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
 
 

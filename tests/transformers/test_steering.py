@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 import steer_checks
 from access import relative_error
 from bulk_checks import BULK_FAMILIES, PROMPTS
 from steer_checks import CASES, STEPS
+import attention_oracle
 import streamscope
 
 
@@ -22,7 +23,7 @@ class Engine:
     def __init__(self, family: str, path):
         self.family = family
         self.model = streamscope.load(path)
-        self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.reference = attention_oracle.reference_model(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
 
 

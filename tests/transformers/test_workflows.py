@@ -33,7 +33,7 @@ class Family:
     def __init__(self, name: str, path):
         self.name, self.path = name, path
         self.model = streamscope.load(path)
-        self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.reference = attention_oracle.reference_model(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.ids = [self.tokenizer(prompt, return_tensors="pt").input_ids for prompt in PROMPTS]
         self.expected = [oracle.values(self.reference, name, ids) for ids in self.ids]
@@ -333,7 +333,7 @@ def _check_patching(family: Family, name: str, layers=None) -> None:
 def test_patching_heads_matches_hooked_output_projection(checkpoints):
     path = checkpoints("llama")
     model = streamscope.load(path)
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference = attention_oracle.reference_model(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     clean_ids = tokenizer(CLEAN, return_tensors="pt").input_ids
     corrupted_ids = tokenizer(CORRUPTED, return_tensors="pt").input_ids
@@ -360,7 +360,7 @@ def test_patching_head_results_matches_hooked_results(family_name, checkpoints):
     transformers whose output projection's output is moved by the difference of the two results, by a hook."""
     path = checkpoints(family_name)
     model = streamscope.load(path)
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference = attention_oracle.reference_model(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     clean_ids = tokenizer(CLEAN, return_tensors="pt").input_ids
     corrupted_ids = tokenizer(CORRUPTED, return_tensors="pt").input_ids
@@ -389,7 +389,7 @@ def test_patching_refuses_prompts_of_different_lengths(checkpoints):
 def test_steering_every_generated_token_matches_a_hooked_generate(checkpoints):
     path = checkpoints("llama")
     model = streamscope.load(path)
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference = attention_oracle.reference_model(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = tokenizer(PROMPTS[1], return_tensors="pt").input_ids
     vector = torch.randn(model.hidden_size, generator=torch.Generator().manual_seed(0)) * 4

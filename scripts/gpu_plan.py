@@ -1,0 +1,129 @@
+"""The open issues' GPU measurements, several to one device call, each under its own time limit.
+
+A device call lasts at most ten minutes and a session has thirty, so the parts
+run back to back in one call, each a child process with a limit; a part that
+would not end before `--deadline` (seconds from the start) is not started, and
+says so. Each part's output goes to ``<out>/<part>.log`` and its last lines to
+the console; ``<out>/plan.txt`` lists what ran, for how long and how it ended.
+
+  suite    issue 19: the tapped engines (every family) and the lifecycle file, bfloat16     about 5 min
+  ablate   issue 21: an ablation at every block against bare generation, tapped engine,
+           in this tree and in each `--tree` (an earlier commit, to compare), 5 rounds       about 2 min a tree
+  w2       issue 24: W2's steer written in a trace against bare, and its variants             about 3 min
+  xproc    issue 24: the T trace with the engine core in its own process (packed saves,
+           pickled saves, invokes pickled one by one)                                          about 2 min
+  serve    issue 18: `streamscope serve` against plain `vllm serve` under load, eager
+           and tapped pairs (needs `.whl-gpu/serve` installed into /tmp/site)                about 9 min
+
+On the lent machine, after the five chunk calls of `tests/GPU.md` (and, for an
+earlier tree, ``git archive -o .gpu-trees/NAME.tar COMMIT`` here before the
+call, so the file travels with the working tree)::
+
+    bash .whl-gpu/install.sh && export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 && \\
+      python3 scripts/gpu_plan.py --out $OUT --parts suite,ablate --tree before=.gpu-trees/before.tar
+    ... python3 scripts/gpu_plan.py --out $OUT --parts w2,xproc
+    ... python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-gpu/serve/*.whl && \\
+      python3 scripts/gpu_plan.py --out $OUT --parts serve
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, list[tuple[str, list[str], Path, int]]]:
+    """Each part's runs: (label, command, working tree, limit in seconds)."""
+    python = sys.executable
+    remaining = int(deadline)
+    return {
+        "suite": [("suite", [python, "scripts/gpu_suite.py", "--out", str(out / "suite"), "--gpus", "0", "--slots",
+                             "6", "--dtypes", "bfloat16", "--parts", "taps,alone", "--seconds", "330"], ROOT, 360)],
+        "ablate": [(f"ablate ({name})", [python, "benchmarks/gpu_directions.py", "--only", "ablate", "--engines",
+                                         "tapped", "--rounds", "5"], tree, 200)
+                   for name, tree in {"this tree": ROOT, **trees}.items()],
+        "w2": [("w2", [python, "benchmarks/gpu_trace.py", "--skip", "t,nnsight,patch"], ROOT, 300)],
+        "xproc": [("xproc", [python, "benchmarks/gpu_trace.py", "--engine-process"], ROOT, 240)],
+        "serve": [("serve", [python, "benchmarks/serve_load.py", "--shape", "llama3-8b", "--taps", "--prompts", "384",
+                             "--rounds", "3", "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
+    }
+
+
+def unpacked(trees: list[str], into: Path) -> dict[str, Path]:
+    """Each ``NAME=TAR`` of `--tree` unpacked under `into` (a `git archive` of an earlier commit)."""
+    found = {}
+    for item in trees:
+        name, _, archive = item.partition("=")
+        if not name or not archive or not Path(archive).is_file():
+            raise SystemExit(f"--tree {item!r}: give NAME=FILE.tar, a `git archive` made before the call")
+        with tarfile.open(archive) as tar:
+            tar.extractall(into / name, filter="data")
+        found[name] = into / name
+    return found
+
+
+def run_part(label: str, command: list[str], tree: Path, limit: int, log: Path,
+             say: Callable[[str], None]) -> tuple[str, float]:
+    """Run one command in `tree` (on PYTHONPATH ahead of the installed packages), its output to `log`."""
+    environment = dict(os.environ)
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), *[
+        entry for entry in environment.get("PYTHONPATH", "").split(os.pathsep) if entry and entry != str(ROOT)]]))
+    start = time.monotonic()
+    with log.open("a") as handle:
+        handle.write(f"\n### {label}: {' '.join(command)} (in {tree}, limit {limit} s)\n")
+        handle.flush()
+        try:
+            code = subprocess.run(command, cwd=tree, env=environment, stdout=handle, stderr=subprocess.STDOUT,
+                                  timeout=limit).returncode
+            outcome = "ok" if code == 0 else f"exit {code}"
+        except subprocess.TimeoutExpired:
+            outcome = f"stopped at its limit ({limit} s)"
+    seconds = time.monotonic() - start
+    tail = log.read_text().splitlines()[-25:]
+    say(f"--- {label}: {outcome} after {seconds:.0f} s; the log's last lines:\n" + "\n".join(tail))
+    return outcome, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--parts", required=True, help="comma-separated: suite,ablate,w2,xproc,serve")
+    parser.add_argument("--tree", action="append", default=[], help="NAME=FILE.tar: ablate in that tree too")
+    parser.add_argument("--deadline", type=float, default=570.0, help="seconds from the start for every part")
+    args = parser.parse_args()
+    started = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    plan = args.out / "plan.txt"
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        with plan.open("a") as handle:
+            handle.write(line + "\n")
+
+    trees = unpacked(args.tree, Path(tempfile.mkdtemp(prefix="gpu-trees-")))
+    every = commands(args.out, trees, args.deadline)
+    wanted = [part.strip() for part in args.parts.split(",") if part.strip()]
+    unknown = [part for part in wanted if part not in every]
+    if unknown:
+        raise SystemExit(f"unknown parts {unknown}: the parts are {', '.join(every)}")
+    for part in wanted:
+        for label, command, tree, limit in every[part]:
+            left = args.deadline - (time.monotonic() - started)
+            if left < 30:
+                say(f"--- {label}: not started, {left:.0f} s left before the deadline")
+                continue
+            run_part(label, command, tree, int(min(limit, left - 10)), args.out / f"{part}.log", say)
+    say(f"plan done in {time.monotonic() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
