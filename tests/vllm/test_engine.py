@@ -97,9 +97,10 @@ def test_a_model_type_without_a_vllm_family_says_how_to_go_on(tmp_path, checkpoi
     ("stablelm", {"qk_layernorm": True, "use_parallel_residual": True}),  # StableLM 2 12B's
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}), ("gpt2", {"reorder_and_upcast_attn": True}),
     ("gptj", {"tie_word_embeddings": True}),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})],
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    ("llama4_text", {"attention_chunk_size": 8})],  # chunks of part of a KV block: 16 tokens at least on any backend
     ids=["stablelm-qk-norm", "stablelm-parallel", "stablelm-both", "gpt2-scaled-by-block", "gpt2-upcast",
-         "gptj-tied", "qwen2-some-sliding"])
+         "gptj-tied", "qwen2-some-sliding", "llama4-chunks-under-a-block"])
 def test_a_layout_vllms_block_lacks_is_refused_before_the_engine_starts(checkpoints, family, options):
     """Options vLLM's model class for the family does not implement: refused with the option and the fix before
     anything starts, and the checkpoint serves on transformers (its values: the transformers matrix)."""
@@ -111,6 +112,29 @@ def test_a_layout_vllms_block_lacks_is_refused_before_the_engine_starts(checkpoi
     with model.trace(PROMPT):
         logits = model.logits.save()
     assert logits.shape[-1] == model.vocab_size
+
+
+@pytest.mark.skipif(precision.measured(), reason="the CPU's block size is chosen here (a GPU's default of 16 divides "
+                    "every chunk the family lets through); the GPU suite's Llama 4 is the family matrix's")
+def test_llama4_chunks_of_a_quarter_of_the_cpus_block_run_on_blocks_of_the_chunk(checkpoints):
+    """Llama 4 attends within chunks (`attention_chunk_size`), which vLLM cuts into whole KV blocks: on the CPU,
+    whose default block is 128 tokens, a chunk of 32 gets blocks of 32, and a prompt of several chunks gives the
+    oracle's logits at every position."""
+    path = checkpoints("llama4_text", attention_chunk_size=32)
+    prompt = "Once upon a time there was a small village by the sea where fishermen sang every morning. " + PROMPT * 3
+    ids = AutoTokenizer.from_pretrained(path)(prompt, return_tensors="pt").input_ids
+    assert ids.shape[1] > 2 * 32, "the prompt spans too few chunks to test them"
+    model = streamscope.load(path, engine="vllm", **precision.engine_kwargs())
+    try:
+        assert model.vllm_entrypoint.llm_engine.vllm_config.cache_config.block_size == 32
+        with model.trace(prompt, temperature=0.0, max_tokens=1):
+            logits = model.prompt_logits.save()
+    finally:
+        model.close()
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference(ids).logits
+    assert relative_error(logits.reshape(expected.shape), expected) <= precision.CPU_FLOAT32
 
 
 SCRIPT = textwrap.dedent('''

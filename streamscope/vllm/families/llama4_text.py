@@ -19,9 +19,18 @@ True}`` to match transformers on long prompts). The tuning scales queries by
 ``log(floor((position + 1) / floor_scale) + 1) * attn_scale + 1``, which is 1 for
 the first ``floor_scale - 1`` positions (8191 by default), so prompts shorter
 than that agree either way.
+
+vLLM cuts each attention chunk (``attention_chunk_size``) into whole KV blocks:
+on the CPU, whose default block (128 tokens) does not divide every chunk, the
+engine takes blocks that do (`blocks_within_chunks`); a chunk shorter than the
+smallest block is refused before the engine starts (`cannot_run`).
 """
 
+import math
 from dataclasses import replace
+from typing import Any, Mapping, Optional
+
+from vllm.platforms import current_platform
 
 from ...blocks import Layer
 
@@ -40,8 +49,38 @@ class VllmLlama4Attention(VllmAttention):
     CHANNELS_PERMUTED = True
 
 
+#: The CPU attention backend's default KV block, in tokens.
+CPU_BLOCK = 128
+
+
+def smallest_block() -> int:
+    """The fewest tokens a KV block of this platform's attention backends holds (the CPU's: multiples of 32)."""
+    return 32 if current_platform.is_cpu() else 16
+
+
+def cannot_run(config: Any) -> Optional[str]:
+    """Why vLLM cannot run this checkpoint: attention chunks that are not whole KV blocks (vLLM's chunked local
+    attention cuts each chunk into whole blocks)."""
+    chunk, block = getattr(config, "attention_chunk_size", None), smallest_block()
+    if chunk and chunk % block:
+        return (f"this Llama 4 checkpoint attends within chunks of {chunk} tokens (attention_chunk_size), and vLLM's "
+                f"chunked attention needs each chunk to be whole KV blocks, of {block} tokens at least here (it "
+                f"would fail at the first step). Load it with engine='transformers'.")
+    return None
+
+
+def blocks_within_chunks(config: Any, asked: Mapping[str, Any]) -> dict[str, Any]:
+    """A KV block size that divides the attention chunk, on the CPU, whose default block does not divide every chunk
+    (a GPU's default of 16 divides every chunk `cannot_run` lets through), unless the caller chose one."""
+    chunk = getattr(config, "attention_chunk_size", None)
+    if not chunk or "block_size" in asked or not current_platform.is_cpu() or chunk % CPU_BLOCK == 0:
+        return {}
+    return {"block_size": math.gcd(chunk, CPU_BLOCK)}
+
+
 SPEC = replace(
     llama.SPEC, rename={**llama.SPEC.rename, "feed_forward": "mlp", "shared_expert": "shared_experts"},
     envoys={"layers.*": Layer, "self_attn": VllmLlama4Attention, "mlp": VllmMlp,
             "shared_experts": VllmSharedExpert},
+    cannot_run=cannot_run, checkpoint_defaults=blocks_within_chunks,
 )
