@@ -6,8 +6,9 @@ tensor and one of the model's own value there, both left on the device: a
 trace that writes at every step of a generation would otherwise wait for the
 device at every write. The sums are read together, with one wait, when an
 invoke's code ends (`warn_pending`), or sooner once the writes they hold
-reach `HOLD_BYTES`. A warning names the user's line of the write, found when
-the write is made.
+reach `HOLD_BYTES`. A warning points at the user's line on the stack when the
+write is made (an edit that goes back to the model from inside the engine,
+with no frame of the user's on the stack, points at streamscope's own).
 """
 
 from __future__ import annotations
@@ -52,12 +53,15 @@ _DUE: list[tuple[str, Line]] = []
 
 def scan_write(name: str, value: torch.Tensor, current: Optional[torch.Tensor]) -> None:
     """Start the NaN/inf scan of `value`, written as `name` over `current` (the model's own value, if any)."""
+    total = _sum(value)
     base = _sum(current) if current is not None and current.shape == value.shape else None
+    if base is not None and base.device != total.device:  # a host tensor written into a device's value, say
+        base = base.to(total.device)
     try:
         version = value._version
     except RuntimeError:  # an inference tensor keeps no version counter
         version = -1
-    _SCANS.append(_Scan(name, _sum(value), base, value, version, user_line()))
+    _SCANS.append(_Scan(name, total, base, value, version, user_line()))
     _HELD[0] += value.numel() * value.element_size()
     if _HELD[0] > HOLD_BYTES or len(_SCANS) > HOLD_COUNT:
         read_scans()
