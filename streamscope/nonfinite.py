@@ -6,13 +6,16 @@ tensor and one of the model's own value there, both left on the device: a
 trace that writes at every step of a generation would otherwise wait for the
 device at every write. The sums are read together, with one wait, when an
 invoke's code ends (`warn_pending`), or sooner once the writes they hold
-reach `HOLD_BYTES`. A warning points at the user's line on the stack when the
+reach `HOLD_BYTES`. On the host, where reading a number waits for nothing,
+they are read at the write (`READ_ON_THE_HOST`); the warnings are given when the
+invoke's code ends either way. A warning points at the user's line on the stack when the
 write is made (an edit that goes back to the model from inside the engine,
 with no frame of the user's on the stack, points at streamscope's own).
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import sysconfig
 import warnings
@@ -26,6 +29,9 @@ import torch
 HOLD_BYTES = 64 << 20
 #: How many unread scans there may be before they are read, whatever their size.
 HOLD_COUNT = 4096
+#: Whether a scan of host tensors is read at the write, where reading a number waits for nothing (the tests turn
+#: it off to run the deferred path, a device's, on the host).
+READ_ON_THE_HOST = True
 
 
 class Line(NamedTuple):
@@ -53,18 +59,28 @@ _DUE: list[tuple[str, Line]] = []
 
 def scan_write(name: str, value: torch.Tensor, current: Optional[torch.Tensor]) -> None:
     """Start the NaN/inf scan of `value`, written as `name` over `current` (the model's own value, if any)."""
-    total = _sum(value)
-    base = _sum(current) if current is not None and current.shape == value.shape else None
+    # (inline rather than `_sum`: a trace's steer writes at every step, and every call there counts)
+    total = value.sum(dtype=torch.float32) if value.element_size() < 4 else value.sum()
+    compared = current is not None and current.shape == value.shape
+    if READ_ON_THE_HOST and total.is_cpu:
+        # Reading a host number waits for nothing: read it now, and the model's own sum only where it matters.
+        if not math.isfinite(total.item()) and (not compared or math.isfinite(_sum(current).item())):
+            _queue(name, value, _version(value), user_line())
+        return
+    base = _sum(current) if compared else None
     if base is not None and base.device != total.device:  # a host tensor written into a device's value, say
         base = base.to(total.device)
-    try:
-        version = value._version
-    except RuntimeError:  # an inference tensor keeps no version counter
-        version = -1
-    _SCANS.append(_Scan(name, total, base, value, version, user_line()))
+    _SCANS.append(_Scan(name, total, base, value, _version(value), user_line()))
     _HELD[0] += value.numel() * value.element_size()
     if _HELD[0] > HOLD_BYTES or len(_SCANS) > HOLD_COUNT:
         read_scans()
+
+
+def _version(value: torch.Tensor) -> int:
+    try:
+        return value._version
+    except RuntimeError:  # an inference tensor keeps no version counter
+        return -1
 
 
 def _sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -89,22 +105,22 @@ def read_scans() -> None:
             written, model_own = finite[2 * index], finite[2 * index + 1]
             # Where the model's own value held NaN or inf already, the write is not what poisons the run.
             if not written and (model_own or scan.base is None):
-                _queue(scan)
+                _queue(scan.name, scan.value, scan.version, scan.line)
 
 
-def _queue(scan: _Scan) -> None:
-    numel = scan.value.numel()
-    changed = scan.version != -1 and scan.value._version != scan.version
-    if changed:
+def _queue(name: str, value: torch.Tensor, version: int, line: Line) -> None:
+    """Queue the warning for `value`, written as `name` with NaN or inf; `version`, its version at the write."""
+    numel = value.numel()
+    if version != -1 and value._version != version:
         where = f"at some of its {numel} entries (the tensor was changed in place since, so how many is unknown)"
     else:
-        count = int((~torch.isfinite(scan.value)).sum())
+        count = int((~torch.isfinite(value)).sum())
         if not count:
             return  # the sum overflowed; every entry is finite
         where = f"at {count} of its {numel} entries"
-    _DUE.append((f"{scan.name} is written with NaN or inf {where}, where the model's values were finite: every "
+    _DUE.append((f"{name} is written with NaN or inf {where}, where the model's values were finite: every "
                  f"later position that attends to them (and every value after them) becomes NaN. Write finite "
-                 f"numbers unless that is what you mean to study.", scan.line))
+                 f"numbers unless that is what you mean to study.", line))
 
 
 def warn_pending(raising: bool = True) -> None:

@@ -1,7 +1,7 @@
 """The NaN/inf scan of writes on its own (`streamscope.nonfinite`): what it warns, when it reads, what it holds.
 
 The engines' tests (tests/misuse.py, run on both) check the scan inside traces; these check its rules directly,
-against a count made here with plain torch.
+against a count made here with plain torch, read at the write and deferred.
 """
 
 from __future__ import annotations
@@ -15,10 +15,14 @@ import torch
 from streamscope import nonfinite
 
 
-@pytest.fixture(autouse=True)
-def nothing_pending():
+@pytest.fixture(autouse=True, params=["read at once", "deferred"])
+def reading(request, monkeypatch):
+    """Both ways a scan is read: at the write (host tensors), and deferred to the invoke's end (device tensors,
+    forced here on host tensors): the same warnings either way."""
     nonfinite.warn_pending(raising=False)
-    yield
+    if request.param == "deferred":
+        monkeypatch.setattr(nonfinite, "READ_ON_THE_HOST", False)
+    yield request.param
     nonfinite.warn_pending(raising=False)
 
 
@@ -67,16 +71,20 @@ def test_a_write_with_nothing_to_compare_warns_on_any_non_finite_entry():
     assert len(messages) == 1 and "at 1 of its 10 entries" in messages[0]
 
 
-def test_a_tensor_changed_in_place_after_its_write_is_not_given_a_wrong_count():
+def test_a_tensor_changed_in_place_after_its_write_is_not_given_a_wrong_count(reading):
     value = torch.zeros(2, 4)
     value[1, 1] = float("nan")
     nonfinite.scan_write("model.layers[0].layer_output", value, torch.zeros(2, 4))
-    value.zero_()  # the caller's buffer, refilled before the scans are read
+    value.zero_()  # the caller's buffer, refilled before the warnings are given
     messages = [str(warning.message) for warning in warned()]
-    assert len(messages) == 1 and "at some of its 8 entries" in messages[0]
+    # Read at the write, the count is the write's; deferred, it cannot be known any more, and says so.
+    expected = "at 1 of its 8 entries" if reading == "read at once" else "at some of its 8 entries"
+    assert len(messages) == 1 and expected in messages[0], messages
 
 
-def test_scans_are_read_once_they_hold_too_much():
+def test_scans_are_read_once_they_hold_too_much(reading):
+    if reading != "deferred":
+        pytest.skip("host tensors' scans are read at the write: nothing is held")
     count = nonfinite.HOLD_COUNT + 1
     for _ in range(count):
         nonfinite.scan_write("model.layers[0].layer_output", torch.ones(2), torch.ones(2))
