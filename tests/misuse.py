@@ -358,6 +358,27 @@ def test_a_non_finite_write_warns_within_its_trace_even_as_the_last_statement(ru
     runner.assert_unchanged(baseline)
 
 
+def test_a_non_finite_write_warns_the_same_when_its_scan_is_read_at_the_invokes_end(runner, baseline,
+                                                                                     monkeypatch):
+    """On a device the scans stay there and are read together when the invoke ends; forced here on the host, the
+    same NaN writes give the same warnings, once each, before the trace returns."""
+    from streamscope import nonfinite
+
+    monkeypatch.setattr(nonfinite, "READ_ON_THE_HOST", False)
+    model = runner.model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with runner.trace():
+            model.layers[0].layer_mid[:, 0, 0] = float("nan")
+            model.layers[1].layer_mid[:] += 1.0
+            model.logits.save()
+    messages = [str(warning.message) for warning in caught if "NaN or inf" in str(warning.message)]
+    assert len(messages) == 1 and messages[0].startswith("model.layers[0].layer_mid is written with NaN or inf at 1 "), \
+        messages
+    assert nonfinite.pending() == 0
+    runner.assert_unchanged(baseline)
+
+
 def test_a_write_over_values_the_model_made_non_finite_does_not_warn(runner, baseline):
     """Once a write has poisoned the stream, the blocks after it hold NaN of the model's own: a later write that
     keeps them is not what brought them in, and warns nothing (the first write warns once)."""

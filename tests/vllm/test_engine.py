@@ -114,9 +114,27 @@ def test_a_layout_vllms_block_lacks_is_refused_before_the_engine_starts(checkpoi
     assert logits.shape[-1] == model.vocab_size
 
 
+#: Llama 4 in a process of its own: its mixture of experts needs vLLM's expert-parallel group, which an in-process
+#: engine of a dense model (this module's Llama) left out of the process's parallel state.
+CHUNKED = textwrap.dedent('''
+    import json, os, sys
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import streamscope
+
+    if __name__ == "__main__":
+        path, prompt, settings = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+        model = streamscope.load(path, engine="vllm", **settings)
+        with model.trace(prompt, temperature=0.0, max_tokens=1):
+            logits = model.prompt_logits.save()
+        block = model.vllm_entrypoint.llm_engine.vllm_config.cache_config.block_size
+        print("RESULT " + json.dumps({"block_size": block, "logits": logits.tolist()}))
+        model.close()
+''')
+
+
 @pytest.mark.skipif(precision.measured(), reason="the CPU's block size is chosen here (a GPU's default of 16 divides "
                     "every chunk the family lets through); the GPU suite's Llama 4 is the family matrix's")
-def test_llama4_chunks_of_a_quarter_of_the_cpus_block_run_on_blocks_of_the_chunk(checkpoints):
+def test_llama4_chunks_of_a_quarter_of_the_cpus_block_run_on_blocks_of_the_chunk(checkpoints, tmp_path):
     """Llama 4 attends within chunks (`attention_chunk_size`), which vLLM cuts into whole KV blocks: on the CPU,
     whose default block is 128 tokens, a chunk of 32 gets blocks of 32, and a prompt of several chunks gives the
     oracle's logits at every position."""
@@ -124,17 +142,19 @@ def test_llama4_chunks_of_a_quarter_of_the_cpus_block_run_on_blocks_of_the_chunk
     prompt = "Once upon a time there was a small village by the sea where fishermen sang every morning. " + PROMPT * 3
     ids = AutoTokenizer.from_pretrained(path)(prompt, return_tensors="pt").input_ids
     assert ids.shape[1] > 2 * 32, "the prompt spans too few chunks to test them"
-    model = streamscope.load(path, engine="vllm", **precision.engine_kwargs())
-    try:
-        assert model.vllm_entrypoint.llm_engine.vllm_config.cache_config.block_size == 32
-        with model.trace(prompt, temperature=0.0, max_tokens=1):
-            logits = model.prompt_logits.save()
-    finally:
-        model.close()
+    script = tmp_path / "chunked.py"
+    script.write_text(CHUNKED)
+    run = subprocess.run([sys.executable, str(script), str(path), prompt, json.dumps(precision.engine_kwargs())],
+                         capture_output=True, text=True, timeout=600)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["block_size"] == 32
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = reference(ids).logits
-    assert relative_error(logits.reshape(expected.shape), expected) <= precision.CPU_FLOAT32
+    logits = torch.tensor(result["logits"]).reshape(expected.shape)
+    assert relative_error(logits, expected) <= precision.CPU_FLOAT32
 
 
 SCRIPT = textwrap.dedent('''
