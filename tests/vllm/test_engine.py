@@ -132,8 +132,9 @@ CHUNKED = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.skipif(precision.measured(), reason="the CPU's block size is chosen here (a GPU's default of 16 divides "
-                    "every chunk the family lets through); the GPU suite's Llama 4 is the family matrix's")
+@pytest.mark.skipif(precision.measured(), reason="it tests the block size streamscope chooses on the CPU "
+                    "(`blocks_within_chunks`), and on a GPU it chooses none: vLLM's default block of 16 divides every "
+                    "chunk `cannot_run` lets through; the refusal test above runs on both")
 def test_llama4_chunks_of_a_quarter_of_the_cpus_block_run_on_blocks_of_the_chunk(checkpoints, tmp_path):
     """Llama 4 attends within chunks (`attention_chunk_size`), which vLLM cuts into whole KV blocks: on the CPU,
     whose default block is 128 tokens, a chunk of 32 gets blocks of 32, and a prompt of several chunks gives the
