@@ -271,10 +271,11 @@ def child(part: str, folder: Path, tiny: bool, rounds: int) -> dict | None:
     command = [sys.executable, __file__, "--child", part, "--folder", str(folder), "--rounds", str(rounds)] + (
         ["--tiny"] if tiny else [])
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run(command, capture_output=True, text=True, env=environment)
+    # The child's log (its engine's, and each timed run as it ends) streams to this process's stderr as it comes.
+    run = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=environment)
     lines = [line for line in run.stdout.splitlines() if line.startswith("CHILD ")]
     if run.returncode != 0 or not lines:
-        print(f"the {part} run failed:\n" + run.stderr[-3000:], flush=True)
+        print(f"the {part} run failed (exit {run.returncode}; its log is above)", flush=True)
         return None
     return json.loads(lines[-1][len("CHILD "):])
 

@@ -119,10 +119,13 @@ def timed_together(functions: dict, rounds: int) -> dict:
     a drift of the machine over the run (clocks, memory) falls on all of them alike."""
     import torch
 
-    for function in functions.values():
+    started = time.perf_counter()
+    for name, function in functions.items():
         function()
+        _progress(f"warm-up {name}", time.perf_counter() - started)
+        started = time.perf_counter()
     times: dict = {name: [] for name in functions}
-    for _ in range(rounds):
+    for number in range(rounds):
         for name, function in functions.items():
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -131,8 +134,14 @@ def timed_together(functions: dict, rounds: int) -> dict:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             times[name].append(time.perf_counter() - start)
+            _progress(f"round {number + 1} {name}", times[name][-1])
             gc.collect()
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _progress(what: str, seconds: float) -> None:
+    # On stderr as each run ends: a run cut by a device call's limit still shows how far it got, and how fast.
+    print(f"  [{time.strftime('%H:%M:%S')}] {what}: {seconds:.3f} s", file=sys.stderr, flush=True)
 
 
 def host_time(run) -> tuple[int, dict[str, float]]:
