@@ -73,11 +73,13 @@ def port() -> int:
 class Server:
     """A server process, started at construction; `wait_up` returns once it answers ``/health``."""
 
-    def __init__(self, command: list[str], log: Path, source: str | None = None) -> None:
+    def __init__(self, command: list[str], log: Path, source: str | None = None,
+                 environment: dict[str, str] | None = None) -> None:
         self.log = log
         self.port = port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+               **(environment or {})}
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         # servers start at the same moment: each its own compile cache, so none reads another's half-written one
         env["VLLM_CACHE_ROOT"] = str(log.with_suffix(".cache"))
@@ -182,6 +184,9 @@ def main() -> None:
                                                        "after it (predicted from the last round); the summary of "
                                                        "what ran is printed anyway")
     parser.add_argument("--kv-cache-gib", type=float, default=8.0, help="fixed KV cache per server on a GPU")
+    parser.add_argument("--host-time", action="store_true",
+                        help="time streamscope's parts of every engine step on its servers "
+                             "(streamscope/serve/host_time.py) and print them per workload")
     parser.add_argument("--before", help="another streamscope source tree (e.g. `git archive` of an earlier commit): "
                                          "its eager server runs in the same rounds, for a before/after row")
     options = parser.parse_args()
@@ -224,14 +229,19 @@ def main() -> None:
     servers: dict[str, Server] = {}
     try:
         for name, command, _, source, _ in setups:
-            extra = stored if name.split()[0] != "plain" else []
-            servers[name] = Server([*command, *engine, *extra], folder / f"{name.replace(' ', '-')}.log", source)
+            ours_server = name.split()[0] != "plain"
+            extra = stored if ours_server else []
+            timing = {"STREAMSCOPE_SERVE_HOST_TIME": "1"} if options.host_time and ours_server else None
+            servers[name] = Server([*command, *engine, *extra], folder / f"{name.replace(' ', '-')}.log", source,
+                                   timing)
         for server in servers.values():
             server.wait_up(since + 900)
         since = stamp(f"{len(servers)} servers up together ({', '.join(servers)})", since)
 
         import httpx
         import torch
+
+        from streamscope.serve import host_time
 
         vector = torch.randn(hidden, generator=torch.Generator().manual_seed(0)).tolist()
         for name, server in servers.items():
@@ -243,6 +253,7 @@ def main() -> None:
         since = stamp(f"warm-up ({len(runs)} runs of {options.concurrency} requests)", since)
 
         results: dict[tuple[str, str], list[dict]] = {(name, workload): [] for name, workload, _ in runs}
+        spans: dict[tuple[str, str], list[tuple[float, float]]] = {key: [] for key in results}  # wall clock
         last_round = 0.0
         for round_number in range(options.rounds):
             if options.deadline is not None and time.monotonic() - began + last_round > options.deadline:
@@ -251,8 +262,12 @@ def main() -> None:
                 break
             for index, (name, workload, extra) in enumerate(runs):
                 # fresh prompts for every run: no run reads the prefix cache another filled
+                start = time.time()
                 result = load(servers[name].url, str(path), options, extra, options.prompts,
                               seed=1000 * round_number + index)
+                spans[name, workload].append((start, time.time()))
+                if options.host_time:  # the worker's last totals of this run printed before the next run begins
+                    time.sleep(host_time.INTERVAL * 1.5)
                 results[name, workload].append(result)
                 print(f"  round {round_number + 1} {name} {workload}: {result['output_throughput']:.1f} out tok/s, "
                       f"p99 TTFT {result['p99_ttft_ms']:.1f} ms, mean TPOT {result['mean_tpot_ms']:.2f} ms, "
@@ -269,7 +284,44 @@ def main() -> None:
             server.close()
     since = stamp("servers closed", since)
     summary(options, results, setups, written)
+    if options.host_time:
+        host_times(servers, spans)
     print(f"total {time.monotonic() - began:.1f} s")
+
+
+def host_times(servers: dict[str, Server], spans: dict[tuple[str, str], list[tuple[float, float]]]) -> None:
+    """Per streamscope server and workload, the engine's host time per step in each part (median over rounds):
+    the difference of the worker's running totals around each run (`streamscope.serve.host_time`)."""
+    from streamscope.serve import host_time
+
+    print("\nhost time per engine step (median over rounds; plan, hooks and send are within step; writer is the "
+          "harvest writer's thread)")
+    print(f"{'server':<20}{'workload':<9}{'steps':>8}{'step ms':>10}{'plan us':>10}{'hooks us':>10}{'send us':>10}"
+          f"{'writer us':>11}")
+    for name, server in servers.items():
+        lines = [host_time.parse(line) for line in server.log.read_text(errors="replace").splitlines()
+                 if host_time.PREFIX in line]
+        if not lines:
+            continue
+        for (server_name, workload), windows in spans.items():
+            if server_name != name or not windows:
+                continue
+            rows = []
+            for start, end in windows:
+                before = next((totals for stamp_, totals in reversed(lines) if stamp_ < start), None)
+                after = next((totals for stamp_, totals in reversed(lines)
+                              if stamp_ < end + host_time.INTERVAL * 1.4), None)
+                if after is None:
+                    continue
+                base = before or dict.fromkeys(after, 0.0)
+                steps = after["steps"] - base["steps"]
+                if steps > 0:
+                    rows.append({key: (after[key] - base[key]) / (1 if key == "steps" else steps) for key in after})
+            if rows:
+                cell = {key: median([row[key] for row in rows]) for key in rows[0]}
+                print(f"{name:<20}{workload:<9}{cell['steps']:>8.0f}{cell['step'] * 1e3:>10.3f}"
+                      f"{cell['plan'] * 1e6:>10.1f}{cell['hooks'] * 1e6:>10.1f}{cell['send'] * 1e6:>10.1f}"
+                      f"{cell['writer'] * 1e6:>11.1f}")
 
 
 def summary(options: argparse.Namespace, results: dict[tuple[str, str], list[dict]], setups: list,

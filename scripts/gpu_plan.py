@@ -53,7 +53,7 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
                    for name, tree in {"this tree": ROOT, **trees}.items()],
         "w2": [("w2", [python, "benchmarks/gpu_trace.py", "--skip", "t,nnsight,patch"], ROOT, 300)],
         "xproc": [("xproc", [python, "benchmarks/gpu_trace.py", "--engine-process"], ROOT, 240)],
-        "serve": [("serve", [python, "benchmarks/serve_load.py", "--shape", "llama3-8b", "--taps", "--prompts", "384",
+        "serve": [("serve", [python, "benchmarks/serve_load.py", "--shape", "llama3-8b", "--taps", "--host-time", "--prompts", "256",
                              "--rounds", "3", "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
     }
 

@@ -41,10 +41,13 @@ from .. import nnsight_seam as seam
 from ..bulk.apply import Span, rows_of
 from ..bulk.spec import ROOT_VALUES, Site, Steer, layer_list, locate, prompt_positions
 from ..values import INPUT
+from . import host_time
 from .stages import CPUStageBuffers, Stage, sites_of, write_part
 
 #: The environment variable that carries the server's settings (the harvest folder) to the engine's processes.
 ENVIRONMENT = "STREAMSCOPE_SERVE"
+#: How many distinct steer vectors (with their scales) the worker keeps on the device for the requests to share.
+DELTAS = 256
 logger = logging.getLogger("streamscope.serve")
 
 
@@ -108,6 +111,10 @@ class ServeState:
         #: The SAEs loaded on the engine's device (float32), by file; the least recently used go past `sae_cache`.
         self.saes: "OrderedDict[str, Any]" = OrderedDict()
         self.sae_cache = sae_cache
+        #: Each add/set steer's ``scale * vector`` on the device, by (vector, scale), the most recent `DELTAS`: the
+        #: requests steered by one stored vector share one tensor, made once, and a step's edit adds it to all
+        #: their rows at once instead of a row of it per request.
+        self.deltas: "OrderedDict[tuple[str, float], torch.Tensor]" = OrderedDict()
         self.writer = writer  # the rank that writes harvests (others compute the same rows)
         self.live: dict[str, Live] = {}
         self.sites: dict[tuple[str, Optional[int]], Site] = {}
@@ -136,6 +143,13 @@ class ServeState:
                 self.send()
             return output
 
+        if host_time.wanted():  # each part of a step timed, for a load generator (serve/host_time.py)
+            clock = host_time.HostTime()
+            self.observe = clock.timed("plan", self.observe)  # type: ignore[method-assign]
+            self.apply = clock.timed("hooks", self.apply)  # type: ignore[method-assign]
+            self.send = clock.timed("send", self.send)  # type: ignore[method-assign]
+            self.writer_thread.take = clock.timed("writer", self.writer_thread.take)  # type: ignore[method-assign]
+            executed = clock.timed("step", executed)
         # On the instance: vLLM's worker calls these through the runner, whatever its class.
         seam.wrap_update_states(runner, updated)
         runner.execute_model = executed
@@ -178,6 +192,18 @@ class ServeState:
             del self.saes[old]
         return sae
 
+    def delta(self, encoded: str, steer: Steer) -> torch.Tensor:
+        """`steer`'s ``scale * vector`` on the device, shared by every request that sends the same vector and scale."""
+        key = (encoded, float(steer.scale))
+        found = self.deltas.get(key)
+        if found is None:
+            found = self.deltas[key] = steer.delta(self.dtype, self.device)
+            if len(self.deltas) > DELTAS:
+                self.deltas.popitem(last=False)
+        else:
+            self.deltas.move_to_end(key)
+        return found
+
     def admit(self, payload: str, length: int) -> Live:
         """A request's plan from its JSON (checked by the front end), with its positions for its real prompt."""
         from .protocol import positions_rule, vector_from_bytes
@@ -200,7 +226,7 @@ class ServeState:
             order = per_key.get(site.key, 0)
             per_key[site.key] = order + 1
             if steer.mode in ("add", "set") and not steer.norm_match:  # batched: one edit per step for every request
-                delta, mode = steer.delta(self.dtype, self.device), steer.mode
+                delta, mode = self.delta(item["vector"], steer), steer.mode
             else:
                 delta, mode = steer.operation(self.dtype, self.device), None
             steers.append(SteerEntry(site, delta, mode, chosen, steer.generated, length, order, steer.from_step))
@@ -324,9 +350,11 @@ class ServeState:
 
     @staticmethod
     def _deltas(deltas: list[tuple[int, torch.Tensor, int]]) -> torch.Tensor:
-        """The vector each edited row gets, ``[rows, hidden]`` (one vector broadcasts where one request owns them)."""
-        if len(deltas) == 1:
-            return deltas[0][1]
+        """The vector each edited row gets, ``[rows, hidden]``, or one ``[hidden]`` that broadcasts to every row where
+        the requests share it (one request, or several steered by the same vector and scale)."""
+        first = deltas[0][1]
+        if all(delta is first for _, delta, _ in deltas):
+            return first
         return torch.cat([delta.expand(rows, -1) for _, delta, rows in deltas])
 
     # ---------------------------------------------------------------- hooks

@@ -380,6 +380,40 @@ def test_32_concurrent_mixed_requests_each_equal_their_solo_run(api):
                 assert (harvest[value] - tensor).abs().max() <= TOLERANCE * tensor.abs().max(), f"request {index}"
 
 
+def test_requests_steered_by_one_stored_vector_share_it_and_each_equals_its_solo_run(api, client, model):
+    """Concurrent requests steered by one stored vector at two scales, some at every position and some at the last,
+    between plain ones: the worker keeps one tensor per (vector, scale) for all of them, and each request's run
+    equals its solo run, and the in-process engine's."""
+    shared = vector(40)
+    client.store_vector("shared", shared)
+    try:
+        fields = []
+        for index in range(16):
+            kind = index % 4
+            scale = 2.0 if kind in (1, 3) else -3.0
+            fields.append(None if kind == 0 else
+                          {"steer": [{"value": "layer_output", "layer": 1, "vector": "shared", "scale": scale,
+                                      **({"positions": "last"} if kind == 3 else {})}]})
+
+        def run(index):
+            extra = {"return_token_ids": True, **({"streamscope": fields[index]} if fields[index] else {})}
+            response = api.completions.create(model=api.models.list().data[0].id, prompt=PROMPTS[index % len(PROMPTS)],
+                                              max_tokens=STEPS, temperature=0, logprobs=1, extra_body=extra)
+            return ids(api, response), response.choices[0].logprobs.token_logprobs
+
+        solo = [run(index) for index in range(16)]
+        with ThreadPoolExecutor(16) as pool:
+            together = list(pool.map(run, range(16)))
+        for index, ((tokens, logprobs), (solo_tokens, solo_logprobs)) in enumerate(zip(together, solo)):
+            same_run(tokens, logprobs, solo_tokens, solo_logprobs, f"request {index}")
+        for index, scale in ((1, 2.0), (2, -3.0)):  # the two scales of one vector, each its own
+            expected_tokens, expected_logprobs = in_process(model, PROMPTS[index % len(PROMPTS)],
+                                                            [Steer("layer_output", 1, shared, scale=scale)])
+            same_run(*solo[index], expected_tokens, expected_logprobs, f"request {index} against the in-process engine")
+    finally:
+        client.delete_vector("shared")
+
+
 def _prefix_hits(server) -> float:
     response = httpx.get(server + "/metrics")
     assert response.status_code == 200, f"vLLM's /metrics broke: {response.text[:300]}"

@@ -1,0 +1,82 @@
+"""Where a server's engine spends host time on streamscope's work, step by step (for `benchmarks/serve_load.py`).
+
+With ``STREAMSCOPE_SERVE_HOST_TIME=1`` in the server's environment, the
+worker times its parts of every step: planning the step (``plan``: the
+scheduler's new and finished requests, each hook's rows), the hooks' edits
+and reads (``hooks``), handing the step's harvested rows to host memory
+(``send``), and, on its own thread, storing rows and writing harvest files
+(``writer``), beside the whole ``execute_model`` call (``step``). Every
+`INTERVAL` seconds, while the counts move, it prints one line of running totals to
+stderr with the wall clock::
+
+    streamscope host time 1733100000.123 steps=812 step=9.41 plan=0.21 hooks=0.05 send=0.00 writer=0.00
+
+(seconds, except ``steps``). A load generator that knows when each of its
+runs began and ended takes the difference of the last lines before and after
+it: the counts move only while the engine steps. Off by default: the timing
+is a clock read around each part.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+#: The environment variable that turns the timing on in the engine's processes.
+ENVIRONMENT = "STREAMSCOPE_SERVE_HOST_TIME"
+#: The start of each printed line, for a reader of the server's log.
+PREFIX = "streamscope host time"
+PARTS = ("step", "plan", "hooks", "send", "writer")
+#: Seconds between the checks that print the totals when they have changed.
+INTERVAL = 0.5
+
+
+def wanted() -> bool:
+    return os.environ.get(ENVIRONMENT, "") not in ("", "0")
+
+
+class HostTime:
+    """Running totals of host seconds per part, printed twice a second while they change."""
+
+    def __init__(self, interval: float = INTERVAL) -> None:
+        self.totals = dict.fromkeys(PARTS, 0.0)
+        self.steps = 0
+        self.interval = interval
+        self.printed: tuple = ()
+        threading.Thread(target=self._print_while_changing, name="streamscope-host-time", daemon=True).start()
+
+    def timed(self, part: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        """`function`, adding the seconds of each call to `part`'s total (and a step to the count for "step")."""
+        totals, clock = self.totals, time.perf_counter
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                totals[part] += clock() - start
+                if part == "step":
+                    self.steps += 1
+
+        return call
+
+    def line(self) -> str:
+        parts = " ".join(f"{part}={self.totals[part]:.6f}" for part in PARTS)
+        return f"{PREFIX} {time.time():.3f} steps={self.steps} {parts}"
+
+    def _print_while_changing(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            now = (self.steps, *self.totals.values())
+            if now != self.printed:
+                self.printed = now
+                print(self.line(), file=sys.stderr, flush=True)
+
+
+def parse(line: str) -> tuple[float, dict[str, float]]:
+    """A printed line's wall clock and totals (``steps`` among them)."""
+    words = line.split(PREFIX, 1)[1].split()
+    return float(words[0]), {key: float(value) for key, value in (word.split("=", 1) for word in words[1:])}
