@@ -34,6 +34,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from streamscope.testing import precision as reference_precision
+
 DEVICE = os.environ.get("STREAMSCOPE_TEST_DEVICE", "cpu")
 DTYPE = os.environ.get("STREAMSCOPE_TEST_DTYPE", "float32")
 ON_GPU = DEVICE != "cpu"
@@ -55,7 +57,7 @@ KERNEL_ROUNDING = 1e-6
 PATTERN = 1e-5
 #: A measured tolerance is this many times transformers' own distance at the engine's precision: the engine's
 #: kernels round differently from transformers' (other reduction orders, fused ops), by about as much again.
-MEASURED_FACTOR = 2.0
+MEASURED_FACTOR = reference_precision.MEASURED_FACTOR
 #: One engine against itself run otherwise on a GPU (a request batched with others against its solo run; two
 #: tensor-parallel ranks against one), relative: the same kernels sum in another order or tiling. Stated,
 #: with the measured figures in tests/GPU.md: TF32 dot products in float32, 8-bit mantissas in bfloat16.
@@ -123,12 +125,8 @@ def low_precision(case_dtype: Optional[str] = None) -> Iterator[None]:
     if not (ON_GPU and engine_dtype(case_dtype) == "float32"):
         yield
         return
-    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    try:
+    with reference_precision.tf32_matmuls(True):
         yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def low_precision_experts(family: str, case_dtype: Optional[str] = None) -> Optional[str]:
@@ -138,12 +136,10 @@ def low_precision_experts(family: str, case_dtype: Optional[str] = None) -> Opti
     the tensor cores unrounded, which truncates them to TF32, where cuBLAS
     rounds to nearest: three to six times the error (tests/GPU.md, run H). A mixture of
     experts' measuring forward then rounds its experts that way
-    (tests/moe_oracle.py); its other matmuls stay cuBLAS's.
+    (`streamscope.testing.precision`); its other matmuls stay cuBLAS's.
     """
-    import moe_oracle
-
-    if ON_GPU and engine_dtype(case_dtype) == "float32" and family in moe_oracle.TRUNCATED_TF32_FAMILIES:
-        return moe_oracle.TRUNCATED_TF32
+    if ON_GPU and engine_dtype(case_dtype) == "float32" and family in reference_precision.TRUNCATED_TF32_FAMILIES:
+        return reference_precision.TRUNCATED_TF32
     return None
 
 

@@ -67,6 +67,49 @@ def test_check_passes_on_both_engines(checkpoints, family, overrides):
     assert len(rows) == 4 and all(row.count(" ok") == 2 for row in rows)
 
 
+def test_check_in_bfloat16_holds_each_value_to_a_tolerance_measured_on_the_checkpoint(checkpoints):
+    done = streamscope_command("check", str(checkpoints("llama")), "--engines", "transformers,vllm",
+                               "--dtype", "bfloat16")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.strip().endswith("PASS")
+    assert "vllm 2x transformers' own distance in bfloat16, per value, at least 1e-04" in done.stdout
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()
+            if line.strip().startswith(("layer_mid", "logits"))}
+    for row in rows.values():  # value, then per engine: error, "<=", tolerance, verdict
+        assert row[4] == row[8] == "ok"
+        # bfloat16 keeps 8 bits of mantissa: a measured tolerance is far above float32's stated ones
+        assert all(float(row[index]) > 1e-3 for index in (3, 7)), row
+        assert float(row[5]) <= float(row[7])
+
+
+def test_a_measured_tolerance_still_fails_a_wrong_model(checkpoints, tmp_path, monkeypatch):
+    """The bfloat16 tolerance is measured, not loose: an engine whose block 1 MLP is 20% off fails, at that MLP's
+    output and after it, and the values before any block stay within theirs."""
+    from safetensors.torch import load_file, save_file
+
+    from streamscope.workflows.check import check
+
+    path = checkpoints("llama")
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    for item in Path(path).iterdir():
+        if item.suffix != ".safetensors":
+            (wrong / item.name).write_bytes(item.read_bytes())
+    for item in Path(path).glob("*.safetensors"):
+        weights = load_file(str(item))
+        if "model.layers.1.mlp.down_proj.weight" in weights:
+            weights["model.layers.1.mlp.down_proj.weight"] = weights["model.layers.1.mlp.down_proj.weight"] * 1.2
+        save_file(weights, str(wrong / item.name), metadata={"format": "pt"})
+    load = streamscope.load
+    monkeypatch.setattr(streamscope, "load", lambda _path, **options: load(wrong, **options))
+    report = check(str(path), ("transformers",), dtype="bfloat16")
+    assert not report.passed
+    for name in ("mlp_output", "layer_output", "logits"):
+        assert report.errors[name]["transformers"] > report.tolerance(name, "transformers"), name
+    assert report.errors["token_embeddings"]["transformers"] <= report.tolerance("token_embeddings", "transformers")
+    assert "FAIL" in str(report)
+
+
 def test_check_reports_an_engine_that_cannot_run_the_checkpoint_and_checks_the_other(checkpoints):
     path = checkpoints("stablelm", qk_layernorm=True, use_parallel_residual=True)  # vLLM's StableLM has neither
     done = streamscope_command("check", str(path), "--engines", "transformers,vllm")

