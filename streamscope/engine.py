@@ -39,12 +39,19 @@ class Engine:
     name: ClassVar[str] = "engine"
     #: The settings a trace takes to run its prompts through one forward pass (no further tokens sampled).
     one_forward: ClassVar[Mapping[str, Any]] = {}
+    #: Whether the engine computes with transformers' own kernels, the reference's: then in float32 its values are
+    #: the reference's on any device, up to the order of operations (`streamscope.testing.precision`).
+    reference_kernels: ClassVar[bool] = False
 
     def __init__(self, model: Any) -> None:
         self.model = model
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name})"
+
+    def precision(self) -> tuple[str, "torch.dtype"]:
+        """Where and in what the model computes: its device's type (``"cpu"``, ``"cuda"``) and its dtype."""
+        raise NotImplementedError
 
     def run(self, prompts: Sequence[Prompt], body: Body, seq_axes: Sequence[tuple[int, ...]]) -> list[list[torch.Tensor]]:
         """Each prompt's tensors from `body`, run once per prompt: ``[prompt][tensor]``, each ``[1, ...]``.

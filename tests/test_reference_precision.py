@@ -7,15 +7,23 @@ from transformers import AutoModelForCausalLM
 from streamscope.testing import precision
 
 
-def test_float32_on_a_cpu_and_transformers_in_float32_are_stated_the_rest_measured():
-    assert precision.measuring("vllm", "cpu", torch.float32, "llama") is None
-    assert precision.measuring("transformers", "cuda", torch.float32, "mixtral") is None
-    assert precision.measuring("vllm", "cpu", torch.bfloat16, "llama") == precision.Measuring(torch.bfloat16)
-    assert precision.measuring("transformers", "cuda", torch.float16, "llama") == precision.Measuring(torch.float16)
-    assert precision.measuring("vllm", "cuda", torch.float32, "llama") == precision.Measuring(torch.float32, tf32=True)
-    fused = precision.measuring("vllm", "cuda", torch.float32, "mixtral")
+def test_float32_on_a_cpu_or_on_the_references_kernels_is_stated_the_rest_measured():
+    assert precision.measuring("cpu", torch.float32, "llama") is None
+    assert precision.measuring("cuda", torch.float32, "mixtral", reference_kernels=True) is None
+    assert precision.measuring("cpu", torch.bfloat16, "llama") == precision.Measuring(torch.bfloat16)
+    assert precision.measuring("cuda", torch.float16, "llama", reference_kernels=True) == \
+        precision.Measuring(torch.float16)
+    assert precision.measuring("cuda", torch.float32, "llama") == precision.Measuring(torch.float32, tf32=True)
+    fused = precision.measuring("cuda", torch.float32, "mixtral")
     assert fused == precision.Measuring(torch.float32, tf32=True, experts=precision.TRUNCATED_TF32)
     assert str(fused) == "float32 with TF32 matmuls and TF32-truncated experts"
+
+
+def test_each_engine_says_where_and_in_what_it_computes(checkpoints):
+    import streamscope
+
+    model = streamscope.load(checkpoints("llama"), dtype="bfloat16")
+    assert model.engine.precision() == ("cpu", torch.bfloat16) and model.engine.reference_kernels
 
 
 def test_truncation_keeps_ten_mantissa_bits_and_cuts_toward_zero():

@@ -80,10 +80,11 @@ class Measuring:
             " and TF32-truncated experts" if self.experts == TRUNCATED_TF32 else "")
 
 
-def measuring(engine: str, device: str, dtype: torch.dtype, family: str) -> Optional[Measuring]:
-    """The forward that measures `engine`'s tolerance when it runs `dtype` on `device`; None where the tolerance is
-    stated (float32 on a CPU, or transformers in float32 anywhere: it runs the reference's own kernels)."""
-    if dtype == torch.float32 and (device == "cpu" or engine == "transformers"):
+def measuring(device: str, dtype: torch.dtype, family: str, reference_kernels: bool = False) -> Optional[Measuring]:
+    """The forward that measures the tolerance of an engine that runs `family` in `dtype` on `device` (a device
+    type); None where the tolerance is stated: float32 on a CPU, or float32 anywhere on the reference's own
+    kernels (`reference_kernels`: transformers). Elsewhere in float32 (vLLM on a GPU) the dot products are TF32."""
+    if dtype == torch.float32 and (device == "cpu" or reference_kernels):
         return None
     if dtype != torch.float32:
         return Measuring(dtype)

@@ -16,6 +16,11 @@ class TransformersEngine(Engine):
     """Runs prompts as one right-padded batch; reads weights straight off the model's modules."""
 
     name = "transformers"
+    reference_kernels = True
+
+    def precision(self) -> tuple[str, torch.dtype]:
+        weight = seam.module_of(self.model.lm_head).weight
+        return weight.device.type, weight.dtype
 
     def run(self, prompts: Sequence[Prompt], body: Body, seq_axes: Sequence[tuple[int, ...]]) -> list[list[torch.Tensor]]:
         tokens, mask = right_padded(self.model.tokenizer, prompts)

