@@ -88,7 +88,9 @@ class Live:
         return found + ([self.readout[0]] if self.readout else [])
 
     def keys(self) -> set[tuple[int, str]]:
-        return {entry.site.key for entry in self.steers} | {site.key for site in self.harvest_sites}
+        """The module calls this request still needs hooked: its steers', and its harvest's until every row is read."""
+        reading = () if self.written else self.harvest_sites
+        return {entry.site.key for entry in self.steers} | {site.key for site in reading}
 
 
 class ServeState:
@@ -119,6 +121,7 @@ class ServeState:
         self.live: dict[str, Live] = {}
         self.sites: dict[tuple[str, Optional[int]], Site] = {}
         self.hooks: dict[tuple[int, str], Any] = {}
+        self.harvests_done = False  # a harvest read its last row this step: its hooks may go
         self.locations: dict[str, tuple[int, str]] = {}
         self.work: dict[tuple[int, str], tuple[list, list]] = {}
         #: This step's harvested rows, still on the device: (rows [n, hidden], [(live, site index, slots)]).
@@ -271,7 +274,10 @@ class ServeState:
             live = self.live.pop(request_id, None)
             if live is not None and live.harvest_id is not None and not live.written:
                 self.fail(live.harvest_id, "the request finished before its prompt ran (aborted?)")
-        if len(self.live) != before or admitted:  # the hooks change only when the live requests do
+        # The hooks change only when the live requests do, or a harvest has read its last row (a request that
+        # only harvested then needs none for the rest of its generation).
+        if len(self.live) != before or admitted or self.harvests_done:
+            self.harvests_done = False
             self.hook(set().union(*(live.keys() for live in self.live.values())) if self.live else set())
         if not self.live:
             self.work, self.last_shape = {}, None
@@ -423,6 +429,7 @@ class ServeState:
                 for live, _, slots in layout:
                     live.read += len(slots)
                     live.written = live.read == len(live.harvest_sites) * len(live.positions)
+                    self.harvests_done = self.harvests_done or live.written
             return
         # Per dtype (the model's; float32 for SAE features), every read flattened into one tensor and copied at once;
         # a piece is (live, site index, slots, first element, rows, width) in its dtype's tensor.
@@ -452,6 +459,7 @@ class ServeState:
             live.read += len(slots)
             if not live.written and live.read == len(live.harvest_sites) * len(live.positions):
                 live.written = True
+                self.harvests_done = True
                 complete.append(live)
         self.writer_thread.put((event, copies, complete))
 
@@ -474,6 +482,21 @@ class ServeState:
             else:
                 tensors["sae_values"] = live.buffer[..., :top_k].clone()
                 tensors["sae_indices"] = live.buffer[..., top_k:].long()
+        metadata = {key: json.dumps(item) for key, item in live.harvest_meta.items()}
+        if live.readout is None and live.buffer.dtype in SAFETENSORS_DTYPES:
+            # Each value is a run of the buffer's sites: written from the buffer as it is, no copy per value.
+            parts = []
+            for value in live.harvest_meta["values"]:
+                count = 1 if value in ROOT_VALUES else layers
+                parts.append((value, index, count, value in ROOT_VALUES))
+                index += count
+            if self.folder is not None and _valid_id(live.harvest_id):
+                final = self.folder / f"{live.harvest_id}.safetensors"
+                aside = self.folder / f".{live.harvest_id}.writing"
+                save_runs(aside, live.buffer, parts, metadata)
+                os.replace(aside, final)
+            live.buffer = None
+            return
         for value in live.harvest_meta["values"] if live.readout is None else ():
             if value in ROOT_VALUES:
                 tensors[value] = live.buffer[index].clone()
@@ -481,7 +504,6 @@ class ServeState:
             else:
                 tensors[value] = live.buffer[index:index + layers].clone()
                 index += layers
-        metadata = {key: json.dumps(item) for key, item in live.harvest_meta.items()}
         self._write(live.harvest_id, tensors, metadata)
         live.buffer = None
 
@@ -535,15 +557,17 @@ class HarvestWriter:
         try:
             if event is not None:
                 event.synchronize()  # this step's copy to host memory has landed; the engine has not waited for it
-            for host, live, index, slots, start, count, width in pieces:
+            by_request: dict[int, list] = {}
+            for piece in pieces:
+                by_request.setdefault(id(piece[1]), []).append(piece)
+            for group in by_request.values():
+                live, width = group[0][1], group[0][6]
                 if live.buffer is None:
-                    live.buffer = torch.empty((len(live.harvest_sites), len(live.positions), width), dtype=host.dtype)
-                rows = host[start:start + count * width].view(count, width)
-                first = slots[0]
-                if slots == list(range(first, first + count)):
-                    live.buffer[index, first:first + count] = rows
-                else:
-                    live.buffer[index, slots] = rows
+                    live.buffer = torch.empty((len(live.harvest_sites), len(live.positions), width),
+                                              dtype=group[0][0].dtype)
+                if not _store_every_site(live.buffer, group):
+                    for host, _, index, slots, start, count, _ in group:
+                        _put(live.buffer[index], slots, host[start:start + count * width].view(count, width))
         except Exception as error:  # noqa: BLE001  (each of these requests' harvests says why)
             logger.exception("streamscope serve: a step's harvested rows could not be stored")
             for live in {id(live): live for _, live, *_ in pieces}.values():
@@ -558,6 +582,41 @@ class HarvestWriter:
                 self.state.fail(live.harvest_id, f"{type(error).__name__}: {error}")
 
 
+#: safetensors' names of the dtypes a harvest buffer holds.
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def save_runs(path: Path, buffer: torch.Tensor, parts: list[tuple[str, int, int, bool]],
+              metadata: dict[str, str]) -> None:
+    """A safetensors file of runs of `buffer`'s first dimension, written straight from it.
+
+    `buffer` is contiguous; each part is (name, first index, count, squeezed):
+    the tensor ``buffer[first:first + count]``, or ``buffer[first]`` when
+    squeezed. The parts follow each other in `buffer`, so the file's data is
+    the buffer's own bytes: one write, and nothing held but the header while
+    it is made (safetensors' own `save_file` copies every tensor first).
+    """
+    import struct
+
+    row = buffer[0].numel() * buffer.element_size()
+    header: dict[str, Any] = {}
+    end = 0
+    for name, first, count, squeezed in parts:
+        assert first * row == end, "the parts must follow each other in the buffer"
+        shape = list(buffer.shape[1:]) if squeezed else [count, *buffer.shape[1:]]
+        header[name] = {"dtype": SAFETENSORS_DTYPES[buffer.dtype], "shape": shape,
+                        "data_offsets": [end, end + count * row]}
+        end += count * row
+    header["__metadata__"] = metadata
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    data = buffer.contiguous().view(torch.uint8).reshape(-1)[:end]
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(encoded)))
+        file.write(encoded)
+        file.write(memoryview(data.numpy()))
+
+
 def features(sae: Any, top_k: Optional[int], rows: torch.Tensor) -> torch.Tensor:
     """An SAE harvest's rows: the SAE's features ``[rows, d_sae]`` (float32), or the top k's values then indices
     ``[rows, 2 k]``, as `streamscope.sae.FeatureReadout` computes them in process."""
@@ -566,6 +625,30 @@ def features(sae: Any, top_k: Optional[int], rows: torch.Tensor) -> torch.Tensor
         return encoded
     top = encoded.topk(top_k, dim=-1)
     return torch.cat([top.values, top.indices.float()], dim=-1)
+
+
+def _put(target: torch.Tensor, slots: list[int], rows: torch.Tensor) -> None:
+    """``target[..., slots, :] = rows``, as a slice where the positions follow each other."""
+    first = slots[0]
+    if slots == list(range(first, first + len(slots))):
+        target[..., first:first + len(slots), :] = rows
+    else:
+        target[..., slots, :] = rows
+
+
+def _store_every_site(buffer: torch.Tensor, group: list) -> bool:
+    """Store one request's rows of a step in one copy, where the step read every one of its sites at the same
+    positions and the copy holds them evenly spaced (each site's read of the same requests): True if done."""
+    if len(group) != buffer.shape[0]:
+        return False
+    group = sorted(group, key=lambda piece: piece[2])
+    host, _, _, slots, start, count, width = group[0]
+    stride = group[1][4] - start if len(group) > 1 else count * width
+    for number, (other, _, index, other_slots, other_start, other_count, _) in enumerate(group):
+        if other is not host or index != number or other_slots != slots or other_start != start + number * stride:
+            return False
+    _put(buffer, slots, host.as_strided((len(group), count, width), (stride, width, 1), host.storage_offset() + start))
+    return True
 
 
 def _valid_stem(stem: Any) -> bool:
