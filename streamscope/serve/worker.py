@@ -61,6 +61,7 @@ class SteerEntry:
     length: int
     order: int  # the steer's index among the request's steers at this module call
     from_step: int = 0  # the first generated token steered
+    group: tuple = ()  # (site key, order, batch): the requests' steers one edit of a step applies together
 
     @property
     def every_row(self) -> bool:
@@ -81,16 +82,21 @@ class Live:
     read: int = 0  # how many (site, position) rows have been read (counted on the engine's thread)
     written: bool = False  # every row read: the writer thread writes the file
     readout: Optional[tuple[Any, Optional[int]]] = None  # a harvest of SAE features: (the SAE, top_k)
+    every_row: bool = True  # every steer edits every row the request runs (positions "all", generated, from 0)
+    hooked: Optional[tuple[bool, frozenset]] = None  # `keys()` as last made, with `written` then
 
     def sae_objects(self) -> list[Any]:
         """The SAEs this request uses (its clamps' and its harvest's)."""
         found = [entry.delta.sae for entry in self.steers if hasattr(entry.delta, "sae")]
         return found + ([self.readout[0]] if self.readout else [])
 
-    def keys(self) -> set[tuple[int, str]]:
+    def keys(self) -> frozenset[tuple[int, str]]:
         """The module calls this request still needs hooked: its steers', and its harvest's until every row is read."""
-        reading = () if self.written else self.harvest_sites
-        return {entry.site.key for entry in self.steers} | {site.key for site in reading}
+        if self.hooked is None or self.hooked[0] != self.written:  # made once, and again when the harvest is done
+            reading = () if self.written else self.harvest_sites
+            self.hooked = (self.written, frozenset({entry.site.key for entry in self.steers} |
+                                                   {site.key for site in reading}))
+        return self.hooked[1]
 
 
 class ServeState:
@@ -232,8 +238,11 @@ class ServeState:
                 delta, mode = self.delta(item["vector"], steer), steer.mode
             else:
                 delta, mode = steer.operation(self.dtype, self.device), None
-            steers.append(SteerEntry(site, delta, mode, chosen, steer.generated, length, order, steer.from_step))
-        live = Live(steers)
+            entry = SteerEntry(site, delta, mode, chosen, steer.generated, length, order, steer.from_step)
+            # add and set batch every request's rows into one edit; any other operation edits its own rows
+            entry.group = (site.key, order, (id(site), mode) if mode is not None else (id(site), id(entry)))
+            steers.append(entry)
+        live = Live(steers, every_row=all(entry.every_row for entry in steers))
         harvest = plan.get("harvest")
         if harvest is not None:
             rule = positions_rule(harvest["positions"], "positions")
@@ -285,26 +294,31 @@ class ServeState:
         self.work = self.plan_step(scheduler_output)
 
     def plan_step(self, scheduler_output: Any) -> dict[tuple[int, str], tuple[list, list]]:
+        """Every hooked module call's work this step: its steer edits (by round) and its harvest reads, each over
+        the rows of the requests that asked, in the step's flattened batch."""
         counts = scheduler_output.num_scheduled_tokens.get
-        states = self.runner.requests
-        spans: list[tuple[Live, Span]] = []
+        live_of = self.live.get
+        rows: list[tuple[Live, str, int, int]] = []  # (plan, request, first row, rows) of each planned request
         start = 0
+        steady = True  # every planned request steered at every row, none harvesting
         for request_id in self.runner.input_batch.req_ids:
             count = counts(request_id)
             if count is None:
                 continue
-            live = self.live.get(request_id)
+            live = live_of(request_id)
             if live is not None:
-                spans.append((live, Span(request_id, start, count, states[request_id].num_computed_tokens)))
+                rows.append((live, request_id, start, count))
+                steady = steady and live.every_row and (live.written or not live.harvest_sites)
             start += count
-        # A run of decode steps over the same requests, each steered at every row and none harvesting, edits the
-        # same rows with the same vectors every step: the last step's work is this one's.
-        shape = tuple((span.key, span.start, span.count) for _, span in spans)
-        uniform = all(not live.harvest_sites or live.written for live, _ in spans) and \
-            all(entry.every_row for live, _ in spans for entry in live.steers)
-        if uniform and shape == self.last_shape:
+        if steady:
+            # The same requests at the same rows as the last step edit the same rows with the same vectors.
+            if rows != self.last_shape:
+                self.last_shape, self.work = rows, self._steady_work(rows)
             return self.work
-        self.last_shape = shape if uniform else None
+        self.last_shape = None
+        states = self.runner.requests
+        spans = [(live, Span(request_id, start, count, states[request_id].num_computed_tokens))
+                 for live, request_id, start, count in rows]
         # key -> (rounds of steer edits, harvest reads)
         steers: dict[tuple[int, str], dict[int, dict[tuple[int, str], tuple[Site, str, list, list]]]] = {}
         reads: dict[tuple[int, str], dict[int, tuple[Site, list, list]]] = {}
@@ -313,9 +327,7 @@ class ServeState:
                 ranges = self._steer_ranges(entry, span)
                 if ranges:
                     rounds = steers.setdefault(entry.site.key, {}).setdefault(entry.order, {})
-                    # add and set batch every request's rows into one edit; any other operation edits its own rows
-                    batch = (id(entry.site), entry.mode) if entry.mode is not None else (id(entry.site), id(entry))
-                    group = rounds.setdefault(batch, (entry.site, entry.mode, [], []))
+                    group = rounds.setdefault(entry.group[2], (entry.site, entry.mode, [], []))
                     group[2].extend(ranges)
                     group[3].append((len(ranges), entry.delta, sum(stop - begin for begin, stop in ranges)))
             if live.harvest_sites and not live.written:
@@ -339,6 +351,24 @@ class ServeState:
             harvests = [(site, rows_of(ranges, self.device), layout)
                         for site, ranges, layout in reads.get(key, {}).values()]
             work[key] = (edits, harvests)
+        return work
+
+    def _steady_work(self, rows: list[tuple[Live, str, int, int]]) -> dict[tuple[int, str], tuple[list, list]]:
+        """`plan_step`'s work where every request's steers edit all its rows and none harvests: each steer's group
+        takes the requests' whole spans."""
+        groups: dict[tuple, tuple[Site, Optional[str], list, list]] = {}
+        for live, _, start, count in rows:
+            for entry in live.steers:
+                group = groups.get(entry.group)
+                if group is None:
+                    group = groups[entry.group] = (entry.site, entry.mode, [], [])
+                group[2].append((start, start + count))
+                group[3].append((1, entry.delta, count))
+        work: dict[tuple[int, str], tuple[list, list]] = {}
+        # by round (a request's second steer at a module call after every first one), groups in arrival order
+        for (key, _, _), (site, mode, ranges, deltas) in sorted(groups.items(), key=lambda item: item[0][1]):
+            work.setdefault(key, ([], []))[0].append(
+                (site, mode, rows_of(ranges, self.device), self._deltas(deltas) if mode is not None else deltas[0][1]))
         return work
 
     @staticmethod
