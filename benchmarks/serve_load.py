@@ -22,10 +22,13 @@ harvest, then the next pair), so load that drifts over minutes lands on every wo
 per workload the median and the spread (min-max over rounds) of output throughput, p99 TTFT and mean TPOT, the
 ratios of the medians against plain vLLM's plain median and against the same server's own plain median, and each
 bound of issue 18 as met, not met, or inconclusive (the spread of the ratio straddles the bound).
-``--deadline S`` stops starting rounds that would end after S seconds and still prints what ran. Shapes:
+``--deadline S`` stops starting rounds that would end after S seconds and still prints what ran. ``--host-time``
+also prints, per streamscope server and workload, the engine's host time per step in each part of streamscope's
+work (planning, hooks, handing harvests over, the writer thread: `streamscope.serve.host_time`). Shapes:
 
     python benchmarks/serve_load.py --shape tiny --input-len 64 --output-len 16 --concurrency 8 --prompts 32
     python benchmarks/serve_load.py --shape llama3-8b --taps --prompts 384 --deadline 520   # H200: one 10-minute call
+    python benchmarks/serve_load.py --shape tiny --concurrency 64 --prompts 256 --host-time   # where the host time goes
     python benchmarks/serve_load.py --shape tiny --before /tmp/old   # also an earlier tree's eager server, same rounds
 """
 

@@ -9,11 +9,13 @@ the console; ``<out>/plan.txt`` lists what ran, for how long and how it ended.
   suite    issue 19: the tapped engines (every family) and the lifecycle file, bfloat16     about 5 min
   ablate   issue 21: an ablation at every block against bare generation, tapped engine,
            in this tree and in each `--tree` (an earlier commit, to compare), 5 rounds       about 2 min a tree
-  w2       issue 24: W2's steer written in a trace against bare, and its variants             about 3 min
+  w2       issue 24: W2's steer written in a trace against bare, and its variants (each run
+           printed as it ends: a run cut short still says how far it got)                     3-6 min
   xproc    issue 24: the T trace with the engine core in its own process (packed saves,
            pickled saves, invokes pickled one by one)                                          about 2 min
   serve    issue 18: `streamscope serve` against plain `vllm serve` under load, eager
-           and tapped pairs (needs `.whl-gpu/serve` installed into /tmp/site)                about 9 min
+           and tapped pairs, with the servers' host time per step by part
+           (needs `.whl-gpu/serve` installed into /tmp/site)                                   about 9 min
 
 On the lent machine, after the five chunk calls of `tests/GPU.md` (and, for an
 earlier tree, ``git archive -o .gpu-trees/NAME.tar COMMIT`` here before the
@@ -51,7 +53,7 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
         "ablate": [(f"ablate ({name})", [python, "benchmarks/gpu_directions.py", "--only", "ablate", "--engines",
                                          "tapped", "--rounds", "5"], tree, 200)
                    for name, tree in {"this tree": ROOT, **trees}.items()],
-        "w2": [("w2", [python, "benchmarks/gpu_trace.py", "--skip", "t,nnsight,patch"], ROOT, 300)],
+        "w2": [("w2", [python, "benchmarks/gpu_trace.py", "--skip", "t,nnsight,patch"], ROOT, 420)],
         "xproc": [("xproc", [python, "benchmarks/gpu_trace.py", "--engine-process"], ROOT, 240)],
         "serve": [("serve", [python, "benchmarks/serve_load.py", "--shape", "llama3-8b", "--taps", "--host-time", "--prompts", "256",
                              "--rounds", "3", "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
