@@ -3,6 +3,7 @@ errors, and the engine running in its own processes. Where and in which dtype: t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -132,14 +133,12 @@ CHUNKED = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.skipif(precision.measured(), reason="it tests the block size streamscope chooses on the CPU "
-                    "(`blocks_within_chunks`), and on a GPU it chooses none: vLLM's default block of 16 divides every "
-                    "chunk `cannot_run` lets through; the refusal test above runs on both")
 def test_llama4_chunks_of_a_quarter_of_the_cpus_block_run_on_blocks_of_the_chunk(checkpoints, tmp_path):
-    """Llama 4 attends within chunks (`attention_chunk_size`), which vLLM cuts into whole KV blocks: on the CPU,
-    whose default block is 128 tokens, a chunk of 32 gets blocks of 32, and a prompt of several chunks gives the
-    oracle's logits at every position."""
-    path = checkpoints("llama4_text", attention_chunk_size=32)
+    """Llama 4 attends within chunks (`attention_chunk_size`), which vLLM cuts into whole KV blocks: the engine's
+    block divides the chunk (on the CPU, whose default block is 128 tokens, a chunk of 32 gets blocks of 32; on a
+    GPU vLLM's block of 16 divides it), and a prompt of several chunks gives the oracle's logits at every position."""
+    routing = precision.every_expert("llama4_text") if precision.measured() else {}
+    path = checkpoints("llama4_text", attention_chunk_size=32, **routing)
     prompt = "Once upon a time there was a small village by the sea where fishermen sang every morning. " + PROMPT * 3
     ids = AutoTokenizer.from_pretrained(path)(prompt, return_tensors="pt").input_ids
     assert ids.shape[1] > 2 * 32, "the prompt spans too few chunks to test them"
@@ -150,12 +149,20 @@ def test_llama4_chunks_of_a_quarter_of_the_cpus_block_run_on_blocks_of_the_chunk
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
-    assert result["block_size"] == 32
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = reference(ids).logits
-    logits = torch.tensor(result["logits"]).reshape(expected.shape)
-    assert relative_error(logits, expected) <= precision.CPU_FLOAT32
+    assert 32 % result["block_size"] == 0
+    if not precision.ON_GPU:
+        assert result["block_size"] == 32  # streamscope's choice (`blocks_within_chunks`): vLLM's 128 does not divide
+
+    def logits(dtype: torch.dtype, context=contextlib.nullcontext) -> torch.Tensor:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(precision.DEVICE).eval()
+        with context(), torch.no_grad():
+            return model(ids.to(precision.DEVICE)).logits.float()
+
+    expected = logits(torch.float32)
+    tolerance = precision.CPU_FLOAT32 if not precision.measured() else precision.from_distance(
+        relative_error(logits(precision.low_precision_dtype(), precision.low_precision), expected))
+    got = torch.tensor(result["logits"]).reshape(expected.shape).to(expected.device)
+    assert relative_error(got, expected) <= tolerance
 
 
 SCRIPT = textwrap.dedent('''
