@@ -51,7 +51,7 @@ PAIRS = {"all": ("bare", "ablate", "sae_clamp", "dense", "sae"), "ablate": ("bar
          "clamp": ("bare", "sae_clamp"), "harvest": ("dense", "sae")}
 
 
-def measure(folder: Path, tiny: bool, rounds: int, tapped: bool, only: str = "all") -> dict:
+def measure(folder: Path, tiny: bool, rounds: int, tapped: bool, only: str = "all", profile: bool = False) -> dict:
     import torch
 
     import streamscope
@@ -80,9 +80,31 @@ def measure(folder: Path, tiny: bool, rounds: int, tapped: bool, only: str = "al
             "dense": lambda: model.harvest(harvest_prompts, "layer_output", layers=[block], progress=False),
             "sae": lambda: model.harvest(harvest_prompts, sae=sae, positions="last", top_k=64, progress=False),
         }
-        return workloads.timed_together({name: workloads_by_name[name] for name in wanted}, rounds)
+        times = workloads.timed_together({name: workloads_by_name[name] for name in wanted}, rounds)
+        if profile:
+            where_the_time_goes({name: workloads_by_name[name] for name in wanted})
+        return times
     finally:
         model.close()
+
+
+def where_the_time_goes(runs: dict) -> None:
+    """One more run of each workload under cProfile (the engine is in this process): own time by group and the
+    top functions (`profile_trace.table`), so a workload's extra time over bare can be placed."""
+    import cProfile
+    import time
+
+    from profile_trace import table
+
+    for name, run in runs.items():
+        profile = cProfile.Profile()
+        start = time.perf_counter()
+        profile.enable()
+        run()
+        profile.disable()
+        wall = time.perf_counter() - start
+        print(f"\n{name} under cProfile: {wall:.3f} s", flush=True)
+        table(profile, wall, 25)
 
 
 def main() -> None:
@@ -91,12 +113,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", choices=list(PAIRS), default="all", help="one pair of workloads")
     parser.add_argument("--engines", choices=["both", "eager", "tapped"], default="both")
+    parser.add_argument("--profile", action="store_true", help="then each workload once more under cProfile")
     args = parser.parse_args()
     engines = {"both": (False, True), "eager": (False,), "tapped": (True,)}[args.engines]
     with tempfile.TemporaryDirectory() as folder:
         workloads.build_folder(Path(folder), args.tiny)
         for tapped in engines:
-            times = measure(Path(folder), args.tiny, args.rounds, tapped, args.only)
+            times = measure(Path(folder), args.tiny, args.rounds, tapped, args.only, args.profile)
             name = "tapped (graphs)" if tapped else "eager"
             print(f"{name}: " + ", ".join(f"{key} {value:.3f}s" for key, value in times.items()))
             if "ablate" in times:

@@ -82,6 +82,13 @@ def table(profile: cProfile.Profile, wall: float, top: int) -> None:
     for own, calls, (filename, line, function) in sorted(rows, reverse=True)[:top]:
         short = filename.split("site-packages/")[-1]
         print(f"    {own:8.3f} s {calls:>9,}  {function}  ({short}:{line})")
+    # Where a hook's or an invoke's time goes as a whole (its callees included): streamscope's and nnsight's own.
+    ours = [(cumulative, calls, key) for key, (calls, _, _, cumulative, _) in stats.stats.items()
+            if "streamscope/" in key[0] or "nnsight/" in key[0]]
+    print(f"  top {top} of streamscope's and nnsight's functions by time with their callees:")
+    for cumulative, calls, (filename, line, function) in sorted(ours, reverse=True)[:top]:
+        short = filename.split("site-packages/")[-1].split("main/")[-1]
+        print(f"    {cumulative:8.3f} s {calls:>9,}  {function}  ({short}:{line})")
 
 
 def main() -> None:
@@ -93,6 +100,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, help="--w2: this many prompts (invokes) instead of the shape's")
     parser.add_argument("--tokens", type=int, help="--w2: this many generated tokens (steps) instead of the shape's")
     parser.add_argument("--torch", action="store_true", help="also torch.profiler's op table for the trace")
+    parser.add_argument("--taps", action="store_true",
+                        help="--w2: on an engine tapped at the steer's block (CUDA graphs replayed), W2's target")
     args = parser.parse_args()
 
     import torch
@@ -104,7 +113,8 @@ def main() -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     settings = sizes(args.tiny)
     folder = build_folder(Path(tempfile.mkdtemp(prefix="profile-trace-")), args.tiny)
-    model = streamscope.load(folder, engine="vllm", **engine_kwargs(settings, args.tiny))
+    taps = {"taps": [f"layers.{settings['steer_block']}.layer_output"]} if args.taps else {}
+    model = streamscope.load(folder, engine="vllm", **taps, **engine_kwargs(settings, args.tiny))
     prompts = token_prompts(settings["t_prompts"], (settings["t_length"], settings["t_length"]), 3)
 
     def trace():

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -190,6 +191,7 @@ def main() -> None:
     parser.add_argument("--host-time", action="store_true",
                         help="time streamscope's parts of every engine step on its servers "
                              "(streamscope/serve/host_time.py) and print them per workload")
+    parser.add_argument("--logs", help="with --host-time: a folder to copy the streamscope servers' logs to")
     parser.add_argument("--before", help="another streamscope source tree (e.g. `git archive` of an earlier commit): "
                                          "its eager server runs in the same rounds, for a before/after row")
     options = parser.parse_args()
@@ -288,11 +290,12 @@ def main() -> None:
     since = stamp("servers closed", since)
     summary(options, results, setups, written)
     if options.host_time:
-        host_times(servers, spans)
+        host_times(servers, spans, options.logs and Path(options.logs))
     print(f"total {time.monotonic() - began:.1f} s")
 
 
-def host_times(servers: dict[str, Server], spans: dict[tuple[str, str], list[tuple[float, float]]]) -> None:
+def host_times(servers: dict[str, Server], spans: dict[tuple[str, str], list[tuple[float, float]]],
+               logs: Path | None) -> None:
     """Per streamscope server and workload, the engine's host time per step in each part (median over rounds):
     the difference of the worker's running totals around each run (`streamscope.serve.host_time`)."""
     from streamscope.serve import host_time
@@ -302,8 +305,11 @@ def host_times(servers: dict[str, Server], spans: dict[tuple[str, str], list[tup
     print(f"{'server':<20}{'workload':<9}{'steps':>8}{'step ms':>10}{'plan us':>10}{'hooks us':>10}{'send us':>10}"
           f"{'writer us':>11}")
     for name, server in servers.items():
-        lines = [host_time.parse(line) for line in server.log.read_text(errors="replace").splitlines()
-                 if host_time.PREFIX in line]
+        lines = [parsed for line in server.log.read_text(errors="replace").splitlines()
+                 if host_time.PREFIX in line and (parsed := host_time.parse(line)) is not None]
+        if logs is not None:
+            logs.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(server.log, logs / server.log.name)
         if not lines:
             continue
         for (server_name, workload), windows in spans.items():

@@ -13,6 +13,8 @@ the console; ``<out>/plan.txt`` lists what ran, for how long and how it ended.
            printed as it ends: a run cut short still says how far it got)                     3-6 min
   xproc    issue 24: the T trace with the engine core in its own process (packed saves,
            pickled saves, invokes pickled one by one)                                          about 2 min
+  profile  issues 21 and 24: where the host time goes, under cProfile: the ablation at every
+           block (tapped, after 3 timed rounds) and W2's steer in a trace on a tapped engine     about 6 min
   serve    issue 18: `streamscope serve` against plain `vllm serve` under load, eager
            and tapped pairs, with the servers' host time per step by part
            (needs `.whl-gpu/serve` installed into /tmp/site)                                   about 9 min
@@ -54,8 +56,13 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
                                          "tapped", "--rounds", "5"], tree, 200)
                    for name, tree in {"this tree": ROOT, **trees}.items()],
         "w2": [("w2", [python, "benchmarks/gpu_trace.py", "--skip", "t,nnsight,patch"], ROOT, 420)],
+        "profile": [("ablate profiled", [python, "benchmarks/gpu_directions.py", "--only", "ablate", "--engines",
+                                         "tapped", "--rounds", "3", "--profile"], ROOT, 200),
+                    ("w2 profiled", [python, "benchmarks/profile_trace.py", "--w2", "--taps", "--top", "30"], ROOT,
+                     200)],
         "xproc": [("xproc", [python, "benchmarks/gpu_trace.py", "--engine-process"], ROOT, 240)],
         "serve": [("serve", [python, "benchmarks/serve_load.py", "--shape", "llama3-8b", "--taps", "--host-time", "--prompts", "256",
+                             "--logs", str(out / "serve-logs"),
                              "--rounds", "3", "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
     }
 
@@ -98,7 +105,7 @@ def run_part(label: str, command: list[str], tree: Path, limit: int, log: Path,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--parts", required=True, help="comma-separated: suite,ablate,w2,xproc,serve")
+    parser.add_argument("--parts", required=True, help="comma-separated: suite,ablate,w2,profile,xproc,serve")
     parser.add_argument("--tree", action="append", default=[], help="NAME=FILE.tar: ablate in that tree too")
     parser.add_argument("--deadline", type=float, default=570.0, help="seconds from the start for every part")
     args = parser.parse_args()

@@ -57,6 +57,17 @@ def test_a_printed_line_reads_back_as_its_clock_and_totals():
     assert totals == {"steps": 7.0, "step": 1.5, "plan": 0.25, "hooks": 0.125, "send": 0.0625, "writer": 2.0}
 
 
+def test_a_line_run_into_by_another_process_still_reads_and_a_cut_one_is_skipped():
+    clock = host_time.HostTime(interval=3600)
+    clock.totals.update(writer=1.201501)
+    clock.steps = 3
+    joined = clock.line() + "(APIServer pid=12) INFO 12-02 04:45:01 [loggers.py:123] Engine 000: ..."
+    _, totals = host_time.parse(joined)
+    assert totals["writer"] == 1.201501 and totals["steps"] == 3.0
+    assert host_time.parse(clock.line()[:-3]) is None
+    assert host_time.parse("(APIServer pid=12) INFO unrelated") is None
+
+
 def test_the_timing_is_off_unless_the_environment_asks(monkeypatch):
     monkeypatch.delenv(host_time.ENVIRONMENT, raising=False)
     assert not host_time.wanted()

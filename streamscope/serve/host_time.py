@@ -20,6 +20,7 @@ is a clock read around each part.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -76,7 +77,16 @@ class HostTime:
                 print(self.line(), file=sys.stderr, flush=True)
 
 
-def parse(line: str) -> tuple[float, dict[str, float]]:
-    """A printed line's wall clock and totals (``steps`` among them)."""
-    words = line.split(PREFIX, 1)[1].split()
-    return float(words[0]), {key: float(value) for key, value in (word.split("=", 1) for word in words[1:])}
+# Every field with its full count of decimals: the engine's other processes write to the same log, and a line of
+# theirs may start right after ours without a newline between them.
+LINE = re.compile(re.escape(PREFIX) + r" (\d+\.\d{3}) steps=(\d+)"
+                  + "".join(rf" {part}=(\d+\.\d{{6}})" for part in PARTS))
+
+
+def parse(line: str) -> tuple[float, dict[str, float]] | None:
+    """A printed line's wall clock and totals (``steps`` among them); None for a line another process broke."""
+    found = LINE.search(line)
+    if found is None:
+        return None
+    stamp, steps, *seconds = found.groups()
+    return float(stamp), {"steps": float(steps), **{part: float(value) for part, value in zip(PARTS, seconds)}}
