@@ -127,6 +127,10 @@ class Applier:
         self._steer_rows: list[Any] = [None] * len(self.steers)  # each steer's rows this step (None: none)
         # Each steer's edit, its route (vLLM's halves, an ablation's kernels) chosen once for the run.
         self._editors = [plan.site.row_editor(plan.operation) for plan in self.steers]
+        #: At the taps of an engine that replays CUDA graphs (`apply_at`): the engine's `GraphedEdits` for this
+        #: run, set before the first step, and the editors that replay from it, made at the first tap.
+        self.graphs: Any = None
+        self._tap_editors: Optional[list[Any]] = None
         self._every_row = [plan.every_row for plan in self.steers]
         # Steers that edit the same rows (an ablation at every block) share one computation of them per step.
         self._row_groups = _row_groups(self.steers, self._every_row)
@@ -225,8 +229,13 @@ class Applier:
         """
         work = self.work_at.get(location)
         if work is not None and self.error is None:
+            editors = self._tap_editors
+            if editors is None:
+                editors = self._tap_editors = (self._editors if self.graphs is None else
+                                               [plan.site.row_editor(plan.operation, self.graphs)
+                                                for plan in self.steers])
             try:  # `_apply`, written out: this runs at every tap of every replayed step
-                self._apply_all(work, raw)
+                self._apply_all(work, raw, editors)
             except Exception as error:  # noqa: BLE001  (kept for the caller: a hook must not take the engine down)
                 self.error = error
 
@@ -243,12 +252,13 @@ class Applier:
         except Exception as error:  # noqa: BLE001  (kept for the caller: a hook must not take the engine down)
             self.error = error
 
-    def _apply_all(self, work: list[tuple[str, int, Site]], raw: Any) -> None:
+    def _apply_all(self, work: list[tuple[str, int, Site]], raw: Any, editors: Optional[list[Any]] = None) -> None:
+        editors = self._editors if editors is None else editors
         for kind, index, site in work:
             if kind == "steer":
                 rows = self._steer_rows[index]
                 if rows is not None:
-                    self._editors[index](raw, rows)
+                    editors[index](raw, rows)
             elif self._harvest_rows is not None:
                 rows = site.read_rows(raw, self._harvest_rows)
                 self._store(index, rows if self.readout is None else self.readout(rows))

@@ -287,18 +287,19 @@ class Site:
         # A slice is a view of the whole batch's copy: keep only its rows.
         return picked.clone() if isinstance(rows, slice) else picked
 
-    def row_editor(self, operation: Any) -> Callable[[Any, torch.Tensor], None]:
+    def row_editor(self, operation: Any, graphs: Any = None) -> Callable[[Any, torch.Tensor], None]:
         """``edit(raw, rows)``: `edit_rows` for one steer's `operation`, its route chosen once for a run.
 
         A value held in two halves (vLLM's fused blocks) answers with its own
-        editor (`streamscope.vllm.blocks.Summed.row_editor`); any other with
-        `edit_rows` itself.
+        editor (`streamscope.vllm.blocks.Summed.row_editor`, which replays its
+        edit at a tap from `graphs` where given); any other with `edit_rows`
+        itself.
         """
         make = getattr(self.descriptor, "row_editor", None) if self.descriptor.factor is None else None
         if make is not None:
             def whole_batch(raw: Any, rows: torch.Tensor) -> None:
                 self._write_rows(raw, rows, operation, None)
-            return cast(Callable[[Any, torch.Tensor], None], make(operation, whole_batch))
+            return cast(Callable[[Any, torch.Tensor], None], make(operation, whole_batch, graphs))
 
         def edit(raw: Any, rows: torch.Tensor) -> None:
             self.edit_rows(raw, rows, operation)

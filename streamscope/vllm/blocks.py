@@ -82,14 +82,18 @@ class Summed(StreamValue):
                 return self._edit_rows(hidden, residual, rows, operation)
         return self._edit_rows(hidden, residual, rows, operation)
 
-    def row_editor(self, operation: Any, otherwise: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    def row_editor(self, operation: Any, otherwise: Callable[[Any, Any], None],
+                   graphs: Any = None) -> Callable[[Any, Any], None]:
         """``edit(raw, rows)``: `edit_rows` for one steer's `operation`, chosen once for the run, or `otherwise`
         (the site's general edit) where the halves are not the step's flattened tokens.
 
         A direction's ablate or clamp at every row of the step (the usual
         steer, with no padding rows past the step's tokens) is its three or
         four kernels on the halves themselves (`Operation.add_change`): no
-        slice, no sum, no other Python call.
+        slice, no sum, no other Python call. With `graphs` (a
+        `streamscope.vllm.graphed.GraphedEdits`, at the taps of an engine
+        that replays CUDA graphs), the same kernels on the step's leading rows,
+        past which a tap's buffers hold padding, replay as one captured graph.
         """
         if not getattr(operation, "along_direction", False):
             def general(raw: Any, rows: Any) -> None:
@@ -104,10 +108,14 @@ class Summed(StreamValue):
                 hidden, residual = (raw[0], raw[1]) if isinstance(raw, tuple) else (raw, None)
             else:
                 hidden, residual = halves(raw)
-            if (type(rows) is slice and rows.start == 0 and rows.stop == hidden.shape[0] and hidden.dim() == 2
+            if (type(rows) is slice and rows.start == 0 and hidden.dim() == 2 and rows.stop <= hidden.shape[0]
                     and (residual is None or residual.shape == hidden.shape) and not torch.is_grad_enabled()):
-                add_change(hidden, hidden, residual)
-            elif not self.edit_rows(raw, rows, operation):
+                if graphs is not None and graphs.replay(operation, hidden, residual, rows.stop):
+                    return
+                if rows.stop == hidden.shape[0]:
+                    add_change(hidden, hidden, residual)
+                    return
+            if not self.edit_rows(raw, rows, operation):
                 otherwise(raw, rows)
         return edit
 

@@ -35,6 +35,7 @@ from ..errors import Unavailable, untapped
 from ..bulk.spec import (HarvestSpec, Positions, Site, Steer, check_steer, generation_harvest, harvest_spec, locate,
                          token_ids)
 from . import held
+from .graphed import GraphedEdits
 from .held import WorkerSAEs
 from .pipeline import gather, holds, site_count, stage_sites
 
@@ -158,6 +159,9 @@ def worker_begin(worker: Any, payload: bytes) -> None:
     wanted = {key: spec.positions[key] for key in keys} if spec is not None else {}
     state.run, state.keys = plan["run"], {}
     state.applier = Applier(sites, wanted, plans, device, readout=readout).install()
+    if device.type == "cuda" and getattr(getattr(getattr(state.runner, "nnsight_model", None), "interleaver", None),
+                                         "taps", None):
+        state.applier.graphs = GraphedEdits()  # a replayed step's edits at its taps, captured per run
     state.logits = {} if plan["logits"] else None
     processor = getattr(state.runner.get_model(), "logits_processor", None)  # the last stage's only
     if plan["logits"] and processor is not None:

@@ -93,6 +93,13 @@ class BulkRPC:
 
         return worker_release(self, keys)
 
+    def streamscope_graphed_counts(self) -> dict[str, int]:
+        """How many steer edits at taps this worker's process replayed as captured graphs, and how many it
+        captured (`streamscope.vllm.graphed`), since it started."""
+        from . import graphed
+
+        return dict(graphed.COUNTS)
+
     def streamscope_held_saes(self) -> list[str]:
         """The keys of the SAEs this worker holds between runs (`streamscope.vllm.held`)."""
         state = self.model_runner.__dict__.get("_streamscope_bulk")

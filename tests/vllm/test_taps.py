@@ -19,6 +19,7 @@ from bulk_checks import BULK_FAMILIES, PROMPTS, RELATIVE
 import streamscope
 from streamscope.errors import Unavailable
 from streamscope.families import FAMILIES, VLLM
+from streamscope.vllm.blocks import Summed
 from streamscope.vllm.taps import tap_locations
 
 STEPS = 4
@@ -123,6 +124,33 @@ def test_a_steered_generation_on_a_tapped_engine_equals_the_eager_engine(pair):
         assert close(tapped.logits[index], eager.logits[index]), index
         # Other requests in the batch are untouched: a replayed step steers the steered request's rows only.
         assert torch.equal(tapped.logits[index], plain.logits[index]) == (index != 1), index
+
+
+def test_an_ablation_at_every_block_on_a_tapped_engine_equals_the_eager_engine(pair):
+    """Every request ablated at every block (on a GPU, each block's edit at a replayed step runs as a captured
+    graph: `streamscope.vllm.graphed`), and one request of three ablated (its rows alone, edited eagerly)."""
+    torch.manual_seed(2)
+    direction = torch.randn(pair.eager.hidden_size)
+    every = [streamscope.Steer("layer_output", layer, direction, mode="ablate") for layer in range(pair.eager.num_layers)]
+    some = [streamscope.Steer("layer_output", layer, direction, mode="ablate", prompts=[1])
+            for layer in range(pair.eager.num_layers)]
+    options = {"max_tokens": STEPS, "return_logits": True, "ignore_eos": True, "progress": False}
+    counts = pair.tapped.vllm_entrypoint.collective_rpc("streamscope_graphed_counts")[0]
+    plain = pair.tapped.generate(PROMPTS, **options)
+    for steers in (every, some):
+        tapped = pair.tapped.generate(PROMPTS, steer=steers, **options)
+        eager = pair.eager.generate(PROMPTS, steer=steers, **options)
+        for index in range(len(PROMPTS)):
+            assert close(tapped.logits[index], eager.logits[index]), (index, len(steers))
+            steered = steers is every or index == 1
+            assert torch.equal(tapped.logits[index], plain.logits[index]) != steered, index
+    after = pair.tapped.vllm_entrypoint.collective_rpc("streamscope_graphed_counts")[0]
+    # Replayed graphs on a GPU, for every block of every decode step after the first, where the stream is held in
+    # two halves (the fused layout; a whole stream's edit is written back eagerly); none on a CPU (no graphs).
+    graphed = precision.ON_GPU and isinstance(getattr(type(pair.eager.layers[0]), "layer_output", None), Summed)
+    replayed = after["replayed"] - counts["replayed"]
+    assert replayed >= (pair.eager.num_layers * (STEPS - 1) if graphed else 0) and (replayed > 0) == graphed, (
+        counts, after)
 
 
 def test_a_harvest_on_a_tapped_engine_equals_the_eager_engine(pair):
