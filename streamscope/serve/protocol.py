@@ -455,7 +455,7 @@ class Checker:
         checked = Checked()
         if not own and not (self.default and use_default):
             return checked
-        lengths = self.prompt_lengths(body, chat) if own else []
+        lengths = self.prompt_lengths(body, chat) if own and needs_lengths(own) else []
         if self.default and use_default:
             checked.steer_payload.extend(self.default)
         if "steer" in own:
@@ -516,6 +516,26 @@ class Checker:
                 return lengths
         raise _bad("prompt", "a request with a streamscope field takes a prompt (a string or a list of token ids) or "
                              "a list of them.")
+
+
+#: The positions rules that fit every prompt with a token in it: a steer or harvest of these needs no prompt length.
+ANY_LENGTH = ("all", "last", "none")
+
+
+def needs_lengths(field: Any) -> bool:
+    """Whether checking a request's ``streamscope`` field needs its prompts' token counts (tokenizing a text prompt
+    in the server's front end): a steer at indices or a slice (they must fit the prompt), or a harvest of more than
+    the last position (its size). Steers at "all", "last" or "none" and a last-position harvest, the usual
+    requests, are checked without it; vLLM tokenizes their prompts off the server's event loop as for any request.
+    A field this cannot read is checked with the lengths, whose check says what is wrong with it."""
+    if not isinstance(field, dict):
+        return True
+    steers = field.get("steer", [])
+    for item in [steers] if isinstance(steers, dict) else steers if isinstance(steers, list) else [None]:
+        if not isinstance(item, dict) or item.get("positions", "all") not in ANY_LENGTH:
+            return True
+    harvest = field.get("harvest")
+    return harvest is not None and (not isinstance(harvest, dict) or harvest.get("positions", "last") != "last")
 
 
 def _prompt_count(body: dict[str, Any]) -> int:

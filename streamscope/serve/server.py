@@ -18,17 +18,21 @@ what vLLM offers for it:
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
 import hashlib
 import json
 import os
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from fastapi import Request  # at module level: FastAPI reads the routes' annotations by name
 
-from .protocol import FIELD, XARG, Checker, Limits, RequestError, cache_salt, unknown_sae, worker_payload
+from .protocol import (FIELD, XARG, Checker, Limits, RequestError, cache_salt, needs_lengths, unknown_sae,
+                       worker_payload)
 from .storage import SAEs, Harvests, Vectors, read_vector, sae_from_bytes, unknown_vector
 
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
@@ -49,6 +53,8 @@ class Front:
         self.saes = SAEs(sae_folder or Path(tempfile.mkdtemp(prefix="streamscope-saes-")), limits)
         self.checker.saes = self.saes
         self.worker = ""  # the engine's worker class (vLLM's own without taps, nnsight's with them)
+        #: Where a request's check tokenizes its prompt: one thread (the tokenizer is not shared between threads).
+        self.checks = ThreadPoolExecutor(1, thread_name_prefix="streamscope-check")
 
     def store_sae(self, name: str, data: bytes, param: str = "body") -> dict[str, Any]:
         """Check an uploaded SAE (its layout, weights, width, site, a tap on a tapped server) and store it."""
@@ -255,7 +261,13 @@ class SteerMiddleware:
                 raise RequestError(413, FIELD, f"{FIELD}: larger than {self.front.limits.max_upload_bytes} bytes "
                                                f"(--max-upload-bytes): store large vectors once "
                                                f"(POST {PREFIX}/vectors/NAME) and steer by name.")
-            checked = self.front.checker.check(body, chat=path.endswith("chat/completions"))
+            check = functools.partial(self.front.checker.check, body, chat=path.endswith("chat/completions"))
+            if needs_lengths(body.get(FIELD)):
+                # Tokenizing a text prompt holds the interpreter a while: in the front end's own thread, while the
+                # event loop goes on serving every other request.
+                checked = await asyncio.get_running_loop().run_in_executor(self.front.checks, check)
+            else:
+                checked = check()
             body.pop(FIELD, None)
             if not checked.empty:
                 xargs = body.get("vllm_xargs") or {}
