@@ -225,20 +225,28 @@ class ServeState:
                 continue  # another pipeline stage's block: that stage applies it
             site = self.site(item["value"], item["layer"])
             rule = positions_rule(item["positions"], "positions")
-            steer = Steer(item["value"], item["layer"], vector_from_bytes(item["vector"]), scale=item["scale"],
-                          positions=rule, mode=item["mode"], generated=item["generated"],
-                          projection=item.get("projection", 0.0), norm_match=item.get("norm_match", False),
-                          from_step=item.get("from_step", 0))
-            if steer.mode == "sae_clamp":
-                steer.sae, steer.feature = self.sae(item["sae"]), item["feature"]
             chosen = None if rule == "all" else frozenset(prompt_positions(rule, length, 0))
             order = per_key.get(site.key, 0)
             per_key[site.key] = order + 1
-            if steer.mode in ("add", "set") and not steer.norm_match:  # batched: one edit per step for every request
-                delta, mode = self.delta(item["vector"], steer), steer.mode
+            mode: Optional[str] = item["mode"]
+            batched = mode in ("add", "set") and not item.get("norm_match", False)  # one edit a step for everyone
+            shared = self.deltas.get((item["vector"], float(item["scale"]))) if batched else None
+            if shared is not None:  # a vector and scale another request sent: its tensor, the vector not decoded
+                self.deltas.move_to_end((item["vector"], float(item["scale"])))
+                delta = shared
             else:
-                delta, mode = steer.operation(self.dtype, self.device), None
-            entry = SteerEntry(site, delta, mode, chosen, steer.generated, length, order, steer.from_step)
+                steer = Steer(item["value"], item["layer"], vector_from_bytes(item["vector"]), scale=item["scale"],
+                              positions=rule, mode=item["mode"], generated=item["generated"],
+                              projection=item.get("projection", 0.0), norm_match=item.get("norm_match", False),
+                              from_step=item.get("from_step", 0))
+                if steer.mode == "sae_clamp":
+                    steer.sae, steer.feature = self.sae(item["sae"]), item["feature"]
+                if batched:
+                    delta = self.delta(item["vector"], steer)
+                else:
+                    delta, mode = steer.operation(self.dtype, self.device), None
+            entry = SteerEntry(site, delta, mode, chosen, bool(item["generated"]), length, order,
+                               item.get("from_step", 0))
             # add and set batch every request's rows into one edit; any other operation edits its own rows
             entry.group = (site.key, order, (id(site), mode) if mode is not None else (id(site), id(entry)))
             steers.append(entry)

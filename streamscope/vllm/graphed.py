@@ -7,9 +7,10 @@ An ablation or a clamp at every block is three or four kernels a block a step
 step of an 8B model that host work, not the kernels, is what the steer costs.
 At a tap the halves are the engine's graph buffers, at the same addresses at
 every replay of a batch size, so the kernels of one steer's edit over the
-step's first ``count`` rows are captured once into a graph keyed by those
-addresses and row count, and every later step with the same buffers and count
-replays it: the same kernels on the same rows, one launch.
+step's first ``count`` rows are captured into a graph keyed by those addresses
+and row count, the second time that key comes, and every later step with the
+same buffers and count replays it: the same kernels on the same rows, one
+launch.
 
 A graph holds the addresses it was captured on, never tensors: its key is
 the addresses, strides, row count and dtype of the halves and the operation
@@ -36,6 +37,7 @@ class GraphedEdits:
 
     def __init__(self, limit: int = LIMIT) -> None:
         self.graphs: dict[tuple, Any] = {}
+        self.seen: set[tuple] = set()  # the keys met once, not captured yet
         self.limit = limit
         self.stream: Optional[torch.cuda.Stream] = None
         self.pool: Any = None
@@ -51,6 +53,11 @@ class GraphedEdits:
                None if residual is None else (residual.data_ptr(), residual.stride(), residual.dtype))
         graph = self.graphs.get(key)
         if graph is None:
+            # Captured the second time a key comes: a batch that shrinks a request at a time (generations that end
+            # at their own lengths) meets each row count once, where a capture would cost more than it saves.
+            if key not in self.seen:
+                self.seen.add(key)
+                return False
             if len(self.graphs) >= self.limit:
                 return False
             graph = self._capture(operation, hidden[:count], None if residual is None else residual[:count])

@@ -145,12 +145,15 @@ def test_an_ablation_at_every_block_on_a_tapped_engine_equals_the_eager_engine(p
             steered = steers is every or index == 1
             assert torch.equal(tapped.logits[index], plain.logits[index]) != steered, index
     after = pair.tapped.vllm_entrypoint.collective_rpc("streamscope_graphed_counts")[0]
-    # Replayed graphs on a GPU, for every block of every decode step after the first, where the stream is held in
-    # two halves (the fused layout; a whole stream's edit is written back eagerly); none on a CPU (no graphs).
+    # Replayed graphs on a GPU where the stream is held in two halves (the fused layout; a whole stream's edit is
+    # written back eagerly), none on a CPU (no graphs): each block's edit is captured the second time its buffers
+    # and row count come, at the second decode step, and replayed from then on, the same graph at every step.
     graphed = precision.ON_GPU and isinstance(getattr(type(pair.eager.layers[0]), "layer_output", None), Summed)
     replayed = after["replayed"] - counts["replayed"]
-    assert replayed >= (pair.eager.num_layers * (STEPS - 1) if graphed else 0) and (replayed > 0) == graphed, (
+    captured = after["captured"] - counts["captured"]
+    assert replayed >= (pair.eager.num_layers * (STEPS - 2) if graphed else 0) and (replayed > 0) == graphed, (
         counts, after)
+    assert captured <= 2 * pair.eager.num_layers, (counts, after)  # a capture per block and row count seen
 
 
 def test_a_harvest_on_a_tapped_engine_equals_the_eager_engine(pair):
