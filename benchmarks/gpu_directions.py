@@ -91,18 +91,10 @@ def measure(folder: Path, tiny: bool, rounds: int, tapped: bool, only: str = "al
 def where_the_time_goes(runs: dict) -> None:
     """One more run of each workload under cProfile (the engine is in this process): own time by group and the
     top functions (`profile_trace.table`), so a workload's extra time over bare can be placed."""
-    import cProfile
-    import time
-
-    from profile_trace import table
+    from profile_trace import profiled, table
 
     for name, run in runs.items():
-        profile = cProfile.Profile()
-        start = time.perf_counter()
-        profile.enable()
-        run()
-        profile.disable()
-        wall = time.perf_counter() - start
+        profile, wall = profiled(run)
         print(f"\n{name} under cProfile: {wall:.3f} s", flush=True)
         table(profile, wall, 25)
 

@@ -91,6 +91,16 @@ def table(profile: cProfile.Profile, wall: float, top: int) -> None:
         print(f"    {cumulative:8.3f} s {calls:>9,}  {function}  ({short}:{line})")
 
 
+def profiled(function) -> tuple[cProfile.Profile, float]:
+    """One call of `function` under cProfile: the profile and the call's wall time in seconds."""
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.enable()
+    function()
+    profile.disable()
+    return profile, time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true")
@@ -145,12 +155,7 @@ def main() -> None:
                  (f"W2 steer in a trace, {len(prompts)} invokes x {tokens} steps", trace)]
     for name, function in parts:
         function()  # warm-up
-        profile = cProfile.Profile()
-        start = time.perf_counter()
-        profile.enable()
-        function()
-        profile.disable()
-        wall = time.perf_counter() - start
+        profile, wall = profiled(function)
         print(f"\n{name}: {wall * 1000:.1f} ms under cProfile")
         if os.environ.get("PROFILE_DUMP"):
             profile.dump_stats(f"{os.environ['PROFILE_DUMP']}.{len(name)}")
