@@ -4,9 +4,10 @@ A write that brings NaN or inf into finite values warns, naming the value
 (`streamscope.values.check_write`). The scan is one reduction of the written
 tensor and one of the model's own value there, both left on the device: a
 trace that writes at every step of a generation would otherwise wait for the
-device at every write. The sums are read together, with one wait, when an
-invoke's code ends (`warn_pending`), or sooner once the writes they hold
-reach `HOLD_BYTES`. On the host, where reading a number waits for nothing,
+device at every write. The written tensors' sums are read together, with one
+wait, when an invoke's code ends (`warn_pending`), or sooner once the writes
+they hold reach `HOLD_BYTES`; the model's own sums are read only for a write
+whose sum is not finite. On the host, where reading a number waits for nothing,
 they are read at the write (`READ_ON_THE_HOST`); the warnings are given when the
 invoke's code ends either way. A warning points at the user's line on the stack when the
 write is made (an edit that goes back to the model from inside the engine,
@@ -20,6 +21,7 @@ import sys
 import sysconfig
 import warnings
 from pathlib import Path
+from types import FrameType
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -45,34 +47,48 @@ class Line(NamedTuple):
 class _Scan(NamedTuple):
     name: str
     total: torch.Tensor  # the written tensor's sum, float32, on its device
-    base: Optional[torch.Tensor]  # the sum of the model's own value there, or None when there is none to compare
+    # The sum of the model's own value there, on its device (a host tensor may be written into a device's value,
+    # say), or None when there is none to compare.
+    base: Optional[torch.Tensor]
     value: torch.Tensor
     version: int  # value's version counter at the write: an in-place change since makes its count unknown
     line: Line
 
 
+_new = tuple.__new__  # makes a NamedTuple in C, not through its Python __new__ (a scan makes two)
+
 _SCANS: list[_Scan] = []
-_HELD = [0]
+_HELD = 0  # the bytes of the written tensors that the unread scans keep
 #: Warnings whose scans are read, due at the end of the invoke: (message, line).
 _DUE: list[tuple[str, Line]] = []
 
 
 def scan_write(name: str, value: torch.Tensor, current: Optional[torch.Tensor]) -> None:
     """Start the NaN/inf scan of `value`, written as `name` over `current` (the model's own value, if any)."""
-    # (inline rather than `_sum`: a trace's steer writes at every step, and every call there counts)
-    total = value.sum(dtype=torch.float32) if value.element_size() < 4 else value.sum()
-    compared = current is not None and current.shape == value.shape
-    if READ_ON_THE_HOST and total.is_cpu:
+    global _HELD
+    # A trace's steer writes at every step, and every call and attribute look-up here counts: the sums, the
+    # version and the record are made inline.
+    if current is not None and current.shape != value.shape:
+        current = None  # nothing to compare
+    if READ_ON_THE_HOST and value.is_cpu:
         # Reading a host number waits for nothing: read it now, and the model's own sum only where it matters.
-        if not math.isfinite(total.item()) and (not compared or math.isfinite(_sum(current).item())):
+        if not math.isfinite(_sum(value).item()) and (current is None or math.isfinite(_sum(current).item())):
             _queue(name, value, _version(value), user_line())
         return
-    base = _sum(current) if compared else None
-    if base is not None and base.device != total.device:  # a host tensor written into a device's value, say
-        base = base.to(total.device)
-    _SCANS.append(_Scan(name, total, base, value, _version(value), user_line()))
-    _HELD[0] += value.numel() * value.element_size()
-    if _HELD[0] > HOLD_BYTES or len(_SCANS) > HOLD_COUNT:
+    # Two sums rather than one fused op: `torch._foreach_norm`, the one that reduces both tensors in a call, fills
+    # two buffers with zeros on CUDA before its two kernels (four launches for these two), and on the host it is
+    # slower than the two sums.
+    total = value.sum(dtype=torch.float32) if value.element_size() < 4 else value.sum()
+    base = None
+    if current is not None:
+        base = current.sum(dtype=torch.float32) if current.element_size() < 4 else current.sum()
+    try:
+        version = value._version
+    except RuntimeError:  # an inference tensor keeps no version counter
+        version = -1
+    _SCANS.append(_new(_Scan, (name, total, base, value, version, user_line())))
+    _HELD += value.nbytes
+    if _HELD > HOLD_BYTES or len(_SCANS) > HOLD_COUNT:
         read_scans()
 
 
@@ -91,20 +107,32 @@ def _sum(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def read_scans() -> None:
-    """Read every started scan (one wait per device) and queue a warning for each write that brought NaN or inf."""
+    """Read every started scan and queue a warning for each write that brought NaN or inf.
+
+    One wait per device; where a write brought NaN or inf, one more, for the
+    model's own sums of those writes alone.
+    """
+    global _HELD
     scans = _SCANS[:]
     del _SCANS[:len(scans)]
-    _HELD[0] = 0
+    _HELD = 0
     by_device: dict[torch.device, list[_Scan]] = {}
     for scan in scans:
-        by_device.setdefault(scan.total.device, []).append(scan)
-    for group in by_device.values():
-        sums = [sum_ for scan in group for sum_ in (scan.total, scan.total if scan.base is None else scan.base)]
-        finite = torch.stack(sums).isfinite().tolist()
-        for index, scan in enumerate(group):
-            written, model_own = finite[2 * index], finite[2 * index + 1]
+        device = scan.total.device
+        if device in by_device:
+            by_device[device].append(scan)
+        else:
+            by_device[device] = [scan]
+    for device, group in by_device.items():
+        written = torch.stack([scan.total for scan in group]).isfinite().tolist()
+        if all(written):
+            continue
+        poisoned = [scan for scan, finite in zip(group, written) if not finite]
+        model_own = torch.stack([scan.total if scan.base is None else scan.base.to(device)
+                                 for scan in poisoned]).isfinite().tolist()
+        for scan, finite in zip(poisoned, model_own):
             # Where the model's own value held NaN or inf already, the write is not what poisons the run.
-            if not written and (model_own or scan.base is None):
+            if finite or scan.base is None:
                 _queue(scan.name, scan.value, scan.version, scan.line)
 
 
@@ -133,10 +161,10 @@ def warn_pending(raising: bool = True) -> None:
     due = _DUE[:]
     del _DUE[:len(due)]
     for message, line in due:
+        module: dict[str, Any] = {"module": line.module} if line.module else {}
         try:
             # No registry: "default" shows the warning every time (a registry keeps only the first of a line).
-            warnings.warn_explicit(message, RuntimeWarning, line.filename, line.lineno,
-                                   **({"module": line.module} if line.module else {}), registry=None)
+            warnings.warn_explicit(message, RuntimeWarning, line.filename, line.lineno, **module, registry=None)
         except Warning:
             if raising:
                 raise
@@ -151,23 +179,32 @@ def pending() -> int:
 
 _PACKAGE = str(Path(__file__).parent)
 _LIBRARIES = ("<", _PACKAGE, sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"])
-#: Whether a code object is a library's (a trace body nnsight compiled, "<...>", has no file to show a line of).
-_IS_LIBRARY: dict[Any, bool] = {}
+#: Whether a file is a library's (a trace body nnsight compiled, "<...>", has no file to show a line of). Keyed by
+#: the file name, whose hash the string keeps, rather than by the code object, whose hash is made anew from its
+#: names and constants at every look-up: a write-back from inside an engine walks through some 60 frames.
+_IS_LIBRARY: dict[str, bool] = {}
 
 
 def user_line(skip: int = 1) -> Line:
     """The user's line that called into streamscope, `skip` frames above the caller (the caller's own if none)."""
     caller = sys._getframe(skip + 1)
-    frame: Any = caller
+    frame: Optional[FrameType] = caller
+    known = _IS_LIBRARY
     while frame is not None:
-        code = frame.f_code
-        library = _IS_LIBRARY.get(code)
-        if library is None:
-            if len(_IS_LIBRARY) > 4096:  # every trace compiles a body of its own: forget them now and then
-                _IS_LIBRARY.clear()
-            library = _IS_LIBRARY[code] = code.co_filename.startswith(_LIBRARIES)
-        if not library:
-            break
+        filename = frame.f_code.co_filename
+        try:
+            if not known[filename]:
+                break
+        except KeyError:
+            if not _learn(filename):
+                break
         frame = frame.f_back
     frame = frame or caller
-    return Line(frame.f_code.co_filename, frame.f_lineno, frame.f_globals.get("__name__"))
+    return _new(Line, (frame.f_code.co_filename, frame.f_lineno, frame.f_globals.get("__name__")))
+
+
+def _learn(filename: str) -> bool:
+    if len(_IS_LIBRARY) > 4096:  # every trace compiles a body of its own: forget them now and then
+        _IS_LIBRARY.clear()
+    library = _IS_LIBRARY[filename] = filename.startswith(_LIBRARIES)
+    return library

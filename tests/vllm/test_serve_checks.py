@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import streamscope
 from streamscope.serve.protocol import Checker, Limits, RequestError, needs_lengths
 from streamscope.serve.storage import Vectors
 
