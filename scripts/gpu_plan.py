@@ -6,9 +6,10 @@ would not end before `--deadline` (seconds from the start) is not started, and
 says so. Each part's output goes to ``<out>/<part>.log`` and its last lines to
 the console; ``<out>/plan.txt`` lists what ran, for how long and how it ended.
 
-  suite    issue 19: the tapped engines (every family) and the lifecycle file, bfloat16     about 5 min
+  suite    the tapped engines (every family: values, edits, steers, the ablation's replayed
+           graphs) and the lifecycle file, bfloat16                                          about 6 min
   ablate   issue 21: an ablation at every block against bare generation, tapped engine,
-           in this tree and in each `--tree` (an earlier commit, to compare), 5 rounds       about 2 min a tree
+           in this tree and in each `--tree` (an earlier commit, to compare), 12 rounds      about 3 min a tree
   w2       issue 24: W2's steer written in a trace against bare, and its variants (each run
            printed as it ends: a run cut short still says how far it got)                     3-6 min
   xproc    issue 24: the T trace with the engine core in its own process (packed saves,
@@ -24,10 +25,14 @@ earlier tree, ``git archive -o .gpu-trees/NAME.tar COMMIT`` here before the
 call, so the file travels with the working tree)::
 
     bash .whl-gpu/install.sh && export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 && \\
-      python3 scripts/gpu_plan.py --out $OUT --parts suite,ablate --tree before=.gpu-trees/before.tar
-    ... python3 scripts/gpu_plan.py --out $OUT --parts w2,xproc
-    ... python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-gpu/serve/*.whl && \\
-      python3 scripts/gpu_plan.py --out $OUT --parts serve
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-gpu/serve/*.whl && \\
+      python3 scripts/gpu_plan.py --out $OUT --parts serve --deadline 555
+    ... python3 scripts/gpu_plan.py --out $OUT --parts suite,ablate --deadline 575
+    ... python3 scripts/gpu_plan.py --out $OUT --parts w2
+
+(the order the tenth session left: serve first, whose front end no longer tokenizes a steered or
+harvesting request's prompt on its event loop; then the taps file on every family with the
+ablation's edits replayed as graphs, and the ablation's bound again; then W2.)
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
         "suite": [("suite", [python, "scripts/gpu_suite.py", "--out", str(out / "suite"), "--gpus", "0", "--slots",
                              "6", "--dtypes", "bfloat16", "--parts", "taps,alone", "--seconds", "330"], ROOT, 360)],
         "ablate": [(f"ablate ({name})", [python, "benchmarks/gpu_directions.py", "--only", "ablate", "--engines",
-                                         "tapped", "--rounds", "5"], tree, 200)
+                                         "tapped", "--rounds", "12"], tree, 210)
                    for name, tree in {"this tree": ROOT, **trees}.items()],
         "w2": [("w2", [python, "benchmarks/gpu_trace.py", "--skip", "t,nnsight,patch"], ROOT, 420)],
         "profile": [("ablate profiled", [python, "benchmarks/gpu_directions.py", "--only", "ablate", "--engines",
