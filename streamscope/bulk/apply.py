@@ -248,12 +248,11 @@ class Applier:
         if self.error is not None:
             return
         try:
-            self._apply_all(work, raw)
+            self._apply_all(work, raw, self._editors)
         except Exception as error:  # noqa: BLE001  (kept for the caller: a hook must not take the engine down)
             self.error = error
 
-    def _apply_all(self, work: list[tuple[str, int, Site]], raw: Any, editors: Optional[list[Any]] = None) -> None:
-        editors = self._editors if editors is None else editors
+    def _apply_all(self, work: list[tuple[str, int, Site]], raw: Any, editors: list[Any]) -> None:
         for kind, index, site in work:
             if kind == "steer":
                 rows = self._steer_rows[index]

@@ -201,16 +201,19 @@ class ServeState:
             del self.saes[old]
         return sae
 
-    def delta(self, encoded: str, steer: Steer) -> torch.Tensor:
-        """`steer`'s ``scale * vector`` on the device, shared by every request that sends the same vector and scale."""
-        key = (encoded, float(steer.scale))
+    def shared_delta(self, key: tuple[str, float]) -> Optional[torch.Tensor]:
+        """The ``scale * vector`` on the device that an earlier request sent as `key` (its encoded vector and
+        scale), if it is still kept; every request that sends the same vector and scale shares it."""
         found = self.deltas.get(key)
-        if found is None:
-            found = self.deltas[key] = steer.delta(self.dtype, self.device)
-            if len(self.deltas) > DELTAS:
-                self.deltas.popitem(last=False)
-        else:
+        if found is not None:
             self.deltas.move_to_end(key)
+        return found
+
+    def keep_delta(self, key: tuple[str, float], steer: Steer) -> torch.Tensor:
+        """`steer`'s ``scale * vector`` on the device, kept under `key` for the requests after it."""
+        found = self.deltas[key] = steer.delta(self.dtype, self.device)
+        if len(self.deltas) > DELTAS:
+            self.deltas.popitem(last=False)
         return found
 
     def admit(self, payload: str, length: int) -> Live:
@@ -230,9 +233,9 @@ class ServeState:
             per_key[site.key] = order + 1
             mode: Optional[str] = item["mode"]
             batched = mode in ("add", "set") and not item.get("norm_match", False)  # one edit a step for everyone
-            shared = self.deltas.get((item["vector"], float(item["scale"]))) if batched else None
+            key = (item["vector"], float(item["scale"]))
+            shared = self.shared_delta(key) if batched else None
             if shared is not None:  # a vector and scale another request sent: its tensor, the vector not decoded
-                self.deltas.move_to_end((item["vector"], float(item["scale"])))
                 delta = shared
             else:
                 steer = Steer(item["value"], item["layer"], vector_from_bytes(item["vector"]), scale=item["scale"],
@@ -242,7 +245,7 @@ class ServeState:
                 if steer.mode == "sae_clamp":
                     steer.sae, steer.feature = self.sae(item["sae"]), item["feature"]
                 if batched:
-                    delta = self.delta(item["vector"], steer)
+                    delta = self.keep_delta(key, steer)
                 else:
                     delta, mode = steer.operation(self.dtype, self.device), None
             entry = SteerEntry(site, delta, mode, chosen, bool(item["generated"]), length, order,

@@ -66,7 +66,8 @@ class WorkerState:
         # On an engine that replays CUDA graphs, a replayed step runs no module call, so no hook fires: the bulk
         # work runs at each tap instead. A step that runs eagerly (a prefill) fires the hooks and reaches no tap,
         # so each step's work runs once either way.
-        seam.wrap_replay(getattr(getattr(runner, "nnsight_model", None), "interleaver", None), self._replayed)
+        self.replays = seam.wrap_replay(getattr(getattr(runner, "nnsight_model", None), "interleaver", None),
+                                        self._replayed)
 
     def _step_scheduled(self, scheduler_output: Any) -> None:
         applier = self.applier
@@ -159,8 +160,7 @@ def worker_begin(worker: Any, payload: bytes) -> None:
     wanted = {key: spec.positions[key] for key in keys} if spec is not None else {}
     state.run, state.keys = plan["run"], {}
     state.applier = Applier(sites, wanted, plans, device, readout=readout).install()
-    if device.type == "cuda" and getattr(getattr(getattr(state.runner, "nnsight_model", None), "interleaver", None),
-                                         "taps", None):
+    if state.replays and device.type == "cuda":
         state.applier.graphs = GraphedEdits()  # a replayed step's edits at its taps, captured per run
     state.logits = {} if plan["logits"] else None
     processor = getattr(state.runner.get_model(), "logits_processor", None)  # the last stage's only

@@ -159,9 +159,9 @@ def test_an_ablation_at_every_block_runs_three_operations_a_hook_call_on_fused_b
     general: list[int] = []
     original_apply, original_write = Applier._apply_all, Site._write_rows
 
-    def counted(self, work, raw):
+    def counted(self, work, raw, editors):
         with DispatchedOps() as ops:
-            original_apply(self, work, raw)
+            original_apply(self, work, raw, editors)
         calls.append(ops.names)
 
     def write_rows(self, *args):
