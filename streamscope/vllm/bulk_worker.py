@@ -100,6 +100,15 @@ class BulkRPC:
 
         return dict(graphed.COUNTS)
 
+    def streamscope_graph_mode(self) -> str:
+        """The CUDA graph mode vLLM resolved for this worker's engine (``NONE``: every step runs eagerly). vLLM
+        lowers the mode it was asked for where an attention backend cannot be captured (chunked local attention,
+        say), and logs why."""
+        mode = getattr(getattr(self.model_runner, "compilation_config", None), "cudagraph_mode", None)
+        if mode is None or getattr(getattr(self.model_runner, "device", None), "type", None) != "cuda":
+            return "NONE"
+        return getattr(mode, "name", str(mode))
+
     def streamscope_held_saes(self) -> list[str]:
         """The keys of the SAEs this worker holds between runs (`streamscope.vllm.held`)."""
         state = self.model_runner.__dict__.get("_streamscope_bulk")

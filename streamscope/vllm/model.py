@@ -11,6 +11,7 @@ import gc
 import inspect
 import os
 import sys
+import warnings
 import weakref
 from pathlib import Path
 from types import ModuleType
@@ -188,6 +189,9 @@ class StandardizedVLLM(Standardized, VLLM):
         object.__setattr__(self, "tap_names", tuple(taps))
         #: The nnsight locations the taps resolved to (empty on an eager engine).
         object.__setattr__(self, "tapped", frozenset())
+        #: The CUDA graph mode vLLM resolved for the engine (``"NONE"`` where every step runs eagerly: an eager
+        #: engine, the CPU, or a tapped engine whose attention vLLM cannot capture).
+        object.__setattr__(self, "graph_mode", "NONE")
         settings = {**EXACT_DEFAULTS, **self._take_family(path, family, families, kwargs, seam.parallel_envoys())}
         if self.tap_names:
             settings = _graph_settings(settings, kwargs)
@@ -238,7 +242,22 @@ class StandardizedVLLM(Standardized, VLLM):
                 self.vllm_entrypoint.collective_rpc("streamscope_hand_saves_over")
             _ENGINES.add(self)
             _STARTED[:] = [self.vllm_entrypoint.llm_engine.vllm_config]
+            if self.tap_names and not _on_cpu():
+                self._read_graph_mode()
         self._check_family()
+
+    def _read_graph_mode(self) -> None:
+        """`graph_mode` as the engine's worker resolved it; a warning where taps buy no graphs."""
+        if not hasattr(self.vllm_entrypoint, "llm_engine"):  # an async engine (a server's): its RPC is a coroutine
+            return
+        mode = self.vllm_entrypoint.collective_rpc("streamscope_graph_mode")[0]
+        object.__setattr__(self, "graph_mode", mode)
+        if mode == "NONE":
+            warnings.warn(
+                "streamscope: this engine was started with taps, but vLLM records no CUDA graphs for this checkpoint "
+                "(its attention backend cannot be captured; vLLM's log says which and why), so every step runs "
+                "eagerly. The taps serve their values as on any engine; load without taps= to serve every value "
+                "at the same speed.", RuntimeWarning, stacklevel=5)
 
     def _resolve_taps(self, module: torch.nn.Module) -> tuple[str, ...]:
         # nnsight calls this with the engine's meta model, before the engine starts: streamscope's value names

@@ -10,6 +10,8 @@ equal the eager engine bit for bit.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -53,7 +55,10 @@ class Pair:
             self.taps.append("layers.0.self_attn.queries")
         except Unavailable:  # a family without attention heads (Mamba)
             pass
-        self.tapped = streamscope.load(path, engine="vllm", taps=self.taps, **options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.tapped = streamscope.load(path, engine="vllm", taps=self.taps, **options)
+        self.load_warnings = [str(warning.message) for warning in caught]
         self.heads = "layers.0.self_attn.queries" in self.taps
 
     def close(self) -> None:
@@ -87,6 +92,22 @@ def steps_read(model, prompt: str, heads: bool, edit: torch.Tensor | None = None
             logits.append(model.logits.clone())
     return {"layer_output": list(outputs), "final_norm_output": list(norms), "logits": list(logits),
             "queries": list(queries)}
+
+
+#: Families whose test checkpoint vLLM runs with no CUDA graphs even when tapped: Llama 4's rotary blocks attend
+#: within chunks, and vLLM's chunked local attention backend declares it can never be captured
+#: (``AttentionCGSupport.NEVER``), so vLLM lowers ``FULL_DECODE_ONLY`` to ``NONE``.
+UNCAPTURED = {"llama4_text"}
+
+
+def test_a_tapped_engine_says_whether_it_replays_graphs(pair):
+    """`graph_mode` is the mode vLLM resolved: decode graphs on a GPU, none on a CPU or where vLLM cannot capture
+    the attention, and then a warning at load says the taps buy no speed."""
+    uncaptured = not precision.ON_GPU or pair.family in UNCAPTURED
+    assert pair.tapped.graph_mode == ("NONE" if uncaptured else "FULL_DECODE_ONLY"), pair.tapped.graph_mode
+    assert pair.eager.graph_mode == "NONE"
+    said = [message for message in pair.load_warnings if "records no CUDA graphs" in message]
+    assert len(said) == (1 if precision.ON_GPU and uncaptured else 0), pair.load_warnings
 
 
 def test_a_tapped_engine_serves_its_values_at_every_step_as_the_eager_engine_does(pair):
@@ -146,9 +167,11 @@ def test_an_ablation_at_every_block_on_a_tapped_engine_equals_the_eager_engine(p
             assert torch.equal(tapped.logits[index], plain.logits[index]) != steered, index
     after = pair.tapped.vllm_entrypoint.collective_rpc("streamscope_graphed_counts")[0]
     # Replayed graphs on a GPU where the stream is held in two halves (the fused layout; a whole stream's edit is
-    # written back eagerly), none on a CPU (no graphs): each block's edit is captured the second time its buffers
-    # and row count come, at the second decode step, and replayed from then on, the same graph at every step.
-    graphed = precision.ON_GPU and isinstance(getattr(type(pair.eager.layers[0]), "layer_output", None), Summed)
+    # written back eagerly), none where the engine records no graphs (a CPU, or attention vLLM cannot capture):
+    # each block's edit is captured the second time its buffers and row count come, at the second decode step, and
+    # replayed from then on, the same graph at every step.
+    graphed = pair.tapped.graph_mode != "NONE" and isinstance(getattr(type(pair.eager.layers[0]), "layer_output",
+                                                                          None), Summed)
     replayed = after["replayed"] - counts["replayed"]
     captured = after["captured"] - counts["captured"]
     assert replayed >= (pair.eager.num_layers * (STEPS - 2) if graphed else 0) and (replayed > 0) == graphed, (
