@@ -7,7 +7,10 @@ each gets an equal share of the memory and the same fixed KV cache size, so none
 * ``streamscope eager``: ``python -m streamscope serve``, eager;
 * with ``--taps``: ``plain graphs`` (vLLM's server replaying CUDA graphs) and ``streamscope tapped`` (taps at the
   steered and harvested sites, graphs replayed);
-* with ``--before TREE``: ``before eager``, an earlier streamscope tree's eager server, in the same rounds.
+* with ``--before TREE``: ``before eager``, an earlier streamscope tree's eager server, in the same rounds;
+* with ``--control``: a second plain vLLM server in each pair (``plain eager B``, ``plain graphs B``), the same
+  command as the first: its ratio to the first is what two identical servers differ by in this setup (placement on
+  the GPU and the cores, order in the round, noise), the floor under any gap between streamscope and plain vLLM.
 
 Workloads, each run by ``vllm.benchmarks.serve`` (random prompts, ``--input-len`` / ``--output-len`` tokens,
 ``--concurrency`` clients, ``--ignore-eos``), streamscope's part sent as the requests' extra body:
@@ -17,11 +20,13 @@ Workloads, each run by ``vllm.benchmarks.serve`` (random prompts, ``--input-len`
 * ``harvest``: every block's ``layer_output`` at the prompt's last position (kept on the server's disk: the load
   generator does not download).
 
-A round runs every (server, workload) once, in a fixed order (plain vLLM plain, streamscope plain, steer,
-harvest, then the next pair), so load that drifts over minutes lands on every workload alike. The summary gives
-per workload the median and the spread (min-max over rounds) of output throughput, p99 TTFT and mean TPOT, the
-ratios of the medians against plain vLLM's plain median and against the same server's own plain median, and each
-bound of issue 18 as met, not met, or inconclusive (the spread of the ratio straddles the bound).
+A round runs every (server, workload) once (plain vLLM plain, streamscope plain, steer, harvest, then the next
+pair), each round starting one run further along that list, so load that drifts over minutes lands on every
+workload alike and no workload always runs first. The summary gives per workload the median and the spread
+(min-max over rounds) of output throughput, p99 TTFT and mean TPOT, the ratios of the medians against plain vLLM's
+plain median and against the same server's own plain median, and each bound of issue 18 judged two ways: by the
+spreads (met or not met where the worst and best pairings of the two spreads agree, else inconclusive) and by the
+rounds (the ratio within each round, whose runs were minutes apart: met or not met where every round agrees).
 ``--deadline S`` stops starting rounds that would end after S seconds and still prints what ran. ``--host-time``
 also prints, per streamscope server and workload, the engine's host time per step in each part of streamscope's
 work (planning, hooks, handing harvests over, the writer thread: `streamscope.serve.host_time`). Shapes:
@@ -30,6 +35,7 @@ work (planning, hooks, handing harvests over, the writer thread: `streamscope.se
     python benchmarks/serve_load.py --shape llama3-8b --taps --prompts 384 --deadline 520   # H200: one 10-minute call
     python benchmarks/serve_load.py --shape tiny --concurrency 64 --prompts 256 --host-time   # where the host time goes
     python benchmarks/serve_load.py --shape tiny --before /tmp/old   # also an earlier tree's eager server, same rounds
+    python benchmarks/serve_load.py --shape llama3-8b --control --prompts 256 --deadline 520   # the eager pair and its A/A control
 """
 
 from __future__ import annotations
@@ -173,6 +179,18 @@ def verdict(results: list[dict], base: list[dict], metric: str, sense: str, boun
     return ratio, "met" if met else "NOT met"
 
 
+def round_ratios(results: list[dict], base: list[dict], metric: str) -> list[float]:
+    """`metric`'s ratio (workload over base) within each round both ran in."""
+    key = METRICS[metric]
+    return [ours[key] / theirs[key] for ours, theirs in zip(results, base)]
+
+
+def round_verdict(ratios: list[float], sense: str, bound: float) -> str:
+    """Met or not met where every round's ratio agrees; else inconclusive."""
+    met = [ratio >= bound if sense == ">=" else ratio <= bound for ratio in ratios]
+    return "met" if all(met) else "NOT met" if not any(met) else "inconclusive"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=("tiny", "llama3-8b"), default="tiny")
@@ -194,6 +212,8 @@ def main() -> None:
     parser.add_argument("--logs", help="with --host-time: a folder to copy the streamscope servers' logs to")
     parser.add_argument("--before", help="another streamscope source tree (e.g. `git archive` of an earlier commit): "
                                          "its eager server runs in the same rounds, for a before/after row")
+    parser.add_argument("--control", action="store_true", help="a second plain vLLM server in each pair, the same "
+                                                                "command: what two identical servers differ by here")
     options = parser.parse_args()
     began = time.monotonic()
 
@@ -220,12 +240,16 @@ def main() -> None:
     if not options.only_taps:
         setups += [("plain eager", [*vllm_server, "--enforce-eager"], [("plain", None)], None, "plain eager"),
                    ("streamscope eager", ours, streamscope_loads, None, "plain eager")]
+        if options.control:
+            setups.append(("plain eager B", [*vllm_server, "--enforce-eager"], [("plain", None)], None, "plain eager"))
         if options.before:
             setups.append(("before eager", ours, streamscope_loads, str(Path(options.before).resolve()),
                            "plain eager"))
     if options.taps or options.only_taps:
         setups += [("plain graphs", [*vllm_server, *graphs], [("plain", None)], None, "plain graphs"),
                    ("streamscope tapped", [*ours, "--taps", *taps], streamscope_loads, None, "plain graphs")]
+        if options.control:
+            setups.append(("plain graphs B", [*vllm_server, *graphs], [("plain", None)], None, "plain graphs"))
     if options.shape != "tiny":  # an equal share of the GPU each, and the same KV cache whatever the share
         engine += ["--gpu-memory-utilization", f"{0.9 / len(setups):.3f}",
                    "--kv-cache-memory-bytes", str(int(options.kv_cache_gib * 2**30))]
@@ -265,7 +289,8 @@ def main() -> None:
                 print(f"deadline {options.deadline:.0f} s: round {round_number + 1} would end after it; stopping",
                       flush=True)
                 break
-            for index, (name, workload, extra) in enumerate(runs):
+            shift = round_number % len(runs)
+            for index, (name, workload, extra) in enumerate(runs[shift:] + runs[:shift]):
                 # fresh prompts for every run: no run reads the prefix cache another filled
                 start = time.time()
                 result = load(servers[name].url, str(path), options, extra, options.prompts,
@@ -358,7 +383,8 @@ def summary(options: argparse.Namespace, results: dict[tuple[str, str], list[dic
                 else:
                     ratios.append("-")
         print(f"{name:<20}{workload:<9}{''.join(cells)}{ratios[0]:>10}{ratios[1]:>11}{ratios[2]:>9}{ratios[3]:>10}")
-    print("\nbounds (issue 18; ratio of medians, inconclusive when the spreads straddle the bound):")
+    print("\nbounds (issue 18; the ratio of medians judged by the spreads, then the ratio in each round judged by "
+          "the rounds):")
     for (name, workload), values in results.items():
         if name.split()[0] == "plain" or workload not in BOUNDS or not values:
             continue
@@ -368,7 +394,20 @@ def summary(options: argparse.Namespace, results: dict[tuple[str, str], list[dic
                 continue
             for metric, sense, bound in BOUNDS[workload]:
                 ratio, judged = verdict(values, base, metric, sense, bound)
-                print(f"  {name} {workload} {metric} against {against}: {ratio:.3f} ({sense} {bound}): {judged}")
+                rounds = round_ratios(values, base, metric)
+                print(f"  {name} {workload} {metric} against {against}: {ratio:.3f} ({sense} {bound}): {judged}; "
+                      f"by round {' '.join(f'{value:.3f}' for value in rounds)}: {round_verdict(rounds, sense, bound)}")
+    controls = [(name, base) for name, _, _, _, base in setups if name != base and name.split()[0] == "plain"]
+    if controls:
+        print("\ncontrol (a second plain vLLM server against the first, the same command: the setup's own gap):")
+    for name, base in controls:
+        values, first = results.get((name, "plain")), results.get((base, "plain"))
+        if not values or not first:
+            continue
+        for metric in ("throughput", "p99 TTFT"):
+            rounds = round_ratios(values, first, metric)
+            print(f"  {name} against {base}, {metric}: {verdict(values, first, metric, '>=', 0)[0]:.3f} "
+                  f"(by round {' '.join(f'{value:.3f}' for value in rounds)})")
     for name, count in written.items():
         print(f"{name}: harvests written {count}")
 

@@ -19,6 +19,9 @@ the console; ``<out>/plan.txt`` lists what ran, for how long and how it ended.
   serve    issue 18: `streamscope serve` against plain `vllm serve` under load, eager
            and tapped pairs, with the servers' host time per step by part
            (needs `.whl-gpu/serve` installed into /tmp/site)                                   about 9 min
+  control  issue 18: the eager pair with its A/A control (a second plain vLLM server, the same
+           command): whether streamscope's plain requests' extra p99 TTFT on the H200 is
+           streamscope's or the setup's (`control-taps`: the graphs pair the same way)           about 9 min
 
 On the lent machine, after the five chunk calls of `tests/GPU.md` (and, for an
 earlier tree, ``git archive -o .gpu-trees/NAME.tar COMMIT`` here before the
@@ -27,12 +30,13 @@ call, so the file travels with the working tree)::
     bash .whl-gpu/install.sh && export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 && \\
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-gpu/serve/*.whl && \\
       python3 scripts/gpu_plan.py --out $OUT --parts serve --deadline 555
-    ... python3 scripts/gpu_plan.py --out $OUT --parts suite,ablate --deadline 575
-    ... python3 scripts/gpu_plan.py --out $OUT --parts w2
+    ... python3 scripts/gpu_plan.py --out $OUT --parts control --deadline 555   (with .whl-gpu/serve too)
+    ... python3 scripts/gpu_plan.py --out $OUT --parts control-taps --deadline 555
+    ... python3 scripts/gpu_plan.py --out $OUT --parts suite --deadline 400
 
-(the order the tenth session left: serve first, whose front end no longer tokenizes a steered or
-harvesting request's prompt on its event loop; then the taps file on every family with the
-ablation's edits replayed as graphs, and the ablation's bound again; then W2.)
+(the order the eleventh session left: the serve pairs with their A/A controls first, then the taps
+file on the families not run since Llama 4's graph mode became visible, and the lifecycle file,
+cut at the deadline on 2026-12-02.)
 """
 
 from __future__ import annotations
@@ -69,6 +73,10 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
         "serve": [("serve", [python, "benchmarks/serve_load.py", "--shape", "llama3-8b", "--taps", "--host-time", "--prompts", "256",
                              "--logs", str(out / "serve-logs"),
                              "--rounds", "3", "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
+        **{part: [(part, [python, "benchmarks/serve_load.py", "--shape", "llama3-8b", *flags, "--control",
+                          "--host-time", "--prompts", "256", "--logs", str(out / f"{part}-logs"), "--rounds", "5",
+                          "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)]
+           for part, flags in (("control", []), ("control-taps", ["--only-taps"]))},
     }
 
 
@@ -110,7 +118,7 @@ def run_part(label: str, command: list[str], tree: Path, limit: int, log: Path,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--parts", required=True, help="comma-separated: suite,ablate,w2,profile,xproc,serve")
+    parser.add_argument("--parts", required=True, help="comma-separated: suite,ablate,w2,profile,xproc,serve,control,control-taps")
     parser.add_argument("--tree", action="append", default=[], help="NAME=FILE.tar: ablate in that tree too")
     parser.add_argument("--deadline", type=float, default=570.0, help="seconds from the start for every part")
     args = parser.parse_args()

@@ -18,7 +18,10 @@ Each resolves to the module call (input or output, or an operation inside a
 forward) whose tensors hold the value; values at the same call share one break.
 
 Decode steps replay graphs and prefill runs eagerly (``cudagraph_mode``
-``FULL_DECODE_ONLY`` unless ``compilation_config`` says otherwise). vLLM's
+``FULL_DECODE_ONLY`` unless ``compilation_config`` says otherwise). Where an
+attention backend cannot be captured (chunked local attention), vLLM lowers the
+mode to ``NONE`` and every step runs eagerly; the engine's ``graph_mode`` says
+which mode vLLM resolved, and loading warns when it is ``NONE``. vLLM's
 breakable graphs are switched on by ``VLLM_USE_BREAKABLE_CUDAGRAPH=1``, which
 stays set in the process: a plain vLLM engine started later in it records
 breakable graphs too (an eager streamscope engine records none).

@@ -23,7 +23,9 @@ than that agree either way.
 vLLM cuts each attention chunk (``attention_chunk_size``) into whole KV blocks:
 on the CPU, whose default block (128 tokens) does not divide every chunk, the
 engine takes blocks that do (`blocks_within_chunks`); a chunk shorter than the
-smallest block is refused before the engine starts (`cannot_run`).
+smallest block is refused before the engine starts (`cannot_run`). vLLM
+cannot capture chunked attention in a CUDA graph, so a tapped engine of a
+checkpoint with chunks records none and runs eagerly (it warns when it loads).
 """
 
 import math
