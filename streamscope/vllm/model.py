@@ -243,16 +243,16 @@ class StandardizedVLLM(Standardized, VLLM):
             _ENGINES.add(self)
             _STARTED[:] = [self.vllm_entrypoint.llm_engine.vllm_config]
             if self.tap_names and not _on_cpu():
-                self._read_graph_mode()
+                self._read_graph_mode(asked_for_none=_asks_for_no_graphs(kwargs))
         self._check_family()
 
-    def _read_graph_mode(self) -> None:
-        """`graph_mode` as the engine's worker resolved it; a warning where taps buy no graphs."""
+    def _read_graph_mode(self, asked_for_none: bool) -> None:
+        """`graph_mode` as the engine's worker resolved it; a warning where taps buy no graphs that were asked for."""
         if not hasattr(self.vllm_entrypoint, "llm_engine"):  # an async engine (a server's): its RPC is a coroutine
             return
         mode = self.vllm_entrypoint.collective_rpc("streamscope_graph_mode")[0]
         object.__setattr__(self, "graph_mode", mode)
-        if mode == "NONE":
+        if mode == "NONE" and not asked_for_none:
             warnings.warn(
                 "streamscope: this engine was started with taps, but vLLM records no CUDA graphs for this checkpoint "
                 "(its attention backend cannot be captured; vLLM's log says which and why), so every step runs "
@@ -412,6 +412,14 @@ class StandardizedVLLM(Standardized, VLLM):
 
 
 StandardizedVLLM.trace.__doc__ = Standardized.trace.__doc__  # help(model.trace): streamscope's, not nnsight's
+
+
+def _asks_for_no_graphs(asked: dict[str, Any]) -> bool:
+    """Whether the caller's own engine settings turn CUDA graphs off (eager, or a graph mode of ``NONE``)."""
+    compilation = asked.get("compilation_config")
+    mode = compilation.get("cudagraph_mode") if isinstance(compilation, dict) else getattr(compilation, "cudagraph_mode",
+                                                                                             None)
+    return bool(asked.get("enforce_eager")) or (mode is not None and str(getattr(mode, "name", mode)).upper() == "NONE")
 
 
 def _graph_settings(settings: dict[str, Any], asked: dict[str, Any]) -> dict[str, Any]:

@@ -110,6 +110,20 @@ def test_a_tapped_engine_says_whether_it_replays_graphs(pair):
     assert len(said) == (1 if precision.ON_GPU and uncaptured else 0), pair.load_warnings
 
 
+@pytest.mark.parametrize("settings, off", [
+    ({}, False), ({"compilation_config": {}}, False), ({"compilation_config": {"cudagraph_mode": "PIECEWISE"}}, False),
+    ({"enforce_eager": True}, True), ({"compilation_config": {"cudagraph_mode": "NONE"}}, True),
+    ({"compilation_config": {"cudagraph_mode": "none"}}, True)])
+def test_graphs_the_caller_turned_off_are_not_warned_about(settings, off):
+    """A tapped engine warns that it records no graphs only where the caller's settings did not ask for none."""
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    from streamscope.vllm.model import _asks_for_no_graphs
+
+    assert _asks_for_no_graphs(settings) == off
+    assert _asks_for_no_graphs({"compilation_config": CompilationConfig(cudagraph_mode=CUDAGraphMode.NONE)})
+
+
 def test_a_tapped_engine_serves_its_values_at_every_step_as_the_eager_engine_does(pair):
     tapped = steps_read(pair.tapped, PROMPTS[1], pair.heads)
     eager = steps_read(pair.eager, PROMPTS[1], pair.heads)
