@@ -76,7 +76,8 @@ class Client:
         return response
 
     def info(self) -> dict[str, Any]:
-        """The served model's layers, hidden size, values, taps, limits and stored vectors."""
+        """The served model's layers, hidden size, values, taps, limits, stored vectors and SAEs, and the engine's
+        CUDA graph mode (``graph_mode``: ``"NONE"`` where every step runs eagerly)."""
         return self._call("GET", "info").json()
 
     def store_vector(self, name: str, vector: torch.Tensor) -> None:

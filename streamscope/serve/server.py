@@ -53,6 +53,9 @@ class Front:
         self.saes = SAEs(sae_folder or Path(tempfile.mkdtemp(prefix="streamscope-saes-")), limits)
         self.checker.saes = self.saes
         self.worker = ""  # the engine's worker class (vLLM's own without taps, nnsight's with them)
+        #: The CUDA graph mode vLLM resolved for the engine, asked of a tapped engine's worker once (an eager
+        #: engine's is ``NONE``; a tapped one's too where vLLM cannot capture the checkpoint's attention).
+        self.graph_mode: Optional[str] = None if taps else "NONE"
         #: Where a request's check tokenizes its prompt: one thread (the tokenizer is not shared between threads).
         self.checks = ThreadPoolExecutor(1, thread_name_prefix="streamscope-check")
 
@@ -75,8 +78,14 @@ class Front:
         return {"model_type": self.model.config.model_type, "layers": len(self.model.layers),
                 "hidden_size": self.checker.hidden, "values": served_values(), "taps": self.taps,
                 "default_steer": bool(self.checker.default), "vectors": sorted(self.vectors),
-                "saes": sorted(self.saes), "worker": self.worker,
+                "saes": sorted(self.saes), "worker": self.worker, "graph_mode": self.graph_mode,
                 "limits": vars(self.limits)}
+
+    async def read_graph_mode(self, engine: Any) -> None:
+        """`graph_mode` as the engine's first worker resolved it (a tapped engine's worker answers
+        ``streamscope_graph_mode``), once."""
+        if self.graph_mode is None and engine is not None:
+            self.graph_mode = (await engine.collective_rpc("streamscope_graph_mode"))[0]
 
     def extend(self, app: Any) -> Any:
         """Add streamscope's routes and request check to the app vLLM built; returns it."""
@@ -113,7 +122,8 @@ class Front:
             return data
 
         @router.get("/info")
-        async def info() -> Any:
+        async def info(request: Request) -> Any:
+            await self.read_graph_mode(getattr(request.app.state, "engine_client", None))
             return self.info()
 
         @router.get("/vectors")

@@ -291,6 +291,7 @@ def test_unsteered_completion_equals_plain_vllm(api, model, client):
     from vllm import SamplingParams
 
     assert client.info()["worker"] == "streamscope.serve.worker.ServePlainCPUWorker"
+    assert client.info()["graph_mode"] == "NONE"  # an eager engine
 
     for prompt in PROMPTS:
         response = api.completions.create(model=api.models.list().data[0].id, prompt=prompt, max_tokens=STEPS,
@@ -608,6 +609,7 @@ def test_a_tapped_server_serves_its_taps_and_refuses_the_rest(path, model, tmp_p
         info = streamscope.Client(url, api_key=KEY).info()
         assert info["taps"] == ["layers.*.layer_output"] and info["vectors"] == ["happy"] and info["default_steer"]
         assert info["worker"] == "streamscope.serve.worker.ServeCPUWorker"  # nnsight's runner, for the taps
+        assert info["graph_mode"] == "NONE"  # the worker's answer: a CPU engine records no CUDA graphs
         # Started with --default-steer: a request without the field is steered by it.
         response = api.completions.create(model=api.models.list().data[0].id, prompt=PROMPTS[1], max_tokens=STEPS,
                                           temperature=0, logprobs=1, extra_body={"return_token_ids": True})
