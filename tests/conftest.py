@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import precision  # noqa: E402
 from streamscope.testing import build_checkpoint  # noqa: E402
 
 
@@ -22,7 +23,8 @@ def checkpoints(tmp_path_factory):
         key = (family, tuple(sorted(overrides.items())))
         if key not in built:
             suffix = "-".join(f"{k}={v}" for k, v in sorted(overrides.items()))
-            built[key] = build_checkpoint(family, root / (family + ("-" + suffix if suffix else "")), **overrides)
+            built[key] = build_checkpoint(family, root / (family + ("-" + suffix if suffix else "")),
+                                          seed=precision.SEED, **overrides)
         return built[key]
 
     return build

@@ -6,6 +6,12 @@ tests/GPU.md)::
 
     STREAMSCOPE_TEST_DEVICE=cuda STREAMSCOPE_TEST_DTYPE=float32   # or bfloat16
 
+and a third, anywhere, builds every tiny checkpoint from another seed: the
+suite on weights its tolerances were never run against (they are derived from
+the kernels, so any seed must pass)::
+
+    STREAMSCOPE_TEST_SEED=7
+
 The oracle (transformers' own forward, tests/oracle.py) always runs in float32
 on the test device, with TF32 off: it is the exact reference. What the engine
 is allowed to differ by:
@@ -44,6 +50,8 @@ if DTYPE not in ("float32", "bfloat16"):
 if ON_GPU and DEVICE != "cuda":
     raise ValueError(f"STREAMSCOPE_TEST_DEVICE={DEVICE!r}: the suite runs on cpu or cuda")
 
+#: The seed every tiny checkpoint's weights are drawn from (tests/conftest.py's `checkpoints`).
+SEED = int(os.environ.get("STREAMSCOPE_TEST_SEED", "0"))
 #: STREAMSCOPE_TEST_FAMILIES=llama,gemma2 runs those families' engine cases only (a long GPU run in parts).
 FAMILIES = [name for name in os.environ.get("STREAMSCOPE_TEST_FAMILIES", "").split(",") if name]
 
