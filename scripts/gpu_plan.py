@@ -29,14 +29,14 @@ call, so the file travels with the working tree)::
 
     bash .whl-gpu/install.sh && export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 && \\
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-gpu/serve/*.whl && \\
-      python3 scripts/gpu_plan.py --out $OUT --parts serve --deadline 555
-    ... python3 scripts/gpu_plan.py --out $OUT --parts control --deadline 555   (with .whl-gpu/serve too)
-    ... python3 scripts/gpu_plan.py --out $OUT --parts control-taps --deadline 555
-    ... python3 scripts/gpu_plan.py --out $OUT --parts suite --deadline 400
+      python3 scripts/gpu_plan.py --out $OUT --parts control --deadline 555
+    ... python3 scripts/gpu_plan.py --out $OUT --parts control-taps --deadline 555   (.whl-gpu/serve installed too)
+    ... python3 scripts/gpu_suite.py --out $OUT/suite --gpus 0 --slots 6 --dtypes bfloat16 --parts taps --seconds 500
+    ... python3 scripts/gpu_suite.py --out $OUT/suite --gpus 0 --dtypes bfloat16 --parts alone --seconds 400
 
 (the order the eleventh session left: the serve pairs with their A/A controls first, then the taps
-file on the families not run since Llama 4's graph mode became visible, and the lifecycle file,
-cut at the deadline on 2026-12-02.)
+file on every family, whose graph_mode test 18 of them have not run, and, in a call of its own, the
+lifecycle file, which the suite part's deadline cut twice on 2026-12-02.)
 """
 
 from __future__ import annotations
