@@ -242,17 +242,16 @@ class StandardizedVLLM(Standardized, VLLM):
                 self.vllm_entrypoint.collective_rpc("streamscope_hand_saves_over")
             _ENGINES.add(self)
             _STARTED[:] = [self.vllm_entrypoint.llm_engine.vllm_config]
-            if self.tap_names and not _on_cpu():
+            if self.tap_names:
                 self._read_graph_mode(asked_for_none=_asks_for_no_graphs(kwargs))
         self._check_family()
 
     def _read_graph_mode(self, asked_for_none: bool) -> None:
-        """`graph_mode` as the engine's worker resolved it; a warning where taps buy no graphs that were asked for."""
-        if not hasattr(self.vllm_entrypoint, "llm_engine"):  # an async engine (a server's): its RPC is a coroutine
-            return
+        """`graph_mode` as the engine's worker resolved it; on a GPU, a warning where taps buy no graphs that were
+        asked for (a CPU records none, and says so in the docs)."""
         mode = self.vllm_entrypoint.collective_rpc("streamscope_graph_mode")[0]
         object.__setattr__(self, "graph_mode", mode)
-        if mode == "NONE" and not asked_for_none:
+        if mode == "NONE" and not asked_for_none and not _on_cpu():
             warnings.warn(
                 "streamscope: this engine was started with taps, but vLLM records no CUDA graphs for this checkpoint "
                 "(its attention backend cannot be captured; vLLM's log says which and why), so every step runs "
