@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import time
 import warnings
@@ -90,6 +91,7 @@ check_version()
 # * WithBlockNotFoundError: what a tracer's ``capture()`` raises when it was not called as a ``with``
 #   statement; ``generate`` then runs plainly instead of tracing.
 from nnsight.intervention import interleaver as _interleaver  # noqa: E402
+from nnsight.intervention.batching import Batcher as _Batcher  # noqa: E402
 from nnsight.intervention.eproperty import WriteBack as _WriteBack  # noqa: E402
 from nnsight.intervention.eproperty import eproperty  # noqa: E402
 from nnsight.intervention.interleaver import Mediator  # noqa: E402
@@ -106,7 +108,8 @@ __all__ = [
     "read_at", "skip_at",
     "is_saved", "invoke_rows", "with_invoke_rows", "PendingWriteBack", "pending_write_back", "held_view",
     "redirect_write_back",
-    "filter_write_backs", "rename_out_of_order", "around_mediator_run", "kernel_call_names", "ensure_source",
+    "filter_write_backs", "rename_out_of_order", "around_mediator_run",
+    "around_visits", "running_token_span", "kernel_call_names", "ensure_source",
     "unwrapped_generate", "running_taps", "interleaving", "take_request_error", "collect_requests", "set_client_worker",
     "HandedSaves", "hand_saves_over", "handing_over", "saves_transport", "SAVES_TRANSPORT_ENV", "transport_counts",
     "PACKED_SAVES", "pack_saves_in_this_process", "received_counts",
@@ -416,6 +419,71 @@ def around_mediator_run(after: Callable[[Mediator], None],
 
     setattr(checked_run, "streamscope_checks", True)  # marks the patch as applied (a function attribute)
     Mediator._run = checked_run
+
+
+def around_visits(visited: Callable[[], None], serving: Callable[[Any], None], ended: Callable[[bool], None]) -> None:
+    """Tell streamscope when a module's visit has served its workers, before a worker is served its rows, and
+    when a run ends, so edits held back during a visit land before anything could see them missing.
+
+    nnsight's ``Interleaver.handle`` serves, in turn, every worker parked on
+    a visit of a location, then re-indexes the parked workers
+    (``_reindex_parked``) before caches observe the value and the model goes
+    on: ``visited()`` runs there (and wherever else the parked set is
+    re-indexed, as at the start of a run). ``serving(group)`` runs before the
+    run's batcher narrows a value to a worker's rows (``group``, ``[start,
+    size]``, or None for every row), and ``visited()`` before it splices a
+    worker's swap or skip into the batch (a new tensor made from the old one's
+    rows). ``ended(failed)`` runs when the interleaver closes, told whether an
+    exception is leaving it.
+    """
+    interleaver = _interleaver.Interleaver
+    if getattr(interleaver._reindex_parked, "streamscope_visits", False):
+        return
+    parked, close = interleaver._reindex_parked, interleaver.__exit__
+    narrow, widen, gather_skip = _Batcher.narrow, _Batcher.widen, _Batcher.gather_skip
+
+    def reindex_parked(self: Any) -> None:
+        visited()
+        parked(self)
+
+    def closing(self: Any, exc_type: Any, exc_value: Any, traceback: Any) -> Any:
+        ended(exc_type is not None)
+        return close(self, exc_type, exc_value, traceback)
+
+    def narrowing(self: Any, value: Any, group: Any) -> Any:
+        serving(group)
+        return narrow(self, value, group)
+
+    def widening(self: Any, full: Any, group: Any, edited: Any) -> Any:
+        visited()
+        return widen(self, full, group, edited)
+
+    def gathering(self: Any, running: Any, group: Any, replacement: Any) -> Any:
+        visited()
+        return gather_skip(self, running, group, replacement)
+
+    setattr(reindex_parked, "streamscope_visits", True)  # marks the patch as applied (a function attribute)
+    interleaver._reindex_parked, interleaver.__exit__ = reindex_parked, closing
+    _Batcher.narrow, _Batcher.widen, _Batcher.gather_skip = narrowing, widening, gathering
+
+
+def running_token_span() -> Optional[tuple[int, int]]:
+    """The running invoke's span of vLLM's flat token axis, ``(start, size)``, while nnsight's vLLM batcher
+    serves it in a visit of a module; None outside one (or for an invoke with no rows of its own)."""
+    mediator = running_mediator()
+    if mediator is None:
+        return None
+    group, interleaver = mediator.batch_group, mediator.interleaver
+    if group is None or interleaver is None or not interleaver.interleaving:
+        return None
+    return (group[0], group[1]) if type(interleaver.batcher) is _vllm_batcher() else None
+
+
+@functools.cache
+def _vllm_batcher() -> type:
+    from nnsight.modeling.vllm.batching import VLLMBatcher  # imports vLLM: loaded by the engine that asks
+
+    return VLLMBatcher
 
 
 # Envoys: the module an envoy wraps, its children, and being told when nnsight gives it another module.

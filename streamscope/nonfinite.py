@@ -22,7 +22,7 @@ import sysconfig
 import warnings
 from pathlib import Path
 from types import FrameType
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -31,6 +31,9 @@ import torch
 HOLD_BYTES = 64 << 20
 #: How many unread scans there may be before they are read, whatever their size.
 HOLD_COUNT = 4096
+#: Called before the scans are read: each makes the writes it holds back (`streamscope.vllm.write_batch`), so
+#: their scans are started and read with the others.
+BEFORE_READ: list[Callable[[], None]] = []
 #: Whether a scan of host tensors is read at the write, where reading a number waits for nothing (the tests turn
 #: it off to run the deferred path, a device's, on the host).
 READ_ON_THE_HOST = True
@@ -46,7 +49,7 @@ class Line(NamedTuple):
 
 class _Scan(NamedTuple):
     name: str
-    total: torch.Tensor  # the written tensor's sum, float32, on its device
+    total: torch.Tensor  # the written tensor's sum (or its sums by row, `scan_rows`), float32, on its device
     # The sum of the model's own value there, on its device (a host tensor may be written into a device's value,
     # say), or None when there is none to compare.
     base: Optional[torch.Tensor]
@@ -92,6 +95,38 @@ def scan_write(name: str, value: torch.Tensor, current: Optional[torch.Tensor]) 
         read_scans()
 
 
+def scan_rows(writes: list[tuple[str, torch.Tensor, Line]], totals: torch.Tensor, bases: torch.Tensor) -> None:
+    """Start the NaN/inf scans of writes made together, from their row sums.
+
+    `writes` are ``(name, value, line)`` in row order, each value ``[rows,
+    ...]``; `totals` holds a sum per row of the values, in that order, and
+    `bases` the same of the model's own values they were written over (both
+    float32 or wider, on the values' device). A write warns, as `scan_write`
+    says, where its rows' sums are not all finite and the model's were.
+    """
+    global _HELD
+    if READ_ON_THE_HOST and totals.is_cpu:
+        if bool(totals.isfinite().all()):
+            return
+        written, own = totals.isfinite().tolist(), bases.isfinite().tolist()
+        row = 0
+        for name, value, line in writes:
+            rows = value.shape[0]
+            if not all(written[row:row + rows]) and all(own[row:row + rows]):
+                _queue(name, value, _version(value), line)
+            row += rows
+        return
+    row = 0
+    for name, value, line in writes:
+        rows = value.shape[0]
+        _SCANS.append(_new(_Scan, (name, totals[row:row + rows], bases[row:row + rows], value, _version(value),
+                                   line)))
+        _HELD += value.nbytes
+        row += rows
+    if _HELD > HOLD_BYTES or len(_SCANS) > HOLD_COUNT:
+        read_scans()
+
+
 def _version(value: torch.Tensor) -> int:
     try:
         return value._version
@@ -113,6 +148,8 @@ def read_scans() -> None:
     model's own sums of those writes alone.
     """
     global _HELD
+    for start_held_back in BEFORE_READ:
+        start_held_back()
     scans = _SCANS[:]
     del _SCANS[:len(scans)]
     _HELD = 0
@@ -124,16 +161,28 @@ def read_scans() -> None:
         else:
             by_device[device] = [scan]
     for device, group in by_device.items():
-        written = torch.stack([scan.total for scan in group]).isfinite().tolist()
+        written = _all_finite([scan.total for scan in group])
         if all(written):
             continue
         poisoned = [scan for scan, finite in zip(group, written) if not finite]
-        model_own = torch.stack([scan.total if scan.base is None else scan.base.to(device)
-                                 for scan in poisoned]).isfinite().tolist()
+        model_own = _all_finite([scan.total if scan.base is None else scan.base.to(device) for scan in poisoned])
         for scan, finite in zip(poisoned, model_own):
             # Where the model's own value held NaN or inf already, the write is not what poisons the run.
             if finite or scan.base is None:
                 _queue(scan.name, scan.value, scan.version, scan.line)
+
+
+def _all_finite(sums: list[torch.Tensor]) -> list[bool]:
+    """Whether each of `sums` (a write's sum, or its sums by row) is finite throughout, with one wait."""
+    if all(total.dim() == 0 for total in sums):
+        return torch.stack(sums).isfinite().tolist()
+    flags = torch.cat([total if total.dim() else total.reshape(1) for total in sums]).isfinite().tolist()
+    answers, start = [], 0
+    for total in sums:
+        stop = start + total.numel()
+        answers.append(all(flags[start:stop]))
+        start = stop
+    return answers
 
 
 def _queue(name: str, value: torch.Tensor, version: int, line: Line) -> None:

@@ -156,6 +156,41 @@ def test_a_read_warns_for_exactly_the_writes_that_brought_nan_or_inf():
     assert "at 8 of its 8 entries" in messages[0] and "at 10 of its 10 entries" in messages[1], messages
 
 
+def rows_scanned(writes: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+    """`scan_rows` as `streamscope.vllm.write_batch` calls it: writes made together, their rows' sums in a row."""
+    values = torch.cat([value for _, value, _ in writes])
+    own = torch.cat([current for _, _, current in writes])
+    line = nonfinite.user_line()
+    nonfinite.scan_rows([(name, value, line) for name, value, _ in writes], values.sum(dim=-1), own.sum(dim=-1))
+
+
+def test_writes_scanned_together_by_row_warn_as_each_scanned_alone():
+    """Writes landed together are scanned from their rows' sums: each warns exactly where its own scan would."""
+    nan = torch.full((2, 4), float("nan"))
+    one_nan = torch.zeros(2, 4)
+    one_nan[1, 2] = float("inf")
+    own_nan = torch.zeros(2, 4)
+    own_nan[0, 0] = float("nan")
+    writes = [("model.layers[0].layer_output", torch.ones(2, 4), torch.zeros(2, 4)),
+              ("model.layers[1].layer_output", one_nan, torch.zeros(2, 4)),
+              ("model.layers[2].layer_output", nan, own_nan),  # a row of the model's own was NaN already
+              ("model.layers[3].layer_output", nan[:1], torch.zeros(1, 4))]
+    rows_scanned(writes)
+    together = [str(warning.message) for warning in warned()]
+    for name, value, current in writes:
+        nonfinite.scan_write(name, value, current)
+    assert together == [str(warning.message) for warning in warned()]
+    assert [message.split(" is written")[0] for message in together] == ["model.layers[1].layer_output",
+                                                                       "model.layers[3].layer_output"], together
+    assert "at 1 of its 8 entries" in together[0] and "at 4 of its 4 entries" in together[1], together
+
+
+def test_writes_scanned_together_and_finite_hold_nothing(reading):
+    rows_scanned([(f"model.layers[{index}].layer_output", torch.ones(1, 4), torch.zeros(1, 4)) for index in range(3)])
+    assert nonfinite.pending() == (3 if reading == "deferred" else 0)
+    assert warned() == []
+
+
 def test_a_value_of_another_shape_than_the_models_is_not_compared():
     current = torch.full((2, 4), float("nan"))  # would hide the write's NaN, were it compared
     value = torch.zeros(3, 4)

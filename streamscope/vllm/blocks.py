@@ -23,7 +23,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..blocks.composed import Composer
-from ..values import INPUT, OUTPUT, Host, StreamValue, argument, in_dtype
+from .. import values
+from ..values import INPUT, OUTPUT, Host, StreamValue, argument, in_dtype, is_edited
+from . import write_batch
 
 
 class Summed(StreamValue):
@@ -141,6 +143,25 @@ class Summed(StreamValue):
         else:
             hidden.index_add_(0, rows, change)
         return True
+
+    def _write_back(self, host: Host, view: torch.Tensor, raw: Any) -> Any:
+        # Inside a visit of vLLM's batch the edit and its NaN/inf scan wait for the visit's end, to land with the
+        # other invokes' in one set of kernels (`streamscope.vllm.write_batch`). Only an edited read's write-back
+        # waits: its copy is the trace's own, and the invoke runs again only once it has landed. (An assignment's
+        # tensor is the user's, who may go on to change it before the visit ends.)
+        if not is_edited(view):
+            return raw
+        hidden, residual = self.halves(raw)
+        start = write_batch.span(hidden, residual)
+        if start is None:
+            self.write(host, raw, self.checked(host, raw, view))
+            return raw
+        live = host.to_user(hidden, self.name)
+        self.validate(host, tuple(live.shape), view, live, warn=False)
+        scanned = values.WARN_NON_FINITE and view.is_floating_point()
+        write_batch.hold(start, hidden, residual, host.to_engine(in_dtype(view, hidden.dtype), hidden, self.name),
+                         self.named(host) if scanned else None)
+        return raw
 
     def write(self, host: Host, raw: Any, value: torch.Tensor) -> None:
         if torch.is_grad_enabled():  # vLLM runs in inference mode, where grad is off already

@@ -25,6 +25,7 @@ import streamscope
 import transport_cases
 from streamscope import nnsight_seam as seam
 from streamscope import nonfinite
+from streamscope.vllm import write_batch
 from transport_cases import GREEDY, PROMPTS, Note, Refused, same
 
 in_process = pytest.mark.skipif(precision.ON_GPU, reason="the hand-over needs the engine in this process; the GPU "
@@ -236,68 +237,155 @@ def test_several_sequences_per_request_each_get_their_invoke(model, monkeypatch)
 STEER_BLOCK = 1
 
 
-def steer_at_every_step(model, steps: int, vector: torch.Tensor) -> None:
-    """One invoke adding `vector` to a block's layer_output at each of `steps` generated tokens."""
-    with model.trace(PROMPTS[0], max_tokens=steps, temperature=0.0, ignore_eos=True) as tracer:
-        for _ in tracer.iter[:steps]:
-            model.layers[STEER_BLOCK].layer_output[:] += vector
+def steer_at_every_step(model, steps: int, vector: torch.Tensor, invokes: int = 1) -> None:
+    """`invokes` invokes (a prompt each), each adding `vector` to a block's layer_output at each of `steps`
+    generated tokens."""
+    with model.trace(max_tokens=steps, temperature=0.0, ignore_eos=True) as tracer:
+        for index in range(invokes):
+            with tracer.invoke(PROMPTS[index % len(PROMPTS)]):
+                for _ in tracer.iter[:steps]:
+                    model.layers[STEER_BLOCK].layer_output[:] += vector
 
 
-def worker_costs(model, steps: int, monkeypatch) -> tuple[dict, int]:
-    """The torch ops dispatched on the trace's worker greenlet, by name, and the calls of nnsight's own eproperty
-    read, over one `steer_at_every_step`."""
+def worker_costs(model, steps: int, monkeypatch, invokes: int = 1) -> tuple[dict, dict, int]:
+    """The torch ops dispatched on the trace's worker greenlets and in the landing of the step's held write-backs
+    (`write_batch`, on the engine's side), by name, and the calls of nnsight's own eproperty read, over one
+    `steer_at_every_step`."""
     import collections
 
     from greenlet import getcurrent
     from torch.utils._python_dispatch import TorchDispatchMode
 
     ops: collections.Counter = collections.Counter()
+    landing: collections.Counter = collections.Counter()
     reads = [0]
+    inside = [False]
 
     class Counting(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if getattr(getcurrent(), "mediator", None) is not None:  # on a worker: the invoke's own work
+            if inside[0]:
+                landing[str(func)] += 1
+            elif getattr(getcurrent(), "mediator", None) is not None:  # on a worker: the invoke's own work
                 ops[str(func)] += 1
             return func(*args, **(kwargs or {}))
 
     nnsight_read = seam.eproperty.__get__
+    apply = write_batch._apply
 
     def counted_read(self, obj, owner=None):
         reads[0] += obj is not None
         return nnsight_read(self, obj, owner)
 
+    def counted_apply(run):
+        inside[0] = True
+        try:
+            apply(run)
+        finally:
+            inside[0] = False
+
     vector = torch.linspace(-1, 1, model.hidden_size)
     with monkeypatch.context() as patch:
         patch.setattr(seam.eproperty, "__get__", counted_read)
+        patch.setattr(write_batch, "_apply", counted_apply)
         # The scans read as on a device (deferred to the invoke's end); on the host they are read at the write.
         patch.setattr(nonfinite, "READ_ON_THE_HOST", False)
         with Counting():
-            steer_at_every_step(model, steps, vector)
-    return dict(ops), reads[0]
+            steer_at_every_step(model, steps, vector, invokes)
+    return dict(ops), dict(landing), reads[0]
+
+
+def per_step(short: dict, long: dict, steps: int) -> dict:
+    counts = {name: (long.get(name, 0) - short.get(name, 0)) / steps for name in set(short) | set(long)}
+    return {name: count for name, count in counts.items() if count}
 
 
 @in_process
 def test_a_steer_at_every_step_costs_each_step_the_same_few_ops(model, monkeypatch):
-    """What an invoke adds per step is exact: its read, its edit and the write-back, in the fewest torch ops
-    streamscope knows for them (on a GPU each op that is not a view is a kernel launch, `item` a wait for the
-    device). A change that falls back to a longer path (nnsight's own eproperty read, a NaN check read back per write,
-    a dtype conversion that is not needed) changes these counts."""
-    short, short_reads = worker_costs(model, 2, monkeypatch)
-    long, long_reads = worker_costs(model, 5, monkeypatch)
-    per_step = {name: (long.get(name, 0) - short.get(name, 0)) / 3 for name in set(short) | set(long)}
-    per_step = {name: count for name, count in per_step.items() if count}
-    assert per_step == {
+    """What an invoke adds per step is exact: its read and its edit on its worker, and, held to the end of the
+    block's visit, its write-back, in the fewest torch ops streamscope knows for them (on a GPU each op that is not
+    a view is a kernel launch, `item` a wait for the device). A change that falls back to a longer path (nnsight's
+    own eproperty read, a NaN check read back per write, a dtype conversion that is not needed, a write-back made
+    on the worker) changes these counts."""
+    short, short_landing, short_reads = worker_costs(model, 2, monkeypatch)
+    long, long_landing, long_reads = worker_costs(model, 5, monkeypatch)
+    assert per_step(short, long, 3) == {
         # The read: the block's two halves summed (a new tensor), viewed [1, tokens, hidden].
-        "aten.add.Tensor": 2, "aten.unsqueeze.default": 2,
+        "aten.add.Tensor": 1, "aten.unsqueeze.default": 2,
         # The user's `[:] += vector`: a slice view, the add in place, the copy of the slice onto itself (torch
         # sees the same memory and copies nothing).
-        "aten.slice.Tensor": 1, "aten.add_.Tensor": 2, "aten.copy_.default": 1,
-        # The write-back: the NaN/inf scan (one reduction of the written value and one of the model's own,
-        # left on the device: nothing is read back per step), the value viewed in the engine's layout, and the
-        # change added to the hidden half (halves summed again, the difference, the add in place: bit for bit
-        # the bulk path's change).
-        "aten.sum.default": 2, "aten.reshape.default": 1, "aten.sub.Tensor": 1,
-    }, per_step
-    # The scans are read once, together, when the invoke ends: one stack of their sums, whatever the steps.
-    assert short.get("aten.stack.default") == long.get("aten.stack.default") == 1, (short, long)
+        "aten.slice.Tensor": 1, "aten.add_.Tensor": 1, "aten.copy_.default": 1,
+        # The write-back, held for the visit's end: the value viewed in the engine's layout.
+        "aten.reshape.default": 1,
+    }, per_step(short, long, 3)
+    assert per_step(short_landing, long_landing, 3) == {
+        # The write-back as it lands: the NaN/inf scan (a sum by row of the written value and one of the model's
+        # own, left on the device: nothing is read back per step; the write's rows of each, views, kept for the
+        # invoke's end), and the change added to the hidden half (the halves summed, the difference, the add in
+        # place: bit for bit the bulk path's change).
+        "aten.sum.dim_IntList": 2, "aten.slice.Tensor": 2, "aten.add.Tensor": 1, "aten.sub.Tensor": 1,
+        "aten.add_.Tensor": 1,
+    }, per_step(short_landing, long_landing, 3)
+    # The scans are read once, together, when the invoke ends: one look at their sums, whatever the steps.
+    assert short.get("aten.cat.default") == long.get("aten.cat.default") == 1, (short, long)
     assert long_reads == short_reads, "a read of a streamscope value went through nnsight's eproperty read"
+
+
+@in_process
+def test_a_steps_write_backs_land_as_one_set_of_kernels_whatever_the_invokes(model, monkeypatch):
+    """Three invokes editing the block at every step: each invoke's own ops are one invoke's, and their
+    write-backs land together, in the kernels of one invoke's and one concatenation of the three values."""
+    short, short_landing, _ = worker_costs(model, 2, monkeypatch, invokes=3)
+    long, long_landing, _ = worker_costs(model, 5, monkeypatch, invokes=3)
+    assert per_step(short, long, 3 * 3) == {
+        "aten.add.Tensor": 1, "aten.unsqueeze.default": 2, "aten.slice.Tensor": 1, "aten.add_.Tensor": 1,
+        "aten.copy_.default": 1, "aten.reshape.default": 1,
+    }, per_step(short, long, 9)
+    assert per_step(short_landing, long_landing, 3) == {
+        # The three spans' rows of each half as one view, the values concatenated, then one invoke's kernels.
+        # (Each write keeps its rows of the two sums: two views a write.)
+        "aten.as_strided.default": 2, "aten.cat.default": 1, "aten.slice.Tensor": 2 * 3,
+        "aten.sum.dim_IntList": 2, "aten.add.Tensor": 1, "aten.sub.Tensor": 1, "aten.add_.Tensor": 1,
+    }, per_step(short_landing, long_landing, 3)
+
+
+def steered_three_ways(model, steps: int) -> tuple[list, list]:
+    """Three invokes, each adding its own vector to the block at every step; the last reads its edit back in
+    the same visit. Each invoke's logits at every step, and what the last read back."""
+    vectors = [torch.linspace(-1, 1, model.hidden_size) * scale for scale in (0.5, -1.0, 2.0)]
+    with model.trace(max_tokens=steps, temperature=0.0, ignore_eos=True) as tracer:
+        logits = list().save()
+        read_back = list().save()
+        for index, vector in enumerate(vectors):
+            with tracer.invoke(PROMPTS[index % len(PROMPTS)]):
+                mine = []
+                for _ in tracer.iter[:steps]:
+                    model.layers[STEER_BLOCK].layer_output[:] += vector
+                    if index == 2:  # the same value again, in the same visit of the block: it holds the edit
+                        read_back.append(model.layers[STEER_BLOCK].layer_output.clone())
+                    mine.append(model.logits.clone())
+                logits.append(torch.cat(mine))
+    return list(logits), list(read_back)
+
+
+@in_process
+def test_write_backs_held_to_the_visits_end_equal_each_made_at_once(model, monkeypatch):
+    """Holding the write-backs to the end of the visit changes when they land and nothing else: three invokes
+    steering every step with their own vectors, one of them reading its edit back in the same visit, give bit for
+    bit the logits and values of the same trace with each write-back made on its worker as it goes."""
+    runs = []
+    apply = write_batch._apply
+
+    def counted(run):
+        runs.append(len(run))
+        apply(run)
+
+    monkeypatch.setattr(write_batch, "_apply", counted)
+    held, held_back = steered_three_ways(model, 4)
+    assert runs and max(runs) == 3, runs  # the three invokes' write-backs did land together
+    monkeypatch.setattr(write_batch, "span", lambda hidden, residual: None)
+    runs.clear()
+    at_once, at_once_back = steered_three_ways(model, 4)
+    assert not runs
+    for mine, theirs in zip(held + held_back, at_once + at_once_back):
+        assert torch.equal(mine, theirs)
+    assert len(held_back) == 4

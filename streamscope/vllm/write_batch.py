@@ -1,0 +1,150 @@
+"""The write-backs of a visit, applied together: one set of kernels for every invoke that edits the stream there.
+
+A trace with an invoke per prompt that edits a block's stream at every step
+(a steer written in a trace) pays, per invoke and step, the edit's write-back
+(the halves summed, the difference, the add into the hidden half) and its
+NaN/inf scan (a sum of the written value and one of the model's): five kernel
+launches, each a few microseconds of the host's time on a GPU. nnsight serves
+the invokes parked on a visit of a module one after another, each its own span
+of vLLM's flat token axis, and the model reads the edits only once the visit
+has served them all. So a `streamscope.vllm.blocks.Summed` write-back made
+during a visit is queued here (`hold`), and when the visit has served everyone
+the queued edits of adjacent spans land as one: the written values
+concatenated, the same three elementwise kernels over all their rows (each
+entry's arithmetic is the one its own write-back does, so the result is the
+same bit for bit), and the scan as two sums by row.
+
+The queue lands earlier wherever waiting would change what anybody sees:
+
+- before nnsight serves a worker rows an edit is queued for (the same invoke
+  reading the value again in the same visit), or every row (a worker with no
+  rows of its own);
+- before nnsight splices a worker's swap or skip into the batch, which copies
+  the rows into a new tensor;
+- before the NaN/inf scans are read (an invoke's code ends: its warnings are
+  due then);
+
+and it is dropped, not applied, when the run fails before the visit ends: its
+views are of buffers a later step reuses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+from .. import nonfinite
+from .. import nnsight_seam as seam
+
+
+class _Edit(NamedTuple):
+    start: int  # the first token row of the invoke's span in the step's batch
+    hidden: torch.Tensor  # the span's rows of the hidden half, [rows, hidden_size]
+    residual: torch.Tensor  # the same rows of the residual half
+    value: torch.Tensor  # the stream written there, [rows, hidden_size], in the halves' dtype
+    name: Optional[str]  # the value's name where the write is scanned for NaN/inf, else None
+    line: Optional[nonfinite.Line]  # the user's line of the write, where it is scanned
+
+
+_QUEUE: list[_Edit] = []
+_STARTS: set[int] = set()  # the spans' starts: whether a worker about to be served has an edit queued
+
+
+def span(hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> Optional[int]:
+    """The first token row of the running invoke's span, where its write-back over these halves may wait for
+    the end of the visit; None where it must be made now.
+
+    It may wait on vLLM's flat token axis only: halves of the span's rows
+    (``[rows, hidden_size]``, each row contiguous), inside a visit nnsight
+    serves with vLLM's batcher.
+    """
+    if residual is None:
+        return None
+    token_span = seam.running_token_span()
+    if token_span is None:
+        return None
+    start, size = token_span
+    if (hidden.dim() != 2 or hidden.shape[0] != size or residual.shape != hidden.shape
+            or hidden.stride(1) != 1 or residual.stride(1) != 1):
+        return None
+    return start
+
+
+def hold(start: int, hidden: torch.Tensor, residual: torch.Tensor, value: torch.Tensor,
+         name: Optional[str]) -> None:
+    """Queue the write-back of `value` (the stream's new rows, ``[rows, hidden_size]``) over the halves of the
+    span at `start`, scanned for NaN/inf as `name` unless None; it lands when the visit ends (`land`)."""
+    line = nonfinite.user_line() if name is not None else None
+    _QUEUE.append(_Edit(start, hidden, residual, value, name, line))
+    _STARTS.add(start)
+
+
+def land() -> None:
+    """Apply every queued write-back, the edits of adjacent spans as one."""
+    if not _QUEUE:
+        return
+    edits = sorted(_QUEUE, key=lambda edit: edit.start)
+    _QUEUE.clear()
+    _STARTS.clear()
+    run = [edits[0]]
+    for edit in edits[1:]:
+        if _follows(run[-1], edit):
+            run.append(edit)
+        else:
+            _apply(run)
+            run = [edit]
+    _apply(run)
+
+
+def _follows(last: _Edit, edit: _Edit) -> bool:
+    """Whether `edit`'s rows come straight after `last`'s in the same two tensors."""
+    hidden, residual = last.hidden, last.residual
+    return (edit.hidden.dtype == hidden.dtype and edit.hidden.device == hidden.device
+            and edit.hidden.shape[1] == hidden.shape[1] and edit.hidden.stride() == hidden.stride()
+            and edit.residual.stride() == residual.stride()
+            and edit.hidden.data_ptr() == hidden.data_ptr() + hidden.shape[0] * hidden.stride(0) * hidden.element_size()
+            and edit.residual.data_ptr()
+            == residual.data_ptr() + residual.shape[0] * residual.stride(0) * residual.element_size()
+            and edit.hidden.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()
+            and edit.residual.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr())
+
+
+def _apply(run: list[_Edit]) -> None:
+    first = run[0]
+    if len(run) == 1:
+        hidden, residual, value = first.hidden, first.residual, first.value
+    else:
+        rows = sum(edit.hidden.shape[0] for edit in run)
+        shape = (rows, first.hidden.shape[1])
+        hidden = first.hidden.as_strided(shape, first.hidden.stride())
+        residual = first.residual.as_strided(shape, first.residual.stride())
+        value = torch.cat([edit.value for edit in run])
+    scanned = [(edit.name, edit.value, edit.line) for edit in run if edit.name is not None]
+    if scanned:
+        wide = hidden.element_size() < 4
+        totals = value.sum(dim=-1, dtype=torch.float32) if wide else value.sum(dim=-1)
+        bases = hidden.sum(dim=-1, dtype=torch.float32) if wide else hidden.sum(dim=-1)
+        if len(scanned) < len(run):  # some writes are not scanned (not numbers to warn about): their rows go
+            keep = torch.cat([torch.full((edit.hidden.shape[0],), edit.name is not None) for edit in run])
+            keep = keep.to(totals.device)
+            totals, bases = totals[keep], bases[keep]
+        nonfinite.scan_rows(scanned, totals, bases)  # type: ignore[arg-type]
+    # Elementwise as each write-back does it alone: the stream's change added to the hidden half.
+    hidden.add_(value - (hidden + residual))
+
+
+def _serving(group: Any) -> None:
+    if _QUEUE and (group is None or group[0] in _STARTS):
+        land()
+
+
+def _ended(failed: bool) -> None:
+    if failed:
+        _QUEUE.clear()
+        _STARTS.clear()
+    else:
+        land()
+
+
+seam.around_visits(land, _serving, _ended)
+nonfinite.BEFORE_READ.append(land)
