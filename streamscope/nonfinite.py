@@ -49,7 +49,7 @@ class Line(NamedTuple):
 
 class _Scan(NamedTuple):
     name: str
-    total: torch.Tensor  # the written tensor's sum (or its sums by row, `scan_rows`), float32, on its device
+    total: torch.Tensor  # the written tensor's sum, float32, on its device
     # The sum of the model's own value there, on its device (a host tensor may be written into a device's value,
     # say), or None when there is none to compare.
     base: Optional[torch.Tensor]
@@ -95,6 +95,18 @@ def scan_write(name: str, value: torch.Tensor, current: Optional[torch.Tensor]) 
         read_scans()
 
 
+class _RowScans(NamedTuple):
+    """The scans of writes landed together (`scan_rows`), one record for them all."""
+
+    totals: torch.Tensor  # a sum per row of the written values, in row order
+    bases: torch.Tensor  # the same of the model's own values under them
+    writes: list[tuple[str, torch.Tensor, Line, int]]  # (name, value, line, version at the write), in row order
+
+
+_ROW_SCANS: list[_RowScans] = []
+_ROW_WRITES = 0  # the writes the unread row scans hold
+
+
 def scan_rows(writes: list[tuple[str, torch.Tensor, Line]], totals: torch.Tensor, bases: torch.Tensor) -> None:
     """Start the NaN/inf scans of writes made together, from their row sums.
 
@@ -102,29 +114,36 @@ def scan_rows(writes: list[tuple[str, torch.Tensor, Line]], totals: torch.Tensor
     ...]``; `totals` holds a sum per row of the values, in that order, and
     `bases` the same of the model's own values they were written over (both
     float32 or wider, on the values' device). A write warns, as `scan_write`
-    says, where its rows' sums are not all finite and the model's were.
+    says, where its rows' sums are not all finite and the model's were. Kept
+    as one record, read with the other scans: nothing is done per write but
+    noting its version.
     """
-    global _HELD
+    global _HELD, _ROW_WRITES
     if READ_ON_THE_HOST and totals.is_cpu:
         if bool(totals.isfinite().all()):
             return
-        written, own = totals.isfinite().tolist(), bases.isfinite().tolist()
-        row = 0
-        for name, value, line in writes:
-            rows = value.shape[0]
-            if not all(written[row:row + rows]) and all(own[row:row + rows]):
-                _queue(name, value, _version(value), line)
-            row += rows
+        _warn_rows(totals.isfinite().tolist(), _RowScans(totals, bases, [
+            (name, value, line, _version(value)) for name, value, line in writes]))
         return
-    row = 0
-    for name, value, line in writes:
-        rows = value.shape[0]
-        _SCANS.append(_new(_Scan, (name, totals[row:row + rows], bases[row:row + rows], value, _version(value),
-                                   line)))
-        _HELD += value.nbytes
-        row += rows
-    if _HELD > HOLD_BYTES or len(_SCANS) > HOLD_COUNT:
+    _ROW_SCANS.append(_RowScans(totals, bases, [(name, value, line, _version(value)) for name, value, line in writes]))
+    _ROW_WRITES += len(writes)
+    first = writes[0][1]
+    _HELD += totals.numel() * first.nbytes // first.shape[0]  # every row is as wide as the first's
+    if _HELD > HOLD_BYTES or len(_SCANS) + _ROW_WRITES > HOLD_COUNT:
         read_scans()
+
+
+def _warn_rows(written: list[bool], scans: _RowScans) -> None:
+    """Queue the warnings of `scans`' writes that brought NaN or inf, given whether each row's sum is finite."""
+    own = None
+    row = 0
+    for name, value, line, version in scans.writes:
+        rows = value.shape[0]
+        if not all(written[row:row + rows]):
+            own = scans.bases.isfinite().tolist() if own is None else own
+            if all(own[row:row + rows]):  # where the model's own rows held NaN or inf, the write is not the cause
+                _queue(name, value, version, line)
+        row += rows
 
 
 def _version(value: torch.Tensor) -> int:
@@ -147,12 +166,15 @@ def read_scans() -> None:
     One wait per device; where a write brought NaN or inf, one more, for the
     model's own sums of those writes alone.
     """
-    global _HELD
+    global _HELD, _ROW_WRITES
     for start_held_back in BEFORE_READ:
         start_held_back()
     scans = _SCANS[:]
     del _SCANS[:len(scans)]
-    _HELD = 0
+    row_scans = _ROW_SCANS[:]
+    del _ROW_SCANS[:len(row_scans)]
+    _HELD = _ROW_WRITES = 0
+    _read_row_scans(row_scans)
     by_device: dict[torch.device, list[_Scan]] = {}
     for scan in scans:
         device = scan.total.device
@@ -161,28 +183,32 @@ def read_scans() -> None:
         else:
             by_device[device] = [scan]
     for device, group in by_device.items():
-        written = _all_finite([scan.total for scan in group])
+        written = torch.stack([scan.total for scan in group]).isfinite().tolist()
         if all(written):
             continue
         poisoned = [scan for scan, finite in zip(group, written) if not finite]
-        model_own = _all_finite([scan.total if scan.base is None else scan.base.to(device) for scan in poisoned])
+        model_own = torch.stack([scan.total if scan.base is None else scan.base.to(device)
+                                 for scan in poisoned]).isfinite().tolist()
         for scan, finite in zip(poisoned, model_own):
             # Where the model's own value held NaN or inf already, the write is not what poisons the run.
             if finite or scan.base is None:
                 _queue(scan.name, scan.value, scan.version, scan.line)
 
 
-def _all_finite(sums: list[torch.Tensor]) -> list[bool]:
-    """Whether each of `sums` (a write's sum, or its sums by row) is finite throughout, with one wait."""
-    if all(total.dim() == 0 for total in sums):
-        return torch.stack(sums).isfinite().tolist()
-    flags = torch.cat([total if total.dim() else total.reshape(1) for total in sums]).isfinite().tolist()
-    answers, start = [], 0
-    for total in sums:
-        stop = start + total.numel()
-        answers.append(all(flags[start:stop]))
-        start = stop
-    return answers
+def _read_row_scans(records: list[_RowScans]) -> None:
+    """Read the row scans: one wait per device for every row of them, and warn where a write brought NaN or inf."""
+    by_device: dict[torch.device, list[_RowScans]] = {}
+    for record in records:
+        by_device.setdefault(record.totals.device, []).append(record)
+    for group in by_device.values():
+        flags = torch.cat([record.totals for record in group]).isfinite().tolist()
+        if all(flags):
+            continue
+        start = 0
+        for record in group:
+            stop = start + record.totals.shape[0]
+            _warn_rows(flags[start:stop], record)
+            start = stop
 
 
 def _queue(name: str, value: torch.Tensor, version: int, line: Line) -> None:
@@ -221,7 +247,7 @@ def warn_pending(raising: bool = True) -> None:
 
 def pending() -> int:
     """How many scans are started and not read yet (for tests)."""
-    return len(_SCANS)
+    return len(_SCANS) + _ROW_WRITES
 
 
 # The user's line: the innermost frame outside streamscope, nnsight, torch, vLLM and the standard library.

@@ -98,15 +98,16 @@ def land() -> None:
 
 def _follows(last: _Edit, edit: _Edit) -> bool:
     """Whether `edit`'s rows come straight after `last`'s in the same two tensors."""
-    hidden, residual = last.hidden, last.residual
-    return (edit.hidden.dtype == hidden.dtype and edit.hidden.device == hidden.device
-            and edit.hidden.shape[1] == hidden.shape[1] and edit.hidden.stride() == hidden.stride()
-            and edit.residual.stride() == residual.stride()
-            and edit.hidden.data_ptr() == hidden.data_ptr() + hidden.shape[0] * hidden.stride(0) * hidden.element_size()
-            and edit.residual.data_ptr()
+    hidden, residual, next_hidden, next_residual = last.hidden, last.residual, edit.hidden, edit.residual
+    # (An inference tensor's views keep no `_base`: the storage tells which tensor a view is of.)
+    return (next_hidden.data_ptr() == hidden.data_ptr() + hidden.shape[0] * hidden.stride(0) * hidden.element_size()
+            and next_residual.data_ptr()
             == residual.data_ptr() + residual.shape[0] * residual.stride(0) * residual.element_size()
-            and edit.hidden.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()
-            and edit.residual.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr())
+            and next_hidden.stride() == hidden.stride() and next_residual.stride() == residual.stride()
+            and next_hidden.shape[1] == hidden.shape[1] and next_hidden.dtype == hidden.dtype
+            and next_hidden.device == hidden.device
+            and next_hidden.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()
+            and next_residual.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr())
 
 
 def _apply(run: list[_Edit]) -> None:
