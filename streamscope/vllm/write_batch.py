@@ -83,7 +83,7 @@ def land() -> None:
     """Apply every queued write-back, the edits of adjacent spans as one."""
     if not _QUEUE:
         return
-    edits = sorted(_QUEUE, key=lambda edit: edit.start)
+    edits = sorted(_QUEUE, key=lambda edit: edit.hidden.data_ptr())  # a tensor's spans in row order, together
     _QUEUE.clear()
     _STARTS.clear()
     run = [edits[0]]

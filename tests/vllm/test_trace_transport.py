@@ -386,3 +386,32 @@ def test_write_backs_held_to_the_visits_end_equal_each_made_at_once(model, monke
     for mine, theirs in zip(held + held_back, at_once + at_once_back):
         assert torch.equal(mine, theirs)
     assert len(held_back) == 4
+
+
+def edit_then_swap(model) -> list:
+    """One invoke edits the block's stream in place at every step (held to the visit's end); a later invoke swaps
+    the block's raw output for a copy of its own rows (nnsight splices a swap into a new batch tensor). The first
+    invoke's logits at every step."""
+    vector = torch.linspace(-1, 1, model.hidden_size)
+    with model.trace(max_tokens=3, temperature=0.0, ignore_eos=True) as tracer:
+        logits = list().save()
+        with tracer.invoke(PROMPTS[0]):
+            for _ in tracer.iter[:3]:
+                model.layers[STEER_BLOCK].layer_output[:] += vector
+                logits.append(model.logits.clone())
+        with tracer.invoke(PROMPTS[1]):
+            for _ in tracer.iter[:3]:
+                hidden, residual = model.layers[STEER_BLOCK].output
+                model.layers[STEER_BLOCK].output = (hidden * 1, residual * 1)
+    return list(logits)
+
+
+@in_process
+def test_an_edit_held_for_the_visits_end_lands_before_another_invokes_swap(model, monkeypatch):
+    """A swap made after a held edit, in the same visit, copies the batch into a new tensor: the held edit lands
+    first, so it is in the batch the model goes on with, as when each write-back is made at once."""
+    held = edit_then_swap(model)
+    monkeypatch.setattr(write_batch, "span", lambda hidden, residual: None)
+    at_once = edit_then_swap(model)
+    for mine, theirs in zip(held, at_once, strict=True):
+        assert torch.equal(mine, theirs)
