@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional
 
 import torch
+
 from .. import nonfinite
 from .. import nnsight_seam as seam
 

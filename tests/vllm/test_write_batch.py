@@ -109,6 +109,9 @@ def test_a_worker_served_rows_it_holds_an_edit_for_has_it_landed_first(landings)
     assert landings == []
     write_batch._serving([3, 3])  # the second span's worker, served again in the same visit
     assert landings == [2]
+    hold_spans(hidden, residual, [(0, 3)])
+    write_batch._serving(None)  # a worker served every row
+    assert landings == [2, 1]
 
 
 @pytest.mark.parametrize("reading", ["read at once", "deferred"])
@@ -133,3 +136,23 @@ def test_the_scan_of_writes_landed_together_warns_for_exactly_the_one_that_broug
     assert len(messages) == 1 and messages[0].startswith(
         f"model.layers[1].layer_output is written with NaN or inf at 1 of its {2 * HIDDEN} entries"), messages
     assert hidden[3, 5].isnan() and hidden[[0, 1, 2, 4, 5]].isfinite().all()
+
+
+def test_writes_not_scanned_land_beside_scanned_ones_and_warn_nothing():
+    """A write held without a name (the check off, or not numbers to warn about) lands in the same run as scanned
+    ones and is left out of their scan: its NaN warns nothing, a scanned write's NaN still does."""
+    hidden, residual = batch(4, torch.float32)
+    spans = [(0, 2), (2, 2)]
+    for index, (start, size) in enumerate(spans):
+        own_hidden, own_residual = hidden.narrow(0, start, size), residual.narrow(0, start, size)
+        value = own_hidden + own_residual
+        value[0, 0] = float("nan")
+        write_batch.hold(start, own_hidden, own_residual, value, None if index == 0 else "model.layers[2].layer_mid")
+    write_batch.land()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        nonfinite.warn_pending()
+    messages = [str(warning.message) for warning in caught]
+    assert len(messages) == 1 and messages[0].startswith("model.layers[2].layer_mid is written with NaN or inf at 1 "), \
+        messages
+    assert hidden[0, 0].isnan() and hidden[2, 0].isnan()
