@@ -353,14 +353,24 @@ class ServeState:
                         read[1].extend(ranges)
                         read[2].append((live, index, slots))
         work: dict[tuple[int, str], tuple[list, list]] = {}
+        # The same rows at many sites (a harvest of every block reads each request's rows at each) make one index:
+        # rows that are not one block become a tensor copied to the device, once a step rather than once a site.
+        indices: dict[tuple[tuple[int, int], ...], Any] = {}
+
+        def index(ranges: list[tuple[int, int]]) -> Any:
+            key = tuple(ranges)
+            rows = indices.get(key)
+            if rows is None:
+                rows = indices[key] = rows_of(ranges, self.device)
+            return rows
+
         for key in set(steers) | set(reads):
             edits = []
             for order in sorted(steers.get(key, {})):
                 for site, mode, ranges, deltas in steers[key][order].values():
-                    edits.append((site, mode, rows_of(ranges, self.device),
+                    edits.append((site, mode, index(ranges),
                                   self._deltas(deltas) if mode is not None else deltas[0][1]))
-            harvests = [(site, rows_of(ranges, self.device), layout)
-                        for site, ranges, layout in reads.get(key, {}).values()]
+            harvests = [(site, index(ranges), layout) for site, ranges, layout in reads.get(key, {}).values()]
             work[key] = (edits, harvests)
         return work
 
