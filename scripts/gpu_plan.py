@@ -29,14 +29,16 @@ call, so the file travels with the working tree)::
 
     bash .whl-gpu/install.sh && export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 && \\
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-gpu/serve/*.whl && \\
-      python3 scripts/gpu_plan.py --out $OUT --parts control --deadline 555
-    ... python3 scripts/gpu_plan.py --out $OUT --parts control-taps --deadline 555   (.whl-gpu/serve installed too)
-    ... python3 scripts/gpu_suite.py --out $OUT/suite --gpus 0 --slots 6 --dtypes bfloat16 --parts taps --seconds 500
+      python3 scripts/gpu_plan.py --out $OUT --parts control-taps --deadline 555
+    ... python3 scripts/gpu_plan.py --out $OUT --parts w2 --deadline 555
+    ... python3 scripts/gpu_plan.py --out $OUT --parts control --deadline 555   (.whl-gpu/serve installed too)
     ... python3 scripts/gpu_suite.py --out $OUT/suite --gpus 0 --dtypes bfloat16 --parts alone --seconds 400
 
-(the order the eleventh session left: the serve pairs with their A/A controls first, then the taps
-file on every family, whose graph_mode test 18 of them have not run, and, in a call of its own, the
-lifecycle file, which the suite part's deadline cut twice on 2026-12-02.)
+(the order the twelfth session left: the graphs pair again, for the harvest with the plan's one row index a step
+(3847c95; under its bound in every round on 2026-12-02 11:17); W2 after any cut of its per-invoke work (its
+`at once` and `unchecked` variants side by side); the eager pair with its A/A control, never run; and, in a call
+of its own, the lifecycle file, last passed on the H200 in the ninth session. Every family's taps file passed on
+2026-12-02 11:35, run W.)
 """
 
 from __future__ import annotations
