@@ -100,21 +100,25 @@ class _RowScans(NamedTuple):
 
     totals: torch.Tensor  # a sum per row of the written values, in row order
     bases: torch.Tensor  # the same of the model's own values under them
-    writes: list[tuple[str, torch.Tensor, Line, int]]  # (name, value, line, version at the write), in row order
+    # (name, value, line, version at the write) in row order; a write with no name is not scanned, its rows kept
+    # only to line the others up.
+    writes: list[tuple[Optional[str], torch.Tensor, Optional[Line], int]]
 
 
 _ROW_SCANS: list[_RowScans] = []
 _ROW_WRITES = 0  # the writes the unread row scans hold
 
 
-def scan_rows(writes: list[tuple[str, torch.Tensor, Line]], totals: torch.Tensor, bases: torch.Tensor) -> None:
+def scan_rows(writes: list[tuple[Optional[str], torch.Tensor, Optional[Line]]], totals: torch.Tensor,
+              bases: torch.Tensor) -> None:
     """Start the NaN/inf scans of writes made together, from their row sums.
 
     `writes` are ``(name, value, line)`` in row order, each value ``[rows,
     ...]``; `totals` holds a sum per row of the values, in that order, and
     `bases` the same of the model's own values they were written over (both
-    float32 or wider, on the values' device). A write warns, as `scan_write`
-    says, where its rows' sums are not all finite and the model's were. Kept
+    float32 or wider, on the values' device; `row_sums`). A write warns, as
+    `scan_write` says, where its rows' sums are not all finite and the
+    model's were; a write whose name is None is not scanned. Kept
     as one record, read with the other scans: nothing is done per write but
     noting its version.
     """
@@ -139,7 +143,7 @@ def _warn_rows(written: list[bool], scans: _RowScans) -> None:
     row = 0
     for name, value, line, version in scans.writes:
         rows = value.shape[0]
-        if not all(written[row:row + rows]):
+        if name is not None and not all(written[row:row + rows]):
             own = scans.bases.isfinite().tolist() if own is None else own
             if all(own[row:row + rows]):  # where the model's own rows held NaN or inf, the write is not the cause
                 _queue(name, value, version, line)
@@ -151,6 +155,11 @@ def _version(value: torch.Tensor) -> int:
         return value._version
     except RuntimeError:  # an inference tensor keeps no version counter
         return -1
+
+
+def row_sums(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s sums over its last dimension, for `scan_rows`: a row is finite where its sum is (`_sum`)."""
+    return tensor.sum(dim=-1, dtype=torch.float32) if tensor.element_size() < 4 else tensor.sum(dim=-1)
 
 
 def _sum(tensor: torch.Tensor) -> torch.Tensor:

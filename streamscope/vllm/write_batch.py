@@ -121,16 +121,9 @@ def _apply(run: list[_Edit]) -> None:
         hidden = first.hidden.as_strided(shape, first.hidden.stride())
         residual = first.residual.as_strided(shape, first.residual.stride())
         value = torch.cat([edit.value for edit in run])
-    scanned = [(edit.name, edit.value, edit.line) for edit in run if edit.name is not None]
-    if scanned:
-        wide = hidden.element_size() < 4
-        totals = value.sum(dim=-1, dtype=torch.float32) if wide else value.sum(dim=-1)
-        bases = hidden.sum(dim=-1, dtype=torch.float32) if wide else hidden.sum(dim=-1)
-        if len(scanned) < len(run):  # some writes are not scanned (not numbers to warn about): their rows go
-            keep = torch.cat([torch.full((edit.hidden.shape[0],), edit.name is not None) for edit in run])
-            keep = keep.to(totals.device)
-            totals, bases = totals[keep], bases[keep]
-        nonfinite.scan_rows(scanned, totals, bases)  # type: ignore[arg-type]
+    if any(edit.name is not None for edit in run):
+        nonfinite.scan_rows([(edit.name, edit.value, edit.line) for edit in run], nonfinite.row_sums(value),
+                            nonfinite.row_sums(hidden))
     # Elementwise as each write-back does it alone: the stream's change added to the hidden half.
     hidden.add_(value - (hidden + residual))
 
