@@ -30,8 +30,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..bulk.spec import ROOT_VALUES
-
-PART = "stage"
+from .writer import PART
 
 
 class CPUStageBuffers:
@@ -83,24 +82,6 @@ def sites_of(values: Sequence[str], layers: Sequence[int]) -> list[tuple[str, Op
     """A harvest's sites as ``(value, block)`` in the run's order (root values once, block values once a block)."""
     return [(value, None) if value in ROOT_VALUES else (value, layer)
             for value in values for layer in ([None] if value in ROOT_VALUES else layers)]
-
-
-def part_file(folder: Path, harvest_id: str, rank: int) -> Path:
-    return folder / f"{harvest_id}.{PART}{rank}.safetensors"
-
-
-def write_part(folder: Path, harvest_id: str, rank: int, buffer: torch.Tensor, meta: dict[str, Any]) -> None:
-    """This stage's part of a harvest, ``[held sites, positions, hidden]``, written aside then renamed.
-
-    `meta` is the harvest's (values, layers, positions) with ``held``: the part's sites' indices in the run's order.
-    """
-    from safetensors.torch import save_file
-
-    metadata = {key: json.dumps(item) for key, item in meta.items()}
-    final = part_file(folder, harvest_id, rank)
-    aside = folder / f".{final.name}.writing"
-    save_file({"part": buffer.clone()}, str(aside), metadata=metadata)
-    os.replace(aside, final)
 
 
 def parts(folder: Path, harvest_id: str) -> list[Path]:

@@ -16,19 +16,25 @@ needs them).
 A step's harvested rows stay on the device: each hooked module call makes one
 gathered read of every harvesting request's rows, and after the step the
 reads go to host memory in one non-blocking copy (pinned memory on a GPU),
-so the step never waits for them. A writer thread takes each step's copy once
-it has landed, puts the rows in their requests' buffers and, once a
-request's prompt positions have all run, writes its harvest to the server's
-folder as ``<id>.safetensors`` (atomically: written aside, then renamed),
-which the front end serves (waiting for the file) and deletes.
+so the step never waits for them. A writer thread waits for each step's copy
+to land and hands its bytes to the harvest writer's process
+(`streamscope.serve.writer`), which puts the rows in their requests' buffers
+and, once a request's prompt positions have all run, writes its harvest to
+the server's folder as ``<id>.safetensors`` (atomically: written aside, then
+renamed), which the front end serves (waiting for the file) and deletes. The
+engine's process keeps none of that Python work: only the copy's wait and
+its write to a pipe, both outside the interpreter lock.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import queue
+import subprocess
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -42,7 +48,8 @@ from ..bulk.apply import Span, rows_of
 from ..bulk.spec import ROOT_VALUES, Site, Steer, layer_list, locate, prompt_positions
 from ..values import INPUT
 from . import host_time
-from .stages import CPUStageBuffers, Stage, sites_of, write_part
+from .stages import CPUStageBuffers, Stage, sites_of
+from .writer import Record, Store, fail, send_frame
 
 #: The environment variable that carries the server's settings (the harvest folder) to the engine's processes.
 ENVIRONMENT = "STREAMSCOPE_SERVE"
@@ -78,7 +85,7 @@ class Live:
     harvest_meta: dict[str, Any] = field(default_factory=dict)
     positions: list[int] = field(default_factory=list)
     slots: dict[int, int] = field(default_factory=dict)  # position -> its slot in the buffer
-    buffer: Optional[torch.Tensor] = None  # [sites, positions, hidden] on the host, filled by the writer thread
+    key: int = 0  # the harvest's number in the writer's messages (`streamscope.serve.writer`)
     read: int = 0  # how many (site, position) rows have been read (counted on the engine's thread)
     written: bool = False  # every row read: the writer thread writes the file
     readout: Optional[tuple[Any, Optional[int]]] = None  # a harvest of SAE features: (the SAE, top_k)
@@ -136,7 +143,8 @@ class ServeState:
         model = runner.get_model()
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, runner.model_config.dtype
-        self.writer_thread = HarvestWriter(self)
+        self.writer_thread = HarvestWriter(self.folder, self.stage.rank)
+        self.harvest_keys = itertools.count(1)
         execute_model = runner.execute_model
 
         def updated(scheduler_output: Any) -> None:
@@ -272,7 +280,22 @@ class ServeState:
                 top_k = harvest.get("top_k")
                 live.readout = (self.sae(harvest["sae"]), top_k)
                 live.harvest_meta["values"] = ["sae_features"] if top_k is None else ["sae_values", "sae_indices"]
+            if not live.written and self.writer and self.folder is not None:
+                live.key = next(self.harvest_keys)
+                self.writer_thread.put(("admit", live.key, self._record(live)))
         return live
+
+    @staticmethod
+    def _record(live: Live) -> Record:
+        """What the harvest writer needs of `live`'s harvest: its size, metadata and the runs of its file."""
+        runs, first, layers = [], 0, len(live.harvest_meta["layers"])
+        for value in live.harvest_meta["values"] if live.readout is None else ():
+            count = 1 if value in ROOT_VALUES else layers
+            runs.append((value, first, count, value in ROOT_VALUES))
+            first += count
+        return Record(str(live.harvest_id), len(live.harvest_sites), len(live.positions), live.harvest_meta, runs,
+                      sae=live.readout is not None, top_k=live.readout[1] if live.readout else None,
+                      part="held" in live.harvest_meta)
 
     def observe(self, scheduler_output: Any) -> None:
         """Take this step's new and finished requests, then work out every hook's rows."""
@@ -293,6 +316,8 @@ class ServeState:
         for request_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
             live = self.live.pop(request_id, None)
             if live is not None and live.harvest_id is not None and not live.written:
+                if live.key:
+                    self.writer_thread.put(("drop", live.key))
                 self.fail(live.harvest_id, "the request finished before its prompt ran (aborted?)")
         # The hooks change only when the live requests do, or a harvest has read its last row (a request that
         # only harvested then needs none for the rest of its generation).
@@ -317,7 +342,8 @@ class ServeState:
             if count is None:
                 continue
             live = live_of(request_id)
-            if live is not None:
+            # (a request that only harvested, its harvest read, needs nothing more: it is not planned)
+            if live is not None and (live.steers or (live.harvest_sites and not live.written)):
                 rows.append((live, request_id, start, count))
                 steady = steady and live.every_row and (live.written or not live.harvest_sites)
             start += count
@@ -483,16 +509,18 @@ class ServeState:
                     self.harvests_done = self.harvests_done or live.written
             return
         # Per dtype (the model's; float32 for SAE features), every read flattened into one tensor and copied at once;
-        # a piece is (live, site index, slots, first element, rows, width) in its dtype's tensor.
+        # a piece is (harvest key, site index, slots, first element, rows, width) in its dtype's tensor.
         copies = []
+        counted: list[tuple[Live, list[int]]] = []
         for dtype in {rows.dtype for rows, _ in reads}:
-            pieces: list[tuple[Live, int, list[int], int, int, int]] = []
+            pieces: list[tuple[int, int, list[int], int, int, int]] = []
             start = 0
             mine = [(rows, layout) for rows, layout in reads if rows.dtype == dtype]
             for rows, layout in mine:
                 width = rows.shape[-1]
                 for live, index, slots in layout:
-                    pieces.append((live, index, slots, start, len(slots), width))
+                    pieces.append((live.key, index, slots, start, len(slots), width))
+                    counted.append((live, slots))
                     start += len(slots) * width
             flat = torch.cat([rows.reshape(-1) for rows, _ in mine]) if len(mine) > 1 else mine[0][0].reshape(-1)
             if flat.device.type == "cuda":
@@ -506,88 +534,38 @@ class ServeState:
             event = torch.cuda.Event()
             event.record()
         complete = []
-        for live, _, slots, *_ in (piece for _, pieces in copies for piece in pieces):
+        for live, slots in counted:
             live.read += len(slots)
             if not live.written and live.read == len(live.harvest_sites) * len(live.positions):
                 live.written = True
                 self.harvests_done = True
-                complete.append(live)
-        self.writer_thread.put((event, copies, complete))
-
-    def write(self, live: Live) -> None:
-        """Write one complete harvest (called on the writer thread)."""
-        if live.buffer is None:
-            return
-        if "held" in live.harvest_meta:  # this pipeline stage's sites only: the front end puts the parts together
-            if self.folder is not None and _valid_id(live.harvest_id):
-                write_part(self.folder, str(live.harvest_id), self.stage.rank, live.buffer, live.harvest_meta)
-            live.buffer = None
-            return
-        tensors: dict[str, torch.Tensor] = {}
-        index = 0
-        layers = len(live.harvest_meta["layers"])
-        if live.readout is not None:  # one site: [1, positions, d_sae], or the top k's values then indices
-            top_k = live.readout[1]
-            if top_k is None:
-                tensors["sae_features"] = live.buffer.clone()
-            else:
-                tensors["sae_values"] = live.buffer[..., :top_k].clone()
-                tensors["sae_indices"] = live.buffer[..., top_k:].long()
-        metadata = {key: json.dumps(item) for key, item in live.harvest_meta.items()}
-        if live.readout is None and live.buffer.dtype in SAFETENSORS_DTYPES:
-            # Each value is a run of the buffer's sites: written from the buffer as it is, no copy per value.
-            parts = []
-            for value in live.harvest_meta["values"]:
-                count = 1 if value in ROOT_VALUES else layers
-                parts.append((value, index, count, value in ROOT_VALUES))
-                index += count
-            if self.folder is not None and _valid_id(live.harvest_id):
-                final = self.folder / f"{live.harvest_id}.safetensors"
-                aside = self.folder / f".{live.harvest_id}.writing"
-                save_runs(aside, live.buffer, parts, metadata)
-                os.replace(aside, final)
-            live.buffer = None
-            return
-        for value in live.harvest_meta["values"] if live.readout is None else ():
-            if value in ROOT_VALUES:
-                tensors[value] = live.buffer[index].clone()
-                index += 1
-            else:
-                tensors[value] = live.buffer[index:index + layers].clone()
-                index += layers
-        self._write(live.harvest_id, tensors, metadata)
-        live.buffer = None
-
-    def _write(self, harvest_id: Optional[str], tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-        from safetensors.torch import save_file
-
-        if self.folder is None or not _valid_id(harvest_id):
-            return
-        final = self.folder / f"{harvest_id}.safetensors"
-        aside = self.folder / f".{harvest_id}.writing"
-        save_file(tensors, str(aside), metadata=metadata)
-        os.replace(aside, final)
+                complete.append(live.key)
+        self.writer_thread.put(("rows", event, copies, complete))
 
     def fail(self, harvest_id: Optional[str], message: str) -> None:
         """Leave the reason a harvest will not come, for the front end to answer its download with."""
-        if not self.writer or self.folder is None or not _valid_id(harvest_id):
-            return
-        aside = self.folder / f".{harvest_id}.failing"
-        aside.write_text(message)
-        os.replace(aside, self.folder / f"{harvest_id}.error")
+        if self.writer:
+            fail(self.folder, harvest_id, message)
 
 
 class HarvestWriter:
-    """A thread that takes each step's harvested rows once their copy has landed and writes complete harvests.
+    """A thread that waits for each step's harvested rows to land in host memory and hands them to the writer.
 
-    Its queue is in step order, so a request's rows from every step are in its
-    buffer before the step that completed it is written. Started on first use.
+    The writer is the harvest writer's process (`streamscope.serve.writer`),
+    started with the thread on first use. Where that process cannot be
+    started, or has stopped, the thread keeps a `Store` of its own (the
+    harvests the process held then fail, saying why). Its queue is in step
+    order, so a harvest is admitted before its rows come, and a request's rows
+    from every step are stored before the step that completed it is written.
     """
 
-    def __init__(self, state: ServeState) -> None:
-        self.state = state
+    def __init__(self, folder: Optional[Path], rank: int) -> None:
+        self.folder, self.rank = folder, rank
         self.queue: "queue.Queue[Any]" = queue.Queue()
         self.thread: Optional[threading.Thread] = None
+        self.process: Optional[subprocess.Popen] = None
+        self.store: Optional[Store] = None  # the thread's own, where the process is not running
+        self.held: dict[int, str] = {}  # the harvests admitted to the process and not yet complete: key -> id
 
     def put(self, item: Any) -> None:
         if self.thread is None:
@@ -596,76 +574,69 @@ class HarvestWriter:
         self.queue.put(item)
 
     def run(self) -> None:
+        self.start()
         while True:
-            event, copies, complete = self.queue.get()
+            item = self.queue.get()
             try:
-                self.take(event, copies, complete)
+                self.take(item)
+            except Exception:  # noqa: BLE001  (logged; the thread goes on with the next step)
+                logger.exception("streamscope serve: a step's harvested rows could not be handed to the writer")
             finally:
                 self.queue.task_done()
 
-    def take(self, event: Any, copies: list, complete: list[Live]) -> None:
-        pieces = [(host, *piece) for host, pieces in copies for piece in pieces]
+    def start(self) -> None:
+        """Start the writer's process (``STREAMSCOPE_SERVE_WRITER=thread``: write on this thread instead)."""
+        if os.environ.get("STREAMSCOPE_SERVE_WRITER") == "thread":
+            self.store = Store(self.folder, self.rank)
+            return
+        from . import writer
+
         try:
+            self.process = subprocess.Popen([sys.executable, writer.__file__, str(self.folder or ""), str(self.rank)],
+                                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        except OSError:
+            logger.exception("streamscope serve: the harvest writer's process did not start; writing on this thread")
+            self.store = Store(self.folder, self.rank)
+
+    def take(self, item: tuple) -> None:
+        """Hand one queued item to the writer: a harvest admitted, a step's rows, or a harvest dropped."""
+        kind = item[0]
+        if kind == "rows":
+            _, event, copies, complete = item
             if event is not None:
                 event.synchronize()  # this step's copy to host memory has landed; the engine has not waited for it
-            by_request: dict[int, list] = {}
-            for piece in pieces:
-                by_request.setdefault(id(piece[1]), []).append(piece)
-            for group in by_request.values():
-                live, width = group[0][1], group[0][6]
-                if live.buffer is None:
-                    live.buffer = torch.empty((len(live.harvest_sites), len(live.positions), width),
-                                              dtype=group[0][0].dtype)
-                if not _store_every_site(live.buffer, group):
-                    for host, _, index, slots, start, count, _ in group:
-                        _put(live.buffer[index], slots, host[start:start + count * width].view(count, width))
-        except Exception as error:  # noqa: BLE001  (each of these requests' harvests says why)
-            logger.exception("streamscope serve: a step's harvested rows could not be stored")
-            for live in {id(live): live for _, live, *_ in pieces}.values():
-                live.buffer = None
-                self.state.fail(live.harvest_id, f"{type(error).__name__}: {error}")
-            return
-        for live in complete:
+            for number, (host, pieces) in enumerate(copies):
+                done = complete if number == len(copies) - 1 else []
+                self._send({"kind": "rows", "dtype": str(host.dtype), "pieces": pieces, "complete": done}, host,
+                           lambda store, host=host, pieces=pieces, done=done: store.rows(host, pieces, done))
+            for key in complete:
+                self.held.pop(key, None)
+        elif kind == "admit":
+            _, key, record = item
+            self._send({"kind": "admit", "key": key, "record": record.header()}, None,
+                       lambda store: store.admit(key, record))
+            if self.store is None:
+                self.held[key] = record.harvest_id
+        else:
+            key = item[1]
+            self.held.pop(key, None)
+            self._send({"kind": "drop", "key": key}, None, lambda store: store.drop(key))
+
+    def _send(self, header: dict[str, Any], payload: Optional[torch.Tensor], locally: Any) -> None:
+        if self.store is None and self.process is not None:
             try:
-                self.state.write(live)
-            except Exception as error:  # noqa: BLE001
-                logger.exception("streamscope serve: harvest %s could not be written", live.harvest_id)
-                self.state.fail(live.harvest_id, f"{type(error).__name__}: {error}")
-
-
-#: safetensors' names of the dtypes a harvest buffer holds.
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
-def save_runs(path: Path, buffer: torch.Tensor, parts: list[tuple[str, int, int, bool]],
-              metadata: dict[str, str]) -> None:
-    """A safetensors file of runs of `buffer`'s first dimension, written straight from it.
-
-    `buffer` is contiguous; each part is (name, first index, count, squeezed):
-    the tensor ``buffer[first:first + count]``, or ``buffer[first]`` when
-    squeezed. The parts follow each other in `buffer`, so the file's data is
-    the buffer's own bytes: one write, and nothing held but the header while
-    it is made (safetensors' own `save_file` copies every tensor first).
-    """
-    import struct
-
-    row = buffer[0].numel() * buffer.element_size()
-    header: dict[str, Any] = {}
-    end = 0
-    for name, first, count, squeezed in parts:
-        assert first * row == end, "the parts must follow each other in the buffer"
-        shape = list(buffer.shape[1:]) if squeezed else [count, *buffer.shape[1:]]
-        header[name] = {"dtype": SAFETENSORS_DTYPES[buffer.dtype], "shape": shape,
-                        "data_offsets": [end, end + count * row]}
-        end += count * row
-    header["__metadata__"] = metadata
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    data = buffer.contiguous().view(torch.uint8).reshape(-1)[:end]
-    with open(path, "wb") as file:
-        file.write(struct.pack("<Q", len(encoded)))
-        file.write(encoded)
-        file.write(memoryview(data.numpy()))
+                send_frame(self.process.stdin, header, payload)
+                return
+            except (OSError, ValueError):  # the process has gone: the harvests it held will not be written
+                logger.exception("streamscope serve: the harvest writer's process stopped; writing on this thread")
+                self.store = Store(self.folder, self.rank)
+                for harvest_id in self.held.values():
+                    self.store.fail(harvest_id, "the harvest writer's process stopped before writing this harvest")
+                self.held.clear()
+                if header["kind"] != "admit":
+                    return  # this item's harvests were among those failed
+        if self.store is not None:
+            locally(self.store)
 
 
 def features(sae: Any, top_k: Optional[int], rows: torch.Tensor) -> torch.Tensor:
@@ -678,30 +649,6 @@ def features(sae: Any, top_k: Optional[int], rows: torch.Tensor) -> torch.Tensor
     return torch.cat([top.values, top.indices.float()], dim=-1)
 
 
-def _put(target: torch.Tensor, slots: list[int], rows: torch.Tensor) -> None:
-    """``target[..., slots, :] = rows``, as a slice where the positions follow each other."""
-    first = slots[0]
-    if slots == list(range(first, first + len(slots))):
-        target[..., first:first + len(slots), :] = rows
-    else:
-        target[..., slots, :] = rows
-
-
-def _store_every_site(buffer: torch.Tensor, group: list) -> bool:
-    """Store one request's rows of a step in one copy, where the step read every one of its sites at the same
-    positions and the copy holds them evenly spaced (each site's read of the same requests): True if done."""
-    if len(group) != buffer.shape[0]:
-        return False
-    group = sorted(group, key=lambda piece: piece[2])
-    host, _, _, slots, start, count, width = group[0]
-    stride = group[1][4] - start if len(group) > 1 else count * width
-    for number, (other, _, index, other_slots, other_start, other_count, _) in enumerate(group):
-        if other is not host or index != number or other_slots != slots or other_start != start + number * stride:
-            return False
-    _put(buffer, slots, host.as_strided((len(group), count, width), (stride, width, 1), host.storage_offset() + start))
-    return True
-
-
 def _valid_stem(stem: Any) -> bool:
     """Whether `stem` is an SAE file name the front end makes (a stored name, '-', 16 hex digits)."""
     from .protocol import NAME
@@ -709,11 +656,6 @@ def _valid_stem(stem: Any) -> bool:
     name, _, token = stem.rpartition("-") if isinstance(stem, str) else ("", "", "")
     return bool(NAME.match(name)) and len(token) == 16 and all(c in "0123456789abcdef" for c in token) \
         and "/" not in stem and not stem.startswith(".")
-
-
-def _valid_id(harvest_id: Any) -> bool:
-    """Whether `harvest_id` is one the front end makes (32 hex digits): nothing else names a file here."""
-    return isinstance(harvest_id, str) and len(harvest_id) == 32 and all(c in "0123456789abcdef" for c in harvest_id)
 
 
 def install(worker: Any) -> None:

@@ -329,6 +329,22 @@ def test_harvest_over_http_equals_in_process_bit_for_bit(server, model, position
             assert torch.equal(remote[value][0], local[value][0]), f"{value} at {positions} of {prompt!r}"
 
 
+def test_harvests_are_written_by_the_writers_process_not_in_the_engines(server, client):
+    """The rows' storing and the files are the harvest writer's process's (`streamscope.serve.writer`), a child of
+    the engine's, so that Python work never holds the engine's interpreter lock (the harvests above came from it)."""
+    import psutil
+
+    client.harvest([PROMPTS[0]], ["layer_output"], layers=[0])
+    port = server.rsplit(":", 1)[1]
+    writers = [process for process in psutil.process_iter(["cmdline"])
+               if any(part.endswith("streamscope/serve/writer.py") for part in process.info["cmdline"] or ())]
+    ours = [(process, front) for process in writers for front in process.parents()
+            if "--port" in front.cmdline() and port in front.cmdline()]
+    assert len(ours) == 1, f"writer processes {[process.info['cmdline'] for process in writers]}"
+    writer, front = ours[0]
+    assert writer.parent().pid != front.pid  # the engine's process started it, not the server's front end
+
+
 def test_harvest_to_shards(client, model, tmp_path):
     folder = client.harvest(PROMPTS[:3], "layer_output", layers=[1], positions="all", out=tmp_path / "h",
                             shard_size=2)
