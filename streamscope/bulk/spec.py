@@ -282,6 +282,11 @@ class Site:
         each row's ``[heads, hidden]`` flattened; `HarvestSpec.shapes` gives it back its shape)."""
         if self.held is not None:
             return self.descriptor.read_rows(self.host, raw, rows, self.held)  # type: ignore[attr-defined]
+        stream_rows = getattr(self.descriptor, "stream_rows", None)
+        if stream_rows is not None:  # a stream in two halves (vLLM's fused blocks): summed at those rows only
+            picked = stream_rows(raw, rows)
+            if picked is not None:
+                return picked
         view = self.user(raw)
         picked = view.reshape(-1, view.shape[-1])[rows]
         # A slice is a view of the whole batch's copy: keep only its rows.

@@ -64,6 +64,23 @@ class Summed(StreamValue):
                 return host.to_user(hidden, self.name).clone()
             return host.to_user(hidden + residual, self.name)
 
+    def stream_rows(self, raw: Any, rows: Any) -> Optional[torch.Tensor]:
+        """Rows `rows` of the stream (a slice or a tensor of row indices), ``[rows, hidden_size]``, bit for bit the
+        whole batch's read there (`_read`) at those rows; None where the halves are not the step's flattened tokens.
+
+        A harvest reads a few rows of the batch at every block: a slice of
+        rows sums those rows only, one kernel; scattered rows take the whole
+        sum, then the rows (two kernels, as the whole read then its rows).
+        """
+        hidden, residual = self.halves(raw)
+        if hidden.dim() != 2 or (residual is not None and residual.shape != hidden.shape):
+            return None
+        if residual is None:
+            return hidden[rows].clone() if type(rows) is slice else hidden[rows]
+        if type(rows) is slice:
+            return hidden[rows] + residual[rows]
+        return (hidden + residual)[rows]
+
     def edit_rows(self, raw: Any, rows: Any, operation: Any) -> bool:
         """Apply a bulk steer's `operation` to rows `rows` of the stream (a slice or a tensor of row indices),
         those rows only; False, doing nothing, where the halves are not the step's flattened tokens.
