@@ -10,8 +10,8 @@ does), and for every module call that any live request needs it does one edit
 per steer round and one read per harvested value over the whole flattened
 batch, at the rows of the requests that asked. A request without a plan is
 never touched: its rows are not among those edited or read, and a step with
-no planned request runs no hook at all (hooks are installed while a request
-needs them).
+no planned request runs no hook at all (hooks are installed while a planned
+request lives).
 
 A step's harvested rows stay on the device: each hooked module call makes one
 gathered read of every harvesting request's rows, and after the step the
@@ -90,7 +90,7 @@ class Live:
     written: bool = False  # every row read: the writer thread writes the file
     readout: Optional[tuple[Any, Optional[int]]] = None  # a harvest of SAE features: (the SAE, top_k)
     every_row: bool = True  # every steer edits every row the request runs (positions "all", generated, from 0)
-    hooked: Optional[tuple[bool, frozenset]] = None  # `keys()` as last made, with `written` then
+    hooked: Optional[frozenset] = None  # `keys()`, made once
 
     def sae_objects(self) -> list[Any]:
         """The SAEs this request uses (its clamps' and its harvest's)."""
@@ -98,12 +98,18 @@ class Live:
         return found + ([self.readout[0]] if self.readout else [])
 
     def keys(self) -> frozenset[tuple[int, str]]:
-        """The module calls this request still needs hooked: its steers', and its harvest's until every row is read."""
-        if self.hooked is None or self.hooked[0] != self.written:  # made once, and again when the harvest is done
-            reading = () if self.written else self.harvest_sites
-            self.hooked = (self.written, frozenset({entry.site.key for entry in self.steers} |
-                                                   {site.key for site in reading}))
-        return self.hooked[1]
+        """The module calls hooked while this request lives: its steers' and its harvest's.
+
+        A harvest's sites stay hooked after its rows are read, until the
+        request ends: a hook with no rows to read costs a dictionary look-up
+        per call, where taking a block's hooks off and putting them back on
+        for the next request's prompt (every other step, under load) costs
+        more than the calls it saves.
+        """
+        if self.hooked is None:
+            self.hooked = frozenset({entry.site.key for entry in self.steers} |
+                                    {site.key for site in self.harvest_sites})
+        return self.hooked
 
 
 class ServeState:
@@ -134,7 +140,6 @@ class ServeState:
         self.live: dict[str, Live] = {}
         self.sites: dict[tuple[str, Optional[int]], Site] = {}
         self.hooks: dict[tuple[int, str], Any] = {}
-        self.harvests_done = False  # a harvest read its last row this step: its hooks may go
         self.locations: dict[str, tuple[int, str]] = {}
         self.work: dict[tuple[int, str], tuple[list, list]] = {}
         #: This step's harvested rows, still on the device: (rows [n, hidden], [(live, site index, slots)]).
@@ -319,10 +324,8 @@ class ServeState:
                 if live.key:
                     self.writer_thread.put(("drop", live.key))
                 self.fail(live.harvest_id, "the request finished before its prompt ran (aborted?)")
-        # The hooks change only when the live requests do, or a harvest has read its last row (a request that
-        # only harvested then needs none for the rest of its generation).
-        if len(self.live) != before or admitted or self.harvests_done:
-            self.harvests_done = False
+        # The hooks change only when the live requests do.
+        if len(self.live) != before or admitted:
             self.hook(set().union(*(live.keys() for live in self.live.values())) if self.live else set())
         if not self.live:
             self.work, self.last_shape = {}, None
@@ -506,7 +509,6 @@ class ServeState:
                 for live, _, slots in layout:
                     live.read += len(slots)
                     live.written = live.read == len(live.harvest_sites) * len(live.positions)
-                    self.harvests_done = self.harvests_done or live.written
             return
         # Per dtype (the model's; float32 for SAE features), every read flattened into one tensor and copied at once;
         # a piece is (harvest key, site index, slots, first element, rows, width) in its dtype's tensor.
@@ -538,7 +540,6 @@ class ServeState:
             live.read += len(slots)
             if not live.written and live.read == len(live.harvest_sites) * len(live.positions):
                 live.written = True
-                self.harvests_done = True
                 complete.append(live.key)
         self.writer_thread.put(("rows", event, copies, complete))
 
