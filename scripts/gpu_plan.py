@@ -34,11 +34,12 @@ call, so the file travels with the working tree)::
     ... python3 scripts/gpu_plan.py --out $OUT --parts control --deadline 555   (.whl-gpu/serve installed too)
     ... python3 scripts/gpu_suite.py --out $OUT/suite --gpus 0 --dtypes bfloat16 --parts alone --seconds 400
 
-(the order the twelfth session left: the graphs pair again, for the harvest with the plan's one row index a step
-(3847c95; under its bound in every round on 2026-12-02 11:17); W2 after any cut of its per-invoke work (its
-`at once` and `unchecked` variants side by side); the eager pair with its A/A control, never run; and, in a call
-of its own, the lifecycle file, last passed on the H200 in the ninth session. Every family's taps file passed on
-2026-12-02 11:35, run W.)
+(the order the thirteenth session left: `control-taps` with its 5 rounds, for the harvest at its bound and the
+steer under its bound in the 2-round run of 2026-12-03 12:34 (59e0f69); then `control`, the eager pair, whose
+plain requests ran at 0.946x plain vLLM's throughput and 1.14x its p99 TTFT against a clean control on
+2026-12-03 11:38 (find where: py-spy on both engine cores under the plain workload, if it can be carried); W2
+after any cut of its per-invoke work; and, in a call of its own, the lifecycle file, last passed on the H200 in
+the ninth session. Every family's taps file passed on 2026-12-02 11:35, run W.)
 """
 
 from __future__ import annotations
