@@ -593,8 +593,9 @@ class HarvestWriter:
         from . import writer
 
         try:
-            self.process = subprocess.Popen([sys.executable, writer.__file__, str(self.folder or ""), str(self.rank)],
-                                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+            # -P: the script's folder (this package's modules: protocol, storage, ...) is not put on its path
+            self.process = subprocess.Popen([sys.executable, "-P", writer.__file__, str(self.folder or ""),
+                                             str(self.rank)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
         except OSError:
             logger.exception("streamscope serve: the harvest writer's process did not start; writing on this thread")
             self.store = Store(self.folder, self.rank)
