@@ -87,7 +87,7 @@ class Live:
     slots: dict[int, int] = field(default_factory=dict)  # position -> its slot in the buffer
     key: int = 0  # the harvest's number in the writer's messages (`streamscope.serve.writer`)
     read: int = 0  # how many (site, position) rows have been read (counted on the engine's thread)
-    written: bool = False  # every row read: the writer thread writes the file
+    written: bool = False  # every row read: the harvest writer writes the file
     readout: Optional[tuple[Any, Optional[int]]] = None  # a harvest of SAE features: (the SAE, top_k)
     every_row: bool = True  # every steer edits every row the request runs (positions "all", generated, from 0)
     hooked: Optional[frozenset] = None  # `keys()`, made once
