@@ -166,6 +166,27 @@ def test_a_harvest_of_head_results_equals_the_oracle(engines):
     matrix.record("vllm", engines.case_id, "head_results harvest", error, tolerance)
 
 
+@pytest.mark.parametrize("positions", ["last", [0, -2]])
+def test_a_harvest_of_the_stream_equals_the_traces_reads_bit_for_bit(engines, positions):
+    """Every block's stream at the prompts' last or scattered positions: a harvest reads only those rows of vLLM's
+    flattened batch (`Summed.stream_rows` on a fused block), and must give what the trace reads there."""
+    model = engines.model
+    names = [name for name in ("layer_input", "layer_mid", "layer_output")
+             if (served := matrix.rows(engines.support, name)) and all(reason is None for reason in served.values())]
+    prompts = PROMPTS[:3]
+    harvest = model.harvest(prompts, names, positions=positions, progress=False)
+    with model.trace(**GREEDY) as tracer:
+        for prompt in prompts:
+            with tracer.invoke(prompt):
+                traced = torch.stack([getattr(layer, name)[0] for layer in model.layers for name in names]).save()
+    picked = [-1] if positions == "last" else positions
+    for index in range(len(prompts)):
+        for block in range(model.num_layers):
+            for slot, name in enumerate(names):
+                expected = traced[index][block * len(names) + slot].cpu()[picked]
+                assert torch.equal(harvest[name][index][block], expected), (index, block, name)
+
+
 def test_prompt_logits_are_served_on_every_layout(engines):
     """Every model unembeds something, so prompt_logits are served everywhere (test_value holds them to the
     oracle), a layout without a final norm too (OPT-350m's)."""
