@@ -116,11 +116,12 @@ class Store:
         """Write one complete harvest, aside then renamed, so the front end never reads half a file."""
         if self.folder is None or not valid_id(record.harvest_id):
             return
-        buffer, metadata = record.buffer, {key: json.dumps(item) for key, item in record.meta.items()}
+        buffer = record.buffer
         assert buffer is not None
         if record.part:
             write_part(self.folder, record.harvest_id, self.rank, buffer, record.meta)
             return
+        metadata = {key: json.dumps(item) for key, item in record.meta.items()}
         final = self.folder / f"{record.harvest_id}.safetensors"
         aside = self.folder / f".{record.harvest_id}.writing"
         if not record.sae and buffer.dtype in SAFETENSORS_DTYPES:
@@ -210,10 +211,10 @@ def save_runs(path: Path, buffer: torch.Tensor, parts: list[tuple[str, int, int,
 def put(target: torch.Tensor, slots: list[int], rows: torch.Tensor) -> None:
     """``target[..., slots, :] = rows``, as a slice where the positions follow each other."""
     first = slots[0]
-    if list(slots) == list(range(first, first + len(slots))):
+    if slots == list(range(first, first + len(slots))):
         target[..., first:first + len(slots), :] = rows
     else:
-        target[..., list(slots), :] = rows
+        target[..., slots, :] = rows
 
 
 def store_every_site(buffer: torch.Tensor, host: torch.Tensor, group: list) -> bool:
