@@ -36,6 +36,13 @@ work (planning, hooks, handing harvests over, the writer thread: `streamscope.se
     python benchmarks/serve_load.py --shape tiny --concurrency 64 --prompts 256 --host-time   # where the host time goes
     python benchmarks/serve_load.py --shape tiny --before /tmp/old   # also an earlier tree's eager server, same rounds
     python benchmarks/serve_load.py --shape llama3-8b --control --prompts 256 --deadline 520   # the eager pair and its A/A control
+    python benchmarks/serve_load.py --shape tiny --rounds 1 --py-spy /tmp/spy   # then each server's plain run profiled
+
+``--py-spy DIR`` (after the timed rounds, so it cannot disturb them): one more plain run on every server with
+``py-spy record`` sampling the server's whole process tree (front end, engine core, their threads; not idle
+time), the raw stacks kept in DIR, and per server the busy seconds of each process and thread and the functions
+that took the most of them, side by side: where a streamscope server's plain requests spend what plain vLLM's do
+not.
 """
 
 from __future__ import annotations
@@ -214,6 +221,8 @@ def main() -> None:
                                          "its eager server runs in the same rounds, for a before/after row")
     parser.add_argument("--control", action="store_true", help="a second plain vLLM server in each pair, the same "
                                                                 "command: what two identical servers differ by here")
+    parser.add_argument("--py-spy", help="a folder: after the rounds, each server's plain run again under py-spy "
+                                         "(the `py-spy` command on the path), its stacks kept there and summarized")
     options = parser.parse_args()
     began = time.monotonic()
 
@@ -304,6 +313,17 @@ def main() -> None:
                       f"{result['completed']}/{options.prompts} completed", flush=True)
             last_round = time.monotonic() - since
             since = stamp(f"round {round_number + 1}", since)
+        profiles = {}
+        if options.py_spy:
+            for name, server in servers.items():
+                if options.deadline is not None and time.monotonic() - began + 2 * last_round / max(len(runs), 1) \
+                        > options.deadline:
+                    print(f"deadline {options.deadline:.0f} s: no profile of {name}", flush=True)
+                    break
+                profiles[name] = profiled(server, Path(options.py_spy) / f"{name.replace(' ', '-')}.txt",
+                                          lambda server=server: load(server.url, str(path), options, None,
+                                                                     options.prompts, seed=999))
+            since = stamp(f"profiled plain runs ({len(profiles)})", since)
         written = {}
         for name, server in servers.items():  # every harvest was written (the load generator does not download)
             if (name, "harvest") in results:
@@ -316,7 +336,99 @@ def main() -> None:
     summary(options, results, setups, written)
     if options.host_time:
         host_times(servers, spans, options.logs and Path(options.logs))
+    if profiles:
+        profile_summary(profiles)
     print(f"total {time.monotonic() - began:.1f} s")
+
+
+SPY_RATE = 200  # samples a second
+
+
+def profiled(server: Server, out: Path, run: Any) -> tuple[dict[str, Any], Path]:
+    """`run()` (one load) with py-spy sampling `server`'s process tree; the load's result and the raw stacks' file."""
+    import signal
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    spy = subprocess.Popen(["py-spy", "record", "--pid", str(server.process.pid), "--subprocesses", "--threads",
+                            "--nonblocking", "--nolineno", "--rate", str(SPY_RATE), "--format", "raw", "-o",
+                            str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(1.0)  # py-spy attached to every process before the load starts
+    try:
+        result = run()
+    finally:
+        spy.send_signal(signal.SIGINT)
+        try:
+            _, errors = spy.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+            _, errors = spy.communicate()
+    if not out.exists():
+        print(f"py-spy wrote nothing for {out.stem}: {errors.decode(errors='replace')[-500:]}", flush=True)
+    return result, out
+
+
+def stacks(path: Path) -> list[tuple[str, str, list[str], int]]:
+    """py-spy's raw stacks: (process, thread, frames, samples); a process is named by its depth in the server's
+    tree (``front`` the server's own, ``engine`` its child, ``engine/1`` the engine's first child, ...) and a
+    thread by its name."""
+    found = []
+    pids: dict[int, list[str]] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        processes = [frame for frame in frames if frame.startswith("process ")]
+        threads = [frame for frame in frames if frame.startswith("thread (")]
+        rest = [frame for frame in frames if not frame.startswith(("process ", "thread ("))]
+        depth = len(processes)
+        pid = int(processes[-1].split()[1].rstrip(":").split(":")[0]) if processes else 0
+        siblings = pids.setdefault(depth, [])
+        if pid not in siblings:
+            siblings.append(pid)
+        name = {1: "front", 2: "engine"}.get(depth, f"engine/{depth - 2}")
+        if siblings.index(pid):
+            name += f"#{siblings.index(pid)}"
+        thread = threads[-1].split(": ", 1)[-1] if threads else "?"
+        found.append((name, thread, rest, int(count)))
+    return found
+
+
+def profile_summary(profiles: dict[str, tuple[dict[str, Any], Path]], top: int = 14) -> None:
+    """Per server, the busy seconds of each process and thread in its profiled plain run, then each main thread's
+    functions with the most self time, every server's seconds side by side."""
+    from collections import Counter
+
+    loaded = {name: stacks(path) for name, (_, path) in profiles.items() if path.exists()}
+    print(f"\npy-spy, each server's plain run again ({SPY_RATE} samples/s, busy time only): seconds per process "
+          "and thread")
+    for name, rows in loaded.items():
+        result = profiles[name][0]
+        busy: Counter = Counter()
+        for process, thread, _, count in rows:
+            busy[process, thread] += count
+        cells = ", ".join(f"{process}/{thread} {count / SPY_RATE:.2f}" for (process, thread), count in
+                          sorted(busy.items(), key=lambda item: -item[1])[:8])
+        print(f"  {name} ({result['output_throughput']:.0f} out tok/s, p99 TTFT {result['p99_ttft_ms']:.0f} ms, "
+              f"{result.get('duration', 0):.2f} s): {cells}")
+    for process in ("front", "engine"):
+        selfs = {name: Counter() for name in loaded}
+        inclusive = {name: Counter() for name in loaded}
+        for name, rows in loaded.items():
+            for where, thread, frames, count in rows:
+                if where == process and thread == "MainThread" and frames:
+                    selfs[name][frames[-1]] += count
+                    for frame in set(frames):
+                        inclusive[name][frame] += count
+        for title, table in (("self", selfs), ("inclusive", inclusive)):
+            frames = set().union(*table.values())
+            if title == "self":  # the most time, over every server
+                ranked = sorted(frames, key=lambda frame: -sum(counts[frame] for counts in table.values()))
+            else:  # the calls whose time differs the most between the servers
+                ranked = sorted(frames, key=lambda frame: -(max(counts[frame] for counts in table.values())
+                                                             - min(counts[frame] for counts in table.values())))
+            heading = "most self time" if title == "self" else "inclusive time that differs the most"
+            print(f"\n{process} main thread, {heading} (s): " + " | ".join(loaded))
+            for frame in ranked[:top]:
+                print("  " + " | ".join(f"{table[name][frame] / SPY_RATE:7.2f}" for name in loaded) + f"  {frame}")
 
 
 def host_times(servers: dict[str, Server], spans: dict[tuple[str, str], list[tuple[float, float]]],

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -79,8 +80,14 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
         **{part: [(part, [python, "benchmarks/serve_load.py", "--shape", "llama3-8b", *flags, "--control",
                           "--host-time", "--prompts", "256", "--logs", str(out / f"{part}-logs"), "--rounds", "5",
                           "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)]
-           for part, flags in (("control", []), ("control-taps", ["--only-taps"]))},
+           for part, flags in (("control", spied(out / "control-spy")), ("control-taps", ["--only-taps"]))},
     }
+
+
+def spied(folder: Path) -> list[str]:
+    """``--py-spy FOLDER`` for serve_load.py where py-spy is on the path (installed from ``.whl-gpu/serve`` into
+    /tmp/site, its command in /tmp/site/bin): each server's plain run profiled after the rounds."""
+    return ["--py-spy", str(folder)] if shutil.which("py-spy") else []
 
 
 def unpacked(trees: list[str], into: Path) -> dict[str, Path]:

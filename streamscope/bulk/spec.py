@@ -317,10 +317,10 @@ class Site:
         `mode` (``"add"`` or ``"set"``) it is instead the vector(s) to add or
         set, ``[hidden]`` or one per row.
         """
-        if mode is None and self.descriptor.factor is None:
+        if self.descriptor.factor is None:
             # A value held in two halves (vLLM's fused blocks) takes the edit at the edited rows only.
             edits = getattr(self.descriptor, "edit_rows", None)
-            if edits is not None and edits(raw, rows, operation):
+            if edits is not None and edits(raw, rows, operation, mode):
                 return
         self._write_rows(raw, rows, operation, mode)
 

@@ -55,6 +55,8 @@ from .writer import Record, Store, fail, send_frame
 ENVIRONMENT = "STREAMSCOPE_SERVE"
 #: How many distinct steer vectors (with their scales) the worker keeps on the device for the requests to share.
 DELTAS = 256
+#: How many distinct lists of harvested sites the worker keeps for the requests to share (`ServeState.admit`).
+SITE_LISTS = 4096
 logger = logging.getLogger("streamscope.serve")
 
 
@@ -91,6 +93,11 @@ class Live:
     readout: Optional[tuple[Any, Optional[int]]] = None  # a harvest of SAE features: (the SAE, top_k)
     every_row: bool = True  # every steer edits every row the request runs (positions "all", generated, from 0)
     hooked: Optional[frozenset] = None  # `keys()`, made once
+
+    def planned(self) -> bool:
+        """Whether a step that runs this request has work for it: it steers, or its harvest has rows left to read
+        (a request that only harvested, its harvest read, needs nothing more)."""
+        return bool(self.steers) or bool(self.harvest_sites) and not self.written
 
     def sae_objects(self) -> list[Any]:
         """The SAEs this request uses (its clamps' and its harvest's)."""
@@ -139,12 +146,20 @@ class ServeState:
         self.writer = writer  # the rank that writes harvests (others compute the same rows)
         self.live: dict[str, Live] = {}
         self.sites: dict[tuple[str, Optional[int]], Site] = {}
+        self.site_lists: dict[tuple[int, ...], list[Site]] = {}  # each harvest's sites, one list per distinct set
+        #: How many live requests this step's plan has work for (steers, or a harvest not yet read); None: count again.
+        self.planned: Optional[int] = None
         self.hooks: dict[tuple[int, str], Any] = {}
         self.locations: dict[str, tuple[int, str]] = {}
         self.work: dict[tuple[int, str], tuple[list, list]] = {}
         #: This step's harvested rows, still on the device: (rows [n, hidden], [(live, site index, slots)]).
         self.reads: list[tuple[torch.Tensor, list[tuple[Live, int, list[int]]]]] = []
         self.last_shape: Optional[tuple] = None  # the requests' rows of the last step whose work can be reused
+        #: Where every live request steers every row it runs with the same tensors and none harvests (one steered
+        #: deployment, a default steer, a load of one experiment): their steers, one request's list standing for
+        #: all (`uniform_steers`); None otherwise.
+        self.uniform: Optional[list[SteerEntry]] = None
+        self.uniform_work: tuple[int, dict[tuple[int, str], tuple[list, list]]] = (-1, {})
         model = runner.get_model()
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, runner.model_config.dtype
@@ -274,7 +289,12 @@ class ServeState:
             live.harvest_id = harvest["id"]
             sites = sites_of(harvest["values"], layers)
             held = [index for index, (value, layer) in enumerate(sites) if self.stage.holds(value, layer)]
-            live.harvest_sites = [self.site(*sites[index]) for index in held]
+            listed = [self.site(*sites[index]) for index in held]
+            # requests harvesting the same sites share one list: a step's plan reads them together (`plan_step`)
+            named = tuple(map(id, listed))
+            live.harvest_sites = self.site_lists.get(named, listed)
+            if len(self.site_lists) < SITE_LISTS:
+                self.site_lists.setdefault(named, listed)
             live.positions = prompt_positions(rule, length, 0)
             live.slots = {position: slot for slot, position in enumerate(live.positions)}
             live.harvest_meta = {"values": harvest["values"], "layers": layers, "positions": live.positions}
@@ -327,10 +347,30 @@ class ServeState:
         # The hooks change only when the live requests do.
         if len(self.live) != before or admitted:
             self.hook(set().union(*(live.keys() for live in self.live.values())) if self.live else set())
-        if not self.live:
+            self.uniform, self.uniform_work = uniform_steers(self.live.values()), (-1, {})
+            self.planned = None
+        if self.planned is None:
+            self.planned = sum(1 for live in self.live.values() if live.planned())
+        if not self.planned:  # no live request, or none with work left (their harvests read): no hook has work
             self.work, self.last_shape = {}, None
             return
+        if self.uniform is not None and self.live.keys() >= scheduler_output.num_scheduled_tokens.keys():
+            self.work = self.uniform_step(scheduler_output.total_num_scheduled_tokens)
+            return
         self.work = self.plan_step(scheduler_output)
+
+    def uniform_step(self, total: int) -> dict[tuple[int, str], tuple[list, list]]:
+        """`plan_step`'s work where every request of the step is live and `uniform`: each steer edits the step's
+        rows ``0:total`` with the tensor every request shares, worked out once per step size."""
+        size, work = self.uniform_work
+        if size != total:
+            work = {}
+            for entry in self.uniform or ():  # in the request's order: a second steer at a call after the first
+                work.setdefault(entry.site.key, ([], []))[0].append((entry.site, entry.mode, slice(0, total),
+                                                                      entry.delta))
+            self.uniform_work = (total, work)
+        self.last_shape = None  # the general plan's reuse of its own last work does not see these steps
+        return work
 
     def plan_step(self, scheduler_output: Any) -> dict[tuple[int, str], tuple[list, list]]:
         """Every hooked module call's work this step: its steer edits (by round) and its harvest reads, each over
@@ -345,8 +385,7 @@ class ServeState:
             if count is None:
                 continue
             live = live_of(request_id)
-            # (a request that only harvested, its harvest read, needs nothing more: it is not planned)
-            if live is not None and (live.steers or (live.harvest_sites and not live.written)):
+            if live is not None and live.planned():
                 rows.append((live, request_id, start, count))
                 steady = steady and live.every_row and (live.written or not live.harvest_sites)
             start += count
@@ -359,9 +398,9 @@ class ServeState:
         states = self.runner.requests
         spans = [(live, Span(request_id, start, count, states[request_id].num_computed_tokens))
                  for live, request_id, start, count in rows]
-        # key -> (rounds of steer edits, harvest reads)
+        # key -> rounds of steer edits; the harvesting requests by their (shared) list of sites
         steers: dict[tuple[int, str], dict[int, dict[tuple[int, str], tuple[Site, str, list, list]]]] = {}
-        reads: dict[tuple[int, str], dict[int, tuple[Site, list, list]]] = {}
+        harvests: dict[int, tuple[list[Site], list, list]] = {}
         for live, span in spans:
             for entry in live.steers:
                 ranges = self._steer_ranges(entry, span)
@@ -377,10 +416,11 @@ class ServeState:
                     ranges = [(span.start + position - span.first, span.start + position - span.first + 1)
                               for position in chosen]
                     slots = [live.slots[position] for position in chosen]
-                    for index, site in enumerate(live.harvest_sites):
-                        read = reads.setdefault(site.key, {}).setdefault(id(site), (site, [], []))
-                        read[1].extend(ranges)
-                        read[2].append((live, index, slots))
+                    group = harvests.get(id(live.harvest_sites))
+                    if group is None:
+                        group = harvests[id(live.harvest_sites)] = (live.harvest_sites, [], [])
+                    group[1].extend(ranges)
+                    group[2].append((live, slots))
         work: dict[tuple[int, str], tuple[list, list]] = {}
         # The same rows at many sites (a harvest of every block reads each request's rows at each) make one index:
         # rows that are not one block become a tensor copied to the device, once a step rather than once a site.
@@ -393,14 +433,22 @@ class ServeState:
                 rows = indices[key] = rows_of(ranges, self.device)
             return rows
 
-        for key in set(steers) | set(reads):
+        for key, rounds in steers.items():
             edits = []
-            for order in sorted(steers.get(key, {})):
-                for site, mode, ranges, deltas in steers[key][order].values():
+            for order in sorted(rounds):
+                for site, mode, ranges, deltas in rounds[order].values():
                     edits.append((site, mode, index(ranges),
                                   self._deltas(deltas) if mode is not None else deltas[0][1]))
-            harvests = [(site, index(ranges), layout) for site, ranges, layout in reads.get(key, {}).values()]
-            work[key] = (edits, harvests)
+            work[key] = (edits, [])
+        # One read a site for every request whose harvest names the same sites (one list, `admit`), its rows'
+        # index made once for all of the sites.
+        for sites, ranges, members in harvests.values():
+            rows = index(ranges)
+            for number, site in enumerate(sites):
+                found = work.get(site.key)
+                if found is None:
+                    found = work[site.key] = ([], [])
+                found[1].append((site, rows, [(live, number, slots) for live, slots in members]))
         return work
 
     def _steady_work(self, rows: list[tuple[Live, str, int, int]]) -> dict[tuple[int, str], tuple[list, list]]:
@@ -509,6 +557,7 @@ class ServeState:
                 for live, _, slots in layout:
                     live.read += len(slots)
                     live.written = live.read == len(live.harvest_sites) * len(live.positions)
+            self.planned = None
             return
         # Per dtype (the model's; float32 for SAE features), every read flattened into one tensor and copied at once;
         # a piece is (harvest key, site index, slots, first element, rows, width) in its dtype's tensor.
@@ -541,6 +590,7 @@ class ServeState:
             if not live.written and live.read == len(live.harvest_sites) * len(live.positions):
                 live.written = True
                 complete.append(live.key)
+                self.planned = None
         self.writer_thread.put(("rows", event, copies, complete))
 
     def fail(self, harvest_id: Optional[str], message: str) -> None:
@@ -639,6 +689,26 @@ class HarvestWriter:
                     return  # this item's harvests were among those failed
         if self.store is not None:
             locally(self.store)
+
+
+def uniform_steers(lives: Any) -> Optional[list[SteerEntry]]:
+    """The steers every one of `lives` makes, where all of them make the same (the same sites, modes and shared
+    tensors, in the same order), edit every row they run and harvest nothing; else None.
+
+    Such requests need no per-request rows: a step made of them alone edits
+    all its rows with each steer's one tensor, as `plan_step` would find.
+    """
+    first: Optional[list[SteerEntry]] = None
+    signature: Optional[list[tuple]] = None
+    for live in lives:
+        if live.harvest_sites or not live.every_row or any(entry.mode is None for entry in live.steers):
+            return None
+        mine = [(entry.group, id(entry.delta)) for entry in live.steers]
+        if signature is None:
+            first, signature = live.steers, mine
+        elif mine != signature:
+            return None
+    return first
 
 
 def features(sae: Any, top_k: Optional[int], rows: torch.Tensor) -> torch.Tensor:

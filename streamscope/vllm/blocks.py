@@ -81,9 +81,13 @@ class Summed(StreamValue):
             return hidden[rows] + residual[rows]
         return (hidden + residual)[rows]
 
-    def edit_rows(self, raw: Any, rows: Any, operation: Any) -> bool:
+    def edit_rows(self, raw: Any, rows: Any, operation: Any, mode: Optional[str] = None) -> bool:
         """Apply a bulk steer's `operation` to rows `rows` of the stream (a slice or a tensor of row indices),
         those rows only; False, doing nothing, where the halves are not the step's flattened tokens.
+
+        With `mode` (``"add"`` or ``"set"``, a server's steers batched across
+        its requests) `operation` is instead the vector to add or set,
+        ``[hidden]`` or one per row, in the engine's dtype.
 
         The hidden half of each edited row takes ``edited - stream``, bit
         for bit the change the write-back of the whole batch (`write`) would
@@ -98,8 +102,8 @@ class Summed(StreamValue):
             return False
         if torch.is_grad_enabled():
             with torch.no_grad():
-                return self._edit_rows(hidden, residual, rows, operation)
-        return self._edit_rows(hidden, residual, rows, operation)
+                return self._edit_rows(hidden, residual, rows, operation, mode)
+        return self._edit_rows(hidden, residual, rows, operation, mode)
 
     def row_editor(self, operation: Any, otherwise: Callable[[Any, Any], None],
                    graphs: Any = None) -> Callable[[Any, Any], None]:
@@ -139,8 +143,9 @@ class Summed(StreamValue):
         return edit
 
     @staticmethod
-    def _edit_rows(hidden: torch.Tensor, residual: Optional[torch.Tensor], rows: Any, operation: Any) -> bool:
-        if getattr(operation, "along_direction", False):
+    def _edit_rows(hidden: torch.Tensor, residual: Optional[torch.Tensor], rows: Any, operation: Any,
+                   mode: Optional[str] = None) -> bool:
+        if mode is None and getattr(operation, "along_direction", False):
             if isinstance(rows, slice):
                 target = hidden[rows]
                 operation.add_change(target, target, None if residual is None else residual[rows])
@@ -148,7 +153,14 @@ class Summed(StreamValue):
                 operation.add_change_at(hidden, rows, hidden[rows], None if residual is None else residual[rows])
             return True
         stream = hidden[rows] if residual is None else hidden[rows] + residual[rows]
-        edited = stream + operation.delta if getattr(operation, "adds_only", False) else operation(stream)
+        if mode == "add":
+            edited = stream + operation
+        elif mode == "set":
+            edited = operation.to(hidden.dtype).expand_as(stream)
+        elif mode is not None:
+            raise ValueError(f"mode {mode!r}: a batched edit adds or sets ('add', 'set')")
+        else:
+            edited = stream + operation.delta if getattr(operation, "adds_only", False) else operation(stream)
         if residual is None:
             # A stream in one tensor (block 0's input) takes the edited rows as they are, as `write` copies them.
             hidden[rows] = edited.to(hidden.dtype)

@@ -431,6 +431,36 @@ def test_requests_steered_by_one_stored_vector_share_it_and_each_equals_its_solo
         client.delete_vector("shared")
 
 
+def test_requests_all_steered_alike_are_edited_as_one_and_each_equals_its_solo_run(api, client, model):
+    """Concurrent requests that all make the same two steers (a stored vector added at every position, and another
+    set at every position of a later block), with no plain request among them: the worker edits each step's rows
+    as one block per steer (`ServeState.uniform_step`), and each request's run equals its solo run and the
+    in-process engine's."""
+    added, setting = vector(41), vector(42) * 0.5
+    client.store_vector("alike-add", added)
+    client.store_vector("alike-set", setting)
+    field = {"steer": [{"value": "layer_output", "layer": 0, "vector": "alike-add", "scale": 2.5},
+                       {"value": "layer_mid", "layer": 2, "vector": "alike-set", "mode": "set"}]}
+    steers = [Steer("layer_output", 0, added, scale=2.5), Steer("layer_mid", 2, setting, mode="set")]
+    try:
+        def run(index):
+            response = api.completions.create(model=api.models.list().data[0].id, prompt=PROMPTS[index % len(PROMPTS)],
+                                              max_tokens=STEPS, temperature=0, logprobs=1,
+                                              extra_body={"return_token_ids": True, "streamscope": field})
+            return ids(api, response), response.choices[0].logprobs.token_logprobs
+
+        solo = [run(index) for index in range(len(PROMPTS))]
+        with ThreadPoolExecutor(12) as pool:
+            together = list(pool.map(run, range(12)))
+        for index, (tokens, logprobs) in enumerate(together):
+            same_run(tokens, logprobs, *solo[index % len(PROMPTS)], f"request {index}")
+        for index, prompt in enumerate(PROMPTS):
+            same_run(*solo[index], *in_process(model, prompt, steers), f"{prompt!r} against the in-process engine")
+    finally:
+        client.delete_vector("alike-add")
+        client.delete_vector("alike-set")
+
+
 def _prefix_hits(server) -> float:
     response = httpx.get(server + "/metrics")
     assert response.status_code == 200, f"vLLM's /metrics broke: {response.text[:300]}"

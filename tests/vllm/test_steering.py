@@ -8,6 +8,8 @@ on this CPU it runs eagerly but serves only its taps).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -144,6 +146,39 @@ def test_a_direction_edits_fused_halves_in_the_fewest_operations_and_equals_plai
     untouched = torch.ones(12, dtype=torch.bool)
     untouched[chosen] = False
     assert torch.equal(after[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["add", "set"])
+@pytest.mark.parametrize("rows", ["whole", "padded", "scattered", "one half"])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_a_batched_add_or_set_on_fused_halves_is_the_whole_batch_write_back_at_its_rows(dtype, mode, rows, per_row):
+    """A server's add or set batched over its requests (`Site.edit_rows` with a mode, on vLLM's fused halves
+    ``[12, 64]``): the hidden half afterwards is bit for bit what the write-back of the whole batch's edited copy
+    (a trace's edit, `Summed.write`) leaves, at the edited rows, and every other row is untouched."""
+    chosen = {"whole": slice(0, 12), "padded": slice(0, 9), "scattered": torch.tensor([1, 4, 5, 10]),
+              "one half": slice(0, 12)}[rows]
+    count = len(range(12)[chosen]) if isinstance(chosen, slice) else len(chosen)
+    generator = torch.Generator().manual_seed(7)
+    vectors = torch.randn(count if per_row else 64, *([64] if per_row else []), generator=generator).to(dtype)
+    hidden, residual = (half.to(dtype) for half in summed_halves(12, 64))
+    if rows == "one half":
+        residual = None
+    raw = (hidden, residual)
+    stream = hidden.clone() if residual is None else hidden + residual
+    if mode == "add":
+        stream[chosen] += vectors
+    else:
+        stream[chosen] = vectors
+    expected = stream if residual is None else hidden + (stream - (hidden + residual))
+    before = hidden.clone()
+    site = SimpleNamespace(descriptor=Summed(None, OUTPUT))
+    with torch.inference_mode():
+        Site.edit_rows(site, raw, chosen, vectors, mode)  # a Summed value takes it at its rows, not the whole batch
+    untouched = torch.ones(12, dtype=torch.bool)
+    untouched[chosen] = False
+    assert torch.equal(hidden[~untouched], expected[~untouched])
+    assert torch.equal(hidden[untouched], before[untouched])  # not even a zero added
 
 
 def test_an_ablation_at_every_block_runs_three_operations_a_hook_call_on_fused_blocks(engine, monkeypatch):
