@@ -33,12 +33,12 @@ work (planning, hooks, handing harvests over, the writer thread: `streamscope.se
 
     python benchmarks/serve_load.py --shape tiny --input-len 64 --output-len 16 --concurrency 8 --prompts 32
     python benchmarks/serve_load.py --shape llama3-8b --taps --prompts 384 --deadline 520   # H200: one 10-minute call
-    python benchmarks/serve_load.py --shape tiny --concurrency 64 --prompts 256 --host-time   # where the host time goes
-    python benchmarks/serve_load.py --shape tiny --before /tmp/old   # also an earlier tree's eager server, same rounds
+    python benchmarks/serve_load.py --shape tiny --input-len 64 --output-len 16 --concurrency 64 --prompts 256 --host-time
+    python benchmarks/serve_load.py --shape tiny --input-len 64 --output-len 16 --before /tmp/old   # an earlier tree's eager server, same rounds
     python benchmarks/serve_load.py --shape llama3-8b --control --prompts 256 --deadline 520   # the eager pair and its A/A control
-    python benchmarks/serve_load.py --shape tiny --rounds 1 --py-spy /tmp/spy   # then each server's plain run profiled
+    python benchmarks/serve_load.py --shape tiny --input-len 64 --output-len 16 --rounds 1 --py-spy /tmp/spy
 
-``--py-spy DIR`` (after the timed rounds, so it cannot disturb them): one more plain run on every server with
+``--py-spy DIR`` (after the timed rounds, so it cannot disturb them): one more run of every (server, workload) with
 ``py-spy record`` sampling the server's whole process tree (front end, engine core, their threads; not idle
 time), the raw stacks kept in DIR, and per server the busy seconds of each process and thread and the functions
 that took the most of them, side by side: where a streamscope server's plain requests spend what plain vLLM's do
@@ -221,7 +221,7 @@ def main() -> None:
                                          "its eager server runs in the same rounds, for a before/after row")
     parser.add_argument("--control", action="store_true", help="a second plain vLLM server in each pair, the same "
                                                                 "command: what two identical servers differ by here")
-    parser.add_argument("--py-spy", help="a folder: after the rounds, each server's plain run again under py-spy "
+    parser.add_argument("--py-spy", help="a folder: after the rounds, each (server, workload) run again under py-spy "
                                          "(the `py-spy` command on the path), its stacks kept there and summarized")
     options = parser.parse_args()
     began = time.monotonic()
@@ -315,15 +315,20 @@ def main() -> None:
             since = stamp(f"round {round_number + 1}", since)
         profiles = {}
         if options.py_spy:
-            for name, server in servers.items():
+            for name, workload, extra in runs:
+                label = name if workload == "plain" else f"{name} {workload}"
                 if options.deadline is not None and time.monotonic() - began + 2 * last_round / max(len(runs), 1) \
                         > options.deadline:
-                    print(f"deadline {options.deadline:.0f} s: no profile of {name}", flush=True)
+                    print(f"deadline {options.deadline:.0f} s: no profile of {label}", flush=True)
                     break
-                profiles[name] = profiled(server, Path(options.py_spy) / f"{name.replace(' ', '-')}.txt",
-                                          lambda server=server: load(server.url, str(path), options, None,
-                                                                     options.prompts, seed=999))
-            since = stamp(f"profiled plain runs ({len(profiles)})", since)
+                try:  # a profile that fails loses only itself: the rounds above are still summarized
+                    profiles[label] = profiled(servers[name], Path(options.py_spy) / f"{label.replace(' ', '-')}.txt",
+                                               lambda name=name, extra=extra: load(servers[name].url, str(path),
+                                                                                   options, extra, options.prompts,
+                                                                                   seed=999))
+                except Exception as error:  # noqa: BLE001
+                    print(f"no profile of {label}: {type(error).__name__}: {error}", flush=True)
+            since = stamp(f"profiled runs ({len(profiles)})", since)
         written = {}
         for name, server in servers.items():  # every harvest was written (the load generator does not download)
             if (name, "harvest") in results:
@@ -337,7 +342,10 @@ def main() -> None:
     if options.host_time:
         host_times(servers, spans, options.logs and Path(options.logs))
     if profiles:
-        profile_summary(profiles)
+        try:
+            profile_summary(profiles)
+        except Exception as error:  # noqa: BLE001  (the raw stacks are kept in --py-spy's folder)
+            print(f"the profiles could not be summarized: {type(error).__name__}: {error}", flush=True)
     print(f"total {time.monotonic() - began:.1f} s")
 
 
@@ -398,8 +406,8 @@ def profile_summary(profiles: dict[str, tuple[dict[str, Any], Path]], top: int =
     from collections import Counter
 
     loaded = {name: stacks(path) for name, (_, path) in profiles.items() if path.exists()}
-    print(f"\npy-spy, each server's plain run again ({SPY_RATE} samples/s, busy time only): seconds per process "
-          "and thread")
+    print(f"\npy-spy, each (server, workload) run again ({SPY_RATE} samples/s, busy time only): seconds per "
+          "process and thread")
     for name, rows in loaded.items():
         result = profiles[name][0]
         busy: Counter = Counter()
@@ -409,7 +417,8 @@ def profile_summary(profiles: dict[str, tuple[dict[str, Any], Path]], top: int =
                           sorted(busy.items(), key=lambda item: -item[1])[:8])
         print(f"  {name} ({result['output_throughput']:.0f} out tok/s, p99 TTFT {result['p99_ttft_ms']:.0f} ms, "
               f"{result.get('duration', 0):.2f} s): {cells}")
-    for process in ("front", "engine"):
+    processes = sorted({process for rows in loaded.values() for process, _, _, _ in rows if "#" not in process})
+    for process in processes:  # front, engine, and engine/1 where the worker is a process of its own (the CPU)
         selfs = {name: Counter() for name in loaded}
         inclusive = {name: Counter() for name in loaded}
         for name, rows in loaded.items():

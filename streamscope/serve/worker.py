@@ -147,9 +147,15 @@ class ServeState:
         self.live: dict[str, Live] = {}
         self.sites: dict[tuple[str, Optional[int]], Site] = {}
         self.site_lists: dict[tuple[int, ...], list[Site]] = {}  # each harvest's sites, one list per distinct set
-        #: How many live requests this step's plan has work for (steers, or a harvest not yet read); None: count again.
-        self.planned: Optional[int] = None
-        self.hooks: dict[tuple[int, str], Any] = {}
+        #: Kept by `enter` and `leave` (and `send`, as harvests complete), so that a step whose live requests are
+        #: as the last step's costs no pass over them: how many live requests have work (steers, or a harvest not
+        #: yet read); how many need each hooked module call; how many make each set of steers (`steer_signature`),
+        #: with one request's steers standing for each set.
+        self.planned = 0
+        self.key_counts: dict[tuple[int, str], int] = {}
+        self.signatures: dict[Optional[tuple], int] = {}
+        self.representatives: dict[tuple, list[SteerEntry]] = {}
+        self.hooks: dict[tuple[int, str], tuple[Any, str]] = {}  # key -> (the hook's handle, its site's location)
         self.locations: dict[str, tuple[int, str]] = {}
         self.work: dict[tuple[int, str], tuple[list, list]] = {}
         #: This step's harvested rows, still on the device: (rows [n, hidden], [(live, site index, slots)]).
@@ -157,7 +163,7 @@ class ServeState:
         self.last_shape: Optional[tuple] = None  # the requests' rows of the last step whose work can be reused
         #: Where every live request steers every row it runs with the same tensors and none harvests (one steered
         #: deployment, a default steer, a load of one experiment): their steers, one request's list standing for
-        #: all (`uniform_steers`); None otherwise.
+        #: all (`steer_signature`); None otherwise.
         self.uniform: Optional[list[SteerEntry]] = None
         self.uniform_work: tuple[int, dict[tuple[int, str], tuple[list, list]]] = (-1, {})
         model = runner.get_model()
@@ -326,31 +332,29 @@ class ServeState:
         """Take this step's new and finished requests, then work out every hook's rows."""
         from .protocol import XARG
 
-        before, admitted = len(self.live), False
+        changed = False
         for data in scheduler_output.scheduled_new_reqs:
             params = getattr(data, "sampling_params", None)
             payload = (getattr(params, "extra_args", None) or {}).get(XARG)
             if payload is None:
                 continue
             try:
-                self.live[data.req_id] = self.admit(payload, len(data.prompt_token_ids or ()))
-                admitted = True
+                self.enter(data.req_id, self.admit(payload, len(data.prompt_token_ids or ())))
+                changed = True
             except Exception as error:  # noqa: BLE001  (this request's harvest says why; the engine serves on)
                 logger.exception("streamscope serve: request %s's plan was refused in the worker", data.req_id)
                 self.fail(json.loads(payload).get("harvest", {}).get("id"), f"{type(error).__name__}: {error}")
         for request_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
-            live = self.live.pop(request_id, None)
+            live = self.leave(request_id)
+            changed = changed or live is not None
             if live is not None and live.harvest_id is not None and not live.written:
                 if live.key:
                     self.writer_thread.put(("drop", live.key))
                 self.fail(live.harvest_id, "the request finished before its prompt ran (aborted?)")
-        # The hooks change only when the live requests do.
-        if len(self.live) != before or admitted:
-            self.hook(set().union(*(live.keys() for live in self.live.values())) if self.live else set())
-            self.uniform, self.uniform_work = uniform_steers(self.live.values()), (-1, {})
-            self.planned = None
-        if self.planned is None:
-            self.planned = sum(1 for live in self.live.values() if live.planned())
+        if changed:
+            only = next(iter(self.signatures)) if len(self.signatures) == 1 else None
+            self.uniform = None if only is None else self.representatives[only]
+            self.uniform_work = (-1, {})
         if not self.planned:  # no live request, or none with work left (their harvests read): no hook has work
             self.work, self.last_shape = {}, None
             return
@@ -493,28 +497,62 @@ class ServeState:
 
     # ---------------------------------------------------------------- hooks
 
-    def hook(self, keys: set[tuple[int, str]]) -> None:
-        """Hooks on exactly the module calls the live requests need."""
-        for key in [key for key in self.hooks if key not in keys]:
-            self.hooks.pop(key).remove()
-        for key in keys - set(self.hooks):
-            site = self._site_at(key)
-            self.locations[site.location] = key
-            if key[1] == INPUT:
-                def before(_module: Any, args: tuple, kwargs: dict, key: Any = key) -> None:
-                    self.apply(key, (args, kwargs))
-                self.hooks[key] = site.module.register_forward_pre_hook(before, with_kwargs=True)
-            else:
-                def after(_module: Any, args: tuple, output: Any, key: Any = key) -> None:
-                    self.apply(key, output)
-                self.hooks[key] = site.module.register_forward_hook(after)
+    def enter(self, request_id: str, live: Live) -> None:
+        """Make `live` a live request: hooks on the module calls it needs that none had, and the counts the step's
+        plan reads (work left, whether every request steers alike) updated by its share, in constant time."""
+        if request_id in self.live:
+            self.leave(request_id)
+        self.live[request_id] = live
+        for key in live.keys():
+            count = self.key_counts.get(key, 0)
+            if not count:
+                self._hook_on(key, live)
+            self.key_counts[key] = count + 1
+        signature = steer_signature(live)
+        if signature is not None and signature not in self.signatures:
+            self.representatives[signature] = live.steers
+        self.signatures[signature] = self.signatures.get(signature, 0) + 1
+        self.planned += live.planned()
 
-    def _site_at(self, key: tuple[int, str]) -> Site:
-        for live in self.live.values():
-            for site in [entry.site for entry in live.steers] + live.harvest_sites:
-                if site.key == key:
-                    return site
-        raise KeyError(key)
+    def leave(self, request_id: str) -> Optional[Live]:
+        """The request's `Live`, no longer live (None where it had no plan): its share of `enter` taken back, and
+        the hooks only it needed taken off."""
+        live = self.live.pop(request_id, None)
+        if live is None:
+            return None
+        for key in live.keys():
+            count = self.key_counts[key] - 1
+            if count:
+                self.key_counts[key] = count
+            else:
+                del self.key_counts[key]
+                self._hook_off(key)
+        signature = steer_signature(live)
+        count = self.signatures[signature] - 1
+        if count:
+            self.signatures[signature] = count
+        else:
+            del self.signatures[signature]
+            self.representatives.pop(signature, None)
+        self.planned -= live.planned()
+        return live
+
+    def _hook_on(self, key: tuple[int, str], live: Live) -> None:
+        site = next(site for site in [entry.site for entry in live.steers] + live.harvest_sites if site.key == key)
+        self.locations[site.location] = key
+        if key[1] == INPUT:
+            def before(_module: Any, args: tuple, kwargs: dict, key: Any = key) -> None:
+                self.apply(key, (args, kwargs))
+            self.hooks[key] = (site.module.register_forward_pre_hook(before, with_kwargs=True), site.location)
+        else:
+            def after(_module: Any, args: tuple, output: Any, key: Any = key) -> None:
+                self.apply(key, output)
+            self.hooks[key] = (site.module.register_forward_hook(after), site.location)
+
+    def _hook_off(self, key: tuple[int, str]) -> None:
+        handle, location = self.hooks.pop(key)
+        handle.remove()
+        self.locations.pop(location, None)
 
     def apply(self, key: tuple[int, str], raw: Any) -> None:
         work = self.work.get(key)
@@ -556,8 +594,9 @@ class ServeState:
             for _, layout in reads:
                 for live, _, slots in layout:
                     live.read += len(slots)
-                    live.written = live.read == len(live.harvest_sites) * len(live.positions)
-            self.planned = None
+                    if not live.written and live.read == len(live.harvest_sites) * len(live.positions):
+                        live.written = True
+                        self.planned -= not live.steers  # its harvest was its only work
             return
         # Per dtype (the model's; float32 for SAE features), every read flattened into one tensor and copied at once;
         # a piece is (harvest key, site index, slots, first element, rows, width) in its dtype's tensor.
@@ -590,7 +629,7 @@ class ServeState:
             if not live.written and live.read == len(live.harvest_sites) * len(live.positions):
                 live.written = True
                 complete.append(live.key)
-                self.planned = None
+                self.planned -= not live.steers  # its harvest was its only work
         self.writer_thread.put(("rows", event, copies, complete))
 
     def fail(self, harvest_id: Optional[str], message: str) -> None:
@@ -691,24 +730,17 @@ class HarvestWriter:
             locally(self.store)
 
 
-def uniform_steers(lives: Any) -> Optional[list[SteerEntry]]:
-    """The steers every one of `lives` makes, where all of them make the same (the same sites, modes and shared
-    tensors, in the same order), edit every row they run and harvest nothing; else None.
+def steer_signature(live: Live) -> Optional[tuple]:
+    """What `live`'s steers are, as far as a step's edits go (each one's sites, mode and shared tensor, in order),
+    where they edit every row it runs and it harvests nothing; else None.
 
-    Such requests need no per-request rows: a step made of them alone edits
-    all its rows with each steer's one tensor, as `plan_step` would find.
+    Requests of one signature need no rows of their own: a step made of them
+    alone edits all its rows with each steer's one tensor, as `plan_step`
+    would find (`ServeState.uniform_step`).
     """
-    first: Optional[list[SteerEntry]] = None
-    signature: Optional[list[tuple]] = None
-    for live in lives:
-        if live.harvest_sites or not live.every_row or any(entry.mode is None for entry in live.steers):
-            return None
-        mine = [(entry.group, id(entry.delta)) for entry in live.steers]
-        if signature is None:
-            first, signature = live.steers, mine
-        elif mine != signature:
-            return None
-    return first
+    if live.harvest_sites or not live.every_row or any(entry.mode is None for entry in live.steers):
+        return None
+    return tuple((entry.group, id(entry.delta)) for entry in live.steers)
 
 
 def features(sae: Any, top_k: Optional[int], rows: torch.Tensor) -> torch.Tensor:
