@@ -22,6 +22,9 @@ the console; ``<out>/plan.txt`` lists what ran, for how long and how it ended.
   control  issue 18: the eager pair with its A/A control (a second plain vLLM server, the same
            command): whether streamscope's plain requests' extra p99 TTFT on the H200 is
            streamscope's or the setup's (`control-taps`: the graphs pair the same way)           about 9 min
+  spy      issue 18: the eager pair, 2 rounds, then every (server, workload) run again under
+           py-spy (its binary taken from the wheel in .whl-gpu/serve): where each process and
+           thread spends its busy time, plain vLLM's beside streamscope's                        about 5 min
 
 On the lent machine, after the five chunk calls of `tests/GPU.md` (and, for an
 earlier tree, ``git archive -o .gpu-trees/NAME.tar COMMIT`` here before the
@@ -34,12 +37,15 @@ call, so the file travels with the working tree)::
     ... python3 scripts/gpu_plan.py --out $OUT --parts control --deadline 555   (.whl-gpu/serve installed too)
     ... python3 scripts/gpu_suite.py --out $OUT/suite --gpus 0 --dtypes bfloat16 --parts alone --seconds 400
 
-(the order the thirteenth session left: `control-taps` with its 5 rounds, for the harvest at its bound and the
-steer under its bound in the 2-round run of 2026-12-03 12:34 (59e0f69); then `control`, the eager pair, whose
-plain requests ran at 0.946x plain vLLM's throughput and 1.14x its p99 TTFT against a clean control on
-2026-12-03 11:38 (find where: py-spy on both engine cores under the plain workload, if it can be carried); W2
-after any cut of its per-invoke work; and, in a call of its own, the lifecycle file, last passed on the H200 in
-the ninth session. Every family's taps file passed on 2026-12-02 11:35, run W.)
+(the order the fourteenth session left: `spy` first, in a call of its own: the eager pair, 2 rounds, then every
+run again under py-spy, to find why streamscope's plain requests' p99 TTFT is 1.12-1.15x plain vLLM's on every
+eager run since 2026-12-02 (713-780 ms against 575-689 in all 5 rounds of 2026-12-03 15:02) while their
+throughput and TPOT match, and where the steer's 100-130 us of hooks a step and the harvest's 105 us of plan go;
+then `control-taps` and `control` again on a quieter machine (both were noise-bound on 2026-12-03: the controls
+swung 0.84-1.23 by round); W2 after any cut of its per-invoke work; and, in a call of its own, the lifecycle file,
+last passed on the H200 in the ninth session. Every family's taps file passed on 2026-12-02 11:35, run W.
+A fresh machine needs the five chunk calls, then every call carries `.whl-gpu/deps`, `.whl-gpu/install.sh` and
+`.whl-gpu/serve`: a call that leaves `.whl-gpu/serve` out has no py-spy wheel.)
 """
 
 from __future__ import annotations
@@ -77,6 +83,9 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
         "serve": [("serve", [python, "benchmarks/serve_load.py", "--shape", "llama3-8b", "--taps", "--host-time", "--prompts", "256",
                              "--logs", str(out / "serve-logs"),
                              "--rounds", "3", "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
+        "spy": [("spy", [python, "benchmarks/serve_load.py", "--shape", "llama3-8b", "--host-time", "--prompts", "256",
+                         "--logs", str(out / "spy-logs"), "--rounds", "2", *spied(out / "spy"),
+                         "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
         **{part: [(part, [python, "benchmarks/serve_load.py", "--shape", "llama3-8b", *flags, "--control",
                           "--host-time", "--prompts", "256", "--logs", str(out / f"{part}-logs"), "--rounds", "5",
                           "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)]
@@ -85,8 +94,24 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
 
 
 def spied(folder: Path) -> list[str]:
-    """``--py-spy FOLDER`` for serve_load.py where py-spy is on the path (installed from ``.whl-gpu/serve`` into
-    /tmp/site, its command in /tmp/site/bin): each server's plain run profiled after the rounds."""
+    """``--py-spy FOLDER`` for serve_load.py where py-spy can be had: on the path, or its wheel in the carried
+    ``.whl-gpu/serve`` (its binary taken out of the wheel and put on the path: a ``pip install --target`` into
+    /tmp/site leaves out a wheel's scripts once /tmp/site/bin exists). Each (server, workload) run is then
+    profiled after the rounds."""
+    if shutil.which("py-spy") is None:
+        import stat
+        import zipfile
+
+        for wheel in sorted((ROOT / ".whl-gpu" / "serve").glob("py_spy-*.whl")):
+            with zipfile.ZipFile(wheel) as archive:
+                member = next((name for name in archive.namelist() if name.endswith("/scripts/py-spy")), None)
+                if member is None:
+                    continue
+                binary = Path(tempfile.mkdtemp(prefix="py-spy-")) / "py-spy"
+                binary.write_bytes(archive.read(member))
+            binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+            os.environ["PATH"] = os.pathsep.join([str(binary.parent), os.environ.get("PATH", "")])
+            break
     return ["--py-spy", str(folder)] if shutil.which("py-spy") else []
 
 
@@ -128,7 +153,7 @@ def run_part(label: str, command: list[str], tree: Path, limit: int, log: Path,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--parts", required=True, help="comma-separated: suite,ablate,w2,profile,xproc,serve,control,control-taps")
+    parser.add_argument("--parts", required=True, help="comma-separated: suite,ablate,w2,profile,xproc,serve,control,control-taps,spy")
     parser.add_argument("--tree", action="append", default=[], help="NAME=FILE.tar: ablate in that tree too")
     parser.add_argument("--deadline", type=float, default=570.0, help="seconds from the start for every part")
     args = parser.parse_args()

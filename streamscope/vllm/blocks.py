@@ -152,7 +152,11 @@ class Summed(StreamValue):
             else:
                 operation.add_change_at(hidden, rows, hidden[rows], None if residual is None else residual[rows])
             return True
-        stream = hidden[rows] if residual is None else hidden[rows] + residual[rows]
+        # Every row (a server's requests all steered alike): the halves themselves, no views of them.
+        whole = type(rows) is slice and not rows.start and rows.step is None and (
+            rows.stop is None or rows.stop >= hidden.shape[0])
+        mine = hidden if whole else hidden[rows]
+        stream = mine if residual is None else mine + (residual if whole else residual[rows])
         if mode == "add":
             edited = stream + operation
         elif mode == "set":
@@ -166,8 +170,10 @@ class Summed(StreamValue):
             hidden[rows] = edited.to(hidden.dtype)
             return True
         # Anything else adds edited - stream, bit for bit the write-back's change.
-        change = edited.to(hidden.dtype) - stream
-        if isinstance(rows, slice):
+        change = (edited if edited.dtype == hidden.dtype else edited.to(hidden.dtype)) - stream
+        if whole:
+            hidden.add_(change)
+        elif isinstance(rows, slice):
             hidden[rows].add_(change)
         else:
             hidden.index_add_(0, rows, change)
