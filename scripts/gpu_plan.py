@@ -37,12 +37,11 @@ call, so the file travels with the working tree)::
     ... python3 scripts/gpu_plan.py --out $OUT --parts control --deadline 555   (.whl-gpu/serve installed too)
     ... python3 scripts/gpu_suite.py --out $OUT/suite --gpus 0 --dtypes bfloat16 --parts alone --seconds 400
 
-(the order the fourteenth session left: `spy` first, in a call of its own: the eager pair, 2 rounds, then every
-run again under py-spy, to find why streamscope's plain requests' p99 TTFT is 1.12-1.15x plain vLLM's on every
-eager run since 2026-12-02 (713-780 ms against 575-689 in all 5 rounds of 2026-12-03 15:02) while their
-throughput and TPOT match, and where the steer's 100-130 us of hooks a step and the harvest's 105 us of plan go;
-then `control-taps` and `control` again on a quieter machine (both were noise-bound on 2026-12-03: the controls
-swung 0.84-1.23 by round); W2 after any cut of its per-invoke work; and, in a call of its own, the lifecycle file,
+(the order the fourteenth session left: `control-taps` and `control` first, the first runs whose prompts do not
+share prefixes (serve_load.py's `wide_tokenizer`: before it, the 512-token tokenizer made a quarter of every plain
+run's prompt tokens prefix-cache hits, which harvests, salted per request, never get, the likely cause of the
+eager plain p99 TTFT offset of 1.12-1.15x; RESULTS.md, 2026-12-03 14:47-15:13); then `spy`, in a call of its own, for
+where the steer's 100-130 us of hooks a step and the harvest's 105 us of plan go, and anything left of the offset; W2 after any cut of its per-invoke work; and, in a call of its own, the lifecycle file,
 last passed on the H200 in the ninth session. Every family's taps file passed on 2026-12-02 11:35, run W.
 A fresh machine needs the five chunk calls, then every call carries `.whl-gpu/deps`, `.whl-gpu/install.sh` and
 `.whl-gpu/serve`: a call that leaves `.whl-gpu/serve` out has no py-spy wheel.)
