@@ -562,16 +562,22 @@ def worker_payload(checked: Checked, harvest_id: Optional[str]) -> str:
     return json.dumps(payload, separators=(",", ":"))
 
 
-def cache_salt(checked: Checked, body: dict[str, Any], harvest_id: Optional[str]) -> Optional[str]:
+def cache_salt(checked: Checked, body: dict[str, Any], harvest_id: Optional[str],
+               harvest_prefix_cache: bool = False) -> Optional[str]:
     """vLLM's per-request prefix-cache salt: KV blocks are shared only between requests steered alike.
 
-    A harvest gets a salt of its own (every position it reads must run). A
-    steer that edits every position, prompt and generated, changes the KV of
-    any prefix the same way, so requests with the same steers share blocks;
-    any other steer (``"last"``, some indices, ``generated: false``) depends on
-    where the prompt ends, so its salt also holds the prompt.
+    A harvest gets a salt of its own (every position it reads must run),
+    except, with `harvest_prefix_cache` (``--harvest-prefix-cache``), one of
+    the last position only: vLLM runs a prompt's last token whatever its cache
+    holds, so that harvest takes its steers' salt (none without steers) and
+    reads the prefix other requests left. A steer that edits every position,
+    prompt and generated, changes the KV of any prefix the same way, so
+    requests with the same steers share blocks; any other steer (``"last"``,
+    some indices, ``generated: false``) depends on where the prompt ends, so
+    its salt also holds the prompt.
     """
-    if harvest_id is not None:
+    if harvest_id is not None and not (harvest_prefix_cache and checked.harvest is not None
+                                       and checked.harvest.get("positions") == "last"):
         return f"streamscope-harvest-{harvest_id}"
     if not checked.steer_payload:
         return None

@@ -43,8 +43,11 @@ class Front:
     """The API server's streamscope state: the model's names (a meta copy), stored vectors, harvests, limits."""
 
     def __init__(self, model: Any, limits: Limits, folder: Path, taps: Sequence[str] = (),
-                 sae_folder: Optional[Path] = None) -> None:
+                 sae_folder: Optional[Path] = None, harvest_prefix_cache: bool = False) -> None:
         self.model = model
+        #: ``--harvest-prefix-cache``: a harvest of the last position only may read its prompt's prefix from
+        #: vLLM's prefix cache (`protocol.cache_salt`).
+        self.harvest_prefix_cache = harvest_prefix_cache
         self.limits = limits
         self.taps = list(taps)
         self.vectors = Vectors(limits)
@@ -286,7 +289,7 @@ class SteerMiddleware:
                 if checked.harvest is not None:
                     harvest_id = self.front.harvests.reserve(checked.harvest["bytes"])
                 body["vllm_xargs"] = {**xargs, XARG: worker_payload(checked, harvest_id)}
-                salt = cache_salt(checked, body, harvest_id)
+                salt = cache_salt(checked, body, harvest_id, self.front.harvest_prefix_cache)
                 if salt is not None:
                     if isinstance(body.get("cache_salt"), str) and body["cache_salt"]:  # the caller's salt, kept
                         salt = "streamscope-" + hashlib.sha256(f"{body['cache_salt']}|{salt}".encode()).hexdigest()
@@ -380,6 +383,11 @@ def add_arguments(parser: Any) -> None:
                                                "request that does not send default_steer: false")
     group.add_argument("--vectors", help="a folder of NAME.safetensors files (one tensor each) stored at start")
     group.add_argument("--harvest-dir", help="where harvests wait to be downloaded (default: a temporary folder)")
+    group.add_argument("--harvest-prefix-cache", action="store_true",
+                       help="let a harvest of the last position only read its prompt's prefix from vLLM's prefix "
+                            "cache (vLLM always runs a prompt's last token): its values then agree with a fresh "
+                            "run within float rounding, not bit for bit. Default: every harvest runs its whole "
+                            "prompt, under a cache salt of its own.")
     group.add_argument("--max-steers-per-request", type=int, default=defaults.max_steers)
     group.add_argument("--max-harvest-bytes", type=int, default=defaults.max_harvest_bytes,
                        help="one request's harvest, in bytes")
@@ -479,7 +487,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         locations = tap_locations(model, args.taps)
         object.__setattr__(model, "tapped", frozenset(locations))
     folder = Path(args.harvest_dir) if args.harvest_dir else Path(tempfile.mkdtemp(prefix="streamscope-harvests-"))
-    front = Front(model, limits_of(args), folder, args.taps)
+    front = Front(model, limits_of(args), folder, args.taps, harvest_prefix_cache=args.harvest_prefix_cache)
     if args.vectors:
         for path in sorted(Path(args.vectors).glob("*.safetensors")):
             front.vectors.store(path.stem, read_vector(path.read_bytes(), "application/octet-stream", front.checker,

@@ -499,6 +499,41 @@ def test_prefix_caching_stays_correct_both_ways(api, server, model):
     assert cached, "vLLM's /metrics reported no prefix-cache hit for a repeated 300-token prompt"
 
 
+def _hits_after(url: str, before: float, wait: float = 15.0) -> float:
+    """vLLM's prefix-cache hits once they pass `before` (its metrics are published a moment after a reply), or as
+    they stand after `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while _prefix_hits(url) <= before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return _prefix_hits(url)
+
+
+def test_a_last_position_harvest_reads_the_prefix_cache_where_the_server_allows_it(path, model, tmp_path):
+    """``--harvest-prefix-cache``: a harvest of the last position, after a plain run of its prompt, reads the
+    prompt's prefix from vLLM's cache (the server's prefix-cache hits rise) and equals the in-process harvest within
+    the CPU tolerance (the last token runs over cached keys and values, not the whole prompt in one batch); a
+    harvest of every position on the same server still runs its whole prompt (no hit) and equals it too."""
+    values = ["layer_output", "layer_mid"]
+    with running(path, tmp_path / "server.log", "--harvest-prefix-cache") as url:
+        api = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        client = streamscope.Client(url, api_key=KEY)
+        complete(api, LONG)  # the prompt's blocks, cached by a plain request
+        hits = _hits_after(url, -1.0, wait=2.0)
+        remote = client.harvest([LONG], values, layers=None, positions="last")
+        after = _hits_after(url, hits)
+        assert after > hits, "the last-position harvest ran its whole prompt: no prefix-cache hit"
+        local = model.harvest([LONG], values, layers=None, positions="last", progress=False)
+        assert remote.positions == local.positions
+        for name in values:
+            error = (remote[name][0] - local[name][0]).abs().max()
+            assert error <= TOLERANCE * local[name][0].abs().max(), (name, float(error))
+        every = client.harvest([LONG], "layer_output", layers=[0, 2], positions="all")
+        assert _hits_after(url, after, wait=3.0) == after, "a harvest of every position read the cache"
+        expected = model.harvest([LONG], "layer_output", layers=[0, 2], positions="all", progress=False)
+        assert (every["layer_output"][0] - expected["layer_output"][0]).abs().max() \
+            <= TOLERANCE * expected["layer_output"][0].abs().max()
+
+
 def test_stored_vectors_and_the_default_steer(client, api, model, server):
     auth = {"Authorization": f"Bearer {KEY}"}
     v = vector(10)
