@@ -170,7 +170,7 @@ class Summed(StreamValue):
             hidden[rows] = edited.to(hidden.dtype)
             return True
         # Anything else adds edited - stream, bit for bit the write-back's change.
-        change = (edited if edited.dtype == hidden.dtype else edited.to(hidden.dtype)) - stream
+        change = edited.to(hidden.dtype) - stream
         if whole:
             hidden.add_(change)
         elif isinstance(rows, slice):

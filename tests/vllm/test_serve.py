@@ -469,6 +469,15 @@ def _prefix_hits(server) -> float:
                if line.startswith("vllm:prefix_cache_hits") and not line.startswith("#"))
 
 
+def _hits_after(url: str, before: float, wait: float = 15.0) -> float:
+    """vLLM's prefix-cache hits once they pass `before` (its metrics are published a moment after a reply), or as
+    they stand after `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while _prefix_hits(url) <= before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return _prefix_hits(url)
+
+
 def test_prefix_caching_stays_correct_both_ways(api, server, model):
     """With prefix caching on: a steer never reuses plain blocks, a plain request never reuses steered ones,
     and a harvest after a cached run of its prompt still reads every position."""
@@ -477,10 +486,7 @@ def test_prefix_caching_stays_correct_both_ways(api, server, model):
     plain_before = complete(api, LONG)
     hits = _prefix_hits(server)
     assert complete(api, LONG)[2] == plain_before[2]
-    deadline = time.monotonic() + 15  # vLLM's metrics are published by its output loop, a moment after the reply
-    while _prefix_hits(server) <= hits and time.monotonic() < deadline:
-        time.sleep(0.5)
-    cached = _prefix_hits(server) > hits
+    cached = _hits_after(server, hits) > hits
     expected_tokens, expected = in_process(model, LONG, steers)
     for _ in range(2):  # after the plain run, then after its own cached run
         response = api.completions.create(model=api.models.list().data[0].id, prompt=LONG, max_tokens=STEPS,
@@ -497,15 +503,6 @@ def test_prefix_caching_stays_correct_both_ways(api, server, model):
         <= TOLERANCE * local["layer_output"][0].abs().max()
     # without a hit the checks above prove nothing: the server runs with prefix caching on, vLLM's serving default
     assert cached, "vLLM's /metrics reported no prefix-cache hit for a repeated 300-token prompt"
-
-
-def _hits_after(url: str, before: float, wait: float = 15.0) -> float:
-    """vLLM's prefix-cache hits once they pass `before` (its metrics are published a moment after a reply), or as
-    they stand after `wait` seconds."""
-    deadline = time.monotonic() + wait
-    while _prefix_hits(url) <= before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return _prefix_hits(url)
 
 
 def test_a_last_position_harvest_reads_the_prefix_cache_where_the_server_allows_it(path, model, tmp_path):
