@@ -37,14 +37,14 @@ call, so the file travels with the working tree)::
     ... python3 scripts/gpu_plan.py --out $OUT --parts control --deadline 555   (.whl-gpu/serve installed too)
     ... python3 scripts/gpu_suite.py --out $OUT/suite --gpus 0 --dtypes bfloat16 --parts alone --seconds 400
 
-(the order the fourteenth session left: `control-taps` and `control` first, the first runs whose prompts do not
-share prefixes (serve_load.py's `wide_tokenizer`: before it, the 512-token tokenizer made a quarter of every plain
-run's prompt tokens prefix-cache hits, which harvests, salted per request, never get, the likely cause of the
-eager plain p99 TTFT offset of 1.12-1.15x; RESULTS.md, 2026-12-03 14:47-15:13); then `spy`, in a call of its own, for
-where the steer's 100-130 us of hooks a step and the harvest's 105 us of plan go, and anything left of the offset; W2 after any cut of its per-invoke work; and, in a call of its own, the lifecycle file,
-last passed on the H200 in the ninth session. Every family's taps file passed on 2026-12-02 11:35, run W.
+(the order the fifteenth session left: issue 18's pairs ran without shared prefixes on 2026-12-03 19:23-20:05
+(RESULTS.md): the graphs pair met every bound in every round, the eager pair's throughput sits inside its A/A
+control's swing; so `w2` first, after any cut of its per-invoke work (the last run, 19:35: 2.68x bare as written,
+2.65x placed, 2.08x unchecked), then `profile` for where its time goes, and, in a call of its own, the lifecycle
+file, last passed on the H200 in the ninth session. Every family's taps file passed on 2026-12-02 11:35, run W.
 A fresh machine needs the five chunk calls, then every call carries `.whl-gpu/deps`, `.whl-gpu/install.sh` and
-`.whl-gpu/serve`: a call that leaves `.whl-gpu/serve` out has no py-spy wheel.)
+`.whl-gpu/serve` (the server's own imports and py-spy, filled here by `scripts/fetch_serve_wheels.sh`); a call that
+leaves `.whl-gpu/serve` out has no py-spy wheel.)
 """
 
 from __future__ import annotations
