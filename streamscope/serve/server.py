@@ -479,7 +479,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
-    model = front_model(args, on_cpu)
+    from ..errors import UnsupportedCheckpoint
+    from ..vllm.model import refuse_unbuilt_kernels
+
+    try:
+        model = front_model(args, on_cpu)
+        refuse_unbuilt_kernels(args.model, model.family)  # the front model is a meta tree: no engine checked it
+    except UnsupportedCheckpoint as refused:
+        print(f"streamscope serve: {refused}", file=sys.stderr)
+        return 2
     locations: list[str] = []
     if args.taps:
         from ..vllm.taps import tap_locations

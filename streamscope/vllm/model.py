@@ -214,6 +214,8 @@ class StandardizedVLLM(Standardized, VLLM):
             # nnsight's GPU worker with the bulk path's RPC methods (nnsight passes worker_cls=self._WORKER_CLS).
             seam.set_client_worker(self, GPU_WORKER_CLS)
         settings.setdefault("dispatch", True)
+        if settings["dispatch"]:
+            refuse_unbuilt_kernels(path, self.family)
         # A worker in this process hands a trace's saves over as tensors, not pickled (nnsight_seam.HandedSaves),
         # and takes a trace's invokes pickled once, together (nnsight_seam.bundle_interventions).
         seam.hand_saves_over()
@@ -512,6 +514,27 @@ def _subclasses(root: type) -> set:
                 found.add(klass)
                 stack.append(klass)
     return found
+
+
+def refuse_unbuilt_kernels(path: str | Path, family: ModuleType) -> None:
+    """Refuse, before any engine starts, a family whose kernels this machine's vLLM build lacks.
+
+    vLLM's CPU build starts such an engine and fails at its first forward
+    (Mamba's mixer calls a selective-scan op the build has not got), which a
+    server meets only at its first request; the family registry says which
+    families these are (`streamscope.families.Family.not_on_vllm_cpu`).
+    """
+    if not _on_cpu():
+        return
+    from ..families import FAMILIES
+
+    name = family.__name__.rpartition(".")[2]
+    reason = next((entry.not_on_vllm_cpu for entry in FAMILIES if entry.name == name), None)
+    if reason is not None:
+        raise errors.UnsupportedCheckpoint(
+            f"{path}: a {name} checkpoint cannot run on vLLM's CPU build ({reason}): its engine would start and fail "
+            f"at the first forward. On this machine load it with engine='transformers' (the same names and values); "
+            f"vLLM's CUDA build runs it on a GPU.")
 
 
 def load(path: str | Path, **kwargs: Any) -> StandardizedVLLM:

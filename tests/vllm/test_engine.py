@@ -115,6 +115,26 @@ def test_a_layout_vllms_block_lacks_is_refused_before_the_engine_starts(checkpoi
     assert logits.shape[-1] == model.vocab_size
 
 
+@pytest.mark.skipif(precision.ON_GPU, reason="vLLM's CUDA build has the kernels: Mamba runs there (test_families.py)")
+def test_a_family_whose_kernels_the_cpu_build_lacks_is_refused_before_the_engine_starts(checkpoints):
+    """Mamba on vLLM's CPU build: the engine would start and fail at its first forward (a server, at its first
+    request, with a dead engine). Refused at load and by `streamscope serve` before vLLM starts, with the reason
+    and the fix; the checkpoint serves on transformers."""
+    path = checkpoints("mamba")
+    with pytest.raises(streamscope.UnsupportedCheckpoint, match="engine='transformers'") as refused:
+        streamscope.load(path, engine="vllm", **precision.engine_kwargs())
+    assert "selective-scan" in str(refused.value)
+    served = subprocess.run([sys.executable, "-m", "streamscope", "serve", str(path), "--port", "0"],
+                            capture_output=True, text=True, timeout=300)
+    assert served.returncode == 2, served.stderr[-2000:]
+    assert "streamscope serve:" in served.stderr and "selective-scan" in served.stderr
+    assert "engine='transformers'" in served.stderr
+    model = streamscope.load(path)
+    with model.trace(PROMPT):
+        logits = model.logits.save()
+    assert logits.shape[-1] == model.vocab_size
+
+
 #: Llama 4 in a process of its own: its mixture of experts needs vLLM's expert-parallel group, which an in-process
 #: engine of a dense model (this module's Llama) left out of the process's parallel state.
 CHUNKED = textwrap.dedent('''

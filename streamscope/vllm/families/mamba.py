@@ -1,7 +1,9 @@
 """Mamba on vLLM (vllm.model_executor.models.mamba): a fused state-space block, ``x + mixer(norm(x))``.
 
-Untested here: vLLM has no selective-scan kernel on CPU, so this module is
-written from vLLM's source for GPU vLLM and has not been run.
+vLLM has no selective-scan kernel on CPU, so this module is written from
+vLLM's source for GPU vLLM and runs there (the GPU suite); on a CPU the
+engine and the server refuse the family before starting
+(`streamscope.vllm.model.refuse_unbuilt_kernels`).
 
 The tree is transformers' (``backbone.layers``, ``norm``, ``mixer``). The
 block is fused: ``forward(positions=, hidden_states=, residual=)`` returns
