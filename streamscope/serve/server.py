@@ -480,11 +480,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     on_cpu = current_platform.is_cpu()
     from ..errors import UnsupportedCheckpoint
-    from ..vllm.model import refuse_unbuilt_kernels
+    from ..vllm.model import refuse_on_the_cpu_build
 
     try:
         model = front_model(args, on_cpu)
-        refuse_unbuilt_kernels(args.model, model.family)  # the front model is a meta tree: no engine checked it
+        if on_cpu:  # the front model is a meta tree (dispatch=False): nothing refused the engine yet
+            refuse_on_the_cpu_build(args.model, model.family)
     except UnsupportedCheckpoint as refused:
         print(f"streamscope serve: {refused}", file=sys.stderr)
         return 2

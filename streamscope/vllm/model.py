@@ -198,6 +198,8 @@ class StandardizedVLLM(Standardized, VLLM):
         if _on_cpu():
             from .worker import cpu_engine_kwargs
 
+            if settings.get("dispatch", True):  # a meta tree alone (dispatch=False) runs no kernel
+                refuse_on_the_cpu_build(path, self.family)
             settings = cpu_engine_kwargs(**settings)
             if self.tap_names and "enforce_eager" not in kwargs:
                 settings.pop("enforce_eager", None)  # the CPU default; nnsight sets it from the taps
@@ -214,8 +216,6 @@ class StandardizedVLLM(Standardized, VLLM):
             # nnsight's GPU worker with the bulk path's RPC methods (nnsight passes worker_cls=self._WORKER_CLS).
             seam.set_client_worker(self, GPU_WORKER_CLS)
         settings.setdefault("dispatch", True)
-        if settings["dispatch"]:
-            refuse_unbuilt_kernels(path, self.family)
         # A worker in this process hands a trace's saves over as tensors, not pickled (nnsight_seam.HandedSaves),
         # and takes a trace's invokes pickled once, together (nnsight_seam.bundle_interventions).
         seam.hand_saves_over()
@@ -516,16 +516,14 @@ def _subclasses(root: type) -> set:
     return found
 
 
-def refuse_unbuilt_kernels(path: str | Path, family: ModuleType) -> None:
-    """Refuse, before any engine starts, a family whose kernels this machine's vLLM build lacks.
+def refuse_on_the_cpu_build(path: str | Path, family: ModuleType) -> None:
+    """Refuse, before any engine starts, a family whose kernels vLLM's CPU build lacks (call it on a CPU).
 
-    vLLM's CPU build starts such an engine and fails at its first forward
+    The CPU build starts such an engine and fails at its first forward
     (Mamba's mixer calls a selective-scan op the build has not got), which a
     server meets only at its first request; the family registry says which
     families these are (`streamscope.families.Family.not_on_vllm_cpu`).
     """
-    if not _on_cpu():
-        return
     from ..families import FAMILIES
 
     name = family.__name__.rpartition(".")[2]

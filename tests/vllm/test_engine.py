@@ -115,7 +115,8 @@ def test_a_layout_vllms_block_lacks_is_refused_before_the_engine_starts(checkpoi
     assert logits.shape[-1] == model.vocab_size
 
 
-@pytest.mark.skipif(precision.ON_GPU, reason="vLLM's CUDA build has the kernels: Mamba runs there (test_families.py)")
+@pytest.mark.skipif(precision.ON_GPU, reason="the refusal is of vLLM's CPU build only: the CUDA build has Mamba's "
+                                             "kernels, and its engine runs there (test_families.py on the GPU suite)")
 def test_a_family_whose_kernels_the_cpu_build_lacks_is_refused_before_the_engine_starts(checkpoints):
     """Mamba on vLLM's CPU build: the engine would start and fail at its first forward (a server, at its first
     request, with a dead engine). Refused at load and by `streamscope serve` before vLLM starts, with the reason

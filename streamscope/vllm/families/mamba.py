@@ -3,7 +3,7 @@
 vLLM has no selective-scan kernel on CPU, so this module is written from
 vLLM's source for GPU vLLM and runs there (the GPU suite); on a CPU the
 engine and the server refuse the family before starting
-(`streamscope.vllm.model.refuse_unbuilt_kernels`).
+(`streamscope.vllm.model.refuse_on_the_cpu_build`).
 
 The tree is transformers' (``backbone.layers``, ``norm``, ``mixer``). The
 block is fused: ``forward(positions=, hidden_states=, residual=)`` returns
