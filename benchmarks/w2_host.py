@@ -7,7 +7,6 @@ work, so the difference to the full trace is what that part costs:
 
   bare        vLLM's generate, no trace
   full        the trace as `gpu_trace.py` times it, the vector on the device beforehand ("placed")
-  no reads    the same trace, the NaN/inf scans never read during the run (only when each invoke's code ends)
   unchecked   the writes' NaN/inf check off
   no edit     each invoke reads the value at every step and edits nothing (nnsight's hand-off and the read)
   inplace     the edit written `current += vector` rather than `current[:] += vector` (no copy back through
@@ -198,8 +197,6 @@ def main() -> None:
     arms = {
         "bare": bare_w2(model.vllm_entrypoint, prompts, tokens),
         "full": full,
-        "no reads": with_setting(with_setting(full, nonfinite, "HOLD_COUNT", 1 << 40), nonfinite, "HOLD_BYTES",
-                                 1 << 40),
         "unchecked": with_setting(full, values, "WARN_NON_FINITE", False),
         "no edit": steer_trace(model, prompts, tokens, block, vector, edit="none"),
         "inplace": steer_trace(model, prompts, tokens, block, vector, edit="inplace"),

@@ -13,7 +13,8 @@ the console; ``<out>/plan.txt`` lists what ran, for how long and how it ended.
   w2       issue 24: W2's steer written in a trace against bare, and its variants (each run
            printed as it ends: a run cut short still says how far it got)                     3-6 min
   w2host   issue 24: W2's trace taken apart (each part's cost by removing it, side by side), the host
-           cost of the single ops of an invoke-step, and py-spy's samples of the trace            about 5 min
+           cost of the single ops of an invoke-step, and py-spy's samples of the trace; then the same,
+           without py-spy, in each `--tree`                                                       4-5 min a tree
   xproc    issue 24: the T trace with the engine core in its own process (packed saves,
            pickled saves, invokes pickled one by one)                                          about 2 min
   profile  issues 21 and 24: where the host time goes, under cProfile: the ablation at every
@@ -81,7 +82,9 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
                     ("w2 profiled", [python, "benchmarks/profile_trace.py", "--w2", "--taps", "--top", "30"], ROOT,
                      200)],
         "w2host": [("w2 host", [python, "benchmarks/w2_host.py", "--rounds", "2", "--out", str(out / "w2host"),
-                                *(["--spy", "25"] if spied(out) else [])], ROOT, 420)],
+                                *(["--spy", "25"] if spied(out) else [])], ROOT, 330)]
+        + [(f"w2 host ({name})", [python, "benchmarks/w2_host.py", "--rounds", "2", "--out", str(out / name)], tree,
+            240) for name, tree in trees.items()],
         "xproc": [("xproc", [python, "benchmarks/gpu_trace.py", "--engine-process"], ROOT, 240)],
         "serve": [("serve", [python, "benchmarks/serve_load.py", "--shape", "llama3-8b", "--taps", "--host-time", "--prompts", "256",
                              "--logs", str(out / "serve-logs"),
@@ -157,7 +160,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--parts", required=True, help="comma-separated: suite,ablate,w2,w2host,profile,xproc,serve,control,control-taps,spy")
-    parser.add_argument("--tree", action="append", default=[], help="NAME=FILE.tar: ablate in that tree too")
+    parser.add_argument("--tree", action="append", default=[], help="NAME=FILE.tar: ablate (and w2host) in that tree too")
     parser.add_argument("--deadline", type=float, default=570.0, help="seconds from the start for every part")
     args = parser.parse_args()
     started = time.monotonic()

@@ -109,7 +109,7 @@ __all__ = [
     "is_saved", "invoke_rows", "with_invoke_rows", "PendingWriteBack", "pending_write_back", "held_view",
     "redirect_write_back",
     "filter_write_backs", "rename_out_of_order", "around_mediator_run",
-    "around_visits", "running_token_span", "kernel_call_names", "ensure_source",
+    "around_visits", "narrow_spans_directly", "record_saves_cheaply", "running_token_span", "kernel_call_names", "ensure_source",
     "unwrapped_generate", "running_taps", "interleaving", "take_request_error", "collect_requests", "set_client_worker",
     "HandedSaves", "hand_saves_over", "handing_over", "saves_transport", "SAVES_TRANSPORT_ENV", "transport_counts",
     "PACKED_SAVES", "pack_saves_in_this_process", "received_counts",
@@ -454,6 +454,8 @@ def around_visits(visited: Callable[[], None], serving: Callable[[Any], None], e
         serving(group)
         return narrow(self, value, group)
 
+    _SERVING.append(serving)
+
     def widening(self: Any, full: Any, group: Any, edited: Any) -> Any:
         visited()
         return widen(self, full, group, edited)
@@ -465,6 +467,85 @@ def around_visits(visited: Callable[[], None], serving: Callable[[Any], None], e
     setattr(reindex_parked, "streamscope_visits", True)  # marks the patch as applied (a function attribute)
     interleaver._reindex_parked, interleaver.__exit__ = reindex_parked, closing
     _Batcher.narrow, _Batcher.widen, _Batcher.gather_skip = narrowing, widening, gathering
+
+
+#: What runs before a batcher narrows a value to a worker's rows (`around_visits`' ``serving``).
+_SERVING: list[Callable[[Any], None]] = []
+
+
+def narrow_spans_directly() -> None:
+    """Narrow a tensor, or a plain tuple of tensors, to a worker's token span on vLLM's flat token axis
+    without nnsight's walk of the value.
+
+    nnsight's vLLM batcher serves each worker parked on a visit its span of
+    the step's tokens by walking the value generically (``util.apply``: a
+    recursive call and a closure per tensor). A trace with an invoke per
+    prompt has every value it reads narrowed so, once per invoke and step;
+    the values a block hands on are a tensor or a pair. Those are narrowed
+    here directly, each tensor by the batcher's own rule (``_token_dim``:
+    tokens on dim 0, on dim 1 behind a leading 1, else not batched): the same
+    views. Anything else (another container, a clone of each read) takes
+    nnsight's path.
+    """
+    import torch
+
+    batcher = _vllm_batcher()
+    general = batcher.narrow
+    if getattr(general, "streamscope_direct", False):
+        return
+    tensor_type = torch.Tensor
+
+    def span(self: Any, tensor: Any, start: int, size: int) -> Any:
+        total, shape = self.total, tensor.shape
+        if shape[0] == total:
+            return tensor.narrow(0, start, size)
+        if len(shape) >= 2 and shape[0] == 1 and shape[1] == total:
+            return tensor.narrow(1, start, size)
+        return tensor
+
+    def direct(self: Any, value: Any, group: Any) -> Any:
+        if group is None or self.clone_reads:
+            return general(self, value, group)
+        if type(value) is tuple and len(value) == 2:
+            first, second = value
+            if isinstance(first, tensor_type) and isinstance(second, tensor_type):
+                for serving in _SERVING:
+                    serving(group)
+                start, size = group
+                return (span(self, first, start, size), span(self, second, start, size))
+        elif isinstance(value, tensor_type):
+            for serving in _SERVING:
+                serving(group)
+            return span(self, value, group[0], group[1])
+        return general(self, value, group)
+
+    setattr(direct, "streamscope_direct", True)  # marks the patch as applied (a function attribute)
+    batcher.narrow = direct
+
+
+def record_saves_cheaply() -> None:
+    """Skip nnsight's per-step walk of a vLLM worker's names when the trace has saved nothing.
+
+    At every step nnsight notes, on each scheduled worker, which of its names
+    hold a saved value (``Requests.record``: each name's value looked up in the
+    thread's set of saved ids), so the collect knows them. With nothing saved
+    in the thread the answer is the names saved before the worker was sent
+    (``presaved``), and that is what is noted, without the walk; an error to
+    capture, or any save at all, takes nnsight's path.
+    """
+    from nnsight.modeling.vllm.model_runners.GPUModelRunner import Requests
+
+    general = Requests.record
+    if getattr(general, "streamscope_cheap", False):
+        return
+
+    def record(self: Any, mediator: Any) -> None:
+        if _saves() or mediator.exception is not None:
+            return general(self, mediator)
+        mediator.nnsight_saved = set(mediator.presaved)
+
+    setattr(record, "streamscope_cheap", True)  # marks the patch as applied (a function attribute)
+    Requests.record = record
 
 
 def running_token_span() -> Optional[tuple[int, int]]:

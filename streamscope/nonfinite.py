@@ -7,9 +7,12 @@ trace that writes at every step of a generation would otherwise wait for the
 device at every write. The written tensors' sums are read together, with one
 wait, when an invoke's code ends (`warn_pending`), or sooner once the writes
 they hold reach `HOLD_BYTES`; the model's own sums are read only for a write
-whose sum is not finite. On the host, where reading a number waits for nothing,
-they are read at the write (`READ_ON_THE_HOST`); the warnings are given when the
-invoke's code ends either way. A warning points at the user's line on the stack when the
+whose sum is not finite. The writes a visit of vLLM's batch lands together
+(`streamscope.vllm.write_batch`) are scanned together, row by row, and their
+counts copied to the host without a wait (`scan_rows`): they are read once the
+device has made them. On the host, where reading a number waits for nothing,
+scans are read at the write (`READ_ON_THE_HOST`); the warnings are given when
+the invoke's code ends either way. A warning points at the user's line on the stack when the
 write is made (an edit that goes back to the model from inside the engine,
 with no frame of the user's on the stack, points at streamscope's own).
 """
@@ -98,55 +101,72 @@ def scan_write(name: str, value: torch.Tensor, current: Optional[torch.Tensor]) 
 class _RowScans(NamedTuple):
     """The scans of writes landed together (`scan_rows`), one record for them all."""
 
-    totals: torch.Tensor  # a sum per row of the written values, in row order
-    bases: torch.Tensor  # the same of the model's own values under them
-    # (name, value, line, version at the write) in row order; a write with no name is not scanned, its rows kept
-    # only to line the others up.
-    writes: list[tuple[Optional[str], torch.Tensor, Optional[Line], int]]
+    # [2, rows] int64, in row order: each written row's count of finite entries, then the same of the model's
+    # own row under it. On the host, or being copied there.
+    counts: torch.Tensor
+    width: int  # the entries of a row
+    # (name, rows, line) in row order; a write with no name is not scanned, its rows kept only to line the
+    # others up.
+    writes: list[tuple[Optional[str], int, Optional[Line]]]
+    copied: Any  # the device's event recorded after the copy of `counts` to the host, or None (nothing to wait for)
 
 
 _ROW_SCANS: list[_RowScans] = []
 _ROW_WRITES = 0  # the writes the unread row scans hold
 
 
-def scan_rows(writes: list[tuple[Optional[str], torch.Tensor, Optional[Line]]], totals: torch.Tensor,
-              bases: torch.Tensor) -> None:
-    """Start the NaN/inf scans of writes made together, from their row sums.
+def scan_rows(writes: list[tuple[Optional[str], int, Optional[Line]]], value: torch.Tensor,
+              own: torch.Tensor) -> None:
+    """Start the NaN/inf scans of writes landed together.
 
-    `writes` are ``(name, value, line)`` in row order, each value ``[rows,
-    ...]``; `totals` holds a sum per row of the values, in that order, and
-    `bases` the same of the model's own values they were written over (both
-    float32 or wider, on the values' device; `row_sums`). A write warns, as
-    `scan_write` says, where its rows' sums are not all finite and the
-    model's were; a write whose name is None is not scanned. Kept
-    as one record, read with the other scans: nothing is done per write but
-    noting its version.
+    `writes` are ``(name, rows, line)`` in row order, their rows together
+    making up `value` (``[rows, width]``, the values written; nothing may
+    change it later but the count is made now anyway) and `own` (the same
+    rows of the model's own values they were written over). A write warns, as
+    `scan_write` says, where its rows hold NaN or inf and the model's did
+    not; a write whose name is None is not scanned.
+
+    The counts are made on the device (a few kernels for every write of the
+    landing) and copied to the host without waiting: on a CUDA device an
+    event says when they are there, and they are read once it has passed (at
+    the latest when an invoke's code ends), so a trace that writes at every
+    step never waits for the device to scan, nor keeps what it wrote.
     """
-    global _HELD, _ROW_WRITES
-    if READ_ON_THE_HOST and totals.is_cpu:
-        if bool(totals.isfinite().all()):
+    global _ROW_WRITES
+    if READ_ON_THE_HOST and value.is_cpu:
+        if bool(value.isfinite().all()):
             return
-        _warn_rows(totals.isfinite().tolist(), _RowScans(totals, bases, [
-            (name, value, line, _version(value)) for name, value, line in writes]))
+        counts = _row_counts(value, own)
+        _warn_rows(_RowScans(counts, value.shape[-1], writes, None), counts.tolist())
         return
-    _ROW_SCANS.append(_RowScans(totals, bases, [(name, value, line, _version(value)) for name, value, line in writes]))
+    counts, copied = _row_counts(value, own), None
+    if counts.is_cuda:
+        # A pinned copy, made in the order of the device's work; the event passes once it is done.
+        counts = counts.to("cpu", non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+    _ROW_SCANS.append(_RowScans(counts, value.shape[-1], writes, copied))
     _ROW_WRITES += len(writes)
-    first = writes[0][1]
-    _HELD += totals.numel() * first.nbytes // first.shape[0]  # every row is as wide as the first's
-    if _HELD > HOLD_BYTES or len(_SCANS) + _ROW_WRITES > HOLD_COUNT:
-        read_scans()
+    if len(_SCANS) + _ROW_WRITES > HOLD_COUNT:
+        _read_row_scans(wait=len(_SCANS) + _ROW_WRITES > 4 * HOLD_COUNT)  # waits only when far behind
 
 
-def _warn_rows(written: list[bool], scans: _RowScans) -> None:
-    """Queue the warnings of `scans`' writes that brought NaN or inf, given whether each row's sum is finite."""
-    own = None
+def _row_counts(value: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """`scan_rows`' ``[2, rows]`` counts: each row's finite entries in `value`, then in `own`."""
+    return torch.stack((value.isfinite().sum(dim=-1), own.isfinite().sum(dim=-1)))
+
+
+def _warn_rows(scans: _RowScans, counts: list[list[int]]) -> None:
+    """Queue the warnings of `scans`' writes that brought NaN or inf, given its counts read to the host."""
+    finite, own = counts
+    width = scans.width
     row = 0
-    for name, value, line, version in scans.writes:
-        rows = value.shape[0]
-        if name is not None and not all(written[row:row + rows]):
-            own = scans.bases.isfinite().tolist() if own is None else own
-            if all(own[row:row + rows]):  # where the model's own rows held NaN or inf, the write is not the cause
-                _queue(name, value, version, line)
+    for name, rows, line in scans.writes:
+        if name is not None and line is not None:  # (a scanned write has both)
+            brought = rows * width - sum(finite[row:row + rows])
+            # Where the model's own rows held NaN or inf, the write is not the cause.
+            if brought and all(count == width for count in own[row:row + rows]):
+                _due(name, f"at {brought} of its {rows * width} entries", line)
         row += rows
 
 
@@ -155,11 +175,6 @@ def _version(value: torch.Tensor) -> int:
         return value._version
     except RuntimeError:  # an inference tensor keeps no version counter
         return -1
-
-
-def row_sums(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`'s sums over its last dimension, for `scan_rows`: a row is finite where its sum is (`_sum`)."""
-    return tensor.sum(dim=-1, dtype=torch.float32) if tensor.element_size() < 4 else tensor.sum(dim=-1)
 
 
 def _sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -175,15 +190,13 @@ def read_scans() -> None:
     One wait per device; where a write brought NaN or inf, one more, for the
     model's own sums of those writes alone.
     """
-    global _HELD, _ROW_WRITES
+    global _HELD
     for start_held_back in BEFORE_READ:
         start_held_back()
     scans = _SCANS[:]
     del _SCANS[:len(scans)]
-    row_scans = _ROW_SCANS[:]
-    del _ROW_SCANS[:len(row_scans)]
-    _HELD = _ROW_WRITES = 0
-    _read_row_scans(row_scans)
+    _HELD = 0
+    _read_row_scans()
     by_device: dict[torch.device, list[_Scan]] = {}
     for scan in scans:
         device = scan.total.device
@@ -204,20 +217,28 @@ def read_scans() -> None:
                 _queue(scan.name, scan.value, scan.version, scan.line)
 
 
-def _read_row_scans(records: list[_RowScans]) -> None:
-    """Read the row scans: one wait per device for every row of them, and warn where a write brought NaN or inf."""
-    by_device: dict[torch.device, list[_RowScans]] = {}
-    for record in records:
-        by_device.setdefault(record.totals.device, []).append(record)
-    for group in by_device.values():
-        flags = torch.cat([record.totals for record in group]).isfinite().tolist()
-        if all(flags):
+def _read_row_scans(wait: bool = True) -> None:
+    """Read the row scans whose counts are on the host, and, where `wait`, wait for the rest; warn where a write
+    brought NaN or inf. The counts of every row scan read are looked at together, once."""
+    global _ROW_WRITES
+    ready, kept = [], []
+    for record in _ROW_SCANS:
+        if record.copied is not None and not (wait or record.copied.query()):
+            kept.append(record)
             continue
-        start = 0
+        if record.copied is not None:
+            record.copied.synchronize()  # at once where it has passed
+        ready.append(record)
+    _ROW_SCANS[:] = kept
+    _ROW_WRITES = sum(len(record.writes) for record in kept)
+    by_width: dict[int, list[_RowScans]] = {}
+    for record in ready:
+        by_width.setdefault(record.width, []).append(record)
+    for width, group in by_width.items():
+        if bool(torch.cat([record.counts for record in group], dim=1)[0].eq(width).all()):
+            continue  # every written entry finite
         for record in group:
-            stop = start + record.totals.shape[0]
-            _warn_rows(flags[start:stop], record)
-            start = stop
+            _warn_rows(record, record.counts.tolist())
 
 
 def _queue(name: str, value: torch.Tensor, version: int, line: Line) -> None:
@@ -230,6 +251,11 @@ def _queue(name: str, value: torch.Tensor, version: int, line: Line) -> None:
         if not count:
             return  # the sum overflowed; every entry is finite
         where = f"at {count} of its {numel} entries"
+    _due(name, where, line)
+
+
+def _due(name: str, where: str, line: Line) -> None:
+    """Queue the warning that `name` was written with NaN or inf `where` ("at 3 of its 8 entries")."""
     _DUE.append((f"{name} is written with NaN or inf {where}, where the model's values were finite: every "
                  f"later position that attends to them (and every value after them) becomes NaN. Write finite "
                  f"numbers unless that is what you mean to study.", line))

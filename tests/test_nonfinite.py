@@ -157,11 +157,11 @@ def test_a_read_warns_for_exactly_the_writes_that_brought_nan_or_inf():
 
 
 def rows_scanned(writes: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
-    """`scan_rows` as `streamscope.vllm.write_batch` calls it: writes made together, their rows' sums in a row."""
+    """`scan_rows` as `streamscope.vllm.write_batch` calls it: writes landed together, their rows in a row."""
     values = torch.cat([value for _, value, _ in writes])
     own = torch.cat([current for _, _, current in writes])
     line = nonfinite.user_line()
-    nonfinite.scan_rows([(name, value, line) for name, value, _ in writes], values.sum(dim=-1), own.sum(dim=-1))
+    nonfinite.scan_rows([(name, value.shape[0], line) for name, value, _ in writes], values, own)
 
 
 def test_writes_scanned_together_by_row_warn_as_each_scanned_alone():

@@ -39,7 +39,10 @@ from .. import nnsight_seam as seam
 
 
 class _Edit(NamedTuple):
-    start: int  # the first token row of the invoke's span in the step's batch
+    # Where the span's rows of each half begin (their data pointers): a tensor's spans sort in row order by
+    # them, and whether one span's rows follow another's is arithmetic on them.
+    hidden_at: int
+    residual_at: int
     hidden: torch.Tensor  # the span's rows of the hidden half, [rows, hidden_size]
     residual: torch.Tensor  # the same rows of the residual half
     value: torch.Tensor  # the stream written there, [rows, hidden_size], in the halves' dtype
@@ -47,6 +50,7 @@ class _Edit(NamedTuple):
     line: Optional[nonfinite.Line]  # the user's line of the write, where it is scanned
 
 
+_new = tuple.__new__  # a NamedTuple made in C: a record per invoke and step
 _QUEUE: list[_Edit] = []
 _STARTS: set[int] = set()  # the spans' starts: whether a worker about to be served has an edit queued
 
@@ -76,7 +80,7 @@ def hold(start: int, hidden: torch.Tensor, residual: torch.Tensor, value: torch.
     """Queue the write-back of `value` (the stream's new rows, ``[rows, hidden_size]``) over the halves of the
     span at `start`, scanned for NaN/inf as `name` unless None; it lands when the visit ends (`land`)."""
     line = nonfinite.user_line() if name is not None else None
-    _QUEUE.append(_Edit(start, hidden, residual, value, name, line))
+    _QUEUE.append(_new(_Edit, (hidden.data_ptr(), residual.data_ptr(), hidden, residual, value, name, line)))
     _STARTS.add(start)
 
 
@@ -84,31 +88,58 @@ def land() -> None:
     """Apply every queued write-back, the edits of adjacent spans as one."""
     if not _QUEUE:
         return
-    edits = sorted(_QUEUE, key=lambda edit: edit.hidden.data_ptr())  # a tensor's spans in row order, together
+    edits = sorted(_QUEUE, key=_hidden_at)  # a tensor's spans in row order, together
     _QUEUE.clear()
     _STARTS.clear()
-    run = [edits[0]]
-    for edit in edits[1:]:
-        if _follows(run[-1], edit):
-            run.append(edit)
-        else:
-            _apply(run)
-            run = [edit]
+    first = 0
+    last = edits[0]
+    hidden_row, residual_row = _row_bytes(last)
+    for index in range(1, len(edits)):
+        edit = edits[index]
+        rows = last.hidden.shape[0]
+        if not (edit.hidden_at == last.hidden_at + rows * hidden_row
+                and edit.residual_at == last.residual_at + rows * residual_row
+                and _row_bytes(edit) == (hidden_row, residual_row)):
+            _land_run(edits[first:index])
+            first = index
+            hidden_row, residual_row = _row_bytes(edit)
+        last = edit
+    _land_run(edits[first:])
+
+
+def _hidden_at(edit: _Edit) -> int:
+    return edit.hidden_at
+
+
+def _row_bytes(edit: _Edit) -> tuple[int, int]:
+    """How far apart, in bytes, one row of each half is from the next."""
+    hidden, residual = edit.hidden, edit.residual
+    return hidden.stride(0) * hidden.element_size(), residual.stride(0) * residual.element_size()
+
+
+def _land_run(run: list[_Edit]) -> None:
+    """Apply `run`, spans whose rows follow one another by their addresses, as one where they are the rows of
+    one pair of tensors (the common case: one visit's spans of the step's halves), else span by span."""
+    if len(run) > 1 and not _one_pair(run):
+        for edit in run:
+            _apply([edit])
+        return
     _apply(run)
 
 
-def _follows(last: _Edit, edit: _Edit) -> bool:
-    """Whether `edit`'s rows come straight after `last`'s in the same two tensors."""
-    hidden, residual, next_hidden, next_residual = last.hidden, last.residual, edit.hidden, edit.residual
-    # (An inference tensor's views keep no `_base`: the storage tells which tensor a view is of.)
-    return (next_hidden.data_ptr() == hidden.data_ptr() + hidden.shape[0] * hidden.stride(0) * hidden.element_size()
-            and next_residual.data_ptr()
-            == residual.data_ptr() + residual.shape[0] * residual.stride(0) * residual.element_size()
-            and next_hidden.stride() == hidden.stride() and next_residual.stride() == residual.stride()
-            and next_hidden.shape[1] == hidden.shape[1] and next_hidden.dtype == hidden.dtype
-            and next_hidden.device == hidden.device
-            and next_hidden.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()
-            and next_residual.untyped_storage().data_ptr() == residual.untyped_storage().data_ptr())
+def _one_pair(run: list[_Edit]) -> bool:
+    """Whether `run`'s rows, contiguous by their addresses, are the rows of one pair of tensors of one layout:
+    its first and last spans of the same storages, every span as wide and of the same dtype and device. (Two
+    tensors can sit side by side in memory; the rows between the first and last spans of one storage are
+    that storage's.)"""
+    first, last = run[0], run[-1]
+    hidden, residual = first.hidden, first.residual
+    if (hidden.untyped_storage().data_ptr() != last.hidden.untyped_storage().data_ptr()
+            or residual.untyped_storage().data_ptr() != last.residual.untyped_storage().data_ptr()):
+        return False
+    width, dtype, device = hidden.shape[1], hidden.dtype, hidden.device
+    return all(edit.hidden.shape[1] == width and edit.hidden.dtype == dtype and edit.hidden.device == device
+               and edit.residual.dtype == residual.dtype for edit in run)
 
 
 def _apply(run: list[_Edit]) -> None:
@@ -122,8 +153,7 @@ def _apply(run: list[_Edit]) -> None:
         residual = first.residual.as_strided(shape, first.residual.stride())
         value = torch.cat([edit.value for edit in run])
     if any(edit.name is not None for edit in run):
-        nonfinite.scan_rows([(edit.name, edit.value, edit.line) for edit in run], nonfinite.row_sums(value),
-                            nonfinite.row_sums(hidden))
+        nonfinite.scan_rows([(edit.name, edit.hidden.shape[0], edit.line) for edit in run], value, hidden)
     # Elementwise as each write-back does it alone: the stream's change added to the hidden half.
     hidden.add_(value - (hidden + residual))
 
@@ -142,4 +172,6 @@ def _ended(failed: bool) -> None:
 
 
 seam.around_visits(land, _serving, _ended)
+seam.narrow_spans_directly()
+seam.record_saves_cheaply()
 nonfinite.BEFORE_READ.append(land)

@@ -8,6 +8,7 @@ plain torch: `hidden += value - (hidden + residual)`, span by span.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -156,3 +157,44 @@ def test_writes_not_scanned_land_beside_scanned_ones_and_warn_nothing():
     assert len(messages) == 1 and messages[0].startswith("model.layers[2].layer_mid is written with NaN or inf at 1 "), \
         messages
     assert hidden[0, 0].isnan() and hidden[2, 0].isnan()
+
+
+def test_a_landed_scan_keeps_nothing_of_what_was_written(monkeypatch):
+    """The scan of writes landed together counts their NaN/inf entries as they land: until it is read it keeps
+    two counts a row, not the written tensors (a trace that writes at every step would otherwise hold them)."""
+    monkeypatch.setattr(nonfinite, "READ_ON_THE_HOST", False)  # deferred, as on a device
+    hidden, residual = batch(6, torch.float32)
+    values = hold_spans(hidden, residual, [(0, 2), (2, 2), (4, 2)])
+    written = [weakref.ref(value) for value in values.values()]
+    write_batch.land()
+    del values
+    assert nonfinite.pending() == 3
+    assert [reference() for reference in written] == [None, None, None]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device's path: on the host, counts are read as made")
+def test_on_a_gpu_landing_and_scanning_never_wait_for_the_device():
+    """On a GPU the counts go to the host without a wait and are read once there: landing a visit's edits and
+    starting their scan make no synchronizing call (torch's sync debug mode raises on one), and the warning of
+    the write that brought NaN still comes when the invoke ends."""
+    hidden, residual = (half.cuda() for half in batch(6, torch.float32))
+    spans = [(0, 2), (2, 2), (4, 2)]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for index, (start, size) in enumerate(spans):
+            own_hidden, own_residual = hidden.narrow(0, start, size), residual.narrow(0, start, size)
+            value = own_hidden + own_residual
+            if index == 2:
+                value[0, 7] = float("inf")
+            write_batch.hold(start, own_hidden, own_residual, value, f"model.layers[{index}].layer_output")
+        write_batch.land()
+        nonfinite._read_row_scans(wait=False)  # what has arrived is read; nothing is waited for
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        nonfinite.warn_pending()
+    messages = [str(warning.message) for warning in caught]
+    assert len(messages) == 1 and messages[0].startswith(
+        f"model.layers[2].layer_output is written with NaN or inf at 1 of its {2 * HIDDEN} entries"), messages
+    assert hidden[4, 7].isinf() and hidden[[0, 1, 2, 3, 5]].isfinite().all()
