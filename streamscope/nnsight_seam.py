@@ -489,7 +489,7 @@ def narrow_spans_directly() -> None:
     """
     import torch
 
-    batcher = _vllm_batcher()
+    batcher: Any = _vllm_batcher()
     general = batcher.narrow
     if getattr(general, "streamscope_direct", False):
         return
