@@ -12,9 +12,9 @@ work, so the difference to the full trace is what that part costs:
   inplace     the edit written `current += vector` rather than `current[:] += vector` (no copy back through
               `__setitem__`)
 
-and prints each as a ratio to bare and as microseconds per invoke-step over bare. Then, on the same engine, the
-host cost of the single ops a step's invoke runs (launching an add on a [1, hidden] tensor, a slice, entering
-`inference_mode(False)`, a greenlet round trip), and with ``--spy SECONDS``, py-spy's sampled stacks of the full
+and prints each as a ratio to bare and as microseconds per invoke-step over bare. Then, on the same device, the
+cost of the single ops a step's invoke runs (an add on a [1, hidden] tensor, a slice, entering
+`inference_mode(False)`, a greenlet round trip), in a burst (the host's) and sustained, and with ``--spy SECONDS``, py-spy's sampled stacks of the full
 trace (its binary on the path; its raw output under ``--out``), summarised by function.
 
     python benchmarks/w2_host.py --out /tmp/w2     # the H200 shape on a GPU
@@ -71,10 +71,16 @@ def with_setting(run, module, name: str, value):
     return changed
 
 
-def op_costs(device: str, dtype, hidden: int, repeats: int = 20000) -> dict[str, float]:
-    """Microseconds of host time per call of the single ops an invoke-step runs, on `device`."""
+def op_costs(device: str, dtype, hidden: int, repeats: int = 20000) -> dict[str, tuple[float, float]]:
+    """Microseconds per call of the single ops an invoke-step runs, on `device`: in a burst of 100 (the host's
+    cost of a call), and sustained over `repeats` with the device waited for at the end (the slower of the
+    host and the device)."""
     import torch
     from greenlet import greenlet, getcurrent
+
+    def synchronize():
+        if device != "cpu":
+            torch.cuda.synchronize()
 
     a = torch.randn(8, hidden, device=device, dtype=dtype)
     b = torch.randn(8, hidden, device=device, dtype=dtype)
@@ -116,15 +122,17 @@ def op_costs(device: str, dtype, hidden: int, repeats: int = 20000) -> dict[str,
                                ("sum to float32", row_sum), ("greenlet round trip", round_trip)]:
             for _ in range(200):
                 function()
-            if device != "cpu":
-                torch.cuda.synchronize()
+            synchronize()
+            start = time.perf_counter()
+            for _ in range(100):  # a burst the device's queue takes without pushing back: the host's cost
+                function()
+            burst = time.perf_counter() - start
+            synchronize()
             start = time.perf_counter()
             for _ in range(repeats):
                 function()
-            host = time.perf_counter() - start
-            if device != "cpu":
-                torch.cuda.synchronize()
-            costs[name] = host / repeats * 1e6
+            synchronize()
+            costs[name] = (burst / 100 * 1e6, (time.perf_counter() - start) / repeats * 1e6)
     return costs
 
 
@@ -208,9 +216,10 @@ def main() -> None:
     for name, seconds in times.items():
         print(f"  {name:10s} {seconds:8.3f} s  {seconds / bare:5.2f}x bare  "
               f"{(seconds - bare) / steps * 1e6:7.1f} us an invoke-step over bare", flush=True)
-    print(f"\nhost cost of single ops on {device} ({dtype}, [1, {model.hidden_size}]), us a call:")
-    for name, cost in op_costs(device, dtype, model.hidden_size).items():
-        print(f"  {cost:7.2f}  {name}", flush=True)
+    print(f"\nsingle ops on {device} ({dtype}, [1, {model.hidden_size}]), us a call: a burst of 100 (the host's "
+          f"cost), then sustained (the host's or the device's, whichever is slower)")
+    for name, (burst, sustained) in op_costs(device, dtype, model.hidden_size).items():
+        print(f"  {burst:7.2f} {sustained:7.2f}  {name}", flush=True)
     if args.spy:
         spy(full, args.spy, args.out)
     model.close()
