@@ -19,6 +19,8 @@ round (medians):
         at once     `placed` with each write-back made on its invoke's worker as it goes, not held to the end of
                     the block's visit to land with the others' (`streamscope.vllm.write_batch`): what holding gains
         steered     the same steer on the bulk path (model.generate(steer=...)), for reference
+        peer        raw nnsight 0.8.1's same steer in its trace (its own engine, eager, in a child process; the
+                    vector added in place to the block's hidden half), against its own bare generation
   P     streamscope.patch of layer_output over every block and the last 16 positions of a 64-token prompt pair
         patch       the call, on the T engine
         forwards    the same number of plain forwards (blocks x 16 + the two clean runs), one vLLM generate of that
@@ -45,7 +47,7 @@ otherwise), in a child process, on one engine, round by round:
 
     python benchmarks/gpu_trace.py                 # the H200 run, one command, about 6 minutes
     python benchmarks/gpu_trace.py --tiny          # the same code at a tiny shape on this CPU
-    python benchmarks/gpu_trace.py --skip w2       # parts to skip: t,nnsight,w2,patch
+    python benchmarks/gpu_trace.py --skip w2       # parts to skip: t,nnsight,w2,w2peer,patch
     python benchmarks/gpu_trace.py --skip t,nnsight,w2 --trace-route   # P alone, with the old route beside it
     python benchmarks/gpu_trace.py --engine-process [--tiny]   # X: packed against pickled, engine in its process
 """
@@ -298,6 +300,40 @@ def child(part: str, folder: Path, tiny: bool, rounds: int) -> dict | None:
     return json.loads(lines[-1][len("CHILD "):])
 
 
+def raw_nnsight_w2(folder: Path, tiny: bool, rounds: int) -> dict:
+    """W2 on raw nnsight (a child process): its VLLM (eager: nnsight has no taps), bare generation and the same
+    steer written in its trace, an invoke per prompt, the vector added to the block's hidden half in place (the
+    stream is hidden + residual, so the stream moves by the vector, as streamscope's edit of layer_output)."""
+    import torch
+
+    settings = shape(tiny)
+    kwargs = {**kwargs_for(settings, tiny), "enforce_eager": True, "enable_prefix_caching": False,
+              "enable_chunked_prefill": False}
+    if tiny:
+        from streamscope.vllm.worker import cpu_vllm  # nnsight's VLLM through the CPU worker (no GPU here)
+
+        model = cpu_vllm(str(folder), dispatch=True, **kwargs)
+    else:
+        from nnsight.modeling.vllm import VLLM
+
+        model = VLLM(str(folder), dispatch=True, **kwargs)
+    prompts = token_prompts(settings["w2_prompts"], settings["w2_lengths"], 2)
+    count, block = settings["w2_tokens"], settings["steer_block"]
+    torch.manual_seed(0)
+    vector = torch.randn(FULL["hidden_size"] if not tiny else TINY["hidden_size"]).to(
+        device="cuda" if torch.cuda.is_available() else "cpu", dtype=getattr(torch, settings["dtype"]))
+    layer = model.model.layers[block]
+
+    def run():
+        with model.trace(max_tokens=count, temperature=1.0, seed=0, ignore_eos=True) as tracer:
+            for prompt in prompts:
+                with tracer.invoke({"prompt_token_ids": prompt}):
+                    for _ in tracer.iter[:count]:
+                        layer.output[0][:] += vector
+
+    return timed_together({"bare": bare_w2(model.vllm_entrypoint, prompts, count), "trace": run}, rounds)
+
+
 def report(rows: list) -> None:
     print()
     print(f"{'':3} {'what':<58} {'seconds':>9}  ratio", flush=True)
@@ -309,7 +345,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny shape, for a CPU check")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: t,nnsight,w2,patch")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: t,nnsight,w2,w2peer,patch")
     parser.add_argument("--engine-process", action="store_true",
                         help="only X: the trace with the engine core in its own process, packed against pickled")
     parser.add_argument("--patch-positions", type=int, default=None,
@@ -323,7 +359,7 @@ def main() -> None:
     if args.child:
         if not args.tiny:
             import torch  # noqa: F401  (CUDA before vLLM in a child, as in gpu_workloads)
-        run = {"nnsight": raw_nnsight, "w2": tapped_w2, "xproc": engine_process}[args.child]
+        run = {"nnsight": raw_nnsight, "w2": tapped_w2, "w2peer": raw_nnsight_w2, "xproc": engine_process}[args.child]
         times = run(Path(args.folder), args.tiny, args.rounds)
         print("CHILD " + json.dumps(times), flush=True)
         return
@@ -460,6 +496,11 @@ def main() -> None:
                           f"{measured['unchecked'] / again:.2f}x bare"),
                          ("W2", "the vector placed, each write-back made at once", measured["at once"],
                           f"{measured['at once'] / again:.2f}x bare")]
+        peer_w2 = None if "w2peer" in skip else child("w2peer", folder, args.tiny, args.rounds)
+        if peer_w2 is not None:
+            rows += [("W2", "raw nnsight: bare generation, its own engine (eager)", peer_w2["bare"], ""),
+                     ("W2", "raw nnsight: the same steer in its trace (hidden half += vector)", peer_w2["trace"],
+                      f"{peer_w2['trace'] / peer_w2['bare']:.2f}x its bare")]
     report(rows)
     print(f"\nwhole run {time.perf_counter() - started:.0f} s", flush=True)
 

@@ -87,15 +87,24 @@ def sizes(tiny: bool) -> dict:
 
 
 def build_folder(folder: Path, tiny: bool) -> Path:
-    """A checkpoint folder with a config and a tokenizer, and no weights."""
+    """A checkpoint folder with a config and a tokenizer, and no weights.
+
+    The tokenizer covers the model's whole vocabulary, as a real checkpoint's does: the engine samples ids from
+    all of it, and vLLM's detokenizer takes some twenty times as long over an id its tokenizer lacks (until
+    2026-12-04 the full shape had a 512-token tokenizer, which put about a second of failed look-ups into each
+    of W2's bare generations on the H200, 40% of them: see RESULTS.md of that day).
+    """
     from transformers import LlamaConfig
 
-    from streamscope.testing.tokenizer import save_tokenizer
+    from streamscope.testing.tokenizer import save_tokenizer, word_tokenizer
 
     shape = TINY if tiny else FULL
     config = LlamaConfig(**shape, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     config.save_pretrained(str(folder))
-    save_tokenizer(folder, vocab_size=512)
+    if shape["vocab_size"] <= 512:
+        save_tokenizer(folder, vocab_size=shape["vocab_size"])
+    else:
+        word_tokenizer(shape["vocab_size"]).save_pretrained(str(folder))
     return folder
 
 

@@ -90,15 +90,10 @@ def wide_tokenizer(folder: Path, size: int) -> None:
     measured the cache, not streamscope. With the model's own vocabulary size
     the starts hardly ever meet.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from streamscope.testing.tokenizer import word_tokenizer
 
-    special = {"<unk>": 0, "<s>": LLAMA3_8B["bos_token_id"], "</s>": LLAMA3_8B["eos_token_id"]}
-    vocab = {**special, **{f"w{index}": index for index in range(len(special), size)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(folder)
+    word_tokenizer(size, bos_token_id=LLAMA3_8B["bos_token_id"], eos_token_id=LLAMA3_8B["eos_token_id"],
+                   pad_token_id=0).save_pretrained(folder)
 
 
 def port() -> int:

@@ -11,7 +11,8 @@ the console; ``<out>/plan.txt`` lists what ran, for how long and how it ended.
   ablate   issue 21: an ablation at every block against bare generation, tapped engine,
            in this tree and in each `--tree` (an earlier commit, to compare), 12 rounds      about 3 min a tree
   w2       issue 24: W2's steer written in a trace against bare, and its variants (each run
-           printed as it ends: a run cut short still says how far it got)                     3-6 min
+           printed as it ends: a run cut short still says how far it got), then raw nnsight's
+           same trace against its own bare                                                     5-8 min
   w2host   issue 24: W2's trace taken apart (each part's cost by removing it, side by side), the host
            cost of the single ops of an invoke-step, and py-spy's samples of the trace; then the same,
            without py-spy, in each `--tree`                                                       4-5 min a tree
@@ -76,7 +77,7 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
         "ablate": [(f"ablate ({name})", [python, "benchmarks/gpu_directions.py", "--only", "ablate", "--engines",
                                          "tapped", "--rounds", "12"], tree, 210)
                    for name, tree in {"this tree": ROOT, **trees}.items()],
-        "w2": [("w2", [python, "benchmarks/gpu_trace.py", "--skip", "t,nnsight,patch"], ROOT, 420)],
+        "w2": [("w2", [python, "benchmarks/gpu_trace.py", "--skip", "t,nnsight,patch"], ROOT, 560)],
         "profile": [("ablate profiled", [python, "benchmarks/gpu_directions.py", "--only", "ablate", "--engines",
                                          "tapped", "--rounds", "3", "--profile"], ROOT, 200),
                     ("w2 profiled", [python, "benchmarks/profile_trace.py", "--w2", "--taps", "--top", "30"], ROOT,

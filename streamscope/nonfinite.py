@@ -141,9 +141,10 @@ def scan_rows(writes: list[tuple[Optional[str], int, Optional[Line]]], value: to
         return
     counts, copied = _row_counts(value, own), None
     if counts.is_cuda:
-        # A pinned copy, made in the order of the device's work; the event passes once it is done.
-        counts = counts.to("cpu", non_blocking=True)
-        copied = torch.cuda.Event()
+        # Into pinned memory, in the order of the device's work; the event passes once it is done.
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        host.copy_(counts, non_blocking=True)
+        counts, copied = host, torch.cuda.Event()
         copied.record()
     _ROW_SCANS.append(_RowScans(counts, value.shape[-1], writes, copied))
     _ROW_WRITES += len(writes)
@@ -223,11 +224,12 @@ def _read_row_scans(wait: bool = True) -> None:
     global _ROW_WRITES
     ready, kept = [], []
     for record in _ROW_SCANS:
-        if record.copied is not None and not (wait or record.copied.query()):
-            kept.append(record)
-            continue
-        if record.copied is not None:
-            record.copied.synchronize()  # at once where it has passed
+        copied = record.copied
+        if copied is not None and not copied.query():
+            if not wait:
+                kept.append(record)
+                continue
+            copied.synchronize()
         ready.append(record)
     _ROW_SCANS[:] = kept
     _ROW_WRITES = sum(len(record.writes) for record in kept)

@@ -50,6 +50,31 @@ def train_tokenizer(vocab_size: int = 512, corpus: Sequence[str] = CORPUS) -> Pr
     )
 
 
+def word_tokenizer(vocab_size: int, bos_token_id: int = 0, eos_token_id: int = 1,
+                   pad_token_id: int = 2) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer with exactly `vocab_size` ids: the special tokens at the ids given, every other id
+    the word ``w<id>`` (text is split at spaces; a word it does not know is read as the pad token).
+
+    For a checkpoint whose model samples ids from a vocabulary far wider than
+    a tokenizer trained on `CORPUS` (Llama-3's 128,256): every id the engine
+    samples then decodes as a word, at a real tokenizer's cost. An id past a
+    tokenizer's vocabulary costs vLLM's detokenizer some twenty times as much
+    (a failed lookup each time), which would weigh on bare generation like no
+    real model's tokenizer does.
+    """
+    bos, eos, pad = SPECIAL_TOKENS
+    special = {bos_token_id: bos, eos_token_id: eos, pad_token_id: pad}
+    vocab = {special.get(index, f"w{index}"): index for index in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=pad))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece()  # words joined by spaces
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_token_id)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos, eos_token=eos, pad_token=pad,
+                                   unk_token=pad, padding_side="left")
+
+
 def save_tokenizer(path: str | Path, vocab_size: int = 512, corpus: Sequence[str] = CORPUS) -> PreTrainedTokenizerFast:
     """Train a tokenizer on `corpus` and save it into the checkpoint folder `path` (replacing any there)."""
     tokenizer = train_tokenizer(vocab_size, corpus)
