@@ -179,14 +179,14 @@ def test_on_a_gpu_landing_and_scanning_never_wait_for_the_device():
     the write that brought NaN still comes when the invoke ends."""
     hidden, residual = (half.cuda() for half in batch(6, torch.float32))
     spans = [(0, 2), (2, 2), (4, 2)]
+    values = [hidden.narrow(0, start, size) + residual.narrow(0, start, size) for start, size in spans]
+    values[2][0, 7] = float("inf")  # (a Python number into a device tensor is itself a wait: made before)
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for index, (start, size) in enumerate(spans):
-            own_hidden, own_residual = hidden.narrow(0, start, size), residual.narrow(0, start, size)
-            value = own_hidden + own_residual
-            if index == 2:
-                value[0, 7] = float("inf")
-            write_batch.hold(start, own_hidden, own_residual, value, f"model.layers[{index}].layer_output")
+        for index, ((start, size), value) in enumerate(zip(spans, values)):
+            write_batch.hold(start, hidden.narrow(0, start, size), residual.narrow(0, start, size), value,
+                             f"model.layers[{index}].layer_output")
         write_batch.land()
         nonfinite._read_row_scans(wait=False)  # what has arrived is read; nothing is waited for
     finally:
