@@ -150,7 +150,8 @@ def steered_rows(model: Any) -> tuple:
         rows.save()
         for index, prompt in enumerate(prompts):
             with tracer.invoke(prompt):
-                model.layers[0].layer_output[:, -1] += vector
+                stream = model.layers[0].layer_output
+                stream[:, -1] += vector.to(stream.device, stream.dtype)  # (on a GPU engine, moved there)
                 rows[index] = model.layers[1].layer_output[0, -1]
                 logits = model.logits.save()
     assert all(row is not None for row in rows)
