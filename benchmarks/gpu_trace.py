@@ -109,21 +109,25 @@ def t_trace(model, prompts):
     return run
 
 
-def raw_nnsight(folder: Path, tiny: bool, rounds: int) -> dict:
-    """T on raw nnsight (a child process): its VLLM, its own trace, nnsight's transport."""
-    import torch
-
-    settings = shape(tiny)
+def nnsight_engine(folder: Path, settings: dict, tiny: bool):
+    """Raw nnsight's VLLM on `folder`, with the settings that keep values exact (eager: nnsight has no taps)."""
     kwargs = {**kwargs_for(settings, tiny), "enforce_eager": True, "enable_prefix_caching": False,
               "enable_chunked_prefill": False}
     if tiny:
         from streamscope.vllm.worker import cpu_vllm  # nnsight's VLLM through the CPU worker (no GPU here)
 
-        model = cpu_vllm(str(folder), dispatch=True, **kwargs)
-    else:
-        from nnsight.modeling.vllm import VLLM
+        return cpu_vllm(str(folder), dispatch=True, **kwargs)
+    from nnsight.modeling.vllm import VLLM
 
-        model = VLLM(str(folder), dispatch=True, **kwargs)
+    return VLLM(str(folder), dispatch=True, **kwargs)
+
+
+def raw_nnsight(folder: Path, tiny: bool, rounds: int) -> dict:
+    """T on raw nnsight (a child process): its VLLM, its own trace, nnsight's transport."""
+    import torch
+
+    settings = shape(tiny)
+    model = nnsight_engine(folder, settings, tiny)
     prompts = token_prompts(settings["t_prompts"], (settings["t_length"], settings["t_length"]), 3)
     layers = model.model.layers
 
@@ -307,16 +311,7 @@ def raw_nnsight_w2(folder: Path, tiny: bool, rounds: int) -> dict:
     import torch
 
     settings = shape(tiny)
-    kwargs = {**kwargs_for(settings, tiny), "enforce_eager": True, "enable_prefix_caching": False,
-              "enable_chunked_prefill": False}
-    if tiny:
-        from streamscope.vllm.worker import cpu_vllm  # nnsight's VLLM through the CPU worker (no GPU here)
-
-        model = cpu_vllm(str(folder), dispatch=True, **kwargs)
-    else:
-        from nnsight.modeling.vllm import VLLM
-
-        model = VLLM(str(folder), dispatch=True, **kwargs)
+    model = nnsight_engine(folder, settings, tiny)
     prompts = token_prompts(settings["w2_prompts"], settings["w2_lengths"], 2)
     count, block = settings["w2_tokens"], settings["steer_block"]
     torch.manual_seed(0)

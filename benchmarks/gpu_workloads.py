@@ -217,16 +217,20 @@ def bare_w2(llm, prompts, tokens, marked: bool = False):
     return lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-def traced_w2(model, prompts, tokens, block: int, vector):
+def traced_w2(model, prompts, tokens, block: int, vector, edit: str = "slice"):
     """W2's steer written in a trace: an invoke per prompt, the vector added to block `block`'s layer_output at
-    every step of its generation."""
+    every step of its generation (`edit`: "slice", ``current[:] += vector``; "inplace", ``current += vector``;
+    "none", the value read and not edited)."""
     def run():
         with model.trace(max_tokens=tokens, temperature=1.0, seed=0, ignore_eos=True) as tracer:
             for prompt in prompts:
                 with tracer.invoke({"prompt_token_ids": prompt}):
                     for _ in tracer.iter[:tokens]:
                         current = model.layers[block].layer_output
-                        current[:] += vector.to(device=current.device, dtype=current.dtype)
+                        if edit == "slice":
+                            current[:] += vector.to(device=current.device, dtype=current.dtype)
+                        elif edit == "inplace":
+                            current += vector.to(device=current.device, dtype=current.dtype)
     return run
 
 

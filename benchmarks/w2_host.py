@@ -19,6 +19,7 @@ trace (its binary on the path; its raw output under ``--out``), summarised by fu
 
     python benchmarks/w2_host.py --out /tmp/w2     # the H200 shape on a GPU
     python benchmarks/w2_host.py --tiny --out /tmp/w2   # the code path on this CPU
+    python benchmarks/w2_host.py --tiny --prompts 64 --tokens 64 --rounds 5   # a CPU figure of the per-step work
 """
 
 from __future__ import annotations
@@ -40,23 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_workloads import bare_w2, build_folder, engine_kwargs, sizes, timed_together, token_prompts  # noqa: E402
-
-
-def steer_trace(model, prompts, tokens: int, block: int, vector, edit: str = "slice"):
-    """W2's trace: an invoke per prompt, `vector` added to block `block`'s layer_output at every step
-    (``edit``: "slice" as `gpu_workloads.traced_w2` writes it, "inplace" without the slice, "none" reads only)."""
-    def run():
-        with model.trace(max_tokens=tokens, temperature=1.0, seed=0, ignore_eos=True) as tracer:
-            for prompt in prompts:
-                with tracer.invoke({"prompt_token_ids": prompt}):
-                    for _ in tracer.iter[:tokens]:
-                        current = model.layers[block].layer_output
-                        if edit == "slice":
-                            current[:] += vector
-                        elif edit == "inplace":
-                            current += vector
-    return run
+from gpu_workloads import (bare_w2, build_folder, engine_kwargs, sizes, timed_together, token_prompts,  # noqa: E402
+                           traced_w2)
 
 
 def with_setting(run, module, name: str, value):
@@ -178,6 +164,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--spy", type=float, default=0.0, help="seconds of py-spy samples of the full trace")
+    parser.add_argument("--prompts", type=int, help="this many prompts (invokes) instead of the shape's")
+    parser.add_argument("--tokens", type=int, help="this many generated tokens (steps) instead of the shape's")
     parser.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="w2-host-")))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -194,20 +182,20 @@ def main() -> None:
     if not args.tiny:
         kwargs["gpu_memory_utilization"] = 0.8
     model = streamscope.load(folder, engine="vllm", taps=[f"layers.{block}.layer_output"], **kwargs)
-    prompts = token_prompts(settings["w2_prompts"], settings["w2_lengths"], 2)
-    tokens = settings["w2_tokens"]
+    prompts = token_prompts(args.prompts or settings["w2_prompts"], settings["w2_lengths"], 2)
+    tokens = args.tokens or settings["w2_tokens"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, settings["dtype"])
     vector = torch.randn(model.hidden_size, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
     if device == "cpu":
         nonfinite.READ_ON_THE_HOST = False  # the device's path: scans read in batches, not at the write
-    full = steer_trace(model, prompts, tokens, block, vector)
+    full = traced_w2(model, prompts, tokens, block, vector)
     arms = {
         "bare": bare_w2(model.vllm_entrypoint, prompts, tokens),
         "full": full,
         "unchecked": with_setting(full, values, "WARN_NON_FINITE", False),
-        "no edit": steer_trace(model, prompts, tokens, block, vector, edit="none"),
-        "inplace": steer_trace(model, prompts, tokens, block, vector, edit="inplace"),
+        "no edit": traced_w2(model, prompts, tokens, block, vector, edit="none"),
+        "inplace": traced_w2(model, prompts, tokens, block, vector, edit="inplace"),
     }
     times = timed_together(arms, args.rounds)
     steps = len(prompts) * tokens

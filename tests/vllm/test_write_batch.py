@@ -59,6 +59,14 @@ def hold_spans(hidden, residual, spans, name="model.layers[1].layer_output"):
     return values
 
 
+def warned() -> list[str]:
+    """The warnings the scans read when an invoke ends give."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        nonfinite.warn_pending()
+    return [str(warning.message) for warning in caught]
+
+
 def each_alone(hidden, residual, values):
     """What each write-back alone makes of the halves (plain torch, span by span, on copies)."""
     hidden, residual = hidden.clone(), residual.clone()
@@ -130,10 +138,7 @@ def test_the_scan_of_writes_landed_together_warns_for_exactly_the_one_that_broug
         values[(start, size)] = value
         write_batch.hold(start, own_hidden, own_residual, value, f"model.layers[{index}].layer_output")
     write_batch.land()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        nonfinite.warn_pending()
-    messages = [str(warning.message) for warning in caught]
+    messages = warned()
     assert len(messages) == 1 and messages[0].startswith(
         f"model.layers[1].layer_output is written with NaN or inf at 1 of its {2 * HIDDEN} entries"), messages
     assert hidden[3, 5].isnan() and hidden[[0, 1, 2, 4, 5]].isfinite().all()
@@ -150,10 +155,7 @@ def test_writes_not_scanned_land_beside_scanned_ones_and_warn_nothing():
         value[0, 0] = float("nan")
         write_batch.hold(start, own_hidden, own_residual, value, None if index == 0 else "model.layers[2].layer_mid")
     write_batch.land()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        nonfinite.warn_pending()
-    messages = [str(warning.message) for warning in caught]
+    messages = warned()
     assert len(messages) == 1 and messages[0].startswith("model.layers[2].layer_mid is written with NaN or inf at 1 "), \
         messages
     assert hidden[0, 0].isnan() and hidden[2, 0].isnan()
@@ -191,10 +193,7 @@ def test_on_a_gpu_landing_and_scanning_never_wait_for_the_device():
         nonfinite._read_row_scans(wait=False)  # what has arrived is read; nothing is waited for
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        nonfinite.warn_pending()
-    messages = [str(warning.message) for warning in caught]
+    messages = warned()
     assert len(messages) == 1 and messages[0].startswith(
         f"model.layers[2].layer_output is written with NaN or inf at 1 of its {2 * HIDDEN} entries"), messages
     assert hidden[4, 7].isinf() and hidden[[0, 1, 2, 3, 5]].isfinite().all()
