@@ -41,12 +41,13 @@ call, so the file travels with the working tree)::
     ... python3 scripts/gpu_plan.py --out $OUT --parts control --deadline 555   (.whl-gpu/serve installed too)
     ... python3 scripts/gpu_suite.py --out $OUT/suite --gpus 0 --dtypes bfloat16 --parts alone --seconds 400
 
-(the order the fifteenth session left: issue 18's pairs ran without shared prefixes on 2026-12-03 19:21-19:51
-(RESULTS.md): the graphs pair met every bound in every round, the eager pair's throughput sits inside its A/A
-control's swing; so `w2` first, after any cut of its per-invoke work (the last run, 19:37: 2.68x bare as written,
-2.65x placed, 2.08x unchecked), then `profile` for where its time goes, and, in a call of its own, the lifecycle
-file, last passed on the H200 in the ninth session. Every family's taps file passed on 2026-12-02 11:35, run W.
-A fresh machine needs the five chunk calls, then every call carries `.whl-gpu/deps`, `.whl-gpu/install.sh` and
+(the order the sixteenth session left: W2 ran on 2026-12-04 with a checkpoint tokenizer of the model's whole
+vocabulary (RESULTS.md: 3.66x bare as written, 3.21x placed, 3.05x unchecked; raw nnsight 2.26x its own eager
+bare), and `w2host` took it apart before and after that session's cuts (`--tree before=FILE.tar`, a `git archive`
+made here with this tree's benchmark files copied in). Next: `w2host` after any further cut of the per-invoke
+work, with `--tree` of the commit before it; in a call of its own, the lifecycle file, last passed on the H200
+in the ninth session. `tests/vllm/test_trace_transport.py` and `tests/vllm/test_write_batch.py` passed on the
+H200 (bfloat16) on 2026-12-04. A fresh machine needs the five chunk calls, then every call carries `.whl-gpu/deps`, `.whl-gpu/install.sh` and
 `.whl-gpu/serve` (the server's own imports and py-spy, filled here by `scripts/fetch_serve_wheels.sh`); a call that
 leaves `.whl-gpu/serve` out has no py-spy wheel.)
 """
