@@ -233,10 +233,10 @@ def _read_row_scans(wait: bool = True) -> None:
         ready.append(record)
     _ROW_SCANS[:] = kept
     _ROW_WRITES = sum(len(record.writes) for record in kept)
-    by_width: dict[int, list[_RowScans]] = {}
+    groups: dict[tuple[int, torch.device], list[_RowScans]] = {}
     for record in ready:
-        by_width.setdefault(record.width, []).append(record)
-    for width, group in by_width.items():
+        groups.setdefault((record.width, record.counts.device), []).append(record)
+    for (width, _), group in groups.items():
         if bool(torch.cat([record.counts for record in group], dim=1)[0].eq(width).all()):
             continue  # every written entry finite
         for record in group:
