@@ -12,7 +12,12 @@ during a visit is queued here (`hold`), and when the visit has served everyone
 the queued edits of adjacent spans land as one: the written values
 concatenated, the same three elementwise kernels over all their rows (each
 entry's arithmetic is the one its own write-back does, so the result is the
-same bit for bit), and the scan as two sums by row.
+same bit for bit), and the scan as one count of finite entries by row, read
+later without a wait (`streamscope.nonfinite.scan_rows`). Adjacent spans are
+found by their rows' addresses. The module also takes two of nnsight's
+per-invoke walks off this path through the seam: the batcher's narrowing of a
+block's pair to a span (`nnsight_seam.narrow_spans_directly`) and its per-step
+note of a worker's saved names (`nnsight_seam.record_saves_cheaply`).
 
 The queue lands earlier wherever waiting would change what anybody sees:
 
