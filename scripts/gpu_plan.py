@@ -44,8 +44,9 @@ call, so the file travels with the working tree)::
 (the order the sixteenth session left: W2 ran on 2026-12-04 with a checkpoint tokenizer of the model's whole
 vocabulary (RESULTS.md: 3.66x bare as written, 3.21x placed, 3.05x unchecked; raw nnsight 2.26x its own eager
 bare), and `w2host` took it apart before and after that session's cuts (`--tree before=FILE.tar`, a `git archive`
-made here with this tree's benchmark files copied in). Next: `w2host` after any further cut of the per-invoke
-work, with `--tree` of the commit before it; in a call of its own, the lifecycle file, last passed on the H200
+made here with this tree's benchmark files copied in). The ablation at every block against that fair bare gave
+1.153x over 5 rounds (bound 1.15): first `ablate` (12 rounds), then `w2host` after any further cut of the
+per-invoke work, with `--tree` of the commit before it; in a call of its own, the lifecycle file, last passed on the H200
 in the ninth session. `tests/vllm/test_trace_transport.py` and `tests/vllm/test_write_batch.py` passed on the
 H200 (bfloat16) on 2026-12-04. A fresh machine needs the five chunk calls, then every call carries `.whl-gpu/deps`, `.whl-gpu/install.sh` and
 `.whl-gpu/serve` (the server's own imports and py-spy, filled here by `scripts/fetch_serve_wheels.sh`); a call that
