@@ -32,7 +32,8 @@ import torch
 #: How much written data the unread scans may keep alive (each keeps its tensor, to count its NaN or inf entries
 #: should its sum not be finite) before they are read: a bound on the memory a long trace's writes hold.
 HOLD_BYTES = 64 << 20
-#: How many unread scans there may be before they are read, whatever their size.
+#: How many unread scans there may be before they are read, whatever their size. The scans of writes landed
+#: together are then read where their counts have reached the host, and waited for only past four times as many.
 HOLD_COUNT = 4096
 #: Called before the scans are read: each makes the writes it holds back (`streamscope.vllm.write_batch`), so
 #: their scans are started and read with the others.
@@ -120,9 +121,9 @@ def scan_rows(writes: list[tuple[Optional[str], int, Optional[Line]]], value: to
     """Start the NaN/inf scans of writes landed together.
 
     `writes` are ``(name, rows, line)`` in row order, their rows together
-    making up `value` (``[rows, width]``, the values written; nothing may
-    change it later but the count is made now anyway) and `own` (the same
-    rows of the model's own values they were written over). A write warns, as
+    making up `value` (``[rows, width]``, the values written, counted now:
+    a later change to them changes no warning) and `own` (the same rows of
+    the model's own values they were written over). A write warns, as
     `scan_write` says, where its rows hold NaN or inf and the model's did
     not; a write whose name is None is not scanned.
 

@@ -96,15 +96,16 @@ def land() -> None:
     edits = sorted(_QUEUE, key=_hidden_at)  # a tensor's spans in row order, together
     _QUEUE.clear()
     _STARTS.clear()
+    # Runs of spans whose rows follow one another by address, a row apart as the run's first span's are; each
+    # run's layout is checked once, as it lands (`_land_run`).
     first = 0
     last = edits[0]
     hidden_row, residual_row = _row_bytes(last)
     for index in range(1, len(edits)):
         edit = edits[index]
         rows = last.hidden.shape[0]
-        if not (edit.hidden_at == last.hidden_at + rows * hidden_row
-                and edit.residual_at == last.residual_at + rows * residual_row
-                and _row_bytes(edit) == (hidden_row, residual_row)):
+        if (edit.hidden_at != last.hidden_at + rows * hidden_row
+                or edit.residual_at != last.residual_at + rows * residual_row):
             _land_run(edits[first:index])
             first = index
             hidden_row, residual_row = _row_bytes(edit)
@@ -124,27 +125,33 @@ def _row_bytes(edit: _Edit) -> tuple[int, int]:
 
 def _land_run(run: list[_Edit]) -> None:
     """Apply `run`, spans whose rows follow one another by their addresses, as one where they are the rows of
-    one pair of tensors (the common case: one visit's spans of the step's halves), else span by span."""
-    if len(run) > 1 and not _one_pair(run):
+    one pair of tensors of one layout (the common case: one visit's spans of the step's halves). Spans of
+    tensors that sit side by side in memory land tensor by tensor; spans of one layout apart, one by one."""
+    if len(run) == 1:
+        _apply(run)
+    elif _storages(run[0]) != _storages(run[-1]):
+        split = next(index for index in range(1, len(run)) if _storages(run[index]) != _storages(run[0]))
+        _land_run(run[:split])
+        _land_run(run[split:])
+    elif _one_layout(run):
+        _apply(run)
+    else:
         for edit in run:
             _apply([edit])
-        return
-    _apply(run)
 
 
-def _one_pair(run: list[_Edit]) -> bool:
-    """Whether `run`'s rows, contiguous by their addresses, are the rows of one pair of tensors of one layout:
-    its first and last spans of the same storages, every span as wide and of the same dtype and device. (Two
-    tensors can sit side by side in memory; the rows between the first and last spans of one storage are
-    that storage's.)"""
-    first, last = run[0], run[-1]
-    hidden, residual = first.hidden, first.residual
-    if (hidden.untyped_storage().data_ptr() != last.hidden.untyped_storage().data_ptr()
-            or residual.untyped_storage().data_ptr() != last.residual.untyped_storage().data_ptr()):
-        return False
-    width, dtype, device = hidden.shape[1], hidden.dtype, hidden.device
-    return all(edit.hidden.shape[1] == width and edit.hidden.dtype == dtype and edit.hidden.device == device
-               and edit.residual.dtype == residual.dtype for edit in run)
+def _storages(edit: _Edit) -> tuple[int, int]:
+    return edit.hidden.untyped_storage().data_ptr(), edit.residual.untyped_storage().data_ptr()
+
+
+def _one_layout(run: list[_Edit]) -> bool:
+    """Whether every span of `run` (its first and last of the same storages, so every one between of them too)
+    has the first's strides, width, dtype and device."""
+    hidden, residual = run[0].hidden, run[0].residual
+    strides, width, dtype, device = (hidden.stride(), residual.stride()), hidden.shape[1], hidden.dtype, hidden.device
+    return all((edit.hidden.stride(), edit.residual.stride()) == strides and edit.hidden.shape[1] == width
+               and edit.hidden.dtype == dtype and edit.residual.dtype == residual.dtype
+               and edit.hidden.device == device for edit in run)
 
 
 def _apply(run: list[_Edit]) -> None:
