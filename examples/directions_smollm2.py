@@ -5,7 +5,8 @@
 
 It fetches the model once as `make demo` does (streamscope.models.smollm2),
 finds the difference of means between 24 happy and 24 sad sentences at every
-block's output (held-out accuracy and separation per block, plotted), then
+block's output (held-out accuracy, separation and steering effect per block;
+the block that steers best is chosen), then
 measures, on neutral prompts, P(positive) = the probability of the next
 word being one of a few positive words, over positive and negative words
 together: plain, with the direction added at one block, and with each
@@ -54,7 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
     parser.add_argument("--out", default="demo-output")
-    parser.add_argument("--block", type=int, default=None, help="the block to steer at (default: the best held-out)")
+    parser.add_argument("--block", type=int, default=None, help="the block to steer at (default: the one that steers best)")
     parser.add_argument("--scale", type=float, default=1.0)
     args = parser.parse_args()
     model = streamscope.load(smollm2(), engine=args.engine)
@@ -62,11 +63,9 @@ def main() -> None:
     sweep = find(model, HAPPY, SAD, value="layer_output", method="mean_difference", progress=False)
     print(sweep.table())
     print(f"  wrote {sweep.plot(Path(args.out) / 'sentiment_sweep.png')}")
-    # Blocks where every method separates perfectly: take the one whose classes are furthest apart, past the
-    # first few blocks (which see the sentences' words more than their meaning).
-    middle = [direction for direction in sweep if direction.layer >= model.num_layers // 4]
-    chosen = sweep[args.block] if args.block is not None else max(
-        middle, key=lambda d: (d.scores["accuracy"], d.scores["separation"]))
+    # sweep.best: the block whose direction, added to held-out sad sentences, moves their next token furthest
+    # toward the happy ones' beyond a random direction at the same dose (accuracy is perfect at most blocks).
+    chosen = sweep[args.block] if args.block is not None else sweep.best
     print(f"steering at block {chosen.layer}: {chosen}")
     positive, negative = word_ids(model, POSITIVE_WORDS), word_ids(model, NEGATIVE_WORDS)
     plain = positive_share(model, [], positive, negative)

@@ -88,7 +88,8 @@ def load(path: str | Path, engine: str = "transformers", **kwargs: Any) -> Any:
             this fails at once saying what to do).
         engine: ``"transformers"`` or ``"vllm"``.
         **kwargs: Passed to the engine (``dtype``, ``device_map``; vLLM's
-            engine arguments).
+            engine arguments). A vLLM engine starts quietly (vLLM's warnings only); ``verbose=True`` prints
+            vLLM's log (`streamscope.vllm.model.load`).
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}")

@@ -34,13 +34,16 @@ means' projections), and ``separation``, the held-out classes' difference of
 mean projections over their pooled standard deviation.
 
 `import_gguf` and `export_gguf` read and write the control-vector GGUF files
-of repeng (and llama.cpp): ``direction.N`` added to block ``N``'s output.
+of repeng (and llama.cpp): ``direction.N`` added to block ``N``'s output, for
+blocks 1 and up (llama.cpp refuses ``direction.0``: `export_gguf` leaves a
+sweep's block 0 out with a `ControlVectorWarning`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -122,8 +125,12 @@ class Direction:
                              f"another model ({made}): {'; '.join(different)}. Load the model it was made on, "
                              f"or find the direction again on this one (streamscope.directions.find).")
 
-    def steer(self, mode: str = "add", scale: float = 1.0, **options: Any) -> Steer:
-        """A `streamscope.Steer` with this direction at its value and block (``mode``: add, set, ablate, clamp)."""
+    def steer(self, mode: str = "add", scale: Optional[float] = None, **options: Any) -> Steer:
+        """A `streamscope.Steer` with this direction at its value and block (``mode``: add, set, ablate, clamp).
+
+        `scale` left out takes the mode's default (1 for add, set and ablate); clamp takes ``projection=``
+        instead, and refuses a scale (`streamscope.Steer`).
+        """
         return Steer(self.value, self.layer, self.vector.clone(), scale=scale, mode=mode,
                      origin={key: self.model[key] for key in IDENTITY if key in self.model}, **options)
 
@@ -260,29 +267,67 @@ def _split(count: int, held_out: float, seed: int) -> tuple[torch.Tensor, torch.
     return order[held:], order[:held]
 
 
+@dataclass
+class HeldOutFit:
+    """A direction fit on the training split of the examples and scored on the rest.
+
+    Attributes:
+        vector: ``[hidden]``: the training split's direction (what `find` steers with on held-out prompts).
+        bias: Its probe bias (0 for the other methods).
+        scores: Held-out ``accuracy`` and ``separation``.
+        split: ``(train positives, held-out positives, train negatives, held-out negatives)``: example indices.
+    """
+
+    vector: torch.Tensor
+    bias: float
+    scores: dict[str, float]
+    split: tuple[list[int], list[int], list[int], list[int]]
+
+
+def held_out_split(positives: int, negatives: int, method: str, held_out: float,
+                   seed: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """``(train positives, held-out positives, train negatives, held-out negatives)``: `fit`'s split of the
+    example indices (pairs kept together for ``pca``)."""
+    if method == "pca":
+        train, held = _split(positives, held_out, seed)
+        return train.tolist(), held.tolist(), train.tolist(), held.tolist()
+    train_p, held_p = _split(positives, held_out, seed)
+    train_n, held_n = _split(negatives, held_out, seed + 1)
+    return train_p.tolist(), held_p.tolist(), train_n.tolist(), held_n.tolist()
+
+
+def fit_held_out(positive: torch.Tensor, negative: torch.Tensor, method: str = "mean_difference",
+                 held_out: float = 0.25, seed: int = 0) -> HeldOutFit:
+    """`method`'s direction fit on the training split and scored on the held-out one (`held_out` > 0)."""
+    split = held_out_split(len(positive), len(negative), method, held_out, seed)
+    train_pos, held_pos, train_neg, held_neg = (part[index] for part, index in
+                                                zip((positive, positive, negative, negative), split))
+    vector, bias, _ = _fit(method, train_pos, train_neg)
+    return HeldOutFit(vector, bias, _scores(method, vector, bias, (train_pos, train_neg), (held_pos, held_neg)),
+                      split)
+
+
 def fit(positive: torch.Tensor, negative: torch.Tensor, method: str = "mean_difference", held_out: float = 0.25,
         seed: int = 0) -> tuple[torch.Tensor, float, dict[str, float], dict[str, Any]]:
     """One block's direction: (vector, bias, held-out scores, details), from ``[examples, hidden]`` per class.
 
     Checks the examples first (both classes, finite, equal counts for
     ``pca``'s pairs, enough for the split) and refuses them with the fix.
+    The details state the sample sizes (``positives``, ``negatives``,
+    ``held_out_positives``, ``held_out_negatives``) and, for ``pca`` and
+    ``probe``, ``cosine_to_mean_difference``.
     """
     _check_examples(positive, negative, method, held_out)
-    scores: dict[str, float] = {}
-    if held_out > 0:
-        if method == "pca":
-            train, held = _split(len(positive), held_out, seed)
-            train_pos, train_neg, held_pos, held_neg = positive[train], negative[train], positive[held], negative[held]
-        else:
-            train_p, held_p = _split(len(positive), held_out, seed)
-            train_n, held_n = _split(len(negative), held_out, seed + 1)
-            train_pos, train_neg, held_pos, held_neg = positive[train_p], negative[train_n], positive[held_p], \
-                negative[held_n]
-        vector, bias, _ = _fit(method, train_pos, train_neg)
-        scores = _scores(method, vector, bias, (train_pos, train_neg), (held_pos, held_neg))
+    held = fit_held_out(positive, negative, method, held_out, seed) if held_out > 0 else None
     vector, bias, details = _fit(method, positive, negative)
-    details = {**details, "positives": len(positive), "negatives": len(negative), "held_out": held_out}
-    return vector, bias, scores, details
+    details = {**details, "positives": len(positive), "negatives": len(negative), "held_out": held_out,
+               "held_out_positives": len(held.split[1]) if held else 0,
+               "held_out_negatives": len(held.split[3]) if held else 0}
+    if method != "mean_difference":
+        difference = mean_difference(positive, negative).double()
+        cosine = float(vector.double() @ difference / (vector.double().norm() * difference.norm()).clamp_min(1e-300))
+        details["cosine_to_mean_difference"] = cosine
+    return vector, bias, dict(held.scores) if held else {}, details
 
 
 def _check_examples(positive: torch.Tensor, negative: torch.Tensor, method: str, held_out: float) -> None:
@@ -316,13 +361,75 @@ def _check_examples(positive: torch.Tensor, negative: torch.Tensor, method: str,
 # ---------------------------------------------------------------- per block, from prompts or harvests
 
 
+class UnreliableFitWarning(UserWarning):
+    """A swept direction's scores cannot be trusted: too few held-out examples, accuracy at chance, a PCA or
+    probe direction nearly orthogonal to the mean difference, or no block steering better than chance."""
+
+
+#: Fewer held-out examples per class than this and the accuracy moves in steps too coarse to rank blocks by.
+MIN_HELD_OUT = 10
+#: A PCA or probe direction whose cosine with the mean difference is below this (in absolute value) is warned of.
+MIN_COSINE = 0.3
+#: The one-sided binomial p-value above which a held-out accuracy is called chance.
+CHANCE_P = 0.05
+
+
+def chance_p_value(right: int, total: int) -> float:
+    """``P(X >= right)`` for ``X ~ Binomial(total, 1/2)``: how likely guessing gets `right` of `total` or more."""
+    return sum(math.comb(total, k) for k in range(right, total + 1)) / 2 ** total if total else 1.0
+
+
+@dataclass
+class SteeringMeasure:
+    """What steering with one block's direction did to held-out negative prompts (`find`'s ``steering``).
+
+    The edit is added to the block's value at every prompt position but the
+    first (an attention sink in trained models) of each held-out negative
+    prompt; the readout is the next-token log-probabilities after the prompt.
+    ``effect`` is the mean, over those prompts, of the change in log-probs
+    projected on the classes' gap (the training positives' mean log-probs less
+    the training negatives'), over that gap's squared length: 0 is no move,
+    1 a move the whole way from the negative to the positive class.
+
+    Attributes:
+        layer: The block steered.
+        vector: ``[hidden]``: the edit added, the training split's unit direction times ``dose * stream_norm``.
+        random_vector: ``[hidden]``: a random direction of the same length (seeded with ``seed + block``).
+        stream_norm: The block's mean stream norm at the harvested positions, both classes.
+        dose: The edit's length over `stream_norm`.
+        prompts: The held-out negative prompts steered.
+        gap_prompts: The training positives and negatives whose mean log-probs make the gap.
+        effect: The direction's move toward the positive class, as above.
+        random_effect: The random direction's, the baseline.
+    """
+
+    layer: Optional[int]
+    vector: torch.Tensor
+    random_vector: torch.Tensor
+    stream_norm: float
+    dose: float
+    prompts: list
+    gap_prompts: tuple[list, list]
+    effect: float
+    random_effect: float
+
+
 @dataclass
 class Sweep:
-    """The same method's direction at every block swept, with its scores: ``sweep[block]`` is a `Direction`."""
+    """The same method's direction at every block swept, with its scores: ``sweep[block]`` is a `Direction`.
+
+    Each direction's ``scores`` hold ``accuracy`` and ``separation`` (held
+    out) and, where `find` measured it, ``steering``: its `SteeringMeasure`'s
+    effect less the random direction's, the fraction of the way from the
+    negative class to the positive one that steering at that block moved
+    held-out negative prompts' next tokens, beyond chance. `measures` holds
+    each block's measure.
+    """
 
     directions: list[Direction]
     value: str
     method: str
+    measures: dict[Optional[int], SteeringMeasure] = field(default_factory=dict)
 
     def __getitem__(self, layer: int) -> Direction:
         for direction in self.directions:
@@ -342,23 +449,52 @@ class Sweep:
 
     @property
     def scores(self) -> dict[Optional[int], dict[str, float]]:
-        """block -> its held-out ``accuracy`` and ``separation``."""
+        """block -> its held-out ``accuracy``, ``separation`` and (where measured) ``steering``."""
         return {direction.layer: dict(direction.scores) for direction in self.directions}
 
     @property
     def best(self) -> Direction:
-        """The block's direction with the highest held-out accuracy (then separation)."""
+        """The direction that steers best: the block with the largest ``steering`` score (its direction's
+        effect on held-out negative prompts' next tokens, less a random direction's at the same dose; see
+        `SteeringMeasure`). Where no steering was measured (`find` got `Harvest` objects, or
+        ``steering=False``), the highest held-out accuracy, with an `UnreliableFitWarning` saying so.
+        ``best_by("accuracy")`` selects by accuracy (then separation) always."""
+        if self.measures:
+            return self.best_by("steering")
+        warnings.warn("no steering effect was measured for this sweep (find got Harvest objects, or "
+                      "steering=False): sweep.best falls back to held-out accuracy, which does not say which block "
+                      "steers. Pass prompts to find to measure it, or use best_by('accuracy') to say you mean it.",
+                      UnreliableFitWarning, stacklevel=2)
+        return self.best_by("accuracy")
+
+    def best_by(self, score: str) -> Direction:
+        """The direction with the highest `score`: ``"steering"``, ``"accuracy"`` (then separation) or
+        ``"separation"``."""
         if not all(direction.scores for direction in self.directions):
             raise ValueError("the sweep has no scores (held_out=0): pick a block by hand, sweep[block].")
-        return max(self.directions, key=lambda d: (d.scores["accuracy"], d.scores["separation"]))
+        if score not in self.directions[0].scores:
+            raise ValueError(f"the sweep has no {score!r} score: it has {', '.join(self.directions[0].scores)}"
+                             + (" (find measures steering from prompts, not Harvest objects)"
+                                if score == "steering" else ""))
+        if score == "accuracy":
+            return max(self.directions, key=lambda d: (d.scores["accuracy"], d.scores["separation"]))
+        return max(self.directions, key=lambda d: d.scores[score])
 
     def table(self) -> str:
-        """One line per block: accuracy and separation."""
-        lines = [f"{self.method} at {self.value}: block, held-out accuracy, separation"]
+        """One line per block: held-out accuracy, separation and steering; the sample sizes in the header."""
+        details = self.directions[0].details
+        lines = [f"{self.method} at {self.value}: block, held-out accuracy, separation, steering (a random "
+                 f"direction's); {details.get('positives', '?')} positives, {details.get('negatives', '?')} "
+                 f"negatives; held out {details.get('held_out_positives', 0)} positives and "
+                 f"{details.get('held_out_negatives', 0)} negatives"]
         for direction in self.directions:
             scores = direction.scores
-            lines.append(f"  block {direction.layer:>3}: {scores.get('accuracy', float('nan')):.3f}  "
-                         f"{scores.get('separation', float('nan')):+.2f}")
+            measure = self.measures.get(direction.layer)
+            steering = (f"{scores['steering']:+.3f} ({measure.random_effect:+.3f})" if measure is not None
+                        else "steering not measured")
+            block = "root" if direction.layer is None else str(direction.layer)
+            lines.append(f"  block {block:>4}: {scores.get('accuracy', float('nan')):.3f}  "
+                         f"{scores.get('separation', float('nan')):+7.2f}  {steering}")
         return "\n".join(lines)
 
     def plot(self, path: Union[str, Path], *, dpi: int = 100) -> Path:
@@ -401,7 +537,7 @@ def _activations(harvest: Harvest, value: str, layers: list[int]) -> torch.Tenso
 
 def find(model: Any, positive: Examples, negative: Examples, value: str = "layer_output", layers: Any = None,
          method: str = "mean_difference", positions: Any = "last", held_out: float = 0.25, seed: int = 0,
-         progress: bool = True, **harvest_options: Any) -> Sweep:
+         progress: bool = True, steering: bool = True, dose: float = 0.5, **harvest_options: Any) -> Sweep:
     """The `method`'s direction at `value` of every block in `layers`, with held-out scores: a `Sweep`.
 
     Args:
@@ -414,10 +550,25 @@ def find(model: Any, positive: Examples, negative: Examples, value: str = "layer
         method: ``"mean_difference"``, ``"pca"`` or ``"probe"``.
         positions: Which prompt positions to harvest; each prompt's are averaged.
         held_out: Fraction of the examples kept out of the fit to score it (0: no scores).
-        seed: The split's seed.
+        seed: The split's seed (and the random baseline directions').
+        steering: Measure each block's steering effect on the held-out
+            negative prompts (`SteeringMeasure`; ``scores["steering"]``, what
+            `Sweep.best` selects by). Needs prompts (not `Harvest` objects) and
+            `held_out` > 0; it runs two one-token generations per block.
+        dose: The steering edit's length over the block's mean stream norm.
+
+    Warns (`UnreliableFitWarning`, once per kind, naming the blocks) where
+    fewer than `MIN_HELD_OUT` examples per class are held out, where a
+    block's held-out accuracy is not above chance (one-sided binomial p >
+    `CHANCE_P`), where a ``pca`` or ``probe`` direction's cosine with the
+    mean difference is below `MIN_COSINE`, and where no block steers better
+    than its random baseline.
     """
     if value not in value_names():
         raise ValueError(f"unknown value {value!r}: choose one of {', '.join(value_names())}.")
+    if isinstance(dose, bool) or not isinstance(dose, (int, float)) or not 0 < dose < math.inf:
+        raise ValueError(f"dose={dose!r}: the steering edit's length over the block's stream norm, a positive "
+                         f"number (0.5 by default).")
     root = value in ROOT_VALUES
     blocks = [] if root else layer_list(model, layers)
     # Check what can be checked without running: the classes and the method.
@@ -439,27 +590,157 @@ def find(model: Any, positive: Examples, negative: Examples, value: str = "layer
         raise ValueError(f"the harvests are {per_class[0].shape[-1]} and {per_class[1].shape[-1]} wide, the model "
                          f"{width}: harvest them from this model.")
     made_on = identity(model)
-    directions = []
+    directions, held_fits = [], []
     for slot, layer in enumerate(blocks or [None]):
         vector, bias, scores, details = fit(per_class[0][slot], per_class[1][slot], method, held_out, seed)
         directions.append(Direction(vector, value, layer, method, made_on, bias, scores,
                                     {**details, "positions": positions if isinstance(positions, str) else "chosen"}))
-    return Sweep(directions, value, method)
+        held_fits.append(fit_held_out(per_class[0][slot], per_class[1][slot], method, held_out, seed)
+                         if held_out > 0 else None)
+    measures: dict[Optional[int], SteeringMeasure] = {}
+    if steering and held_out > 0 and not isinstance(positive, Harvest) and not isinstance(negative, Harvest):
+        measures = _steering_measures(model, list(positive), list(negative), value, directions, held_fits,
+                                      per_class, dose, seed)
+        for direction in directions:
+            measure = measures[direction.layer]
+            direction.scores["steering"] = measure.effect - measure.random_effect
+            direction.details["steering_dose"] = dose
+    for message in _unreliable(directions, method, measures):
+        warnings.warn(message, UnreliableFitWarning, stacklevel=2)
+    return Sweep(directions, value, method, measures)
+
+
+def _next_token_log_probs(model: Any, prompts: list, steer: Sequence[Steer]) -> torch.Tensor:
+    """``[prompts, vocab]``: the log-probabilities of the token after each prompt, with `steer` applied."""
+    result = model.generate(prompts, max_tokens=1, steer=list(steer), return_logits=True, progress=False)
+    return torch.stack([torch.log_softmax(logits[0].float().cpu(), -1) for logits in result.logits])
+
+
+def _steering_measures(model: Any, positive: list, negative: list, value: str, directions: list[Direction],
+                       held_fits: list[Optional[HeldOutFit]], per_class: list[torch.Tensor], dose: float,
+                       seed: int) -> dict[Optional[int], SteeringMeasure]:
+    """Each direction's `SteeringMeasure`: its training split's direction and a random one, added at `dose`
+    times the block's stream norm to the held-out negative prompts (the split is the same at every block)."""
+    first = held_fits[0]
+    assert first is not None
+    train_p, _, train_n, held_n = first.split
+    gap_prompts = ([positive[i] for i in train_p], [negative[i] for i in train_n])
+    gap = (_next_token_log_probs(model, gap_prompts[0], []).mean(0)
+           - _next_token_log_probs(model, gap_prompts[1], []).mean(0))
+    held_prompts = [negative[i] for i in held_n]
+    plain = _next_token_log_probs(model, held_prompts, [])
+    squared_gap = float(gap @ gap)
+
+    def effect(layer: Optional[int], edit: torch.Tensor) -> float:
+        # positions 1 on: the first prompt token is an attention sink in trained models (see `Steer`)
+        steer = Steer(value, layer, edit, scale=1.0, mode="add", positions=slice(1, None), generated=False)
+        moved = _next_token_log_probs(model, held_prompts, [steer]) - plain
+        return float((moved @ gap).mean()) / squared_gap if squared_gap > 0 else 0.0
+
+    measures = {}
+    for slot, (direction, held) in enumerate(zip(directions, held_fits)):
+        assert held is not None
+        stream_norm = float(torch.cat([per_class[0][slot], per_class[1][slot]]).norm(dim=-1).mean())
+        length = dose * stream_norm
+        edit = held.vector.float() / held.vector.float().norm().clamp_min(1e-30) * length
+        generator = torch.Generator().manual_seed(seed + (direction.layer or 0))
+        random = torch.randn(edit.shape[0], generator=generator)
+        random = random / random.norm() * length
+        measures[direction.layer] = SteeringMeasure(direction.layer, edit, random, stream_norm, dose, held_prompts,
+                                                    gap_prompts, effect(direction.layer, edit),
+                                                    effect(direction.layer, random))
+    return measures
+
+
+def _unreliable(directions: list[Direction], method: str, measures: dict) -> list[str]:
+    """One sentence per kind of unreliable fit in the sweep, naming the blocks and what to do."""
+    found = []
+    first = directions[0].details
+    held_p, held_n = first.get("held_out_positives", 0), first.get("held_out_negatives", 0)
+    if directions[0].scores and min(held_p, held_n) < MIN_HELD_OUT:
+        found.append(f"only {held_p} positive and {held_n} negative examples are held out: a held-out accuracy "
+                     f"moves in steps of {1 / (held_p + held_n):.2f} and cannot rank blocks. Give at least "
+                     f"{MIN_HELD_OUT} per class held out (more prompts, or a larger held_out).")
+    at_chance = []
+    for direction in directions:
+        if "accuracy" not in direction.scores:
+            continue
+        total = direction.details.get("held_out_positives", 0) + direction.details.get("held_out_negatives", 0)
+        right = round(direction.scores["accuracy"] * total)
+        if chance_p_value(right, total) > CHANCE_P:
+            at_chance.append(f"{direction.layer} ({right}/{total})")
+    if at_chance:
+        found.append(f"the held-out accuracy cannot be told from chance (one-sided binomial p > {CHANCE_P}) at "
+                     f"blocks {', '.join(at_chance)} (right/held out): those directions are not shown to separate "
+                     f"the classes on unseen examples. Hold out more examples.")
+    if method in ("pca", "probe"):
+        apart = [f"{d.layer} ({d.details['cosine_to_mean_difference']:+.2f})" for d in directions
+                 if abs(d.details.get("cosine_to_mean_difference", 1.0)) < MIN_COSINE]
+        if apart:
+            found.append(f"the {method} direction is nearly orthogonal to the mean difference (cosine below "
+                         f"{MIN_COSINE}) at blocks {', '.join(apart)}: it follows variance other than the classes' "
+                         f"difference. Compare with method='mean_difference'.")
+    if measures and all(measure.effect <= measure.random_effect for measure in measures.values()):
+        found.append("no block's direction steered the held-out negative prompts further toward the positive "
+                     "class than a random direction of the same dose: the steering scores rank noise.")
+    return found
 
 
 # ---------------------------------------------------------------- repeng's control-vector GGUF files
 
 
-def export_gguf(directions: Union[Sweep, Sequence[Direction]], path: Union[str, Path]) -> Path:
-    """Write directions at ``layer_output`` as a repeng / llama.cpp control-vector GGUF file.
+class ControlVectorWarning(UserWarning):
+    """A direction left out of a control-vector file because llama.cpp would refuse or ignore it there."""
 
-    ``direction.N`` is block N's vector, ``controlvector.model_hint`` the
-    model type, ``controlvector.layer_count`` the number of directions.
+
+def _llama_cpp_blocks(directions: list[Direction], from_sweep: bool, path: Path) -> list[Direction]:
+    """The directions llama.cpp's control-vector loader takes: blocks 1 to num_layers - 1.
+
+    llama.cpp (common/common.cpp, ``common_control_vector_load_one``) refuses the whole file at a tensor
+    ``direction.0`` ("invalid (zero) direction tensor layer index"), and ``llama_adapter_cvec::apply``
+    (src/llama-adapter.cpp) fills its per-block tensors from block 1 on ("buffer doesn't have data for layer 0"),
+    adding ``direction.N`` to block N's output for 1 <= N < n_layer. A sweep's block 0 is left out with a
+    `ControlVectorWarning`; a direction given by hand at block 0 is refused.
+    """
+    at_zero = [d for d in directions if d.layer == 0]
+    if at_zero and not from_sweep:
+        raise ValueError("a llama.cpp control vector cannot hold block 0: llama.cpp refuses a file with a "
+                         "direction.0 tensor ('invalid (zero) direction tensor layer index') and never adds to "
+                         "block 0's output. Export directions of blocks 1 and up (find(..., layers=range(1, n))), "
+                         "or steer block 0 in streamscope (direction.steer()).")
+    kept = [d for d in directions if d.layer != 0]
+    if not kept:
+        raise ValueError("the sweep holds only block 0, which a llama.cpp control vector cannot hold: sweep blocks "
+                         "1 and up (find(..., layers=range(1, n))).")
+    if at_zero:
+        warnings.warn(f"{path.name}: block 0's direction is left out: llama.cpp refuses a control vector with a "
+                      f"direction.0 tensor (it never adds to block 0's output). The file holds blocks "
+                      f"{[d.layer for d in kept]}; steer block 0 in streamscope "
+                      f"(sweep[0].steer()) if you need it.", ControlVectorWarning, stacklevel=3)
+    beyond = [d.layer for d in directions if d.layer is not None and "num_layers" in d.model
+              and d.layer >= d.model["num_layers"]]
+    if beyond:
+        raise ValueError(f"blocks {beyond} are past the model's last block ({directions[0].model['num_layers'] - 1})"
+                         f": llama.cpp would ignore them. Export directions of this model's blocks.")
+    return kept
+
+
+def export_gguf(directions: Union[Sweep, Direction, Sequence[Direction]], path: Union[str, Path]) -> Path:
+    """Write directions at ``layer_output`` as a repeng / llama.cpp control-vector GGUF file; returns its path.
+
+    ``direction.N`` (float32, ``[hidden_size]``) is block N's vector, which
+    llama.cpp adds to block N's output (0-based), ``controlvector.model_hint``
+    the model type, ``controlvector.layer_count`` the number of directions.
+    llama.cpp takes blocks 1 to num_layers - 1 only: a `Sweep`'s block 0 is
+    left out with a `ControlVectorWarning` that says so, and a `Direction`
+    (or a list) at block 0 is refused with the reason.
     """
     import gguf
     import numpy as np
 
-    directions = list(directions)
+    path = Path(path)
+    from_sweep = isinstance(directions, Sweep)
+    directions = [directions] if isinstance(directions, Direction) else list(directions)
     if not directions:
         raise ValueError("export_gguf needs at least one direction.")
     wrong = [f"{d.value} at block {d.layer}" for d in directions if d.value != "layer_output" or d.layer is None]
@@ -472,7 +753,7 @@ def export_gguf(directions: Union[Sweep, Sequence[Direction]], path: Union[str, 
     hints = {d.model.get("model_type") for d in directions}
     if len(hints) != 1:
         raise ValueError(f"the directions come from models of types {sorted(map(str, hints))}: export one model's.")
-    path = Path(path)
+    directions = _llama_cpp_blocks(directions, from_sweep, path)
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(path), "controlvector")
     writer.add_string("controlvector.model_hint", str(hints.pop()))
@@ -530,11 +811,12 @@ def import_gguf(path: Union[str, Path], model: Any, check_hint: bool = True) -> 
     return sorted(directions, key=lambda d: d.layer or 0)
 
 
-def steers(directions: Union[Sweep, Sequence[Direction]], mode: str = "add", scale: float = 1.0,
+def steers(directions: Union[Sweep, Sequence[Direction]], mode: str = "add", scale: Optional[float] = None,
            **options: Any) -> list[Steer]:
     """One `Steer` per direction (a control vector's blocks, a sweep's), all with the same settings."""
     return [direction.steer(mode=mode, scale=scale, **options) for direction in directions]
 
 
-__all__ = ["Direction", "Sweep", "find", "fit", "mean_difference", "pca", "probe", "export_gguf", "import_gguf",
-           "steers", "identity", "METHODS"]
+__all__ = ["Direction", "Sweep", "SteeringMeasure", "HeldOutFit", "UnreliableFitWarning", "ControlVectorWarning",
+           "find", "fit", "fit_held_out", "held_out_split", "mean_difference", "pca", "probe", "export_gguf",
+           "import_gguf", "steers", "identity", "METHODS", "MIN_HELD_OUT", "MIN_COSINE", "CHANCE_P"]

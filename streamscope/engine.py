@@ -65,6 +65,15 @@ class Engine:
         """
         raise NotImplementedError
 
+    def trace_input(self, prompts: Sequence[Prompt]) -> Any:
+        """The one input a trace hands the engine for `prompts` (`trace_prompts`: text, or token ids without
+        padding), so that each prompt's values at its real positions are the ones it gives alone.
+
+        Engines that run several prompts in one invoke pad them on the left (position -1 is every prompt's last
+        token) with an attention mask and mask-derived position ids; one that cannot, refuses several with the fix.
+        """
+        raise NotImplementedError
+
     def run_each(self, prompt: str, bodies: Sequence[Body]) -> list[list[torch.Tensor]]:
         """`prompt` run once per body, each in its own invoke (an edit each, say): ``[body][tensor]``."""
         raise NotImplementedError
@@ -110,6 +119,16 @@ class Engine:
         """``[len(ids), hidden_size]``: the unembedding's rows for token `ids` (the head's, or the tied embedding's)."""
         raise NotImplementedError
 
+    def head_parameters(self) -> tuple[Optional[torch.Tensor], float, Optional[float]]:
+        """What the head does after the unembedding's matrix ``W_U``: ``(bias, scale, soft_cap)``.
+
+        The model's logits of a final-norm output ``x`` are ``scale * cap(W_U x + bias)``, where ``cap(z)`` is
+        ``soft_cap * tanh(z / soft_cap)`` (identity where `soft_cap` is None). `bias` is ``[vocab_size]`` or None,
+        a copy on this process (GPT-J's head has one); `scale` is Cohere's ``logit_scale`` or Granite's
+        ``1 / logits_scaling`` (1.0 elsewhere); `soft_cap` Gemma 2's ``final_logit_softcapping``.
+        """
+        raise NotImplementedError
+
     def output_projections(self) -> list[torch.Tensor | str]:
         """Per block: its attention's output projection as a Linear's weight ``[hidden_size, heads * head_dim]``
         (`output_projection`), copies on this process, or the reason the block has none (a sentence)."""
@@ -150,32 +169,184 @@ def prepare_process(name: str) -> None:
         os.environ.setdefault(key, value)
 
 
-def right_padded(tokenizer: Any, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens, mask)``, both ``[len(prompts), longest]``: the prompts' token ids padded on the right.
+#: The sides a batch of prompts can be padded on; streamscope pads on the left unless told otherwise.
+PADDING_SIDES = ("left", "right")
 
-    A prompt is text (tokenized here) or its token ids (kept as they are).
 
-    Right padding leaves every real position's value exactly as the prompt
-    alone gives it (positions count from the first token).
+def check_padding_side(side: Any) -> str:
+    """`side` if it is ``"left"`` or ``"right"``, else a ValueError naming both."""
+    if side not in PADDING_SIDES:
+        raise ValueError(f"padding_side={side!r}: give \"left\" (the default: position -1 is every prompt's last "
+                         f"token) or \"right\"")
+    return side
+
+
+def padded(tokenizer: Any, prompts: Sequence[Prompt], side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, mask)``, both ``[len(prompts), longest]``: the prompts' token ids padded on `side` with the
+    tokenizer's pad id (its EOS, else 0, where it has none), and True at each prompt's real positions.
+
+    A prompt is text (tokenized here, with the tokenizer's own special tokens) or its token ids (kept as they
+    are). On the left (the default) position -1 is every prompt's last token.
     """
     import torch
 
+    check_padding_side(side)
     encoded = [tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt) for prompt in prompts]
     longest = max(map(len, encoded))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = pad_id(tokenizer)
     tokens = torch.full((len(prompts), longest), pad, dtype=torch.long)
     mask = torch.zeros(len(prompts), longest, dtype=torch.bool)
     for row, ids in enumerate(encoded):
-        tokens[row, : len(ids)] = torch.tensor(ids)
-        mask[row, : len(ids)] = True
+        where = slice(0, len(ids)) if side == "right" else slice(longest - len(ids), longest)
+        tokens[row, where] = torch.tensor(ids, dtype=torch.long)
+        mask[row, where] = True
     return tokens, mask
 
 
-def cut(value: torch.Tensor, row: int, length: int, axes: tuple[int, ...]) -> torch.Tensor:
-    """Row `row` of a right-padded batch as ``[1, ...]``, its `axes` cut to the first `length` positions."""
+def pad_id(tokenizer: Any) -> int:
+    """The id a batch is padded with: the tokenizer's pad token, else its EOS, else 0."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def right_padded(tokenizer: Any, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`padded` on the right: how the transformers engine runs a workflow's prompts before cutting each out
+    (`cut`). Right padding leaves every real position's value exactly as the prompt alone gives it."""
+    return padded(tokenizer, prompts, "right")
+
+
+def mask_positions(mask: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq]`` position ids of a padded batch's attention mask ``[batch, seq]``: each real token counted
+    from its prompt's first real token (the cumulative sum of the mask, less one), 0 at padded positions. A
+    left-padded prompt then sits at the positions it has alone, which learned and rotary positions both read."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def last_positions(mask: torch.Tensor) -> torch.Tensor:
+    """``[batch]``: the index of each row's last real position in a padded batch's mask ``[batch, seq]``."""
+    import torch
+
+    seq = mask.shape[-1]
+    reversed_first = mask.flip(-1).long().argmax(-1)
+    return (seq - 1 - reversed_first).to(torch.long)
+
+
+def prepends_bos(tokenizer: Any) -> bool:
+    """Whether `tokenizer` puts its BOS token first by itself (TransformerLens's ``tokenizer_prepends_bos``)."""
+    if tokenizer.bos_token_id is None:
+        return False
+    ids = tokenizer("a")["input_ids"]
+    return bool(ids) and ids[0] == tokenizer.bos_token_id
+
+
+def encode(tokenizer: Any, text: str, prepend_bos: Optional[bool] = None) -> list[int]:
+    """The token ids of `text`: by default (`prepend_bos` None) what ``tokenizer(text)`` gives, the tokenizer's own
+    rule for BOS, as vLLM and the server tokenize; True puts one BOS first whether or not the tokenizer adds it
+    (TransformerLens's ``prepend_bos=True``); False leaves it out even where the tokenizer adds it."""
+    if prepend_bos is not None and not isinstance(prepend_bos, bool):
+        raise ValueError(f"prepend_bos={prepend_bos!r}: give None (the tokenizer's own rule), True or False")
+    adds = prepends_bos(tokenizer)
+    if prepend_bos and not adds and tokenizer.bos_token is not None:
+        text = tokenizer.bos_token + text
+    ids = list(tokenizer(text)["input_ids"])
+    if prepend_bos is False and adds and ids and ids[0] == tokenizer.bos_token_id:
+        ids = ids[1:]
+    return ids
+
+
+#: How to run several prompts in one trace when an input cannot say which of its positions are padding.
+_PADDED_TENSOR = ("rows of this [batch, seq] token tensor {where} with different numbers of the pad token (id {pad}): "
+                  "it looks padded, and without its attention mask the pads would run as tokens. Pass the mask "
+                  "(model.trace(tokens, attention_mask=mask), or the tokenizer's output {{'input_ids', "
+                  "'attention_mask'}}), or the prompts as text or as a list of token-id lists, which streamscope "
+                  "pads itself")
+
+
+def trace_prompts(tokenizer: Any, data: Any, attention_mask: Any = None,
+                  prepend_bos: Optional[bool] = None) -> Optional[list[Prompt]]:
+    """The prompts a trace's input stands for, one per prompt (text, or token ids without padding), or None for
+    an input handed to the engine as it is (an engine's own prompt form, embeddings, another encoding).
+
+    Taken: a string; a list of strings; token ids as a list of ints (one prompt), a list of id lists, or an
+    integer tensor ``[seq]``, ``[1, seq]`` or ``[batch, seq]``; a tokenizer's output ``{input_ids,
+    attention_mask}``. A mask (there, or `attention_mask`) keeps each row's ids where it is nonzero. A
+    ``[batch, seq]`` tensor without one is taken row by row, whole, unless its rows start or end with different
+    numbers of pad tokens: that is a padded batch without its mask, refused with the fix. `prepend_bos`
+    (`encode`) applies to text; with token ids, which run as given, it is refused.
+    """
+    import torch
+
+    mask = attention_mask
+    if isinstance(data, Mapping):
+        if "input_ids" not in data or set(data) - {"input_ids", "attention_mask"}:
+            return None
+        if mask is not None and data.get("attention_mask") is not None:
+            raise ValueError("an attention mask is given twice (in the input and as attention_mask=): give one")
+        data, mask = data["input_ids"], data.get("attention_mask", mask)
+    if isinstance(data, str) or (isinstance(data, (list, tuple)) and data and all(isinstance(item, str)
+                                                                                      for item in data)):
+        if mask is not None:
+            raise ValueError("attention_mask= goes with token ids; text is tokenized and padded by streamscope")
+        texts = [data] if isinstance(data, str) else list(data)
+        return [text if prepend_bos is None else encode(tokenizer, text, prepend_bos) for text in texts]
+    rows = _id_rows(data)
+    if rows is None:
+        return None
+    if prepend_bos is not None:
+        raise ValueError(f"prepend_bos={prepend_bos!r} applies to text; token ids run as given (add or drop the BOS "
+                         f"id in them, or pass the text)")
+    if mask is not None:
+        flags = torch.as_tensor(mask).reshape(len(rows), -1).tolist() if len(rows) else []
+        if any(len(flag) != len(row) for flag, row in zip(flags, rows)):
+            raise ValueError(f"attention_mask has shape {tuple(torch.as_tensor(mask).shape)}, not the token ids' "
+                             f"[{len(rows)}, {len(rows[0])}]")
+        rows = [[token for token, keep in zip(row, flag) if keep] for row, flag in zip(rows, flags)]
+    elif isinstance(data, torch.Tensor) and len(rows) > 1:
+        pad = pad_id(tokenizer)
+        for where, ordered in (("start", lambda row: row), ("end", lambda row: row[::-1])):
+            counts = {next((index for index, token in enumerate(ordered(row)) if token != pad), len(row))
+                      for row in rows}
+            if len(counts) > 1:
+                raise ValueError(_PADDED_TENSOR.format(where=where, pad=pad))
+    if any(not row for row in rows):
+        raise ValueError("a prompt with no tokens cannot run: every prompt needs at least one token")
+    return list(rows)
+
+
+def _id_rows(data: Any) -> Optional[list[list[int]]]:
+    """Token ids as rows of ints, or None where `data` is not token ids."""
+    import numbers
+
+    import torch
+
+    if isinstance(data, torch.Tensor):
+        if data.is_floating_point() or data.is_complex():
+            return None
+        if data.dim() not in (1, 2):
+            raise ValueError(f"token ids come as [seq] or [batch, seq], not a tensor of shape {tuple(data.shape)}")
+        return data.reshape(-1, data.shape[-1]).tolist()
+    if isinstance(data, (list, tuple)) and data:
+        if all(isinstance(item, numbers.Integral) and not isinstance(item, bool) for item in data):
+            return [[int(item) for item in data]]
+        if all(isinstance(item, (list, tuple, torch.Tensor)) for item in data):
+            rows = []
+            for item in data:
+                found = _id_rows(item)
+                if found is None or len(found) != 1:
+                    return None
+                rows.extend(found)
+            return rows
+    return None
+
+
+def cut(value: torch.Tensor, row: int, length: int, axes: tuple[int, ...], side: str = "right") -> torch.Tensor:
+    """Row `row` of a batch padded on `side` as ``[1, ...]``, its `axes` cut to the prompt's `length` positions
+    (the first `length` where padded on the right, the last where padded on the left)."""
     index: list[Any] = [slice(row, row + 1)] + [slice(None)] * (value.dim() - 1)
     for axis in axes:
-        index[axis] = slice(0, length)
+        index[axis] = slice(0, length) if side == "right" else slice(value.shape[axis] - length, value.shape[axis])
     return value[tuple(index)]
 
 

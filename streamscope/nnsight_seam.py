@@ -90,6 +90,7 @@ check_version()
 #   too (an edit made after the trace moved on), so one except clause catches both.
 # * WithBlockNotFoundError: what a tracer's ``capture()`` raises when it was not called as a ``with``
 #   statement; ``generate`` then runs plainly instead of tracing.
+from nnsight.intervention import backward as _backward  # noqa: E402
 from nnsight.intervention import interleaver as _interleaver  # noqa: E402
 from nnsight.intervention.batching import Batcher as _Batcher  # noqa: E402
 from nnsight.intervention.eproperty import WriteBack as _WriteBack  # noqa: E402
@@ -102,13 +103,13 @@ from nnsight.tracing.tracer import WithBlockNotFoundError, _saves  # noqa: E402
 
 __all__ = [
     "SUPPORTED", "ALLOW_ENV", "check_version", "eproperty", "LocatedProperty", "Mediator", "OutOfOrderError",
-    "WithBlockNotFoundError", "module_of", "children", "RebindingEnvoy", "wrap_replay",
+    "WithBlockNotFoundError", "codes_use_attributes", "trace_mediators", "module_of", "children", "RebindingEnvoy", "wrap_replay",
     "wrap_update_states", "uninstrumented",
     "set_callbacks", "read_located", "location", "call_location", "running_mediator", "mediator_at", "step_of",
     "read_at", "skip_at",
     "is_saved", "invoke_rows", "with_invoke_rows", "PendingWriteBack", "pending_write_back", "held_view",
     "redirect_write_back",
-    "filter_write_backs", "rename_out_of_order", "around_mediator_run",
+    "filter_write_backs", "rename_out_of_order", "around_mediator_run", "serve_gradients", "batch_whole",
     "around_visits", "narrow_spans_directly", "record_saves_cheaply", "running_token_span", "kernel_call_names",
     "ensure_source",
     "unwrapped_generate", "running_taps", "interleaving", "take_request_error", "collect_requests", "set_client_worker",
@@ -420,6 +421,122 @@ def around_mediator_run(after: Callable[[Mediator], None],
 
     setattr(checked_run, "streamscope_checks", True)  # marks the patch as applied (a function attribute)
     Mediator._run = checked_run
+
+
+def batch_whole(tensor: Any) -> Any:
+    """The tensor the model computed, of which nnsight served `tensor` as one invoke's rows of a batched trace;
+    `tensor` itself where nnsight narrowed nothing.
+
+    nnsight's batcher hands each invoke a view of its rows and marks it
+    (``_nnsight_batch``); the model ran on the whole batch, so that view is in
+    no autograd graph and only the tensor it was cut from (its ``_base``) is.
+    """
+    if getattr(tensor, "_nnsight_batch", False) and tensor._base is not None:
+        return tensor._base
+    return tensor
+
+
+def serve_gradients(served_from: Callable[[Any], Any], named: Callable[[Mediator, str, Any], None]) -> None:
+    """Let ``.grad`` inside nnsight's ``with loss.backward():`` block reach the model's tensor a copy was read from.
+
+    nnsight serves ``t.grad`` by hooking `t` itself. streamscope hands out a
+    private copy of the model's tensor, which nothing downstream of it uses, so
+    that hook would never fire. ``served_from(t)`` says where a copy's
+    gradient is: None for a tensor that is not one (nnsight's own ``.grad``),
+    else an object with ``target()`` (the tensor in the graph to hook; it
+    raises, with the reason, where there is none), ``served(grad)`` (the
+    copy's gradient, a private tensor in the copy's layout, given the
+    target's) and ``returned(grad, edited)`` (the target's gradient with the
+    copy's part replaced by `edited`). ``named(mediator, location, source)``
+    records which value a ``.grad`` location belongs to, for the message when
+    its gradient never comes.
+
+    Copies of one target (a block's output and the next block's input) share
+    one hook, served in the order they were asked for: a gradient edited for
+    one reaches the next. A read that edits nothing hands autograd its own
+    gradient back, so the backward is unchanged by it.
+    """
+    build = _backward._grad_property
+    if getattr(build, "streamscope_gradients", False):
+        return
+
+    def grad_property(interleaver: Any, seen: set, hooks: list) -> property:
+        plain = build(interleaver, seen, hooks)
+        waiting: dict[int, list] = {}  # per target tensor: the (location, source) pairs its hook serves
+
+        def wrap(tensor: Any, source: Any) -> str:
+            location = f"{id(tensor)}.grad"
+            if id(tensor) in seen:
+                return location
+            target = source.target()
+            seen.add(id(tensor))
+            named(Mediator.current(location), location, source)
+            entries = waiting.get(id(target))
+            if entries is not None:  # asked for while the target's hook serves an earlier copy: served next
+                entries.append((location, source))
+                return location
+            entries = waiting[id(target)] = [(location, source)]
+
+            def hook(grad: Any) -> Any:
+                try:
+                    index = 0
+                    while index < len(entries):
+                        asked, asked_source = entries[index]
+                        copy = asked_source.served(grad)
+                        version = copy._version
+                        answer = interleaver.handle(asked, copy)
+                        if answer is not copy or copy._version != version:  # assigned, or edited in place
+                            grad = asked_source.returned(grad, answer)
+                        index += 1
+                    return grad
+                finally:
+                    handle.remove()
+                    waiting.pop(id(target), None)
+
+            handle = target.register_hook(hook)
+            hooks.append(handle)
+            return location
+
+        def getter(tensor: Any) -> Any:
+            source = served_from(tensor)
+            if source is None:
+                return plain.fget(tensor)
+            return Mediator.value(wrap(tensor, source))
+
+        def setter(tensor: Any, value: Any) -> None:
+            source = served_from(tensor)
+            if source is None:
+                return plain.fset(tensor, value)
+            Mediator.swap(wrap(tensor, source), value)
+
+        return property(getter, setter)
+
+    setattr(grad_property, "streamscope_gradients", True)  # marks the patch as applied (a function attribute)
+    _backward._grad_property = grad_property
+
+
+def codes_use_attributes(mediators: list, names: frozenset[str]) -> list[str]:
+    """Which of the attribute `names` the code of `mediators` (a trace's invokes) reads, writes or calls, at any
+    depth (its comprehensions, lambdas and nested functions too); found in the compiled code, before it runs."""
+    import dis
+    import types
+
+    found: list[str] = []
+    codes = [mediator.code for mediator in mediators if getattr(mediator, "code", None) is not None]
+    while codes:
+        code = codes.pop()
+        for instruction in dis.get_instructions(code):
+            if (instruction.opname in ("LOAD_ATTR", "STORE_ATTR", "DELETE_ATTR", "LOAD_METHOD")
+                    and instruction.argval in names and instruction.argval not in found):
+                found.append(instruction.argval)
+        codes += [constant for constant in code.co_consts if isinstance(constant, types.CodeType)]
+    return found
+
+
+def trace_mediators(model: Any) -> list:
+    """The mediators (one per invoke) of the trace `model` is about to run."""
+    interleaver = getattr(model, "interleaver", None)
+    return list(getattr(interleaver, "mediators", None) or [])
 
 
 def around_visits(visited: Callable[[], None], serving: Callable[[Any], None], ended: Callable[[bool], None]) -> None:

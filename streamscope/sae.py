@@ -177,7 +177,7 @@ class SAE:
         return Direction(self.W_dec[index].detach().float().clone(), self.value, self.layer, "sae_feature", made_on,
                          details={"feature": index, **{k: v for k, v in self.source.items() if isinstance(v, str)}})
 
-    def steer(self, feature: int, scale: float = 1.0, **options: Any) -> Steer:
+    def steer(self, feature: int, scale: Optional[float] = None, **options: Any) -> Steer:
         """A steer that adds ``scale`` times feature `feature`'s decoder direction at the SAE's site."""
         self._check_feature(feature)
         return Steer(self.value, self.layer, self.W_dec[feature].detach().float().clone(), scale=scale, **options)

@@ -169,7 +169,8 @@ class Standardized(StreamEnvoy):
         """The number of logits per position."""
         return self._size("vocab_size", "vocab_size")
 
-    def trace(self, *inputs: Any, **kwargs: Any) -> Any:
+    def trace(self, *inputs: Any, prepend_bos: Optional[bool] = None, attention_mask: Any = None,
+              **kwargs: Any) -> Any:
         """Run the model on `inputs` and serve its values under streamscope's names inside the ``with`` block.
 
             with model.trace("The Eiffel Tower is in"):
@@ -178,12 +179,29 @@ class Standardized(StreamEnvoy):
                 model.layers[2].skip(model.layers[2].layer_input)
                 logits = model.logits.save()
 
-        `inputs` is a prompt, a list of prompts or token ids; with none, add prompts with
-        ``tracer.invoke(prompt)`` inside. Read values in the order the model computes them
-        (`model.support()` lists them). On vLLM pass sampling settings
+        `inputs` is a prompt (text, or token ids: a list of ints, a ``[seq]`` or ``[1, seq]`` tensor) or
+        several (a list of strings, a list of id lists, a ``[batch, seq]`` tensor with `attention_mask`, or a
+        tokenizer's output); with none, add prompts with ``tracer.invoke(prompt)`` inside. Text is tokenized
+        by the tokenizer's own rule for BOS, as ``tokenizer(text)``, vLLM and the server do; `prepend_bos`
+        True puts one BOS first whatever the tokenizer does (TransformerLens's default), False leaves it out.
+        On transformers several prompts run as one batch padded on the left, with position ids counted from
+        each prompt's first token: every real position's value is the prompt's alone, and position -1 is
+        every prompt's last token. A vLLM request is one prompt, unpadded: several in one input are refused
+        with the way to run them (one ``tracer.invoke`` each). Read values in the order the model computes
+        them (`model.support()` lists them). On vLLM pass sampling settings
         (``model.trace(prompt, temperature=0.0, max_tokens=1)``); ``tracer.iter[:]`` steps through the
         generated tokens, and each invoke's values are ``[1, tokens, hidden_size]``.
         """
+        from .engine import trace_prompts
+
+        if "fn" not in kwargs and len(inputs) == 1:  # a trace proper (generate passes its own fn)
+            prompts = trace_prompts(self.tokenizer, inputs[0], attention_mask, prepend_bos)
+            if prompts is not None:
+                inputs, attention_mask, prepend_bos = (self.engine.trace_input(prompts),), None, None
+        if prepend_bos is not None:
+            raise ValueError(f"prepend_bos={prepend_bos!r} applies to a trace's text prompts; this input has none")
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
         return super().trace(*inputs, **kwargs)  # type: ignore[misc]
 
     def cache(self, prompts: Any, values: Any = None, layers: Any = None, **kwargs: Any) -> Any:
@@ -191,25 +209,34 @@ class Standardized(StreamEnvoy):
 
         Default: every served boundary and contribution of every block, the
         root values and the logits. The cache answers streamscope's names and
-        TransformerLens's hook names; see `streamscope.cache`. Keyword
-        arguments: ``logits``, ``batch_size``, ``progress``.
+        TransformerLens's hook names; see `streamscope.cache`. Several prompts
+        are padded on the left (``padding_side="right"`` for the other side):
+        ``[:, -1]`` is every prompt's last token, `Cache.mask` says which
+        positions are real. Text is tokenized by the tokenizer's own BOS rule
+        (``prepend_bos=True`` for TransformerLens's). Keyword arguments:
+        ``logits``, ``batch_size``, ``progress``, ``prepend_bos``,
+        ``padding_side``, ``names_filter``, ``pos_slice``.
         """
         from .workflows.cache import build_cache
 
         return build_cache(self, prompts, values, layers, **kwargs)
 
-    # TransformerLens 4.3's token helpers (streamscope.workflows.tl), with its BOS behaviour.
+    # TransformerLens 4.3's token helpers (streamscope.workflows.tl), with the tokenizer's own BOS rule by default.
 
     def to_tokens(self, input: Any, prepend_bos: Optional[bool] = None, padding_side: Optional[str] = None) -> Any:
-        """``[batch, pos]`` token ids of a string or strings, as TransformerLens 4.3's ``to_tokens``: one BOS
-        first where ``prepend_bos`` (default: TL 4.3's for the family), whether or not the tokenizer adds it."""
+        """``[batch, pos]`` token ids of a string or strings, as TransformerLens 4.3's ``to_tokens``.
+
+        By default the tokenizer's own rule for BOS (the tokens `model.cache`, a trace, vLLM and the server run);
+        ``prepend_bos=True`` puts one BOS first whether or not the tokenizer adds it (TransformerLens's default),
+        False leaves it out. Several strings are padded on the left, or on ``padding_side="right"``."""
         from .workflows.tl import to_tokens
 
         return to_tokens(self.tokenizer, input, prepend_bos, padding_side, self.config.model_type)
 
     def to_str_tokens(self, input: Any, prepend_bos: Optional[bool] = None,
                       padding_side: Optional[str] = None) -> Any:
-        """Each token of a string, strings or token ids as its string, as TransformerLens 4.3's ``to_str_tokens``."""
+        """Each token of a string, strings or token ids as its string, as TransformerLens 4.3's ``to_str_tokens``
+        (text tokenized as `to_tokens`: the tokenizer's own BOS rule unless `prepend_bos` says otherwise)."""
         from .workflows.tl import to_str_tokens
 
         return to_str_tokens(self.tokenizer, input, prepend_bos, padding_side, self.config.model_type)

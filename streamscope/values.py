@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
+from . import gradients
 from . import nnsight_seam as seam
 from . import nonfinite
 from .errors import Unavailable, missing_module, untapped
@@ -173,7 +174,7 @@ class StreamValue(LocatedProperty):
         self.shape = shape
         self.factor = factor
         self.argument = argument
-        seam.set_callbacks(self, self._read, self._write_back, self._assign)
+        seam.set_callbacks(self, self._read_served, self._write_back, self._assign)
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -241,7 +242,9 @@ class StreamValue(LocatedProperty):
         if held is not None and seam.is_saved(held):
             # A saved read keeps what was read: a second read of the value (to
             # edit it in place) gets a copy of its own, which is what goes back.
-            self.rebind(host, mediator, _copy(held, edited=is_edited(held)))
+            copy = _copy(held, edited=is_edited(held))
+            gradients.inherit(copy, held)
+            self.rebind(host, mediator, copy)
             _retire(mediator, held, name)
         mediator.streamscope_wanted = (location, name)
         # nnsight's eproperty read, given the location and mediator found above rather than asking again.
@@ -258,6 +261,19 @@ class StreamValue(LocatedProperty):
         return first_tensor(raw)
 
     # The three callbacks of the eproperty, in the order a read and an edit use them.
+
+    def _read_served(self, host: Host, raw: Any) -> torch.Tensor:
+        value = self._read(host, raw)
+        if gradients.recording():  # a trace that records autograd: the read's .grad may be asked for
+            gradients.note(value, self.gradient(host, raw))
+        return value
+
+    def gradient(self, host: Host, raw: Any) -> gradients.Source:
+        """Where the gradient of this value's read from the call `raw` is: the model's tensor it was copied from
+        (`gradients.GradientSource`), or why it has none (`gradients.NoGradient`)."""
+        live = self.live(host, raw)
+        factor = self.factor(host) if self.factor is not None else None
+        return gradients.GradientSource(self.named(host), live, host.to_user(live, self.name), factor)
 
     def _read(self, host: Host, raw: Any) -> torch.Tensor:
         view = host.to_user(self.live(host, raw), self.name)
@@ -420,10 +436,20 @@ class ComputedValue(ReadOnly, StreamValue):
     with the reason (`ReadOnly.READ_ONLY`, or the ``read_only=`` given).
     """
 
-    def __init__(self, *args: Any, read_only: Optional[str] = None, **kwargs: Any) -> None:
+    #: Why the read has no gradient (nothing in the model holds it); formatted with the value's full name.
+    NO_GRADIENT: str = gradients.COMPUTED
+
+    def __init__(self, *args: Any, read_only: Optional[str] = None, no_gradient: Optional[str] = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if read_only is not None:
             self.READ_ONLY = read_only
+        if no_gradient is not None:
+            self.NO_GRADIENT = no_gradient
+
+    def gradient(self, host: Host, raw: Any) -> gradients.Source:
+        name = self.named(host)
+        return gradients.NoGradient(name, self.NO_GRADIENT.format(name=name))
 
     def __call__(self, function: Callable) -> "ComputedValue":
         self.compute = function
@@ -531,6 +557,9 @@ def _explain_out_of_order() -> None:
     and the last one it was served, so the error can say it in the user's names.
     """
     def message(mediator: Mediator, location: str) -> Optional[str]:
+        gradient = gradients.asked_gradient(mediator, location)
+        if gradient is not None:
+            return gradients.never_came(gradient)
         wanted = mediator.__dict__.get("streamscope_wanted")
         if wanted is None or location != wanted[0]:
             return None

@@ -49,6 +49,8 @@ def edited_positions(steer, length: int, total: int) -> list[int]:
     rule = steer.positions
     if rule == "all":
         chosen = list(range(length))
+    elif rule == "all_but_first":  # the default: the first prompt token (a sink in trained models) left alone
+        chosen = list(range(1, length))
     elif rule == "none":
         chosen = []
     elif rule == "last":
@@ -132,18 +134,21 @@ def check_case(model, reference, tokenizer, family: str, case: str, **options) -
 def check_bad_steers(model, **options) -> None:
     """Bad steers are refused before the engine runs, naming the fix; the engine serves the next request."""
     good = vector(model, 9)
+    # Built inside the check: a steer's own fields are refused when it is built, the rest when it runs.
     bad = {
-        "NaN or inf": streamscope.Steer("layer_output", 0, torch.full((model.hidden_size,), float("nan"))),
-        "all zeros.*no direction": streamscope.Steer("layer_output", 0, torch.zeros(model.hidden_size), mode="ablate"),
-        "mode 'scale'": streamscope.Steer("layer_output", 0, good, mode="scale"),
-        "from_step=-1": streamscope.Steer("layer_output", 0, good, from_step=-1),
-        "projection=nan": streamscope.Steer("layer_output", 0, good, mode="clamp", projection=float("nan")),
-        "floating-point": streamscope.Steer("layer_output", 0, torch.ones(model.hidden_size, dtype=torch.long)),
-        r"vector of shape \(3,\)": streamscope.Steer("layer_output", 0, torch.ones(3), mode="clamp"),
+        "NaN or inf": lambda: streamscope.Steer("layer_output", 0, torch.full((model.hidden_size,), float("nan"))),
+        "all zeros.*no direction": lambda: streamscope.Steer("layer_output", 0, torch.zeros(model.hidden_size),
+                                                             mode="ablate"),
+        "mode 'scale'": lambda: streamscope.Steer("layer_output", 0, good, mode="scale"),
+        "from_step=-1": lambda: streamscope.Steer("layer_output", 0, good, from_step=-1),
+        "projection=nan": lambda: streamscope.Steer("layer_output", 0, good, mode="clamp", projection=float("nan")),
+        "floating-point": lambda: streamscope.Steer("layer_output", 0, torch.ones(model.hidden_size,
+                                                                                  dtype=torch.long)),
+        r"vector of shape \(3,\)": lambda: streamscope.Steer("layer_output", 0, torch.ones(3), mode="clamp"),
     }
-    for message, steer in bad.items():
+    for message, build in bad.items():
         with pytest.raises((ValueError, TypeError), match=message):
-            model.generate(PROMPTS[:1], max_tokens=2, steer=[steer], progress=False, **options)
+            model.generate(PROMPTS[:1], max_tokens=2, steer=[build()], progress=False, **options)
     after = model.generate(PROMPTS[:1], max_tokens=1, steer=[streamscope.Steer("layer_output", 0, good,
                                                                                mode="ablate")],
                            progress=False, **options)
@@ -154,8 +159,9 @@ def check_harvest_under_steers(model, **options) -> None:
     """`model.harvest(..., steer=[...])` reads the values under the steers: the same rows a steered generation's
     harvest reads, and an ablated direction is gone from the value it was ablated at."""
     direction = vector(model, 10)
-    steers = [streamscope.Steer("layer_output", 0, direction, mode="ablate"),
-              streamscope.Steer("mlp_output", 1, vector(model, 11), mode="clamp", projection=2.0, norm_match=True)]
+    steers = [streamscope.Steer("layer_output", 0, direction, mode="ablate", positions="all"),
+              streamscope.Steer("mlp_output", 1, vector(model, 11), mode="clamp", projection=2.0, norm_match=True,
+                                positions="all")]
     harvest = model.harvest(PROMPTS, "layer_output", layers=[0, 1], positions="all", steer=steers, progress=False,
                             **options)
     generated = model.generate(PROMPTS, max_tokens=1, steer=steers, progress=False,

@@ -182,7 +182,9 @@ class Pair:
         values = [*DEFAULT_VALUES, "token_embeddings", "final_norm_output", "self_attn.queries",
                   "self_attn.keys", "self_attn.values", "self_attn.scores", "self_attn.pattern",
                   "self_attn.head_outputs"]
-        self.ours = self.model.cache(PROMPTS, values=values)
+        # TransformerLens runs the cache's tokens without a mask: padded on the right, every real position of the
+        # short prompt is its own on both sides (streamscope's default pads on the left).
+        self.ours = self.model.cache(PROMPTS, values=values, padding_side="right")
         self.tl = bridge(path)
         self.theirs = reference_cache(self.tl, self.ours.tokens)
         self.mask = self.ours.mask
@@ -265,6 +267,7 @@ def apply_ln_to_stack_every_argument(pair):
 
 
 def logit_attrs_every_token_form(pair):
+    # streamscope's default sums to the model's logit (a bias row appended); TL's numbers are one argument away.
     ours, theirs = pair.ours, pair.theirs
     parts = theirs.decompose_resid()
     single = next(text for text in (" the", " is", "e", "a") if len(pair.tl.tokenizer(text, add_special_tokens=False)
@@ -277,20 +280,23 @@ def logit_attrs_every_token_form(pair):
     for (label, (tokens, wrong)), pos_slice in itertools.product(forms.items(), [None]):
         for incorrect in (None, wrong) if wrong is not None else (None,):
             what = f"logit_attrs({label}, incorrect={incorrect is not None})"
-            check(what, lambda: ours.logit_attrs(parts, tokens, incorrect),
+            check(what, lambda: ours.logit_attrs(parts, tokens, incorrect, convention="transformer_lens"),
                   lambda: theirs.logit_attrs(parts, tokens, incorrect), pair.mask)
     # Positions and prompts sliced: the stack sliced to match, the scale sliced by the method.
     sliced = parts[:, :, -1]
-    check("logit_attrs(pos_slice=-1)", lambda: ours.logit_attrs(sliced, torch.tensor([7, 8]), pos_slice=-1),
+    check("logit_attrs(pos_slice=-1)",
+          lambda: ours.logit_attrs(sliced, torch.tensor([7, 8]), pos_slice=-1, convention="transformer_lens"),
           lambda: theirs.logit_attrs(sliced, torch.tensor([7, 8]), pos_slice=-1), pair.mask[:, -1])
-    check("logit_attrs(batch_slice=0)", lambda: ours.logit_attrs(parts, 7, batch_slice=0),
+    check("logit_attrs(batch_slice=0)",
+          lambda: ours.logit_attrs(parts, 7, batch_slice=0, convention="transformer_lens"),
           lambda: theirs.logit_attrs(parts, 7, batch_slice=0), pair.mask[0], batch_axis=None)
     # A stack of one prompt without its batch axis, on caches without theirs.
     one_ours, one_theirs = ours.apply_slice_to_batch_dim((0, 1)), theirs.apply_slice_to_batch_dim((0, 1))
     one_ours.remove_batch_dim()
     one_theirs.remove_batch_dim()
     flat = one_theirs.decompose_resid()
-    check("logit_attrs(has_batch_dim=False)", lambda: one_ours.logit_attrs(flat, 7, has_batch_dim=False),
+    check("logit_attrs(has_batch_dim=False)",
+          lambda: one_ours.logit_attrs(flat, 7, has_batch_dim=False, convention="transformer_lens"),
           lambda: one_theirs.logit_attrs(flat, 7, has_batch_dim=False), pair.mask[0], batch_axis=None)
     check("accumulated_resid without batch", lambda: one_ours.accumulated_resid(apply_ln=True),
           lambda: one_theirs.accumulated_resid(apply_ln=True), pair.mask[0], batch_axis=None)
@@ -434,13 +440,19 @@ def tokens_and_test_prompt(pair, capsys):
     from streamscope.tl import test_prompt
     from transformer_lens import utilities
 
+    from streamscope.tl import NO_DEFAULT_BOS
+
     model, tl = pair.model, pair.tl
-    for prepend_bos in (None, True, False):
+    # streamscope's default is the tokenizer's own BOS rule; TransformerLens's default is its adapter's, which
+    # streamscope gives with prepend_bos=model_type not in NO_DEFAULT_BOS.
+    tl_default = model.config.model_type not in NO_DEFAULT_BOS
+    for ours_bos, their_bos in ((tl_default, None), (True, True), (False, False)):
         for text in (PROMPTS[0], PROMPTS):
-            assert model.to_tokens(text, prepend_bos=prepend_bos).tolist() == tl.to_tokens(
-                text, prepend_bos=prepend_bos).tolist(), (text, prepend_bos)
-        assert model.to_str_tokens(PROMPTS[1], prepend_bos=prepend_bos) == tl.to_str_tokens(
-            PROMPTS[1], prepend_bos=prepend_bos)
+            assert model.to_tokens(text, prepend_bos=ours_bos).tolist() == tl.to_tokens(
+                text, prepend_bos=their_bos).tolist(), (text, ours_bos)
+        assert model.to_str_tokens(PROMPTS[1], prepend_bos=ours_bos) == tl.to_str_tokens(
+            PROMPTS[1], prepend_bos=their_bos)
+    assert model.to_tokens(PROMPTS[1]).tolist() == [model.tokenizer(PROMPTS[1])["input_ids"]]
     assert model.to_str_tokens(pair.ours.tokens[1]) == tl.to_str_tokens(pair.ours.tokens[1])
     assert model.to_string(pair.ours.tokens) == tl.to_string(pair.ours.tokens)
     single = next(text for text in (" the", " is", "e", "a") if len(tl.to_tokens(text, prepend_bos=False)[0]) == 1)
@@ -448,7 +460,7 @@ def tokens_and_test_prompt(pair, capsys):
     with pytest.raises(ValueError, match="not one"):
         model.to_single_token(PROMPTS[1])
     for answer in ("Paris", ["Paris", "Rome", "Italy"]):
-        ranks = test_prompt(PROMPTS[1], answer, model, top_k=3)
+        ranks = test_prompt(PROMPTS[1], answer, model, top_k=3, prepend_bos=tl_default)
         ours = capsys.readouterr().out
         utilities.test_prompt(PROMPTS[1], answer, tl, top_k=3)
         theirs = capsys.readouterr().out

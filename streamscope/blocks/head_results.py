@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 import torch
 
+from .. import gradients
 from .. import nnsight_seam as seam
 from ..engine import OUTPUT_PROJECTIONS, linear_weight
 from ..values import INPUT, OUTPUT, Host, StreamValue, first_tensor, in_trace, require_tapped
@@ -37,6 +38,10 @@ from ..values import INPUT, OUTPUT, Host, StreamValue, first_tensor, in_trace, r
 HEAD_RESULTS = "head_results"
 #: What a read of head_results keeps on the trace's mediator until its write-back: the projection's input.
 STASH = "_streamscope_head_results_inputs"
+#: Why head results have no gradient: the model never forms them (formatted with the value's full name).
+NO_GRADIENT = ("{name} is computed for the read from the output projection's input and weights: the model sums "
+               "the heads in one matmul and never holds each head's result, so no gradient flows through it. "
+               "Read .grad of head_outputs (each head's part of the projection's input) or attention_output.")
 
 #: Why a bulk steer refuses it; formatted with the value's name (``name``).
 STEER_REFUSAL = ("a steer of {name} is refused: a steer's vector is one hidden_size row, and {name} holds one such "
@@ -157,6 +162,10 @@ class HeadResults(StreamValue):
 
     def _read(self, host: Host, raw: Any) -> torch.Tensor:
         return self.results(host)
+
+    def gradient(self, host: Host, raw: Any) -> gradients.Source:
+        name = self.named(host)
+        return gradients.NoGradient(name, NO_GRADIENT.format(name=name))
 
     def expected_shape(self, host: Host, raw: Any) -> tuple[int, ...]:
         return tuple(self.results(host).shape)

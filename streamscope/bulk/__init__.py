@@ -24,16 +24,18 @@ the same inside a trace.
 
 Positions are those of each prompt: ``"last"``, ``"all"``, a slice, indices
 (negative from the prompt's end), or one list per prompt. A harvest reads the
-prompt; a steer edits its prompt positions and, unless ``generated=False``,
-every generated token. Where a steer and a harvest meet at one value, the
+prompt; a steer edits its prompt positions (by default every one but the
+first token, an attention sink in trained models: ``positions="all"`` edits it
+too) and, unless ``generated=False``, every generated token. Where a steer and a harvest meet at one value, the
 harvest reads the steered value. ``out=folder`` writes safetensors shards as
 the prompts finish (`load_harvest`, `iter_harvest` read them back).
 Everything is checked before the engine runs: an unknown value, a block out
 of range, a vector of the wrong width or positions past a prompt's end raise
-at once.
+at once; every bad steer (an argument its mode does not use, an edit too
+large for the stream's measured norm) as a `SteerError`, a ValueError.
 """
 
 from .results import Generation, Harvest, iter_harvest, load_harvest
-from .spec import Steer, apply_steers, value_names
+from .spec import Steer, SteerError, apply_steers, value_names
 
-__all__ = ["Steer", "apply_steers", "Harvest", "Generation", "load_harvest", "iter_harvest", "value_names"]
+__all__ = ["Steer", "SteerError", "apply_steers", "Harvest", "Generation", "load_harvest", "iter_harvest", "value_names"]

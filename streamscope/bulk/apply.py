@@ -50,6 +50,13 @@ class SteerPlan:
         return (self.steer.generated and self.steer.from_step == 0
                 and all(len(chosen) == self.lengths[key] for key, chosen in self.positions.items()))
 
+    @property
+    def every_row_but_first(self) -> bool:
+        """Whether the steer edits every row of the requests it owns but each prompt's first position (the default
+        positions, `streamscope.bulk.spec.SKIP_FIRST`), every generated token too."""
+        return (self.steer.generated and self.steer.from_step == 0 and not self.every_row
+                and all(chosen == frozenset(range(1, self.lengths[key])) for key, chosen in self.positions.items()))
+
 
 def rows_of(ranges: list[tuple[int, int]], device: Any) -> Any:
     """Row ranges as an index: a slice when they are one contiguous block, else a tensor of rows."""
@@ -132,6 +139,7 @@ class Applier:
         self.graphs: Any = None
         self._tap_editors: Optional[list[Any]] = None
         self._every_row = [plan.every_row for plan in self.steers]
+        self._but_first = [plan.every_row_but_first for plan in self.steers]
         # Steers that edit the same rows (an ablation at every block) share one computation of them per step.
         self._row_groups = _row_groups(self.steers, self._every_row)
         #: The first error a hook met; the run's other hooks stop working and the caller raises it.
@@ -169,12 +177,16 @@ class Applier:
         found: dict[int, Any] = {}
         for group, first in self._row_groups:
             if group not in found:
-                found[group] = self._rows_for(self.steers[first], self._every_row[first])
+                found[group] = self._rows_for(self.steers[first], self._every_row[first], self._but_first[first])
         self._steer_rows = [found[group] for group, _ in self._row_groups]
 
-    def _rows_for(self, plan: SteerPlan, every_row: bool) -> Any:
-        if every_row:  # the usual steer: no per-token test, the owned requests' rows merged as they come
+    def _rows_for(self, plan: SteerPlan, every_row: bool, but_first: bool = False) -> Any:
+        if every_row:  # a steer of every row: no per-token test, the owned requests' rows merged as they come
             return rows_of(owned_ranges(self.spans, plan.lengths), self.device)
+        if but_first:  # the default steer: the same, less the row of each prompt's first position
+            owned = plan.lengths
+            return rows_of([(start + (first == 0), start + count) for key, start, count, first in self.spans
+                            if key in owned and count > (first == 0)], self.device)
         ranges: list[tuple[int, int]] = []
         steers_generated = plan.steer.steers_generated
         spans = self.spans
@@ -318,6 +330,7 @@ def _row_groups(plans: Sequence[SteerPlan], every_row: Sequence[bool]) -> list[t
         steer = plan.steer
         # Made once per run: which prompts, at which positions, and from which generated token on.
         signature: Any = (("every", tuple(sorted(plan.lengths.items()))) if every else
+                          ("but_first", tuple(sorted(plan.lengths.items()))) if plan.every_row_but_first else
                           ("some", tuple(sorted((key, tuple(sorted(chosen))) for key, chosen in plan.positions.items())),
                            tuple(sorted(plan.lengths.items())), bool(steer.generated), steer.from_step))
         if signature not in groups:
@@ -332,12 +345,12 @@ def steer_plans(steers: Sequence[tuple[Steer, Site]], keys: Sequence[Hashable], 
 
     `keys[i]` names prompt i in the run; `lengths[i]` is its token count.
     """
-    from .spec import prompt_positions
+    from .spec import steer_positions
 
     plans = []
     for steer, site in steers:
         indices = range(len(keys)) if steer.prompts is None else steer.prompts
-        positions = {keys[i]: frozenset(prompt_positions(steer.positions, lengths[i], i)) for i in indices}
+        positions = {keys[i]: frozenset(steer_positions(steer, lengths[i], i)) for i in indices}
         plans.append(SteerPlan(steer, site, steer.operation(dtype, device), positions,
                                {keys[i]: lengths[i] for i in indices}))
     return plans

@@ -10,6 +10,8 @@ sum on vLLM, Granite's multiplier, a parallel block's relocated stream).
 
 from __future__ import annotations
 
+import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union, cast
 
@@ -32,7 +34,47 @@ SHORT = SHORT_CONTRIBUTIONS
 HEAD_RESULTS_VALUE = f"self_attn.{HEAD_RESULTS}"
 
 Positions = Union[str, slice, Sequence[int], Sequence[Sequence[int]]]
-"""``"last"``, ``"all"``, a slice of the prompt, one list of indices for every prompt, or one list per prompt."""
+"""``"last"``, ``"all"``, ``"all_but_first"``, a slice of the prompt, one list of indices for every prompt, or one
+list per prompt."""
+
+#: A steer's default positions: every prompt position but the first. The first token of a prompt is an attention
+#: sink in most trained models (its stream's norm can be a hundred times the others': about 24,000 on
+#: SmolLM2-135M), so a clamp, ablation or set there changes the run in ways that have nothing to do with the
+#: direction. ``positions="all"`` edits it too.
+SKIP_FIRST = "all_but_first"
+#: The positions rules a string may name.
+RULES = ("all", SKIP_FIRST, "last", "none")
+#: A steer's default dose limit: the edit's size over the stream's own norm at the steered value and block
+#: (`check_dose`). Steering is usually done at doses up to about 10-20; past this the stream is the vector.
+MAX_DOSE = 100.0
+#: The text on which streamscope measures a value's stream norm for the dose check (`stream_norms`).
+CALIBRATION_TEXT = ("The old lighthouse keeper walked along the shore at dawn, counting the boats that had come "
+                    "back in the night, and wrote their names in a small blue book.")
+#: Which of a steer's numbers each mode uses (the others must be left out), and their defaults.
+MODE_USES: dict[str, dict[str, Any]] = {
+    "add": {"scale": 1.0}, "set": {"scale": 1.0}, "ablate": {"scale": 1.0},
+    "clamp": {"projection": 0.0}, "sae_clamp": {"projection": 0.0},
+}
+#: What each number means in each mode that uses it, for the refusal of one given to a mode that does not.
+_MEANING = {"scale": "the multiple of the vector that add and set apply, or the fraction ablate removes",
+            "projection": "the projection that clamp (and sae_clamp, the feature's value) sets"}
+
+
+class SteerError(ValueError, TypeError, IndexError):
+    """A steer that cannot run: a bad field, a field its mode does not use, positions that do not fit a prompt,
+    or an edit too large for the stream. A ValueError (also a TypeError and an IndexError, the types these
+    refusals had before they shared one), raised before anything runs, on both engines and in a trace.
+
+    `field` names the steer's field at fault (``"scale"``, ``"positions"``, ...), None where it is the whole steer:
+    the server answers its 400 with it.
+    """
+
+    def __init__(self, message: str, field: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self) -> Any:  # from a worker in another process, with its field
+        return (type(self), (str(self), self.field))
 
 
 def value_names() -> tuple[str, ...]:
@@ -51,6 +93,20 @@ class Steer:
     a trace (`apply`). What each mode does to a row ``x`` (with ``v`` the
     vector and ``d = v / |v|``) is in `streamscope.bulk.operations`.
 
+    Every field is checked when the steer is built (`SteerError`, a
+    ValueError, naming the field and the fix); the vector's width, the block
+    and the positions against each prompt when it runs, before the engine
+    sees it.
+
+    **The first prompt token is skipped unless `positions` says otherwise.**
+    The default, ``positions="all_but_first"``, edits every prompt position
+    but position 0, in every mode: in trained models that token is an
+    attention sink whose stream is far larger than the others' (norm about
+    24,000, projection about -2,000 on SmolLM2-135M), and an edit there
+    (a clamp, an ablation, a set) changes the run through the sink rather
+    than through the direction. ``positions="all"`` edits it too; indices or
+    a slice edit exactly what they name.
+
     Args:
         value: A block's value (``"layer_output"``, ``"mlp.mlp_output"``, ...)
             or a root value (``"token_embeddings"``), as `model.harvest` names them.
@@ -59,9 +115,11 @@ class Steer:
             to ablate or clamp (any length: its unit vector is used).
         scale: ``add``/``set``: the vector is multiplied by it once, before the
             run. ``ablate``: the fraction of the component removed (1: all of it).
-        positions: Which prompt positions: ``"all"``, ``"last"``, ``"none"``
-            (generated tokens only), a slice, or indices (negative from the
-            prompt's end).
+            Default 1 for those modes; clamp and sae_clamp refuse it.
+        positions: Which prompt positions: ``"all_but_first"`` (the default:
+            every one but the first token, see above), ``"all"``, ``"last"``,
+            ``"none"`` (generated tokens only), a slice, or indices (negative
+            from the prompt's end).
         mode: ``"add"`` (``x + scale * v``), ``"set"`` (``scale * v``),
             ``"ablate"`` (``x - scale * (x . d) d``), ``"clamp"``
             (``x + (projection - x . d) d``), or ``"sae_clamp"``: SAE
@@ -69,30 +127,128 @@ class Steer:
             term kept (`streamscope.sae.SAE.clamp` builds it).
         generated: Whether generated tokens are steered too.
         prompts: The indices of the prompts this steer applies to; None for all.
-        projection: ``clamp``: the projection on ``d`` that every edited row gets.
-        norm_match: After the edit, rescale each edited row to the norm it had before.
+        projection: ``clamp``: the projection on ``d`` that every edited row
+            gets (default 0); ``sae_clamp``: the feature's value. The other modes refuse it.
+        norm_match: After the edit, rescale each edited row to the norm it had
+            before (not with ``sae_clamp``).
         from_step: The first generated token steered (0: every one; ``k``: from
             the ``k``-th generated token on), where `generated` is true.
         origin: The shape of the model the vector was made on (``model_type``,
             ``hidden_size``, ``num_layers``, ``vocab_size``; a `Direction`'s
             steer sets it): a run on a model of another shape is refused.
         sae, feature: ``sae_clamp``'s SAE (`streamscope.sae.SAE`) and feature index.
+        max_dose: The largest dose allowed, ``|edit| / ||h||``: the edit's size
+            (``|scale| * |v|`` for add and set, ``|scale| * ||h||`` for ablate,
+            ``|projection|`` for clamp, ``|projection| * |v|`` for sae_clamp) over
+            ``||h||``, the value's mean row norm at that block, measured by
+            streamscope on a short calibration text (`stream_norms`, once per
+            model, value and block). Default `MAX_DOSE` (100); None lifts the
+            limit. An edit that would overflow (``scale * v`` not finite in the
+            engine's dtype, or the edited row's squared norm not finite in
+            float32) is refused whatever this says.
+
+    A field left out takes its mode's default; a field the mode does not use
+    is refused rather than ignored (``Steer(..., mode="clamp", scale=5)``
+    would clamp to 0). Once built, the fields a mode does not use are None.
     """
 
     value: str
     layer: Optional[int]
     vector: torch.Tensor
-    scale: float = 1.0
-    positions: Positions = "all"
+    scale: Optional[float] = None
+    positions: Positions = SKIP_FIRST
     mode: str = "add"
     generated: bool = True
     prompts: Optional[Sequence[int]] = None
-    projection: float = 0.0
+    projection: Optional[float] = None
     norm_match: bool = False
     from_step: int = 0
     origin: Optional[dict] = None
     sae: Optional[Any] = None
     feature: Optional[int] = None
+    max_dose: Optional[float] = MAX_DOSE
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field that needs no model, and fill in the mode's defaults for the numbers left out.
+
+        Raises `SteerError` naming the field, the mode and the fix. Runs when
+        the steer is built and again before it runs (a field may have been
+        changed in between).
+        """
+        name = self.described()
+        if self.mode not in MODES:
+            raise SteerError(f"{name}: mode {self.mode!r} is not a steer operation: use one of "
+                             f"{', '.join(repr(mode) for mode in MODES)}.", "mode")
+        uses = MODE_USES[self.mode]
+        for number in ("scale", "projection"):
+            given = getattr(self, number)
+            if number not in uses:
+                if given is not None:
+                    users = [mode for mode, used in MODE_USES.items() if number in used]
+                    fix = ("pass projection=... to set the projection" if number == "scale"
+                           else "pass scale=... to scale the edit")
+                    raise SteerError(f"{name}: mode {self.mode!r} does not use {number} ({number} is "
+                                     f"{_MEANING[number]}; modes {', '.join(users)}): leave {number} out and "
+                                     f"{fix}, or choose a mode that uses it.", number)
+                continue
+            if given is None:
+                setattr(self, number, uses[number])
+                continue
+            if isinstance(given, bool) or not isinstance(given, (int, float)) or not math.isfinite(given):
+                raise SteerError(f"{name}: {number}={given!r} must be a finite number.", number)
+        if self.mode != "sae_clamp":
+            for field_name in ("sae", "feature"):
+                if getattr(self, field_name) is not None:
+                    raise SteerError(f"{name}: {field_name} is for mode 'sae_clamp' (an SAE's feature clamped in "
+                                     f"the loop): leave it out, or build the clamp with sae.clamp(feature, value).",
+                                     field_name)
+        elif self.norm_match:
+            raise SteerError(f"{name}: mode 'sae_clamp' keeps the SAE's error term and does not norm-match: "
+                             f"leave norm_match out.", "norm_match")
+        if not isinstance(self.generated, bool):
+            raise SteerError(f"{name}: generated={self.generated!r} must be True or False.", "generated")
+        if not isinstance(self.norm_match, bool):
+            raise SteerError(f"{name}: norm_match={self.norm_match!r} must be True or False.", "norm_match")
+        if not isinstance(self.from_step, int) or isinstance(self.from_step, bool) or self.from_step < 0:
+            raise SteerError(f"{name}: from_step={self.from_step!r} must be an int >= 0 "
+                             f"(0: every generated token; k: from the k-th on).", "from_step")
+        if self.from_step and not self.generated:
+            raise SteerError(f"{name}: from_step={self.from_step} picks the first generated token steered, and "
+                             f"generated=False steers none: leave from_step out, or set generated=True.", "from_step")
+        check_rule(self.positions, name)
+        if self.positions == "none" and not self.generated:
+            raise SteerError(f"{name}: positions='none' with generated=False edits nothing: steer some prompt "
+                             f"positions, or generated tokens.", "positions")
+        if self.prompts is not None:
+            if isinstance(self.prompts, (str, bytes)) or not isinstance(self.prompts, (list, tuple, range)) or \
+                    not all(isinstance(index, int) and not isinstance(index, bool) for index in self.prompts):
+                raise SteerError(f"{name}: prompts={self.prompts!r} must be a list of prompt indices, or None "
+                                 f"for every prompt.", "prompts")
+        if self.max_dose is not None and (isinstance(self.max_dose, bool) or not isinstance(self.max_dose, (int, float))
+                                          or not self.max_dose > 0 or not math.isfinite(self.max_dose)):
+            raise SteerError(f"{name}: max_dose={self.max_dose!r} must be a positive finite number, or None for "
+                             f"no dose limit.", "max_dose")
+        vector = self.vector
+        if not isinstance(vector, torch.Tensor) and hasattr(vector, "steer") and hasattr(vector, "unit"):
+            raise SteerError(f"{name} was given a Direction as its vector: build the steer with "
+                             f"direction.steer(mode=..., scale=...), which also checks the model it was made on.",
+                             "vector")
+        if not isinstance(vector, torch.Tensor) or vector.dim() != 1:
+            shape = tuple(vector.shape) if isinstance(vector, torch.Tensor) else type(vector).__name__
+            raise SteerError(f"{name} has a vector of shape {shape}: it must be one [hidden_size] tensor.", "vector")
+        if vector.dtype == torch.bool or vector.is_complex() or not vector.is_floating_point():
+            raise SteerError(f"{name} has a {vector.dtype} vector: give a floating-point tensor (vector.float()).",
+                             "vector")
+        if vector.numel() and not bool(torch.isfinite(vector).all()):
+            raise SteerError(f"{name} has NaN or inf in its vector: every steered row would become NaN. "
+                             f"Give a finite vector (torch.nan_to_num, or rebuild the direction).", "vector")
+
+    def described(self) -> str:
+        """The steer in a few words, for its error messages."""
+        return f"Steer({self.value!r}, layer={self.layer}, mode={self.mode!r})"
 
     def to_dict(self) -> dict[str, Any]:
         """The steer as JSON-ready data (the vector as a list of floats); `from_dict` reads it back.
@@ -102,7 +258,8 @@ class Steer:
         if self.sae is not None:
             raise ValueError("an sae_clamp steer holds its SAE's weights: send the SAE by name, not as data.")
         data = {name: getattr(self, name) for name in ("value", "layer", "scale", "mode", "generated",
-                                                       "projection", "norm_match", "from_step", "origin", "feature")}
+                                                       "projection", "norm_match", "from_step", "origin", "feature",
+                                                       "max_dose")}
         positions: Any = self.positions
         if isinstance(positions, slice):
             positions = {"slice": [positions.start, positions.stop, positions.step]}
@@ -112,17 +269,28 @@ class Steer:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Steer":
-        """A steer from `to_dict`'s data; unknown keys are refused, naming the ones there are."""
+        """A steer from `to_dict`'s data; unknown keys are refused, naming the ones there are.
+
+        A null number (scale, projection, feature) is a field left out: its mode's default, where the mode uses it.
+        """
         known = {"value", "layer", "vector", "scale", "positions", "mode", "generated", "prompts", "projection",
-                 "norm_match", "from_step", "origin", "feature"}
+                 "norm_match", "from_step", "origin", "feature", "max_dose"}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"a steer has no {', '.join(unknown)}: its fields are {', '.join(sorted(known))}.")
-        fields = dict(data)
-        positions = fields.get("positions", "all")
+            raise SteerError(f"a steer has no {', '.join(unknown)}: its fields are {', '.join(sorted(known))}.")
+        fields = {key: item for key, item in data.items()
+                  if not (item is None and key in ("scale", "projection", "feature"))}
+        for required in ("value", "vector"):
+            if required not in fields:
+                raise SteerError(f"a steer needs {required!r}: its fields are {', '.join(sorted(known))}.")
+        positions = fields.get("positions", SKIP_FIRST)
         if isinstance(positions, dict) and "slice" in positions:
             fields["positions"] = slice(*positions["slice"])
-        fields["vector"] = torch.tensor(fields["vector"], dtype=torch.float32)
+        try:
+            fields["vector"] = torch.tensor(fields["vector"], dtype=torch.float32)
+        except (TypeError, ValueError) as error:
+            raise SteerError(f"a steer's vector is a list of numbers: {error}") from None
+        fields.setdefault("layer", None)
         return cls(**fields)
 
     def __repr__(self) -> str:
@@ -130,18 +298,22 @@ class Steer:
 
         where = f"layers[{self.layer}].{self.value}" if self.layer is not None else self.value
         prompts = "" if self.prompts is None else f", prompts {list(self.prompts)}"
-        return (f"Steer({self.mode} {shape(self.vector)} x {self.scale:g} at {where}, positions "
+        amount = f" x {self.scale:g}" if self.scale is not None else f" to {self.projection:g}"
+        return (f"Steer({self.mode} {shape(self.vector)}{amount} at {where}, positions "
                 f"{self.positions!r}{', prompt only' if not self.generated else ''}{prompts})")
 
     def delta(self, dtype: torch.dtype, device: Any) -> torch.Tensor:
         """The vector the run adds (or sets): ``scale * vector`` in the engine's dtype, on its device."""
-        return (self.vector.detach().to(device=device, dtype=torch.float32) * self.scale).to(dtype)
+        scale = 1.0 if self.scale is None else self.scale
+        return (self.vector.detach().to(device=device, dtype=torch.float32) * scale).to(dtype)
 
     def operation(self, dtype: torch.dtype, device: Any) -> Operation:
         """What the steer does to the rows it edits, with its vectors in `dtype` on `device`."""
         if self.mode == "sae_clamp":
-            return cast(Operation, ClampFeature(cast(Any, self.sae), cast(int, self.feature), self.projection, dtype, device))
-        return prepare(self.mode, self.vector, self.scale, self.projection, self.norm_match, dtype, device)
+            return cast(Operation, ClampFeature(cast(Any, self.sae), cast(int, self.feature), self.projection or 0.0,
+                                                dtype, device))
+        return prepare(self.mode, self.vector, 1.0 if self.scale is None else self.scale, self.projection or 0.0,
+                       self.norm_match, dtype, device)
 
     def steers_generated(self, step: int) -> bool:
         """Whether the `step`-th generated token (0 for the first) is edited."""
@@ -159,7 +331,11 @@ class Steer:
                 steer.apply(model, step)
 
         The edit goes through the value's write checks (shape, dtype, NaN).
+        Its dose is checked against the stream it edits, measured here on the
+        rows of this step (after the first prompt position): a trace has the
+        stream in hand.
         """
+        self.validate()
         check_vector(self, model.hidden_size)
         check_origin(self, model)
         if self.mode == "sae_clamp":
@@ -168,11 +344,14 @@ class Steer:
                                    else block_index(model, self.layer, self.value))
         current = getattr(host, name)
         if step == 0:
-            rows = prompt_positions(self.positions, current.shape[1], 0)
+            rows = steer_positions(self, current.shape[1], 0)
         else:
             rows = list(range(current.shape[1])) if self.steers_generated(step - 1) else []
         if not rows:
             return
+        measured = current[0, 1:] if step == 0 and current.shape[1] > 1 else current[0]
+        norm = float(measured.detach().float().norm(dim=-1).mean())
+        check_dose(self, norm, current.dtype, f"{host.where()}.{name}", "measured on this step's rows")
         operation = self.operation(current.dtype, current.device)
         if rows == list(range(current.shape[1])):
             current[:, :] = operation(current[:, :])
@@ -383,9 +562,12 @@ def prompt_positions(positions: Positions, length: int, prompt: int) -> list[int
             return [length - 1]
         if positions == "all":
             return list(range(length))
+        if positions == SKIP_FIRST:
+            return list(range(1, length))
         if positions == "none":
             return []
-        raise ValueError(f"positions={positions!r}: use 'last', 'all', 'none', a slice, or a list of indices.")
+        raise ValueError(f"positions={positions!r}: use 'last', 'all', 'all_but_first', 'none', a slice, or a list "
+                         f"of indices.")
     if isinstance(positions, slice):
         return list(range(length))[positions]
     if isinstance(positions, int):
@@ -415,34 +597,151 @@ def per_prompt_positions(positions: Positions, lengths: Sequence[int]) -> list[l
     return [prompt_positions(positions, length, prompt) for prompt, length in enumerate(lengths)]
 
 
+def check_rule(positions: Any, name: str) -> None:
+    """Refuse a steer's positions that are no rule (`Positions`, one rule for every prompt), naming the fix."""
+    if isinstance(positions, str):
+        if positions not in RULES:
+            raise SteerError(f"{name}: positions={positions!r} is not a rule: use {', '.join(map(repr, RULES))}, a "
+                             f"slice, or a list of indices (negative from the prompt's end).", "positions")
+        return
+    if isinstance(positions, slice):
+        parts = (positions.start, positions.stop, positions.step)
+        if not all(part is None or (isinstance(part, int) and not isinstance(part, bool)) for part in parts):
+            raise SteerError(f"{name}: positions={positions!r}: a slice's bounds are ints or None.", "positions")
+        if positions.step == 0:
+            raise SteerError(f"{name}: positions={positions!r}: a slice's step cannot be 0.", "positions")
+        return
+    if isinstance(positions, int) and not isinstance(positions, bool):
+        return
+    if isinstance(positions, (list, tuple, range)):
+        if any(isinstance(item, (list, tuple, range)) for item in positions):
+            raise SteerError(f"{name}: a steer takes one positions rule for every prompt it steers, not one list "
+                             f"per prompt: give one steer per prompt (prompts=[i]) with its own positions.",
+                             "positions")
+        if all(isinstance(item, int) and not isinstance(item, bool) for item in positions):
+            return
+    raise SteerError(f"{name}: positions={positions!r} is not a rule: use {', '.join(map(repr, RULES))}, a slice, "
+                     f"or a list of int indices (negative from the prompt's end).", "positions")
+
+
+def steer_positions(steer: Steer, length: int, prompt: int) -> list[int]:
+    """The prompt positions `steer` edits in prompt `prompt` of `length` tokens; `SteerError` where they do not fit."""
+    try:
+        return prompt_positions(steer.positions, length, prompt)
+    except (ValueError, TypeError, IndexError) as error:
+        raise SteerError(f"{steer.described()}: {str(error).removeprefix('positions: ')} Give positions that fit "
+                         f"the prompt (negative indices count from its end).", "positions") from None
+
+
 def check_vector(steer: Steer, width: int) -> None:
-    """Refuse a steer whose vector, mode or settings cannot run, naming the steer and the fix."""
-    name = f"Steer({steer.value!r}, layer={steer.layer}, mode={steer.mode!r})"
+    """Refuse a steer whose vector, mode or settings cannot run, naming the steer and the fix (`SteerError`)."""
+    steer.validate()
+    name = steer.described()
     vector = steer.vector
-    if not isinstance(vector, torch.Tensor) and hasattr(vector, "steer") and hasattr(vector, "unit"):
-        raise TypeError(f"{name} was given a Direction as its vector: build the steer with "
-                        f"direction.steer(mode=..., scale=...), which also checks the model it was made on.")
-    if not isinstance(vector, torch.Tensor) or tuple(vector.shape) != (width,):
-        shape = tuple(vector.shape) if isinstance(vector, torch.Tensor) else type(vector).__name__
-        raise ValueError(f"{name} has a vector of shape {shape}: it must be [hidden_size] = ({width},).")
-    if vector.dtype == torch.bool or vector.is_complex() or not vector.is_floating_point():
-        raise TypeError(f"{name} has a {vector.dtype} vector: give a floating-point tensor (vector.float()).")
-    if steer.mode not in MODES:
-        raise ValueError(f"Steer mode {steer.mode!r}: use one of {', '.join(repr(mode) for mode in MODES)}.")
-    if not bool(torch.isfinite(vector).all()):
-        raise ValueError(f"{name} has NaN or inf in its vector: every steered row would become NaN. "
-                         f"Give a finite vector (torch.nan_to_num, or rebuild the direction).")
-    for field_name in ("scale", "projection"):
-        number = getattr(steer, field_name)
-        if not isinstance(number, (int, float)) or isinstance(number, bool) or number != number \
-                or number in (float("inf"), float("-inf")):
-            raise ValueError(f"{name}: {field_name}={number!r} must be a finite number.")
+    if tuple(vector.shape) != (width,):
+        raise SteerError(f"{name} has a vector of shape {tuple(vector.shape)}: it must be [hidden_size] = ({width},).",
+                         "vector")
     if steer.mode in DIRECTIONAL and not bool(vector.norm() > 0):
-        raise ValueError(f"{name}: the vector is all zeros, so it has no direction to {steer.mode} along. "
-                         f"Give the direction's vector.")
-    if not isinstance(steer.from_step, int) or isinstance(steer.from_step, bool) or steer.from_step < 0:
-        raise ValueError(f"{name}: from_step={steer.from_step!r} must be an int >= 0 "
-                         f"(0: every generated token; k: from the k-th on).")
+        raise SteerError(f"{name}: the vector is all zeros, so it has no direction to {steer.mode} along. "
+                         f"Give the direction's vector.", "vector")
+
+
+def edit_size(steer: Steer, norm: float) -> tuple[float, str]:
+    """How large the steer's edit of a row is, given the stream's norm `norm` there, and the formula in words."""
+    length = float(steer.vector.detach().float().norm())
+    if steer.mode in ("add", "set"):
+        return abs(float(steer.scale or 0.0)) * length, f"|scale| * |v| = {abs(float(steer.scale or 0.0)):g} * {length:.4g}"
+    if steer.mode == "ablate":
+        return abs(float(steer.scale or 0.0)) * norm, f"|scale| * ||h||, {abs(float(steer.scale or 0.0)):g} * {norm:.4g},"
+    if steer.mode == "clamp":
+        return abs(float(steer.projection or 0.0)), f"|projection| = {abs(float(steer.projection or 0.0)):g}"
+    return (abs(float(steer.projection or 0.0)) * length,
+            f"|projection| * |W_dec[feature]| = {abs(float(steer.projection or 0.0)):g} * {length:.4g}")
+
+
+def dose_field(steer: Steer) -> str:
+    """The field that sets the size of `steer`'s edit: projection for a clamp, scale otherwise."""
+    return "projection" if steer.mode in ("clamp", "sae_clamp") else "scale"
+
+
+def check_dose(steer: Steer, norm: Optional[float], dtype: torch.dtype, where: str, how: str) -> None:
+    """Refuse a steer whose edit overflows, or whose dose ``edit / ||h||`` passes its `Steer.max_dose`.
+
+    `norm` is ``||h||``, the value's mean row norm at the steered block
+    (None where it was not measured: only the overflow is checked); `where`
+    names the value, `how` says how the norm was measured. The overflow
+    bound is arithmetic: ``scale * v`` must be finite in the engine's
+    `dtype`, and the edited row's squared norm, ``(||h|| + edit)^2``, finite
+    in float32, where the norms that follow square it.
+    """
+    name = steer.described()
+    size, formula = edit_size(steer, norm or 0.0)
+    measured = f"||h|| = {norm:.4g} at {where} ({how})" if norm is not None else f"at {where}"
+    multiple = steer.scale if steer.mode in ("add", "set") and steer.scale is not None else 1.0
+    scaled = steer.vector.detach().float() * float(multiple)
+    if not bool(torch.isfinite(scaled).all()) or \
+            float(scaled.abs().max()) > torch.finfo(dtype).max or not math.isfinite(size):
+        raise SteerError(f"{name}: scale * vector is not finite in {dtype} (the edit {formula}, {measured}): every "
+                         f"steered row would be inf or NaN. Use a smaller scale.", dose_field(steer))
+    square = (size + (norm or 0.0)) ** 2
+    if not square < torch.finfo(torch.float32).max:
+        raise SteerError(f"{name}: the edit {formula} = {size:.4g} overflows the next norm, which squares the row in "
+                         f"float32 ({measured}). Use an edit a few times ||h|| at most.", dose_field(steer))
+    if norm is None or steer.max_dose is None:
+        return
+    dose = size / norm if norm > 0 else math.inf
+    if dose > steer.max_dose:
+        raise SteerError(f"{name}: dose {dose:.4g} = edit / ||h||, with the edit {formula} = {size:.4g} and "
+                         f"{measured}; the limit is max_dose={steer.max_dose:g}. Steering doses are usually up to "
+                         f"10-20: use a smaller scale (or projection), or pass max_dose=None (or a larger one) "
+                         f"to run it anyway.", dose_field(steer))
+
+
+#: Each model's measured stream norms, ``(value, block) -> ||h||``, kept while the model lives.
+_NORMS: dict[int, tuple[Any, dict[tuple[str, Optional[int]], float]]] = {}
+
+
+def stream_norms(model: Any, sites: Sequence[tuple[str, Optional[int]]]) -> dict[tuple[str, Optional[int]], float]:
+    """``||h||`` of each ``(value, block)`` in `sites`: the value's mean row norm over `CALIBRATION_TEXT`'s
+    positions after the first (the sink), measured by a harvest on `model` once and kept for the model's life."""
+    entry = _NORMS.get(id(model))
+    if entry is None or entry[0]() is not model:
+        try:
+            reference: Any = weakref.ref(model)
+        except TypeError:
+            reference = lambda: model  # noqa: E731  (kept while the process lives)
+        entry = _NORMS[id(model)] = (reference, {})
+    known = entry[1]
+    missing: dict[str, list[Optional[int]]] = {}
+    for value, layer in sites:
+        if (value, layer) not in known:
+            missing.setdefault(value, [])
+            if layer not in missing[value]:
+                missing[value].append(layer)
+    for value, layers in missing.items():
+        blocks = [layer for layer in layers if layer is not None]
+        harvest = model.harvest([CALIBRATION_TEXT], value, layers=blocks or None, positions="all", progress=False)
+        rows = harvest[value][0].float()  # [blocks, positions, hidden]; [positions, hidden] at the root
+        rows = rows.unsqueeze(0) if rows.dim() == 2 else rows
+        norms = (rows[:, 1:] if rows.shape[1] > 1 else rows).norm(dim=-1).mean(-1)
+        if value in ROOT_VALUES:
+            known[(value, None)] = float(norms[0])
+        else:
+            for index, layer in enumerate(blocks):
+                known[(value, layer)] = float(norms[index])
+    return {site: known[site] for site in sites}
+
+
+def check_doses(model: Any, steers: Sequence[Steer], dtype: torch.dtype) -> None:
+    """`check_dose` for each steer of a bulk run before it runs, ``||h||`` measured once per model, value and block
+    (`stream_norms`), so that a refusal states it."""
+    sites = [(steer.value, None if steer.layer is None else steer.layer % len(model.layers)) for steer in steers]
+    norms = stream_norms(model, sites) if sites else {}
+    for steer in steers:
+        layer = None if steer.layer is None else steer.layer % len(model.layers)
+        where = steer.value if layer is None else f"layers[{layer}].{steer.value}"
+        check_dose(steer, norms.get((steer.value, layer)), dtype, where,
+                   "measured by streamscope on its calibration text, positions after the first")
 
 
 def check_origin(steer: Steer, model: Any) -> None:
@@ -454,30 +753,45 @@ def check_origin(steer: Steer, model: Any) -> None:
     different = [f"{key} {steer.origin[key]!r} there, {here[key]!r} here" for key in here
                  if key in steer.origin and steer.origin[key] != here[key]]
     if different:
-        raise ValueError(f"Steer({steer.value!r}, layer={steer.layer}): its vector was made on another model "
+        raise SteerError(f"Steer({steer.value!r}, layer={steer.layer}): its vector was made on another model "
                          f"({'; '.join(different)}). Find the direction on this model "
                          f"(streamscope.directions.find), or steer the model it was made on.")
 
 
-def check_steer(model: Any, steer: Steer, prompts: int) -> Site:
-    """The steer's `Site`, after checking its vector, mode and prompts; errors name the steer and the fix."""
+def check_steer(model: Any, steer: Steer, prompts: int, lengths: Optional[Sequence[int]] = None) -> Site:
+    """The steer's `Site`, after checking its fields, vector, site, prompts and (given each prompt's token count,
+    `lengths`) its positions on every prompt it steers; a refusal is a `SteerError` naming the steer and the fix
+    (`Unavailable` where the family does not serve the value)."""
     if not isinstance(steer, Steer):
-        raise TypeError(f"steer takes streamscope.Steer objects, not a {type(steer).__name__}.")
+        raise SteerError(f"steer takes streamscope.Steer objects, not a {type(steer).__name__}.")
+    steer.validate()
     if steer.value in (HEAD_RESULTS, HEAD_RESULTS_VALUE):
-        raise ValueError(STEER_REFUSAL.format(name=HEAD_RESULTS_VALUE))
-    site = locate(model, steer.value, steer.layer)
+        raise SteerError(STEER_REFUSAL.format(name=HEAD_RESULTS_VALUE))
+    try:
+        site = locate(model, steer.value, steer.layer)
+    except SteerError:
+        raise
+    except (ValueError, TypeError, IndexError) as error:
+        raise SteerError(f"{steer.described()}: {error}") from None
     if steer.value.split(".")[-1] in NEURONS:
-        raise ValueError(f"Steer({steer.value!r}): a steer's vector is hidden_size wide, the neurons "
+        raise SteerError(f"Steer({steer.value!r}): a steer's vector is hidden_size wide, the neurons "
                          f"intermediate_size: edit them in a trace (model.layers[{steer.layer}].{steer.value}"
                          f"[:, -1] += vector), or steer mlp_output with the vector they write (vector @ W_out).")
     check_vector(steer, model.hidden_size)
     check_origin(steer, model)
     if steer.mode == "sae_clamp":
-        check_clamp(steer, model)
+        try:
+            check_clamp(steer, model)
+        except (ValueError, TypeError, IndexError) as error:
+            raise SteerError(str(error)) from None
     if steer.prompts is not None:
         for index in steer.prompts:
             if not 0 <= index < prompts:
-                raise IndexError(f"Steer prompts: {index} is out of range for {prompts} prompts.")
+                raise SteerError(f"{steer.described()}: prompts has {index}, out of range for {prompts} prompts "
+                                 f"(0-{prompts - 1}).", "prompts")
+    if lengths is not None:
+        for index in range(len(lengths)) if steer.prompts is None else steer.prompts:
+            steer_positions(steer, lengths[index], index)
     return site
 
 
@@ -531,7 +845,7 @@ def harvest_spec(model: Any, values: Any, layers: Any, positions: Positions, len
     return spec
 
 
-__all__ = ["Steer", "apply_steers", "Site", "HarvestSpec", "harvest_spec", "check_steer", "locate", "value_names"]
+__all__ = ["Steer", "SteerError", "apply_steers", "Site", "HarvestSpec", "harvest_spec", "check_steer", "locate", "value_names"]
 
 
 def generation_harvest(model: Any, harvest: Any, lengths: Sequence[int]) -> Optional[HarvestSpec]:

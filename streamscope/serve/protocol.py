@@ -27,16 +27,16 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
 
 from .. import nnsight_seam as seam
 
-from ..bulk.operations import DIRECTIONAL
 from ..blocks.head_results import HEAD_RESULTS
-from ..bulk.spec import ROOT_VALUES, Positions, Steer, check_steer, harvest_spec, prompt_positions, value_names
+from ..bulk.spec import (CALIBRATION_TEXT, MAX_DOSE, ROOT_VALUES, SKIP_FIRST, Positions, Steer, SteerError,
+                         check_dose, check_steer, harvest_spec, prompt_positions, value_names)
 from ..errors import Unavailable, untapped
 
 #: The body field that carries a request's steers and harvest.
@@ -44,7 +44,7 @@ FIELD = "streamscope"
 #: vLLM's ``vllm_xargs`` key (the request's ``SamplingParams.extra_args``) under which the plan reaches the worker.
 XARG = "streamscope"
 STEER_FIELDS = ("value", "layer", "vector", "scale", "positions", "mode", "generated", "projection", "norm_match",
-                "from_step", "origin", "sae", "feature")
+                "from_step", "origin", "sae", "feature", "max_dose")
 HARVEST_FIELDS = ("values", "layers", "positions", "keep", "sae", "top_k")
 NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 #: The steer operations the server applies (`streamscope.bulk.operations`).
@@ -79,6 +79,9 @@ class Limits:
     max_upload_bytes: int = 16 * 2**20         # --max-upload-bytes (a vector upload, a request's streamscope field)
     max_stored_saes: int = 8                   # --max-stored-saes
     max_sae_bytes: int = 2**31                 # --max-sae-bytes (one SAE upload)
+    #: --max-steer-dose: the largest dose a steer may have, its edit over the stream's norm at its value and block
+    #: (`streamscope.bulk.spec.check_dose`), measured by the engine on a calibration text; a steer may ask for less.
+    max_steer_dose: Optional[float] = MAX_DOSE
 
 
 @dataclass
@@ -130,7 +133,7 @@ def _bad(param: str, message: str, status: int = 400) -> RequestError:
 
 def positions_rule(raw: Any, param: str) -> Positions:
     """A JSON positions rule: ``"all"``, ``"last"``, ``"none"``, a list of ints, or ``{"slice": [start, stop, step]}``."""
-    if raw in ("all", "last", "none"):
+    if raw in ("all", SKIP_FIRST, "last", "none"):
         return raw
     if isinstance(raw, list) and raw and all(isinstance(item, int) and not isinstance(item, bool) for item in raw):
         return list(raw)
@@ -139,8 +142,9 @@ def positions_rule(raw: Any, param: str) -> Positions:
         if len(raw["slice"]) == 3 and raw["slice"][2] == 0:
             raise _bad(param, "a slice's step cannot be 0.")
         return slice(*raw["slice"])
-    raise _bad(param, f"{json.dumps(raw)[:80]} is not a positions rule: use \"all\", \"last\", \"none\" (a steer's "
-                      "generated tokens only), a non-empty list of indices (negative from the prompt's end), or "
+    raise _bad(param, f"{json.dumps(raw)[:80]} is not a positions rule: use \"all_but_first\" (a steer's default: "
+                      "every prompt position but the first), \"all\", \"last\", \"none\" (a steer's generated tokens "
+                      "only), a non-empty list of indices (negative from the prompt's end), or "
                       "{\"slice\": [start, stop, step]}.")
 
 
@@ -188,6 +192,10 @@ class Checker:
         parameter = next(seam.module_of(model).parameters(), None)
         self.element_bytes = parameter.element_size() if parameter is not None else 4
         self.default: list[dict[str, Any]] = []  # the server-wide default steers, as checked JSON
+        self.dtype = parameter.dtype if parameter is not None else torch.float32
+        #: ``||h||`` of each (value, block) a steer has named, measured by the engine (`calibrate`): the dose check's.
+        self.norms: dict[tuple[str, Optional[int]], float] = {}
+        self._calibrating: Any = None  # an asyncio lock, made in the event loop
         self.saes: dict[str, Any] = {}  # the stored SAEs (`streamscope.serve.storage.SAEs`), set by the server
 
     # ---------------------------------------------------------------- pieces
@@ -263,7 +271,13 @@ class Checker:
         item = _fields(raw, STEER_FIELDS, param,
                        " One request is one prompt, so a steer has no 'prompts' (streamscope.Client sends each "
                        "prompt its own steers)." if isinstance(raw, dict) and "prompts" in raw else "")
+        # A null number is a field left out: the mode's default where the mode uses it (streamscope.Client sends
+        # every field of a Steer, the ones its mode does not use as null).
+        item = {key: entry for key, entry in item.items()
+                if not (entry is None and key in ("scale", "projection", "feature", "sae", "origin"))}
         mode = item.get("mode", "add")
+        if mode not in SERVED_MODES:
+            raise _bad(f"{param}.mode", f"mode {mode!r} is not one of {', '.join(map(repr, SERVED_MODES))}.")
         sae: Optional[tuple[str, Any, int]] = None  # (name, stored SAE, feature)
         if "sae" in item or "feature" in item or mode == "sae_clamp":
             item, sae = self.sae_steer(item, param, mode)
@@ -273,45 +287,50 @@ class Checker:
         layer = item.get("layer")
         self.site(item["value"], layer, param)
         vector = self.vector(item["vector"], f"{param}.vector")
-        scale = _number(item.get("scale", 1.0), f"{param}.scale")
-        positions = positions_rule(item.get("positions", "all"), f"{param}.positions")
-        if mode not in SERVED_MODES:
-            raise _bad(f"{param}.mode", f"mode {mode!r} is not one of {', '.join(map(repr, SERVED_MODES))}.")
-        generated = item.get("generated", True)
-        if not isinstance(generated, bool):
-            raise _bad(f"{param}.generated", f"true or false, not {generated!r}.")
-        norm_match = item.get("norm_match", False)
-        if not isinstance(norm_match, bool):
-            raise _bad(f"{param}.norm_match", f"true or false, not {norm_match!r}.")
-        projection = _number(item.get("projection", 0.0), f"{param}.projection")
+        numbers = {name: _number(item[name], f"{param}.{name}") for name in ("scale", "projection", "max_dose")
+                   if name in item}
+        positions = positions_rule(item.get("positions", SKIP_FIRST), f"{param}.positions")
+        for flag in ("generated", "norm_match"):
+            if not isinstance(item.get(flag, False), bool):
+                raise _bad(f"{param}.{flag}", f"true or false, not {item[flag]!r}.")
+        generated, norm_match = item.get("generated", True), item.get("norm_match", False)
         from_step = item.get("from_step", 0)
         if isinstance(from_step, bool) or not isinstance(from_step, int) or from_step < 0:
             raise _bad(f"{param}.from_step", f"the first generated token steered, an int >= 0 (0: every one), not "
                                              f"{from_step!r}.")
-        if not bool(torch.isfinite(vector * scale).all()):
-            raise _bad(f"{param}.scale", "scale times the vector overflows float32: use a smaller scale.")
-        if mode in DIRECTIONAL and not float(vector.norm()) > 0:
-            raise _bad(f"{param}.vector", f"mode {mode!r} uses the vector as a direction: send a non-zero vector.")
         origin = item.get("origin")
         if origin is not None and not (isinstance(origin, dict) and all(isinstance(key, str) for key in origin)):
             raise _bad(f"{param}.origin", "the shape of the model the vector was made on, an object (model_type, "
                                           "hidden_size, num_layers, vocab_size), or null.")
-        # An sae_clamp steer is checked here as the addition of its feature's direction (site, width, origin): the
-        # SAE itself was checked against the model when it was stored.
-        steer = Steer(item["value"], layer, vector, scale=scale, positions=positions,
-                      mode="add" if mode == "sae_clamp" else mode, generated=generated, projection=projection,
-                      norm_match=norm_match, from_step=from_step, origin=origin)
+        limit = self.limits.max_steer_dose
+        max_dose = numbers.get("max_dose", limit)
+        if limit is not None and (max_dose is None or max_dose > limit):
+            raise _bad(f"{param}.max_dose", f"{max_dose!r} is past this server's dose limit, {limit:g} "
+                                            f"(--max-steer-dose): send a smaller one, or leave it out.")
+        if mode in ("ablate", "clamp") and not float(vector.norm()) > 0:
+            raise _bad(f"{param}.vector", f"mode {mode!r} uses the vector as a direction: send a non-zero vector.")
+        # An sae_clamp steer is checked here as the addition of its feature's decoder direction (site, width,
+        # origin, positions) and with its own dose: the SAE itself was checked against the model when it was stored.
         try:
-            check_steer(self.model, steer, 1)
+            steer = Steer(item["value"], layer, vector, scale=numbers.get("scale"), positions=positions, mode=mode,
+                          generated=generated, projection=numbers.get("projection"), norm_match=norm_match,
+                          from_step=from_step, origin=origin, max_dose=max_dose)
+            check_steer(self.model, steer if mode != "sae_clamp" else replace(steer, mode="add", projection=None),
+                        1, lengths or None)
+            where = steer.value if steer.layer is None else f"layers[{steer.layer % len(self.model.layers)}].{steer.value}"
+            layer_index = None if steer.layer is None else steer.layer % len(self.model.layers)
+            check_dose(steer, self.norms.get((steer.value, layer_index)), self.dtype, where,
+                       "measured by the server's engine on streamscope's calibration text, positions after the first")
+        except SteerError as error:
+            field = error.field or ("origin" if "another model" in str(error) else "vector")
+            raise _bad(f"{param}.{field}", str(error)) from None
         except (ValueError, TypeError, IndexError) as error:
-            where = "origin" if "another model" in str(error) else "mode" if "mode" in str(error) else "vector"
-            raise _bad(f"{param}.{where}", str(error)) from None
+            raise _bad(f"{param}.vector", str(error)) from None
         self.positions(positions, lengths, f"{param}.positions")
-        payload = {"value": steer.value, "layer": layer, "vector": vector_bytes(vector), "scale": scale,
-                   "positions": rule_json(positions), "mode": mode, "generated": generated, "projection": projection,
-                   "norm_match": norm_match, "from_step": from_step}
+        payload = {"value": steer.value, "layer": layer, "vector": vector_bytes(vector), "scale": steer.scale,
+                   "positions": rule_json(positions), "mode": mode, "generated": generated,
+                   "projection": steer.projection, "norm_match": norm_match, "from_step": from_step}
         if mode == "sae_clamp" and sae is not None:
-            steer.mode = mode
             payload.update(sae=sae[1].file, feature=sae[2])
         return steer, payload
 
@@ -380,8 +399,14 @@ class Checker:
         if positions == "none":
             raise _bad(f"{param}.positions", "a harvest reads prompt positions: ask for \"last\", \"all\", indices or "
                                              "a slice.")
+        if isinstance(layers, list) and not all(isinstance(layer, int) and not isinstance(layer, bool)
+                                                for layer in layers):
+            raise _bad(f"{param}.layers", f"a block index is an int: {layers!r}.")
+        # The positions against the prompt first, and the values and blocks with a rule any prompt fits: each
+        # refusal then names its own field (a position past the prompt's end is not a block out of range).
+        self.positions(positions, [] if length is None else [length], f"{param}.positions")
         try:
-            spec = harvest_spec(self.model, values, layers, positions, [length or 1])
+            spec = harvest_spec(self.model, values, layers, "last", [1])
         except IndexError as error:
             raise _bad(f"{param}.layers", str(error)) from None
         except (ValueError, TypeError, Unavailable) as error:
@@ -389,7 +414,6 @@ class Checker:
             raise _bad(f"{param}.{where}", str(error)) from None
         for site in spec.sites(self.model):
             self.tapped(site, f"{param}.values")
-        self.positions(positions, [] if length is None else [length], f"{param}.positions")
         count = len(prompt_positions(positions, length, 0)) if length is not None else 1
         if count == 0:
             raise _bad(f"{param}.positions", f"the rule selects none of the prompt's {length} positions.")
@@ -440,6 +464,86 @@ class Checker:
         """Check the server-wide default steers (the same JSON as a request's), without a prompt."""
         _, payload = self.steers(raw, "steer", [])
         return payload
+
+    # ---------------------------------------------------------------- the dose check's stream norms
+
+    def steered_sites(self, field: Any) -> list[tuple[str, Optional[int]]]:
+        """The (value, block) of each steer in a request's `field` whose stream norm is not known yet (a steer this
+        cannot read is left to `check`, which refuses it)."""
+        steers = field.get("steer", []) if isinstance(field, dict) else []
+        found: list[tuple[str, Optional[int]]] = []
+        count = len(self.model.layers)
+        for item in [steers] if isinstance(steers, dict) else steers if isinstance(steers, list) else []:
+            if not isinstance(item, dict):
+                continue
+            stored = self.saes[item["sae"]] if isinstance(item.get("sae"), str) and item["sae"] in self.saes \
+                else None
+            value = item.get("value", stored.value if stored is not None else None)
+            layer = item.get("layer", stored.layer if stored is not None else None)
+            if not isinstance(value, str) or not (layer is None or (isinstance(layer, int) and -count <= layer < count
+                                                                    and not isinstance(layer, bool))):
+                continue
+            site = (value, None if layer is None else layer % count)
+            if site not in self.norms and site not in found:
+                try:
+                    self.site(value, site[1], "steer")
+                except RequestError:
+                    continue
+                found.append(site)
+        return found
+
+    async def calibrate(self, field: Any, engine: Any, harvests: Any) -> None:
+        """Measure ``||h||`` at each site the request's steers name that is not measured yet: the engine harvests
+        `CALIBRATION_TEXT` there (one request per value, its own harvest, as any request's) and the mean row norm
+        after the first position is kept for the server's life. Where it cannot be measured (no engine yet), the
+        dose check has no norm and only refuses edits that overflow; the reason is logged."""
+        import asyncio
+        import logging
+        import secrets
+
+        if engine is None or not self.steered_sites(field):
+            return
+        if self._calibrating is None:
+            self._calibrating = asyncio.Lock()
+        async with self._calibrating:
+            wanted = self.steered_sites(field)
+            by_value: dict[str, list[Optional[int]]] = {}
+            for value, layer in wanted:
+                by_value.setdefault(value, []).append(layer)
+            ids = list(self.model.tokenizer(CALIBRATION_TEXT)["input_ids"])
+            for value, layers in by_value.items():
+                try:
+                    await self._measure(engine, harvests, value, [layer for layer in layers if layer is not None],
+                                        ids, secrets.token_hex(8))
+                except Exception:  # noqa: BLE001  (the dose check goes on without the norm; the log says why)
+                    logging.getLogger("streamscope.serve").exception(
+                        "streamscope serve: the stream norm of %s could not be measured; steers there are checked "
+                        "for overflow only", value)
+
+    async def _measure(self, engine: Any, harvests: Any, value: str, layers: list[int], ids: list[int],
+                       token: str) -> None:
+        from safetensors.torch import load
+        from vllm import SamplingParams
+
+        size = max(1, len(layers)) * len(ids) * self.hidden * 4
+        harvest_id = harvests.reserve(size)
+        payload = json.dumps({"steer": [], "harvest": {"values": [value], "layers": layers, "positions": "all",
+                                                       "id": harvest_id}})
+        params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={XARG: payload})
+        try:
+            async for _ in engine.generate({"prompt_token_ids": ids, "cache_salt": f"streamscope-calibration-{token}"},
+                                           params, f"streamscope-calibration-{token}"):
+                pass
+            tensors = load(await harvests.take(harvest_id, keep=False))
+        finally:
+            harvests.delete(harvest_id)
+        rows = next(iter(tensors.values())).float()  # [blocks, positions, hidden]; no blocks at the root
+        rows = rows.unsqueeze(0) if rows.dim() == 2 else rows
+        norms = (rows[:, 1:] if rows.shape[1] > 1 else rows).norm(dim=-1).mean(-1)
+        if value in ROOT_VALUES:
+            self.norms[(value, None)] = float(norms[0])
+        for index, layer in enumerate(layers):
+            self.norms[(value, layer)] = float(norms[index])
 
     # ---------------------------------------------------------------- a whole request
 
@@ -519,7 +623,7 @@ class Checker:
 
 
 #: The positions rules that fit every prompt with a token in it: a steer or harvest of these needs no prompt length.
-ANY_LENGTH = ("all", "last", "none")
+ANY_LENGTH = ("all", SKIP_FIRST, "last", "none")
 
 
 def needs_lengths(field: Any) -> bool:
@@ -532,7 +636,7 @@ def needs_lengths(field: Any) -> bool:
         return True
     steers = field.get("steer", [])
     for item in [steers] if isinstance(steers, dict) else steers if isinstance(steers, list) else [None]:
-        if not isinstance(item, dict) or item.get("positions", "all") not in ANY_LENGTH:
+        if not isinstance(item, dict) or item.get("positions", SKIP_FIRST) not in ANY_LENGTH:
             return True
     harvest = field.get("harvest")
     return harvest is not None and (not isinstance(harvest, dict) or harvest.get("positions", "last") != "last")
@@ -548,8 +652,10 @@ def _prompt_count(body: dict[str, Any]) -> int:
 
 def uniform(steers: list[dict[str, Any]]) -> bool:
     """Whether every steer edits every position, prompt and generated, alike (its edit does not depend on where a
-    prompt ends)."""
-    return all(item["positions"] == "all" and item["generated"] and not item.get("from_step") for item in steers)
+    prompt ends): at every position, or at every one but the first (the default), which is the same position in
+    every prompt, so a shared prefix is edited the same way whichever prompt it starts."""
+    return all(item["positions"] in ("all", SKIP_FIRST) and item["generated"] and not item.get("from_step")
+               for item in steers)
 
 
 def worker_payload(checked: Checked, harvest_id: Optional[str]) -> str:

@@ -61,6 +61,7 @@ class Front:
         self.graph_mode: Optional[str] = None if taps else "NONE"
         #: Where a request's check tokenizes its prompt: one thread (the tokenizer is not shared between threads).
         self.checks = ThreadPoolExecutor(1, thread_name_prefix="streamscope-check")
+        self._served: Optional[tuple[list[str], dict[str, str]]] = None
 
     def store_sae(self, name: str, data: bytes, param: str = "body") -> dict[str, Any]:
         """Check an uploaded SAE (its layout, weights, width, site, a tap on a tapped server) and store it."""
@@ -75,11 +76,36 @@ class Front:
         self.saes.store(name, sae, data)
         return self.saes.listing()[[item["name"] for item in self.saes.listing()].index(name)]
 
-    def info(self) -> dict[str, Any]:
-        from .protocol import served_values
+    def served(self) -> tuple[list[str], dict[str, str]]:
+        """The values this model's blocks serve (a block value where at least one block serves it), in
+        `protocol.served_values`' order, and the others with the reason (the first block's), found once."""
+        if self._served is None:
+            from ..bulk.spec import ROOT_VALUES, locate
+            from ..errors import Unavailable
+            from .protocol import served_values
 
+            served: list[str] = []
+            unavailable: dict[str, str] = {}
+            for value in served_values():
+                layers: list[Optional[int]] = [None] if value in ROOT_VALUES else list(range(len(self.model.layers)))
+                reasons = []
+                for layer in layers:
+                    try:
+                        locate(self.model, value, layer)
+                    except (Unavailable, ValueError, TypeError, IndexError) as refused:
+                        reasons.append(str(refused))
+                        continue
+                    served.append(value)
+                    break
+                else:
+                    unavailable[value] = reasons[0] if reasons else "no block"
+            self._served = (served, unavailable)
+        return self._served
+
+    def info(self) -> dict[str, Any]:
+        values, unavailable = self.served()
         return {"model_type": self.model.config.model_type, "layers": len(self.model.layers),
-                "hidden_size": self.checker.hidden, "values": served_values(), "taps": self.taps,
+                "hidden_size": self.checker.hidden, "values": values, "unavailable": unavailable, "taps": self.taps,
                 "default_steer": bool(self.checker.default), "vectors": sorted(self.vectors),
                 "saes": sorted(self.saes), "worker": self.worker, "graph_mode": self.graph_mode,
                 "limits": vars(self.limits)}
@@ -274,6 +300,9 @@ class SteerMiddleware:
                 raise RequestError(413, FIELD, f"{FIELD}: larger than {self.front.limits.max_upload_bytes} bytes "
                                                f"(--max-upload-bytes): store large vectors once "
                                                f"(POST {PREFIX}/vectors/NAME) and steer by name.")
+            # The dose check's stream norms, measured by the engine once per (value, block) a steer names.
+            await self.front.checker.calibrate(body.get(FIELD), getattr(getattr(scope.get("app"), "state", None),
+                                                                        "engine_client", None), self.front.harvests)
             check = functools.partial(self.front.checker.check, body, chat=path.endswith("chat/completions"))
             if needs_lengths(body.get(FIELD)):
                 # Tokenizing a text prompt holds the interpreter a while: in the front end's own thread, while the
@@ -402,12 +431,15 @@ def add_arguments(parser: Any) -> None:
                                       "layout) stored at start")
     group.add_argument("--max-stored-saes", type=int, default=defaults.max_stored_saes)
     group.add_argument("--max-sae-bytes", type=int, default=defaults.max_sae_bytes, help="one SAE upload, in bytes")
+    group.add_argument("--max-steer-dose", type=float, default=defaults.max_steer_dose,
+                       help="the largest dose a steer may have: its edit's size over the stream's norm at its value "
+                            "and block, measured by the engine on a calibration text")
 
 
 def limits_of(args: argparse.Namespace) -> Limits:
     return Limits(args.max_steers_per_request, args.max_harvest_bytes, args.max_stored_harvest_bytes,
                   args.harvest_ttl, args.max_stored_vectors, args.max_upload_bytes, args.max_stored_saes,
-                  args.max_sae_bytes)
+                  args.max_sae_bytes, args.max_steer_dose)
 
 
 def _given(argv: Sequence[str], *flags: str) -> bool:
@@ -455,6 +487,20 @@ def front_model(args: argparse.Namespace, on_cpu: bool) -> Any:
     return model
 
 
+def served_name(asked: str) -> str:
+    """The model id a server answers to for the PATH it was started with: an alias as typed (``smollm2``), a folder's
+    own name, a ``.gguf`` file's name without the suffix, a hub repository id as given; never a machine's path."""
+    from ..models import NAMED
+
+    local = Path(asked).expanduser()
+    if asked.lower() in NAMED and not local.exists():
+        return asked.lower()
+    if local.exists():
+        resolved = local.resolve()
+        return resolved.stem if resolved.suffix.lower() == ".gguf" else resolved.name
+    return asked
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``streamscope serve PATH [options]``: parse vLLM's and streamscope's options, then run vLLM's server."""
     from .vllm_api import serve, server_api
@@ -471,9 +517,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
-    from ..models import resolve
+    from ..models import UNRESOLVED, resolve
 
-    args.model = str(resolve(args.model))  # as streamscope.load: a folder, "smollm2", a .gguf file, a hub id
+    asked = args.model
+    try:
+        args.model = str(resolve(asked))  # as every command and streamscope.load: a folder, "smollm2", a .gguf, a hub id
+    except UNRESOLVED as refused:
+        print(f"streamscope serve: {refused}", file=sys.stderr)
+        return 2
+    if not args.served_model_name:
+        args.served_model_name = [served_name(asked)]
+    print(f"streamscope serve: serving {args.model} as {args.served_model_name[0]!r} (the requests' \"model\"; "
+          f"--served-model-name sets another)", file=sys.stderr, flush=True)
     api.validate(args)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm.platforms import current_platform

@@ -45,7 +45,7 @@ import torch
 
 from .. import nnsight_seam as seam
 from ..bulk.apply import Span, rows_of
-from ..bulk.spec import ROOT_VALUES, Site, Steer, layer_list, locate, prompt_positions
+from ..bulk.spec import ROOT_VALUES, SKIP_FIRST, Site, Steer, layer_list, locate, prompt_positions
 from ..values import INPUT
 from . import host_time
 from .stages import CPUStageBuffers, Stage, sites_of
@@ -71,10 +71,11 @@ class SteerEntry:
     order: int  # the steer's index among the request's steers at this module call
     from_step: int = 0  # the first generated token steered
     group: tuple = ()  # (site key, order, batch): the requests' steers one edit of a step applies together
+    skip_first: bool = False  # every prompt position but the first (the default positions), with `chosen` None
 
     @property
     def every_row(self) -> bool:
-        return self.chosen is None and self.generated and self.from_step == 0
+        return self.chosen is None and not self.skip_first and self.generated and self.from_step == 0
 
 
 @dataclass(eq=False)
@@ -262,20 +263,21 @@ class ServeState:
                 continue  # another pipeline stage's block: that stage applies it
             site = self.site(item["value"], item["layer"])
             rule = positions_rule(item["positions"], "positions")
-            chosen = None if rule == "all" else frozenset(prompt_positions(rule, length, 0))
+            # "all": every position (None); "all_but_first", the default: every one but position 0, without a set
+            chosen = None if rule in ("all", SKIP_FIRST) else frozenset(prompt_positions(rule, length, 0))
             order = per_key.get(site.key, 0)
             per_key[site.key] = order + 1
             mode: Optional[str] = item["mode"]
             batched = mode in ("add", "set") and not item.get("norm_match", False)  # one edit a step for everyone
-            key = (item["vector"], float(item["scale"]))
+            key = (item["vector"], float(item["scale"] if item.get("scale") is not None else 1.0))
             shared = self.shared_delta(key) if batched else None
             if shared is not None:  # a vector and scale another request sent: its tensor, the vector not decoded
                 delta = shared
             else:
-                steer = Steer(item["value"], item["layer"], vector_from_bytes(item["vector"]), scale=item["scale"],
+                steer = Steer(item["value"], item["layer"], vector_from_bytes(item["vector"]), scale=item.get("scale"),
                               positions=rule, mode=item["mode"], generated=item["generated"],
-                              projection=item.get("projection", 0.0), norm_match=item.get("norm_match", False),
-                              from_step=item.get("from_step", 0))
+                              projection=item.get("projection"), norm_match=item.get("norm_match", False),
+                              from_step=item.get("from_step", 0), max_dose=None)  # the front end checked its dose
                 if steer.mode == "sae_clamp":
                     steer.sae, steer.feature = self.sae(item["sae"]), item["feature"]
                 if batched:
@@ -283,7 +285,7 @@ class ServeState:
                 else:
                     delta, mode = steer.operation(self.dtype, self.device), None
             entry = SteerEntry(site, delta, mode, chosen, bool(item["generated"]), length, order,
-                               item.get("from_step", 0))
+                               item.get("from_step", 0), skip_first=rule == SKIP_FIRST)
             # add and set batch every request's rows into one edit; any other operation edits its own rows
             entry.group = (site.key, order, (id(site), mode) if mode is not None else (id(site), id(entry)))
             steers.append(entry)
@@ -477,10 +479,14 @@ class ServeState:
     def _steer_ranges(entry: SteerEntry, span: Span) -> list[tuple[int, int]]:
         if entry.every_row:
             return [(span.start, span.start + span.count)]
+        if entry.skip_first and entry.generated and entry.from_step == 0:  # the default: all but position 0
+            first = span.start + (span.first == 0)
+            return [(first, span.start + span.count)] if first < span.start + span.count else []
         ranges = []
         for offset in range(span.count):
             position = span.first + offset
-            steered = (entry.chosen is None or position in entry.chosen) if position < entry.length \
+            steered = ((entry.chosen is None and (position > 0 or not entry.skip_first)) or
+                       (entry.chosen is not None and position in entry.chosen)) if position < entry.length \
                 else entry.generated and position - entry.length >= entry.from_step
             if steered:
                 ranges.append((span.start + offset, span.start + offset + 1))

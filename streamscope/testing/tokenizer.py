@@ -25,8 +25,9 @@ CORPUS = [
 ]
 
 
-def train_tokenizer(vocab_size: int = 512, corpus: Sequence[str] = CORPUS) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer with a BOS token prepended to every prompt, trained on `corpus`."""
+def train_tokenizer(vocab_size: int = 512, corpus: Sequence[str] = CORPUS, add_bos: bool = True) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on `corpus`, which puts its BOS token first in every prompt where
+    `add_bos` (as Llama's does), or adds none (as GPT-2's and SmolLM2's do)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -38,9 +39,10 @@ def train_tokenizer(vocab_size: int = 512, corpus: Sequence[str] = CORPUS) -> Pr
     )
     tokenizer.train_from_iterator(list(corpus) * 20, trainer=trainer)
     bos = tokenizer.token_to_id("<|bos|>")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos)]
-    )
+    if add_bos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B", special_tokens=[("<|bos|>", bos)]
+        )
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token="<|bos|>",
@@ -75,8 +77,10 @@ def word_tokenizer(vocab_size: int, bos_token_id: int = 0, eos_token_id: int = 1
                                    unk_token=pad, padding_side="left")
 
 
-def save_tokenizer(path: str | Path, vocab_size: int = 512, corpus: Sequence[str] = CORPUS) -> PreTrainedTokenizerFast:
-    """Train a tokenizer on `corpus` and save it into the checkpoint folder `path` (replacing any there)."""
-    tokenizer = train_tokenizer(vocab_size, corpus)
+def save_tokenizer(path: str | Path, vocab_size: int = 512, corpus: Sequence[str] = CORPUS,
+                   add_bos: bool = True) -> PreTrainedTokenizerFast:
+    """Train a tokenizer on `corpus` (`train_tokenizer`) and save it into the checkpoint folder `path` (replacing
+    any there)."""
+    tokenizer = train_tokenizer(vocab_size, corpus, add_bos)
     tokenizer.save_pretrained(str(path))
     return tokenizer

@@ -19,7 +19,7 @@ from typing import Any, Callable, ClassVar, Optional, Protocol
 
 import torch
 
-from .. import attention, blocks
+from .. import attention, blocks, gradients
 from .. import nnsight_seam as seam
 from ..blocks.composed import Composer
 from ..blocks.heads import READ_ONLY
@@ -34,6 +34,11 @@ NO_KERNEL = ("this attention's forward makes no call to an attention kernel that
              "({kernel}), so its queries, keys and values cannot be read where the kernel receives them")
 EAGER_READ_ONLY = ("{name} is the eager kernel's weights, which the model has already applied to the "
                    "values when it is read, so it cannot be written; edit queries or keys instead.")
+RECOMPUTED_NO_GRADIENT = ("{name} is recomputed from the queries and keys for the read: the attention kernel "
+                          "fuses it and never holds it, so no gradient flows through it. Read .grad of queries, "
+                          "keys or head_outputs instead{eager}.")
+EAGER_GRADIENT = (", or load the model with attn_implementation=\"eager\", whose kernel holds the pattern: its "
+                  "gradient is served there")
 
 
 class KernelHost(Host, Protocol):
@@ -106,6 +111,13 @@ class RecomputedValue(ReadOnly, KernelValue):
 
     def put(self, host: KernelHost, raw: Any, value: torch.Tensor) -> Any:
         self.write(host, raw, value)
+
+    def gradient(self, host: KernelHost, raw: Any) -> gradients.Source:
+        name = self.named(host)
+        if self.site(host)[1] == OUTPUT:  # the eager kernel's own weights: a tensor of the graph
+            return gradients.GradientSource(name, raw[1], raw[1])
+        eager = EAGER_GRADIENT if self.name == "pattern" else ""
+        return gradients.NoGradient(name, RECOMPUTED_NO_GRADIENT.format(name=name, eager=eager))
 
     def refusal(self, host: KernelHost) -> str:
         message = EAGER_READ_ONLY if self.site(host)[1] == OUTPUT else READ_ONLY

@@ -18,7 +18,7 @@ import torch
 from .. import nnsight_seam as seam
 from ..bulk.apply import Applier, Span, steer_plans
 from ..bulk.results import Generation, Harvest, ShardWriter, assemble
-from ..bulk.spec import Positions, check_steer, generation_harvest, harvest_spec, token_ids
+from ..bulk.spec import Positions, check_doses, check_steer, generation_harvest, harvest_spec, token_ids
 
 
 def _pad_id(model: Any) -> int:
@@ -97,9 +97,10 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
     ids = token_ids(model, prompts)
     lengths = [len(tokens) for tokens in ids]
     spec = harvest_spec(model, values, layers, positions, lengths)
-    checked = [(item, check_steer(model, item, len(ids))) for item in steer]
+    checked = [(item, check_steer(model, item, len(ids), lengths)) for item in steer]
     sites = spec.sites(model)
     dtype, device = _parameters(model)
+    check_doses(model, [item for item, _ in checked], dtype)
     plans = steer_plans(checked, list(range(len(ids))), lengths, dtype, device)
     module = seam.module_of(model)
     writer = ShardWriter(out, spec, len(ids)) if out is not None else None
@@ -149,9 +150,10 @@ def generate(model: Any, prompts: Sequence[Any], max_tokens: int = 16, *, steer:
 
     ids = token_ids(model, prompts)
     lengths = [len(tokens) for tokens in ids]
-    checked = [(item, check_steer(model, item, len(ids))) for item in steer]
+    checked = [(item, check_steer(model, item, len(ids), lengths)) for item in steer]
     spec = generation_harvest(model, harvest, lengths)
     dtype, device = _parameters(model)
+    check_doses(model, [item for item, _ in checked], dtype)
     plans = steer_plans(checked, list(range(len(ids))), lengths, dtype, device)
     sites = spec.sites(model) if spec is not None else []
     wanted = {index: spec.positions[index] for index in range(len(ids))} if spec is not None else {}

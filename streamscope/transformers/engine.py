@@ -1,19 +1,20 @@
-"""The transformers engine as the workflows see it: one padded batch per run, the weights in this process."""
+"""The transformers engine as the workflows see it: one left-padded batch per run, the weights in this process."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import nnsight
 import torch
 
 from .. import nnsight_seam as seam
-from ..engine import (Body, Engine, Prompt, attention_modules, cut, down_projections, norm_parameters,
-                      output_projection, right_padded)
+from ..families.logits import scale_and_cap
+from ..engine import (Body, Engine, Prompt, attention_modules, cut, down_projections, mask_positions,
+                      norm_parameters, output_projection, padded)
 
 
 class TransformersEngine(Engine):
-    """Runs prompts as one right-padded batch; reads weights straight off the model's modules."""
+    """Runs prompts as one left-padded batch with mask-derived positions; reads weights straight off the modules."""
 
     name = "transformers"
     reference_kernels = True
@@ -22,13 +23,22 @@ class TransformersEngine(Engine):
         weight = seam.module_of(self.model.lm_head).weight
         return weight.device.type, weight.dtype
 
+    def trace_input(self, prompts: Sequence[Prompt]) -> Any:
+        # One text prompt goes to nnsight as text; anything else as one left-padded batch whose position ids
+        # count each prompt from its first real token, so learned and rotary positions are the prompt's own.
+        if len(prompts) == 1 and isinstance(prompts[0], str):
+            return prompts[0]
+        tokens, mask = padded(self.model.tokenizer, prompts, "left")
+        return {"input_ids": tokens, "attention_mask": mask.long(), "position_ids": mask_positions(mask)}
+
     def run(self, prompts: Sequence[Prompt], body: Body, seq_axes: Sequence[tuple[int, ...]]) -> list[list[torch.Tensor]]:
-        tokens, mask = right_padded(self.model.tokenizer, prompts)
-        with self.model.trace({"input_ids": tokens, "attention_mask": mask.long()}):
+        tokens, mask = padded(self.model.tokenizer, prompts, "left")
+        inputs = {"input_ids": tokens, "attention_mask": mask.long(), "position_ids": mask_positions(mask)}
+        with self.model.trace(inputs):
             found: list = nnsight.save([])
             found.extend(body())
         lengths = mask.sum(-1).tolist()
-        return [[cut(value, row, length, axes) for value, axes in zip(found, seq_axes)]
+        return [[cut(value, row, length, axes, "left") for value, axes in zip(found, seq_axes)]
                 for row, length in enumerate(lengths)]
 
     def run_each(self, prompt: str, bodies: Sequence[Body]) -> list[list[torch.Tensor]]:
@@ -50,6 +60,11 @@ class TransformersEngine(Engine):
 
     def unembedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
         return seam.module_of(self.model.lm_head).weight.detach()[ids].clone()
+
+    def head_parameters(self) -> tuple[Optional[torch.Tensor], float, Optional[float]]:
+        bias = getattr(seam.module_of(self.model.lm_head), "bias", None)
+        scale, cap = scale_and_cap(self.model.family_spec.logit_scaling, self.model.config)
+        return (None if bias is None else bias.detach().clone()), scale, cap
 
     def output_projections(self) -> list[torch.Tensor | str]:
         model = self.model

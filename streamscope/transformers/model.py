@@ -29,7 +29,9 @@ class StandardizedTransformers(Standardized, TransformersModel):
         """The next-token logits at every position, after any final scaling or soft cap, [batch, seq, vocab_size]."""
 
     @ComputedValue(None, OUTPUT, shape="[batch, seq, vocab_size]", read_only=(
-        "{name} is read-only, as on vLLM (where it is computed for the read): edit model.logits instead."))
+        "{name} is read-only, as on vLLM (where it is computed for the read): edit model.logits instead."),
+        no_gradient="{name} is a copy of model.logits made for the read, so no gradient flows through it: read "
+                    "model.logits.grad (the same values on this engine).")
     def prompt_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits at every position, [batch, seq, vocab_size]: the same as `logits` on this engine.
 

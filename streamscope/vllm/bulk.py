@@ -32,8 +32,8 @@ from ..bulk.apply import Applier, Span, steer_plans
 from ..bulk.results import Generation, Harvest, ShardWriter, assemble
 from .. import nnsight_seam as seam
 from ..errors import Unavailable, untapped
-from ..bulk.spec import (HarvestSpec, Positions, Site, Steer, check_steer, generation_harvest, harvest_spec, locate,
-                         token_ids)
+from ..bulk.spec import (HarvestSpec, Positions, Site, Steer, check_doses, check_steer, generation_harvest,
+                         harvest_spec, locate, token_ids)
 from . import held
 from .graphed import GraphedEdits
 from .held import WorkerSAEs
@@ -137,8 +137,28 @@ def _state(worker: Any, model_type: str) -> WorkerState:
     return state
 
 
-def worker_begin(worker: Any, payload: bytes) -> None:
-    """RPC: install a run's hooks on this worker's modules."""
+def worker_begin(worker: Any, payload: bytes) -> Any:
+    """RPC: install a run's hooks on this worker's modules; None, or the error that stopped it (pickled for a client
+    in another process), which the client raises as it is: an exception out of an RPC would reach the client as
+    vLLM's bare ``Call to collective_rpc method failed``, after the worker logged it line by line."""
+    try:
+        _begin(worker, payload)
+    except Exception as error:  # noqa: BLE001  (handed back to the caller, with its own type and message)
+        state = worker.model_runner.__dict__.get("_streamscope_bulk")
+        if state is not None and state.applier is not None:
+            worker_finish(worker, True)  # hooks a half-made run installed go
+        return error if _in_process() else _pickled_error(error)
+    return None
+
+
+def _pickled_error(error: BaseException) -> bytes:
+    try:
+        return pickle.dumps(error)
+    except Exception:  # noqa: BLE001  (an exception that does not pickle travels as its type's name and message)
+        return pickle.dumps(RuntimeError(f"{type(error).__name__}: {error}"))
+
+
+def _begin(worker: Any, payload: bytes) -> None:
     plan = pickle.loads(payload)
     state = _state(worker, plan["model_type"])
     if state.applier is not None:
@@ -246,6 +266,11 @@ def _rpc(model: Any, method: str, *args: Any) -> Any:
     return model.vllm_entrypoint.collective_rpc(method, args=args)[0]
 
 
+def _dtype(model: Any) -> torch.dtype:
+    """The engine's dtype, which a steer's edit must fit (`streamscope.bulk.spec.check_dose`)."""
+    return model.vllm_entrypoint.llm_engine.vllm_config.model_config.dtype
+
+
 def _in_process() -> bool:
     from vllm import envs
 
@@ -280,7 +305,10 @@ def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str,
             "vectors": vectors, "lengths": [len(ids[index]) for index in chunk], "logits": logits, "ship": ship,
             "drop": drop}
     inline = _in_process()
-    _rpc(model, "streamscope_bulk_begin", pickle.dumps(plan))
+    for failed in model.vllm_entrypoint.collective_rpc("streamscope_bulk_begin", args=(pickle.dumps(plan),)):
+        if failed is not None:
+            model.vllm_entrypoint.collective_rpc("streamscope_bulk_finish", args=(inline,))  # every rank's hooks go
+            raise failed if isinstance(failed, BaseException) else pickle.loads(failed)
     held.record(model, used, drop)
     try:
         params = [SamplingParams(**sampling, extra_args={MARK: (run, local_index)}) for local_index in range(len(chunk))]
@@ -375,7 +403,9 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
     ids = token_ids(model, prompts)
     spec = harvest_spec(model, values, layers, positions, [len(tokens) for tokens in ids])
     spec.readout = readout
-    _check_tapped(model, spec.sites(model) + [check_steer(model, item, len(ids)) for item in steer])
+    lengths = [len(tokens) for tokens in ids]
+    _check_tapped(model, spec.sites(model) + [check_steer(model, item, len(ids), lengths) for item in steer])
+    check_doses(model, list(steer), _dtype(model))
     writer = ShardWriter(out, spec, len(ids)) if out is not None else None
     parts: list[Harvest] = []
     bar = tqdm(total=len(ids), desc="harvest", unit="prompt", disable=not progress)
@@ -408,7 +438,9 @@ def generate(model: Any, prompts: Sequence[Any], max_tokens: int = 16, *, steer:
     ids = token_ids(model, prompts)
     lengths = [len(tokens) for tokens in ids]
     spec = generation_harvest(model, harvest, lengths)
-    _check_tapped(model, [check_steer(model, item, len(ids)) for item in steer] + (spec.sites(model) if spec else []))
+    _check_tapped(model, [check_steer(model, item, len(ids), lengths) for item in steer]
+                  + (spec.sites(model) if spec else []))
+    check_doses(model, list(steer), _dtype(model))
     sampling = {"temperature": 0.0, **sampling, "max_tokens": max_tokens}
     tokens: list[list[int]] = []
     texts: list[str] = []

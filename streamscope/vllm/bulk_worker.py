@@ -136,6 +136,18 @@ class BulkRPC:
         rows = weight[torch.tensor(ids, dtype=torch.long, device=weight.device)].clone()
         return rows if inline else pickle.dumps(rows.cpu())
 
+    def streamscope_head_parameters(self, inline: bool, model_type: str) -> Any:
+        """The head's ``(bias, scale, soft_cap)`` after its matrix, as its logits processor applies them
+        (`streamscope.engine.Engine.head_parameters`)."""
+        from .logits import unembedding
+
+        module = self.model_runner.get_model()
+        bias = getattr(unembedding(module), "bias", None)
+        processor = module.logits_processor
+        cap = None if processor.soft_cap is None else float(processor.soft_cap)
+        found = (None if bias is None else bias.detach().cpu().clone(), float(processor.scale), cap)
+        return found if inline else pickle.dumps(found)
+
     # Under tensor parallelism each rank answers with its own columns of a row-parallel projection;
     # the client joins them in rank order (`streamscope.engine.join_shards`).
 

@@ -15,6 +15,14 @@ from .logits import engine_logits
 #: Sampling that runs a prompt through one forward pass and stops.
 ONE_FORWARD = {"temperature": 0.0, "max_tokens": 1}
 
+#: Why a vLLM trace takes one prompt per invoke, and how to run several.
+SEVERAL_PROMPTS = ("a vLLM trace runs each invoke as one request of one prompt, unpadded, and this input holds "
+                   "{count} prompts. Run one invoke per prompt (each invoke's values are [1, tokens, ...]):\n"
+                   "    with model.trace(temperature=0.0, max_tokens=1) as tracer:\n"
+                   "        with tracer.invoke(prompt_1): ...\n"
+                   "        with tracer.invoke(prompt_2): ...\n"
+                   "or model.cache(prompts) for every prompt's values padded into one batch (on the left)")
+
 
 class VllmEngine(Engine):
     """Runs each prompt as its own request (its values come back as ``[1, tokens, ...]``); reads weights in the worker."""
@@ -27,6 +35,12 @@ class VllmEngine(Engine):
 
         dtype = self.model.vllm_entrypoint.llm_engine.vllm_config.model_config.dtype
         return ("cpu" if current_platform.is_cpu() else "cuda"), dtype
+
+    def trace_input(self, prompts: Sequence[Prompt]) -> Any:
+        # A request is one prompt's tokens, unpadded: several prompts in one invoke would be one flat sequence.
+        if len(prompts) != 1:
+            raise ValueError(SEVERAL_PROMPTS.format(count=len(prompts)))
+        return prompts[0]
 
     def run(self, prompts: Sequence[Prompt], body: Body, seq_axes: Sequence[tuple[int, ...]]) -> list[list[torch.Tensor]]:
         # A request holds its prompt's tokens only: nothing to cut, whatever the seq axes.
@@ -72,6 +86,9 @@ class VllmEngine(Engine):
         # as plain ints: vLLM's broadcast to worker processes cannot pickle a tensor's storage
         return _rpc(self.model, "streamscope_unembedding_rows", [int(i) for i in ids.flatten()]).reshape(
             *ids.shape, -1)
+
+    def head_parameters(self) -> tuple[Optional[torch.Tensor], float, Optional[float]]:
+        return _rpc(self.model, "streamscope_head_parameters")
 
     def output_projections(self) -> list[torch.Tensor | str]:
         model = self.model

@@ -14,7 +14,7 @@ import sys
 import warnings
 import weakref
 from pathlib import Path
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import Any, Optional, Sequence
 
 from nnsight.modeling.vllm import VLLM
@@ -24,6 +24,7 @@ import torch
 from .. import errors
 from ..input_checks import check_token_ids
 from ..errors import Unavailable
+from ..gradients import refuse_gradients
 from .. import nnsight_seam as seam
 from ..standardized import Standardized
 from ..values import OUTPUT, ComputedValue, check_write
@@ -294,11 +295,14 @@ class StandardizedVLLM(Standardized, VLLM):
             torch.cuda.empty_cache()
 
     def trace(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._check_traceable()
+        return super().trace(*inputs, **kwargs)
+
+    def _check_traceable(self) -> None:
         if getattr(self, "vllm_entrypoint", None) is None and self.dispatched:
             raise RuntimeError(CLOSED)
         if self.pipeline_parallel_size > 1:
             raise NotImplementedError(PIPELINED.format(stages=self._stages()))
-        return super().trace(*inputs, **kwargs)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -328,6 +332,8 @@ class StandardizedVLLM(Standardized, VLLM):
         return table
 
     def _call(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
+        refuse_gradients(self, "vLLM")  # it runs in inference mode: no graph, refused before the engine runs
+        prompts = [_one_prompt(self.tokenizer, prompt) for prompt in prompts]
         for prompt in prompts:  # refused before the engine sees them, as on transformers
             ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
             if not isinstance(ids, str) and ids is not None:
@@ -384,7 +390,11 @@ class StandardizedVLLM(Standardized, VLLM):
             return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)
         # Under pipeline parallelism only the called form runs (the bulk path); a with block is refused below.
         pipelined = self.pipeline_parallel_size > 1
-        tracer = super().trace(*inputs, **kwargs) if pipelined else self.trace(*inputs, **kwargs)
+        if not pipelined:
+            self._check_traceable()
+        # nnsight's own trace: the called form takes a list of prompts, which a trace proper refuses (one request
+        # per invoke), and the with form's inputs are nnsight's to check.
+        tracer = VLLM.trace(self, *inputs, **kwargs)
         try:
             tracer.capture()
         except seam.WithBlockNotFoundError:
@@ -413,6 +423,24 @@ class StandardizedVLLM(Standardized, VLLM):
 
 
 StandardizedVLLM.trace.__doc__ = Standardized.trace.__doc__  # help(model.trace): streamscope's, not nnsight's
+
+
+def _one_prompt(tokenizer: Any, prompt: Any) -> Any:
+    """An invoke's prompt as vLLM takes it: a token tensor (``tracer.invoke(model.to_tokens(text))``) as its ids,
+    several prompts refused with the fix (`streamscope.engine.trace_prompts`); anything else as nnsight made it."""
+    from ..engine import trace_prompts
+    from .engine import SEVERAL_PROMPTS
+
+    if not isinstance(prompt, torch.Tensor):
+        return prompt
+    prompts = trace_prompts(tokenizer, prompt)
+    if prompts is None:
+        return prompt
+    if len(prompts) != 1:
+        raise ValueError(SEVERAL_PROMPTS.format(count=len(prompts)))
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=list(prompts[0]))
 
 
 def _asks_for_no_graphs(asked: dict[str, Any]) -> bool:
@@ -535,7 +563,7 @@ def refuse_on_the_cpu_build(path: str | Path, family: ModuleType) -> None:
             f"vLLM's CUDA build runs it on a GPU.")
 
 
-def load(path: str | Path, **kwargs: Any) -> StandardizedVLLM:
+def load(path: str | Path, verbose: bool = False, **kwargs: Any) -> StandardizedVLLM:
     """Start a vLLM engine on `path` under streamscope's names.
 
     Keyword arguments are vLLM's engine arguments (``dtype``,
@@ -545,10 +573,120 @@ def load(path: str | Path, **kwargs: Any) -> StandardizedVLLM:
     eager, no prefix caching, no chunked prefill. ``taps=["layers.16.layer_output", ...]``
     starts an engine that replays CUDA graphs for its decode steps and serves
     those values only (`streamscope.vllm.taps`).
+
+    The start is quiet: vLLM's INFO lines and its weight-loading bar are off
+    while the engine starts (its warnings and errors still show). ``verbose=True``,
+    or a ``VLLM_LOGGING_LEVEL`` of your own, prints them as vLLM does.
+
+    A plain script (no ``if __name__ == "__main__":``) can load an engine: on a
+    CPU the engine runs in this process unless ``VLLM_ENABLE_V1_MULTIPROCESSING``
+    says otherwise, and where vLLM starts processes of its own (a GPU, CPU
+    ranks, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``) they do not run the script again
+    (`_script_not_rerun`).
     """
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     _check_pipeline(path, kwargs)
-    return StandardizedVLLM(path, **kwargs)
+    if _on_cpu() and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
+        # One process: no engine process to spawn (vLLM's CPU platform always spawns), and a worker in this process
+        # hands a trace's saves over without pickling them. Set for the process, as the command line does, so
+        # every engine it starts runs alike.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        _forget_cached_environment()
+    with _quiet_start(verbose, kwargs) as settings, _script_not_rerun():
+        return StandardizedVLLM(path, **settings)
+
+
+def _forget_cached_environment() -> None:
+    """Make vLLM read its environment variables again: an engine started earlier in this process cached them."""
+    from vllm import envs
+
+    envs.disable_envs_cache()
+
+
+@contextlib.contextmanager
+def _quiet_start(verbose: bool, kwargs: dict[str, Any]) -> Any:
+    """vLLM's INFO logging and weight-loading bar off while an engine starts; yields the engine settings to use.
+
+    The engine's own processes configure their logging from the config built
+    here, which reads ``VLLM_LOGGING_LEVEL``; this process's vLLM loggers are
+    lowered for the start and put back after it.
+    """
+    if verbose or "VLLM_LOGGING_LEVEL" in os.environ:
+        _forget_cached_environment()  # a quiet start earlier in this process left its level in vLLM's cache
+        yield kwargs
+        return
+    import logging
+
+    vllm_logger = logging.getLogger("vllm")
+    level = vllm_logger.level
+    os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+    _forget_cached_environment()
+    vllm_logger.setLevel(logging.WARNING)
+    try:
+        yield {"use_tqdm_on_load": False, **kwargs}
+    finally:
+        vllm_logger.setLevel(level)
+        os.environ.pop("VLLM_LOGGING_LEVEL", None)
+
+
+@contextlib.contextmanager
+def _script_not_rerun() -> Any:
+    """While an engine starts: a script that calls `load` outside an ``if __name__ == "__main__":`` guard is not
+    run again by the processes vLLM spawns.
+
+    A spawned process imports the parent's ``__main__`` from its file (or module
+    name) before it runs its target; an unguarded script would then start a
+    second engine there, which multiprocessing refuses (the engine dies at
+    start). Such a script's ``__main__`` is shown to multiprocessing without
+    its file and module name for the start, as an interactive session's is, so
+    the children run vLLM's code alone. A guarded script is left as it is.
+    """
+    main = sys.modules.get("__main__")
+    if main is None or not _unguarded_script(main):
+        yield
+        return
+    saved: dict[str, Any] = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
+        if "__spec__" not in saved:
+            del main.__spec__
+
+
+def _unguarded_script(main: ModuleType) -> bool:
+    """Whether `main` is a script file now running a top-level statement outside ``if __name__ == "__main__":``."""
+    if getattr(main, "__file__", None) is None:
+        return False  # an interactive session or ``python -c``: spawned processes import nothing of it
+    frame: Optional[FrameType] = sys._getframe(1)
+    while frame is not None and not (frame.f_globals is main.__dict__ and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None:
+        return False  # not called while the script's own top level runs (a callback, a thread)
+    try:
+        tree = ast.parse(Path(frame.f_code.co_filename).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return False
+    line = frame.f_lineno
+    for statement in tree.body:
+        if statement.lineno <= line <= (statement.end_lineno or statement.lineno):
+            return not _is_main_guard(statement)
+    return False
+
+
+def _is_main_guard(statement: ast.stmt) -> bool:
+    """``if __name__ == "__main__":`` (either side of the ``==``)."""
+    if not isinstance(statement, ast.If) or not isinstance(statement.test, ast.Compare):
+        return False
+    test = statement.test
+    if len(test.ops) != 1 or not isinstance(test.ops[0], ast.Eq):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [side.id for side in sides if isinstance(side, ast.Name)]
+    texts = [side.value for side in sides if isinstance(side, ast.Constant)]
+    return names == ["__name__"] and texts == ["__main__"]
 
 
 def _check_pipeline(path: str | Path, kwargs: dict[str, Any]) -> None:

@@ -5,15 +5,20 @@
     cache["blocks.3.hook_resid_mid"]         # the same tensor, by its TransformerLens name
     cache.stack("layer_output")              # [blocks, batch, seq, hidden_size]
     parts, labels = cache.decompose_resid(return_labels=True)  # embeddings, then each block's attention and MLP
-    cache.logit_attrs(parts, tokens=answer)  # each part's direct effect on the answer's logit (TL 4.3's)
+    cache.logit_attrs(parts, tokens=answer)  # each part's direct effect on the answer's logit, then a bias row
     cache["pattern", 3]                      # TransformerLens's shorthand; the methods are `streamscope.tl`'s
 
-Several prompts are padded on the right to the longest, and `mask`
-``[batch, seq]`` says which positions are real; the values at padded positions
-are zero. On transformers the prompts run as one batch with an attention mask
-(right padding leaves every real position's value exactly as the prompt alone
-gives it); on vLLM each prompt is its own request, and the values are padded
-afterwards.
+Several prompts are padded on the left to the longest, so ``[:, -1]`` is every
+prompt's last token (``model.cache(prompts, padding_side="right")`` pads on the
+right); `mask` ``[batch, seq]`` says which positions are real, the values at
+padded positions are zero (an attention pattern's query and key axes both), and
+`Cache.last` reads each prompt's last real token whatever the side. Every real
+position's value is the one the prompt gives alone: on transformers the prompts
+run as one left-padded batch with an attention mask and position ids counted from
+each prompt's first token; on vLLM each prompt is its own request, unpadded, and
+the values are padded afterwards. Text is tokenized by the tokenizer's own rule
+for BOS (what ``tokenizer(text)``, a trace, vLLM and the server give);
+``prepend_bos=True`` puts one first as TransformerLens does.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 from ..blocks import BOUNDARIES, SHORT_CONTRIBUTIONS, Attention
 from ..blocks.heads import INTERNALS
 from ..blocks.sublayers import NEURONS
-from ..engine import right_padded
+from ..engine import check_padding_side, encode, last_positions, padded
 from ..errors import Unavailable, code_of
 from ..families.logits import scaling_in_words
 from ..families.spec import ROOT_STREAMS
@@ -98,8 +103,9 @@ class Cache(TransformerLensCache, Mapping):
     with TransformerLens's ActivationCache methods (`streamscope.tl`).
 
     Attributes:
-        tokens: ``[batch, seq]`` token ids, padded on the right with the pad id.
+        tokens: ``[batch, seq]`` token ids, padded on `padding_side` with the pad id.
         mask: ``[batch, seq]``, True at real positions.
+        padding_side: ``"left"`` (the default: position -1 is every prompt's last token) or ``"right"``.
         logits: ``[batch, seq, vocab_size]``: the model's logits at every position.
         model_type: The family's ``config.model_type``.
         learned_positions: Whether the family adds learned position embeddings to the stream before block 0
@@ -118,8 +124,11 @@ class Cache(TransformerLensCache, Mapping):
                  unavailable: dict[str, str], final_norm: "FinalNorm | None", unembedding: Any = None,
                  norm_inputs: Optional[dict[int, dict[str, str]]] = None, num_heads: Optional[int] = None,
                  tokenizer: Any = None, logit_transform: Optional[str] = None,
-                 output_weights: Any = None, learned_positions: bool = False, down_weights: Any = None) -> None:
+                 output_weights: Any = None, learned_positions: bool = False, down_weights: Any = None,
+                 head: Any = None, padding_side: str = "left") -> None:
         self.stored = values
+        self.padding_side = padding_side
+        self._head = head  # the engine's `head_parameters`, read when logit_attrs needs the head's bias and scale
         self._output_weights, self._weights_read = output_weights, None
         self._down_weights, self._down_read = down_weights, None
         self.logit_transform = logit_transform
@@ -276,6 +285,38 @@ class Cache(TransformerLensCache, Mapping):
         return not self.learned_positions
 
     # streamscope's own stacking; TransformerLens's ActivationCache methods come from `TransformerLensCache`.
+
+    @property
+    def last_positions(self) -> torch.Tensor:
+        """``[batch]``: the position of each prompt's last real token (``seq - 1`` throughout when padded on the
+        left, the default; each prompt's length less one on the right)."""
+        return last_positions(self.mask if self.has_batch_dim else self.mask.unsqueeze(0))
+
+    def last(self, value: Any) -> torch.Tensor:
+        """Each prompt's value at its last real token, whichever side the cache is padded on: ``[batch, ...]``.
+
+        `value` is ``"logits"``, a streamscope or TransformerLens name or shorthand tuple, or a tensor laid out
+        ``[batch, seq, ...]`` over this cache's positions. The query-position axis goes (an attention pattern's
+        or score's third axis, streamscope's per-head queries, keys and values' too); a key axis stays.
+        """
+        if not self.has_batch_dim:
+            raise ValueError("cache.last needs the batch axis (this cache's was removed by remove_batch_dim)")
+        if isinstance(value, torch.Tensor):
+            tensor, axis = value, 1
+        elif value == "logits":
+            if self.logits is None:
+                raise KeyError("this cache kept no logits (model.cache(..., logits=True) keeps them)")
+            tensor, axis = self.logits, 1
+        else:
+            key = value if isinstance(value, str) else self.tl_key(value)
+            tensor = self[key]
+            heads_first = key.split(".")[-1] in _SEQ_AXES or key.endswith(("hook_pattern", "hook_attn_scores"))
+            axis = 2 if heads_first else 1
+        if tensor.dim() <= axis or tensor.shape[0] != self.mask.shape[0] or tensor.shape[axis] != self.mask.shape[1]:
+            raise ValueError(f"a tensor of shape {tuple(tensor.shape)} is not laid out over this cache's "
+                             f"[batch, seq] = {tuple(self.mask.shape)} positions")
+        rows = torch.arange(tensor.shape[0])
+        return tensor.movedim(axis, 1)[rows, self.last_positions]
 
     def stack(self, name: str, layers: Optional[Iterable[int]] = None) -> torch.Tensor:
         """``[blocks, ...]``: value `name` of every block (or of `layers`), a streamscope or TL block name.
@@ -436,9 +477,10 @@ def _body(model: Any, reads: list, roots: Sequence[str], with_logits: bool) -> t
     return found, logits
 
 
-def _token_ids(model: Any, prompts: Any) -> list[list[int]]:
-    """Each prompt's token ids: strings are tokenized (the tokenizer's own special tokens, as transformers does);
-    token ids (a ``[batch, seq]`` or ``[seq]`` tensor, a list of ints or of lists) are taken as they are."""
+def _token_ids(model: Any, prompts: Any, prepend_bos: Optional[bool] = None) -> list[list[int]]:
+    """Each prompt's token ids: strings are tokenized (the tokenizer's own BOS rule, or `prepend_bos`'s:
+    `streamscope.engine.encode`); token ids (a ``[batch, seq]`` or ``[seq]`` tensor, a list of ints or of lists)
+    are taken as they are, every id a token (give a padded batch as a list of unpadded id lists)."""
     if isinstance(prompts, str):
         prompts = [prompts]
     if isinstance(prompts, torch.Tensor):
@@ -454,13 +496,16 @@ def _token_ids(model: Any, prompts: Any) -> list[list[int]]:
     encoded = []
     for prompt in prompts:
         if isinstance(prompt, str):
-            encoded.append(list(model.tokenizer(prompt)["input_ids"]))
+            encoded.append(encode(model.tokenizer, prompt, prepend_bos))
         elif isinstance(prompt, (list, tuple, torch.Tensor)) and len(prompt) and all(
                 isinstance(item, int) for item in torch.as_tensor(prompt).tolist()):
             ids = [int(item) for item in torch.as_tensor(prompt).tolist()]
             bad = [item for item in ids if not 0 <= item < model.vocab_size]
             if bad:
                 raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{model.vocab_size - 1})")
+            if prepend_bos is not None:
+                raise ValueError(f"prepend_bos={prepend_bos!r} applies to text; token ids run as given (add or drop "
+                                 f"the BOS id in them, or pass the text)")
             encoded.append(ids)
         else:
             raise TypeError(f"model.cache takes a prompt (a string, or a non-empty list of token ids) or a list of "
@@ -555,7 +600,8 @@ def norm_inputs(model: Any) -> dict[int, dict[str, str]]:
 
 def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None,
                 layers: Optional[Sequence[int]] = None, *, logits: bool = True, batch_size: Optional[int] = None,
-                progress: Optional[bool] = None, names_filter: Any = None, pos_slice: Any = None) -> Cache:
+                progress: Optional[bool] = None, names_filter: Any = None, pos_slice: Any = None,
+                prepend_bos: Optional[bool] = None, padding_side: str = "left") -> Cache:
     """Run `prompts` and keep `values` of `layers` (every block by default): `model.cache`'s work.
 
     `prompts` are strings or token ids (`_token_ids`). `names_filter` (a
@@ -563,13 +609,17 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
     run_with_cache) keeps the values whose streamscope name or one of whose
     TransformerLens names it accepts; `pos_slice` keeps those positions of
     every value (TransformerLens's ``Slice``: an int, a ``(start, stop)``
-    tuple, a slice, a list of positions).
+    tuple, a slice, a list of positions). Several prompts are padded on
+    `padding_side` (``"left"``: ``[:, -1]`` is every prompt's last token);
+    `prepend_bos` None tokenizes text by the tokenizer's own rule, True puts
+    one BOS first (TransformerLens's), False leaves it out.
     """
     from tqdm.auto import tqdm
 
     from ..input_checks import indices, names
 
-    encoded = _token_ids(model, prompts)
+    check_padding_side(padding_side)
+    encoded = _token_ids(model, prompts, prepend_bos)
     prompts = [ids for ids in encoded]
     values = names(values)
     roots = list(ROOT) if values is None else [name for name in values if name in ROOT]
@@ -585,7 +635,7 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
     keys = [*(["token_embeddings"] if "token_embeddings" in roots else []),
             *(f"layers.{index}.{full}" for index, full in reads),
             *(["final_norm_output"] if "final_norm_output" in roots else [])]
-    tokens, mask = right_padded(model.tokenizer, prompts)
+    tokens, mask = padded(model.tokenizer, prompts, padding_side)
     longest = tokens.shape[1]
     axes = [seq_axes(key) for key in keys] + ([seq_axes("logits")] if logits else [])
 
@@ -607,11 +657,11 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
 
     stored: dict[str, torch.Tensor] = {}
     for position, key in enumerate(keys):
-        stored[key] = _pad(key, [found[position] for found in per_prompt], longest)
+        stored[key] = _pad(key, [found[position] for found in per_prompt], longest, padding_side)
     for alias, key in aliases.items():  # a value the block computes once under two names (GPT-J's one norm)
         stored[alias] = stored[key]
     stored = {key: stored[key] for key in _ordered(stored, aliases, keys)}
-    stored_logits = _pad("logits", per_logits, longest) if logits else None
+    stored_logits = _pad("logits", per_logits, longest, padding_side) if logits else None
     final_norm = _final_norm(model, stored, mask)
     try:
         heads: Optional[int] = model.num_heads
@@ -619,10 +669,11 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
         heads = None
     cache = Cache(stored, tokens=tokens, mask=mask, logits=stored_logits, model_type=model.config.model_type,
                   num_layers=model.num_layers, unavailable=unavailable, final_norm=final_norm,
-                  unembedding=model.engine.unembedding_rows, norm_inputs=norm_inputs(model),
+                  unembedding=model.engine.unembedding_rows, head=model.engine.head_parameters,
+                  norm_inputs=norm_inputs(model),
                   num_heads=heads, tokenizer=model.tokenizer, logit_transform=scaling_in_words(model.config),
                   output_weights=_output_weights(model), down_weights=model.engine.down_projections,
-                  learned_positions=model.family_spec.learned_positions)
+                  learned_positions=model.family_spec.learned_positions, padding_side=padding_side)
     keep = _names_filter(names_filter)
     if keep is not None:
         _keep(cache, keep)
@@ -640,14 +691,20 @@ def seq_axes(key: str) -> tuple[int, ...]:
     return _SEQ_AXES.get(key.split(".")[-1], (1,))
 
 
-def _pad(key: str, per_prompt: list[torch.Tensor], longest: int) -> torch.Tensor:
-    """``[batch, ...]``: one prompt's values each (``[1, ...]``), zero-padded on the right along the seq axes."""
+def _pad(key: str, per_prompt: list[torch.Tensor], longest: int, side: str = "left") -> torch.Tensor:
+    """``[batch, ...]``: one prompt's values each (``[1, ...]``), zero-padded on `side` along the seq axes (an
+    attention pattern's query and key axes both)."""
+    axes = seq_axes(key)
     shape = [len(per_prompt), *per_prompt[0].shape[1:]]
-    for axis in seq_axes(key):
+    for axis in axes:
         shape[axis] = longest
     out = per_prompt[0].new_zeros(shape)
     for row, tensor in enumerate(per_prompt):
-        out[(row, *(slice(0, size) for size in tensor.shape[1:]))] = tensor[0]
+        where = [slice(None)] * (tensor.dim() - 1)
+        for axis in axes:
+            size = tensor.shape[axis]
+            where[axis - 1] = slice(0, size) if side == "right" else slice(longest - size, longest)
+        out[(row, *where)] = tensor[0]
     return out
 
 

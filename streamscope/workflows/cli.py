@@ -8,7 +8,8 @@
     streamscope harvest PATH DATASET --values layer_output --layers 8 --out acts/ --replicas 2
     streamscope serve PATH [--taps ...] [any vllm serve option]     (vLLM's OpenAI-compatible server, steerable)
 
-PATH is a checkpoint folder, or ``smollm2`` for SmolLM2-135M-Instruct (fetched and converted once).
+PATH is a checkpoint folder, ``smollm2`` for SmolLM2-135M-Instruct (fetched and converted once), a .gguf file
+(converted once) or a hub repository id: every name streamscope.load takes.
 """
 
 from __future__ import annotations
@@ -21,17 +22,11 @@ from typing import Any, Optional, Sequence
 from ..engine import MODULES, prepare_process
 
 
-def _path(text: str) -> str:
-    from ..models import resolve
-
-    return str(resolve(text))
-
-
 def _load(path: str, engine: str) -> Any:
     import streamscope
 
     prepare_process(engine)  # vLLM: one engine in this process
-    return streamscope.load(_path(path), engine=engine)
+    return streamscope.load(path, engine=engine)
 
 
 def _quiet() -> None:
@@ -62,7 +57,7 @@ def command_check(arguments: argparse.Namespace) -> int:
     from ..testing.oracle import UnknownFamily
 
     try:
-        report = check(_path(arguments.path), engines, prompt=arguments.prompt, dtype=arguments.dtype)
+        report = check(arguments.path, engines, prompt=arguments.prompt, dtype=arguments.dtype)
     except UnknownFamily as refused:
         print(f"streamscope check: {refused}", file=sys.stderr)
         return 2
@@ -114,7 +109,7 @@ def parser() -> argparse.ArgumentParser:
 
     def command(name: str, help_text: str, function: Any, engine: bool = True) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument("path", help="a checkpoint folder, or smollm2")
+        sub.add_argument("path", help="a checkpoint folder, smollm2, a .gguf file or a hub repository id")
         if engine:
             sub.add_argument("--engine", default="transformers", choices=tuple(MODULES))
         sub.set_defaults(function=function)
@@ -159,6 +154,10 @@ def parser() -> argparse.ArgumentParser:
 
     add_arguments(command("harvest", "harvest a dataset's values on Ray replicas into a resumable folder of shards",
                           command_harvest, engine=False))
+    # Listed here for --help; `main` hands `serve` and everything after it to vLLM's own parser.
+    serve_help = ("serve the model over HTTP: vLLM's OpenAI-compatible server, steerable and harvestable by name "
+                  "(`streamscope serve --help` lists its options, vLLM's among them)")
+    commands.add_parser("serve", help=serve_help, description=serve_help, add_help=False)
     return root
 
 
@@ -188,15 +187,27 @@ def _token(text: str) -> Any:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:  # every vllm serve option is its own: vLLM's parser reads the rest
-        from ..serve.server import main as serve
-
-        return serve(argv[1:])
+        return command_serve(argv[1:])
     arguments = parser().parse_args(argv)
     for name in ("answer", "wrong"):
         if hasattr(arguments, name):
             setattr(arguments, name, _token(getattr(arguments, name)))
+    from ..models import UNRESOLVED, resolve
+
+    try:  # every command's PATH, once, as streamscope.load takes it (serve's in its own main)
+        arguments.path = str(resolve(arguments.path))
+    except UNRESOLVED as refused:
+        print(f"streamscope {arguments.command}: {refused}", file=sys.stderr)
+        return 2
     _quiet()
     return arguments.function(arguments)
+
+
+def command_serve(argv: Sequence[str]) -> int:
+    """``streamscope serve PATH [options]``: vLLM's parser reads every option (`streamscope.serve.server.main`)."""
+    from ..serve.server import main as serve
+
+    return serve(list(argv))
 
 
 if __name__ == "__main__":

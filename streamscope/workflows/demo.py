@@ -123,10 +123,11 @@ def main(argv: list[str] | None = None) -> None:
     # 6. Direct logit attribution: which sublayers write the answer.
     cache = model.cache(FACT)
     parts, labels = cache.decompose_resid(return_labels=True)
-    attributions = cache.logit_attrs(parts, tokens=answer, norm_weight=True)[:, 0, -1]
+    attributions = cache.logit_attrs(parts, tokens=answer)[:, 0, -1]
+    labels = [*labels, "bias"]  # the row no part writes: the final norm's and the head's biases
     order = attributions.argsort(descending=True)[:5]
     total = float(attributions.sum())
-    print(f"The {ANSWER!r} logit split over the stream's parts (final norm's scale applied; they sum to "
+    print(f"The {ANSWER!r} logit split over the stream's parts (final norm's scale and weight applied; they sum to "
           f"{total:.2f}, the logit {float(cache.logits[0, -1, answer]):.2f}):")
     print("  " + ", ".join(f"{labels[i]} {float(attributions[i]):+.2f}" for i in order))
 

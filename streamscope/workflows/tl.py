@@ -2,12 +2,15 @@
 
 `streamscope.Cache` inherits `TransformerLensCache`: a TransformerLens notebook's
 cache calls (``cache["pattern", 3]``, ``cache.accumulated_resid(apply_ln=True)``,
-``cache.decompose_resid(layer=2, mode="attn")``, ``cache.logit_attrs(...)``) give
+``cache.decompose_resid(layer=2, mode="attn")``) give
 TransformerLens 4.3's numbers for a `TransformerBridge` booted with its default
 (unprocessed) weights, which is HookedTransformer with ``fold_ln=False``,
 ``center_writing_weights=False``, ``center_unembed=False``. Where streamscope
 offers another convention (the final norm's weight applied, as TransformerLens
-gives it with ``fold_ln=True``), it is an explicit argument. ``docs/transformerlens.md``
+gives it with ``fold_ln=True``), it is an explicit argument; but
+``cache.logit_attrs`` by default splits the model's own logit (weight, head
+scale and a bias row: they sum to it), and ``convention="transformer_lens"``
+gives TransformerLens's numbers. ``docs/transformerlens.md``
 tabulates every name.
 
 Norm scales (``ln1.hook_scale``, ``ln2.hook_scale``, ``ln_final.hook_scale``) are
@@ -23,9 +26,12 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from ..engine import check_padding_side, encode, padded, prepends_bos
 from ..errors import Unavailable
 
-SliceInput = Union[None, int, tuple, slice, list, torch.Tensor]
+#: What a ``pos_slice``, ``batch_slice`` or ``neuron_slice`` argument takes (`as_index`); ``Any`` admits
+#: TransformerLens's own ``Slice``, read by duck typing.
+SliceInput = Union[None, int, tuple, slice, list, torch.Tensor, Any]
 
 #: TransformerLens's shorthand (`get_act_name`) aliases.
 _ACT_ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
@@ -62,17 +68,90 @@ def act_name(name: str, layer: Optional[int] = None, layer_type: Optional[str] =
     return full
 
 
-def apply_slice(tensor: torch.Tensor, index: SliceInput, dim: int) -> torch.Tensor:
-    """`tensor` sliced along `dim` as TransformerLens's ``Slice``: None keeps all, an int drops the axis,
-    a tuple is ``slice(*tuple)``, a list or tensor picks those indices."""
+def as_index(index: Any, argument: str = "pos_slice") -> Any:
+    """`index` as TransformerLens 4.3's ``Slice(index)`` reads it, in a form torch indexes with: None (every
+    entry), an int (one entry, the axis dropped), a `slice`, or a long or bool tensor of entries.
+
+    Takes what TransformerLens's ``Slice`` takes: None, an int (a numpy integer or a 0-d integer tensor counts as
+    one), a ``(stop,)``, ``(start, stop)`` or ``(start, stop, step)`` tuple, a `slice`, a list, tensor or numpy
+    array of indices (booleans: a mask), and a TransformerLens ``Slice`` itself, read by its ``mode`` and
+    ``slice`` attributes (duck typing: streamscope does not import TransformerLens). Anything else is refused
+    with a `ValueError` naming `argument`.
+    """
+    if _is_tl_slice(index):
+        mode, chosen = index.mode, index.slice
+        if mode == "identity":
+            return None
+        if mode == "int":
+            return int(chosen)
+        if mode == "slice":
+            return chosen
+        if mode == "array":
+            return _index_tensor(chosen, argument)
+        raise ValueError(f"{argument}: a TransformerLens Slice of mode {mode!r}, which streamscope does not know "
+                         f"(it reads 'identity', 'int', 'slice' and 'array'): pass the indices themselves")
+    if index is None or isinstance(index, slice):
+        return index
+    scalar = _integer(index)
+    if scalar is not None:
+        return scalar
+    if isinstance(index, tuple):
+        if not 1 <= len(index) <= 3 or not all(item is None or _integer(item) is not None for item in index):
+            raise ValueError(f"{argument}={index!r}: a tuple is (stop,), (start, stop) or (start, stop, step) of "
+                             f"ints, as TransformerLens's Slice reads it")
+        return slice(*(None if item is None else _integer(item) for item in index))
+    if isinstance(index, (list, torch.Tensor)) or type(index).__module__ == "numpy":
+        return _index_tensor(index, argument)
+    raise ValueError(f"{argument}={index!r:.80}: give None, an int, a (start, stop[, step]) tuple, a slice, a list "
+                     f"or tensor of indices, or a TransformerLens Slice")
+
+
+def keep_axis(index: Any) -> Any:
+    """TransformerLens 4.3's ``Slice.unwrap``: a plain int (a numpy integer, a 0-d tensor) becomes ``[int]``, so
+    the axis stays with one entry; a TransformerLens ``Slice(int)`` is left as it is, and drops the axis. What
+    ``run_with_cache(pos_slice=...)`` and ``stack_neuron_results(neuron_slice=...)`` do with an int."""
+    if not _is_tl_slice(index) and _integer(index) is not None:
+        return [_integer(index)]
+    return index
+
+
+def _is_tl_slice(index: Any) -> bool:
+    return hasattr(index, "mode") and hasattr(index, "slice") and not isinstance(index, torch.Tensor)
+
+
+def _integer(value: Any) -> Optional[int]:
+    """The int of an integer scalar (Python, numpy, or a 0-d integer tensor), else None; a bool is not one."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and not value.dtype.is_floating_point and not value.dtype.is_complex \
+                and value.dtype != torch.bool:
+            return int(value)
+        return None
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0 and hasattr(value, "dtype") \
+            and value.dtype.kind in "iu":
+        return int(value)
+    return None
+
+
+def _index_tensor(index: Any, argument: str) -> torch.Tensor:
+    """A list, tensor or numpy array of indices as a long tensor (a bool one stays a mask)."""
+    tensor = torch.as_tensor(index)
+    if tensor.numel() == 0:
+        return tensor.to(torch.long)
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        raise ValueError(f"{argument}: indices must be integers (or booleans, a mask), not {tensor.dtype}")
+    return tensor if tensor.dtype == torch.bool else tensor.to(torch.long)
+
+
+def apply_slice(tensor: torch.Tensor, index: Any, dim: int) -> torch.Tensor:
+    """`tensor` sliced along `dim` as TransformerLens's ``Slice(index).apply(tensor, dim)`` (`as_index`): None
+    keeps all, an int drops the axis, a tuple is ``slice(*tuple)``, a list or tensor picks those indices."""
+    index = as_index(index)
     if index is None:
         return tensor
-    if isinstance(index, tuple):
-        index = slice(*index)
-    elif isinstance(index, list):
-        index = torch.as_tensor(index, dtype=torch.long)
-    elif isinstance(index, torch.Tensor) and index.dim() == 0:
-        index = int(index)
     where: list[Any] = [slice(None)] * tensor.dim()
     where[dim] = index
     return tensor[tuple(where)]
@@ -106,6 +185,7 @@ class TransformerLensCache:
     #: Per block: the stream its attention norm (``ln1``) and MLP norm (``ln2``) read, or the reason it has none.
     norm_inputs: dict[int, dict[str, str]]
     _unembedding: Any
+    _head: Any  # the engine's head_parameters: (bias, scale, soft cap) after the unembedding's matrix
     _tokenizer: Any
 
     def __getitem__(self, key: Any) -> torch.Tensor:  # supplied by Cache
@@ -299,40 +379,102 @@ class TransformerLensCache:
             raise ValueError("this cache was built without access to the model's unembedding")
         return self._unembedding(ids.reshape(-1)).reshape(*ids.shape, -1)
 
+    #: `logit_attrs`'s conventions: the model's own logit (the default) and TransformerLens 4.3's numbers.
+    LOGIT_CONVENTIONS = ("logit", "transformer_lens")
+
     def logit_attrs(self, residual_stack: torch.Tensor, tokens: Any, incorrect_tokens: Any = None,
                     pos_slice: SliceInput = None, batch_slice: SliceInput = None, has_batch_dim: bool = True,
-                    norm_weight: bool = False) -> torch.Tensor:
-        """Each component's direct effect on the logit of `tokens` (less `incorrect_tokens`'), as TL 4.3.
+                    convention: str = "logit", norm_weight: Optional[bool] = None) -> torch.Tensor:
+        """Each component's direct effect on the logit of `tokens` (less `incorrect_tokens`'s).
 
-        `residual_stack` ``[components, batch, seq, hidden]`` (or without batch,
-        `has_batch_dim` False) is put through `apply_ln_to_stack` at the final
-        norm (frozen final scale, `pos_slice`, `batch_slice`) and projected on
-        the unembedding rows of `tokens`: a string or id (one token everywhere),
-        ``[batch]`` ids (one per prompt, over every position), or ``[batch,
-        pos]`` ids (one per prompt and position; ``[1, pos]`` shares them over
-        the batch). A ``[n]`` tensor whose n is not the batch picks a token per
-        position. Returns ``[components, batch, seq]`` (TL's broadcasting).
+        `residual_stack` is ``[components, batch, seq, hidden]`` (or without
+        batch, `has_batch_dim` False), `decompose_resid`'s parts say; each
+        component is divided by the final stream's scale (the final norm's
+        statistics frozen: `apply_ln_to_stack` with `pos_slice`, `batch_slice`)
+        and projected on the unembedding rows of `tokens`: a string or id (one
+        token everywhere), ``[batch]`` ids (one per prompt, over every
+        position), or ``[batch, pos]`` ids (one per prompt and position; ``[1,
+        pos]`` shares them over the batch). A ``[n]`` tensor whose n is not the
+        batch picks a token per position.
 
-        `norm_weight` applies the final norm's weight before the projection
-        (TL with ``fold_ln=True``; streamscope's earlier default): summed over
-        `decompose_resid`'s components this is then the model's logit before
-        any soft cap or scale, less the unembedding of the norm's bias and the
-        head's bias.
+        `convention` ``"logit"`` (the default) gives the model's own logit,
+        split: each component is also multiplied by the final norm's weight
+        (Gemma's ``1 + w``) and by the head's linear scale (Cohere's
+        ``logit_scale``, Granite's ``1 / logits_scaling``), and one more row
+        is appended, the constant part that no component writes (label it
+        ``"bias"``): the final norm's bias through the unembedding plus the
+        head's own bias (GPT-J), times the scale; zero where the model has
+        neither. Returns ``[components + 1, batch, seq]``; summed over
+        ``decompose_resid()``'s parts and the bias row, it is the model's
+        logit (its logit difference with `incorrect_tokens`) to float
+        precision. A soft cap (Gemma 2's ``tanh(z / cap) * cap``) is not
+        linear, so there the rows sum to the logit before the cap,
+        ``cap * atanh(logit / cap)``.
+
+        `convention` ``"transformer_lens"`` gives TransformerLens 4.3's numbers
+        on unprocessed weights: the frozen scale only (no norm weight, no bias
+        row, no head scale), ``[components, batch, seq]``. There `norm_weight`
+        True applies the final norm's weight (TL with ``fold_ln=True``, whose
+        unembedding carries it); the ``"logit"`` convention always applies it
+        and refuses the argument.
         """
-        directions = self.tokens_to_residual_directions(tokens)
-        if incorrect_tokens is not None:
-            wrong = self.tokens_to_residual_directions(incorrect_tokens)
+        if convention not in self.LOGIT_CONVENTIONS:
+            raise ValueError(f"convention={convention!r}: choose 'logit' (the parts and a bias row sum to the "
+                             f"model's logit) or 'transformer_lens' (TransformerLens 4.3's numbers)")
+        if convention == "logit" and norm_weight is not None:
+            raise ValueError("norm_weight= belongs to convention='transformer_lens' (TL with fold_ln=True): the "
+                             "default convention='logit' always applies the final norm's weight. Drop norm_weight=, "
+                             "or pass convention='transformer_lens', norm_weight=True")
+        pos_slice, batch_slice = as_index(pos_slice), as_index(batch_slice, "batch_slice")
+        token_ids = self._logit_token_ids(tokens)
+        wrong_ids = None if incorrect_tokens is None else self._logit_token_ids(incorrect_tokens)
+        directions = self.tokens_to_residual_directions(token_ids)
+        if wrong_ids is not None:
+            wrong = self.tokens_to_residual_directions(wrong_ids)
             if wrong.shape != directions.shape:
                 raise ValueError(f"tokens and incorrect_tokens must have the same shape (tokens give "
                                  f"{tuple(directions.shape[:-1])}, incorrect_tokens {tuple(wrong.shape[:-1])})")
             directions = directions - wrong
+        model_logit = convention == "logit"
         scaled = self.apply_ln_to_stack(residual_stack, -1, pos_slice=pos_slice, batch_slice=batch_slice,
-                                        has_batch_dim=has_batch_dim, norm_weight=norm_weight)
+                                        has_batch_dim=has_batch_dim, norm_weight=model_logit or bool(norm_weight))
         batch_int = isinstance(batch_slice, int)
-        if (has_batch_dim and not batch_int and scaled.dim() == 4 and directions.dim() == 2
-                and directions.shape[0] == scaled.shape[1]):
+        per_prompt = (has_batch_dim and not batch_int and scaled.dim() == 4 and directions.dim() == 2
+                      and directions.shape[0] == scaled.shape[1])
+        if per_prompt:
             directions = directions.unsqueeze(-2)  # one token per prompt: broadcast over positions, not the batch
-        return (scaled * directions.to(scaled.dtype)).sum(-1)
+        parts = (scaled * directions.to(scaled.dtype)).sum(-1)
+        if not model_logit:
+            return parts
+        bias_part, scale = self._logit_constant(directions, token_ids, wrong_ids, per_prompt)
+        bias_row = torch.broadcast_to(bias_part.to(parts.device, parts.dtype), parts.shape[1:])
+        return torch.cat([parts * scale, (bias_row * scale).unsqueeze(0)])
+
+    def _logit_token_ids(self, tokens: Any) -> torch.Tensor:
+        """`tokens` (an id, a string, a tensor or list of ids) as a long tensor of ids."""
+        if isinstance(tokens, str):
+            tokens = self.to_single_token(tokens)
+        return torch.as_tensor(tokens, dtype=torch.long)
+
+    def _logit_constant(self, directions: torch.Tensor, token_ids: torch.Tensor, wrong_ids: Optional[torch.Tensor],
+                        per_prompt: bool) -> tuple[torch.Tensor, float]:
+        """The part of the logit no component writes, ``directions``' shape less its last axis, and the head's
+        linear scale: the final norm's bias projected on `directions` (the token's unembedding row, less the
+        incorrect token's) plus the head's bias of the token (less the incorrect token's)."""
+        if self._head is None:
+            raise ValueError("this cache was built without access to the model's head: build it with model.cache, "
+                             "or use convention='transformer_lens' (no bias row, no head scale)")
+        head_bias, scale, _cap = self._head()
+        norm_bias = self.final_norm.bias if self.final_norm is not None else None
+        constant = torch.zeros(directions.shape[:-1], dtype=torch.float32)
+        if norm_bias is not None:
+            constant = constant + directions.float().cpu() @ norm_bias.float().cpu()
+        if head_bias is not None:
+            def biases(ids: torch.Tensor) -> torch.Tensor:
+                found = head_bias.float().cpu()[ids.reshape(-1)].reshape(ids.shape)
+                return found.unsqueeze(-1) if per_prompt else found
+            constant = constant + biases(token_ids) - (biases(wrong_ids) if wrong_ids is not None else 0)
+        return constant, float(scale)
 
     # Per-head results: each head's output after the output projection, from head_outputs and its weights.
 
@@ -454,8 +596,9 @@ class TransformerLensCache:
             layer = self.num_layers
         if incl_remainder and layer < 0:
             raise ValueError(f"layer must be >= 0 with incl_remainder=True (-1/None mean every block); got {layer}")
-        if isinstance(neuron_slice, int) or (isinstance(neuron_slice, torch.Tensor) and neuron_slice.dim() == 0):
-            neuron_slice = [int(neuron_slice)]
+        neuron_slice = as_index(neuron_slice, "neuron_slice")
+        if isinstance(neuron_slice, int):  # as TL 4.3 (``Slice.unwrap``, an int-mode Slice too): the axis stays
+            neuron_slice = [neuron_slice]
         parts, labels = [], []
         for index in range(layer):
             results = self.get_neuron_results(index, neuron_slice=neuron_slice, pos_slice=pos_slice)
@@ -601,6 +744,7 @@ class TransformerLensCache:
 
         if not self.has_batch_dim:
             raise ValueError("this cache has no batch axis to slice")
+        batch_slice = as_index(batch_slice, "batch_slice")
         new = copy.copy(self)
         for name, value in self._map_batch(lambda tensor: apply_slice(tensor, batch_slice, 0)).items():
             setattr(new, name, value)
@@ -620,13 +764,11 @@ class TransformerLensCache:
 
 def tokenizer_prepends_bos(tokenizer: Any) -> bool:
     """Whether `tokenizer` puts the BOS token first by itself (TransformerLens's ``tokenizer_prepends_bos``)."""
-    if tokenizer.bos_token_id is None:
-        return False
-    ids = tokenizer("a")["input_ids"]
-    return bool(ids) and ids[0] == tokenizer.bos_token_id
+    return prepends_bos(tokenizer)
 
 
-#: Model types whose TransformerLens 4.3 adapter sets ``default_prepend_bos = False`` (the rest: True).
+#: Model types whose TransformerLens 4.3 adapter sets ``default_prepend_bos = False`` (the rest: True). streamscope's
+#: default is the tokenizer's own rule instead; ``prepend_bos=model_type not in NO_DEFAULT_BOS`` is TL's default.
 NO_DEFAULT_BOS = ("bloom", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "glm", "glm4_moe", "glm4v", "gpt_neox",
                   "granite", "llada", "minimax_m2", "mpt", "phi", "phimoe", "qwen2", "qwen2_5_vl", "qwen3",
                   "qwen3_moe", "qwen3_vl", "recurrent_gemma", "seed_oss", "smollm3", "starcoder2")
@@ -636,27 +778,23 @@ def to_tokens(tokenizer: Any, input: str | Sequence[str], prepend_bos: Optional[
               padding_side: Optional[str] = None, model_type: Optional[str] = None) -> torch.Tensor:
     """``[batch, pos]`` token ids of a string or strings, as TransformerLens 4.3's ``to_tokens``.
 
-    `prepend_bos` None is TL 4.3's ``default_prepend_bos`` for `model_type`:
-    True, but False for the families in `NO_DEFAULT_BOS` (GPT-NeoX, Granite,
-    Qwen 2 and 3, ...). True puts one BOS first whether or not the tokenizer
-    adds it itself; False leaves it out even where the tokenizer adds it.
-    Several strings are padded on `padding_side` (the tokenizer's by default).
+    `prepend_bos` None (the default) is the tokenizer's own rule, what
+    ``tokenizer(text)`` gives and what `model.cache`, traces, vLLM and the
+    server run: the same tokens everywhere. True puts one BOS first whether or
+    not the tokenizer adds it (TransformerLens's default for most families;
+    ``prepend_bos=model_type not in NO_DEFAULT_BOS`` is TL 4.3's exactly);
+    False leaves it out even where the tokenizer adds it. Several strings are
+    padded on `padding_side`: ``"left"`` by default (position -1 is every
+    prompt's last token, as in `model.cache`), or ``"right"``; the pad id is
+    the tokenizer's pad token (its EOS where it has none). `model_type` is
+    accepted for TransformerLens's signature and changes nothing.
     """
-    if prepend_bos is None:
-        prepend_bos = model_type not in NO_DEFAULT_BOS
     texts = [input] if isinstance(input, str) else list(input)
-    adds = tokenizer_prepends_bos(tokenizer)
-    if prepend_bos and not adds and tokenizer.bos_token is not None:
-        texts = [tokenizer.bos_token + text for text in texts]
-    encoded = [list(tokenizer(text)["input_ids"]) for text in texts]
-    if not prepend_bos and adds:
-        encoded = [ids[1:] if ids and ids[0] == tokenizer.bos_token_id else ids for ids in encoded]
-    side = padding_side or getattr(tokenizer, "padding_side", "right")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    longest = max(map(len, encoded))
-    rows = [ids + [pad] * (longest - len(ids)) if side == "right" else [pad] * (longest - len(ids)) + ids
-            for ids in encoded]
-    return torch.tensor(rows, dtype=torch.long)
+    if not texts or not all(isinstance(text, str) for text in texts):
+        raise TypeError(f"to_tokens takes a string or a list of strings, not {input!r:.80}")
+    encoded = [encode(tokenizer, text, prepend_bos) for text in texts]
+    tokens, _ = padded(tokenizer, encoded, check_padding_side(padding_side or "left"))
+    return tokens
 
 
 def to_str_tokens(tokenizer: Any, input: Any, prepend_bos: Optional[bool] = None,
@@ -691,7 +829,10 @@ def test_prompt(prompt: str, answer: str | Sequence[str], model: Any, prepend_sp
     and answer's tokens, each answer token's rank, logit and probability, and
     the `top_k` tokens at each answer position. Returns what TL's printout
     ends with: ``[(answer token, rank)]`` per answer position (one answer),
-    or per position a list over the answers (TL returns nothing).
+    or per position a list over the answers (TL returns nothing). The
+    prompt is tokenized by the tokenizer's own BOS rule, as `model.cache`
+    does; `prepend_bos` True or False as in `to_tokens` (TL's default:
+    ``prepend_bos=model_type not in NO_DEFAULT_BOS``).
     """
     tokenizer = model.tokenizer
     answers = [answer] if isinstance(answer, str) else list(answer)

@@ -85,8 +85,8 @@ def test_a_steered_generation_equals_a_trace_that_adds_the_vector_at_every_step(
     model = engine.model
     torch.manual_seed(0)
     steers = [  # in the order the model computes them, as the trace must read them
-        streamscope.Steer("mlp_output", 0, torch.randn(model.hidden_size), mode="set"),
-        streamscope.Steer("layer_output", 1, torch.randn(model.hidden_size), scale=2.0),
+        streamscope.Steer("mlp_output", 0, torch.randn(model.hidden_size), mode="set", positions="all"),
+        streamscope.Steer("layer_output", 1, torch.randn(model.hidden_size), scale=2.0, positions="all"),
     ]
     for used in (steers[1:], steers):
         result = model.generate(PROMPTS[1:2], max_tokens=STEPS, steer=used, return_logits=True, ignore_eos=True,

@@ -52,8 +52,10 @@ def test_a_difference_of_means_per_block_equals_plain_torch_on_the_oracle(setup)
         direction = sweep[block]
         assert (direction.value, direction.layer, direction.method) == ("layer_output", block, "mean_difference")
         assert relative_error(direction.vector, expected) <= RELATIVE
-        assert set(direction.scores) == {"accuracy", "separation"} and 0 <= direction.scores["accuracy"] <= 1
-    assert sweep.best.scores["accuracy"] == max(score["accuracy"] for score in sweep.scores.values())
+        assert set(direction.scores) == {"accuracy", "separation", "steering"}
+        assert 0 <= direction.scores["accuracy"] <= 1
+    # best selects by steering (tests/transformers/test_direction_selection.py); by accuracy when asked.
+    assert sweep.best_by("accuracy").scores["accuracy"] == max(score["accuracy"] for score in sweep.scores.values())
 
 
 def test_pca_is_the_first_component_of_the_paired_differences(setup):
@@ -108,7 +110,7 @@ def test_directions_from_a_harvest_equal_those_from_prompts(setup):
     positive = model.harvest(POSITIVE, "layer_output", positions="last", progress=False)
     negative = model.harvest(NEGATIVE, "layer_output", positions="last", progress=False)
     from_harvest = find(model, positive, negative, layers=[0, 2], progress=False)
-    from_prompts = find(model, POSITIVE, NEGATIVE, layers=[0, 2], progress=False)
+    from_prompts = find(model, POSITIVE, NEGATIVE, layers=[0, 2], progress=False, steering=False)  # as harvests
     for block in (0, 2):
         assert torch.equal(from_harvest[block].vector, from_prompts[block].vector)
         assert from_harvest[block].scores == from_prompts[block].scores
@@ -193,7 +195,7 @@ def test_bad_input_is_refused_before_anything_runs(setup, monkeypatch):
 
 def test_gguf_control_vectors_export_and_import_in_repengs_layout(setup, tmp_path):
     model = setup.model
-    sweep = find(model, POSITIVE, NEGATIVE, layers=[0, 2], progress=False)
+    sweep = find(model, POSITIVE, NEGATIVE, layers=[1, 2], progress=False)  # llama.cpp takes blocks 1 and up
     path = export_gguf(sweep, tmp_path / "love.gguf")
     # Read back with gguf's own reader: repeng's keys and tensor names.
     reader = gguf.GGUFReader(str(path))
@@ -202,7 +204,7 @@ def test_gguf_control_vectors_export_and_import_in_repengs_layout(setup, tmp_pat
     count = reader.fields["controlvector.layer_count"]
     assert int(count.parts[count.data[0]][0]) == 2
     tensors = {tensor.name: np.array(tensor.data) for tensor in reader.tensors}
-    assert sorted(tensors) == ["direction.0", "direction.2"]
+    assert sorted(tensors) == ["direction.1", "direction.2"]
     assert np.array_equal(tensors["direction.2"], sweep[2].vector.numpy())
     # A file written the way repeng writes one, read as directions to steer with.
     written = tmp_path / "repeng.gguf"

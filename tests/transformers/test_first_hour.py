@@ -213,7 +213,7 @@ def test_results_repr_shapes_not_numbers_and_display_in_html_and_png(tiny):
         (cache, f"Cache(llama, {blocks} blocks, batch 2, seq {tiny.ids[0].shape[1]}, {2 * blocks} values)"),
         (generation, "Generation(2 prompts, 2 tokens each, with logits; text 0: "),
         (harvest, f"Harvest(2 prompts, blocks [0, 2]; prompt 0: layer_output [2, 1, {tiny.model.hidden_size}])"),
-        (steer, f"Steer(add [{tiny.model.hidden_size}] x 2 at layers[1].layer_output, positions 'all')"),
+        (steer, f"Steer(add [{tiny.model.hidden_size}] x 2 at layers[1].layer_output, positions 'all_but_first')"),
     ]
     for result, start in expected:
         text = repr(result)

@@ -137,7 +137,7 @@ def test_clamping_a_feature_in_the_loop_equals_plain_torch_and_an_unclamped_sae_
     options = {"max_tokens": STEPS, "return_logits": True, "ignore_eos": True, "progress": False}
     plain = model.generate(PROMPTS, harvest={"values": "layer_output", "layers": [0]}, **options)
     for feature, value in ((active, 0.0), (active, 12.0)):
-        clamped = model.generate(PROMPTS, steer=[sae.clamp(feature, value)], **options)
+        clamped = model.generate(PROMPTS, steer=[sae.clamp(feature, value, positions="all")], **options)
         for index, prompt in enumerate(PROMPTS):
             ids = setup.tokenizer(prompt).input_ids
             sequence = ids + list(clamped.tokens[index][:-1])

@@ -60,7 +60,8 @@ def test_a_trace_applying_the_steers_equals_the_bulk_path(engine, case):
 
 def test_bad_steers_are_refused_before_the_model_runs(engine):
     steer_checks.check_bad_steers(engine.model)
-    steer = streamscope.Steer("layer_output", 0, torch.full((engine.model.hidden_size,), float("inf")))
+    steer = streamscope.Steer("layer_output", 0, torch.ones(engine.model.hidden_size))
+    steer.vector = torch.full((engine.model.hidden_size,), float("inf"))  # changed after it was built
     with pytest.raises(ValueError, match="NaN or inf"):
         with engine.model.trace(PROMPTS[0]):
             steer.apply(engine.model)

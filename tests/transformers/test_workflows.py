@@ -37,7 +37,8 @@ class Family:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.ids = [self.tokenizer(prompt, return_tensors="pt").input_ids for prompt in PROMPTS]
         self.expected = [oracle.values(self.reference, name, ids) for ids in self.ids]
-        self.cache = self.model.cache(PROMPTS)
+        # Padded on the right: the checks below cut each prompt's values to its first positions.
+        self.cache = self.model.cache(PROMPTS, padding_side="right")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -176,7 +177,7 @@ def test_logit_attrs_follow_transformer_lens_and_sum_to_the_logit(family):
     cache, reference = family.cache, family.reference
     parts = cache.decompose_resid()
     token = 7
-    attrs = cache.logit_attrs(parts, tokens=token, norm_weight=True)
+    attrs = cache.logit_attrs(parts, tokens=token, convention="transformer_lens", norm_weight=True)
     assert attrs.shape == parts.shape[:3]
     length = family.ids[0].shape[1]
     norm = _final_norm(reference, family.name)

@@ -104,7 +104,7 @@ def steered_trace(model, prompt, steers, steps, harvest_block=None):
 def test_a_steered_generation_equals_a_trace_that_adds_the_vector_at_every_step(engine):
     model = engine.model
     torch.manual_seed(0)
-    steer = streamscope.Steer("layer_output", 1, torch.randn(model.hidden_size), scale=2.0)
+    steer = streamscope.Steer("layer_output", 1, torch.randn(model.hidden_size), scale=2.0, positions="all")
     result = model.generate(PROMPTS[1:2], max_tokens=STEPS, steer=[steer], return_logits=True, ignore_eos=True,
                             progress=False)
     expected, _ = steered_trace(model, PROMPTS[1], [steer], STEPS)
@@ -134,9 +134,9 @@ def test_several_steers_and_a_harvest_in_one_run(engine):
     model = engine.model
     torch.manual_seed(2)
     steers = [
-        streamscope.Steer("layer_output", 0, torch.randn(model.hidden_size), scale=1.5),
+        streamscope.Steer("layer_output", 0, torch.randn(model.hidden_size), scale=1.5, positions="all"),
         streamscope.Steer("mlp_output", 1, torch.randn(model.hidden_size), mode="set", positions="all"),
-        streamscope.Steer("layer_output", 1, torch.randn(model.hidden_size), scale=-0.5),
+        streamscope.Steer("layer_output", 1, torch.randn(model.hidden_size), scale=-0.5, positions="all"),
     ]
     result = model.generate(PROMPTS[:1], max_tokens=STEPS, steer=steers, return_logits=True, ignore_eos=True,
                             harvest={"values": "layer_output", "layers": [1], "positions": "all"}, progress=False)

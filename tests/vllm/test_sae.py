@@ -60,7 +60,7 @@ def test_a_feature_clamped_in_the_loop_equals_plain_torch_and_an_unclamped_sae_c
         active = int(original.encode(sae_checks.oracle_stream(reference, tokenizer, PROMPTS[0])).mean(0).argmax())
     options = {"max_tokens": STEPS, "return_logits": True, "ignore_eos": True, "progress": False}
     plain = model.generate(PROMPTS, harvest={"values": "layer_output", "layers": [0]}, **options)
-    clamped = model.generate(PROMPTS, steer=[sae.clamp(active, 12.0)], **options)
+    clamped = model.generate(PROMPTS, steer=[sae.clamp(active, 12.0, positions="all")], **options)
     unchanged = model.generate(PROMPTS, steer=[sae.clamp(0, 0.0)], **options)
     for index, prompt in enumerate(PROMPTS):
         ids = tokenizer(prompt).input_ids

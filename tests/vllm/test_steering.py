@@ -22,7 +22,7 @@ from bulk_checks import BULK_FAMILIES, PROMPTS
 from steer_checks import CASES, STEPS
 import streamscope
 from streamscope.bulk.apply import Applier
-from streamscope.bulk.spec import Site, locate
+from streamscope.bulk.spec import Site, locate, stream_norms
 from streamscope.values import OUTPUT
 from streamscope.vllm.blocks import Summed
 from streamscope.vllm.model import beside_engine
@@ -125,7 +125,7 @@ def test_a_direction_edits_fused_halves_in_the_fewest_operations_and_equals_plai
     chosen = {"whole": slice(0, 12), "padded": slice(0, 9), "scattered": torch.tensor([1, 4, 5, 10]),
               "one half": slice(0, 12)}[rows]
     steer = streamscope.Steer("layer_output", 0, torch.randn(64, generator=torch.Generator().manual_seed(3)) * 5,
-                              mode=mode, scale=0.75, projection=-2.5)
+                              mode=mode, **({"scale": 0.75} if mode == "ablate" else {"projection": -2.5}))
     hidden, residual = summed_halves(12, 64)
     if rows == "one half":
         residual = torch.zeros_like(hidden)  # only for the sums below: the call gets None
@@ -188,7 +188,7 @@ def test_an_ablation_at_every_block_runs_three_operations_a_hook_call_on_fused_b
     (the batch read, edited and written back), once a call. The steered logits are the oracle's
     (test_a_steered_generation_equals_the_oracle_edited_by_plain_hooks)."""
     model = engine.model
-    steers = [streamscope.Steer("layer_output", block, steer_checks.vector(model, 12), mode="ablate")
+    steers = [streamscope.Steer("layer_output", block, steer_checks.vector(model, 12), mode="ablate", positions="all")
               for block in range(model.num_layers)]
     calls: list[list[str]] = []
     general: list[int] = []
@@ -203,6 +203,8 @@ def test_an_ablation_at_every_block_runs_three_operations_a_hook_call_on_fused_b
         general.append(1)
         return original_write(self, *args)
 
+    # The dose check's stream norms are measured (a harvest, once per model) before the counted run.
+    stream_norms(model, [("layer_output", block) for block in range(model.num_layers)])
     monkeypatch.setattr(Applier, "_apply_all", counted)
     monkeypatch.setattr(Site, "_write_rows", write_rows)
     result = model.generate(PROMPTS[:2], max_tokens=STEPS, steer=steers, ignore_eos=True, progress=False)

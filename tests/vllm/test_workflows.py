@@ -58,7 +58,7 @@ def engine(request, checkpoints):
 
 
 def test_cache_of_several_requests_equals_the_oracle(engine):
-    cache = engine.model.cache(PROMPTS)
+    cache = engine.model.cache(PROMPTS, padding_side="right")  # each prompt's values are its first positions
     assert cache.mask.sum(-1).tolist() == [ids.shape[1] for ids in engine.ids]
     checked = 0
     for row, (ids, expected) in enumerate(zip(engine.ids, engine.expected)):
@@ -80,7 +80,7 @@ def test_cache_of_several_requests_equals_the_oracle(engine):
     final = engine.expected[0]["layer_output"][-1]
     assert relative_error(parts.sum(0)[:1, : engine.ids[0].shape[1]], final) <= engine.tolerance
     # logit_attrs with the engine's own unembedding rows, read in the worker: summed, the raw logit.
-    attrs = cache.logit_attrs(parts, tokens=7, norm_weight=True)[:, :1, : engine.ids[0].shape[1]]
+    attrs = cache.logit_attrs(parts, tokens=7, convention="transformer_lens", norm_weight=True)[:, :1, : engine.ids[0].shape[1]]
     head = engine.reference.get_output_embeddings()
     raw = head(engine.expected[0]["final_norm_output"])[..., 7]
     norm = oracle.site(engine.reference, engine.name, "final_norm_output")[0]
