@@ -186,8 +186,9 @@ class Standardized(StreamEnvoy):
         True puts one BOS first whatever the tokenizer does (TransformerLens's default), False leaves it out.
         On transformers several prompts run as one batch padded on the left, with position ids counted from
         each prompt's first token: every real position's value is the prompt's alone, and position -1 is
-        every prompt's last token. A vLLM request is one prompt, unpadded: several in one input are refused
-        with the way to run them (one ``tracer.invoke`` each). Read values in the order the model computes
+        every prompt's last token. A vLLM request is one prompt, unpadded: several run the body once per
+        prompt, an invoke (a request) each, and a saved name comes back as a list, one value per prompt. Read
+        values in the order the model computes
         them (`model.support()` lists them). On vLLM pass sampling settings
         (``model.trace(prompt, temperature=0.0, max_tokens=1)``); ``tracer.iter[:]`` steps through the
         generated tokens, and each invoke's values are ``[1, tokens, hidden_size]``.
@@ -215,7 +216,8 @@ class Standardized(StreamEnvoy):
         positions are real. Text is tokenized by the tokenizer's own BOS rule
         (``prepend_bos=True`` for TransformerLens's). Keyword arguments:
         ``logits``, ``batch_size``, ``progress``, ``prepend_bos``,
-        ``padding_side``, ``names_filter``, ``pos_slice``.
+        ``padding_side``, ``names_filter``, ``pos_slice``, ``remove_batch_dim``
+        (TransformerLens's ``run_with_cache`` arguments, with its meaning).
         """
         from .workflows.cache import build_cache
 

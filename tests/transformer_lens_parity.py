@@ -324,14 +324,14 @@ def stack_activation_batch_slices_and_devices(pair):
 def model_cache_takes_token_ids_names_filter_and_pos_slice(pair):
     ids = pair.ours.tokens[1:, : int(pair.mask[1].sum())]
     filtered = pair.model.cache(ids, names_filter=lambda name: name.endswith("hook_resid_post"), pos_slice=(1, 4))
-    assert set(filtered) == {f"layers.{i}.layer_output" for i in range(pair.layers)}
+    assert set(filtered.stored) == {f"layers.{i}.layer_output" for i in range(pair.layers)}
     reference = reference_cache(pair.tl, ids)
     for index in range(pair.layers):
         name = f"blocks.{index}.hook_resid_post"
         close(filtered[name], reference[name][:, 1:4], torch.ones(1, 3, dtype=torch.bool), name)
     assert filtered.tokens.shape == (1, 3)
     listed = pair.model.cache(ids[0].tolist(), names_filter=["blocks.0.hook_resid_pre", "layers.1.layer_mid"])
-    assert set(listed) <= {"layers.0.layer_input", "layers.1.layer_mid"} and "layers.0.layer_input" in listed
+    assert set(listed.stored) <= {"layers.0.layer_input", "layers.1.layer_mid"} and "layers.0.layer_input" in listed
     with pytest.raises(ValueError, match="outside the vocabulary"):
         pair.model.cache([[0, 10**9]])
 

@@ -35,7 +35,7 @@ from ..engine import check_padding_side, encode, last_positions, padded
 from ..errors import Unavailable, code_of
 from ..families.logits import scaling_in_words
 from ..families.spec import ROOT_STREAMS
-from .tl import TransformerLensCache
+from .tl import TransformerLensCache, as_index, keep_axis
 
 ATTENTION = tuple(f"{Attention.ROLE}.{name}" for name in INTERNALS)
 ROOT = ROOT_STREAMS
@@ -113,7 +113,9 @@ class Cache(TransformerLensCache, Mapping):
         num_layers: The number of blocks.
         unavailable: ``{key: reason}`` for every asked-for value some block cannot serve.
         final_norm: The final norm's parameters, in the form that reproduces the model's output (`FinalNorm`).
-        stored: ``{streamscope name: tensor}``, what the run kept (``values()`` are its tensors).
+        stored: ``{streamscope name: tensor}``, what the run kept, each tensor once (iteration, ``values()``,
+            ``items()`` and `cache_dict` run over every key, TransformerLens's names too, as TL's cache does).
+        model: The streamscope model the cache was run on (TransformerLens's ``cache.model``).
         has_batch_dim: False after `remove_batch_dim`.
         logit_transform: What the model applies to the unembedding's output (a soft cap, a scale), or None.
         norm_inputs: Per block, the stream its ``ln1``/``ln2`` read (or the reason it has none).
@@ -125,8 +127,10 @@ class Cache(TransformerLensCache, Mapping):
                  norm_inputs: Optional[dict[int, dict[str, str]]] = None, num_heads: Optional[int] = None,
                  tokenizer: Any = None, logit_transform: Optional[str] = None,
                  output_weights: Any = None, learned_positions: bool = False, down_weights: Any = None,
-                 head: Any = None, padding_side: str = "left") -> None:
+                 head: Any = None, padding_side: str = "left", model: Any = None) -> None:
         self.stored = values
+        self.derived: set[str] = set()
+        self.model = model
         self.padding_side = padding_side
         self._head = head  # the engine's `head_parameters`, read when logit_attrs needs the head's bias and scale
         self._output_weights, self._weights_read = output_weights, None
@@ -143,17 +147,22 @@ class Cache(TransformerLensCache, Mapping):
         self.final_norm = final_norm
         self._unembedding = unembedding
 
-    # Mapping: iteration, len() and values() run over streamscope names; keys() adds TransformerLens's.
+    # Mapping, as TransformerLens's ActivationCache: iteration, len(), values() and items() run over keys(),
+    # streamscope's names and then TransformerLens's (`stored` holds the tensors the run kept, once each).
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.stored)
+        return iter(self.keys())
 
     def __len__(self) -> int:
-        return len(self.stored)
+        return len(self.keys())
 
     def keys(self) -> list[str]:  # type: ignore[override]
-        """The streamscope names held, then the TransformerLens hook names that answer from them."""
-        return [*self.stored, *self.tl_names()]
+        """The streamscope names the run kept, then the TransformerLens hook names that answer from them.
+
+        The same list whatever has been read: a value computed on first read and kept
+        (``layers.{i}.self_attn.head_results``, read as ``blocks.{i}.attn.hook_result``) is listed under its
+        TransformerLens name only."""
+        return [*(key for key in self.stored if key not in self.derived), *self.tl_names()]
 
     def tl_names(self) -> list[str]:
         """The TransformerLens 4.3 hook names this cache answers, in the order the model computes them."""
@@ -259,8 +268,11 @@ class Cache(TransformerLensCache, Mapping):
             raise Unavailable(hook, f"blocks.{index}", "streamscope serves queries and keys after the rotary "
                               f"embedding: read blocks.{index}.attn.hook_rot_{hook[-1]}")
         value = self[f"layers.{index}.{name}"]
-        # TransformerLens lays per-head values out [batch, pos, head, d_head]; streamscope [batch, head, seq, d].
-        return value.transpose(1, 2) if layout == "heads_last" else value
+        # TransformerLens lays per-head values out [batch, pos, head, d_head]; streamscope [batch, head, seq, d]. The
+        # batch axis may be gone (remove_batch_dim), and the position axis too (a run's pos_slice=Slice(int)):
+        # [head, d] then reads the same in both layouts.
+        whole = 4 if self.has_batch_dim else 3
+        return value.transpose(-3, -2) if layout == "heads_last" and value.dim() == whole else value
 
     def _computed(self, index: int, hook: str) -> torch.Tensor:
         """A TransformerLens block hook computed from served values (`TL_COMPUTED`)."""
@@ -601,7 +613,8 @@ def norm_inputs(model: Any) -> dict[int, dict[str, str]]:
 def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None,
                 layers: Optional[Sequence[int]] = None, *, logits: bool = True, batch_size: Optional[int] = None,
                 progress: Optional[bool] = None, names_filter: Any = None, pos_slice: Any = None,
-                prepend_bos: Optional[bool] = None, padding_side: str = "left") -> Cache:
+                prepend_bos: Optional[bool] = None, padding_side: str = "left",
+                remove_batch_dim: bool = False) -> Cache:
     """Run `prompts` and keep `values` of `layers` (every block by default): `model.cache`'s work.
 
     `prompts` are strings or token ids (`_token_ids`). `names_filter` (a
@@ -609,7 +622,10 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
     run_with_cache) keeps the values whose streamscope name or one of whose
     TransformerLens names it accepts; `pos_slice` keeps those positions of
     every value (TransformerLens's ``Slice``: an int, a ``(start, stop)``
-    tuple, a slice, a list of positions). Several prompts are padded on
+    tuple, a slice, a list of positions, a TransformerLens ``Slice``; an int
+    keeps the axis with one entry, as TransformerLens's run_with_cache, a
+    ``Slice(int)`` drops it). `remove_batch_dim` drops the batch axis of a
+    run of one prompt (several are refused before the run). Several prompts are padded on
     `padding_side` (``"left"``: ``[:, -1]`` is every prompt's last token);
     `prepend_bos` None tokenizes text by the tokenizer's own rule, True puts
     one BOS first (TransformerLens's), False leaves it out.
@@ -620,6 +636,12 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
 
     check_padding_side(padding_side)
     encoded = _token_ids(model, prompts, prepend_bos)
+    if remove_batch_dim and len(encoded) != 1:
+        raise ValueError(f"remove_batch_dim=True needs one prompt, not {len(encoded)} (as TransformerLens): run "
+                         f"them without it, or pick one with cache.apply_slice_to_batch_dim(i)")
+    if pos_slice is not None:
+        # Checked before the run; a plain int keeps the position axis and a TL Slice(int) drops it, as TL 4.3.
+        pos_slice = as_index(keep_axis(pos_slice))
     prompts = [ids for ids in encoded]
     values = names(values)
     roots = list(ROOT) if values is None else [name for name in values if name in ROOT]
@@ -673,12 +695,14 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
                   norm_inputs=norm_inputs(model),
                   num_heads=heads, tokenizer=model.tokenizer, logit_transform=scaling_in_words(model.config),
                   output_weights=_output_weights(model), down_weights=model.engine.down_projections,
-                  learned_positions=model.family_spec.learned_positions, padding_side=padding_side)
+                  learned_positions=model.family_spec.learned_positions, padding_side=padding_side, model=model)
     keep = _names_filter(names_filter)
     if keep is not None:
         _keep(cache, keep)
     if pos_slice is not None:
         _slice_positions(cache, pos_slice)
+    if remove_batch_dim:
+        cache.remove_batch_dim()
     return cache
 
 
@@ -700,7 +724,7 @@ def _pad(key: str, per_prompt: list[torch.Tensor], longest: int, side: str = "le
         shape[axis] = longest
     out = per_prompt[0].new_zeros(shape)
     for row, tensor in enumerate(per_prompt):
-        where = [slice(None)] * (tensor.dim() - 1)
+        where: list[Any] = [slice(None)] * (tensor.dim() - 1)
         for axis in axes:
             size = tensor.shape[axis]
             where[axis - 1] = slice(0, size) if side == "right" else slice(longest - size, longest)

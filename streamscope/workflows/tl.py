@@ -21,8 +21,9 @@ form and epsilon (one config field states both in every family served).
 
 from __future__ import annotations
 
+import logging
 import re
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -175,6 +176,8 @@ class TransformerLensCache:
     """TransformerLens 4.3's ActivationCache methods; mixed into `streamscope.Cache` (which supplies the state)."""
 
     stored: dict[str, torch.Tensor]
+    #: The keys of `stored` computed after the run (per-head results), which `keys` lists by their TL names only.
+    derived: set[str]
     num_layers: int
     final_norm: Any
     tokens: torch.Tensor
@@ -187,6 +190,11 @@ class TransformerLensCache:
     _unembedding: Any
     _head: Any  # the engine's head_parameters: (bias, scale, soft cap) after the unembedding's matrix
     _tokenizer: Any
+    #: The streamscope model the cache was run on (TL's ``cache.model``; None for a cache built without one).
+    model: Any
+
+    def keys(self) -> list[str]:  # supplied by Cache
+        raise NotImplementedError
 
     def __getitem__(self, key: Any) -> torch.Tensor:  # supplied by Cache
         raise NotImplementedError
@@ -352,6 +360,7 @@ class TransformerLensCache:
         norm's weight (Gemma's ``1 + w``): then the components' results sum to
         the norm's output less its bias. Only at the final norm.
         """
+        pos_slice, batch_slice = as_index(pos_slice), as_index(batch_slice, "batch_slice")
         end = self._layer(layer)
         if has_batch_dim:
             residual_stack = apply_slice(residual_stack, batch_slice, 1)
@@ -507,6 +516,7 @@ class TransformerLensCache:
             z = self[f"layers.{layer}.self_attn.head_outputs"]
             weights = self.output_weights(layer).to(z.device)
             self.stored[key] = torch.einsum("...hd,hdm->...hm", z.to(weights.dtype), weights)
+            self.derived.add(key)
         return self.stored[key]
 
     def compute_head_results(self) -> None:
@@ -569,6 +579,7 @@ class TransformerLensCache:
         ``neurons[..., n] * W_out[n]`` (the down projection's bias left out, as TL leaves it). `neuron_slice`
         and `pos_slice` pick neurons and positions; `project_output_onto` (``[hidden]`` or ``[hidden, k]``)
         projects each result, the last axis then dropped or ``k``."""
+        pos_slice, neuron_slice = as_index(pos_slice), as_index(neuron_slice, "neuron_slice")
         acts = self[f"blocks.{layer}.mlp.hook_post"]
         weights = self.neuron_weights(layer).to(acts.device)
         acts = apply_slice(acts, pos_slice, -2)
@@ -711,6 +722,22 @@ class TransformerLensCache:
             labels += [f"L{index}N{neuron}" for neuron in range(weights.shape[0])]
         return torch.cat(parts), labels
 
+    # TransformerLens's dictionary and global switches.
+
+    @property
+    def cache_dict(self) -> "CacheDict":
+        """Every key of the cache (`keys`: streamscope's names, then TransformerLens's) and its tensor, as TL 4.3's
+        ``cache.cache_dict``: a read-only mapping that computes a TransformerLens value when it is read (a norm's
+        scale, a head's result), so reading one name costs that name. ``dict(cache.cache_dict)`` makes them all."""
+        return CacheDict(self)
+
+    def toggle_autodiff(self, mode: bool = False) -> None:
+        """Turn torch's autograd on or off for the whole process, as TL 4.3: ``torch.set_grad_enabled(mode)``, with
+        a logged warning, since it is global state (``torch.no_grad()`` or ``torch.inference_mode()`` as a context
+        manager is the local way). The cache's own values never carry gradients: `model.cache` runs without them."""
+        logging.getLogger(__name__).warning("Changed the global state, set autodiff to %s", mode)
+        torch.set_grad_enabled(mode)
+
     # Batch handling and devices.
 
     def to(self, device: Union[str, torch.device]) -> "TransformerLensCache":
@@ -746,6 +773,7 @@ class TransformerLensCache:
             raise ValueError("this cache has no batch axis to slice")
         batch_slice = as_index(batch_slice, "batch_slice")
         new = copy.copy(self)
+        new.derived = set(self.derived)
         for name, value in self._map_batch(lambda tensor: apply_slice(tensor, batch_slice, 0)).items():
             setattr(new, name, value)
         new.has_batch_dim = not isinstance(batch_slice, int)
@@ -760,6 +788,39 @@ class TransformerLensCache:
     def to_str_tokens(self, input: Any, prepend_bos: Optional[bool] = None) -> Any:
         """Each token as its string, as TL's ``to_str_tokens``: ``cache.to_str_tokens(cache.tokens[0])``."""
         return to_str_tokens(self._tokenizer, input, prepend_bos, model_type=self.model_type)
+
+
+class CacheDict(Mapping):
+    """A cache's keys and tensors as one read-only mapping: TransformerLens 4.3's ``ActivationCache.cache_dict``.
+
+    Iterates `TransformerLensCache.keys` (streamscope's names, then the TransformerLens hook names that answer);
+    each value is read from the cache when asked for (computed ones, such as ``ln1.hook_scale``, then).
+    """
+
+    def __init__(self, cache: TransformerLensCache) -> None:
+        self._cache = cache
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if not isinstance(key, str):
+            raise KeyError(f"cache_dict is keyed by full names ('blocks.0.hook_resid_pre', 'layers.0.layer_input'), "
+                           f"not {key!r}: cache[{key!r}] reads TransformerLens's shorthand")
+        return self._cache[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._cache.keys())
+
+    def __len__(self) -> int:
+        return len(self._cache.keys())
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and key in self._cache
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        raise TypeError(f"cache.cache_dict is a read-only view of the cache; to replace a stored value, assign "
+                        f"cache.stored[streamscope name] (cache.stored lists them), not cache_dict[{key!r}]")
+
+    def __repr__(self) -> str:
+        return f"CacheDict({len(self)} keys: {', '.join(list(self)[:4])}, ...)"
 
 
 def tokenizer_prepends_bos(tokenizer: Any) -> bool:

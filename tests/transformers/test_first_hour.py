@@ -67,14 +67,14 @@ def test_cache_takes_short_names_as_the_long_ones(tiny, checkpoints):
     weights = attention_oracle.eager_weights(eager, tiny.ids[0])
     for values in (["pattern"], "pattern", ["self_attn.pattern"]):
         cache = tiny.model.cache(PROMPTS[0], values=values)
-        assert len(cache) == tiny.model.num_layers, values
+        assert len(cache.stored) == tiny.model.num_layers, values
         for block in range(tiny.model.num_layers):
             for key in (f"layers.{block}.pattern", f"layers.{block}.self_attn.pattern"):
                 assert relative_error(cache[key], weights[block]) <= RELATIVE
         assert cache.stack("pattern").shape[0] == tiny.model.num_layers
     cache = tiny.model.cache(PROMPTS[0], values=["queries", "mlp_output"], layers=[-1])
     last = tiny.model.num_layers - 1
-    assert sorted(cache) == [f"layers.{last}.mlp.mlp_output", f"layers.{last}.self_attn.queries"]
+    assert sorted(cache.stored) == [f"layers.{last}.mlp.mlp_output", f"layers.{last}.self_attn.queries"]
     assert relative_error(cache[f"layers.{last}.mlp_output"], tiny.expected[0]["mlp_output"][last]) <= RELATIVE
 
 

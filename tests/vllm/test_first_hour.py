@@ -79,7 +79,7 @@ def test_cache_takes_short_names_as_the_long_ones(engine):
         assert f"layers.{last}.mlp.mlp_output" in cache
         assert relative_error(cache[f"layers.{last}.mlp_output"], engine.expected[1]["mlp_output"][last]) <= TOLERANCE
     cache = engine.model.cache(PROMPTS[1], values=["pattern", "queries"], layers=[0])
-    assert sorted(cache) == ["layers.0.self_attn.pattern", "layers.0.self_attn.queries"]
+    assert sorted(cache.stored) == ["layers.0.self_attn.pattern", "layers.0.self_attn.queries"]
     pattern = cache["layers.0.pattern"]
     length = engine.ids[1].shape[1]
     assert pattern.shape == (1, engine.model.num_heads, length, length)

@@ -1,0 +1,43 @@
+"""TransformerLens 4.3's ActivationCache API on transformers, against TL 4.3 itself (tests/tl_cache_api_checks.py):
+TL's ``Slice`` and every slice form in every method, iteration and ``cache_dict``, ``cache.model``,
+``toggle_autodiff``, and ``model.cache(..., remove_batch_dim=, pos_slice=)`` as TL's ``run_with_cache``.
+
+Skipped where TransformerLens 4.3 is not installed (scripts/setup.sh puts it in .venv/transformer-lens-4.3). Both
+run transformers' eager attention, so values agree to ~1e-6; the bound is the parity's 1e-4 (relative).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import tl_cache_api_checks as checks
+import transformer_lens_parity as parity
+import streamscope
+
+
+@pytest.fixture(scope="module")
+def transformer_lens():
+    with parity.transformer_lens_4_3():
+        yield
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def pair(request, checkpoints, transformer_lens):
+    path = checkpoints(request.param)
+    return parity.Pair(request.param, path, streamscope.load(path, attn_implementation="eager"))
+
+
+def test_every_slice_form_and_tl_slice_in_every_method(pair):
+    checks.every_slice_form_in_every_method(pair)
+
+
+def test_iteration_gives_keys_and_cache_dict_and_model_answer_as_tl(pair):
+    checks.iteration_keys_cache_dict_and_model(pair)
+
+
+def test_toggle_autodiff_sets_autograd_as_tl(pair):
+    checks.toggle_autodiff_as_tl(pair)
+
+
+def test_model_cache_remove_batch_dim_and_pos_slice_as_run_with_cache(pair):
+    checks.run_with_cache_remove_batch_dim_and_pos_slice(pair)
