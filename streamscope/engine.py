@@ -70,7 +70,8 @@ class Engine:
         padding), so that each prompt's values at its real positions are the ones it gives alone.
 
         Engines that run several prompts in one invoke pad them on the left (position -1 is every prompt's last
-        token) with an attention mask and mask-derived position ids; one that cannot, refuses several with the fix.
+        token) with an attention mask and mask-derived position ids; one that runs a request per prompt (vLLM)
+        hands the trace one invoke per prompt, each running the trace's body.
         """
         raise NotImplementedError
 

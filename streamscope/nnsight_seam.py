@@ -112,12 +112,14 @@ __all__ = [
     "filter_write_backs", "rename_out_of_order", "around_mediator_run", "serve_gradients", "batch_whole",
     "around_visits", "narrow_spans_directly", "record_saves_cheaply", "running_token_span", "kernel_call_names",
     "ensure_source",
-    "unwrapped_generate", "running_taps", "interleaving", "take_request_error", "collect_requests", "set_client_worker",
+    "unwrapped_generate", "running_taps", "interleaving", "take_request_error", "collect_requests",
+    "EachPrompt", "invoke_per_prompt_tracer", "set_client_worker",
     "HandedSaves", "hand_saves_over", "handing_over", "saves_transport", "SAVES_TRANSPORT_ENV", "transport_counts",
     "PACKED_SAVES", "pack_saves_in_this_process", "received_counts",
     "bundle_interventions", "bundle_counts", "take_bundle", "HERE",
     # Loaded on first use by the module's __getattr__ (vLLM is not imported with streamscope).
     "NNsightGPUWorker", "NNsightGPUModelRunner", "ParallelEnvoy", "parallel_envoys", "VLLMClient",  # noqa: F822
+    "InvokePerPromptTracer",  # noqa: F822
 ]
 
 
@@ -829,6 +831,51 @@ def collect_requests(mediators: list, outputs: list) -> None:
     __getattr__("VLLMClient")._collect(mediators, outputs)
 
 
+class EachPrompt(tuple):
+    """Several prompts (each text, or token ids without padding) as one vLLM trace input: under
+    `invoke_per_prompt_tracer`'s tracer the trace runs its body once per prompt, an invoke (a request) each."""
+
+
+def invoke_per_prompt_tracer() -> type:
+    """nnsight's vLLM tracer class, extended for a trace whose one input is an `EachPrompt`: its body runs once
+    per prompt, each as an invoke of its own (one vLLM request), exactly as one ``with tracer.invoke(prompt):``
+    block per prompt with the same body would run. Any other input is nnsight's. Pass it as ``tracer_cls=`` to
+    ``VLLM.trace``.
+
+    nnsight builds a trace given its input directly as one invoke (one ``Mediator`` over the body, with the
+    input added to the trace's batcher); here there is one such ``Mediator`` per prompt instead, each with its
+    own copy of the caller's locals, the trace's keywords (the sampling settings) going with every request.
+    The class is this module's ``InvokePerPromptTracer``, built on first use (it imports vLLM): a body that
+    names its tracer ships the tracer to the worker, and nnsight's pickler sends a class it cannot import by
+    name as source, which it then writes over the class's own methods.
+    """
+    return __getattr__("InvokePerPromptTracer")
+
+
+def _build_invoke_per_prompt_tracer() -> type:
+    import importlib
+
+    base = importlib.import_module("nnsight.modeling.vllm.tracer").VLLMTracer
+
+    class InvokePerPromptTracer(base):  # type: ignore[valid-type, misc]
+        def prepare(self, code: Any) -> tuple:
+            if len(self.args) != 1 or not isinstance(self.args[0], EachPrompt):
+                return super().prepare(code)
+            frame = self.info.frame
+            interleaver = self.envoy.interleaver
+            self.batcher = self.envoy._batcher_class(self.envoy, self.kwargs)
+            for prompt in self.args[0]:
+                mediator = Mediator(code, frame.f_globals, dict(frame.f_locals), node=self.node)
+                mediator.batch_group = self.batcher.add(prompt, **self.kwargs)
+                interleaver.mediators.append(mediator)
+            args, kwargs = self.batcher.assemble(self.fn)
+            return list(interleaver.mediators), args, kwargs
+
+    InvokePerPromptTracer.__module__ = __name__
+    InvokePerPromptTracer.__qualname__ = "InvokePerPromptTracer"
+    return InvokePerPromptTracer
+
+
 def set_client_worker(model_or_class: Any, worker_cls: str) -> None:
     """Make nnsight's vLLM client start engines with `worker_cls` (a dotted path vLLM imports in the worker).
 
@@ -1416,10 +1463,15 @@ _VLLM_NAMES = {
   shards, which streamscope's ``envoys=`` map starts from.
 * ``VLLMClient``: the class behind ``nnsight.modeling.vllm.VLLM``, reached at
   its defining module, where its ``_WORKER_CLS`` and ``_collect`` live.
+* ``InvokePerPromptTracer``: streamscope's tracer over nnsight's vLLM tracer
+  (`invoke_per_prompt_tracer`), built here so that it pickles by name.
 """
 
 
 def __getattr__(name: str) -> Any:
+    if name == "InvokePerPromptTracer":  # streamscope's, built over nnsight's vLLM tracer on first use
+        globals()[name] = _build_invoke_per_prompt_tracer()
+        return globals()[name]
     target = _VLLM_NAMES.get(name)
     if target is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,13 +15,17 @@ from .logits import engine_logits
 #: Sampling that runs a prompt through one forward pass and stops.
 ONE_FORWARD = {"temperature": 0.0, "max_tokens": 1}
 
-#: Why a vLLM trace takes one prompt per invoke, and how to run several.
-SEVERAL_PROMPTS = ("a vLLM trace runs each invoke as one request of one prompt, unpadded, and this input holds "
-                   "{count} prompts. Run one invoke per prompt (each invoke's values are [1, tokens, ...]):\n"
+#: Why an invoke of a vLLM trace takes one prompt, and how to run several.
+SEVERAL_PROMPTS = ("an invoke of a vLLM trace runs as one request of one prompt, unpadded, and this invoke's input "
+                   "holds {count} prompts. Give the prompts to the trace itself, which runs its body once per "
+                   "prompt (an invoke each, values [1, tokens, ...], a saved name coming back as a list, one "
+                   "value per prompt):\n"
+                   "    with model.trace(prompts, temperature=0.0, max_tokens=1): ...\n"
+                   "or write one invoke per prompt:\n"
                    "    with model.trace(temperature=0.0, max_tokens=1) as tracer:\n"
                    "        with tracer.invoke(prompt_1): ...\n"
                    "        with tracer.invoke(prompt_2): ...\n"
-                   "or model.cache(prompts) for every prompt's values padded into one batch (on the left)")
+                   "or use model.cache(prompts) for every prompt's values padded into one batch (on the left)")
 
 
 class VllmEngine(Engine):
@@ -37,10 +41,9 @@ class VllmEngine(Engine):
         return ("cpu" if current_platform.is_cpu() else "cuda"), dtype
 
     def trace_input(self, prompts: Sequence[Prompt]) -> Any:
-        # A request is one prompt's tokens, unpadded: several prompts in one invoke would be one flat sequence.
-        if len(prompts) != 1:
-            raise ValueError(SEVERAL_PROMPTS.format(count=len(prompts)))
-        return prompts[0]
+        # A request is one prompt's tokens, unpadded: several prompts in one request would be one flat sequence,
+        # so several become an invoke each, every one running the trace's body (`StandardizedVLLM.trace`).
+        return prompts[0] if len(prompts) == 1 else seam.EachPrompt(prompts)
 
     def run(self, prompts: Sequence[Prompt], body: Body, seq_axes: Sequence[tuple[int, ...]]) -> list[list[torch.Tensor]]:
         # A request holds its prompt's tokens only: nothing to cut, whatever the seq axes.

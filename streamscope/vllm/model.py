@@ -296,6 +296,11 @@ class StandardizedVLLM(Standardized, VLLM):
 
     def trace(self, *inputs: Any, **kwargs: Any) -> Any:
         self._check_traceable()
+        # Several prompts given to the trace (`VllmEngine.trace_input`: a `seam.EachPrompt`) run its body once per
+        # prompt, an invoke (a request) each; nnsight's own tracer would take them as one request's prompt. A trace
+        # sent to an nnsight-serve engine (`serve=`) keeps nnsight's tracer, which that server rebuilds.
+        if "serve" not in kwargs:
+            kwargs.setdefault("tracer_cls", seam.invoke_per_prompt_tracer())
         return super().trace(*inputs, **kwargs)
 
     def _check_traceable(self) -> None:
@@ -426,8 +431,9 @@ StandardizedVLLM.trace.__doc__ = Standardized.trace.__doc__  # help(model.trace)
 
 
 def _one_prompt(tokenizer: Any, prompt: Any) -> Any:
-    """An invoke's prompt as vLLM takes it: a token tensor (``tracer.invoke(model.to_tokens(text))``) as its ids,
-    several prompts refused with the fix (`streamscope.engine.trace_prompts`); anything else as nnsight made it."""
+    """An invoke's prompt as vLLM takes it: a token tensor (``tracer.invoke(model.to_tokens(text))``) as its ids;
+    a tensor of several prompts in one invoke refused with the fix (`SEVERAL_PROMPTS`: give them to the trace,
+    which runs an invoke per prompt); anything else as nnsight made it."""
     from ..engine import trace_prompts
     from .engine import SEVERAL_PROMPTS
 

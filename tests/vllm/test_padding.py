@@ -3,8 +3,10 @@
 A vLLM request is one prompt, unpadded (its values are ``[1, tokens, ...]``); `model.cache` pads the prompts'
 values on the left afterwards, as on transformers, so ``[:, -1]`` is every prompt's last token. Text is
 tokenized by the tokenizer's own BOS rule (``prepend_bos=True`` for TransformerLens's). A trace takes a token
-tensor ``[seq]`` or ``[1, seq]`` and a list of ids as one prompt; several prompts in one input are refused with
-the way to run them (an invoke each), and the engine serves the next request.
+tensor ``[seq]`` or ``[1, seq]`` and a list of ids as one prompt. Several prompts given to a trace (a list of
+strings or of id lists, a ``[batch, seq]`` tensor with its mask) run its body once per prompt, an invoke (a
+request) each, unpadded: a name saved there comes back as a list, one ``[1, tokens, ...]`` value per prompt.
+Several prompts in one ``tracer.invoke`` stay refused with the fix, and the engine serves the next request.
 
 One engine shared by the module: a tiny GPT-2 (learned positions) whose tokenizer adds no BOS, as GPT-2's own.
 The oracle is transformers' own float32 forward of each prompt alone, read with torch hooks (`oracle.py`).
@@ -91,7 +93,7 @@ def test_cache_pads_on_the_left_and_each_prompt_is_its_own(engine):
     assert torch.equal(right.last("logits"), cache.logits[:, -1])
 
 
-# Item 10: token tensors and lists of ids; several prompts refused with the fix.
+# Item 10: token tensors and lists of ids; several prompts in a trace, an invoke each.
 
 
 def test_a_trace_takes_a_token_tensor_and_lists_of_ids(engine):
@@ -115,23 +117,129 @@ def test_a_trace_takes_a_token_tensor_and_lists_of_ids(engine):
     assert relative_error(second, expected["logits"]) <= TOLERANCE
 
 
-def test_several_prompts_in_one_input_are_refused_with_the_fix(engine):
+#: Three prompts of different lengths, none a prefix of another.
+THREE = [*PROMPTS, "Madrid is a city"]
+
+
+@torch.no_grad()
+def _logits_with_last_position_edit(engine: Engine, ids: torch.Tensor, block: int, vector: torch.Tensor) -> torch.Tensor:
+    """The reference's logits for `ids` alone with `vector` added to block `block`'s output at the last position
+    (transformers' module, a torch hook: the oracle's site of ``layer_output``)."""
+    module, where, factor = oracle.site(engine.reference, "gpt2", "layer_output", block)
+
+    def add_at_last(tensor: torch.Tensor) -> None:
+        tensor[:, -1] += vector / factor if factor is not None else vector
+
+    with oracle.hooked(module, where, add_at_last):
+        return engine.reference(ids).logits
+
+
+def _ids(engine: Engine, prompts: list[str]) -> list[torch.Tensor]:
+    return [engine.tokenizer(prompt, return_tensors="pt").input_ids for prompt in prompts]
+
+
+def test_a_trace_of_several_prompts_runs_its_body_once_per_prompt(engine):
+    """Today a vLLM trace refuses a list of prompts (transformers runs it as one left-padded batch)."""
     model = engine.model
-    several = (PROMPTS, [ids[0].tolist() for ids in engine.ids], torch.cat([engine.ids[1], engine.ids[1]]),
-               model.tokenizer(PROMPTS, padding=True, return_tensors="pt"))
-    for inputs in several:
-        with pytest.raises(ValueError, match=r"(?s)holds 2 prompts.*tracer\.invoke\(prompt_1\).*model\.cache\(prompts\)"):
-            with model.trace(inputs, **GREEDY):
+    block = 1
+    ids = _ids(engine, THREE)
+    assert len({row.shape[1] for row in ids}) == len(THREE)
+    expected = [engine.alone(row) for row in ids]
+    padded = engine.tokenizer(THREE, padding=True, return_tensors="pt")
+    forms = {"text": THREE, "id lists": [row[0].tolist() for row in ids], "tokenizer output": padded,
+             "tensor and mask": padded["input_ids"]}
+    for form, inputs in forms.items():
+        mask = {"attention_mask": padded["attention_mask"]} if form == "tensor and mask" else {}
+        with model.trace(inputs, **mask, **GREEDY):
+            stream = model.layers[block].layer_output.save()
+            prompt_logits = model.prompt_logits.save()
+            logits = model.logits.save()
+        assert isinstance(stream, list) and len(stream) == len(THREE), form
+        for index, (row, alone) in enumerate(zip(ids, expected)):
+            assert stream[index].shape == (1, row.shape[1], model.hidden_size), form
+            assert relative_error(stream[index], alone["layer_output"][block]) <= TOLERANCE, (form, index)
+            assert relative_error(prompt_logits[index], alone["logits"]) <= TOLERANCE, (form, index)
+            assert logits[index].shape == (1, model.vocab_size)
+            assert relative_error(logits[index][0], alone["logits"][0, -1]) <= TOLERANCE, (form, index)
+    # An unpadded [batch, seq] tensor (rows of one length) is its rows, one prompt each.
+    same = torch.cat([ids[1], ids[1]])
+    with model.trace(same, **GREEDY):
+        logits = model.prompt_logits.save()
+    assert len(logits) == 2
+    assert all(relative_error(each, expected[1]["logits"]) <= TOLERANCE for each in logits)
+    # A list of one prompt is that prompt: its names come back as values, as from one invoke.
+    with model.trace([THREE[2]], **GREEDY):
+        logits = model.prompt_logits.save()
+    assert isinstance(logits, torch.Tensor) and relative_error(logits, expected[2]["logits"]) <= TOLERANCE
+    _serves_the_next_request(engine)
+
+
+def test_a_trace_of_several_prompts_steps_through_each_prompts_own_tokens(engine):
+    """A body that names its tracer (`tracer.iter`, `tracer.result`) runs per prompt too, decode steps included;
+    the traces after it, of one prompt or several, run as before."""
+    model = engine.model
+    block = 1
+    prompts = THREE[1:]
+    with model.trace(prompts, temperature=0.0, max_tokens=2) as tracer:
+        steps = list().save()
+        for step in tracer.iter[:2]:
+            steps.append(model.layers[block].layer_output[:, -1:].clone())
+        result = tracer.result.save()
+    assert len(steps) == len(result) == len(prompts)
+    for prompt, found, output in zip(prompts, steps, result):
+        ids = engine.tokenizer(prompt, return_tensors="pt").input_ids
+        assert list(output.prompt_token_ids) == ids[0].tolist()
+        first = output.outputs[0].token_ids[0]
+        expected = engine.alone(torch.cat([ids, torch.tensor([[first]])], dim=1))["layer_output"][block]
+        assert [tuple(value.shape) for value in found] == [(1, 1, model.hidden_size)] * 2
+        assert relative_error(found[0][0, -1], expected[0, -2]) <= TOLERANCE
+        assert relative_error(found[1][0, -1], expected[0, -1]) <= TOLERANCE
+    _serves_the_next_request(engine)
+    with model.trace(prompts, **GREEDY):
+        logits = model.prompt_logits.save()
+    assert len(logits) == len(prompts)
+
+
+def test_an_edit_in_a_trace_of_several_prompts_reaches_each_prompt_alone(engine):
+    model = engine.model
+    block = 0
+    ids = _ids(engine, THREE)
+    vector = torch.randn(model.hidden_size, generator=torch.Generator().manual_seed(38)) * 4
+    with model.trace(THREE, **GREEDY):
+        model.layers[block].layer_output[:, -1] += vector
+        edited = model.layers[block].layer_output.save()
+        logits = model.prompt_logits.save()
+    for index, row in enumerate(ids):
+        expected = _logits_with_last_position_edit(engine, row, block, vector)
+        assert relative_error(logits[index], expected) <= TOLERANCE, index
+        plain = engine.alone(row)
+        # The edit reached the last position only: the logits elsewhere are the prompt's own.
+        assert relative_error(logits[index][:, :-1], plain["logits"][:, :-1]) <= TOLERANCE, index
+        assert relative_error(logits[index][:, -1], plain["logits"][:, -1]) > 1e3 * TOLERANCE, index
+        assert relative_error(edited[index][0, -1], plain["layer_output"][block][0, -1] + vector) <= TOLERANCE
+    _serves_the_next_request(engine)
+
+
+def test_several_prompts_in_one_invoke_are_refused_with_the_fix(engine):
+    model = engine.model
+    pair = torch.cat([engine.ids[1], engine.ids[1]])
+    with pytest.raises(ValueError, match=r"(?s)holds 2 prompts.*model\.trace\(prompts.*tracer\.invoke\(prompt_1\)"):
+        with model.trace(**GREEDY) as tracer:
+            with tracer.invoke(pair):
                 model.logits.save()
-    # A padded tensor without its mask is refused first: which rows are padding, it cannot say.
+    # nnsight's own refusal, before any request is made.
+    with pytest.raises(ValueError, match=r"prompts per invoke.*separate tracer\.invoke"):
+        with model.trace(**GREEDY) as tracer:
+            with tracer.invoke(PROMPTS):
+                model.logits.save()
+    # A padded tensor without its mask is refused: which positions are padding, it cannot say.
     with pytest.raises(ValueError, match=r"looks padded.*attention_mask=mask"):
         with model.trace(model.to_tokens(PROMPTS), **GREEDY):
             model.logits.save()
-    with pytest.raises(ValueError, match=r"(?s)holds 2 prompts.*tracer\.invoke"):
-        with model.trace(**GREEDY) as tracer:
-            with tracer.invoke(torch.cat([engine.ids[1], engine.ids[1]])):
-                model.logits.save()
     _serves_the_next_request(engine)
+    # generate called with several prompts is the bulk path, one completion each.
+    generation = model.generate(PROMPTS, max_tokens=2, temperature=0.0)
+    assert len(generation.texts) == len(PROMPTS)
 
 
 # Item 4: the tokenizer's own BOS rule everywhere; TransformerLens's always-prepend one argument away.
