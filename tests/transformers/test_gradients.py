@@ -26,7 +26,6 @@ import streamscope
 from streamscope.nnsight_seam import OutOfOrderError
 
 PROMPT = "The Eiffel Tower is in Paris, and the quick brown fox"
-SECOND = "Rome is in Italy, and the lazy dog sleeps in the sun"
 #: float32 on CPU, the same ops on the same model: the gradients agree to rounding.
 RELATIVE = 1e-6
 #: One of each block layout: pre-norm, GPT-2, parallel (GPT-J, Cohere), sandwich-norm, post-LN, a scaled residual.
@@ -179,16 +178,17 @@ def test_an_edited_gradient_reaches_the_upstream_gradients(case):
 
 
 def test_each_invoke_of_a_batched_trace_gets_its_own_rows_gradient(case):
-    first, second = (case.tokenizer(text, return_tensors="pt").input_ids for text in (PROMPT, SECOND))
-    if first.shape != second.shape:
-        pytest.skip("the two prompts tokenize to different lengths here: padding is another item's subject")
+    # Two prompts of one length (the first's tokens reversed), so the batch has no padding on any tokenizer.
+    first = case.tokenizer(PROMPT, return_tensors="pt").input_ids
+    second = first.flip(1)
+    assert not torch.equal(first, second)
     weights = case.weights[: second.shape[1]]
     expected, _ = oracle_gradients(case, second, weights)
     model = case.model
     with model.trace() as tracer:
-        with tracer.invoke(PROMPT):
+        with tracer.invoke(first):
             model.layers[1].layer_output.save()
-        with tracer.invoke(SECOND):
+        with tracer.invoke(second):
             embedded = model.token_embeddings
             middle = model.layers[1].layer_output
             loss = loss_of(model.logits, weights)
