@@ -20,6 +20,9 @@ the console; ``<out>/plan.txt`` lists what ran, for how long and how it ended.
            pickled saves, invokes pickled one by one)                                          about 2 min
   profile  issues 21 and 24: where the host time goes, under cProfile: the ablation at every
            block (tapped, after 3 timed rounds) and W2's steer in a trace on a tapped engine     about 6 min
+  harvest70b  issue 43: `benchmarks/harvest_scale.py`, the Llama-3-70B shape in FP8: 6 blocks' layer_output
+           at every position to shards, against bare prefill (3 rounds), the disk and host copies alone,
+           a 1-replica Parquet harvest and SAELens reading it back (`harvest8b`: the 8B shape)        about 9 min
   serve    issue 18: `streamscope serve` against plain `vllm serve` under load, eager
            and tapped pairs, with the servers' host time per step by part
            (needs `.whl-gpu/serve` installed into /tmp/site)                                   about 9 min
@@ -89,6 +92,16 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
         + [(f"w2 host ({name})", [python, "benchmarks/w2_host.py", "--rounds", "2", "--out", str(out / name)], tree,
             240) for name, tree in trees.items()],
         "xproc": [("xproc", [python, "benchmarks/gpu_trace.py", "--engine-process"], ROOT, 240)],
+        # issue 42: a patch sweep over HTTP against in process; a direction from 100,000 prompts by moments
+        "sweep": [("patch sweep", [python, "benchmarks/patch_sweep.py", "--shape", "llama3-8b"], ROOT, 420)],
+        "moments": [("moments", [python, "benchmarks/moments.py", "--shape", "llama3-8b", "--prompts", "100000",
+                                 "--rounds", "1"], ROOT, 560)],
+        # issue 43: the SAE harvest at 70B in FP8 (6 blocks, every position) against bare prefill; then the 8B shape
+        "harvest70b": [("harvest 70b", [python, "benchmarks/harvest_scale.py", "--shape", "70b", "--fp8", "--prompts",
+                                        "512", "--length", "1024", "--rounds", "3", "--out", "/tmp/harvest-70b"],
+                        ROOT, 560)],
+        "harvest8b": [("harvest 8b", [python, "benchmarks/harvest_scale.py", "--shape", "8b", "--prompts", "1024",
+                                      "--length", "1024", "--rounds", "3", "--out", "/tmp/harvest-8b"], ROOT, 420)],
         "serve": [("serve", [python, "benchmarks/serve_load.py", "--shape", "llama3-8b", "--taps", "--host-time", "--prompts", "256",
                              "--logs", str(out / "serve-logs"),
                              "--rounds", "3", "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],

@@ -10,13 +10,14 @@ from .engine import MODULES, engine_module
 from .errors import Unavailable, UnsupportedCheckpoint
 from .support import BlockSupport, ModelSupport
 
-__all__ = ["load", "Unavailable", "UnsupportedCheckpoint", "BlockSupport", "ModelSupport", "Steer", "apply_steers",
+__all__ = ["load", "Unavailable", "UnsupportedCheckpoint", "BlockSupport", "ModelSupport", "Steer", "Condition",
+           "DoseWarning", "apply_steers",
            "Harvest", "Generation", "load_harvest", "iter_harvest", "Cache", "Lens", "lens", "Patching", "patch",
            "Client", "plot", "views", "directions", "sae"]
 
 #: The engines `load` takes, by name.
 ENGINES = tuple(MODULES)
-_BULK = ("Steer", "apply_steers", "Harvest", "Generation", "load_harvest", "iter_harvest")
+_BULK = ("Steer", "Condition", "DoseWarning", "apply_steers", "Harvest", "Generation", "load_harvest", "iter_harvest")
 #: The workflows' names, loaded on first use like the bulk path's: {name: module}.
 _WORKFLOWS = {"Client": "serve.client", "Cache": "workflows.cache", "Lens": "workflows.logit_lens",
               "lens": "workflows.logit_lens", "Patching": "workflows.patching", "patch": "workflows.patching"}

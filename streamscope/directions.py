@@ -817,6 +817,17 @@ def steers(directions: Union[Sweep, Sequence[Direction]], mode: str = "add", sca
     return [direction.steer(mode=mode, scale=scale, **options) for direction in directions]
 
 
+
+def from_moments(moments: Any, positive: Any = None, negative: Any = None, method: str = "mean_difference") -> Sweep:
+    """Directions at every block from running moments (`model.statistics`), not rows: a `Sweep` without held-out
+    scores. ``mean_difference`` takes the `positive` and `negative` labels; ``pca`` the paired differences'
+    moments (``pairs=``, ``second=True``); a probe needs rows. See `streamscope.moment_fits`."""
+    from .moment_fits import fit_moments
+
+    return Sweep([Direction(vector, moments.value, layer, method, dict(moments.model), 0.0, {}, details)
+                  for layer, vector, details in fit_moments(moments, positive, negative, method)], moments.value, method)
+
+
 __all__ = ["Direction", "Sweep", "SteeringMeasure", "HeldOutFit", "UnreliableFitWarning", "ControlVectorWarning",
-           "find", "fit", "fit_held_out", "held_out_split", "mean_difference", "pca", "probe", "export_gguf",
+           "find", "fit", "from_moments", "fit_held_out", "held_out_split", "mean_difference", "pca", "probe", "export_gguf",
            "import_gguf", "steers", "identity", "METHODS", "MIN_HELD_OUT", "MIN_COSINE", "CHANCE_P"]

@@ -42,6 +42,13 @@ class Engine:
     #: Whether the engine computes with transformers' own kernels, the reference's: then in float32 its values are
     #: the reference's on any device, up to the order of operations (`streamscope.testing.precision`).
     reference_kernels: ClassVar[bool] = False
+    #: Why the engine serves no gradients, a sentence naming the fix; None where a trace computes them
+    #: (`streamscope.gradients`). Workflows that need gradients (attribution patching) refuse by it before running.
+    no_gradients: ClassVar[Optional[str]] = None
+    #: Whether the engine runs a trace's body (`run`, `run_each`, `unembed`). A server's engine
+    #: (`streamscope.serve.remote.RemoteEngine`) does not: workflows that can work from harvests ask it for
+    #: those and the engine's head instead.
+    runs_traces: ClassVar[bool] = True
 
     def __init__(self, model: Any) -> None:
         self.model = model

@@ -731,6 +731,15 @@ def kernel_call_names(module: Any) -> Any:
         return ()
 
 
+def runs_class_forward(module: Any) -> bool:
+    """Whether `module` runs its class's own forward: False where something rewrote it on the instance (vLLM's
+    Transformers backend fusing an attention's q/k/v projections compiles a new forward from the class's source,
+    which ``.source`` cannot instrument: it would read the class's source and run that instead)."""
+    state = module.__dict__.get("__nnsight__")
+    forward = state.original if state is not None else module_body(module)
+    return getattr(forward, "__code__", None) is getattr(type(module).forward, "__code__", None)
+
+
 def ensure_source(envoy: Any) -> None:
     """Instrument `envoy`'s module forward (once), so each call in it is a location (``path.source.<call>``)."""
     state = module_of(envoy).__dict__.get("__nnsight__")

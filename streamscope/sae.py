@@ -72,6 +72,8 @@ class SAE:
         value, layer: The streamscope value and block it reads.
         apply_b_dec_to_input: Whether ``b_dec`` is subtracted before encoding.
         source: Where it came from (a path, "sae_lens", ...) and its hook name, for messages.
+        log_sparsity: ``[d_sae]``, log10 of each feature's firing rate on the SAE's training data, where the
+            folder has it (SAELens's ``sparsity.safetensors``); None otherwise. Not used to compute anything.
     """
 
     W_enc: torch.Tensor
@@ -85,6 +87,7 @@ class SAE:
     k: Optional[int] = None
     apply_b_dec_to_input: bool = True
     source: dict[str, Any] = field(default_factory=dict)
+    log_sparsity: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
@@ -99,6 +102,8 @@ class SAE:
             if tuple(tensor.shape) != shape:
                 raise ValueError(f"SAE {name} has shape {tuple(tensor.shape)}; with W_enc {tuple(self.W_enc.shape)} "
                                  f"it must be {shape}.")
+        if self.log_sparsity is not None and tuple(self.log_sparsity.shape) != (d_sae,):
+            raise ValueError(f"SAE log_sparsity has shape {tuple(self.log_sparsity.shape)}; it must be ({d_sae},).")
         if self.activation == "topk" and not (isinstance(self.k, int) and 0 < self.k <= d_sae):
             raise ValueError(f"a top-k SAE needs k in 1..{d_sae}, not {self.k!r}.")
         for name in ("W_enc", "b_enc", "W_dec", "b_dec"):
@@ -123,7 +128,8 @@ class SAE:
                  for name in ("W_enc", "b_enc", "W_dec", "b_dec")}
         threshold = None if self.threshold is None else self.threshold.to(device=device, dtype=dtype)
         return SAE(**moved, value=self.value, layer=self.layer, activation=self.activation, threshold=threshold,
-                   k=self.k, apply_b_dec_to_input=self.apply_b_dec_to_input, source=dict(self.source))
+                   k=self.k, apply_b_dec_to_input=self.apply_b_dec_to_input, source=dict(self.source),
+                   log_sparsity=self.log_sparsity)
 
     def placed(self, device: Any) -> "SAE":
         """This SAE where its weights are float32 on `device` already (no copy, no check), else such a copy."""
@@ -289,46 +295,143 @@ def _site(value: Optional[str], layer: Optional[int], hook_name: Optional[str], 
     return value_of_hook(hook_name)
 
 
-def from_sae_lens(source: Any, value: Optional[str] = None, layer: Optional[int] = None) -> SAE:
-    """An SAE from SAELens: an SAE object, or a folder it saved (``cfg.json`` and ``sae_weights.safetensors``).
+#: SAELens before 6.0 named these config keys otherwise (its own `handle_pre_6_0_config` renames them alike).
+_PRE_6_NAMES = {"hook_point": "hook_name", "hook_point_head_index": "hook_head_index",
+                "hook_point_layer": "hook_layer", "activation_fn_str": "activation_fn"}
+SAE_LENS_CONFIG, SAE_LENS_WEIGHTS, SAE_LENS_SPARSITY = "cfg.json", "sae_weights.safetensors", "sparsity.safetensors"
 
-    Its hook name (``blocks.5.hook_resid_post``) is mapped to streamscope's
-    value and block unless `value` is given. Architectures: standard
-    (ReLU), JumpReLU and top-k, without activation normalization.
-    """
-    if isinstance(source, (str, Path)):
-        from safetensors.torch import load_file
 
-        folder = Path(source)
-        config = json.loads((folder / "cfg.json").read_text())
-        weights = load_file(str(folder / "sae_weights.safetensors"))
-        where = str(folder)
-    else:
-        config = source.cfg.to_dict()
-        weights = {name: tensor.detach().cpu() for name, tensor in source.state_dict().items()}
-        where = "sae_lens SAE object"
+def sae_lens_folders(root: Union[str, Path]) -> dict[str, Path]:
+    """The SAELens SAEs under `root` (a release downloaded whole, or a training run's checkpoints): ``{sae_id:
+    folder}``, each folder holding ``cfg.json`` and ``sae_weights.safetensors``, its id the path below `root`."""
+    root = Path(root)
+    found = {}
+    for config in sorted(root.rglob(SAE_LENS_CONFIG)):
+        if (config.parent / SAE_LENS_WEIGHTS).exists():
+            found[config.parent.relative_to(root).as_posix()] = config.parent
+    return found
+
+
+def _sae_lens_folder(root: Path, sae_id: Optional[str]) -> Path:
+    folder = root / sae_id if sae_id is not None else root
+    if (folder / SAE_LENS_CONFIG).exists():
+        if not (folder / SAE_LENS_WEIGHTS).exists():
+            raise FileNotFoundError(f"{folder} has {SAE_LENS_CONFIG} but no {SAE_LENS_WEIGHTS}: the download is "
+                                    f"incomplete; fetch the SAE's folder again.")
+        return folder
+    inside = sae_lens_folders(root) if root.is_dir() else {}
+    if inside:
+        listed = ", ".join(repr(name) for name in list(inside)[:12]) + (", ..." if len(inside) > 12 else "")
+        wrong = f"no SAE {sae_id!r} in it" if sae_id is not None else "no cfg.json of its own"
+        raise FileNotFoundError(f"{root} holds {len(inside)} SAELens SAEs and {wrong}: pass sae_id= one of "
+                                f"{listed} (streamscope.sae.sae_lens_folders lists them).")
+    raise FileNotFoundError(f"{folder} holds no SAELens SAE ({SAE_LENS_CONFIG} and {SAE_LENS_WEIGHTS}): give the "
+                            f"folder SAELens saved, or the folder a release was downloaded to with sae_id=.")
+
+
+def _sae_lens_settings(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """SAELens's config (6.x, or the flat one of earlier versions) as what streamscope runs: the hook, the
+    activation and its k, refusing what streamscope cannot run with the reason."""
+    config = {_PRE_6_NAMES.get(key, key): item for key, item in raw.items()}
     metadata = config.get("metadata") or {}
     hook_name = metadata.get("hook_name") or config.get("hook_name")
-    normalization = config.get("normalize_activations", "none")
+    if metadata.get("hook_head_index", config.get("hook_head_index")) is not None:
+        raise ValueError(f"{where}: the SAE reads one attention head ({hook_name}, head "
+                         f"{metadata.get('hook_head_index', config.get('hook_head_index'))}); SAEs on the map read "
+                         f"a value of the residual stream's width.")
+    normalization = config.get("normalize_activations")
+    if isinstance(normalization, bool):  # SAELens before 6.0 stored a flag
+        normalization = "expected_average_only_in" if normalization else "none"
     if normalization not in (None, "none"):
         raise ValueError(f"{where}: the SAE normalizes its input ({normalization!r}), which streamscope does not "
                          f"apply in the engine; fold the normalization into the weights, or train with "
                          f"normalize_activations='none'.")
-    architecture = config.get("architecture", "standard")
+    architecture = config.get("architecture") or "standard"
+    function = config.get("activation_fn")
+    k = config.get("k")
+    if function == "topk":  # before 6.0: a standard SAE whose activation is top-k, its k in the kwargs
+        architecture, k = "topk", k or (config.get("activation_fn_kwargs") or {}).get("k")
+    elif function not in (None, "relu") and architecture == "standard":
+        raise ValueError(f"{where}: activation {function!r}: streamscope runs ReLU, JumpReLU and top-k SAEs.")
     activation = {"standard": "relu", "jumprelu": "jumprelu", "topk": "topk"}.get(architecture)
     if activation is None:
         raise ValueError(f"{where}: SAELens architecture {architecture!r}: streamscope loads standard, jumprelu "
-                         f"and topk SAEs.")
-    if config.get("rescale_acts_by_decoder_norm"):
-        raise ValueError(f"{where}: a top-k SAE that ranks features by decoder norm (rescale_acts_by_decoder_norm) "
-                         f"is not one streamscope runs; fold the norms into W_enc and b_enc first.")
-    site = _site(value, layer, hook_name, where)
-    return SAE(weights["W_enc"].float(), weights["b_enc"].float(), weights["W_dec"].float(), weights["b_dec"].float(),
-               site[0], site[1], activation,
-               threshold=weights["threshold"].float() if "threshold" in weights else None,
-               k=config.get("k"), apply_b_dec_to_input=bool(config.get("apply_b_dec_to_input", True)),
-               source={"format": "sae_lens", "path": where, "hook_name": hook_name or "",
-                       "model": metadata.get("model_name") or config.get("model_name") or ""})
+                         f"and topk SAEs (and those saved as one of them, e.g. batchtopk as jumprelu).")
+    model_name = metadata.get("model_name") or config.get("model_name") or ""
+    return {"hook_name": hook_name, "activation": activation, "k": k, "model": model_name,
+            "apply_b_dec_to_input": bool(config.get("apply_b_dec_to_input", True)),
+            "rescale": bool(config.get("rescale_acts_by_decoder_norm"))}
+
+
+def _sae_lens_weights(weights: dict[str, torch.Tensor], rescale: bool, where: str) -> dict[str, torch.Tensor]:
+    """SAELens's tensors as the SAE's float32 weights (and threshold), with SAELens's own folds applied."""
+    weights = {name: tensor.float() for name, tensor in weights.items()}
+    if "log_threshold" in weights:  # a JumpReLU training checkpoint: SAELens loads exp(log_threshold)
+        weights["threshold"] = torch.exp(weights.pop("log_threshold"))
+    scaling = weights.pop("scaling_factor", None)
+    if scaling is not None and not torch.equal(scaling, torch.ones_like(scaling)):
+        raise ValueError(f"{where}: the SAE scales its features before decoding (scaling_factor), which SAELens 6 "
+                         f"does not load either; fold it into W_dec's rows first.")
+    missing = [name for name in ("W_enc", "b_enc", "W_dec", "b_dec") if name not in weights]
+    if missing:
+        raise ValueError(f"{where}: the weights lack {missing} (they hold {sorted(weights)}): not a standard, "
+                         f"JumpReLU or top-k SAE.")
+    if rescale:
+        # A top-k SAE that ranks features scaled by decoder norm: scaling W_enc's columns and b_enc by the norms
+        # and dividing W_dec's rows by them gives the same features and reconstruction (SAELens's fold_W_dec_norm).
+        norms = weights["W_dec"].norm(dim=-1)
+        weights["W_enc"], weights["b_enc"] = weights["W_enc"] * norms, weights["b_enc"] * norms
+        weights["W_dec"] = weights["W_dec"] / norms[:, None]
+    return weights
+
+
+def from_sae_lens(source: Any, value: Optional[str] = None, layer: Optional[int] = None,
+                  sae_id: Optional[str] = None) -> SAE:
+    """An SAE from SAELens: an SAE object (a training SAE too), or a folder SAELens saved or a release was
+    downloaded to.
+
+    A folder holds ``cfg.json`` and ``sae_weights.safetensors`` (and
+    ``sparsity.safetensors``, kept as `SAE.log_sparsity`), as SAELens's
+    ``save_model``, ``save_inference_model`` and trainer checkpoints write
+    them and as ``SAE.from_pretrained`` downloads a release's SAE; configs of
+    SAELens 6 and of earlier versions are read. For a folder holding a whole
+    release (one folder per SAE), `sae_id` names the SAE's folder below it
+    (`sae_lens_folders` lists them). Its hook name (``blocks.5.hook_resid_post``)
+    is mapped to streamscope's value and block unless `value` is given.
+    Architectures: standard (ReLU), JumpReLU and top-k (a top-k SAE that ranks
+    by decoder norm is loaded with the norms folded in, as SAELens's
+    ``fold_W_dec_norm`` does: the same features and reconstruction), without
+    activation normalization.
+    """
+    sparsity = None
+    if isinstance(source, (str, Path)):
+        from safetensors.torch import load_file
+
+        folder = _sae_lens_folder(Path(source), sae_id)
+        raw = json.loads((folder / SAE_LENS_CONFIG).read_text())
+        tensors = load_file(str(folder / SAE_LENS_WEIGHTS))
+        if (folder / SAE_LENS_SPARSITY).exists():
+            sparsity = load_file(str(folder / SAE_LENS_SPARSITY)).get("sparsity")
+        where = str(folder)
+    else:
+        if sae_id is not None:
+            raise TypeError("sae_id= names an SAE's folder inside a release's folder; an SAE object needs none.")
+        tensors = {name: tensor.detach().cpu().clone() for name, tensor in source.state_dict().items()}
+        if hasattr(source.cfg, "get_inference_sae_cfg_dict"):  # a training SAE: as it would save for inference
+            source.process_state_dict_for_saving_inference(tensors)
+            raw = source.cfg.get_inference_sae_cfg_dict()
+        else:
+            raw = source.cfg.to_dict()
+        where = "sae_lens SAE object"
+    settings = _sae_lens_settings(raw, where)
+    weights = _sae_lens_weights(tensors, settings["rescale"], where)
+    site = _site(value, layer, settings["hook_name"], where)
+    return SAE(weights["W_enc"], weights["b_enc"], weights["W_dec"], weights["b_dec"], site[0], site[1],
+               settings["activation"], threshold=weights.get("threshold"), k=settings["k"],
+               apply_b_dec_to_input=settings["apply_b_dec_to_input"],
+               source={"format": "sae_lens", "path": where, "hook_name": settings["hook_name"] or "",
+                       "model": settings["model"]},
+               log_sparsity=None if sparsity is None else sparsity.float().reshape(-1))
 
 
 def from_dictionary_learning(folder: Union[str, Path], value: Optional[str] = None,
@@ -421,5 +524,105 @@ def harvest_for_sae_lens(model: Any, prompts: Sequence[Any], folder: Union[str, 
     return write_sae_lens_cache(harvest, ids, folder, hook_name, context_size, value)
 
 
+
+# ---------------------------------------------------------------- training with SAELens
+
+#: ``architecture=`` of `train`: SAELens's training architectures that save as an SAE streamscope runs.
+TRAINABLE = ("standard", "topk", "jumprelu", "batchtopk")
+
+
+def train(model: Any, prompts: Sequence[Any], hook_name: str, out: Union[str, Path], d_sae: int, *,
+          architecture: str = "standard", steps: Optional[int] = None, batch_size: int = 4096,
+          context_size: Optional[int] = None, lr: float = 3e-4, device: Optional[str] = None, seed: int = 0,
+          cache: Union[str, Path, None] = None, progress: bool = True, **sae_options: Any) -> SAE:
+    """Train an SAE on `model`'s activations over `prompts` with SAELens's own trainer, save it in SAELens's
+    format to `out`, and return it loaded (`from_sae_lens(out)`).
+
+    The prompts are harvested at `hook_name` (``blocks.N.hook_resid_post``
+    and the other stream hooks `value_of_hook` maps) on either engine and
+    written as SAELens's cached activations (`harvest_for_sae_lens`), each
+    prompt cut into contexts of `context_size` tokens (default: the shortest
+    prompt's length; a tail shorter than a context is left out). SAELens's
+    ``ActivationsStore`` reads them back and its ``SAETrainer`` trains a fresh
+    SAE of SAELens's `architecture` (``"standard"``, ``"topk"``, ``"jumprelu"``,
+    ``"batchtopk"``), ``d_in`` the model's width and `d_sae` features, for
+    `steps` steps of `batch_size` tokens (default: one pass over the harvested
+    tokens) at learning rate `lr` on `device` (default: CUDA where there is
+    one). `sae_options` go to the architecture's SAELens training config
+    (``l1_coefficient=`` for standard, ``k=`` for top-k, ``l0_coefficient=``
+    for JumpReLU, ...). `out` receives what SAELens writes for a release:
+    ``cfg.json`` (the hook and model named in its metadata),
+    ``sae_weights.safetensors`` (``save_inference_model``) and
+    ``sparsity.safetensors`` (each feature's log10 firing rate in training).
+    The cached activations go to `cache` (kept) or a temporary folder
+    (removed); `seed` seeds the SAE's initialization; `progress` shows the
+    harvest's progress bar (SAELens's trainer shows its own). Needs the
+    ``sae`` extra (``pip install "streamscope[sae]"``).
+    """
+    import tempfile
+
+    from safetensors.torch import save_file
+    from sae_lens import SAETrainer
+    from sae_lens.config import SAETrainerConfig
+    from sae_lens.saes.sae import SAEMetadata, get_sae_training_class
+    from sae_lens.training.activations_store import ActivationsStore
+
+    from .bulk.spec import token_ids
+
+    if architecture not in TRAINABLE:
+        raise ValueError(f"architecture={architecture!r}: train takes one of {', '.join(TRAINABLE)}.")
+    value, layer = value_of_hook(hook_name)
+    locate(model, value, layer)  # Unavailable with the family's reason, before anything runs
+    ids = token_ids(model, prompts)
+    context = context_size if context_size is not None else min(len(row) for row in ids)
+    contexts = sum(len(row) // context for row in ids)
+    if context < 1 or contexts == 0:
+        raise ValueError(f"context_size={context}: no prompt has that many tokens; give longer prompts or a "
+                         f"smaller context_size.")
+    if contexts * context < batch_size:
+        # SAELens reads whole batches of contexts from its cache: fewer than one batch fails inside it.
+        raise ValueError(f"{contexts * context} training tokens ({contexts} contexts of {context}) is less than one "
+                         f"batch of {batch_size}: give more prompts, or a smaller batch_size.")
+    total = steps * batch_size if steps is not None else contexts * context
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    classes = get_sae_training_class(architecture)
+    torch.manual_seed(seed)
+    metadata = SAEMetadata(hook_name=hook_name, model_name=str(getattr(model.config, "_name_or_path", "") or ""),
+                           context_size=context, prepend_bos=bool(getattr(model.tokenizer, "bos_token", None)))
+    trained_sae = classes[0](classes[1](d_in=model.hidden_size, d_sae=d_sae, device=device, metadata=metadata,
+                                        **sae_options))
+    buffer = max(4, -(-2 * batch_size // context))  # SAELens mixes a buffer of this many contexts: two batches
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(cache) if cache is not None else Path(scratch) / "activations"
+        harvest_for_sae_lens(model, ids, folder, hook_name, context, progress=progress)
+        store = ActivationsStore(model=None, dataset=None, streaming=False, hook_name=hook_name, hook_head_index=None,
+                                 context_size=context, d_in=model.hidden_size, n_batches_in_buffer=buffer,
+                                 total_training_tokens=total, store_batch_size_prompts=max(1, -(-batch_size // context)),
+                                 train_batch_size_tokens=batch_size, prepend_bos=False, normalize_activations="none",
+                                 device=torch.device(device), dtype="float32", cached_activations_path=str(folder))
+        trainer = SAETrainer(SAETrainerConfig(total_training_samples=total, train_batch_size_samples=batch_size,
+                                              lr=lr, lr_end=lr, device=device), trained_sae, store)
+        trained_sae = trainer.fit()
+    out = Path(out)
+    trained_sae.save_inference_model(out)
+    save_file({"sparsity": trainer.log_feature_sparsity.detach().cpu().contiguous()}, str(out / SAE_LENS_SPARSITY))
+    return from_sae_lens(out)
+
+
+
+def top_examples(model: Any, prompts: Sequence[Any], sae: SAE, features: Union[int, Sequence[int], None] = None,
+                 k: int = 10, **options: Any) -> Any:
+    """Each feature's `k` top-activating tokens over `prompts`, with the tokens around each: a
+    `streamscope.workflows.features.FeatureExamples` (``examples[f]``, ``.table()``, ``.rows``, ``.view(path)``).
+    `streamscope.workflows.features.top_examples` says what each option does."""
+    from .workflows.features import top_examples as examples_of
+
+    if not isinstance(sae, SAE):
+        raise TypeError(f"top_examples takes a streamscope.sae.SAE, not a {type(sae).__name__}: load it with "
+                        f"streamscope.sae.from_sae_lens (a SAELens SAE object or folder) or from_dictionary_learning.")
+    return examples_of(model, prompts, sae, features, k, **options)
+
+
 __all__ = ["SAE", "from_sae_lens", "from_dictionary_learning", "value_of_hook", "harvest_features",
-           "write_sae_lens_cache", "harvest_for_sae_lens", "ClampFeature", "FeatureReadout"]
+           "write_sae_lens_cache", "harvest_for_sae_lens", "ClampFeature", "FeatureReadout", "sae_lens_folders", "train",
+           "TRAINABLE", "top_examples"]

@@ -208,8 +208,11 @@ class Standardized(StreamEnvoy):
     def cache(self, prompts: Any, values: Any = None, layers: Any = None, **kwargs: Any) -> Any:
         """Run `prompts` (a string or a list) and keep `values` of `layers` in a `streamscope.Cache`.
 
-        Default: every served boundary and contribution of every block, the
-        root values and the logits. The cache answers streamscope's names and
+        Default: what TransformerLens's run_with_cache keeps, every served
+        boundary, contribution and neuron value of every block, attention's
+        queries, keys, values, per-head outputs, scores and pattern, the root
+        values and the logits (``values="all"``: everything served; the memory
+        is in `streamscope.workflows.cache.build_cache`'s docstring). The cache answers streamscope's names and
         TransformerLens's hook names; see `streamscope.cache`. Several prompts
         are padded on the left (``padding_side="right"`` for the other side):
         ``[:, -1]`` is every prompt's last token, `Cache.mask` says which
@@ -222,6 +225,50 @@ class Standardized(StreamEnvoy):
         from .workflows.cache import build_cache
 
         return build_cache(self, prompts, values, layers, **kwargs)
+
+    def run_with_cache(self, input: Any, return_type: Optional[str] = "logits", **kwargs: Any) -> tuple[Any, Any]:
+        """``(output, cache)`` of one run, as TransformerLens 4.3's ``run_with_cache``.
+
+        `output` is ``[batch, seq, vocab_size]`` logits (several prompts padded on the left with zeros), or with
+        `return_type` ``"loss"`` TL's mean next-token cross entropy over real tokens, ``"both"`` ``(logits,
+        loss)``, None nothing; ``loss_per_token=True`` gives ``[batch, seq - 1]``. `cache` is `model.cache`'s
+        `streamscope.Cache` (keyword arguments as there, ``pos_slice`` and ``remove_batch_dim`` applied to the
+        cache only). See `streamscope.workflows.runs.run_with_cache`."""
+        from .workflows.runs import run_with_cache
+
+        return run_with_cache(self, input, return_type=return_type, **kwargs)
+
+    def run_with_hooks(self, input: Any, fwd_hooks: Any = (), return_type: Optional[str] = "logits",
+                       loss_per_token: bool = False, **kwargs: Any) -> Any:
+        """Run `input` with hook functions on named values, as TransformerLens 4.3's ``run_with_hooks``.
+
+        ``fwd_hooks=[(name or filter, hook_fn), ...]``, a name a TransformerLens hook name
+        (``blocks.3.hook_resid_pre``) or a streamscope name (``layers.3.layer_input``); ``hook_fn(value, hook)``
+        runs where the model computes the value, and a tensor it returns (or an in-place edit) reaches the model.
+        Returns logits ``[batch, seq, vocab_size]`` (padded on the left with zeros), TL's loss (``"loss"``,
+        ``loss_per_token``), both, or None. See `streamscope.workflows.runs.run_with_hooks`."""
+        from .workflows.runs import run_with_hooks
+
+        return run_with_hooks(self, input, fwd_hooks, return_type=return_type, loss_per_token=loss_per_token,
+                              **kwargs)
+
+    def norms(self, prompts: Any = None, value: str = "layer_output", layers: Any = None) -> Any:
+        """``||h||`` per block, ``[blocks]`` float32: `value`'s mean row norm over the prompts' positions after the
+        first (None: streamscope's calibration text, the norms a steer's dose is measured against). See
+        `streamscope.bulk.norms.norms`."""
+        from .bulk.norms import norms
+
+        return norms(self, prompts, value, layers)
+
+    def statistics(self, prompts: Any, labels: Any, value: str = "layer_output", layers: Any = None,
+                   positions: Any = "last", **options: Any) -> Any:
+        """Running moments of `value` per label over many prompts (count, sum, optional second moment): a
+        `streamscope.bulk.moments.Moments`, which `streamscope.directions.from_moments` fits directions from.
+        Options: ``reduce`` ("mean"), ``second``, ``pairs``, ``chunk_size``, ``progress`` and `model.harvest`'s;
+        see `streamscope.bulk.moments.statistics`."""
+        from .bulk.moments import statistics
+
+        return statistics(self, prompts, labels, value, layers, positions, **options)
 
     # TransformerLens 4.3's token helpers (streamscope.workflows.tl), with the tokenizer's own BOS rule by default.
 

@@ -1,6 +1,7 @@
 """The attention oracle: transformers' own attention tensors, caught at the kernel call, and its eager weights.
 
-Nothing here imports streamscope. The queries, keys and values are the
+Nothing here imports streamscope's serving code (the pre-rotary values' map of where each family holds them is
+streamscope.testing.oracle's data). The queries, keys and values are the
 arguments transformers hands its attention kernel (after its own rotary and
 q/k norms), caught by wrapping the kernel function the attention module calls
 while the model runs: the attention interface's entry for the implementation
@@ -288,3 +289,191 @@ def logits_with_head_scaled(model, input_ids, block: int, head: int, heads: int,
         return model(input_ids).logits
     finally:
         handle.remove()
+
+
+def _module_at(root: torch.nn.Module, alternatives) -> Optional[torch.nn.Module]:
+    for path, _ in alternatives:
+        module = root.get_submodule(path) if path in dict(root.named_modules()) else None
+        if module is not None:
+            return module
+    return None
+
+
+@contextmanager
+def pre_rotary_caught(model, family: str, on: Callable[[int, str, torch.Tensor], None]) -> Iterator[None]:
+    """While the model runs, call `on(block, name, tensor)` with each attention's queries and keys before the rotary
+    embedding, ``[batch, heads, seq, head_dim]``, where an edit in place reaches the model (views of a module's
+    output, or copies of the rotary's arguments handed to it in their stead), where transformers' modules hold
+    them (`PRE_ROTARY` of streamscope.testing.oracle): the rotary
+    function's arguments, caught by wrapping it in the modeling module, or the outputs of the modules a forward
+    slices the rotated channels from (forward hooks). A block whose rotary does not run is not called for."""
+    from streamscope.testing.oracle import PRE_ROTARY  # data only: where transformers' modules hold them
+
+    spec = PRE_ROTARY.get(family)
+    modules = attention_modules(model)
+    current: dict[str, Optional[int]] = {"block": None}
+    handles = [module.register_forward_pre_hook(lambda _, __, index=index: current.__setitem__("block", index))
+               for index, module in modules.items()]
+    restore: list[Callable[[], None]] = []
+    try:
+        if spec is not None and spec[0] == "call":
+            _, function, layout = spec
+            for modeling in {sys.modules[type(module).__module__] for module in modules.values()}:
+                original = getattr(modeling, function)
+
+                def wrapped(q, k, *rest, original=original, layout=layout, **kwargs):
+                    # copies, handed on in their stead: an edit must reach the rotary even where the model's
+                    # tensor cannot take it in place (Falcon broadcasts its keys per query head)
+                    q, k = q.clone(), k.clone()
+                    for name, tensor in (("queries_pre_rotary", q), ("keys_pre_rotary", k)):
+                        on(current["block"], name, tensor.transpose(1, 2) if layout == "bshd" else tensor)
+                    return original(q, k, *rest, **kwargs)
+
+                setattr(modeling, function, wrapped)
+                restore.append(lambda m=modeling, f=function, o=original: setattr(m, f, o))
+        elif spec is not None:
+            config = model.config
+            heads = config.num_attention_heads
+            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+            for index, module in modules.items():
+                for name, alternatives, count in (("queries_pre_rotary", spec[1], heads),
+                                                  ("keys_pre_rotary", spec[2], kv_heads)):
+                    def keep(_, __, output, index=index, name=name, count=count):
+                        if output.dim() == 3:  # a flat projection, [batch, seq, heads * head_dim]
+                            output = output.unflatten(-1, (count, -1)).transpose(1, 2)
+                        on(index, name, output)
+                    handles.append(_module_at(module, alternatives).register_forward_hook(keep))
+        yield
+    finally:
+        for undo in reversed(restore):
+            undo()
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def pre_rotary_tensors(model, family: str, input_ids, kernel: dict[int, dict[str, torch.Tensor]]
+                       ) -> dict[int, dict[str, torch.Tensor]]:
+    """Per attention block: its queries and keys before the rotary embedding, [batch, heads, seq, head_dim]
+    (TransformerLens's hook_q / hook_k), as `pre_rotary_caught` finds them; a block whose rotary does not run gets
+    its kernel's queries and keys (`kernel`, as `kernel_tensors` caught them)."""
+    caught: dict[int, dict[str, torch.Tensor]] = {}
+    with pre_rotary_caught(model, family, lambda block, name, tensor: caught.setdefault(block, {}).__setitem__(
+            name, tensor.clone())):
+        model(input_ids)
+    for block, tensors in kernel.items():
+        if block not in caught:
+            caught[block] = {"queries_pre_rotary": tensors["queries"], "keys_pre_rotary": tensors["keys"]}
+    return caught
+
+
+@torch.no_grad()
+def logits_with_pre_rotary_edit(model, family: str, input_ids, block: int, name: str,
+                                edit: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    """The logits with `edit` applied in place to block `block`'s pre-rotary `name` (``queries_pre_rotary`` or
+    ``keys_pre_rotary``, [batch, heads, seq, head_dim]) where `pre_rotary_caught` finds it; on a block whose
+    rotary does not run, to the query or key its kernel receives."""
+    done = []
+
+    def on(index, caught, tensor):
+        if index == block and caught == name:
+            edit(tensor)
+            done.append(index)
+
+    with pre_rotary_caught(model, family, on):
+        logits = model(input_ids).logits
+    if done:
+        return logits
+
+    def edited(index, kernel, before, query, key, value, *rest, **kwargs):
+        if index == block:
+            if name == "queries_pre_rotary":
+                query = query.clone()  # the kernel's query may be a view autograd forbids editing in place
+                edit(query)
+            else:
+                key = key.clone()
+                edit(key)
+        return _call(kernel, before, query, key, value, *rest, **kwargs)
+
+    with kernel_wrapped(model, family, edited):
+        return model(input_ids).logits
+
+
+def _per_head(tensor: torch.Tensor, heads: int, seq: int) -> torch.Tensor:
+    """`tensor`, a q/k norm's input, as [batch, heads, seq, head_dim] (a view: an edit of it reaches the tensor),
+    its layout told from its shape: [batch, seq, heads * head_dim], [batch, seq, heads, head_dim] or
+    [batch, heads, seq, head_dim]."""
+    if tensor.dim() == 3:
+        return tensor.unflatten(-1, (heads, -1)).transpose(1, 2)
+    assert heads != seq, "the oracle tells a norm input's layout by its shape: use a prompt longer than the heads"
+    if tuple(tensor.shape[1:3]) == (heads, seq):
+        return tensor
+    assert tuple(tensor.shape[1:3]) == (seq, heads), (tuple(tensor.shape), heads, seq)
+    return tensor.transpose(1, 2)
+
+
+@contextmanager
+def projected_caught(model, family: str, seq: int, on: Callable[[int, str, torch.Tensor], None]) -> Iterator[None]:
+    """While the model runs, call `on(block, name, tensor)` with each attention's query and key projections before
+    its q/k norm (``queries_projected`` / ``keys_projected``, [batch, heads, seq, head_dim], a view where an edit
+    in place reaches the norm), caught with forward pre-hooks on the norm modules `PROJECTED` of
+    streamscope.testing.oracle names. A block without such a norm is not called for."""
+    from streamscope.testing.oracle import PROJECTED  # data only: where transformers' modules hold them
+
+    config = model.config
+    heads = getattr(config, "num_attention_heads", None)  # None on a model without attention (Mamba)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    handles = []
+    try:
+        for index, module in attention_modules(model).items():
+            for name, alternatives, count in zip(("queries_projected", "keys_projected"),
+                                                 PROJECTED.get(family, ((), ())), (heads, kv_heads)):
+                norm = _module_at(module, alternatives)
+                if norm is None:
+                    continue
+
+                def caught(_, args, index=index, name=name, count=count):
+                    on(index, name, _per_head(args[0], count, seq))
+                handles.append(norm.register_forward_pre_hook(caught))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def projected_tensors(model, family: str, input_ids, pre_rotary: dict[int, dict[str, torch.Tensor]]
+                      ) -> dict[int, dict[str, torch.Tensor]]:
+    """Per attention block: its query and key projections before any q/k norm, [batch, heads, seq, head_dim]
+    (TransformerLens's hook_q / hook_k), as `projected_caught` finds them; a block without such a norm gets its
+    pre-rotary queries and keys (`pre_rotary`, as `pre_rotary_tensors` found them)."""
+    caught: dict[int, dict[str, torch.Tensor]] = {}
+    with projected_caught(model, family, input_ids.shape[-1], lambda block, name, tensor: caught.setdefault(
+            block, {}).__setitem__(name, tensor.clone())):
+        model(input_ids)
+    for block, tensors in pre_rotary.items():
+        if block not in caught:
+            caught[block] = {"queries_projected": tensors["queries_pre_rotary"],
+                             "keys_projected": tensors["keys_pre_rotary"]}
+    return caught
+
+
+@torch.no_grad()
+def logits_with_projected_edit(model, family: str, input_ids, block: int, name: str,
+                               edit: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    """The logits with `edit` applied in place to block `block`'s projection `name` (``queries_projected`` or
+    ``keys_projected``, [batch, heads, seq, head_dim]) where `projected_caught` finds it (the q/k norm's input);
+    on a block without such a norm, to its pre-rotary value (`logits_with_pre_rotary_edit`)."""
+    done = []
+
+    def on(index, caught, tensor):
+        if index == block and caught == name:
+            edit(tensor)
+            done.append(index)
+
+    with projected_caught(model, family, input_ids.shape[-1], on):
+        logits = model(input_ids).logits
+    if done:
+        return logits
+    pre_rotary = {"queries_projected": "queries_pre_rotary", "keys_projected": "keys_pre_rotary"}[name]
+    return logits_with_pre_rotary_edit(model, family, input_ids, block, pre_rotary, edit)

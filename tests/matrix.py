@@ -24,8 +24,12 @@ import moe_oracle
 import oracle
 from access import relative_error
 
-#: head_results: the output projection's input per head times its columns (`attention_oracle.head_results`).
-INTERNALS = ("queries", "keys", "values", "scores", "pattern", "head_outputs", "head_results")
+#: head_results: the output projection's input per head times its columns (`attention_oracle.head_results`);
+#: the pre-rotary queries and keys: the rotary's arguments (`attention_oracle.pre_rotary_tensors`); the projected
+#: ones: the q/k norm's input, or the pre-rotary ones where none norms (`attention_oracle.projected_tensors`).
+PRE_ROTARY = ("queries_pre_rotary", "keys_pre_rotary")
+PROJECTED = ("queries_projected", "keys_projected")
+INTERNALS = ("queries_projected", "queries_pre_rotary", "keys_projected", "keys_pre_rotary", "queries", "keys", "values", "scores", "pattern", "head_outputs", "head_results")
 ROUTING = ("router_logits", "chosen_experts", "routing_weights")
 NEURONS = oracle.NEURONS
 ROOT = ("token_embeddings", "final_norm_output", "logits", "prompt_logits")
@@ -99,6 +103,8 @@ class Reference:
             self.stream = oracle.values(self.model, family, input_ids)
             self.kernel = attention_oracle.kernel_tensors(self.model, family, input_ids)
             self.results = attention_oracle.head_results(self.model, input_ids, self.kernel)
+            self.pre_rotary = attention_oracle.pre_rotary_tensors(self.model, family, input_ids, self.kernel)
+            self.projected = attention_oracle.projected_tensors(self.model, family, input_ids, self.pre_rotary)
             if not self.attention_blocks:
                 self.weights = {}
             elif attention_oracle.eager_adds_alibi_twice(family, self.model.config):
@@ -117,6 +123,10 @@ class Reference:
                 return None
             if leaf == "head_results":
                 return self.results.get(block)
+            if leaf in PRE_ROTARY:
+                return self.pre_rotary[block][leaf]
+            if leaf in PROJECTED:
+                return self.projected[block][leaf]
             return self.weights[block] if leaf in ("scores", "pattern") else self.kernel[block][leaf]
         if owner == ["mlp"] and leaf in ROUTING:
             return self.routing.get(block, {}).get(leaf)
@@ -259,6 +269,10 @@ class Tolerances:
         for block, tensors in exact.kernel.items():
             relative += [relative_error(low.kernel[block][name], tensor) for name, tensor in tensors.items()]
         relative += [relative_error(low.results[block], results) for block, results in exact.results.items()]
+        relative += [relative_error(low.pre_rotary[block][name], tensor)
+                     for block, tensors in exact.pre_rotary.items() for name, tensor in tensors.items()]
+        relative += [relative_error(low.projected[block][name], tensor)
+                     for block, tensors in exact.projected.items() for name, tensor in tensors.items()]
         pattern = [(low.weights[block].float() - weights.float()).abs().max().item()
                    for block, weights in exact.weights.items()]
         return cls(factor * max(relative), factor * max(pattern, default=0.0))
@@ -275,7 +289,8 @@ def check(name: str, value: torch.Tensor, reference: Reference, block: Optional[
     where = (name, block)
     if name == "logits" and sampled:
         expected = expected[:, -1]
-    if leaf in ("keys", "values") and reference.family == "falcon":  # its kernel gets each kv head per query head
+    # its kernel gets each kv head per query head (so do its pre-rotary keys on a block that rotates nothing)
+    if leaf in ("keys", "values", "keys_pre_rotary", "keys_projected") and reference.family == "falcon":
         expected = expected[:, ::expected.shape[1] // value.shape[1]]
     assert tuple(value.shape) == tuple(expected.shape), (where, tuple(value.shape), tuple(expected.shape))
     if leaf in ("scores", "pattern"):

@@ -63,6 +63,18 @@ def test_every_site_of_a_request_is_stored_in_one_copy_as_row_by_row(slots):
     assert torch.equal(got, expected) and expected.abs().sum() > 0
 
 
+def test_sites_stored_in_reverse_of_their_reads_go_row_by_row_and_land_where_each_belongs():
+    """A harvest that asks blocks last-first stores site 0 where the step read last: the copies stand at a negative
+    spacing, which one strided copy cannot take; each site lands in its own slot all the same."""
+    host, pieces = _step(3, [(1, [0, 1])])
+    reversed_sites = [(key, len(pieces) - 1 - index, slots, start, count, width)
+                      for key, index, slots, start, count, width in pieces]
+    assert not store_every_site(torch.zeros(3, 5, 6), host, reversed_sites)
+    expected = torch.zeros(3, 5, 6)
+    _one_by_one(expected, host, reversed_sites)
+    assert torch.equal(expected[2, :2], host[:12].view(2, 6)) and expected.abs().sum() > 0
+
+
 def test_a_step_that_read_some_sites_only_is_left_to_the_row_by_row_copy():
     host, pieces = _step(3, [(1, [0])])
     assert not store_every_site(torch.zeros(4, 1, 6), host, pieces)  # the request harvests 4 sites; this step read 3

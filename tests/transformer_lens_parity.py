@@ -162,6 +162,10 @@ def check(what: str, ours: Callable[[], Any], theirs: Callable[[], Any], mask: t
     return "ok"
 
 
+#: Families with post-normed sublayers, and the argument that gives TL 4.3's decomposition there (its parts before
+#: the norm) instead of streamscope's (through the norm frozen, summing to the stream).
+POST_NORMED = {"gemma2": {"through_post_norms": False}}
+
 #: (family, hook) -> (the streamscope name TransformerLens 4.3's value equals instead, why): TL's own slips.
 QUIRKS = {("gptj", "attn.hook_attn_scores"): (lambda name: name.replace("attn_scores", "pattern"),
                                              "TransformerLens 4.3's GPT-J bridge hooks the softmaxed weights "
@@ -206,7 +210,9 @@ def every_hook_name_both_serve_holds_the_same_tensor(pair):
         assert expected in names, expected
     if pair.name == "gpt2":
         assert "hook_pos_embed" in names and "blocks.0.attn.hook_q" in names
-    # TransformerLens's hook_q/hook_k of GPT-J and GPT-NeoX are before the rotary, which streamscope does not serve.
+    # hook_q/hook_k are before any q/k norm and the rotary on both sides (self_attn.queries_projected), hook_rot_q/k
+    # after it.
+    assert ("blocks.0.attn.hook_q" in names) == ("blocks.0.attn.hook_q" in theirs)
     assert ("blocks.0.attn.hook_rot_q" in names) == ("blocks.0.attn.hook_rot_q" in theirs)
     soft_capped = pair.name in ("gemma2", "cohere")  # TL's hook_unembed is before the soft cap or scale
     assert ("hook_unembed" in names) != soft_capped
@@ -352,16 +358,13 @@ def head_results(pair):
         close(ours[name].sum(-2), theirs[name].sum(-2), pair.mask, f"{name} summed")
     for layer, incl_remainder, pos_slice, apply_ln in itertools.product(
             [-1, 0, 1, pair.layers], [False, True], [None, -1, (1, 4)], [False, True]):
-        if layer == 0 and incl_remainder:
-            continue  # TL 4.3 takes block -1's (the last block's) stream as the remainder there; streamscope refuses
         kwargs = dict(layer=layer, incl_remainder=incl_remainder, pos_slice=pos_slice, apply_ln=apply_ln,
                       return_labels=True)
         check(f"stack_head_results({kwargs})", lambda: ours.stack_head_results(**kwargs),
               lambda: theirs.stack_head_results(**kwargs), _sliced(pair.mask, pos_slice))
-    if pair.name == "gemma2":  # its heads' results pass through a norm before the stream: they do not add up
-        with pytest.raises(Exception, match="sandwich"):
-            ours.get_full_resid_decomposition(expand_neurons=False)
-        return
+    # Gemma 2's heads' results pass through a post-norm before the stream: TL 4.3 stacks them as they are (which
+    # sum to no stream), streamscope through the norm frozen (they sum to the stream); TL's is one argument away.
+    tl_numbers = POST_NORMED.get(pair.name, {})
     hidden = ours["token_embeddings"].shape[-1]
     directions = torch.stack([torch.linspace(-1.0, 1.0, hidden), torch.linspace(1.0, 0.0, hidden)], dim=-1)
     for layer, mlp_input, apply_ln, pos_slice, project in itertools.product(
@@ -369,10 +372,13 @@ def head_results(pair):
                                                                                      directions]):
         kwargs = dict(layer=layer, mlp_input=mlp_input, apply_ln=apply_ln, pos_slice=pos_slice, expand_neurons=False,
                       project_output_onto=project, return_labels=True)
-        check(f"get_full_resid_decomposition({kwargs})", lambda: ours.get_full_resid_decomposition(**kwargs),
+        check(f"get_full_resid_decomposition({kwargs})",
+              lambda: ours.get_full_resid_decomposition(**kwargs, **tl_numbers),
               lambda: theirs.get_full_resid_decomposition(**kwargs), _sliced(pair.mask, pos_slice))
-    full, labels = ours.get_full_resid_decomposition(expand_neurons=False, return_labels=True)
-    close(full.sum(0), ours[f"layers.{pair.layers - 1}.layer_output"], pair.mask, "the decomposition's sum")
+    for layer in (1, None):
+        full, labels = ours.get_full_resid_decomposition(layer, expand_neurons=False, return_labels=True)
+        stream = ours[f"layers.{pair.layers - 1}.layer_output" if layer is None else f"layers.{layer}.layer_input"]
+        close(full.sum(0), stream, pair.mask, f"the decomposition's sum (layer={layer})")
 
 
 def neuron_results(pair):
@@ -409,23 +415,32 @@ def neuron_results(pair):
                                       lambda: theirs.stack_neuron_results(**kwargs), _sliced(pair.mask, pos_slice))
     # A parallel block has no resid_mid (both refuse mlp_input with incl_remainder or apply_ln); the rest answer.
     assert sum(outcome == "ok" for outcome in outcomes.values()) >= len(outcomes) // 2, outcomes
-    if pair.name == "gemma2":  # its MLP's output passes through a norm before the stream: the neurons do not add up
-        with pytest.raises(Exception, match="sandwich"):
-            ours.get_full_resid_decomposition()
-        return
+    tl_numbers = POST_NORMED.get(pair.name, {})
     outcomes = {}
     for layer, mlp_input, apply_ln, pos_slice, project in itertools.product(
             [None, 0, 1, pair.layers], [False, True], [False, True], [None, (1, 4)], [None, direction, directions]):
         kwargs = dict(layer=layer, mlp_input=mlp_input, apply_ln=apply_ln, pos_slice=pos_slice,
                       project_output_onto=project, return_labels=True)
         outcomes[str(kwargs)] = check(f"get_full_resid_decomposition({kwargs})",
-                                      lambda: ours.get_full_resid_decomposition(**kwargs),
+                                      lambda: ours.get_full_resid_decomposition(**kwargs, **tl_numbers),
                                       lambda: theirs.get_full_resid_decomposition(**kwargs),
                                       _sliced(pair.mask, pos_slice))
     assert sum(outcome == "ok" for outcome in outcomes.values()) >= len(outcomes) // 2, outcomes
     full, labels = ours.get_full_resid_decomposition(return_labels=True)
     assert f"L{pair.layers - 1}N0" in labels
     close(full.sum(0), ours[f"layers.{pair.layers - 1}.layer_output"], pair.mask, "the expanded decomposition's sum")
+    for apply_ln, mlp_input in ((True, False), (False, True)):  # to a block's norm: the stream it reads
+        if mlp_input and "blocks.1.hook_resid_mid" not in ours:
+            continue  # a parallel block has no stream between its sublayers (both refuse mlp_input there)
+        full = ours.get_full_resid_decomposition(1, mlp_input=mlp_input, apply_ln=apply_ln)
+        stream = ours["blocks.1.hook_resid_mid" if mlp_input else "blocks.1.hook_resid_pre"]
+        if apply_ln:
+            stream = ours.apply_ln_to_stack(stream[None], 1)[0]
+        close(full.sum(0), stream, pair.mask, f"the decomposition's sum into block 1 (apply_ln={apply_ln})")
+    if tl_numbers:  # TL's numbers are not the stream's parts there: they differ from streamscope's, which are
+        theirs_sum = theirs.get_full_resid_decomposition().sum(0)
+        stream = ours[f"layers.{pair.layers - 1}.layer_output"]
+        assert (_real(theirs_sum - stream, pair.mask, 0).abs().max() > 100 * LIMIT[0] * stream.abs().max())
     # Projected, the components are the whole ones projected (the neurons projected before they are multiplied out).
     for apply_ln in (False, True):
         whole = ours.get_full_resid_decomposition(apply_ln=apply_ln)

@@ -36,6 +36,7 @@ large for the stream's measured norm) as a `SteerError`, a ValueError.
 """
 
 from .results import Generation, Harvest, iter_harvest, load_harvest
-from .spec import Steer, SteerError, apply_steers, value_names
+from .conditions import Condition
+from .spec import DoseWarning, Steer, SteerError, apply_steers, value_names
 
-__all__ = ["Steer", "SteerError", "apply_steers", "Harvest", "Generation", "load_harvest", "iter_harvest", "value_names"]
+__all__ = ["Steer", "SteerError", "Condition", "DoseWarning", "apply_steers", "Harvest", "Generation", "load_harvest", "iter_harvest", "value_names"]

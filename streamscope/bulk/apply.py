@@ -11,10 +11,11 @@ then makes one edit and one read over the whole batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable, NamedTuple, Optional, Sequence
+from typing import Any, Hashable, NamedTuple, Optional, Sequence, cast
 
 import torch
 
+from .conditions import Gate, deciding_rows
 from .operations import Operation
 from .spec import Site, Steer
 from ..values import INPUT
@@ -43,6 +44,9 @@ class SteerPlan:
     operation: Operation
     positions: dict[Hashable, frozenset[int]]  # each steered request's prompt positions
     lengths: dict[Hashable, int]               # each steered request's prompt length
+    #: A conditional steer's condition site (`streamscope.bulk.conditions`); its `operation` is then a `Gate`.
+    condition_site: Optional[Site] = None
+    slots: Optional[dict[Hashable, int]] = None  # a conditional steer's requests, each one's slot in its gate
 
     @property
     def every_row(self) -> bool:
@@ -179,6 +183,41 @@ class Applier:
             if group not in found:
                 found[group] = self._rows_for(self.steers[first], self._every_row[first], self._but_first[first])
         self._steer_rows = [found[group] for group, _ in self._row_groups]
+        for index, plan in enumerate(self.steers):
+            if plan.condition_site is not None:
+                self._plan_gate(plan, self._steer_rows[index])
+
+    def _plan_gate(self, plan: SteerPlan, rows: Any) -> None:
+        """A conditional steer's step: its rows, each one's request (request scope), and the prompts deciding."""
+        gate = cast(Gate, plan.operation)
+        if gate.condition.scope == "row":
+            gate.plan(rows, None, None)
+            return
+        slots = cast(dict, plan.slots)
+        steered = self._steered_ranges(plan)
+        row_slots = [slots[key] for key, start, stop in steered for _ in range(start, stop)]
+        deciding = []
+        for key, start, count, first in self.spans:
+            if key is not None and key in slots:
+                found = deciding_rows(plan.lengths[key], first, count)
+                if found is not None:
+                    deciding.append((slots[key], start + found[0], found[1]))
+        gate.plan(rows, row_slots, deciding)
+
+    def _steered_ranges(self, plan: SteerPlan) -> list[tuple[Hashable, int, int]]:
+        """The rows a steer edits this step, as (request, start, stop) in row order: `_rows_for`'s rows."""
+        found = []
+        steers_generated = plan.steer.steers_generated
+        for span in sorted(self.spans, key=lambda span: span.start):
+            chosen = plan.positions.get(span.key) if span.key is not None else None
+            if chosen is None:
+                continue
+            length = plan.lengths[span.key]
+            for offset in range(span.count):
+                position = span.first + offset
+                if (position in chosen) if position < length else steers_generated(position - length):
+                    found.append((span.key, span.start + offset, span.start + offset + 1))
+        return found
 
     def _rows_for(self, plan: SteerPlan, every_row: bool, but_first: bool = False) -> Any:
         if every_row:  # a steer of every row: no per-token test, the owned requests' rows merged as they come
@@ -213,6 +252,10 @@ class Applier:
         for site in self.harvest_sites:  # what a site reads of the model once (head_results' columns), unhooked
             site.prepare(self.device)
         calls: dict[tuple[int, str], list[tuple[str, int, Site]]] = {}
+        # A condition is read at its call before any steer there edits it (`streamscope.bulk.conditions`).
+        for index, plan in enumerate(self.steers):
+            if plan.condition_site is not None:
+                calls.setdefault(plan.condition_site.key, []).append(("condition", index, plan.condition_site))
         for index, plan in enumerate(self.steers):
             calls.setdefault(plan.site.key, []).append(("steer", index, plan.site))
         for index, site in enumerate(self.harvest_sites):
@@ -270,6 +313,8 @@ class Applier:
                 rows = self._steer_rows[index]
                 if rows is not None:
                     editors[index](raw, rows)
+            elif kind == "condition":
+                cast(Gate, self.steers[index].operation).decide(site, raw)
             elif self._harvest_rows is not None:
                 rows = site.read_rows(raw, self._harvest_rows)
                 self._store(index, rows if self.readout is None else self.readout(rows))
@@ -329,7 +374,8 @@ def _row_groups(plans: Sequence[SteerPlan], every_row: Sequence[bool]) -> list[t
     for index, (plan, every) in enumerate(zip(plans, every_row)):
         steer = plan.steer
         # Made once per run: which prompts, at which positions, and from which generated token on.
-        signature: Any = (("every", tuple(sorted(plan.lengths.items()))) if every else
+        signature: Any = (("own", index) if plan.condition_site is not None else  # its rows go with its gate
+                          ("every", tuple(sorted(plan.lengths.items()))) if every else
                           ("but_first", tuple(sorted(plan.lengths.items()))) if plan.every_row_but_first else
                           ("some", tuple(sorted((key, tuple(sorted(chosen))) for key, chosen in plan.positions.items())),
                            tuple(sorted(plan.lengths.items())), bool(steer.generated), steer.from_step))
@@ -340,17 +386,27 @@ def _row_groups(plans: Sequence[SteerPlan], every_row: Sequence[bool]) -> list[t
 
 
 def steer_plans(steers: Sequence[tuple[Steer, Site]], keys: Sequence[Hashable], lengths: Sequence[int],
-                dtype: torch.dtype, device: Any) -> list[SteerPlan]:
+                dtype: torch.dtype, device: Any, root: Any = None) -> list[SteerPlan]:
     """Each steer with its vector ready and its positions resolved for every prompt it applies to.
 
-    `keys[i]` names prompt i in the run; `lengths[i]` is its token count.
+    `keys[i]` names prompt i in the run; `lengths[i]` is its token count. `root` is the envoy tree the sites were
+    found on, where a conditional steer's condition site is found too (a conditional steer needs it).
     """
-    from .spec import steer_positions
+    from .spec import locate, steer_positions
 
     plans = []
     for steer, site in steers:
-        indices = range(len(keys)) if steer.prompts is None else steer.prompts
+        indices = list(range(len(keys)) if steer.prompts is None else steer.prompts)
         positions = {keys[i]: frozenset(steer_positions(steer, lengths[i], i)) for i in indices}
-        plans.append(SteerPlan(steer, site, steer.operation(dtype, device), positions,
-                               {keys[i]: lengths[i] for i in indices}))
+        operation: Any = steer.operation(dtype, device)
+        condition_site, slots = None, None
+        if steer.condition is not None:
+            if root is None:
+                raise ValueError(f"{steer.described()}: a conditional steer's plan needs the model's tree (root=).")
+            condition = steer.condition
+            condition_site = locate(root, condition.value, condition.layer)
+            slots = {keys[i]: slot for slot, i in enumerate(indices)}
+            operation = Gate(operation, condition, len(indices), device)
+        plans.append(SteerPlan(steer, site, operation, positions, {keys[i]: lengths[i] for i in indices},
+                               condition_site, slots))
     return plans

@@ -41,12 +41,16 @@ class Harvest:
         layers: The blocks, in the order of the tensors' first dimension.
         positions: Each prompt's positions, in the order of the tensors' positions dimension.
         prompts: The global index of each prompt held here (a shard holds some of a run's prompts).
+        reduce: None, or how each prompt's positions were reduced where they were read (``"last"``,
+            ``"mean"``: `streamscope.bulk.moments.reduce_positions`): then the positions dimension holds one
+            row, the reduction of the positions in `positions`.
     """
 
     values: dict[str, list[torch.Tensor]]
     layers: list[int]
     positions: list[list[int]]
     prompts: list[int] = field(default_factory=list)
+    reduce: Optional[str] = None
 
     def __getitem__(self, value: str) -> list[torch.Tensor]:
         if value not in self.values:
@@ -67,7 +71,8 @@ class Harvest:
 
         first = {value: shape(tensors[0]) if tensors else "[]" for value, tensors in self.values.items()}
         held = ", ".join(f"{value} {size}" for value, size in first.items())
-        return f"Harvest({len(self)} prompts, blocks {self.layers}; prompt 0: {held})"
+        reduced = f", positions reduced by {self.reduce}" if self.reduce else ""
+        return f"Harvest({len(self)} prompts, blocks {self.layers}{reduced}; prompt 0: {held})"
 
     def _repr_html_(self) -> str:
         from ..workflows.display import shape, table
@@ -107,7 +112,8 @@ def assemble(spec: HarvestSpec, per_prompt: Sequence[Optional[torch.Tensor]], pr
                 shape = spec.shapes.get(value)  # a row stored flattened (head_results' [heads, hidden])
                 values[value].append(rows if shape is None else rows.unflatten(-1, shape))
                 index += count
-    return Harvest(values, list(spec.layers), [spec.positions[prompt] for prompt in prompts], list(prompts))
+    return Harvest(values, list(spec.layers), [spec.positions[prompt] for prompt in prompts], list(prompts),
+                   spec.reduce)
 
 
 class ShardWriter:
@@ -134,7 +140,7 @@ class ShardWriter:
 
     def close(self) -> Path:
         index = {"values": self.spec.values, "layers": self.spec.layers, "positions": self.spec.positions,
-                 "prompts": self.count, "shards": self.shards}
+                 "prompts": self.count, "shards": self.shards, "reduce": self.spec.reduce}
         (self.folder / INDEX).write_text(json.dumps(index))
         return self.folder
 
@@ -161,7 +167,8 @@ def iter_harvest(folder: str | Path) -> Iterator[Harvest]:
         tensors = load_file(str(folder / shard["file"]))
         prompts = shard["prompts"]
         values = {value: [tensors[f"{value}/{prompt}"] for prompt in prompts] for value in index["values"]}
-        yield Harvest(values, index["layers"], [index["positions"][prompt] for prompt in prompts], prompts)
+        yield Harvest(values, index["layers"], [index["positions"][prompt] for prompt in prompts], prompts,
+                      index.get("reduce"))
 
 
 def load_harvest(folder: str | Path, prompts: Optional[Sequence[int]] = None) -> Harvest:
@@ -179,7 +186,7 @@ def load_harvest(folder: str | Path, prompts: Optional[Sequence[int]] = None) ->
     if missing:
         raise KeyError(f"prompts {missing[:10]} are not in {folder}.")
     return Harvest({value: [held[prompt] for prompt in order] for value, held in values.items()},
-                   index["layers"], [index["positions"][prompt] for prompt in order], order)
+                   index["layers"], [index["positions"][prompt] for prompt in order], order, index.get("reduce"))
 
 
 @dataclass

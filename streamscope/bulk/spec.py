@@ -24,6 +24,8 @@ from ..blocks.sublayers import NEURONS
 from ..errors import Unavailable
 from ..families.spec import ROOT_STREAMS
 from .operations import DIRECTIONAL, MODES, ClampFeature, Operation, check_clamp, prepare
+from .conditions import COMPUTE_ORDER, Condition, check_condition
+from .dose import DoseWarning, SteerError, check_dose, dose_field, edit_size  # noqa: F401  (spec's names, as before)
 from ..values import ComputedValue, Host, StreamValue, resolve
 
 #: Values of the model's root: one per model, not per block.
@@ -47,6 +49,8 @@ RULES = ("all", SKIP_FIRST, "last", "none")
 #: A steer's default dose limit: the edit's size over the stream's own norm at the steered value and block
 #: (`check_dose`). Steering is usually done at doses up to about 10-20; past this the stream is the vector.
 MAX_DOSE = 100.0
+#: What a steer's dose past its limit does (`Steer.on_dose`); the first is the default.
+DOSE_ACTIONS = ("refuse", "clamp", "warn")
 #: The text on which streamscope measures a value's stream norm for the dose check (`stream_norms`).
 CALIBRATION_TEXT = ("The old lighthouse keeper walked along the shore at dawn, counting the boats that had come "
                     "back in the night, and wrote their names in a small blue book.")
@@ -58,23 +62,6 @@ MODE_USES: dict[str, dict[str, Any]] = {
 #: What each number means in each mode that uses it, for the refusal of one given to a mode that does not.
 _MEANING = {"scale": "the multiple of the vector that add and set apply, or the fraction ablate removes",
             "projection": "the projection that clamp (and sae_clamp, the feature's value) sets"}
-
-
-class SteerError(ValueError, TypeError, IndexError):
-    """A steer that cannot run: a bad field, a field its mode does not use, positions that do not fit a prompt,
-    or an edit too large for the stream. A ValueError (also a TypeError and an IndexError, the types these
-    refusals had before they shared one), raised before anything runs, on both engines and in a trace.
-
-    `field` names the steer's field at fault (``"scale"``, ``"positions"``, ...), None where it is the whole steer:
-    the server answers its 400 with it.
-    """
-
-    def __init__(self, message: str, field: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.field = field
-
-    def __reduce__(self) -> Any:  # from a worker in another process, with its field
-        return (type(self), (str(self), self.field))
 
 
 def value_names() -> tuple[str, ...]:
@@ -142,10 +129,22 @@ class Steer:
             ``|projection|`` for clamp, ``|projection| * |v|`` for sae_clamp) over
             ``||h||``, the value's mean row norm at that block, measured by
             streamscope on a short calibration text (`stream_norms`, once per
-            model, value and block). Default `MAX_DOSE` (100); None lifts the
+            model, value and block; `model.norms()` gives them per block).
+            Default `MAX_DOSE` (100); None lifts the
             limit. An edit that would overflow (``scale * v`` not finite in the
             engine's dtype, or the edited row's squared norm not finite in
             float32) is refused whatever this says.
+        on_dose: What a dose past `max_dose` does: ``"refuse"`` (the default:
+            `SteerError` before anything runs), ``"clamp"`` (the edit is made
+            smaller to the limit: `scale`, or `projection` for clamp and
+            sae_clamp, is multiplied by ``max_dose / dose``, so the dose is
+            exactly `max_dose`, and a `DoseWarning` names the dose, the limit
+            and the number used) or ``"warn"`` (a `DoseWarning` naming the
+            dose and the limit, and the steer runs as given).
+        condition: A `streamscope.Condition`: the steer edits only the rows (or
+            requests) where the condition's projection passes its threshold,
+            decided on the engine at every step (`streamscope.bulk.conditions`).
+            On the bulk path and the server; a trace refuses it.
 
     A field left out takes its mode's default; a field the mode does not use
     is refused rather than ignored (``Steer(..., mode="clamp", scale=5)``
@@ -167,6 +166,8 @@ class Steer:
     sae: Optional[Any] = None
     feature: Optional[int] = None
     max_dose: Optional[float] = MAX_DOSE
+    on_dose: str = "refuse"
+    condition: Optional[Any] = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -231,6 +232,16 @@ class Steer:
                                           or not self.max_dose > 0 or not math.isfinite(self.max_dose)):
             raise SteerError(f"{name}: max_dose={self.max_dose!r} must be a positive finite number, or None for "
                              f"no dose limit.", "max_dose")
+        if self.on_dose not in DOSE_ACTIONS:
+            raise SteerError(f"{name}: on_dose={self.on_dose!r}: use one of {', '.join(map(repr, DOSE_ACTIONS))} "
+                             f"(what a dose past max_dose does).", "on_dose")
+        if self.condition is not None:
+            if isinstance(self.condition, dict):
+                self.condition = Condition.from_dict(self.condition)
+            if not isinstance(self.condition, Condition):
+                raise SteerError(f"{name}: condition takes a streamscope.Condition (or its to_dict()), not a "
+                                 f"{type(self.condition).__name__}.", "condition")
+            self.condition.validate()
         vector = self.vector
         if not isinstance(vector, torch.Tensor) and hasattr(vector, "steer") and hasattr(vector, "unit"):
             raise SteerError(f"{name} was given a Direction as its vector: build the steer with "
@@ -259,7 +270,8 @@ class Steer:
             raise ValueError("an sae_clamp steer holds its SAE's weights: send the SAE by name, not as data.")
         data = {name: getattr(self, name) for name in ("value", "layer", "scale", "mode", "generated",
                                                        "projection", "norm_match", "from_step", "origin", "feature",
-                                                       "max_dose")}
+                                                       "max_dose", "on_dose")}
+        data["condition"] = None if self.condition is None else self.condition.to_dict()
         positions: Any = self.positions
         if isinstance(positions, slice):
             positions = {"slice": [positions.start, positions.stop, positions.step]}
@@ -274,12 +286,12 @@ class Steer:
         A null number (scale, projection, feature) is a field left out: its mode's default, where the mode uses it.
         """
         known = {"value", "layer", "vector", "scale", "positions", "mode", "generated", "prompts", "projection",
-                 "norm_match", "from_step", "origin", "feature", "max_dose"}
+                 "norm_match", "from_step", "origin", "feature", "max_dose", "on_dose", "condition"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise SteerError(f"a steer has no {', '.join(unknown)}: its fields are {', '.join(sorted(known))}.")
         fields = {key: item for key, item in data.items()
-                  if not (item is None and key in ("scale", "projection", "feature"))}
+                  if not (item is None and key in ("scale", "projection", "feature", "condition"))}
         for required in ("value", "vector"):
             if required not in fields:
                 raise SteerError(f"a steer needs {required!r}: its fields are {', '.join(sorted(known))}.")
@@ -299,8 +311,10 @@ class Steer:
         where = f"layers[{self.layer}].{self.value}" if self.layer is not None else self.value
         prompts = "" if self.prompts is None else f", prompts {list(self.prompts)}"
         amount = f" x {self.scale:g}" if self.scale is not None else f" to {self.projection:g}"
+        condition = "" if self.condition is None else f", where the {self.condition.described()}"
+        dose = "" if self.on_dose == "refuse" else f", on_dose={self.on_dose!r}"
         return (f"Steer({self.mode} {shape(self.vector)}{amount} at {where}, positions "
-                f"{self.positions!r}{', prompt only' if not self.generated else ''}{prompts})")
+                f"{self.positions!r}{', prompt only' if not self.generated else ''}{prompts}{dose}{condition})")
 
     def delta(self, dtype: torch.dtype, device: Any) -> torch.Tensor:
         """The vector the run adds (or sets): ``scale * vector`` in the engine's dtype, on its device."""
@@ -336,6 +350,10 @@ class Steer:
         stream in hand.
         """
         self.validate()
+        if self.condition is not None:
+            raise SteerError(f"{self.described()}: a conditional steer is decided on the engine by the bulk path: "
+                             f"run it with model.generate(prompts, steer=[...]) (or model.harvest(..., steer=...)), "
+                             f"or test the condition in the trace yourself.", "condition")
         check_vector(self, model.hidden_size)
         check_origin(self, model)
         if self.mode == "sae_clamp":
@@ -351,18 +369,12 @@ class Steer:
             return
         measured = current[0, 1:] if step == 0 and current.shape[1] > 1 else current[0]
         norm = float(measured.detach().float().norm(dim=-1).mean())
-        check_dose(self, norm, current.dtype, f"{host.where()}.{name}", "measured on this step's rows")
-        operation = self.operation(current.dtype, current.device)
+        allowed = check_dose(self, norm, current.dtype, f"{host.where()}.{name}", "measured on this step's rows")
+        operation = allowed.operation(current.dtype, current.device)
         if rows == list(range(current.shape[1])):
             current[:, :] = operation(current[:, :])
         else:
             current[:, rows] = operation(current[:, rows])
-
-
-#: A block's values in the order a sequential block computes them, for applying steers in a trace.
-COMPUTE_ORDER = ("layer_input", "attention_norm_output", "self_attn.attention_output", "linear_attn.attention_output",
-                 "attention_output", "layer_mid", "mlp_norm_output", "mlp_input", "mlp.mlp_output", "mlp_output",
-                 "layer_output")
 
 
 def apply_steers(model: Any, steers: Sequence[Steer], step: int = 0) -> None:
@@ -646,57 +658,6 @@ def check_vector(steer: Steer, width: int) -> None:
                          f"Give the direction's vector.", "vector")
 
 
-def edit_size(steer: Steer, norm: float) -> tuple[float, str]:
-    """How large the steer's edit of a row is, given the stream's norm `norm` there, and the formula in words."""
-    length = float(steer.vector.detach().float().norm())
-    if steer.mode in ("add", "set"):
-        return abs(float(steer.scale or 0.0)) * length, f"|scale| * |v| = {abs(float(steer.scale or 0.0)):g} * {length:.4g}"
-    if steer.mode == "ablate":
-        return abs(float(steer.scale or 0.0)) * norm, f"|scale| * ||h||, {abs(float(steer.scale or 0.0)):g} * {norm:.4g},"
-    if steer.mode == "clamp":
-        return abs(float(steer.projection or 0.0)), f"|projection| = {abs(float(steer.projection or 0.0)):g}"
-    return (abs(float(steer.projection or 0.0)) * length,
-            f"|projection| * |W_dec[feature]| = {abs(float(steer.projection or 0.0)):g} * {length:.4g}")
-
-
-def dose_field(steer: Steer) -> str:
-    """The field that sets the size of `steer`'s edit: projection for a clamp, scale otherwise."""
-    return "projection" if steer.mode in ("clamp", "sae_clamp") else "scale"
-
-
-def check_dose(steer: Steer, norm: Optional[float], dtype: torch.dtype, where: str, how: str) -> None:
-    """Refuse a steer whose edit overflows, or whose dose ``edit / ||h||`` passes its `Steer.max_dose`.
-
-    `norm` is ``||h||``, the value's mean row norm at the steered block
-    (None where it was not measured: only the overflow is checked); `where`
-    names the value, `how` says how the norm was measured. The overflow
-    bound is arithmetic: ``scale * v`` must be finite in the engine's
-    `dtype`, and the edited row's squared norm, ``(||h|| + edit)^2``, finite
-    in float32, where the norms that follow square it.
-    """
-    name = steer.described()
-    size, formula = edit_size(steer, norm or 0.0)
-    measured = f"||h|| = {norm:.4g} at {where} ({how})" if norm is not None else f"at {where}"
-    multiple = steer.scale if steer.mode in ("add", "set") and steer.scale is not None else 1.0
-    scaled = steer.vector.detach().float() * float(multiple)
-    if not bool(torch.isfinite(scaled).all()) or \
-            float(scaled.abs().max()) > torch.finfo(dtype).max or not math.isfinite(size):
-        raise SteerError(f"{name}: scale * vector is not finite in {dtype} (the edit {formula}, {measured}): every "
-                         f"steered row would be inf or NaN. Use a smaller scale.", dose_field(steer))
-    square = (size + (norm or 0.0)) ** 2
-    if not square < torch.finfo(torch.float32).max:
-        raise SteerError(f"{name}: the edit {formula} = {size:.4g} overflows the next norm, which squares the row in "
-                         f"float32 ({measured}). Use an edit a few times ||h|| at most.", dose_field(steer))
-    if norm is None or steer.max_dose is None:
-        return
-    dose = size / norm if norm > 0 else math.inf
-    if dose > steer.max_dose:
-        raise SteerError(f"{name}: dose {dose:.4g} = edit / ||h||, with the edit {formula} = {size:.4g} and "
-                         f"{measured}; the limit is max_dose={steer.max_dose:g}. Steering doses are usually up to "
-                         f"10-20: use a smaller scale (or projection), or pass max_dose=None (or a larger one) "
-                         f"to run it anyway.", dose_field(steer))
-
-
 #: Each model's measured stream norms, ``(value, block) -> ||h||``, kept while the model lives.
 _NORMS: dict[int, tuple[Any, dict[tuple[str, Optional[int]], float]]] = {}
 
@@ -732,16 +693,18 @@ def stream_norms(model: Any, sites: Sequence[tuple[str, Optional[int]]]) -> dict
     return {site: known[site] for site in sites}
 
 
-def check_doses(model: Any, steers: Sequence[Steer], dtype: torch.dtype) -> None:
+def check_doses(model: Any, steers: Sequence[Steer], dtype: torch.dtype) -> list[Steer]:
     """`check_dose` for each steer of a bulk run before it runs, ``||h||`` measured once per model, value and block
-    (`stream_norms`), so that a refusal states it."""
+    (`stream_norms`), so that a refusal states it: the steers to run, in order (a clamped one replaced)."""
     sites = [(steer.value, None if steer.layer is None else steer.layer % len(model.layers)) for steer in steers]
     norms = stream_norms(model, sites) if sites else {}
+    allowed = []
     for steer in steers:
         layer = None if steer.layer is None else steer.layer % len(model.layers)
         where = steer.value if layer is None else f"layers[{layer}].{steer.value}"
-        check_dose(steer, norms.get((steer.value, layer)), dtype, where,
-                   "measured by streamscope on its calibration text, positions after the first")
+        allowed.append(check_dose(steer, norms.get((steer.value, layer)), dtype, where,
+                                  "measured by streamscope on its calibration text, positions after the first"))
+    return allowed
 
 
 def check_origin(steer: Steer, model: Any) -> None:
@@ -784,6 +747,12 @@ def check_steer(model: Any, steer: Steer, prompts: int, lengths: Optional[Sequen
             check_clamp(steer, model)
         except (ValueError, TypeError, IndexError) as error:
             raise SteerError(str(error)) from None
+    if steer.condition is not None:
+        try:
+            check_condition(model, steer)
+            locate(model, steer.condition.value, steer.condition.layer)
+        except (ValueError, TypeError, IndexError) as error:
+            raise SteerError(f"{steer.described()}: condition: {error}", "condition") from None
     if steer.prompts is not None:
         for index in steer.prompts:
             if not 0 <= index < prompts:
@@ -793,6 +762,12 @@ def check_steer(model: Any, steer: Steer, prompts: int, lengths: Optional[Sequen
         for index in range(len(lengths)) if steer.prompts is None else steer.prompts:
             steer_positions(steer, lengths[index], index)
     return site
+
+
+def condition_sites(model: Any, steers: Sequence[Steer]) -> list[Site]:
+    """The `Site` each conditional steer of `steers` reads its condition at (an engine's tap check)."""
+    return [locate(model, steer.condition.value, steer.condition.layer) for steer in steers
+            if steer.condition is not None]
 
 
 def row_width(value: str) -> str:
@@ -816,6 +791,9 @@ class HarvestSpec:
     #: A value whose row is not one vector: its row's shape (head_results: ``(heads, hidden_size)``), which the
     #: run stores flattened and `streamscope.bulk.results.assemble` gives back.
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: How each prompt's positions are reduced where they are read (`streamscope.bulk.moments.reduce_positions`):
+    #: ``"last"``, ``"mean"``, or None (every position kept).
+    reduce: Optional[str] = None
 
     def sites(self, model: Any) -> list[Site]:
         """Every (value, block) `Site`, root values once."""

@@ -25,10 +25,16 @@ import torch
 from ..bulk.results import Generation, Harvest, ShardWriter
 from ..bulk.spec import HarvestSpec, Positions, Steer
 from .protocol import FIELD, rule_json
+from .remote import RemoteModel
 
 
-class Client:
+class Client(RemoteModel):
     """A ``streamscope serve`` server, spoken to with `generate` and `harvest` as a model is.
+
+    It is also a model for the toolbox (`streamscope.serve.remote.RemoteModel`): ``streamscope.lens(client,
+    ...)``, ``client.cache(...)``, ``streamscope.directions.find(client, ...)``, SAE features through
+    ``client.harvest(..., sae=...)``, and their plots and views, each computed from harvests and the engine's
+    own head, as far as HTTP carries (`streamscope.serve.remote.NOT_OVER_HTTP` says what it does not).
 
     Args:
         url: The server's address (``http://host:8000``; ``/v1`` is added).
@@ -60,7 +66,7 @@ class Client:
 
     # ---------------------------------------------------------------- the server's own endpoints
 
-    def _call(self, method: str, path: str, **options: Any) -> Any:
+    def _route(self, method: str, path: str, **options: Any) -> Any:
         """One request to the server's ``/v1/streamscope/`` routes; a refusal raises the ``openai`` error for it."""
         import openai
 
@@ -78,14 +84,14 @@ class Client:
     def info(self) -> dict[str, Any]:
         """The served model's layers, hidden size, values, taps, limits, stored vectors and SAEs, and the engine's
         CUDA graph mode (``graph_mode``: ``"NONE"`` where every step runs eagerly)."""
-        return self._call("GET", "info").json()
+        return self._route("GET", "info").json()
 
     def store_vector(self, name: str, vector: torch.Tensor) -> None:
         """Store `vector` (``[hidden_size]``) on the server under `name`; a steer may then name it."""
         from safetensors.torch import save
 
         data = save({"vector": vector.detach().to(torch.float32).contiguous().cpu()})
-        self._call("PUT", f"vectors/{name}", content=data, headers={"Content-Type": "application/octet-stream"})
+        self._route("PUT", f"vectors/{name}", content=data, headers={"Content-Type": "application/octet-stream"})
 
     def store_sae(self, name: str, sae: Any) -> dict[str, Any]:
         """Store a `streamscope.sae.SAE` on the server under `name` (its weights as safetensors, float32).
@@ -96,17 +102,17 @@ class Client:
         """
         from .storage import sae_bytes
 
-        response = self._call("PUT", f"saes/{name}", content=sae_bytes(sae),
+        response = self._route("PUT", f"saes/{name}", content=sae_bytes(sae),
                               headers={"Content-Type": "application/octet-stream"})
         self._sae_names[id(sae)] = (sae, name)
         return response.json()
 
     def saes(self) -> list[dict[str, Any]]:
         """The stored SAEs: name, value, layer, widths, activation, bytes."""
-        return self._call("GET", "saes").json()["saes"]
+        return self._route("GET", "saes").json()["saes"]
 
     def delete_sae(self, name: str) -> None:
-        self._call("DELETE", f"saes/{name}")
+        self._route("DELETE", f"saes/{name}")
         self._sae_names = {key: value for key, value in self._sae_names.items() if value[1] != name}
 
     def _sae_name(self, sae: Any) -> str:
@@ -118,35 +124,65 @@ class Client:
         return self._sae_names[id(sae)][1]
 
     def vectors(self) -> list[dict[str, Any]]:
-        return self._call("GET", "vectors").json()["vectors"]
+        return self._route("GET", "vectors").json()["vectors"]
 
     def delete_vector(self, name: str) -> None:
-        self._call("DELETE", f"vectors/{name}")
+        self._route("DELETE", f"vectors/{name}")
 
     def download(self, harvest_id: str, keep: bool = False) -> dict[str, Any]:
         """A harvest's tensors and its values, layers and positions, by the id a completion named."""
         from .storage import harvest_tensors
 
-        response = self._call("GET", f"harvests/{harvest_id}", params={"keep": "true" if keep else "false"})
+        response = self._route("GET", f"harvests/{harvest_id}", params={"keep": "true" if keep else "false"})
         tensors, metadata = harvest_tensors(response.content)
         return {"tensors": tensors, **metadata}
+
+    # ---------------------------------------------------------------- sweeps the server runs (serve/sweeps.py)
+
+    def patch_sweep(self, clean: Any, corrupted: Any, metric: Any = None, *, answer: Any = None, wrong: Any = None,
+                    value: str = "layer_output", layers: Optional[Sequence[int]] = None,
+                    positions: Optional[Sequence[int]] = None, repeats: int = 3, **options: Any) -> Any:
+        """Activation patching run by the server in one request, with a noise floor over `repeats` unpatched runs
+        of each prompt: a `streamscope.serve.sweeps.RemotePatching`. ``streamscope.patch(client, ...)`` calls it.
+        The metric crosses as JSON: ``answer``/``wrong``, or `streamscope.serve.sweeps.token_logit`/``token_logprob``."""
+        from .sweeps import client_patch
+
+        return client_patch(self, clean, corrupted, metric, answer=answer, wrong=wrong, value=value, layers=layers,
+                            positions=positions, repeats=repeats, **options)
+
+    def statistics(self, prompts: Sequence[Any], labels: Sequence[Any], value: str = "layer_output",
+                   layers: Any = None, positions: Positions = "last", **options: Any) -> Any:
+        """Running moments per label, gathered and reduced by the server, which sends only the moments (a
+        `streamscope.bulk.moments.Moments`, equal bit for bit to `model.statistics` on the same rows). Options:
+        ``reduce`` ("mean"), ``second``, ``pairs``."""
+        from .sweeps import client_statistics
+
+        return client_statistics(self, prompts, labels, value, layers, positions, **options)
 
     # ---------------------------------------------------------------- generate and harvest
 
     def _steer_json(self, steer: Steer) -> dict[str, Any]:
         if not isinstance(steer, Steer):
             raise TypeError(f"steer takes streamscope.Steer objects, not a {type(steer).__name__}.")
+        # A condition travels as its data; on_dose only where the steer asks for other than the default, so that
+        # the server's --steer-dose-action applies to the others.
+        extra: dict[str, Any] = {}
+        if steer.condition is not None:
+            extra["condition"] = steer.condition.to_dict()
+        if steer.on_dose != "refuse":
+            extra["on_dose"] = steer.on_dose
         if steer.mode == "sae_clamp":  # the server clamps with its stored copy of the SAE
             return {"value": steer.value, "layer": steer.layer, "mode": "sae_clamp", "sae": self._sae_name(steer.sae),
                     "feature": steer.feature, "projection": steer.projection, "positions": rule_json(steer.positions),
-                    "generated": steer.generated, "from_step": steer.from_step, "norm_match": steer.norm_match}
+                    "generated": steer.generated, "from_step": steer.from_step, "norm_match": steer.norm_match,
+                    **extra}
         vector: Any = steer.vector
         if isinstance(vector, torch.Tensor):
             vector = vector.detach().to(torch.float32).cpu().reshape(-1).tolist()
         return {"value": steer.value, "layer": steer.layer, "vector": vector, "scale": steer.scale,
                 "positions": rule_json(steer.positions), "mode": steer.mode, "generated": steer.generated,
                 "projection": steer.projection, "norm_match": steer.norm_match, "from_step": steer.from_step,
-                "origin": steer.origin}
+                "origin": steer.origin, **extra}
 
     def _complete(self, prompt: Any, options: dict[str, Any], field: dict[str, Any]) -> Any:
         import inspect
@@ -159,7 +195,7 @@ class Client:
         options = {key: value for key, value in options.items() if key in known}
         return self.openai.completions.create(model=self.model, prompt=prompt, extra_body=extra or None, **options)
 
-    def _run(self, prompts: Sequence[Any], options: dict[str, Any],
+    def _complete_all(self, prompts: Sequence[Any], options: dict[str, Any],
              fields: list[dict[str, Any]]) -> list[tuple[Any, Any]]:
         """Each prompt's completion choice and its response, in order: prompts that can share a request go `batch`
         to one."""
@@ -202,11 +238,14 @@ class Client:
             return [rule_json(list(item)) for item in positions]  # type: ignore[union-attr]
         return [rule_json(positions)] * count
 
-    def _harvest_field(self, values: Any, layers: Any, positions: Positions, count: int) -> list[dict[str, Any]]:
+    def _harvest_field(self, values: Any, layers: Any, positions: Positions, count: int,
+                       reduce: Optional[str] = None) -> list[dict[str, Any]]:
         values = [values] if isinstance(values, str) else list(values)
         if isinstance(layers, range):
             layers = list(layers)
-        return [{"values": values, "layers": layers, "positions": rule} for rule in self._per_prompt(positions, count)]
+        extra = {"reduce": reduce} if reduce is not None else {}  # reduced on the server (serve/sweeps.reduced)
+        return [{"values": values, "layers": layers, "positions": rule, **extra}
+                for rule in self._per_prompt(positions, count)]
 
     def _assemble(self, downloads: list[dict[str, Any]]) -> Harvest:
         first = downloads[0]
@@ -215,7 +254,7 @@ class Client:
             for value in values:
                 values[value].append(item["tensors"][value])
         return Harvest(values, list(first["layers"]), [list(item["positions"]) for item in downloads],
-                       list(range(len(downloads))))
+                       list(range(len(downloads))), first.get("reduce"))
 
     def _downloads(self, choices: list[tuple[Any, Any]]) -> list[dict[str, Any]]:
         ids = [response.model_extra[FIELD]["harvest"] for _, response in choices]
@@ -232,10 +271,23 @@ class Client:
         served over HTTP: ask for ``logprobs=k`` and read the responses'.
         ``progress`` is taken for the model's signature; nothing is drawn. A
         steer's vector may also be a stored vector's name (``vector="happy"``).
+        ``return_logits`` with ``max_tokens=1``: each prompt's ``[1, vocab_size]``
+        logits, its final norm's output at the last position harvested in the
+        steered forward and sent through the engine's own head (for more tokens
+        pass logprobs=k and read vLLM's top-k log-probs).
         """
         if return_logits:
-            raise ValueError("return_logits: a server sends no logits; pass logprobs=k (vLLM's top-k log-probs) "
-                             "and read them from the completions, or run the model in process.")
+            if max_tokens != 1 or harvest is not None:
+                raise ValueError("return_logits over a server: the first token's logits only (max_tokens=1, no "
+                                 "harvest=), read from the final norm's output through the engine's head; for "
+                                 "more tokens pass logprobs=k (vLLM's top-k log-probs), or run the model in "
+                                 "process.")
+            found = self.generate(prompts, 1, steer=steer, harvest={"values": "final_norm_output", "layers": None,
+                                                                    "positions": "last"}, **sampling)
+            assert found.harvest is not None
+            logits = [self.engine.head(rows.reshape(-1, rows.shape[-1]), normed=True)["logits"]
+                      for rows in found.harvest.values["final_norm_output"]]
+            return Generation(found.tokens, found.texts, logits, None)
         steer = list(steer or ())
         count = len(prompts)
         harvest_fields = None
@@ -255,7 +307,7 @@ class Client:
                 field["harvest"] = harvest_fields[index]
             fields.append(field)
         options = {"temperature": 0.0, **sampling, "max_tokens": max_tokens, "return_token_ids": True}
-        choices = self._run(prompts, options, fields)
+        choices = self._complete_all(prompts, options, fields)
         tokens = [list(choice.model_extra.get("token_ids") or []) for choice, _ in choices]
         texts = [choice.text for choice, _ in choices]
         harvested = self._assemble(self._downloads(choices)) if harvest is not None else None
@@ -263,15 +315,18 @@ class Client:
 
     def harvest(self, prompts: Sequence[Any], values: Any = None, layers: Any = None, positions: Positions = "last",
                 out: Optional[str | Path] = None, shard_size: int = 1024, progress: bool = False, sae: Any = None,
-                top_k: Optional[int] = None) -> Harvest | Path:
+                top_k: Optional[int] = None, reduce: Optional[str] = None) -> Harvest | Path:
         """Read values at chosen blocks and positions of many prompts, as `model.harvest` (``out=`` writes shards).
 
         ``sae=`` (a stored SAE's name, or an SAE stored through this client)
         harvests its features at its own site, computed on the server's
         engine: ``"sae_features"`` ``[1, positions, d_sae]`` per prompt, or
         with ``top_k``, ``"sae_values"`` and ``"sae_indices"``
-        ``[1, positions, top_k]``, as `model.harvest(..., sae=...)`.
+        ``[1, positions, top_k]``, as `model.harvest(..., sae=...)`. ``reduce="last"`` or ``"mean"`` reduces
+        each prompt's positions on the server, before its rows cross HTTP, as `model.harvest(reduce=...)` does.
         """
+        if sae is not None and reduce is not None:
+            raise ValueError("a harvest with sae= is not reduced: leave reduce out.")
         if sae is not None:
             if values is not None or layers is not None:
                 raise TypeError("a harvest with sae= reads the SAE's own value and block: leave values and layers "
@@ -285,18 +340,19 @@ class Client:
         elif values is None:
             raise TypeError("harvest needs the values to read (or sae= for an SAE's features).")
         else:
-            fields = [{"harvest": item} for item in self._harvest_field(values, layers, positions, len(prompts))]
+            fields = [{"harvest": item} for item in self._harvest_field(values, layers, positions, len(prompts),
+                                                                        reduce)]
         options = {"max_tokens": 1, "temperature": 0.0}
         if out is None:
-            return self._assemble(self._downloads(self._run(prompts, options, fields)))
+            return self._assemble(self._downloads(self._complete_all(prompts, options, fields)))
         writer: Optional[ShardWriter] = None
         for start in range(0, len(prompts), shard_size):
             chunk = list(range(start, min(start + shard_size, len(prompts))))
-            part = self._assemble(self._downloads(self._run([prompts[i] for i in chunk], options,
+            part = self._assemble(self._downloads(self._complete_all([prompts[i] for i in chunk], options,
                                                             [fields[i] for i in chunk])))
             part.prompts = chunk
             if writer is None:
-                spec = HarvestSpec(list(part.values), part.layers, [])
+                spec = HarvestSpec(list(part.values), part.layers, [], reduce=part.reduce)
                 writer = ShardWriter(out, spec, len(prompts))
             writer.spec.positions.extend(part.positions)
             writer.write(part)

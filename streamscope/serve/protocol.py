@@ -25,8 +25,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import math
 import re
+import sys
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -35,17 +38,22 @@ import torch
 from .. import nnsight_seam as seam
 
 from ..blocks.head_results import HEAD_RESULTS
-from ..bulk.spec import (CALIBRATION_TEXT, MAX_DOSE, ROOT_VALUES, SKIP_FIRST, Positions, Steer, SteerError,
-                         check_dose, check_steer, harvest_spec, prompt_positions, value_names)
+from ..bulk.conditions import Condition, ConditionError
+from ..bulk.spec import (CALIBRATION_TEXT, DOSE_ACTIONS, MAX_DOSE, ROOT_VALUES, SKIP_FIRST, DoseWarning, Positions,
+                         Steer, SteerError, check_dose, check_steer, harvest_spec, prompt_positions, value_names)
 from ..errors import Unavailable, untapped
 
+#: Where a clamped or warned steer dose is logged (and printed to the server's stderr, which its log holds).
+dose_logger = logging.getLogger("streamscope.serve")
 #: The body field that carries a request's steers and harvest.
 FIELD = "streamscope"
 #: vLLM's ``vllm_xargs`` key (the request's ``SamplingParams.extra_args``) under which the plan reaches the worker.
 XARG = "streamscope"
 STEER_FIELDS = ("value", "layer", "vector", "scale", "positions", "mode", "generated", "projection", "norm_match",
-                "from_step", "origin", "sae", "feature", "max_dose")
-HARVEST_FIELDS = ("values", "layers", "positions", "keep", "sae", "top_k")
+                "from_step", "origin", "sae", "feature", "max_dose", "on_dose", "condition")
+#: A steer's condition (`streamscope.Condition`): its vector inline or a stored vector's name.
+CONDITION_FIELDS = ("value", "layer", "vector", "threshold", "compare", "measure", "scope")
+HARVEST_FIELDS = ("values", "layers", "positions", "keep", "sae", "top_k", "reduce")
 NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 #: The steer operations the server applies (`streamscope.bulk.operations`).
 SERVED_MODES = ("add", "set", "ablate", "clamp", "sae_clamp")
@@ -82,6 +90,10 @@ class Limits:
     #: --max-steer-dose: the largest dose a steer may have, its edit over the stream's norm at its value and block
     #: (`streamscope.bulk.spec.check_dose`), measured by the engine on a calibration text; a steer may ask for less.
     max_steer_dose: Optional[float] = MAX_DOSE
+    #: --steer-dose-action: what a dose past a steer's limit does where the request does not say (its ``on_dose``):
+    #: "refuse" (a 400), "clamp" (run at the limit) or "warn" (run as sent, the warning logged). Past the server's
+    #: own limit a request may ask to refuse or clamp, and to warn only where this is "warn".
+    steer_dose_action: str = "refuse"
 
 
 @dataclass
@@ -302,6 +314,9 @@ class Checker:
         if origin is not None and not (isinstance(origin, dict) and all(isinstance(key, str) for key in origin)):
             raise _bad(f"{param}.origin", "the shape of the model the vector was made on, an object (model_type, "
                                           "hidden_size, num_layers, vocab_size), or null.")
+        on_dose = self.dose_action(item.get("on_dose"), f"{param}.on_dose")
+        condition, condition_payload = self.condition(item["condition"], f"{param}.condition") \
+            if item.get("condition") is not None else (None, None)
         limit = self.limits.max_steer_dose
         max_dose = numbers.get("max_dose", limit)
         if limit is not None and (max_dose is None or max_dose > limit):
@@ -314,13 +329,19 @@ class Checker:
         try:
             steer = Steer(item["value"], layer, vector, scale=numbers.get("scale"), positions=positions, mode=mode,
                           generated=generated, projection=numbers.get("projection"), norm_match=norm_match,
-                          from_step=from_step, origin=origin, max_dose=max_dose)
+                          from_step=from_step, origin=origin, max_dose=max_dose, on_dose=on_dose, condition=condition)
             check_steer(self.model, steer if mode != "sae_clamp" else replace(steer, mode="add", projection=None),
                         1, lengths or None)
             where = steer.value if steer.layer is None else f"layers[{steer.layer % len(self.model.layers)}].{steer.value}"
             layer_index = None if steer.layer is None else steer.layer % len(self.model.layers)
-            check_dose(steer, self.norms.get((steer.value, layer_index)), self.dtype, where,
-                       "measured by the server's engine on streamscope's calibration text, positions after the first")
+            with warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always", DoseWarning)
+                steer = check_dose(steer, self.norms.get((steer.value, layer_index)), self.dtype, where,
+                                   "measured by the server's engine on streamscope's calibration text, positions "
+                                   "after the first")
+            for warning in warned:  # a clamped or warned dose: the server's log says so (--steer-dose-action)
+                dose_logger.warning("streamscope serve: %s", warning.message)
+                print(f"streamscope serve: {warning.message}", file=sys.stderr, flush=True)
         except SteerError as error:
             field = error.field or ("origin" if "another model" in str(error) else "vector")
             raise _bad(f"{param}.{field}", str(error)) from None
@@ -330,9 +351,44 @@ class Checker:
         payload = {"value": steer.value, "layer": layer, "vector": vector_bytes(vector), "scale": steer.scale,
                    "positions": rule_json(positions), "mode": mode, "generated": generated,
                    "projection": steer.projection, "norm_match": norm_match, "from_step": from_step}
+        if condition_payload is not None:
+            payload["condition"] = condition_payload
         if mode == "sae_clamp" and sae is not None:
             payload.update(sae=sae[1].file, feature=sae[2])
         return steer, payload
+
+    def dose_action(self, raw: Any, param: str) -> str:
+        """A steer's ``on_dose``: the server's --steer-dose-action where left out; "warn" (running past the limit)
+        only where the server's action is "warn" too."""
+        server = self.limits.steer_dose_action
+        if raw is None:
+            return server
+        if raw not in DOSE_ACTIONS:
+            raise _bad(param, f"{raw!r}: one of {', '.join(map(repr, DOSE_ACTIONS))} (what a dose past the limit does).")
+        if raw == "warn" and server != "warn":
+            raise _bad(param, f"'warn' runs a steer past the dose limit, and this server refuses that "
+                              f"(--steer-dose-action {server}): send 'refuse' or 'clamp' (run at the limit).")
+        return str(raw)
+
+    def condition(self, raw: Any, param: str) -> tuple[Condition, dict[str, Any]]:
+        """A steer's condition (`streamscope.Condition`) and the JSON the worker gets (its vector as float32 base64)."""
+        item = _fields(raw, CONDITION_FIELDS, param)
+        for required in ("value", "vector", "threshold"):
+            if required not in item:
+                raise _bad(f"{param}.{required}", f"a condition needs {required!r}: its fields are "
+                                                  f"{', '.join(CONDITION_FIELDS)}.")
+        layer = item.get("layer")
+        self.site(item["value"], layer, param)
+        vector = self.vector(item["vector"], f"{param}.vector")
+        threshold = _number(item["threshold"], f"{param}.threshold")
+        try:
+            condition = Condition(item["value"], layer, vector, threshold, **{key: item[key] for key in
+                                                                           ("compare", "measure", "scope") if key in item})
+        except ConditionError as error:
+            raise _bad(f"{param}.{error.field or 'vector'}", str(error)) from None
+        payload = {**{key: getattr(condition, key) for key in ("value", "layer", "compare", "measure", "scope")},
+                   "threshold": threshold, "vector": vector_bytes(vector)}
+        return condition, payload
 
     def sae_steer(self, item: dict[str, Any], param: str, mode: str) -> tuple[dict[str, Any], tuple[str, Any, int]]:
         """A steer by a stored SAE's feature: its value and block are the SAE's, its vector the feature's decoder
@@ -380,6 +436,12 @@ class Checker:
 
     def harvest(self, raw: Any, param: str, length: Optional[int]) -> dict[str, Any]:
         item = _fields(raw, HARVEST_FIELDS, param)
+        reduce = item.pop("reduce", None)  # applied to the rows before they cross HTTP (`serve.sweeps.reduced`)
+        if reduce is not None and reduce not in ("last", "mean"):
+            raise _bad(f"{param}.reduce", f"{reduce!r}: \"last\" (the last harvested position), \"mean\" (their "
+                                          f"mean), or null (every position).")
+        if reduce is not None and ("sae" in item or "top_k" in item):
+            raise _bad(f"{param}.reduce", "a harvest of an SAE's features is not reduced: leave reduce out.")
         if "sae" in item or "top_k" in item:
             return self.sae_harvest(item, param, length)
         if "values" not in item:
@@ -425,7 +487,7 @@ class Checker:
                               f"{self.limits.max_harvest_bytes} (--max-harvest-bytes): ask for fewer blocks or "
                               f"positions, or split the request.", 413)
         return {"values": spec.values, "layers": spec.layers, "positions": rule_json(positions), "keep": keep,
-                "bytes": size}
+                "bytes": size, **({"reduce": reduce} if reduce is not None else {})}
 
     def sae_harvest(self, item: dict[str, Any], param: str, length: Optional[int]) -> dict[str, Any]:
         """A harvest of a stored SAE's features at its site: every feature, or the `top_k` largest (values and
@@ -662,8 +724,8 @@ def worker_payload(checked: Checked, harvest_id: Optional[str]) -> str:
     """The JSON the worker reads from the request's ``extra_args``: steers and harvest, no prompt."""
     payload: dict[str, Any] = {"steer": checked.steer_payload}
     if checked.harvest is not None:
-        payload["harvest"] = {key: checked.harvest[key] for key in ("values", "layers", "positions", "sae", "top_k")
-                              if key in checked.harvest}
+        payload["harvest"] = {key: checked.harvest[key] for key in ("values", "layers", "positions", "sae", "top_k",
+                                                                     "reduce") if key in checked.harvest}
         payload["harvest"]["id"] = harvest_id
     return json.dumps(payload, separators=(",", ":"))
 

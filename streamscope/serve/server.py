@@ -216,7 +216,9 @@ class Front:
                 data = await self.harvests.take(harvest_id, keep)
             except RequestError as error:
                 return refused(error)
-            return Response(data, media_type="application/octet-stream")
+            from .sweeps import reduced
+
+            return Response(reduced(data), media_type="application/octet-stream")
 
         @router.delete("/harvests/{harvest_id}")
         async def forget(harvest_id: str) -> Any:
@@ -248,6 +250,12 @@ class Front:
             self.checker.default = []
             return {"steer": 0}
 
+        from .model_routes import add_model_routes
+
+        add_model_routes(router, self)  # what a Client needs to stand in for a model (lens, cache, directions)
+        from .sweeps import add_sweep_routes
+
+        add_sweep_routes(router, self)  # a patching sweep and running moments, run by the server in one request
         return router
 
 
@@ -434,12 +442,15 @@ def add_arguments(parser: Any) -> None:
     group.add_argument("--max-steer-dose", type=float, default=defaults.max_steer_dose,
                        help="the largest dose a steer may have: its edit's size over the stream's norm at its value "
                             "and block, measured by the engine on a calibration text")
+    group.add_argument("--steer-dose-action", choices=("refuse", "clamp", "warn"), default=defaults.steer_dose_action,
+                       help="what a steer's dose past its limit does where the request does not say (its on_dose): "
+                            "refuse it (a 400), clamp its scale to the limit, or run it as sent and log a warning")
 
 
 def limits_of(args: argparse.Namespace) -> Limits:
     return Limits(args.max_steers_per_request, args.max_harvest_bytes, args.max_stored_harvest_bytes,
                   args.harvest_ttl, args.max_stored_vectors, args.max_upload_bytes, args.max_stored_saes,
-                  args.max_sae_bytes, args.max_steer_dose)
+                  args.max_sae_bytes, args.max_steer_dose, args.steer_dose_action)
 
 
 def _given(argv: Sequence[str], *flags: str) -> bool:

@@ -39,15 +39,17 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 
 from .. import nnsight_seam as seam
 from ..bulk.apply import Span, rows_of
+from ..bulk.conditions import Condition, Gate, deciding_rows
 from ..bulk.spec import ROOT_VALUES, SKIP_FIRST, Site, Steer, layer_list, locate, prompt_positions
 from ..values import INPUT
 from . import host_time
+from .head import HeadRPC
 from .stages import CPUStageBuffers, Stage, sites_of
 from .writer import Record, Store, fail, send_frame
 
@@ -72,10 +74,13 @@ class SteerEntry:
     from_step: int = 0  # the first generated token steered
     group: tuple = ()  # (site key, order, batch): the requests' steers one edit of a step applies together
     skip_first: bool = False  # every prompt position but the first (the default positions), with `chosen` None
+    #: A conditional steer's condition site; its `delta` is then its `streamscope.bulk.conditions.Gate`.
+    condition_site: Optional[Site] = None
 
     @property
     def every_row(self) -> bool:
-        return self.chosen is None and not self.skip_first and self.generated and self.from_step == 0
+        return (self.chosen is None and not self.skip_first and self.generated and self.from_step == 0
+                and self.condition_site is None)
 
 
 @dataclass(eq=False)
@@ -116,6 +121,7 @@ class Live:
         """
         if self.hooked is None:
             self.hooked = frozenset({entry.site.key for entry in self.steers} |
+                                    {entry.condition_site.key for entry in self.steers if entry.condition_site} |
                                     {site.key for site in self.harvest_sites})
         return self.hooked
 
@@ -268,7 +274,9 @@ class ServeState:
             order = per_key.get(site.key, 0)
             per_key[site.key] = order + 1
             mode: Optional[str] = item["mode"]
-            batched = mode in ("add", "set") and not item.get("norm_match", False)  # one edit a step for everyone
+            gated = item.get("condition")
+            # one edit a step for everyone; a conditional steer edits its own rows, where its condition passes
+            batched = mode in ("add", "set") and not item.get("norm_match", False) and gated is None
             key = (item["vector"], float(item["scale"] if item.get("scale") is not None else 1.0))
             shared = self.shared_delta(key) if batched else None
             if shared is not None:  # a vector and scale another request sent: its tensor, the vector not decoded
@@ -284,8 +292,12 @@ class ServeState:
                     delta = self.keep_delta(key, steer)
                 else:
                     delta, mode = steer.operation(self.dtype, self.device), None
+            condition_site = None
+            if gated is not None:
+                condition, condition_site = self.condition(gated, item)
+                delta = Gate(delta, condition, 1, self.device)
             entry = SteerEntry(site, delta, mode, chosen, bool(item["generated"]), length, order,
-                               item.get("from_step", 0), skip_first=rule == SKIP_FIRST)
+                               item.get("from_step", 0), skip_first=rule == SKIP_FIRST, condition_site=condition_site)
             # add and set batch every request's rows into one edit; any other operation edits its own rows
             entry.group = (site.key, order, (id(site), mode) if mode is not None else (id(site), id(entry)))
             steers.append(entry)
@@ -306,6 +318,8 @@ class ServeState:
             live.positions = prompt_positions(rule, length, 0)
             live.slots = {position: slot for slot, position in enumerate(live.positions)}
             live.harvest_meta = {"values": harvest["values"], "layers": layers, "positions": live.positions}
+            if harvest.get("reduce") is not None:  # the file keeps the rows; the download reduces them (serve/sweeps)
+                live.harvest_meta["reduce"] = harvest["reduce"]
             if len(held) < len(sites):  # pipeline stages split the harvest: this one writes its part, if any
                 live.harvest_meta["held"] = held
                 live.written = not held  # a stage holding none of its sites has nothing to write
@@ -317,6 +331,17 @@ class ServeState:
                 live.key = next(self.harvest_keys)
                 self.writer_thread.put(("admit", live.key, self._record(live)))
         return live
+
+    def condition(self, data: dict[str, Any], steer: dict[str, Any]) -> tuple[Condition, Site]:
+        """A steer's condition from its JSON (checked by the front end) and the site it reads."""
+        from .protocol import vector_from_bytes
+
+        if not self.stage.holds(data["value"], data["layer"]):
+            raise ValueError(f"the condition at {data['value']} of block {data['layer']} is on another pipeline stage "
+                             f"than its steer at block {steer['layer']}: condition a steer on its own stage's blocks.")
+        condition = Condition(data["value"], data["layer"], vector_from_bytes(data["vector"]), data["threshold"],
+                              data["compare"], data["measure"], data["scope"])
+        return condition, self.site(data["value"], data["layer"])
 
     @staticmethod
     def _record(live: Live) -> Record:
@@ -407,9 +432,12 @@ class ServeState:
         # key -> rounds of steer edits; the harvesting requests by their (shared) list of sites
         steers: dict[tuple[int, str], dict[int, dict[tuple[int, str], tuple[Site, str, list, list]]]] = {}
         harvests: dict[int, tuple[list[Site], list, list]] = {}
+        gates: list[tuple[SteerEntry, Span, list[tuple[int, int]]]] = []  # conditional steers, planned below
         for live, span in spans:
             for entry in live.steers:
                 ranges = self._steer_ranges(entry, span)
+                if entry.condition_site is not None:
+                    gates.append((entry, span, ranges))
                 if ranges:
                     rounds = steers.setdefault(entry.site.key, {}).setdefault(entry.order, {})
                     group = rounds.setdefault(entry.group[2], (entry.site, entry.mode, [], []))
@@ -446,6 +474,13 @@ class ServeState:
                     edits.append((site, mode, index(ranges),
                                   self._deltas(deltas) if mode is not None else deltas[0][1]))
             work[key] = (edits, [])
+        # A condition is read at its call before any edit there, at the rows its steer edits (and its prompt's).
+        for entry, span, ranges in gates:
+            self._plan_gate(entry, span, index(ranges) if ranges else None, sum(b - a for a, b in ranges))
+            found = work.get(cast(Site, entry.condition_site).key)
+            if found is None:
+                found = work[cast(Site, entry.condition_site).key] = ([], [])
+            found[0].insert(0, (entry.condition_site, "gate", None, entry.delta))
         # One read a site for every request whose harvest names the same sites (one list, `admit`), its rows'
         # index made once for all of the sites.
         for sites, ranges, members in harvests.values():
@@ -474,6 +509,23 @@ class ServeState:
             work.setdefault(key, ([], []))[0].append(
                 (site, mode, rows_of(ranges, self.device), self._deltas(deltas) if mode is not None else deltas[0][1]))
         return work
+
+    @staticmethod
+    def _plan_gate(entry: SteerEntry, span: Span, rows: Any, count: int) -> None:
+        """A conditional steer's step (`Gate.plan`): its rows and, for a request-scoped condition, its prompt's
+        deciding rows where the prompt runs in this step. A prompt split across steps (chunked prefill) cannot
+        decide: that request runs unsteered, and the log says why."""
+        gate = cast(Gate, entry.delta)
+        deciding = None
+        if gate.condition.scope == "request":
+            try:
+                found = deciding_rows(entry.length, span.first, span.count)
+            except RuntimeError as error:
+                logger.warning("streamscope serve: request %s runs unsteered by its conditional steer: %s",
+                               span.key, error)
+                found = None
+            deciding = [] if found is None else [(0, span.start + found[0], found[1])]
+        gate.plan(rows, [0] * count if gate.condition.scope == "request" else None, deciding)
 
     @staticmethod
     def _steer_ranges(entry: SteerEntry, span: Span) -> list[tuple[int, int]]:
@@ -544,7 +596,9 @@ class ServeState:
         return live
 
     def _hook_on(self, key: tuple[int, str], live: Live) -> None:
-        site = next(site for site in [entry.site for entry in live.steers] + live.harvest_sites if site.key == key)
+        conditions = [entry.condition_site for entry in live.steers if entry.condition_site is not None]
+        site = next(site for site in [entry.site for entry in live.steers] + conditions + live.harvest_sites
+                    if site.key == key)
         self.locations[site.location] = key
         if key[1] == INPUT:
             def before(_module: Any, args: tuple, kwargs: dict, key: Any = key) -> None:
@@ -567,7 +621,9 @@ class ServeState:
         edits, harvests = work
         try:
             for site, mode, rows, delta in edits:
-                if rows is not None:
+                if mode == "gate":  # a conditional steer's decision, before the edits at this call
+                    delta.decide(site, raw)
+                elif rows is not None:
                     site.edit_rows(raw, rows, delta, mode)
             for site, rows, layout in harvests:
                 if rows is None:
@@ -789,8 +845,9 @@ def install(worker: Any) -> None:
                                                        options.get("sae_cache", 4))
 
 
-class ServeRPC:
-    """Installs the server's per-request plans on the worker once its model is loaded."""
+class ServeRPC(HeadRPC):
+    """Installs the server's per-request plans on the worker once its model is loaded; answers the head routes
+    (`streamscope.serve.head`)."""
 
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         result = super().load_model(*args, **kwargs)  # type: ignore[misc]

@@ -225,6 +225,8 @@ def store_every_site(buffer: torch.Tensor, host: torch.Tensor, group: list) -> b
     group = sorted(group, key=lambda piece: piece[1])
     _, _, slots, start, count, width = group[0]
     stride = group[1][3] - start if len(group) > 1 else count * width
+    if stride < count * width:
+        return False  # sites read in another order than they are stored (blocks asked last-first): one copy each
     for number, (_, index, other_slots, other_start, _, _) in enumerate(group):
         if index != number or other_slots != slots or other_start != start + number * stride:
             return False

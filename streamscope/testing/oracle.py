@@ -162,3 +162,32 @@ def site(model: torch.nn.Module, family: str, name: str, block: Optional[int] = 
             factor = scale[0](model.config) if scale else None
             return module, where, factor
     return None
+
+
+#: Where transformers' attention holds its queries and keys before the rotary embedding, per family (the oracle's
+#: account of TransformerLens's hook_q / hook_k): ``("call", function, layout)``, the arguments ``(q, k, ...)`` of
+#: the modeling module's `function`, in ``"bhsd"`` or ``"bshd"`` layout; or ``("modules", queries, keys)``, each a
+#: tuple of ``(path relative to the attention, "out")`` alternatives (the first the module has is used) whose
+#: output is ``[batch, heads, seq, head_dim]`` or the flat projection ``[batch, seq, heads * head_dim]``, for a
+#: forward that rotates a slice of each head. A family absent here rotates nothing: its kernel's queries and keys
+#: are the values, as on any block whose rotary call does not run (Llama 4's NoPE blocks, EXAONE 4's global ones,
+#: Falcon with ALiBi).
+_ROTARY_CALL = ("call", "apply_rotary_pos_emb", "bhsd")
+PRE_ROTARY: dict[str, tuple] = {
+    **{family: _ROTARY_CALL for family in (
+        "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text", "phi3",
+        "granite", "olmo2", "exaone4", "cohere", "qwen3_next", "gpt_neox", "falcon")},
+    "llama4_text": ("call", "apply_rotary_emb", "bshd"),
+    "stablelm": ("modules", (("q_layernorm", "out"), ("q_proj", "out")), (("k_layernorm", "out"), ("k_proj", "out"))),
+    "gptj": ("modules", (("q_proj", "out"),), (("k_proj", "out"),)),
+}
+
+
+#: Where transformers' attention holds its query and key projections per head before a q/k norm that precedes the
+#: rotary (the oracle's account of TransformerLens's hook_q / hook_k on such families): the input of the
+#: attention's child module, the first of the alternatives the module has (Cohere's and StableLM's exist only with
+#: the config's q/k norm on). A family absent here, or a block without the module, norms nothing before its rotary:
+#: its projections are its pre-rotary values (`PRE_ROTARY`). (Llama 4's ``qk_norm`` follows its rotary.)
+_QK_NORMS = ((("q_norm", "in"), ("q_layernorm", "in")), (("k_norm", "in"), ("k_layernorm", "in")))
+PROJECTED: dict[str, tuple] = {family: _QK_NORMS for family in (
+    "qwen3", "qwen3_moe", "gemma3_text", "olmo2", "exaone4", "qwen3_next", "cohere", "stablelm")}

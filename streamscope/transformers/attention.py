@@ -1,4 +1,5 @@
-"""The inside of a softmax attention on transformers: queries, keys, values, scores, pattern and head outputs.
+"""The inside of a softmax attention on transformers: queries, keys, values, scores, pattern and head outputs, the
+queries and keys before the rotary embedding, and the query and key projections before any q/k norm.
 
 They are read at the attention kernel's call inside the attention module's
 forward, through nnsight's ``.source``: the call's inputs are the queries, keys
@@ -11,6 +12,18 @@ something else names it (`KERNEL`, `ARGUMENTS`, `OUTPUT_LAYOUT`).
 Scores and the pattern are recomputed from the queries and keys with
 `streamscope.attention` where the kernel fuses them (sdpa); on eager, the
 pattern is the kernel's own weights.
+
+The queries and keys before the rotary embedding are read at the call that
+hands them to the rotary (``apply_rotary_pos_emb(q, k, cos, sin)`` in most
+families; a family whose forward differs names its own, `ROTARY_SITES`), in
+the same nnsight ``.source`` way; a block that rotates nothing serves the
+kernel's queries and keys under those names.
+
+The query and key projections are the input of the attention's q/k norm
+module where it has one (`streamscope.blocks.heads.projection_norm`), and the
+pre-rotary queries and keys that norm's output, held in the layout its forward
+hands the norm (`NORM_LAYOUTS`); elsewhere the projections are the pre-rotary
+values, read at the same call.
 """
 
 from __future__ import annotations
@@ -22,10 +35,11 @@ import torch
 from .. import attention, blocks, gradients
 from .. import nnsight_seam as seam
 from ..blocks.composed import Composer
-from ..blocks.heads import READ_ONLY
+from ..blocks.heads import (PRE_ROTARY, PROJECTED, READ_ONLY, pre_rotary_of, projected_of, projection_norm,
+                            unrotated_of)
 from ..errors import Unavailable
 from ..values import (INPUT, OUTPUT, Host, ReadOnly, StreamValue, argument, first_tensor, is_edited, require_tapped,
-                      with_argument)
+                      resolve, with_argument)
 
 #: transformers' attention kernels that take a soft cap and ignore it (Gemma 2 on sdpa runs uncapped).
 KERNELS_WITHOUT_SOFTCAP = frozenset({"sdpa"})
@@ -37,6 +51,9 @@ EAGER_READ_ONLY = ("{name} is the eager kernel's weights, which the model has al
 RECOMPUTED_NO_GRADIENT = ("{name} is recomputed from the queries and keys for the read: the attention kernel "
                           "fuses it and never holds it, so no gradient flows through it. Read .grad of queries, "
                           "keys or head_outputs instead{eager}.")
+UNKNOWN_NORM_LAYOUT = ("this attention ({kind}) norms its {name} before the rotary with `{norm}`, and streamscope "
+                       "does not know the layout its forward hands that norm; read {pre_rotary} (after the norm) "
+                       "instead")
 EAGER_GRADIENT = (", or load the model with attn_implementation=\"eager\", whose kernel holds the pattern: its "
                   "gradient is served there")
 
@@ -99,6 +116,76 @@ class KernelValue(StreamValue):
         return raw
 
 
+class PreRotaryValue(KernelValue):
+    """Queries or keys before the rotary embedding: the output of the q/k norm that precedes the rotary where the
+    attention has one (`AttentionInternals.projection_site`), else an argument (or the output) of the call the host
+    names for it (`AttentionInternals.pre_rotary_site`); the kernel's query or key on a block that rotates nothing."""
+
+    def site(self, host: KernelHost) -> tuple[Optional[str], str, Any]:
+        normed = host.projection_site(projected_of(self.name))  # type: ignore[attr-defined]
+        if normed is not None:
+            return normed[0], OUTPUT, None
+        _, where, position = host.pre_rotary_site(pre_rotary_of(self.name))  # type: ignore[attr-defined]
+        return None, where, position
+
+    def location(self, host: KernelHost) -> str:
+        self.located(host)
+        module, where, _ = self.site(host)
+        if module is not None:
+            return require_tapped(host, self.name, seam.location(resolve(host, module).path, where))
+        call, where, _ = host.pre_rotary_site(pre_rotary_of(self.name))  # type: ignore[attr-defined]
+        return require_tapped(host, self.name, seam.call_location(host.path, call, where))
+
+    def live(self, host: KernelHost, raw: Any) -> torch.Tensor:
+        _, where, position = self.site(host)
+        return argument(raw, *position) if where == INPUT else first_tensor(raw)
+
+    def put(self, host: KernelHost, raw: Any, value: torch.Tensor) -> Any:
+        """`raw` with `value` in it: in place, or passed on in its stead where the model's tensor cannot take it in
+        place: a chunk of a fused projection, or a norm's output, under a recorded graph (autograd forbids it, or
+        would not see the edit), or a broadcast view (Falcon's keys, one per query head), whose elements share
+        memory."""
+        live = self.live(host, raw)
+        module, where, position = self.site(host)
+        broadcast = any(stride == 0 and size > 1 for size, stride in zip(live.shape, live.stride()))
+        if broadcast or (live.requires_grad and (live._base is not None or module is not None)):
+            replacement = host.to_engine(value.to(live.dtype), live, self.name).detach().clone()
+            return with_argument(raw, *position, replacement) if where == INPUT else replacement
+        self.write(host, raw, value)
+        return raw
+
+
+#: Where a q/k norm's input sits in its call.
+NORM_ARGUMENT = (0, "hidden_states")
+
+
+class ProjectedValue(PreRotaryValue):
+    """The query or key projection per head, before any q/k norm: the input of the q/k norm that precedes the
+    rotary (`AttentionInternals.projection_site`) where the attention has one, else the pre-rotary value's site."""
+
+    def site(self, host: KernelHost) -> tuple[Optional[str], str, Any]:
+        normed = host.projection_site(self.name)  # type: ignore[attr-defined]
+        return super().site(host) if normed is None else (normed[0], INPUT, NORM_ARGUMENT)
+
+
+#: The layout in which each attention's forward hands its q/k norm the projection, by attention class: "bshd"
+#: ([batch, seq, heads, head_dim]), "bhsd", or "flat" ([batch, seq, heads * head_dim], a norm over the whole width).
+NORM_LAYOUTS: dict[str, str] = {
+    "Qwen3Attention": "bshd", "Qwen3MoeAttention": "bshd", "Qwen3NextAttention": "bshd", "CohereAttention": "bshd",
+    "Gemma3Attention": "bhsd", "Exaone4Attention": "bhsd", "StableLmAttention": "bhsd", "Olmo2Attention": "flat",
+}
+
+
+#: The forward's own condition for skipping its rotary on a block, by attention class: where it holds, the block's
+#: pre-rotary values are the kernel's queries and keys. (Llama 4's NoPE blocks; EXAONE 4's global blocks, where
+#: the model has sliding ones; Falcon with ALiBi, whose forward rotates only without it.)
+ROTARY_OFF: dict[str, Callable[[Any], bool]] = {
+    "Llama4TextAttention": lambda module: not module.use_rope,
+    "Exaone4Attention": lambda module: not (module.sliding_window is None or module.is_sliding),
+    "FalconAttention": lambda module: bool(module.config.alibi),
+}
+
+
 class RecomputedValue(ReadOnly, KernelValue):
     """Scores or the pattern: recomputed for the read from the kernel's inputs, or the eager kernel's weights."""
 
@@ -142,6 +229,58 @@ class AttentionInternals:
     }
     #: The kernel output's layout: [batch, seq, heads, head_dim] ("bshd") or [batch, heads, seq, head_dim].
     OUTPUT_LAYOUT: ClassVar[str] = "bshd"
+    #: Where the forward holds each value before the rotary: (call, "input" | "output", (index, name) of the
+    #: input, None for the output).
+    ROTARY_SITES: ClassVar[dict[str, tuple[str, str, Optional[tuple[int, str]]]]] = {
+        "queries_pre_rotary": ("apply_rotary_pos_emb_0", INPUT, (0, "q")),
+        "keys_pre_rotary": ("apply_rotary_pos_emb_0", INPUT, (1, "k")),
+    }
+    #: The pre-rotary tensors' layout there: "bhsd" ([batch, heads, seq, head_dim]) or "bshd".
+    ROTARY_LAYOUT: ClassVar[str] = "bhsd"
+
+    @ProjectedValue(INPUT, shape="[batch, heads, seq, head_dim]")
+    def queries_projected(self) -> torch.Tensor:
+        """The query projection per head, before any query norm and rotary, [batch, heads, seq, head_dim]
+        (TransformerLens's attn.hook_q).
+
+        Where the family norms its queries before rotating (Qwen3, Gemma 3,
+        OLMo 2, EXAONE 4, Qwen3-Next), the norm's input (OLMo 2's norm spans
+        the whole width: served split per head); elsewhere the same tensor as
+        `queries_pre_rotary`. In transformers' channel order. In-place edits
+        and assignment reach the model: the edited queries are normed and
+        rotated.
+        """
+
+    @ProjectedValue(INPUT, shape="[batch, kv_heads, seq, head_dim]")
+    def keys_projected(self) -> torch.Tensor:
+        """The key projection per head, before any key norm and rotary, [batch, kv_heads, seq, head_dim]
+        (TransformerLens's attn.hook_k).
+
+        As `queries_projected`, for the keys of this step's tokens. In-place
+        edits and assignment reach the model: the edited keys are normed,
+        rotated and cached.
+        """
+
+    @PreRotaryValue(INPUT, shape="[batch, heads, seq, head_dim]")
+    def queries_pre_rotary(self) -> torch.Tensor:
+        """The queries before the rotary embedding, [batch, heads, seq, head_dim] (TransformerLens's hook_q
+        where the family has no q/k norm; `queries_projected` is hook_q everywhere).
+
+        What the forward hands its rotary: the query projection per head,
+        after any query norm the family applies before rotating (Qwen3, Gemma
+        3, OLMo 2, EXAONE 4), in transformers' channel order. On a block that
+        rotates nothing, the kernel's queries. In-place edits and assignment
+        reach the model: the edited queries are rotated.
+        """
+
+    @PreRotaryValue(INPUT, shape="[batch, kv_heads, seq, head_dim]")
+    def keys_pre_rotary(self) -> torch.Tensor:
+        """The keys before the rotary embedding, [batch, kv_heads, seq, head_dim] (after any key norm).
+
+        As `queries_pre_rotary`, for the keys of this step's tokens. In-place
+        edits and assignment reach the model: the edited keys are rotated
+        and cached.
+        """
 
     @KernelValue(INPUT, shape="[batch, heads, seq, head_dim]")
     def queries(self) -> torch.Tensor:
@@ -215,6 +354,53 @@ class AttentionInternals:
         """Source-instrument the module's forward (once), so the kernel call is a location."""
         seam.ensure_source(self)
 
+    def rotary_sites(self) -> dict[str, tuple[str, str, Optional[tuple[int, str]]]]:
+        """Where this module's forward holds the queries and keys before its rotary (`ROTARY_SITES`)."""
+        return self.ROTARY_SITES
+
+    def rotary_applies(self) -> bool:
+        """Whether this block rotates its queries and keys: its forward makes the rotary's calls and the family's
+        condition for skipping them (`ROTARY_OFF`) does not hold. Asked once per envoy."""
+        known = self.__dict__.get("_streamscope_rotary")
+        if known is None:
+            module = seam.module_of(self)
+            calls = seam.kernel_call_names(module)
+            off = ROTARY_OFF.get(type(module).__name__)
+            known = all(call in calls for call, _, _ in self.rotary_sites().values()) \
+                and not (off is not None and off(module))
+            self.__dict__["_streamscope_rotary"] = known
+        return known
+
+    def pre_rotary_site(self, name: str) -> tuple[str, str, Optional[tuple[int, str]]]:
+        """(call, where, argument) of the pre-rotary value `name`: the rotary's, or on a block that rotates
+        nothing, the kernel's query or key."""
+        if self.rotary_applies():
+            return self.rotary_sites()[name]
+        return self.kernel(), INPUT, self.ARGUMENTS[unrotated_of(name)]
+
+    def projection_site(self, name: str) -> Optional[tuple[str, str]]:
+        """(the q/k norm that precedes the rotary, the layout the forward hands it the projection: "bshd", "bhsd"
+        or "flat") for projected value `name`, None where the attention has no such norm. The projection is the
+        norm's input, the pre-rotary value its output: the forward norms q, then k, then rotates both, so read
+        there they come in the order `INTERNALS` lists them."""
+        module = seam.module_of(self)
+        norm = projection_norm(module, name)
+        return None if norm is None else (norm, NORM_LAYOUTS.get(type(module).__name__, ""))
+
+    def reason(self, name: str) -> Optional[str]:
+        own = super().reason(name)  # type: ignore[misc]
+        site = self.projection_site(projected_of(name)) if own is None else None
+        if site is not None and not site[1]:
+            return UNKNOWN_NORM_LAYOUT.format(kind=type(seam.module_of(self)).__name__, name=unrotated_of(name),
+                                              norm=site[0], pre_rotary=pre_rotary_of(name))
+        return own
+
+    def from_norm_layout(self, tensor: torch.Tensor, layout: str) -> torch.Tensor:
+        """A q/k norm's input or output, held in `layout`, as [batch, heads, seq, head_dim] (a view)."""
+        if layout == "flat":
+            tensor = tensor.unflatten(-1, (-1, seam.module_of(self).head_dim))
+        return tensor if layout == "bhsd" else tensor.transpose(1, 2)
+
     def relocated(self) -> dict:
         if getattr(self.module_config(), "_attn_implementation", None) == "eager":
             return {"pattern": (None, OUTPUT)}
@@ -248,11 +434,29 @@ class AttentionInternals:
         return attention.scores(queries, keys, self.spec(inputs), mask=mask)
 
     def internals_to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        site = self.projection_site(projected_of(name))
+        if site is not None:
+            return self.from_norm_layout(tensor, site[1])
+        if name in PROJECTED:
+            return self.internals_to_user(tensor, pre_rotary_of(name))
+        if name in PRE_ROTARY:
+            if not self.rotary_applies():
+                return self.internals_to_user(tensor, unrotated_of(name))
+            return tensor.transpose(1, 2) if self.ROTARY_LAYOUT == "bshd" else tensor
         if name == "head_outputs" and self.OUTPUT_LAYOUT == "bhsd":
             return tensor.transpose(1, 2)
         return tensor
 
     def internals_to_engine(self, value: torch.Tensor, live: torch.Tensor, name: str) -> torch.Tensor:
+        site = self.projection_site(projected_of(name))
+        if site is not None:
+            return (value if site[1] == "bhsd" else value.transpose(1, 2)).reshape(live.shape)
+        if name in PROJECTED:
+            return self.internals_to_engine(value, live, pre_rotary_of(name))
+        if name in PRE_ROTARY:
+            if not self.rotary_applies():
+                return self.internals_to_engine(value, live, unrotated_of(name))
+            return (value.transpose(1, 2) if self.ROTARY_LAYOUT == "bshd" else value).reshape(live.shape)
         if name == "head_outputs" and self.OUTPUT_LAYOUT == "bhsd":
             return value.transpose(1, 2)
         return value.reshape(live.shape)
@@ -282,4 +486,5 @@ def attention_kind(kind: type) -> type:
 #: family whose attention calls its kernel otherwise derives from it (`KERNEL`, `ARGUMENTS`, `spec`).
 KernelAttention = attention_kind(blocks.Attention)
 
-__all__ = ["AttentionInternals", "KernelAttention", "KernelValue", "RecomputedValue", "attention_kind"]
+__all__ = ["AttentionInternals", "KernelAttention", "KernelValue", "PreRotaryValue", "ProjectedValue",
+           "RecomputedValue", "attention_kind"]

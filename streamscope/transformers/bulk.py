@@ -17,6 +17,7 @@ import torch
 
 from .. import nnsight_seam as seam
 from ..bulk.apply import Applier, Span, steer_plans
+from ..bulk.moments import check_reduce, reduce_buffer
 from ..bulk.results import Generation, Harvest, ShardWriter, assemble
 from ..bulk.spec import Positions, check_doses, check_steer, generation_harvest, harvest_spec, token_ids
 
@@ -90,18 +91,24 @@ def _forward_kwargs(module: torch.nn.Module) -> dict[str, Any]:
 
 def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None, positions: Positions = "last",
             out: Optional[str | Path] = None, batch_size: int = 8, shard_size: int = 1024,
-            progress: bool = True, readout: Any = None, steer: Sequence[Any] = ()) -> Harvest | Path:
-    """Read values at chosen blocks and positions of many prompts, in padded batches; see `streamscope.bulk`."""
+            progress: bool = True, readout: Any = None, steer: Sequence[Any] = (),
+            reduce: Optional[str] = None) -> Harvest | Path:
+    """Read values at chosen blocks and positions of many prompts, in padded batches; see `streamscope.bulk`.
+
+    `reduce` (``"last"``, ``"mean"``) reduces each prompt's positions as its batch finishes
+    (`streamscope.bulk.moments.reduce_positions`), so only one row a prompt is kept.
+    """
     from tqdm.auto import tqdm
 
     ids = token_ids(model, prompts)
     lengths = [len(tokens) for tokens in ids]
     spec = harvest_spec(model, values, layers, positions, lengths)
+    spec.reduce = check_reduce(reduce)
     checked = [(item, check_steer(model, item, len(ids), lengths)) for item in steer]
     sites = spec.sites(model)
     dtype, device = _parameters(model)
-    check_doses(model, [item for item, _ in checked], dtype)
-    plans = steer_plans(checked, list(range(len(ids))), lengths, dtype, device)
+    checked = list(zip(check_doses(model, [item for item, _ in checked], dtype), [site for _, site in checked]))
+    plans = steer_plans(checked, list(range(len(ids))), lengths, dtype, device, root=model)
     module = seam.module_of(model)
     writer = ShardWriter(out, spec, len(ids)) if out is not None else None
     applier = Applier(sites, {index: spec.positions[index] for index in range(len(ids))}, plans, device,
@@ -119,7 +126,7 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
             if applier.error is not None:
                 raise applier.error
             for index in batch:
-                collected[index] = applier.take(index)
+                collected[index] = reduce_buffer(applier.take(index), spec.reduce)
             pending.extend(batch)
             bar.update(len(batch))
             if writer is not None and len(pending) >= shard_size:
@@ -153,8 +160,8 @@ def generate(model: Any, prompts: Sequence[Any], max_tokens: int = 16, *, steer:
     checked = [(item, check_steer(model, item, len(ids), lengths)) for item in steer]
     spec = generation_harvest(model, harvest, lengths)
     dtype, device = _parameters(model)
-    check_doses(model, [item for item, _ in checked], dtype)
-    plans = steer_plans(checked, list(range(len(ids))), lengths, dtype, device)
+    checked = list(zip(check_doses(model, [item for item, _ in checked], dtype), [site for _, site in checked]))
+    plans = steer_plans(checked, list(range(len(ids))), lengths, dtype, device, root=model)
     sites = spec.sites(model) if spec is not None else []
     wanted = {index: spec.positions[index] for index in range(len(ids))} if spec is not None else {}
     applier = Applier(sites, wanted, plans, device).install()

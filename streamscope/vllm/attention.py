@@ -1,4 +1,5 @@
-"""The inside of a softmax attention on vLLM: queries, keys, values, scores, pattern and head outputs.
+"""The inside of a softmax attention on vLLM: queries, keys, values, scores, pattern and head outputs, the queries
+and keys before the rotary embedding, and the query and key projections before any q/k norm.
 
 vLLM's attention module (``self_attn``) hands its queries, keys and values,
 after rotary and any q/k norm, to an attention layer (a child, ``attn`` in
@@ -21,6 +22,23 @@ the request's whole prefix, from the keys this trace read at the earlier
 steps, which each read keeps on the request's own nnsight mediator (the
 worker runs one per request, so nothing is shared with the other requests of
 the step).
+
+The queries and keys before the rotary embedding are the arguments of the
+forward's ``self.rotary_emb(positions, q, k)`` call (flat, as the layer's),
+read through nnsight's ``.source`` (the rotary module is one object shared by
+every layer, so its own call cannot tell the blocks apart); in the
+Transformers backend, transformers' ``apply_rotary_pos_emb(q, k, cos, sin)``
+call, ``[1, heads, tokens, head_dim]``; where the attention norms q and k before
+its rotary, the norms' outputs (`BACKEND_NORMS`). vLLM's rotary rotates q and k in place,
+so a read is a copy taken before it runs, and an edit lands before the
+rotation. A block that rotates nothing serves the layer's queries and keys
+under those names.
+
+The query and key projections are the input of the attention's q/k norm
+module where it has one (`streamscope.blocks.heads.projection_norm`: vLLM's own
+Qwen3, Gemma 3, EXAONE 4 and Qwen3-Next hand it ``[tokens, heads, head_dim]``;
+transformers' OLMo 2 in the Transformers backend, the whole width), and the
+pre-rotary values, read at the same place, where it has none.
 """
 
 from __future__ import annotations
@@ -33,8 +51,9 @@ from .. import attention
 from .. import blocks
 from .. import nnsight_seam as seam
 from ..blocks.composed import Composer
-from ..blocks.heads import READ_ONLY
-from ..values import INPUT, OUTPUT, Host, ReadOnly, StreamValue
+from ..blocks.heads import (FUSED_PROJECTION, FUSED_ROTARY, PRE_ROTARY, PROJECTED, READ_ONLY, pre_rotary_of,
+                            projection_norm, unrotated_of)
+from ..values import INPUT, OUTPUT, Host, ReadOnly, StreamValue, argument, first_tensor, require_tapped
 
 #: The child of a vLLM attention module that runs the kernel.
 KERNEL_LAYER = "attn"
@@ -128,6 +147,90 @@ class Recomputed(ReadOnly, Flat):
             return logits if self.name == "scores" else attention.pattern(logits)
 
 
+#: Where the queries and keys sit in the attention layer's call.
+LAYER_ARGUMENTS = {"queries": (0, "query"), "keys": (1, "key")}
+#: The rotary call in a vLLM attention's forward, and where the queries and keys sit in it.
+ROTARY_CALL = "self_rotary_emb_0"
+ROTARY_ARGUMENTS = {"queries_pre_rotary": (1, "query"), "keys_pre_rotary": (2, "key")}
+#: The same in transformers' own attention, run by vLLM's Transformers backend ([1, heads, tokens, head_dim]).
+BACKEND_ROTARY_CALL = "apply_rotary_pos_emb_0"
+BACKEND_ROTARY_ARGUMENTS = {"queries_pre_rotary": (0, "q"), "keys_pre_rotary": (1, "k")}
+#: Where an attention with q/k norms before its rotary holds them: the norms' outputs, what the forward hands its
+#: rotary once reshaped (read there, after the projections, the norms' inputs, in the order the forward calls them;
+#: and where its forward makes no rotary call `.source` can reach). Transformers' own attention whose forward vLLM's Transformers
+#: backend rewrote (fusing its q/k/v projections; OLMo 2, norms over the whole projection, [1, tokens, width]), and
+#: a forward that rotates in a helper method (Qwen3-Next's `_project_qkv_gate`, per-head norms, [tokens, heads,
+#: head_dim]).
+BACKEND_NORMS = {"queries_pre_rotary": "q_norm", "keys_pre_rotary": "k_norm"}
+BACKEND_REWRITTEN = ("vLLM's Transformers backend rewrote this attention's forward (fusing its q/k/v projections), "
+                     "which cannot be instrumented where it hands its queries and keys to the rotary, and it has no "
+                     "q/k norms whose outputs they are; read queries and keys (after the rotary) instead")
+#: The forward's own condition for skipping its rotary call on a block, by attention class, where the module's
+#: ``rotary_emb`` is there anyway (EXAONE 4's global blocks in a model with sliding ones). A block whose
+#: ``rotary_emb`` is None or absent (Llama 4's NoPE blocks, Falcon with ALiBi) rotates nothing either.
+ROTARY_OFF: dict[str, Callable[[Any], bool]] = {
+    "Exaone4Attention": lambda module: not (module.sliding_window or module.apply_rope_all_layers),
+}
+#: A forward that fuses its q/k norm, rotary and gate into one kernel where this flag is set (Qwen3-Next on GPUs).
+FUSED_ROTARY_FLAG = "use_fused_qk_norm_rope_gate"
+
+
+class PreRotary(StreamValue):
+    """Queries or keys before the rotary embedding: an argument of the forward's rotary call
+    (`VllmAttentionInternals.rotary_call`), served per head in transformers' layout; on a block that rotates
+    nothing, the attention layer's query or key."""
+
+    def __init__(self, *, shape: str, factor: Optional[Callable[[Host], float]] = None,
+                 description: Optional[str] = None) -> None:
+        super().__init__(None, INPUT, shape=shape, factor=factor, description=description)
+
+    def site(self, host: Host) -> tuple[Optional[str], str, Any]:
+        rotary = host.rotary_call()  # type: ignore[attr-defined]
+        if rotary is None:
+            return KERNEL_LAYER, INPUT, LAYER_ARGUMENTS[unrotated_of(self.name)]
+        call, arguments, _ = rotary
+        if call is None:  # a module's output (`BACKEND_NORMS`)
+            return arguments[pre_rotary_of(self.name)], OUTPUT, None
+        return None, INPUT, arguments[pre_rotary_of(self.name)]
+
+    def location(self, host: Host) -> str:
+        rotary = host.rotary_call()  # type: ignore[attr-defined]
+        if rotary is None or rotary[0] is None:
+            return super().location(host)
+        self.located(host)
+        seam.ensure_source(host)
+        return require_tapped(host, self.name, seam.call_location(host.path, rotary[0], INPUT))
+
+    def live(self, host: Host, raw: Any) -> torch.Tensor:
+        _, where, position = self.site(host)
+        return argument(raw, *position) if where == INPUT else first_tensor(raw)
+
+
+#: Where a q/k norm's input sits in its call (vLLM's norms name it ``x``; transformers', in the backend, positional).
+NORM_ARGUMENT = (0, "x")
+
+
+class Projected(PreRotary):
+    """The query or key projection per head, before any q/k norm: the input of the attention's norm module where
+    it has one (`VllmAttentionInternals.projection_norm`), else the pre-rotary value's own site."""
+
+    def site(self, host: Host) -> tuple[Optional[str], str, Any]:
+        norm = host.projection_norm(self.name)  # type: ignore[attr-defined]
+        if norm is None:
+            return super().site(host)
+        return norm, INPUT, NORM_ARGUMENT
+
+    def location(self, host: Host) -> str:
+        if host.projection_norm(self.name) is None:  # type: ignore[attr-defined]
+            return super().location(host)
+        rotary = host.rotary_call()  # type: ignore[attr-defined]
+        if rotary is not None and rotary[0] is not None:
+            # instrumented now, before the forward runs: a later read of the pre-rotary values in this trace needs
+            # the rotary call as a location, and a forward already running cannot be instrumented any more
+            seam.ensure_source(host)
+        return StreamValue.location(self, host)
+
+
 class VllmAttentionInternals:
     """The attention internals of `streamscope.blocks.heads`, read at vLLM's attention layer (`attn`).
 
@@ -140,6 +243,49 @@ class VllmAttentionInternals:
     CHANNELS_PERMUTED: ClassVar[bool] = False
     #: Whether transformers serves the queries multiplied by the scale (and attends with scale 1): OPT.
     QUERIES_SCALED: ClassVar[bool] = False
+
+    @Projected(shape="[1, heads, tokens, head_dim]")
+    def queries_projected(self) -> torch.Tensor:
+        """The query projection per head, before any query norm and rotary, [1, heads, tokens, head_dim]
+        (TransformerLens's attn.hook_q).
+
+        Where the family norms its queries before rotating (Qwen3, Gemma 3,
+        OLMo 2, EXAONE 4, Qwen3-Next), the norm's input; elsewhere the same
+        tensor as `queries_pre_rotary`. In transformers' channel order.
+        In-place edits and assignment reach the model: the edited queries are
+        normed and rotated.
+        """
+
+    @Projected(shape="[1, kv_heads, tokens, head_dim]")
+    def keys_projected(self) -> torch.Tensor:
+        """The key projection per head, before any key norm and rotary, [1, kv_heads, tokens, head_dim]
+        (TransformerLens's attn.hook_k).
+
+        This step's tokens only; as `queries_projected` otherwise. In-place
+        edits and assignment reach the model: the edited keys are normed,
+        rotated and cached.
+        """
+
+    @PreRotary(shape="[1, heads, tokens, head_dim]")
+    def queries_pre_rotary(self) -> torch.Tensor:
+        """The queries before the rotary embedding, after any query norm, [1, heads, tokens, head_dim].
+
+        What the forward hands its rotary: the query projection per head,
+        after any query norm the family applies before rotating, in
+        transformers' channel order (Llama 4: vLLM's load-time permutation
+        undone). On a block that rotates nothing, the layer's queries.
+        In-place edits and assignment reach the model: the edited queries are
+        rotated.
+        """
+
+    @PreRotary(shape="[1, kv_heads, tokens, head_dim]")
+    def keys_pre_rotary(self) -> torch.Tensor:
+        """The keys before the rotary embedding, after any key norm, [1, kv_heads, tokens, head_dim].
+
+        This step's tokens only; as `queries_pre_rotary` otherwise. In-place
+        edits and assignment reach the model: the edited keys are rotated and
+        cached.
+        """
 
     @Flat(INPUT, argument=(0, "query"), shape="[1, heads, tokens, head_dim]")
     def queries(self) -> torch.Tensor:
@@ -212,6 +358,52 @@ class VllmAttentionInternals:
     def relocated(self) -> dict:
         return {}
 
+    def reason(self, name: str) -> Optional[str]:
+        own = super().reason(name)  # type: ignore[misc]
+        if own is None and (name in PRE_ROTARY or name in PROJECTED):
+            module = seam.module_of(self)
+            if getattr(module, FUSED_ROTARY_FLAG, False):
+                fused = FUSED_PROJECTION if name in PROJECTED else FUSED_ROTARY
+                return fused.format(kernel="fused_qk_rmsnorm_rope_gate")
+            if self.projection_norm(name) is not None:
+                return None
+            calls = seam.kernel_call_names(module)
+            if BACKEND_ROTARY_CALL in calls and not seam.runs_class_forward(module) \
+                    and not self._backend_norms(module):
+                return BACKEND_REWRITTEN
+        return own
+
+    def projection_norm(self, name: str) -> Optional[str]:
+        """The child that norms the projection of `name` before the rotary, None where there is none."""
+        return projection_norm(seam.module_of(self), name)
+
+    @staticmethod
+    def _backend_norms(module: Any) -> bool:
+        return all(norm in module._modules for norm in BACKEND_NORMS.values())
+
+    def rotary_call(self) -> Optional[tuple[Optional[str], dict[str, Any], str]]:
+        """(call, where the queries and keys sit in it, their layout: "flat" or "bhsd") of this block's rotary,
+        None where it rotates nothing; (None, the modules whose outputs they are, "normed") where the attention
+        norms its queries and keys before the rotary (`BACKEND_NORMS`). Asked once per envoy."""
+        known = self.__dict__.get("_streamscope_rotary", False)
+        if known is False:
+            module = seam.module_of(self)
+            calls = seam.kernel_call_names(module)
+            off = ROTARY_OFF.get(type(module).__name__)
+            known = None
+            if self._backend_norms(module):
+                # after the norms, which the forward calls one after the other (q's, then k's) before its rotary:
+                # read there, the projections (the norms' inputs) and these come in the order `INTERNALS` lists
+                # them; on a block that rotates nothing they are the layer's queries and keys all the same
+                known = (None, BACKEND_NORMS, "normed")
+            elif ROTARY_CALL in calls:
+                if getattr(module, "rotary_emb", None) is not None and not (off is not None and off(module)):
+                    known = (ROTARY_CALL, ROTARY_ARGUMENTS, "flat")
+            elif BACKEND_ROTARY_CALL in calls and seam.runs_class_forward(module):
+                known = (BACKEND_ROTARY_CALL, BACKEND_ROTARY_ARGUMENTS, "bhsd")
+            self.__dict__["_streamscope_rotary"] = known
+        return known
+
     def result_heads(self) -> int:
         return self.head_count("head_outputs")
 
@@ -268,7 +460,23 @@ class VllmAttentionInternals:
         replicas = self.kv_replicas() if name in ("keys", "values") else 1
         return whole.chunk(world // replicas, dim=-1)[rank // replicas]
 
+    def pre_rotary_layout(self, name: str) -> str:
+        """How the model holds value `name`: "bhsd" (transformers' rotary in the Transformers backend), "normed"
+        (a q/k norm's output, `BACKEND_NORMS`, or input, the projected values) or "flat"."""
+        if name in PROJECTED:
+            if self.projection_norm(name) is not None:
+                return "normed"
+            name = pre_rotary_of(name)
+        rotary = self.rotary_call() if name in PRE_ROTARY else None
+        return rotary[2] if rotary is not None else "flat"
+
     def internals_to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        layout = self.pre_rotary_layout(name)
+        if layout == "bhsd":  # [1, heads, tokens, head_dim]: flat, as the layer's
+            tensor = tensor[0].transpose(0, 1).flatten(-2)
+        elif layout == "normed":  # a norm's output, [1, tokens, width] or [tokens, heads, head_dim]
+            tensor = tensor.reshape(-1, self.head_count(unrotated_of(name)) * self.kernel_layer().head_size)
+        name = unrotated_of(name)
         if tensor.dim() == 3 and tensor.shape[0] == 1:  # [1, tokens, width]: flat already, with a batch
             tensor = tensor[0]
         head_dim = tensor.shape[-1] // self.head_count(name)
@@ -280,10 +488,15 @@ class VllmAttentionInternals:
         return heads.transpose(0, 1).unsqueeze(0)
 
     def internals_to_engine(self, value: torch.Tensor, live: torch.Tensor, name: str) -> torch.Tensor:
+        layout = self.pre_rotary_layout(name)
+        name = unrotated_of(name)
         heads = value[0] if name == "head_outputs" else value[0].transpose(0, 1)  # [tokens, heads, head_dim]
         if self.CHANNELS_PERMUTED and name in ("queries", "keys"):
             heads = halves_first(heads)
-        return self.rank_heads(heads.flatten(-2), name).reshape(live.shape)
+        flat = self.rank_heads(heads.flatten(-2), name)
+        if layout == "bhsd":
+            return flat.unflatten(-1, (live.shape[1], -1)).transpose(0, 1).reshape(live.shape)
+        return flat.reshape(live.shape)
 
     # Scores, over the whole prefix.
 
@@ -361,5 +574,5 @@ def attention_kind(kind: type) -> type:
 #: derives from it.
 VllmAttention = attention_kind(blocks.Attention)
 
-__all__ = ["Flat", "Recomputed", "VllmAttention", "VllmAttentionInternals", "attention_kind",
+__all__ = ["Flat", "PreRotary", "Projected", "Recomputed", "VllmAttention", "VllmAttentionInternals", "attention_kind",
            "halves_first", "pairs_first"]

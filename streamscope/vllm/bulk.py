@@ -29,10 +29,11 @@ import torch
 
 from ..blocks.sublayers import NEURONS
 from ..bulk.apply import Applier, Span, steer_plans
+from ..bulk.moments import check_reduce, reduce_buffer
 from ..bulk.results import Generation, Harvest, ShardWriter, assemble
 from .. import nnsight_seam as seam
 from ..errors import Unavailable, untapped
-from ..bulk.spec import (HarvestSpec, Positions, Site, Steer, check_doses, check_steer, generation_harvest,
+from ..bulk.spec import (HarvestSpec, Positions, Site, Steer, check_doses, check_steer, condition_sites, generation_harvest,
                          harvest_spec, locate, token_ids)
 from . import held
 from .graphed import GraphedEdits
@@ -59,6 +60,7 @@ class WorkerState:
         self.held: list[int] = []  # the run's harvest sites this worker's pipeline stage reads, in run order
         self.total = 0             # the run's harvest sites, every stage's
         self.logits: Optional[dict[int, list[torch.Tensor]]] = None
+        self.reduce: Optional[str] = None  # the run's `HarvestSpec.reduce`
         self.sampled: list[Optional[int]] = []
         self.logits_hook: Any = None
         self.saes = WorkerSAEs(next(runner.get_model().parameters()).device)  # `streamscope.vllm.held`
@@ -176,9 +178,10 @@ def _begin(worker: Any, payload: bytes) -> None:
     steers = [(steer, locate(root, steer.value, steer.layer)) for steer in steer_list
               if holds(root, steer.value, steer.layer)]
     keys = list(range(len(plan["lengths"])))
-    plans = steer_plans(steers, keys, plan["lengths"], dtype, device)
+    plans = steer_plans(steers, keys, plan["lengths"], dtype, device, root=root)
     wanted = {key: spec.positions[key] for key in keys} if spec is not None else {}
     state.run, state.keys = plan["run"], {}
+    state.reduce = spec.reduce if spec is not None else None  # applied to each prompt's rows before they leave
     state.applier = Applier(sites, wanted, plans, device, readout=readout).install()
     if state.replays and device.type == "cuda":
         state.applier.graphs = GraphedEdits()  # a replayed step's edits at its taps, captured per run
@@ -210,7 +213,7 @@ def worker_finish(worker: Any, inline: bool) -> Any:
     applier.settle()
     keys = list(applier.harvested)
     result = {
-        "harvested": {key: applier.take(key) for key in keys},
+        "harvested": {key: reduce_buffer(applier.take(key), state.reduce) for key in keys},
         "logits": {key: torch.stack(rows) for key, rows in (state.logits or {}).items()},
         "error": applier.error,
         "held": state.held,
@@ -286,7 +289,8 @@ def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str,
     local = {global_index: local_index for local_index, global_index in enumerate(chunk)}
     chunk_spec = None
     if spec is not None:
-        chunk_spec = HarvestSpec(spec.values, spec.layers, [spec.positions[index] for index in chunk], spec.readout)
+        chunk_spec = HarvestSpec(spec.values, spec.layers, [spec.positions[index] for index in chunk], spec.readout,
+                                 reduce=spec.reduce)
     chunk_steers = []
     for steer in steers:
         if steer.prompts is None:
@@ -396,16 +400,22 @@ def _chunks(count: int, size: int) -> list[list[int]]:
 
 def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None, positions: Positions = "last",
             out: Optional[str | Path] = None, shard_size: int = 1024, progress: bool = True,
-            readout: Any = None, steer: Sequence[Steer] = ()) -> Harvest | Path:
-    """Read values at chosen blocks and positions of many prompts in the engine's own batches; see `streamscope.bulk`."""
+            readout: Any = None, steer: Sequence[Steer] = (), reduce: Optional[str] = None) -> Harvest | Path:
+    """Read values at chosen blocks and positions of many prompts in the engine's own batches; see `streamscope.bulk`.
+
+    `reduce` (``"last"``, ``"mean"``) reduces each prompt's positions in the worker, before its rows leave it
+    (`streamscope.bulk.moments.reduce_positions`): one row a prompt crosses to this process.
+    """
     from tqdm.auto import tqdm
 
     ids = token_ids(model, prompts)
     spec = harvest_spec(model, values, layers, positions, [len(tokens) for tokens in ids])
     spec.readout = readout
+    spec.reduce = check_reduce(reduce)
     lengths = [len(tokens) for tokens in ids]
-    _check_tapped(model, spec.sites(model) + [check_steer(model, item, len(ids), lengths) for item in steer])
-    check_doses(model, list(steer), _dtype(model))
+    _check_tapped(model, spec.sites(model) + [check_steer(model, item, len(ids), lengths) for item in steer]
+                  + condition_sites(model, steer))
+    steer = check_doses(model, list(steer), _dtype(model))  # a clamped dose's steer replaced
     writer = ShardWriter(out, spec, len(ids)) if out is not None else None
     parts: list[Harvest] = []
     bar = tqdm(total=len(ids), desc="harvest", unit="prompt", disable=not progress)
@@ -423,7 +433,7 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
     if writer is not None:
         return writer.close()
     return Harvest({value: [tensor for part in parts for tensor in part.values[value]] for value in spec.values},
-                   spec.layers, spec.positions, list(range(len(ids))))
+                   spec.layers, spec.positions, list(range(len(ids))), spec.reduce)
 
 
 def generate(model: Any, prompts: Sequence[Any], max_tokens: int = 16, *, steer: Sequence[Steer] = (),
@@ -439,8 +449,8 @@ def generate(model: Any, prompts: Sequence[Any], max_tokens: int = 16, *, steer:
     lengths = [len(tokens) for tokens in ids]
     spec = generation_harvest(model, harvest, lengths)
     _check_tapped(model, [check_steer(model, item, len(ids), lengths) for item in steer]
-                  + (spec.sites(model) if spec else []))
-    check_doses(model, list(steer), _dtype(model))
+                  + (spec.sites(model) if spec else []) + condition_sites(model, steer))
+    steer = check_doses(model, list(steer), _dtype(model))  # a clamped dose's steer replaced
     sampling = {"temperature": 0.0, **sampling, "max_tokens": max_tokens}
     tokens: list[list[int]] = []
     texts: list[str] = []

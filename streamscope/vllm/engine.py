@@ -33,6 +33,8 @@ class VllmEngine(Engine):
 
     name = "vllm"
     one_forward = ONE_FORWARD
+    no_gradients = ("the vLLM engine runs its model under torch.inference_mode, keeping no autograd graph. Load "
+                    "the checkpoint on transformers for gradients: `streamscope.load(path, engine=\"transformers\")`.")
 
     def precision(self) -> tuple[str, torch.dtype]:
         from vllm.platforms import current_platform

@@ -24,23 +24,36 @@ for BOS (what ``tokenizer(text)``, a trace, vLLM and the server give);
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
 from ..blocks import BOUNDARIES, SHORT_CONTRIBUTIONS, Attention
 from ..blocks.heads import INTERNALS
 from ..blocks.sublayers import NEURONS
-from ..engine import check_padding_side, encode, last_positions, padded
-from ..errors import Unavailable, code_of
+from ..engine import check_padding_side, last_positions, padded
+from ..errors import Unavailable
 from ..families.logits import scaling_in_words
 from ..families.spec import ROOT_STREAMS
-from .tl import TransformerLensCache, as_index, keep_axis
+from .cache_inputs import _names_filter, _output_weights, _token_ids, norm_inputs  # noqa: F401  (serve imports them)
+from .tl import TransformerLensCache, act_name, as_index, keep_axis
 
 ATTENTION = tuple(f"{Attention.ROLE}.{name}" for name in INTERNALS)
 ROOT = ROOT_STREAMS
-#: What `model.cache` reads by default: every served boundary and contribution, and the root values.
-DEFAULT_VALUES = (*BOUNDARIES, *SHORT_CONTRIBUTIONS, *(f"mlp.{name}" for name in NEURONS))
+#: The stream's values: every boundary, every contribution and a dense MLP's neurons (``values=STREAM_VALUES``
+#: is `model.cache`'s default before attention's values joined it: linear in the prompt's length).
+STREAM_VALUES = (*BOUNDARIES, *SHORT_CONTRIBUTIONS, *(f"mlp.{name}" for name in NEURONS))
+#: What `model.cache` reads by default, what TransformerLens 4.3's run_with_cache keeps: `STREAM_VALUES` and
+#: attention's queries and keys before and after the rotary embedding, values, scores, pattern and per-head
+#: outputs (TL's hook_q/k, hook_rot_q/k, hook_v, hook_attn_scores, hook_pattern, hook_z), and the root values.
+#: A block that serves one of them not is listed in `Cache.unavailable` with the reason. Memory, in numbers a
+#: block for ``b`` prompts of ``s`` tokens: about ``b*s*(6*hidden + 2*d_mlp + 6*heads*head_dim)`` for the streams,
+#: neurons and per-head values, plus ``2*b*heads*s*s`` for the scores and pattern, which dominate past
+#: ``s ~ 3*hidden/heads`` tokens (the logits add ``b*s*vocab`` unless ``logits=False``; ``values=STREAM_VALUES``
+#: leaves attention's values out).
+DEFAULT_VALUES = (*STREAM_VALUES, *ATTENTION)
+#: ``model.cache(prompts, values=ALL)``: every value every block serves (its support table's served rows).
+ALL = "all"
 
 #: The sublayers whose values a short name reaches: ``pattern`` is ``self_attn.pattern``, ``attention_output``
 #: the mixer's (``self_attn`` or ``linear_attn``, whichever the block has), ``mlp_output`` the MLP's.
@@ -66,8 +79,8 @@ TL_BLOCK = {
     "hook_mlp_out": ("mlp_output", None),
     "mlp.hook_pre": ("mlp.neurons_pre", None),
     "mlp.hook_post": ("mlp.neurons", None),
-    "attn.hook_q": ("self_attn.queries", "heads_last"),
-    "attn.hook_k": ("self_attn.keys", "heads_last"),
+    "attn.hook_q": ("self_attn.queries_projected", "heads_last"),
+    "attn.hook_k": ("self_attn.keys_projected", "heads_last"),
     "attn.hook_rot_q": ("self_attn.queries", "heads_last"),
     "attn.hook_rot_k": ("self_attn.keys", "heads_last"),
     "attn.hook_v": ("self_attn.values", "heads_last"),
@@ -92,6 +105,18 @@ TL_UNSERVED = {
                             "mlp.neurons_pre) and the gated product (mlp.hook_post, mlp.neurons), not its up "
                             "projection alone"),
 }
+#: A block's TransformerLens hooks in the order TL 4.3's bridge runs them (its cache's keys' order).
+_TL_ORDER = ("hook_resid_pre", "hook_attn_in", "ln1.hook_scale", "ln1.hook_normalized", "ln1.hook_out", "attn.hook_in",
+             "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k",
+             "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_z", "attn.hook_result", "hook_attn_out",
+             "hook_resid_mid", "hook_mlp_in", "ln2.hook_scale", "ln2.hook_normalized", "ln2.hook_out", "mlp.hook_in",
+             "mlp.hook_pre", "mlp.hook_post", "hook_mlp_out", "hook_resid_post")
+
+
+def _tl_rank(hook: str) -> int:
+    return _TL_ORDER.index(hook) if hook in _TL_ORDER else len(_TL_ORDER)
+
+
 _TL_BLOCK_NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
 _BLOCK_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
 
@@ -130,6 +155,9 @@ class Cache(TransformerLensCache, Mapping):
                  head: Any = None, padding_side: str = "left", model: Any = None) -> None:
         self.stored = values
         self.derived: set[str] = set()
+        self.written: dict[str, torch.Tensor] = {}
+        #: The run's ``names_filter`` as a predicate (None: none): `keys` lists the names it accepts, as TL's.
+        self.names_filter: Optional[Callable[[str], bool]] = None
         self.model = model
         self.padding_side = padding_side
         self._head = head  # the engine's `head_parameters`, read when logit_attrs needs the head's bias and scale
@@ -162,25 +190,28 @@ class Cache(TransformerLensCache, Mapping):
         The same list whatever has been read: a value computed on first read and kept
         (``layers.{i}.self_attn.head_results``, read as ``blocks.{i}.attn.hook_result``) is listed under its
         TransformerLens name only."""
-        return [*(key for key in self.stored if key not in self.derived), *self.tl_names()]
+        stored = [key for key in self.stored if key not in self.derived
+                  and (self.names_filter is None or self.names_filter(key))]
+        listed = [*stored, *self.tl_names()]
+        return [*listed, *(key for key in self.written if key not in listed)]
 
     def tl_names(self) -> list[str]:
-        """The TransformerLens 4.3 hook names this cache answers, in the order the model computes them."""
-        names = [tl for tl, name in TL_ROOT.items() if name in self.stored]
+        """The TransformerLens 4.3 hook names this cache answers, in the order the model computes them (TL's
+        bridge's order: `_TL_ORDER`); in a cache built with a ``names_filter``, those the filter accepts."""
+        names = [tl for tl, name in TL_ROOT.items() if name in self.stored and not tl.startswith("ln_final")]
         if "hook_pos_embed" in self:
             names.append("hook_pos_embed")
         computed = [hook for hook in TL_COMPUTED if hook != "hook_attn_in" or self.num_heads is not None]
         for index in range(self.num_layers):
-            served = [hook for hook, (name, _) in TL_BLOCK.items()
-                      if self._block_key(index, name) is not None and not (hook in ("attn.hook_q", "attn.hook_k")
-                                                                            and self.rotary)]
-            names += [f"blocks.{index}.{hook}" for hook in served]
-            names += [f"blocks.{index}.{hook}" for hook in computed if self._computable(index, hook)]
+            served = [hook for hook, (name, _) in TL_BLOCK.items() if self._block_key(index, name) is not None]
+            served += [hook for hook in computed if self._computable(index, hook)]
+            names += [f"blocks.{index}.{hook}" for hook in sorted(served, key=_tl_rank)]
         if self.final_norm is not None and f"layers.{self.num_layers - 1}.layer_output" in self.stored:
             names += ["ln_final.hook_scale", "ln_final.hook_normalized"]
+        names += [tl for tl, name in TL_ROOT.items() if name in self.stored and tl.startswith("ln_final")]
         if self.logits is not None and self.logit_transform is None:
             names.append("hook_unembed")
-        return names
+        return names if self.names_filter is None else [name for name in names if self.names_filter(name)]
 
     def _block_key(self, index: int, name: str) -> Optional[str]:
         """The stored key of block `index`'s value `name` (a short contribution name resolved), or None."""
@@ -190,8 +221,8 @@ class Cache(TransformerLensCache, Mapping):
         return None
 
     def _computable(self, index: int, hook: str) -> bool:
-        if hook == "attn.hook_result":
-            return f"layers.{index}.self_attn.head_outputs" in self.stored and self._output_weights is not None
+        if hook == "attn.hook_result":  # as TL's cache: listed once computed (compute_head_results), or served
+            return f"layers.{index}.self_attn.head_results" in self.stored
         source = self.norm_inputs.get(index, {}).get("ln2" if hook.startswith(("ln2", "hook_mlp")) else "ln1")
         return (source is not None and source in self.stored
                 and (self.final_norm is not None or not hook.startswith("ln")))
@@ -210,6 +241,8 @@ class Cache(TransformerLensCache, Mapping):
             key = self.tl_key(key)
         if key in self.stored:
             return self.stored[key]
+        if key in self.written:
+            return self.written[key]
         block = _BLOCK_NAME.match(key)
         if block is not None:
             index, name = int(block.group(1)), block.group(2)
@@ -225,6 +258,39 @@ class Cache(TransformerLensCache, Mapping):
         if key in self.unavailable:
             raise Unavailable(key, "model", self.unavailable[key])
         return self._transformer_lens(key)
+
+    def write(self, key: str, value: Optional[torch.Tensor]) -> None:
+        """Put `value` under `key` (None: take it away), what assigning TL 4.3's ``cache.cache_dict[key]`` does.
+
+        A streamscope name, or a TransformerLens name read unchanged from one (``blocks.2.hook_resid_mid``),
+        replaces the stored tensor, so both names and every method read the new one; ``hook_q``/``hook_k``/
+        ``hook_v`` are stored back in streamscope's ``[batch, head, seq, d]`` layout; ``blocks.{i}.attn.
+        hook_result`` becomes block i's per-head results. Any other name (a computed one, or a new one, as TL's
+        attribution-patching demo adds) is kept in `written` and answered before anything is computed.
+        """
+        if not isinstance(key, str):
+            raise KeyError(f"write takes a full name ('blocks.0.hook_resid_pre', 'layers.0.layer_input'), not {key!r}")
+        match = _TL_BLOCK_NAME.match(key)
+        target, layout = key, None
+        if key not in self.stored:
+            source = _source_of(self, key)
+            if source is not None:
+                target, layout = source, TL_BLOCK[match.group(2)][1] if match else None
+            elif match is not None and match.group(2) == "attn.hook_result":
+                target = f"layers.{match.group(1)}.self_attn.head_results"
+                self.derived.add(target)
+        if target == key and key not in self.stored and not key.endswith("self_attn.head_results"):
+            if value is None:
+                self.written.pop(key, None)
+            else:
+                self.written[key] = value
+            return
+        if value is None:
+            self.stored.pop(target, None)
+            self.derived.discard(target)
+            return
+        whole = 4 if self.has_batch_dim else 3
+        self.stored[target] = value.transpose(-3, -2) if layout == "heads_last" and value.dim() == whole else value
 
     def _transformer_lens(self, key: str) -> torch.Tensor:
         if key in TL_ROOT:
@@ -248,6 +314,8 @@ class Cache(TransformerLensCache, Mapping):
             # Exact: block 0's input is the token embeddings plus the position embeddings.
             return self["layers.0.layer_input"] - self["token_embeddings"]
         match = _TL_BLOCK_NAME.match(key)
+        if match is None and act_name(key) != key:  # TL's shorthand string: cache["embed"], cache["scale2ln1"]
+            return self[act_name(key)]
         if match is None:
             raise KeyError(f"{key!r} is neither a streamscope name (layers.3.layer_mid, token_embeddings) nor a "
                            f"TransformerLens hook name this cache knows ({', '.join(sorted(TL_ROOT))}, "
@@ -264,9 +332,6 @@ class Cache(TransformerLensCache, Mapping):
             raise KeyError(f"{key!r}: TransformerLens hook {hook!r} has no streamscope counterpart; known: "
                            f"{', '.join([*TL_BLOCK, *TL_COMPUTED])}")
         name, layout = TL_BLOCK[hook]
-        if hook in ("attn.hook_q", "attn.hook_k") and self.rotary:
-            raise Unavailable(hook, f"blocks.{index}", "streamscope serves queries and keys after the rotary "
-                              f"embedding: read blocks.{index}.attn.hook_rot_{hook[-1]}")
         value = self[f"layers.{index}.{name}"]
         # TransformerLens lays per-head values out [batch, pos, head, d_head]; streamscope [batch, head, seq, d]. The
         # batch axis may be gone (remove_batch_dim), and the position axis too (a run's pos_slice=Slice(int)):
@@ -290,11 +355,6 @@ class Cache(TransformerLensCache, Mapping):
         if hook.endswith("hook_scale"):
             return self.norm_scale(index, mlp)
         return self.norm_form.centre(stream.float()) / self.norm_scale(index, mlp)
-
-    @property
-    def rotary(self) -> bool:
-        """Whether the family rotates queries and keys (TransformerLens's hook_q is before the rotation)."""
-        return not self.learned_positions
 
     # streamscope's own stacking; TransformerLens's ActivationCache methods come from `TransformerLensCache`.
 
@@ -405,12 +465,18 @@ def fit_final_norm(weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
 # Building a cache on either engine.
 
 
-def _block_keys(model: Any, values: Sequence[str], layers: Sequence[int]) -> tuple[list, dict[str, str]]:
-    """(block, full name) pairs to read in the order each block computes them, and the unserved ones' reasons."""
+def _block_keys(model: Any, values: Sequence[str], layers: Sequence[int],
+                lenient: bool = False) -> tuple[list, dict[str, str]]:
+    """(block, full name) pairs to read in the order each block computes them, and the unserved ones' reasons.
+
+    A name no block row answers is refused, unless `lenient` (the default values, ``"all"``): then the block's
+    reason is that it has no such value."""
     wanted = {name for name in values}
     reads, unavailable = [], {}
     for index in layers:
         rows = model.layers[index].support().rows
+        if values == [ALL]:
+            wanted = set(rows)
         for full, reason in rows.items():
             short = full.split(".")[-1]
             # A short name (``pattern``, ``attention_output``) selects the sublayer's value of that name.
@@ -421,6 +487,11 @@ def _block_keys(model: Any, values: Sequence[str], layers: Sequence[int]) -> tup
                     unavailable[f"layers.{index}.{full}"] = reason
         for name in wanted:
             if name not in rows and not any(full.endswith("." + name) for full in rows):
+                if lenient:
+                    unavailable[f"layers.{index}.{name}"] = (f"model.layers[{index}] has no {name} (a "
+                                                             f"{type(model.layers[index]).__name__}); its values: "
+                                                             f"{', '.join(rows)}")
+                    continue
                 raise ValueError(f"{name!r} is not a value of model.layers[{index}]; its values: {', '.join(rows)}")
     return reads, unavailable
 
@@ -489,63 +560,6 @@ def _body(model: Any, reads: list, roots: Sequence[str], with_logits: bool) -> t
     return found, logits
 
 
-def _token_ids(model: Any, prompts: Any, prepend_bos: Optional[bool] = None) -> list[list[int]]:
-    """Each prompt's token ids: strings are tokenized (the tokenizer's own BOS rule, or `prepend_bos`'s:
-    `streamscope.engine.encode`); token ids (a ``[batch, seq]`` or ``[seq]`` tensor, a list of ints or of lists)
-    are taken as they are, every id a token (give a padded batch as a list of unpadded id lists)."""
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    if isinstance(prompts, torch.Tensor):
-        if prompts.dtype.is_floating_point or prompts.dim() not in (1, 2):
-            raise ValueError(f"token ids must be an integer tensor [batch, seq] or [seq], not {prompts.dtype} "
-                             f"{tuple(prompts.shape)}")
-        prompts = prompts.reshape(-1, prompts.shape[-1]).tolist()
-    prompts = list(prompts)
-    if prompts and all(isinstance(item, int) for item in prompts):
-        prompts = [prompts]
-    if not prompts:
-        raise ValueError("model.cache needs at least one prompt")
-    encoded = []
-    for prompt in prompts:
-        if isinstance(prompt, str):
-            encoded.append(encode(model.tokenizer, prompt, prepend_bos))
-        elif isinstance(prompt, (list, tuple, torch.Tensor)) and len(prompt) and all(
-                isinstance(item, int) for item in torch.as_tensor(prompt).tolist()):
-            ids = [int(item) for item in torch.as_tensor(prompt).tolist()]
-            bad = [item for item in ids if not 0 <= item < model.vocab_size]
-            if bad:
-                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{model.vocab_size - 1})")
-            if prepend_bos is not None:
-                raise ValueError(f"prepend_bos={prepend_bos!r} applies to text; token ids run as given (add or drop "
-                                 f"the BOS id in them, or pass the text)")
-            encoded.append(ids)
-        else:
-            raise TypeError(f"model.cache takes a prompt (a string, or a non-empty list of token ids) or a list of "
-                            f"them, not {prompt!r:.80}")
-    return encoded
-
-
-def _output_weights(model: Any) -> Callable[[], list]:
-    """What a cache reads TransformerLens's ``W_O`` with: the engine's output projections, or per block the reason
-    a head's result cannot be computed from its output where the family gates it (`FamilySpec.gated_head_outputs`)."""
-    gated = model.family_spec.gated_head_outputs
-    if gated is None:
-        return model.engine.output_projections
-    reason = (f"{gated}: read self_attn.head_results instead, which is taken at the projection's input "
-              f"(model.cache(prompt, values=['self_attn.head_results']), or in a trace)")
-    return lambda: [reason] * model.num_layers
-
-
-def _names_filter(names_filter: Any) -> Optional[Any]:
-    """TransformerLens's names_filter as a predicate: a callable, a name, or a list of names."""
-    if names_filter is None or callable(names_filter):
-        return names_filter
-    if isinstance(names_filter, str):
-        return lambda name: name == names_filter
-    wanted = set(names_filter)
-    return lambda name: name in wanted
-
-
 def _keep(cache: Cache, keep: Any) -> None:
     """Drop every stored value whose streamscope name and TransformerLens names all fail `keep`."""
     tl_of: dict[str, list[str]] = {}
@@ -577,45 +591,18 @@ def _slice_positions(cache: Cache, pos_slice: Any) -> None:
         cache.logits = apply_slice(cache.logits, pos_slice, 1)
 
 
-def norm_inputs(model: Any) -> dict[int, dict[str, str]]:
-    """Per block: the stream (a cache key) its attention norm (``ln1``) and MLP norm (``ln2``) read, else why none."""
-    from ..blocks.parallel import SharedNormParallelLayer
-    from ..blocks.sublayers import PostNormedAttention
-
-    found = {}
-    for index in range(model.num_layers):
-        rows = model.layers[index].support().rows
-        attention = rows.get("attention_norm_output", "this block has no attention norm")
-        mlp = rows.get("mlp_norm_output", "this block has no MLP norm")
-        mid = rows.get("layer_mid", "no stream between the sublayers")
-        ln1 = f"layers.{index}.layer_input" if attention is None else attention
-        if isinstance(model.layers[index], SharedNormParallelLayer):
-            ln2 = ("this block has one norm (ln1), which the attention and the MLP both read: "
-                   "its scale is blocks.{i}.ln1.hook_scale (mlp_input=False)").replace("{i}", str(index))
-        elif mlp is not None:
-            ln2 = mlp
-        elif mid is None:
-            ln2 = f"layers.{index}.layer_mid"
-        else:
-            ln2 = f"layers.{index}.layer_input" if code_of(mid) == "parallel" else mid
-        found[index] = {"ln1": ln1, "ln2": ln2}
-        try:
-            attention = model.layers[index].self_attn
-        except (AttributeError, Unavailable):
-            attention = None
-        if isinstance(attention, PostNormedAttention):
-            found[index]["sandwich"] = (f"block {index} normalizes the attention's output before adding it to the "
-                                        "stream (a sandwich norm), so its heads' results do not add up to what it "
-                                        "adds (TransformerLens 4.3 sums them regardless)")
-    return found
-
-
 def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None,
                 layers: Optional[Sequence[int]] = None, *, logits: bool = True, batch_size: Optional[int] = None,
                 progress: Optional[bool] = None, names_filter: Any = None, pos_slice: Any = None,
                 prepend_bos: Optional[bool] = None, padding_side: str = "left",
-                remove_batch_dim: bool = False) -> Cache:
+                remove_batch_dim: bool = False, device: Optional[Union[str, torch.device]] = None) -> Cache:
     """Run `prompts` and keep `values` of `layers` (every block by default): `model.cache`'s work.
+
+    `values` None keeps what TransformerLens 4.3's run_with_cache keeps
+    (`DEFAULT_VALUES`, which states its memory: the scores and pattern grow
+    with the square of the length), ``"all"`` every value every block serves,
+    a list those named. A block that does not serve a default value says why
+    in `Cache.unavailable`; reading it raises `Unavailable` with that reason.
 
     `prompts` are strings or token ids (`_token_ids`). `names_filter` (a
     callable on names, a name or a list of names, as TransformerLens's
@@ -628,12 +615,17 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
     run of one prompt (several are refused before the run). Several prompts are padded on
     `padding_side` (``"left"``: ``[:, -1]`` is every prompt's last token);
     `prepend_bos` None tokenizes text by the tokenizer's own rule, True puts
-    one BOS first (TransformerLens's), False leaves it out.
+    one BOS first (TransformerLens's), False leaves it out. `device` keeps
+    the tensors there (TL's ``device``: the model stays), None where run.
     """
     from tqdm.auto import tqdm
 
     from ..input_checks import indices, names
 
+    if not model.engine.runs_traces:  # a server (a streamscope.Client): its engine builds it from harvests
+        return model.engine.cache(prompts, values, layers, logits=logits, batch_size=batch_size, progress=progress,
+                                  names_filter=names_filter, pos_slice=pos_slice, prepend_bos=prepend_bos,
+                                  padding_side=padding_side, remove_batch_dim=remove_batch_dim, device=device)
     check_padding_side(padding_side)
     encoded = _token_ids(model, prompts, prepend_bos)
     if remove_batch_dim and len(encoded) != 1:
@@ -643,17 +635,8 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
         # Checked before the run; a plain int keeps the position axis and a TL Slice(int) drops it, as TL 4.3.
         pos_slice = as_index(keep_axis(pos_slice))
     prompts = [ids for ids in encoded]
-    values = names(values)
-    roots = list(ROOT) if values is None else [name for name in values if name in ROOT]
-    values = list(DEFAULT_VALUES if values is None else values)
-    root_rows = model.support().root.rows
-    root_unavailable = {name: root_rows[name] for name in roots if root_rows.get(name) is not None}
-    roots = [name for name in roots if name not in root_unavailable]
-    block_values = [name for name in values if name not in ROOT]
-    layers = indices(layers, model.num_layers, "block", "model.cache")
-    reads, unavailable = _block_keys(model, block_values, layers)
-    unavailable.update(root_unavailable)
-    reads, aliases = _unique(model, reads)
+    roots, reads, aliases, unavailable = _plan(model, names(values), indices(layers, model.num_layers, "block",
+                                                                               "model.cache"))
     keys = [*(["token_embeddings"] if "token_embeddings" in roots else []),
             *(f"layers.{index}.{full}" for index, full in reads),
             *(["final_norm_output"] if "final_norm_output" in roots else [])]
@@ -684,30 +667,62 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
         stored[alias] = stored[key]
     stored = {key: stored[key] for key in _ordered(stored, aliases, keys)}
     stored_logits = _pad("logits", per_logits, longest, padding_side) if logits else None
+    cache = _assemble(model, stored, tokens, mask, stored_logits, unavailable, padding_side)
+    _finish(cache, names_filter, pos_slice, remove_batch_dim, device)
+    return cache
+
+
+def _plan(model: Any, values: Optional[list], layers: Sequence[int]) -> tuple[list, list, dict, dict[str, str]]:
+    """What a run reads: the root values, the (block, full name) reads with each location once, the aliases, and
+    ``{key: reason}`` for what is not served. `values` None is `DEFAULT_VALUES`, ``["all"]`` every served value."""
+    lenient = values is None or values == [ALL]
+    roots = list(ROOT) if lenient else [name for name in values or () if name in ROOT]
+    values = list(dict.fromkeys(DEFAULT_VALUES if values is None else values))  # a name given twice is read once
+    root_rows = model.support().root.rows
+    root_unavailable = {name: root_rows[name] for name in roots if root_rows.get(name) is not None}
+    roots = [name for name in roots if name not in root_unavailable]
+    block_values = [name for name in values if name not in ROOT]
+    reads, unavailable = _block_keys(model, block_values, layers, lenient)
+    unavailable.update(root_unavailable)
+    reads, aliases = _unique(model, reads)
+    return roots, reads, aliases, unavailable
+
+
+def _assemble(model: Any, stored: dict[str, torch.Tensor], tokens: torch.Tensor, mask: torch.Tensor,
+              logits: Optional[torch.Tensor], unavailable: dict[str, str], padding_side: str) -> Cache:
+    """The `Cache` of a run's padded values, with what its methods read from the model."""
     final_norm = _final_norm(model, stored, mask)
     try:
         heads: Optional[int] = model.num_heads
     except Unavailable:
         heads = None
-    cache = Cache(stored, tokens=tokens, mask=mask, logits=stored_logits, model_type=model.config.model_type,
-                  num_layers=model.num_layers, unavailable=unavailable, final_norm=final_norm,
-                  unembedding=model.engine.unembedding_rows, head=model.engine.head_parameters,
-                  norm_inputs=norm_inputs(model),
-                  num_heads=heads, tokenizer=model.tokenizer, logit_transform=scaling_in_words(model.config),
-                  output_weights=_output_weights(model), down_weights=model.engine.down_projections,
-                  learned_positions=model.family_spec.learned_positions, padding_side=padding_side, model=model)
+    return Cache(stored, tokens=tokens, mask=mask, logits=logits, model_type=model.config.model_type,
+                 num_layers=model.num_layers, unavailable=unavailable, final_norm=final_norm,
+                 unembedding=model.engine.unembedding_rows, head=model.engine.head_parameters,
+                 norm_inputs=norm_inputs(model),
+                 num_heads=heads, tokenizer=model.tokenizer, logit_transform=scaling_in_words(model.config),
+                 output_weights=_output_weights(model), down_weights=model.engine.down_projections,
+                 learned_positions=model.family_spec.learned_positions, padding_side=padding_side, model=model)
+
+
+def _finish(cache: Cache, names_filter: Any, pos_slice: Any, remove_batch_dim: bool, device: Any) -> None:
+    """TransformerLens's run_with_cache arguments applied to a built cache, in place, in TL's order."""
     keep = _names_filter(names_filter)
     if keep is not None:
         _keep(cache, keep)
+        cache.names_filter = keep
     if pos_slice is not None:
         _slice_positions(cache, pos_slice)
     if remove_batch_dim:
         cache.remove_batch_dim()
-    return cache
+    if device is not None:
+        cache.to(device)
 
 
 #: The axes of each value that run over positions (the rest are batch, heads or widths).
-_SEQ_AXES = {"queries": (2,), "keys": (2,), "values": (2,), "scores": (2, 3), "pattern": (2, 3)}
+_SEQ_AXES = {"queries": (2,), "keys": (2,), "values": (2,), "scores": (2, 3), "pattern": (2, 3),
+             "queries_pre_rotary": (2,), "keys_pre_rotary": (2,), "queries_projected": (2,),
+             "keys_projected": (2,)}
 
 
 def seq_axes(key: str) -> tuple[int, ...]:

@@ -155,7 +155,8 @@ def lens(model: Any, prompt: str | Sequence[str], *, layers: Optional[Sequence[i
     """Read every block's stream (`value`, ``layer_output`` by default) through the model's own head.
 
     Args:
-        model: A streamscope model on either engine.
+        model: A streamscope model on either engine, or a `streamscope.Client` (the streams harvested over
+            HTTP, the server's engine applying its own final norm and head to them in its worker).
         prompt: The prompt text; or a list of prompts, for a list of `Lens`, one per prompt (on vLLM one
             trace runs them all, batched by the engine; on transformers each is its own run).
         layers: The blocks to read (default: all; negative indices count from the last).
@@ -187,10 +188,13 @@ def lens(model: Any, prompt: str | Sequence[str], *, layers: Optional[Sequence[i
 
     engine = model.engine
     found_all: list = []
-    batch = engine.batch(None, 1, len(prompts))  # vLLM: every prompt in one trace; transformers: one at a time
-    for start in range(0, len(prompts), batch):
-        with torch.no_grad():
-            found_all += engine.run(prompts[start:start + batch], body, [(2,)] if keep_logits else [(2,), (2,)])
+    if not engine.runs_traces:  # a server: the streams harvested, the engine's own head applied where it runs
+        found_all = engine.lens(prompts, layers, value, k, keep_logits)
+    else:
+        batch = engine.batch(None, 1, len(prompts))  # vLLM: every prompt in one trace; transformers: one at a time
+        for start in range(0, len(prompts), batch):
+            with torch.no_grad():
+                found_all += engine.run(prompts[start:start + batch], body, [(2,)] if keep_logits else [(2,), (2,)])
     lenses = [_lens(model, text, [tensor[0] for tensor in found], layers, value, k, keep_logits)
               for text, found in zip(prompts, found_all)]
     return lenses if several else lenses[0]

@@ -137,12 +137,18 @@ def _envoy(model: Any, layer: int, value: str) -> Any:
 def clean_values(model: Any, prompt: str, layers: Sequence[int], names: dict[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
     """``([blocks, 1, seq, ...], [vocab])``: value ``names[block]`` of each block on a run, and its last logits."""
 
+    # Read in the order the model computes (a trace waits for each value in turn), given back in `layers`' order.
+    order = sorted(range(len(layers)), key=lambda index: layers[index])
+
     def body() -> list[torch.Tensor]:  # [1, blocks, 1, seq, ...] and the logits
-        return [torch.stack([_envoy(model, layer, names[layer]) for layer in layers])[None], model.logits[..., -1, :]]
+        read = [_envoy(model, layers[index], names[layers[index]]) for index in order]
+        return [torch.stack(read)[None], model.logits[..., -1, :]]
 
     with torch.no_grad():
         ((stacked, logits),) = model.engine.run([prompt], body, [(), ()])  # one prompt: nothing padded to cut
-    return stacked[0], _last(logits)
+    back = torch.empty(len(order), dtype=torch.long)
+    back[torch.tensor(order)] = torch.arange(len(order))
+    return stacked[0][back], _last(logits)
 
 
 def _last(logits: torch.Tensor) -> torch.Tensor:
@@ -212,7 +218,8 @@ def _write_patch(target: Any, heads: Any, column: Any, replacement: torch.Tensor
 def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[torch.Tensor], Any]] = None, *,
           answer: Optional[str | int] = None, wrong: Optional[str | int] = None, value: str = "layer_output",
           layers: Optional[Sequence[int]] = None, positions: Optional[Sequence[int]] = None,
-          batch_size: Optional[int] = None, progress: Optional[bool] = None) -> Patching:
+          batch_size: Optional[int] = None, progress: Optional[bool] = None,
+          method: str = "activation") -> Patching:
     """Patch `value` from the clean run into the corrupted one, block by block and position by position.
 
     Args:
@@ -230,6 +237,11 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
             head's output is patched at (default: all), one column per head.
         batch_size: Patches per forward (transformers, default 16) or per engine run (vLLM, default: every
             patch in one run, which the engine schedules into its steps as its batch allows).
+        method: ``"activation"`` runs the corrupted prompt once per patch; ``"attribution"`` estimates every
+            patch at once from one clean run, one corrupted run and one backward pass: the corrupted run's
+            metric plus ``(clean value - corrupted value) . d metric / d value`` at the corrupted run, summed
+            over the value's last axis (attribution patching, `streamscope.workflows.attribution`; the metric
+            must return a tensor; transformers only: an engine without gradients refuses it before running).
 
     Returns:
         A `Patching`: the metric under each patch, ``[blocks, positions]`` or ``[blocks, heads]``.
@@ -238,6 +250,14 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
 
     from ..input_checks import indices, one_prompt
 
+    from .attribution import check_method, refuse_without_gradients
+
+    if check_method(method) == "attribution":
+        refuse_without_gradients(model)  # before any run, a server's sweep included
+    remote = getattr(model, "patch_sweep", None)
+    if remote is not None:  # a server runs the sweep itself (`streamscope.serve.sweeps`), with its noise floor
+        return remote(clean, corrupted, metric, answer=answer, wrong=wrong, value=value, layers=layers,
+                      positions=positions, batch_size=batch_size, progress=progress)
     several = "Patch each pair of prompts with its own call."
     clean, corrupted = (one_prompt(prompt, "streamscope.patch", several) for prompt in (clean, corrupted))
     tokenizer = model.tokenizer
@@ -269,6 +289,8 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
     length = len(corrupted_ids)
     positions = indices(positions, length, "position", "streamscope.patch")
 
+    if method == "attribution":
+        return _attribution(model, (clean, corrupted), metric, layers, names, positions, value)
     stacked, clean_logits = clean_values(model, clean, layers, names)
     _, corrupted_logits = clean_values(model, corrupted, layers[:1], names)
     patches: list[tuple[int, int, torch.Tensor]] = []
@@ -297,6 +319,21 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
     effects = torch.tensor(outcomes).reshape(len(layers), len(columns))
     return Patching(effects, float(metric(clean_logits.float())), float(metric(corrupted_logits.float())),
                     layers, columns, labels, value, getattr(metric, "__name__", "metric"), (clean, corrupted))
+
+
+def _attribution(model: Any, prompts: tuple[str, str], metric: Callable[[torch.Tensor], Any], layers: Sequence[int],
+                 names: dict[int, str], positions: Sequence[int], value: str) -> Patching:
+    """`patch` by attribution (`streamscope.workflows.attribution`): the same axes, columns and labels."""
+    from .attribution import attribution_effects
+
+    heads = value in HEAD_VALUES
+    effects, clean_metric, corrupted_metric = attribution_effects(model, *prompts, metric, layers, names, positions,
+                                                                  heads, _envoy, clean_values)
+    columns = list(range(effects.shape[1])) if heads else list(positions)
+    ids = model.tokenizer(prompts[1])["input_ids"]
+    labels = [f"head {h}" for h in columns] if heads else [model.tokenizer.decode([ids[p]]) for p in positions]
+    return Patching(effects, clean_metric, corrupted_metric, list(layers), columns, labels, value,
+                    getattr(metric, "__name__", "metric"), prompts)
 
 
 def _token_id(tokenizer: Any, token: str | int) -> int:

@@ -22,140 +22,18 @@ form and epsilon (one config field states both in every family served).
 from __future__ import annotations
 
 import logging
-import re
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
-from ..engine import check_padding_side, encode, padded, prepends_bos
 from ..errors import Unavailable
 
-#: What a ``pos_slice``, ``batch_slice`` or ``neuron_slice`` argument takes (`as_index`); ``Any`` admits
-#: TransformerLens's own ``Slice``, read by duck typing.
-SliceInput = Union[None, int, tuple, slice, list, torch.Tensor, Any]
-
-#: TransformerLens's shorthand (`get_act_name`) aliases.
-_ACT_ALIASES = {"attn": "pattern", "attn_logits": "attn_scores", "key": "k", "query": "q", "value": "v",
-                "mlp_pre": "pre", "mlp_mid": "mid", "mlp_post": "post"}
-_LAYER_TYPE_ALIASES = {"a": "attn", "m": "mlp", "b": "", "block": "", "blocks": "", "attention": "attn"}
-_ATTN_NAMES = ("k", "v", "q", "z", "rot_k", "rot_q", "result", "pattern", "attn_scores", "attn_in")
-_MLP_NAMES = ("pre", "post", "mid", "pre_linear")
-
-
-def act_name(name: str, layer: Optional[int] = None, layer_type: Optional[str] = None) -> str:
-    """The full TransformerLens hook name of a shorthand, as TransformerLens 4.3's ``utilities.get_act_name``.
-
-    ``act_name("pattern", 3) == "blocks.3.attn.hook_pattern"``; ``act_name("scale", 2, "ln1")``
-    is ``"blocks.2.ln1.hook_scale"``; ``act_name("scale")`` is ``"ln_final.hook_scale"``.
-    """
-    if ("." in name or name.startswith("hook_")) and layer is None and layer_type is None:
-        return name
-    match = re.match(r"([a-z_]+?)(\d+)([a-z]?.*)$", name)
-    if match is not None and layer is None:
-        name, layer, layer_type = match.group(1), int(match.group(2)), match.group(3) or None
-    name = _ACT_ALIASES.get(name, name)
-    full = "" if layer is None else f"blocks.{layer}."
-    if name in _ATTN_NAMES:
-        layer_type = "attn"
-    elif name in _MLP_NAMES:
-        layer_type = "mlp"
-    elif layer_type in _LAYER_TYPE_ALIASES:
-        layer_type = _LAYER_TYPE_ALIASES[layer_type]
-    if layer_type:
-        full += f"{layer_type}."
-    full += f"hook_{name}"
-    if name in ("scale", "normalized") and layer is None:
-        full = f"ln_final.{full}"
-    return full
-
-
-def as_index(index: Any, argument: str = "pos_slice") -> Any:
-    """`index` as TransformerLens 4.3's ``Slice(index)`` reads it, in a form torch indexes with: None (every
-    entry), an int (one entry, the axis dropped), a `slice`, or a long or bool tensor of entries.
-
-    Takes what TransformerLens's ``Slice`` takes: None, an int (a numpy integer or a 0-d integer tensor counts as
-    one), a ``(stop,)``, ``(start, stop)`` or ``(start, stop, step)`` tuple, a `slice`, a list, tensor or numpy
-    array of indices (booleans: a mask), and a TransformerLens ``Slice`` itself, read by its ``mode`` and
-    ``slice`` attributes (duck typing: streamscope does not import TransformerLens). Anything else is refused
-    with a `ValueError` naming `argument`.
-    """
-    if _is_tl_slice(index):
-        mode, chosen = index.mode, index.slice
-        if mode == "identity":
-            return None
-        if mode == "int":
-            return int(chosen)
-        if mode == "slice":
-            return chosen
-        if mode == "array":
-            return _index_tensor(chosen, argument)
-        raise ValueError(f"{argument}: a TransformerLens Slice of mode {mode!r}, which streamscope does not know "
-                         f"(it reads 'identity', 'int', 'slice' and 'array'): pass the indices themselves")
-    if index is None or isinstance(index, slice):
-        return index
-    scalar = _integer(index)
-    if scalar is not None:
-        return scalar
-    if isinstance(index, tuple):
-        if not 1 <= len(index) <= 3 or not all(item is None or _integer(item) is not None for item in index):
-            raise ValueError(f"{argument}={index!r}: a tuple is (stop,), (start, stop) or (start, stop, step) of "
-                             f"ints, as TransformerLens's Slice reads it")
-        return slice(*(None if item is None else _integer(item) for item in index))
-    if isinstance(index, (list, torch.Tensor)) or type(index).__module__ == "numpy":
-        return _index_tensor(index, argument)
-    raise ValueError(f"{argument}={index!r:.80}: give None, an int, a (start, stop[, step]) tuple, a slice, a list "
-                     f"or tensor of indices, or a TransformerLens Slice")
-
-
-def keep_axis(index: Any) -> Any:
-    """TransformerLens 4.3's ``Slice.unwrap``: a plain int (a numpy integer, a 0-d tensor) becomes ``[int]``, so
-    the axis stays with one entry; a TransformerLens ``Slice(int)`` is left as it is, and drops the axis. What
-    ``run_with_cache(pos_slice=...)`` and ``stack_neuron_results(neuron_slice=...)`` do with an int."""
-    if not _is_tl_slice(index) and _integer(index) is not None:
-        return [_integer(index)]
-    return index
-
-
-def _is_tl_slice(index: Any) -> bool:
-    return hasattr(index, "mode") and hasattr(index, "slice") and not isinstance(index, torch.Tensor)
-
-
-def _integer(value: Any) -> Optional[int]:
-    """The int of an integer scalar (Python, numpy, or a 0-d integer tensor), else None; a bool is not one."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0 and not value.dtype.is_floating_point and not value.dtype.is_complex \
-                and value.dtype != torch.bool:
-            return int(value)
-        return None
-    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0 and hasattr(value, "dtype") \
-            and value.dtype.kind in "iu":
-        return int(value)
-    return None
-
-
-def _index_tensor(index: Any, argument: str) -> torch.Tensor:
-    """A list, tensor or numpy array of indices as a long tensor (a bool one stays a mask)."""
-    tensor = torch.as_tensor(index)
-    if tensor.numel() == 0:
-        return tensor.to(torch.long)
-    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
-        raise ValueError(f"{argument}: indices must be integers (or booleans, a mask), not {tensor.dtype}")
-    return tensor if tensor.dtype == torch.bool else tensor.to(torch.long)
-
-
-def apply_slice(tensor: torch.Tensor, index: Any, dim: int) -> torch.Tensor:
-    """`tensor` sliced along `dim` as TransformerLens's ``Slice(index).apply(tensor, dim)`` (`as_index`): None
-    keeps all, an int drops the axis, a tuple is ``slice(*tuple)``, a list or tensor picks those indices."""
-    index = as_index(index)
-    if index is None:
-        return tensor
-    where: list[Any] = [slice(None)] * tensor.dim()
-    where[dim] = index
-    return tensor[tuple(where)]
+# The keys and slices live in `tl_keys`, the token helpers in `tl_tokens` (this module had grown past a file's
+# length); imported here so that `streamscope.workflows.tl.apply_slice`, `.to_tokens` and the rest keep working.
+from .tl_decomposition import FullDecomposition
+from .tl_keys import CacheDict, SliceInput, act_name, apply_slice, as_index, keep_axis  # noqa: F401
+from .tl_tokens import (NO_DEFAULT_BOS, test_prompt, to_single_token, to_str_tokens,  # noqa: F401
+                        to_tokens, tokenizer_prepends_bos)
 
 
 class NormForm:
@@ -172,7 +50,7 @@ class NormForm:
         return (self.centre(stream.float()).pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
 
 
-class TransformerLensCache:
+class TransformerLensCache(FullDecomposition):
     """TransformerLens 4.3's ActivationCache methods; mixed into `streamscope.Cache` (which supplies the state)."""
 
     stored: dict[str, torch.Tensor]
@@ -193,7 +71,13 @@ class TransformerLensCache:
     #: The streamscope model the cache was run on (TL's ``cache.model``; None for a cache built without one).
     model: Any
 
+    #: Values assigned under names the run stored no tensor for (`write`), answered before anything computed.
+    written: dict[str, torch.Tensor]
+
     def keys(self) -> list[str]:  # supplied by Cache
+        raise NotImplementedError
+
+    def write(self, key: str, value: Optional[torch.Tensor]) -> None:  # supplied by Cache
         raise NotImplementedError
 
     def __getitem__(self, key: Any) -> torch.Tensor:  # supplied by Cache
@@ -239,6 +123,9 @@ class TransformerLensCache:
     def norm_scale(self, layer: Optional[int] = None, mlp_input: bool = False) -> torch.Tensor:
         """``[batch, seq, 1]``: TransformerLens's ``blocks.{layer}.ln{1,2}.hook_scale`` (``ln_final`` at num_layers)."""
         layer = self._layer(layer)
+        name = "ln_final.hook_scale" if layer == self.num_layers else f"blocks.{layer}.ln{2 if mlp_input else 1}.hook_scale"
+        if name in self.written:  # assigned through cache_dict: the methods use it, as TL's read its cache
+            return self.written[name]
         return self.norm_form.scale(self.norm_input(layer, mlp_input))
 
     def _layer(self, layer: Optional[int]) -> int:
@@ -520,7 +407,12 @@ class TransformerLensCache:
         return self.stored[key]
 
     def compute_head_results(self) -> None:
-        """Compute every block's ``attn.hook_result`` (`head_results`) and keep it in the cache, as TL 4.3."""
+        """Compute every block's ``attn.hook_result`` (`head_results`) and keep it in the cache, as TL 4.3: a
+        block's result already there (computed before, or assigned) is kept, and where every block's was, a
+        warning is logged, as TL's."""
+        cached = all(f"layers.{layer}.self_attn.head_results" in self.stored for layer in range(self.num_layers))
+        if cached:
+            logging.getLogger(__name__).warning("Tried to compute head results when they were already cached")
         for layer in range(self.num_layers):
             self.head_results(layer)
 
@@ -528,8 +420,10 @@ class TransformerLensCache:
                            pos_slice: SliceInput = None, apply_ln: bool = False) -> Any:
         """``[blocks * heads (+1), batch, seq, hidden]``: every head's result before block `layer`, as TL 4.3.
 
-        Labels ``L{layer}H{head}``; `incl_remainder` adds the stream less the
-        heads' sum (``remainder``); `apply_ln` as `apply_ln_to_stack` at `layer`.
+        Labels ``L{layer}H{head}``; `incl_remainder` adds the stream entering
+        block `layer` less the heads' sum (``remainder``; at ``layer=0`` the
+        last block's output, TL 4.3's convention); `apply_ln` as
+        `apply_ln_to_stack` at `layer`.
         """
         end = self._layer(layer)
         parts, labels = [], []
@@ -543,10 +437,8 @@ class TransformerLensCache:
             embed = apply_slice(self["token_embeddings"], pos_slice, -2)
             stack = embed.new_zeros(0, *embed.shape)
         if incl_remainder:
-            if end == 0:
-                raise ValueError("stack_head_results(layer=0, incl_remainder=True): there is no stream before "
-                                 "block 0 to take the heads from")
-            stream = apply_slice(self[f"layers.{end - 1}.layer_output"], pos_slice, -2)
+            # At layer=0, TL 4.3 reads block -1's output, the last block's (as stack_neuron_results does here).
+            stream = apply_slice(self[f"layers.{(end - 1) % self.num_layers}.layer_output"], pos_slice, -2)
             stack = torch.cat([stack, (stream - stack.sum(0))[None]])
             labels.append("remainder")
         if apply_ln:
@@ -564,6 +456,11 @@ class TransformerLensCache:
 
         Read from the model (on vLLM, from its worker, every rank's columns) once per cache, all blocks at once.
         """
+        return self._down(layer).t()
+
+    def _down(self, layer: int) -> torch.Tensor:
+        """``[hidden, intermediate_size]``: block `layer`'s down projection as the Linear holds it (no op made on
+        it: `_projected_rows` contracts it as it is), or `Unavailable` with the reason the block has none."""
         if self._down_read is None:
             if self._down_weights is None:
                 raise ValueError("this cache was built without access to the model's MLP down projections")
@@ -571,25 +468,47 @@ class TransformerLensCache:
         weight = self._down_read[layer]
         if isinstance(weight, str):
             raise Unavailable("mlp.hook_post", f"blocks.{layer}", weight)
-        return weight.t()
+        return weight
 
     def get_neuron_results(self, layer: int, neuron_slice: SliceInput = None, pos_slice: SliceInput = None,
                            project_output_onto: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[batch, seq, neurons, hidden]``: what each neuron of block `layer` adds to the stream, as TL 4.3:
         ``neurons[..., n] * W_out[n]`` (the down projection's bias left out, as TL leaves it). `neuron_slice`
         and `pos_slice` pick neurons and positions; `project_output_onto` (``[hidden]`` or ``[hidden, k]``)
-        projects each result, the last axis then dropped or ``k``."""
+        projects each result, the last axis then dropped or ``k``: the down projection's rows are projected
+        first, so no ``hidden``-wide result is made."""
         pos_slice, neuron_slice = as_index(pos_slice), as_index(neuron_slice, "neuron_slice")
-        acts = self[f"blocks.{layer}.mlp.hook_post"]
-        weights = self.neuron_weights(layer).to(acts.device)
-        acts = apply_slice(acts, pos_slice, -2)
-        acts = apply_slice(acts, neuron_slice, -1)
-        weights = apply_slice(weights, neuron_slice, 0)
-        acts = acts.to(weights.dtype)
+        acts = apply_slice(apply_slice(self[f"blocks.{layer}.mlp.hook_post"], pos_slice, -2), neuron_slice, -1)
         if project_output_onto is None:
-            return acts[..., None] * weights
-        projected = weights @ project_output_onto.to(weights)
-        return acts * projected if project_output_onto.dim() == 1 else acts[..., None] * projected
+            weights = apply_slice(self.neuron_weights(layer).to(acts.device), neuron_slice, 0)
+            return acts.to(weights.dtype)[..., None] * weights
+        projection = self._projection(project_output_onto)
+        rows = self._projected_rows(layer, neuron_slice, projection, centre=False).to(acts.device)
+        results = acts.to(rows.dtype)[..., None] * rows  # [..., neurons, k]
+        return results.squeeze(-1) if project_output_onto.dim() == 1 else results
+
+    def _projection(self, project_output_onto: torch.Tensor) -> torch.Tensor:
+        """`project_output_onto` checked, as ``[hidden, k]``."""
+        hidden = self["token_embeddings"].shape[-1]
+        if not isinstance(project_output_onto, torch.Tensor) or project_output_onto.dim() not in (1, 2) \
+                or project_output_onto.shape[0] != hidden:
+            got = list(project_output_onto.shape) if isinstance(project_output_onto, torch.Tensor) else \
+                type(project_output_onto).__name__
+            raise ValueError(f"project_output_onto is [hidden_size] or [hidden_size, k] = [{hidden}] or "
+                             f"[{hidden}, k]; got {got}")
+        return project_output_onto[:, None] if project_output_onto.dim() == 1 else project_output_onto
+
+    def _projected_rows(self, layer: int, neuron_slice: Any, projection: torch.Tensor, centre: bool) -> torch.Tensor:
+        """``[neurons, k]``: block `layer`'s down projection rows (those `neuron_slice` picks) projected onto
+        `projection` ``[hidden, k]``, each row centred first where `centre` (a layer norm's `apply_ln`: centring
+        is linear, so ``centre(W) @ P == W @ P - mean(W) * sum(P)``). Contracted from the Linear's own
+        ``[hidden, neurons]`` weight: no ``[neurons, hidden]`` tensor is made, not even a transposed view."""
+        weight = apply_slice(self._down(layer), neuron_slice, 1)  # [hidden, neurons]
+        projection = projection.to(weight.device, weight.dtype)
+        rows = (projection.t() @ weight).t()  # [neurons, k]
+        if centre and self.norm_form.centred:
+            rows = rows - weight.mean(0)[:, None] * projection.sum(0)[None]
+        return rows
 
     def stack_neuron_results(self, layer: int, pos_slice: SliceInput = None, neuron_slice: SliceInput = None,
                              return_labels: bool = False, incl_remainder: bool = False, apply_ln: bool = False,
@@ -598,10 +517,16 @@ class TransformerLensCache:
 
         Labels ``L{layer}N{neuron}``; `layer` None or -1 is every block. `incl_remainder` adds the stream
         block `layer`'s norm reads (``resid_mid`` with `mlp_input`, else ``resid_pre``; at ``layer=0`` the
-        last block's output, TL's convention) less the neurons' sum; `apply_ln` as `apply_ln_to_stack`;
-        `project_output_onto` as in `get_neuron_results` (applied after the norm). An int `neuron_slice`
-        keeps its axis (``[n]``). Every neuron of every block is materialized: for small models or a few
-        neurons (`neuron_slice`).
+        last block's output, TL's convention) less the neurons' sum; `apply_ln` as `apply_ln_to_stack`. An int
+        `neuron_slice` keeps its axis (``[n]``).
+
+        Without `project_output_onto` every neuron's ``hidden``-wide result is made: ``blocks * neurons * batch
+        * seq * hidden`` numbers, for small models or a few neurons (`neuron_slice`, `pos_slice`).
+        `project_output_onto` (``[hidden]`` or ``[hidden, k]``, applied after the norm; the last axis then
+        dropped or ``k``) is memory-light, as TL 4.3's: each down projection row is projected (centred first
+        with a layer norm's `apply_ln`) and then multiplied by its neuron's activations, divided by the frozen
+        norm scale with `apply_ln`, so the largest tensor is ``[blocks * neurons, batch, seq, k]``; it equals
+        the dense stack projected to float32 rounding.
         """
         if layer is None or layer == -1:
             layer = self.num_layers
@@ -610,126 +535,80 @@ class TransformerLensCache:
         neuron_slice = as_index(neuron_slice, "neuron_slice")
         if isinstance(neuron_slice, int):  # as TL 4.3 (``Slice.unwrap``, an int-mode Slice too): the axis stays
             neuron_slice = [neuron_slice]
+        projection = None if project_output_onto is None else self._projection(project_output_onto)
+        scale = apply_slice(self.norm_scale(layer, mlp_input), pos_slice, -2) if apply_ln and projection is not None \
+            else None
         parts, labels = [], []
         for index in range(layer):
-            results = self.get_neuron_results(index, neuron_slice=neuron_slice, pos_slice=pos_slice)
-            parts.append(results.movedim(-2, 0))
-            picked = apply_slice(torch.arange(self.neuron_weights(index).shape[0]), neuron_slice, 0)
+            parts.append(self._neuron_part(index, neuron_slice, pos_slice, projection, apply_ln, scale))
+            picked = apply_slice(torch.arange(self._down_width(index)), neuron_slice, 0)
             labels += [f"L{index}N{int(neuron)}" for neuron in picked]
         if parts:
             stack = torch.cat(parts)
         else:
             embed = apply_slice(self["token_embeddings"], pos_slice, -2)
-            stack = embed.new_zeros(0, *embed.shape)
+            width = embed.shape[-1] if projection is None else projection.shape[-1]
+            stack = embed.new_zeros(0, *embed.shape[:-1], width)
         if incl_remainder:
-            target = self[f"blocks.{layer}.hook_resid_mid" if mlp_input else f"blocks.{(layer - 1) % self.num_layers}.hook_resid_post"]
-            target = apply_slice(target, pos_slice, -2).to(stack.dtype)
-            stack = torch.cat([stack, (target - stack.sum(0))[None]])
+            target = self[f"blocks.{layer}.hook_resid_mid" if mlp_input
+                          else f"blocks.{(layer - 1) % self.num_layers}.hook_resid_post"]
+            target = apply_slice(target, pos_slice, -2).to(stack.dtype)[None]
+            if projection is not None:  # the norm (frozen) and the projection are linear: project the whole first
+                normed = self.apply_ln_to_stack(target, layer, mlp_input, pos_slice) if apply_ln else target
+                target = normed @ projection.to(normed)
+            stack = torch.cat([stack, target - stack.sum(0, keepdim=True)])
             labels.append("remainder")
-        if apply_ln:
+        if apply_ln and projection is None:
             stack = self.apply_ln_to_stack(stack, layer, mlp_input, pos_slice)
-        if project_output_onto is not None:
-            projected = stack @ project_output_onto.to(stack)
-            stack = projected
-        return (stack, labels) if return_labels else stack
-
-    def get_full_resid_decomposition(self, layer: Optional[int] = None, mlp_input: bool = False,
-                                     expand_neurons: bool = True, apply_ln: bool = False,
-                                     pos_slice: SliceInput = None, return_labels: bool = False,
-                                     project_output_onto: Optional[torch.Tensor] = None) -> Any:
-        """The stream entering block `layer` as every head's result, every neuron's result (each MLP's output
-        with ``expand_neurons=False``), ``embed``, ``pos_embed`` and ``bias`` (the projections' biases summed:
-        the attentions' output projections', and the MLPs' down projections' where the neurons are expanded),
-        as TL 4.3; they sum to the stream.
-
-        `project_output_onto` (``[hidden]`` or ``[hidden, k]``) projects every component (after the norm, with
-        `apply_ln`), the last axis then dropped or ``k``, as TL 4.3: the neurons are projected through their
-        down projection's rows before they are multiplied out, so the ``[neurons, batch, pos, hidden]`` stack is
-        never made (with `apply_ln` each row is centred first: centring and the frozen scale are linear).
-        """
-        end = self._layer(layer)
-        for index in range(min(end + 1, self.num_layers)):
-            reason = self.norm_inputs.get(index, {}).get("sandwich")
-            if reason is not None:
-                raise Unavailable("get_full_resid_decomposition", f"blocks.{index}", reason)
-        projection = None
-        if project_output_onto is not None:
-            hidden = self["token_embeddings"].shape[-1]
-            if project_output_onto.dim() not in (1, 2) or project_output_onto.shape[0] != hidden:
-                raise ValueError(f"project_output_onto is [hidden_size] or [hidden_size, k] = [{hidden}] or "
-                                 f"[{hidden}, k]; got {list(project_output_onto.shape)}")
-            projection = project_output_onto[:, None] if project_output_onto.dim() == 1 else project_output_onto
-
-        def finished(stack: torch.Tensor) -> torch.Tensor:  # the norm, then the projection, of whole-width parts
-            if apply_ln:
-                stack = self.apply_ln_to_stack(stack, end, mlp_input, pos_slice)
-            return stack if projection is None else stack @ projection.to(stack)
-
-        heads, labels = self.stack_head_results(end + (1 if mlp_input else 0), return_labels=True,
-                                                pos_slice=pos_slice)
-        parts = [finished(heads)]
-        if end > 0 and expand_neurons and projection is not None:
-            neurons, neuron_labels = self._projected_neurons(end, mlp_input, apply_ln, pos_slice, projection)
-            parts.append(neurons.to(parts[0].dtype))
-            labels = labels + neuron_labels
-        elif end > 0 and expand_neurons:
-            neurons, neuron_labels = self.stack_neuron_results(end, pos_slice=pos_slice, return_labels=True,
-                                                               mlp_input=mlp_input)
-            parts.append(finished(neurons.to(heads.dtype)))
-            labels = labels + neuron_labels
-        elif end > 0:
-            mlps, mlp_labels = self.decompose_resid(end, mlp_input=mlp_input, mode="mlp", incl_embeds=False,
-                                                   pos_slice=pos_slice, return_labels=True)
-            parts.append(finished(mlps))
-            labels = labels + mlp_labels
-        embeds, embed_labels = self.decompose_resid(0, pos_slice=pos_slice, return_labels=True)
-        parts.append(finished(embeds))
-        labels = labels + embed_labels
-        # What each attention adds beyond its heads' results: its output projection's bias, at every position;
-        # with the neurons expanded, what each MLP adds beyond its neurons' results too (its down projection's).
-        bias = sum((apply_slice(self[f"layers.{index}.attention_output"], pos_slice, -2)
-                    - apply_slice(self.head_results(index), pos_slice, -3).sum(-2)
-                    for index in range(end + (1 if mlp_input else 0))), torch.zeros_like(embeds[0]))
-        if expand_neurons:
-            for index in range(end):
-                acts = apply_slice(self[f"blocks.{index}.mlp.hook_post"], pos_slice, -2)
-                weights = self.neuron_weights(index).to(acts.device)
-                bias = bias + apply_slice(self[f"blocks.{index}.hook_mlp_out"], pos_slice, -2) - acts.to(
-                    weights.dtype) @ weights
-        parts.append(finished(bias[None]))
-        labels.append("bias")
-        stack = torch.cat(parts)
         if project_output_onto is not None and project_output_onto.dim() == 1:
             stack = stack.squeeze(-1)
         return (stack, labels) if return_labels else stack
 
-    def _projected_neurons(self, layer: int, mlp_input: bool, apply_ln: bool, pos_slice: SliceInput,
-                           projection: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
-        """``[blocks * neurons, batch, pos, k]``: every neuron's result before block `layer` projected onto
-        `projection` ``[hidden, k]``, normed as `apply_ln_to_stack` norms it where `apply_ln`, and its labels;
-        each neuron's down projection row is projected (centred first, with a layer norm's `apply_ln`), then
-        multiplied by the neuron's activations, so no ``hidden``-wide result is made."""
-        scale = apply_slice(self.norm_scale(layer, mlp_input), pos_slice, -2) if apply_ln else None
-        parts, labels = [], []
-        for index in range(layer):
-            acts = apply_slice(self[f"blocks.{index}.mlp.hook_post"], pos_slice, -2)  # [batch, pos, neurons]
-            weights = self.neuron_weights(index).to(acts.device)  # [neurons, hidden]
-            if apply_ln:
-                weights = self.norm_form.centre(weights)
-            rows = weights @ projection.to(weights)  # [neurons, k]
-            part = (acts.to(rows.dtype)[..., None] * rows).movedim(-2, 0)  # [neurons, batch, pos, k]
-            parts.append(part if scale is None else part / scale.to(part))
-            labels += [f"L{index}N{neuron}" for neuron in range(weights.shape[0])]
-        return torch.cat(parts), labels
+    def _neuron_part(self, index: int, neuron_slice: Any, pos_slice: SliceInput, projection: Optional[torch.Tensor],
+                     centre: bool, scale: Optional[torch.Tensor], post: Optional[tuple] = None) -> torch.Tensor:
+        """``[neurons, batch, pos, hidden or k]``: block `index`'s neurons' results, projected onto `projection`
+        ``[hidden, k]`` through their rows (`_projected_rows`, centred where `centre`) and divided by `scale` when
+        given; `post` ``(weight [hidden], scale [batch, pos, 1])`` passes them through the MLP's post-norm, frozen
+        (`tl_decomposition`)."""
+        if projection is None:
+            part = self.get_neuron_results(index, neuron_slice=neuron_slice, pos_slice=pos_slice).movedim(-2, 0)
+            return part if post is None else part * post[0].to(part) / post[1].to(part)
+        acts = apply_slice(apply_slice(self[f"blocks.{index}.mlp.hook_post"], pos_slice, -2), neuron_slice, -1)
+        through = projection if post is None else post[0][:, None].to(projection) * projection
+        rows = self._projected_rows(index, neuron_slice, through, centre=centre).to(acts.device)
+        part = (acts.to(rows.dtype)[..., None] * rows).movedim(-2, 0)  # [neurons, batch, pos, k]
+        if post is not None:
+            part = part / post[1].to(part)
+        return part if scale is None else part / scale.to(part)
+
+    def _down_width(self, layer: int) -> int:
+        """Block `layer`'s number of neurons (its down projection's input width)."""
+        return int(self._down(layer).shape[1])
 
     # TransformerLens's dictionary and global switches.
 
     @property
     def cache_dict(self) -> "CacheDict":
         """Every key of the cache (`keys`: streamscope's names, then TransformerLens's) and its tensor, as TL 4.3's
-        ``cache.cache_dict``: a read-only mapping that computes a TransformerLens value when it is read (a norm's
-        scale, a head's result), so reading one name costs that name. ``dict(cache.cache_dict)`` makes them all."""
-        return CacheDict(self)
+        ``cache.cache_dict``: a plain ``dict`` (a `CacheDict`), made on first use and kept until the cache's
+        values change. The TransformerLens values computed from served ones (the norms' scales and normalized
+        streams, ``hook_attn_in``) are made with it, as TL's cache holds them; ``blocks.{i}.attn.hook_result``
+        is in it once computed (`compute_head_results`), as in TL's. Assigning or deleting a key writes through
+        to the cache (`write`)."""
+        state = self._state()
+        if self._dict is None or self._dict_state != state:
+            self._dict, self._dict_state = None, None
+            self._dict = CacheDict(self)
+            self._dict_state = state
+        return self._dict
+
+    _dict: Optional["CacheDict"] = None
+    _dict_state: Optional[tuple] = None
+
+    def _state(self) -> tuple:
+        """What `cache_dict` is made from: every stored and written tensor (by identity) and the batch axis."""
+        return (self.has_batch_dim, *((key, id(value)) for key, value in self.stored.items()),
+                *((key, id(value)) for key, value in self.written.items()))
 
     def toggle_autodiff(self, mode: bool = False) -> None:
         """Turn torch's autograd on or off for the whole process, as TL 4.3: ``torch.set_grad_enabled(mode)``, with
@@ -743,6 +622,7 @@ class TransformerLensCache:
     def to(self, device: Union[str, torch.device]) -> "TransformerLensCache":
         """Move every value (and the tokens, mask and logits) to `device`, in place; returns the cache (as TL)."""
         self.stored = {key: value.to(device) for key, value in self.stored.items()}
+        self.written = {key: value.to(device) for key, value in self.written.items()}
         self.tokens, self.mask = self.tokens.to(device), self.mask.to(device)
         if self.logits is not None:
             self.logits = self.logits.to(device)
@@ -750,15 +630,27 @@ class TransformerLensCache:
 
     def _map_batch(self, function: Callable[[torch.Tensor], torch.Tensor]) -> dict:
         return {"stored": {key: function(value) for key, value in self.stored.items()},
+                "written": {key: function(value) for key, value in self.written.items()},
                 "tokens": function(self.tokens), "mask": function(self.mask),
                 "logits": None if self.logits is None else function(self.logits)}
 
-    def remove_batch_dim(self) -> "TransformerLensCache":
-        """Drop the batch axis of a cache of one prompt, in place (TL 4.3's ``remove_batch_dim``)."""
+    def remove_batch_dim(self, batch_size: Optional[int] = None) -> "TransformerLensCache":
+        """Drop the batch axis of a cache of one prompt, in place, as TL 4.3's ``remove_batch_dim(batch_size)``.
+
+        `batch_size` is TL's statement of the batch size (TL infers it from the tensors' leading axes when None);
+        this cache knows its own (``tokens.shape[0]``), so a `batch_size` that differs from it is refused, as is
+        a cache of several prompts (`apply_slice_to_batch_dim` picks one; TL raises AssertionError, streamscope
+        ValueError). Called again on a cache whose axis is gone, it logs a warning and changes nothing, as TL's.
+        """
         if not self.has_batch_dim:
-            raise ValueError("this cache has no batch axis left to remove")
-        if self.tokens.shape[0] != 1:
-            raise ValueError(f"remove_batch_dim needs a cache of one prompt, not {self.tokens.shape[0]}: "
+            logging.getLogger(__name__).warning("Tried removing batch dimension after already having removed it.")
+            return self
+        batch = self.tokens.shape[0]
+        if batch_size is not None and batch_size != batch:
+            raise ValueError(f"remove_batch_dim(batch_size={batch_size}): this cache holds {batch} prompt(s) "
+                             f"(cache.tokens.shape[0]); leave batch_size out, or pass {batch}")
+        if batch != 1:
+            raise ValueError(f"remove_batch_dim needs a cache of one prompt, not {batch}: "
                              "apply_slice_to_batch_dim(i) picks one")
         for name, value in self._map_batch(lambda tensor: tensor[0]).items():
             setattr(self, name, value)
@@ -774,6 +666,7 @@ class TransformerLensCache:
         batch_slice = as_index(batch_slice, "batch_slice")
         new = copy.copy(self)
         new.derived = set(self.derived)
+        new._dict, new._dict_state = None, None
         for name, value in self._map_batch(lambda tensor: apply_slice(tensor, batch_slice, 0)).items():
             setattr(new, name, value)
         new.has_batch_dim = not isinstance(batch_slice, int)
@@ -788,148 +681,3 @@ class TransformerLensCache:
     def to_str_tokens(self, input: Any, prepend_bos: Optional[bool] = None) -> Any:
         """Each token as its string, as TL's ``to_str_tokens``: ``cache.to_str_tokens(cache.tokens[0])``."""
         return to_str_tokens(self._tokenizer, input, prepend_bos, model_type=self.model_type)
-
-
-class CacheDict(Mapping):
-    """A cache's keys and tensors as one read-only mapping: TransformerLens 4.3's ``ActivationCache.cache_dict``.
-
-    Iterates `TransformerLensCache.keys` (streamscope's names, then the TransformerLens hook names that answer);
-    each value is read from the cache when asked for (computed ones, such as ``ln1.hook_scale``, then).
-    """
-
-    def __init__(self, cache: TransformerLensCache) -> None:
-        self._cache = cache
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if not isinstance(key, str):
-            raise KeyError(f"cache_dict is keyed by full names ('blocks.0.hook_resid_pre', 'layers.0.layer_input'), "
-                           f"not {key!r}: cache[{key!r}] reads TransformerLens's shorthand")
-        return self._cache[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._cache.keys())
-
-    def __len__(self) -> int:
-        return len(self._cache.keys())
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and key in self._cache
-
-    def __setitem__(self, key: str, value: torch.Tensor) -> None:
-        raise TypeError(f"cache.cache_dict is a read-only view of the cache; to replace a stored value, assign "
-                        f"cache.stored[streamscope name] (cache.stored lists them), not cache_dict[{key!r}]")
-
-    def __repr__(self) -> str:
-        return f"CacheDict({len(self)} keys: {', '.join(list(self)[:4])}, ...)"
-
-
-def tokenizer_prepends_bos(tokenizer: Any) -> bool:
-    """Whether `tokenizer` puts the BOS token first by itself (TransformerLens's ``tokenizer_prepends_bos``)."""
-    return prepends_bos(tokenizer)
-
-
-#: Model types whose TransformerLens 4.3 adapter sets ``default_prepend_bos = False`` (the rest: True). streamscope's
-#: default is the tokenizer's own rule instead; ``prepend_bos=model_type not in NO_DEFAULT_BOS`` is TL's default.
-NO_DEFAULT_BOS = ("bloom", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "glm", "glm4_moe", "glm4v", "gpt_neox",
-                  "granite", "llada", "minimax_m2", "mpt", "phi", "phimoe", "qwen2", "qwen2_5_vl", "qwen3",
-                  "qwen3_moe", "qwen3_vl", "recurrent_gemma", "seed_oss", "smollm3", "starcoder2")
-
-
-def to_tokens(tokenizer: Any, input: str | Sequence[str], prepend_bos: Optional[bool] = None,
-              padding_side: Optional[str] = None, model_type: Optional[str] = None) -> torch.Tensor:
-    """``[batch, pos]`` token ids of a string or strings, as TransformerLens 4.3's ``to_tokens``.
-
-    `prepend_bos` None (the default) is the tokenizer's own rule, what
-    ``tokenizer(text)`` gives and what `model.cache`, traces, vLLM and the
-    server run: the same tokens everywhere. True puts one BOS first whether or
-    not the tokenizer adds it (TransformerLens's default for most families;
-    ``prepend_bos=model_type not in NO_DEFAULT_BOS`` is TL 4.3's exactly);
-    False leaves it out even where the tokenizer adds it. Several strings are
-    padded on `padding_side`: ``"left"`` by default (position -1 is every
-    prompt's last token, as in `model.cache`), or ``"right"``; the pad id is
-    the tokenizer's pad token (its EOS where it has none). `model_type` is
-    accepted for TransformerLens's signature and changes nothing.
-    """
-    texts = [input] if isinstance(input, str) else list(input)
-    if not texts or not all(isinstance(text, str) for text in texts):
-        raise TypeError(f"to_tokens takes a string or a list of strings, not {input!r:.80}")
-    encoded = [encode(tokenizer, text, prepend_bos) for text in texts]
-    tokens, _ = padded(tokenizer, encoded, check_padding_side(padding_side or "left"))
-    return tokens
-
-
-def to_str_tokens(tokenizer: Any, input: Any, prepend_bos: Optional[bool] = None,
-                  padding_side: Optional[str] = None, model_type: Optional[str] = None) -> Any:
-    """Each token of `input` (a string, a list of them, or token ids) as its string, as TL 4.3's ``to_str_tokens``."""
-    if isinstance(input, list) and input and not isinstance(input[0], int):
-        return [to_str_tokens(tokenizer, item, prepend_bos, padding_side, model_type) for item in input]
-    if isinstance(input, str):
-        ids = to_tokens(tokenizer, input, prepend_bos, padding_side, model_type)[0]
-    else:
-        ids = torch.as_tensor(input).squeeze()
-        ids = ids.unsqueeze(0) if ids.dim() == 0 else ids
-        if ids.dim() != 1:
-            raise ValueError(f"to_str_tokens takes one sequence of token ids, not a tensor of shape {tuple(ids.shape)}")
-    return tokenizer.batch_decode([[int(token)] for token in ids.tolist()], clean_up_tokenization_spaces=False)
-
-
-def to_single_token(tokenizer: Any, string: str) -> int:
-    """The one token id of `string` (no BOS), as TL 4.3's ``to_single_token``; several tokens are refused."""
-    ids = to_tokens(tokenizer, string, prepend_bos=False)[0]
-    if ids.numel() != 1:
-        raise ValueError(f"{string!r} is {ids.numel()} tokens, not one: {ids.tolist()}")
-    return int(ids[0])
-
-
-def test_prompt(prompt: str, answer: str | Sequence[str], model: Any, prepend_space_to_answer: bool = True,
-                print_details: bool = True, prepend_bos: Optional[bool] = None, top_k: int = 10) -> list:
-    """TransformerLens 4.3's ``utilities.test_prompt`` on a streamscope model (either engine).
-
-    Runs `prompt` followed by `answer` (several answers: their first tokens,
-    compared as next-token candidates) and prints, in TL's words, the prompt's
-    and answer's tokens, each answer token's rank, logit and probability, and
-    the `top_k` tokens at each answer position. Returns what TL's printout
-    ends with: ``[(answer token, rank)]`` per answer position (one answer),
-    or per position a list over the answers (TL returns nothing). The
-    prompt is tokenized by the tokenizer's own BOS rule, as `model.cache`
-    does; `prepend_bos` True or False as in `to_tokens` (TL's default:
-    ``prepend_bos=model_type not in NO_DEFAULT_BOS``).
-    """
-    tokenizer = model.tokenizer
-    answers = [answer] if isinstance(answer, str) else list(answer)
-    if prepend_space_to_answer:
-        answers = [text if text.startswith(" ") else " " + text for text in answers]
-    several = len(answers) > 1
-    prompt_ids = to_tokens(tokenizer, prompt, prepend_bos, model_type=model.config.model_type)[0]
-    full_answers = [to_tokens(tokenizer, text, prepend_bos=False)[0] for text in answers]
-    answer_ids = [ids[:1] for ids in full_answers] if several else full_answers
-    sequences = [torch.cat([prompt_ids, ids]).tolist() for ids in answer_ids]
-    logits = model.cache(sequences, values=["layer_output"], layers=[model.num_layers - 1],
-                         progress=False).logits.float()
-    probs = logits.softmax(-1)
-    prompt_length = len(prompt_ids)
-    answer_strings = [to_str_tokens(tokenizer, ids) for ids in full_answers]
-    if print_details:
-        print("Tokenized prompt:", to_str_tokens(tokenizer, prompt_ids))
-        print("Tokenized answers:" if several else "Tokenized answer:", answer_strings if several else answer_strings[0])
-    ranks: list = []
-    for position in range(prompt_length, prompt_length + len(answer_ids[0])):
-        step = position - 1  # the logits at a position predict the next token
-        order = probs[:, step].argsort(-1, descending=True)
-        tokens = [int(ids[position - prompt_length]) for ids in answer_ids]
-        found = [(answer_strings[row][position - prompt_length], int((order[row] == token).nonzero()[0, 0]))
-                 for row, token in enumerate(tokens)]
-        ranks.append(found)
-        if print_details:
-            print(f"Performance on answer token{'s' if several else ''}:")
-            for row, token in enumerate(tokens):
-                print(f"Rank: {found[row][1]: <8} Logit: {logits[row, step, token].item():5.2f} "
-                      f"Prob: {probs[row, step, token].item():6.2%} Token: |{found[row][0]}|")
-            for k in range(top_k):
-                top = int(order[0, k])
-                print(f"Top {k}th token. Logit: {logits[0, step, top].item():5.2f} "
-                      f"Prob: {probs[0, step, top].item():6.2%} Token: |{tokenizer.decode([top])}|")
-    result = ranks if several else [row[0] for row in ranks]
-    if print_details:
-        print(f"Ranks of the answer tokens: {result}")
-    return result

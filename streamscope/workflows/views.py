@@ -3,6 +3,7 @@
     view = streamscope.views.attention(pattern, tokens, block=3)   # hover a token: what it attends to, per head
     view.save("attention.html")
     view = streamscope.views.lens(lens_result)                      # hover a cell: the top k tokens there
+    view = streamscope.views.features(examples)   # SAE features' top examples (streamscope.sae.top_examples)
     view                                                            # in Jupyter: shown inline
 
 Each page carries its data as JSON and a small script of its own: it fetches nothing, so it opens
@@ -161,6 +162,53 @@ def lens(result: Any, path: Optional[str | Path] = None, *, k: int = 5, title: s
     body = f"<table class='grid'>{header}{''.join(rows)}</table>"
     data = {"labels": labels, "layers": list(result.layers), "top": top}
     view = View(_page(title, body, data, _LENS_SCRIPT), title, height=200 + 24 * len(result.layers))
+    if path is not None:
+        view.save(path)
+    return view
+
+
+_FEATURES_SCRIPT = """
+const data = JSON.parse(document.getElementById('data').textContent);
+const readout = document.getElementById('readout');
+function escape(s) { const d = document.createElement('div'); d.textContent = s; return d.innerHTML; }
+document.querySelectorAll('.example .tok').forEach(el => el.addEventListener('mouseenter', () => {
+  const e = data.examples[Number(el.dataset.example)], i = Number(el.dataset.index);
+  readout.innerHTML = `feature <b id="feature">${e.feature}</b>, prompt ${e.prompt}, position ` +
+    `<b id="position">${e.start + i}</b> <b id="token">${escape(e.tokens[i])}</b>: activation ` +
+    `<b id="activation">${e.activations[i].toFixed(3)}</b>`;
+}));
+"""
+
+
+def features(examples: Any, path: Optional[str | Path] = None, *, title: str = "") -> View:
+    """A top-activating-examples view (`streamscope.sae.top_examples`): per feature, each example's tokens shaded
+    by the feature's activation (the darkest its largest over the page's examples), the example's own token
+    outlined; hover a token for its activation."""
+    title = title or f"top {examples.k} examples of {len(examples)} features, {examples.sae!r}"
+    flat: list[Any] = []  # every example in page order: its number in the page's data
+    sections = []
+    for feature in examples:
+        rows = examples[feature]
+        top = max([value for example in rows for value in example.activations] + [1e-12])
+        lines = []
+        for example in rows:
+            number = len(flat)
+            flat.append(example)
+            spans = "".join(
+                f"<span class='tok{' active' if example.start + index == example.position else ''}' "
+                f"data-example='{number}' data-index='{index}' style='background: rgba(220, 80, 0, "
+                f"{max(0.0, value) / top:.3f})'>{html.escape(token(text))}</span>"
+                for index, (text, value) in enumerate(zip(example.tokens, example.activations)))
+            lines.append(f"<div class='example' data-feature='{feature}' data-rank='{example.rank}'>"
+                         f"<b class='activation'>{example.activation:.3f}</b> <small>prompt {example.prompt}, "
+                         f"position {example.position}</small> {spans}</div>")
+        empty = "" if rows else "<div class='none'>it never fires on these prompts</div>"
+        sections.append(f"<section data-feature='{feature}'><h2>feature {feature}</h2>{''.join(lines)}{empty}"
+                        f"</section>")
+    data = {"examples": [{"feature": e.feature, "prompt": e.prompt, "start": e.start,
+                          "tokens": [token(text) for text in e.tokens],
+                          "activations": e.activations} for e in flat]}
+    view = View(_page(title, "".join(sections), data, _FEATURES_SCRIPT), title, height=240 + 28 * len(flat))
     if path is not None:
         view.save(path)
     return view

@@ -197,3 +197,91 @@ def test_assigning_keys_reaches_the_model_and_recomputed_values_refuse_writes(fa
         with pytest.raises(ValueError, match="cannot be written"):
             with family.model.trace(family.input_ids):
                 getattr(family.model.layers[block].self_attn, name)[:] = 0
+
+
+PRE_ROTARY = ("queries_pre_rotary", "keys_pre_rotary")
+
+
+def test_pre_rotary_values_are_not_the_rotated_ones_where_the_family_rotates(family):
+    """The oracle's pre-rotary tensors (the rotary's arguments) differ from what the kernel receives on some block
+    of every family that rotates, so the matrix's check of them can tell the two apart; on a family that rotates
+    nothing they are the kernel's own."""
+    from streamscope.testing.oracle import PRE_ROTARY as ROTATES
+
+    caught = oracle.pre_rotary_tensors(family.reference, family.name, family.input_ids, family.expected)
+    differs = [block for block in family.blocks
+               if not torch.equal(caught[block]["queries_pre_rotary"], family.expected[block]["queries"])]
+    assert bool(differs) == (family.name in ROTATES), differs
+
+
+@pytest.mark.parametrize("name", PRE_ROTARY)
+def test_editing_queries_or_keys_before_the_rotary_matches_the_oracle(family, name):
+    """An edit before the rotary reaches the model, on every attention block (rotating or not): the logits are
+    transformers' with the same edit made where its own modules hold the tensor, and differ from the unedited."""
+    # one channel of every head (Falcon's kernel gets a copy of each kv head per query head), scaled: a shift of
+    # every key alike would move each query's scores by one constant, which the softmax drops
+    def edit(tensor):
+        tensor[..., 3] *= 3.0
+
+    unedited = family.reference(family.input_ids).logits
+    for block in family.blocks:
+        with family.model.trace(family.input_ids):
+            edit(getattr(family.model.layers[block].self_attn, name))
+            logits = family.model.logits.save()
+        expected = oracle.logits_with_pre_rotary_edit(family.reference, family.name, family.input_ids, block, name,
+                                                      edit)
+        assert relative_error(expected, unedited) > 2 * RELATIVE, (block, "an edit dropped would pass")
+        assert relative_error(logits, expected) <= RELATIVE, block
+
+
+PROJECTED = ("queries_projected", "keys_projected")
+
+
+def test_projected_values_are_not_the_pre_rotary_ones_exactly_where_a_norm_precedes_the_rotary(family):
+    """The oracle's projections (a q/k norm's input) differ from its pre-rotary tensors (that norm's output) on
+    every block of a family that norms its queries and keys before rotating, so the matrix's check of them tells
+    TransformerLens's hook_q from the normed queries; elsewhere they are the same tensors."""
+    pre_rotary = oracle.pre_rotary_tensors(family.reference, family.name, family.input_ids, family.expected)
+    projected = oracle.projected_tensors(family.reference, family.name, family.input_ids, pre_rotary)
+    modules = oracle.attention_modules(family.reference)
+    for block in family.blocks:
+        normed = any(child in modules[block]._modules for child in ("q_norm", "q_layernorm"))
+        for name in PROJECTED:
+            same = torch.equal(projected[block][name], pre_rotary[block][name.replace("projected", "pre_rotary")])
+            assert same != normed, (block, name, normed)
+
+
+@pytest.mark.parametrize("name", PROJECTED)
+def test_editing_the_query_or_key_projection_matches_the_oracle(family, name):
+    """An edit of the projection before any q/k norm reaches the model, on every attention block: the logits are
+    transformers' with the same edit made where its own modules hold the tensor (the norm's input, or the
+    pre-rotary tensor where nothing norms), and differ from the unedited."""
+    # one channel of every head, scaled (as the pre-rotary edit test, for the same reasons)
+    def edit(tensor):
+        tensor[..., 3] *= 3.0
+
+    unedited = family.reference(family.input_ids).logits
+    for block in family.blocks:
+        with family.model.trace(family.input_ids):
+            edit(getattr(family.model.layers[block].self_attn, name))
+            logits = family.model.logits.save()
+        expected = oracle.logits_with_projected_edit(family.reference, family.name, family.input_ids, block, name,
+                                                     edit)
+        assert relative_error(expected, unedited) > 2 * RELATIVE, (block, "an edit dropped would pass")
+        assert relative_error(logits, expected) <= RELATIVE, block
+
+
+def test_transformer_lens_hook_q_and_hook_k_are_the_projections_where_tl_puts_them(family):
+    """The cache's attn.hook_q / hook_k are the projections before any q/k norm (TransformerLens's placement), in
+    TL's [batch, pos, head, d_head] layout: the oracle's q/k norm input where the family has one."""
+    pre_rotary = oracle.pre_rotary_tensors(family.reference, family.name, family.input_ids, family.expected)
+    projected = oracle.projected_tensors(family.reference, family.name, family.input_ids, pre_rotary)
+    cache = family.model.cache(PROMPT, values=["self_attn.queries_projected", "self_attn.keys_projected"])
+    for block in family.blocks:
+        for hook, name in (("hook_q", "queries_projected"), ("hook_k", "keys_projected")):
+            got = cache[f"blocks.{block}.attn.{hook}"]
+            expected = projected[block][name].transpose(1, 2)
+            if family.name == "falcon" and hook == "hook_k":  # its rotary gets each kv head per query head
+                expected = expected[:, :, ::expected.shape[2] // got.shape[2]]
+            assert got.shape == expected.shape, (block, hook, got.shape, expected.shape)
+            assert relative_error(got, expected) <= RELATIVE, (block, hook)

@@ -1,6 +1,7 @@
 """TransformerLens 4.3's ActivationCache API on transformers, against TL 4.3 itself (tests/tl_cache_api_checks.py):
 TL's ``Slice`` and every slice form in every method, iteration and ``cache_dict``, ``cache.model``,
-``toggle_autodiff``, and ``model.cache(..., remove_batch_dim=, pos_slice=)`` as TL's ``run_with_cache``.
+``toggle_autodiff``, ``model.cache(..., remove_batch_dim=, pos_slice=)`` as TL's ``run_with_cache``, and each of
+TL 4.3's own ActivationCache test functions as a named case (tests/tl_own_cache_tests.py).
 
 Skipped where TransformerLens 4.3 is not installed (scripts/setup.sh puts it in .venv/transformer-lens-4.3). Both
 run transformers' eager attention, so values agree to ~1e-6; the bound is the parity's 1e-4 (relative).
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 import tl_cache_api_checks as checks
+import tl_own_cache_tests as own
 import transformer_lens_parity as parity
 import streamscope
 
@@ -21,7 +23,7 @@ def transformer_lens():
         yield
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt2"])
+@pytest.fixture(scope="module", params=["llama", "gpt2", "gemma2"])
 def pair(request, checkpoints, transformer_lens):
     path = checkpoints(request.param)
     return parity.Pair(request.param, path, streamscope.load(path, attn_implementation="eager"))
@@ -41,3 +43,9 @@ def test_toggle_autodiff_sets_autograd_as_tl(pair):
 
 def test_model_cache_remove_batch_dim_and_pos_slice_as_run_with_cache(pair):
     checks.run_with_cache_remove_batch_dim_and_pos_slice(pair)
+
+
+@pytest.mark.parametrize("case", list(own.CASES), ids=[name.split("::")[-1] for name in own.CASES])
+def test_transformer_lens_own_cache_test(pair, case):
+    """Each of TransformerLens 4.3's own ActivationCache test functions, as the calls it makes (tl_own_cache_tests)."""
+    own.run(case, pair)

@@ -113,9 +113,9 @@ def test_transformer_lens_names_reach_the_same_tensors(family):
         with pytest.raises(streamscope.Unavailable) as error:
             cache[f"blocks.{last}.mlp.hook_post"]
         assert error.value.reason == neurons
-    if family.name != "mamba":  # each head's result is computed from head_outputs, which this cache did not read
-        with pytest.raises(KeyError, match="head_outputs"):
-            cache[f"blocks.{last}.attn.hook_result"]
+    if family.name != "mamba":  # each head's result is computed from head_outputs, which the default cache reads
+        results = cache[f"blocks.{last}.attn.hook_result"]
+        assert results.shape[:-1] == cache[f"blocks.{last}.attn.hook_z"].shape[:-1]
 
 
 def test_position_embeddings_where_the_family_adds_them(family):
@@ -202,8 +202,9 @@ def test_attention_hooks_match_transformers_eager_weights_and_output_projection(
     model = streamscope.load(path)
     eager = AutoModelForCausalLM.from_pretrained(path, **attention_oracle.load_kwargs("llama", "eager")).eval()
     ids = AutoTokenizer.from_pretrained(path)(PROMPTS[0], return_tensors="pt").input_ids
-    values = ["self_attn.queries", "self_attn.keys", "self_attn.values", "self_attn.pattern", "self_attn.scores",
-              "self_attn.head_outputs", "attention_output"]
+    values = ["self_attn.queries_projected", "self_attn.keys_projected", "self_attn.queries", "self_attn.keys",
+              "self_attn.values", "self_attn.pattern", "self_attn.scores", "self_attn.head_outputs",
+              "attention_output"]
     cache = model.cache(PROMPTS[0], values=values)
     weights = attention_oracle.eager_weights(eager, ids)
     projected = attention_oracle.output_projection_inputs(eager, ids)
@@ -221,8 +222,16 @@ def test_attention_hooks_match_transformers_eager_weights_and_output_projection(
         w_o = eager.model.layers[block].self_attn.o_proj.weight.view(-1, heads, head_dim)
         attn_out = torch.einsum("bshd,mhd->bsm", z, w_o)
         assert relative_error(attn_out, cache[f"blocks.{block}.hook_attn_out"]) <= RELATIVE
-    with pytest.raises(streamscope.Unavailable, match="hook_rot_q"):
-        cache["blocks.0.attn.hook_q"]
+    # TransformerLens's hook_q / hook_k: the projections before any q/k norm and the rotary (Llama norms nothing
+    # there: the arguments transformers hands its rotary), TL's layout.
+    kernel = attention_oracle.kernel_tensors(eager, "llama", ids)
+    unrotated = attention_oracle.projected_tensors(eager, "llama", ids,
+                                                   attention_oracle.pre_rotary_tensors(eager, "llama", ids, kernel))
+    for block in range(model.num_layers):
+        for hook, name in (("hook_q", "queries_projected"), ("hook_k", "keys_projected")):
+            assert relative_error(cache[f"blocks.{block}.attn.{hook}"], unrotated[block][name].transpose(1, 2)) \
+                <= RELATIVE, (block, hook)
+        assert not torch.allclose(cache[f"blocks.{block}.attn.hook_q"], cache[f"blocks.{block}.attn.hook_rot_q"])
 
 
 # The logit lens.
@@ -279,6 +288,16 @@ def _oracle_patch(family: Family, clean_ids, corrupted_ids, name: str, block: in
 @pytest.mark.parametrize("name", ["layer_output", "layer_mid", "attention_output", "neurons"])
 def test_patching_matches_hooked_patches(family, name):
     _check_patching(family, name)
+
+
+def test_patching_takes_blocks_in_any_order_and_answers_in_that_order(checkpoints):
+    """Blocks asked last-first are read in the model's order and answered in the order asked: each row equals the
+    same block's row of the ascending run (itself held to the hooked patches above)."""
+    model = streamscope.load(checkpoints("llama"))
+    last = model.num_layers - 1
+    ascending = streamscope.patch(model, CLEAN, CORRUPTED, answer=3, wrong=4, layers=[0, last])
+    descending = streamscope.patch(model, CLEAN, CORRUPTED, answer=3, wrong=4, layers=[last, 0])
+    assert torch.equal(descending.effects, ascending.effects.flip(0))
 
 
 #: Values a family holds as flattened tokens, [batch * seq, hidden], around its MLP: their patches share a batched

@@ -315,3 +315,65 @@ def test_invokes_batched_together_each_serve_their_own_request(engines):
             assert rows[index][step].shape == solo_rows[step].shape, (index, step)
             assert relative_error(rows[index][step], solo_rows[step]) <= engines.mix, (index, step)
             assert relative_error(queries[index][step], solo_queries[step]) <= engines.mix, (index, step)
+
+
+@pytest.mark.parametrize("name", ["queries_pre_rotary", "keys_pre_rotary"])
+def test_editing_queries_or_keys_before_the_rotary_has_the_effect_it_has_on_transformers(engines, name):
+    """An edit before the rotary reaches vLLM's model, on every attention block (rotating or not): the logits are
+    transformers' with the same edit made where its own modules hold the tensor (the rotary's arguments)."""
+    model = engines.model
+
+    # every head alike (Falcon's kernel gets a copy of each kv head per query head), scaled: a shift of every key
+    # alike would move each query's scores by one constant, which the softmax drops. One channel where the tolerance
+    # is float32's; half the channels, 8 times, where it is measured at a lower precision (Qwen3-Next's bfloat16:
+    # one channel moves its logits less than twice that tolerance, so a dropped edit would pass)
+    measured = engines.mix > RELATIVE
+
+    def edit(tensor):
+        if measured:
+            tensor[..., :tensor.shape[-1] // 2] *= 8.0
+        else:
+            tensor[..., CHANNEL] *= 3.0
+
+    unedited = engines.reference(engines.input_ids).logits[:, -1]
+    for block in engines.blocks:
+        with model.trace(PROMPT, **GREEDY):
+            edit(getattr(model.layers[block].self_attn, name))
+            logits = model.logits.save()
+        expected = oracle.logits_with_pre_rotary_edit(engines.reference, engines.name, engines.input_ids, block,
+                                                      name, edit)[:, -1]
+        assert relative_error(expected, unedited) > 2 * engines.mix, (block, "an edit dropped would pass")
+        assert relative_error(logits, expected) <= engines.mix, block
+
+
+@pytest.mark.parametrize("name", ["queries_projected", "keys_projected"])
+def test_editing_the_query_or_key_projection_has_the_effect_it_has_on_transformers(engines, name):
+    """An edit of the projection before any q/k norm reaches vLLM's model, on every attention block: the logits
+    are transformers' with the same edit made where its own modules hold the tensor (the q/k norm's input, or the
+    rotary's arguments where nothing norms)."""
+    model = engines.model
+    # as the pre-rotary edit test, a larger edit where the tolerance is measured; flipped as well as scaled, since
+    # the q/k norm that follows takes back most of a mere scaling (Qwen3-Next's logits would move less than twice
+    # its bfloat16 tolerance)
+    measured = engines.mix > RELATIVE
+
+    def edit(tensor):
+        if measured:
+            tensor[..., :tensor.shape[-1] // 2] *= -8.0
+        else:
+            tensor[..., CHANNEL] *= 3.0
+
+    unedited = engines.reference(engines.input_ids).logits[:, -1]
+    for block in engines.blocks:
+        with model.trace(PROMPT, **GREEDY):
+            edit(getattr(model.layers[block].self_attn, name))
+            logits = model.logits.save()
+        expected = oracle.logits_with_projected_edit(engines.reference, engines.name, engines.input_ids, block,
+                                                     name, edit)[:, -1]
+        assert relative_error(logits, expected) <= engines.mix, block
+        if measured:
+            # the norm after the edit bounds what it can move, below twice a measured tolerance: the edited run must
+            # still be nearer transformers' edited logits than its unedited ones, which a dropped edit is not
+            assert relative_error(logits, expected) < relative_error(logits, unedited), (block, "edit dropped")
+        else:
+            assert relative_error(expected, unedited) > 2 * engines.mix, (block, "an edit dropped would pass")

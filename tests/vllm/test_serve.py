@@ -715,7 +715,7 @@ def test_the_readme_serving_blocks_run_against_the_server(server):
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     section = readme.split("\n## Serving\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     for block in blocks:
         exec(compile(block, "README.md#serving", "exec"), {"url": server, "api_key": KEY})
 

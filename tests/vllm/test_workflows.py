@@ -130,6 +130,15 @@ def test_patches_run_as_invokes_of_one_step_and_match_hooked_patches(engine):
             assert result.effects[row, position].item() == pytest.approx(expected, abs=bound), (block, position)
 
 
+def test_patching_takes_blocks_in_any_order_and_answers_in_that_order(engine):
+    """Blocks asked last-first are read in the model's order and answered in the order asked: each row equals the
+    same block's row of the ascending run (itself held to the hooked patches above)."""
+    last = engine.model.num_layers - 1
+    ascending = streamscope.patch(engine.model, CLEAN, CORRUPTED, answer=3, wrong=4, layers=[0, last])
+    descending = streamscope.patch(engine.model, CLEAN, CORRUPTED, answer=3, wrong=4, layers=[last, 0])
+    assert torch.equal(descending.effects, ascending.effects.flip(0))
+
+
 def test_patching_head_results_and_neurons_matches_hooked_patches(engine):
     """Each head's result (after the output projection) patched from the clean run at two positions, against
     transformers whose output projection's output is moved by the two results' difference by a hook; and each

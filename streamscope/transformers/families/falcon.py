@@ -25,7 +25,8 @@ class FalconAttention(KernelAttention):
 
     The new architecture repeats each key and value head for its group of
     query heads before the kernel; keys and values are served once per key
-    head, [batch, kv_heads, seq, head_dim], and an edit goes to every copy.
+    head, [batch, kv_heads, seq, head_dim], and an edit goes to every copy (so do the keys before the rotary,
+    which the forward broadcasts per query head already).
     The kernel returns [batch, heads, seq, head_dim], served per position.
     With ALiBi (Falcon-RW) the model folds the bias into the additive mask the
     kernel takes, per head (slope * key position / sqrt(head_dim)), and the
@@ -37,6 +38,8 @@ class FalconAttention(KernelAttention):
     ALIBI_KERNEL = "torch_nn_functional_scaled_dot_product_attention_1"
     ARGUMENTS = {"queries": (0, "query"), "keys": (1, "key"), "values": (2, "value"), "mask": (3, "attn_mask")}
     OUTPUT_LAYOUT = "bhsd"
+    #: What the new architecture holds once per query head (its rotary gets the keys broadcast so already).
+    PER_QUERY_HEAD = ("keys", "values", "keys_pre_rotary")
 
     def reason(self, name: str) -> Optional[str]:
         if name in INTERNALS and module_config(self)._attn_implementation != "sdpa":
@@ -48,12 +51,12 @@ class FalconAttention(KernelAttention):
         return heads // config.num_kv_heads if config.new_decoder_architecture else 1
 
     def internals_to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        if name in ("keys", "values"):
+        if name in self.PER_QUERY_HEAD:
             return tensor[:, ::self._group(tensor.shape[1])]
         return super().internals_to_user(tensor, name)
 
     def internals_to_engine(self, value: torch.Tensor, live: torch.Tensor, name: str) -> torch.Tensor:
-        if name in ("keys", "values"):
+        if name in self.PER_QUERY_HEAD:
             return value.repeat_interleave(self._group(live.shape[1]), dim=1)
         return super().internals_to_engine(value, live, name)
 

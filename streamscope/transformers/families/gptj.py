@@ -27,6 +27,10 @@ class GPTJAttention(KernelAttention):
     KERNEL = "self__attn_0"
     ARGUMENTS = {"queries": (0, "query"), "keys": (1, "key"), "values": (2, "value"), "mask": (3, "attention_mask")}
     OUTPUT_LAYOUT = "bhsd"
+    # It rotates a slice of each head (rotary_dim): the whole heads before it are the split projections.
+    ROTARY_SITES = {"queries_pre_rotary": ("self__split_heads_0", OUTPUT, None),
+                    "keys_pre_rotary": ("self__split_heads_1", OUTPUT, None)}
+    ROTARY_LAYOUT = "bshd"
 
     def relocated(self) -> dict:
         return {"pattern": (None, OUTPUT)}  # always eager

@@ -16,6 +16,7 @@ from ... import nnsight_seam as seam
 from ...attention import Spec
 from ...blocks import Layer
 from ...blocks import SharedExpert
+from ...values import INPUT
 from ..attention import KernelAttention
 from ..moe import Llama4Mlp
 from . import llama
@@ -28,7 +29,13 @@ class Llama4Layer(Layer):
 class Llama4Attention(KernelAttention):
     """iRoPE attention: a rotary block (``no_rope_layers[i] == 1``) rotates, L2-norms its queries and keys and
     attends within chunks of ``attention_chunk_size``; a NoPE block does neither, attends over the whole prefix,
-    and scales its queries by the temperature tuning (served in the queries: the kernel receives them scaled)."""
+    and scales its queries by the temperature tuning (served in the queries: the kernel receives them scaled).
+    The pre-rotary queries and keys are the complex rotary's inputs, [batch, seq, heads, head_dim], before the
+    L2 norm (which follows the rotary here)."""
+
+    ROTARY_SITES = {"queries_pre_rotary": ("apply_rotary_emb_0", INPUT, (0, "xq")),
+                    "keys_pre_rotary": ("apply_rotary_emb_0", INPUT, (1, "xk"))}
+    ROTARY_LAYOUT = "bshd"
 
     def spec(self, inputs: tuple) -> Spec:
         spec = super().spec(inputs)

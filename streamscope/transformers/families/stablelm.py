@@ -1,5 +1,26 @@
-"""StableLM: Llama's tree and Llama's pre-norm block."""
+"""StableLM: Llama's tree and Llama's pre-norm block; its attention rotates the first rotary_ndims channels of each
+head, sliced off the whole queries and keys (after the optional per-head layernorm) before the rotary call."""
 
-from .llama import SPEC
+from dataclasses import replace
+from typing import Optional
+
+from ... import nnsight_seam as seam
+from ...values import OUTPUT
+from ..attention import KernelAttention
+from .llama import SPEC as LLAMA
+
+
+class StableLmAttention(KernelAttention):
+    """The pre-rotary queries and keys are the whole heads the forward slices the rotated channels from: its
+    assignment after the projections' reshape, or after the per-head layernorm where the config has one."""
+
+    def rotary_sites(self) -> dict[str, tuple[str, str, Optional[tuple[int, str]]]]:
+        normed = bool(getattr(seam.module_of(self), "qk_layernorm", False))
+        step = 2 if normed else 1  # the forward's second assignment of each is the layernorm's
+        return {"queries_pre_rotary": (f"query_states_{step}", OUTPUT, None),
+                "keys_pre_rotary": (f"key_states_{step}", OUTPUT, None)}
+
+
+SPEC = replace(LLAMA, envoys={**LLAMA.envoys, "self_attn": StableLmAttention})
 
 __all__ = ["SPEC"]

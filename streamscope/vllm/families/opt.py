@@ -21,7 +21,7 @@ from ...families import FamilySpec
 from ...families.renames import OPT
 from ...nnsight_seam import ParallelEnvoy
 from ...values import INPUT, OUTPUT
-from ..attention import Flat, VllmAttention
+from ..attention import Flat, PreRotary, Projected, VllmAttention
 from ..blocks import WholeStream
 
 
@@ -39,6 +39,13 @@ class OPTAttention(VllmAttention):
                    factor=_query_scale,
                    description="The queries vLLM's attention layer receives, scaled as transformers scales them, "
                                "[1, heads, tokens, head_dim]")
+    # OPT rotates nothing: its pre-rotary queries are the layer's, served scaled as those are.
+    queries_pre_rotary = PreRotary(shape="[1, heads, tokens, head_dim]", factor=_query_scale,
+                                   description="The queries before any rotary (OPT has none): the queries, scaled "
+                                               "as transformers scales them, [1, heads, tokens, head_dim]")
+    queries_projected = Projected(shape="[1, heads, tokens, head_dim]", factor=_query_scale,
+                                  description="The query projection (OPT has no query norm or rotary): the queries, "
+                                              "scaled as transformers scales them, [1, heads, tokens, head_dim]")
 
 
 class OPTMlp(Mlp, ParallelEnvoy):

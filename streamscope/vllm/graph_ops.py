@@ -1,0 +1,248 @@
+"""Steers and harvests as `torch.library` ops: opaque to torch.compile, captured into CUDA graphs on fixed addresses.
+
+The hook path (`streamscope.bulk.apply.Applier`, the server's worker) edits
+a step's rows from Python, which needs an eager engine or taps that break
+vLLM's graphs. These two ops do the same work from persistent buffers that
+the host fills before each step (`streamscope.vllm.graph_plan.GraphPlan`),
+so a graph captured once replays every step, whichever requests steer:
+
+* ``streamscope::edit_stream(hidden, residual, slots, bank, modes, scales,
+  projections, norm_match)`` edits, in place, every token row ``r`` whose
+  ``slots[r]`` is a slot (``>= 0``) with that slot's operation, exactly as
+  `streamscope.bulk.operations.Operation` defines it: add, set, ablate or
+  clamp, norm-matched where the slot's flag says so. A row whose slot is
+  ``-1`` is left bit for bit as it was.
+* ``streamscope::harvest_stream(out, hidden, residual, sources)`` copies into
+  row ``k`` of the persistent buffer ``out`` the stream's row ``sources[k]``,
+  for every ``k`` whose source is a row (``>= 0``); the other rows of ``out``
+  keep what they held.
+
+A stream comes whole (``residual`` None) or, in vLLM's fused blocks, in two
+halves ``hidden + residual`` (`streamscope.vllm.blocks.Summed`): an edit then
+goes into the hidden half as the change of the stream, never the residual,
+as the bulk path's `Summed.edit_rows` does.
+
+Inside both ops: no host sync, no shape that depends on a tensor's values,
+no Python branch on a value (the rows are chosen by ``torch.where``), so a
+CUDA graph captures them and torch.compile keeps them as one node each (their
+fake implementations check shapes and return nothing). The implementation
+here is torch arithmetic over every row of the call; the GPU session is to
+measure it and, where the idle cost shows, replace it with a kernel of the
+same semantics that skips unmarked rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from typing import Any, Optional, Sequence
+
+import torch
+
+#: The ops' namespace in ``torch.ops``.
+NAMESPACE = "streamscope"
+#: Each operation's code in the `modes` buffer (the slot's mode).
+ADD, SET, ABLATE, CLAMP = 0, 1, 2, 3
+#: The operation names of `streamscope.bulk.operations.MODES` the ops run, by code.
+MODE_CODES = {"add": ADD, "set": SET, "ablate": ABLATE, "clamp": CLAMP}
+#: The dtypes of the index buffers (`slots`, `sources`).
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_stream(op: str, hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
+    if hidden.dim() != 2:
+        raise ValueError(f"{op}: the stream is [rows, hidden] (vLLM's flattened tokens), not {tuple(hidden.shape)}.")
+    if residual is not None and (residual.shape != hidden.shape or residual.dtype != hidden.dtype
+                                 or residual.device != hidden.device):
+        raise ValueError(f"{op}: the residual half {tuple(residual.shape)} {residual.dtype} must match the hidden "
+                         f"half {tuple(hidden.shape)} {hidden.dtype} on one device.")
+
+
+def _check_index(op: str, name: str, index: torch.Tensor, rows: int) -> None:
+    if index.dim() != 1 or index.dtype not in INDEX_DTYPES:
+        raise ValueError(f"{op}: {name} is a 1-D int32 or int64 index, not {tuple(index.shape)} {index.dtype}.")
+    if index.shape[0] < rows:
+        raise ValueError(f"{op}: {name} holds {index.shape[0]} entries for {rows} rows: size it for the most rows a "
+                         f"step runs (the plan's max_rows).")
+
+
+def _check_edit(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor, bank: torch.Tensor,
+                modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
+                norm_match: torch.Tensor) -> None:
+    op = "streamscope::edit_stream"
+    _check_stream(op, hidden, residual)
+    _check_index(op, "slots", slots, hidden.shape[0])
+    if bank.dim() != 2 or bank.shape[1] != hidden.shape[1] or bank.dtype != hidden.dtype:
+        raise ValueError(f"{op}: the bank is [slots, {hidden.shape[1]}] in the stream's dtype {hidden.dtype}, not "
+                         f"{tuple(bank.shape)} {bank.dtype}.")
+    count = bank.shape[0]
+    for name, tensor, dtypes in (("modes", modes, INDEX_DTYPES), ("scales", scales, (torch.float32,)),
+                                 ("projections", projections, (torch.float32,)), ("norm_match", norm_match,
+                                                                                  (torch.bool,))):
+        if tuple(tensor.shape) != (count,) or tensor.dtype not in dtypes:
+            raise ValueError(f"{op}: {name} is one {dtypes[0]} a slot, [{count}], not {tuple(tensor.shape)} "
+                             f"{tensor.dtype}.")
+
+
+def _edited(stream: torch.Tensor, vector: torch.Tensor, mode: torch.Tensor, scale: torch.Tensor,
+            projection: torch.Tensor, norm_match: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's edit by its own slot: (the edited rows, the change of a direction's ablate or clamp).
+
+    `Operation.__call__` per row: with ``c`` the coefficient of the row's
+    vector (1 to add, ``-scale (x . d)`` to ablate, ``projection - x . d`` to
+    clamp), rounded to the stream's dtype from float32 as a Python scalar's
+    product is, the row becomes ``x + c v`` (or ``v`` for a set), then is
+    rescaled to its old norm where the slot norm-matches.
+    """
+    along = torch.bmm(stream.unsqueeze(1), vector.unsqueeze(2)).view(-1)  # [rows]: each row on its direction
+    wide = along.float()
+    coefficient = torch.where(mode == ABLATE, -(scale * wide),
+                              torch.where(mode == CLAMP, projection - wide, torch.ones_like(wide))).to(stream.dtype)
+    change = coefficient.unsqueeze(-1) * vector
+    edited = torch.where((mode == SET).unsqueeze(-1), vector, stream + change)
+    before = stream.norm(dim=-1, keepdim=True)
+    after = edited.norm(dim=-1, keepdim=True)
+    # A row the edit left at zero stays zero: there is no direction to give the old norm to (as `Operation` does).
+    factor = torch.where(after > 0, before / after.clamp_min(torch.finfo(after.dtype).tiny), torch.zeros_like(after))
+    edited = torch.where(norm_match.unsqueeze(-1), edited * factor, edited)
+    return edited, change
+
+
+@torch.library.custom_op(f"{NAMESPACE}::edit_stream", mutates_args=("hidden",))
+def edit_stream(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor, bank: torch.Tensor,
+                modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
+                norm_match: torch.Tensor) -> None:
+    """Edit, in place, the stream's rows that `slots` marks, each by its slot's operation.
+
+    Args:
+        hidden: The stream ``[rows, hidden]``, or its hidden half where
+            `residual` is given; the only tensor the op changes.
+        residual: The residual half of a fused block's stream, or None.
+        slots: ``[>= rows]`` int: row ``r``'s slot, ``-1`` for a row left alone
+            (entries past ``rows``, a graph's padding, are not read).
+        bank: ``[slots, hidden]`` in the stream's dtype: each slot's vector,
+            ``scale * vector`` for add and set, the unit direction for ablate
+            and clamp (`streamscope.bulk.operations.prepare`).
+        modes: ``[slots]`` int, each slot's `MODE_CODES`.
+        scales: ``[slots]`` float32, the fraction an ablate removes.
+        projections: ``[slots]`` float32, the projection a clamp sets.
+        norm_match: ``[slots]`` bool, whether the slot rescales each edited
+            row to its norm before the edit.
+    """
+    _check_edit(hidden, residual, slots, bank, modes, scales, projections, norm_match)
+    rows = hidden.shape[0]
+    if rows == 0:  # a shape, not a value: fixed for a captured graph
+        return
+    slot = slots[:rows].long()
+    marked = slot >= 0
+    safe = slot.clamp_min(0)  # unmarked rows gather slot 0 and discard it, so no shape depends on the marks
+    vector = bank.index_select(0, safe)
+    mode = modes.index_select(0, safe)
+    stream = hidden if residual is None else hidden + residual
+    edited, change = _edited(stream, vector, mode, scales.index_select(0, safe), projections.index_select(0, safe),
+                             norm_match.index_select(0, safe))
+    if residual is None:
+        # A stream in one tensor takes the edited rows as they are (`Summed`'s and `Site`'s write-back of rows).
+        result = edited
+    else:
+        # The hidden half takes the stream's change: a direction's ablate or clamp without a norm match adds its
+        # change itself (`Operation.add_change`), anything else ``edited - stream`` (`Summed._edit_rows`).
+        direct = ((mode == ABLATE) | (mode == CLAMP)) & ~norm_match.index_select(0, safe)
+        result = hidden + torch.where(direct.unsqueeze(-1), change, edited - stream)
+    hidden.copy_(torch.where(marked.unsqueeze(-1), result, hidden))
+
+
+@edit_stream.register_fake
+def _edit_stream_fake(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor,
+                      bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
+                      norm_match: torch.Tensor) -> None:
+    _check_edit(hidden, residual, slots, bank, modes, scales, projections, norm_match)
+
+
+def _check_harvest(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                   sources: torch.Tensor) -> None:
+    op = "streamscope::harvest_stream"
+    _check_stream(op, hidden, residual)
+    if out.dim() != 2 or out.shape[1] != hidden.shape[1] or out.dtype != hidden.dtype:
+        raise ValueError(f"{op}: the harvest buffer is [capacity, {hidden.shape[1]}] in the stream's dtype "
+                         f"{hidden.dtype}, not {tuple(out.shape)} {out.dtype}.")
+    _check_index(op, "sources", sources, out.shape[0])
+
+
+@torch.library.custom_op(f"{NAMESPACE}::harvest_stream", mutates_args=("out",))
+def harvest_stream(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                   sources: torch.Tensor) -> None:
+    """Copy the stream's rows that `sources` names into the persistent buffer `out`, in place.
+
+    Args:
+        out: ``[capacity, hidden]``, the stream's dtype: row ``k`` takes the
+            stream's row ``sources[k]``; the op changes nothing else.
+        hidden, residual: The stream, whole or in two halves (their sum is
+            read, bit for bit the bulk path's `Summed.stream_rows`).
+        sources: ``[>= capacity]`` int: the stream row each buffer row takes,
+            ``-1`` (or a row past the step's rows) for one left as it was.
+    """
+    _check_harvest(out, hidden, residual, sources)
+    rows, capacity = hidden.shape[0], out.shape[0]
+    if rows == 0 or capacity == 0:
+        return
+    source = sources[:capacity].long()
+    valid = (source >= 0) & (source < rows)
+    safe = torch.where(valid, source, torch.zeros_like(source))
+    picked = hidden.index_select(0, safe)
+    if residual is not None:
+        picked = picked + residual.index_select(0, safe)
+    out.copy_(torch.where(valid.unsqueeze(-1), picked, out))
+
+
+@harvest_stream.register_fake
+def _harvest_stream_fake(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                         sources: torch.Tensor) -> None:
+    _check_harvest(out, hidden, residual, sources)
+
+
+#: The ops streamscope inserts, by name: what the compile cache's salt hashes (`cache_salt`).
+OPS = {"edit_stream": edit_stream, "harvest_stream": harvest_stream}
+
+
+def ops_source() -> str:
+    """The source of every function the ops run (their bodies, checks and fake implementations): torch.compile
+    treats the ops as opaque, so vLLM's hash of the files it traced never reads this code."""
+    functions = (_check_stream, _check_index, _check_edit, _edited, edit_stream, _edit_stream_fake,
+                 _check_harvest, harvest_stream, _harvest_stream_fake)
+    return "\n".join(inspect.getsource(getattr(function, "_init_fn", function)) for function in functions)
+
+
+def cache_salt(sites: Sequence[str], rounds: int, harvest_sites: Sequence[str], source: Optional[str] = None) -> str:
+    """A hex digest of what streamscope puts into a model's compiled graph: the ops' code, which ops sit at which
+    sites and how many edit rounds each has.
+
+    vLLM keys its compile cache on its config's hash (which covers
+    ``additional_config``), the environment, the compiler and the source of
+    the files dynamo traced; streamscope's ops are opaque, so their code is
+    in none of those. Passing ``additional_config={SALT_KEY: cache_salt(...)}``
+    to the engine makes a changed op, or another set of sites, a new cache
+    directory, never a graph compiled without (or with other) ops.
+
+    Args:
+        sites: The sites an edit op sits at (location names), in any order.
+        rounds: Edit ops a site holds (a request's steers at one site, in order).
+        harvest_sites: The sites a harvest op sits at.
+        source: The ops' code (`ops_source()` when None).
+    """
+    content = {"ops": sorted(OPS), "source": ops_source() if source is None else source,
+               "sites": sorted(sites), "rounds": int(rounds), "harvest_sites": sorted(harvest_sites),
+               "torch": torch.__version__}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+#: The key of `cache_salt` in vLLM's ``additional_config``.
+SALT_KEY = "streamscope_graph_ops"
+
+
+def salted(additional_config: Optional[dict[str, Any]], salt: str) -> dict[str, Any]:
+    """`additional_config` (the engine's, or None) with streamscope's salt under `SALT_KEY`: a new dict."""
+    config = dict(additional_config or {})
+    config[SALT_KEY] = salt
+    return config

@@ -1,0 +1,541 @@
+"""The persistent buffers the graph ops read (`streamscope.vllm.graph_ops`), and their fill once a step.
+
+A graph captured once must find, at every replay, its edits and harvests in
+tensors at the same addresses. `GraphPlan` owns them:
+
+* a `SlotBank`: every distinct operation of the live requests (a vector with
+  its mode, scale, projection and norm-match flag) in one slot of
+  ``bank [slots, hidden]`` and its per-slot buffers, shared by every request
+  and site that uses it (an ablation at every block is one slot), written
+  when a request brings a new one, not per step;
+* one device index ``[max_rows, lanes + 1]`` of int32: column ``j`` is lane
+  ``j``'s row -> slot map (a lane is one edit op: a site and a round, a
+  request's second steer at one site being the second round), ``-1`` for a
+  row left alone; the last column is the harvest's buffer row -> stream row
+  map. The ops read columns of it (strided views, fixed addresses);
+* ``harvested [harvest sites, capacity, hidden]``: the harvest op's output,
+  row ``k`` of every harvest site taking the step's ``k``-th harvested row.
+
+`GraphPlan.step` turns the scheduler's spans (`streamscope.bulk.apply.Span`:
+which request owns which rows this step, prefill and decode alike) into the
+index on the host, then moves it to the device in one copy: the rows this
+step runs and those the last step wrote (reset to ``-1``), so no stale mark
+survives in a graph's padding rows. On a GPU the copy leaves from one of two
+pinned staging buffers, without a wait, and the host never rewrites a
+buffer whose copy may still be queued. Each live request keeps its lane
+marks as one row of a table, so a step whose requests each steer whole
+spans (every decode step, a prefill of every position) is one gather from
+it, whatever the batch and however many distinct vectors; only a span a
+steer edits in part (chosen prompt positions) is written range by range.
+Requests enter and leave in time of their own steers only.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Optional, Sequence
+
+import torch
+
+from ..bulk.apply import Span
+from ..bulk.operations import DIRECTIONAL, Operation
+from .graph_ops import MODE_CODES
+
+
+class SlotBank:
+    """Each distinct steer operation of the live requests in one slot of persistent device buffers.
+
+    Args:
+        slots: How many distinct operations may be live at once.
+        hidden: The stream's width.
+        dtype, device: The engine's.
+
+    ``bank [slots, hidden]`` holds each slot's vector as `Operation` uses it
+    (``delta`` for add and set, ``unit`` for ablate and clamp); ``modes``,
+    ``scales``, ``projections`` and ``norm_match`` (``[slots]``) the rest.
+    """
+
+    def __init__(self, slots: int, hidden: int, dtype: torch.dtype, device: Any) -> None:
+        if slots < 1:
+            raise ValueError(f"slots={slots}: a bank holds at least one operation.")
+        self.bank = torch.zeros((slots, hidden), dtype=dtype, device=device)
+        self.modes = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.scales = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.projections = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.norm_match = torch.zeros(slots, dtype=torch.bool, device=device)
+        self._free = list(range(slots - 1, -1, -1))
+        self._held: dict[Hashable, list[int]] = {}  # key -> [slot, users]
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """``(bank, modes, scales, projections, norm_match)``, in `graph_ops.edit_stream`'s order."""
+        return self.bank, self.modes, self.scales, self.projections, self.norm_match
+
+    def acquire(self, key: Hashable, operation: Operation) -> int:
+        """The slot of `key`'s operation, written on its first use; every acquire takes one `release`.
+
+        `key` names the operation (a stored vector's name with its settings):
+        requests that name the same key share its slot.
+        """
+        held = self._held.get(key)
+        if held is not None:
+            held[1] += 1
+            return held[0]
+        if not isinstance(operation, Operation) or operation.mode not in MODE_CODES:
+            mode = getattr(operation, "mode", "sae_clamp")
+            raise ValueError(f"the graph ops run add, set, ablate and clamp, not {mode!r}: an SAE feature clamp "
+                             f"stays on the hook path (streamscope.bulk.apply).")
+        if not self._free:
+            raise RuntimeError(f"the slot bank is full ({self.bank.shape[0]} distinct operations live): start the "
+                               f"engine with more graph slots, or wait for requests to finish.")
+        slot = self._free.pop()
+        vector = operation.unit if operation.mode in DIRECTIONAL else operation.delta
+        if vector.shape != self.bank.shape[1:]:
+            self._free.append(slot)
+            raise ValueError(f"the steer's vector has shape {tuple(vector.shape)}; the stream is "
+                             f"[{self.bank.shape[1]}].")
+        self.bank[slot].copy_(vector.to(self.bank.dtype))
+        self.modes[slot] = MODE_CODES[operation.mode]
+        self.scales[slot] = operation.scale
+        self.projections[slot] = operation.projection
+        self.norm_match[slot] = operation.norm_match
+        self._held[key] = [slot, 1]
+        return slot
+
+    def release(self, key: Hashable) -> None:
+        """Give back one use of `key`'s slot; the slot is free once its last user releases it."""
+        held = self._held[key]
+        held[1] -= 1
+        if not held[1]:
+            del self._held[key]
+            self._free.append(held[0])
+
+    @property
+    def live(self) -> int:
+        """How many slots hold an operation."""
+        return len(self._held)
+
+
+@dataclass(frozen=True)
+class RowRule:
+    """Which of one request's rows a steer edits, by position: prompt ranges, then generated tokens.
+
+    Args:
+        length: The prompt's token count (positions past it are generated).
+        prompt: The prompt positions edited, as sorted disjoint ranges
+            ``(start, stop)``.
+        generated: Whether generated tokens are edited.
+        from_step: The first generated token edited (0: the first).
+    """
+
+    length: int
+    prompt: tuple[tuple[int, int], ...]
+    generated: bool = True
+    from_step: int = 0
+    _starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_starts", tuple(start for start, _ in self.prompt))
+
+    @classmethod
+    def of(cls, positions: Sequence[int], length: int, generated: bool = True, from_step: int = 0) -> "RowRule":
+        """The rule for the prompt positions `positions` (any order, non-negative, below `length`)."""
+        ranges: list[tuple[int, int]] = []
+        for position in sorted(set(positions)):
+            if not 0 <= position < length:
+                raise ValueError(f"position {position} is not in a {length}-token prompt.")
+            if ranges and ranges[-1][1] == position:
+                ranges[-1] = (ranges[-1][0], position + 1)
+            else:
+                ranges.append((position, position + 1))
+        return cls(length, tuple(ranges), bool(generated), int(from_step))
+
+    @classmethod
+    def of_steer(cls, steer: Any, length: int, prompt: int) -> "RowRule":
+        """The rule of a bulk `Steer` (`streamscope.bulk.spec`) for prompt number `prompt` of `length` tokens."""
+        from ..bulk.spec import steer_positions
+
+        return cls.of(steer_positions(steer, length, prompt), length, steer.generated, steer.from_step)
+
+    def covers(self, first: int, count: int) -> bool:
+        """Whether the steer edits every row of a span of `count` rows from position `first` (a decode step's row,
+        a prefill of every position), which the step's fill writes with one gather."""
+        end = first + count
+        if first >= self.length:
+            return self.generated and first >= self.length + self.from_step
+        index = bisect.bisect_right(self._starts, first) - 1
+        if index < 0 or self.prompt[index][1] < min(end, self.length):
+            return False
+        return end <= self.length or (self.generated and self.from_step == 0)
+
+    def ranges(self, start: int, count: int, first: int) -> list[tuple[int, int]]:
+        """The edited rows of a span (rows ``start .. start + count`` at positions ``first ..``), as row ranges."""
+        end = first + count
+        found: list[tuple[int, int]] = []
+        top = min(end, self.length)
+        if first < top:
+            index = max(bisect.bisect_right(self._starts, first) - 1, 0)
+            for low, high in self.prompt[index:]:
+                if low >= top:
+                    break
+                low, high = max(low, first), min(high, top)
+                if low < high:
+                    found.append((start + low - first, start + high - first))
+        if self.generated:
+            low = max(first, self.length + self.from_step)
+            if low < end:
+                row = start + low - first
+                if found and found[-1][1] == row:
+                    found[-1] = (found[-1][0], start + count)
+                else:
+                    found.append((row, start + count))
+        return found
+
+
+def _columns(lanes: list[int]) -> Any:
+    """Lane columns as the cheapest index of them: an int, a slice where they are evenly spaced (a steer at every
+    block), else a tensor (written with ``index_fill_``: an indexed assignment of a tensor of columns is a
+    hundred times slower on the host)."""
+    if len(lanes) == 1:
+        return lanes[0]
+    step = lanes[1] - lanes[0]
+    if step > 0 and all(later - earlier == step for earlier, later in zip(lanes, lanes[1:])):
+        return slice(lanes[0], lanes[-1] + 1, step)
+    return torch.tensor(lanes, dtype=torch.long)
+
+
+def _fill(host: torch.Tensor, low: int, high: int, columns: Any, value: int) -> None:
+    if isinstance(columns, torch.Tensor):
+        host[low:high].index_fill_(1, columns, value)
+    else:
+        host[low:high, columns] = value
+
+
+@dataclass
+class _LaneEdit:
+    """One steer of a live request: the lanes it edits, its slot, its rows."""
+
+    columns: Any  # an int (one lane) or a tensor of lane columns
+    columns_key: tuple[int, ...]
+    slot: int
+    rule: RowRule
+    share: Hashable
+
+
+@dataclass
+class _Live:
+    edits: list[_LaneEdit]
+    positions: tuple[int, ...] = ()  # harvested prompt positions, sorted
+    sites: Optional[torch.Tensor] = None  # the request's harvest sites, as indices into the plan's
+    every_site: bool = False  # whether `sites` is every harvest site of the plan, in its order
+    done: int = 0  # positions harvested so far
+    row: int = 0  # its row of the plan's table of lane marks (0: the row of no marks)
+
+
+@dataclass
+class StepHarvest:
+    """What one step harvested: ``rows [harvest sites, used, hidden]`` (on the host once `wait` returns) and
+    `layout`, each request's ``(key, count, first position index)`` in row order."""
+
+    rows: Optional[torch.Tensor]
+    layout: list[tuple[Hashable, int, int]]
+    event: Any = None
+    #: The harvesting requests' plans, kept for `GraphPlan.settle` after a request leaves.
+    lives: dict[Hashable, Any] = field(default_factory=dict)
+
+    def wait(self) -> None:
+        """Wait for the step's device-to-host copy (a no-op on the CPU or once done)."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+
+@dataclass(frozen=True)
+class PlannedSteer:
+    """A request's steer for `GraphPlan.enter`: its operation at `sites` (one edit op each, the next free round),
+    its rows by `rule`, and `share`, the key under which requests share the operation's slot."""
+
+    sites: Sequence[Hashable]
+    operation: Operation
+    rule: RowRule
+    share: Hashable
+
+
+class GraphPlan:
+    """The graph ops' persistent buffers for an engine, and their fill from each step's spans.
+
+    Args:
+        sites: The sites an edit op sits at (any hashable names, the wiring's).
+        rounds: Edit ops at each site: how many steers one request may put
+            at one site, applied in its order.
+        max_rows: The most token rows a step runs (vLLM's
+            ``max_num_batched_tokens``).
+        hidden, dtype, device: The stream's width, the engine's dtype and device.
+        slots: How many distinct operations may be live at once.
+        harvest_sites: The sites a harvest op sits at, in the harvest's order.
+        harvest_capacity: The most rows one step harvests (at most
+            `max_rows`; each harvest site's buffer is this many rows).
+    """
+
+    def __init__(self, sites: Sequence[Hashable], rounds: int, max_rows: int, hidden: int, dtype: torch.dtype,
+                 device: Any, slots: int = 256, harvest_sites: Sequence[Hashable] = (),
+                 harvest_capacity: Optional[int] = None) -> None:
+        if rounds < 1 or max_rows < 1:
+            raise ValueError(f"rounds={rounds}, max_rows={max_rows}: a plan has at least one of each.")
+        capacity = max_rows if harvest_capacity is None else harvest_capacity
+        if not 0 <= capacity <= max_rows:
+            raise ValueError(f"harvest_capacity={capacity}: a step harvests at most its {max_rows} rows once each.")
+        self.sites = list(sites)
+        self.rounds = rounds
+        self.lane_of = {(site, round_): index * rounds + round_
+                        for index, site in enumerate(self.sites) for round_ in range(rounds)}
+        if len(self.lane_of) != len(self.sites) * rounds:
+            raise ValueError("sites: each site is named once.")
+        self.harvest_sites = list(harvest_sites)
+        self.harvest_index = {site: number for number, site in enumerate(self.harvest_sites)}
+        self.max_rows, self.capacity = max_rows, capacity
+        self.device = torch.device(device)
+        self.bank = SlotBank(slots, hidden, dtype, self.device)
+        columns = len(self.lane_of) + 1
+        self.index = torch.full((max_rows, columns), -1, dtype=torch.int32, device=self.device)
+        # The host's copy, filled each step. On a GPU the step's rows go through one of two pinned staging buffers,
+        # so the copy does not wait, and the host never rewrites a buffer whose copy may still be queued.
+        self._host = torch.full((max_rows, columns), -1, dtype=torch.int32)
+        on_gpu = self.device.type == "cuda"
+        self._staging = [torch.empty((max_rows, columns), dtype=torch.int32, pin_memory=True)
+                         for _ in range(2)] if on_gpu else []
+        self._events: list[Any] = [None, None]
+        self._turn = 0
+        self.harvested = torch.zeros((len(self.harvest_sites), capacity, hidden), dtype=dtype, device=self.device)
+        self._live: dict[Hashable, _Live] = {}
+        # Each live request's lane marks as one row (row 0: none), so that a step whose requests each steer whole
+        # spans (decode; a prefill of every position) fills its rows with one gather from this table.
+        self._table = torch.full((64, columns), -1, dtype=torch.int32)
+        self._free_rows = list(range(63, 0, -1))
+        self._dirty = 0  # rows of the device index that the last step's copy covered
+        self._rows: dict[Hashable, torch.Tensor] = {}  # each request's harvested rows so far, on the host
+
+    # What each op reads: views of the persistent buffers, at fixed addresses.
+
+    def slots_of(self, site: Hashable, round_: int = 0) -> torch.Tensor:
+        """The edit op's row -> slot map at `site`, round `round_`: ``[max_rows]`` int32 (a column of `index`)."""
+        return self.index[:, self.lane_of[(site, round_)]]
+
+    @property
+    def sources(self) -> torch.Tensor:
+        """The harvest op's buffer row -> stream row map, ``[capacity]`` int32 (the last column of `index`)."""
+        return self.index[:self.capacity, -1]
+
+    def harvest_buffer(self, site: Hashable) -> torch.Tensor:
+        """The harvest op's output at `site`, ``[capacity, hidden]``."""
+        return self.harvested[self.harvest_index[site]]
+
+    # Requests.
+
+    def enter(self, key: Hashable, steers: Sequence[PlannedSteer] = (), harvest_positions: Sequence[int] = (),
+              harvest_sites: Optional[Sequence[Hashable]] = None) -> None:
+        """Make `key` live with its steers (each at its sites' next free round, in order) and its harvest (prompt
+        positions, at `harvest_sites`: every harvest site when None). Nothing changes where it is refused."""
+        if key is None or key in self._live:
+            raise ValueError(f"request {key!r} is already live (or None): leave it first.")
+        taken: dict[Hashable, int] = {}
+        lanes: list[list[int]] = []
+        for steer in steers:
+            mine = []
+            for site in steer.sites:
+                round_ = taken.get(site, 0)
+                if (site, round_) not in self.lane_of:
+                    where = "no edit op" if (site, 0) not in self.lane_of else f"{self.rounds} edit round(s)"
+                    raise ValueError(f"request {key!r} steers site {site!r} {round_ + 1} time(s); the graph has "
+                                     f"{where} there: start the engine with the site and rounds it needs.")
+                taken[site] = round_ + 1
+                mine.append(self.lane_of[(site, round_)])
+            lanes.append(mine)
+        sites = self.harvest_sites if harvest_sites is None else list(harvest_sites)
+        missing = [site for site in sites if site not in self.harvest_index] if harvest_positions else []
+        if missing:
+            raise ValueError(f"request {key!r} harvests {missing}, where the graph has no harvest op.")
+        edits: list[_LaneEdit] = []
+        try:
+            for steer, mine in zip(steers, lanes):
+                slot = self.bank.acquire(steer.share, steer.operation)
+                columns = _columns(mine)
+                edits.append(_LaneEdit(columns, tuple(mine), slot, steer.rule, steer.share))
+        except Exception:
+            for edit in edits:
+                self.bank.release(edit.share)
+            raise
+        live = _Live(edits)
+        if edits:
+            live.row = self._table_row()
+            for edit in edits:
+                _fill(self._table, live.row, live.row + 1, edit.columns, edit.slot)
+        if harvest_positions:
+            live.positions = tuple(sorted(set(harvest_positions)))
+            live.sites = torch.tensor([self.harvest_index[site] for site in sites], dtype=torch.long)
+            live.every_site = list(sites) == self.harvest_sites
+        self._live[key] = live
+
+    def leave(self, key: Hashable) -> None:
+        """Forget `key`: its slots released where no other request uses them (a no-op for a key not live)."""
+        live = self._live.pop(key, None)
+        if live is None:
+            return
+        for edit in live.edits:
+            self.bank.release(edit.share)
+        if live.row:
+            self._table[live.row] = -1
+            self._free_rows.append(live.row)
+
+    def _table_row(self) -> int:
+        if not self._free_rows:  # twice the rows, the old ones kept: amortized constant time a request
+            grown = torch.full((2 * self._table.shape[0], self._table.shape[1]), -1, dtype=torch.int32)
+            grown[:self._table.shape[0]] = self._table
+            self._free_rows.extend(range(2 * self._table.shape[0] - 1, self._table.shape[0] - 1, -1))
+            self._table = grown
+        return self._free_rows.pop()
+
+    @property
+    def live(self) -> int:
+        return len(self._live)
+
+    # The step.
+
+    def step(self, spans: Sequence[Span]) -> StepHarvest:
+        """Fill the index for this step's `spans` and copy it to the device (one copy); the step's harvest layout.
+
+        Call before the step runs (before a graph's replay): the ops read the
+        index that the copy fills, queued before them on the same stream.
+        After the step, `copy_out` its harvest. `spans` come in row order,
+        as the scheduler lays the batch out.
+        """
+        owners: list[int] = []  # per span (and gap): its request's table row, 0 for no marks
+        counts: list[int] = []
+        partial: list[tuple[_Live, int, int, int]] = []  # spans some steer edits in part: written range by range
+        layout: list[tuple[Hashable, int, int]] = []
+        lives: dict[Hashable, Any] = {}
+        sources: list[int] = []
+        total = 0
+        for key, start, count, first in spans:
+            if start < total:
+                raise ValueError(f"span of {key!r} at row {start} overlaps the rows before it: pass the step's spans "
+                                 f"in row order, as the scheduler lays the batch out.")
+            if start > total:
+                owners.append(0)
+                counts.append(start - total)
+            total = start + count
+            live = self._live.get(key) if key is not None else None
+            owner = 0
+            if live is not None:
+                if live.row:
+                    if all(edit.rule.covers(first, count) for edit in live.edits):
+                        owner = live.row
+                    else:
+                        partial.append((live, start, count, first))
+                if live.positions:
+                    self._harvest_span(key, live, start, count, first, sources, layout, lives)
+            owners.append(owner)
+            counts.append(count)
+        if total > self.max_rows:
+            raise ValueError(f"this step runs {total} rows; the graph plan holds {self.max_rows}: size max_rows "
+                             f"for the engine's max_num_batched_tokens.")
+        if len(sources) > self.capacity:
+            raise ValueError(f"this step harvests {len(sources)} rows; the plan's harvest buffers hold "
+                             f"{self.capacity}: raise harvest_capacity (up to max_rows).")
+        self._fill_rows(owners, counts, total, partial, sources)
+        rows = max(total, self._dirty)  # this step's rows, and the last step's marks past them, now reset
+        if rows:
+            self._copy(rows)
+        self._dirty = total
+        return StepHarvest(None, layout, lives=lives)
+
+    def _fill_rows(self, owners: list[int], counts: list[int], total: int, partial: list[tuple[_Live, int, int, int]],
+                   sources: list[int]) -> None:
+        """The host index for a step: every row below `total` from its request's table row (one gather), then the
+        spans steered in part, range by range, then the harvest column; the last step's rows past `total` reset."""
+        host = self._host
+        if self._dirty > total:
+            host[total:self._dirty] = -1
+        if total:
+            owner = torch.tensor(owners, dtype=torch.long)
+            if len(owners) != total:  # some span of several rows: each row its span's owner
+                owner = torch.repeat_interleave(owner, torch.tensor(counts, dtype=torch.long))
+            torch.index_select(self._table, 0, owner, out=host[:total])
+        for live, start, count, first in partial:
+            for edit in live.edits:
+                for low, high in edit.rule.ranges(start, count, first):
+                    _fill(host, low, high, edit.columns, edit.slot)
+        if sources:  # the harvest column: buffer row -> stream row (rows past them hold -1 from the table)
+            host[:len(sources), -1] = torch.tensor(sources, dtype=torch.int32)
+
+    def _copy(self, rows: int) -> None:
+        if not self._staging:
+            self.index[:rows].copy_(self._host[:rows])
+            return
+        turn, self._turn = self._turn, self._turn ^ 1
+        if self._events[turn] is not None:
+            self._events[turn].synchronize()  # the copy of two steps ago: done long since, unless the host ran ahead
+        staged = self._staging[turn][:rows]
+        staged.copy_(self._host[:rows])
+        self.index[:rows].copy_(staged, non_blocking=True)
+        self._events[turn] = torch.cuda.Event()
+        self._events[turn].record()
+
+    def _harvest_span(self, key: Hashable, live: _Live, start: int, count: int, first: int, sources: list[int],
+                      layout: list[tuple[Hashable, int, int]], lives: dict[Hashable, Any]) -> None:
+        wanted = live.positions
+        low, high = bisect.bisect_left(wanted, first), bisect.bisect_left(wanted, first + count)
+        if low == high:
+            return
+        if low > live.done:
+            raise RuntimeError(f"request {key!r}'s positions before {first} ran in no step this plan saw (prefix "
+                               f"caching or chunked prefill): start the engine with enable_prefix_caching=False and "
+                               f"enable_chunked_prefill=False for a harvest.")
+        layout.append((key, high - low, low))
+        lives[key] = live
+        sources.extend(start + position - first for position in wanted[low:high])
+        live.done = high
+
+    def copy_out(self, harvest: StepHarvest) -> StepHarvest:
+        """After the step: its harvested rows on their way to host memory (pinned, not waited for, on a GPU)."""
+        used = sum(count for _, count, _ in harvest.layout)
+        if not used:
+            return harvest
+        rows = self.harvested[:, :used]
+        if rows.device.type == "cuda":
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)  # queued behind the step, before the next step overwrites them
+            harvest.event = torch.cuda.Event()
+            harvest.event.record()
+        else:
+            host = rows.clone()
+        harvest.rows = host
+        return harvest
+
+    def settle(self, harvest: StepHarvest) -> None:
+        """Wait for a step's copy and hand each request its rows (`take`)."""
+        if harvest.rows is None:
+            return
+        harvest.wait()
+        row = 0
+        for key, count, offset in harvest.layout:
+            live = harvest.lives.get(key)
+            if live is not None and live.sites is not None:
+                buffer = self._rows.get(key)
+                if buffer is None:
+                    buffer = self._rows[key] = harvest.rows.new_empty(
+                        (len(live.sites), len(live.positions), harvest.rows.shape[-1]))
+                mine = harvest.rows[:, row:row + count]
+                buffer[:, offset:offset + count] = mine if live.every_site else mine.index_select(0, live.sites)
+            row += count
+
+    def take(self, key: Hashable) -> Optional[torch.Tensor]:
+        """`key`'s harvest, ``[its sites, positions, hidden]`` on the host (None if none ran), forgotten here;
+        complete once every position ran (`complete`)."""
+        return self._rows.pop(key, None)
+
+    def complete(self, key: Hashable) -> bool:
+        """Whether every harvested position of live request `key` has run."""
+        live = self._live.get(key)
+        return live is not None and live.done == len(live.positions)

@@ -1,0 +1,143 @@
+"""Put the graph ops (`streamscope.vllm.graph_ops`) at every block's stream boundaries of a vLLM model.
+
+Each site is found the bulk path's way (`streamscope.bulk.spec.locate` on
+streamscope's envoy tree over the worker's model): the module call that holds
+the value and its descriptor, so an op edits and reads exactly what a trace
+and the bulk path do (a fused block's two halves, `Summed`; a whole stream's
+tensor). At each module call a plain torch hook calls the ops with views of
+one `GraphPlan`'s buffers, fixed when the ops go in: the edit ops of every
+site at the call (a round each, in order), then its harvest ops, as the hook
+path steers before it reads. Installed before vLLM compiles the model, the
+hooks are traced into its graph (dynamo inlines a module's hooks), the ops as
+opaque nodes; run eagerly, they are plain hooks.
+
+Values the ops do not serve are left to the hook path, with the reason
+(`graph_sites`): a scaled value (Granite's residual multiplier, whose edit is
+divided by the multiplier on its way back) and values computed from another
+point of a call (``self_attn.head_results``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Mapping, Optional, Sequence
+
+import torch
+
+from ..bulk.spec import Site, locate
+from ..errors import Unavailable
+from ..values import INPUT, StreamValue
+from .blocks import Summed
+from .graph_ops import cache_salt, edit_stream, harvest_stream, ops_source
+from .graph_plan import GraphPlan
+
+#: The values an op sits at on every block that has them: the stream's boundaries and the sublayers' outputs.
+VALUES = ("layer_input", "layer_mid", "mlp_input", "layer_output", "self_attn.attention_output", "mlp.mlp_output")
+
+
+def site_name(value: str, layer: int) -> str:
+    """A site's name in a `GraphPlan`: ``layers.3.layer_output``."""
+    return f"layers.{layer}.{value}"
+
+
+def graph_sites(root: Any, values: Sequence[str] = VALUES,
+                layers: Optional[Sequence[int]] = None) -> tuple[dict[str, Site], dict[str, str]]:
+    """The sites of `values` at `layers` (every block when None) on `root` (streamscope's envoy tree over the
+    worker's model): ``({name: Site}, {name: why the ops do not serve it})``."""
+    sites: dict[str, Site] = {}
+    skipped: dict[str, str] = {}
+    for layer in range(len(root.layers)) if layers is None else layers:
+        for value in values:
+            name = site_name(value, layer)
+            try:
+                site = locate(root, value, layer)
+            except (Unavailable, ValueError) as error:
+                skipped[name] = str(error)
+                continue
+            reason = unserved(site)
+            if reason is None:
+                sites[name] = site
+            else:
+                skipped[name] = reason
+    return sites, skipped
+
+
+def unserved(site: Site) -> Optional[str]:
+    """Why the graph ops cannot edit or read `site` (it stays on the hook path), or None where they can."""
+    descriptor = site.descriptor
+    if getattr(descriptor, "factor", None) is not None:
+        return "a scaled value (the block multiplies it before adding it to the stream): the hook path serves it"
+    if getattr(descriptor, "bulk_site", None) is not None or getattr(descriptor, "columns", None) is not None:
+        return "a value computed from another point of the call: the hook path serves it"
+    return None
+
+
+def stream_of(site: Site, raw: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The site's tensors in a call: ``(hidden, residual)`` for a fused block's halves, ``(tensor, None)`` else."""
+    descriptor = site.descriptor
+    if isinstance(descriptor, Summed):
+        return descriptor.halves(raw)
+    return descriptor.live(site.host, raw), None
+
+
+def wiring_source() -> str:
+    """The source of what decides which tensors the ops get at a call (the hooks, the halves, a value's tensor):
+    traced into the graph, but not hashed by vLLM's AOT compile cache, which hashes no traced file."""
+    return "\n".join(inspect.getsource(function) for function in (insert_ops, stream_of, Summed.halves,
+                                                                      StreamValue.live))
+
+
+@dataclass
+class Inserted:
+    """The ops' hooks on a model: `remove` takes them off. `salt` is what vLLM's compile cache must be salted
+    with for this set of ops (`graph_ops.cache_salt`, under ``additional_config``)."""
+
+    plan: GraphPlan
+    salt: str
+    handles: list[Any] = field(default_factory=list)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def insert_ops(plan: GraphPlan, sites: Mapping[Hashable, Site]) -> Inserted:
+    """Hook the ops onto every module call of `sites` (named as `plan` names them): the edit ops of the plan's
+    sites, a round each, then the harvest ops of its harvest sites. A site the plan does not name is refused."""
+    unknown = [name for name in list(plan.sites) + plan.harvest_sites if name not in sites]
+    if unknown:
+        raise ValueError(f"the plan names sites {unknown[:4]} that the model does not serve: build the plan from "
+                         f"graph_sites(...)'s names.")
+    work: dict[tuple[int, str], list[Any]] = {}
+    for name in plan.sites:
+        site = sites[name]
+        for round_ in range(plan.rounds):
+            work.setdefault(site.key, []).append(("edit", site, plan.slots_of(name, round_)))
+    for name in plan.harvest_sites:
+        site = sites[name]
+        work.setdefault(site.key, []).append(("harvest", site, plan.harvest_buffer(name)))
+    for items in work.values():
+        items.sort(key=lambda item: item[0] == "harvest")  # stable: edits in round order, then harvests
+    inserted = Inserted(plan, cache_salt([str(name) for name in plan.sites], plan.rounds,
+                                         [str(name) for name in plan.harvest_sites], ops_source() + wiring_source()))
+    buffers, sources = plan.bank.buffers, plan.sources
+    for (_, where), items in work.items():
+        def run(raw: Any, items: list[Any] = items) -> None:
+            for kind, site, tensor in items:
+                hidden, residual = stream_of(site, raw)
+                if kind == "edit":
+                    edit_stream(hidden, residual, tensor, *buffers)
+                else:
+                    harvest_stream(tensor, hidden, residual, sources)
+        module = items[0][1].module
+        if where == INPUT:
+            def before(_module: Any, args: tuple, kwargs: dict, run: Any = run) -> None:
+                run((args, kwargs))
+            inserted.handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        else:
+            def after(_module: Any, args: tuple, output: Any, run: Any = run) -> None:
+                run(output)
+            inserted.handles.append(module.register_forward_hook(after))
+    return inserted

@@ -1,0 +1,543 @@
+"""The graph ops (`streamscope.vllm.graph_ops`) and their buffers' fill (`streamscope.vllm.graph_plan`), on the CPU.
+
+Each op is held to `streamscope.bulk.operations`' arithmetic, written out
+here in float64 from its definitions (the oracle), and to the bulk path's own
+row edit and read (`streamscope.vllm.blocks.Summed`) within `CPU_FLOAT32`;
+rows no slot marks stay bit for bit what they were. torch.compile with
+``fullgraph=True`` keeps each op as one opaque node and gives the eager
+results. The fill is held to a brute-force account of which rows each
+request's steer and harvest touch.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from streamscope.bulk.apply import Span
+from streamscope.bulk.operations import Operation, prepare
+from streamscope.bulk.spec import Steer
+from streamscope.values import OUTPUT
+from streamscope.vllm import graph_ops
+from streamscope.vllm.blocks import Summed
+from streamscope.vllm.graph_plan import GraphPlan, PlannedSteer, RowRule, SlotBank
+
+from .precision import CPU_FLOAT32
+
+HIDDEN = 48
+MODES = ("add", "set", "ablate", "clamp")
+SETTINGS = {"add": (0.7, 0.0), "set": (1.3, 0.0), "ablate": (0.6, 0.0), "clamp": (1.0, 2.5)}
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def operation(mode: str, norm_match: bool, seed: int = 1) -> Operation:
+    scale, projection = SETTINGS[mode]
+    vector = torch.randn(HIDDEN, generator=generator(seed))
+    return prepare(mode, vector, scale, projection, norm_match, torch.float32, "cpu")
+
+
+def reference(mode: str, norm_match: bool, rows: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    """operations.py's definitions in float64: add x + s v, set s v, ablate x - s (x.d) d, clamp x + (p - x.d) d."""
+    scale, projection = SETTINGS[mode]
+    vector = torch.randn(HIDDEN, generator=generator(seed)).double()
+    x = rows.double()
+    unit = vector / vector.norm()
+    if mode == "add":
+        edited = x + scale * vector
+    elif mode == "set":
+        edited = (scale * vector).expand_as(x)
+    elif mode == "ablate":
+        edited = x - scale * (x @ unit).unsqueeze(-1) * unit
+    else:
+        edited = x + (projection - x @ unit).unsqueeze(-1) * unit
+    if norm_match:
+        edited = edited * (x.norm(dim=-1, keepdim=True) / edited.norm(dim=-1, keepdim=True))
+    return edited
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within CPU_FLOAT32 of the reference, relative to its largest entry."""
+    return float((got.double() - want.double()).abs().max()) <= CPU_FLOAT32 * float(want.abs().max())
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(torch.int32)
+
+
+def call_edit(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor, bank: SlotBank) -> None:
+    graph_ops.edit_stream(hidden, residual, slots, *bank.buffers)
+
+
+def stream(rows: int, seed: int, fused: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    hidden = torch.randn(rows, HIDDEN, generator=generator(seed)) * 3
+    residual = torch.randn(rows, HIDDEN, generator=generator(seed + 100)) * 5 if fused else None
+    return hidden, residual
+
+
+def whole(hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+    return hidden if residual is None else hidden + residual
+
+
+# ---------------------------------------------------------------- the edit op
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
+@pytest.mark.parametrize("norm_match", [False, True], ids=["plain", "norm_match"])
+@pytest.mark.parametrize("mode", MODES)
+def test_edit_equals_the_operation(mode: str, norm_match: bool, fused: bool) -> None:
+    bank = SlotBank(3, HIDDEN, torch.float32, "cpu")
+    op = operation(mode, norm_match)
+    slot = bank.acquire("v", op)
+    hidden, residual = stream(9, 3, fused)
+    marked = [1, 2, 5, 8]
+    slots = torch.full((12,), -1, dtype=torch.int32)  # longer than the rows: a graph's padding is never read
+    slots[marked] = slot
+    before = whole(hidden, residual).clone()
+    edited = hidden.clone()
+    call_edit(edited, residual, slots, bank)
+    after = whole(edited, residual)
+    assert close(after[marked], reference(mode, norm_match, before[marked]))
+    # The bulk path's own edit of the same rows (the Applier's, through Summed): the same stream.
+    bulk = hidden.clone()
+    Summed(None, OUTPUT).edit_rows((bulk, residual) if fused else bulk, torch.tensor(marked), op)
+    assert close(after[marked], whole(bulk, residual)[marked])
+    untouched = [row for row in range(9) if row not in marked]
+    assert torch.equal(bits(edited[untouched]), bits(hidden[untouched]))
+    if residual is not None:
+        assert torch.equal(bits(edited[untouched] + residual[untouched]), bits(before[untouched]))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
+@pytest.mark.parametrize("norm_match", [False, True], ids=["plain", "norm_match"])
+@pytest.mark.parametrize("mode", ["add", "set"])
+def test_add_and_set_are_the_bulk_paths_bits(mode: str, norm_match: bool, fused: bool) -> None:
+    # Their rows go back as the bulk path writes them: the edited rows themselves on a whole stream, their
+    # `edited - stream` added to the hidden half (`Summed._edit_rows`); no reduction of another order is involved.
+    bank = SlotBank(1, HIDDEN, torch.float32, "cpu")
+    op = operation(mode, norm_match)
+    bank.acquire("v", op)
+    hidden, residual = stream(6, 4, fused)
+    slots = torch.tensor([0, -1, 0, 0, -1, 0], dtype=torch.int32)
+    mine, bulk = hidden.clone(), hidden.clone()
+    call_edit(mine, residual, slots, bank)
+    Summed(None, OUTPUT).edit_rows((bulk, residual) if fused else bulk, torch.tensor([0, 2, 3, 5]), op)
+    assert torch.equal(bits(mine), bits(bulk))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
+def test_each_row_takes_its_own_slot(fused: bool) -> None:
+    """Eight operations (every mode, plain and norm-matched) in one call, rows interleaved: each row as if alone."""
+    bank = SlotBank(8, HIDDEN, torch.float32, "cpu")
+    kinds = [(mode, norm_match) for mode in MODES for norm_match in (False, True)]
+    for number, (mode, norm_match) in enumerate(kinds):
+        assert bank.acquire((mode, norm_match), operation(mode, norm_match, seed=10 + number)) == number
+    hidden, residual = stream(20, 5, fused)
+    slots = torch.tensor([(row * 3) % 9 - 1 for row in range(20)], dtype=torch.int32)  # -1 and 0..7, mixed
+    before = whole(hidden, residual).clone()
+    edited = hidden.clone()
+    call_edit(edited, residual, slots, bank)
+    after = whole(edited, residual)
+    for row in range(20):
+        slot = int(slots[row])
+        if slot < 0:
+            assert torch.equal(bits(edited[row]), bits(hidden[row]))
+            continue
+        mode, norm_match = kinds[slot]
+        assert close(after[row:row + 1], reference(mode, norm_match, before[row:row + 1], seed=10 + slot)), (row, mode)
+
+
+def test_idle_leaves_every_bit() -> None:
+    bank = SlotBank(2, HIDDEN, torch.float32, "cpu")
+    bank.acquire("v", operation("clamp", True))
+    hidden, residual = stream(7, 6, True)
+    hidden[0, 0], hidden[1, 1], hidden[2, 2] = float("nan"), float("inf"), -0.0  # odd values stay what they were
+    edited = hidden.clone()
+    slots = torch.full((16,), -1, dtype=torch.int32)
+    call_edit(edited, residual, slots, bank)
+    assert torch.equal(bits(edited), bits(hidden))
+    alone = hidden.clone()
+    call_edit(alone, None, slots, bank)
+    assert torch.equal(bits(alone), bits(hidden))
+    out = torch.randn(5, HIDDEN, generator=generator(7))
+    kept = out.clone()
+    graph_ops.harvest_stream(out, hidden, residual, torch.full((5,), -1, dtype=torch.int32))
+    assert torch.equal(bits(out), bits(kept))
+
+
+def test_bad_buffers_are_refused_by_name() -> None:
+    bank = SlotBank(2, HIDDEN, torch.float32, "cpu")
+    hidden, residual = stream(4, 8, True)
+    with pytest.raises(ValueError, match="slots holds 2 entries for 4 rows"):
+        call_edit(hidden, residual, torch.full((2,), -1, dtype=torch.int32), bank)
+    with pytest.raises(ValueError, match="residual half"):
+        call_edit(hidden, residual[:3], torch.full((4,), -1, dtype=torch.int32), bank)
+    with pytest.raises(ValueError, match="bank is"):
+        graph_ops.edit_stream(hidden, residual, torch.full((4,), -1, dtype=torch.int32), bank.bank.double(),
+                              *bank.buffers[1:])
+    with pytest.raises(ValueError, match="harvest buffer"):
+        graph_ops.harvest_stream(torch.zeros(3, HIDDEN + 1), hidden, residual, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="SAE feature clamp stays on the hook path"):
+        bank.acquire("sae", object())  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- the harvest op
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
+def test_harvest_copies_the_named_rows(fused: bool) -> None:
+    hidden, residual = stream(10, 9, fused)
+    out = torch.randn(6, HIDDEN, generator=generator(11))
+    kept = out.clone()
+    sources = torch.tensor([7, -1, 0, 3, 10, 9, 2, 2], dtype=torch.int32)  # 10: past the rows; 2, 2: capacity's end
+    graph_ops.harvest_stream(out, hidden, residual, sources)
+    named = torch.tensor([7, 0, 3, 9])
+    bulk = Summed(None, OUTPUT).stream_rows((hidden, residual) if fused else hidden, named)
+    assert bulk is not None
+    assert torch.equal(bits(out[[0, 2, 3, 5]]), bits(bulk))
+    assert torch.equal(bits(out[[1, 4]]), bits(kept[[1, 4]]))
+
+
+def test_ops_pass_torch_library_checks() -> None:
+    """Schema, fake implementation, functionalization and compile-time registrations (torch.library.opcheck)."""
+    bank = SlotBank(2, HIDDEN, torch.float32, "cpu")
+    bank.acquire("v", operation("ablate", False))
+    hidden, residual = stream(5, 12, True)
+    slots = torch.tensor([0, -1, 0, -1, 0, -1], dtype=torch.int32)
+    torch.library.opcheck(graph_ops.edit_stream, (hidden.clone(), residual, slots, *bank.buffers))
+    torch.library.opcheck(graph_ops.edit_stream, (hidden.clone(), None, slots, *bank.buffers))
+    torch.library.opcheck(graph_ops.harvest_stream,
+                          (torch.zeros(4, HIDDEN), hidden, residual, torch.tensor([4, -1, 0, 2], dtype=torch.int32)))
+
+
+def test_fake_implementations_check_shapes_only() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        hidden = torch.empty(5, HIDDEN)
+        bank = SlotBank(2, HIDDEN, torch.float32, "cpu")
+        slots = torch.empty(8, dtype=torch.int32)
+        graph_ops.edit_stream(hidden, hidden, slots, *bank.buffers)  # no data read: fake tensors have none
+        graph_ops.harvest_stream(torch.empty(3, HIDDEN), hidden, None, slots)
+        with pytest.raises(ValueError, match="sources holds 2 entries"):
+            graph_ops.harvest_stream(torch.empty(3, HIDDEN), hidden, None, slots[:2])
+
+
+# ---------------------------------------------------------------- torch.compile
+
+
+class TwoBlocks(torch.nn.Module):
+    """A fused-layout stand-in: two blocks handing on (hidden, residual), an edit at each block's input and output,
+    a harvest at each output, all from one plan's buffers."""
+
+    def __init__(self, plan: GraphPlan) -> None:
+        super().__init__()
+        self.plan = plan
+        self.mixers = torch.nn.ModuleList(torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(2))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        plan = self.plan
+        residual = torch.zeros_like(hidden)
+        for number, mixer in enumerate(self.mixers):
+            torch.ops.streamscope.edit_stream(hidden, residual, plan.slots_of(f"in{number}"), *plan.bank.buffers)
+            residual = hidden + residual
+            hidden = mixer(residual)
+            torch.ops.streamscope.edit_stream(hidden, residual, plan.slots_of(f"out{number}"), *plan.bank.buffers)
+            torch.ops.streamscope.harvest_stream(plan.harvest_buffer(f"out{number}"), hidden, residual,
+                                                 plan.sources)
+        return hidden + residual
+
+
+def compile_plan() -> GraphPlan:
+    plan = GraphPlan(["in0", "out0", "in1", "out1"], 1, 16, HIDDEN, torch.float32, "cpu", slots=4,
+                     harvest_sites=["out0", "out1"])
+    plan.enter("a", [PlannedSteer(["in0", "out1"], operation("ablate", False), RowRule.of(range(1, 5), 5), "abl"),
+                     PlannedSteer(["out0"], operation("clamp", True, seed=2), RowRule.of([4], 5), "clamp")],
+               harvest_positions=[0, 4])
+    plan.enter("b", [PlannedSteer(["in1"], operation("add", False, seed=3), RowRule.of(range(3), 3), "add")])
+    plan.step([Span("a", 0, 5, 0), Span("b", 5, 3, 0), Span(None, 8, 2, 0)])
+    return plan
+
+
+def test_compile_keeps_the_ops_opaque_in_one_graph() -> None:
+    plan = compile_plan()
+    model = TwoBlocks(plan)
+    torch.manual_seed(0)
+    inputs = torch.randn(10, HIDDEN)
+    explained = torch._dynamo.explain(model)(inputs.clone())
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    seen: list[Any] = []
+
+    def backend(graph: torch.fx.GraphModule, example: Any) -> Any:
+        seen.extend(node.target for node in graph.graph.nodes if node.op == "call_function")
+        return graph.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, fullgraph=True, backend=backend)(inputs.clone())
+    # Each op is one node the tracer did not look into: called as itself, four edits and two harvests.
+    edits = (torch.ops.streamscope.edit_stream, torch.ops.streamscope.edit_stream.default)
+    harvests = (torch.ops.streamscope.harvest_stream, torch.ops.streamscope.harvest_stream.default)
+    assert sum(target in edits for target in seen) == 4
+    assert sum(target in harvests for target in seen) == 2
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_equals_eager(backend: str) -> None:
+    plan = compile_plan()
+    model = TwoBlocks(plan)
+    torch.manual_seed(0)
+    inputs = torch.randn(10, HIDDEN)
+    with torch.no_grad():  # as vLLM runs its model
+        eager = model(inputs.clone())
+        eager_harvest = plan.harvested.clone()
+        assert bool(eager_harvest.abs().sum(-1).gt(0).any())
+        plan.harvested.zero_()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        assert close(compiled(inputs.clone()), eager) and close(plan.harvested, eager_harvest)
+        # The same compiled graph, its buffers refilled for another batch (request b gone): read, not recompiled.
+        plan.leave("b")
+        plan.step([Span("a", 0, 5, 0), Span(None, 5, 5, 0)])
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            again = compiled(inputs.clone())
+        refilled = model(inputs.clone())
+        assert close(again, refilled)
+        assert not close(refilled, eager)  # b's add is gone: the refill changed what the graph computes
+
+
+# ---------------------------------------------------------------- the fill
+
+
+def brute_rows(positions: set[int], length: int, generated: bool, from_step: int, span: Span) -> list[int]:
+    """Which rows of `span` a steer edits, one position at a time."""
+    rows = []
+    for offset in range(span.count):
+        position = span.first + offset
+        if position < length:
+            steered = position in positions
+        else:
+            steered = generated and position - length >= from_step
+        if steered:
+            rows.append(span.start + offset)
+    return rows
+
+
+def random_requests(rng: random.Random, count: int) -> dict[str, dict[str, Any]]:
+    requests = {}
+    for number in range(count):
+        length = rng.randint(1, 12)
+        choice = rng.random()
+        if choice < 0.3:
+            positions = set(range(length))
+        elif choice < 0.6:
+            positions = set(range(1, length))
+        else:
+            positions = {position for position in range(length) if rng.random() < 0.4}
+        requests[f"r{number}"] = {"length": length, "positions": positions, "generated": rng.random() < 0.8,
+                                  "from_step": rng.choice([0, 0, 2]),
+                                  "sites": rng.sample(["s0", "s1", "s2"], rng.randint(1, 3)),
+                                  "share": rng.choice(["x", "y", f"own{number}"]),
+                                  "harvest": sorted(rng.sample(range(length), rng.randint(0, length)))}
+    return requests
+
+
+def test_fill_matches_brute_force_over_steps() -> None:
+    """Requests enter, prefill (some in two chunks), decode and leave over steps of changing sizes; after every step
+    the device index holds exactly the brute-force marks and nothing stale, and the harvest layout names every
+    harvested position once."""
+    rng = random.Random(3)
+    requests = random_requests(rng, 14)
+    plan = GraphPlan(["s0", "s1", "s2"], 2, 64, HIDDEN, torch.float32, "cpu", slots=16, harvest_sites=["h"])
+    ops = {share: operation("add", False, seed=20 + number) for number, share in enumerate(["x", "y"])}
+    done: dict[str, int] = {}  # tokens computed so far
+    live: list[str] = []
+    waiting = list(requests)
+    harvested: dict[str, list[int]] = {}
+    for _ in range(12):
+        while waiting and len(live) < 6 and rng.random() < 0.7:
+            key = waiting.pop(0)
+            spec = requests[key]
+            op = ops.get(spec["share"]) or operation("add", False, seed=40)
+            rule = RowRule.of(spec["positions"], spec["length"], spec["generated"], spec["from_step"])
+            plan.enter(key, [PlannedSteer(spec["sites"], op, rule, spec["share"])],
+                       harvest_positions=spec["harvest"])
+            done[key] = 0
+            live.append(key)
+        spans, start = [], 0
+        for key in live:
+            length = requests[key]["length"]
+            count = 1 if done[key] >= length else min(length - done[key], rng.choice([length, 3]))
+            spans.append(Span(key, start, count, done[key]))
+            start += count
+        spans.append(Span(None, start, 2, 0))  # a request no plan owns
+        harvest = plan.step(spans)
+        expected = torch.full((64, 7), -1, dtype=torch.int32)
+        for span in spans[:-1]:
+            spec = requests[span.key]
+            rows = brute_rows(spec["positions"], spec["length"], spec["generated"], spec["from_step"], span)
+            for site in spec["sites"]:
+                expected[rows, plan.lane_of[(site, 0)]] = plan.bank._held[spec["share"]][0]
+        row = 0
+        for key, count, offset in harvest.layout:
+            wanted = requests[key]["harvest"][offset:offset + count]
+            span = next(span for span in spans if span.key == key)
+            expected[row:row + count, -1] = torch.tensor([span.start + p - span.first for p in wanted])
+            harvested.setdefault(key, []).extend(wanted)
+            row += count
+        assert torch.equal(plan.index, expected)
+        for span in spans[:-1]:
+            done[span.key] += span.count
+        for key in [key for key in live if done[key] > requests[key]["length"] + 2]:
+            plan.leave(key)
+            live.remove(key)
+    assert plan.bank.live == len({requests[key]["share"] for key in live})
+    assert len(harvested) >= 5  # requests harvested, some over several steps
+    for key, positions in harvested.items():
+        assert positions == requests[key]["harvest"]
+
+
+@pytest.mark.parametrize("distinct", [1, 256])
+def test_a_decode_batch_at_every_block(distinct: int) -> None:
+    """256 requests decoding, each steered at every block (lanes evenly spaced: two rounds a site), by one shared
+    operation or each by its own: every row's marks, and one slot a distinct operation."""
+    sites = [f"b{block}" for block in range(8)]
+    plan = GraphPlan(sites, 2, 512, HIDDEN, torch.float32, "cpu", slots=256)
+    ops = [operation("ablate", False, seed=number) for number in range(distinct)]
+    for number in range(256):
+        plan.enter(number, [PlannedSteer(sites, ops[number % distinct], RowRule.of([0], 1), number % distinct)])
+    plan.step([Span(number, number, 1, 5) for number in range(256)])
+    slots = {share: held[0] for share, held in plan.bank._held.items()}
+    expected = torch.full((512, 17), -1, dtype=torch.int32)
+    for number in range(256):
+        expected[number, 0:16:2] = slots[number % distinct]  # round 0 of each site
+    assert torch.equal(plan.index, expected)
+    assert plan.bank.live == distinct
+    plan.step([Span(number, 2 * number, 2, 1) for number in range(0, 256, 2)])  # other rows, fewer requests
+    expected.fill_(-1)
+    for number in range(0, 256, 2):
+        expected[2 * number:2 * number + 2, 0:16:2] = slots[number % distinct]
+    assert torch.equal(plan.index, expected)
+
+
+def test_rule_of_a_steer_is_its_positions() -> None:
+    for positions, length in (("all", 6), ("all_but_first", 6), ("last", 6), ([0, 2, 3, -1], 7), (slice(1, 4), 9)):
+        steer = Steer("layer_output", 0, torch.ones(HIDDEN), positions=positions, from_step=1)
+        rule = RowRule.of_steer(steer, length, 0)
+        from streamscope.bulk.spec import steer_positions
+
+        chosen = set(steer_positions(steer, length, 0))
+        for first, count in ((0, length), (0, 2), (2, length - 1), (length, 1), (length + 1, 1), (length + 3, 2)):
+            span = Span("k", 4, count, first)
+            rows = [row for low, high in rule.ranges(span.start, span.count, span.first) for row in range(low, high)]
+            assert rows == brute_rows(chosen, length, True, 1, span), (positions, first, count)
+            assert rule.covers(first, count) == (rows == list(range(4, 4 + count))), (positions, first, count)
+
+
+def test_plan_refusals_name_the_fix() -> None:
+    plan = GraphPlan(["s"], 1, 8, HIDDEN, torch.float32, "cpu", slots=1, harvest_sites=["s"], harvest_capacity=2)
+    add = operation("add", False)
+    rule = RowRule.of(range(4), 4)
+    with pytest.raises(ValueError, match="1 edit round"):
+        plan.enter("a", [PlannedSteer(["s"], add, rule, "v"), PlannedSteer(["s"], add, rule, "w")])
+    assert plan.live == 0 and plan.bank.live == 0  # a refused request leaves nothing behind
+    with pytest.raises(ValueError, match="no edit op"):
+        plan.enter("a", [PlannedSteer(["t"], add, rule, "v")])
+    plan.enter("a", [PlannedSteer(["s"], add, rule, "v")], harvest_positions=[0, 1, 2])
+    with pytest.raises(RuntimeError, match="slot bank is full"):
+        plan.enter("b", [PlannedSteer(["s"], operation("set", False), rule, "other")])
+    assert plan.live == 1
+    with pytest.raises(ValueError, match="raise harvest_capacity"):
+        plan.step([Span("a", 0, 4, 0)])
+    with pytest.raises(ValueError, match="size max_rows"):
+        plan.step([Span(None, 0, 9, 0)])
+
+
+def test_plan_and_ops_harvest_each_request() -> None:
+    """A prefill in two chunks and a decode step through the ops: each request's `take` is its stream's rows at its
+    positions and sites, bit for bit."""
+    plan = GraphPlan(["a", "b"], 1, 32, HIDDEN, torch.float32, "cpu", harvest_sites=["a", "b"])
+    plan.enter("p", harvest_positions=[0, 3, 5])
+    plan.enter("q", harvest_positions=[1, 2], harvest_sites=["b"])
+    streams: dict[str, list[torch.Tensor]] = {"p": [], "q": []}
+    steps = [[Span("p", 0, 4, 0), Span("q", 4, 3, 0)], [Span("p", 0, 3, 4), Span("q", 3, 1, 3)]]
+    for seed, spans in enumerate(steps):
+        halves = {site: stream(8, 50 + 10 * seed + number, True) for number, site in enumerate("ab")}
+        harvest = plan.step(spans)
+        for site, (hidden, residual) in halves.items():
+            graph_ops.harvest_stream(plan.harvest_buffer(site), hidden, residual, plan.sources)
+        plan.settle(plan.copy_out(harvest))
+        for span in spans:
+            for offset in range(span.count):
+                position = span.first + offset
+                wanted = {"p": [0, 3, 5], "q": [1, 2]}[span.key]
+                if position in wanted:
+                    sites = "ab" if span.key == "p" else "b"
+                    streams[span.key].append(torch.stack([whole(*halves[site])[span.start + offset]
+                                                          for site in sites]))
+    assert plan.complete("p") and plan.complete("q")
+    for key in "pq":
+        taken = plan.take(key)
+        assert taken is not None
+        assert torch.equal(bits(taken), bits(torch.stack(streams[key], dim=1)))
+
+
+def test_scaled_and_computed_values_stay_on_the_hook_path() -> None:
+    from types import SimpleNamespace
+
+    from streamscope.bulk.spec import Site
+    from streamscope.vllm.graph_wiring import unserved
+
+    def site(**descriptor: Any) -> Site:
+        served = SimpleNamespace(**{"factor": None, **descriptor})
+        return Site("layer_output", 0, SimpleNamespace(), served, torch.nn.Identity(),  # type: ignore[arg-type]
+                    OUTPUT, "model.layers.0.output")
+
+    assert unserved(site()) is None
+    assert "scaled value" in str(unserved(site(factor=lambda host: 0.2)))
+    assert "computed from another point" in str(unserved(site(bulk_site=lambda host: None)))
+
+
+# ---------------------------------------------------------------- the compile cache's salt
+
+
+def test_salt_changes_with_the_ops_code_and_set() -> None:
+    base = graph_ops.cache_salt(["layers.0.layer_output"], 1, [])
+    assert base == graph_ops.cache_salt(["layers.0.layer_output"], 1, [])
+    source = graph_ops.ops_source()
+    assert "def edit_stream" in source and "def harvest_stream" in source and "_edited" in source
+    changed = source.replace("clamp_min(0)", "clamp_min(1)")
+    assert changed != source
+    assert graph_ops.cache_salt(["layers.0.layer_output"], 1, [], source=changed) != base
+    assert graph_ops.cache_salt(["layers.0.layer_output", "layers.1.layer_output"], 1, []) != base
+    assert graph_ops.cache_salt(["layers.0.layer_output"], 2, []) != base
+    assert graph_ops.cache_salt(["layers.0.layer_output"], 1, ["layers.0.layer_output"]) != base
+
+
+def test_salt_of_inserted_ops_covers_the_hooks() -> None:
+    """The hooks' code decides which tensors the ops get; vLLM's AOT cache hashes no traced file, so the salt
+    `insert_ops` hands out hashes it too."""
+    from streamscope.vllm.graph_wiring import wiring_source
+
+    wiring = wiring_source()
+    assert all(name in wiring for name in ("def insert_ops", "def stream_of", "def halves", "def live"))
+    sites = ["layers.0.layer_output"]
+    assert (graph_ops.cache_salt(sites, 1, [], graph_ops.ops_source() + wiring)
+            != graph_ops.cache_salt(sites, 1, []))
+
+
+def test_salt_reaches_vllms_config_hash() -> None:
+    """vLLM's compile cache directory is a hash of its config's hash (and the environment, compiler and traced
+    files): the salt in ``additional_config`` changes it."""
+    config = pytest.importorskip("vllm.config")
+    salt = graph_ops.cache_salt(["layers.0.layer_output"], 1, [])
+    other = graph_ops.cache_salt(["layers.0.layer_input"], 1, [])
+    hashes = {config.VllmConfig(additional_config=extra).compute_hash()
+              for extra in ({}, graph_ops.salted(None, salt), graph_ops.salted({"user": 1}, salt),
+                            graph_ops.salted(None, other))}
+    assert len(hashes) == 4
+    assert graph_ops.salted({"user": 1}, salt) == {"user": 1, graph_ops.SALT_KEY: salt}

@@ -1,0 +1,63 @@
+"""Conditional steering (CAST-style) on vLLM's bulk path, eager and tapped, against the oracle's hooked forward.
+
+See tests/conditional_steer_checks.py: the same cases as on transformers, the
+oracle being transformers' float32 forward of the same checkpoint gated by
+plain torch hooks; a request whose rows never pass and a batchmate left bit
+for bit as the plain run. The bulk suites' three block shapes run eagerly, and
+Llama started with taps at the steered and conditioned values (on a GPU its
+decode steps replay CUDA graphs: the conditions and steers run at the taps).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import conditional_steer_checks as checks
+import precision
+from bulk_checks import BULK_FAMILIES
+import streamscope
+from streamscope.vllm.model import beside_engine
+
+TAPS = ["layers.*.layer_input", "layers.*.layer_output", "layers.*.mlp.mlp_output",
+        "layers.*.self_attn.attention_output"]
+ENGINES = [*BULK_FAMILIES, "llama-tapped"]
+
+
+class Engine:
+    def __init__(self, name: str, path):
+        self.family = name.split("-")[0]
+        taps = {"taps": TAPS} if name.endswith("tapped") else {}
+        self.model = streamscope.load(path, engine="vllm", **taps, **precision.engine_kwargs())
+        with beside_engine():
+            self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request, checkpoints):
+    engine = Engine(request.param, checkpoints(request.param.split("-")[0]))
+    yield engine
+    engine.model.close()
+
+
+CASES = ["row_earlier_block", "row_same_site_less", "row_cosine_mid", "request_cosine",
+         "request_projection_with_a_plain_steer"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_conditional_generation_equals_the_oracle_gated_by_plain_hooks(engine, case):
+    checks.check_case(engine.model, engine.reference, engine.tokenizer, engine.family, case)
+
+
+def test_never_passing_rows_and_batchmates_are_the_plain_run_bit_for_bit(engine):
+    checks.check_never_passing_and_batchmates(engine.model, engine.reference, engine.tokenizer, engine.family)
+
+
+def test_a_conditional_harvest_reads_the_gated_stream(engine):
+    checks.check_harvest(engine.model, engine.reference, engine.tokenizer, engine.family)
+
+
+def test_bad_conditions_are_refused_before_the_engine_runs_and_it_serves_on(engine):
+    checks.check_bad_conditions(engine.model)

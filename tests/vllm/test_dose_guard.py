@@ -1,0 +1,41 @@
+"""The dose guard's actions on vLLM's bulk path: refuse (the default), clamp and warn (tests/dose_guard_checks.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import dose_guard_checks as checks
+import precision
+from bulk_checks import BULK_FAMILIES
+import streamscope
+from streamscope.vllm.model import beside_engine
+
+
+class Engine:
+    def __init__(self, family: str, path):
+        self.family = family
+        self.model = streamscope.load(path, engine="vllm", **precision.engine_kwargs())
+        with beside_engine():
+            self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module", params=BULK_FAMILIES)
+def engine(request, checkpoints):
+    engine = Engine(request.param, checkpoints(request.param))
+    yield engine
+    engine.model.close()
+
+
+def test_a_dose_past_the_limit_clamps_to_it_on_request(engine):
+    checks.check_clamp(engine.model, engine.reference, engine.tokenizer, engine.family)
+
+
+def test_warn_runs_as_given_and_refuse_stays_the_default(engine):
+    checks.check_warn_and_refuse(engine.model)
+
+
+def test_model_norms_are_the_oracles_and_the_dose_checks(engine):
+    checks.check_norms(engine.model, engine.reference, engine.tokenizer, engine.family)

@@ -1,0 +1,157 @@
+"""The graph ops inside vLLM's CPU engine (eager): a steer and a harvest through them equal today's bulk path.
+
+`streamscope.vllm.graph_wiring` puts the ops at every block's stream
+boundaries of a plain vLLM engine (vLLM's own runner and forwards, as the
+server runs); a `GraphPlan` is filled from each step's spans, read off the
+runner as the server's worker reads them. Each steer, at one site, is held to
+`model.harvest(..., steer=[...])` of the bulk path on a streamscope engine of
+the same checkpoint, every block's layer_output harvested through the harvest
+op, within `CPU_FLOAT32`; the prompt batched beside it without a steer is the
+same bits as in a batch where nobody steers. Families: Llama (a fused block,
+the stream in two halves) and GPT-2 (the stream whole).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import precision
+import streamscope
+from streamscope import nnsight_seam as seam
+from streamscope.bulk.apply import Span
+from streamscope.bulk import spec
+from streamscope.bulk.spec import Steer
+from streamscope.vllm.bulk import worker_tree
+from streamscope.vllm.graph_plan import GraphPlan, PlannedSteer, RowRule
+from streamscope.vllm.graph_ops import cache_salt, ops_source
+from streamscope.vllm.graph_wiring import graph_sites, insert_ops, site_name, wiring_source
+
+pytestmark = pytest.mark.skipif(precision.ON_GPU, reason="CPU groundwork of issue 39: the ops run eagerly in vLLM's CPU engine here; the GPU session wires them into the compiled, graphed engine and runs this comparison there (docs/graph-ops.md)")
+
+PROMPTS = ["Rome is in Italy, Berlin is in Germany", "def add(a, b): return a + b"]
+KEY = "streamscope_graph_key"
+#: (value, block, mode, norm_match, positions): every mode, every value an op sits at, plain and norm-matched.
+CASES = [("layer_output", 0, "add", False, "all"), ("layer_mid", 1, "set", True, "all"),
+         ("layer_input", 1, "ablate", False, "all_but_first"), ("mlp_input", 0, "clamp", False, "all"),
+         ("self_attn.attention_output", 0, "ablate", True, "last"), ("mlp.mlp_output", 1, "clamp", True, [1, 3])]
+SETTINGS = {"add": {"scale": 0.8}, "set": {"scale": 1.5}, "ablate": {"scale": 1.0}, "clamp": {"projection": 2.0}}
+
+
+class GraphEngine:
+    """A plain vLLM engine with the ops at every site, its plan filled from each step's spans."""
+
+    def __init__(self, path: str, family: str) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(path, enforce_eager=True, dtype="float32", enable_prefix_caching=False,
+                       enable_chunked_prefill=False, max_model_len=256, max_num_batched_tokens=256)
+        self.runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        root = seam.uninstrumented(self.runner.get_model(), lambda module: worker_tree(module, family))
+        self.sites, self.skipped = graph_sites(root)
+        self.blocks = len(root.layers)
+        self.outputs = [site_name("layer_output", layer) for layer in range(self.blocks)]
+        parameter = next(self.runner.get_model().parameters())
+        self.plan = GraphPlan(list(self.sites), 1, self.runner.max_num_tokens,
+                              self.runner.model_config.get_hidden_size(), parameter.dtype, parameter.device,
+                              slots=8, harvest_sites=self.outputs)
+        self.inserted = insert_ops(self.plan, self.sites)
+        self.keys: dict[str, Any] = {}
+        self.pending: Any = None
+        seam.wrap_update_states(self.runner, self.observe)
+
+    def observe(self, scheduler_output: Any) -> None:
+        self.settle()  # the last step has run: its harvest rows are in the buffers until this step's replay
+        for data in scheduler_output.scheduled_new_reqs:
+            key = (getattr(data.sampling_params, "extra_args", None) or {}).get(KEY)
+            if key is not None:
+                self.keys[data.req_id] = key
+        counts, spans, start = scheduler_output.num_scheduled_tokens, [], 0
+        for request_id in self.runner.input_batch.req_ids:
+            count = counts.get(request_id)
+            if count is None:
+                continue
+            spans.append(Span(self.keys.get(request_id), start, count,
+                              self.runner.requests[request_id].num_computed_tokens))
+            start += count
+        self.pending = self.plan.step(spans)
+
+    def settle(self) -> None:
+        if self.pending is not None:
+            self.plan.settle(self.plan.copy_out(self.pending))
+            self.pending = None
+
+    def harvest(self, token_ids: list[list[int]], steers: dict[int, list[PlannedSteer]]) -> list[torch.Tensor]:
+        """Each prompt's layer_output at every block and position, ``[blocks, positions, hidden]``, with `steers`
+        (by prompt) through the ops; one token is generated, so the prompts' prefill is the step harvested."""
+        from vllm import SamplingParams
+
+        for number, ids in enumerate(token_ids):
+            self.plan.enter(number, steers.get(number, ()), harvest_positions=range(len(ids)))
+        try:
+            self.llm.generate([{"prompt_token_ids": ids} for ids in token_ids],
+                              [SamplingParams(max_tokens=1, temperature=0, extra_args={KEY: number})
+                               for number in range(len(token_ids))], use_tqdm=False)
+            self.settle()
+            taken = [self.plan.take(number) for number in range(len(token_ids))]
+        finally:
+            for number in range(len(token_ids)):
+                self.plan.leave(number)
+        assert all(tensor is not None for tensor in taken)
+        return [tensor for tensor in taken if tensor is not None]
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def engines(request: Any, checkpoints: Any) -> Any:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    path = checkpoints(request.param)
+    model = streamscope.load(path, engine="vllm", **precision.engine_kwargs())
+    graph = GraphEngine(str(path), request.param)
+    yield request.param, model, graph
+    graph.inserted.remove()
+    model.close()
+    del graph
+
+
+def vector(width: int, seed: int) -> torch.Tensor:
+    return torch.randn(width, generator=torch.Generator().manual_seed(seed))
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return float((got - want).abs().max()) <= precision.CPU_FLOAT32 * float(want.abs().max())
+
+
+def test_ops_sit_at_every_boundary(engines: Any) -> None:
+    family, _, graph = engines
+    for layer in range(graph.blocks):
+        for value in ("layer_input", "layer_mid", "layer_output", "self_attn.attention_output", "mlp.mlp_output"):
+            assert site_name(value, layer) in graph.sites, (family, value, graph.skipped)
+    assert graph.inserted.handles
+    # The salt the engine's compile cache takes: this set of ops at these sites, with the ops' and hooks' code.
+    assert graph.inserted.salt == cache_salt(list(graph.sites), 1, graph.outputs, ops_source() + wiring_source())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{case[2]}-{case[0]}" for case in CASES])
+def test_steer_through_the_ops_equals_the_bulk_path(engines: Any, case: tuple) -> None:
+    family, model, graph = engines
+    value, layer, mode, norm_match, positions = case
+    name = site_name(value, layer)
+    if name not in graph.sites:
+        pytest.skip(f"{family} has no {value}: {graph.skipped.get(name)}")
+    steer = Steer(value, layer, vector(model.hidden_size, 5), mode=mode, norm_match=norm_match, positions=positions,
+                  max_dose=None, prompts=[0], **SETTINGS[mode])
+    bulk = model.harvest(PROMPTS, "layer_output", positions="all", steer=[steer], progress=False)["layer_output"]
+    token_ids = spec.token_ids(model, PROMPTS)
+    operation = steer.operation(torch.float32, "cpu")
+    planned = PlannedSteer([name], operation, RowRule.of_steer(steer, len(token_ids[0]), 0), repr(case))
+    steered = graph.harvest(token_ids, {0: [planned]})
+    plain = graph.harvest(token_ids, {})
+    assert steered[0].shape == bulk[0].shape
+    assert close(steered[0], bulk[0]), (family, case)
+    assert not close(plain[0], bulk[0])  # the steer changed the run: the comparison above can fail
+    # The prompt batched beside the steered one: bit for bit its run in a batch nobody steers.
+    assert torch.equal(steered[1], plain[1])
+    assert close(plain[1], bulk[1])
