@@ -32,9 +32,10 @@ Which rows the decision covers (`scope`):
   (position 0 alone for a one-token prompt), made during the forward pass that
   runs the prompt and kept for every generated token after it. Where it
   passes, the steer edits every row it selects, prompt and generated; where it
-  does not, none. The whole prompt must run in one step (vLLM: start the
-  engine with ``enable_chunked_prefill=False`` for prompts longer than its
-  chunk).
+  does not, none. The whole prompt must run in one step: a vLLM engine or
+  server that may run a prompt in pieces (chunked prefill) refuses a
+  request-scoped condition before anything runs, and its requests are kept
+  out of the prefix cache.
 
 The condition is read where the model computes its value, before any steer at
 that same value and block edits it (after the edits of steers at earlier

@@ -29,6 +29,7 @@ import logging
 import math
 import re
 import sys
+import uuid
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -209,6 +210,9 @@ class Checker:
         self.norms: dict[tuple[str, Optional[int]], float] = {}
         self._calibrating: Any = None  # an asyncio lock, made in the event loop
         self.saes: dict[str, Any] = {}  # the stored SAEs (`streamscope.serve.storage.SAEs`), set by the server
+        #: Whether the engine may run a prompt in pieces (chunked prefill, vLLM's default), set by the server: a
+        #: request-scoped condition, which decides on the whole prompt in the step that runs it, is then refused.
+        self.prompts_split = False
 
     # ---------------------------------------------------------------- pieces
 
@@ -386,6 +390,11 @@ class Checker:
                                                                            ("compare", "measure", "scope") if key in item})
         except ConditionError as error:
             raise _bad(f"{param}.{error.field or 'vector'}", str(error)) from None
+        if condition.scope == "request" and self.prompts_split:
+            raise _bad(f"{param}.scope", "a request-scoped condition decides on the whole prompt in the step that "
+                                         "runs it, and this server may run a prompt in pieces (chunked prefill, "
+                                         "vLLM's default), which would leave the request unsteered: start the "
+                                         "server with --no-enable-chunked-prefill, or send scope 'row'.")
         payload = {**{key: getattr(condition, key) for key in ("value", "layer", "compare", "measure", "scope")},
                    "threshold": threshold, "vector": vector_bytes(vector)}
         return condition, payload
@@ -734,7 +743,9 @@ def cache_salt(checked: Checked, body: dict[str, Any], harvest_id: Optional[str]
                harvest_prefix_cache: bool = False) -> Optional[str]:
     """vLLM's per-request prefix-cache salt: KV blocks are shared only between requests steered alike.
 
-    A harvest gets a salt of its own (every position it reads must run),
+    A harvest gets a salt of its own (every position it reads must run), as
+    does a request with a request-scoped condition (it decides on every
+    prompt position),
     except, with `harvest_prefix_cache` (``--harvest-prefix-cache``), one of
     the last position only: vLLM runs a prompt's last token whatever its cache
     holds, so that harvest takes its steers' salt (none without steers) and
@@ -747,6 +758,8 @@ def cache_salt(checked: Checked, body: dict[str, Any], harvest_id: Optional[str]
     if harvest_id is not None and not (harvest_prefix_cache and checked.harvest is not None
                                        and checked.harvest.get("positions") == "last"):
         return f"streamscope-harvest-{harvest_id}"
+    if any((item.get("condition") or {}).get("scope") == "request" for item in checked.steer_payload):
+        return f"streamscope-decides-{uuid.uuid4().hex}"  # its decision reads every prompt position: none cached
     if not checked.steer_payload:
         return None
     steers = json.dumps(checked.steer_payload, sort_keys=True)

@@ -563,6 +563,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         object.__setattr__(model, "tapped", frozenset(locations))
     folder = Path(args.harvest_dir) if args.harvest_dir else Path(tempfile.mkdtemp(prefix="streamscope-harvests-"))
     front = Front(model, limits_of(args), folder, args.taps, harvest_prefix_cache=args.harvest_prefix_cache)
+    # vLLM runs a prompt in pieces unless told not to (its default, on every platform streamscope serves on)
+    front.checker.prompts_split = getattr(args, "enable_chunked_prefill", None) is not False
     if args.vectors:
         for path in sorted(Path(args.vectors).glob("*.safetensors")):
             front.vectors.store(path.stem, read_vector(path.read_bytes(), "application/octet-stream", front.checker,

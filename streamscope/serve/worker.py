@@ -513,15 +513,16 @@ class ServeState:
     @staticmethod
     def _plan_gate(entry: SteerEntry, span: Span, rows: Any, count: int) -> None:
         """A conditional steer's step (`Gate.plan`): its rows and, for a request-scoped condition, its prompt's
-        deciding rows where the prompt runs in this step. A prompt split across steps (chunked prefill) cannot
-        decide: that request runs unsteered, and the log says why."""
+        deciding rows where the prompt runs in this step. The front end refuses a request-scoped condition on a
+        server that may split a prompt, and salts its request out of the prefix cache, so its prompt runs whole;
+        should it not, the request cannot decide and runs unsteered, and the log says so as an error."""
         gate = cast(Gate, entry.delta)
         deciding = None
         if gate.condition.scope == "request":
             try:
                 found = deciding_rows(entry.length, span.first, span.count)
             except RuntimeError as error:
-                logger.warning("streamscope serve: request %s runs unsteered by its conditional steer: %s",
+                logger.error("streamscope serve: request %s runs unsteered by its conditional steer: %s",
                                span.key, error)
                 found = None
             deciding = [] if found is None else [(0, span.start + found[0], found[1])]

@@ -32,6 +32,7 @@ from ..bulk.apply import Applier, Span, steer_plans
 from ..bulk.moments import check_reduce, reduce_buffer
 from ..bulk.results import Generation, Harvest, ShardWriter, assemble
 from .. import nnsight_seam as seam
+from ..bulk.dose import SteerError
 from ..errors import Unavailable, untapped
 from ..bulk.spec import (HarvestSpec, Positions, Site, Steer, check_doses, check_steer, condition_sites, generation_harvest,
                          harvest_spec, locate, token_ids)
@@ -265,6 +266,18 @@ def _check_tapped(model: Any, sites: Sequence[Site]) -> None:
             raise Unavailable(site.descriptor.name, site.host.where(), untapped(name, site.location, len(tapped)))
 
 
+def _check_whole_prompts(model: Any, steers: Sequence[Steer]) -> None:
+    """Refuse a request-scoped condition on an engine that may run a prompt in pieces: it decides on the whole
+    prompt in the step that runs it (`streamscope.bulk.conditions.deciding_rows`)."""
+    if not any(steer.condition is not None and steer.condition.scope == "request" for steer in steers):
+        return
+    if model.vllm_entrypoint.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill:
+        raise SteerError("a request-scoped condition decides on the whole prompt in the step that runs it, and this "
+                         "engine may run a prompt in pieces (enable_chunked_prefill=True): load the model without "
+                         "enable_chunked_prefill (streamscope's default), or use Condition(scope='row').",
+                         field="condition")
+
+
 def _rpc(model: Any, method: str, *args: Any) -> Any:
     return model.vllm_entrypoint.collective_rpc(method, args=args)[0]
 
@@ -415,6 +428,7 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
     lengths = [len(tokens) for tokens in ids]
     _check_tapped(model, spec.sites(model) + [check_steer(model, item, len(ids), lengths) for item in steer]
                   + condition_sites(model, steer))
+    _check_whole_prompts(model, steer)
     steer = check_doses(model, list(steer), _dtype(model))  # a clamped dose's steer replaced
     writer = ShardWriter(out, spec, len(ids)) if out is not None else None
     parts: list[Harvest] = []
@@ -450,6 +464,7 @@ def generate(model: Any, prompts: Sequence[Any], max_tokens: int = 16, *, steer:
     spec = generation_harvest(model, harvest, lengths)
     _check_tapped(model, [check_steer(model, item, len(ids), lengths) for item in steer]
                   + (spec.sites(model) if spec else []) + condition_sites(model, steer))
+    _check_whole_prompts(model, steer)
     steer = check_doses(model, list(steer), _dtype(model))  # a clamped dose's steer replaced
     sampling = {"temperature": 0.0, **sampling, "max_tokens": max_tokens}
     tokens: list[list[int]] = []

@@ -18,6 +18,7 @@ import conditional_steer_checks as checks
 import precision
 from bulk_checks import BULK_FAMILIES
 import streamscope
+from streamscope.bulk.spec import SteerError
 from streamscope.vllm.model import beside_engine
 
 TAPS = ["layers.*.layer_input", "layers.*.layer_output", "layers.*.mlp.mlp_output",
@@ -61,3 +62,22 @@ def test_a_conditional_harvest_reads_the_gated_stream(engine):
 
 def test_bad_conditions_are_refused_before_the_engine_runs_and_it_serves_on(engine):
     checks.check_bad_conditions(engine.model)
+
+
+def test_a_request_scoped_condition_is_refused_by_an_engine_that_may_split_a_prompt(checkpoints):
+    """An engine loaded with chunked prefill may run a prompt in pieces, and a request-scoped condition decides on
+    the whole prompt in one step: refused before anything runs, naming the fix; a row-scoped one runs there."""
+    model = streamscope.load(checkpoints("llama"), engine="vllm", enable_chunked_prefill=True,
+                             **precision.engine_kwargs())
+    try:
+        direction = torch.ones(model.hidden_size)
+        condition = streamscope.Condition("layer_output", 0, direction, 0.0, scope="request")
+        steer = streamscope.Steer("layer_output", 1, direction, scale=2.0, condition=condition)
+        with pytest.raises(SteerError, match="enable_chunked_prefill") as refused:
+            model.generate(["Hello there"], max_tokens=2, steer=[steer])
+        assert refused.value.field == "condition" and "scope='row'" in str(refused.value)
+        row = streamscope.Steer("layer_output", 1, direction, scale=2.0,
+                                condition=streamscope.Condition("layer_output", 0, direction, 0.0))
+        assert len(model.generate(["Hello there"], max_tokens=2, steer=[row]).tokens[0]) == 2
+    finally:
+        model.close()

@@ -50,7 +50,9 @@ def log(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(path, log):
-    with running(path, log) as url:
+    # a request-scoped condition decides on the whole prompt: a server that may split one refuses it
+    # (tests/vllm/test_serve_safety.py)
+    with running(path, log, "--no-enable-chunked-prefill") as url:
         yield url
 
 
@@ -214,3 +216,19 @@ def test_the_servers_dose_action_applies_to_requests_that_do_not_say(checkpoints
     assert "limit is max_dose=100" in caplog.text and "dose 500" in caplog.text
     with pytest.raises(RequestError, match="on_dose='clamp'"):
         checker.steer({**raw, "on_dose": "refuse"}, "steer[0]", [])
+
+
+def test_a_request_scoped_decision_is_never_read_from_the_prefix_cache(client, shape, tokenizer):
+    """The same request-scoped request twice, its prompt longer than two of vLLM's KV blocks (128 tokens on this
+    CPU): the second is not handed the first's cached prefix (which would leave it nothing to decide on, and
+    unsteered), so both are the same steered run."""
+    prompt = " ".join([PROMPTS[0]] * 200)
+    ids = tokenizer(prompt).input_ids[:300]
+    prompt = tokenizer.decode(ids)
+    assert 256 < len(tokenizer(prompt).input_ids) < 400
+    always = streamscope.Condition("layer_output", 0, checks.vector(shape, 35), -1e9, scope="request")
+    steer = streamscope.Steer("layer_output", 1, checks.vector(shape, 36), scale=8.0, condition=always)
+    runs = [client.generate([prompt], max_tokens=STEPS, steer=steers, ignore_eos=True).tokens[0]
+            for steers in ([steer], [steer], [])]  # no harvest: its salt would hide a shared prefix
+    assert runs[1] == runs[0]
+    assert runs[0] != runs[2]

@@ -154,3 +154,17 @@ def test_a_harvest_field_error_names_its_own_field(server, tokenizer):
     refused(post(server, {"steer": [{"value": "layer_output", "layer": 0, "vector": vector(3).tolist(),
                                      "positions": [100]}]}), "streamscope.steer[0].positions")
     serves_on(server)
+
+
+def test_a_request_scoped_condition_is_refused_where_a_prompt_may_run_in_pieces(server):
+    """This server runs vLLM's default, chunked prefill: a request-scoped condition, which decides on the whole
+    prompt in the step that runs it, would leave a split prompt unsteered, so it is a 400 naming the flag; a
+    row-scoped condition runs (tests/vllm/test_serve_conditional.py runs the request scope on a server started
+    with --no-enable-chunked-prefill)."""
+    condition = {"value": "layer_output", "layer": 0, "vector": vector(4).tolist(), "threshold": 0.0}
+    item = {"value": "layer_output", "layer": 1, "vector": vector(5).tolist(), "scale": 2.0}
+    message = refused(post(server, {"steer": [{**item, "condition": {**condition, "scope": "request"}}]}),
+                      "streamscope.steer[0].condition.scope")
+    assert "--no-enable-chunked-prefill" in message and "scope 'row'" in message, message
+    serves_on(server)
+    assert post(server, {"steer": [{**item, "condition": condition}]}).status_code == 200
