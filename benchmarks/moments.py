@@ -10,6 +10,10 @@ moments (``POST /v1/streamscope/statistics``), against `Client.harvest` download
 
     python benchmarks/moments.py                                            # tiny, on this CPU
     python benchmarks/moments.py --shape llama3-8b --prompts 100000         # the H200, dummy weights
+    python benchmarks/moments.py --in-process --transformers --second        # both engines in process, tiny
+
+``--transformers`` adds the transformers engine in process (the tiny checkpoint only: it has weights), and
+``--second`` times second moments too (``hidden x hidden`` float64 a label, added a prompt at a time).
 """
 
 from __future__ import annotations
@@ -65,6 +69,78 @@ def report(title: str, medians: dict[str, float], moment_bytes: int, row_bytes: 
     print(f"  largest relative difference of the two directions: {agree:.3g}")
 
 
+def by_rows(harvest, labels: list[str]):
+    """The difference of the two labels' mean rows of a bare harvest (float64): what the moments' direction is."""
+    import torch
+
+    rows = harvest.stacked("layer_output")[:, 0, -1].double()
+    mask = torch.tensor([label == "a" for label in labels])
+    return rows[mask].mean(0) - rows[~mask].mean(0)
+
+
+def agreement(moments, harvest, labels: list[str], block: int) -> float:
+    """The largest relative difference of the direction from the moments and the one from the harvest's rows."""
+    from streamscope.directions import from_moments
+
+    direction = from_moments(moments, "a", "b")[block].vector.double()
+    expected = by_rows(harvest, labels)
+    return float((direction - expected).norm() / expected.norm())
+
+
+def own_work(model, run, rounds: int) -> tuple[float, float]:
+    """Median seconds a `run` of `model.statistics` spends outside its harvests (reducing, adding), and inside.
+
+    On a busy host two whole runs differ by more than the moments' own work; this splits each run, so it is
+    what statistics adds to the harvest it reduces, measured in the same run.
+    """
+    spent: list[float] = []
+    cls = type(model)
+    harvest = cls.harvest
+
+    def counted(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return harvest(*args, **kwargs)
+        finally:
+            spent.append(time.perf_counter() - start)
+
+    cls.harvest = counted
+    outside, inside = [], []
+    try:
+        for _ in range(rounds):
+            spent.clear()
+            start = time.perf_counter()
+            run()
+            total = time.perf_counter() - start
+            inside.append(sum(spent))
+            outside.append(total - sum(spent))
+    finally:
+        cls.harvest = harvest
+    return statistics.median(outside), statistics.median(inside)
+
+
+def in_process(title: str, model, prompts: list, labels: list[str], block: int, rounds: int, second: bool) -> None:
+    """`model.statistics` against `model.harvest` of the same rows, timed in turn (and with second moments)."""
+    held: dict = {}
+    local = {"bare harvest": lambda: held.update(rows=model.harvest(prompts, "layer_output", layers=[block],
+                                                                    progress=False)),
+             "moments": lambda: held.update(moments=model.statistics(prompts, labels, layers=[block],
+                                                                     reduce="last", progress=False))}
+    if second:  # what a principal component needs: hidden x hidden float64 a label, added a prompt at a time
+        local["+ second"] = lambda: held.update(second=model.statistics(prompts, labels, layers=[block],
+                                                                        reduce="last", second=True, progress=False))
+    medians = timed(local, rounds)
+    report(title, medians, held["moments"].nbytes(),
+           sum(t.numel() * t.element_size() for t in held["rows"]["layer_output"]),
+           agreement(held["moments"], held["rows"], labels, block))
+    if second:
+        print(f"  with second moments / bare harvest: {medians['+ second'] / medians['bare harvest']:.3f}x")
+    for name in [name for name in local if name != "bare harvest"]:
+        outside, inside = own_work(model, local[name], rounds)
+        print(f"  {name}: its own work outside its harvest {outside * 1e3:.1f} ms a run, {outside / inside:.2%} of "
+              f"the harvest inside it ({inside:.3f} s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=("tiny", "llama3-8b"), default="tiny")
@@ -72,11 +148,16 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=None, help="the block (default: the middle one)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--in-process", action="store_true", help="also model.statistics against model.harvest")
+    parser.add_argument("--transformers", action="store_true",
+                        help="also the transformers engine in process (tiny: its checkpoint has weights)")
+    parser.add_argument("--second", action="store_true", help="in process, also time second moments")
     args = parser.parse_args()
+    if args.transformers and args.shape != "tiny":
+        parser.error("--transformers loads the checkpoint's weights: the llama3-8b shape has none (dummy weights "
+                     "on vLLM only); use --shape tiny.")
     import torch
 
     import streamscope
-    from streamscope.directions import from_moments
 
     folder = Path(tempfile.mkdtemp(prefix="moments-"))
     path, options = checkpoint(args.shape, folder)
@@ -90,26 +171,17 @@ def main() -> None:
         block = client.num_layers // 2 if args.block is None else args.block
         prompts = prompts_of(args.prompts, client.vocab_size, 0)
         labels = ["a" if index % 2 else "b" for index in range(len(prompts))]
-
-        def by_rows(harvest) -> torch.Tensor:
-            rows = harvest.stacked("layer_output")[:, 0, -1].double()
-            mask = torch.tensor([label == "a" for label in labels])
-            return rows[mask].mean(0) - rows[~mask].mean(0)
-
         held: dict = {}
         runs = {"bare harvest": lambda: held.update(rows=client.harvest(prompts, "layer_output", layers=[block])),
                 "moments": lambda: held.update(moments=client.statistics(prompts, labels, layers=[block],
                                                                          reduce="last"))}
         medians = timed(runs, args.rounds)
-        direction = from_moments(held["moments"], "a", "b")[block].vector.double()
-        expected = by_rows(held["rows"])
-        agree = float((direction - expected).norm() / expected.norm())
         response = client._route("POST", "statistics", json={"prompts": prompts, "labels": labels, "layers": [block],
                                                             "reduce": "last"})
         rows = held["rows"]["layer_output"]
         row_bytes = sum(tensor.numel() * tensor.element_size() for tensor in rows)
         report(f"over HTTP, {args.shape}: {len(prompts)} prompts, layer_output of block {block}", medians,
-               len(response.content), row_bytes, agree)
+               len(response.content), row_bytes, agreement(held["moments"], held["rows"], labels, block))
         if args.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
             engine_options = {"dtype": options[options.index("--dtype") + 1],
@@ -119,17 +191,13 @@ def main() -> None:
             if gpu:
                 engine_options["gpu_memory_utilization"] = 0.4
             model = streamscope.load(str(path), engine="vllm", **engine_options)
-            local = {"bare harvest": lambda: held.update(rows=model.harvest(prompts, "layer_output", layers=[block],
-                                                                            progress=False)),
-                     "moments": lambda: held.update(moments=model.statistics(prompts, labels, layers=[block],
-                                                                             reduce="last", progress=False))}
-            medians = timed(local, args.rounds)
-            direction = from_moments(held["moments"], "a", "b")[block].vector.double()
-            expected = by_rows(held["rows"])
-            report(f"in process, {args.shape}: the same", medians, held["moments"].nbytes(),
-                   sum(t.numel() * t.element_size() for t in held["rows"]["layer_output"]),
-                   float((direction - expected).norm() / expected.norm()))
+            in_process(f"in process (vLLM), {args.shape}: the same", model, prompts, labels, block, args.rounds,
+                       args.second)
             model.close()
+        if args.transformers:
+            model = streamscope.load(str(path), **({"device_map": "cuda"} if gpu else {}))
+            in_process(f"in process (transformers), {args.shape}: the same", model, prompts, labels, block,
+                       args.rounds, args.second)
     finally:
         server.close()
 

@@ -50,6 +50,8 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from .bulk.dose import CARRIED, carried_entry
+from .bulk.norms import fit_norms
 from .bulk.results import Harvest
 from .bulk.spec import ROOT_VALUES, Steer, layer_list, value_names
 
@@ -82,6 +84,8 @@ class Direction:
         bias: A probe's bias: it predicts the positive class where ``vector . x + bias > 0``.
         scores: Held-out ``accuracy`` and ``separation``, where they were measured.
         details: Anything else the method states (examples used, explained variance).
+        stream_norm: ``||h||`` at its value and block over the prompts it was fit on, as `model.norms` measures it
+            (`find` records it; None where unknown): its steer carries it to the dose check (`streamscope.bulk.dose`).
     """
 
     vector: torch.Tensor
@@ -92,6 +96,7 @@ class Direction:
     bias: float = 0.0
     scores: dict[str, float] = field(default_factory=dict)
     details: dict[str, Any] = field(default_factory=dict)
+    stream_norm: Optional[float] = None
 
     def __repr__(self) -> str:
         where = self.value if self.layer is None else f"layers[{self.layer}].{self.value}"
@@ -131,14 +136,16 @@ class Direction:
         `scale` left out takes the mode's default (1 for add, set and ablate); clamp takes ``projection=``
         instead, and refuses a scale (`streamscope.Steer`).
         """
-        return Steer(self.value, self.layer, self.vector.clone(), scale=scale, mode=mode,
-                     origin={key: self.model[key] for key in IDENTITY if key in self.model}, **options)
+        origin: dict[str, Any] = {key: self.model[key] for key in IDENTITY if key in self.model}
+        if self.stream_norm is not None:  # the dose check's norm, over any the model measured
+            origin[CARRIED] = carried_entry(self.value, self.layer, self.stream_norm)
+        return Steer(self.value, self.layer, self.vector.clone(), scale=scale, mode=mode, origin=origin, **options)
 
     def as_dict(self) -> dict[str, Any]:
         """Everything but the vector, as JSON-ready metadata."""
         return {"format": "streamscope.direction", "version": 1, "value": self.value, "layer": self.layer,
                 "method": self.method, "model": self.model, "bias": self.bias, "scores": self.scores,
-                "details": self.details, "hidden_size": int(self.vector.shape[0])}
+                "details": self.details, "hidden_size": int(self.vector.shape[0]), "stream_norm": self.stream_norm}
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write ``<path>.safetensors`` (the vector) and ``<path>.json`` (the rest); returns the safetensors path."""
@@ -164,7 +171,7 @@ class Direction:
             raise ValueError(f"{stem}.json is not a streamscope direction's metadata (no format field).")
         direction = cls(tensors["vector"], metadata["value"], metadata["layer"], metadata["method"],
                         metadata["model"], metadata.get("bias", 0.0), metadata.get("scores", {}),
-                        metadata.get("details", {}))
+                        metadata.get("details", {}), metadata.get("stream_norm"))  # None in older files
         if model is not None:
             direction.check(model)
         return direction
@@ -557,6 +564,9 @@ def find(model: Any, positive: Examples, negative: Examples, value: str = "layer
             `held_out` > 0; it runs two one-token generations per block.
         dose: The steering edit's length over the block's mean stream norm.
 
+    Each direction records its block's `model.norms` over both classes' prompts (``stream_norm``: one more
+    harvest, of every position; None from `Harvest` objects), which its steer carries to the dose check.
+
     Warns (`UnreliableFitWarning`, once per kind, naming the blocks) where
     fewer than `MIN_HELD_OUT` examples per class are held out, where a
     block's held-out accuracy is not above chance (one-sided binomial p >
@@ -590,11 +600,13 @@ def find(model: Any, positive: Examples, negative: Examples, value: str = "layer
         raise ValueError(f"the harvests are {per_class[0].shape[-1]} and {per_class[1].shape[-1]} wide, the model "
                          f"{width}: harvest them from this model.")
     made_on = identity(model)
+    stream_norms = fit_norms(model, positive, negative, value, blocks)
     directions, held_fits = [], []
     for slot, layer in enumerate(blocks or [None]):
         vector, bias, scores, details = fit(per_class[0][slot], per_class[1][slot], method, held_out, seed)
         directions.append(Direction(vector, value, layer, method, made_on, bias, scores,
-                                    {**details, "positions": positions if isinstance(positions, str) else "chosen"}))
+                                    {**details, "positions": positions if isinstance(positions, str) else "chosen"},
+                                    None if stream_norms is None else stream_norms[slot]))
         held_fits.append(fit_held_out(per_class[0][slot], per_class[1][slot], method, held_out, seed)
                          if held_out > 0 else None)
     measures: dict[Optional[int], SteeringMeasure] = {}

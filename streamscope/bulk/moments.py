@@ -20,6 +20,17 @@ harvest of the same run (the tests do):
   harvested position) cast to float64 and added to running sums:
   ``count += rows``, ``sum += x.sum(1)``, ``square += x.mT @ x``. Sequential
   sums make the result independent of how the run is chunked.
+
+How it is computed (the same bits, less work; `Moments.add_each`): where each
+prompt is one row, a chunk's rows of one label are stacked, cast to float64 a
+few at a time into one buffer, and added row by row in place. A one-row sum is
+the row itself (the only rounding is the running sum's), and a one-row
+``x.mT @ x`` is the rows' outer product, each entry rounded once; where the
+rows' dtype has at most 24 significant bits (float32, bfloat16, float16) that
+product is exact in float64, so ``square.addcmul_`` (the product added in place,
+rounded once) equals the stated two steps; float64 rows (a paired difference, a
+float64 engine) take ``x.mT @ x`` into a scratch buffer, then add it. Nothing of
+``hidden x hidden`` is allocated a prompt.
 """
 
 from __future__ import annotations
@@ -33,6 +44,13 @@ import torch
 REDUCTIONS = ("last", "mean")
 #: The label `statistics` files the paired differences under (``pairs=``).
 DIFFERENCE = "difference"
+#: Row dtypes whose products are exact in float64: two significands of at most 24 bits fit float64's 53, and the
+#: squares of float32's exponent range lie in float64's normal range (`Moments.add_each` adds them fused).
+EXACT_PRODUCTS = (torch.float32, torch.bfloat16, torch.float16)
+#: The float64 buffer `Moments.add_each` casts a slice of rows into (bytes): allocated once a call, and 32768
+#: elements, torch's grain for splitting an op over threads: a cast this small runs on the calling thread (waking
+#: threads for it cost milliseconds a cast on a busy host).
+CAST_BYTES = 32768 * 8
 
 
 def check_reduce(reduce: Optional[str]) -> Optional[str]:
@@ -46,13 +64,14 @@ def check_reduce(reduce: Optional[str]) -> Optional[str]:
 def reduce_positions(rows: torch.Tensor, reduce: Optional[str]) -> torch.Tensor:
     """`rows` ``[..., positions, width]`` reduced over the positions axis to ``[..., 1, width]`` (None: as it is).
 
-    ``"last"`` keeps the last row; ``"mean"`` sums the rows in float64 and divides by their count, then casts to
-    float32 (float64 rows stay float64): a bfloat16 harvest's mean keeps float32's precision.
+    ``"last"`` keeps (a copy of) the last row; ``"mean"`` sums the rows in float64 and divides by their count,
+    then casts to float32 (float64 rows stay float64): a bfloat16 harvest's mean keeps float32's precision.
     """
     if reduce is None:
         return rows
     if reduce == "last":
-        return rows[..., -1:, :]
+        # A copy, not a view: a view would keep (and pickle, leaving a worker) every position of the buffer.
+        return rows if rows.shape[-2] == 1 else rows[..., -1:, :].clone()
     if reduce != "mean":
         check_reduce(reduce)
     total = rows.to(torch.float64).sum(-2, keepdim=True)
@@ -100,20 +119,56 @@ class Moments:
 
     def add(self, label: Hashable, rows: torch.Tensor) -> None:
         """Add `rows` ``[len(layers), rows, hidden]`` under `label`, in float64 (see the module's arithmetic)."""
-        x = rows.to(torch.float64)
-        if x.dim() != 3 or x.shape[0] != len(self.layers):
+        if rows.dim() != 3 or rows.shape[0] != len(self.layers):
             raise ValueError(f"rows of {self.value} are [layers, rows, hidden] with {len(self.layers)} layers; got "
                              f"{tuple(rows.shape)}.")
-        if label not in self.counts:
-            self.counts[label] = 0
-            self.sums[label] = torch.zeros(x.shape[0], x.shape[2], dtype=torch.float64, device=x.device)
-            if self.second:
-                self.squares[label] = torch.zeros(x.shape[0], x.shape[2], x.shape[2], dtype=torch.float64,
-                                                  device=x.device)
+        if rows.shape[1] == 1:
+            self.add_each(label, rows.transpose(0, 1))
+            return
+        x = rows.to(torch.float64)
+        self._open(label, x.shape[2], x.device)
         self.counts[label] += x.shape[1]
         self.sums[label] += x.sum(1)
         if self.second:
             self.squares[label] += x.mT @ x
+
+    def add_each(self, label: Hashable, rows: torch.Tensor) -> None:
+        """Add `rows` ``[n, len(layers), hidden]`` under `label`, one row at a time in order: bit for bit `n` calls
+        of `add` with one row each (``rows[i].unsqueeze(1)``), without a float64 temporary a row."""
+        if rows.dim() != 3 or rows.shape[1] != len(self.layers):
+            raise ValueError(f"rows of {self.value} are [rows, layers, hidden] with {len(self.layers)} layers; got "
+                             f"{tuple(rows.shape)}.")
+        self._open(label, rows.shape[2], rows.device)
+        exact = rows.dtype in EXACT_PRODUCTS
+        total = self.sums[label]
+        square = self.squares.get(label) if self.second else None
+        scratch = torch.empty_like(square) if square is not None and not exact else None
+        # Cast a slice at a time into one float64 buffer: no float64 copy of the whole chunk, no fresh allocation.
+        step = max(1, CAST_BYTES // max(1, rows.shape[1] * rows.shape[2] * 8))
+        buffer = None if rows.dtype == torch.float64 else torch.empty(
+            (min(step, rows.shape[0]), rows.shape[1], rows.shape[2]), dtype=torch.float64, device=rows.device)
+        for start in range(0, rows.shape[0], step):
+            part = rows[start:start + step]
+            if buffer is not None:
+                part = buffer[:part.shape[0]].copy_(part)  # exact: every float32, bfloat16, float16 is a float64
+            for x in part.unbind(0):
+                total.add_(x)  # a one-row sum is the row
+                if square is None:
+                    continue
+                if scratch is None:  # the product is exact: added in place, rounded once, as `add` rounds it
+                    square.addcmul_(x.unsqueeze(-1), x.unsqueeze(-2))
+                else:  # `add`'s own product (rounded), then its sum
+                    torch.matmul(x.unsqueeze(-1), x.unsqueeze(-2), out=scratch)
+                    square.add_(scratch)
+        self.counts[label] += rows.shape[0]
+
+    def _open(self, label: Hashable, hidden: int, device: torch.device) -> None:
+        if label in self.counts:
+            return
+        self.counts[label] = 0
+        self.sums[label] = torch.zeros(len(self.layers), hidden, dtype=torch.float64, device=device)
+        if self.second:
+            self.squares[label] = torch.zeros(len(self.layers), hidden, hidden, dtype=torch.float64, device=device)
 
     def _held(self, label: Hashable) -> None:
         if label not in self.counts:
@@ -208,17 +263,42 @@ class Accumulator:
 
     def add_part(self, harvest: Any, indices: Sequence[int]) -> None:
         """Add every prompt of `harvest` (a chunk of the run, in prompt order), whose run indices are `indices`."""
-        for local, index in enumerate(indices):
-            rows = self.rows(harvest, local)
-            if self.labels[index] is not None:
-                self.moments.add(self.labels[index], rows)
+        rows = [self.rows(harvest, local) for local in range(len(indices))]
+        single = all(row.shape[1] == 1 for row in rows)
+        # One row a prompt: each label's rows of the chunk stacked and added in prompt order (`Moments.add_each`);
+        # labels are independent sums, and they are opened in the order they first appear, as prompt by prompt.
+        groups: dict[Hashable, list[torch.Tensor]] = {}
+        for row, index in zip(rows, indices):
+            label = self.labels[index]
+            if label is not None:
+                if single:
+                    groups.setdefault(label, []).append(row[:, 0])
+                else:
+                    self.moments.add(label, row)
             if index in self.uses:
-                self.waiting[index] = rows
+                self.waiting[index] = row
+        for label, members in groups.items():
+            self.moments.add_each(label, torch.stack(members))
+        self._add_pairs()
+
+    def _add_pairs(self) -> None:
+        """Add the differences of the pairs whose prompts have both run, in the pairs' order."""
+        ready = []
         while self.next_pair < len(self.pairs) and all(index in self.waiting for index in self.pairs[self.next_pair]):
-            first, second = self.pairs[self.next_pair]
-            self.moments.add(DIFFERENCE, self.waiting[first].to(torch.float64) - self.waiting[second].to(torch.float64))
+            ready.append(self.pairs[self.next_pair])
             self.next_pair += 1
-            for index in (first, second):
+        if not ready:
+            return
+        if all(self.waiting[index].shape[1] == 1 for pair in ready for index in pair):
+            firsts = torch.stack([self.waiting[first][:, 0] for first, _ in ready]).to(torch.float64)
+            seconds = torch.stack([self.waiting[second][:, 0] for _, second in ready]).to(torch.float64)
+            self.moments.add_each(DIFFERENCE, firsts - seconds)
+        else:
+            for first, second in ready:
+                self.moments.add(DIFFERENCE, self.waiting[first].to(torch.float64)
+                                 - self.waiting[second].to(torch.float64))
+        for pair in ready:
+            for index in pair:
                 self.uses[index] -= 1
                 if not self.uses[index]:
                     del self.waiting[index]
@@ -279,7 +359,9 @@ def statistics(model: Any, prompts: Sequence[Any], labels: Sequence[Hashable], v
             `streamscope.directions.find` does), ``"last"`` (its last harvested position), or None (one
             row a harvested position).
         second: Keep second moments too (``[layers, hidden, hidden]`` float64 a label): what a principal
-            component needs; a difference of means needs only the first.
+            component needs; a difference of means needs only the first. Each prompt's outer product is
+            added in place where the rows are (the host): ``layers x hidden x hidden`` float64 read and
+            written once a prompt, which at a large hidden size costs more than the harvest's forward.
         pairs: ``(positive, negative)`` prompt indices: each pair's difference of rows (the first's less
             the second's, in float64) is added under the label ``"difference"`` (a paired principal
             component: `streamscope.directions.from_moments` with ``method="pca"``).

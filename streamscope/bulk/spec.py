@@ -122,7 +122,10 @@ class Steer:
             the ``k``-th generated token on), where `generated` is true.
         origin: The shape of the model the vector was made on (``model_type``,
             ``hidden_size``, ``num_layers``, ``vocab_size``; a `Direction`'s
-            steer sets it): a run on a model of another shape is refused.
+            steer sets it): a run on a model of another shape is refused. Its
+            ``"stream_norm"`` (``{"value", "layer", "norm"}``, a `Direction`'s
+            steer sets it) is the norm the vector was made against, which the
+            dose check uses over any norm the model measured.
         sae, feature: ``sae_clamp``'s SAE (`streamscope.sae.SAE`) and feature index.
         max_dose: The largest dose allowed, ``|edit| / ||h||``: the edit's size
             (``|scale| * |v|`` for add and set, ``|scale| * ||h||`` for ablate,
@@ -693,18 +696,22 @@ def stream_norms(model: Any, sites: Sequence[tuple[str, Optional[int]]]) -> dict
     return {site: known[site] for site in sites}
 
 
+def measured_norms(model: Any) -> dict[tuple[str, Optional[int]], float]:
+    """The stream norms `stream_norms` has measured on `model` so far, ``(value, block) -> ||h||`` (a copy; nothing
+    is measured here)."""
+    entry = _NORMS.get(id(model))
+    return dict(entry[1]) if entry is not None and entry[0]() is model else {}
+
+
 def check_doses(model: Any, steers: Sequence[Steer], dtype: torch.dtype) -> list[Steer]:
     """`check_dose` for each steer of a bulk run before it runs, ``||h||`` measured once per model, value and block
-    (`stream_norms`), so that a refusal states it: the steers to run, in order (a clamped one replaced)."""
-    sites = [(steer.value, None if steer.layer is None else steer.layer % len(model.layers)) for steer in steers]
-    norms = stream_norms(model, sites) if sites else {}
-    allowed = []
-    for steer in steers:
-        layer = None if steer.layer is None else steer.layer % len(model.layers)
-        where = steer.value if layer is None else f"layers[{layer}].{steer.value}"
-        allowed.append(check_dose(steer, norms.get((steer.value, layer)), dtype, where,
-                                  "measured by streamscope on its calibration text, positions after the first"))
-    return allowed
+    (`stream_norms`), or carried by the steer's vector where none is measured there
+    (`streamscope.bulk.dose.check_bulk_doses`), so that a refusal states it: the steers to run, in order (a clamped
+    one replaced)."""
+    from .dose import check_bulk_doses
+
+    return check_bulk_doses(model, steers, dtype, lambda sites: stream_norms(model, sites),
+                            lambda: measured_norms(model))
 
 
 def check_origin(steer: Steer, model: Any) -> None:

@@ -16,6 +16,7 @@ same `Generation` and `Harvest` types the engines return.
 
 from __future__ import annotations
 
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -23,8 +24,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..bulk.results import Generation, Harvest, ShardWriter
+from ..bulk.dose import DoseWarning
 from ..bulk.spec import HarvestSpec, Positions, Steer
-from .protocol import FIELD, rule_json
+from .protocol import FIELD, WARNINGS_HEADER, rule_json
 from .remote import RemoteModel
 
 
@@ -86,12 +88,32 @@ class Client(RemoteModel):
         CUDA graph mode (``graph_mode``: ``"NONE"`` where every step runs eagerly)."""
         return self._route("GET", "info").json()
 
-    def store_vector(self, name: str, vector: torch.Tensor) -> None:
-        """Store `vector` (``[hidden_size]``) on the server under `name`; a steer may then name it."""
+    def store_vector(self, name: str, vector: Any, stream_norm: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        """Store `vector` on the server under `name`; a steer may then name it. Returns the server's listing entry
+        (name, size, norm: the vector's length, stream_norm).
+
+        `vector` is a ``[hidden_size]`` tensor or a `streamscope.directions.Direction`, which stores the stream
+        norm it was made against (its ``stream_norm`` at its value and block) with it. `stream_norm` gives one for
+        a tensor: ``{"value": ..., "layer": ..., "norm": ...}`` (`streamscope.bulk.dose.carried_entry`; ``norm``
+        as `model.norms` measures it). A steer by this name at that value and block has its dose checked against
+        it where the server has measured no norm there.
+        """
+        import json
+
         from safetensors.torch import save
 
-        data = save({"vector": vector.detach().to(torch.float32).contiguous().cpu()})
-        self._route("PUT", f"vectors/{name}", content=data, headers={"Content-Type": "application/octet-stream"})
+        from ..bulk.dose import carried_entry
+
+        if hasattr(vector, "unit") and hasattr(vector, "stream_norm"):  # a Direction
+            if stream_norm is None and vector.stream_norm is not None:
+                stream_norm = carried_entry(vector.value, vector.layer, vector.stream_norm)
+            vector = vector.vector
+        if not isinstance(vector, torch.Tensor):
+            raise TypeError(f"store_vector takes a [hidden_size] tensor or a Direction, not a {type(vector).__name__}.")
+        metadata = {"streamscope.stream_norm": json.dumps(stream_norm)} if stream_norm is not None else None
+        data = save({"vector": vector.detach().to(torch.float32).contiguous().cpu()}, metadata=metadata)
+        return self._route("PUT", f"vectors/{name}", content=data,
+                           headers={"Content-Type": "application/octet-stream"}).json()
 
     def store_sae(self, name: str, sae: Any) -> dict[str, Any]:
         """Store a `streamscope.sae.SAE` on the server under `name` (its weights as safetensors, float32).
@@ -124,6 +146,7 @@ class Client(RemoteModel):
         return self._sae_names[id(sae)][1]
 
     def vectors(self) -> list[dict[str, Any]]:
+        """The stored vectors: name, size, norm (the vector's length), stream_norm (the one it carries, or None)."""
         return self._route("GET", "vectors").json()["vectors"]
 
     def delete_vector(self, name: str) -> None:
@@ -193,7 +216,9 @@ class Client(RemoteModel):
         if field:
             extra[FIELD] = field
         options = {key: value for key, value in options.items() if key in known}
-        return self.openai.completions.create(model=self.model, prompt=prompt, extra_body=extra or None, **options)
+        raw = self.openai.completions.with_raw_response.create(model=self.model, prompt=prompt,
+                                                                extra_body=extra or None, **options)
+        return raw.parse(), header_warnings(raw.headers)
 
     def _complete_all(self, prompts: Sequence[Any], options: dict[str, Any],
              fields: list[dict[str, Any]]) -> list[tuple[Any, Any]]:
@@ -206,14 +231,22 @@ class Client(RemoteModel):
         size = 1 if one_each or not self._shareable(fields) else self.batch
         groups = [list(range(start, min(start + size, len(prompts)))) for start in range(0, len(prompts), size)]
 
+        notes: list[str] = []
+
         def one(group: list[int]) -> list[Any]:
             batch = [prompts[index] for index in group]
-            response = self._complete(batch[0] if len(group) == 1 else batch, options, fields[group[0]])
+            response, messages = self._complete(batch[0] if len(group) == 1 else batch, options, fields[group[0]])
+            notes.extend(messages)
             # (choice, its response): a harvest's id is on the response (one prompt each where there is one)
             return [(choice, response) for choice in sorted(response.choices, key=lambda choice: choice.index)]
 
         with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(groups)))) as pool:
-            return [choice for choices in pool.map(one, groups) for choice in choices]
+            found = [choice for choices in pool.map(one, groups) for choice in choices]
+        # The server's dose warnings, raised here as in process: once each per call (in process, once per steer),
+        # in the caller's thread, where its warning filters and catch_warnings apply.
+        for message in dict.fromkeys(notes):
+            warnings.warn(message, DoseWarning, stacklevel=3)
+        return found
 
     def _shareable(self, fields: list[dict[str, Any]]) -> bool:
         """Whether these prompts may share requests: no harvest, the same steers each, each editing every position."""
@@ -360,4 +393,19 @@ class Client(RemoteModel):
         return writer.close()
 
 
-__all__ = ["Client"]
+def header_warnings(headers: Any) -> list[str]:
+    """The dose warnings a server's response carries (its `WARNINGS_HEADER`, a JSON list of messages); none where
+    it carries none, or a server that predates the header."""
+    import json
+
+    raw = headers.get(WARNINGS_HEADER)
+    if not raw:
+        return []
+    try:
+        messages = json.loads(raw)
+    except ValueError:
+        return [str(raw)]
+    return [str(message) for message in messages] if isinstance(messages, list) else [str(messages)]
+
+
+__all__ = ["Client", "header_warnings"]

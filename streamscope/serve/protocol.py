@@ -30,7 +30,6 @@ import math
 import re
 import sys
 import uuid
-import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -40,14 +39,18 @@ from .. import nnsight_seam as seam
 
 from ..blocks.head_results import HEAD_RESULTS
 from ..bulk.conditions import Condition, ConditionError
-from ..bulk.spec import (CALIBRATION_TEXT, DOSE_ACTIONS, MAX_DOSE, ROOT_VALUES, SKIP_FIRST, DoseWarning, Positions,
-                         Steer, SteerError, check_dose, check_steer, harvest_spec, prompt_positions, value_names)
+from ..bulk.dose import CARRIED, carried_how, carried_norm, judge_dose
+from ..bulk.spec import (CALIBRATION_TEXT, DOSE_ACTIONS, MAX_DOSE, ROOT_VALUES, SKIP_FIRST, Positions, Steer,
+                         SteerError, check_steer, harvest_spec, prompt_positions, value_names)
 from ..errors import Unavailable, untapped
 
 #: Where a clamped or warned steer dose is logged (and printed to the server's stderr, which its log holds).
 dose_logger = logging.getLogger("streamscope.serve")
 #: The body field that carries a request's steers and harvest.
 FIELD = "streamscope"
+#: The response header that carries a checked request's dose warnings to its caller: a JSON list of the messages
+#: (`streamscope.Client` warns each as a `streamscope.DoseWarning`, as a run in process does).
+WARNINGS_HEADER = "x-streamscope-warnings"
 #: vLLM's ``vllm_xargs`` key (the request's ``SamplingParams.extra_args``) under which the plan reaches the worker.
 XARG = "streamscope"
 STEER_FIELDS = ("value", "layer", "vector", "scale", "positions", "mode", "generated", "projection", "norm_match",
@@ -92,7 +95,8 @@ class Limits:
     #: (`streamscope.bulk.spec.check_dose`), measured by the engine on a calibration text; a steer may ask for less.
     max_steer_dose: Optional[float] = MAX_DOSE
     #: --steer-dose-action: what a dose past a steer's limit does where the request does not say (its ``on_dose``):
-    #: "refuse" (a 400), "clamp" (run at the limit) or "warn" (run as sent, the warning logged). Past the server's
+    #: "refuse" (a 400), "clamp" (run at the limit) or "warn" (run as sent); a clamp or a warning is logged and
+    #: sent to the caller in the response's `WARNINGS_HEADER`. Past the server's
     #: own limit a request may ask to refuse or clamp, and to warn only where this is "warn".
     steer_dose_action: str = "refuse"
 
@@ -105,6 +109,9 @@ class Checked:
     steer_payload: list[dict[str, Any]] = field(default_factory=list)
     harvest: Optional[dict[str, Any]] = None  # values, layers, positions (a JSON rule), keep, bytes
     length: Optional[int] = None
+    #: What each clamped or warned steer dose says (a `streamscope.DoseWarning`'s message): the response carries
+    #: them to the caller in its `WARNINGS_HEADER`.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -282,8 +289,10 @@ class Checker:
 
     # ---------------------------------------------------------------- steers and harvests
 
-    def steer(self, raw: Any, param: str, lengths: list[int]) -> tuple[Steer, dict[str, Any]]:
-        """One steer: a `streamscope.Steer` and the JSON the worker gets (its vector as float32 base64)."""
+    def steer(self, raw: Any, param: str, lengths: list[int],
+              notes: Optional[list[str]] = None) -> tuple[Steer, dict[str, Any]]:
+        """One steer: a `streamscope.Steer` and the JSON the worker gets (its vector as float32 base64). A clamped
+        or warned dose is logged, and its message added to `notes` (the response's warnings)."""
         item = _fields(raw, STEER_FIELDS, param,
                        " One request is one prompt, so a steer has no 'prompts' (streamscope.Client sends each "
                        "prompt its own steers)." if isinstance(raw, dict) and "prompts" in raw else "")
@@ -338,14 +347,13 @@ class Checker:
                         1, lengths or None)
             where = steer.value if steer.layer is None else f"layers[{steer.layer % len(self.model.layers)}].{steer.value}"
             layer_index = None if steer.layer is None else steer.layer % len(self.model.layers)
-            with warnings.catch_warnings(record=True) as warned:
-                warnings.simplefilter("always", DoseWarning)
-                steer = check_dose(steer, self.norms.get((steer.value, layer_index)), self.dtype, where,
-                                   "measured by the server's engine on streamscope's calibration text, positions "
-                                   "after the first")
-            for warning in warned:  # a clamped or warned dose: the server's log says so (--steer-dose-action)
-                dose_logger.warning("streamscope serve: %s", warning.message)
-                print(f"streamscope serve: {warning.message}", file=sys.stderr, flush=True)
+            norm, how = self.dose_norm(steer, item["vector"], layer_index)
+            steer, message = judge_dose(steer, norm, self.dtype, where, how)
+            if message is not None:  # a clamped or warned dose: the log and the caller are told
+                dose_logger.warning("streamscope serve: %s", message)
+                print(f"streamscope serve: {message}", file=sys.stderr, flush=True)
+                if notes is not None:
+                    notes.append(message)
         except SteerError as error:
             field = error.field or ("origin" if "another model" in str(error) else "vector")
             raise _bad(f"{param}.{field}", str(error)) from None
@@ -360,6 +368,26 @@ class Checker:
         if mode == "sae_clamp" and sae is not None:
             payload.update(sae=sae[1].file, feature=sae[2])
         return steer, payload
+
+    def dose_norm(self, steer: Steer, vector: Any, layer: Optional[int]) -> tuple[Optional[float], str]:
+        """``||h||`` at the steer's value and block for its dose check, and how it was found: the norm its stored
+        vector (`vector`, a name) or its own ``origin`` carries for that site, else the engine's measurement
+        (`calibrate`), else none (only an overflow is refused). A vector's own norm comes first, so a request's
+        check never depends on what the server measured for earlier ones."""
+        stored = self.stored_norm(vector, steer.value, layer)
+        if stored is not None:
+            return stored, carried_how(f"stored vector {vector!r}")
+        carried = carried_norm(steer, layer, len(self.model.layers))
+        if carried is not None:
+            return carried, carried_how("the steer's vector (origin)")
+        return self.norms.get((steer.value, layer)), ("measured by the server's engine on streamscope's calibration "
+                                                      "text, positions after the first")
+
+    def stored_norm(self, vector: Any, value: str, layer: Optional[int]) -> Optional[float]:
+        """The stream norm a stored vector named `vector` carries at (`value`, `layer`), if it carries one there."""
+        entry = getattr(self.vectors, "carried", {}).get(vector) if isinstance(vector, str) else None
+        return float(entry["norm"]) if entry is not None and (entry["value"], entry["layer"]) == (value, layer) \
+            else None
 
     def dose_action(self, raw: Any, param: str) -> str:
         """A steer's ``on_dose``: the server's --steer-dose-action where left out; "warn" (running past the limit)
@@ -432,7 +460,8 @@ class Checker:
             raise RequestError(error.status, param, f"{param}{error.message.removeprefix('sae')}")
         return self.saes[name]
 
-    def steers(self, raw: Any, param: str, lengths: list[int]) -> tuple[list[Steer], list[dict[str, Any]]]:
+    def steers(self, raw: Any, param: str, lengths: list[int],
+               notes: Optional[list[str]] = None) -> tuple[list[Steer], list[dict[str, Any]]]:
         if isinstance(raw, dict):
             raw = [raw]
         if not isinstance(raw, list):
@@ -440,7 +469,7 @@ class Checker:
         if len(raw) > self.limits.max_steers:
             raise _bad(param, f"{len(raw)} steers; this server takes at most {self.limits.max_steers} per request "
                               f"(--max-steers-per-request).", 413)
-        pairs = [self.steer(item, f"{param}[{index}]", lengths) for index, item in enumerate(raw)]
+        pairs = [self.steer(item, f"{param}[{index}]", lengths, notes) for index, item in enumerate(raw)]
         return [steer for steer, _ in pairs], [payload for _, payload in pairs]
 
     def harvest(self, raw: Any, param: str, length: Optional[int]) -> dict[str, Any]:
@@ -555,13 +584,25 @@ class Checker:
                                                                     and not isinstance(layer, bool))):
                 continue
             site = (value, None if layer is None else layer % count)
-            if site not in self.norms and site not in found:
+            if site not in self.norms and site not in found and not self.carries(item, site):
                 try:
                     self.site(value, site[1], "steer")
                 except RequestError:
                     continue
                 found.append(site)
         return found
+
+    def carries(self, item: dict[str, Any], site: tuple[str, Optional[int]]) -> bool:
+        """Whether a steer's JSON carries a stream norm for `site` (its stored vector's, or its origin's): then the
+        dose check takes it, and the engine need not measure one."""
+        if self.stored_norm(item.get("vector"), *site) is not None:
+            return True
+        entry = (item.get("origin") or {}).get(CARRIED) if isinstance(item.get("origin"), dict) else None
+        if not isinstance(entry, dict) or entry.get("value") != site[0] or not isinstance(entry.get("norm"),
+                                                                                      (int, float)):
+            return False
+        layer, count = entry.get("layer"), len(self.model.layers)
+        return (layer % count if isinstance(layer, int) and -count <= layer < count else layer) == site[1]
 
     async def calibrate(self, field: Any, engine: Any, harvests: Any) -> None:
         """Measure ``||h||`` at each site the request's steers name that is not measured yet: the engine harvests
@@ -634,7 +675,7 @@ class Checker:
         if self.default and use_default:
             checked.steer_payload.extend(self.default)
         if "steer" in own:
-            steers, payload = self.steers(own["steer"], f"{FIELD}.steer", lengths)
+            steers, payload = self.steers(own["steer"], f"{FIELD}.steer", lengths, checked.warnings)
             if len(payload) + len(checked.steer_payload) > self.limits.max_steers:
                 raise _bad(f"{FIELD}.steer", f"with the server's {len(self.default)} default steers this request has "
                                              f"{len(payload) + len(checked.steer_payload)}; the limit is "
@@ -767,5 +808,5 @@ def cache_salt(checked: Checked, body: dict[str, Any], harvest_id: Optional[str]
     return "streamscope-" + hashlib.sha256((steers + "|" + prompt).encode()).hexdigest()
 
 
-__all__ = ["Checker", "Checked", "Limits", "RequestError", "FIELD", "XARG", "worker_payload", "cache_salt",
+__all__ = ["Checker", "Checked", "Limits", "RequestError", "FIELD", "XARG", "WARNINGS_HEADER", "worker_payload", "cache_salt",
            "rule_json", "positions_rule", "vector_bytes", "vector_from_bytes"]

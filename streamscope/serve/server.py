@@ -31,9 +31,9 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from fastapi import Request  # at module level: FastAPI reads the routes' annotations by name
 
-from .protocol import (FIELD, XARG, Checker, Limits, RequestError, cache_salt, needs_lengths, unknown_sae,
-                       worker_payload)
-from .storage import SAEs, Harvests, Vectors, read_vector, sae_from_bytes, unknown_vector
+from .protocol import (FIELD, WARNINGS_HEADER, XARG, Checker, Limits, RequestError, cache_salt, needs_lengths,
+                       unknown_sae, worker_payload)
+from .storage import SAEs, Harvests, Vectors, read_upload, sae_from_bytes, unknown_vector
 
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 PREFIX = "/v1/streamscope"
@@ -163,19 +163,18 @@ class Front:
         @router.post("/vectors/{name}")
         async def store(name: str, request: Request) -> Any:
             try:
-                vector = read_vector(await body(request), request.headers.get("content-type", ""), self.checker)
-                self.vectors.store(name, vector)
+                vector, carried = read_upload(await body(request), request.headers.get("content-type", ""),
+                                              self.checker)
+                self.vectors.store(name, vector, carried)
             except RequestError as error:
                 return refused(error)
-            return {"name": name, "size": int(vector.numel()), "norm": float(vector.norm())}
+            return self.vectors.entry(name)
 
         @router.get("/vectors/{name}")
         async def fetch(name: str) -> Any:
-            from safetensors.torch import save
-
             if name not in self.vectors:
                 return refused(unknown_vector(name))
-            return Response(save({"vector": self.vectors[name]}), media_type="application/octet-stream")
+            return Response(self.vectors.file(name), media_type="application/octet-stream")
 
         @router.delete("/vectors/{name}")
         async def delete(name: str) -> Any:
@@ -268,7 +267,10 @@ class SteerMiddleware:
     """Checks a completion request's ``streamscope`` field and passes its plan to vLLM in ``vllm_xargs``.
 
     Any other request, and a completion request without the field (on a
-    server with no default steer), reaches vLLM byte for byte as sent.
+    server with no default steer), reaches vLLM byte for byte as sent. A
+    steer dose the check clamped or let run past its limit is said in the
+    response's ``x-streamscope-warnings`` header (`protocol.WARNINGS_HEADER`),
+    streamed or not, which `streamscope.Client` raises as `DoseWarning`.
     """
 
     def __init__(self, app: Any, front: Front) -> None:
@@ -303,6 +305,7 @@ class SteerMiddleware:
             await self.app(scope, _replay(raw, receive), send)  # vLLM's own answer, to vLLM's request
             return
         harvest_id: Optional[str] = None
+        said: list[str] = []  # the dose warnings of the steers checked here: the response carries them
         try:
             if len(json.dumps(body.get(FIELD))) > self.front.limits.max_upload_bytes:
                 raise RequestError(413, FIELD, f"{FIELD}: larger than {self.front.limits.max_upload_bytes} bytes "
@@ -319,6 +322,7 @@ class SteerMiddleware:
             else:
                 checked = check()
             body.pop(FIELD, None)
+            said = checked.warnings
             if not checked.empty:
                 xargs = body.get("vllm_xargs") or {}
                 if not isinstance(xargs, dict):
@@ -338,6 +342,8 @@ class SteerMiddleware:
         scope = dict(scope)
         scope["headers"] = [(name, value) for name, value in scope["headers"] if name.lower() != b"content-length"]
         scope["headers"].append((b"content-length", str(len(data)).encode()))
+        if said:
+            send = _with_warnings(send, said)
         if harvest_id is None:
             await self.app(scope, _replay(data, receive), send)
         else:
@@ -359,6 +365,19 @@ def _replay(data: bytes, receive: Receive, first: Optional[dict] = None) -> Rece
         return await receive()
 
     return replay
+
+
+def _with_warnings(send: Send, said: list[str]) -> Send:
+    """A send whose response start carries `said` in `WARNINGS_HEADER`, a JSON list (ASCII: a header's bytes), on a
+    streamed response as on any: the check has finished before vLLM answers, so they are known at its start."""
+    value = json.dumps(said, ensure_ascii=True).encode("ascii")
+
+    async def sending(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": list(message.get("headers", [])) + [(WARNINGS_HEADER.encode(), value)]}
+        await send(message)
+
+    return sending
 
 
 def _with_harvest(send: Send, harvest_id: str, harvests: Harvests) -> Send:
@@ -567,8 +586,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     front.checker.prompts_split = getattr(args, "enable_chunked_prefill", None) is not False
     if args.vectors:
         for path in sorted(Path(args.vectors).glob("*.safetensors")):
-            front.vectors.store(path.stem, read_vector(path.read_bytes(), "application/octet-stream", front.checker,
-                                                       str(path)))
+            front.vectors.store(path.stem, *read_upload(path.read_bytes(), "application/octet-stream", front.checker,
+                                                        str(path)))
     if args.saes:
         for path in sorted(Path(args.saes).glob("*.safetensors")):
             front.store_sae(path.stem, path.read_bytes(), str(path))

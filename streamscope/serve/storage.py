@@ -18,11 +18,12 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from . import stages
+from ..bulk.dose import CARRIED
 from .protocol import NAME, Checker, Limits, RequestError
 
 
@@ -110,22 +111,40 @@ class Harvests:
 
 def read_vector(data: bytes, content_type: str, checker: Checker, param: str = "body") -> torch.Tensor:
     """An uploaded vector: JSON ``{"vector": [...]}`` or safetensors bytes holding one tensor. Nothing else is parsed."""
+    return read_upload(data, content_type, checker, param)[0]
+
+
+def read_upload(data: bytes, content_type: str, checker: Checker,
+                param: str = "body") -> tuple[torch.Tensor, Optional[dict[str, Any]]]:
+    """An uploaded vector and the stream norm it carries (`streamscope.bulk.dose.carried_entry`: ``{"value",
+    "layer", "norm"}``, checked against the served model), or None.
+
+    JSON: ``{"vector": [...], "stream_norm": {"value": ..., "layer": ..., "norm": ...}}`` (the norm optional).
+    Safetensors: one tensor (or one named ``vector``); the norm in the file's metadata, under
+    ``"streamscope.stream_norm"`` (as `streamscope.Client.store_vector` sends it) or in a direction file's
+    ``"streamscope.direction"`` metadata (`streamscope.directions.Direction.save`: its value, layer and
+    stream_norm). Nothing else is parsed.
+    """
     kind = content_type.split(";")[0].strip().lower()
     if kind == "application/json":
         try:
             body = json.loads(data)
         except (ValueError, UnicodeDecodeError):
             raise RequestError(400, param, f"{param}: not valid JSON; send {{\"vector\": [numbers]}}.") from None
-        if not isinstance(body, dict) or set(body) != {"vector"}:
-            raise RequestError(400, param, f"{param}: send {{\"vector\": [{checker.hidden} numbers]}}.")
+        if not isinstance(body, dict) or "vector" not in body or not set(body) <= {"vector", CARRIED}:
+            raise RequestError(400, param, f"{param}: send {{\"vector\": [{checker.hidden} numbers]}}, and "
+                                           f"optionally \"{CARRIED}\": {{\"value\", \"layer\", \"norm\"}}.")
         if isinstance(body["vector"], str):
             raise RequestError(400, f"{param}.vector", f"{param}.vector: an upload holds the numbers themselves.")
-        return checker.vector(body["vector"], f"{param}.vector")
+        vector = checker.vector(body["vector"], f"{param}.vector")
+        return vector, carried_upload(body.get(CARRIED), checker, f"{param}.{CARRIED}")
     if kind in ("application/octet-stream", "application/safetensors"):
         from safetensors.torch import load
 
         try:
             tensors = load(data)  # safetensors holds raw numbers and a JSON header: nothing in it can run
+            size = int.from_bytes(data[:8], "little")
+            metadata = json.loads(data[8:8 + size]).get("__metadata__") or {}
         except Exception:  # noqa: BLE001  (any malformed upload: pickles, torch.save files, garbage)
             raise RequestError(400, param, f"{param}: not a safetensors file. The server reads vectors as "
                                            f"safetensors or JSON only (never pickles or torch.save files): save "
@@ -136,10 +155,45 @@ def read_vector(data: bytes, content_type: str, checker: Checker, param: str = "
         tensor = tensors.get("vector", next(iter(tensors.values())))
         if tensor.is_floating_point() is False:
             raise RequestError(400, param, f"{param}: the vector is {tensor.dtype}; send floating-point numbers.")
-        return checker.finite(tensor.to(torch.float32), param)
+        return checker.finite(tensor.to(torch.float32), param), carried_metadata(metadata, checker, param)
     raise RequestError(400, "Content-Type", f"Content-Type: {content_type or 'none'} is not taken; send "
                                             f"application/json ({{\"vector\": [...]}}) or application/octet-stream "
                                             f"(safetensors bytes).")
+
+
+def carried_metadata(metadata: dict[str, Any], checker: Checker, param: str) -> Optional[dict[str, Any]]:
+    """The stream norm a safetensors upload's metadata carries (see `read_upload`), or None."""
+    try:
+        if "streamscope.stream_norm" in metadata:
+            return carried_upload(json.loads(metadata["streamscope.stream_norm"]), checker, f"{param}.{CARRIED}")
+        if "streamscope.direction" in metadata:
+            made = json.loads(metadata["streamscope.direction"])
+            if not isinstance(made, dict) or made.get(CARRIED) is None:
+                return None  # a direction file without its norm (made before directions carried one, or imported)
+            entry = {"value": made.get("value"), "layer": made.get("layer"), "norm": made.get(CARRIED)}
+            return carried_upload(entry, checker, f"{param}.{CARRIED}")
+    except ValueError:
+        raise RequestError(400, param, f"{param}: the file's streamscope metadata is not JSON.") from None
+    return None
+
+
+def carried_upload(raw: Any, checker: Checker, param: str) -> Optional[dict[str, Any]]:
+    """A carried stream norm sent with a vector, checked: its value and block served by this model (the block
+    counted from the start), its norm a positive finite number; None where none is sent."""
+    from ..bulk.dose import check_carried
+    from ..bulk.spec import SteerError
+
+    if raw is None:
+        return None
+    try:
+        entry = dict(check_carried(raw, param))
+    except SteerError as error:
+        raise RequestError(400, param, str(error)) from None
+    checker.site(entry["value"], entry["layer"], param)
+    if entry["layer"] is not None:
+        entry["layer"] %= len(checker.model.layers)
+    entry["norm"] = float(entry["norm"])
+    return entry
 
 
 def check_name(name: str) -> str:
@@ -150,23 +204,46 @@ def check_name(name: str) -> str:
 
 
 class Vectors(dict):
-    """Stored vectors, name -> ``[hidden_size]`` float32, bounded by ``--max-stored-vectors``."""
+    """Stored vectors, name -> ``[hidden_size]`` float32, bounded by ``--max-stored-vectors``; beside them, the
+    stream norm a vector carries (`carried`: name -> ``{"value", "layer", "norm"}``), which the dose check of a
+    steer by that name at that value and block uses over any the engine measured."""
 
     def __init__(self, limits: Limits) -> None:
         super().__init__()
         self.limits = limits
+        self.carried: dict[str, dict[str, Any]] = {}
 
-    def store(self, name: str, vector: torch.Tensor) -> None:
+    def store(self, name: str, vector: torch.Tensor, stream_norm: Optional[dict[str, Any]] = None) -> None:
         check_name(name)
         if name not in self and len(self) >= self.limits.max_stored_vectors:
             raise RequestError(413, "name", f"name: the server holds {len(self)} vectors, its limit "
                                             f"(--max-stored-vectors); delete one first (DELETE "
                                             f"/v1/streamscope/vectors/NAME).")
         self[name] = vector.detach().to(torch.float32).clone()
+        self.carried.pop(name, None)
+        if stream_norm is not None:
+            self.carried[name] = dict(stream_norm)
+
+    def pop(self, name: Any, *default: Any) -> Any:
+        self.carried.pop(name, None)
+        return super().pop(name, *default)
 
     def listing(self) -> list[dict[str, Any]]:
-        return [{"name": name, "size": int(vector.numel()), "norm": float(vector.norm())}
-                for name, vector in sorted(self.items())]
+        """Each stored vector: its name, size, length (``norm``) and the stream norm it carries (or null)."""
+        return [self.entry(name) for name in sorted(self)]
+
+    def entry(self, name: str) -> dict[str, Any]:
+        vector = self[name]
+        return {"name": name, "size": int(vector.numel()), "norm": float(vector.norm()),
+                CARRIED: self.carried.get(name)}
+
+    def file(self, name: str) -> bytes:
+        """The stored vector as safetensors bytes, with the stream norm it carries in the metadata (as uploaded)."""
+        from safetensors.torch import save
+
+        carried = self.carried.get(name)
+        metadata = {"streamscope.stream_norm": json.dumps(carried)} if carried is not None else None
+        return save({"vector": self[name]}, metadata=metadata)
 
 
 def unknown_vector(name: str) -> RequestError:
@@ -298,4 +375,4 @@ class SAEs(dict):
 
 
 
-__all__ = ["Harvests", "Vectors", "SAEs", "read_vector", "harvest_tensors", "sae_bytes", "sae_from_bytes"]
+__all__ = ["Harvests", "Vectors", "SAEs", "read_vector", "read_upload", "harvest_tensors", "sae_bytes", "sae_from_bytes"]

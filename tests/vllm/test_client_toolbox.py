@@ -38,6 +38,7 @@ POSITIVE = ["I love this, it is wonderful", "What a great and happy day", "This 
 NEGATIVE = ["I hate this, it is awful", "What a terrible and sad day", "This is dreadful news for us",
             "She frowned, upset and angry", "A miserable, gloomy afternoon", "We are furious and bitter"]
 FAMILIES = ["llama", "gemma2", "gptj"]
+CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 #: A second stream each lens reads: between the sublayers, or entering the block where a parallel one has none.
 SECOND = {"gptj": "layer_input"}
 
@@ -58,7 +59,10 @@ class Setup:
 @pytest.fixture(scope="module", params=FAMILIES)
 def setup(request, checkpoints, tmp_path_factory):
     path = checkpoints(request.param)
-    with running(path, tmp_path_factory.mktemp("serve") / "server.log") as url:
+    # A server that lets a request run past the dose limit (warn), so both clamp and warn reach a client; a chat
+    # template for the tiny tokenizers' chat requests.
+    with running(path, tmp_path_factory.mktemp("serve") / "server.log", "--steer-dose-action", "warn",
+                 "--chat-template", CHAT_TEMPLATE) as url:
         found = Setup(request.param, path, url)
         yield found
         found.model.close()
@@ -298,3 +302,112 @@ def test_a_clients_lens_and_cache_plot_and_view_as_in_process(setup, tmp_path):
     remote_cache = setup.client.cache(PROMPTS[1], values=["layer_output"], logits=False)
     local_cache = setup.model.cache(PROMPTS[1], values=["layer_output"], logits=False)
     assert remote_cache._repr_html_() == local_cache._repr_html_()
+
+
+# ---------------------------------------------------------------- the dose guard's warnings, a carried norm
+
+
+def dose_messages(caught) -> list[str]:
+    return [str(item.message) for item in caught if item.category is streamscope.DoseWarning]
+
+
+@pytest.mark.parametrize("action", ["clamp", "warn"])
+def test_a_clamped_or_warned_dose_reaches_the_client_as_in_process(setup, action):
+    """The server's check clamps (or lets run) a dose past the limit and says so in the response; the Client warns
+    a `DoseWarning` naming the dose and the limit, as the in-process engine does, and the generation is the
+    in-process one: at the clamped scale (the same number, from each engine's own calibration norm), or as given."""
+    import re
+
+    from streamscope.bulk.spec import stream_norms
+
+    block = 1
+    norm = stream_norms(setup.model, [("layer_output", block)])[("layer_output", block)]
+    vector = torch.randn(setup.client.hidden_size, generator=torch.Generator().manual_seed(6))
+    dose = 300
+    steer = streamscope.Steer("layer_output", block, vector, scale=dose * norm / float(vector.norm()), on_dose=action)
+    run = {"max_tokens": 4, "ignore_eos": True}
+    with pytest.warns(streamscope.DoseWarning) as caught:
+        remote = setup.client.generate(PROMPTS, steer=[steer], **run)
+    with pytest.warns(streamscope.DoseWarning) as in_process:
+        local = setup.model.generate(PROMPTS, steer=[steer], progress=False, **run)
+    said, expected = dose_messages(caught), dose_messages(in_process)
+    assert len(said) == 1 == len(expected), (said, expected)
+    assert f"dose {dose} = " in said[0] and "the limit is max_dose=100" in said[0], said
+    assert "measured by the server's engine on streamscope's calibration text" in said[0]
+    ending = "clamped to the limit" if action == "clamp" else "it runs as given"
+    assert ending in said[0] and ending in expected[0]
+    if action == "clamp":
+        numbers = [float(re.search(r"-> ([0-9.e+-]+) ", message).group(1)) for message in (said[0], expected[0])]
+        assert abs(numbers[0] - numbers[1]) <= TOLERANCE * numbers[1], numbers
+    assert remote.tokens == local.tokens
+
+
+def test_the_openai_client_reads_the_dose_warnings_streamed_or_not(setup):
+    """Completions and chat completions, streamed and not: the response's x-streamscope-warnings header holds the
+    check's messages as a JSON list; a request within the limit carries none."""
+    import json
+
+    from streamscope.bulk.spec import stream_norms
+
+    norm = stream_norms(setup.model, [("layer_output", 1)])[("layer_output", 1)]
+    vector = torch.randn(setup.client.hidden_size, generator=torch.Generator().manual_seed(7))
+    item = {"value": "layer_output", "layer": 1, "vector": vector.tolist(), "on_dose": "clamp",
+            "scale": 200 * norm / float(vector.norm())}
+    name = setup.client.model
+    for stream in (False, True):
+        for chat in (False, True):
+            request = {"model": name, "max_tokens": 2, "stream": stream, "extra_body": {"streamscope": {"steer": [item]}}}
+            if chat:
+                raw = setup.api.chat.completions.with_raw_response.create(
+                    messages=[{"role": "user", "content": PROMPTS[1]}], **request)
+            else:
+                raw = setup.api.completions.with_raw_response.create(prompt=PROMPTS[1], **request)
+            said = json.loads(raw.headers["x-streamscope-warnings"])
+            parsed = raw.parse()
+            if stream:
+                assert list(parsed), "the stream ran"
+            assert len(said) == 1 and "dose 200 = " in said[0] and "clamped to the limit" in said[0], (stream, chat)
+    within = setup.api.completions.with_raw_response.create(
+        model=name, prompt=PROMPTS[1], max_tokens=2,
+        extra_body={"streamscope": {"steer": [{**item, "scale": 1.0}]}})
+    assert "x-streamscope-warnings" not in within.headers
+
+
+@pytest.mark.filterwarnings("ignore::streamscope.directions.UnreliableFitWarning")  # a dozen prompts: said, not tested
+def test_a_direction_made_over_http_carries_its_norm_to_the_servers_dose_check(setup):
+    """A direction made from a Client records its block's norm over its prompts (the in-process model.norms of
+    them); stored with it on the server (listed, downloaded back), a steer by its name is checked against that
+    norm, and so is its own steer: clamped to the scale model.norms makes the limit, the generation is the
+    in-process one at that scale."""
+    import json
+
+    from safetensors.torch import load
+
+    value, block = "mlp_output", 1  # a site no other test here steers: the server has measured no norm there
+    direction = streamscope.directions.find(setup.client, POSITIVE, NEGATIVE, value=value, layers=[block],
+                                            held_out=0.0, steering=False, progress=False)[block]
+    local_norm = float(setup.model.norms(POSITIVE + NEGATIVE, value, layers=[block])[0])
+    assert abs(direction.stream_norm - local_norm) <= TOLERANCE * local_norm, (direction.stream_norm, local_norm)
+    carried = {"value": value, "layer": block, "norm": direction.stream_norm}
+    assert setup.client.store_vector("carried", direction)["stream_norm"] == carried
+    assert [entry for entry in setup.client.vectors() if entry["name"] == "carried"][0]["stream_norm"] == carried
+    data = setup.client._route("GET", "vectors/carried").content
+    size = int.from_bytes(data[:8], "little")
+    assert json.loads(json.loads(data[8:8 + size])["__metadata__"]["streamscope.stream_norm"]) == carried
+    assert torch.equal(load(data)["vector"], direction.vector)
+    length = float(direction.vector.norm())
+    given = 1000 * direction.stream_norm / length
+    by_name = {"value": value, "layer": block, "vector": "carried", "scale": given, "on_dose": "clamp"}
+    raw = setup.api.completions.with_raw_response.create(model=setup.client.model, prompt=PROMPTS[0], max_tokens=1,
+                                                         extra_body={"streamscope": {"steer": [by_name]}})
+    assert "carried by stored vector 'carried'" in raw.headers["x-streamscope-warnings"]
+    assert "dose 1000 = " in raw.headers["x-streamscope-warnings"]
+    with pytest.warns(streamscope.DoseWarning, match=r"dose 1000 = .*carried by the steer's vector") as caught:
+        remote = setup.client.generate(PROMPTS, max_tokens=4, steer=[direction.steer(scale=given, on_dose="clamp")],
+                                       ignore_eos=True)
+    assert not [text for text in dose_messages(caught) if "measured by" in text]
+    number = given * 100 / (given * length / local_norm)  # the limit's scale, from the in-process model.norms
+    by_hand = streamscope.Steer(value, block, direction.vector, scale=number, max_dose=None)
+    local = setup.model.generate(PROMPTS, max_tokens=4, steer=[by_hand], ignore_eos=True, progress=False)
+    assert remote.tokens == local.tokens
+    setup.client.delete_vector("carried")

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import carried_norm_checks
 import dose_guard_checks as checks
 import precision
 from bulk_checks import BULK_FAMILIES
@@ -39,3 +40,7 @@ def test_warn_runs_as_given_and_refuse_stays_the_default(engine):
 
 def test_model_norms_are_the_oracles_and_the_dose_checks(engine):
     checks.check_norms(engine.model, engine.reference, engine.tokenizer, engine.family)
+
+
+def test_a_directions_carried_norm_is_the_oracles_and_the_dose_checks(engine):
+    carried_norm_checks.check_carried_norm(engine.model, engine.reference, engine.tokenizer, engine.family)

@@ -158,7 +158,9 @@ def test_a_dose_past_the_limit_is_clamped_to_it_on_request_and_the_log_says_so(c
     scale = 1000.0 * norm / float(direction.norm())  # dose 1000, ten times the server's limit
     steer = streamscope.Steer("layer_output", last, direction, scale=scale, positions="all", generated=False,
                               on_dose="clamp")
-    _, rows = last_rows(client, shape, [steer], PROMPTS[:1])
+    # The client is told as the log is: the response's warning header, raised as a DoseWarning.
+    with pytest.warns(streamscope.DoseWarning, match=r"dose 1000 = .*the limit is max_dose=100; clamped to the limit"):
+        _, rows = last_rows(client, shape, [steer], PROMPTS[:1])
     _, plain = last_rows(client, shape, (), PROMPTS[:1])
     # Clamped: scale x (max_dose / dose), so the edit is max_dose * ||h|| along the direction.
     expected = plain[0] + 100.0 * norm * direction / direction.norm()
