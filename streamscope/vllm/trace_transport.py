@@ -12,7 +12,7 @@ caller's process. Here
 
 Each plugs into nnsight at one name its vLLM modules cross processes with, replaced through the nnsight seam
 (`streamscope.nnsight_seam.vllm_modeling`: `answer_collects_with`, `read_collects_with`, `send_invokes_with`,
-`load_invokes_with`, `attach_invokes_with`), which is the only code here that knows nnsight's internals.
+`load_invokes_with`, `attach_invokes_with`); nothing here reaches nnsight's internals itself.
 `transport_counts`, `received_counts` and `bundle_counts` say which way each went, per process.
 """
 
