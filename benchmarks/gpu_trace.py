@@ -146,7 +146,7 @@ def tapped_w2(folder: Path, tiny: bool, rounds: int) -> dict:
     import torch
 
     import streamscope
-    from streamscope import nnsight_seam as seam
+    from streamscope.vllm import trace_transport
 
     settings = shape(tiny)
     block = settings["steer_block"]
@@ -160,7 +160,7 @@ def tapped_w2(folder: Path, tiny: bool, rounds: int) -> dict:
     # The trace's own vector.to(device, dtype) at every step is a copy from host memory (and a wait for the
     # device) per invoke-step; with the vector on the model's device and in its dtype already it is a no-op.
     placed = vector.to(device="cuda" if torch.cuda.is_available() else "cpu", dtype=getattr(torch, settings["dtype"]))
-    before = seam.transport_counts()
+    before = trace_transport.transport_counts()
     times = timed_together({
         "bare": bare_w2(tapped.vllm_entrypoint, prompts, count),
         "trace": traced_w2(tapped, prompts, count, block, vector),
@@ -185,7 +185,7 @@ def engine_process(folder: Path, tiny: bool, rounds: int) -> dict:
     """X (a child process, the engine core in its own): bare, the T trace packed, pickled, and with its invokes
     pickled one by one."""
     import streamscope
-    from streamscope import nnsight_seam as seam
+    from streamscope.vllm import trace_transport
 
     settings = shape(tiny)
     model = streamscope.load(folder, engine="vllm", **kwargs_for(settings, tiny))
@@ -215,10 +215,10 @@ def engine_process(folder: Path, tiny: bool, rounds: int) -> dict:
     for count, length in shapes:
         prompts = token_prompts(count, (length, length), 3)
         trace = t_trace(model, prompts)
-        before, read_before = worker_counts(), seam.received_counts()
+        before, read_before = worker_counts(), trace_transport.received_counts()
         times = timed_together({"bare": bare_w1(llm, prompts), "packed": with_transport(None, trace),
                                 "pickled": with_transport("pickle", trace), "one each": one_each(trace)}, rounds)
-        after, read_after = worker_counts(), seam.received_counts()
+        after, read_after = worker_counts(), trace_transport.received_counts()
         moved = {key: after[key] - before[key] for key in after}
         read = {key: read_after[key] - read_before[key] for key in read_after}
         times.update(prompts=count, tokens=length, counts=moved, read=read, traces=rounds + 1)  # with the warm-up
@@ -284,9 +284,9 @@ def at_once(run):
 
 
 def transport_since(before: dict) -> str:
-    from streamscope import nnsight_seam as seam
+    from streamscope.vllm import trace_transport
 
-    after = seam.transport_counts()
+    after = trace_transport.transport_counts()
     return f"collects handed {after['handed'] - before['handed']}, pickled {after['pickled'] - before['pickled']}"
 
 
@@ -374,7 +374,7 @@ def main() -> None:
     import vllm
 
     import streamscope
-    from streamscope import nnsight_seam as seam
+    from streamscope.vllm import trace_transport
 
     print(f"gpu_trace.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC  "
           f"{'tiny' if args.tiny else 'Llama-3-8B shape'}  {settings['dtype']}  rounds={args.rounds}")
@@ -396,7 +396,7 @@ def main() -> None:
     llm = model.vllm_entrypoint
     if "t" not in skip:
         prompts = token_prompts(settings["t_prompts"], (settings["t_length"], settings["t_length"]), 3)
-        before = seam.transport_counts()
+        before = trace_transport.transport_counts()
         times = timed_together({"bare": bare_w1(llm, prompts), "trace": t_trace(model, prompts)}, args.rounds)
         bare, traced = times["bare"], times["trace"]
         rows += [("T", f"vLLM bare, {len(prompts)} prompts x {settings['t_length']} tokens", bare, ""),
@@ -456,7 +456,7 @@ def main() -> None:
         workloads = {"forwards": bare_w1(llm, forwards), "patch": patch}
         if args.trace_route:
             workloads["traced"] = traced_patch
-        before = seam.transport_counts()
+        before = trace_transport.transport_counts()
         times = timed_together(workloads, args.rounds)
         for name, method in counted.items():
             setattr(type(model.engine), name, method)

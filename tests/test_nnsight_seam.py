@@ -1,4 +1,5 @@
-"""streamscope reaches nnsight's internals only through `streamscope.nnsight_seam`, which refuses another release."""
+"""streamscope reaches nnsight's internals only through `streamscope.nnsight_seam` (a package: one module per part
+of nnsight it adapts), which refuses another release."""
 
 from __future__ import annotations
 
@@ -13,8 +14,14 @@ import pytest
 
 from streamscope import nnsight_seam
 
-PACKAGE = Path(nnsight_seam.__file__).parent
-SEAM = Path(nnsight_seam.__file__)
+#: The seam is a package: every module in its folder may reach nnsight's internals, no module elsewhere may.
+SEAM = Path(nnsight_seam.__file__).parent
+PACKAGE = SEAM.parent
+
+
+def in_seam(path: Path) -> bool:
+    """Whether `path` is one of the seam package's modules."""
+    return SEAM in path.parents
 
 
 def public_names() -> dict[str, frozenset[str]]:
@@ -71,8 +78,8 @@ def test_only_the_seam_imports_nnsight_internals():
     assert "Envoy" in public["nnsight"] and "TransformersModel" in public["nnsight"]
     assert public["nnsight.modeling.vllm"] == {"VLLM"}
     bad = [f"{path.relative_to(PACKAGE.parent)}:{line} {name}" for path in sorted(PACKAGE.rglob("*.py"))
-           if path != SEAM for line, name in private_imports(path)]
-    assert not bad, ("these modules import nnsight internals; route them through streamscope/nnsight_seam.py:\n"
+           if not in_seam(path) for line, name in private_imports(path)]
+    assert not bad, ("these modules import nnsight internals; route them through streamscope/nnsight_seam/:\n"
                      + "\n".join(bad))
 
 
@@ -168,12 +175,12 @@ def test_only_the_seam_reaches_nnsight_private_names():
     assert {"_module", "_child_map", "_update", "_location", "_batch"} <= names  # the walk reads nnsight's classes
     bad = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path == SEAM:
+        if in_seam(path):
             continue
         where = str(path.relative_to(PACKAGE.parent))
         bad += [f"{where}:{line} {what}" for line, what in
                 private_accesses(path, names, frozenset(OVERRIDES.get(where, ())))]
-    assert not bad, ("these modules reach nnsight's private names; add a function to streamscope/nnsight_seam.py "
+    assert not bad, ("these modules reach nnsight's private names; add a function to streamscope/nnsight_seam/ "
                      "and call it instead:\n" + "\n".join(bad))
 
 
@@ -200,6 +207,66 @@ def test_the_private_name_check_sees_every_kind_of_access(tmp_path):
     # An allowed override may define the method and call its parent's, nothing more.
     assert private_accesses(probe, names, frozenset({"_batch"})) == [
         (4, "def _update"), (5, "._update"), (6, "._batch"), (8, "._update_states"), (9, "._module")]
+
+
+#: The seam's modules, each adapting one part of nnsight (the package's docstring says which): a module added to
+#: the seam is exempt from the checks above, so adding one is a change to this list.
+SEAM_MODULES = ["__init__.py", "backward.py", "envoys.py", "mediator.py", "vllm_modeling.py"]
+
+
+def test_the_seam_is_its_package_and_the_trace_transport_is_checked_as_any_module():
+    assert sorted(path.name for path in SEAM.rglob("*.py")) == SEAM_MODULES
+    # streamscope's own transport of a vLLM trace's saves and invokes plugs into nnsight through the seam only.
+    transport = PACKAGE / "vllm" / "trace_transport.py"
+    assert transport.exists() and not in_seam(transport)
+    assert private_imports(transport) == []
+    assert private_accesses(transport, nnsight_private_names()) == []
+    assert "nnsight_seam.vllm_modeling" in {module for _, module in _relative_imports(transport)}
+
+
+def _relative_imports(path: Path) -> list[tuple[int, str]]:
+    """The package-relative imports in `path`, ``(line, module)`` with the leading dots dropped."""
+    return [(node.lineno, node.module or "") for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.ImportFrom) and node.level]
+
+
+def patching_functions(path: Path) -> list[str]:
+    """The public functions of `path` that write an attribute of an object they did not create: an assignment to
+    ``x.y`` (``self`` aside) or a ``setattr`` call, at any depth of the function."""
+    found = []
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+            continue
+        for item in ast.walk(node):
+            targets = item.targets if isinstance(item, ast.Assign) else []
+            writes = any(isinstance(target, ast.Attribute) and not (isinstance(target.value, ast.Name)
+                                                                    and target.value.id == "self")
+                         for target in targets)
+            calls = (isinstance(item, ast.Call) and isinstance(item.func, ast.Name) and item.func.id == "setattr")
+            if writes or calls:
+                found.append(node.name)
+                break
+    return found
+
+
+@pytest.mark.parametrize("module", [name for name in SEAM_MODULES if name != "__init__.py"])
+def test_each_seam_module_lists_what_it_patches_and_the_upstream_api_that_would_replace_it(module):
+    path = SEAM / module
+    text = ast.get_docstring(ast.parse(path.read_text())) or ""
+    patching = patching_functions(path)
+    unlisted = [name for name in patching if f"`{name}`" not in text]
+    assert not unlisted, f"streamscope/nnsight_seam/{module}'s docstring does not list what {unlisted} patch"
+    assert "Upstream:" in text, f"streamscope/nnsight_seam/{module}'s docstring names no upstream API"
+
+
+def test_the_patch_listing_check_finds_a_patch(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def quiet(x):\n    return x.y\n"
+                     "def patch(cls):\n    def inner():\n        cls.flush = None\n    inner()\n"
+                     "def marked(f):\n    setattr(f, 'mark', True)\n"
+                     "def _private(m):\n    m.x = 1\n"
+                     "class Own:\n    def set(self):\n        self.x = 1\n")
+    assert patching_functions(probe) == ["patch", "marked"]
 
 
 def test_the_supported_version_passes():

@@ -187,7 +187,7 @@ CASES: dict[str, Callable[[Any], Any]] = {
 
 
 def worker_counts(model: Any) -> dict:
-    """The transport counts of the engine's worker process (`nnsight_seam.transport_counts` there), rank 0's."""
+    """The transport counts of the engine's worker process (`trace_transport.transport_counts` there), rank 0's."""
     return model.vllm_entrypoint.collective_rpc("streamscope_transport_counts")[0]
 
 
@@ -199,7 +199,7 @@ def run_engine_process(path: str, out: str, engine_kwargs: dict) -> None:
     """Every case packed and pickled on one engine in its own process; writes ``{case: "ok" or the failure}`` and
     what the counters moved each way to `out` (JSON)."""
     import streamscope
-    from streamscope import nnsight_seam as seam
+    from streamscope.vllm import trace_transport
 
     report: dict = {"cases": {}, "counts": {}}
     model = streamscope.load(path, engine="vllm", **engine_kwargs)
@@ -211,10 +211,10 @@ def run_engine_process(path: str, out: str, engine_kwargs: dict) -> None:
                 for transport in ("auto", "pickle"):
                     model.vllm_entrypoint.collective_rpc("streamscope_saves_transport",
                                                          args=(None if transport == "auto" else transport,))
-                    worker, received = worker_counts(model), seam.received_counts()
+                    worker, received = worker_counts(model), trace_transport.received_counts()
                     results[transport] = trace(model)
                     moves[transport] = {"worker": moved(worker, worker_counts(model)),
-                                        "received": moved(received, seam.received_counts())}
+                                        "received": moved(received, trace_transport.received_counts())}
                 report["counts"][name] = moves
                 same(results["auto"], results["pickle"])
                 if name == "views_slices_and_shared":
@@ -228,7 +228,7 @@ def run_engine_process(path: str, out: str, engine_kwargs: dict) -> None:
         try:
             def bundle_counts() -> dict:
                 worker = model.vllm_entrypoint.collective_rpc("streamscope_bundle_counts")[0]
-                return {**{f"worker_{key}": value for key, value in worker.items()}, **seam.bundle_counts()}
+                return {**{f"worker_{key}": value for key, value in worker.items()}, **trace_transport.bundle_counts()}
 
             bundling = bundled_and_one_each(model, bundle_counts)
             same(bundling["bundled"], bundling["one_each"])

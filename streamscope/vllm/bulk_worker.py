@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..nnsight_seam import NNsightGPUWorker, module_of
+from . import trace_transport
 
 
 class BulkRPC:
@@ -23,59 +24,47 @@ class BulkRPC:
 
     def streamscope_hand_saves_over(self) -> None:
         """Called by a streamscope client once its engine is up: this worker's collects hand saves over as tensors
-        to a client in this process, packed into one buffer for one in another (`nnsight_seam._pack`).
+        to a client in this process, packed into one buffer for one in another (`trace_transport.pack_saves_in_this_process`).
 
         Raw nnsight's client on the same CPU worker class never calls it, so its traces keep nnsight's pickling.
         """
-        from .. import nnsight_seam as seam
-
-        seam.pack_saves_in_this_process()  # in an engine process, nothing has replaced nnsight's pickling yet
+        trace_transport.pack_saves_in_this_process()  # in an engine process, nothing has replaced nnsight's pickling yet
         self.streamscope_hands_over = True
 
     def streamscope_take_bundle(self, trace: str, payload: bytes, count: int) -> None:
         """Keep a trace's invokes, pickled together by a client in another process, for its requests to take
-        (`nnsight_seam.bundle_interventions`)."""
-        from .. import nnsight_seam as seam
-
-        seam.take_bundle(trace, payload, count)
+        (`trace_transport.bundle_interventions`)."""
+        trace_transport.take_bundle(trace, payload, count)
 
     def streamscope_bundle_counts(self) -> dict[str, int]:
-        """`nnsight_seam.bundle_counts` where this worker runs."""
-        from .. import nnsight_seam as seam
-
-        return seam.bundle_counts()
+        """`trace_transport.bundle_counts` where this worker runs."""
+        return trace_transport.bundle_counts()
 
     def streamscope_transport_counts(self) -> dict[str, float]:
-        """How the collects of this worker's process went: `nnsight_seam.transport_counts` where the worker runs."""
-        from .. import nnsight_seam as seam
-
-        return seam.transport_counts()
+        """How the collects of this worker's process went: `trace_transport.transport_counts` where the worker runs."""
+        return trace_transport.transport_counts()
 
     def streamscope_saves_transport(self, name: Any) -> Any:
         """Set ``STREAMSCOPE_SAVES_TRANSPORT`` to `name` (``None`` unsets it) where this worker runs; the setting
         before. An engine process reads its own environment, copied from the caller's when the engine started."""
         import os
 
-        from .. import nnsight_seam as seam
-
-        before = os.environ.get(seam.SAVES_TRANSPORT_ENV)
+        before = os.environ.get(trace_transport.SAVES_TRANSPORT_ENV)
         if name is None:
-            os.environ.pop(seam.SAVES_TRANSPORT_ENV, None)
+            os.environ.pop(trace_transport.SAVES_TRANSPORT_ENV, None)
         else:
-            with seam.saves_transport(name):  # refuses a bad name, and sets nothing then
+            with trace_transport.saves_transport(name):  # refuses a bad name, and sets nothing then
                 pass
-            os.environ[seam.SAVES_TRANSPORT_ENV] = name
+            os.environ[trace_transport.SAVES_TRANSPORT_ENV] = name
         return before
 
     def collect_nnsight(self, *args: Any, **kwargs: Any) -> Any:
-        """nnsight's collect; for a streamscope client in this process, its answer is `nnsight_seam.HandedSaves`,
-        for one in another the saves packed into one buffer (`nnsight_seam.PACKED_SAVES`)."""
+        """nnsight's collect; for a streamscope client in this process, its answer is `trace_transport.HandedSaves`,
+        for one in another the saves packed into one buffer (`trace_transport.PACKED_SAVES`)."""
         import contextlib
 
-        from .. import nnsight_seam as seam
-
         handing = getattr(self, "streamscope_hands_over", False)
-        with seam.handing_over() if handing else contextlib.nullcontext():
+        with trace_transport.handing_over() if handing else contextlib.nullcontext():
             return super().collect_nnsight(*args, **kwargs)  # type: ignore[misc]
 
     def streamscope_bulk_begin(self, payload: bytes) -> None:

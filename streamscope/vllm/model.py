@@ -26,6 +26,7 @@ from ..input_checks import check_token_ids
 from ..errors import Unavailable
 from ..gradients import refuse_gradients
 from .. import nnsight_seam as seam
+from . import trace_transport
 from ..standardized import Standardized
 from ..values import OUTPUT, ComputedValue, check_write
 from . import families
@@ -76,11 +77,11 @@ def _one_worker_here(engine: "StandardizedVLLM") -> bool:
 
 
 def _bundle_route(engine: "StandardizedVLLM") -> Any:
-    """Where a trace's bundle of invokes goes (`nnsight_seam.bundle_interventions`): kept in this process for a
+    """Where a trace's bundle of invokes goes (`trace_transport.bundle_interventions`): kept in this process for a
     worker here; sent ahead of the requests, by RPC, to workers elsewhere (an engine process, or the ranks of a
     parallel engine); None (each invoke pickled on its own) on an engine whose RPC cannot be awaited here."""
     if _one_worker_here(engine):
-        return seam.HERE
+        return trace_transport.HERE
     entry = engine.vllm_entrypoint
     if not hasattr(entry, "llm_engine"):  # an async engine: its RPC is a coroutine
         return None
@@ -217,10 +218,10 @@ class StandardizedVLLM(Standardized, VLLM):
             # nnsight's GPU worker with the bulk path's RPC methods (nnsight passes worker_cls=self._WORKER_CLS).
             seam.set_client_worker(self, GPU_WORKER_CLS)
         settings.setdefault("dispatch", True)
-        # A worker in this process hands a trace's saves over as tensors, not pickled (nnsight_seam.HandedSaves),
-        # and takes a trace's invokes pickled once, together (nnsight_seam.bundle_interventions).
-        seam.hand_saves_over()
-        seam.bundle_interventions(StandardizedVLLM, _bundle_route)
+        # A worker in this process hands a trace's saves over as tensors, not pickled (trace_transport.HandedSaves),
+        # and takes a trace's invokes pickled once, together (trace_transport.bundle_interventions).
+        trace_transport.hand_saves_over()
+        trace_transport.bundle_interventions(StandardizedVLLM, _bundle_route)
         if self.tap_names:
             settings["taps"] = self.tap_names  # resolved to nnsight's locations by `_resolve_taps`
         if torch.cuda.is_initialized():

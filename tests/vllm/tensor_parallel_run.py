@@ -74,7 +74,7 @@ def main(path: str, tensor_parallel_size: int, prompt: str, dtype: str = "float3
             if not isinstance(weight, str):
                 result[f"{block}.{kind}"] = weight.tolist()
     # Three invokes in one trace, each its own edit: their interventions pickled once, together, and sent to every
-    # rank ahead of the requests (`nnsight_seam.bundle_interventions`).
+    # rank ahead of the requests (`streamscope.vllm.trace_transport.bundle_interventions`).
     received = [counts["received"] for counts in model.vllm_entrypoint.collective_rpc("streamscope_bundle_counts")]
     with model.trace(**GREEDY) as tracer:
         for scale in (1.0, -1.0, 2.0):

@@ -1,7 +1,7 @@
 """A vLLM trace's saves reach the caller by the transport its engine allows, equal bit for bit to the pickled path.
 
 With the engine in this process (this CPU's suite: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the worker hands the
-saves over as tensors (`nnsight_seam.HandedSaves`); with the engine in its own process (vLLM's default, the GPU
+saves over as tensors (`trace_transport.HandedSaves`); with the engine in its own process (vLLM's default, the GPU
 layout) it packs every tensor of a collect into one buffer; ``STREAMSCOPE_SAVES_TRANSPORT=pickle`` sends them as
 nnsight does, pickled. Each test runs the same trace both ways on one engine and compares: values bit for bit,
 dtype, shape, strides, storage offset, which saves share an object, errors' type and message, and that a tensor
@@ -25,7 +25,7 @@ import streamscope
 import transport_cases
 from streamscope import nnsight_seam as seam
 from streamscope import nonfinite
-from streamscope.vllm import write_batch
+from streamscope.vllm import trace_transport, write_batch
 from transport_cases import GREEDY, PROMPTS, Note, Refused, same
 
 in_process = pytest.mark.skipif(precision.ON_GPU, reason="the hand-over needs the engine in this process; the GPU "
@@ -48,12 +48,12 @@ def bf16(checkpoints):
 
 def run_both(trace):
     """`trace()`'s result with the saves handed over and pickled, and the transport counts each way moved."""
-    before = seam.transport_counts()
+    before = trace_transport.transport_counts()
     handed = trace()
-    middle = seam.transport_counts()
-    with seam.saves_transport("pickle"):
+    middle = trace_transport.transport_counts()
+    with trace_transport.saves_transport("pickle"):
         pickled = trace()
-    after = seam.transport_counts()
+    after = trace_transport.transport_counts()
     assert middle["handed"] > before["handed"] and middle["pickled"] == before["pickled"], \
         "the in-process engine fell back to pickling the saves"
     assert after["pickled"] > middle["pickled"] and after["handed"] == middle["handed"]
@@ -71,12 +71,12 @@ def test_no_tensor_is_pickled_on_the_fast_path(model, monkeypatch):
         return reduce(self, protocol)
 
     monkeypatch.setattr(torch.Tensor, "__reduce_ex__", counting)
-    before = seam.transport_counts()
+    before = trace_transport.transport_counts()
     with model.trace(**GREEDY) as tracer:
         for prompt in PROMPTS:
             with tracer.invoke(prompt):
                 blocks = torch.stack([layer.layer_output for layer in model.layers]).save()
-    after = seam.transport_counts()
+    after = trace_transport.transport_counts()
     assert pickled_tensors == []
     assert after["handed"] > before["handed"] and after["pickled"] == before["pickled"]
     assert after["tensors_handed"] - before["tensors_handed"] == len(PROMPTS)
@@ -143,9 +143,9 @@ def test_errors_inside_an_invoke(model, failing):
 
 @in_process
 def test_a_bad_transport_setting_is_refused(model, monkeypatch):
-    monkeypatch.setenv(seam.SAVES_TRANSPORT_ENV, "shm")
+    monkeypatch.setenv(trace_transport.SAVES_TRANSPORT_ENV, "shm")
     with pytest.raises(ValueError, match="STREAMSCOPE_SAVES_TRANSPORT='shm'"):
-        seam.hand_saves_over()
+        trace_transport.hand_saves_over()
 
 
 @in_process
@@ -153,7 +153,7 @@ def test_invokes_are_pickled_once_per_trace(model):
     """A trace's invokes reach the in-process worker as one bundle, unpickled once, with the same results as one
     pickle per invoke (nnsight's way, ``STREAMSCOPE_BUNDLE_INVOKES=0``), a shared container above the invokes
     included."""
-    report = transport_cases.bundled_and_one_each(model, seam.bundle_counts)
+    report = transport_cases.bundled_and_one_each(model, trace_transport.bundle_counts)
     assert report["moved_bundled"] == {"bundles": 1, "invokes": 3, "loads": 1, "received": 0}, report
     assert set(report["moved_one_each"].values()) == {0}, report
     same(report["bundled"], report["one_each"])
@@ -165,7 +165,7 @@ def engine_process(checkpoints, tmp_path_factory):
     (``VLLM_ENABLE_V1_MULTIPROCESSING=1``): its report (which cases agreed, what the counters moved each way)."""
     out = tmp_path_factory.mktemp("engine_process") / "report.json"
     environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    environment.pop(seam.SAVES_TRANSPORT_ENV, None)  # the default: packed
+    environment.pop(trace_transport.SAVES_TRANSPORT_ENV, None)  # the default: packed
     start = ("import json, sys, transport_cases; "
              "transport_cases.run_engine_process(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))")
     run = subprocess.run([sys.executable, "-c", start, str(checkpoints("llama")), str(out),
