@@ -4,11 +4,14 @@ The in-process bulk path (`streamscope.vllm.bulk`) runs one planned batch at
 a time. A server's requests arrive and finish at any step, each with its own
 plan, which vLLM hands the worker in the request's ``SamplingParams.extra_args``
 (the body's ``vllm_xargs``, filled in by the server's front end after checking
-it: `streamscope.serve.protocol`). `ServeState` keeps the live requests'
-plans; at every step it reads the scheduler's token spans (as the bulk path
-does), and for every module call that any live request needs it does one edit
-per steer round and one read per harvested value over the whole flattened
-batch, at the rows of the requests that asked. A request without a plan is
+it: `streamscope.serve.protocol`). `ServeState` is the bulk path's own
+applier (`streamscope.bulk.requests.RequestApplier`): a request enters as vLLM
+admits it and leaves as it finishes; at every step it reads the scheduler's
+token spans, and for every module call that any live request needs it does
+one edit per group of steers and one read per list of harvested sites over
+the whole flattened batch, at the rows of the requests that asked. What is
+the server's alone stays here: a request's plan from its JSON, the SAEs and
+shared vectors kept on the device, and the harvest writer. A request without a plan is
 never touched: its rows are not among those edited or read, and a step with
 no planned request runs no hook at all (hooks are installed while a planned
 request lives).
@@ -37,17 +40,16 @@ import subprocess
 import sys
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Optional, cast
+from typing import Any, Optional
 
 import torch
 
 from .. import nnsight_seam as seam
-from ..bulk.apply import Span, rows_of
-from ..bulk.conditions import Condition, Gate, deciding_rows
+from ..bulk.conditions import Condition, Gate
+from ..bulk.requests import Live, RequestApplier, Span, SteerEntry, features
 from ..bulk.spec import ROOT_VALUES, SKIP_FIRST, Site, Steer, layer_list, locate, prompt_positions
-from ..values import INPUT
 from . import host_time
 from .head import HeadRPC
 from .stages import CPUStageBuffers, Stage, sites_of
@@ -62,72 +64,11 @@ SITE_LISTS = 4096
 logger = logging.getLogger("streamscope.serve")
 
 
-@dataclass
-class SteerEntry:
-    site: Site
-    delta: Any  # add/set: ``scale * vector`` in the engine's dtype; any other operation: its `Operation`
-    mode: Optional[str]  # "add" or "set" (batched across requests), None for an `Operation` applied per request
-    chosen: Optional[frozenset]  # the prompt positions steered; None for every one
-    generated: bool
-    length: int
-    order: int  # the steer's index among the request's steers at this module call
-    from_step: int = 0  # the first generated token steered
-    group: tuple = ()  # (site key, order, batch): the requests' steers one edit of a step applies together
-    skip_first: bool = False  # every prompt position but the first (the default positions), with `chosen` None
-    #: A conditional steer's condition site; its `delta` is then its `streamscope.bulk.conditions.Gate`.
-    condition_site: Optional[Site] = None
-
-    @property
-    def every_row(self) -> bool:
-        return (self.chosen is None and not self.skip_first and self.generated and self.from_step == 0
-                and self.condition_site is None)
-
-
-@dataclass(eq=False)
-class Live:
-    """One request's plan in the worker: its steers, and its harvest's sites, positions and buffer."""
-
-    steers: list[SteerEntry]
-    harvest_id: Optional[str] = None
-    harvest_sites: list[Site] = field(default_factory=list)
-    harvest_meta: dict[str, Any] = field(default_factory=dict)
-    positions: list[int] = field(default_factory=list)
-    slots: dict[int, int] = field(default_factory=dict)  # position -> its slot in the buffer
-    key: int = 0  # the harvest's number in the writer's messages (`streamscope.serve.writer`)
-    read: int = 0  # how many (site, position) rows have been read (counted on the engine's thread)
-    written: bool = False  # every row read: the harvest writer writes the file
-    readout: Optional[tuple[Any, Optional[int]]] = None  # a harvest of SAE features: (the SAE, top_k)
-    every_row: bool = True  # every steer edits every row the request runs (positions "all", generated, from 0)
-    hooked: Optional[frozenset] = None  # `keys()`, made once
-
-    def planned(self) -> bool:
-        """Whether a step that runs this request has work for it: it steers, or its harvest has rows left to read
-        (a request that only harvested, its harvest read, needs nothing more)."""
-        return bool(self.steers) or bool(self.harvest_sites) and not self.written
-
-    def sae_objects(self) -> list[Any]:
-        """The SAEs this request uses (its clamps' and its harvest's)."""
-        found = [entry.delta.sae for entry in self.steers if hasattr(entry.delta, "sae")]
-        return found + ([self.readout[0]] if self.readout else [])
-
-    def keys(self) -> frozenset[tuple[int, str]]:
-        """The module calls hooked while this request lives: its steers' and its harvest's.
-
-        A harvest's sites stay hooked after its rows are read, until the
-        request ends: a hook with no rows to read costs a dictionary look-up
-        per call, where taking a block's hooks off and putting them back on
-        for the next request's prompt (every other step, under load) costs
-        more than the calls it saves.
-        """
-        if self.hooked is None:
-            self.hooked = frozenset({entry.site.key for entry in self.steers} |
-                                    {entry.condition_site.key for entry in self.steers if entry.condition_site} |
-                                    {site.key for site in self.harvest_sites})
-        return self.hooked
-
-
-class ServeState:
-    """The live requests' plans on one worker, the hooks they need, and each step's rows."""
+class ServeState(RequestApplier):
+    """The live requests' plans on one worker, the hooks they need, and each step's rows: the applier the bulk path
+    uses too (`streamscope.bulk.requests.RequestApplier`), its requests entering as vLLM admits them and leaving as
+    they finish; what is the server's own is here (a request's plan from its JSON, the SAE and vector caches, the
+    harvest writer)."""
 
     def __init__(self, runner: Any, model_type: str, folder: Optional[str], writer: bool,
                  sae_folder: Optional[str] = None, sae_cache: int = 4) -> None:
@@ -151,31 +92,13 @@ class ServeState:
         #: their rows at once instead of a row of it per request.
         self.deltas: "OrderedDict[tuple[str, float], torch.Tensor]" = OrderedDict()
         self.writer = writer  # the rank that writes harvests (others compute the same rows)
-        self.live: dict[str, Live] = {}
         self.sites: dict[tuple[str, Optional[int]], Site] = {}
         self.site_lists: dict[tuple[int, ...], list[Site]] = {}  # each harvest's sites, one list per distinct set
-        #: Kept by `enter` and `leave` (and `send`, as harvests complete), so that a step whose live requests are
-        #: as the last step's costs no pass over them: how many live requests have work (steers, or a harvest not
-        #: yet read); how many need each hooked module call; how many make each set of steers (`steer_signature`),
-        #: with one request's steers standing for each set.
-        self.planned = 0
-        self.key_counts: dict[tuple[int, str], int] = {}
-        self.signatures: dict[Optional[tuple], int] = {}
-        self.representatives: dict[tuple, list[SteerEntry]] = {}
-        self.hooks: dict[tuple[int, str], tuple[Any, str]] = {}  # key -> (the hook's handle, its site's location)
-        self.locations: dict[str, tuple[int, str]] = {}
-        self.work: dict[tuple[int, str], tuple[list, list]] = {}
-        #: This step's harvested rows, still on the device: (rows [n, hidden], [(live, site index, slots)]).
-        self.reads: list[tuple[torch.Tensor, list[tuple[Live, int, list[int]]]]] = []
-        self.last_shape: Optional[tuple] = None  # the requests' rows of the last step whose work can be reused
-        #: Where every live request steers every row it runs with the same tensors and none harvests (one steered
-        #: deployment, a default steer, a load of one experiment): their steers, one request's list standing for
-        #: all (`steer_signature`); None otherwise.
-        self.uniform: Optional[list[SteerEntry]] = None
-        self.uniform_work: tuple[int, dict[tuple[int, str], tuple[list, list]]] = (-1, {})
         model = runner.get_model()
         parameter = next(model.parameters())
-        self.device, self.dtype = parameter.device, runner.model_config.dtype
+        # a hook's error is logged and the step's work dropped: the engine serves everyone else
+        super().__init__(parameter.device)
+        self.dtype = runner.model_config.dtype
         self.writer_thread = HarvestWriter(self.folder, self.stage.rank)
         self.harvest_keys = itertools.count(1)
         execute_model = runner.execute_model
@@ -208,9 +131,7 @@ class ServeState:
             replay = interleaver.replay
 
             def replayed(location: str, live: Any) -> Any:
-                key = self.locations.get(location)
-                if key is not None:
-                    self.apply(key, live)
+                self.apply_at(location, live)
                 return replay(location, live)
 
             interleaver.replay = replayed
@@ -235,7 +156,7 @@ class ServeState:
         sae = sae_from_bytes((self.sae_folder / f"{stem}.safetensors").read_bytes()).to(torch.float32, self.device)
         self.saes[stem] = sae
         # (an operation holds a copy of the SAE's record around the same weight tensors)
-        in_use = {id(item.W_enc) for live in self.live.values() for item in live.sae_objects()}
+        in_use = {id(item.W_enc) for live in self.live.values() for item in _sae_objects(live)}
         for old in [key for key in self.saes if key != stem and id(self.saes[key].W_enc) not in in_use]:
             if len(self.saes) <= self.sae_cache:
                 break
@@ -296,12 +217,11 @@ class ServeState:
             if gated is not None:
                 condition, condition_site = self.condition(gated, item)
                 delta = Gate(delta, condition, 1, self.device)
-            entry = SteerEntry(site, delta, mode, chosen, bool(item["generated"]), length, order,
-                               item.get("from_step", 0), skip_first=rule == SKIP_FIRST, condition_site=condition_site)
-            # add and set batch every request's rows into one edit; any other operation edits its own rows
-            entry.group = (site.key, order, (id(site), mode) if mode is not None else (id(site), id(entry)))
-            steers.append(entry)
-        live = Live(steers, every_row=all(entry.every_row for entry in steers))
+            # add and set batch every request's rows into one edit; any other operation (its own) edits its rows
+            steers.append(SteerEntry(site, delta, mode, chosen, bool(item["generated"]), length, order,
+                                     item.get("from_step", 0), skip_first=rule == SKIP_FIRST,
+                                     condition_site=condition_site))
+        live = Live(steers)
         harvest = plan.get("harvest")
         if harvest is not None:
             rule = positions_rule(harvest["positions"], "positions")
@@ -310,7 +230,7 @@ class ServeState:
             sites = sites_of(harvest["values"], layers)
             held = [index for index, (value, layer) in enumerate(sites) if self.stage.holds(value, layer)]
             listed = [self.site(*sites[index]) for index in held]
-            # requests harvesting the same sites share one list: a step's plan reads them together (`plan_step`)
+            # requests harvesting the same sites share one list: a step's plan reads them together (`RequestApplier.plan`)
             named = tuple(map(id, listed))
             live.harvest_sites = self.site_lists.get(named, listed)
             if len(self.site_lists) < SITE_LISTS:
@@ -325,7 +245,8 @@ class ServeState:
                 live.written = not held  # a stage holding none of its sites has nothing to write
             if harvest.get("sae") is not None:  # one site: on one stage, which holds (and writes) all of it
                 top_k = harvest.get("top_k")
-                live.readout = (self.sae(harvest["sae"]), top_k)
+                live.sae = (self.sae(harvest["sae"]), top_k)
+                live.readout = partial(features, *live.sae)
                 live.harvest_meta["values"] = ["sae_features"] if top_k is None else ["sae_values", "sae_indices"]
             if not live.written and self.writer and self.folder is not None:
                 live.key = next(self.harvest_keys)
@@ -347,19 +268,18 @@ class ServeState:
     def _record(live: Live) -> Record:
         """What the harvest writer needs of `live`'s harvest: its size, metadata and the runs of its file."""
         runs, first, layers = [], 0, len(live.harvest_meta["layers"])
-        for value in live.harvest_meta["values"] if live.readout is None else ():
+        for value in live.harvest_meta["values"] if live.sae is None else ():
             count = 1 if value in ROOT_VALUES else layers
             runs.append((value, first, count, value in ROOT_VALUES))
             first += count
         return Record(str(live.harvest_id), len(live.harvest_sites), len(live.positions), live.harvest_meta, runs,
-                      sae=live.readout is not None, top_k=live.readout[1] if live.readout else None,
+                      sae=live.sae is not None, top_k=live.sae[1] if live.sae else None,
                       part="held" in live.harvest_meta)
 
     def observe(self, scheduler_output: Any) -> None:
         """Take this step's new and finished requests, then work out every hook's rows."""
         from .protocol import XARG
 
-        changed = False
         for data in scheduler_output.scheduled_new_reqs:
             params = getattr(data, "sampling_params", None)
             payload = (getattr(params, "extra_args", None) or {}).get(XARG)
@@ -367,281 +287,37 @@ class ServeState:
                 continue
             try:
                 self.enter(data.req_id, self.admit(payload, len(data.prompt_token_ids or ())))
-                changed = True
             except Exception as error:  # noqa: BLE001  (this request's harvest says why; the engine serves on)
                 logger.exception("streamscope serve: request %s's plan was refused in the worker", data.req_id)
                 self.fail(json.loads(payload).get("harvest", {}).get("id"), f"{type(error).__name__}: {error}")
         for request_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
             live = self.leave(request_id)
-            changed = changed or live is not None
             if live is not None and live.harvest_id is not None and not live.written:
                 if live.key:
                     self.writer_thread.put(("drop", live.key))
                 self.fail(live.harvest_id, "the request finished before its prompt ran (aborted?)")
-        if changed:
-            only = next(iter(self.signatures)) if len(self.signatures) == 1 else None
-            self.uniform = None if only is None else self.representatives[only]
-            self.uniform_work = (-1, {})
-        if not self.planned:  # no live request, or none with work left (their harvests read): no hook has work
-            self.work, self.last_shape = {}, None
+        scheduled = scheduler_output.num_scheduled_tokens
+        if self.planned and self.covers(scheduled.keys()):
+            self.uniform_step(scheduler_output.total_num_scheduled_tokens)
             return
-        if self.uniform is not None and self.live.keys() >= scheduler_output.num_scheduled_tokens.keys():
-            self.work = self.uniform_step(scheduler_output.total_num_scheduled_tokens)
-            return
-        self.work = self.plan_step(scheduler_output)
+        self.step(self.spans(scheduled) if self.planned else ())
 
-    def uniform_step(self, total: int) -> dict[tuple[int, str], tuple[list, list]]:
-        """`plan_step`'s work where every request of the step is live and `uniform`: each steer edits the step's
-        rows ``0:total`` with the tensor every request shares, worked out once per step size."""
-        size, work = self.uniform_work
-        if size != total:
-            work = {}
-            for entry in self.uniform or ():  # in the request's order: a second steer at a call after the first
-                work.setdefault(entry.site.key, ([], []))[0].append((entry.site, entry.mode, slice(0, total),
-                                                                      entry.delta))
-            self.uniform_work = (total, work)
-        self.last_shape = None  # the general plan's reuse of its own last work does not see these steps
-        return work
-
-    def plan_step(self, scheduler_output: Any) -> dict[tuple[int, str], tuple[list, list]]:
-        """Every hooked module call's work this step: its steer edits (by round) and its harvest reads, each over
-        the rows of the requests that asked, in the step's flattened batch."""
-        counts = scheduler_output.num_scheduled_tokens.get
+    def spans(self, scheduled: dict[str, int]) -> list[Span]:
+        """The step's spans of the live requests with work, in the order of the runner's batch."""
+        counts = scheduled.get
         live_of = self.live.get
-        rows: list[tuple[Live, str, int, int]] = []  # (plan, request, first row, rows) of each planned request
+        states = self.runner.requests
+        spans = []
         start = 0
-        steady = True  # every planned request steered at every row, none harvesting
         for request_id in self.runner.input_batch.req_ids:
             count = counts(request_id)
             if count is None:
                 continue
             live = live_of(request_id)
             if live is not None and live.planned():
-                rows.append((live, request_id, start, count))
-                steady = steady and live.every_row and (live.written or not live.harvest_sites)
+                spans.append(Span(request_id, start, count, states[request_id].num_computed_tokens))
             start += count
-        if steady:
-            # The same requests at the same rows as the last step edit the same rows with the same vectors.
-            if rows != self.last_shape:
-                self.last_shape, self.work = rows, self._steady_work(rows)
-            return self.work
-        self.last_shape = None
-        states = self.runner.requests
-        spans = [(live, Span(request_id, start, count, states[request_id].num_computed_tokens))
-                 for live, request_id, start, count in rows]
-        # key -> rounds of steer edits; the harvesting requests by their (shared) list of sites
-        steers: dict[tuple[int, str], dict[int, dict[tuple[int, str], tuple[Site, str, list, list]]]] = {}
-        harvests: dict[int, tuple[list[Site], list, list]] = {}
-        gates: list[tuple[SteerEntry, Span, list[tuple[int, int]]]] = []  # conditional steers, planned below
-        for live, span in spans:
-            for entry in live.steers:
-                ranges = self._steer_ranges(entry, span)
-                if entry.condition_site is not None:
-                    gates.append((entry, span, ranges))
-                if ranges:
-                    rounds = steers.setdefault(entry.site.key, {}).setdefault(entry.order, {})
-                    group = rounds.setdefault(entry.group[2], (entry.site, entry.mode, [], []))
-                    group[2].extend(ranges)
-                    group[3].append((len(ranges), entry.delta, sum(stop - begin for begin, stop in ranges)))
-            if live.harvest_sites and not live.written:
-                last = span.first + span.count
-                chosen = [position for position in live.positions if span.first <= position < last]
-                if chosen:
-                    ranges = [(span.start + position - span.first, span.start + position - span.first + 1)
-                              for position in chosen]
-                    slots = [live.slots[position] for position in chosen]
-                    group = harvests.get(id(live.harvest_sites))
-                    if group is None:
-                        group = harvests[id(live.harvest_sites)] = (live.harvest_sites, [], [])
-                    group[1].extend(ranges)
-                    group[2].append((live, slots))
-        work: dict[tuple[int, str], tuple[list, list]] = {}
-        # The same rows at many sites (a harvest of every block reads each request's rows at each) make one index:
-        # rows that are not one block become a tensor copied to the device, once a step rather than once a site.
-        indices: dict[tuple[tuple[int, int], ...], Any] = {}
-
-        def index(ranges: list[tuple[int, int]]) -> Any:
-            key = tuple(ranges)
-            rows = indices.get(key)
-            if rows is None:
-                rows = indices[key] = rows_of(ranges, self.device)
-            return rows
-
-        for key, rounds in steers.items():
-            edits = []
-            for order in sorted(rounds):
-                for site, mode, ranges, deltas in rounds[order].values():
-                    edits.append((site, mode, index(ranges),
-                                  self._deltas(deltas) if mode is not None else deltas[0][1]))
-            work[key] = (edits, [])
-        # A condition is read at its call before any edit there, at the rows its steer edits (and its prompt's).
-        for entry, span, ranges in gates:
-            self._plan_gate(entry, span, index(ranges) if ranges else None, sum(b - a for a, b in ranges))
-            found = work.get(cast(Site, entry.condition_site).key)
-            if found is None:
-                found = work[cast(Site, entry.condition_site).key] = ([], [])
-            found[0].insert(0, (entry.condition_site, "gate", None, entry.delta))
-        # One read a site for every request whose harvest names the same sites (one list, `admit`), its rows'
-        # index made once for all of the sites.
-        for sites, ranges, members in harvests.values():
-            rows = index(ranges)
-            for number, site in enumerate(sites):
-                found = work.get(site.key)
-                if found is None:
-                    found = work[site.key] = ([], [])
-                found[1].append((site, rows, [(live, number, slots) for live, slots in members]))
-        return work
-
-    def _steady_work(self, rows: list[tuple[Live, str, int, int]]) -> dict[tuple[int, str], tuple[list, list]]:
-        """`plan_step`'s work where every request's steers edit all its rows and none harvests: each steer's group
-        takes the requests' whole spans."""
-        groups: dict[tuple, tuple[Site, Optional[str], list, list]] = {}
-        for live, _, start, count in rows:
-            for entry in live.steers:
-                group = groups.get(entry.group)
-                if group is None:
-                    group = groups[entry.group] = (entry.site, entry.mode, [], [])
-                group[2].append((start, start + count))
-                group[3].append((1, entry.delta, count))
-        work: dict[tuple[int, str], tuple[list, list]] = {}
-        # by round (a request's second steer at a module call after every first one), groups in arrival order
-        for (key, _, _), (site, mode, ranges, deltas) in sorted(groups.items(), key=lambda item: item[0][1]):
-            work.setdefault(key, ([], []))[0].append(
-                (site, mode, rows_of(ranges, self.device), self._deltas(deltas) if mode is not None else deltas[0][1]))
-        return work
-
-    @staticmethod
-    def _plan_gate(entry: SteerEntry, span: Span, rows: Any, count: int) -> None:
-        """A conditional steer's step (`Gate.plan`): its rows and, for a request-scoped condition, its prompt's
-        deciding rows where the prompt runs in this step. The front end refuses a request-scoped condition on a
-        server that may split a prompt, and salts its request out of the prefix cache, so its prompt runs whole;
-        should it not, the request cannot decide and runs unsteered, and the log says so as an error."""
-        gate = cast(Gate, entry.delta)
-        deciding = None
-        if gate.condition.scope == "request":
-            try:
-                found = deciding_rows(entry.length, span.first, span.count)
-            except RuntimeError as error:
-                logger.error("streamscope serve: request %s runs unsteered by its conditional steer: %s",
-                               span.key, error)
-                found = None
-            deciding = [] if found is None else [(0, span.start + found[0], found[1])]
-        gate.plan(rows, [0] * count if gate.condition.scope == "request" else None, deciding)
-
-    @staticmethod
-    def _steer_ranges(entry: SteerEntry, span: Span) -> list[tuple[int, int]]:
-        if entry.every_row:
-            return [(span.start, span.start + span.count)]
-        if entry.skip_first and entry.generated and entry.from_step == 0:  # the default: all but position 0
-            first = span.start + (span.first == 0)
-            return [(first, span.start + span.count)] if first < span.start + span.count else []
-        ranges = []
-        for offset in range(span.count):
-            position = span.first + offset
-            steered = ((entry.chosen is None and (position > 0 or not entry.skip_first)) or
-                       (entry.chosen is not None and position in entry.chosen)) if position < entry.length \
-                else entry.generated and position - entry.length >= entry.from_step
-            if steered:
-                ranges.append((span.start + offset, span.start + offset + 1))
-        return ranges
-
-    @staticmethod
-    def _deltas(deltas: list[tuple[int, torch.Tensor, int]]) -> torch.Tensor:
-        """The vector each edited row gets, ``[rows, hidden]``, or one ``[hidden]`` that broadcasts to every row where
-        the requests share it (one request, or several steered by the same vector and scale)."""
-        first = deltas[0][1]
-        if all(delta is first for _, delta, _ in deltas):
-            return first
-        return torch.cat([delta.expand(rows, -1) for _, delta, rows in deltas])
-
-    # ---------------------------------------------------------------- hooks
-
-    def enter(self, request_id: str, live: Live) -> None:
-        """Make `live` a live request: hooks on the module calls it needs that none had, and the counts the step's
-        plan reads (work left, whether every request steers alike) updated by its share, in constant time."""
-        if request_id in self.live:
-            self.leave(request_id)
-        self.live[request_id] = live
-        for key in live.keys():
-            count = self.key_counts.get(key, 0)
-            if not count:
-                self._hook_on(key, live)
-            self.key_counts[key] = count + 1
-        signature = steer_signature(live)
-        if signature is not None and signature not in self.signatures:
-            self.representatives[signature] = live.steers
-        self.signatures[signature] = self.signatures.get(signature, 0) + 1
-        self.planned += live.planned()
-
-    def leave(self, request_id: str) -> Optional[Live]:
-        """The request's `Live`, no longer live (None where it had no plan): its share of `enter` taken back, and
-        the hooks only it needed taken off."""
-        live = self.live.pop(request_id, None)
-        if live is None:
-            return None
-        for key in live.keys():
-            count = self.key_counts[key] - 1
-            if count:
-                self.key_counts[key] = count
-            else:
-                del self.key_counts[key]
-                self._hook_off(key)
-        signature = steer_signature(live)
-        count = self.signatures[signature] - 1
-        if count:
-            self.signatures[signature] = count
-        else:
-            del self.signatures[signature]
-            self.representatives.pop(signature, None)
-        self.planned -= live.planned()
-        return live
-
-    def _hook_on(self, key: tuple[int, str], live: Live) -> None:
-        conditions = [entry.condition_site for entry in live.steers if entry.condition_site is not None]
-        site = next(site for site in [entry.site for entry in live.steers] + conditions + live.harvest_sites
-                    if site.key == key)
-        self.locations[site.location] = key
-        if key[1] == INPUT:
-            def before(_module: Any, args: tuple, kwargs: dict, key: Any = key) -> None:
-                self.apply(key, (args, kwargs))
-            self.hooks[key] = (site.module.register_forward_pre_hook(before, with_kwargs=True), site.location)
-        else:
-            def after(_module: Any, args: tuple, output: Any, key: Any = key) -> None:
-                self.apply(key, output)
-            self.hooks[key] = (site.module.register_forward_hook(after), site.location)
-
-    def _hook_off(self, key: tuple[int, str]) -> None:
-        handle, location = self.hooks.pop(key)
-        handle.remove()
-        self.locations.pop(location, None)
-
-    def apply(self, key: tuple[int, str], raw: Any) -> None:
-        work = self.work.get(key)
-        if work is None:
-            return
-        edits, harvests = work
-        try:
-            for site, mode, rows, delta in edits:
-                if mode == "gate":  # a conditional steer's decision, before the edits at this call
-                    delta.decide(site, raw)
-                elif rows is not None:
-                    site.edit_rows(raw, rows, delta, mode)
-            for site, rows, layout in harvests:
-                if rows is None:
-                    continue
-                read = site.read_rows(raw, rows)  # stays on the device until the step ends
-                if not any(live.readout for live, _, _ in layout):
-                    self.reads.append((read, layout))
-                    continue
-                start = 0  # an SAE harvest's rows become its features here, so the dense rows never leave
-                for entry in layout:
-                    live, count = entry[0], len(entry[2])
-                    piece = read[start:start + count]
-                    self.reads.append((features(*live.readout, piece) if live.readout else piece, [entry]))
-                    start += count
-        except Exception:  # noqa: BLE001  (logged; a hook must not take the engine down)
-            logger.exception("streamscope serve: a hook failed; this step's plans were dropped")
-            self.work, self.last_shape = {}, None
+        return spans
 
     # ---------------------------------------------------------------- harvests to disk
 
@@ -658,8 +334,7 @@ class ServeState:
                 for live, _, slots in layout:
                     live.read += len(slots)
                     if not live.written and live.read == len(live.harvest_sites) * len(live.positions):
-                        live.written = True
-                        self.planned -= not live.steers  # its harvest was its only work
+                        self.done(live)
             return
         # Per dtype (the model's; float32 for SAE features), every read flattened into one tensor and copied at once;
         # a piece is (harvest key, site index, slots, first element, rows, width) in its dtype's tensor.
@@ -690,9 +365,8 @@ class ServeState:
         for live, slots in counted:
             live.read += len(slots)
             if not live.written and live.read == len(live.harvest_sites) * len(live.positions):
-                live.written = True
                 complete.append(live.key)
-                self.planned -= not live.steers  # its harvest was its only work
+                self.done(live)
         self.writer_thread.put(("rows", event, copies, complete))
 
     def fail(self, harvest_id: Optional[str], message: str) -> None:
@@ -793,27 +467,10 @@ class HarvestWriter:
             locally(self.store)
 
 
-def steer_signature(live: Live) -> Optional[tuple]:
-    """What `live`'s steers are, as far as a step's edits go (each one's sites, mode and shared tensor, in order),
-    where they edit every row it runs and it harvests nothing; else None.
-
-    Requests of one signature need no rows of their own: a step made of them
-    alone edits all its rows with each steer's one tensor, as `plan_step`
-    would find (`ServeState.uniform_step`).
-    """
-    if live.harvest_sites or not live.every_row or any(entry.mode is None for entry in live.steers):
-        return None
-    return tuple((entry.group, id(entry.delta)) for entry in live.steers)
-
-
-def features(sae: Any, top_k: Optional[int], rows: torch.Tensor) -> torch.Tensor:
-    """An SAE harvest's rows: the SAE's features ``[rows, d_sae]`` (float32), or the top k's values then indices
-    ``[rows, 2 k]``, as `streamscope.sae.FeatureReadout` computes them in process."""
-    encoded = sae.encode(rows.float())
-    if top_k is None:
-        return encoded
-    top = encoded.topk(top_k, dim=-1)
-    return torch.cat([top.values, top.indices.float()], dim=-1)
+def _sae_objects(live: Live) -> list[Any]:
+    """The SAEs `live` uses (its clamps' and its harvest's)."""
+    found = [entry.delta.sae for entry in live.steers if hasattr(entry.delta, "sae")]
+    return found + ([live.sae[0]] if live.sae else [])
 
 
 def _valid_stem(stem: Any) -> bool:
