@@ -25,7 +25,8 @@ from ..blocks.state_space import HEADLESS
 from .spec import FamilySpec, derive
 
 #: Llama's tree, shared by every family built like it (``model.layers``, ``model.embed_tokens``, ``model.norm``).
-LLAMA_NAMES: dict[Union[str, type], str] = {"model.embed_tokens": "embed_tokens", "model.layers": "layers", "model.norm": "norm"}
+LLAMA_NAMES: dict[Union[str, type], str] = {
+    "model.embed_tokens": "embed_tokens", "model.layers": "layers", "model.norm": "norm"}
 
 #: GPT-NeoX's tree (Pythia).
 GPT_NEOX_NAMES: dict[Union[str, type], str] = {
