@@ -2,10 +2,11 @@
 
 `FAMILIES` is the one list the engines, the checkpoint factory
 (`streamscope.testing`) and the tests draw from; ``tests/test_structure.py``
-fails where a family lacks what the list says it has. A family module states
-what it maps as a `FamilySpec` (``SPEC``), checked when a model loads
-(`spec_of`); `streamscope.families.renames` holds the ``rename=`` maps both
-engines use.
+fails where a family lacks what the list says it has. What a model type is,
+whichever engine runs it, is stated once (`streamscope.families.neutral.NEUTRAL`,
+a `FamilySpec` each); each engine's family module derives its ``SPEC`` from
+that (`derive`), adding only what is the engine's, checked when a model loads
+(`spec_of`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Optional
 
-from .spec import FamilySpec, FamilySpecError, spec_of
+from .spec import FamilySpec, FamilySpecError, derive, spec_of
 
 TRANSFORMERS, VLLM = "transformers", "vllm"
 ENGINES = (TRANSFORMERS, VLLM)
@@ -88,11 +89,4 @@ def named_family(engine: str, name: str) -> ModuleType:
 
 
 __all__ = ["ENGINES", "FAMILIES", "MODEL_TYPES", "TRANSFORMERS", "VLLM", "Family", "FamilySpec", "FamilySpecError",
-           "find_family", "known_families", "named_family", "on", "spec_of"]
-
-
-#: Qwen3-Next's attention multiplies the heads' mix by a sigmoid output gate (the other half of `q_proj`) before the
-#: output projection, on both engines (`FamilySpec.gated_head_outputs`).
-QWEN3_NEXT_GATED_HEAD_OUTPUTS = ("Qwen3-Next's attention scales each head's output (head_outputs) by a sigmoid "
-                                 "output gate before the output projection, so head_outputs times W_O is not what a "
-                                 "head adds")
+           "derive", "find_family", "known_families", "named_family", "on", "spec_of"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any, Callable, Optional, Union
 
@@ -29,8 +29,9 @@ Relocation = Union[tuple[Optional[str], str], tuple[Optional[str], str, tuple[in
 class FamilySpec:
     """What a family states for one engine: its names for the engine's module tree, its envoys, and its exceptions.
 
-    Every family module sets ``SPEC = FamilySpec(...)``; one that differs from
-    another by a module derives its spec, ``replace(llama.SPEC, envoys={...})``.
+    The engine-neutral part of each model type is stated once
+    (`streamscope.families.neutral.NEUTRAL`); each engine's family module sets
+    ``SPEC = derive(NEUTRAL[...], ...)`` with what is that engine's own.
     Checked when a model loads (`spec_of`): a wrong field is an error naming
     the family module and the field.
     """
@@ -152,6 +153,20 @@ def spec_of(family: ModuleType) -> FamilySpec:
         raise FamilySpecError(f"the family module {where} states a wrong SPEC: "
                               + "; ".join(f"SPEC.{problem}" for problem in problems) + ".")
     return spec
+
+
+def derive(base: FamilySpec, *, rename: Optional[Mapping[Union[str, type], Optional[str]]] = None,
+           envoys: Optional[Mapping[Union[str, type], Optional[type]]] = None, **fields: Any) -> FamilySpec:
+    """`base` with what one engine (or a family shaped like `base`) adds: each entry of `rename` and `envoys`
+    replaces `base`'s under its key, or is added after them; a key mapped to None is removed (vLLM aliases GPT-2's
+    attention by class, where the path ``attn`` would also reach its kernel). The other `fields` replace `base`'s
+    (``layout=``, ``cannot_run=``), as ``dataclasses.replace`` does."""
+    changed: dict[str, Any] = dict(fields)
+    for name, changes in (("rename", rename), ("envoys", envoys)):
+        if changes:
+            merged = {**getattr(base, name), **changes}
+            changed[name] = {key: value for key, value in merged.items() if value is not None}
+    return replace(base, **changed)
 
 
 def _key(key: Any) -> str:

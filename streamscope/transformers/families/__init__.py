@@ -1,6 +1,9 @@
 """Family modules for the transformers engine, found by ``config.model_type``.
 
-A family module states ``SPEC``, a `streamscope.families.FamilySpec`:
+A family module states ``SPEC``, a `streamscope.families.FamilySpec`, derived
+from the family's engine-neutral spec (`streamscope.families.neutral.NEUTRAL`,
+which holds ``rename`` and ``envoys``) with what only transformers has (a
+kernel-call attention kind, a router, ``logit_scaling``). Its fields:
 
 * ``rename``: nnsight ``rename=`` map from the family's module names to
   streamscope's (``layers``, ``embed_tokens``, ``norm``; on a block

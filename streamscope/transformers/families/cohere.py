@@ -1,10 +1,8 @@
 """Cohere (Command R): a parallel block with one LayerNorm feeding both the attention and the MLP."""
 
-from dataclasses import replace
-
-from ...blocks import Attention, Mlp, SharedNormParallelLayer
 from ...families.logits import times_logit_scale
-from . import llama
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 
-SPEC = replace(llama.SPEC, envoys={"layers.*": SharedNormParallelLayer, "self_attn": Attention, "mlp": Mlp},
-               logit_scaling=times_logit_scale)
+# transformers' head multiplies the logits by logit_scale (vLLM's logits processor does so on vLLM).
+SPEC = derive(NEUTRAL["cohere"], logit_scaling=times_logit_scale)

@@ -1,5 +1,6 @@
-"""EXAONE 4: OLMo 2's post-norm block (q/k norms inside the attention), sliding and full attention by layer."""
+"""EXAONE 4: OLMo 2's post-norm block (q/k norms inside the attention), sliding and full attention by
+layer; nothing transformers-only."""
 
-from .olmo2 import SPEC
+from ...families.neutral import NEUTRAL
 
-__all__ = ["SPEC"]
+SPEC = NEUTRAL["exaone4"]

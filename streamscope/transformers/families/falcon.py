@@ -7,12 +7,10 @@ import torch
 
 from ... import nnsight_seam as seam
 from ...attention import Spec
-from ...blocks import Mlp
 from ...blocks.envoy import module_config
 from ...blocks.heads import INTERNALS
-from ...blocks.parallel import FalconLayer
-from ...families import FamilySpec
-from ...families.renames import FALCON
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ...values import argument
 from ..attention import KernelAttention
 
@@ -74,4 +72,4 @@ class FalconAttention(KernelAttention):
         return scores + mask.float()  # -inf stays -inf where masked; ALiBi where seen
 
 
-SPEC = FamilySpec(rename=FALCON, envoys={"layers.*": FalconLayer, "self_attn": FalconAttention, "mlp": Mlp})
+SPEC = derive(NEUTRAL["falcon"], envoys={"self_attn": FalconAttention})

@@ -1,5 +1,5 @@
-"""Gemma (1): Llama's tree and Llama's pre-norm block."""
+"""Gemma (1): Llama's tree and Llama's pre-norm block (the embeddings scaled inside ``embed_tokens``)."""
 
-from .llama import SPEC
+from ...families.neutral import NEUTRAL
 
-__all__ = ["SPEC"]
+SPEC = NEUTRAL["gemma"]

@@ -10,12 +10,11 @@ not Gemma 2, and not what vLLM runs. Loaded here it takes the eager kernel,
 which applies the cap, unless the caller names another implementation.
 """
 
-from dataclasses import replace
 from typing import Any, Mapping
 
-from ...blocks import PostNormedAttention, PostNormedMlp, SandwichLayer
 from ...families.logits import soft_capped
-from . import llama
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 
 
 def capped_attention(config: Any, asked: Mapping[str, Any]) -> dict[str, Any]:
@@ -25,5 +24,4 @@ def capped_attention(config: Any, asked: Mapping[str, Any]) -> dict[str, Any]:
     return {"attn_implementation": "eager"}
 
 
-SPEC = replace(llama.SPEC, envoys={"layers.*": SandwichLayer, "self_attn": PostNormedAttention, "mlp": PostNormedMlp},
-               logit_scaling=soft_capped, checkpoint_defaults=capped_attention)
+SPEC = derive(NEUTRAL["gemma2"], logit_scaling=soft_capped, checkpoint_defaults=capped_attention)

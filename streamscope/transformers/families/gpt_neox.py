@@ -1,8 +1,6 @@
-"""GPT-NeoX (Pythia): ``x + attn(norm1(x)) + mlp(norm2(x))`` where ``use_parallel_residual``, else Llama's sequential pre-norm block."""
+"""GPT-NeoX (Pythia): ``x + attn(norm1(x)) + mlp(norm2(x))`` where ``use_parallel_residual``, else Llama's
+sequential pre-norm block; nothing transformers-only."""
 
-from ...blocks import Attention, Mlp
-from ...blocks.parallel import ConfigParallelLayer
-from ...families import FamilySpec
-from ...families.renames import GPT_NEOX
+from ...families.neutral import NEUTRAL
 
-SPEC = FamilySpec(rename=GPT_NEOX, envoys={"layers.*": ConfigParallelLayer, "self_attn": Attention, "mlp": Mlp})
+SPEC = NEUTRAL["gpt_neox"]

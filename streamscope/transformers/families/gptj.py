@@ -6,13 +6,16 @@ whatever the attention implementation: its pattern is the kernel's own weights.
 
 from ... import nnsight_seam as seam
 from ...attention import Spec
-from ...blocks import Mlp, SharedNormParallelLayer
-from ...families import FamilySpec
+from ...blocks import SharedNormParallelLayer
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ...values import OUTPUT
 from ..attention import KernelAttention
 
 
 class GPTJLayer(SharedNormParallelLayer):
+    """GPT-J's block as transformers writes it: it returns a tuple (vLLM's returns the stream as a tensor)."""
+
     RETURNS_TUPLE = True
 
 
@@ -39,8 +42,4 @@ class GPTJAttention(KernelAttention):
         return Spec(scale=1.0 / float(seam.module_of(self).scale_attn))
 
 
-SPEC = FamilySpec(
-    rename={"transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
-            "attn": "self_attn", "ln_1": "input_layernorm"},
-    envoys={"layers.*": GPTJLayer, "self_attn": GPTJAttention, "mlp": Mlp},
-)
+SPEC = derive(NEUTRAL["gptj"], envoys={"layers.*": GPTJLayer, "self_attn": GPTJAttention})

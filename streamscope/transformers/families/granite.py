@@ -5,13 +5,10 @@ after ``embed_tokens``, so token_embeddings is read where the stream enters
 block 0; the logits are divided by `logits_scaling` (model.logits is after it).
 """
 
-from dataclasses import replace
-
-from ...blocks import Layer
-from ...blocks.scaled import GraniteAttention, GraniteMlp
-from ...values import INPUT
 from ...families.logits import divided_by_logits_scaling
-from . import llama
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
+from ...values import INPUT
 
-SPEC = replace(llama.SPEC, envoys={"layers.*": Layer, "self_attn": GraniteAttention, "mlp": GraniteMlp},
-               root_sites={"token_embeddings": ("layers.0", INPUT)}, logit_scaling=divided_by_logits_scaling)
+SPEC = derive(NEUTRAL["granite"], root_sites={"token_embeddings": ("layers.0", INPUT)},
+              logit_scaling=divided_by_logits_scaling)

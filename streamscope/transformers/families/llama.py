@@ -1,8 +1,6 @@
-"""Llama (LlamaForCausalLM): the pre-norm block every other family is described against."""
+"""Llama (LlamaForCausalLM): the pre-norm block every other family is described against; nothing
+transformers-only."""
 
-from ...blocks import Attention, Layer, Mlp
-from ...families import FamilySpec
-from ...families.renames import LLAMA
+from ...families.neutral import NEUTRAL
 
-# Envoys keyed on aliased path suffixes, so every family with Llama's tree shares them.
-SPEC = FamilySpec(rename=LLAMA, envoys={"layers.*": Layer, "self_attn": Attention, "mlp": Mlp})
+SPEC = NEUTRAL["llama"]

@@ -15,14 +15,16 @@ from dataclasses import replace
 from ... import nnsight_seam as seam
 from ...attention import Spec
 from ...blocks import Layer
-from ...blocks import SharedExpert
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ...values import INPUT
 from ..attention import KernelAttention
 from ..moe import Llama4Mlp
-from . import llama
 
 
 class Llama4Layer(Layer):
+    """Llama 4's block as transformers writes it: its MoE works on flattened tokens (vLLM's tokens are flat)."""
+
     FLATTENS_TOKENS = True
 
 
@@ -46,7 +48,4 @@ class Llama4Attention(KernelAttention):
         return spec
 
 
-SPEC = replace(
-    llama.SPEC, rename={**llama.SPEC.rename, "feed_forward": "mlp", "shared_expert": "shared_experts"},
-    envoys={"layers.*": Llama4Layer, "self_attn": Llama4Attention, "mlp": Llama4Mlp, "shared_experts": SharedExpert},
-)
+SPEC = derive(NEUTRAL["llama4_text"], envoys={"layers.*": Llama4Layer, "self_attn": Llama4Attention, "mlp": Llama4Mlp})

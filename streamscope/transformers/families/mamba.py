@@ -1,8 +1,6 @@
-"""Mamba: a state-space block, ``x + mixer(norm(x))``: one sublayer (the mixer, served as `linear_attn`), no MLP."""
+"""Mamba: a state-space block, ``x + mixer(norm(x))``: one sublayer (the mixer, served as `linear_attn`), no
+MLP; nothing transformers-only."""
 
-from ...blocks import LinearAttention, StateSpaceLayer
-from ...blocks.state_space import HEADLESS
-from ...families import FamilySpec
-from ...families.renames import MAMBA
+from ...families.neutral import NEUTRAL
 
-SPEC = FamilySpec(rename=MAMBA, envoys={"layers.*": StateSpaceLayer, "linear_attn": LinearAttention}, unserved=HEADLESS)
+SPEC = NEUTRAL["mamba"]

@@ -5,9 +5,8 @@ Its router (`gate`) returns the logits, the chosen experts' softmax weights
 router_logits, routing_weights and chosen_experts (`TopKRouterMlp`).
 """
 
-from dataclasses import replace
-
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ..moe import TopKRouterMlp
-from . import llama
 
-SPEC = replace(llama.SPEC, envoys={**llama.SPEC.envoys, "mlp": TopKRouterMlp})
+SPEC = derive(NEUTRAL["mixtral"], envoys={"mlp": TopKRouterMlp})

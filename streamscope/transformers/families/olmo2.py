@@ -1,8 +1,6 @@
-"""OLMo 2: a post-norm block, ``x + norm(attn(x))`` then ``+ norm(mlp(.))``: the sublayers read the stream itself."""
+"""OLMo 2: a post-norm block, ``x + norm(attn(x))`` then ``+ norm(mlp(.))``: the sublayers read the stream
+itself; nothing transformers-only."""
 
-from dataclasses import replace
+from ...families.neutral import NEUTRAL
 
-from ...blocks import PostNormedAttention, PostNormedMlp, PostNormLayer
-from . import llama
-
-SPEC = replace(llama.SPEC, envoys={"layers.*": PostNormLayer, "self_attn": PostNormedAttention, "mlp": PostNormedMlp})
+SPEC = NEUTRAL["olmo2"]

@@ -7,10 +7,6 @@ and every value there is served as ``[batch, seq, hidden]``. With
 (`streamscope.blocks.post_norm.OPTLayer`).
 """
 
-from ...blocks import Attention, Mlp
-from ...blocks.post_norm import OPTLayer
-from ...families import FamilySpec
-from ...families.renames import OPT
+from ...families.neutral import NEUTRAL
 
-SPEC = FamilySpec(rename=OPT, envoys={"layers.*": OPTLayer, "self_attn": Attention, "mlp": Mlp},
-                  learned_positions=True)
+SPEC = NEUTRAL["opt"]

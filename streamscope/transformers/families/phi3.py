@@ -1,5 +1,5 @@
-"""Phi-3: Llama's tree and Llama's pre-norm block."""
+"""Phi-3: Llama's tree and Llama's pre-norm block; nothing transformers-only."""
 
-from .llama import SPEC
+from ...families.neutral import NEUTRAL
 
-__all__ = ["SPEC"]
+SPEC = NEUTRAL["phi3"]

@@ -1,5 +1,5 @@
-"""Qwen2: Llama's tree and Llama's pre-norm block."""
+"""Qwen2: Llama's tree and Llama's pre-norm block; nothing transformers-only."""
 
-from .llama import SPEC
+from ...families.neutral import NEUTRAL
 
-__all__ = ["SPEC"]
+SPEC = NEUTRAL["qwen2"]

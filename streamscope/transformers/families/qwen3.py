@@ -1,5 +1,5 @@
-"""Qwen3: Llama's tree and Llama's pre-norm block."""
+"""Qwen3: Llama's tree and Llama's pre-norm block; nothing transformers-only."""
 
-from .llama import SPEC
+from ...families.neutral import NEUTRAL
 
-__all__ = ["SPEC"]
+SPEC = NEUTRAL["qwen3"]

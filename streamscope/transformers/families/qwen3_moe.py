@@ -6,9 +6,8 @@ mixture's `mlp` as router_logits, routing_weights and chosen_experts
 (`TopKRouterMlp`); a dense block's `mlp` says it has no router.
 """
 
-from dataclasses import replace
-
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ..moe import TopKRouterMlp
-from . import llama
 
-SPEC = replace(llama.SPEC, envoys={**llama.SPEC.envoys, "mlp": TopKRouterMlp})
+SPEC = derive(NEUTRAL["qwen3_moe"], envoys={"mlp": TopKRouterMlp})

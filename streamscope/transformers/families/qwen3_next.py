@@ -8,17 +8,8 @@ mlp_output is its output before the sigmoid gate (`shared_expert_gate`): the
 mixture adds ``sigmoid(shared_expert_gate(x)) * mlp_output``.
 """
 
-from dataclasses import replace
-
-from ...blocks import Attention, HybridLayer, LinearAttention
-from ...blocks import SharedExpert
-from ...families import QWEN3_NEXT_GATED_HEAD_OUTPUTS
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ..moe import TopKRouterMlp
-from . import llama
 
-SPEC = replace(
-    llama.SPEC, rename={**llama.SPEC.rename, "shared_expert": "shared_experts"},
-    gated_head_outputs=QWEN3_NEXT_GATED_HEAD_OUTPUTS,
-    envoys={"layers.*": HybridLayer, "self_attn": Attention, "linear_attn": LinearAttention, "mlp": TopKRouterMlp,
-            "shared_experts": SharedExpert},
-)
+SPEC = derive(NEUTRAL["qwen3_next"], envoys={"mlp": TopKRouterMlp})

@@ -1,13 +1,13 @@
 """StableLM: Llama's tree and Llama's pre-norm block; its attention rotates the first rotary_ndims channels of each
 head, sliced off the whole queries and keys (after the optional per-head layernorm) before the rotary call."""
 
-from dataclasses import replace
 from typing import Optional
 
 from ... import nnsight_seam as seam
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ...values import OUTPUT
 from ..attention import KernelAttention
-from .llama import SPEC as LLAMA
 
 
 class StableLmAttention(KernelAttention):
@@ -21,6 +21,4 @@ class StableLmAttention(KernelAttention):
                 "keys_pre_rotary": (f"key_states_{step}", OUTPUT, None)}
 
 
-SPEC = replace(LLAMA, envoys={**LLAMA.envoys, "self_attn": StableLmAttention})
-
-__all__ = ["SPEC"]
+SPEC = derive(NEUTRAL["stablelm"], envoys={"self_attn": StableLmAttention})

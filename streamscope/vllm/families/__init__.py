@@ -1,8 +1,9 @@
 """Family modules for the vLLM engine, found by ``config.model_type``: a ``SPEC`` for vLLM's module tree.
 
 The same contract as the transformers families (a
-`streamscope.families.FamilySpec`), stated against vLLM's classes in
-``vllm.model_executor.models``: the engine-neutral block kinds of
+`streamscope.families.FamilySpec` derived from the family's engine-neutral
+one, `streamscope.families.neutral.NEUTRAL`), adding what is vLLM's, stated
+against its classes in ``vllm.model_executor.models``: the engine-neutral block kinds of
 `streamscope.blocks` (or a family's own), and how vLLM calls the blocks,
 ``layout`` (a `streamscope.vllm.blocks.Layout`: fused halves where it says
 nothing). The engine composes the two at load (`envoys_for`). Which model types

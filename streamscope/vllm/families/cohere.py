@@ -6,11 +6,8 @@ block's input second; the values read the first. Its norm returns
 ``(normed, residual)``. There is no ``lm_head``: the logits use embed_tokens.
 """
 
-from dataclasses import replace
-
-from ...blocks import Attention, Mlp, SharedNormParallelLayer
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ..blocks import WholeStream
-from . import llama
 
-SPEC = replace(llama.SPEC, envoys={"layers.*": SharedNormParallelLayer, "self_attn": Attention, "mlp": Mlp},
-               layout=WholeStream(returns_tuple=True))
+SPEC = derive(NEUTRAL["cohere"], layout=WholeStream(returns_tuple=True))

@@ -6,11 +6,8 @@ returns ``(hidden_states, residual)``: the whole stream first, layer_mid
 second; the values read the first.
 """
 
-from dataclasses import replace
-
-from ...blocks import PostNormedAttention, PostNormedMlp, PostNormLayer
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ..blocks import WholeStream
-from . import llama
 
-SPEC = replace(llama.SPEC, envoys={"layers.*": PostNormLayer, "self_attn": PostNormedAttention, "mlp": PostNormedMlp},
-               layout=WholeStream(returns_tuple=True))
+SPEC = derive(NEUTRAL["exaone4"], layout=WholeStream(returns_tuple=True))

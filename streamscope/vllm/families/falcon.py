@@ -16,11 +16,10 @@ from typing import Any, Optional
 
 from vllm.platforms import current_platform
 
-from ...blocks import Attention, Mlp
 from ...blocks.envoy import module_config
 from ...blocks.parallel import FalconLayer
-from ...families import FamilySpec
-from ...families.renames import FALCON
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ..blocks import WholeStream
 
 
@@ -51,6 +50,6 @@ def alibi_kernel(config: Any, asked: Mapping[str, Any]) -> dict[str, Any]:
     return {"attention_backend": "TRITON_ATTN"} if current_platform.is_cuda() else {}
 
 
-SPEC = FamilySpec(rename=FALCON, envoys={"layers.*": BiasesAddedLaterLayer, "self_attn": Attention, "mlp": Mlp},
-                  layout=WholeStream(),  # the stream after the positions, returned as a tensor
-                  checkpoint_defaults=alibi_kernel)
+SPEC = derive(NEUTRAL["falcon"], envoys={"layers.*": BiasesAddedLaterLayer},
+              layout=WholeStream(),  # the stream after the positions, returned as a tensor
+              checkpoint_defaults=alibi_kernel)

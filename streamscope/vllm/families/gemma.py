@@ -8,9 +8,12 @@ hidden_states argument (block 0 is called with residual None, so that argument
 is the whole stream; an edit there is the stream block 0 receives).
 """
 
-from dataclasses import replace
-
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ...values import INPUT
-from . import llama
+from ..blocks import FUSED
 
-SPEC = replace(llama.SPEC, root_sites={"token_embeddings": ("layers.0", INPUT, (1, "hidden_states"))})
+#: Where vLLM's Gemma models first hold the scaled token embeddings: block 0's stream argument.
+SCALED_EMBEDDINGS = {"token_embeddings": ("layers.0", INPUT, (1, "hidden_states"))}
+
+SPEC = derive(NEUTRAL["gemma"], layout=FUSED, root_sites=SCALED_EMBEDDINGS)

@@ -10,10 +10,9 @@ at block 0's hidden_states. vLLM's Gemma 2 has no `lm_head`: its logits use
 `embed_tokens`' weight (tied, as on transformers).
 """
 
-from dataclasses import replace
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
+from ..blocks import FUSED
+from .gemma import SCALED_EMBEDDINGS
 
-from ...blocks import PostNormedAttention, PostNormedMlp, SandwichLayer
-from . import gemma
-
-SPEC = replace(gemma.SPEC, envoys={"layers.*": SandwichLayer, "self_attn": PostNormedAttention,
-                                   "mlp": PostNormedMlp})
+SPEC = derive(NEUTRAL["gemma2"], layout=FUSED, root_sites=SCALED_EMBEDDINGS)

@@ -9,19 +9,16 @@ while starting): a checkpoint that sets one is refused before the engine starts.
 
 from vllm.model_executor.models.gpt2 import GPT2Attention
 
-from ...blocks import Attention, Layer, Mlp
-from ...families import FamilySpec
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ..blocks import WholeStream
 from . import options_not_implemented
 
-SPEC = FamilySpec(
-    rename={"transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
-            GPT2Attention: "self_attn", "ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"},
-    envoys={"layers.*": Layer, "self_attn": Attention, "mlp": Mlp},
+SPEC = derive(
+    NEUTRAL["gpt2"], rename={"attn": None, GPT2Attention: "self_attn"},
     layout=WholeStream(stream=(0, "hidden_states")),
     cannot_run=options_not_implemented("GPT-2", {
         "scale_attn_by_inverse_layer_idx": "attention scores scaled down by the block's index",
         "reorder_and_upcast_attn": "attention computed in float32 in another order",
         "add_cross_attention": "cross-attention to an encoder"}),
-    learned_positions=True,
 )

@@ -9,20 +9,20 @@ backend: ``model`` is then the ``GPTNeoXModel`` and ``lm_head`` sits on the
 root; values are ``[1, tokens, hidden]`` already.
 """
 
-from ...blocks import Attention, Mlp
-from ...blocks.parallel import ConfigParallelLayer
-from ...families import FamilySpec
-from ...families.renames import GPT_NEOX
+from dataclasses import replace
+
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ..blocks import Backend, WholeStream
 from . import runs_natively
 
 NATIVE = runs_natively("GPTNeoXForCausalLM")
-SPEC = FamilySpec(
-    rename=GPT_NEOX if NATIVE else {"model.layers": "layers", "model.embed_in": "embed_tokens",
-                                    "model.final_layer_norm": "norm", "attention": "self_attn"},
-    envoys={"layers.*": ConfigParallelLayer, "self_attn": Attention, "mlp": Mlp},
-    # vLLM's native block takes the stream after the positions; the backend's is transformers' own.
-    layout=WholeStream() if NATIVE else Backend(),
-)
+#: The Transformers backend's tree: transformers' ``GPTNeoXModel`` is ``model``, ``lm_head`` on the root.
+BACKEND_NAMES = {"model.layers": "layers", "model.embed_in": "embed_tokens", "model.final_layer_norm": "norm",
+                 "attention": "self_attn"}
+# vLLM's native block takes the stream after the positions; the backend's is transformers' own.
+SPEC = derive(NEUTRAL["gpt_neox"], layout=WholeStream() if NATIVE else Backend())
+if not NATIVE:
+    SPEC = replace(SPEC, rename=BACKEND_NAMES)
 
 __all__ = ["SPEC"]

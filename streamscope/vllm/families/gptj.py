@@ -8,15 +8,13 @@ unembedding: a tied checkpoint is refused before the engine starts.
 
 from vllm.model_executor.models.gpt_j import GPTJAttention
 
-from ...blocks import Attention, Mlp, SharedNormParallelLayer
-from ...families import FamilySpec
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ..blocks import WholeStream
 from . import options_not_implemented
 
-SPEC = FamilySpec(
-    rename={"transformer.h": "layers", "transformer.wte": "embed_tokens", "transformer.ln_f": "norm",
-            GPTJAttention: "self_attn", "ln_1": "input_layernorm"},
-    envoys={"layers.*": SharedNormParallelLayer, "self_attn": Attention, "mlp": Mlp},
+SPEC = derive(
+    NEUTRAL["gptj"], rename={"attn": None, GPTJAttention: "self_attn"},
     layout=WholeStream(),  # the stream after the positions, returned as a tensor
     cannot_run=options_not_implemented("GPT-J", {"tie_word_embeddings": "an unembedding tied to the embeddings"}),
 )

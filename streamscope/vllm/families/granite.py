@@ -10,15 +10,11 @@ argument: block 0's input norm. Each block's layer_input is read there too
 one read in the order transformers computes them.
 """
 
-from dataclasses import replace
-
-from ...blocks import Layer
-from ...blocks.scaled import GraniteAttention, GraniteMlp
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ...values import INPUT
 from ..blocks import WholeStream
-from . import llama
 
 # The attention's internals are read at vLLM's attention layer, whose scale is the config's attention_multiplier.
-SPEC = replace(llama.SPEC, envoys={"layers.*": Layer, "self_attn": GraniteAttention, "mlp": GraniteMlp},
-               layout=WholeStream(input_at="input_layernorm"),
-               root_sites={"token_embeddings": ("layers.0.input_layernorm", INPUT)})
+SPEC = derive(NEUTRAL["granite"], layout=WholeStream(input_at="input_layernorm"),
+              root_sites={"token_embeddings": ("layers.0.input_layernorm", INPUT)})

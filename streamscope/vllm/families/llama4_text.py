@@ -29,16 +29,15 @@ checkpoint with chunks records none and runs eagerly (it warns when it loads).
 """
 
 import math
-from dataclasses import replace
 from typing import Any, Mapping, Optional
 
 from vllm.platforms import current_platform
 
-from ...blocks import Layer
-
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ..attention import VllmAttention
+from ..blocks import FUSED
 from ..moe import VllmMlp, VllmSharedExpert
-from . import llama
 
 
 class VllmLlama4Attention(VllmAttention):
@@ -80,9 +79,6 @@ def blocks_within_chunks(config: Any, asked: Mapping[str, Any]) -> dict[str, Any
     return {"block_size": math.gcd(chunk, CPU_BLOCK)}
 
 
-SPEC = replace(
-    llama.SPEC, rename={**llama.SPEC.rename, "feed_forward": "mlp", "shared_expert": "shared_experts"},
-    envoys={"layers.*": Layer, "self_attn": VllmLlama4Attention, "mlp": VllmMlp,
-            "shared_experts": VllmSharedExpert},
-    cannot_run=cannot_run, checkpoint_defaults=blocks_within_chunks,
-)
+SPEC = derive(NEUTRAL["llama4_text"],
+              envoys={"self_attn": VllmLlama4Attention, "mlp": VllmMlp, "shared_experts": VllmSharedExpert},
+              layout=FUSED, cannot_run=cannot_run, checkpoint_defaults=blocks_within_chunks)

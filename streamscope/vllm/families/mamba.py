@@ -14,12 +14,12 @@ contribution into ``output``, the first half the block returns, which is
 where attention_output is served.
 """
 
-from ...blocks import LinearAttention, StateSpaceLayer
-from ...blocks.state_space import HEADLESS
-from ...families import FamilySpec
-from ...families.renames import MAMBA
+from ...blocks import LinearAttention
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ...values import OUTPUT, StreamValue
 from ..blocks import FUSED
+
 
 class BlockOutputHalf(StreamValue):
     """The first half of what the sublayer's block returns: Mamba's mixer writes its output there."""
@@ -36,5 +36,4 @@ class MambaMixer(LinearAttention):
         None, OUTPUT, description="What the mixer adds to the residual stream, [1, tokens, hidden_size]")
 
 
-SPEC = FamilySpec(rename=MAMBA, envoys={"layers.*": StateSpaceLayer, "linear_attn": MambaMixer}, layout=FUSED,
-                  unserved=HEADLESS)
+SPEC = derive(NEUTRAL["mamba"], envoys={"linear_attn": MambaMixer}, layout=FUSED)

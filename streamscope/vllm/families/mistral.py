@@ -1,5 +1,7 @@
 """Mistral on vLLM (vllm.model_executor.models.mistral): Llama's names and Llama's fused block."""
 
-from .llama import SPEC
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
+from ..blocks import FUSED
 
-__all__ = ["SPEC"]
+SPEC = derive(NEUTRAL["mistral"], layout=FUSED)

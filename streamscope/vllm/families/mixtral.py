@@ -5,10 +5,9 @@ vLLM names every block's mixture of experts `block_sparse_moe` (transformers:
 the routing values say so (`streamscope.vllm.moe`).
 """
 
-from dataclasses import replace
-
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
+from ..blocks import FUSED
 from ..moe import VllmMlp
-from . import llama
 
-SPEC = replace(llama.SPEC, rename={**llama.SPEC.rename, "block_sparse_moe": "mlp"},
-               envoys={**llama.SPEC.envoys, "mlp": VllmMlp})
+SPEC = derive(NEUTRAL["mixtral"], rename={"block_sparse_moe": "mlp"}, envoys={"mlp": VllmMlp}, layout=FUSED)

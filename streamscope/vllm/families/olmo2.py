@@ -9,15 +9,13 @@ Llama's either way (``model.layers``, ``model.embed_tokens``, ``model.norm``,
 ``lm_head``).
 """
 
-from dataclasses import replace
-
-from ...blocks import PostNormedAttention, PostNormedMlp, PostNormLayer
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ..blocks import Backend, WholeStream
-from . import llama, runs_natively
+from . import runs_natively
 
 NATIVE = runs_natively("Olmo2ForCausalLM")
-SPEC = replace(llama.SPEC, envoys={"layers.*": PostNormLayer, "self_attn": PostNormedAttention, "mlp": PostNormedMlp},
-               # vLLM's native block takes the stream after the positions and returns it as a tensor.
-               layout=WholeStream() if NATIVE else Backend())
+# vLLM's native block takes the stream after the positions and returns it as a tensor.
+SPEC = derive(NEUTRAL["olmo2"], layout=WholeStream() if NATIVE else Backend())
 
 __all__ = ["SPEC"]

@@ -16,9 +16,8 @@ width (``project_out``) first.
 from vllm.model_executor.layers.linear import RowParallelLinear
 
 from ...blocks import Mlp
-from ...blocks.post_norm import OPTLayer
-from ...families import FamilySpec
-from ...families.renames import OPT
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ...nnsight_seam import ParallelEnvoy
 from ...values import INPUT, OUTPUT
 from ..attention import Flat, PreRotary, Projected, VllmAttention
@@ -60,6 +59,7 @@ class RowParallel:
         return kind(module, *args, path=path, **kwargs)
 
 
-SPEC = FamilySpec(rename=OPT, envoys={"layers.*": OPTLayer, "self_attn": OPTAttention, RowParallelLinear: RowParallel},
-                  layout=WholeStream(stream=(0, "hidden_states")),  # the stream alone, its tokens flat already
-                  root_sites={"prompt_logits": (None, OUTPUT)}, learned_positions=True)
+# fc2's class key replaces the `mlp` path: `RowParallel` picks the MLP envoy for it.
+SPEC = derive(NEUTRAL["opt"], envoys={"self_attn": OPTAttention, "mlp": None, RowParallelLinear: RowParallel},
+              layout=WholeStream(stream=(0, "hidden_states")),  # the stream alone, its tokens flat already
+              root_sites={"prompt_logits": (None, OUTPUT)})

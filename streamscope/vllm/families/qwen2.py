@@ -5,10 +5,12 @@ checkpoint that slides it on some blocks only (``use_sliding_window`` with
 ``max_window_layers`` below the block count) is refused before the engine starts.
 """
 
-from dataclasses import replace
 from typing import Any, Optional
 
-from . import llama, not_implemented
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
+from ..blocks import FUSED
+from . import not_implemented
 
 
 def cannot_run(config: Any) -> Optional[str]:
@@ -21,4 +23,4 @@ def cannot_run(config: Any) -> Optional[str]:
     return None
 
 
-SPEC = replace(llama.SPEC, cannot_run=cannot_run)
+SPEC = derive(NEUTRAL["qwen2"], layout=FUSED, cannot_run=cannot_run)

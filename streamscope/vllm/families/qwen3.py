@@ -1,5 +1,7 @@
 """Qwen3 on vLLM (vllm.model_executor.models.qwen3): Llama's names and Llama's fused block."""
 
-from .llama import SPEC
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
+from ..blocks import FUSED
 
-__all__ = ["SPEC"]
+SPEC = derive(NEUTRAL["qwen3"], layout=FUSED)

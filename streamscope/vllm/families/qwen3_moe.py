@@ -5,9 +5,9 @@ MLP on `mlp_only_layers`; the routing runs inside vLLM's fused MoE kernel, and t
 routing values say so (`streamscope.vllm.moe`).
 """
 
-from dataclasses import replace
-
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
+from ..blocks import FUSED
 from ..moe import VllmMlp
-from . import llama
 
-SPEC = replace(llama.SPEC, envoys={**llama.SPEC.envoys, "mlp": VllmMlp})
+SPEC = derive(NEUTRAL["qwen3_moe"], envoys={"mlp": VllmMlp}, layout=FUSED)

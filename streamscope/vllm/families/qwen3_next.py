@@ -15,19 +15,19 @@ only, with head dims of 64.
 import inspect
 import re
 import warnings
-from dataclasses import replace
-from typing import Any
 from importlib.util import find_spec
+from typing import Any
 
 from vllm.model_executor.models import qwen3_next as vllm_qwen3_next
 from vllm.platforms import current_platform
 
-from ...blocks import HybridLayer, LinearAttention
-from ...families import QWEN3_NEXT_GATED_HEAD_OUTPUTS
+from ...blocks import LinearAttention
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ...values import INPUT, StreamValue
 from ..attention import VllmAttention
+from ..blocks import FUSED
 from ..moe import VllmMlp, VllmSharedExpert
-from . import llama
 
 
 class InPlaceAttention(VllmAttention):
@@ -84,13 +84,12 @@ def warn_on_gpus(model: Any) -> None:
             f"engine='transformers'.", RuntimeWarning, stacklevel=2)
 
 
-SPEC = replace(
-    llama.SPEC, rename={**llama.SPEC.rename, "shared_expert": "shared_experts"},
-    gated_head_outputs=QWEN3_NEXT_GATED_HEAD_OUTPUTS,
-    envoys={"layers.*": HybridLayer, "self_attn": InPlaceAttention if IN_PLACE else VllmAttention,
+SPEC = derive(
+    NEUTRAL["qwen3_next"],
+    envoys={"self_attn": InPlaceAttention if IN_PLACE else VllmAttention,
             "linear_attn": InPlaceLinearAttention if IN_PLACE else LinearAttention, "mlp": VllmMlp,
             "shared_experts": VllmSharedExpert},
-    check=warn_on_gpus,
+    layout=FUSED, check=warn_on_gpus,
     # vLLM runs the gated delta net's prefill with flashinfer on Hopper GPUs where it can; without flashinfer
     # installed it must be told to use its own Triton kernel, which runs on every GPU (CPUs have their own).
     # (vLLM's platform, not torch.cuda: a torch.cuda query here would keep the engine's processes from forking.)

@@ -9,12 +9,12 @@ query and key norms: a checkpoint with ``use_parallel_residual`` or
 vLLM would stop loading its weights.
 """
 
-from dataclasses import replace
-
+from ...families.neutral import NEUTRAL
+from ...families.spec import derive
 from ..blocks import WholeStream
-from . import llama, options_not_implemented
+from . import options_not_implemented
 
-SPEC = replace(llama.SPEC, layout=WholeStream(returns_tuple=True),
-               cannot_run=options_not_implemented("StableLM", {
-                   "use_parallel_residual": "attention and MLP both reading the block's input",
-                   "qk_layernorm": "a norm on each head's queries and keys"}))
+SPEC = derive(NEUTRAL["stablelm"], layout=WholeStream(returns_tuple=True),
+              cannot_run=options_not_implemented("StableLM", {
+                  "use_parallel_residual": "attention and MLP both reading the block's input",
+                  "qk_layernorm": "a norm on each head's queries and keys"}))
