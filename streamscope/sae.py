@@ -36,7 +36,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from .bulk.operations import ClampFeature, check_clamp  # noqa: F401  (the sae_clamp operation, by its module)
-from .bulk.spec import ROOT_VALUES, Steer, locate
+from .bulk.sites import ROOT_VALUES, locate
+from .bulk.steer import Steer
 
 ACTIVATIONS = ("relu", "jumprelu", "topk")
 #: dictionary_learning's submodule names (``resid_post_layer_3``) -> streamscope's values.

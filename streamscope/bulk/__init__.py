@@ -37,6 +37,8 @@ large for the stream's measured norm) as a `SteerError`, a ValueError.
 
 from .results import Generation, Harvest, iter_harvest, load_harvest
 from .conditions import Condition
-from .spec import DoseWarning, Steer, SteerError, apply_steers, value_names
+from .dose import DoseWarning, SteerError
+from .sites import value_names
+from .steer import Steer, apply_steers
 
 __all__ = ["Steer", "SteerError", "Condition", "DoseWarning", "apply_steers", "Harvest", "Generation", "load_harvest", "iter_harvest", "value_names"]

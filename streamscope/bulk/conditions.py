@@ -42,7 +42,7 @@ that same value and block edits it (after the edits of steers at earlier
 points of the model): a condition at the steer's own site sees the unsteered
 row. Its site must come no later in the forward pass than the steer's: an
 earlier block, a value computed earlier in the same block
-(`streamscope.bulk.spec.COMPUTE_ORDER`), the same value and block, or the
+(`COMPUTE_ORDER`), the same value and block, or the
 token embeddings. A row the condition does not pass is left exactly as it was
 (the steer's edit is computed, then the old row kept where the condition
 fails), so a request whose rows never pass runs bit for bit as the unsteered
@@ -170,7 +170,7 @@ class Condition:
 
 def check_condition(model: Any, steer: Any) -> None:
     """Refuse a steer's condition whose width does not fit `model` or which is read after the steer's value
-    (`ConditionError` naming the fix); `streamscope.bulk.spec.check_steer` then finds its site."""
+    (`ConditionError` naming the fix); `streamscope.bulk.steer.check_steer` then finds its site."""
     condition: Condition = steer.condition
     if not isinstance(condition, Condition):
         raise ConditionError(f"condition takes a streamscope.Condition, not a {type(condition).__name__}.",

@@ -27,7 +27,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from .spec import ROOT_VALUES, HarvestSpec
+from .sites import ROOT_VALUES
+from .spec import HarvestSpec
 
 INDEX = "index.json"
 

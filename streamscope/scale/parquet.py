@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from ..bulk.results import Harvest
-from ..bulk.spec import ROOT_VALUES
+from ..bulk.sites import ROOT_VALUES
 
 
 def column_names(harvest: Harvest) -> list[str]:

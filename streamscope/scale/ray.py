@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..bulk.spec import ROOT_VALUES, Positions, value_names
+from ..bulk.positions import Positions
+from ..bulk.sites import ROOT_VALUES, value_names
 from .dataset import fingerprint, read_prompts
 from .shards import FORMATS, RunFolder, write_shard
 
@@ -312,14 +313,7 @@ def _schedule(ray: Any, folder: RunFolder, pending: deque, prompts: list[Any], s
     from tqdm.auto import tqdm
 
     shard_size = folder.manifest["shard_size"]
-    ranks = int(engine_options.get("tensor_parallel_size", 1)) * int(engine_options.get("pipeline_parallel_size", 1))
-    if num_gpus is None:
-        num_gpus = ranks if ray.cluster_resources().get("GPU", 0) else 0
-    actor = ray.remote(Replica)
-    run = uuid.uuid4().hex[:8]
-    live = {index: actor.options(name=f"streamscope-harvest-{run}-{index}", num_cpus=num_cpus, num_gpus=num_gpus,
-                                 max_restarts=0, max_task_retries=0).remote(checkpoint, engine, engine_options, index)
-            for index in range(replicas)}
+    live = _start_replicas(ray, checkpoint, engine, engine_options, replicas, num_cpus, num_gpus)
 
     def job(number: int) -> dict[str, Any]:
         first = number * shard_size
@@ -385,6 +379,20 @@ def _schedule(ray: Any, folder: RunFolder, pending: deque, prompts: list[Any], s
         raise HarvestFailed(f"the harvest stopped ({stop}); {finished} of {shards} shards are written in "
                             f"{folder.folder}. Failures:\n{lines}\nRun the same harvest again to resume it.",
                             folder.folder, finished, shards, failures)
+
+
+def _start_replicas(ray: Any, checkpoint: str, engine: str, engine_options: dict[str, Any], replicas: int,
+                    num_cpus: float, num_gpus: Optional[float]) -> dict[int, Any]:
+    """`replicas` Ray actors, each a `Replica` holding one engine, by index; each takes the GPUs its engine's ranks
+    need unless `num_gpus` says otherwise (none on a cluster without GPUs)."""
+    ranks = int(engine_options.get("tensor_parallel_size", 1)) * int(engine_options.get("pipeline_parallel_size", 1))
+    if num_gpus is None:
+        num_gpus = ranks if ray.cluster_resources().get("GPU", 0) else 0
+    actor = ray.remote(Replica)
+    run = uuid.uuid4().hex[:8]
+    return {index: actor.options(name=f"streamscope-harvest-{run}-{index}", num_cpus=num_cpus, num_gpus=num_gpus,
+                                 max_restarts=0, max_task_retries=0).remote(checkpoint, engine, engine_options, index)
+            for index in range(replicas)}
 
 
 def _release(ray: Any, live: dict[int, Any]) -> None:

@@ -50,7 +50,7 @@ def plan(client: Any, values: Optional[list[str]], layers: list[int]) -> tuple[l
     The names are resolved as in process (`streamscope.workflows.cache._block_keys`, over the server's support
     tables). A value HTTP does not carry is refused where it was named, and listed with the reason where it came
     with the default or ``"all"``."""
-    from ..bulk.spec import value_names
+    from ..bulk.sites import value_names
     from ..workflows.cache import ALL, DEFAULT_VALUES, ROOT, _block_keys
 
     harvestable = set(value_names()) & set(client.facts["values"])
@@ -131,8 +131,7 @@ def remote_cache(client: Any, prompts: Any, values: Any = None, layers: Any = No
     from ..engine import check_padding_side, padded
     from ..errors import Unavailable
     from ..input_checks import indices, names
-    from ..workflows.cache import (Cache, _final_norm, _keep, _names_filter, _ordered, _pad, _slice_positions,
-                                   _token_ids)
+    from ..workflows.cache import Cache, _final_norm, _ordered, _pad, _token_ids, apply_run_with_cache_arguments
     from ..workflows.tl import as_index, keep_axis
 
     check_padding_side(padding_side)
@@ -177,16 +176,7 @@ def remote_cache(client: Any, prompts: Any, values: Any = None, layers: Any = No
                   num_heads=heads, tokenizer=client.tokenizer, logit_transform=facts["logit_transform"],
                   output_weights=engine.output_projections, down_weights=engine.down_projections,
                   learned_positions=facts["learned_positions"], padding_side=padding_side, model=client)
-    keep = _names_filter(names_filter)
-    if keep is not None:
-        _keep(cache, keep)
-        cache.names_filter = keep
-    if pos_slice is not None:
-        _slice_positions(cache, pos_slice)
-    if remove_batch_dim:
-        cache.remove_batch_dim()
-    if device is not None:
-        cache.to(device)
+    apply_run_with_cache_arguments(cache, names_filter, pos_slice, remove_batch_dim, device)
     return cache
 
 

@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..bulk.spec import ROOT_VALUES
+from ..bulk.sites import ROOT_VALUES
 from .writer import PART
 
 

@@ -279,7 +279,7 @@ STATISTICS_FIELDS = ("prompts", "labels", "value", "layers", "positions", "reduc
 def check_statistics(front: SweepContext, body: Any) -> dict[str, Any]:
     """A statistics request checked before anything runs (the in-process `statistics`' checks, and the sizes)."""
     from ..bulk.moments import _label_list, _pair_list, check_reduce
-    from ..bulk.spec import ROOT_VALUES, layer_list
+    from ..bulk.sites import ROOT_VALUES, layer_list
     from .protocol import positions_rule
 
     body = _fields(body, STATISTICS_FIELDS, ("prompts", "labels"))
@@ -314,7 +314,7 @@ def check_statistics(front: SweepContext, body: Any) -> dict[str, Any]:
 async def run_statistics(front: SweepContext, plan: dict[str, Any]) -> bytes:
     """The moments of `check_statistics`' `plan` (see the module's docstring), as safetensors bytes."""
     from ..bulk.moments import Accumulator, empty_moments
-    from ..bulk.spec import prompt_positions
+    from ..bulk.positions import prompt_positions
     from ..directions import identity
     from .head import pack
 

@@ -153,8 +153,8 @@ class RowRule:
 
     @classmethod
     def of_steer(cls, steer: Any, length: int, prompt: int) -> "RowRule":
-        """The rule of a bulk `Steer` (`streamscope.bulk.spec`) for prompt number `prompt` of `length` tokens."""
-        from ..bulk.spec import steer_positions
+        """The rule of a bulk `Steer` (`streamscope.bulk.steer`) for prompt number `prompt` of `length` tokens."""
+        from ..bulk.steer import steer_positions
 
         return cls.of(steer_positions(steer, length, prompt), length, steer.generated, steer.from_step)
 

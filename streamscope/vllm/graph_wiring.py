@@ -1,6 +1,6 @@
 """Put the graph ops (`streamscope.vllm.graph_ops`) at every block's stream boundaries of a vLLM model.
 
-Each site is found the bulk path's way (`streamscope.bulk.spec.locate` on
+Each site is found the bulk path's way (`streamscope.bulk.sites.locate` on
 streamscope's envoy tree over the worker's model): the module call that holds
 the value and its descriptor, so an op edits and reads exactly what a trace
 and the bulk path do (a fused block's two halves, `Summed`; a whole stream's
@@ -25,7 +25,7 @@ from typing import Any, Hashable, Mapping, Optional, Sequence
 
 import torch
 
-from ..bulk.spec import Site, locate
+from ..bulk.sites import Site, locate
 from ..errors import Unavailable
 from ..values import INPUT, StreamValue
 from .blocks import Summed

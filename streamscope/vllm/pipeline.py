@@ -21,7 +21,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .. import nnsight_seam as seam
-from ..bulk.spec import ROOT_VALUES, HarvestSpec, Site, locate
+from ..bulk.sites import ROOT_VALUES, Site, locate
+from ..bulk.spec import HarvestSpec
 
 
 def stages(num_layers: int, size: int) -> list[tuple[int, int]]:

@@ -668,7 +668,7 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
     stored = {key: stored[key] for key in _ordered(stored, aliases, keys)}
     stored_logits = _pad("logits", per_logits, longest, padding_side) if logits else None
     cache = _assemble(model, stored, tokens, mask, stored_logits, unavailable, padding_side)
-    _finish(cache, names_filter, pos_slice, remove_batch_dim, device)
+    apply_run_with_cache_arguments(cache, names_filter, pos_slice, remove_batch_dim, device)
     return cache
 
 
@@ -705,8 +705,9 @@ def _assemble(model: Any, stored: dict[str, torch.Tensor], tokens: torch.Tensor,
                  learned_positions=model.family_spec.learned_positions, padding_side=padding_side, model=model)
 
 
-def _finish(cache: Cache, names_filter: Any, pos_slice: Any, remove_batch_dim: bool, device: Any) -> None:
-    """TransformerLens's run_with_cache arguments applied to a built cache, in place, in TL's order."""
+def apply_run_with_cache_arguments(cache: Cache, names_filter: Any, pos_slice: Any, remove_batch_dim: bool, device: Any) -> None:
+    """TransformerLens's run_with_cache arguments applied to a built cache, in place, in TL's order (a model's
+    cache here, a server's in `streamscope.serve.remote_cache`)."""
     keep = _names_filter(names_filter)
     if keep is not None:
         _keep(cache, keep)

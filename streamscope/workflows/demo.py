@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,14 +55,24 @@ def main(argv: list[str] | None = None) -> None:
 
     path = arguments.path or smollm2()
     model = streamscope.load(path, engine=arguments.engine)
-    tokenizer = model.tokenizer
     settings = model.engine.one_forward  # on vLLM: run the prompt, sample one token
     out = arguments.out
-    answer = tokenizer(ANSWER, add_special_tokens=False)["input_ids"][0]
+    answer = model.tokenizer(ANSWER, add_special_tokens=False)["input_ids"][0]
     print(f"SmolLM2-135M-Instruct on {arguments.engine} ({path})\n")
     print(model.support(), "\n")
 
-    # 1. The logit lens: where the answer appears.
+    first = _lens(model, out)
+    _edit(model, settings)
+    _skips(model, settings, answer)
+    _patching(model, out)
+    _attention(model, out, first or 0)
+    _logit_split(model, answer)
+
+    model.engine.close()
+
+
+def _lens(model: Any, out: Path) -> int | None:
+    """1. The logit lens: where the answer appears. The first block whose top token is the answer, if any."""
     lens = streamscope.lens(model, FACT, top_k=3)
     print(f"Logit lens on {FACT!r}: each block's stream at the last position through the model's own final norm "
           f"and unembedding (top token, its probability):")
@@ -74,8 +85,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  block {layer:>2}: {text!r:>10} {probability:.3f}")
     print(f"  {ANSWER!r} is the lens's top token from block {first} on\n")
     print(f"  wrote {lens.plot(out / 'lens.png')}\n")
+    return first
 
-    # 2. An edit: move block 10's stream at ' France' towards where ' Italy' puts it.
+
+def _edit(model: Any, settings: dict[str, Any]) -> None:
+    """2. An edit: move block 10's stream at ' France' towards where ' Italy' puts it."""
+    tokenizer = model.tokenizer
     with torch.no_grad(), model.trace(CORRUPTED, **settings):
         italy = model.layers[10].layer_output.save()
     with torch.no_grad(), model.trace(CLEAN, **settings):
@@ -89,7 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  with block 10's layer_output at ' France' moved by (Italy - France): "
           f"{_top(_last_logits(edited), tokenizer)}\n")
 
-    # 3. A skip: each block in turn hands its input on unchanged.
+
+def _skips(model: Any, settings: dict[str, Any], answer: int) -> None:
+    """3. A skip: each block in turn hands its input on unchanged."""
     skips = []
     for layer in range(model.num_layers):
         with torch.no_grad(), model.trace(FACT, **settings):
@@ -103,7 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Skipping one block at a time on {FACT!r}: P({ANSWER!r}) is {base:.3f} with every block;")
     print("  " + ", ".join(f"without block {layer}: {skips[layer]:.3f}" for layer in worst) + "\n")
 
-    # 4. Activation patching: which block and position carry the country.
+
+def _patching(model: Any, out: Path) -> None:
+    """4. Activation patching: which block and position carry the country."""
     result = streamscope.patch(model, CLEAN, CORRUPTED, answer=ANSWER, wrong=WRONG, value="layer_output")
     restoring = result.normalized[:, 3]
     print(f"Patching layer_output from {CLEAN!r} into {CORRUPTED!r} (metric: logit({ANSWER!r}) - logit({WRONG!r}); "
@@ -113,14 +132,18 @@ def main(argv: list[str] | None = None) -> None:
           f"at the last position {float(result.normalized[-1, -1]):.2f} at block {model.num_layers - 1}")
     print(f"  wrote {result.plot(out / 'patching.png')}\n")
 
-    # 5. Attention: one block's pattern, each head, tokens on the axes.
-    cache = model.cache(FACT, values=["self_attn.pattern"], layers=[first or 0], logits=False)
-    tokens = [tokenizer.decode([int(token)]) for token in cache.tokens[0]]
-    pattern = cache[f"layers.{first or 0}.self_attn.pattern"]
-    print(f"Block {first or 0}'s attention pattern {tuple(pattern.shape)}: "
-          f"wrote {plot.attention(pattern, tokens, out / 'attention.png', title=f'block {first or 0}')}\n")
 
-    # 6. Direct logit attribution: which sublayers write the answer.
+def _attention(model: Any, out: Path, block: int) -> None:
+    """5. Attention: one block's pattern, each head, tokens on the axes."""
+    cache = model.cache(FACT, values=["self_attn.pattern"], layers=[block], logits=False)
+    tokens = [model.tokenizer.decode([int(token)]) for token in cache.tokens[0]]
+    pattern = cache[f"layers.{block}.self_attn.pattern"]
+    print(f"Block {block}'s attention pattern {tuple(pattern.shape)}: "
+          f"wrote {plot.attention(pattern, tokens, out / 'attention.png', title=f'block {block}')}\n")
+
+
+def _logit_split(model: Any, answer: int) -> None:
+    """6. Direct logit attribution: which sublayers write the answer."""
     cache = model.cache(FACT)
     parts, labels = cache.decompose_resid(return_labels=True)
     attributions = cache.logit_attrs(parts, tokens=answer)[:, 0, -1]
@@ -130,8 +153,6 @@ def main(argv: list[str] | None = None) -> None:
     print(f"The {ANSWER!r} logit split over the stream's parts (final norm's scale and weight applied; they sum to "
           f"{total:.2f}, the logit {float(cache.logits[0, -1, answer]):.2f}):")
     print("  " + ", ".join(f"{labels[i]} {float(attributions[i]):+.2f}" for i in order))
-
-    model.engine.close()
 
 
 if __name__ == "__main__":

@@ -246,9 +246,7 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
     Returns:
         A `Patching`: the metric under each patch, ``[blocks, positions]`` or ``[blocks, heads]``.
     """
-    from tqdm.auto import tqdm
-
-    from ..input_checks import indices, one_prompt
+    from ..input_checks import indices
 
     from .attribution import check_method, refuse_without_gradients
 
@@ -258,6 +256,31 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
     if remote is not None:  # a server runs the sweep itself (`streamscope.serve.sweeps`), with its noise floor
         return remote(clean, corrupted, metric, answer=answer, wrong=wrong, value=value, layers=layers,
                       positions=positions, batch_size=batch_size, progress=progress)
+    clean, corrupted, corrupted_ids, metric = _checked_prompts(model, clean, corrupted, metric, answer, wrong)
+    layers = indices(layers, model.num_layers, "block", "streamscope.patch")
+    names = _checked_names(model, value, layers)
+    heads = value in HEAD_VALUES
+    positions = indices(positions, len(corrupted_ids), "position", "streamscope.patch")
+
+    if method == "attribution":
+        return _attribution(model, (clean, corrupted), metric, layers, names, positions, value)
+    stacked, clean_logits = clean_values(model, clean, layers, names)
+    _, corrupted_logits = clean_values(model, corrupted, layers[:1], names)
+    patches, columns, labels = _patches(model, stacked, layers, positions, heads, corrupted_ids)
+    outcomes = _patch_outcomes(model, corrupted, patches, names, positions if heads else None, metric, batch_size,
+                               progress, _trace_route(model, layers, names, heads))
+    effects = torch.tensor(outcomes).reshape(len(layers), len(columns))
+    return Patching(effects, float(metric(clean_logits.float())), float(metric(corrupted_logits.float())),
+                    layers, columns, labels, value, getattr(metric, "__name__", "metric"), (clean, corrupted))
+
+
+def _checked_prompts(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[torch.Tensor], Any]],
+                     answer: Optional[str | int], wrong: Optional[str | int]
+                     ) -> tuple[str, str, list[int], Callable[[torch.Tensor], Any]]:
+    """`patch`'s two prompts (one each, of one token count), the corrupted one's token ids, and the metric (the
+    answer's logit difference where none is given); a clear error naming the fix otherwise."""
+    from ..input_checks import one_prompt
+
     several = "Patch each pair of prompts with its own call."
     clean, corrupted = (one_prompt(prompt, "streamscope.patch", several) for prompt in (clean, corrupted))
     tokenizer = model.tokenizer
@@ -270,29 +293,30 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
             raise ValueError("give a metric (a function of the last position's logits), or answer= and wrong= "
                              "for their logit difference")
         metric = logit_difference(_token_id(tokenizer, answer), _token_id(tokenizer, wrong))
-    layers = indices(layers, model.num_layers, "block", "streamscope.patch")
+    return clean, corrupted, corrupted_ids, metric
+
+
+def _checked_names(model: Any, value: str, layers: Sequence[int]) -> dict[int, str]:
+    """Each block's full name of `value`, after refusing (`Unavailable`, with the reason) a value a block does not
+    serve, before anything runs."""
+    from ..errors import Unavailable
+
     gated = model.family_spec.gated_head_outputs
     if value == "head_results" and gated is not None:
-        from ..errors import Unavailable
-
         raise Unavailable(value, "streamscope.patch", f"{gated}, and a patch of head_results is made at head_outputs: "
                           f"patch value='head_outputs' (each head's output before the gate), or edit "
                           f"self_attn.head_results in a trace")
     names = {layer: _full_name(model, layer, value) for layer in layers}
-    for layer in layers:  # an unserved value says why before anything runs
+    for layer in layers:
         reason = model.layers[layer].support().rows.get(names[layer], "not a value of this block")
         if reason is not None:
-            from ..errors import Unavailable
-
             raise Unavailable(value, f"model.layers[{layer}]", reason)
-    heads = value in HEAD_VALUES
-    length = len(corrupted_ids)
-    positions = indices(positions, length, "position", "streamscope.patch")
+    return names
 
-    if method == "attribution":
-        return _attribution(model, (clean, corrupted), metric, layers, names, positions, value)
-    stacked, clean_logits = clean_values(model, clean, layers, names)
-    _, corrupted_logits = clean_values(model, corrupted, layers[:1], names)
+
+def _patches(model: Any, stacked: torch.Tensor, layers: Sequence[int], positions: list[int], heads: bool,
+             corrupted_ids: list[int]) -> tuple[list[tuple[int, int, torch.Tensor]], list[int], list[str]]:
+    """Every patch, ``(block, column, clean value)`` in row order, with the columns and their labels."""
     patches: list[tuple[int, int, torch.Tensor]] = []
     if heads:
         columns = list(range(stacked.shape[3]))
@@ -303,22 +327,26 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
                 patches.append((layer, head, stacked[row][:, positions, head]))
     else:
         columns = positions
-        labels = [tokenizer.decode([corrupted_ids[p]]) for p in positions]
+        labels = [model.tokenizer.decode([corrupted_ids[p]]) for p in positions]
         for row, layer in enumerate(layers):
             for position in positions:
                 patches.append((layer, position, stacked[row, :, position]))
+    return patches, columns, labels
 
-    traced = _trace_route(model, layers, names, heads)
+
+def _patch_outcomes(model: Any, corrupted: str, patches: list[tuple[int, int, torch.Tensor]], names: dict[int, str],
+                    heads: Optional[list[int]], metric: Callable[[torch.Tensor], Any], batch_size: Optional[int],
+                    progress: Optional[bool], traced: set[int]) -> list[float]:
+    """The metric of the corrupted run under each patch, in order, `batch_size` patches a run."""
+    from tqdm.auto import tqdm
+
     batch_size = model.engine.batch(batch_size, 16, len(patches))
     show = progress if progress is not None else len(patches) > batch_size
     outcomes: list[float] = []
     for start in tqdm(range(0, len(patches), batch_size), desc="patch", unit="step", disable=not show):
-        for logits in _patched_logits(model, corrupted, patches[start : start + batch_size], names,
-                                      positions if heads else None, traced):
+        for logits in _patched_logits(model, corrupted, patches[start : start + batch_size], names, heads, traced):
             outcomes.append(float(metric(logits.float())))
-    effects = torch.tensor(outcomes).reshape(len(layers), len(columns))
-    return Patching(effects, float(metric(clean_logits.float())), float(metric(corrupted_logits.float())),
-                    layers, columns, labels, value, getattr(metric, "__name__", "metric"), (clean, corrupted))
+    return outcomes
 
 
 def _attribution(model: Any, prompts: tuple[str, str], metric: Callable[[torch.Tensor], Any], layers: Sequence[int],

@@ -14,6 +14,7 @@ the stream in two halves) and GPT-2 (the stream whole).
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -28,7 +29,9 @@ from streamscope.bulk.spec import Steer
 from streamscope.vllm.bulk import worker_tree
 from streamscope.vllm.graph_plan import GraphPlan, PlannedSteer, RowRule
 from streamscope.vllm.graph_ops import cache_salt, ops_source
-from streamscope.vllm.graph_wiring import graph_sites, insert_ops, site_name, wiring_source
+from streamscope.vllm.families import envoys_for, family_for
+from streamscope.vllm.graph_wiring import graph_sites, insert_ops, site_name, unserved, wiring_source
+from streamscope.values import ComputedValue, StreamValue
 
 pytestmark = pytest.mark.skipif(precision.ON_GPU, reason="CPU groundwork of issue 39: the ops run eagerly in vLLM's CPU engine here; the GPU session wires them into the compiled, graphed engine and runs this comparison there (docs/graph-ops.md)")
 
@@ -39,6 +42,26 @@ CASES = [("layer_output", 0, "add", False, "all"), ("layer_mid", 1, "set", True,
          ("layer_input", 1, "ablate", False, "all_but_first"), ("mlp_input", 0, "clamp", False, "all"),
          ("self_attn.attention_output", 0, "ablate", True, "last"), ("mlp.mlp_output", 1, "clamp", True, [1, 3])]
 SETTINGS = {"add": {"scale": 0.8}, "set": {"scale": 1.5}, "ablate": {"scale": 1.0}, "clamp": {"projection": 2.0}}
+
+
+def graph_served(family: str, value: str) -> bool:
+    """Whether the graph ops sit at `value` on `family`'s vLLM blocks, read off the family's own module: the kind
+    its spec composes for the value's envoy (the block kind with the family's layout, or the sublayer's kind),
+    which must declare the value, not list it as unserved, and hold it in a form the ops take (`unserved`)."""
+    role, _, name = value.rpartition(".")
+    kind = envoys_for(family_for(family).SPEC).get(role or "layers.*")
+    descriptor = getattr(kind, name, None)
+    if not isinstance(descriptor, StreamValue) or isinstance(descriptor, ComputedValue):
+        return False
+    return name not in kind.UNSERVED and unserved(SimpleNamespace(descriptor=descriptor)) is None
+
+
+def pytest_generate_tests(metafunc: Any) -> None:
+    """A family's class runs the cases at values its blocks serve to the ops (`graph_served`), and only those: no
+    case is skipped when it runs."""
+    if "case" in metafunc.fixturenames:
+        served = [case for case in CASES if graph_served(metafunc.cls.FAMILY, case[0])]
+        metafunc.parametrize("case", served, ids=[f"{case[2]}-{case[0]}" for case in served])
 
 
 class GraphEngine:
@@ -104,13 +127,15 @@ class GraphEngine:
         return [tensor for tensor in taken if tensor is not None]
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt2"])
+@pytest.fixture(scope="class")
 def engines(request: Any, checkpoints: Any) -> Any:
+    """A family's streamscope engine and its plain engine with the ops, shared by the family's class."""
+    family = request.cls.FAMILY
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    path = checkpoints(request.param)
+    path = checkpoints(family)
     model = streamscope.load(path, engine="vllm", **precision.engine_kwargs())
-    graph = GraphEngine(str(path), request.param)
-    yield request.param, model, graph
+    graph = GraphEngine(str(path), family)
+    yield family, model, graph
     graph.inserted.remove()
     model.close()
     del graph
@@ -124,34 +149,56 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return float((got - want).abs().max()) <= precision.CPU_FLOAT32 * float(want.abs().max())
 
 
-def test_ops_sit_at_every_boundary(engines: Any) -> None:
-    family, _, graph = engines
-    for layer in range(graph.blocks):
-        for value in ("layer_input", "layer_mid", "layer_output", "self_attn.attention_output", "mlp.mlp_output"):
-            assert site_name(value, layer) in graph.sites, (family, value, graph.skipped)
-    assert graph.inserted.handles
-    # The salt the engine's compile cache takes: this set of ops at these sites, with the ops' and hooks' code.
-    assert graph.inserted.salt == cache_salt(list(graph.sites), 1, graph.outputs, ops_source() + wiring_source())
+class OnAFamily:
+    """The ops on one family's engines: a subclass per family names it (`FAMILY`)."""
+
+    FAMILY = ""
+
+    def test_ops_sit_at_every_boundary(self, engines: Any) -> None:
+        family, _, graph = engines
+        for layer in range(graph.blocks):
+            for value in ("layer_input", "layer_mid", "layer_output", "self_attn.attention_output", "mlp.mlp_output"):
+                assert site_name(value, layer) in graph.sites, (family, value, graph.skipped)
+        assert graph.inserted.handles
+        # The salt the engine's compile cache takes: this set of ops at these sites, with the ops' and hooks' code.
+        assert graph.inserted.salt == cache_salt(list(graph.sites), 1, graph.outputs, ops_source() + wiring_source())
+
+    def test_steer_through_the_ops_equals_the_bulk_path(self, engines: Any, case: tuple) -> None:
+        family, model, graph = engines
+        value, layer, mode, norm_match, positions = case
+        name = site_name(value, layer)
+        assert name in graph.sites, (family, value, graph.skipped.get(name))  # the family's kinds said it is served
+        steer = Steer(value, layer, vector(model.hidden_size, 5), mode=mode, norm_match=norm_match, positions=positions,
+                      max_dose=None, prompts=[0], **SETTINGS[mode])
+        bulk = model.harvest(PROMPTS, "layer_output", positions="all", steer=[steer], progress=False)["layer_output"]
+        token_ids = spec.token_ids(model, PROMPTS)
+        operation = steer.operation(torch.float32, "cpu")
+        planned = PlannedSteer([name], operation, RowRule.of_steer(steer, len(token_ids[0]), 0), repr(case))
+        steered = graph.harvest(token_ids, {0: [planned]})
+        plain = graph.harvest(token_ids, {})
+        assert steered[0].shape == bulk[0].shape
+        assert close(steered[0], bulk[0]), (family, case)
+        assert not close(plain[0], bulk[0])  # the steer changed the run: the comparison above can fail
+        # The prompt batched beside the steered one: bit for bit its run in a batch nobody steers.
+        assert torch.equal(steered[1], plain[1])
+        assert close(plain[1], bulk[1])
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{case[2]}-{case[0]}" for case in CASES])
-def test_steer_through_the_ops_equals_the_bulk_path(engines: Any, case: tuple) -> None:
-    family, model, graph = engines
-    value, layer, mode, norm_match, positions = case
-    name = site_name(value, layer)
-    if name not in graph.sites:
-        pytest.skip(f"{family} has no {value}: {graph.skipped.get(name)}")
-    steer = Steer(value, layer, vector(model.hidden_size, 5), mode=mode, norm_match=norm_match, positions=positions,
-                  max_dose=None, prompts=[0], **SETTINGS[mode])
-    bulk = model.harvest(PROMPTS, "layer_output", positions="all", steer=[steer], progress=False)["layer_output"]
-    token_ids = spec.token_ids(model, PROMPTS)
-    operation = steer.operation(torch.float32, "cpu")
-    planned = PlannedSteer([name], operation, RowRule.of_steer(steer, len(token_ids[0]), 0), repr(case))
-    steered = graph.harvest(token_ids, {0: [planned]})
-    plain = graph.harvest(token_ids, {})
-    assert steered[0].shape == bulk[0].shape
-    assert close(steered[0], bulk[0]), (family, case)
-    assert not close(plain[0], bulk[0])  # the steer changed the run: the comparison above can fail
-    # The prompt batched beside the steered one: bit for bit its run in a batch nobody steers.
-    assert torch.equal(steered[1], plain[1])
-    assert close(plain[1], bulk[1])
+class TestLlama(OnAFamily):
+    """A fused block: the stream in two halves."""
+
+    FAMILY = "llama"
+
+
+class TestGpt2(OnAFamily):
+    """The stream whole."""
+
+    FAMILY = "gpt2"
+
+
+def test_the_served_cases_are_read_off_the_families_kinds() -> None:
+    # Every case on the two families here; a value a family's block kind scales (Granite's attention output,
+    # which the ops leave to the hook path) or does not declare, not.
+    assert all(graph_served(family, case[0]) for family in ("llama", "gpt2") for case in CASES)
+    assert graph_served("granite", "layer_output") and not graph_served("granite", "self_attn.attention_output")
+    assert not graph_served("llama", "self_attn.head_results") and not graph_served("llama", "nonesuch")
