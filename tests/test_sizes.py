@@ -17,16 +17,10 @@ MODULE_LINES = 800
 FUNCTION_LINES = 80
 
 #: Modules still over `MODULE_LINES` (path under streamscope/): what removes each.
-LONG_MODULES = {
-    "nnsight_seam.py": "issue 40 item 1: the saves transport moves out of the seam (session 19, helper C)",
-    "serve/worker.py": "issue 39 item 4: one applier for the bulk path and the server (session 19, helper E)",
-}
+LONG_MODULES: dict[str, str] = {}
 #: Functions still over `FUNCTION_LINES` (``path:qualified name``): what removes each.
 LONG_FUNCTIONS = {
-    "nnsight_seam.py:_pack_into_buffer": "issue 40 item 1: the saves transport's own module, split (helper C)",
-    "serve/worker.py:ServeState.__init__": "issue 39 item 4: the one applier takes the plan state (helper E)",
-    "serve/worker.py:ServeState.plan_step": "issue 39 item 4: the one applier plans each step (helper E)",
-    "serve/server.py:Front.router": "issue 40 item 6: split once this session's middleware edit (helper B) lands",
+    "serve/server.py:Front.router": "issue 40 item 6: the routes declared once with the request's schema (item 4)",
 }
 
 

@@ -23,13 +23,11 @@ to the request's token rows.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import logging
 import math
 import re
 import sys
-import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -43,6 +41,7 @@ from ..bulk.dose import CARRIED, carried_how, carried_norm, judge_dose
 from ..bulk.spec import (CALIBRATION_TEXT, DOSE_ACTIONS, MAX_DOSE, ROOT_VALUES, SKIP_FIRST, Positions, Steer,
                          SteerError, check_steer, harvest_spec, prompt_positions, value_names)
 from ..errors import Unavailable, untapped
+from .forwarding import uniform
 
 #: Where a clamped or warned steer dose is logged (and printed to the server's stderr, which its log holds).
 dose_logger = logging.getLogger("streamscope.serve")
@@ -762,51 +761,5 @@ def _prompt_count(body: dict[str, Any]) -> int:
     return 1
 
 
-def uniform(steers: list[dict[str, Any]]) -> bool:
-    """Whether every steer edits every position, prompt and generated, alike (its edit does not depend on where a
-    prompt ends): at every position, or at every one but the first (the default), which is the same position in
-    every prompt, so a shared prefix is edited the same way whichever prompt it starts."""
-    return all(item["positions"] in ("all", SKIP_FIRST) and item["generated"] and not item.get("from_step")
-               for item in steers)
-
-
-def worker_payload(checked: Checked, harvest_id: Optional[str]) -> str:
-    """The JSON the worker reads from the request's ``extra_args``: steers and harvest, no prompt."""
-    payload: dict[str, Any] = {"steer": checked.steer_payload}
-    if checked.harvest is not None:
-        payload["harvest"] = {key: checked.harvest[key] for key in ("values", "layers", "positions", "sae", "top_k",
-                                                                     "reduce") if key in checked.harvest}
-        payload["harvest"]["id"] = harvest_id
-    return json.dumps(payload, separators=(",", ":"))
-
-
-def cache_salt(checked: Checked, body: dict[str, Any], harvest_id: Optional[str],
-               harvest_prefix_cache: bool = False) -> Optional[str]:
-    """vLLM's per-request prefix-cache salt: KV blocks are shared only between requests steered alike.
-
-    A harvest gets a salt of its own (every position it reads must run), as
-    does a request with a request-scoped condition (it decides on every
-    prompt position),
-    except, with `harvest_prefix_cache` (``--harvest-prefix-cache``), one of
-    the last position only: vLLM runs a prompt's last token whatever its cache
-    holds, so that harvest takes its steers' salt (none without steers) and
-    reads the prefix other requests left. A steer that edits every position,
-    prompt and generated, changes the KV of any prefix the same way, so
-    requests with the same steers share blocks; any other steer (``"last"``,
-    some indices, ``generated: false``) depends on where the prompt ends, so
-    its salt also holds the prompt.
-    """
-    if harvest_id is not None and not (harvest_prefix_cache and checked.harvest is not None
-                                       and checked.harvest.get("positions") == "last"):
-        return f"streamscope-harvest-{harvest_id}"
-    if any((item.get("condition") or {}).get("scope") == "request" for item in checked.steer_payload):
-        return f"streamscope-decides-{uuid.uuid4().hex}"  # its decision reads every prompt position: none cached
-    if not checked.steer_payload:
-        return None
-    steers = json.dumps(checked.steer_payload, sort_keys=True)
-    prompt = "" if uniform(checked.steer_payload) else json.dumps([body.get("prompt"), body.get("messages")], sort_keys=True, default=str)
-    return "streamscope-" + hashlib.sha256((steers + "|" + prompt).encode()).hexdigest()
-
-
-__all__ = ["Checker", "Checked", "Limits", "RequestError", "FIELD", "XARG", "WARNINGS_HEADER", "worker_payload", "cache_salt",
+__all__ = ["Checker", "Checked", "Limits", "RequestError", "FIELD", "XARG", "WARNINGS_HEADER",
            "rule_json", "positions_rule", "vector_bytes", "vector_from_bytes"]

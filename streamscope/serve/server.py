@@ -31,8 +31,9 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from fastapi import Request  # at module level: FastAPI reads the routes' annotations by name
 
-from .protocol import (FIELD, WARNINGS_HEADER, XARG, Checker, Limits, RequestError, cache_salt, needs_lengths,
-                       unknown_sae, worker_payload)
+from .protocol import (FIELD, WARNINGS_HEADER, XARG, Checker, Limits, RequestError, needs_lengths,
+                       unknown_sae)
+from .forwarding import cache_salt, worker_payload
 from .storage import SAEs, Harvests, Vectors, read_upload, sae_from_bytes, unknown_vector
 
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")

@@ -250,7 +250,7 @@ class ServeState(RequestApplier):
                 live.harvest_meta["values"] = ["sae_features"] if top_k is None else ["sae_values", "sae_indices"]
             if not live.written and self.writer and self.folder is not None:
                 live.key = next(self.harvest_keys)
-                self.writer_thread.put(("admit", live.key, self._record(live)))
+                self.writer_thread.put(("admit", live.key, self.record_of(live)))
         return live
 
     def condition(self, data: dict[str, Any], steer: dict[str, Any]) -> tuple[Condition, Site]:
@@ -265,7 +265,7 @@ class ServeState(RequestApplier):
         return condition, self.site(data["value"], data["layer"])
 
     @staticmethod
-    def _record(live: Live) -> Record:
+    def record_of(live: Live) -> Record:
         """What the harvest writer needs of `live`'s harvest: its size, metadata and the runs of its file."""
         runs, first, layers = [], 0, len(live.harvest_meta["layers"])
         for value in live.harvest_meta["values"] if live.sae is None else ():

@@ -1,0 +1,67 @@
+"""What a checked request becomes in vLLM's own request: the worker's payload and the prefix-cache salt.
+
+The front end's check (`streamscope.serve.protocol.Checker`) gives a `Checked`
+plan; the server puts `worker_payload` in the request's ``vllm_xargs`` (the
+worker reads it from ``SamplingParams.extra_args``) and `cache_salt` in its
+``cache_salt`` (vLLM shares KV blocks only between requests of one salt).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from typing import Any, Optional
+
+from ..bulk.spec import SKIP_FIRST
+
+Checked = Any  # a `streamscope.serve.protocol.Checked` (not imported: protocol imports this module)
+
+
+def uniform(steers: list[dict[str, Any]]) -> bool:
+    """Whether every steer edits every position, prompt and generated, alike (its edit does not depend on where a
+    prompt ends): at every position, or at every one but the first (the default), which is the same position in
+    every prompt, so a shared prefix is edited the same way whichever prompt it starts."""
+    return all(item["positions"] in ("all", SKIP_FIRST) and item["generated"] and not item.get("from_step")
+               for item in steers)
+
+
+def worker_payload(checked: Checked, harvest_id: Optional[str]) -> str:
+    """The JSON the worker reads from the request's ``extra_args``: steers and harvest, no prompt."""
+    payload: dict[str, Any] = {"steer": checked.steer_payload}
+    if checked.harvest is not None:
+        payload["harvest"] = {key: checked.harvest[key] for key in ("values", "layers", "positions", "sae", "top_k",
+                                                                     "reduce") if key in checked.harvest}
+        payload["harvest"]["id"] = harvest_id
+    return json.dumps(payload, separators=(",", ":"))
+
+
+def cache_salt(checked: Checked, body: dict[str, Any], harvest_id: Optional[str],
+               harvest_prefix_cache: bool = False) -> Optional[str]:
+    """vLLM's per-request prefix-cache salt: KV blocks are shared only between requests steered alike.
+
+    A harvest gets a salt of its own (every position it reads must run), as
+    does a request with a request-scoped condition (it decides on every
+    prompt position),
+    except, with `harvest_prefix_cache` (``--harvest-prefix-cache``), one of
+    the last position only: vLLM runs a prompt's last token whatever its cache
+    holds, so that harvest takes its steers' salt (none without steers) and
+    reads the prefix other requests left. A steer that edits every position,
+    prompt and generated, changes the KV of any prefix the same way, so
+    requests with the same steers share blocks; any other steer (``"last"``,
+    some indices, ``generated: false``) depends on where the prompt ends, so
+    its salt also holds the prompt.
+    """
+    if harvest_id is not None and not (harvest_prefix_cache and checked.harvest is not None
+                                       and checked.harvest.get("positions") == "last"):
+        return f"streamscope-harvest-{harvest_id}"
+    if any((item.get("condition") or {}).get("scope") == "request" for item in checked.steer_payload):
+        return f"streamscope-decides-{uuid.uuid4().hex}"  # its decision reads every prompt position: none cached
+    if not checked.steer_payload:
+        return None
+    steers = json.dumps(checked.steer_payload, sort_keys=True)
+    prompt = "" if uniform(checked.steer_payload) else json.dumps([body.get("prompt"), body.get("messages")], sort_keys=True, default=str)
+    return "streamscope-" + hashlib.sha256((steers + "|" + prompt).encode()).hexdigest()
+
+
+__all__ = ["cache_salt", "uniform", "worker_payload"]
