@@ -23,6 +23,9 @@ and no weights (``load_format="dummy"``).
 
     python benchmarks/harvest_scale.py --tiny --rounds 2                      # a CPU check, ~1 minute
     python benchmarks/harvest_scale.py --shape 70b --fp8 --prompts 512 --length 1024 --rounds 3 --out /tmp/h
+
+On the lent H200 (vLLM 0.22) an FP8 engine needs ``python3 scripts/humming_stub.py /tmp/site`` first: vLLM's
+quantization registry imports the ``humming`` kernel package, which the carried wheels lack (see that script).
 """
 
 from __future__ import annotations

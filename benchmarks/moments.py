@@ -47,14 +47,17 @@ def prompts_of(count: int, vocab: int, seed: int) -> list[list[int]]:
 
 def timed(runs: dict, rounds: int) -> dict[str, float]:
     """Median wall seconds of each run, measured in turn round by round (the order flipped every round)."""
-    for run in runs.values():
+    for name, run in runs.items():  # each run said as it ends, so a run cut short by a time limit says how far it got
+        start = time.perf_counter()
         run()
+        print(f"  warm-up {name}: {time.perf_counter() - start:.2f} s", flush=True)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for index in range(rounds):
         for name in (list(runs) if index % 2 == 0 else list(runs)[::-1]):
             start = time.perf_counter()
             runs[name]()
             times[name].append(time.perf_counter() - start)
+            print(f"  round {index + 1} {name}: {times[name][-1]:.2f} s", flush=True)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
@@ -166,7 +169,10 @@ def main() -> None:
     server = Server([sys.executable, "-m", "streamscope", "serve", str(path), "--api-key", KEY, *options, *share],
                     folder / "server.log")
     try:
-        server.wait_up(time.monotonic() + 900)
+        started = time.monotonic()
+        server.wait_up(started + 900)
+        print(f"moments.py, {args.shape}: {args.prompts} prompts; the server up in {time.monotonic() - started:.0f} s "
+              f"(torch {torch.__version__})", flush=True)
         client = streamscope.Client(server.url, api_key=KEY, concurrency=64)
         block = client.num_layers // 2 if args.block is None else args.block
         prompts = prompts_of(args.prompts, client.vocab_size, 0)
