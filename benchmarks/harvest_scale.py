@@ -8,7 +8,8 @@ One engine, one run, rounds alternating (issue 43):
 
 then, once each, what binds where the harvest falls short, each measured alone:
 
-  disk      the same shards written from host memory by the harvest's own writer (`ShardWriter`): bytes/s
+  disk      the same shards written from host memory by the harvest's own writer (`ShardWriter`, a background
+            thread): bytes/s, and the seconds its caller blocked; beside it clone + `save_file` (the writer before)
   host      the same bytes copied device -> pinned host memory: bytes/s
   parquet   `streamscope.scale.harvest(..., replicas=1, format="parquet")`: the tables SAE trainers read
             (a Ray actor holds the engine, so the in-process engine is closed first)
@@ -22,6 +23,7 @@ Shapes: ``--shape 8b`` (Llama-3-8B, bfloat16), ``--shape 70b`` (Llama-3-70B; ``-
 and no weights (``load_format="dummy"``).
 
     python benchmarks/harvest_scale.py --tiny --rounds 2                      # a CPU check, ~1 minute
+    python benchmarks/harvest_scale.py --disk-only --prompts 64 --length 256  # the writer alone, no engine
     python benchmarks/harvest_scale.py --shape 70b --fp8 --prompts 512 --length 1024 --rounds 3 --out /tmp/h
 
 On the lent H200 (vLLM 0.22) an FP8 engine needs ``python3 scripts/humming_stub.py /tmp/site`` first: vLLM's
@@ -127,21 +129,75 @@ def alternate(functions: dict[str, Callable[[], Any]], rounds: int, after: Calla
     return times
 
 
-def disk_alone(out: Path, harvest_folder_bytes: int, shard: Any, spec: Any, copies: int) -> float:
-    """Bytes/s of the harvest's own writer writing `copies` of one in-memory shard (as large as the engine's)."""
+def disk_alone(out: Path, shard: Any, spec: Any, copies: int) -> dict[str, float]:
+    """The disk alone: `copies` of one in-memory shard (as large as the engine's) written two ways, the same bytes.
+
+    ``writer``: bytes/s of the harvest's own writer (`ShardWriter`: a background thread writing each tensor from
+    its memory), timed from the first `write` to `close` returning (every shard on disk, the index written);
+    ``blocked``: the seconds its caller (the engine's thread, in a harvest) spent inside `write`, the rest being
+    free to run the next chunk; ``save_file``: bytes/s of what the writer replaced, each shard's tensors cloned and
+    written by safetensors' `save_file` in the caller's thread.
+    """
+    from safetensors.torch import save_file
+
     from streamscope.bulk.results import ShardWriter
 
     folder = out / "disk-alone"
     shutil.rmtree(folder, ignore_errors=True)
     writer = ShardWriter(folder, spec, copies * len(shard.prompts))
+    blocked = 0.0
     start = time.perf_counter()
     for _ in range(copies):
+        entered = time.perf_counter()
         writer.write(shard)
+        blocked += time.perf_counter() - entered
     writer.close()
     seconds = time.perf_counter() - start
     written = folder_bytes(folder)
     shutil.rmtree(folder, ignore_errors=True)
-    return written / seconds
+
+    folder.mkdir(parents=True)
+    start = time.perf_counter()
+    for number in range(copies):
+        tensors = {f"{value}/{prompt}": tensor.clone() for value, per_prompt in shard.values.items()
+                   for prompt, tensor in zip(shard.prompts, per_prompt)}
+        save_file(tensors, str(folder / f"shard-{number:05d}.safetensors"))
+    cloned_seconds = time.perf_counter() - start
+    cloned = folder_bytes(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"writer": written / seconds, "blocked": blocked, "save_file": cloned / cloned_seconds,
+            "bytes": float(written)}
+
+
+def print_disk_alone(rates: dict[str, float], copies: int, harvest_s: float | None = None) -> None:
+    share = f" of the harvest's {harvest_s:.2f} s" if harvest_s is not None else ""
+    print(f"  the disk alone, {rates['bytes'] / 2**30:.2f} GiB in {copies} shards from host memory:")
+    print(f"    the harvest's writer (background thread, no copy): {rates['writer'] / 2**30:.2f} GiB/s, "
+          f"{rates['bytes'] / rates['writer']:.2f} s{share}; its caller blocked {rates['blocked']:.2f} s")
+    print(f"    clone + safetensors save_file in the caller (the writer before): {rates['save_file'] / 2**30:.2f} "
+          f"GiB/s, {rates['bytes'] / rates['save_file']:.2f} s, all of it blocking")
+
+
+def disk_only(args: argparse.Namespace, shape: str) -> None:
+    """The disk part alone, with no engine: synthetic shards of the harvest's size (a CPU timing of the writer)."""
+    import torch
+
+    from streamscope.bulk.results import assemble
+    from streamscope.bulk.spec import HarvestSpec
+
+    sizes = SHAPES[shape]
+    layers = harvested_layers(sizes["num_hidden_layers"])
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    positions = [list(range(args.length))] * args.shard_size
+    spec = HarvestSpec(values=["layer_output"], layers=layers, positions=positions)
+    buffers = [torch.randn(len(layers), args.length, sizes["hidden_size"]).to(dtype) for _ in range(args.shard_size)]
+    shard = assemble(spec, buffers, list(range(args.shard_size)))
+    out = Path(args.out or tempfile.mkdtemp(prefix="harvest-scale-"))
+    out.mkdir(parents=True, exist_ok=True)
+    copies = max(1, args.prompts // args.shard_size)
+    print(f"harvest_scale.py --disk-only  {shape} shape, {dtype}; {args.shard_size} prompts x {args.length} tokens "
+          f"a shard, layer_output of {len(layers)} blocks; out {out}")
+    print_disk_alone(disk_alone(out, shard, spec, copies), copies)
 
 
 def host_alone(total_bytes: int) -> float:
@@ -198,11 +254,15 @@ def main() -> None:
     parser.add_argument("--shard-size", type=int, default=64)
     parser.add_argument("--out", default=None, help="where the harvests are written (a fast local disk)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: disk,host,parquet,saelens")
+    parser.add_argument("--disk-only", action="store_true", help="only the disk part, on synthetic shards")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     shape = "tiny" if args.tiny else args.shape
     if args.tiny:
         args.prompts, args.length = min(args.prompts, 16), min(args.length, 64)
+    if args.disk_only:
+        disk_only(args, shape)
+        return
 
     import torch
     import vllm
@@ -270,9 +330,7 @@ def main() -> None:
         spec = HarvestSpec(values=["layer_output"], layers=layers, positions="all")
         shutil.rmtree(harvest_folder, ignore_errors=True)
         copies = max(1, args.prompts // args.shard_size)
-        rate = disk_alone(out, written[-1], shard, spec, copies)
-        print(f"  the disk alone (the harvest's writer, from host memory): {rate / 2**30:.2f} GiB/s: the harvest's "
-              f"{written[-1] / 2**30:.2f} GiB take {written[-1] / rate:.2f} s of the harvest's {harvest_s:.2f} s")
+        print_disk_alone(disk_alone(out, shard, spec, copies), copies, harvest_s)
     if "host" not in skip:
         rate = host_alone(written[-1])
         print(f"  device -> host copies alone: {rate / 2**30:.2f} GiB/s: {written[-1] / rate:.2f} s of "

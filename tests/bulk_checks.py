@@ -134,6 +134,35 @@ def check_shards(model, folder, **options) -> None:
         model.harvest(PROMPTS, names, out=folder, progress=False, **options)
 
 
+def check_a_failed_harvest_leaves_no_index(model, folder, monkeypatch, module, **options) -> None:
+    """A run that fails after its first shard went to the writer: no index (a half harvest never looks complete),
+    the writer thread gone, and the model harvests on."""
+    import threading
+
+    from streamscope.bulk.results import INDEX
+
+    real = module.assemble
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a chunk failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "assemble", failing)
+    with pytest.raises(RuntimeError, match="a chunk failed"):
+        model.harvest(PROMPTS, "layer_output", layers=[0], positions="all", out=folder, shard_size=2,
+                      progress=False, **options)
+    monkeypatch.setattr(module, "assemble", real)
+    assert not (folder / INDEX).exists()
+    with pytest.raises(FileNotFoundError, match="was the run finished"):
+        streamscope.load_harvest(folder)
+    assert not [thread for thread in threading.enumerate() if thread.name == "streamscope-shard-writer"]
+    again = model.harvest(PROMPTS[:2], "layer_output", layers=[0], positions="all", progress=False, **options)
+    assert again.prompts == [0, 1]
+
+
 def check_bad_specs_fail_before_running(model, family: str, **options) -> None:
     vector = torch.zeros(model.hidden_size)
     with pytest.raises(ValueError, match="unknown value 'layer_out'.*layer_output"):

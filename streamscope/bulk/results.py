@@ -10,7 +10,8 @@ A harvest's layout, the same on both engines and on disk:
 * ``harvest["self_attn.head_results"]`` holds each head's result a position,
   ``[len(layers), positions, heads, hidden_size]``.
 
-On disk (``out=folder``) the prompts are written in shards as they finish,
+On disk (``out=folder``) the prompts are written in shards as they finish (by a
+writer thread, while the engine runs the next chunk: `ShardWriter`),
 ``shard-00000.safetensors`` ..., each tensor named ``"<value>/<prompt>"``,
 with ``index.json`` listing the values, blocks, positions and which prompts
 each shard holds. `load_harvest` reads a folder back into a `Harvest` (all
@@ -21,12 +22,16 @@ runs larger than memory.
 from __future__ import annotations
 
 import json
+import os
+import queue
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from .safetensors_io import write_safetensors
 from .sites import ROOT_VALUES
 from .spec import HarvestSpec
 
@@ -118,9 +123,20 @@ def assemble(spec: HarvestSpec, per_prompt: Sequence[Optional[torch.Tensor]], pr
 
 
 class ShardWriter:
-    """Writes a run's prompts to ``out`` in safetensors shards as they finish, then the index."""
+    """Writes a run's prompts to ``out`` in safetensors shards as they finish, then the index.
 
-    def __init__(self, out: str | Path, spec: HarvestSpec, prompts: int) -> None:
+    `write` hands a part to one writer thread and returns, so the engine runs the next chunk while the disk writes
+    this one. At most `held` parts are held by the writer (the one being written and those waiting); `write` blocks
+    while that many are held, so memory stays bounded however fast the engine is. `close` waits for every shard,
+    raises a writer error in the caller (naming the shard), and only then writes ``index.json``; `abort` (a failed
+    run) stops the thread and writes no index, so a half harvest never looks complete.
+
+    A part's tensors are written from their own memory (no copy): the caller must not write to them after `write`.
+    """
+
+    def __init__(self, out: str | Path, spec: HarvestSpec, prompts: int, held: int = 2) -> None:
+        if held < 1:
+            raise ValueError(f"held={held}: the writer needs room for at least one part.")
         self.folder = Path(out)
         self.folder.mkdir(parents=True, exist_ok=True)
         if (self.folder / INDEX).exists() or any(self.folder.glob("shard-*.safetensors")):
@@ -128,22 +144,74 @@ class ShardWriter:
         self.spec = spec
         self.count = prompts
         self.shards: list[dict[str, Any]] = []
+        self.closed = False
+        self._slots = threading.BoundedSemaphore(held)
+        self._parts: queue.Queue[Optional[tuple[str, dict[str, torch.Tensor]]]] = queue.Queue()
+        self._stop = threading.Event()
+        self._error: Optional[tuple[str, BaseException]] = None
+        self._thread = threading.Thread(target=self._drain, name="streamscope-shard-writer", daemon=True)
+        self._thread.start()
 
     def write(self, harvest: Harvest) -> None:
-        from safetensors.torch import save_file
-
+        """Queue `harvest`'s prompts as the next shard (blocking while `held` parts wait); raises a writer error."""
+        if self.closed:
+            raise RuntimeError(f"the writer of {self.folder} is closed: start a new harvest to write more.")
+        self._raise()
         name = f"shard-{len(self.shards):05d}.safetensors"
-        tensors = {f"{value}/{prompt}": tensor.clone()  # its own storage: a harvest hands out views
-                   for value, per_prompt in harvest.values.items()
+        tensors = {f"{value}/{prompt}": tensor for value, per_prompt in harvest.values.items()
                    for prompt, tensor in zip(harvest.prompts, per_prompt)}
-        save_file(tensors, str(self.folder / name))
+        self._slots.acquire()
+        self._raise(release=True)
         self.shards.append({"file": name, "prompts": list(harvest.prompts)})
+        self._parts.put((name, tensors))
 
     def close(self) -> Path:
+        """Wait for every shard, then write the index; the folder. Raises (and writes no index) if a shard failed."""
+        if self.closed:
+            return self.folder
+        self.closed = True
+        self._parts.put(None)
+        self._thread.join()
+        self._raise()
         index = {"values": self.spec.values, "layers": self.spec.layers, "positions": self.spec.positions,
                  "prompts": self.count, "shards": self.shards, "reduce": self.spec.reduce}
-        (self.folder / INDEX).write_text(json.dumps(index))
+        partial = self.folder / (INDEX + ".partial")
+        partial.write_text(json.dumps(index))
+        os.replace(partial, self.folder / INDEX)  # the index appears whole or not at all
         return self.folder
+
+    def abort(self) -> None:
+        """Stop after the shard being written, drop the waiting ones, write no index (a failed run); idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop.set()
+        self._parts.put(None)
+        self._thread.join()
+
+    def _raise(self, release: bool = False) -> None:
+        if self._error is not None:
+            if release:
+                self._slots.release()
+            name, error = self._error
+            raise RuntimeError(f"writing {self.folder / name} failed ({type(error).__name__}: {error}); the harvest "
+                               f"has no index and is incomplete: fix the cause and write it to an empty folder."
+                               ) from error
+
+    def _drain(self) -> None:
+        while True:
+            item = self._parts.get()
+            if item is None:
+                return
+            name, tensors = item
+            try:
+                if self._error is None and not self._stop.is_set():
+                    write_safetensors(tensors, self.folder / name)
+            except BaseException as error:  # handed to the caller's thread, raised there
+                self._error = (name, error)
+            finally:
+                del item, tensors  # the part's memory goes before the slot is given back
+                self._slots.release()
 
 
 def _index(folder: Path) -> dict[str, Any]:

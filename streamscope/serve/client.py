@@ -379,18 +379,22 @@ class Client(RemoteModel):
         if out is None:
             return self._assemble(self._downloads(self._complete_all(prompts, options, fields)))
         writer: Optional[ShardWriter] = None
-        for start in range(0, len(prompts), shard_size):
-            chunk = list(range(start, min(start + shard_size, len(prompts))))
-            part = self._assemble(self._downloads(self._complete_all([prompts[i] for i in chunk], options,
-                                                            [fields[i] for i in chunk])))
-            part.prompts = chunk
-            if writer is None:
-                spec = HarvestSpec(list(part.values), part.layers, [], reduce=part.reduce)
-                writer = ShardWriter(out, spec, len(prompts))
-            writer.spec.positions.extend(part.positions)
-            writer.write(part)
-        assert writer is not None, "harvest needs at least one prompt"
-        return writer.close()
+        try:
+            for start in range(0, len(prompts), shard_size):
+                chunk = list(range(start, min(start + shard_size, len(prompts))))
+                part = self._assemble(self._downloads(self._complete_all([prompts[i] for i in chunk], options,
+                                                                [fields[i] for i in chunk])))
+                part.prompts = chunk
+                if writer is None:
+                    spec = HarvestSpec(list(part.values), part.layers, [], reduce=part.reduce)
+                    writer = ShardWriter(out, spec, len(prompts))
+                writer.spec.positions.extend(part.positions)
+                writer.write(part)  # written while the server runs the next chunk
+            assert writer is not None, "harvest needs at least one prompt"
+            return writer.close()
+        finally:
+            if writer is not None:
+                writer.abort()  # after close a no-op; on an error, no index (a half harvest) and the thread ends
 
 
 def header_warnings(headers: Any) -> list[str]:

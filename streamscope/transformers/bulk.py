@@ -138,6 +138,8 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
             _flush(writer, spec, collected, pending)
         return writer.close()
     finally:
+        if writer is not None:
+            writer.abort()  # after close a no-op; on an error, no index (a half harvest) and the thread ends
         applier.remove()
         bar.close()
 

@@ -442,6 +442,10 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
             else:
                 parts.append(part)
             bar.update(len(chunk))
+    except BaseException:
+        if writer is not None:
+            writer.abort()  # a half harvest gets no index, and the writer thread ends
+        raise
     finally:
         bar.close()
     if writer is not None:

@@ -64,6 +64,13 @@ def test_shards_on_disk_equal_the_harvest_in_memory(engine, tmp_path):
     bulk_checks.check_shards(engine.model, tmp_path / "harvest", batch_size=2)
 
 
+def test_a_failed_harvest_to_a_folder_leaves_no_index(engine, tmp_path, monkeypatch):
+    from streamscope.transformers import bulk as engine_bulk
+
+    bulk_checks.check_a_failed_harvest_leaves_no_index(engine.model, tmp_path / "harvest", monkeypatch,
+                                                       engine_bulk, batch_size=2)
+
+
 def steered_trace(model, prompt, steers, steps):
     """The reference: a trace of generate that adds (or sets) each steer's vector at every step."""
     deltas = [(steer.layer, steer.value, steer.delta(torch.float32, "cpu"), steer.mode) for steer in steers]

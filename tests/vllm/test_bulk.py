@@ -79,6 +79,13 @@ def test_shards_on_disk_equal_the_harvest_in_memory(engine, tmp_path):
     bulk_checks.check_shards(engine.model, tmp_path / "harvest")
 
 
+def test_a_failed_harvest_to_a_folder_leaves_no_index(engine, tmp_path, monkeypatch):
+    from streamscope.vllm import bulk as engine_bulk
+
+    bulk_checks.check_a_failed_harvest_leaves_no_index(engine.model, tmp_path / "harvest", monkeypatch,
+                                                       engine_bulk)
+
+
 def steered_trace(model, prompt, steers, steps, harvest_block=None):
     """The reference: a trace that adds (or sets) each steer's vector at every step, reading the logits."""
     deltas = [(steer.layer, steer.value, steer.delta(torch.float32, "cpu"), steer.mode) for steer in steers]
