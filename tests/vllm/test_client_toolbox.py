@@ -26,8 +26,10 @@ import streamscope
 from streamscope.errors import Unavailable
 from streamscope.vllm.model import beside_engine
 
-pytestmark = pytest.mark.skipif(precision.ON_GPU, reason="the CPU build's server (a GPU server runs end to end in "
-                                "benchmarks/serve_load.py)")
+pytestmark = pytest.mark.skipif(precision.ON_GPU, reason="a server subprocess would ask for vLLM's default 90% of "
+                                "the GPU beside the GPU suite's in-process engines; the toolbox's calls are the same "
+                                "Python on both builds, and a GPU server is measured by benchmarks/serve_load.py and "
+                                "benchmarks/patch_sweep.py")
 
 #: CPU float32: the server's engine and the in-process one run the same kernels; a harvest (the bulk path) and a
 #: trace read the same tensors. What differs is float rounding, the suite's figure.

@@ -24,7 +24,9 @@ from streamscope.directions import from_moments
 from streamscope.serve.sweeps import RemotePatching, token_logprob
 from streamscope.vllm.model import beside_engine
 
-pytestmark = pytest.mark.skipif(precision.ON_GPU, reason="the CPU build's server; the GPU run is benchmarks/patch_sweep.py")
+pytestmark = pytest.mark.skipif(precision.ON_GPU, reason="a server subprocess would ask for vLLM's default 90% of "
+                                "the GPU beside the GPU suite's in-process engines; the sweep on a GPU server is "
+                                "benchmarks/patch_sweep.py, which also checks its effects against in process")
 
 #: The server batches a sweep's requests into its steps as it likes; in-process runs batch otherwise: float32 on the
 #: CPU, the same ops in another batch (tests/precision.py's CPU_FLOAT32).
