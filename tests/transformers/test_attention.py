@@ -214,10 +214,19 @@ def test_pre_rotary_values_are_not_the_rotated_ones_where_the_family_rotates(fam
     assert bool(differs) == (family.name in ROTATES), differs
 
 
-@pytest.mark.parametrize("name", PRE_ROTARY)
-def test_editing_queries_or_keys_before_the_rotary_matches_the_oracle(family, name):
-    """An edit before the rotary reaches the model, on every attention block (rotating or not): the logits are
-    transformers' with the same edit made where its own modules hold the tensor, and differ from the unedited."""
+PROJECTED = ("queries_projected", "keys_projected")
+#: Each editable tensor before the rotary, and the oracle's logits with the same edit where transformers' own modules
+#: hold that tensor: the pre-rotary tensor (after any q/k norm), and the projection (that norm's input, or the
+#: pre-rotary tensor where nothing norms).
+EDITED_BEFORE_ROTARY = [*((name, oracle.logits_with_pre_rotary_edit) for name in PRE_ROTARY),
+                        *((name, oracle.logits_with_projected_edit) for name in PROJECTED)]
+
+
+@pytest.mark.parametrize("name, edited_logits", EDITED_BEFORE_ROTARY, ids=[name for name, _ in EDITED_BEFORE_ROTARY])
+def test_editing_queries_or_keys_before_the_rotary_matches_the_oracle(family, name, edited_logits):
+    """An edit of the projections or the pre-rotary queries and keys reaches the model, on every attention block
+    (rotating or not): the logits are transformers' with the same edit made where its own modules hold the tensor,
+    and differ from the unedited."""
     # one channel of every head (Falcon's kernel gets a copy of each kv head per query head), scaled: a shift of
     # every key alike would move each query's scores by one constant, which the softmax drops
     def edit(tensor):
@@ -228,13 +237,9 @@ def test_editing_queries_or_keys_before_the_rotary_matches_the_oracle(family, na
         with family.model.trace(family.input_ids):
             edit(getattr(family.model.layers[block].self_attn, name))
             logits = family.model.logits.save()
-        expected = oracle.logits_with_pre_rotary_edit(family.reference, family.name, family.input_ids, block, name,
-                                                      edit)
+        expected = edited_logits(family.reference, family.name, family.input_ids, block, name, edit)
         assert relative_error(expected, unedited) > 2 * RELATIVE, (block, "an edit dropped would pass")
         assert relative_error(logits, expected) <= RELATIVE, block
-
-
-PROJECTED = ("queries_projected", "keys_projected")
 
 
 def test_projected_values_are_not_the_pre_rotary_ones_exactly_where_a_norm_precedes_the_rotary(family):
@@ -249,26 +254,6 @@ def test_projected_values_are_not_the_pre_rotary_ones_exactly_where_a_norm_prece
         for name in PROJECTED:
             same = torch.equal(projected[block][name], pre_rotary[block][name.replace("projected", "pre_rotary")])
             assert same != normed, (block, name, normed)
-
-
-@pytest.mark.parametrize("name", PROJECTED)
-def test_editing_the_query_or_key_projection_matches_the_oracle(family, name):
-    """An edit of the projection before any q/k norm reaches the model, on every attention block: the logits are
-    transformers' with the same edit made where its own modules hold the tensor (the norm's input, or the
-    pre-rotary tensor where nothing norms), and differ from the unedited."""
-    # one channel of every head, scaled (as the pre-rotary edit test, for the same reasons)
-    def edit(tensor):
-        tensor[..., 3] *= 3.0
-
-    unedited = family.reference(family.input_ids).logits
-    for block in family.blocks:
-        with family.model.trace(family.input_ids):
-            edit(getattr(family.model.layers[block].self_attn, name))
-            logits = family.model.logits.save()
-        expected = oracle.logits_with_projected_edit(family.reference, family.name, family.input_ids, block, name,
-                                                     edit)
-        assert relative_error(expected, unedited) > 2 * RELATIVE, (block, "an edit dropped would pass")
-        assert relative_error(logits, expected) <= RELATIVE, block
 
 
 def test_transformer_lens_hook_q_and_hook_k_are_the_projections_where_tl_puts_them(family):
