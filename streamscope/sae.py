@@ -29,15 +29,22 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from .bulk.operations import ClampFeature, check_clamp  # noqa: F401  (the sae_clamp operation, by its module)
+from .bulk.results import Harvest
 from .bulk.sites import ROOT_VALUES, locate
+from .bulk.spec import token_ids
 from .bulk.steer import Steer
+from .directions import Direction, identity
+from .workflows.cache import TL_BLOCK, TL_ROOT
+from .workflows.features import top_examples as examples_of
 
 ACTIVATIONS = ("relu", "jumprelu", "topk")
 #: dictionary_learning's submodule names (``resid_post_layer_3``) -> streamscope's values.
@@ -47,8 +54,6 @@ DICTIONARY_LEARNING_SITES = {"resid_post": "layer_output", "resid_pre": "layer_i
 
 def value_of_hook(hook_name: str) -> tuple[str, Optional[int]]:
     """A TransformerLens hook name (``blocks.5.hook_resid_post``) as streamscope's (value, block)."""
-    from .workflows.cache import TL_BLOCK, TL_ROOT
-
     if hook_name in TL_ROOT:
         return TL_ROOT[hook_name], None
     match = re.fullmatch(r"blocks\.(\d+)\.(.+)", hook_name)
@@ -177,8 +182,6 @@ class SAE:
 
     def feature(self, index: int, model: Any = None) -> Any:
         """Feature `index`'s decoder direction as a `streamscope.directions.Direction` (at the SAE's site)."""
-        from .directions import Direction, identity
-
         self._check_feature(index)
         made_on = identity(model) if model is not None else {"hidden_size": self.d_in}
         return Direction(self.W_dec[index].detach().float().clone(), self.value, self.layer, "sae_feature", made_on,
@@ -261,8 +264,6 @@ def harvest_features(model: Any, prompts: Sequence[Any], sae: SAE, positions: An
                      top_k: Optional[int] = None, **options: Any) -> Any:
     """A harvest of `sae`'s features at its site: ``"sae_features"`` ``[1, positions, d_sae]`` per prompt, or
     with `top_k`, ``"sae_values"`` and ``"sae_indices"`` ``[1, positions, top_k]`` (largest first)."""
-    from .bulk.results import Harvest
-
     if not isinstance(sae, SAE):
         raise TypeError(f"sae= takes a streamscope.sae.SAE (from_sae_lens, from_dictionary_learning), "
                         f"not a {type(sae).__name__}.")
@@ -406,8 +407,6 @@ def from_sae_lens(source: Any, value: Optional[str] = None, layer: Optional[int]
     """
     sparsity = None
     if isinstance(source, (str, Path)):
-        from safetensors.torch import load_file
-
         folder = _sae_lens_folder(Path(source), sae_id)
         raw = json.loads((folder / SAE_LENS_CONFIG).read_text())
         tensors = load_file(str(folder / SAE_LENS_WEIGHTS))
@@ -517,8 +516,6 @@ def write_sae_lens_cache(harvest: Any, token_ids: Sequence[Sequence[int]], folde
 def harvest_for_sae_lens(model: Any, prompts: Sequence[Any], folder: Union[str, Path], hook_name: str,
                          context_size: int, **options: Any) -> Path:
     """Harvest `prompts` at the value `hook_name` names and write SAELens's cached-activations folder."""
-    from .bulk.spec import token_ids
-
     value, layer = value_of_hook(hook_name)
     ids = token_ids(model, prompts)
     harvest = model.harvest(ids, value, layers=None if layer is None else [layer], positions="all", **options)
@@ -560,15 +557,10 @@ def train(model: Any, prompts: Sequence[Any], hook_name: str, out: Union[str, Pa
     harvest's progress bar (SAELens's trainer shows its own). Needs the
     ``sae`` extra (``pip install "streamscope[sae]"``).
     """
-    import tempfile
-
-    from safetensors.torch import save_file
     from sae_lens import SAETrainer
     from sae_lens.config import SAETrainerConfig
     from sae_lens.saes.sae import SAEMetadata, get_sae_training_class
     from sae_lens.training.activations_store import ActivationsStore
-
-    from .bulk.spec import token_ids
 
     if architecture not in TRAINABLE:
         raise ValueError(f"architecture={architecture!r}: train takes one of {', '.join(TRAINABLE)}.")
@@ -616,8 +608,6 @@ def top_examples(model: Any, prompts: Sequence[Any], sae: SAE, features: Union[i
     """Each feature's `k` top-activating tokens over `prompts`, with the tokens around each: a
     `streamscope.workflows.features.FeatureExamples` (``examples[f]``, ``.table()``, ``.rows``, ``.view(path)``).
     `streamscope.workflows.features.top_examples` says what each option does."""
-    from .workflows.features import top_examples as examples_of
-
     if not isinstance(sae, SAE):
         raise TypeError(f"top_examples takes a streamscope.sae.SAE, not a {type(sae).__name__}: load it with "
                         f"streamscope.sae.from_sae_lens (a SAELens SAE object or folder) or from_dictionary_learning.")

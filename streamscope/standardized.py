@@ -6,14 +6,19 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+from transformers import AutoConfig
 
 from .blocks.envoy import Blocks, StreamEnvoy
-from .errors import Unavailable
+from .bulk.moments import statistics
+from .bulk.norms import norms
+from .engine import Engine, trace_prompts
+from .errors import Unavailable, UnsupportedCheckpoint
+from .families.spec import ROOT_ORDER, spec_of
 from .support import BlockSupport, ModelSupport
-from .families.spec import ROOT_ORDER, Relocation
-from .values import OUTPUT, StreamValue
-
-from .engine import Engine
+from .values import OUTPUT, Relocation, StreamValue
+from .workflows.cache import build_cache
+from .workflows.runs import run_with_cache, run_with_hooks
+from .workflows.tl import to_single_token, to_str_tokens, to_tokens
 
 if TYPE_CHECKING:
     from .families.spec import FamilySpec
@@ -57,9 +62,6 @@ class Standardized(StreamEnvoy):
         composes them, ``families.envoys_for``, over the engine's own `envoys`)
         where the caller gave none. `_check_family` runs once the tree is built.
         """
-        from .errors import UnsupportedCheckpoint
-        from .families.spec import spec_of
-
         module: ModuleType
         config = None
         if isinstance(family, str):
@@ -193,8 +195,6 @@ class Standardized(StreamEnvoy):
         (``model.trace(prompt, temperature=0.0, max_tokens=1)``); ``tracer.iter[:]`` steps through the
         generated tokens, and each invoke's values are ``[1, tokens, hidden_size]``.
         """
-        from .engine import trace_prompts
-
         if "fn" not in kwargs and len(inputs) == 1:  # a trace proper (generate passes its own fn)
             prompts = trace_prompts(self.tokenizer, inputs[0], attention_mask, prepend_bos)
             if prompts is not None:
@@ -222,8 +222,6 @@ class Standardized(StreamEnvoy):
         ``padding_side``, ``names_filter``, ``pos_slice``, ``remove_batch_dim``
         (TransformerLens's ``run_with_cache`` arguments, with its meaning).
         """
-        from .workflows.cache import build_cache
-
         return build_cache(self, prompts, values, layers, **kwargs)
 
     def run_with_cache(self, input: Any, return_type: Optional[str] = "logits", **kwargs: Any) -> tuple[Any, Any]:
@@ -234,8 +232,6 @@ class Standardized(StreamEnvoy):
         loss)``, None nothing; ``loss_per_token=True`` gives ``[batch, seq - 1]``. `cache` is `model.cache`'s
         `streamscope.Cache` (keyword arguments as there, ``pos_slice`` and ``remove_batch_dim`` applied to the
         cache only). See `streamscope.workflows.runs.run_with_cache`."""
-        from .workflows.runs import run_with_cache
-
         return run_with_cache(self, input, return_type=return_type, **kwargs)
 
     def run_with_hooks(self, input: Any, fwd_hooks: Any = (), return_type: Optional[str] = "logits",
@@ -247,8 +243,6 @@ class Standardized(StreamEnvoy):
         runs where the model computes the value, and a tensor it returns (or an in-place edit) reaches the model.
         Returns logits ``[batch, seq, vocab_size]`` (padded on the left with zeros), TL's loss (``"loss"``,
         ``loss_per_token``), both, or None. See `streamscope.workflows.runs.run_with_hooks`."""
-        from .workflows.runs import run_with_hooks
-
         return run_with_hooks(self, input, fwd_hooks, return_type=return_type, loss_per_token=loss_per_token,
                               **kwargs)
 
@@ -256,8 +250,6 @@ class Standardized(StreamEnvoy):
         """``||h||`` per block, ``[blocks]`` float32: `value`'s mean row norm over the prompts' positions after the
         first (None: streamscope's calibration text, the norms a steer's dose is measured against). See
         `streamscope.bulk.norms.norms`."""
-        from .bulk.norms import norms
-
         return norms(self, prompts, value, layers)
 
     def statistics(self, prompts: Any, labels: Any, value: str = "layer_output", layers: Any = None,
@@ -266,8 +258,6 @@ class Standardized(StreamEnvoy):
         `streamscope.bulk.moments.Moments`, which `streamscope.directions.from_moments` fits directions from.
         Options: ``reduce`` ("mean"), ``second``, ``pairs``, ``chunk_size``, ``progress`` and `model.harvest`'s;
         see `streamscope.bulk.moments.statistics`."""
-        from .bulk.moments import statistics
-
         return statistics(self, prompts, labels, value, layers, positions, **options)
 
     # TransformerLens 4.3's token helpers (streamscope.workflows.tl), with the tokenizer's own BOS rule by default.
@@ -278,22 +268,16 @@ class Standardized(StreamEnvoy):
         By default the tokenizer's own rule for BOS (the tokens `model.cache`, a trace, vLLM and the server run);
         ``prepend_bos=True`` puts one BOS first whether or not the tokenizer adds it (TransformerLens's default),
         False leaves it out. Several strings are padded on the left, or on ``padding_side="right"``."""
-        from .workflows.tl import to_tokens
-
         return to_tokens(self.tokenizer, input, prepend_bos, padding_side, self.config.model_type)
 
     def to_str_tokens(self, input: Any, prepend_bos: Optional[bool] = None,
                       padding_side: Optional[str] = None) -> Any:
         """Each token of a string, strings or token ids as its string, as TransformerLens 4.3's ``to_str_tokens``
         (text tokenized as `to_tokens`: the tokenizer's own BOS rule unless `prepend_bos` says otherwise)."""
-        from .workflows.tl import to_str_tokens
-
         return to_str_tokens(self.tokenizer, input, prepend_bos, padding_side, self.config.model_type)
 
     def to_single_token(self, string: str) -> int:
         """The one token id of `string`, no BOS (TransformerLens 4.3's ``to_single_token``); several are refused."""
-        from .workflows.tl import to_single_token
-
         return to_single_token(self.tokenizer, string)
 
     def to_string(self, tokens: Any) -> Any:
@@ -317,6 +301,5 @@ def _config(path: Any, settings: dict[str, Any]) -> Any:
         return path.config
     if settings.get("config") is not None:
         return settings["config"]
-    from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(path), trust_remote_code=settings.get("trust_remote_code", False))

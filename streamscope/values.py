@@ -31,21 +31,23 @@ from __future__ import annotations
 
 import re
 import weakref
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Union
 
 import torch
 
-from . import gradients
+from . import gradients, nonfinite
 from . import nnsight_seam as seam
-from . import nonfinite
 from .errors import Unavailable, missing_module, untapped
-from .nnsight_seam import LocatedProperty, OutOfOrderError, PendingWriteBack, Mediator
+from .nnsight_seam import LocatedProperty, Mediator, OutOfOrderError, PendingWriteBack
 
 Residual = torch.Tensor
 """A tensor of the residual stream's width, ``[batch, seq, hidden_size]``."""
 
 #: Where a served value sits in a module's call.
 INPUT, OUTPUT = "input", "output"
+#: Where a root value is read instead of its default: (module path or None for the root, "input" | "output"),
+#: and for an input, optionally the argument that holds it, (index, name).
+Relocation = Union[tuple[Optional[str], str], tuple[Optional[str], str, tuple[int, str]]]
 
 #: Whether a write is checked for NaN or inf it brings into finite values (a warning names the value).
 #: The check costs two reductions on the device per write, read together at the end of the invoke.

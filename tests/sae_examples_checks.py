@@ -16,7 +16,7 @@ import precision
 import sae_checks
 from access import relative_error
 from bulk_checks import PROMPTS, RELATIVE
-from streamscope.workflows.display import token
+from streamscope.display import token
 
 #: The prompts: the bulk checks' own, one of them twice (bit-equal activations: the tie-break is exercised).
 EXAMPLE_PROMPTS = [*PROMPTS, PROMPTS[0]]

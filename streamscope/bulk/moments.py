@@ -39,6 +39,9 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional, Sequence
 
 import torch
+from tqdm.auto import tqdm
+
+from ..bulk.spec import ROOT_VALUES, layer_list
 
 #: What `model.harvest(reduce=...)` and `statistics(reduce=...)` take (None: every harvested position).
 REDUCTIONS = ("last", "mean")
@@ -371,8 +374,6 @@ def statistics(model: Any, prompts: Sequence[Any], labels: Sequence[Hashable], v
     The arithmetic is the module's: a full harvest of the same prompts (same chunking, same batches)
     reduced that way gives these moments bit for bit.
     """
-    from ..bulk.spec import ROOT_VALUES, layer_list
-
     if not isinstance(value, str):
         raise TypeError(f"statistics reads one value (a name such as \"layer_output\"); got {value!r}.")
     check_reduce(reduce)
@@ -395,7 +396,6 @@ def statistics(model: Any, prompts: Sequence[Any], labels: Sequence[Hashable], v
                          f"or one rule for every prompt.")
     moments = empty_moments(value, blocks, second, reduce, positions if not nested else "chosen", model_identity(model))
     accumulator = Accumulator(moments, label_list, pair_list, reduce)
-    from tqdm.auto import tqdm
 
     bar = tqdm(total=len(prompts), desc="statistics", unit="prompt", disable=not progress)
     try:

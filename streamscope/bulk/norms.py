@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .results import Harvest
 from .spec import CALIBRATION_TEXT, ROOT_VALUES
 
 #: Prompts harvested at once by `norms`: every position of every block of these is held in memory together.
@@ -67,8 +68,6 @@ def fit_norms(model: Any, positive: Any, negative: Any, value: str, layers: list
     """The stream norm of each block in `layers` (one, at a root value) over a direction's training prompts, both
     classes pooled, as `norms` measures it: what a `streamscope.directions.Direction` made from them carries (its
     ``stream_norm``). None where the examples are harvests already made (their positions may not be every one)."""
-    from .results import Harvest
-
     if isinstance(positive, Harvest) or isinstance(negative, Harvest):
         return None
     measured = norms(model, list(positive) + list(negative), value, None if value in ROOT_VALUES else layers)

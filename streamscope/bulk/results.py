@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
+from safetensors.torch import load_file
 
+from ..display import shape, table
 from .safetensors_io import write_safetensors
 from .sites import ROOT_VALUES
 from .spec import HarvestSpec
@@ -73,16 +75,12 @@ class Harvest:
         return list(self.values)
 
     def __repr__(self) -> str:
-        from ..workflows.display import shape
-
         first = {value: shape(tensors[0]) if tensors else "[]" for value, tensors in self.values.items()}
         held = ", ".join(f"{value} {size}" for value, size in first.items())
         reduced = f", positions reduced by {self.reduce}" if self.reduce else ""
         return f"Harvest({len(self)} prompts, blocks {self.layers}{reduced}; prompt 0: {held})"
 
     def _repr_html_(self) -> str:
-        from ..workflows.display import shape, table
-
         rows = [[value, len(tensors), shape(tensors[0]) if tensors else "-"] for value, tensors in self.values.items()]
         return table(f"harvest of {len(self)} prompts at blocks {self.layers}", ["value", "prompts", "prompt 0's shape"],
                      rows)
@@ -228,8 +226,6 @@ def _index(folder: Path) -> dict[str, Any]:
 
 def iter_harvest(folder: str | Path) -> Iterator[Harvest]:
     """Each shard of a harvest folder as a `Harvest` of its prompts, one at a time."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     index = _index(folder)
     for shard in index["shards"]:
@@ -289,7 +285,5 @@ class Generation:
                 f"text 0: {first[:40] + ('…' if len(first) > 40 else '')!r})")
 
     def _repr_html_(self) -> str:
-        from ..workflows.display import table
-
         rows = [[index, len(tokens), text] for index, (tokens, text) in enumerate(zip(self.tokens, self.texts))]
         return table(f"generation of {len(self)} prompts", ["prompt", "tokens", "text"], rows)

@@ -293,7 +293,7 @@ class Steer:
         return cls(**fields)
 
     def __repr__(self) -> str:
-        from ..workflows.display import shape
+        from ..display import shape
 
         where = f"layers[{self.layer}].{self.value}" if self.layer is not None else self.value
         prompts = "" if self.prompts is None else f", prompts {list(self.prompts)}"

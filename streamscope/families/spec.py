@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any, Callable, Optional, Union
 
+from ..values import INPUT, OUTPUT, Relocation
+
 #: The root's values that are residual streams, [batch, seq, hidden_size], in the order the model computes them.
 ROOT_STREAMS = ("token_embeddings", "final_norm_output")
 #: The values of a model's root, in the order the model computes them.
@@ -19,11 +21,6 @@ MODULE_NAMES = (
     "layers", "embed_tokens", "norm", "lm_head",  # on the root
     "self_attn", "linear_attn", "mlp", "shared_experts", "input_layernorm", "post_attention_layernorm",  # on a block
 )
-
-#: Where a root value is read instead of its default: (module path or None for the root, "input" | "output"),
-#: and for an input, optionally the argument that holds it, (index, name).
-Relocation = Union[tuple[Optional[str], str], tuple[Optional[str], str, tuple[int, str]]]
-
 
 @dataclass(frozen=True)
 class FamilySpec:
@@ -179,8 +176,6 @@ def _unknown_parts(path: str) -> list[str]:
 
 
 def _is_site(site: Any) -> bool:
-    from ..values import INPUT, OUTPUT
-
     if not isinstance(site, tuple) or len(site) not in (2, 3):
         return False
     module, where, *argument = site

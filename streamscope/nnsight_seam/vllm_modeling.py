@@ -39,6 +39,7 @@ import importlib
 from functools import partial
 from typing import Any, Callable, Optional
 
+import torch
 from nnsight.intervention.interleaver import Mediator
 from nnsight.tracing.tracer import _saves
 
@@ -70,8 +71,6 @@ def narrow_spans_directly() -> None:
     views. Anything else (another container, a clone of each read) takes
     nnsight's path.
     """
-    import torch
-
     batcher: Any = _vllm_batcher()
     general = batcher.narrow
     if getattr(general, "streamscope_direct", False):

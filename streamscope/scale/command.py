@@ -14,6 +14,8 @@ import json
 import sys
 from typing import Any
 
+from .ray import HarvestFailed, harvest
+
 
 def positions_argument(text: str) -> Any:
     """``last``, ``all``, ``START:STOP[:STEP]`` (a slice) or ``0,1,-1`` (indices)."""
@@ -61,8 +63,6 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
 
 
 def command_harvest(arguments: argparse.Namespace) -> int:
-    from .ray import HarvestFailed, harvest
-
     options = dict(arguments.engine_options)
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):  # only where asked: vLLM's settings
         if getattr(arguments, name) != 1:

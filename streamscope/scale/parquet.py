@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy
 import torch
 
 from ..bulk.results import Harvest
@@ -42,7 +43,6 @@ def _floats(tensor: torch.Tensor) -> Any:
 
 def table(harvest: Harvest, token_ids: Sequence[Sequence[int]]) -> Any:
     """The shard's table: one row per harvested token (`harvest` of prompts whose ids are `token_ids`)."""
-    import numpy
     import pyarrow
 
     prompts: list[int] = []

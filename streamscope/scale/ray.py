@@ -30,8 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from tqdm.auto import tqdm
+from transformers import AutoConfig
+
 from ..bulk.positions import Positions
 from ..bulk.sites import ROOT_VALUES, value_names
+from ..bulk.spec import token_ids
+from ..loading import load
 from .dataset import fingerprint, read_prompts
 from .shards import FORMATS, RunFolder, write_shard
 
@@ -90,10 +95,9 @@ class Replica:
         if ranks == 1:
             # One rank: a vLLM engine runs in this actor's process rather than in two more of its own.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        import streamscope
 
         self.index = index
-        self.model = streamscope.load(checkpoint, engine=engine, **options)
+        self.model = load(checkpoint, engine=engine, **options)
 
     def where(self) -> dict[str, Any]:
         """This replica's node id, host and process id."""
@@ -104,8 +108,6 @@ class Replica:
 
     def run(self, job: dict[str, Any]) -> dict[str, Any]:
         """Harvest one shard's prompts (global indices ``job["first"]``...) and write the shard."""
-        from ..bulk.spec import token_ids
-
         start = time.perf_counter()
         ids = token_ids(self.model, job["prompts"])
         options = dict(job["harvest_options"])
@@ -150,7 +152,6 @@ def _check_request(checkpoint: str, engine: str, values: Any, layers: Any, posit
     for value in values:
         if value not in value_names():
             raise ValueError(f"unknown value {value!r} for a harvest: choose one of {', '.join(value_names())}.")
-    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(checkpoint)
     config = getattr(config, "text_config", None) or config
@@ -310,8 +311,6 @@ def _schedule(ray: Any, folder: RunFolder, pending: deque, prompts: list[Any], s
               engine_options: dict[str, Any], harvest_options: dict[str, Any], replicas: int, num_cpus: float,
               num_gpus: Optional[float], progress: Any, failures: list[dict[str, Any]]) -> None:
     """Run the pending shards on the replicas until every one is written, or raise `HarvestFailed`."""
-    from tqdm.auto import tqdm
-
     shard_size = folder.manifest["shard_size"]
     live = _start_replicas(ray, checkpoint, engine, engine_options, replicas, num_cpus, num_gpus)
 

@@ -27,7 +27,10 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
+from safetensors.torch import save_file
+
 from ..bulk.results import INDEX, Harvest
+from . import parquet
 
 MANIFEST = "run.json"
 #: The shard formats: the safetensors shards `load_harvest` reads, or Parquet tables of one row a token.
@@ -63,14 +66,10 @@ def write_shard(folder: Path, number: int, harvest: Harvest, record: dict[str, A
     its record (which marks it finished)."""
     name = shard_file(number, format)
     if format == "parquet":
-        from . import parquet
-
         if token_ids is None:
             raise ValueError("a Parquet shard has a token column: pass the prompts' token_ids.")
         _atomic_write(folder / name, lambda temporary: parquet.write(temporary, harvest, token_ids))
     else:
-        from safetensors.torch import save_file
-
         tensors = {f"{value}/{prompt}": tensor.contiguous().clone()  # own storage: a harvest hands out views
                    for value, per_prompt in harvest.values.items()
                    for prompt, tensor in zip(harvest.prompts, per_prompt)}

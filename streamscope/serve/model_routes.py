@@ -17,19 +17,23 @@ from __future__ import annotations
 
 import io
 import json
+import tempfile
+import zipfile
+from pathlib import Path
 from typing import Any, Optional
 
 from fastapi import Request  # at module level: FastAPI reads the routes' annotations by name
+from fastapi.responses import JSONResponse, Response
 
+from ..errors import Unavailable
+from ..families.logits import scaling_in_words
+from ..workflows.cache import _location, norm_inputs
+from .head import TOP_K_LIMIT, unpack
 from .protocol import RequestError
 
 
 def describe(model: Any, served: tuple[list[str], dict[str, str]]) -> dict[str, Any]:
     """The ``GET model`` answer for the front's meta model `model` (see the module's docstring)."""
-    from ..errors import Unavailable
-    from ..families.logits import scaling_in_words
-    from ..workflows.cache import norm_inputs
-
     try:
         heads: Optional[int] = model.num_heads
     except Unavailable:
@@ -49,8 +53,6 @@ def describe(model: Any, served: tuple[list[str], dict[str, str]]) -> dict[str, 
 def _shared(model: Any, index: int) -> list[list[str]]:
     """Block `index`'s served values that are one tensor under several names (GPT-J's one norm is both norms'
     output), each group in the order the block lists them: a cache reads the first and keeps the others as it."""
-    from ..workflows.cache import _location
-
     groups: dict[tuple, list[str]] = {}
     for full, reason in model.layers[index].support().rows.items():
         location = None if reason is not None else _location(model, index, full)
@@ -61,10 +63,6 @@ def _shared(model: Any, index: int) -> list[list[str]]:
 
 def tokenizer_zip(tokenizer: Any) -> bytes:
     """The tokenizer's ``save_pretrained`` files, zipped."""
-    import tempfile
-    import zipfile
-    from pathlib import Path
-
     buffer = io.BytesIO()
     with tempfile.TemporaryDirectory(prefix="streamscope-tokenizer-") as folder:
         tokenizer.save_pretrained(folder)
@@ -89,10 +87,6 @@ async def _rpc(request: Request, method: str, *args: Any) -> bytes:
 
 def add_model_routes(router: Any, front: Any) -> None:
     """Add the routes above to the server's `router` (under ``/v1/streamscope``), over `front`'s model."""
-    from fastapi.responses import JSONResponse, Response
-
-    from .head import TOP_K_LIMIT, unpack
-
     cached: dict[str, Any] = {}
 
     def refused(error: RequestError) -> Any:

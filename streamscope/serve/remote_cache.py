@@ -19,6 +19,25 @@ from typing import Any, Optional
 
 import torch
 
+from ..blocks import Attention
+from ..bulk.sites import value_names
+from ..engine import check_padding_side, padded
+from ..errors import Unavailable
+from ..input_checks import indices, names
+from ..workflows.cache import (
+    ALL,
+    DEFAULT_VALUES,
+    ROOT,
+    Cache,
+    _block_keys,
+    _final_norm,
+    _ordered,
+    _pad,
+    _token_ids,
+    apply_run_with_cache_arguments,
+)
+from ..workflows.tl import as_index, keep_axis
+
 #: Why a value or a run a server does not carry is refused, by what was asked.
 NOT_OVER_HTTP = {
     "trace": ("a server runs no trace body (nnsight's code does not cross HTTP): over a streamscope.Client use "
@@ -35,8 +54,6 @@ NOT_OVER_HTTP = {
 
 def _reason(full: str) -> str:
     """Why a block value a server cannot harvest is not in the cache."""
-    from ..blocks import Attention
-
     # An attention sublayer's value that is not its contribution is one of its internals (the contribution is
     # harvested).
     return NOT_OVER_HTTP["attention"] if full.startswith(f"{Attention.ROLE}.") else (
@@ -50,9 +67,6 @@ def plan(client: Any, values: Optional[list[str]], layers: list[int]) -> tuple[l
     The names are resolved as in process (`streamscope.workflows.cache._block_keys`, over the server's support
     tables). A value HTTP does not carry is refused where it was named, and listed with the reason where it came
     with the default or ``"all"``."""
-    from ..bulk.sites import value_names
-    from ..workflows.cache import ALL, DEFAULT_VALUES, ROOT, _block_keys
-
     harvestable = set(value_names()) & set(client.facts["values"])
     lenient = values is None or values == [ALL]
     roots = list(ROOT) if lenient else [name for name in values or () if name in ROOT]
@@ -128,12 +142,6 @@ def remote_cache(client: Any, prompts: Any, values: Any = None, layers: Any = No
 
     Every real position's value is the one the prompt gives alone (one request each), padded afterwards on
     `padding_side` with zeros, as the in-process vLLM cache is."""
-    from ..engine import check_padding_side, padded
-    from ..errors import Unavailable
-    from ..input_checks import indices, names
-    from ..workflows.cache import Cache, _final_norm, _ordered, _pad, _token_ids, apply_run_with_cache_arguments
-    from ..workflows.tl import as_index, keep_axis
-
     check_padding_side(padding_side)
     ids = _token_ids(client, prompts, prepend_bos)
     if remove_batch_dim and len(ids) != 1:

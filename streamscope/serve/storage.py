@@ -21,9 +21,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load, save
 
+from ..bulk.dose import CARRIED, check_carried
+from ..bulk.spec import SteerError
+from ..sae import SAE
 from . import stages
-from ..bulk.dose import CARRIED
 from .protocol import NAME, Checker, Limits, RequestError
 
 
@@ -139,8 +143,6 @@ def read_upload(data: bytes, content_type: str, checker: Checker,
         vector = checker.vector(body["vector"], f"{param}.vector")
         return vector, carried_upload(body.get(CARRIED), checker, f"{param}.{CARRIED}")
     if kind in ("application/octet-stream", "application/safetensors"):
-        from safetensors.torch import load
-
         try:
             tensors = load(data)  # safetensors holds raw numbers and a JSON header: nothing in it can run
             size = int.from_bytes(data[:8], "little")
@@ -180,9 +182,6 @@ def carried_metadata(metadata: dict[str, Any], checker: Checker, param: str) -> 
 def carried_upload(raw: Any, checker: Checker, param: str) -> Optional[dict[str, Any]]:
     """A carried stream norm sent with a vector, checked: its value and block served by this model (the block
     counted from the start), its norm a positive finite number; None where none is sent."""
-    from ..bulk.dose import check_carried
-    from ..bulk.spec import SteerError
-
     if raw is None:
         return None
     try:
@@ -239,8 +238,6 @@ class Vectors(dict):
 
     def file(self, name: str) -> bytes:
         """The stored vector as safetensors bytes, with the stream norm it carries in the metadata (as uploaded)."""
-        from safetensors.torch import save
-
         carried = self.carried.get(name)
         metadata = {"streamscope.stream_norm": json.dumps(carried)} if carried is not None else None
         return save({"vector": self[name]}, metadata=metadata)
@@ -253,8 +250,6 @@ def unknown_vector(name: str) -> RequestError:
 
 def harvest_tensors(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A downloaded harvest: its tensors by value, and its values, layers and positions (the file's metadata)."""
-    from safetensors.torch import load
-
     size = int.from_bytes(data[:8], "little")
     metadata = json.loads(data[8:8 + size]).get("__metadata__") or {}
     return load(data), {key: json.loads(value) for key, value in metadata.items()}
@@ -270,8 +265,6 @@ SAE_TENSORS = ("W_enc", "b_enc", "W_dec", "b_dec", "threshold")
 def sae_bytes(sae: Any) -> bytes:
     """An `streamscope.sae.SAE` as the safetensors bytes the server stores: its weights, and its site and
     activation in the file's metadata (``value``, ``layer``, ``activation``, ``k``, ``apply_b_dec_to_input``)."""
-    from safetensors.torch import save
-
     tensors = {name: getattr(sae, name).detach().to(torch.float32).contiguous().cpu() for name in SAE_TENSORS
                if getattr(sae, name) is not None}
     metadata = {"value": sae.value, "layer": json.dumps(sae.layer), "activation": sae.activation,
@@ -281,10 +274,6 @@ def sae_bytes(sae: Any) -> bytes:
 
 def sae_from_bytes(data: bytes, param: str = "body") -> Any:
     """An `SAE` from `sae_bytes`'s layout; anything else is refused naming what is wrong. Nothing in it can run."""
-    from safetensors.torch import load
-
-    from ..sae import SAE
-
     try:
         tensors = load(data)
         size = int.from_bytes(data[:8], "little")
@@ -364,8 +353,6 @@ class SAEs(dict):
 
     def decoder_row(self, name: str, feature: int) -> torch.Tensor:
         """Feature `feature`'s decoder direction ``[d_in]`` float32, read from the file alone."""
-        from safetensors import safe_open
-
         with safe_open(str(self.folder / f"{self[name].file}.safetensors"), framework="pt") as handle:
             return handle.get_slice("W_dec")[feature:feature + 1].reshape(-1).to(torch.float32)
 

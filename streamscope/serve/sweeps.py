@@ -41,9 +41,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from safetensors.torch import load
 
-from ..workflows.patching import HEAD_VALUES, Patching, _full_name
-from .protocol import XARG, RequestError, rule_json, vector_bytes
+from ..bulk.moments import Accumulator, Moments, _label_list, _pair_list, check_reduce, empty_moments, reduce_positions
+from ..bulk.positions import prompt_positions
+from ..bulk.sites import ROOT_VALUES, layer_list
+from ..directions import identity
+from ..input_checks import one_prompt
+from ..workflows.patching import HEAD_VALUES, Patching, _full_name, _token_id
+from .head import pack, unpack
+from .protocol import XARG, RequestError, positions_rule, rule_json, vector_bytes
 
 #: Engine requests a statistics or patch route keeps in flight at once.
 CONCURRENCY = 256
@@ -95,14 +102,11 @@ def reduced(data: bytes) -> bytes:
     """A harvest file as it is downloaded: where its request asked ``reduce`` (the file's metadata says which),
     each value's positions reduced (`streamscope.bulk.moments.reduce_positions`: the arithmetic of an in-process
     ``model.harvest(reduce=...)``), so one row a block crosses HTTP; any other file as it is."""
-    from .head import pack, unpack
-
     size = int.from_bytes(data[:8], "little")
     metadata = json.loads(data[8:8 + size]).get("__metadata__") or {}
     reduce = json.loads(metadata.get("reduce", "null"))
     if reduce is None:
         return data
-    from ..bulk.moments import reduce_positions
 
     tensors, _ = unpack(data)
     return pack({name: reduce_positions(tensor, reduce) for name, tensor in tensors.items()}, metadata)
@@ -121,7 +125,6 @@ class SweepContext:
 async def engine_harvest(front: SweepContext, ids: list[int], harvest: dict[str, Any], steers: list[dict[str, Any]],
                          size: int) -> torch.Tensor:
     """One engine request on `ids` with the worker payload's `steers` and `harvest`: its harvested tensor."""
-    from safetensors.torch import load
     from vllm import SamplingParams
 
     harvest_id = front.harvests.reserve(size)
@@ -140,8 +143,6 @@ async def engine_harvest(front: SweepContext, ids: list[int], harvest: dict[str,
 
 async def head_logits(front: SweepContext, rows: torch.Tensor) -> torch.Tensor:
     """The engine's head on normed final rows ``[n, hidden]`` in its worker: ``[n, vocab]`` float32."""
-    from .head import pack, unpack
-
     parts = []
     for start in range(0, rows.shape[0], HEAD_ROWS):
         data = pack({"rows": rows[start:start + HEAD_ROWS]})
@@ -278,10 +279,6 @@ STATISTICS_FIELDS = ("prompts", "labels", "value", "layers", "positions", "reduc
 
 def check_statistics(front: SweepContext, body: Any) -> dict[str, Any]:
     """A statistics request checked before anything runs (the in-process `statistics`' checks, and the sizes)."""
-    from ..bulk.moments import _label_list, _pair_list, check_reduce
-    from ..bulk.sites import ROOT_VALUES, layer_list
-    from .protocol import positions_rule
-
     body = _fields(body, STATISTICS_FIELDS, ("prompts", "labels"))
     model = front.checker.model
     raw = body["prompts"]
@@ -313,11 +310,6 @@ def check_statistics(front: SweepContext, body: Any) -> dict[str, Any]:
 
 async def run_statistics(front: SweepContext, plan: dict[str, Any]) -> bytes:
     """The moments of `check_statistics`' `plan` (see the module's docstring), as safetensors bytes."""
-    from ..bulk.moments import Accumulator, empty_moments
-    from ..bulk.positions import prompt_positions
-    from ..directions import identity
-    from .head import pack
-
     hidden, layers = front.checker.model.hidden_size, plan["layers"]
     moments = empty_moments(plan["value"], layers, plan["second"], plan["reduce"], rule_json(plan["positions"]),
                             identity(front.checker.model))
@@ -406,8 +398,6 @@ def add_sweep_routes(router: Any, server: Any) -> None:
 
 
 def _metric_json(model: Any, metric: Any, answer: Any, wrong: Any) -> dict[str, Any]:
-    from ..workflows.patching import _token_id
-
     if metric is not None:
         spec = getattr(metric, "metric_json", None) if not isinstance(metric, dict) else metric
         if spec is None:
@@ -472,8 +462,6 @@ def client_patch(client: Any, clean: Any, corrupted: Any, metric: Any = None, *,
 
     Returns a `RemotePatching`: a `streamscope.workflows.patching.Patching` with the noise floor.
     """
-    from ..input_checks import one_prompt
-
     unknown = [key for key, given in ignored.items() if given is not None and key not in ("batch_size", "progress")]
     if unknown:
         raise TypeError(f"patch over a server takes no {', '.join(unknown)}.")
@@ -497,9 +485,6 @@ def client_statistics(client: Any, prompts: Sequence[Any], labels: Sequence[Any]
                       second: bool = False, pairs: Optional[Sequence[tuple[int, int]]] = None,
                       concurrency: int = CONCURRENCY) -> Any:
     """`model.statistics` over a `streamscope.Client`: the server harvests and reduces, and sends the moments."""
-    from ..bulk.moments import Moments
-    from .head import unpack
-
     if isinstance(prompts, str):
         raise TypeError("statistics takes a list of prompts; wrap a single prompt in a list.")
     body = {"prompts": list(prompts), "labels": list(labels), "value": value,

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors.torch import save_file
 
 #: safetensors' names of the dtypes a harvest buffer holds.
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -127,8 +128,6 @@ class Store:
         if not record.sae and buffer.dtype in SAFETENSORS_DTYPES:
             save_runs(aside, buffer, record.runs, metadata)  # the buffer's own bytes: no copy per value
         else:
-            from safetensors.torch import save_file
-
             save_file(_tensors(record), str(aside), metadata=metadata)
         os.replace(aside, final)
 
@@ -170,8 +169,6 @@ def write_part(folder: Path, harvest_id: str, rank: int, buffer: torch.Tensor, m
 
     `meta` is the harvest's (values, layers, positions) with ``held``: the part's sites' indices in the run's order.
     """
-    from safetensors.torch import save_file
-
     metadata = {key: json.dumps(item) for key, item in meta.items()}
     final = part_file(folder, harvest_id, rank)
     aside = folder / f".{final.name}.writing"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from .. import nnsight_seam as seam
 from ..bulk.apply import Applier, Span, steer_plans
@@ -98,8 +99,6 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
     `reduce` (``"last"``, ``"mean"``) reduces each prompt's positions as its batch finishes
     (`streamscope.bulk.moments.reduce_positions`), so only one row a prompt is kept.
     """
-    from tqdm.auto import tqdm
-
     ids = token_ids(model, prompts)
     lengths = [len(tokens) for tokens in ids]
     spec = harvest_spec(model, values, layers, positions, lengths)
@@ -155,8 +154,6 @@ def generate(model: Any, prompts: Sequence[Any], max_tokens: int = 16, *, steer:
              top_k: int = 0, seed: Optional[int] = None, ignore_eos: bool = False, return_logits: bool = False,
              batch_size: int = 8, progress: bool = True) -> Generation:
     """Sample many completions with steers applied and values harvested; see `streamscope.bulk`."""
-    from tqdm.auto import tqdm
-
     ids = token_ids(model, prompts)
     lengths = [len(tokens) for tokens in ids]
     checked = [(item, check_steer(model, item, len(ids), lengths)) for item in steer]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -11,12 +10,16 @@ from typing import Any
 import torch
 from nnsight import TransformersModel
 
-from . import families
-from .engine import TransformersEngine
 from .. import nnsight_seam as seam
+from ..bulk.spec import plain_generation
+from ..engine import TRANSFORMERS_BUILD_CONTEXTS
 from ..input_checks import check_token_ids
+from ..sae import route_harvest
 from ..standardized import Standardized
 from ..values import OUTPUT, ComputedValue, StreamValue
+from . import families
+from .bulk import generate, harvest
+from .engine import TransformersEngine
 
 
 class StandardizedTransformers(Standardized, TransformersModel):
@@ -49,7 +52,9 @@ class StandardizedTransformers(Standardized, TransformersModel):
         kwargs.setdefault("task", "text-generation")
         # A model built in memory (random weights from a config, as the benchmarks do) is taken as is.
         built = isinstance(path, torch.nn.Module)
-        with _beside_vllm():
+        with contextlib.ExitStack() as beside:  # what another engine in this process needs around the build
+            for context in TRANSFORMERS_BUILD_CONTEXTS:
+                beside.enter_context(context())
             super().__init__(path if built else str(path), *args, **kwargs)
         self._check_family()
 
@@ -73,9 +78,6 @@ class StandardizedTransformers(Standardized, TransformersModel):
         `streamscope.bulk` for the layout; ``batch_size`` (8), ``shard_size``
         and ``progress`` are options.
         """
-        from ..sae import route_harvest
-        from .bulk import harvest
-
         return route_harvest(self, prompts, values, layers, positions, out, options, harvest)
 
     def generate(self, *inputs: Any, steer: Any = None, harvest: Any = None, **kwargs: Any) -> Any:
@@ -86,8 +88,6 @@ class StandardizedTransformers(Standardized, TransformersModel):
         vLLM (transformers' ``max_new_tokens`` and ``do_sample`` are taken too). As a ``with`` block it
         is nnsight's generate, a trace over every step (the decision is made here, at the caller's depth).
         """
-        from .bulk import generate
-
         if steer is not None or harvest is not None:
             return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)
         fn = seam.unwrapped_generate(self, TransformersModel)
@@ -97,20 +97,9 @@ class StandardizedTransformers(Standardized, TransformersModel):
         try:
             tracer.capture()
         except seam.WithBlockNotFoundError:
-            from ..bulk.spec import plain_generation
-
             prompts, settings = plain_generation(inputs, kwargs)
             return generate(self, prompts, **settings)
         return tracer
-
-
-def _beside_vllm() -> contextlib.AbstractContextManager:
-    """vLLM's config, where this process runs a vLLM engine whose backend patched transformers' classes."""
-    if "streamscope.vllm.model" not in sys.modules:
-        return contextlib.nullcontext()
-    from ..vllm.model import beside_engine
-
-    return beside_engine()
 
 
 def load(path: str | Path, **kwargs: Any) -> StandardizedTransformers:

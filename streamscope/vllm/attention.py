@@ -46,13 +46,22 @@ from __future__ import annotations
 from typing import Any, Callable, ClassVar, Optional, Protocol
 
 import torch
+from vllm.distributed import parallel_state, tensor_model_parallel_all_gather
+from vllm.model_executor.layers.attention import Attention as VllmAttentionLayer
 
-from .. import attention
-from .. import blocks
+from .. import attention, blocks
 from .. import nnsight_seam as seam
 from ..blocks.composed import Composer
-from ..blocks.heads import (FUSED_PROJECTION, FUSED_ROTARY, PRE_ROTARY, PROJECTED, READ_ONLY, pre_rotary_of,
-                            projection_norm, unrotated_of)
+from ..blocks.heads import (
+    FUSED_PROJECTION,
+    FUSED_ROTARY,
+    PRE_ROTARY,
+    PROJECTED,
+    READ_ONLY,
+    pre_rotary_of,
+    projection_norm,
+    unrotated_of,
+)
 from ..values import INPUT, OUTPUT, Host, ReadOnly, StreamValue, argument, first_tensor, require_tapped
 
 #: The child of a vLLM attention module that runs the kernel.
@@ -72,8 +81,6 @@ MISSING_STEPS = ("{where}.{name} on decode step {step} spans the request's whole
 
 def tensor_parallel() -> tuple[int, int]:
     """This engine's tensor-parallel world size and this rank's place in it; ``(1, 0)`` outside an engine."""
-    from vllm.distributed import parallel_state
-
     if parallel_state._TP is None:
         return 1, 0
     return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
@@ -346,8 +353,6 @@ class VllmAttentionInternals:
         return seam.module_of(self).__dict__["_modules"][KERNEL_LAYER]
 
     def kernel_reason(self) -> Optional[str]:
-        from vllm.model_executor.layers.attention import Attention as VllmAttentionLayer
-
         layer = getattr(seam.module_of(self), "_modules", {}).get(KERNEL_LAYER)
         if layer is None:
             return NO_LAYER.format(name=KERNEL_LAYER)
@@ -415,7 +420,6 @@ class VllmAttentionInternals:
         world, _ = tensor_parallel()
         if world == 1:
             return per_head
-        from vllm.distributed import tensor_model_parallel_all_gather
 
         return tensor_model_parallel_all_gather(per_head.contiguous(), dim=per_head.dim() - 2)
 
@@ -444,7 +448,6 @@ class VllmAttentionInternals:
         world, _ = tensor_parallel()
         if world == 1:
             return tensor
-        from vllm.distributed import tensor_model_parallel_all_gather
 
         whole = tensor_model_parallel_all_gather(tensor.contiguous(), dim=-1)
         replicas = self.kv_replicas() if name in ("keys", "values") else 1

@@ -7,9 +7,12 @@ from typing import Any, Optional, Sequence
 
 import nnsight
 import torch
+from vllm import envs
+from vllm.platforms import current_platform
 
 from .. import nnsight_seam as seam
 from ..engine import Body, Engine, Prompt, join_shards
+from .bulk import set_each, settable
 from .logits import engine_logits
 
 #: Sampling that runs a prompt through one forward pass and stops.
@@ -37,8 +40,6 @@ class VllmEngine(Engine):
                     "the checkpoint on transformers for gradients: `streamscope.load(path, engine=\"transformers\")`.")
 
     def precision(self) -> tuple[str, torch.dtype]:
-        from vllm.platforms import current_platform
-
         dtype = self.model.vllm_entrypoint.llm_engine.vllm_config.model_config.dtype
         return ("cpu" if current_platform.is_cpu() else "cuda"), dtype
 
@@ -66,13 +67,10 @@ class VllmEngine(Engine):
 
     def set_each(self, prompt: str, edits: Sequence[tuple[str, int, int, torch.Tensor]]) -> list[torch.Tensor]:
         # Requests of one bulk run, each with its own `set` steer (`streamscope.vllm.bulk.set_each`): no trace.
-        from .bulk import set_each
 
         return set_each(self.model, prompt, edits)
 
     def settable(self, value: str, block: int) -> Optional[str]:
-        from .bulk import settable
-
         return settable(self.model, value, block)
 
     def batch(self, asked: Optional[int], default: int, count: int) -> int:
@@ -127,8 +125,6 @@ def _rpc(model: Any, method: str, *args: Any) -> Any:
 
 def _every_rank(model: Any, method: str, *args: Any) -> list:
     """Every worker's answer to its method `method`, in rank order (vLLM's `collective_rpc` answers so)."""
-    from vllm import envs
-
     inline = not envs.VLLM_ENABLE_V1_MULTIPROCESSING
     answers = model.vllm_entrypoint.collective_rpc(method, args=(inline, model.config.model_type, *args))
     return [answer if inline else pickle.loads(answer) for answer in answers]

@@ -40,6 +40,7 @@ import torch
 
 from ..bulk.apply import Span
 from ..bulk.operations import DIRECTIONAL, Operation
+from ..bulk.steer import steer_positions
 from .graph_ops import MODE_CODES
 
 
@@ -154,8 +155,6 @@ class RowRule:
     @classmethod
     def of_steer(cls, steer: Any, length: int, prompt: int) -> "RowRule":
         """The rule of a bulk `Steer` (`streamscope.bulk.steer`) for prompt number `prompt` of `length` tokens."""
-        from ..bulk.steer import steer_positions
-
         return cls.of(steer_positions(steer, length, prompt), length, steer.generated, steer.from_step)
 
     def covers(self, first: int, count: int) -> bool:

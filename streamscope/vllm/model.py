@@ -22,6 +22,7 @@ from nnsight.modeling.vllm import VLLM
 import torch
 
 from .. import errors
+from ..engine import TRANSFORMERS_BUILD_CONTEXTS
 from ..input_checks import check_token_ids
 from ..errors import Unavailable
 from ..gradients import refuse_gradients
@@ -135,6 +136,9 @@ def beside_engine() -> contextlib.AbstractContextManager:
         config.compilation_config = CompilationConfig(mode=CompilationMode.NONE)
         return set_current_vllm_config(config)
     return contextlib.nullcontext()
+
+
+TRANSFORMERS_BUILD_CONTEXTS.append(beside_engine)
 
 
 class StandardizedVLLM(Standardized, VLLM):

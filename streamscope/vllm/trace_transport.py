@@ -20,13 +20,26 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import io
 import os
+import pickle
 import time
+import uuid
+import warnings
 from functools import partial
 from typing import Any, Callable, Optional
 
-from ..nnsight_seam.vllm_modeling import (answer_collects_with, attach_invokes_with, load_invokes_with,
-                                          prompted_invokes, read_collects_with, send_invokes_with)
+import numpy
+import torch
+
+from ..nnsight_seam.vllm_modeling import (
+    answer_collects_with,
+    attach_invokes_with,
+    load_invokes_with,
+    prompted_invokes,
+    read_collects_with,
+    send_invokes_with,
+)
 
 __all__ = ["HandedSaves", "hand_saves_over", "handing_over", "saves_transport", "SAVES_TRANSPORT_ENV",
            "transport_counts", "received_counts", "PACKED_SAVES", "pack_saves_in_this_process",
@@ -54,10 +67,6 @@ _RECEIVED: dict[str, float] = {"handed": 0, "packed": 0, "pickled": 0, "seconds_
 def _compact_reduce(value: Any) -> Any:
     """A save's pickler's `reducer_override`: a plain tensor that views part of a larger storage is pickled as its
     clone, by nnsight's compact rule; anything else as pickle does (``NotImplemented``)."""
-    import pickle
-
-    import torch
-
     if isinstance(value, torch.Tensor) and _plain(value) and (
             value.untyped_storage().nbytes() > value.numel() * value.element_size()):
         return value.clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
@@ -91,8 +100,6 @@ class HandedSaves:
 def _owned_copy(tensor: Any) -> Any:
     """`tensor` as unpickling it would rebuild it: values, dtype, device, shape, strides, offset; not an
     inference tensor (the copy is made outside inference mode)."""
-    import torch
-
     with torch.inference_mode(False):
         if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
             return tensor.clone()  # nnsight's compact rule: a view of a larger storage comes home as itself alone
@@ -105,8 +112,6 @@ def _owned_copy(tensor: Any) -> Any:
 
 def _plain(tensor: Any) -> bool:
     """Whether `tensor` is a dense tensor over one storage (sparse, quantized and conjugated ones are pickled)."""
-    import torch
-
     return (tensor.layout == torch.strided and not tensor.is_quantized and not tensor.is_conj()
             and not tensor.is_neg())
 
@@ -126,10 +131,6 @@ def _pack(collected: Any, compact: Callable[[Any], bytes]) -> Any:
         packed = _pack_into_buffer(collected)
         _COUNTS["seconds_packing"] += time.perf_counter() - started
         return packed
-    import io
-    import pickle
-
-    import torch
 
     tensors: list = []
     index: dict[int, int] = {}
@@ -155,9 +156,6 @@ def _pack(collected: Any, compact: Callable[[Any], bytes]) -> Any:
 
 def _unpack(payload: Any) -> Any:
     """What a worker's collect answered, as nnsight's engine reads it (a pickled payload is unpickled)."""
-    import io
-    import pickle
-
     if _is_packed(payload):
         return _unpack_buffer(payload)
     if not isinstance(payload, HandedSaves):
@@ -306,11 +304,6 @@ def _pack_into_buffer(collected: Any) -> list:
     plain ``bytes``-like values, which vLLM's ``collective_rpc`` carries from
     an engine process natively.
     """
-    import io
-    import pickle
-
-    import torch
-
     slots: list[tuple[Any, int]] = []  # (the bytes to send: a uint8 view on the tensor's device, buffer offset)
     index: dict[int, tuple] = {}
     kept: list = []  # the tensors indexed by id, alive until packed
@@ -382,8 +375,6 @@ def _fill(buffer: bytearray, slots: list) -> None:
 def _copy_home(group: list, buffer: bytearray) -> None:
     """Copy `group` (``(source, start)`` slots on one device, in order) into `buffer`: packed into one buffer on
     the device and copied to the host once (a lone slot is copied as it is)."""
-    import torch
-
     low = group[0][1]
     high = group[-1][1] + group[-1][0].numel()
     host = torch.frombuffer(buffer, dtype=torch.uint8, count=high - low, offset=low)
@@ -400,13 +391,6 @@ def _copy_home(group: list, buffer: bytearray) -> None:
 def _unpack_buffer(payload: Any) -> Any:
     """A packed collect (`_pack_into_buffer`) as unpickling nnsight's payload gives it: each tensor its own storage,
     on its device, with its dtype, shape, strides, storage offset and ``requires_grad``."""
-    import io
-    import pickle
-    import warnings
-
-    import numpy
-    import torch
-
     _, structure, buffer = payload
     rebuilt: dict[int, Any] = {}
     staged: dict[str, Any] = {}  # per device: the buffer copied there once
@@ -461,8 +445,6 @@ def _bundled_dumps(mediator: Any, *args: Any, dumps: Callable) -> Any:
     if attaching is None or id(mediator) not in attaching["index"]:
         return dumps(mediator, *args)
     if attaching["trace"] is None:
-        import uuid
-
         trace = uuid.uuid4().hex
         _BUNDLES[trace] = {"bytes": dumps(attaching["mediators"], *args), "loaded": None, "taken": set(),
                            "count": len(attaching["mediators"])}

@@ -27,16 +27,20 @@ import re
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
+from tqdm.auto import tqdm
 
 from ..blocks import BOUNDARIES, SHORT_CONTRIBUTIONS, Attention
 from ..blocks.heads import INTERNALS
 from ..blocks.sublayers import NEURONS
+from ..display import shape, table
 from ..engine import check_padding_side, last_positions, padded
 from ..errors import Unavailable
 from ..families.logits import scaling_in_words
 from ..families.spec import ROOT_STREAMS
+from ..input_checks import indices, names
+from ..values import StreamValue
 from .cache_inputs import _names_filter, _output_weights, _token_ids, norm_inputs  # noqa: F401  (serve imports them)
-from .tl import TransformerLensCache, act_name, as_index, keep_axis
+from .tl import TransformerLensCache, act_name, apply_slice, as_index, keep_axis
 
 ATTENTION = tuple(f"{Attention.ROLE}.{name}" for name in INTERNALS)
 ROOT = ROOT_STREAMS
@@ -404,8 +408,6 @@ class Cache(TransformerLensCache, Mapping):
                 f"seq {self.tokens.shape[-1]}, {len(self.stored)} values)")
 
     def _repr_html_(self) -> str:
-        from .display import shape, table
-
         # One row per value name, its blocks and shape (a block's values share their shapes).
         names: dict[str, list] = {}
         for key, value in self.stored.items():
@@ -498,8 +500,6 @@ def _block_keys(model: Any, values: Sequence[str], layers: Sequence[int],
 
 def _location(model: Any, index: int, full: str) -> Optional[tuple]:
     """Where a plain value is read (module, input or output, argument), or None for a computed or scaled one."""
-    from ..values import StreamValue
-
     host = model.layers[index]
     *path, name = full.split(".")
     for part in path:
@@ -583,8 +583,6 @@ def _source_of(cache: Cache, tl: str) -> Optional[str]:
 
 def _slice_positions(cache: Cache, pos_slice: Any) -> None:
     """Slice every value's query-position axis as TransformerLens's run_with_cache(pos_slice=...)."""
-    from .tl import apply_slice
-
     cache.stored = {key: apply_slice(value, pos_slice, seq_axes(key)[0]) for key, value in cache.stored.items()}
     cache.tokens, cache.mask = apply_slice(cache.tokens, pos_slice, 1), apply_slice(cache.mask, pos_slice, 1)
     if cache.logits is not None:
@@ -618,10 +616,6 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
     one BOS first (TransformerLens's), False leaves it out. `device` keeps
     the tensors there (TL's ``device``: the model stays), None where run.
     """
-    from tqdm.auto import tqdm
-
-    from ..input_checks import indices, names
-
     if not model.engine.runs_traces:  # a server (a streamscope.Client): its engine builds it from harvests
         return model.engine.cache(prompts, values, layers, logits=logits, batch_size=batch_size, progress=progress,
                                   names_filter=names_filter, pos_slice=pos_slice, prepend_bos=prepend_bos,

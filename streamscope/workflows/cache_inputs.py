@@ -10,6 +10,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..blocks.parallel import SharedNormParallelLayer
+from ..blocks.sublayers import PostNormedAttention, PostNormedMlp
 from ..engine import encode
 from ..errors import Unavailable, code_of
 
@@ -73,9 +75,6 @@ def _output_weights(model: Any) -> Callable[[], list]:
 
 def norm_inputs(model: Any) -> dict[int, dict[str, str]]:
     """Per block: the stream (a cache key) its attention norm (``ln1``) and MLP norm (``ln2``) read, else why none."""
-    from ..blocks.parallel import SharedNormParallelLayer
-    from ..blocks.sublayers import PostNormedAttention, PostNormedMlp
-
     found = {}
     for index in range(model.num_layers):
         rows = model.layers[index].support().rows

@@ -27,7 +27,8 @@ from typing import Any, Sequence, Union
 import torch
 
 from ..bulk.spec import token_ids
-from .display import table, token
+from ..display import table, token
+from .views import features
 
 
 @dataclass
@@ -140,8 +141,6 @@ class FeatureExamples:
     def view(self, path: Union[str, Path, None] = None, *, title: str = "") -> Any:
         """An offline HTML page of the examples (`streamscope.views.features`): each example's window, each token
         shaded by the feature's activation on it; hover a token for its activation. Written to `path` if given."""
-        from .views import features
-
         return features(self, path, title=title)
 
 

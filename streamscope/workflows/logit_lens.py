@@ -21,6 +21,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..display import png, shape, shortened, table, token
+from ..input_checks import indices
+from .plot import lens_heatmap
+from .views import lens as lens_view
+
 #: What the lens reads by default: the stream each block hands on.
 DEFAULT_VALUE = "layer_output"
 
@@ -83,8 +88,6 @@ class Lens:
     prompt: str = ""
 
     def __repr__(self) -> str:
-        from .display import shape, token
-
         text, probability = self.top_tokens(-1)[-1][0]
         logits = f", logits {shape(self.logits)}" if self.logits is not None else ""
         return (f"Lens({self.value}, {len(self.layers)} blocks x {len(self.tokens)} positions, top "
@@ -92,8 +95,6 @@ class Lens:
                 f"{token(text)} {probability:.3f})")
 
     def _repr_html_(self) -> str:
-        from .display import shortened, table, token
-
         k = min(3, self.top_ids.shape[-1])
         rows = [[layer, *(f"{token(text)} {probability:.3f}" for text, probability in row[:k])]
                 for layer, row in zip(self.layers, self.top_tokens(-1))]
@@ -102,8 +103,6 @@ class Lens:
         return table(caption, ["block", *(f"top {i + 1}" for i in range(k))], rows)
 
     def _repr_png_(self) -> bytes:
-        from .display import png
-
         return png(self.plot)
 
     def top_tokens(self, position: int = -1) -> list[list[tuple[str, float]]]:
@@ -139,14 +138,10 @@ class Lens:
 
     def view(self, path: Any = None, k: int = 5) -> Any:
         """An interactive page (`streamscope.views.lens`): hover a cell for its top `k` tokens; inline in Jupyter."""
-        from .views import lens as lens_view
-
         return lens_view(self, path, k=k)
 
     def plot(self, path: Any, **kwargs: Any) -> Any:
         """Write a heatmap PNG: blocks x positions, each cell the top token, coloured by its probability."""
-        from .plot import lens_heatmap
-
         return lens_heatmap(self, path, **kwargs)
 
 
@@ -169,8 +164,6 @@ def lens(model: Any, prompt: str | Sequence[str], *, layers: Optional[Sequence[i
     Returns:
         A `Lens` (a list of them for a list of prompts); print it for the table, `.plot(path)` for the heatmap.
     """
-    from ..input_checks import indices
-
     several = isinstance(prompt, (list, tuple))
     if not isinstance(prompt, str):
         if not (several and prompt and all(isinstance(item, str) for item in prompt)):

@@ -24,6 +24,13 @@ from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from tqdm.auto import tqdm
+
+from ..display import png, shape, shortened, table, token
+from ..errors import Unavailable
+from ..input_checks import indices, one_prompt
+from .attribution import attribution_effects, check_method, refuse_without_gradients
+from .plot import patching_heatmap
 
 #: Values a patch can replace: streamscope's block values (short names for the contributions).
 _CONTRIBUTIONS = {"attention_output": "self_attn.attention_output", "mlp_output": "mlp.mlp_output",
@@ -69,15 +76,11 @@ class Patching:
     prompts: tuple[str, str] = ("", "")
 
     def __repr__(self) -> str:
-        from .display import shape
-
         columns = "heads" if self.per_head else "positions"
         return (f"Patching({self.value}, effects {shape(self.effects)} blocks x {columns}, {self.metric_name}: "
                 f"clean {self.clean:.3f}, corrupted {self.corrupted:.3f})")
 
     def _repr_html_(self) -> str:
-        from .display import shortened, table, token
-
         caption = (f"patching {self.value} from {shortened(self.prompts[0])!r} into {shortened(self.prompts[1])!r}: "
                    f"normalized {self.metric_name} (clean {self.clean:.3f}, corrupted {self.corrupted:.3f})")
         labels = self.labels if self.per_head else [token(label) for label in self.labels]
@@ -85,8 +88,6 @@ class Patching:
         return table(caption, ["block", *labels], rows)
 
     def _repr_png_(self) -> bytes:
-        from .display import png
-
         return png(self.plot)
 
     @property
@@ -101,8 +102,6 @@ class Patching:
 
     def plot(self, path: Any, **kwargs: Any) -> Any:
         """Write the heatmap of `normalized` as a PNG."""
-        from .plot import patching_heatmap
-
         return patching_heatmap(self, path, **kwargs)
 
     def table(self) -> str:
@@ -246,10 +245,6 @@ def patch(model: Any, clean: str, corrupted: str, metric: Optional[Callable[[tor
     Returns:
         A `Patching`: the metric under each patch, ``[blocks, positions]`` or ``[blocks, heads]``.
     """
-    from ..input_checks import indices
-
-    from .attribution import check_method, refuse_without_gradients
-
     if check_method(method) == "attribution":
         refuse_without_gradients(model)  # before any run, a server's sweep included
     remote = getattr(model, "patch_sweep", None)
@@ -279,8 +274,6 @@ def _checked_prompts(model: Any, clean: str, corrupted: str, metric: Optional[Ca
                      ) -> tuple[str, str, list[int], Callable[[torch.Tensor], Any]]:
     """`patch`'s two prompts (one each, of one token count), the corrupted one's token ids, and the metric (the
     answer's logit difference where none is given); a clear error naming the fix otherwise."""
-    from ..input_checks import one_prompt
-
     several = "Patch each pair of prompts with its own call."
     clean, corrupted = (one_prompt(prompt, "streamscope.patch", several) for prompt in (clean, corrupted))
     tokenizer = model.tokenizer
@@ -299,8 +292,6 @@ def _checked_prompts(model: Any, clean: str, corrupted: str, metric: Optional[Ca
 def _checked_names(model: Any, value: str, layers: Sequence[int]) -> dict[int, str]:
     """Each block's full name of `value`, after refusing (`Unavailable`, with the reason) a value a block does not
     serve, before anything runs."""
-    from ..errors import Unavailable
-
     gated = model.family_spec.gated_head_outputs
     if value == "head_results" and gated is not None:
         raise Unavailable(value, "streamscope.patch", f"{gated}, and a patch of head_results is made at head_outputs: "
@@ -338,8 +329,6 @@ def _patch_outcomes(model: Any, corrupted: str, patches: list[tuple[int, int, to
                     heads: Optional[list[int]], metric: Callable[[torch.Tensor], Any], batch_size: Optional[int],
                     progress: Optional[bool], traced: set[int]) -> list[float]:
     """The metric of the corrupted run under each patch, in order, `batch_size` patches a run."""
-    from tqdm.auto import tqdm
-
     batch_size = model.engine.batch(batch_size, 16, len(patches))
     show = progress if progress is not None else len(patches) > batch_size
     outcomes: list[float] = []
@@ -352,8 +341,6 @@ def _patch_outcomes(model: Any, corrupted: str, patches: list[tuple[int, int, to
 def _attribution(model: Any, prompts: tuple[str, str], metric: Callable[[torch.Tensor], Any], layers: Sequence[int],
                  names: dict[int, str], positions: Sequence[int], value: str) -> Patching:
     """`patch` by attribution (`streamscope.workflows.attribution`): the same axes, columns and labels."""
-    from .attribution import attribution_effects
-
     heads = value in HEAD_VALUES
     effects, clean_metric, corrupted_metric = attribution_effects(model, *prompts, metric, layers, names, positions,
                                                                   heads, _envoy, clean_values)

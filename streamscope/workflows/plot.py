@@ -17,14 +17,17 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import matplotlib
+import matplotlib.pyplot as plt
 import torch
+from matplotlib.colors import LogNorm, Normalize
+
+from ..display import one_pattern, shortened, token
+from ..input_checks import indices
 
 
 def _pyplot() -> Any:
-    import matplotlib
-
     matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
 
     return plt
 
@@ -36,15 +39,11 @@ FONT = {"ticks": 9, "labels": 10, "title": 12}
 
 
 def _labels(tokens: Sequence[str]) -> list[str]:
-    from .display import token
-
     return [token(text) for text in tokens]
 
 
 def _prompt(tokens: Sequence[str]) -> str:
     """The prompt the tokens spell, without special tokens such as ``<|bos|>``, shortened for a title."""
-    from .display import shortened
-
     text = "".join(token for token in tokens if not (token.startswith("<") and token.endswith(">") and len(token) > 2))
     return shortened(text.strip())
 
@@ -95,9 +94,6 @@ def attention(pattern: torch.Tensor, tokens: Sequence[str], path: Any, *, heads:
             so the colour scale shows how the rest is shared.
         log_scale: Colour by the logarithm of the weight (from 1e-4), which shows small weights beside the sink.
     """
-    from ..input_checks import indices
-    from .display import one_pattern
-
     pattern = one_pattern(pattern, tokens, "attention()")
 
     heads = indices(heads, pattern.shape[0], "head", "plot.attention")
@@ -112,7 +108,6 @@ def attention(pattern: torch.Tensor, tokens: Sequence[str], path: Any, *, heads:
     columns = min(columns, len(heads))
     rows = math.ceil(len(heads) / columns)
     plt = _pyplot()
-    from matplotlib.colors import LogNorm, Normalize
 
     top = 1.0 if not drop_first else max(float(pattern[heads].max()), 1e-4)
     norm = LogNorm(vmin=1e-4, vmax=top) if log_scale else Normalize(vmin=0.0, vmax=top)
@@ -137,8 +132,6 @@ def attention(pattern: torch.Tensor, tokens: Sequence[str], path: Any, *, heads:
 def lens_heatmap(result: Any, path: Any, *, positions: Optional[Sequence[int]] = None, title: str = "",
                  dpi: int = DPI) -> Path:
     """Write a logit lens as blocks x positions: each cell the block's top token there, coloured by its probability."""
-    from ..input_checks import indices
-
     positions = indices(positions, len(result.tokens), "position", "lens_heatmap")
     probabilities = result.top_probs[:, positions, 0].float().cpu()
     plt = _pyplot()
@@ -181,6 +174,4 @@ def patching_heatmap(result: Any, path: Any, *, title: str = "", dpi: int = DPI)
 
 
 def _shortened(text: str, limit: int = 48) -> str:
-    from .display import shortened
-
     return shortened(text, limit)

@@ -36,7 +36,8 @@ import torch
 
 from ..engine import padded
 from ..errors import Unavailable
-from .cache import TL_BLOCK, TL_COMPUTED, TL_ROOT, TL_UNSERVED, _location, _token_ids, build_cache
+from .cache import TL_BLOCK, TL_COMPUTED, TL_ROOT, TL_UNSERVED, _location, _slice_positions, _token_ids, build_cache
+from .tl import as_index, keep_axis
 
 #: What `run_with_hooks` and `run_with_cache` return, by TransformerLens's ``return_type``.
 RETURN_TYPES = ("logits", "loss", "both", None)
@@ -350,9 +351,6 @@ def run_with_cache(model: Any, input: Any, *, return_type: Optional[str] = "logi
     applied to it; ``return_cache_object=False`` gives its `cache_dict` instead. Other keyword arguments are
     `model.cache`'s (``values``, ``layers``, ``names_filter``, ``prepend_bos``, ``batch_size``, ...).
     """
-    from .cache import _slice_positions
-    from .tl import as_index, keep_axis
-
     _check_return_type(return_type)
     if return_type is not None and cache_options.get("logits") is False:
         raise ValueError(f"logits=False keeps no logits, and return_type={return_type!r} needs them: pass "

@@ -21,6 +21,7 @@ form and epsilon (one config field states both in every family served).
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any, Callable, Optional, Union
 
@@ -32,8 +33,7 @@ from ..errors import Unavailable
 # length); imported here so that `streamscope.workflows.tl.apply_slice`, `.to_tokens` and the rest keep working.
 from .tl_decomposition import FullDecomposition
 from .tl_keys import CacheDict, SliceInput, act_name, apply_slice, as_index, keep_axis  # noqa: F401
-from .tl_tokens import (NO_DEFAULT_BOS, test_prompt, to_single_token, to_str_tokens,  # noqa: F401
-                        to_tokens, tokenizer_prepends_bos)
+from .tl_tokens import NO_DEFAULT_BOS, test_prompt, to_single_token, to_str_tokens, to_tokens, tokenizer_prepends_bos  # noqa: F401
 
 
 class NormForm:
@@ -659,8 +659,6 @@ class TransformerLensCache(FullDecomposition):
 
     def apply_slice_to_batch_dim(self, batch_slice: SliceInput) -> Any:
         """A new cache of the prompts `batch_slice` picks (an int drops the batch axis), as TL 4.3."""
-        import copy
-
         if not self.has_batch_dim:
             raise ValueError("this cache has no batch axis to slice")
         batch_slice = as_index(batch_slice, "batch_slice")

@@ -20,7 +20,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .display import one_pattern, shortened, token
+from ..display import one_pattern, shortened, token
+from ..input_checks import indices
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; font-size: 14px; margin: 12px; color: #222; }
@@ -120,8 +121,6 @@ def attention(pattern: torch.Tensor, tokens: Sequence[str], path: Optional[str |
         heads: Which heads to show (default: all).
         block: The block the pattern is from, for the title.
     """
-    from ..input_checks import indices
-
     pattern = one_pattern(pattern, tokens, "views.attention")
     heads = indices(heads, pattern.shape[0], "head", "views.attention")
     labels = [token(text) for text in tokens]

@@ -139,7 +139,7 @@ def _chance_floor(count: int) -> float:
 
 def test_attribution_ranks_patches_as_activation_patching_does_on_smollm2(capsys):
     from streamscope.models import smollm2
-    from streamscope.workflows.demo import ANSWER as PARIS, CLEAN as FRANCE, CORRUPTED as ITALY, WRONG as ROME
+    from streamscope.demo import ANSWER as PARIS, CLEAN as FRANCE, CORRUPTED as ITALY, WRONG as ROME
 
     model = streamscope.load(smollm2(quiet=True))
     tokens = [model.tokenizer(text)["input_ids"] for text in (FRANCE, ITALY)]

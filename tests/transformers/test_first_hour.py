@@ -17,7 +17,7 @@ import attention_oracle
 import oracle
 from access import relative_error
 import streamscope
-from streamscope.workflows.display import token
+from streamscope.display import token
 
 PROMPTS = ["The Eiffel Tower is in Paris, and the quick brown fox", "Rome is in Italy"]
 RELATIVE = 1e-5  # float32 on CPU, the same ops: rounding only

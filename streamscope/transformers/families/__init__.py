@@ -29,7 +29,9 @@ from __future__ import annotations
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from ... import blocks
 from ...families import TRANSFORMERS, find_family, named_family
+from ..attention import attention_kind
 
 if TYPE_CHECKING:
     from ...families.spec import FamilySpec
@@ -48,8 +50,5 @@ def family_called(name: str) -> ModuleType:
 def envoys_for(spec: "FamilySpec") -> dict:
     """The family's ``envoys=`` on transformers: each attention kind composed with the kernel call's internals
     (`transformers.attention.attention_kind`); the block kinds and the rest as stated."""
-    from ... import blocks
-    from ..attention import attention_kind
-
     return {key: attention_kind(kind) if isinstance(kind, type) and issubclass(kind, blocks.Attention) else kind
             for key, kind in spec.envoys.items()}

