@@ -52,6 +52,7 @@ from typing import Any, Optional, Sequence, Union
 import gguf
 import numpy as np
 import torch
+from matplotlib.ticker import MaxNLocator
 from safetensors.torch import load_file, save_file
 
 from .bulk.dose import CARRIED, carried_entry
@@ -59,19 +60,10 @@ from .bulk.norms import fit_norms
 from .bulk.results import Harvest
 from .bulk.sites import ROOT_VALUES, layer_list, value_names
 from .bulk.steer import Steer
-from .direction_fits import (
-    METHODS,
-    HeldOutFit,
-    check_examples,
-    fit,
-    fit_held_out,
-    held_out_split,
-    mean_difference,
-    pca,
-    probe,
-)
+from .direction_fits import (METHODS, HeldOutFit, check_examples, fit, fit_held_out, held_out_split, mean_difference,
+                             pca, probe)
 from .moment_fits import fit_moments
-from .workflows.plot import _pyplot, _save
+from .workflows.plot import _figure, _save
 
 #: What identifies a model's shape: a direction made on one loads onto another only where all of these agree.
 IDENTITY = ("model_type", "hidden_size", "num_layers", "vocab_size")
@@ -336,14 +328,14 @@ class Sweep:
 
     def plot(self, path: Union[str, Path], *, dpi: int = 100) -> Path:
         """A PNG of the scores per block: held-out accuracy (left axis) and separation (right)."""
-        plt = _pyplot()
-        figure, accuracy_axis = plt.subplots(figsize=(max(6.0, 0.25 * len(self.directions) + 2), 3.4))
+        figure = _figure((max(6.0, 0.25 * len(self.directions) + 2), 3.4))
+        accuracy_axis = figure.subplots()
         blocks = [d.layer if d.layer is not None else -1 for d in self.directions]
         accuracy_axis.plot(blocks, [d.scores.get("accuracy", float("nan")) for d in self.directions], "o-",
                            color="tab:blue", label="held-out accuracy")
         accuracy_axis.set_ylim(0, 1.05)
         accuracy_axis.set_xlabel("block")
-        accuracy_axis.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
+        accuracy_axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         accuracy_axis.set_ylabel("held-out accuracy", color="tab:blue")
         separation_axis = accuracy_axis.twinx()
         separation_axis.plot(blocks, [d.scores.get("separation", float("nan")) for d in self.directions], "s--",

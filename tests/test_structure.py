@@ -710,3 +710,17 @@ def test_the_waiting_import_check_finds_one(tmp_path):
     (package / "low.py").write_text("from . import heavy\n")
     assert needing_optional(package, frozenset({"vllm"})) == {"pkg.heavy", "pkg.low", "pkg.mid", "pkg.mid.uses",
                                                               "pkg.top"}
+
+
+def test_the_floors_are_the_ones_architecture_md_states():
+    # One statement of the floors in words (ARCHITECTURE.md's table "The layers") and one as data (LAYERS): the same.
+    import re
+
+    stated: dict[str, int] = {}
+    for line in (PACKAGE.parent / "ARCHITECTURE.md").read_text().splitlines():
+        row = re.match(r"^\| (\d+) [^|]+ \| ([^|]+) \|", line)
+        if row:
+            for path in re.findall(r"`([^`]+)`", row.group(2)):
+                name = path.removesuffix("/").removesuffix(".py").replace("/", ".")
+                stated["streamscope" if name == "__init__" else f"streamscope.{name}"] = int(row.group(1))
+    assert stated == LAYERS

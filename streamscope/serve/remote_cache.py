@@ -24,18 +24,8 @@ from ..bulk.sites import value_names
 from ..engine import check_padding_side, padded
 from ..errors import Unavailable
 from ..input_checks import indices, names
-from ..workflows.cache import (
-    ALL,
-    DEFAULT_VALUES,
-    ROOT,
-    Cache,
-    _block_keys,
-    _final_norm,
-    _ordered,
-    _pad,
-    _token_ids,
-    apply_run_with_cache_arguments,
-)
+from ..workflows.cache import (ALL, DEFAULT_VALUES, ROOT, Cache, _block_keys, _final_norm, _ordered, _pad, _token_ids,
+                               apply_run_with_cache_arguments)
 from ..workflows.tl import as_index, keep_axis
 
 #: Why a value or a run a server does not carry is refused, by what was asked.

@@ -52,16 +52,8 @@ from vllm.model_executor.layers.attention import Attention as VllmAttentionLayer
 from .. import attention, blocks
 from .. import nnsight_seam as seam
 from ..blocks.composed import Composer
-from ..blocks.heads import (
-    FUSED_PROJECTION,
-    FUSED_ROTARY,
-    PRE_ROTARY,
-    PROJECTED,
-    READ_ONLY,
-    pre_rotary_of,
-    projection_norm,
-    unrotated_of,
-)
+from ..blocks.heads import (FUSED_PROJECTION, FUSED_ROTARY, PRE_ROTARY, PROJECTED, READ_ONLY, pre_rotary_of,
+                            projection_norm, unrotated_of)
 from ..values import INPUT, OUTPUT, Host, ReadOnly, StreamValue, argument, first_tensor, require_tapped
 
 #: The child of a vLLM attention module that runs the kernel.

@@ -32,14 +32,8 @@ from typing import Any, Callable, Optional
 import numpy
 import torch
 
-from ..nnsight_seam.vllm_modeling import (
-    answer_collects_with,
-    attach_invokes_with,
-    load_invokes_with,
-    prompted_invokes,
-    read_collects_with,
-    send_invokes_with,
-)
+from ..nnsight_seam.vllm_modeling import (answer_collects_with, attach_invokes_with, load_invokes_with,
+                                          prompted_invokes, read_collects_with, send_invokes_with)
 
 __all__ = ["HandedSaves", "hand_saves_over", "handing_over", "saves_transport", "SAVES_TRANSPORT_ENV",
            "transport_counts", "received_counts", "PACKED_SAVES", "pack_saves_in_this_process",

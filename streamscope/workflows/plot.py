@@ -17,19 +17,18 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import matplotlib
-import matplotlib.pyplot as plt
 import torch
 from matplotlib.colors import LogNorm, Normalize
+from matplotlib.figure import Figure
 
 from ..display import one_pattern, shortened, token
 from ..input_checks import indices
 
 
-def _pyplot() -> Any:
-    matplotlib.use("Agg")  # files only: no display needed
-
-    return plt
+def _figure(size: tuple[float, float], layout: Optional[str] = None) -> Figure:
+    # A figure of its own, not pyplot's: nothing global (pyplot's backend, its open figures) changes, and a PNG is
+    # drawn by Agg, with no display.
+    return Figure(figsize=size, layout=layout)
 
 
 #: Pixels per inch of the saved PNGs: the fonts below stay legible when a figure is shrunk onto a page.
@@ -52,7 +51,6 @@ def _save(figure: Any, path: Any, dpi: int) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=dpi)  # the figure's own size: width x height inches times dpi pixels
-    _pyplot().close(figure)
     return path
 
 
@@ -107,12 +105,10 @@ def attention(pattern: torch.Tensor, tokens: Sequence[str], path: Any, *, heads:
         pattern, labels = pattern[:, 1:, 1:], labels[1:]
     columns = min(columns, len(heads))
     rows = math.ceil(len(heads) / columns)
-    plt = _pyplot()
-
     top = 1.0 if not drop_first else max(float(pattern[heads].max()), 1e-4)
     norm = LogNorm(vmin=1e-4, vmax=top) if log_scale else Normalize(vmin=0.0, vmax=top)
-    figure, axes = plt.subplots(rows, columns, figsize=attention_size(len(labels), len(heads), columns),
-                                squeeze=False, layout="constrained")
+    figure = _figure(attention_size(len(labels), len(heads), columns), layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False)
     for axis in axes.flat[len(heads):]:
         axis.axis("off")
     for axis, head in zip(axes.flat, heads):
@@ -134,8 +130,8 @@ def lens_heatmap(result: Any, path: Any, *, positions: Optional[Sequence[int]] =
     """Write a logit lens as blocks x positions: each cell the block's top token there, coloured by its probability."""
     positions = indices(positions, len(result.tokens), "position", "lens_heatmap")
     probabilities = result.top_probs[:, positions, 0].float().cpu()
-    plt = _pyplot()
-    figure, axis = plt.subplots(figsize=lens_size(len(positions), len(result.layers)), layout="constrained")
+    figure = _figure(lens_size(len(positions), len(result.layers)), layout="constrained")
+    axis = figure.subplots()
     image = axis.imshow(probabilities.numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto", origin="lower")
     for row in range(len(result.layers)):
         for column, position in enumerate(positions):
@@ -157,8 +153,8 @@ def patching_heatmap(result: Any, path: Any, *, title: str = "", dpi: int = DPI)
     """Write a patching result's normalized effect as blocks x positions (or heads)."""
     effect = result.normalized.float().cpu()
     bound = max(1.0, float(effect.abs().max())) if effect.numel() else 1.0
-    plt = _pyplot()
-    figure, axis = plt.subplots(figsize=patching_size(len(result.columns), len(result.layers)), layout="constrained")
+    figure = _figure(patching_size(len(result.columns), len(result.layers)), layout="constrained")
+    axis = figure.subplots()
     image = axis.imshow(effect.numpy(), cmap="RdBu_r", vmin=-bound, vmax=bound, aspect="auto", origin="lower")
     labels = result.labels if result.per_head else _labels(result.labels)
     axis.set_xticks(range(len(result.columns)), labels, rotation=45, fontsize=FONT["ticks"])
