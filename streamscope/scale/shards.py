@@ -27,9 +27,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from safetensors.torch import save_file
-
 from ..bulk.results import INDEX, Harvest
+from ..bulk.safetensors_io import write_safetensors
 from . import parquet
 
 MANIFEST = "run.json"
@@ -70,10 +69,10 @@ def write_shard(folder: Path, number: int, harvest: Harvest, record: dict[str, A
             raise ValueError("a Parquet shard has a token column: pass the prompts' token_ids.")
         _atomic_write(folder / name, lambda temporary: parquet.write(temporary, harvest, token_ids))
     else:
-        tensors = {f"{value}/{prompt}": tensor.contiguous().clone()  # own storage: a harvest hands out views
-                   for value, per_prompt in harvest.values.items()
+        # Each tensor's bytes straight from the harvest's buffers (its views included): no copy of the shard.
+        tensors = {f"{value}/{prompt}": tensor for value, per_prompt in harvest.values.items()
                    for prompt, tensor in zip(harvest.prompts, per_prompt)}
-        _atomic_write(folder / name, lambda temporary: save_file(tensors, str(temporary)))
+        write_safetensors(tensors, folder / name)
     record = {**record, "file": name, "prompts": list(harvest.prompts),
               "positions": harvest.positions, "layers": harvest.layers}
     write_text(folder / record_file(number), json.dumps(record))

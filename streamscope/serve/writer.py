@@ -172,7 +172,10 @@ def write_part(folder: Path, harvest_id: str, rank: int, buffer: torch.Tensor, m
     metadata = {key: json.dumps(item) for key, item in meta.items()}
     final = part_file(folder, harvest_id, rank)
     aside = folder / f".{final.name}.writing"
-    save_file({"part": buffer.clone()}, str(aside), metadata=metadata)
+    if buffer.dtype in SAFETENSORS_DTYPES:
+        save_runs(aside, buffer.contiguous(), [("part", 0, buffer.shape[0], False)], metadata)
+    else:
+        save_file({"part": buffer.contiguous()}, str(aside), metadata=metadata)
     os.replace(aside, final)
 
 

@@ -10,28 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 import bulk_checks
 from access import relative_error
+import bulk_engines
 from bulk_checks import BULK_FAMILIES, PROMPTS
-import attention_oracle
 import streamscope
 
 STEPS = 4
 
 
-class Engine:
-    def __init__(self, family: str, path):
-        self.family = family
-        self.model = streamscope.load(path)
-        self.reference = attention_oracle.reference_model(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-
-
-@pytest.fixture(scope="module", params=BULK_FAMILIES)
-def engine(request, checkpoints):
-    return Engine(request.param, checkpoints(request.param))
+engine = bulk_engines.fixture("transformers", BULK_FAMILIES)
 
 
 def test_a_padded_harvest_equals_the_transformers_values(engine):

@@ -9,26 +9,14 @@ rows never pass and a batchmate left bit for bit as the plain run.
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
 
-import attention_oracle
 import conditional_steer_checks as checks
+import bulk_engines
 from bulk_checks import BULK_FAMILIES, PROMPTS
-import streamscope
 from streamscope.bulk.spec import SteerError
 
 
-class Engine:
-    def __init__(self, family: str, path):
-        self.family = family
-        self.model = streamscope.load(path)
-        self.reference = attention_oracle.reference_model(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-
-
-@pytest.fixture(scope="module", params=BULK_FAMILIES)
-def engine(request, checkpoints):
-    return Engine(request.param, checkpoints(request.param))
+engine = bulk_engines.fixture("transformers", BULK_FAMILIES)
 
 
 CASES = ["row_earlier_block", "row_same_site_less", "row_cosine_mid", "request_cosine",

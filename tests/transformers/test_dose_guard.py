@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
-from transformers import AutoTokenizer
 
-import attention_oracle
 import carried_norm_checks
 import dose_guard_checks as checks
+import bulk_engines
 from bulk_checks import BULK_FAMILIES
-import streamscope
 
 
-class Engine:
-    def __init__(self, family: str, path):
-        self.family = family
-        self.model = streamscope.load(path)
-        self.reference = attention_oracle.reference_model(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-
-
-@pytest.fixture(scope="module", params=BULK_FAMILIES)
-def engine(request, checkpoints):
-    return Engine(request.param, checkpoints(request.param))
+engine = bulk_engines.fixture("transformers", BULK_FAMILIES)
 
 
 def test_a_dose_past_the_limit_clamps_to_it_on_request(engine):

@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
 
-import attention_oracle
 import sae_checks
 import sae_examples_checks
+import bulk_engines
 from bulk_checks import BULK_FAMILIES, PROMPTS
 import streamscope
 from streamscope.sae import from_sae_lens
@@ -16,29 +15,19 @@ from streamscope.sae import from_sae_lens
 import sae_lens  # noqa: F401  (the test extra installs it: a missing install fails here)
 
 
-class Setup:
-    def __init__(self, family: str, path):
-        self.family = family
-        self.model = streamscope.load(path)
-        self.reference = attention_oracle.reference_model(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+engine = bulk_engines.fixture("transformers", BULK_FAMILIES)
 
 
-@pytest.fixture(scope="module", params=BULK_FAMILIES)
-def setup(request, checkpoints):
-    return Setup(request.param, checkpoints(request.param))
+def test_top_examples_equal_a_brute_force_over_the_harvested_features(engine):
+    sae_examples_checks.check_top_examples(engine.model, engine.reference, engine.tokenizer, engine.family, batch_size=1)
 
 
-def test_top_examples_equal_a_brute_force_over_the_harvested_features(setup):
-    sae_examples_checks.check_top_examples(setup.model, setup.reference, setup.tokenizer, setup.family, batch_size=1)
+def test_bad_requests_are_refused_with_the_fix(engine):
+    sae_examples_checks.check_refusals(engine.model)
 
 
-def test_bad_requests_are_refused_with_the_fix(setup):
-    sae_examples_checks.check_refusals(setup.model)
-
-
-def test_the_examples_table_rows_and_view(setup, tmp_path):
-    model = setup.model
+def test_the_examples_table_rows_and_view(engine, tmp_path):
+    model = engine.model
     sae = from_sae_lens(sae_checks.sae_lens_sae(model.hidden_size, 4 * model.hidden_size))
     dead = from_sae_lens(sae_checks.sae_lens_sae(model.hidden_size, 4 * model.hidden_size))
     dead.b_enc[1] = -1e4  # a feature that never fires

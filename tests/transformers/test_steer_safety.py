@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
-import attention_oracle
 import steer_safety_checks as checks
 from access import relative_error
+import bulk_engines
 from bulk_checks import PROMPTS, RELATIVE
 import streamscope
 from streamscope.bulk.spec import SteerError
@@ -21,16 +20,7 @@ from streamscope.bulk.spec import SteerError
 FAMILY = "llama"
 
 
-class Engine:
-    def __init__(self, path):
-        self.model = streamscope.load(path)
-        self.reference = attention_oracle.reference_model(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoints):
-    return Engine(checkpoints(FAMILY))
+engine = bulk_engines.fixture("transformers", [FAMILY])
 
 
 def test_a_default_steer_skips_the_first_token_and_matches_the_oracle(engine):

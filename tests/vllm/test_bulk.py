@@ -11,33 +11,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import bulk_checks
 from access import relative_error
+import bulk_engines
 from bulk_checks import BULK_FAMILIES, PROMPTS, RELATIVE, ROUNDING
 import precision
 import streamscope
-from streamscope.vllm.model import beside_engine
 
 STEPS = 4
 GREEDY = {"temperature": 0.0, "max_tokens": 1}
 
 
-class Engine:
-    def __init__(self, family: str, path):
-        self.family, self.path = family, path
-        self.model = streamscope.load(path, engine="vllm", **precision.engine_kwargs())
-        with beside_engine():
-            self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-
-
-@pytest.fixture(scope="module", params=BULK_FAMILIES)
-def engine(request, checkpoints):
-    engine = Engine(request.param, checkpoints(request.param))
-    yield engine
-    engine.model.close()
+engine = bulk_engines.fixture("vllm", BULK_FAMILIES)
 
 
 def test_a_harvest_equals_the_transformers_values(engine):

@@ -12,35 +12,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import conditional_steer_checks as checks
+import bulk_engines
 import precision
 from bulk_checks import BULK_FAMILIES
 import streamscope
 from streamscope.bulk.spec import SteerError
-from streamscope.vllm.model import beside_engine
 
 TAPS = ["layers.*.layer_input", "layers.*.layer_output", "layers.*.mlp.mlp_output",
         "layers.*.self_attn.attention_output"]
 ENGINES = [*BULK_FAMILIES, "llama-tapped"]
 
 
-class Engine:
-    def __init__(self, name: str, path):
-        self.family = name.split("-")[0]
-        taps = {"taps": TAPS} if name.endswith("tapped") else {}
-        self.model = streamscope.load(path, engine="vllm", **taps, **precision.engine_kwargs())
-        with beside_engine():
-            self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-
-
-@pytest.fixture(scope="module", params=ENGINES)
-def engine(request, checkpoints):
-    engine = Engine(request.param, checkpoints(request.param.split("-")[0]))
-    yield engine
-    engine.model.close()
+engine = bulk_engines.fixture("vllm", ENGINES, taps=TAPS)
 
 
 CASES = ["row_earlier_block", "row_same_site_less", "row_cosine_mid", "request_cosine",

@@ -2,32 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import carried_norm_checks
 import dose_guard_checks as checks
-import precision
+import bulk_engines
 from bulk_checks import BULK_FAMILIES
-import streamscope
-from streamscope.vllm.model import beside_engine
 
 
-class Engine:
-    def __init__(self, family: str, path):
-        self.family = family
-        self.model = streamscope.load(path, engine="vllm", **precision.engine_kwargs())
-        with beside_engine():
-            self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-
-
-@pytest.fixture(scope="module", params=BULK_FAMILIES)
-def engine(request, checkpoints):
-    engine = Engine(request.param, checkpoints(request.param))
-    yield engine
-    engine.model.close()
+engine = bulk_engines.fixture("vllm", BULK_FAMILIES)
 
 
 def test_a_dose_past_the_limit_clamps_to_it_on_request(engine):

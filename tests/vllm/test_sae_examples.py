@@ -5,20 +5,16 @@ decoder norm (folded at load) against SAELens's own loading."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-from transformers import AutoTokenizer
 
-import attention_oracle
 import oracle
-import precision
+import bulk_engines
 import sae_checks
 import sae_examples_checks
 from access import relative_error
 from bulk_checks import BULK_FAMILIES, PROMPTS, RELATIVE
 import streamscope
 from streamscope.sae import from_sae_lens
-from streamscope.vllm.model import beside_engine
 
 import sae_lens  # noqa: F401  (the test extra installs it: a missing install fails here)
 from sae_lens import SAE as SaeLensSAE
@@ -27,20 +23,7 @@ from sae_lens.saes.sae import SAEMetadata, get_sae_class
 HOOK = "blocks.1.hook_resid_post"
 
 
-class Engine:
-    def __init__(self, family: str, path):
-        self.family, self.path = family, path
-        self.model = streamscope.load(path, engine="vllm", **precision.engine_kwargs())
-        with beside_engine():
-            self.reference = attention_oracle.reference_model(path)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-
-
-@pytest.fixture(scope="module", params=BULK_FAMILIES)
-def engine(request, checkpoints):
-    engine = Engine(request.param, checkpoints(request.param))
-    yield engine
-    engine.model.close()
+engine = bulk_engines.fixture("vllm", BULK_FAMILIES)
 
 
 def test_top_examples_equal_a_brute_force_over_the_harvested_features(engine):

@@ -11,32 +11,17 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import precision
+import bulk_engines
 import steer_safety_checks as checks
 from bulk_checks import PROMPTS
 import streamscope
 from streamscope.bulk.spec import SteerError, token_ids
-from streamscope.vllm.model import beside_engine
 
 FAMILY = "llama"
 
 
-class Engine:
-    def __init__(self, path):
-        self.model = streamscope.load(path, engine="vllm", **precision.engine_kwargs())
-        with beside_engine():
-            self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoints):
-    engine = Engine(checkpoints(FAMILY))
-    yield engine
-    engine.model.close()
+engine = bulk_engines.fixture("vllm", [FAMILY])
 
 
 def test_a_default_steer_skips_the_first_token_and_matches_the_oracle(engine):

@@ -13,9 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import precision
+import bulk_engines
 import steer_checks
 from access import relative_error
 from bulk_checks import BULK_FAMILIES, PROMPTS
@@ -25,28 +24,13 @@ from streamscope.bulk.apply import Applier
 from streamscope.bulk.spec import Site, locate, stream_norms
 from streamscope.values import OUTPUT
 from streamscope.vllm.blocks import Summed
-from streamscope.vllm.model import beside_engine
 
 TAPS = ["layers.*.layer_input", "layers.*.layer_output", "layers.*.mlp.mlp_output",
         "layers.*.self_attn.attention_output"]
 ENGINES = [*BULK_FAMILIES, "llama-tapped"]
 
 
-class Engine:
-    def __init__(self, name: str, path):
-        self.family = name.split("-")[0]
-        taps = {"taps": TAPS} if name.endswith("tapped") else {}
-        self.model = streamscope.load(path, engine="vllm", **taps, **precision.engine_kwargs())
-        with beside_engine():
-            self.reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-
-
-@pytest.fixture(scope="module", params=ENGINES)
-def engine(request, checkpoints):
-    engine = Engine(request.param, checkpoints(request.param.split("-")[0]))
-    yield engine
-    engine.model.close()
+engine = bulk_engines.fixture("vllm", ENGINES, taps=TAPS)
 
 
 @pytest.mark.parametrize("case", list(CASES))
