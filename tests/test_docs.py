@@ -1,0 +1,80 @@
+"""The documentation site (mkdocs.yml, docs/) builds with MkDocs in strict mode, and the README's links lead somewhere.
+
+Strict mode turns every warning into a failure: a link to a page or an anchor that does not exist, a page of
+docs/ that the navigation leaves out, a navigation entry without its page, a docstring the API reference cannot
+read, a README section the home page includes that is gone. The second test plants a broken link and a page left
+out of the navigation in a copy of docs/, so a configuration that stopped checking would fail here. The code
+blocks of the pages run in tests/test_readme.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+#: The API reference reads the whole public surface; the build took 4 s on this machine's two cores (2026-12-05).
+BUILD_LIMIT = 120
+
+
+def build(config: Path, site: Path) -> subprocess.CompletedProcess:
+    """`mkdocs build --strict` of `config` into `site`, from the repository's root (the snippets' base)."""
+    environment = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
+                          cwd=ROOT, env=environment, capture_output=True, text=True, timeout=BUILD_LIMIT)
+
+
+def test_the_site_builds_in_strict_mode(tmp_path):
+    result = build(ROOT / "mkdocs.yml", tmp_path / "site")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "WARNING" not in result.stderr, result.stderr
+    site = tmp_path / "site"
+    # The home page holds the README's tour (included, not copied), and the reference its generated entries.
+    home = (site / "index.html").read_text()
+    assert "The API on one page" in home and "Load a checkpoint and read or edit any value" in home
+    reference = (site / "reference" / "bulk" / "index.html").read_text()
+    assert 'id="streamscope.bulk.steer.Steer"' in reference and 'id="streamscope.bulk.conditions.Condition"' in reference
+
+
+def test_a_broken_link_or_a_page_left_out_fails_the_build(tmp_path):
+    docs = tmp_path / "docs"
+    shutil.copytree(ROOT / "docs", docs)
+    page = docs / "tutorials" / "first-hour.md"
+    page.write_text(page.read_text() + "\nSee [nowhere](no-such-page.md) and [no anchor](../guide/map.md#nowhere).\n")
+    (docs / "orphan.md").write_text("# A page no navigation lists\n")
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    config["docs_dir"] = str(docs)
+    for plugin in config["plugins"]:
+        if isinstance(plugin, dict) and "mkdocstrings" in plugin:
+            plugin["mkdocstrings"]["handlers"]["python"]["paths"] = [str(ROOT)]
+    planted = tmp_path / "mkdocs.yml"
+    planted.write_text(yaml.safe_dump(config))
+    result = build(planted, tmp_path / "site")
+    assert result.returncode != 0
+    assert "no-such-page.md" in result.stderr and "#nowhere" in result.stderr and "orphan.md" in result.stderr, \
+        result.stderr
+
+
+def test_the_readme_links_lead_to_files():
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [target for target in targets if "://" not in target]
+    assert local, "the README links to no page of the site"
+    missing = [target for target in local if not (ROOT / target).is_file()]
+    assert not missing, f"README links to files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("package", ["mkdocs", "mkdocs-material", "mkdocstrings-python"])
+def test_the_doc_tools_are_in_the_test_extra(package):
+    """`make test` on a fresh clone installs the test extra (scripts/setup.sh): the site's tools must be in it."""
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    assert any(re.match(rf"{re.escape(package)}\s*[=<>~]", requirement) for requirement in extra), extra
