@@ -78,3 +78,40 @@ def test_the_doc_tools_are_in_the_test_extra(package):
 
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     assert any(re.match(rf"{re.escape(package)}\s*[=<>~]", requirement) for requirement in extra), extra
+
+
+def _command_lines() -> list[tuple[str, str]]:
+    """Every `streamscope COMMAND ...` line of a shell or output block in the README and docs/ (continuations joined,
+    comments dropped), with where it is."""
+    found = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        language = None  # None outside a fenced block
+        for line in re.sub(r"\\\n\s*", " ", page.read_text()).splitlines():
+            if line.startswith("```"):
+                language = line[3:].strip() if language is None else None
+            elif language in ("", "bash", "text", "console"):
+                line = line.strip().removeprefix("$ ")
+                if re.match(r"streamscope [a-z]", line):
+                    found.append((f"{page.relative_to(ROOT)}", line.split(" #")[0].strip()))
+    return found
+
+
+def test_the_pages_command_lines_parse():
+    """The command lines the pages show are ones the `streamscope` command takes (its own parser; `serve` takes
+    vLLM's options, which vLLM's parser checks when the server starts, so only its PATH is read here)."""
+    import shlex
+
+    from streamscope.workflows.cli import parser
+
+    lines = _command_lines()
+    assert any(page == "README.md" for page, _ in lines), lines
+    refused = []
+    for page, line in lines:
+        words = shlex.split(line)[1:]
+        if words[0] == "serve":
+            continue
+        try:
+            parser().parse_args(words)
+        except SystemExit:
+            refused.append((page, line))
+    assert not refused, refused
