@@ -62,9 +62,9 @@ def test_a_broken_link_or_a_page_left_out_fails_the_build(tmp_path):
     (docs / "orphan.md").write_text("# A page no navigation lists\n")
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
     config["docs_dir"] = str(docs)
-    for plugin in config["plugins"]:
-        if isinstance(plugin, dict) and "mkdocstrings" in plugin:
-            plugin["mkdocstrings"]["handlers"]["python"]["paths"] = [str(ROOT)]
+    # The checks under test are MkDocs' own (the validation settings): the reference's generator is left out, so
+    # its pages' `::: name` lines stay text and this build takes a second or two.
+    config["plugins"] = [plugin for plugin in config["plugins"] if not (isinstance(plugin, dict) and "mkdocstrings" in plugin)]
     planted = tmp_path / "mkdocs.yml"
     planted.write_text(yaml.safe_dump(config))
     result = build(planted, tmp_path / "site")
