@@ -112,7 +112,7 @@ def test_the_pages_command_lines_parse():
     vLLM's options, which vLLM's parser checks when the server starts, so only its PATH is read here)."""
     import shlex
 
-    from streamscope.workflows.cli import parser
+    from streamscope.cli import parser
 
     lines = _command_lines()
     assert any(page == "README.md" for page, _ in lines), lines
