@@ -272,15 +272,20 @@ def test_edit_kernel_in_low_precision(interpreted: Interpreter, dtype: torch.dty
 @pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
 def test_each_row_takes_its_own_slot(interpreted: Interpreter, fused: bool) -> None:
     """Eight operations (every mode, plain and norm-matched) in one call of the op, rows interleaved, the marks a
-    strided column of a plan's index in int64: each row as if alone, unmarked rows untouched."""
+    strided column of a plan's index in int64, the slots' settings strided too: each row as if alone, unmarked rows
+    untouched."""
     width, rows = 40, 20
     kinds = [(mode, norm_match) for mode in MODES for norm_match in (False, True)]
     ops = [prepare(mode, torch.randn(width, generator=generator(30 + number)), *SETTINGS[mode], norm_match,
                    torch.float32, "cpu") for number, (mode, norm_match) in enumerate(kinds)]
     bank = torch.stack([op.unit if op.mode in DIRECTIONAL else op.delta for op in ops])
-    buffers = (bank, torch.tensor([graph_ops.MODE_CODES[op.mode] for op in ops], dtype=torch.int32),
-               torch.tensor([op.scale for op in ops]), torch.tensor([op.projection for op in ops]),
-               torch.tensor([op.norm_match for op in ops]))
+
+    def strided(values: list, dtype: torch.dtype) -> torch.Tensor:  # every other entry of a longer buffer
+        return torch.tensor([value for value in values for _ in range(2)], dtype=dtype)[::2]
+
+    buffers = (bank, strided([graph_ops.MODE_CODES[op.mode] for op in ops], torch.int64),
+               strided([op.scale for op in ops], torch.float32), strided([op.projection for op in ops], torch.float32),
+               strided([op.norm_match for op in ops], torch.bool))
     hidden = torch.randn(rows, width, generator=generator(5)) * 3
     residual = torch.randn(rows, width, generator=generator(6)) * 5 if fused else None
     index = torch.full((24, 3), -1, dtype=torch.int64)
@@ -430,6 +435,24 @@ def test_the_body_follows_the_device_unless_chosen(monkeypatch: pytest.MonkeyPat
         assert graph_ops._body_of_environment() == "triton"
     finally:
         graph_ops.use_body(previous)
+
+
+def test_buffers_on_another_device_are_refused() -> None:
+    """The kernels read raw addresses: a buffer on another device than the stream is refused by name, before
+    either body runs."""
+    case = Case("add", False, True, 48, torch.float32)
+    hidden = case.hidden_buffer[:ROWS].clone()
+    for number, name in enumerate(["bank", "modes", "scales", "projections", "norm_match"]):
+        buffers = list(case.buffers)
+        buffers[number] = buffers[number].to("meta")
+        with pytest.raises(ValueError, match=f"{name} is on meta, the stream on cpu"):
+            graph_ops.edit_stream(hidden, case.residual(), case.slots, *buffers)
+    with pytest.raises(ValueError, match="slots is on meta"):
+        graph_ops.edit_stream(hidden, case.residual(), case.slots.to("meta"), *case.buffers)
+    with pytest.raises(ValueError, match="harvest buffer is on meta"):
+        graph_ops.harvest_stream(torch.empty(4, 48, device="meta"), hidden, None, case.slots)
+    with pytest.raises(ValueError, match="sources is on meta"):
+        graph_ops.harvest_stream(torch.empty(4, 48), hidden, None, case.slots.to("meta"))
 
 
 def test_kernels_on_the_cpu_without_the_interpreter_are_refused() -> None:

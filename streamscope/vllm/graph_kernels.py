@@ -87,17 +87,18 @@ def _edited_block(stream, vector, coefficient, is_set, DTYPE: tl.constexpr):
 
 @triton.jit
 def _edit_rows(hidden, hidden_row_stride, hidden_column, residual, residual_row_stride, residual_column,
-               slots, slots_stride, bank, bank_row_stride, bank_column, modes, scales, projections, norm_match,
-               width, tiny, FUSED: tl.constexpr, BLOCK: tl.constexpr):
+               slots, slots_stride, bank, bank_row_stride, bank_column, modes, modes_stride, scales, scales_stride,
+               projections, projections_stride, norm_match, norm_match_stride, width, tiny,
+               FUSED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots + row * slots_stride).to(tl.int64)
     if slot < 0:  # an idle row: nothing else is read or written
         return
     DTYPE = hidden.dtype.element_ty
-    mode = tl.load(modes + slot)
-    matched = tl.load(norm_match + slot) != 0
-    scale = tl.load(scales + slot)
-    projection = tl.load(projections + slot)
+    mode = tl.load(modes + slot * modes_stride)
+    matched = tl.load(norm_match + slot * norm_match_stride) != 0
+    scale = tl.load(scales + slot * scales_stride)
+    projection = tl.load(projections + slot * projections_stride)
     is_set = mode == _SET
     directional = (mode == _ABLATE) | (mode == _CLAMP)
     hidden_row = hidden + row * hidden_row_stride
@@ -196,7 +197,8 @@ def edit_launch(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: t
     rows, width = hidden.shape
     second = hidden if residual is None else residual  # never read without FUSED
     arguments = (hidden, hidden.stride(0), hidden.stride(1), second, second.stride(0), second.stride(1), slots,
-                 slots.stride(0), bank, bank.stride(0), bank.stride(1), modes, scales, projections, norm_match, width,
+                 slots.stride(0), bank, bank.stride(0), bank.stride(1), modes, modes.stride(0), scales,
+                 scales.stride(0), projections, projections.stride(0), norm_match, norm_match.stride(0), width,
                  torch.finfo(hidden.dtype).tiny)
     # No fused multiply-adds: each product is rounded as torch's own kernels round it, on the GPU as in the
     # interpreter.
