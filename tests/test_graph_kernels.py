@@ -99,7 +99,9 @@ def generator(seed: int) -> torch.Generator:
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view({4: torch.int32, 2: torch.int16}[tensor.element_size()])
+    if tensor.dtype == torch.bool:
+        return tensor
+    return tensor.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16}[tensor.element_size()])
 
 
 class Case:
@@ -158,9 +160,11 @@ class Case:
         buffer = self.hidden_buffer.clone()
         call = ("edit_rows",) if block is not None else ("edit_stream",)
         options = {"block": block} if block is not None else {}
-        (hidden, *_), (whole,) = interpreted(*call, buffer[:ROWS], self.residual(), self.slots, *self.buffers,
-                                             carried=(buffer,), **options)
+        sent = (self.residual(), self.slots, *self.buffers)
+        (hidden, *others), (whole,) = interpreted(*call, buffer[:ROWS], *sent, carried=(buffer,), **options)
         assert hidden.data_ptr() == whole.data_ptr()  # the view came back with its base
+        for before, after in zip(sent, others):  # the op mutates `hidden` only (its schema says so)
+            assert (before is None and after is None) or torch.equal(bits(before), bits(after))
         return whole
 
     def by_torch(self) -> torch.Tensor:
@@ -272,8 +276,8 @@ def test_edit_kernel_in_low_precision(interpreted: Interpreter, dtype: torch.dty
 @pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
 def test_each_row_takes_its_own_slot(interpreted: Interpreter, fused: bool) -> None:
     """Eight operations (every mode, plain and norm-matched) in one call of the op, rows interleaved, the marks a
-    strided column of a plan's index in int64, the slots' settings strided too: each row as if alone, unmarked rows
-    untouched."""
+    strided column of a plan's index in int64, the slots' settings and the hidden half's columns strided too: each
+    row as if alone, unmarked rows untouched."""
     width, rows = 40, 20
     kinds = [(mode, norm_match) for mode in MODES for norm_match in (False, True)]
     ops = [prepare(mode, torch.randn(width, generator=generator(30 + number)), *SETTINGS[mode], norm_match,
@@ -286,12 +290,13 @@ def test_each_row_takes_its_own_slot(interpreted: Interpreter, fused: bool) -> N
     buffers = (bank, strided([graph_ops.MODE_CODES[op.mode] for op in ops], torch.int64),
                strided([op.scale for op in ops], torch.float32), strided([op.projection for op in ops], torch.float32),
                strided([op.norm_match for op in ops], torch.bool))
-    hidden = torch.randn(rows, width, generator=generator(5)) * 3
+    hidden = (torch.randn(rows, 2 * width, generator=generator(5)) * 3)[:, ::2]  # columns strided too
     residual = torch.randn(rows, width, generator=generator(6)) * 5 if fused else None
     index = torch.full((24, 3), -1, dtype=torch.int64)
     index[:rows, 1] = torch.tensor([(row * 3) % 9 - 1 for row in range(rows)])  # -1 and 0..7, mixed
     slots = index[:, 1]
-    (edited, *_), _ = interpreted("edit_stream", hidden.clone(), residual, slots, *buffers)
+    (edited, *_), _ = interpreted("edit_stream", hidden, residual, slots, *buffers)  # the worker edits its copy
+    assert edited.stride() == hidden.stride() == (2 * width, 2)
     before = hidden if residual is None else hidden + residual
     after = edited if residual is None else edited + residual
     for row in range(rows):
@@ -336,7 +341,9 @@ def test_harvest_kernel_copies_the_named_rows(interpreted: Interpreter, dtype: t
     out = torch.randn(6, width, generator=generator(11)).to(dtype)
     sources = torch.tensor([7, -1, 0, 3, 10, 9, 2, 2], dtype=torch.int32)  # 10: past the rows; 2, 2: past capacity
     call, options = ("harvest_rows", {"block": block}) if block else ("harvest_stream", {})
-    (taken, *_), _ = interpreted(call, out.clone(), hidden, residual, sources, **options)
+    (taken, *others), _ = interpreted(call, out.clone(), hidden, residual, sources, **options)
+    for before, after in zip((hidden, residual, sources), others):  # the op mutates `out` only
+        assert (before is None and after is None) or torch.equal(bits(before), bits(after))
     named = torch.tensor([7, 0, 3, 9])
     bulk = Summed(None, OUTPUT).stream_rows(hidden if residual is None else (hidden, residual), named)
     assert bulk is not None
