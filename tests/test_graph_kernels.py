@@ -273,6 +273,21 @@ def test_edit_kernel_in_low_precision(interpreted: Interpreter, dtype: torch.dty
         assert torch.equal(bits(whole[:ROWS]), bits(torch_body))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_edit_kernel_at_sixteen_thousand_columns(interpreted: Interpreter, dtype: torch.dtype) -> None:
+    """The longest path (a norm-matched clamp of fused halves) at hidden size 16,384, sixteen blocks a pass."""
+    case = Case("clamp", True, True, 16384, dtype, along=40.0)
+    whole = case.by_kernel(interpreted, None)
+    check_untouched(case, whole)
+    want = case.reference()
+    got = case.stream(whole[:ROWS])[MARKED]
+    if dtype == torch.float32:
+        assert within_float32(got, want)
+    else:
+        assert within_rounding(got, want, case.scale_of(want), dtype)
+        assert not within_rounding(case.stream(case.hidden_buffer[:ROWS])[MARKED], want, case.scale_of(want), dtype)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
 def test_each_row_takes_its_own_slot(interpreted: Interpreter, fused: bool) -> None:
     """Eight operations (every mode, plain and norm-matched) in one call of the op, rows interleaved, the marks a
