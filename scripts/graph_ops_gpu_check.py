@@ -1,22 +1,27 @@
 """The graph ops on a GPU (issue 39): captured into a CUDA graph, refilled, replayed; compiled; their idle cost.
 
-Runs where streamscope's dependencies are not installed (a bare GPU machine with torch): it loads
-``streamscope/vllm/graph_ops.py``, ``graph_plan.py`` and ``bulk/operations.py`` from this checkout by path, with a
-stand-in for ``bulk.apply.Span``. From the checkout's root::
+Runs where streamscope's dependencies are not installed (a bare GPU machine with torch and triton): it loads
+``streamscope/vllm/graph_kernels.py``, ``graph_ops.py``, ``graph_plan.py`` and ``bulk/operations.py`` from this
+checkout by path, with a stand-in for ``bulk.apply.Span``. From the checkout's root::
 
     python3 scripts/graph_ops_gpu_check.py
 
-It prints each check's result and exits non-zero where a replay's bits differ from the eager call's on the same
-buffers, or an unmarked row changed. See docs/graph-ops.md.
+The ops run their Triton kernels on CUDA (`graph_ops`' default); every check and timing runs with the kernels and
+again with the torch body (``graph_ops.use_body("torch")``), in the same process, so the two are compared on one
+GPU. It prints each check's result and exits non-zero where a replay's bits differ from the eager call's on the
+same buffers, an unmarked row changed, or the kernels' plain add or set differ from the torch body's bits. See
+docs/graph-ops.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
+import time
 import types
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -50,7 +55,19 @@ apply = types.ModuleType("streamscope.bulk.apply")
 apply.Span = Span  # type: ignore[attr-defined]
 sys.modules["streamscope.bulk.apply"] = apply
 operations = load("streamscope.bulk.operations", "bulk/operations.py")
+kernels = load("streamscope.vllm.graph_kernels", "vllm/graph_kernels.py")  # graph_ops imports it on first use
 ops = load("streamscope.vllm.graph_ops", "vllm/graph_ops.py")
+BODIES = ("triton", "torch")
+
+
+@contextlib.contextmanager
+def body(name: str) -> Iterator[None]:
+    """The ops run `name`'s body inside: a graph captured inside keeps that body's kernels."""
+    previous = ops.use_body(name)
+    try:
+        yield
+    finally:
+        ops.use_body(previous)
 plans = load("streamscope.vllm.graph_plan", "vllm/graph_plan.py")
 
 
@@ -116,28 +133,31 @@ def check_capture(dtype: torch.dtype, width: int = 4096, rows: int = 256) -> boo
         marked = (plan.index[:rows, :2] >= 0).any(-1)
         untouched = (torch.equal(replayed[0][~marked], source_hidden[~marked])
                      and torch.equal(replayed[1][~marked], source_residual[~marked]))
-        print(f"{dtype} {name}: replay == eager bits {same}; unmarked rows untouched {untouched}; "
-              f"marked rows {int(marked.sum())}", flush=True)
+        print(f"{ops._body or 'default'} body, {dtype} {name}: replay == eager bits {same}; unmarked rows untouched "
+              f"{untouched}; marked rows {int(marked.sum())}", flush=True)
         good = good and same and untouched
         for key in steers:
             plan.leave(key)
     return good
 
 
-def check_operations(width: int = 4096) -> None:
-    """float32 on the GPU (TF32 off): every mode, plain and norm-matched, on fused halves, against `Operation`."""
-    worst = 0.0
-    for number, (mode, norm_match) in enumerate((m, n) for m in ("add", "set", "ablate", "clamp") for n in (0, 1)):
-        op = operation(mode, bool(norm_match), torch.float32, width, 10 + number)
-        bank = plans.SlotBank(1, width, torch.float32, DEVICE)
-        bank.acquire("k", op)
-        hidden = torch.randn(64, width, device=DEVICE) * 3
-        residual = torch.randn(64, width, device=DEVICE) * 5
-        edited = hidden.clone()
-        ops.edit_stream(edited, residual, torch.zeros(64, dtype=torch.int32, device=DEVICE), *bank.buffers)
-        want = op(hidden + residual)
-        worst = max(worst, float((edited + residual - want).abs().max() / want.abs().max()))
-    print(f"float32, every mode on fused halves against Operation: worst relative difference {worst:.3g}", flush=True)
+def check_operations(widths: tuple[int, ...] = (4096, 16384)) -> None:
+    """float32 on the GPU (TF32 off): every mode, plain and norm-matched, on fused halves, against `Operation`,
+    by the running body."""
+    for width in widths:
+        worst = 0.0
+        for number, (mode, norm_match) in enumerate((m, n) for m in ("add", "set", "ablate", "clamp") for n in (0, 1)):
+            op = operation(mode, bool(norm_match), torch.float32, width, 10 + number)
+            bank = plans.SlotBank(1, width, torch.float32, DEVICE)
+            bank.acquire("k", op)
+            hidden = torch.randn(64, width, device=DEVICE) * 3
+            residual = torch.randn(64, width, device=DEVICE) * 5
+            edited = hidden.clone()
+            ops.edit_stream(edited, residual, torch.zeros(64, dtype=torch.int32, device=DEVICE), *bank.buffers)
+            want = op(hidden + residual)
+            worst = max(worst, float((edited + residual - want).abs().max() / want.abs().max()))
+        print(f"{ops._body or 'default'} body, float32, width {width}, every mode on fused halves against "
+              f"Operation: worst relative difference {worst:.3g}", flush=True)
 
 
 def check_compile(width: int = 1024) -> None:
@@ -169,52 +189,153 @@ def check_compile(width: int = 1024) -> None:
                   f"{float((plan.harvested - harvested).abs().max()):.3g}", flush=True)
 
 
-def idle_cost(dtype: torch.dtype = torch.bfloat16, width: int = 4096, rows: int = 256, sites: int = 128,
-              harvest: bool = False) -> None:
-    """A captured graph of the ops at `sites` sites with no row marked: its replay time."""
-    names = [f"s{number}" for number in range(sites)]
-    plan = plans.GraphPlan(names, 1, 8192, width, dtype, DEVICE, slots=256,
-                           harvest_sites=names if harvest else (), harvest_capacity=256)
-    hidden = torch.randn(rows, width, device=DEVICE).to(dtype)
-    residual = torch.randn_like(hidden)
-    views = [plan.slots_of(name) for name in names]
+def summed(half: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+    """The stream in float32: the hidden half, plus the residual half where there is one."""
+    return half.float() if residual is None else half.float() + residual.float()
 
-    def body() -> None:
-        for name, view in zip(names, views):
-            ops.edit_stream(hidden, residual, view, *plan.bank.buffers)
-            if harvest:
-                ops.harvest_stream(plan.harvest_buffer(name), hidden, residual, plan.sources)
 
-    body()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
+def run_body(name: str, *arguments: Any) -> torch.Tensor:
+    """The hidden half after an edit call by one body (a copy of the arguments' stream)."""
+    hidden = arguments[0].clone()
+    with body(name):
+        ops.edit_stream(hidden, *arguments[1:])
+    return hidden
+
+
+def check_bodies_agree(dtype: torch.dtype, widths: tuple[int, ...] = (4096, 5120, 16384), rows: int = 64) -> bool:
+    """The kernels against the torch body on this GPU: every mode, plain and norm-matched, fused and whole; a
+    plain add or set the same bits; unmarked rows (every other row) untouched by both."""
+    good = True
+    for width in widths:
+        worst = 0.0
+        for number, (mode, norm_match) in enumerate((m, n) for m in ("add", "set", "ablate", "clamp") for n in (0, 1)):
+            bank = plans.SlotBank(1, width, dtype, DEVICE)
+            bank.acquire("k", operation(mode, bool(norm_match), dtype, width, 30 + number))
+            slots = torch.tensor([0, -1] * (rows // 2), dtype=torch.int32, device=DEVICE)
+            for fused in (True, False):
+                hidden = (torch.randn(rows, width, device=DEVICE) * 3).to(dtype)
+                residual = (torch.randn(rows, width, device=DEVICE) * 5).to(dtype) if fused else None
+                kernel = run_body("triton", hidden, residual, slots, *bank.buffers)
+                torch_body = run_body("torch", hidden, residual, slots, *bank.buffers)
+                untouched = torch.equal(kernel[1::2], hidden[1::2]) and torch.equal(torch_body[1::2], hidden[1::2])
+                difference = float((summed(kernel, residual) - summed(torch_body, residual)).abs().max()
+                                   / summed(torch_body, residual).abs().max())
+                worst = max(worst, difference)
+                same_bits = torch.equal(kernel, torch_body)
+                if mode in ("add", "set") and not norm_match and not same_bits:
+                    print(f"  {dtype} width {width} {mode} {'fused' if fused else 'whole'}: bits differ "
+                          f"({difference:.3g})", flush=True)
+                    good = False
+                if not untouched:
+                    print(f"  {dtype} width {width} {mode}: an unmarked row changed", flush=True)
+                    good = False
+        print(f"kernels against the torch body, {dtype}, width {width}: worst relative difference {worst:.3g}",
+              flush=True)
+    return good
+
+
+def replay_time(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
+    """Milliseconds a replay of `graph`, after three warm replays."""
     for _ in range(3):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
-    for _ in range(20):
+    for _ in range(replays):
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    each = start.elapsed_time(end) / 20
-    print(f"idle {'edit and harvest' if harvest else 'edit'} ops at {sites} sites, {rows} rows, {dtype}: "
-          f"{each:.3f} ms a replay, {1000 * each / sites:.1f} us a site", flush=True)
+    return start.elapsed_time(end) / replays
+
+
+def ops_time(name: str, dtype: torch.dtype = torch.bfloat16, width: int = 4096, rows: int = 256, sites: int = 128,
+             harvest: bool = False, steered: int = 0, eager: bool = False) -> float:
+    """A captured graph of the edit ops (and harvest ops) at `sites` sites, run by body `name`, `steered` rows
+    marked at every site (an ablation), the rest idle: milliseconds a replay. `eager`: milliseconds the same
+    calls take uncaptured, host time included (a step vLLM runs outside its captured sizes, a large prefill)."""
+    names = [f"s{number}" for number in range(sites)]
+    plan = plans.GraphPlan(names, 1, max(rows, 256), width, dtype, DEVICE, slots=256,
+                           harvest_sites=names if harvest else (), harvest_capacity=256)
+    if steered:
+        plan.enter("r", [plans.PlannedSteer(names, operation("ablate", False, dtype, width, 40),
+                                            plans.RowRule.of([0], 1), "r")])
+        spans = [Span("r", 0, steered, 1)] + ([Span(None, steered, rows - steered, 0)] if rows > steered else [])
+        plan.step(spans)
+    hidden = torch.randn(rows, width, device=DEVICE).to(dtype)
+    residual = torch.randn_like(hidden)
+    views = [plan.slots_of(site) for site in names]
+
+    def run() -> None:
+        for site, view in zip(names, views):
+            ops.edit_stream(hidden, residual, view, *plan.bank.buffers)
+            if harvest:
+                ops.harvest_stream(plan.harvest_buffer(site), hidden, residual, plan.sources)
+
+    with body(name):
+        run()  # compiles the kernels, off the capture
+        torch.cuda.synchronize()
+        if eager:
+            started = time.perf_counter()
+            for _ in range(10):
+                run()
+            torch.cuda.synchronize()
+            return 1000 * (time.perf_counter() - started) / 10
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+    return replay_time(graph)
+
+
+def launch_floor(sites: int = 128) -> float:
+    """A captured graph of `sites` one-element kernels: what a launch costs on this GPU, milliseconds a replay."""
+    scratch = torch.zeros(1, device=DEVICE)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(sites):
+            scratch.add_(1)
+    return replay_time(graph)
+
+
+def idle_costs() -> None:
+    """The ops' cost in a captured graph, the kernels against the torch body, bfloat16, hidden size 4096."""
+    floor = launch_floor()
+    print(f"launch floor: 128 one-element kernels {floor:.3f} ms a replay, {1000 * floor / 128:.2f} us each",
+          flush=True)
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("idle edit ops, 128 sites, 256 rows", {}),
+        ("idle edit and harvest ops, 128 sites, 256 rows", {"harvest": True}),
+        ("idle edit ops, 128 sites, 8192 rows", {"rows": 8192}),
+        ("edit ops, 128 sites, 256 rows, one row steered at every site", {"steered": 1}),
+        ("edit ops, 128 sites, 256 rows, every row steered at every site", {"steered": 256}),
+        ("uncaptured idle edit ops, 128 sites, 8192 rows", {"rows": 8192, "eager": True}),
+    ]
+    for label, options in cases:
+        sites = 128
+        times = {name: ops_time(name, **options) for name in BODIES}
+        print(f"{label}: kernels {times['triton']:.3f} ms for the {sites} sites "
+              f"({1000 * times['triton'] / sites:.2f} us a site), torch body {times['torch']:.3f} ms "
+              f"({1000 * times['torch'] / sites:.1f} us a site): {times['torch'] / times['triton']:.1f}x", flush=True)
 
 
 def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
-    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
-    captured = check_capture(torch.float32) and check_capture(torch.bfloat16)
-    print("capture:", "ok" if captured else "FAILED", flush=True)
-    check_operations()
-    check_compile()
-    idle_cost()
-    idle_cost(harvest=True)
-    idle_cost(rows=8192, sites=32)
-    return 0 if captured else 1
+    import triton
+
+    print(torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
+    good = True
+    for name in BODIES:
+        with body(name):
+            captured = check_capture(torch.float32) and check_capture(torch.bfloat16)
+            print(f"capture, {name} body:", "ok" if captured else "FAILED", flush=True)
+            good = good and captured
+            check_operations()
+    agree = all([check_bodies_agree(torch.float32), check_bodies_agree(torch.bfloat16),
+                 check_bodies_agree(torch.float16)])
+    print("kernels against the torch body:", "ok" if agree else "FAILED", flush=True)
+    check_compile()  # the default body on CUDA: the kernels
+    idle_costs()
+    return 0 if good and agree else 1
 
 
 if __name__ == "__main__":

@@ -25,17 +25,27 @@ as the bulk path's `Summed.edit_rows` does.
 Inside both ops: no host sync, no shape that depends on a tensor's values,
 no Python branch on a value (the rows are chosen by ``torch.where``), so a
 CUDA graph captures them and torch.compile keeps them as one node each (their
-fake implementations check shapes and return nothing). The implementation
-here is torch arithmetic over every row of the call; the GPU session is to
-measure it and, where the idle cost shows, replace it with a kernel of the
-same semantics that skips unmarked rows.
+fake implementations check shapes and return nothing).
+
+Two bodies compute the same thing. On CUDA tensors the ops launch one Triton
+kernel each (`streamscope.vllm.graph_kernels`): one program per row, which
+returns at once on an unmarked row, so an idle site costs one small launch.
+Elsewhere (vLLM's CPU engine) they run torch arithmetic over every row of the
+call, which needs no compiler. ``STREAMSCOPE_GRAPH_OPS_BODY=torch`` or
+``=triton`` (read at import), or `use_body`, picks one body for every device:
+the torch body on a GPU to compare against, the kernels on the CPU through
+Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import json
+import os
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Optional, Sequence
 
 import torch
@@ -48,6 +58,44 @@ ADD, SET, ABLATE, CLAMP = 0, 1, 2, 3
 MODE_CODES = {"add": ADD, "set": SET, "ablate": ABLATE, "clamp": CLAMP}
 #: The dtypes of the index buffers (`slots`, `sources`).
 INDEX_DTYPES = (torch.int32, torch.int64)
+#: The ops' bodies: "torch" (torch arithmetic over every row) and "triton" (`streamscope.vllm.graph_kernels`).
+BODIES = ("torch", "triton")
+#: The environment variable that picks one body for every device (unset: the kernels on CUDA, torch elsewhere).
+BODY_VARIABLE = "STREAMSCOPE_GRAPH_OPS_BODY"
+
+
+def _body_of_environment() -> Optional[str]:
+    body = os.environ.get(BODY_VARIABLE) or None
+    if body is not None and body not in BODIES:
+        raise ValueError(f"{BODY_VARIABLE}={body!r}: the graph ops' body is one of {', '.join(BODIES)}, or unset "
+                         f"for the Triton kernels on CUDA and torch elsewhere.")
+    return body
+
+
+_body = _body_of_environment()
+
+
+def use_body(body: Optional[str]) -> Optional[str]:
+    """Make the ops run `body` ("torch" or "triton") on every device from now on, or, with None, the default (the
+    Triton kernels on CUDA tensors, torch arithmetic elsewhere); returns the setting it replaces.
+
+    A captured CUDA graph keeps the kernels it captured: set the body before
+    the capture (or the compile) it is meant for.
+    """
+    global _body
+    if body is not None and body not in BODIES:
+        raise ValueError(f"body={body!r}: the graph ops' body is one of {', '.join(BODIES)}, or None.")
+    previous, _body = _body, body
+    return previous
+
+
+def _runs_kernel(device: torch.device) -> bool:
+    return _body == "triton" or (_body is None and device.type == "cuda")
+
+
+def _kernels() -> ModuleType:
+    # Imported on first use: the CPU engine's torch body needs no triton.
+    return importlib.import_module("streamscope.vllm.graph_kernels")
 
 
 def _check_stream(op: str, hidden: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
@@ -59,9 +107,12 @@ def _check_stream(op: str, hidden: torch.Tensor, residual: Optional[torch.Tensor
                          f"half {tuple(hidden.shape)} {hidden.dtype} on one device.")
 
 
-def _check_index(op: str, name: str, index: torch.Tensor, rows: int) -> None:
+def _check_index(op: str, name: str, index: torch.Tensor, rows: int, device: torch.device) -> None:
     if index.dim() != 1 or index.dtype not in INDEX_DTYPES:
         raise ValueError(f"{op}: {name} is a 1-D int32 or int64 index, not {tuple(index.shape)} {index.dtype}.")
+    if index.device != device:
+        raise ValueError(f"{op}: {name} is on {index.device}, the stream on {device}: keep the plan's buffers on "
+                         f"the engine's device.")
     if index.shape[0] < rows:
         raise ValueError(f"{op}: {name} holds {index.shape[0]} entries for {rows} rows: size it for the most rows a "
                          f"step runs (the plan's max_rows).")
@@ -72,7 +123,7 @@ def _check_edit(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: t
                 norm_match: torch.Tensor) -> None:
     op = "streamscope::edit_stream"
     _check_stream(op, hidden, residual)
-    _check_index(op, "slots", slots, hidden.shape[0])
+    _check_index(op, "slots", slots, hidden.shape[0], hidden.device)
     if bank.dim() != 2 or bank.shape[1] != hidden.shape[1] or bank.dtype != hidden.dtype:
         raise ValueError(f"{op}: the bank is [slots, {hidden.shape[1]}] in the stream's dtype {hidden.dtype}, not "
                          f"{tuple(bank.shape)} {bank.dtype}.")
@@ -83,6 +134,11 @@ def _check_edit(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: t
         if tuple(tensor.shape) != (count,) or tensor.dtype not in dtypes:
             raise ValueError(f"{op}: {name} is one {dtypes[0]} a slot, [{count}], not {tuple(tensor.shape)} "
                              f"{tensor.dtype}.")
+    for name, tensor in (("bank", bank), ("modes", modes), ("scales", scales), ("projections", projections),
+                         ("norm_match", norm_match)):
+        if tensor.device != hidden.device:
+            raise ValueError(f"{op}: {name} is on {tensor.device}, the stream on {hidden.device}: keep the plan's "
+                             f"buffers on the engine's device.")
 
 
 def _edited(stream: torch.Tensor, vector: torch.Tensor, mode: torch.Tensor, scale: torch.Tensor,
@@ -134,6 +190,9 @@ def edit_stream(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: t
     rows = hidden.shape[0]
     if rows == 0:  # a shape, not a value: fixed for a captured graph
         return
+    if _runs_kernel(hidden.device):
+        _kernels().edit_rows(hidden, residual, slots, bank, modes, scales, projections, norm_match)
+        return
     slot = slots[:rows].long()
     marked = slot >= 0
     safe = slot.clamp_min(0)  # unmarked rows gather slot 0 and discard it, so no shape depends on the marks
@@ -167,7 +226,10 @@ def _check_harvest(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[t
     if out.dim() != 2 or out.shape[1] != hidden.shape[1] or out.dtype != hidden.dtype:
         raise ValueError(f"{op}: the harvest buffer is [capacity, {hidden.shape[1]}] in the stream's dtype "
                          f"{hidden.dtype}, not {tuple(out.shape)} {out.dtype}.")
-    _check_index(op, "sources", sources, out.shape[0])
+    if out.device != hidden.device:
+        raise ValueError(f"{op}: the harvest buffer is on {out.device}, the stream on {hidden.device}: keep the "
+                         f"plan's buffers on the engine's device.")
+    _check_index(op, "sources", sources, out.shape[0], hidden.device)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::harvest_stream", mutates_args=("out",))
@@ -186,6 +248,9 @@ def harvest_stream(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[t
     _check_harvest(out, hidden, residual, sources)
     rows, capacity = hidden.shape[0], out.shape[0]
     if rows == 0 or capacity == 0:
+        return
+    if _runs_kernel(hidden.device):
+        _kernels().harvest_rows(out, hidden, residual, sources)
         return
     source = sources[:capacity].long()
     valid = (source >= 0) & (source < rows)
@@ -206,12 +271,20 @@ def _harvest_stream_fake(out: torch.Tensor, hidden: torch.Tensor, residual: Opti
 OPS = {"edit_stream": edit_stream, "harvest_stream": harvest_stream}
 
 
+def kernel_source() -> str:
+    """The text of `streamscope.vllm.graph_kernels` (the Triton kernels and their launches), read from its file
+    beside this one: hashed without importing triton."""
+    return Path(__file__).with_name("graph_kernels.py").read_text(encoding="utf-8")
+
+
 def ops_source() -> str:
-    """The source of every function the ops run (their bodies, checks and fake implementations): torch.compile
-    treats the ops as opaque, so vLLM's hash of the files it traced never reads this code."""
+    """The source of every function the ops run (their bodies, checks and fake implementations, the choice of
+    body, and the Triton kernels' module): torch.compile treats the ops as opaque, so vLLM's hash of the files it
+    traced never reads this code."""
     functions = (_check_stream, _check_index, _check_edit, _edited, edit_stream, _edit_stream_fake,
-                 _check_harvest, harvest_stream, _harvest_stream_fake)
-    return "\n".join(inspect.getsource(getattr(function, "_init_fn", function)) for function in functions)
+                 _check_harvest, harvest_stream, _harvest_stream_fake, _runs_kernel, _kernels)
+    own = "\n".join(inspect.getsource(getattr(function, "_init_fn", function)) for function in functions)
+    return own + "\n" + kernel_source()
 
 
 def cache_salt(sites: Sequence[str], rounds: int, harvest_sites: Sequence[str], source: Optional[str] = None) -> str:

@@ -15,7 +15,6 @@ import json
 import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
@@ -709,15 +708,14 @@ def test_a_tapped_server_serves_its_taps_and_refuses_the_rest(path, model, tmp_p
 
 
 def test_the_readme_serving_blocks_run_against_the_server(server):
-    """Every Python block of the README's "Serving" section, run with `url` and `api_key` naming this server."""
-    import re
+    """Every Python block of the README and the docs marked `<!-- readme-test: server -->` (tests/doc_blocks.py),
+    run with `url` and `api_key` naming this server: the README's Client and docs/tutorials/serving.md's four."""
+    from doc_blocks import server_blocks
 
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme.split("\n## Serving\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert len(blocks) == 4
+    blocks = server_blocks()
+    assert [block.page.name for block in blocks] == ["README.md"] + ["serving.md"] * 4, [b.name for b in blocks]
     for block in blocks:
-        exec(compile(block, "README.md#serving", "exec"), {"url": server, "api_key": KEY})
+        exec(compile(block.code, block.name, "exec"), {"url": server, "api_key": KEY})
 
 
 def test_harvests_expire_and_the_total_is_bounded(tmp_path):

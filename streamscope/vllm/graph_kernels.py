@@ -1,0 +1,241 @@
+"""The graph ops' bodies as Triton kernels: one launch an op, one program a row, nothing done for an idle row.
+
+`streamscope.vllm.graph_ops` runs these on CUDA tensors (and, where asked,
+on the CPU through Triton's interpreter); elsewhere it keeps its torch
+arithmetic. Their results are the torch body's, step for step:
+
+* `edit_rows` launches one program per row of the call. A program whose
+  row's slot is ``-1`` loads that one index entry and returns, so an idle
+  site costs one small launch and every unmarked row keeps its bits (NaN,
+  inf and -0.0 included: it is never written). A marked row's program reads
+  its row in blocks of ``block`` columns (any hidden size): a first pass
+  accumulates, in float32, the row's projection on its direction and its
+  squared norm (where the mode or a norm match needs them), a second the
+  edited row's squared norm (norm match only), a third writes the row.
+* `harvest_rows` launches one program per row of the harvest buffer: a
+  program whose source is ``-1``, or past the call's rows, returns; the
+  others copy their source row (the sum of the two halves in a fused block).
+
+Every value the torch body rounds to the stream's dtype (the summed stream,
+the projection, the coefficient, the change, the edited row, the norms, the
+norm's factor, the rescaled row, the change written back) is rounded here to
+that dtype at the same point (`_rounded`), from a float32 computation, as
+torch's elementwise ops on bfloat16 and float16 compute in float32 and round
+once. So a plain add or set gives the torch body's bits in every dtype; an
+ablate, a clamp or a norm match differs only where the float32 sums of a
+row's products, summed in another order, round differently.
+
+Nothing here reads a tensor's value on the host: a launch is a grid of the
+call's rows, with shapes and strides as arguments, so a CUDA graph captures
+it. Entries of the index past the call's rows (a captured batch's padding)
+are never read.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+#: The widest block of columns a program handles at once; a wider row is read in several blocks.
+MAX_BLOCK = 1024
+#: The mode codes of `streamscope.vllm.graph_ops` (ADD, SET, ABLATE, CLAMP), as the kernels compare them.
+_SET, _ABLATE, _CLAMP = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+
+
+@triton.jit
+def _rounded(value, DTYPE: tl.constexpr):
+    """`value` (float32) rounded to nearest (ties to even) in the stream's dtype, as a float32 again: the value
+    torch's op would have stored.
+
+    bfloat16 is rounded on the bits: Triton's interpreter truncates a
+    float32 cast to bfloat16, where a GPU rounds to nearest, so the kernel
+    spells the rounding out and both give the same bits. float16 casts round
+    to nearest on both.
+    """
+    if DTYPE == tl.bfloat16:
+        bits = value.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        return tl.where(value != value, value, bits.to(tl.float32, bitcast=True))  # a NaN stays a NaN
+    elif DTYPE == tl.float16:
+        return value.to(tl.float16).to(tl.float32)
+    else:
+        return value
+
+
+@triton.jit
+def _stream_block(hidden_row, residual_row, columns, inside, hidden_column, residual_column,
+                  FUSED: tl.constexpr, DTYPE: tl.constexpr):
+    """A block of the row's stream in float32: the hidden half plus the residual half, rounded as torch adds them."""
+    hidden = tl.load(hidden_row + columns * hidden_column, mask=inside, other=0.0).to(tl.float32)
+    stream = hidden
+    if FUSED:
+        residual = tl.load(residual_row + columns * residual_column, mask=inside, other=0.0).to(tl.float32)
+        stream = _rounded(hidden + residual, DTYPE)
+    return hidden, stream
+
+
+@triton.jit
+def _edited_block(stream, vector, coefficient, is_set, DTYPE: tl.constexpr):
+    """A block of the edited row before a norm match, and the change of a direction's edit (``c v``)."""
+    change = _rounded(coefficient * vector, DTYPE)
+    return tl.where(is_set, vector, _rounded(stream + change, DTYPE)), change
+
+
+@triton.jit
+def _edit_rows(hidden, hidden_row_stride, hidden_column, residual, residual_row_stride, residual_column,
+               slots, slots_stride, bank, bank_row_stride, bank_column, modes, modes_stride, scales, scales_stride,
+               projections, projections_stride, norm_match, norm_match_stride, width, tiny,
+               FUSED: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots + row * slots_stride).to(tl.int64)
+    if slot < 0:  # an idle row: nothing else is read or written
+        return
+    DTYPE = hidden.dtype.element_ty
+    mode = tl.load(modes + slot * modes_stride)
+    matched = tl.load(norm_match + slot * norm_match_stride) != 0
+    scale = tl.load(scales + slot * scales_stride)
+    projection = tl.load(projections + slot * projections_stride)
+    is_set = mode == _SET
+    directional = (mode == _ABLATE) | (mode == _CLAMP)
+    hidden_row = hidden + row * hidden_row_stride
+    residual_row = residual + row * residual_row_stride
+    vector_row = bank + slot * bank_row_stride
+    offsets = tl.arange(0, BLOCK)
+    along = tl.zeros([BLOCK], dtype=tl.float32)
+    square = tl.zeros([BLOCK], dtype=tl.float32)
+    if directional | matched:  # the row's projection on its direction, and its squared norm
+        for start in range(0, width, BLOCK):
+            columns = start + offsets
+            inside = columns < width
+            _, stream = _stream_block(hidden_row, residual_row, columns, inside, hidden_column, residual_column,
+                                      FUSED, DTYPE)
+            vector = tl.load(vector_row + columns * bank_column, mask=inside, other=0.0).to(tl.float32)
+            along += stream * vector
+            square += stream * stream
+    wide = _rounded(tl.sum(along, axis=0), DTYPE)  # torch's product of the row and the direction, in the dtype
+    coefficient = tl.where(mode == _ABLATE, _rounded(-(scale * wide), DTYPE),
+                           tl.where(mode == _CLAMP, _rounded(projection - wide, DTYPE), 1.0))
+    after = tl.zeros([BLOCK], dtype=tl.float32)
+    if matched:  # the edited row's squared norm
+        for start in range(0, width, BLOCK):
+            columns = start + offsets
+            inside = columns < width
+            _, stream = _stream_block(hidden_row, residual_row, columns, inside, hidden_column, residual_column,
+                                      FUSED, DTYPE)
+            vector = tl.load(vector_row + columns * bank_column, mask=inside, other=0.0).to(tl.float32)
+            edited, _ = _edited_block(stream, vector, coefficient, is_set, DTYPE)
+            after += edited * edited
+    norm_before = _rounded(tl.sqrt_rn(tl.sum(square, axis=0)), DTYPE)
+    norm_after = _rounded(tl.sqrt_rn(tl.sum(after, axis=0)), DTYPE)
+    # A row the edit left at zero stays zero: there is no direction to give the old norm to (as `Operation` does).
+    divisor = tl.where(norm_after > 0, tl.maximum(norm_after, tiny), 1.0)  # 1: a quotient no row uses
+    factor = tl.where(norm_after > 0, _rounded(tl.div_rn(norm_before, divisor), DTYPE), 0.0)
+    # The hidden half of a fused stream takes a plain ablate's or clamp's change itself, any other edit
+    # ``edited - stream`` (`Summed._edit_rows`, `Operation.add_change`).
+    direct = directional & (matched == 0)
+    for start in range(0, width, BLOCK):
+        columns = start + offsets
+        inside = columns < width
+        half, stream = _stream_block(hidden_row, residual_row, columns, inside, hidden_column, residual_column,
+                                     FUSED, DTYPE)
+        vector = tl.load(vector_row + columns * bank_column, mask=inside, other=0.0).to(tl.float32)
+        edited, change = _edited_block(stream, vector, coefficient, is_set, DTYPE)
+        edited = tl.where(matched, _rounded(edited * factor, DTYPE), edited)
+        if FUSED:
+            edited = _rounded(half + tl.where(direct, change, _rounded(edited - stream, DTYPE)), DTYPE)
+        tl.store(hidden_row + columns * hidden_column, edited.to(DTYPE), mask=inside)  # exact: already rounded
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _harvest_rows(out, out_row_stride, out_column, hidden, hidden_row_stride, hidden_column, residual,
+                  residual_row_stride, residual_column, sources, sources_stride, rows, width,
+                  FUSED: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    source = tl.load(sources + row * sources_stride).to(tl.int64)
+    if (source < 0) | (source >= rows):  # a buffer row this step does not fill keeps what it held
+        return
+    DTYPE = hidden.dtype.element_ty
+    offsets = tl.arange(0, BLOCK)
+    for start in range(0, width, BLOCK):
+        columns = start + offsets
+        inside = columns < width
+        value = tl.load(hidden + source * hidden_row_stride + columns * hidden_column, mask=inside)
+        if FUSED:  # the two halves' sum, rounded as torch adds them; a whole stream's row is copied as it is
+            second = tl.load(residual + source * residual_row_stride + columns * residual_column, mask=inside)
+            value = _rounded(value.to(tl.float32) + second.to(tl.float32), DTYPE).to(DTYPE)
+        tl.store(out + row * out_row_stride + columns * out_column, value, mask=inside)
+
+
+def block_for(width: int, block: Optional[int] = None) -> int:
+    """The columns a program reads at once for rows of `width`: the next power of two up to `MAX_BLOCK`, or
+    `block` (a power of two) where given."""
+    chosen = min(triton.next_power_of_2(max(width, 1)), MAX_BLOCK) if block is None else int(block)
+    if chosen < 16 or chosen & (chosen - 1):
+        raise ValueError(f"block={block}: a block of columns is a power of two of at least 16.")
+    return chosen
+
+
+def _launchable(kernel: object, tensor: torch.Tensor) -> None:
+    if tensor.device.type == "cpu" and not isinstance(kernel, InterpretedFunction):
+        raise RuntimeError("the graph ops' Triton kernels run on CPU tensors only through Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 in the environment before triton is first imported (or keep the CPU "
+                           "on the torch body, the default).")
+
+
+#: A launch: the grid, the kernel's arguments in order, and its constexpr and launch options.
+Launch = tuple[tuple[int], tuple[Any, ...], dict[str, Any]]
+
+
+def edit_launch(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor, bank: torch.Tensor,
+                modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor, norm_match: torch.Tensor,
+                block: Optional[int] = None) -> Launch:
+    """How `edit_rows` launches `_edit_rows` for these tensors: one program a row of `hidden`."""
+    rows, width = hidden.shape
+    second = hidden if residual is None else residual  # never read without FUSED
+    arguments = (hidden, hidden.stride(0), hidden.stride(1), second, second.stride(0), second.stride(1), slots,
+                 slots.stride(0), bank, bank.stride(0), bank.stride(1), modes, modes.stride(0), scales,
+                 scales.stride(0), projections, projections.stride(0), norm_match, norm_match.stride(0), width,
+                 torch.finfo(hidden.dtype).tiny)
+    # No fused multiply-adds: each product is rounded as torch's own kernels round it, on the GPU as in the
+    # interpreter.
+    options = {"FUSED": residual is not None, "BLOCK": block_for(width, block), "enable_fp_fusion": False}
+    return (rows,), arguments, options
+
+
+def harvest_launch(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], sources: torch.Tensor,
+                   block: Optional[int] = None) -> Launch:
+    """How `harvest_rows` launches `_harvest_rows` for these tensors: one program a row of `out`."""
+    capacity, width = out.shape
+    second = hidden if residual is None else residual
+    arguments = (out, out.stride(0), out.stride(1), hidden, hidden.stride(0), hidden.stride(1), second,
+                 second.stride(0), second.stride(1), sources, sources.stride(0), hidden.shape[0], width)
+    options = {"FUSED": residual is not None, "BLOCK": block_for(width, block), "enable_fp_fusion": False}
+    return (capacity,), arguments, options
+
+
+def edit_rows(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor, bank: torch.Tensor,
+              modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor, norm_match: torch.Tensor,
+              block: Optional[int] = None) -> None:
+    """`graph_ops.edit_stream`'s edit by the kernel: the same arguments, already checked by the op; `block`
+    overrides the columns a program reads at once (`block_for`). Changes `hidden` in place."""
+    if hidden.shape[0] == 0 or hidden.shape[1] == 0:
+        return
+    _launchable(_edit_rows, hidden)
+    grid, arguments, options = edit_launch(hidden, residual, slots, bank, modes, scales, projections, norm_match,
+                                           block)
+    _edit_rows[grid](*arguments, **options)
+
+
+def harvest_rows(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], sources: torch.Tensor,
+                 block: Optional[int] = None) -> None:
+    """`graph_ops.harvest_stream`'s gather by the kernel: the same arguments, already checked by the op. Changes
+    the rows of `out` whose source is a row of the call."""
+    if out.shape[0] == 0 or out.shape[1] == 0 or hidden.shape[0] == 0:
+        return
+    _launchable(_harvest_rows, hidden)
+    grid, arguments, options = harvest_launch(out, hidden, residual, sources, block)
+    _harvest_rows[grid](*arguments, **options)

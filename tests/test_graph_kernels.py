@@ -1,0 +1,505 @@
+"""The graph ops' Triton kernels (`streamscope.vllm.graph_kernels`), run on the CPU through Triton's interpreter.
+
+The kernels are held to what the torch body is held to (tests/test_graph_ops.py):
+`streamscope.bulk.operations`' arithmetic written out in float64 (the
+oracle) within `CPU_FLOAT32` in float32, and within a bound derived from the
+dtype's rounding in bfloat16 and float16; a plain add or set gives the torch
+body's bits in every dtype; rows no slot marks keep every bit (NaN, inf and
+-0.0 rows among them); a graph's padding (index entries and stream rows past
+the call's rows, bank slots no row uses) holds NaN and is never read. Every
+mode, plain and norm-matched, on fused halves and on a whole stream, at
+hidden sizes of one partial block, of several blocks, and wider than the
+largest block.
+
+The interpreter must be on before triton is first imported, and this process
+imported it long ago, so the kernels run in a subprocess
+(tests/graph_kernel_worker.py) and come back here to be checked. Here, the
+kernels are also compiled for an H100/H200 (sm_90) from the launches the ops
+make, which the interpreter does not do: an idle row loads its slot and
+branches away before any other memory access.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import pytest
+import torch
+
+from streamscope.bulk.operations import DIRECTIONAL, prepare
+from streamscope.vllm import graph_ops
+from streamscope.vllm.blocks import Summed
+from streamscope.values import OUTPUT
+
+from .graph_kernel_worker import receive, send
+from .precision import CPU_FLOAT32
+
+triton = pytest.importorskip("triton")
+from streamscope.vllm import graph_kernels  # noqa: E402  (needs triton)
+
+MODES = ("add", "set", "ablate", "clamp")
+SETTINGS = {"add": (0.7, 0.0), "set": (1.3, 0.0), "ablate": (0.6, 0.0), "clamp": (1.0, 2.5)}
+#: (hidden size, block): one partial block; four blocks of 32, the last partial; two blocks of the widest (1024).
+WIDTHS = [(48, None), (100, 32), (1100, None)]
+#: The values the body rounds to the stream's dtype on its longest path (a norm-matched edit of fused halves):
+#: the summed stream, the projection, the coefficient, the change, the edited row, the two norms, their
+#: quotient, the rescaled row, ``edited - stream`` and the written half. Each is within half an ulp (eps / 2,
+#: relative) of its exact value, and none is larger than the row's scale (`scale_of`), so to first order the
+#: result is within ROUNDINGS * eps / 2 of the scale from the float64 definition (second-order terms are eps^2).
+ROUNDINGS = 11
+ROWS, PADDED = 9, 12
+MARKED = [1, 2, 5, 8]
+ODD = {0: float("nan"), 3: float("inf"), 4: -0.0}  # unmarked rows holding odd values, kept bit for bit
+
+
+class Interpreter:
+    """tests/graph_kernel_worker.py in a subprocess: each call runs there and its tensors come back."""
+
+    def __init__(self) -> None:
+        root = Path(__file__).resolve().parents[1]
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+            [str(root)] + [part for part in os.environ.get("PYTHONPATH", "").split(os.pathsep) if part]))
+        env[graph_ops.BODY_VARIABLE] = "triton"
+        self.process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("graph_kernel_worker.py"))],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+
+    def __call__(self, call: str, *arguments: Any, carried: tuple = (), **options: Any) -> tuple[list, tuple]:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        send(self.process.stdin, (call, list(arguments), options, tuple(carried)))
+        answer = receive(self.process.stdout)
+        if answer is None:
+            raise RuntimeError(f"the interpreter's worker ended (exit code {self.process.wait()})")
+        if answer[0] == "error":
+            raise AssertionError(f"the interpreted {call} failed:\n{answer[1]}")
+        return answer[0], answer[1]
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> Iterator[Interpreter]:
+    worker = Interpreter()
+    yield worker
+    worker.close()
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype == torch.bool:
+        return tensor
+    return tensor.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16}[tensor.element_size()])
+
+
+class Case:
+    """One edit call: a stream in a padded buffer, a bank whose other slots are NaN, marks past the rows.
+
+    Slot 1 holds the operation; slots 0 and 2 are NaN (their mode a
+    norm-matched clamp), so a row that read them would turn NaN. The stream
+    is the first `ROWS` rows of buffers of `PADDED` rows; the index marks the
+    padding rows too, whose hidden half holds a finite sentinel (an edit of
+    it would change it) and whose residual half is NaN (a read of it would
+    show). Each row carries `along` times the operation's direction, so a
+    direction's edit moves it by more than the dtype's rounding.
+    """
+
+    def __init__(self, mode: str, norm_match: bool, fused: bool, width: int, dtype: torch.dtype,
+                 seed: int = 1, along: float = 0.0) -> None:
+        scale, projection = SETTINGS[mode]
+        self.mode, self.norm_match, self.dtype = mode, norm_match, dtype
+        self.op = prepare(mode, torch.randn(width, generator=generator(seed)), scale, projection, norm_match,
+                          dtype, "cpu")
+        self.bank = torch.full((3, width), float("nan"), dtype=dtype)
+        self.bank[1] = self.op.unit if mode in DIRECTIONAL else self.op.delta
+        self.modes = torch.full((3,), graph_ops.CLAMP, dtype=torch.int32)
+        self.modes[1] = graph_ops.MODE_CODES[mode]
+        self.scales = torch.tensor([float("nan"), scale, float("nan")])
+        self.projections = torch.tensor([float("nan"), projection, float("nan")])
+        self.norm_flags = torch.tensor([True, norm_match, True])
+        direction = self.bank[1].float() / self.bank[1].float().norm()
+        self.hidden_buffer = torch.full((PADDED, width), 7.0, dtype=dtype)
+        self.hidden_buffer[:ROWS] = (torch.randn(ROWS, width, generator=generator(seed + 10)) * 3
+                                     + along * direction).to(dtype)
+        self.residual_buffer: Optional[torch.Tensor] = None
+        if fused:
+            self.residual_buffer = torch.full((PADDED, width), float("nan"), dtype=dtype)
+            self.residual_buffer[:ROWS] = (torch.randn(ROWS, width, generator=generator(seed + 20)) * 5).to(dtype)
+        for row, value in ODD.items():
+            self.hidden_buffer[row, row % width] = value
+        self.slots = torch.full((PADDED + 4,), -1, dtype=torch.int32)
+        self.slots[MARKED] = 1
+        self.slots[ROWS:] = 1  # padding marked: never read, as the call has ROWS rows
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.bank, self.modes, self.scales, self.projections, self.norm_flags
+
+    def residual(self) -> Optional[torch.Tensor]:
+        return None if self.residual_buffer is None else self.residual_buffer[:ROWS]
+
+    def stream(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The stream the halves make, in float64: exactly the sum a reader of the two halves means."""
+        residual = self.residual()
+        return hidden.double() if residual is None else hidden.double() + residual.double()
+
+    def by_kernel(self, interpreted: Interpreter, block: Optional[int]) -> torch.Tensor:
+        """The hidden buffer after the kernel's edit of its first ROWS rows (padding rows included)."""
+        buffer = self.hidden_buffer.clone()
+        call = ("edit_rows",) if block is not None else ("edit_stream",)
+        options = {"block": block} if block is not None else {}
+        sent = (self.residual(), self.slots, *self.buffers)
+        (hidden, *others), (whole,) = interpreted(*call, buffer[:ROWS], *sent, carried=(buffer,), **options)
+        assert hidden.data_ptr() == whole.data_ptr()  # the view came back with its base
+        for before, after in zip(sent, others):  # the op mutates `hidden` only (its schema says so)
+            assert (before is None and after is None) or torch.equal(bits(before), bits(after))
+        return whole
+
+    def by_torch(self) -> torch.Tensor:
+        hidden = self.hidden_buffer[:ROWS].clone()
+        previous = graph_ops.use_body("torch")
+        try:
+            graph_ops.edit_stream(hidden, self.residual(), self.slots, *self.buffers)
+        finally:
+            graph_ops.use_body(previous)
+        return hidden
+
+    def reference(self) -> torch.Tensor:
+        """`Operation`'s definition in float64 on the marked rows' stream, with the bank's vector as it is."""
+        x = self.stream(self.hidden_buffer[:ROWS])[MARKED]
+        vector = self.bank[1].double()
+        scale, projection = SETTINGS[self.mode]
+        if self.mode == "add":
+            edited = x + vector
+        elif self.mode == "set":
+            edited = vector.expand_as(x)
+        elif self.mode == "ablate":
+            edited = x - scale * (x @ vector).unsqueeze(-1) * vector
+        else:
+            edited = x + (projection - x @ vector).unsqueeze(-1) * vector
+        self.unmatched = edited
+        if self.norm_match:
+            edited = edited * (x.norm(dim=-1, keepdim=True) / edited.norm(dim=-1, keepdim=True))
+        return edited
+
+    def scale_of(self, want: torch.Tensor) -> torch.Tensor:
+        """Each marked row's scale: the largest L2 norm among the values its edit rounds (the halves, the stream,
+        the edited row before and after a norm match, the change)."""
+        hidden = self.hidden_buffer[:ROWS][MARKED].double()
+        residual = self.residual()
+        x = self.stream(self.hidden_buffer[:ROWS])[MARKED]
+        norms = [hidden.norm(dim=-1), x.norm(dim=-1), self.unmatched.norm(dim=-1), want.norm(dim=-1),
+                 (self.unmatched - x).norm(dim=-1)]
+        if residual is not None:
+            norms.append(residual[MARKED].double().norm(dim=-1))
+        return torch.stack(norms).amax(0)
+
+
+def within_float32(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within CPU_FLOAT32 of the reference, relative to its largest entry (tests/test_graph_ops.py's measure)."""
+    return float((got.double() - want.double()).abs().max()) <= CPU_FLOAT32 * float(want.abs().max())
+
+
+def within_rounding(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Each row within ROUNDINGS half-ulps of its scale (L2) of the float64 definition."""
+    bound = ROUNDINGS * torch.finfo(dtype).eps / 2 * scale
+    return bool(((got - want).norm(dim=-1) <= bound).all())
+
+
+def check_untouched(case: Case, whole: torch.Tensor) -> None:
+    """Unmarked rows (odd values among them) and the padding rows past the call: every bit as before."""
+    untouched = [row for row in range(PADDED) if row not in MARKED]
+    assert torch.equal(bits(whole[untouched]), bits(case.hidden_buffer[untouched]))
+    assert not bool(whole[MARKED].isnan().any())  # no NaN slot, padding row or odd row was read
+
+
+# ---------------------------------------------------------------- the edit kernel
+
+
+@pytest.mark.parametrize("width, block", WIDTHS, ids=[f"{width}-block{block}" for width, block in WIDTHS])
+@pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
+@pytest.mark.parametrize("norm_match", [False, True], ids=["plain", "norm_match"])
+@pytest.mark.parametrize("mode", MODES)
+def test_edit_kernel_equals_the_operation(interpreted: Interpreter, mode: str, norm_match: bool, fused: bool,
+                                          width: int, block: Optional[int]) -> None:
+    case = Case(mode, norm_match, fused, width, torch.float32)
+    whole = case.by_kernel(interpreted, block)
+    check_untouched(case, whole)
+    after = case.stream(whole[:ROWS])[MARKED]
+    assert within_float32(after, case.reference())
+    torch_body = case.by_torch()
+    if mode in ("add", "set") and not norm_match:  # no reduction involved: the torch body's bits
+        assert torch.equal(bits(whole[:ROWS]), bits(torch_body))
+    else:
+        assert within_float32(after, case.stream(torch_body)[MARKED])
+    # The bulk path's own edit of the same rows (the Applier's, through Summed).
+    bulk = case.hidden_buffer[:ROWS].clone()
+    residual = case.residual()
+    Summed(None, OUTPUT).edit_rows(bulk if residual is None else (bulk, residual), torch.tensor(MARKED), case.op)
+    assert within_float32(after, case.stream(bulk)[MARKED])
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
+@pytest.mark.parametrize("norm_match", [False, True], ids=["plain", "norm_match"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_edit_kernel_in_low_precision(interpreted: Interpreter, dtype: torch.dtype, mode: str, norm_match: bool,
+                                      fused: bool) -> None:
+    """bfloat16 and float16: within the dtype's rounding (ROUNDINGS half-ulps) of the float64 definition, as the
+    torch body is; a plain add or set the torch body's bits (each value rounded where torch rounds it)."""
+    case = Case(mode, norm_match, fused, 100, dtype, seed=2, along=40.0)
+    whole = case.by_kernel(interpreted, 32)
+    check_untouched(case, whole)
+    want = case.reference()
+    scale = case.scale_of(want)
+    # The bound is narrower than the edit: the unedited stream is outside it, so a kernel that did nothing fails.
+    assert not within_rounding(case.stream(case.hidden_buffer[:ROWS])[MARKED], want, scale, dtype)
+    torch_body = case.by_torch()
+    assert within_rounding(case.stream(whole[:ROWS])[MARKED], want, scale, dtype)
+    assert within_rounding(case.stream(torch_body)[MARKED], want, scale, dtype)  # the bound holds the torch body
+    if mode in ("add", "set") and not norm_match:
+        assert torch.equal(bits(whole[:ROWS]), bits(torch_body))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_edit_kernel_at_sixteen_thousand_columns(interpreted: Interpreter, dtype: torch.dtype) -> None:
+    """The longest path (a norm-matched clamp of fused halves) at hidden size 16,384, sixteen blocks a pass."""
+    case = Case("clamp", True, True, 16384, dtype, along=40.0)
+    whole = case.by_kernel(interpreted, None)
+    check_untouched(case, whole)
+    want = case.reference()
+    got = case.stream(whole[:ROWS])[MARKED]
+    if dtype == torch.float32:
+        assert within_float32(got, want)
+    else:
+        assert within_rounding(got, want, case.scale_of(want), dtype)
+        assert not within_rounding(case.stream(case.hidden_buffer[:ROWS])[MARKED], want, case.scale_of(want), dtype)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
+def test_each_row_takes_its_own_slot(interpreted: Interpreter, fused: bool) -> None:
+    """Eight operations (every mode, plain and norm-matched) in one call of the op, rows interleaved, the marks a
+    strided column of a plan's index in int64, the slots' settings and the hidden half's columns strided too: each
+    row as if alone, unmarked rows untouched."""
+    width, rows = 40, 20
+    kinds = [(mode, norm_match) for mode in MODES for norm_match in (False, True)]
+    ops = [prepare(mode, torch.randn(width, generator=generator(30 + number)), *SETTINGS[mode], norm_match,
+                   torch.float32, "cpu") for number, (mode, norm_match) in enumerate(kinds)]
+    bank = torch.stack([op.unit if op.mode in DIRECTIONAL else op.delta for op in ops])
+
+    def strided(values: list, dtype: torch.dtype) -> torch.Tensor:  # every other entry of a longer buffer
+        return torch.tensor([value for value in values for _ in range(2)], dtype=dtype)[::2]
+
+    buffers = (bank, strided([graph_ops.MODE_CODES[op.mode] for op in ops], torch.int64),
+               strided([op.scale for op in ops], torch.float32), strided([op.projection for op in ops], torch.float32),
+               strided([op.norm_match for op in ops], torch.bool))
+    hidden = (torch.randn(rows, 2 * width, generator=generator(5)) * 3)[:, ::2]  # columns strided too
+    residual = torch.randn(rows, width, generator=generator(6)) * 5 if fused else None
+    index = torch.full((24, 3), -1, dtype=torch.int64)
+    index[:rows, 1] = torch.tensor([(row * 3) % 9 - 1 for row in range(rows)])  # -1 and 0..7, mixed
+    slots = index[:, 1]
+    (edited, *_), _ = interpreted("edit_stream", hidden, residual, slots, *buffers)  # the worker edits its copy
+    assert edited.stride() == hidden.stride() == (2 * width, 2)
+    before = hidden if residual is None else hidden + residual
+    after = edited if residual is None else edited + residual
+    for row in range(rows):
+        slot = int(slots[row])
+        if slot < 0:
+            assert torch.equal(bits(edited[row]), bits(hidden[row]))
+        else:
+            assert within_float32(after[row], ops[slot](before[row:row + 1])[0]), (row, kinds[slot])
+
+
+def test_idle_call_leaves_every_bit(interpreted: Interpreter) -> None:
+    """No row marked: the stream (NaN, inf, -0.0 in it) and a harvest buffer are every bit as they were."""
+    case = Case("clamp", True, True, 48, torch.float32)
+    hidden = case.hidden_buffer[:ROWS].clone()
+    hidden[2, 5], hidden[6, 7] = float("-inf"), -0.0
+    idle = torch.full((PADDED,), -1, dtype=torch.int32)
+    for residual in (case.residual(), None):
+        (edited, *_), _ = interpreted("edit_stream", hidden.clone(), residual, idle, *case.buffers)
+        assert torch.equal(bits(edited), bits(hidden))
+    out = torch.randn(5, 48, generator=generator(7))
+    (kept, *_), _ = interpreted("harvest_stream", out.clone(), hidden, case.residual(), idle[:5])
+    assert torch.equal(bits(kept), bits(out))
+
+
+# ---------------------------------------------------------------- the harvest kernel
+
+
+@pytest.mark.parametrize("block", [None, 32], ids=["one-block", "blocks-of-32"])
+@pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_harvest_kernel_copies_the_named_rows(interpreted: Interpreter, dtype: torch.dtype, fused: bool,
+                                              block: Optional[int]) -> None:
+    """Each buffer row takes its source row (the halves' sum: the bulk read's bits, and the torch body's); a
+    source of -1 or past the call's rows leaves its buffer row as it was; NaN padding rows past the call, and
+    index entries past the buffer's capacity, are not read; a whole stream's row is copied bit for bit."""
+    width = 100
+    hidden_buffer = torch.full((12, width), float("nan"), dtype=dtype)
+    hidden_buffer[:10] = (torch.randn(10, width, generator=generator(9)) * 3).to(dtype)
+    hidden_buffer[7, 3], hidden_buffer[0, 4] = -0.0, float("inf")
+    residual = (torch.randn(10, width, generator=generator(10)) * 5).to(dtype) if fused else None
+    hidden = hidden_buffer[:10]
+    out = torch.randn(6, width, generator=generator(11)).to(dtype)
+    sources = torch.tensor([7, -1, 0, 3, 10, 9, 2, 2], dtype=torch.int32)  # 10: past the rows; 2, 2: past capacity
+    call, options = ("harvest_rows", {"block": block}) if block else ("harvest_stream", {})
+    (taken, *others), _ = interpreted(call, out.clone(), hidden, residual, sources, **options)
+    for before, after in zip((hidden, residual, sources), others):  # the op mutates `out` only
+        assert (before is None and after is None) or torch.equal(bits(before), bits(after))
+    named = torch.tensor([7, 0, 3, 9])
+    bulk = Summed(None, OUTPUT).stream_rows(hidden if residual is None else (hidden, residual), named)
+    assert bulk is not None
+    assert torch.equal(bits(taken[[0, 2, 3, 5]]), bits(bulk))
+    assert torch.equal(bits(taken[[1, 4]]), bits(out[[1, 4]]))
+    torch_body = out.clone()
+    previous = graph_ops.use_body("torch")
+    try:
+        graph_ops.harvest_stream(torch_body, hidden, residual, sources)
+    finally:
+        graph_ops.use_body(previous)
+    assert torch.equal(bits(taken), bits(torch_body))
+
+
+# ---------------------------------------------------------------- compiled for a GPU, on this CPU
+
+
+def compiled(kernel: Any, launch: graph_kernels.Launch) -> Any:
+    """`kernel` compiled for sm_90 (H100, H200) with the specialization Triton's launcher gives these arguments:
+    pointer and integer alignment, an integer of 1 made a constant."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
+
+    _, arguments, options = launch
+    signature, constants, attributes = {}, {}, {}
+    for number, (parameter, value) in enumerate(zip(kernel.params, arguments)):
+        kind, key = native_specialize_impl(BaseBackend, value, False, not parameter.do_not_specialize, True)
+        signature[parameter.name] = kind
+        if kind == "constexpr":
+            constants[parameter.name] = value
+        elif key == "D":
+            attributes[(number,)] = [["tt.divisibility", 16]]
+    for name in ("FUSED", "BLOCK"):
+        signature[name] = "constexpr"
+        constants[name] = options[name]
+    source = ASTSource(kernel, signature, constexprs=constants, attrs=attributes)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"enable_fp_fusion": options["enable_fp_fusion"]})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["float32", "bfloat16", "float16"])
+def test_kernels_compile_for_hopper(dtype: torch.dtype, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the interpreter does not check: both kernels compile to a cubin for sm_90 from the launches the ops
+    make (Llama-3-8B's width, a plan's strided index); an idle row's program loads its slot, one global load, and
+    branches away before anything else is read; the norms are IEEE square roots and quotients; no multiply-add
+    is fused (each product rounded as torch rounds it); rows are read and written in 16-byte vectors."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(graph_kernels._edit_rows, InterpretedFunction):
+        pytest.skip("this process runs triton interpreted (TRITON_INTERPRET=1): nothing to compile")
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this triton has no NVIDIA backend to compile with")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    width, rows = 4096, 256
+    meta = {"dtype": dtype, "device": "meta"}
+    index = torch.empty(8192, 65, dtype=torch.int32, device="meta")
+    bank = (torch.empty(256, width, **meta), torch.empty(256, dtype=torch.int32, device="meta"),
+            torch.empty(256, device="meta"), torch.empty(256, device="meta"),
+            torch.empty(256, dtype=torch.bool, device="meta"))
+    hidden, residual = torch.empty(rows, width, **meta), torch.empty(rows, width, **meta)
+    for second in (residual, None):
+        edit = compiled(graph_kernels._edit_rows, graph_kernels.edit_launch(hidden, second, index[:, 3], *bank))
+        ptx = edit.asm["ptx"]
+        assert edit.asm["cubin"]
+        body = ptx[ptx.index("{", ptx.index(".entry")):]
+        before_branch = body[:body.index("bra")]
+        assert before_branch.count("ld.global") == 1, before_branch
+        assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "fma.rn.f32" not in ptx
+        assert "ld.global.v4" in ptx and "st.global.v4" in ptx
+        harvest = compiled(graph_kernels._harvest_rows,
+                           graph_kernels.harvest_launch(torch.empty(256, width, **meta), hidden, second,
+                                                        index[:, -1]))
+        assert harvest.asm["cubin"] and "st.global.v4" in harvest.asm["ptx"]
+
+
+# ---------------------------------------------------------------- the body's choice and the salt
+
+
+def test_the_body_follows_the_device_unless_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    previous = graph_ops.use_body(None)
+    try:
+        assert not graph_ops._runs_kernel(cpu) and graph_ops._runs_kernel(cuda)  # the default
+        graph_ops.use_body("torch")
+        assert not graph_ops._runs_kernel(cpu) and not graph_ops._runs_kernel(cuda)
+        assert graph_ops.use_body("triton") == "torch"
+        assert graph_ops._runs_kernel(cpu) and graph_ops._runs_kernel(cuda)
+        with pytest.raises(ValueError, match="one of torch, triton"):
+            graph_ops.use_body("cuda")
+        monkeypatch.setenv(graph_ops.BODY_VARIABLE, "kernel")
+        with pytest.raises(ValueError, match="STREAMSCOPE_GRAPH_OPS_BODY='kernel'"):
+            graph_ops._body_of_environment()
+        monkeypatch.setenv(graph_ops.BODY_VARIABLE, "triton")
+        assert graph_ops._body_of_environment() == "triton"
+    finally:
+        graph_ops.use_body(previous)
+
+
+def test_buffers_on_another_device_are_refused() -> None:
+    """The kernels read raw addresses: a buffer on another device than the stream is refused by name, before
+    either body runs."""
+    case = Case("add", False, True, 48, torch.float32)
+    hidden = case.hidden_buffer[:ROWS].clone()
+    for number, name in enumerate(["bank", "modes", "scales", "projections", "norm_match"]):
+        buffers = list(case.buffers)
+        buffers[number] = buffers[number].to("meta")
+        with pytest.raises(ValueError, match=f"{name} is on meta, the stream on cpu"):
+            graph_ops.edit_stream(hidden, case.residual(), case.slots, *buffers)
+    with pytest.raises(ValueError, match="slots is on meta"):
+        graph_ops.edit_stream(hidden, case.residual(), case.slots.to("meta"), *case.buffers)
+    with pytest.raises(ValueError, match="harvest buffer is on meta"):
+        graph_ops.harvest_stream(torch.empty(4, 48, device="meta"), hidden, None, case.slots)
+    with pytest.raises(ValueError, match="sources is on meta"):
+        graph_ops.harvest_stream(torch.empty(4, 48), hidden, None, case.slots.to("meta"))
+
+
+def test_kernels_on_the_cpu_without_the_interpreter_are_refused() -> None:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(graph_kernels._edit_rows, InterpretedFunction):
+        pytest.skip("this process runs triton interpreted (TRITON_INTERPRET=1)")
+    case = Case("add", False, True, 48, torch.float32)
+    previous = graph_ops.use_body("triton")
+    try:
+        with pytest.raises(RuntimeError, match="set TRITON_INTERPRET=1"):
+            graph_ops.edit_stream(case.hidden_buffer[:ROWS].clone(), case.residual(), case.slots, *case.buffers)
+    finally:
+        graph_ops.use_body(previous)
+
+
+def test_salt_covers_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels run inside an opaque op, so no file vLLM hashes holds them: the salt hashes their module."""
+    source = graph_ops.ops_source()
+    kernels = Path(graph_kernels.__file__).read_text(encoding="utf-8")
+    assert kernels in source and "def _edit_rows" in source and "def _harvest_rows" in source
+    sites = ["layers.0.layer_output"]
+    base = graph_ops.cache_salt(sites, 1, [])
+    monkeypatch.setattr(graph_ops, "kernel_source", lambda: kernels.replace("0x7FFF", "0x8000"))
+    assert graph_ops.ops_source() != source
+    assert graph_ops.cache_salt(sites, 1, []) != base
+    monkeypatch.undo()
+    assert graph_ops.cache_salt(sites, 1, []) == base
