@@ -21,13 +21,9 @@ from .conditions import COMPUTE_ORDER, Condition, check_condition
 from .dose import SteerError, check_dose
 from .operations import DIRECTIONAL, MODES, ClampFeature, Operation, check_clamp, prepare
 from .positions import SKIP_FIRST, Positions, check_rule, prompt_positions
+from .schema import DOSE_ACTIONS, MAX_DOSE, NULL_IS_LEFT_OUT, STEER_FIELDS, STEER_REQUIRED, positions_from_json, rule_json
 from .sites import HEAD_RESULTS_VALUE, Site, block_index, host_and_name, locate
 
-#: A steer's default dose limit: the edit's size over the stream's own norm at the steered value and block
-#: (`check_dose`). Steering is usually done at doses up to about 10-20; past this the stream is the vector.
-MAX_DOSE = 100.0
-#: What a steer's dose past its limit does (`Steer.on_dose`); the first is the default.
-DOSE_ACTIONS = ("refuse", "clamp", "warn")
 #: Which of a steer's numbers each mode uses (the others must be left out), and their defaults.
 MODE_USES: dict[str, dict[str, Any]] = {
     "add": {"scale": 1.0}, "set": {"scale": 1.0}, "ablate": {"scale": 1.0},
@@ -36,6 +32,8 @@ MODE_USES: dict[str, dict[str, Any]] = {
 #: What each number means in each mode that uses it, for the refusal of one given to a mode that does not.
 _MEANING = {"scale": "the multiple of the vector that add and set apply, or the fraction ablate removes",
             "projection": "the projection that clamp (and sae_clamp, the feature's value) sets"}
+#: The fields a steer's data (`Steer.to_dict`) leaves out: an ``sae_clamp`` steer's SAE is weights, not data.
+_NOT_DATA = ("sae",)
 
 
 @dataclass
@@ -255,15 +253,11 @@ class Steer:
         """
         if self.sae is not None:
             raise ValueError("an sae_clamp steer holds its SAE's weights: send the SAE by name, not as data.")
-        data = {name: getattr(self, name) for name in ("value", "layer", "scale", "mode", "generated",
-                                                       "projection", "norm_match", "from_step", "origin", "feature",
-                                                       "max_dose", "on_dose")}
-        data["condition"] = None if self.condition is None else self.condition.to_dict()
-        positions: Any = self.positions
-        if isinstance(positions, slice):
-            positions = {"slice": [positions.start, positions.stop, positions.step]}
-        data.update(vector=[float(number) for number in self.vector.detach().float().cpu().tolist()],
-                    positions=positions, prompts=None if self.prompts is None else list(self.prompts))
+        data = {name: getattr(self, name) for name in STEER_FIELDS if name not in _NOT_DATA}
+        data.update(condition=None if self.condition is None else self.condition.to_dict(),
+                    vector=[float(number) for number in self.vector.detach().float().cpu().tolist()],
+                    positions=self.positions if isinstance(self.positions, str) else rule_json(self.positions),
+                    prompts=None if self.prompts is None else list(self.prompts))
         return data
 
     @classmethod
@@ -272,19 +266,20 @@ class Steer:
 
         A null number (scale, projection, feature) is a field left out: its mode's default, where the mode uses it.
         """
-        known = {"value", "layer", "vector", "scale", "positions", "mode", "generated", "prompts", "projection",
-                 "norm_match", "from_step", "origin", "feature", "max_dose", "on_dose", "condition"}
+        known = set(STEER_FIELDS) - set(_NOT_DATA)
         unknown = sorted(set(data) - known)
         if unknown:
             raise SteerError(f"a steer has no {', '.join(unknown)}: its fields are {', '.join(sorted(known))}.")
-        fields = {key: item for key, item in data.items()
-                  if not (item is None and key in ("scale", "projection", "feature", "condition"))}
-        for required in ("value", "vector"):
+        fields = {key: item for key, item in data.items() if item is not None or key not in NULL_IS_LEFT_OUT}
+        for required in STEER_REQUIRED:
             if required not in fields:
                 raise SteerError(f"a steer needs {required!r}: its fields are {', '.join(sorted(known))}.")
         positions = fields.get("positions", SKIP_FIRST)
-        if isinstance(positions, dict) and "slice" in positions:
-            fields["positions"] = slice(*positions["slice"])
+        if isinstance(positions, dict):
+            try:
+                fields["positions"] = positions_from_json(positions)
+            except ValueError as error:
+                raise SteerError(f"a steer's positions: {error}", "positions") from None
         try:
             fields["vector"] = torch.tensor(fields["vector"], dtype=torch.float32)
         except (TypeError, ValueError) as error:
