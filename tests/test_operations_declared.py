@@ -267,3 +267,16 @@ def test_harvest_declaration():
     checked = schema.validate_fields(schema.HarvestJSON, {"values": ["layer_output"]})[0]
     assert checked is not None and checked.positions == schema.HARVEST_POSITIONS
     assert set(schema.request_schema()["properties"]) == set(schema.REQUEST_FIELDS)
+
+
+def test_compute_order_is_the_steerable_block_values_in_order():
+    """`COMPUTE_ORDER` (the order a trace applies steers in one block, and a condition's "no later than" check) holds
+    every block value a steer may edit, each once, and the stream's boundaries in the order a block computes
+    them (`streamscope.bulk.sites.BOUNDARIES`); a value added to the blocks' lists and not placed here fails."""
+    from streamscope.bulk.conditions import COMPUTE_ORDER
+    from streamscope.bulk.sites import BOUNDARIES, HEAD_RESULTS_VALUE, NEURONS, ROOT_VALUES, value_names
+
+    steerable = [value for value in value_names() if value not in ROOT_VALUES and value != HEAD_RESULTS_VALUE
+                 and value.split(".")[-1] not in NEURONS]
+    assert sorted(COMPUTE_ORDER) == sorted(steerable) and len(set(COMPUTE_ORDER)) == len(COMPUTE_ORDER)
+    assert [value for value in COMPUTE_ORDER if value in BOUNDARIES] == list(BOUNDARIES)

@@ -18,7 +18,7 @@ them come:
   worker's reading of it.
 
 `streamscope.Steer` and `streamscope.Condition` stay the public dataclasses:
-their fields are these models' fields (tests/test_schema.py holds them equal),
+their fields are these models' fields (tests/test_operations_declared.py holds them equal),
 and their `validate` methods run the in-process checks that need Python
 objects (a tensor, an SAE).
 """
@@ -175,7 +175,8 @@ class SteerJSON(_Declared):
     sae: Optional[str] = Field(None, description="sae_clamp (or a steer by feature): a stored SAE's name.")
     feature: Optional[int] = Field(None, ge=0, description="The SAE's feature index.")
     max_dose: Optional[Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
-        MAX_DOSE, description="The largest dose, |edit| / ||h||; on the server, its --max-steer-dose where left out.")
+        MAX_DOSE, description="The largest dose, |edit| / ||h||, a positive finite number (null: no limit, in "
+                              "process); on the server, its --max-steer-dose where left out.")
     on_dose: DoseAction = "refuse"
     condition: Optional[ConditionJSON] = Field(None, description="Where the steer applies (streamscope.Condition).")
 
@@ -207,6 +208,10 @@ STEER_FIELDS = tuple(SteerJSON.model_fields)
 CONDITION_FIELDS = tuple(ConditionJSON.model_fields)
 HARVEST_FIELDS = tuple(HarvestJSON.model_fields)
 REQUEST_FIELDS = tuple(RequestJSON.model_fields)
+#: A harvest request's fields the server's front end settles (its storage) and its worker never reads.
+HARVEST_FRONT_END_ONLY = ("keep",)
+#: The harvest request's fields the worker's plan carries (with the harvest's id, which the server gives it).
+WORKER_HARVEST_FIELDS = tuple(name for name in HARVEST_FIELDS if name not in HARVEST_FRONT_END_ONLY)
 #: The steer's fields a server request takes (one request is one prompt).
 SERVED_STEER_FIELDS = tuple(name for name in STEER_FIELDS if name not in PER_PROMPT)
 #: The steer's fields the worker's plan carries as they are (the others: `ENCODED`, or settled by the front end).
@@ -235,6 +240,7 @@ def _refusal(model: type[BaseModel], error: ValidationError) -> tuple[str, str]:
     what the field takes."""
     first = error.errors(include_url=False)[0]
     names: list[str] = []
+    owner: type[BaseModel] = model
     inner: Optional[type[BaseModel]] = model
     for part in first["loc"]:
         if inner is None or not isinstance(part, str) or part not in inner.model_fields:
@@ -244,7 +250,7 @@ def _refusal(model: type[BaseModel], error: ValidationError) -> tuple[str, str]:
     path = ".".join(names)
     if first["type"] == "value_error":
         return path, str(first["ctx"]["error"])
-    if first["type"] == "missing":
+    if first["type"] == "missing" and names:
         return path, f"a {owner.__name__.removesuffix('JSON').lower()} needs {names[-1]!r}: its fields are " \
                      f"{', '.join(owner.model_fields)}."
     info = owner.model_fields[names[-1]] if names else None
@@ -273,6 +279,7 @@ def validate_field(model: type[BaseModel], name: str, raw: Any) -> Optional[str]
 
 
 __all__ = ["CONDITION_FIELDS", "ConditionJSON", "DOSE_ACTIONS", "ENCODED", "FRONT_END_ONLY", "HARVEST_FIELDS",
-           "HARVEST_POSITIONS", "HarvestJSON", "MAX_DOSE", "NULL_IS_LEFT_OUT", "PER_PROMPT", "PLAIN_FIELDS",
+           "HARVEST_FRONT_END_ONLY", "HARVEST_POSITIONS", "HarvestJSON", "MAX_DOSE", "NULL_IS_LEFT_OUT", "PER_PROMPT", "PLAIN_FIELDS",
            "REDUCTIONS", "REQUEST_FIELDS", "RequestJSON", "SERVED_STEER_FIELDS", "STEER_FIELDS", "STEER_REQUIRED", "SteerJSON",
-           "positions_from_json", "request_schema", "rule_json", "validate_field", "validate_fields"]
+           "WORKER_HARVEST_FIELDS", "positions_from_json", "request_schema", "rule_json", "validate_field",
+           "validate_fields"]

@@ -21,7 +21,8 @@ from .conditions import COMPUTE_ORDER, Condition, check_condition
 from .dose import SteerError, check_dose
 from .operations import DIRECTIONAL, MODES, ClampFeature, Operation, check_clamp, prepare
 from .positions import SKIP_FIRST, Positions, check_rule, prompt_positions
-from .schema import DOSE_ACTIONS, MAX_DOSE, NULL_IS_LEFT_OUT, STEER_FIELDS, STEER_REQUIRED, positions_from_json, rule_json
+from .schema import (DOSE_ACTIONS, MAX_DOSE, NULL_IS_LEFT_OUT, STEER_FIELDS, STEER_REQUIRED, SteerJSON,
+                     positions_from_json, rule_json, validate_field)
 from .sites import HEAD_RESULTS_VALUE, Site, block_index, host_and_name, locate
 
 #: Which of a steer's numbers each mode uses (the others must be left out), and their defaults.
@@ -186,15 +187,18 @@ class Steer:
             raise SteerError(f"{name}: mode 'sae_clamp' keeps the SAE's error term and does not norm-match: "
                              f"leave norm_match out.", "norm_match")
 
+    def _check_declared(self, name: str, field_name: str) -> None:
+        """Refuse a field whose value its declaration (`streamscope.bulk.schema.SteerJSON`: its type and range)
+        does not take, naming the field and what it takes."""
+        given = getattr(self, field_name)
+        wrong = validate_field(SteerJSON, field_name, given)
+        if wrong is not None:
+            raise SteerError(f"{name}: {field_name}={given!r}: {wrong}", field_name)
+
     def _check_reach(self, name: str) -> None:
         """What the steer reaches: generated tokens, the first one steered, the positions and the prompts."""
-        if not isinstance(self.generated, bool):
-            raise SteerError(f"{name}: generated={self.generated!r} must be True or False.", "generated")
-        if not isinstance(self.norm_match, bool):
-            raise SteerError(f"{name}: norm_match={self.norm_match!r} must be True or False.", "norm_match")
-        if not isinstance(self.from_step, int) or isinstance(self.from_step, bool) or self.from_step < 0:
-            raise SteerError(f"{name}: from_step={self.from_step!r} must be an int >= 0 "
-                             f"(0: every generated token; k: from the k-th on).", "from_step")
+        for field_name in ("generated", "norm_match", "from_step"):
+            self._check_declared(name, field_name)
         if self.from_step and not self.generated:
             raise SteerError(f"{name}: from_step={self.from_step} picks the first generated token steered, and "
                              f"generated=False steers none: leave from_step out, or set generated=True.", "from_step")
@@ -210,13 +214,8 @@ class Steer:
 
     def _check_dose_and_condition(self, name: str) -> None:
         """The dose limit, what a dose past it does, and the condition (a dict becomes a `Condition`)."""
-        if self.max_dose is not None and (isinstance(self.max_dose, bool) or not isinstance(self.max_dose, (int, float))
-                                          or not self.max_dose > 0 or not math.isfinite(self.max_dose)):
-            raise SteerError(f"{name}: max_dose={self.max_dose!r} must be a positive finite number, or None for "
-                             f"no dose limit.", "max_dose")
-        if self.on_dose not in DOSE_ACTIONS:
-            raise SteerError(f"{name}: on_dose={self.on_dose!r}: use one of {', '.join(map(repr, DOSE_ACTIONS))} "
-                             f"(what a dose past max_dose does).", "on_dose")
+        for field_name in ("max_dose", "on_dose"):
+            self._check_declared(name, field_name)
         if self.condition is not None:
             if isinstance(self.condition, dict):
                 self.condition = Condition.from_dict(self.condition)

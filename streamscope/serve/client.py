@@ -26,7 +26,7 @@ import torch
 from ..bulk.results import Generation, Harvest, ShardWriter
 from ..bulk.dose import DoseWarning
 from ..bulk.spec import HarvestSpec, Positions, Steer
-from .protocol import FIELD, WARNINGS_HEADER, rule_json, steer_request
+from .protocol import FIELD, WARNINGS_HEADER, harvest_request, rule_json, steer_request
 from .remote import RemoteModel
 
 
@@ -258,8 +258,8 @@ class Client(RemoteModel):
         values = [values] if isinstance(values, str) else list(values)
         if isinstance(layers, range):
             layers = list(layers)
-        extra = {"reduce": reduce} if reduce is not None else {}  # reduced on the server (serve/sweeps.reduced)
-        return [{"values": values, "layers": layers, "positions": rule, **extra}
+        # reduce: the rows are reduced on the server (serve/sweeps.reduced)
+        return [harvest_request(values=values, layers=layers, positions=rule, reduce=reduce)
                 for rule in self._per_prompt(positions, count)]
 
     def _assemble(self, downloads: list[dict[str, Any]]) -> Harvest:
@@ -350,7 +350,7 @@ class Client(RemoteModel):
                 raise ValueError("a harvest with sae= returns the features in memory; harvest the dense value to "
                                  "disk (out=) without sae=.")
             name = self._sae_name(sae)
-            fields = [{"harvest": {"sae": name, "top_k": top_k, "positions": rule}}
+            fields = [{"harvest": harvest_request(sae=name, top_k=top_k, positions=rule)}
                       for rule in self._per_prompt(positions, len(prompts))]
         elif values is None:
             raise TypeError("harvest needs the values to read (or sae= for an SAE's features).")

@@ -188,6 +188,16 @@ def steer_request(steer: Steer, sae: Optional[str] = None) -> dict[str, Any]:
     return data
 
 
+def harvest_request(**fields: Any) -> dict[str, Any]:
+    """A harvest request's JSON (`streamscope.Client` sends it) from its declared fields (`HARVEST_FIELDS`), a field
+    left None left out (the server's default), the positions as a JSON rule."""
+    unknown = sorted(set(fields) - set(HARVEST_FIELDS))
+    if unknown:
+        raise TypeError(f"a harvest request has no {', '.join(unknown)}: its fields are {', '.join(HARVEST_FIELDS)}.")
+    return {name: rule_json(item) if name == "positions" else item for name, item in fields.items()
+            if item is not None}
+
+
 def worker_item(steer: Steer, layer: Optional[int], vector: torch.Tensor) -> dict[str, Any]:
     """A checked steer as its worker's plan item (`worker_steer` reads it back): the fields the worker reads as they
     are (`PLAIN_FIELDS`), `layer` as the request gave it, the vector as float32 base64 and the positions as a JSON
@@ -748,5 +758,5 @@ def _prompt_count(body: dict[str, Any]) -> int:
 
 
 __all__ = ["Checker", "Checked", "Limits", "RequestError", "FIELD", "XARG", "WARNINGS_HEADER",
-           "rule_json", "positions_rule", "steer_request", "vector_bytes", "vector_from_bytes", "worker_item",
+           "harvest_request", "rule_json", "positions_rule", "steer_request", "vector_bytes", "vector_from_bytes", "worker_item",
            "worker_steer"]
