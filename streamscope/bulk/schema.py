@@ -279,7 +279,7 @@ def validate_field(model: type[BaseModel], name: str, raw: Any) -> Optional[str]
 
 
 __all__ = ["CONDITION_FIELDS", "ConditionJSON", "DOSE_ACTIONS", "ENCODED", "FRONT_END_ONLY", "HARVEST_FIELDS",
-           "HARVEST_FRONT_END_ONLY", "HARVEST_POSITIONS", "HarvestJSON", "MAX_DOSE", "NULL_IS_LEFT_OUT", "PER_PROMPT", "PLAIN_FIELDS",
-           "REDUCTIONS", "REQUEST_FIELDS", "RequestJSON", "SERVED_STEER_FIELDS", "STEER_FIELDS", "STEER_REQUIRED", "SteerJSON",
-           "WORKER_HARVEST_FIELDS", "positions_from_json", "request_schema", "rule_json", "validate_field",
-           "validate_fields"]
+           "HARVEST_FRONT_END_ONLY", "HARVEST_POSITIONS", "HarvestJSON", "MAX_DOSE", "NULL_IS_LEFT_OUT", "PER_PROMPT",
+           "PLAIN_FIELDS", "REDUCTIONS", "REQUEST_FIELDS", "RequestJSON", "SERVED_STEER_FIELDS", "STEER_FIELDS",
+           "STEER_REQUIRED", "SteerJSON", "WORKER_HARVEST_FIELDS", "positions_from_json", "request_schema",
+           "rule_json", "validate_field", "validate_fields"]

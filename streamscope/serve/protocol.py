@@ -41,10 +41,10 @@ from ..blocks.head_results import HEAD_RESULTS
 from ..bulk.conditions import Condition, ConditionError
 from ..bulk.dose import CARRIED, carried_how, carried_norm, judge_dose
 from ..bulk.operations import DIRECTIONAL
-from ..bulk.schema import (CONDITION_FIELDS, DOSE_ACTIONS, ENCODED, FRONT_END_ONLY, HARVEST_FIELDS, HARVEST_POSITIONS, MAX_DOSE,
-                           NULL_IS_LEFT_OUT, PLAIN_FIELDS, REQUEST_FIELDS, SERVED_STEER_FIELDS, STEER_REQUIRED,
-                           HarvestJSON, RequestJSON, SteerJSON, positions_from_json, rule_json, validate_field,
-                           validate_fields)
+from ..bulk.schema import (CONDITION_FIELDS, DOSE_ACTIONS, ENCODED, FRONT_END_ONLY, HARVEST_FIELDS,
+                           HARVEST_POSITIONS, MAX_DOSE, NULL_IS_LEFT_OUT, PLAIN_FIELDS, REQUEST_FIELDS,
+                           SERVED_STEER_FIELDS, STEER_REQUIRED, HarvestJSON, RequestJSON, SteerJSON,
+                           positions_from_json, rule_json, validate_field, validate_fields)
 from ..bulk.spec import (CALIBRATION_TEXT, ROOT_VALUES, RULES, SKIP_FIRST, Positions, Steer, SteerError, check_steer,
                          harvest_spec, prompt_positions, value_names)
 from ..errors import Unavailable, untapped
@@ -193,7 +193,8 @@ def harvest_request(**fields: Any) -> dict[str, Any]:
     left None left out (the server's default), the positions as a JSON rule."""
     unknown = sorted(set(fields) - set(HARVEST_FIELDS))
     if unknown:
-        raise TypeError(f"a harvest request has no {', '.join(unknown)}: its fields are {', '.join(HARVEST_FIELDS)}.")
+        raise TypeError(f"a harvest request has no {', '.join(unknown)}: its fields are "
+                        f"{', '.join(HARVEST_FIELDS)}.")
     return {name: rule_json(item) if name == "positions" else item for name, item in fields.items()
             if item is not None}
 
@@ -746,7 +747,8 @@ def needs_lengths(field: Any) -> bool:
         if not isinstance(item, dict) or item.get("positions", SKIP_FIRST) not in ANY_LENGTH:
             return True
     harvest = field.get("harvest")
-    return harvest is not None and (not isinstance(harvest, dict) or harvest.get("positions", HARVEST_POSITIONS) != "last")
+    return harvest is not None and (not isinstance(harvest, dict)
+                                    or harvest.get("positions", HARVEST_POSITIONS) != "last")
 
 
 def _prompt_count(body: dict[str, Any]) -> int:
@@ -757,6 +759,6 @@ def _prompt_count(body: dict[str, Any]) -> int:
     return 1
 
 
-__all__ = ["Checker", "Checked", "Limits", "RequestError", "FIELD", "XARG", "WARNINGS_HEADER",
-           "harvest_request", "rule_json", "positions_rule", "steer_request", "vector_bytes", "vector_from_bytes", "worker_item",
+__all__ = ["Checker", "Checked", "Limits", "RequestError", "FIELD", "XARG", "WARNINGS_HEADER", "harvest_request",
+           "rule_json", "positions_rule", "steer_request", "vector_bytes", "vector_from_bytes", "worker_item",
            "worker_steer"]
