@@ -280,3 +280,10 @@ def test_compute_order_is_the_steerable_block_values_in_order():
                  and value.split(".")[-1] not in NEURONS]
     assert sorted(COMPUTE_ORDER) == sorted(steerable) and len(set(COMPUTE_ORDER)) == len(COMPUTE_ORDER)
     assert [value for value in COMPUTE_ORDER if value in BOUNDARIES] == list(BOUNDARIES)
+
+
+def test_one_forward_is_one_setting():
+    """The one-forward sampling (a harvest's, a calibration's) is the vLLM trace's own."""
+    from streamscope.vllm.engine import ONE_FORWARD
+
+    assert ONE_FORWARD == schema.ONE_FORWARD

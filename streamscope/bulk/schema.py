@@ -43,6 +43,10 @@ DOSE_ACTIONS = ("refuse", "clamp", "warn")
 REDUCTIONS = ("last", "mean")
 #: A harvest's default positions rule: the prompt's last position.
 HARVEST_POSITIONS = "last"
+#: The sampling settings of a request that runs its prompt through one forward pass and stops (greedy, one token):
+#: a harvest's, a calibration's. The vLLM engine's trace takes the same (`streamscope.vllm.engine.ONE_FORWARD`,
+#: held equal by tests/test_operations_declared.py).
+ONE_FORWARD: dict[str, Any] = {"temperature": 0.0, "max_tokens": 1}
 #: A steer's fields that only a run in process has: a server request is one prompt, which the client sends with
 #: that prompt's own steers.
 PER_PROMPT = ("prompts",)
@@ -279,7 +283,7 @@ def validate_field(model: type[BaseModel], name: str, raw: Any) -> Optional[str]
 
 
 __all__ = ["CONDITION_FIELDS", "ConditionJSON", "DOSE_ACTIONS", "ENCODED", "FRONT_END_ONLY", "HARVEST_FIELDS",
-           "HARVEST_FRONT_END_ONLY", "HARVEST_POSITIONS", "HarvestJSON", "MAX_DOSE", "NULL_IS_LEFT_OUT", "PER_PROMPT",
+           "HARVEST_FRONT_END_ONLY", "HARVEST_POSITIONS", "HarvestJSON", "MAX_DOSE", "NULL_IS_LEFT_OUT", "ONE_FORWARD", "PER_PROMPT",
            "PLAIN_FIELDS", "REDUCTIONS", "REQUEST_FIELDS", "RequestJSON", "SERVED_STEER_FIELDS", "STEER_FIELDS",
            "STEER_REQUIRED", "SteerJSON", "WORKER_HARVEST_FIELDS", "positions_from_json", "request_schema",
            "rule_json", "validate_field", "validate_fields"]

@@ -25,6 +25,7 @@ import torch
 
 from ..bulk.results import Generation, Harvest, ShardWriter
 from ..bulk.dose import DoseWarning
+from ..bulk.schema import ONE_FORWARD
 from ..bulk.spec import HarvestSpec, Positions, Steer
 from .protocol import FIELD, WARNINGS_HEADER, harvest_request, rule_json, steer_request
 from .remote import RemoteModel
@@ -357,7 +358,7 @@ class Client(RemoteModel):
         else:
             fields = [{"harvest": item} for item in self._harvest_field(values, layers, positions, len(prompts),
                                                                         reduce)]
-        options = {"max_tokens": 1, "temperature": 0.0}
+        options = dict(ONE_FORWARD)
         if out is None:
             return self._assemble(self._downloads(self._complete_all(prompts, options, fields)))
         writer: Optional[ShardWriter] = None

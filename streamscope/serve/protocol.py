@@ -42,7 +42,7 @@ from ..bulk.conditions import Condition, ConditionError
 from ..bulk.dose import CARRIED, carried_how, carried_norm, judge_dose
 from ..bulk.operations import DIRECTIONAL
 from ..bulk.schema import (CONDITION_FIELDS, DOSE_ACTIONS, ENCODED, FRONT_END_ONLY, HARVEST_FIELDS,
-                           HARVEST_POSITIONS, MAX_DOSE, NULL_IS_LEFT_OUT, PLAIN_FIELDS, REQUEST_FIELDS,
+                           HARVEST_POSITIONS, MAX_DOSE, NULL_IS_LEFT_OUT, ONE_FORWARD, PLAIN_FIELDS, REQUEST_FIELDS,
                            SERVED_STEER_FIELDS, STEER_REQUIRED, HarvestJSON, RequestJSON, SteerJSON,
                            positions_from_json, rule_json, validate_field, validate_fields)
 from ..bulk.spec import (CALIBRATION_TEXT, ROOT_VALUES, RULES, SKIP_FIRST, Positions, Steer, SteerError, check_steer,
@@ -636,7 +636,7 @@ class Checker:
         harvest_id = harvests.reserve(size)
         payload = json.dumps({"steer": [], "harvest": {"values": [value], "layers": layers, "positions": "all",
                                                        "id": harvest_id}})
-        params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={XARG: payload})
+        params = SamplingParams(**ONE_FORWARD, extra_args={XARG: payload})
         try:
             async for _ in engine.generate({"prompt_token_ids": ids, "cache_salt": f"streamscope-calibration-{token}"},
                                            params, f"streamscope-calibration-{token}"):
