@@ -21,13 +21,10 @@ from .conditions import COMPUTE_ORDER, Condition, check_condition
 from .dose import SteerError, check_dose
 from .operations import DIRECTIONAL, MODES, ClampFeature, Operation, check_clamp, prepare
 from .positions import SKIP_FIRST, Positions, check_rule, prompt_positions
+from .schema import (DOSE_ACTIONS, MAX_DOSE, NULL_IS_LEFT_OUT, STEER_FIELDS, STEER_REQUIRED, SteerJSON,
+                     positions_from_json, rule_json, validate_field)
 from .sites import HEAD_RESULTS_VALUE, Site, block_index, host_and_name, locate
 
-#: A steer's default dose limit: the edit's size over the stream's own norm at the steered value and block
-#: (`check_dose`). Steering is usually done at doses up to about 10-20; past this the stream is the vector.
-MAX_DOSE = 100.0
-#: What a steer's dose past its limit does (`Steer.on_dose`); the first is the default.
-DOSE_ACTIONS = ("refuse", "clamp", "warn")
 #: Which of a steer's numbers each mode uses (the others must be left out), and their defaults.
 MODE_USES: dict[str, dict[str, Any]] = {
     "add": {"scale": 1.0}, "set": {"scale": 1.0}, "ablate": {"scale": 1.0},
@@ -36,6 +33,8 @@ MODE_USES: dict[str, dict[str, Any]] = {
 #: What each number means in each mode that uses it, for the refusal of one given to a mode that does not.
 _MEANING = {"scale": "the multiple of the vector that add and set apply, or the fraction ablate removes",
             "projection": "the projection that clamp (and sae_clamp, the feature's value) sets"}
+#: The fields a steer's data (`Steer.to_dict`) leaves out: an ``sae_clamp`` steer's SAE is weights, not data.
+_NOT_DATA = ("sae",)
 
 
 @dataclass
@@ -188,15 +187,18 @@ class Steer:
             raise SteerError(f"{name}: mode 'sae_clamp' keeps the SAE's error term and does not norm-match: "
                              f"leave norm_match out.", "norm_match")
 
+    def _check_declared(self, name: str, field_name: str) -> None:
+        """Refuse a field whose value its declaration (`streamscope.bulk.schema.SteerJSON`: its type and range)
+        does not take, naming the field and what it takes."""
+        given = getattr(self, field_name)
+        wrong = validate_field(SteerJSON, field_name, given)
+        if wrong is not None:
+            raise SteerError(f"{name}: {field_name}={given!r}: {wrong}", field_name)
+
     def _check_reach(self, name: str) -> None:
         """What the steer reaches: generated tokens, the first one steered, the positions and the prompts."""
-        if not isinstance(self.generated, bool):
-            raise SteerError(f"{name}: generated={self.generated!r} must be True or False.", "generated")
-        if not isinstance(self.norm_match, bool):
-            raise SteerError(f"{name}: norm_match={self.norm_match!r} must be True or False.", "norm_match")
-        if not isinstance(self.from_step, int) or isinstance(self.from_step, bool) or self.from_step < 0:
-            raise SteerError(f"{name}: from_step={self.from_step!r} must be an int >= 0 "
-                             f"(0: every generated token; k: from the k-th on).", "from_step")
+        for field_name in ("generated", "norm_match", "from_step"):
+            self._check_declared(name, field_name)
         if self.from_step and not self.generated:
             raise SteerError(f"{name}: from_step={self.from_step} picks the first generated token steered, and "
                              f"generated=False steers none: leave from_step out, or set generated=True.", "from_step")
@@ -212,13 +214,8 @@ class Steer:
 
     def _check_dose_and_condition(self, name: str) -> None:
         """The dose limit, what a dose past it does, and the condition (a dict becomes a `Condition`)."""
-        if self.max_dose is not None and (isinstance(self.max_dose, bool) or not isinstance(self.max_dose, (int, float))
-                                          or not self.max_dose > 0 or not math.isfinite(self.max_dose)):
-            raise SteerError(f"{name}: max_dose={self.max_dose!r} must be a positive finite number, or None for "
-                             f"no dose limit.", "max_dose")
-        if self.on_dose not in DOSE_ACTIONS:
-            raise SteerError(f"{name}: on_dose={self.on_dose!r}: use one of {', '.join(map(repr, DOSE_ACTIONS))} "
-                             f"(what a dose past max_dose does).", "on_dose")
+        for field_name in ("max_dose", "on_dose"):
+            self._check_declared(name, field_name)
         if self.condition is not None:
             if isinstance(self.condition, dict):
                 self.condition = Condition.from_dict(self.condition)
@@ -255,15 +252,11 @@ class Steer:
         """
         if self.sae is not None:
             raise ValueError("an sae_clamp steer holds its SAE's weights: send the SAE by name, not as data.")
-        data = {name: getattr(self, name) for name in ("value", "layer", "scale", "mode", "generated",
-                                                       "projection", "norm_match", "from_step", "origin", "feature",
-                                                       "max_dose", "on_dose")}
-        data["condition"] = None if self.condition is None else self.condition.to_dict()
-        positions: Any = self.positions
-        if isinstance(positions, slice):
-            positions = {"slice": [positions.start, positions.stop, positions.step]}
-        data.update(vector=[float(number) for number in self.vector.detach().float().cpu().tolist()],
-                    positions=positions, prompts=None if self.prompts is None else list(self.prompts))
+        data = {name: getattr(self, name) for name in STEER_FIELDS if name not in _NOT_DATA}
+        data.update(condition=None if self.condition is None else self.condition.to_dict(),
+                    vector=[float(number) for number in self.vector.detach().float().cpu().tolist()],
+                    positions=self.positions if isinstance(self.positions, str) else rule_json(self.positions),
+                    prompts=None if self.prompts is None else list(self.prompts))
         return data
 
     @classmethod
@@ -272,19 +265,20 @@ class Steer:
 
         A null number (scale, projection, feature) is a field left out: its mode's default, where the mode uses it.
         """
-        known = {"value", "layer", "vector", "scale", "positions", "mode", "generated", "prompts", "projection",
-                 "norm_match", "from_step", "origin", "feature", "max_dose", "on_dose", "condition"}
+        known = set(STEER_FIELDS) - set(_NOT_DATA)
         unknown = sorted(set(data) - known)
         if unknown:
             raise SteerError(f"a steer has no {', '.join(unknown)}: its fields are {', '.join(sorted(known))}.")
-        fields = {key: item for key, item in data.items()
-                  if not (item is None and key in ("scale", "projection", "feature", "condition"))}
-        for required in ("value", "vector"):
+        fields = {key: item for key, item in data.items() if item is not None or key not in NULL_IS_LEFT_OUT}
+        for required in STEER_REQUIRED:
             if required not in fields:
                 raise SteerError(f"a steer needs {required!r}: its fields are {', '.join(sorted(known))}.")
         positions = fields.get("positions", SKIP_FIRST)
-        if isinstance(positions, dict) and "slice" in positions:
-            fields["positions"] = slice(*positions["slice"])
+        if isinstance(positions, dict):
+            try:
+                fields["positions"] = positions_from_json(positions)
+            except ValueError as error:
+                raise SteerError(f"a steer's positions: {error}", "positions") from None
         try:
             fields["vector"] = torch.tensor(fields["vector"], dtype=torch.float32)
         except (TypeError, ValueError) as error:

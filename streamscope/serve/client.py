@@ -25,8 +25,9 @@ import torch
 
 from ..bulk.results import Generation, Harvest, ShardWriter
 from ..bulk.dose import DoseWarning
+from ..bulk.schema import ONE_FORWARD
 from ..bulk.spec import HarvestSpec, Positions, Steer
-from .protocol import FIELD, WARNINGS_HEADER, rule_json
+from .protocol import FIELD, WARNINGS_HEADER, harvest_request, rule_json, steer_request
 from .remote import RemoteModel
 
 
@@ -187,25 +188,7 @@ class Client(RemoteModel):
     def _steer_json(self, steer: Steer) -> dict[str, Any]:
         if not isinstance(steer, Steer):
             raise TypeError(f"steer takes streamscope.Steer objects, not a {type(steer).__name__}.")
-        # A condition travels as its data; on_dose only where the steer asks for other than the default, so that
-        # the server's --steer-dose-action applies to the others.
-        extra: dict[str, Any] = {}
-        if steer.condition is not None:
-            extra["condition"] = steer.condition.to_dict()
-        if steer.on_dose != "refuse":
-            extra["on_dose"] = steer.on_dose
-        if steer.mode == "sae_clamp":  # the server clamps with its stored copy of the SAE
-            return {"value": steer.value, "layer": steer.layer, "mode": "sae_clamp", "sae": self._sae_name(steer.sae),
-                    "feature": steer.feature, "projection": steer.projection, "positions": rule_json(steer.positions),
-                    "generated": steer.generated, "from_step": steer.from_step, "norm_match": steer.norm_match,
-                    **extra}
-        vector: Any = steer.vector
-        if isinstance(vector, torch.Tensor):
-            vector = vector.detach().to(torch.float32).cpu().reshape(-1).tolist()
-        return {"value": steer.value, "layer": steer.layer, "vector": vector, "scale": steer.scale,
-                "positions": rule_json(steer.positions), "mode": steer.mode, "generated": steer.generated,
-                "projection": steer.projection, "norm_match": steer.norm_match, "from_step": steer.from_step,
-                "origin": steer.origin, **extra}
+        return steer_request(steer, self._sae_name(steer.sae) if steer.mode == "sae_clamp" else None)
 
     def _complete(self, prompt: Any, options: dict[str, Any], field: dict[str, Any]) -> Any:
         import inspect
@@ -276,8 +259,8 @@ class Client(RemoteModel):
         values = [values] if isinstance(values, str) else list(values)
         if isinstance(layers, range):
             layers = list(layers)
-        extra = {"reduce": reduce} if reduce is not None else {}  # reduced on the server (serve/sweeps.reduced)
-        return [{"values": values, "layers": layers, "positions": rule, **extra}
+        # reduce: the rows are reduced on the server (serve/sweeps.reduced)
+        return [harvest_request(values=values, layers=layers, positions=rule, reduce=reduce)
                 for rule in self._per_prompt(positions, count)]
 
     def _assemble(self, downloads: list[dict[str, Any]]) -> Harvest:
@@ -368,14 +351,14 @@ class Client(RemoteModel):
                 raise ValueError("a harvest with sae= returns the features in memory; harvest the dense value to "
                                  "disk (out=) without sae=.")
             name = self._sae_name(sae)
-            fields = [{"harvest": {"sae": name, "top_k": top_k, "positions": rule}}
+            fields = [{"harvest": harvest_request(sae=name, top_k=top_k, positions=rule)}
                       for rule in self._per_prompt(positions, len(prompts))]
         elif values is None:
             raise TypeError("harvest needs the values to read (or sae= for an SAE's features).")
         else:
             fields = [{"harvest": item} for item in self._harvest_field(values, layers, positions, len(prompts),
                                                                         reduce)]
-        options = {"max_tokens": 1, "temperature": 0.0}
+        options = dict(ONE_FORWARD)
         if out is None:
             return self._assemble(self._downloads(self._complete_all(prompts, options, fields)))
         writer: Optional[ShardWriter] = None

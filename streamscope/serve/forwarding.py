@@ -13,6 +13,7 @@ import json
 import uuid
 from typing import Any, Optional
 
+from ..bulk.schema import WORKER_HARVEST_FIELDS
 from ..bulk.spec import SKIP_FIRST
 
 Checked = Any  # a `streamscope.serve.protocol.Checked` (not imported: protocol imports this module)
@@ -30,8 +31,7 @@ def worker_payload(checked: Checked, harvest_id: Optional[str]) -> str:
     """The JSON the worker reads from the request's ``extra_args``: steers and harvest, no prompt."""
     payload: dict[str, Any] = {"steer": checked.steer_payload}
     if checked.harvest is not None:
-        payload["harvest"] = {key: checked.harvest[key] for key in ("values", "layers", "positions", "sae", "top_k",
-                                                                     "reduce") if key in checked.harvest}
+        payload["harvest"] = {key: checked.harvest[key] for key in WORKER_HARVEST_FIELDS if key in checked.harvest}
         payload["harvest"]["id"] = harvest_id
     return json.dumps(payload, separators=(",", ":"))
 

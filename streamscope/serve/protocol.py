@@ -12,7 +12,10 @@ A completion or chat request carries streamscope's part in one body field (the
     }
 
 Every field is a string, a number, a boolean or a list of them: nothing names
-code, a module or a pickle. `check_request` turns it into a `Checked` plan (the
+code, a module or a pickle. Each field's type, default and range are declared
+once, in `streamscope.bulk.schema` (whose JSON schema the server publishes at
+``GET /v1/streamscope/schema``), and checked from that declaration before the
+checks that need the model. `Checker.check` turns it into a `Checked` plan (the
 steers as `streamscope.Steer`, the harvest's sites resolved on the server's own
 envoy tree) or raises `RequestError`: an HTTP status, the field, and the fix.
 The plan travels to the engine's worker as a JSON string in vLLM's own
@@ -25,7 +28,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import math
 import re
 import sys
 from dataclasses import dataclass, field, replace
@@ -38,8 +40,13 @@ from .. import nnsight_seam as seam
 from ..blocks.head_results import HEAD_RESULTS
 from ..bulk.conditions import Condition, ConditionError
 from ..bulk.dose import CARRIED, carried_how, carried_norm, judge_dose
-from ..bulk.spec import (CALIBRATION_TEXT, DOSE_ACTIONS, MAX_DOSE, ROOT_VALUES, SKIP_FIRST, Positions, Steer,
-                         SteerError, check_steer, harvest_spec, prompt_positions, value_names)
+from ..bulk.operations import DIRECTIONAL
+from ..bulk.schema import (CONDITION_FIELDS, DOSE_ACTIONS, ENCODED, FRONT_END_ONLY, HARVEST_FIELDS,
+                           HARVEST_POSITIONS, MAX_DOSE, NULL_IS_LEFT_OUT, ONE_FORWARD, PLAIN_FIELDS, REQUEST_FIELDS,
+                           SERVED_STEER_FIELDS, STEER_REQUIRED, HarvestJSON, RequestJSON, SteerJSON,
+                           positions_from_json, rule_json, validate_field, validate_fields)
+from ..bulk.spec import (CALIBRATION_TEXT, ROOT_VALUES, RULES, SKIP_FIRST, Positions, Steer, SteerError, check_steer,
+                         harvest_spec, prompt_positions, value_names)
 from ..errors import Unavailable, untapped
 from .forwarding import uniform
 
@@ -52,14 +59,7 @@ FIELD = "streamscope"
 WARNINGS_HEADER = "x-streamscope-warnings"
 #: vLLM's ``vllm_xargs`` key (the request's ``SamplingParams.extra_args``) under which the plan reaches the worker.
 XARG = "streamscope"
-STEER_FIELDS = ("value", "layer", "vector", "scale", "positions", "mode", "generated", "projection", "norm_match",
-                "from_step", "origin", "sae", "feature", "max_dose", "on_dose", "condition")
-#: A steer's condition (`streamscope.Condition`): its vector inline or a stored vector's name.
-CONDITION_FIELDS = ("value", "layer", "vector", "threshold", "compare", "measure", "scope")
-HARVEST_FIELDS = ("values", "layers", "positions", "keep", "sae", "top_k", "reduce")
 NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-#: The steer operations the server applies (`streamscope.bulk.operations`).
-SERVED_MODES = ("add", "set", "ablate", "clamp", "sae_clamp")
 
 
 class RequestError(Exception):
@@ -151,37 +151,68 @@ def _bad(param: str, message: str, status: int = 400) -> RequestError:
 
 
 def positions_rule(raw: Any, param: str) -> Positions:
-    """A JSON positions rule: ``"all"``, ``"last"``, ``"none"``, a list of ints, or ``{"slice": [start, stop, step]}``."""
-    if raw in ("all", SKIP_FIRST, "last", "none"):
-        return raw
-    if isinstance(raw, list) and raw and all(isinstance(item, int) and not isinstance(item, bool) for item in raw):
-        return list(raw)
-    if isinstance(raw, dict) and set(raw) == {"slice"} and isinstance(raw["slice"], list) and len(raw["slice"]) <= 3 \
-            and all(item is None or (isinstance(item, int) and not isinstance(item, bool)) for item in raw["slice"]):
-        if len(raw["slice"]) == 3 and raw["slice"][2] == 0:
-            raise _bad(param, "a slice's step cannot be 0.")
-        return slice(*raw["slice"])
-    raise _bad(param, f"{json.dumps(raw)[:80]} is not a positions rule: use \"all_but_first\" (a steer's default: "
-                      "every prompt position but the first), \"all\", \"last\", \"none\" (a steer's generated tokens "
-                      "only), a non-empty list of indices (negative from the prompt's end), or "
-                      "{\"slice\": [start, stop, step]}.")
+    """A JSON positions rule (`streamscope.bulk.schema.positions_from_json`); a 400 naming `param` otherwise."""
+    try:
+        return positions_from_json(raw)
+    except ValueError as error:
+        raise _bad(param, str(error)) from None
 
 
-def rule_json(positions: Any) -> Any:
-    """`positions` (as `streamscope.Steer` and `harvest` take them) as the JSON rule the server takes."""
-    if isinstance(positions, slice):
-        return {"slice": [positions.start, positions.stop, positions.step]}
-    if isinstance(positions, range):
-        return list(positions)
-    if isinstance(positions, int):
-        return [positions]
-    return list(positions) if isinstance(positions, (list, tuple)) else positions
+def declared(model: Any, raw: dict[str, Any], param: str) -> Any:
+    """`raw` checked against its declaration (`streamscope.bulk.schema`): the model's instance, or a 400 naming the
+    field's path under `param` and what the field takes."""
+    checked, where, message = validate_fields(model, raw)
+    if checked is None:
+        raise _bad(f"{param}.{where}" if where else param, message)
+    return checked
 
 
-def _number(raw: Any, param: str) -> float:
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
-        raise _bad(param, f"{raw!r} is not a finite number.")
-    return float(raw)
+def steer_request(steer: Steer, sae: Optional[str] = None) -> dict[str, Any]:
+    """`steer` as a server request's JSON (`streamscope.Client` sends it): every field a request takes
+    (`SERVED_STEER_FIELDS`) but its dose limit (the server's --max-steer-dose applies) and, where the steer leaves it
+    at its default, on_dose (the server's --steer-dose-action applies). An ``sae_clamp`` steer goes by its SAE's
+    stored name `sae`, without a vector or origin: the server clamps with its stored copy of the SAE."""
+    data = {name: getattr(steer, name) for name in SERVED_STEER_FIELDS if name not in ENCODED + FRONT_END_ONLY}
+    data["positions"] = rule_json(steer.positions)
+    if steer.condition is not None:
+        data["condition"] = steer.condition.to_dict()
+    if steer.on_dose != SteerJSON.model_fields["on_dose"].default:
+        data["on_dose"] = steer.on_dose
+    if steer.mode == "sae_clamp":
+        data.update(sae=sae, feature=steer.feature)
+        return data
+    vector: Any = steer.vector
+    if isinstance(vector, torch.Tensor):
+        vector = vector.detach().to(torch.float32).cpu().reshape(-1).tolist()
+    data.update(vector=vector, origin=steer.origin)
+    return data
+
+
+def harvest_request(**fields: Any) -> dict[str, Any]:
+    """A harvest request's JSON (`streamscope.Client` sends it) from its declared fields (`HARVEST_FIELDS`), a field
+    left None left out (the server's default), the positions as a JSON rule."""
+    unknown = sorted(set(fields) - set(HARVEST_FIELDS))
+    if unknown:
+        raise TypeError(f"a harvest request has no {', '.join(unknown)}: its fields are "
+                        f"{', '.join(HARVEST_FIELDS)}.")
+    return {name: rule_json(item) if name == "positions" else item for name, item in fields.items()
+            if item is not None}
+
+
+def worker_item(steer: Steer, layer: Optional[int], vector: torch.Tensor) -> dict[str, Any]:
+    """A checked steer as its worker's plan item (`worker_steer` reads it back): the fields the worker reads as they
+    are (`PLAIN_FIELDS`), `layer` as the request gave it, the vector as float32 base64 and the positions as a JSON
+    rule; `Checker.steer` adds a condition and an SAE's name and feature."""
+    return {**{name: getattr(steer, name) for name in PLAIN_FIELDS}, "layer": layer, "vector": vector_bytes(vector),
+            "positions": rule_json(steer.positions)}
+
+
+def worker_steer(item: dict[str, Any]) -> Steer:
+    """The steer a worker's plan item holds (`Checker.steer`'s payload, checked by the front end, whose dose check it
+    passed: no limit here); an ``sae_clamp`` steer's SAE and feature, and a condition, are the worker's to add."""
+    return Steer(**{name: item[name] for name in PLAIN_FIELDS if name in item},
+                 vector=vector_from_bytes(item["vector"]), positions=positions_rule(item["positions"], "positions"),
+                 max_dose=None)
 
 
 def _fields(raw: Any, allowed: tuple[str, ...], param: str, hint: str = "") -> dict[str, Any]:
@@ -292,56 +323,43 @@ class Checker:
               notes: Optional[list[str]] = None) -> tuple[Steer, dict[str, Any]]:
         """One steer: a `streamscope.Steer` and the JSON the worker gets (its vector as float32 base64). A clamped
         or warned dose is logged, and its message added to `notes` (the response's warnings)."""
-        item = _fields(raw, STEER_FIELDS, param,
+        item = _fields(raw, SERVED_STEER_FIELDS, param,
                        " One request is one prompt, so a steer has no 'prompts' (streamscope.Client sends each "
                        "prompt its own steers)." if isinstance(raw, dict) and "prompts" in raw else "")
         # A null number is a field left out: the mode's default where the mode uses it (streamscope.Client sends
         # every field of a Steer, the ones its mode does not use as null).
-        item = {key: entry for key, entry in item.items()
-                if not (entry is None and key in ("scale", "projection", "feature", "sae", "origin"))}
-        mode = item.get("mode", "add")
-        if mode not in SERVED_MODES:
-            raise _bad(f"{param}.mode", f"mode {mode!r} is not one of {', '.join(map(repr, SERVED_MODES))}.")
+        item = {key: entry for key, entry in item.items() if not (entry is None and key in NULL_IS_LEFT_OUT)}
+        mode = item.get("mode", SteerJSON.model_fields["mode"].default)
+        wrong = validate_field(SteerJSON, "mode", mode)
+        if wrong is not None:
+            raise _bad(f"{param}.mode", wrong)
         sae: Optional[tuple[str, Any, int]] = None  # (name, stored SAE, feature)
         if "sae" in item or "feature" in item or mode == "sae_clamp":
             item, sae = self.sae_steer(item, param, mode)
-        for required in ("value", "vector"):
+        for required in STEER_REQUIRED:
             if required not in item:
                 raise _bad(f"{param}.{required}", f"a steer needs {required!r}.")
-        layer = item.get("layer")
-        self.site(item["value"], layer, param)
+        # Every field's type and range, as declared (`streamscope.bulk.schema.SteerJSON`); then what needs the model.
+        spec = declared(SteerJSON, item, param)
+        layer = spec.layer
+        self.site(spec.value, layer, param)
         vector = self.vector(item["vector"], f"{param}.vector")
-        numbers = {name: _number(item[name], f"{param}.{name}") for name in ("scale", "projection", "max_dose")
-                   if name in item}
-        positions = positions_rule(item.get("positions", SKIP_FIRST), f"{param}.positions")
-        for flag in ("generated", "norm_match"):
-            if not isinstance(item.get(flag, False), bool):
-                raise _bad(f"{param}.{flag}", f"true or false, not {item[flag]!r}.")
-        generated, norm_match = item.get("generated", True), item.get("norm_match", False)
-        from_step = item.get("from_step", 0)
-        if isinstance(from_step, bool) or not isinstance(from_step, int) or from_step < 0:
-            raise _bad(f"{param}.from_step", f"the first generated token steered, an int >= 0 (0: every one), not "
-                                             f"{from_step!r}.")
-        origin = item.get("origin")
-        if origin is not None and not (isinstance(origin, dict) and all(isinstance(key, str) for key in origin)):
-            raise _bad(f"{param}.origin", "the shape of the model the vector was made on, an object (model_type, "
-                                          "hidden_size, num_layers, vocab_size), or null.")
+        positions = positions_from_json(spec.positions)
         on_dose = self.dose_action(item.get("on_dose"), f"{param}.on_dose")
-        condition, condition_payload = self.condition(item["condition"], f"{param}.condition") \
-            if item.get("condition") is not None else (None, None)
+        condition, condition_payload = self.condition(spec.condition, item["condition"], f"{param}.condition") \
+            if spec.condition is not None else (None, None)
         limit = self.limits.max_steer_dose
-        max_dose = numbers.get("max_dose", limit)
+        max_dose = item.get("max_dose", limit)
         if limit is not None and (max_dose is None or max_dose > limit):
             raise _bad(f"{param}.max_dose", f"{max_dose!r} is past this server's dose limit, {limit:g} "
                                             f"(--max-steer-dose): send a smaller one, or leave it out.")
-        if mode in ("ablate", "clamp") and not float(vector.norm()) > 0:
+        if mode in DIRECTIONAL and not float(vector.norm()) > 0:
             raise _bad(f"{param}.vector", f"mode {mode!r} uses the vector as a direction: send a non-zero vector.")
         # An sae_clamp steer is checked here as the addition of its feature's decoder direction (site, width,
         # origin, positions) and with its own dose: the SAE itself was checked against the model when it was stored.
         try:
-            steer = Steer(item["value"], layer, vector, scale=numbers.get("scale"), positions=positions, mode=mode,
-                          generated=generated, projection=numbers.get("projection"), norm_match=norm_match,
-                          from_step=from_step, origin=origin, max_dose=max_dose, on_dose=on_dose, condition=condition)
+            steer = Steer(**{name: getattr(spec, name) for name in PLAIN_FIELDS}, vector=vector, positions=positions,
+                          origin=spec.origin, max_dose=max_dose, on_dose=on_dose, condition=condition)
             check_steer(self.model, steer if mode != "sae_clamp" else replace(steer, mode="add", projection=None),
                         1, lengths or None)
             where = steer.value if steer.layer is None else f"layers[{steer.layer % len(self.model.layers)}].{steer.value}"
@@ -359,9 +377,7 @@ class Checker:
         except (ValueError, TypeError, IndexError) as error:
             raise _bad(f"{param}.vector", str(error)) from None
         self.positions(positions, lengths, f"{param}.positions")
-        payload = {"value": steer.value, "layer": layer, "vector": vector_bytes(vector), "scale": steer.scale,
-                   "positions": rule_json(positions), "mode": mode, "generated": generated,
-                   "projection": steer.projection, "norm_match": norm_match, "from_step": from_step}
+        payload = worker_item(steer, layer, vector)
         if condition_payload is not None:
             payload["condition"] = condition_payload
         if mode == "sae_clamp" and sae is not None:
@@ -401,20 +417,15 @@ class Checker:
                               f"(--steer-dose-action {server}): send 'refuse' or 'clamp' (run at the limit).")
         return str(raw)
 
-    def condition(self, raw: Any, param: str) -> tuple[Condition, dict[str, Any]]:
-        """A steer's condition (`streamscope.Condition`) and the JSON the worker gets (its vector as float32 base64)."""
-        item = _fields(raw, CONDITION_FIELDS, param)
-        for required in ("value", "vector", "threshold"):
-            if required not in item:
-                raise _bad(f"{param}.{required}", f"a condition needs {required!r}: its fields are "
-                                                  f"{', '.join(CONDITION_FIELDS)}.")
-        layer = item.get("layer")
-        self.site(item["value"], layer, param)
-        vector = self.vector(item["vector"], f"{param}.vector")
-        threshold = _number(item["threshold"], f"{param}.threshold")
+    def condition(self, spec: Any, raw: dict[str, Any], param: str) -> tuple[Condition, dict[str, Any]]:
+        """A steer's condition (`streamscope.Condition`) from its declared fields (`spec`, a
+        `streamscope.bulk.schema.ConditionJSON`; `raw`, as sent) and the JSON the worker gets (its vector as float32
+        base64)."""
+        self.site(spec.value, spec.layer, param)
+        vector = self.vector(raw["vector"], f"{param}.vector")
         try:
-            condition = Condition(item["value"], layer, vector, threshold, **{key: item[key] for key in
-                                                                           ("compare", "measure", "scope") if key in item})
+            condition = Condition(**{name: getattr(spec, name) for name in CONDITION_FIELDS if name != "vector"},
+                                  vector=vector)
         except ConditionError as error:
             raise _bad(f"{param}.{error.field or 'vector'}", str(error)) from None
         if condition.scope == "request" and self.prompts_split:
@@ -422,8 +433,7 @@ class Checker:
                                          "runs it, and this server may run a prompt in pieces (chunked prefill, "
                                          "vLLM's default), which would leave the request unsteered: start the "
                                          "server with --no-enable-chunked-prefill, or send scope 'row'.")
-        payload = {**{key: getattr(condition, key) for key in ("value", "layer", "compare", "measure", "scope")},
-                   "threshold": threshold, "vector": vector_bytes(vector)}
+        payload = {**{name: getattr(condition, name) for name in CONDITION_FIELDS}, "vector": vector_bytes(vector)}
         return condition, payload
 
     def sae_steer(self, item: dict[str, Any], param: str, mode: str) -> tuple[dict[str, Any], tuple[str, Any, int]]:
@@ -473,34 +483,22 @@ class Checker:
 
     def harvest(self, raw: Any, param: str, length: Optional[int]) -> dict[str, Any]:
         item = _fields(raw, HARVEST_FIELDS, param)
+        spec = declared(HarvestJSON, item, param)  # every field's type and range, as declared; then the model's
         reduce = item.pop("reduce", None)  # applied to the rows before they cross HTTP (`serve.sweeps.reduced`)
-        if reduce is not None and reduce not in ("last", "mean"):
-            raise _bad(f"{param}.reduce", f"{reduce!r}: \"last\" (the last harvested position), \"mean\" (their "
-                                          f"mean), or null (every position).")
         if reduce is not None and ("sae" in item or "top_k" in item):
             raise _bad(f"{param}.reduce", "a harvest of an SAE's features is not reduced: leave reduce out.")
         if "sae" in item or "top_k" in item:
             return self.sae_harvest(item, param, length)
-        if "values" not in item:
+        if spec.values is None:
             raise _bad(f"{param}.values", "a harvest names its values (\"layer_output\", [\"layer_mid\", ...]).")
-        values = [item["values"]] if isinstance(item["values"], str) else item["values"]
-        if not isinstance(values, list) or not values or not all(isinstance(value, str) for value in values):
-            raise _bad(f"{param}.values", "a value name or a non-empty list of them.")
+        values = [spec.values] if isinstance(spec.values, str) else spec.values
         if any(value.split(".")[-1] == HEAD_RESULTS for value in values):
             raise _bad(f"{param}.values", NO_HEAD_RESULTS)
-        layers = item.get("layers")
-        if layers is not None and not isinstance(layers, (int, list)):
-            raise _bad(f"{param}.layers", "a block index, a list of them, or null for every block.")
-        keep = item.get("keep", False)
-        if not isinstance(keep, bool):
-            raise _bad(f"{param}.keep", f"true or false, not {keep!r}.")
-        positions = positions_rule(item.get("positions", "last"), f"{param}.positions")
+        layers, keep = spec.layers, spec.keep
+        positions = positions_from_json(spec.positions)
         if positions == "none":
             raise _bad(f"{param}.positions", "a harvest reads prompt positions: ask for \"last\", \"all\", indices or "
                                              "a slice.")
-        if isinstance(layers, list) and not all(isinstance(layer, int) and not isinstance(layer, bool)
-                                                for layer in layers):
-            raise _bad(f"{param}.layers", f"a block index is an int: {layers!r}.")
         # The positions against the prompt first, and the values and blocks with a rule any prompt fits: each
         # refusal then names its own field (a position past the prompt's end is not a block out of range).
         self.positions(positions, [] if length is None else [length], f"{param}.positions")
@@ -539,10 +537,8 @@ class Checker:
                                   or not 0 < top_k <= stored.d_sae):
             raise _bad(f"{param}.top_k", f"{top_k!r}: give an int in 1..{stored.d_sae}, or null for every feature.")
         keep = item.get("keep", False)
-        if not isinstance(keep, bool):
-            raise _bad(f"{param}.keep", f"true or false, not {keep!r}.")
         self.site(stored.value, stored.layer, f"{param}.sae")
-        positions = positions_rule(item.get("positions", "last"), f"{param}.positions")
+        positions = positions_from_json(item.get("positions", HARVEST_POSITIONS))
         if positions == "none":
             raise _bad(f"{param}.positions", "a harvest reads prompt positions: ask for \"last\", \"all\", indices or "
                                              "a slice.")
@@ -640,7 +636,7 @@ class Checker:
         harvest_id = harvests.reserve(size)
         payload = json.dumps({"steer": [], "harvest": {"values": [value], "layers": layers, "positions": "all",
                                                        "id": harvest_id}})
-        params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={XARG: payload})
+        params = SamplingParams(**ONE_FORWARD, extra_args={XARG: payload})
         try:
             async for _ in engine.generate({"prompt_token_ids": ids, "cache_salt": f"streamscope-calibration-{token}"},
                                            params, f"streamscope-calibration-{token}"):
@@ -663,10 +659,11 @@ class Checker:
         raw = body.get(FIELD)
         if raw is None:
             raw = {}
-        own = _fields(raw, ("steer", "harvest", "default_steer"), FIELD)
-        use_default = own.get("default_steer", True)
-        if not isinstance(use_default, bool):
-            raise _bad(f"{FIELD}.default_steer", f"true or false, not {use_default!r}.")
+        own = _fields(raw, REQUEST_FIELDS, FIELD)
+        use_default = own.get("default_steer", RequestJSON.model_fields["default_steer"].default)
+        wrong = validate_field(RequestJSON, "default_steer", use_default)
+        if wrong is not None:
+            raise _bad(f"{FIELD}.default_steer", wrong)
         checked = Checked()
         if not own and not (self.default and use_default):
             return checked
@@ -734,7 +731,7 @@ class Checker:
 
 
 #: The positions rules that fit every prompt with a token in it: a steer or harvest of these needs no prompt length.
-ANY_LENGTH = ("all", SKIP_FIRST, "last", "none")
+ANY_LENGTH = RULES
 
 
 def needs_lengths(field: Any) -> bool:
@@ -750,7 +747,8 @@ def needs_lengths(field: Any) -> bool:
         if not isinstance(item, dict) or item.get("positions", SKIP_FIRST) not in ANY_LENGTH:
             return True
     harvest = field.get("harvest")
-    return harvest is not None and (not isinstance(harvest, dict) or harvest.get("positions", "last") != "last")
+    return harvest is not None and (not isinstance(harvest, dict)
+                                    or harvest.get("positions", HARVEST_POSITIONS) != "last")
 
 
 def _prompt_count(body: dict[str, Any]) -> int:
@@ -761,5 +759,6 @@ def _prompt_count(body: dict[str, Any]) -> int:
     return 1
 
 
-__all__ = ["Checker", "Checked", "Limits", "RequestError", "FIELD", "XARG", "WARNINGS_HEADER",
-           "rule_json", "positions_rule", "vector_bytes", "vector_from_bytes"]
+__all__ = ["Checker", "Checked", "Limits", "RequestError", "FIELD", "XARG", "WARNINGS_HEADER", "harvest_request",
+           "rule_json", "positions_rule", "steer_request", "vector_bytes", "vector_from_bytes", "worker_item",
+           "worker_steer"]

@@ -12,7 +12,8 @@ what vLLM offers for it:
   the plan to vLLM in its ``vllm_xargs``, with a prefix-cache salt; a request
   without the field passes through untouched;
 * routes under ``/v1/streamscope/`` (guarded by ``--api-key`` as every ``/v1``
-  route is): stored vectors and SAEs, harvest downloads, the default steer, info.
+  route is): stored vectors and SAEs, harvest downloads, the default steer, info,
+  and the JSON schema of the request's ``streamscope`` field (``schema``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from fastapi import Request  # at module level: FastAPI reads the routes' annotations by name
+from fastapi.responses import JSONResponse, Response
 
+from ..bulk.schema import DOSE_ACTIONS, request_schema
 from .protocol import (FIELD, WARNINGS_HEADER, XARG, Checker, Limits, RequestError, needs_lengths,
                        unknown_sae)
 from .forwarding import cache_salt, worker_payload
@@ -133,29 +136,49 @@ class Front:
         return app
 
     def router(self) -> Any:
+        """The routes under ``/v1/streamscope/``, by group: info and the request schema, stored vectors, stored
+        SAEs, harvests, the default steer, and what a Client needs to stand in for a model."""
         from fastapi import APIRouter
-        from fastapi.responses import JSONResponse, Response
 
         router = APIRouter(prefix=PREFIX)
+        self.add_info_routes(router)
+        self.add_vector_routes(router)
+        self.add_sae_routes(router)
+        self.add_harvest_routes(router)
+        self.add_default_steer_routes(router)
+        from .model_routes import add_model_routes
 
-        def refused(error: RequestError) -> Any:
-            return JSONResponse(error.body(), status_code=error.status)
+        add_model_routes(router, self)  # what a Client needs to stand in for a model (lens, cache, directions)
+        from .sweeps import add_sweep_routes
 
-        async def body(request: Request, limit: Optional[int] = None, flag: str = "--max-upload-bytes") -> bytes:
-            limit = self.limits.max_upload_bytes if limit is None else limit
-            declared = request.headers.get("content-length")
-            if declared is not None and declared.isdigit() and int(declared) > limit:
-                raise RequestError(413, "body", f"body: {declared} bytes; uploads are limited to {limit} ({flag}).")
-            data = await request.body()
-            if len(data) > limit:
-                raise RequestError(413, "body", f"body: {len(data)} bytes; uploads are limited to {limit} ({flag}).")
-            return data
+        add_sweep_routes(router, self)  # a patching sweep and running moments, run by the server in one request
+        return router
 
+    async def upload(self, request: Request, limit: Optional[int] = None, flag: str = "--max-upload-bytes") -> bytes:
+        """An upload's body, refused (413, naming `flag`) past `limit` (the server's --max-upload-bytes if None)."""
+        limit = self.limits.max_upload_bytes if limit is None else limit
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise RequestError(413, "body", f"body: {declared} bytes; uploads are limited to {limit} ({flag}).")
+        data = await request.body()
+        if len(data) > limit:
+            raise RequestError(413, "body", f"body: {len(data)} bytes; uploads are limited to {limit} ({flag}).")
+        return data
+
+    def add_info_routes(self, router: Any) -> None:
+        """``GET info`` (the model, its values, the limits) and ``GET schema`` (the JSON schema of a request's
+        ``streamscope`` field, from its one declaration, `streamscope.bulk.schema`)."""
         @router.get("/info")
         async def info(request: Request) -> Any:
             await self.read_graph_mode(getattr(request.app.state, "engine_client", None))
             return self.info()
 
+        @router.get("/schema")
+        async def schema() -> Any:
+            return request_schema()
+
+    def add_vector_routes(self, router: Any) -> None:
+        """Stored vectors: list, store (PUT or POST), fetch, delete."""
         @router.get("/vectors")
         async def vectors() -> Any:
             return {"vectors": self.vectors.listing()}
@@ -164,7 +187,7 @@ class Front:
         @router.post("/vectors/{name}")
         async def store(name: str, request: Request) -> Any:
             try:
-                vector, carried = read_upload(await body(request), request.headers.get("content-type", ""),
+                vector, carried = read_upload(await self.upload(request), request.headers.get("content-type", ""),
                                               self.checker)
                 self.vectors.store(name, vector, carried)
             except RequestError as error:
@@ -183,6 +206,8 @@ class Front:
                 return refused(unknown_vector(name))
             return {"deleted": name}
 
+    def add_sae_routes(self, router: Any) -> None:
+        """Stored SAEs: list, store (safetensors bytes), delete."""
         @router.get("/saes")
         async def saes() -> Any:
             return {"saes": self.saes.listing()}
@@ -195,7 +220,7 @@ class Front:
                 if kind not in ("application/octet-stream", "application/safetensors"):
                     raise RequestError(400, "Content-Type", f"Content-Type: {kind or 'none'} is not taken; send an "
                                                             f"SAE as safetensors bytes (application/octet-stream).")
-                data = await body(request, self.limits.max_sae_bytes, "--max-sae-bytes")
+                data = await self.upload(request, self.limits.max_sae_bytes, "--max-sae-bytes")
                 return self.store_sae(name, data)
             except RequestError as error:
                 return refused(error)
@@ -206,6 +231,8 @@ class Front:
                 return refused(unknown_sae(name, self.saes))
             return {"deleted": name}
 
+    def add_harvest_routes(self, router: Any) -> None:
+        """Harvests waiting to be downloaded: list, download (reduced where the request asked), delete."""
         @router.get("/harvests")
         async def harvests() -> Any:
             return {"harvests": self.harvests.listing()}
@@ -226,6 +253,8 @@ class Front:
                 return refused(RequestError(404, "id", f"id: no harvest {harvest_id!r} on this server."))
             return {"deleted": harvest_id}
 
+    def add_default_steer_routes(self, router: Any) -> None:
+        """The server-wide default steers: read, set (checked as a request's steers), clear."""
         @router.get("/default-steer")
         async def default() -> Any:
             return {"steer": self.checker.default}
@@ -233,7 +262,7 @@ class Front:
         @router.put("/default-steer")
         async def set_default(request: Request) -> Any:
             try:
-                data = await body(request)
+                data = await self.upload(request)
                 try:
                     parsed = json.loads(data)
                 except ValueError:
@@ -250,13 +279,10 @@ class Front:
             self.checker.default = []
             return {"steer": 0}
 
-        from .model_routes import add_model_routes
 
-        add_model_routes(router, self)  # what a Client needs to stand in for a model (lens, cache, directions)
-        from .sweeps import add_sweep_routes
-
-        add_sweep_routes(router, self)  # a patching sweep and running moments, run by the server in one request
-        return router
+def refused(error: RequestError) -> Any:
+    """A refused request's response: vLLM's error layout, with its status."""
+    return JSONResponse(error.body(), status_code=error.status)
 
 
 Scope = dict
@@ -462,7 +488,7 @@ def add_arguments(parser: Any) -> None:
     group.add_argument("--max-steer-dose", type=float, default=defaults.max_steer_dose,
                        help="the largest dose a steer may have: its edit's size over the stream's norm at its value "
                             "and block, measured by the engine on a calibration text")
-    group.add_argument("--steer-dose-action", choices=("refuse", "clamp", "warn"), default=defaults.steer_dose_action,
+    group.add_argument("--steer-dose-action", choices=DOSE_ACTIONS, default=defaults.steer_dose_action,
                        help="what a steer's dose past its limit does where the request does not say (its on_dose): "
                             "refuse it (a 400), clamp its scale to the limit, or run it as sent and log a warning")
 

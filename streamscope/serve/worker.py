@@ -180,7 +180,7 @@ class ServeState(RequestApplier):
 
     def admit(self, payload: str, length: int) -> Live:
         """A request's plan from its JSON (checked by the front end), with its positions for its real prompt."""
-        from .protocol import positions_rule, vector_from_bytes
+        from .protocol import positions_rule, worker_steer
 
         plan = json.loads(payload)
         steers: list[SteerEntry] = []
@@ -203,10 +203,7 @@ class ServeState(RequestApplier):
             if shared is not None:  # a vector and scale another request sent: its tensor, the vector not decoded
                 delta = shared
             else:
-                steer = Steer(item["value"], item["layer"], vector_from_bytes(item["vector"]), scale=item.get("scale"),
-                              positions=rule, mode=item["mode"], generated=item["generated"],
-                              projection=item.get("projection"), norm_match=item.get("norm_match", False),
-                              from_step=item.get("from_step", 0), max_dose=None)  # the front end checked its dose
+                steer = worker_steer(item)  # the front end checked it, and its dose
                 if steer.mode == "sae_clamp":
                     steer.sae, steer.feature = self.sae(item["sae"]), item["feature"]
                 if batched:

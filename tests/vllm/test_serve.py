@@ -580,6 +580,18 @@ def test_the_api_key_guards_the_new_routes(server):
     assert httpx.get(f"{server}/v1/streamscope/info", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
+def test_the_request_schema_is_served_from_its_declaration(server):
+    """``GET /v1/streamscope/schema``: the JSON schema of the ``streamscope`` field, from `streamscope.bulk.schema`
+    (the declaration the server checks requests against), behind the API key as every route."""
+    from streamscope.bulk.operations import MODES
+    from streamscope.bulk.schema import request_schema
+
+    served = httpx.get(f"{server}/v1/streamscope/schema", headers={"Authorization": f"Bearer {KEY}"})
+    assert served.status_code == 200 and served.json() == request_schema()
+    assert served.json()["$defs"]["SteerJSON"]["properties"]["mode"]["enum"] == list(MODES)
+    assert httpx.get(f"{server}/v1/streamscope/schema").status_code == 401
+
+
 BAD = [
     # (streamscope field, status, what the message must name)
     ({"steer": [{"value": "layer_outptu", "layer": 1, "vector": [0.0] * HIDDEN}]}, 400, "streamscope.steer[0].value"),
