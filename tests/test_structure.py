@@ -504,10 +504,6 @@ PENDING: frozenset[str] = frozenset({
     # helper V (the vLLM seam)
     "streamscope.vllm.worker", "streamscope.vllm.bulk_worker", "streamscope.vllm.bulk", "streamscope.vllm.model",
     "streamscope.vllm.pipeline", "streamscope.serve.worker", "streamscope.serve.head", "streamscope.serve.stages",
-    # helper S (one declaration of a steer)
-    "streamscope.bulk.steer", "streamscope.bulk.spec", "streamscope.bulk.positions", "streamscope.bulk.sites",
-    "streamscope.serve.protocol", "streamscope.serve.forwarding", "streamscope.serve.client",
-    "streamscope.serve.remote", "streamscope.serve.server",
 })
 
 #: The third-party modules of pyproject's optional extras (and of what they bring: vLLM's server stack, nnsight's

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .dose import DoseWarning, SteerError, check_dose, dose_field, edit_size
+from .dose import DoseWarning, SteerError, check_bulk_doses, check_dose, dose_field, edit_size
 from .positions import RULES, SKIP_FIRST, Positions, check_rule, per_prompt_positions, prompt_positions
 from .sites import (HEAD_RESULTS_VALUE, ROOT_VALUES, SHORT, Site, block_index, host_and_name, layer_list, locate,
                     row_width, value_names)
@@ -77,8 +77,6 @@ def check_doses(model: Any, steers: Sequence[Steer], dtype: torch.dtype) -> list
     (`stream_norms`), or the norm the steer's vector carries there, over any measured
     (`streamscope.bulk.dose.check_bulk_doses`), so that a refusal states it: the steers to run, in order (a clamped
     one replaced)."""
-    from .dose import check_bulk_doses
-
     return check_bulk_doses(model, steers, dtype, lambda sites: stream_norms(model, sites),
                             lambda: measured_norms(model))
 

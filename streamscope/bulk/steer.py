@@ -17,6 +17,7 @@ import torch
 
 from ..blocks.head_results import HEAD_RESULTS, STEER_REFUSAL
 from ..blocks.sublayers import NEURONS
+from ..display import shape
 from .conditions import COMPUTE_ORDER, Condition, check_condition
 from .dose import SteerError, check_dose
 from .operations import DIRECTIONAL, MODES, ClampFeature, Operation, check_clamp, prepare
@@ -287,8 +288,6 @@ class Steer:
         return cls(**fields)
 
     def __repr__(self) -> str:
-        from ..display import shape
-
         where = f"layers[{self.layer}].{self.value}" if self.layer is not None else self.value
         prompts = "" if self.prompts is None else f", prompts {list(self.prompts)}"
         amount = f" x {self.scale:g}" if self.scale is not None else f" to {self.projection:g}"

@@ -16,19 +16,25 @@ same `Generation` and `Harvest` types the engines return.
 
 from __future__ import annotations
 
+import inspect
+import json
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import httpx
 import torch
+from safetensors.torch import save
 
+from ..bulk.dose import DoseWarning, carried_entry
 from ..bulk.results import Generation, Harvest, ShardWriter
-from ..bulk.dose import DoseWarning
 from ..bulk.schema import ONE_FORWARD
 from ..bulk.spec import HarvestSpec, Positions, Steer
-from .protocol import FIELD, WARNINGS_HEADER, harvest_request, rule_json, steer_request
+from .protocol import FIELD, WARNINGS_HEADER, harvest_request, rule_json, steer_request, uniform
 from .remote import RemoteModel
+from .storage import harvest_tensors, sae_bytes
+from .sweeps import client_patch, client_statistics
 
 
 class Client(RemoteModel):
@@ -50,7 +56,6 @@ class Client(RemoteModel):
 
     def __init__(self, url: str, api_key: Optional[str] = None, model: Optional[str] = None, concurrency: int = 32,
                  timeout: float = 600.0, batch: int = 16) -> None:
-        import httpx
         import openai
 
         base = url.rstrip("/")
@@ -99,12 +104,6 @@ class Client(RemoteModel):
         as `model.norms` measures it). A steer by this name at that value and block has its dose checked against
         it where the server has measured no norm there.
         """
-        import json
-
-        from safetensors.torch import save
-
-        from ..bulk.dose import carried_entry
-
         if hasattr(vector, "unit") and hasattr(vector, "stream_norm"):  # a Direction
             if stream_norm is None and vector.stream_norm is not None:
                 stream_norm = carried_entry(vector.value, vector.layer, vector.stream_norm)
@@ -123,8 +122,6 @@ class Client(RemoteModel):
         use the SAE object itself through this client, or its name. The
         server checks it against its model (width, block, value, taps).
         """
-        from .storage import sae_bytes
-
         response = self._route("PUT", f"saes/{name}", content=sae_bytes(sae),
                               headers={"Content-Type": "application/octet-stream"})
         self._sae_names[id(sae)] = (sae, name)
@@ -155,8 +152,6 @@ class Client(RemoteModel):
 
     def download(self, harvest_id: str, keep: bool = False) -> dict[str, Any]:
         """A harvest's tensors and its values, layers and positions, by the id a completion named."""
-        from .storage import harvest_tensors
-
         response = self._route("GET", f"harvests/{harvest_id}", params={"keep": "true" if keep else "false"})
         tensors, metadata = harvest_tensors(response.content)
         return {"tensors": tensors, **metadata}
@@ -169,8 +164,6 @@ class Client(RemoteModel):
         """Activation patching run by the server in one request, with a noise floor over `repeats` unpatched runs
         of each prompt: a `streamscope.serve.sweeps.RemotePatching`. ``streamscope.patch(client, ...)`` calls it.
         The metric crosses as JSON: ``answer``/``wrong``, or `streamscope.serve.sweeps.token_logit`/``token_logprob``."""
-        from .sweeps import client_patch
-
         return client_patch(self, clean, corrupted, metric, answer=answer, wrong=wrong, value=value, layers=layers,
                             positions=positions, repeats=repeats, **options)
 
@@ -179,8 +172,6 @@ class Client(RemoteModel):
         """Running moments per label, gathered and reduced by the server, which sends only the moments (a
         `streamscope.bulk.moments.Moments`, equal bit for bit to `model.statistics` on the same rows). Options:
         ``reduce`` ("mean"), ``second``, ``pairs``."""
-        from .sweeps import client_statistics
-
         return client_statistics(self, prompts, labels, value, layers, positions, **options)
 
     # ---------------------------------------------------------------- generate and harvest
@@ -191,8 +182,6 @@ class Client(RemoteModel):
         return steer_request(steer, self._sae_name(steer.sae) if steer.mode == "sae_clamp" else None)
 
     def _complete(self, prompt: Any, options: dict[str, Any], field: dict[str, Any]) -> Any:
-        import inspect
-
         known = inspect.signature(self.openai.completions.create).parameters
         # vLLM's own sampling options (top_k, ignore_eos, return_token_ids, ...) travel as extra body fields.
         extra = {key: value for key, value in options.items() if key not in known}
@@ -233,8 +222,6 @@ class Client(RemoteModel):
 
     def _shareable(self, fields: list[dict[str, Any]]) -> bool:
         """Whether these prompts may share requests: no harvest, the same steers each, each editing every position."""
-        from .protocol import uniform
-
         if self.batch == 1 or not fields or any(field != fields[0] for field in fields) or "harvest" in fields[0]:
             return False
         if "steer" not in fields[0]:  # then the server's default steer, if any, applies: is it one that may share?
@@ -383,8 +370,6 @@ class Client(RemoteModel):
 def header_warnings(headers: Any) -> list[str]:
     """The dose warnings a server's response carries (its `WARNINGS_HEADER`, a JSON list of messages); none where
     it carries none, or a server that predates the header."""
-    import json
-
     raw = headers.get(WARNINGS_HEADER)
     if not raw:
         return []

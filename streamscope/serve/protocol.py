@@ -25,28 +25,31 @@ to the request's token rows.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
 import re
+import secrets
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+import numpy
 import torch
+from safetensors.torch import load
 
 from .. import nnsight_seam as seam
-
 from ..blocks.head_results import HEAD_RESULTS
 from ..bulk.conditions import Condition, ConditionError
 from ..bulk.dose import CARRIED, carried_how, carried_norm, judge_dose
 from ..bulk.operations import DIRECTIONAL
-from ..bulk.schema import (CONDITION_FIELDS, DOSE_ACTIONS, ENCODED, FRONT_END_ONLY, HARVEST_FIELDS,
-                           HARVEST_POSITIONS, MAX_DOSE, NULL_IS_LEFT_OUT, ONE_FORWARD, PLAIN_FIELDS, REQUEST_FIELDS,
-                           SERVED_STEER_FIELDS, STEER_REQUIRED, HarvestJSON, RequestJSON, SteerJSON,
-                           positions_from_json, rule_json, validate_field, validate_fields)
+from ..bulk.schema import (CONDITION_FIELDS, DOSE_ACTIONS, ENCODED, FRONT_END_ONLY, HARVEST_FIELDS, HARVEST_POSITIONS,
+                           MAX_DOSE, NULL_IS_LEFT_OUT, ONE_FORWARD, PLAIN_FIELDS, REQUEST_FIELDS, SERVED_STEER_FIELDS,
+                           STEER_REQUIRED, HarvestJSON, RequestJSON, SteerJSON, positions_from_json, rule_json,
+                           validate_field, validate_fields)
 from ..bulk.spec import (CALIBRATION_TEXT, ROOT_VALUES, RULES, SKIP_FIRST, Positions, Steer, SteerError, check_steer,
-                         harvest_spec, prompt_positions, value_names)
+                         harvest_spec, locate, prompt_positions, value_names)
 from ..errors import Unavailable, untapped
 from .forwarding import uniform
 
@@ -123,8 +126,6 @@ def vector_bytes(tensor: torch.Tensor) -> str:
 
 
 def vector_from_bytes(text: str) -> torch.Tensor:
-    import numpy
-
     return torch.from_numpy(numpy.frombuffer(base64.b64decode(text), dtype=numpy.float32).copy())
 
 
@@ -280,8 +281,6 @@ class Checker:
 
     def site(self, value: Any, layer: Any, param: str) -> Any:
         """The value's `Site` on the server's tree; refusals name the field and, on a tapped server, the tap."""
-        from ..bulk.spec import locate
-
         if not isinstance(value, str):
             raise _bad(f"{param}.value", f"a value is named by a string ({', '.join(served_values())}).")
         if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool)):
@@ -604,10 +603,6 @@ class Checker:
         `CALIBRATION_TEXT` there (one request per value, its own harvest, as any request's) and the mean row norm
         after the first position is kept for the server's life. Where it cannot be measured (no engine yet), the
         dose check has no norm and only refuses edits that overflow; the reason is logged."""
-        import asyncio
-        import logging
-        import secrets
-
         if engine is None or not self.steered_sites(field):
             return
         if self._calibrating is None:
@@ -629,7 +624,6 @@ class Checker:
 
     async def _measure(self, engine: Any, harvests: Any, value: str, layers: list[int], ids: list[int],
                        token: str) -> None:
-        from safetensors.torch import load
         from vllm import SamplingParams
 
         size = max(1, len(layers)) * len(ids) * self.hidden * 4

@@ -18,12 +18,22 @@ projections' weights (gigabytes on a large model).
 
 from __future__ import annotations
 
+import io
 import json
+import tempfile
+import zipfile
+from types import SimpleNamespace
 from typing import Any, ClassVar, Optional, Sequence
 
 import torch
+from transformers import AutoTokenizer, PretrainedConfig
 
+from ..bulk.norms import norms
 from ..engine import Engine
+from ..errors import Unavailable
+from ..workflows.cache import build_cache
+from ..workflows.runs import run_with_cache
+from .head import pack, unpack
 from .remote_cache import NOT_OVER_HTTP, remote_cache
 
 
@@ -64,8 +74,6 @@ class RemoteEngine(Engine):
         ``{"logits": [n, vocab_size]}``, or with `top_k` the softmax's ``{"probs", "ids"}`` ``[n, top_k]``.
 
         Sent in chunks that keep each request under the server's ``--max-harvest-bytes`` both ways."""
-        from .head import pack, unpack
-
         rows = rows.reshape(-1, rows.shape[-1])
         limit = int(self.client.limits["max_harvest_bytes"])
         width = max(rows.shape[-1], self.client.vocab_size if top_k is None else 2 * top_k)
@@ -100,16 +108,12 @@ class RemoteEngine(Engine):
         return tensors.get("head_bias"), float(numbers["scale"]), numbers["soft_cap"]
 
     def _parameters(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        from .head import unpack
-
         if self.client._head_parameters is None:
             tensors, metadata = unpack(self.client._route("GET", "head/parameters").content)
             self.client._head_parameters = (tensors, {key: json.loads(value) for key, value in metadata.items()})
         return self.client._head_parameters
 
     def unembedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        from .head import unpack
-
         wanted = [int(item) for item in torch.as_tensor(ids).reshape(-1).tolist()]
         response = self.client._route("POST", "head/rows", content=json.dumps({"ids": wanted}),
                                      headers={"Content-Type": "application/json"})
@@ -199,8 +203,6 @@ class RemoteModel:
 
     @property
     def num_heads(self) -> int:
-        from ..errors import Unavailable
-
         if self.facts["num_heads"] is None:
             raise Unavailable("num_heads", "model", "the served model states no number of attention heads")
         return int(self.facts["num_heads"])
@@ -217,16 +219,12 @@ class RemoteModel:
 
     def support(self) -> Any:
         """The root's support table as ``support().root.rows``."""
-        from types import SimpleNamespace
-
         return SimpleNamespace(root=RemoteSupport(self.facts["root"]))
 
     @property
     def config(self) -> Any:
         """The served checkpoint's config (a transformers ``PretrainedConfig``)."""
         if self._served_config is None:
-            from transformers import PretrainedConfig
-
             self._served_config = PretrainedConfig.from_dict(dict(self.facts["config"]))
         return self._served_config
 
@@ -234,12 +232,6 @@ class RemoteModel:
     def tokenizer(self) -> Any:
         """The server's own tokenizer, downloaded once: text tokenizes and decodes here as on the server."""
         if self._tokenizer is None:
-            import io
-            import tempfile
-            import zipfile
-
-            from transformers import AutoTokenizer
-
             data = self._route("GET", "tokenizer").content
             with tempfile.TemporaryDirectory(prefix="streamscope-tokenizer-") as folder:
                 zipfile.ZipFile(io.BytesIO(data)).extractall(folder)
@@ -249,21 +241,15 @@ class RemoteModel:
     def cache(self, prompts: Any, values: Any = None, layers: Any = None, **kwargs: Any) -> Any:
         """`model.cache` over HTTP: the values a harvest carries, at every position, in a `streamscope.Cache`
         (`streamscope.serve.remote_cache`: what it does not carry is said there)."""
-        from ..workflows.cache import build_cache
-
         return build_cache(self, prompts, values, layers, **kwargs)
 
     def run_with_cache(self, input: Any, return_type: Optional[str] = "logits", **kwargs: Any) -> tuple[Any, Any]:
         """TransformerLens's ``run_with_cache`` over HTTP (`streamscope.workflows.runs.run_with_cache`): the
         logits and loss from the cache's logits, the engine's own head on the final norm's output."""
-        from ..workflows.runs import run_with_cache
-
         return run_with_cache(self, input, return_type=return_type, **kwargs)
 
     def norms(self, prompts: Any = None, value: str = "layer_output", layers: Any = None) -> Any:
         """``||h||`` per block from harvests, as `model.norms` (`streamscope.bulk.norms.norms`)."""
-        from ..bulk.norms import norms
-
         return norms(self, prompts, value, layers)
 
 

@@ -30,14 +30,24 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
-from fastapi import Request  # at module level: FastAPI reads the routes' annotations by name
+from fastapi import APIRouter, Request  # Request at module level: FastAPI reads the routes' annotations by name
 from fastapi.responses import JSONResponse, Response
+from vllm.platforms import current_platform
 
 from ..bulk.schema import DOSE_ACTIONS, request_schema
-from .protocol import (FIELD, WARNINGS_HEADER, XARG, Checker, Limits, RequestError, needs_lengths,
-                       unknown_sae)
+from ..bulk.spec import ROOT_VALUES, locate
+from ..errors import Unavailable, UnsupportedCheckpoint
+from ..models import NAMED, UNRESOLVED, resolve
+from ..vllm.model import StandardizedVLLM, refuse_on_the_cpu_build
+from ..vllm.taps import tap_locations
 from .forwarding import cache_salt, worker_payload
-from .storage import SAEs, Harvests, Vectors, read_upload, sae_from_bytes, unknown_vector
+from .model_routes import add_model_routes
+from .protocol import (FIELD, WARNINGS_HEADER, XARG, Checker, Limits, RequestError, needs_lengths, served_values,
+                       unknown_sae)
+from .storage import Harvests, SAEs, Vectors, read_upload, sae_from_bytes, unknown_vector
+from .sweeps import add_sweep_routes, reduced
+from .vllm_api import serve, server_api
+from .worker import ENVIRONMENT, worker_cls
 
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 PREFIX = "/v1/streamscope"
@@ -69,8 +79,6 @@ class Front:
 
     def store_sae(self, name: str, data: bytes, param: str = "body") -> dict[str, Any]:
         """Check an uploaded SAE (its layout, weights, width, site, a tap on a tapped server) and store it."""
-        from ..errors import Unavailable
-
         sae = sae_from_bytes(data, param)
         try:
             sae.check(self.model)
@@ -84,10 +92,6 @@ class Front:
         """The values this model's blocks serve (a block value where at least one block serves it), in
         `protocol.served_values`' order, and the others with the reason (the first block's), found once."""
         if self._served is None:
-            from ..bulk.spec import ROOT_VALUES, locate
-            from ..errors import Unavailable
-            from .protocol import served_values
-
             served: list[str] = []
             unavailable: dict[str, str] = {}
             for value in served_values():
@@ -138,18 +142,14 @@ class Front:
     def router(self) -> Any:
         """The routes under ``/v1/streamscope/``, by group: info and the request schema, stored vectors, stored
         SAEs, harvests, the default steer, and what a Client needs to stand in for a model."""
-        from fastapi import APIRouter
-
         router = APIRouter(prefix=PREFIX)
         self.add_info_routes(router)
         self.add_vector_routes(router)
         self.add_sae_routes(router)
         self.add_harvest_routes(router)
         self.add_default_steer_routes(router)
-        from .model_routes import add_model_routes
 
         add_model_routes(router, self)  # what a Client needs to stand in for a model (lens, cache, directions)
-        from .sweeps import add_sweep_routes
 
         add_sweep_routes(router, self)  # a patching sweep and running moments, run by the server in one request
         return router
@@ -243,7 +243,6 @@ class Front:
                 data = await self.harvests.take(harvest_id, keep)
             except RequestError as error:
                 return refused(error)
-            from .sweeps import reduced
 
             return Response(reduced(data), media_type="application/octet-stream")
 
@@ -505,8 +504,6 @@ def _given(argv: Sequence[str], *flags: str) -> bool:
 
 def engine_settings(args: argparse.Namespace, argv: Sequence[str], on_cpu: bool, locations: Sequence[str]) -> None:
     """The engine options streamscope needs, over what the caller passed: its worker, eager or graphs at the taps."""
-    from .worker import worker_cls
-
     if _given(argv, "--worker-cls"):
         raise SystemExit("streamscope serve runs its own worker class; drop --worker-cls.")
     args.worker_cls = worker_cls(on_cpu, bool(locations))
@@ -526,8 +523,6 @@ def engine_settings(args: argparse.Namespace, argv: Sequence[str], on_cpu: bool,
 
 def front_model(args: argparse.Namespace, on_cpu: bool) -> Any:
     """streamscope's names for the served checkpoint: the model's envoy tree on meta tensors, no weights, no engine."""
-    from ..vllm.model import StandardizedVLLM
-
     options: dict[str, Any] = {"dispatch": False}
     if args.dtype and args.dtype != "auto":
         options["dtype"] = args.dtype
@@ -547,8 +542,6 @@ def front_model(args: argparse.Namespace, on_cpu: bool) -> Any:
 def served_name(asked: str) -> str:
     """The model id a server answers to for the PATH it was started with: an alias as typed (``smollm2``), a folder's
     own name, a ``.gguf`` file's name without the suffix, a hub repository id as given; never a machine's path."""
-    from ..models import NAMED
-
     local = Path(asked).expanduser()
     if asked.lower() in NAMED and not local.exists():
         return asked.lower()
@@ -560,9 +553,6 @@ def served_name(asked: str) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``streamscope serve PATH [options]``: parse vLLM's and streamscope's options, then run vLLM's server."""
-    from .vllm_api import serve, server_api
-    from .worker import ENVIRONMENT
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and not argv[0].startswith("-"):
         argv = ["--model", argv[0], *argv[1:]]
@@ -574,7 +564,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
-    from ..models import UNRESOLVED, resolve
 
     asked = args.model
     try:
@@ -588,11 +577,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"--served-model-name sets another)", file=sys.stderr, flush=True)
     api.validate(args)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
-    from ..errors import UnsupportedCheckpoint
-    from ..vllm.model import refuse_on_the_cpu_build
 
     try:
         model = front_model(args, on_cpu)
@@ -603,8 +589,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     locations: list[str] = []
     if args.taps:
-        from ..vllm.taps import tap_locations
-
         locations = tap_locations(model, args.taps)
         object.__setattr__(model, "tapped", frozenset(locations))
     folder = Path(args.harvest_dir) if args.harvest_dir else Path(tempfile.mkdtemp(prefix="streamscope-harvests-"))
