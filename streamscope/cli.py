@@ -23,6 +23,9 @@ import transformers
 
 import streamscope
 
+# First of the package's modules: `streamscope serve` runs in this process, and its server's anyio must load before
+# nnsight does (streamscope/serve/__init__.py says why); the commands below import nnsight.
+from . import serve  # noqa: F401  isort: skip
 from .check import check
 from .engine_registry import MODULES, prepare_process
 from .models import UNRESOLVED, resolve
@@ -202,9 +205,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def command_serve(argv: Sequence[str]) -> int:
     """``streamscope serve PATH [options]``: vLLM's parser reads every option (`streamscope.serve.server.main`)."""
-    from .serve.server import main as serve
+    from .serve.server import main as serve_main  # imports vLLM: only for this command
 
-    return serve(list(argv))
+    return serve_main(list(argv))
 
 
 if __name__ == "__main__":
