@@ -173,8 +173,10 @@ def test_the_extension_adds_only_names_no_worker_has():
     assert resolve_obj_by_qualname(CPU_WORKER).__name__ == "NNsightCPUWorker"
     names = [name for name in dir(WorkerExtension) if not name.startswith("__")]
     assert "save" not in names and "streamscope_bulk_begin" in names and "streamscope_serve_install" in names
-    workers = {resolve_obj_by_qualname(worker_cls(True, tapped)) for tapped in (False, True)}
-    workers |= {vllm_seam.GPUWorker, nnsight_seam.NNsightGPUWorker}
+    workers = {resolve_obj_by_qualname(worker_cls(on_cpu, tapped)) for on_cpu in (True, False)
+               for tapped in (False, True)}
+    assert workers == {vllm_seam.CPUWorker, resolve_obj_by_qualname(CPU_WORKER), vllm_seam.GPUWorker,
+                       nnsight_seam.NNsightGPUWorker}
     for worker in workers:
         clashing = [name for name in names if hasattr(worker, name) and WorkerExtension not in worker.__mro__]
         assert not clashing, (worker, clashing)

@@ -619,8 +619,11 @@ def worker_cls(on_cpu: bool, tapped: bool) -> str:
     """
     if not tapped:
         return vllm_seam.platform_worker(on_cpu)
-    if on_cpu:
-        return CPU_WORKER
-    worker = seam.NNsightGPUWorker
-    return f"{worker.__module__}.{worker.__qualname__}"
+    return CPU_WORKER if on_cpu else NNSIGHT_GPU_WORKER
+
+
+#: nnsight's GPU worker (`nnsight_seam.NNsightGPUWorker`) by the path vLLM imports it by in the worker's process.
+#: A path, not the class: importing nnsight's worker in the front end would import vLLM's GPU worker there, whose
+#: CUDA queries keep vLLM from forking its engine process.
+NNSIGHT_GPU_WORKER = "nnsight.modeling.vllm.workers.GPUWorker.NNsightGPUWorker"
 
