@@ -88,7 +88,7 @@ class ServeState(RequestApplier):
             self.root = seam.uninstrumented(model, lambda module: worker_tree(module, model_type))
         else:
             self.root = worker_tree(model, model_type)
-        self.stage = Stage(self.root)  # under pipeline parallelism: the blocks this worker holds (serve/stages.py)
+        self.stage = Stage(self.root)  # under pipeline parallelism: the blocks this worker holds (`Stage`)
         self.folder = Path(folder) if folder else None
         self.sae_folder = Path(sae_folder) if sae_folder else None
         #: The SAEs loaded on the engine's device (float32), by file; the least recently used go past `sae_cache`.
