@@ -50,6 +50,7 @@ import torch
 from .. import attention
 from .. import blocks
 from .. import nnsight_seam as seam
+from .. import vllm_seam
 from ..blocks.composed import Composer
 from ..blocks.heads import (FUSED_PROJECTION, FUSED_ROTARY, PRE_ROTARY, PROJECTED, READ_ONLY, pre_rotary_of,
                             projection_norm, unrotated_of)
@@ -72,11 +73,7 @@ MISSING_STEPS = ("{where}.{name} on decode step {step} spans the request's whole
 
 def tensor_parallel() -> tuple[int, int]:
     """This engine's tensor-parallel world size and this rank's place in it; ``(1, 0)`` outside an engine."""
-    from vllm.distributed import parallel_state
-
-    if parallel_state._TP is None:
-        return 1, 0
-    return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    return vllm_seam.tensor_parallel()
 
 
 def pairs_first(tensor: torch.Tensor) -> torch.Tensor:

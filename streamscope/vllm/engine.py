@@ -9,6 +9,7 @@ import nnsight
 import torch
 
 from .. import nnsight_seam as seam
+from .. import vllm_seam
 from ..engine import Body, Engine, Prompt, join_shards
 from .logits import engine_logits
 
@@ -39,7 +40,7 @@ class VllmEngine(Engine):
     def precision(self) -> tuple[str, torch.dtype]:
         from vllm.platforms import current_platform
 
-        dtype = self.model.vllm_entrypoint.llm_engine.vllm_config.model_config.dtype
+        dtype = vllm_seam.engine_dtype(self.model.vllm_entrypoint)
         return ("cpu" if current_platform.is_cpu() else "cuda"), dtype
 
     def trace_input(self, prompts: Sequence[Prompt]) -> Any:

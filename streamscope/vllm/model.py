@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
-import copy
 import functools
 import gc
 import inspect
@@ -26,10 +25,12 @@ from ..input_checks import check_token_ids
 from ..errors import Unavailable
 from ..gradients import refuse_gradients
 from .. import nnsight_seam as seam
+from .. import vllm_seam
 from . import trace_transport
 from ..standardized import Standardized
 from ..values import OUTPUT, ComputedValue, check_write
 from . import families
+from .bulk_worker import WORKER_EXTENSION
 from .engine import VllmEngine
 from .logits import engine_logits
 from .taps import tap_locations
@@ -66,14 +67,14 @@ PIPELINED = ("a trace cannot run on a pipeline-parallel engine: its body runs on
 def _in_process(engine: "StandardizedVLLM") -> bool:
     """Whether the engine's core runs in this process (vLLM's in-process client holds it as `engine_core`)."""
     entry = getattr(engine, "vllm_entrypoint", None)
-    return entry is not None and hasattr(entry.llm_engine.engine_core, "engine_core")
+    return entry is not None and vllm_seam.core_in_process(entry)
 
 
 def _one_worker_here(engine: "StandardizedVLLM") -> bool:
     """Whether the engine's core and its only worker run in this process (one rank, no engine process)."""
     if not _in_process(engine):
         return False
-    return engine.vllm_entrypoint.llm_engine.vllm_config.parallel_config.world_size == 1
+    return vllm_seam.parallel_size(engine.vllm_entrypoint, "world_size") == 1
 
 
 def _bundle_route(engine: "StandardizedVLLM") -> Any:
@@ -83,33 +84,12 @@ def _bundle_route(engine: "StandardizedVLLM") -> Any:
     if _one_worker_here(engine):
         return trace_transport.HERE
     entry = engine.vllm_entrypoint
-    if not hasattr(entry, "llm_engine"):  # an async engine: its RPC is a coroutine
+    if not vllm_seam.has_blocking_rpc(entry):  # an async engine: its RPC is a coroutine
         return None
 
     def send(trace: str, payload: bytes, count: int) -> None:
         entry.collective_rpc("streamscope_take_bundle", args=(trace, payload, count))
     return send
-
-
-@contextlib.contextmanager
-def _keeping_process_state() -> Any:
-    """Shut one in-process engine down while others of the process still run.
-
-    vLLM's engine-core shutdown ends with a teardown of the process's parallel
-    groups, and its GPU runner's shutdown resets the process's kernel
-    workspace; both belong to every in-process engine, so while others live,
-    only the closing engine's own memory is released.
-    """
-    import vllm.v1.engine.core as engine_core
-    import vllm.v1.worker.workspace as workspace
-
-    teardown, reset = engine_core.cleanup_dist_env_and_memory, workspace.reset_workspace_manager
-    engine_core.cleanup_dist_env_and_memory = lambda *args, **kwargs: gc.collect()
-    workspace.reset_workspace_manager = lambda: None
-    try:
-        yield
-    finally:
-        engine_core.cleanup_dist_env_and_memory, workspace.reset_workspace_manager = teardown, reset
 
 
 def beside_engine() -> contextlib.AbstractContextManager:
@@ -120,20 +100,13 @@ def beside_engine() -> contextlib.AbstractContextManager:
     vLLM config: the live engine's (eager, it runs transformers' forward as is),
     or once every engine has closed, the last one's without compilation.
     """
-    from vllm.config import set_current_vllm_config
-
     for engine in list(_ENGINES):
         if engine.vllm_entrypoint is not None:
-            return set_current_vllm_config(engine.vllm_entrypoint.llm_engine.vllm_config)
+            return vllm_seam.current_config(vllm_seam.engine_config(engine.vllm_entrypoint))
     if _STARTED:
         # The classes stay decorated after the last engine closed: an eager copy of the last engine's config
         # (it reads the model config to decide on compiling) lets them build as plain transformers modules.
-        from vllm.config import CompilationConfig
-        from vllm.config.compilation import CompilationMode
-
-        config = copy.copy(_STARTED[-1])
-        config.compilation_config = CompilationConfig(mode=CompilationMode.NONE)
-        return set_current_vllm_config(config)
+        return vllm_seam.current_config(vllm_seam.eager_copy(_STARTED[-1]))
     return contextlib.nullcontext()
 
 
@@ -206,17 +179,19 @@ class StandardizedVLLM(Standardized, VLLM):
             if self.tap_names and "enforce_eager" not in kwargs:
                 settings.pop("enforce_eager", None)  # the CPU default; nnsight sets it from the taps
         else:
-            from .bulk_worker import GPU_WORKER_CLS
-
             # vLLM forks its engine and worker processes unless it sees CUDA initialized. But a plain
             # torch.cuda query before that (torch.cuda.is_available(), made by imports on this path and by
             # user code) already marks forked children unable to use CUDA, and the engine dies starting
             # ("Cannot re-initialize CUDA in forked subprocess"). Spawned processes always start; a script
             # then builds its engine under `if __name__ == "__main__":`, as vLLM asks.
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-
-            # nnsight's GPU worker with the bulk path's RPC methods (nnsight passes worker_cls=self._WORKER_CLS).
-            seam.set_client_worker(self, GPU_WORKER_CLS)
+        # The worker vLLM starts is nnsight's (on a CPU, its CPU form: `worker.NNsightCPUWorker`); streamscope's
+        # RPCs are its extension, which vLLM appends to the worker's bases.
+        if settings.get("worker_extension_cls") not in (None, WORKER_EXTENSION):
+            raise ValueError(f"streamscope's engine runs its own worker extension ({WORKER_EXTENSION}: the bulk "
+                             f"path's and the server's RPCs); drop worker_extension_cls="
+                             f"{settings['worker_extension_cls']!r}.")
+        settings["worker_extension_cls"] = WORKER_EXTENSION
         settings.setdefault("dispatch", True)
         # A worker in this process hands a trace's saves over as tensors, not pickled (trace_transport.HandedSaves),
         # and takes a trace's invokes pickled once, together (trace_transport.bundle_interventions).
@@ -237,15 +212,13 @@ class StandardizedVLLM(Standardized, VLLM):
             # A start that failed half-way leaves vLLM's process-wide parallel state up, built for this model
             # (no expert-parallel group for a dense one, say), and the next engine of the process would reuse it.
             if not any(_in_process(engine) for engine in list(_ENGINES)):
-                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-                cleanup_dist_env_and_memory()
+                vllm_seam.tear_down_parallel_state()
             raise
         if self.vllm_entrypoint is not None:  # dispatch=False builds the meta tree alone (a server's front end)
-            if hasattr(self.vllm_entrypoint, "llm_engine"):  # vLLM's LLM (an async engine's RPC is a coroutine)
+            if vllm_seam.has_blocking_rpc(self.vllm_entrypoint):  # vLLM's LLM (an async engine's RPC is a coroutine)
                 self.vllm_entrypoint.collective_rpc("streamscope_hand_saves_over")
             _ENGINES.add(self)
-            _STARTED[:] = [self.vllm_entrypoint.llm_engine.vllm_config]
+            _STARTED[:] = [vllm_seam.engine_config(self.vllm_entrypoint)]
             if self.tap_names:
                 self._read_graph_mode(asked_for_none=_asks_for_no_graphs(kwargs))
         self._check_family()
@@ -286,8 +259,8 @@ class StandardizedVLLM(Standardized, VLLM):
         if entry is None:
             return
         sharing = _in_process(self) and any(_in_process(other) for other in list(_ENGINES) if other is not self)
-        with _keeping_process_state() if sharing else contextlib.nullcontext():
-            entry.llm_engine.engine_core.shutdown()
+        with vllm_seam.keeping_process_state() if sharing else contextlib.nullcontext():
+            vllm_seam.shut_down(entry)
         self.vllm_entrypoint = None
         _ENGINES.discard(self)
         del entry
@@ -322,7 +295,7 @@ class StandardizedVLLM(Standardized, VLLM):
 
     def _parallel(self, size: str) -> int:
         entry = getattr(self, "vllm_entrypoint", None)
-        return 1 if entry is None else getattr(entry.llm_engine.vllm_config.parallel_config, size)
+        return 1 if entry is None else vllm_seam.parallel_size(entry, size)
 
     def _stages(self) -> str:
         from .pipeline import describe
