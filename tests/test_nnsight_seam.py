@@ -111,6 +111,9 @@ OVERRIDES = {
     "streamscope/transformers/model.py": {"_batch"},
     "streamscope/vllm/model.py": {"_call", "_collect", "_resolve_taps"},
 }
+#: Private names of vLLM's classes that nnsight's subclasses override (its runner's ``_update_states``): the vLLM
+#: seam reaches them as vLLM's, and only it (`tests/test_vllm_seam.py`).
+VLLM_NAMES = {"streamscope/vllm_seam.py": frozenset({"_update_states"})}
 
 
 def nnsight_private_names() -> frozenset[str]:
@@ -179,7 +182,7 @@ def test_only_the_seam_reaches_nnsight_private_names():
             continue
         where = str(path.relative_to(PACKAGE.parent))
         bad += [f"{where}:{line} {what}" for line, what in
-                private_accesses(path, names, frozenset(OVERRIDES.get(where, ())))]
+                private_accesses(path, names - VLLM_NAMES.get(where, frozenset()), frozenset(OVERRIDES.get(where, ())))]
     assert not bad, ("these modules reach nnsight's private names; add a function to streamscope/nnsight_seam/ "
                      "and call it instead:\n" + "\n".join(bad))
 

@@ -108,7 +108,7 @@ from .mediator import (LocatedProperty, Mediator, OutOfOrderError, PendingWriteB
 from . import vllm_modeling as _vllm_modeling  # noqa: E402
 from .vllm_modeling import (EachPrompt, collect_requests, invoke_per_prompt_tracer, narrow_spans_directly,  # noqa: E402
                             record_saves_cheaply, running_token_span, set_client_worker, take_request_error,
-                            wrap_replay, wrap_update_states)
+                            wrap_replay)
 
 __all__ = [
     "SUPPORTED", "ALLOW_ENV", "check_version",
@@ -124,7 +124,7 @@ __all__ = [
     "module_of", "children", "RebindingEnvoy", "kernel_call_names", "runs_class_forward", "ensure_source",
     "unwrapped_generate", "uninstrumented",
     # vllm_modeling
-    "narrow_spans_directly", "record_saves_cheaply", "running_token_span", "wrap_replay", "wrap_update_states",
+    "narrow_spans_directly", "record_saves_cheaply", "running_token_span", "wrap_replay",
     "take_request_error", "collect_requests", "EachPrompt", "invoke_per_prompt_tracer", "set_client_worker",
     # Loaded on first use (vLLM is not imported with streamscope): `vllm_modeling`'s __getattr__.
     "NNsightGPUWorker", "NNsightGPUModelRunner", "ParallelEnvoy", "parallel_envoys", "VLLMClient",  # noqa: F822

@@ -18,10 +18,9 @@ Patched, each once per process (idempotent, each patch marked on what it install
   in nnsight's own ``narrow``.
 * ``Requests.record`` (`record_saves_cheaply`): with nothing saved in the step, the names saved before the
   request was sent are noted without nnsight's walk of every name. Upstream: the same shortcut in nnsight.
-* an interleaver's ``replay`` and a runner's ``_update_states``, on the instance (`wrap_replay`,
-  `wrap_update_states`): streamscope's per-step work at each replayed CUDA-graph tap and once the runner has
-  the step's schedule. Upstream: a replay callback on nnsight's tapped interleaver; vLLM's worker extension for
-  the schedule (issue 40's vLLM seam).
+* an interleaver's ``replay``, on the instance (`wrap_replay`): streamscope's per-step work at each replayed
+  CUDA-graph tap. Upstream: a replay callback on nnsight's tapped interleaver. (The step's schedule, a vLLM
+  runner's, is taken in through `streamscope.vllm_seam.after_schedule`.)
 * nnsight's vLLM tracer, subclassed (`invoke_per_prompt_tracer`): several prompts run the body once each, an
   invoke per prompt. Upstream: a tracer option for that.
 * the names a trace crosses processes with, each replaced by a wrapper of the original that
@@ -46,7 +45,7 @@ from nnsight.tracing.tracer import _saves
 from .mediator import _SERVING, running_mediator
 
 __all__ = ["narrow_spans_directly", "record_saves_cheaply", "running_token_span", "wrap_replay",
-           "wrap_update_states", "take_request_error", "collect_requests", "EachPrompt", "invoke_per_prompt_tracer",
+           "take_request_error", "collect_requests", "EachPrompt", "invoke_per_prompt_tracer",
            "set_client_worker", "send_invokes_with", "attach_invokes_with", "load_invokes_with",
            "answer_collects_with", "read_collects_with", "prompted_invokes", "LAZY"]
 
@@ -162,23 +161,6 @@ def wrap_replay(interleaver: Any, around: Callable[[Callable, str, Any], Any]) -
     original = interleaver.replay
     interleaver.replay = partial(around, original)
     return True
-
-
-def wrap_update_states(runner: Any, after: Callable[[Any], None]) -> None:
-    """Call `after(scheduler_output)` each step once vLLM's model runner has taken the step's schedule in.
-
-    The runner's ``_update_states`` is where it does; it is wrapped on the
-    instance, as ``execute_model`` calls it through ``self`` whatever the
-    runner's class (nnsight's, or streamscope's CPU one).
-    """
-    original = runner._update_states
-
-    def update_states(scheduler_output: Any) -> Any:
-        result = original(scheduler_output)
-        after(scheduler_output)
-        return result
-
-    runner._update_states = update_states
 
 
 def take_request_error(output: Any) -> Optional[dict]:

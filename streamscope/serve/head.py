@@ -9,17 +9,22 @@ numbers, and with ``top_k`` only ``k`` probabilities and ids per row come back. 
 arithmetic: its norm kernel, its (vocab-parallel) unembedding, soft cap and scale, as the in-process lens runs
 them (`streamscope.workflows.logit_lens.unembed`).
 
-`HeadRPC` is mixed into the server's worker classes (`streamscope.serve.worker.ServeRPC`); the front end
-reaches it through the engine client's ``collective_rpc`` (`serve.server`'s ``/v1/streamscope/head``
-routes). Every method takes and returns bytes (safetensors), which cross vLLM's engine-core boundary as they
-are.
+The worker's methods behind these routes are `streamscope.serve.worker.HeadRPC`, part of streamscope's
+worker extension; the front end reaches them through the engine client's ``collective_rpc`` (`serve.server`'s
+``/v1/streamscope/head`` routes). Every method takes and returns bytes (safetensors), which cross vLLM's
+engine-core boundary as they are. This module holds what the client shares (`pack`, `unpack`) and the
+arithmetic (`head_rows`); it imports no vLLM.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional
 
 import torch
+from safetensors.torch import load, save
+
+from .. import nnsight_seam as seam
 
 #: What a head request may ask for: the logits of every row, or their softmax's top k.
 TOP_K_LIMIT = 1024
@@ -27,17 +32,11 @@ TOP_K_LIMIT = 1024
 
 def pack(tensors: dict[str, torch.Tensor], metadata: Optional[dict[str, str]] = None) -> bytes:
     """Tensors as safetensors bytes (contiguous CPU copies)."""
-    from safetensors.torch import save
-
     return save({name: tensor.detach().contiguous().cpu() for name, tensor in tensors.items()}, metadata=metadata)
 
 
 def unpack(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """`pack`'s tensors and metadata."""
-    import json
-
-    from safetensors.torch import load
-
     size = int.from_bytes(data[:8], "little")
     metadata = json.loads(data[8:8 + size]).get("__metadata__") or {}
     return load(data), metadata
@@ -48,7 +47,6 @@ def head_rows(root: Any, model: torch.nn.Module, rows: torch.Tensor, normed: boo
     """The model's logits of stream rows ``[n, hidden]``: its final norm (unless `normed`: rows already are its
     output), then its unembedding, soft cap and scale. ``{"logits": [n, vocab]}``, or with `top_k` the softmax's
     ``{"probs", "ids"}``, ``[n, top_k]`` each (largest first), as the in-process lens keeps them."""
-    from .. import nnsight_seam as seam
     from ..vllm.logits import engine_logits
 
     parameter = next(model.parameters())
@@ -64,67 +62,3 @@ def head_rows(root: Any, model: torch.nn.Module, rows: torch.Tensor, normed: boo
             return {"logits": logits.float()}
         top = logits.float().softmax(-1).topk(top_k, dim=-1)
         return {"probs": top.values, "ids": top.indices}
-
-
-class HeadRPC:
-    """Worker methods behind the ``/v1/streamscope/head`` routes (see the module's docstring)."""
-
-    def _streamscope_head_root(self) -> Any:
-        from .. import nnsight_seam as seam
-
-        state = self.model_runner.__dict__.get("_streamscope_serve")  # type: ignore[attr-defined]
-        if state is None:
-            raise RuntimeError("the streamscope serve worker has not installed its state (no model loaded yet)")
-        # Under pipeline parallelism only the last stage holds the final norm and the head; the others answer
-        # with a reason, and the route takes the stage that has them.
-        if type(seam.module_of(state.root.norm)).__name__ == "PPMissingLayer":
-            raise RuntimeError("this pipeline stage holds no final norm")
-        return state.root
-
-    def streamscope_serve_head(self, data: bytes, normed: bool, top_k: Optional[int]) -> Any:
-        """`head_rows` of the posted ``rows``, as safetensors bytes; a string saying why where it cannot run."""
-        try:
-            rows = unpack(data)[0]["rows"]
-            found = head_rows(self._streamscope_head_root(), self.model_runner.get_model(),  # type: ignore[attr-defined]
-                              rows, normed, top_k)
-        except Exception as error:  # noqa: BLE001  (the route answers with the reason; the engine serves on)
-            return f"{type(error).__name__}: {error}"
-        return pack(found)
-
-    def streamscope_serve_head_parameters(self) -> Any:
-        """The final norm's ``weight``/``bias``/``eps`` and the head's ``bias``/``scale``/``soft_cap``
-        (`streamscope.engine.Engine.norm_parameters`, ``head_parameters``), as safetensors bytes with the
-        numbers in its metadata."""
-        import json
-
-        from .. import nnsight_seam as seam
-        from ..engine import norm_parameters
-        from ..vllm.logits import unembedding
-
-        try:
-            weight, bias, eps = norm_parameters(seam.module_of(self._streamscope_head_root().norm))
-            model = self.model_runner.get_model()  # type: ignore[attr-defined]
-            head_bias = getattr(unembedding(model), "bias", None)
-            processor = model.logits_processor
-        except Exception as error:  # noqa: BLE001
-            return f"{type(error).__name__}: {error}"
-        tensors = {name: tensor for name, tensor in (("norm_weight", weight), ("norm_bias", bias),
-                                                     ("head_bias", head_bias)) if tensor is not None}
-        cap = None if processor.soft_cap is None else float(processor.soft_cap)
-        return pack(tensors, {"eps": json.dumps(eps), "scale": json.dumps(float(processor.scale)),
-                              "soft_cap": json.dumps(cap)})
-
-    def streamscope_serve_unembedding_rows(self, ids: list[int]) -> Any:
-        """``{"rows": [len(ids), hidden]}``: the unembedding's rows for token `ids`, as safetensors bytes."""
-        from ..vllm.logits import unembedding
-
-        try:
-            head = unembedding(self.model_runner.get_model())  # type: ignore[attr-defined]
-            if getattr(head, "tp_size", 1) > 1:  # each rank holds a slice of the vocabulary: no one answers whole
-                return ("the unembedding is split across tensor-parallel ranks; read the logits through the head "
-                        "route (lens, cache logits) instead of its rows")
-            weight = head.weight.detach()  # type: ignore[operator]
-            rows = weight[torch.tensor(ids, dtype=torch.long, device=weight.device)]
-        except Exception as error:  # noqa: BLE001
-            return f"{type(error).__name__}: {error}"
-        return pack({"rows": rows})

@@ -5,8 +5,10 @@ client, FastAPI app, ``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/models``, ``--api-key``, metrics). streamscope adds three things through
 what vLLM offers for it:
 
-* the engine's worker class (``--worker-cls``): vLLM's worker with nnsight's
-  runner and `streamscope.serve.worker`, which applies each request's plan;
+* the engine's worker extension (``--worker-extension-cls``,
+  `streamscope.worker_extension`), on vLLM's own worker (nnsight's with
+  ``--taps``), whose `streamscope.serve.worker` applies each request's plan,
+  installed on every worker as the server starts;
 * an ASGI wrapper around vLLM's completion routes, inside every middleware
   vLLM installs (so ``--api-key`` is checked first), that checks a completion request's ``streamscope`` field and hands
   the plan to vLLM in its ``vllm_xargs``, with a prefix-cache salt; a request
@@ -47,7 +49,7 @@ from .protocol import (FIELD, WARNINGS_HEADER, XARG, Checker, Limits, RequestErr
 from .storage import Harvests, SAEs, Vectors, read_upload, sae_from_bytes, unknown_vector
 from .sweeps import add_sweep_routes, reduced
 from .vllm_api import serve, server_api
-from .worker import ENVIRONMENT, worker_cls
+from .worker import ENVIRONMENT, WORKER_EXTENSION, install_at_startup, worker_cls
 
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 PREFIX = "/v1/streamscope"
@@ -69,7 +71,7 @@ class Front:
         self.harvests = Harvests(folder, limits)
         self.saes = SAEs(sae_folder or Path(tempfile.mkdtemp(prefix="streamscope-saes-")), limits)
         self.checker.saes = self.saes
-        self.worker = ""  # the engine's worker class (vLLM's own without taps, nnsight's with them)
+        self.worker = ""  # the engine's worker class (vLLM's own without taps, nnsight's with them), extended
         #: The CUDA graph mode vLLM resolved for the engine, asked of a tapped engine's worker once (an eager
         #: engine's is ``NONE``; a tapped one's too where vLLM cannot capture the checkpoint's attention).
         self.graph_mode: Optional[str] = None if taps else "NONE"
@@ -127,6 +129,7 @@ class Front:
     def extend(self, app: Any) -> Any:
         """Add streamscope's routes and request check to the app vLLM built; returns it."""
         app.include_router(self.router())
+        install_at_startup(app)  # every worker's ServeState, before the server takes requests
         # Around the completion routes' own handlers: inside every middleware vLLM installed (its API key
         # check first of all), and without rebuilding its middleware stack (its metrics middleware is built once).
         wrapped = 0
@@ -504,9 +507,11 @@ def _given(argv: Sequence[str], *flags: str) -> bool:
 
 def engine_settings(args: argparse.Namespace, argv: Sequence[str], on_cpu: bool, locations: Sequence[str]) -> None:
     """The engine options streamscope needs, over what the caller passed: its worker, eager or graphs at the taps."""
-    if _given(argv, "--worker-cls"):
-        raise SystemExit("streamscope serve runs its own worker class; drop --worker-cls.")
+    if _given(argv, "--worker-cls", "--worker-extension-cls"):
+        raise SystemExit("streamscope serve runs its own worker class and extension; drop --worker-cls and "
+                         "--worker-extension-cls.")
     args.worker_cls = worker_cls(on_cpu, bool(locations))
+    args.worker_extension_cls = WORKER_EXTENSION
     if not locations or on_cpu:
         if _given(argv, "--no-enforce-eager") or _given(argv, "-cc", "--compilation-config") and not locations:
             print("streamscope serve: an untapped server runs eagerly (hooks do not fire inside compiled graphs); "

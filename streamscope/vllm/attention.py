@@ -46,10 +46,10 @@ from __future__ import annotations
 from typing import Any, Callable, ClassVar, Optional, Protocol
 
 import torch
-from vllm.distributed import parallel_state, tensor_model_parallel_all_gather
+from vllm.distributed import tensor_model_parallel_all_gather
 from vllm.model_executor.layers.attention import Attention as VllmAttentionLayer
 
-from .. import attention, blocks
+from .. import attention, blocks, vllm_seam
 from .. import nnsight_seam as seam
 from ..blocks.composed import Composer
 from ..blocks.heads import (FUSED_PROJECTION, FUSED_ROTARY, PRE_ROTARY, PROJECTED, READ_ONLY, pre_rotary_of,
@@ -73,9 +73,7 @@ MISSING_STEPS = ("{where}.{name} on decode step {step} spans the request's whole
 
 def tensor_parallel() -> tuple[int, int]:
     """This engine's tensor-parallel world size and this rank's place in it; ``(1, 0)`` outside an engine."""
-    if parallel_state._TP is None:
-        return 1, 0
-    return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    return vllm_seam.tensor_parallel()
 
 
 def pairs_first(tensor: torch.Tensor) -> torch.Tensor:

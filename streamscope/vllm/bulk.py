@@ -6,15 +6,15 @@ through bare ``llm.generate`` with each request marked in its sampling
 params, and collects what the worker harvested. The worker keeps a streamscope
 envoy tree over its real model (built once), resolves the plan's values on it
 exactly as a trace does, hooks the modules, and at every step reads the
-scheduled requests' token spans off the model runner (``input_batch.req_ids``,
-the scheduler's token counts, each request's computed tokens), so one hook
-call edits and reads the rows of every request in the flattened batch. No
-nnsight trace runs on this path.
+scheduled requests' token spans off the model runner (`vllm_seam.scheduled_spans`:
+the runner's batch order, the scheduler's token counts, each request's
+computed tokens), so one hook call edits and reads the rows of every request
+in the flattened batch. No nnsight trace runs on this path.
 
 The RPCs are worker methods by name (`streamscope.vllm.bulk_worker.BulkRPC`),
-which vLLM reaches whether the engine is in this process or another: both
-workers streamscope starts (its CPU worker, nnsight's GPU worker subclassed)
-carry them.
+which vLLM reaches whether the engine is in this process or another: every
+engine streamscope starts carries them in its worker extension
+(`streamscope.worker_extension.WorkerExtension`).
 """
 
 from __future__ import annotations
@@ -22,21 +22,26 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
+from tqdm.auto import tqdm
+from vllm import SamplingParams, envs
 
+from .. import nnsight_seam as seam
+from .. import vllm_seam
 from ..blocks.sublayers import NEURONS
 from ..bulk.apply import Applier, Span, steer_plans
+from ..bulk.dose import SteerError
 from ..bulk.moments import check_reduce, reduce_buffer
 from ..bulk.results import Generation, Harvest, ShardWriter, assemble
-from .. import nnsight_seam as seam
-from ..bulk.dose import SteerError
+from ..bulk.spec import (HarvestSpec, Positions, Site, Steer, check_doses, check_steer, condition_sites,
+                         generation_harvest, harvest_spec, locate, token_ids)
 from ..errors import Unavailable, untapped
-from ..bulk.spec import (HarvestSpec, Positions, Site, Steer, check_doses, check_steer, condition_sites, generation_harvest,
-                         harvest_spec, locate, token_ids)
 from . import held
+from .families import envoy_tree, family_for
 from .graphed import GraphedEdits
 from .held import WorkerSAEs
 from .pipeline import gather, holds, site_count, stage_sites
@@ -54,7 +59,7 @@ class WorkerState:
 
     def __init__(self, runner: Any, model_type: str) -> None:
         self.runner = runner
-        self.root = worker_tree(runner.get_model(), model_type)
+        self.root = worker_tree(vllm_seam.model_of(runner), model_type)
         self.applier: Optional[Applier] = None
         self.run: Optional[int] = None
         self.keys: dict[str, int] = {}
@@ -64,8 +69,8 @@ class WorkerState:
         self.reduce: Optional[str] = None  # the run's `HarvestSpec.reduce`
         self.sampled: list[Optional[int]] = []
         self.logits_hook: Any = None
-        self.saes = WorkerSAEs(next(runner.get_model().parameters()).device)  # `streamscope.vllm.held`
-        seam.wrap_update_states(runner, self._step_scheduled)
+        self.saes = WorkerSAEs(next(vllm_seam.model_of(runner).parameters()).device)  # `streamscope.vllm.held`
+        vllm_seam.after_schedule(runner, self._step_scheduled)
         # On an engine that replays CUDA graphs, a replayed step runs no module call, so no hook fires: the bulk
         # work runs at each tap instead. A step that runs eagerly (a prefill) fires the hooks and reaches no tap,
         # so each step's work runs once either way.
@@ -88,23 +93,16 @@ class WorkerState:
 
     def observe(self, scheduler_output: Any) -> None:
         """This step's spans, from the scheduler's token counts in the order of the runner's batch."""
-        for data in scheduler_output.scheduled_new_reqs:
-            extra = getattr(data.sampling_params, "extra_args", None) or {}
+        for request_id, extra, _ in vllm_seam.new_requests(scheduler_output):
             mark = extra.get(MARK)
             if mark is not None and mark[0] == self.run:
-                self.keys[data.req_id] = mark[1]
-        for request_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
+                self.keys[request_id] = mark[1]
+        for request_id in vllm_seam.finished_requests(scheduler_output):
             self.keys.pop(request_id, None)
-        counts = scheduler_output.num_scheduled_tokens.get
-        states = self.runner.requests
+        computed = vllm_seam.computed_tokens(self.runner)
         keys = self.keys.get
-        spans, start = [], 0
-        for request_id in self.runner.input_batch.req_ids:
-            count = counts(request_id)
-            if count is None:
-                continue
-            spans.append(Span(keys(request_id), start, count, states[request_id].num_computed_tokens))
-            start += count
+        spans = [Span(keys(request_id), start, count, computed(request_id))
+                 for request_id, start, count in vllm_seam.scheduled_spans(self.runner, scheduler_output)]
         self.sampled = [span.key for span in spans]
         self.applier.step(spans)
 
@@ -122,8 +120,6 @@ class WorkerState:
 
 def worker_tree(module: torch.nn.Module, model_type: str) -> Any:
     """streamscope's envoy tree over the worker's real model: the same family envoys the client's tree has."""
-    from .families import envoy_tree, family_for
-
     return envoy_tree(module, family_for(model_type))
 
 
@@ -133,7 +129,7 @@ def worker_root(worker: Any, model_type: str) -> Any:
 
 
 def _state(worker: Any, model_type: str) -> WorkerState:
-    runner = worker.model_runner
+    runner = vllm_seam.runner_of(worker)
     state = runner.__dict__.get("_streamscope_bulk")
     if state is None:
         state = runner.__dict__["_streamscope_bulk"] = WorkerState(runner, model_type)
@@ -147,7 +143,7 @@ def worker_begin(worker: Any, payload: bytes) -> Any:
     try:
         _begin(worker, payload)
     except Exception as error:  # noqa: BLE001  (handed back to the caller, with its own type and message)
-        state = worker.model_runner.__dict__.get("_streamscope_bulk")
+        state = vllm_seam.runner_of(worker).__dict__.get("_streamscope_bulk")
         if state is not None and state.applier is not None:
             worker_finish(worker, True)  # hooks a half-made run installed go
         return error if _in_process() else _pickled_error(error)
@@ -174,8 +170,8 @@ def _begin(worker: Any, payload: bytes) -> None:
     # Under pipeline parallelism this worker's stage reads and steers the blocks it holds (`vllm.pipeline`).
     sites, state.held = stage_sites(root, spec) if spec is not None else ([], [])
     state.total = site_count(spec) if spec is not None else 0
-    device = next(state.runner.get_model().parameters()).device
-    dtype = state.runner.model_config.dtype
+    device = next(vllm_seam.model_of(state.runner).parameters()).device
+    dtype = vllm_seam.runner_dtype(state.runner)
     steers = [(steer, locate(root, steer.value, steer.layer)) for steer in steer_list
               if holds(root, steer.value, steer.layer)]
     keys = list(range(len(plan["lengths"])))
@@ -187,21 +183,21 @@ def _begin(worker: Any, payload: bytes) -> None:
     if state.replays and device.type == "cuda":
         state.applier.graphs = GraphedEdits()  # a replayed step's edits at its taps, captured per run
     state.logits = {} if plan["logits"] else None
-    processor = getattr(state.runner.get_model(), "logits_processor", None)  # the last stage's only
+    processor = getattr(vllm_seam.model_of(state.runner), "logits_processor", None)  # the last stage's only
     if plan["logits"] and processor is not None:
         state.logits_hook = processor.register_forward_hook(state.record_logits)
 
 
 def worker_release(worker: Any, keys: list[str]) -> None:
     """RPC: let go of the SAEs held under `keys` (`streamscope.vllm.held`)."""
-    state = worker.model_runner.__dict__.get("_streamscope_bulk")
+    state = vllm_seam.runner_of(worker).__dict__.get("_streamscope_bulk")
     if state is not None:
         state.saes.update({}, keys)
 
 
 def worker_finish(worker: Any, inline: bool) -> Any:
     """RPC: remove the run's hooks; hand back each prompt's harvested tensors and logits, and any hook error."""
-    state = worker.model_runner.__dict__.get("_streamscope_bulk")
+    state = vllm_seam.runner_of(worker).__dict__.get("_streamscope_bulk")
     if state is None or state.applier is None:
         return None
     applier = state.applier
@@ -240,7 +236,6 @@ def pack_vectors(steers: list[Steer]) -> tuple[list[Steer], Optional[torch.Tenso
     vectors = [steer.vector for steer in steers]
     if len(steers) < PACKED_STEERS or len({(tuple(v.shape), v.dtype, v.device) for v in vectors}) != 1:
         return steers, None
-    from dataclasses import replace
 
     empty = vectors[0].new_empty(0)
     return [replace(steer, vector=empty) for steer in steers], torch.stack([v.detach() for v in vectors])
@@ -250,7 +245,6 @@ def unpack_vectors(steers: list[Steer], vectors: Optional[torch.Tensor]) -> list
     """`pack_vectors` undone in the worker: each steer with its own row of `vectors` (None: as they came)."""
     if vectors is None:
         return steers
-    from dataclasses import replace
 
     return [replace(steer, vector=vectors[index]) for index, steer in enumerate(steers)]
 
@@ -271,7 +265,7 @@ def _check_whole_prompts(model: Any, steers: Sequence[Steer]) -> None:
     prompt in the step that runs it (`streamscope.bulk.conditions.deciding_rows`)."""
     if not any(steer.condition is not None and steer.condition.scope == "request" for steer in steers):
         return
-    if model.vllm_entrypoint.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill:
+    if vllm_seam.chunked_prefill(model.vllm_entrypoint):
         raise SteerError("a request-scoped condition decides on the whole prompt in the step that runs it, and this "
                          "engine may run a prompt in pieces (enable_chunked_prefill=True): load the model without "
                          "enable_chunked_prefill (streamscope's default), or use Condition(scope='row').",
@@ -284,20 +278,16 @@ def _rpc(model: Any, method: str, *args: Any) -> Any:
 
 def _dtype(model: Any) -> torch.dtype:
     """The engine's dtype, which a steer's edit must fit (`streamscope.bulk.spec.check_dose`)."""
-    return model.vllm_entrypoint.llm_engine.vllm_config.model_config.dtype
+    return vllm_seam.engine_dtype(model.vllm_entrypoint)
 
 
 def _in_process() -> bool:
-    from vllm import envs
-
     return not envs.VLLM_ENABLE_V1_MULTIPROCESSING
 
 
 def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str, Any], spec: Optional[HarvestSpec],
          steers: Sequence[Steer], logits: bool) -> tuple[list[Any], dict]:
     """One chunk of prompts through the engine with the run's hooks; (request outputs, worker results)."""
-    from vllm import SamplingParams
-
     run = next(_RUNS)
     local = {global_index: local_index for local_index, global_index in enumerate(chunk)}
     chunk_spec = None
@@ -347,7 +337,7 @@ def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str,
 def _salted(model: Any, spec: Optional[HarvestSpec], steers: Sequence[Steer], count: int) -> list[int]:
     """The requests of a chunk that need a cache salt of their own: with prefix caching on, every one a steer or a
     harvest touches (the others may share cached blocks, as plain vLLM's requests do)."""
-    if not model.vllm_entrypoint.llm_engine.vllm_config.cache_config.enable_prefix_caching:
+    if not vllm_seam.prefix_caching(model.vllm_entrypoint):
         return []
     if spec is not None or any(steer.prompts is None for steer in steers):
         return list(range(count))
@@ -402,8 +392,6 @@ def release_saes(model: Any, sae: Any = None) -> None:
 
 
 def _with_prompts(steer: Steer, prompts: list[int]) -> Steer:
-    from dataclasses import replace
-
     return replace(steer, prompts=prompts)
 
 
@@ -419,8 +407,6 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
     `reduce` (``"last"``, ``"mean"``) reduces each prompt's positions in the worker, before its rows leave it
     (`streamscope.bulk.moments.reduce_positions`): one row a prompt crosses to this process.
     """
-    from tqdm.auto import tqdm
-
     ids = token_ids(model, prompts)
     spec = harvest_spec(model, values, layers, positions, [len(tokens) for tokens in ids])
     spec.readout = readout
@@ -461,8 +447,6 @@ def generate(model: Any, prompts: Sequence[Any], max_tokens: int = 16, *, steer:
 
     `sampling` is vLLM's ``SamplingParams`` (``temperature``, ``top_p``, ``seed``, ``ignore_eos``, ...).
     """
-    from tqdm.auto import tqdm
-
     ids = token_ids(model, prompts)
     lengths = [len(tokens) for tokens in ids]
     spec = generation_harvest(model, harvest, lengths)

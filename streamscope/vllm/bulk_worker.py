@@ -1,34 +1,64 @@
-"""The bulk path's RPC methods on vLLM's worker, and nnsight's GPU worker with them.
+"""The bulk path's RPC methods, which streamscope's worker extension carries on every vLLM worker it starts.
 
 `collective_rpc` reaches a worker method by name in whichever process runs the
-worker (a function would need VLLM_ALLOW_INSECURE_SERIALIZATION to travel), so
-both workers streamscope starts carry these: its CPU worker
-(`streamscope.vllm.worker.NNsightCPUWorker`) and, on a GPU, `GPUWorker`, which is
-nnsight's GPU worker plus these methods.
+worker (a function would need VLLM_ALLOW_INSECURE_SERIALIZATION to travel).
+vLLM appends the class named by ``worker_extension_cls`` to the worker's bases
+(``WorkerWrapperBase.init_worker``, refusing any name the worker already has),
+so `BulkRPC` defines only new names: the ``streamscope_*`` RPCs. Its methods
+join the server's (`streamscope.serve.worker.ServeRPC`) in one extension class,
+`streamscope.worker_extension.WorkerExtension` (`WORKER_EXTENSION`), passed on
+every engine streamscope starts: in process (`streamscope.load(...,
+engine="vllm")`) and under ``streamscope serve``.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any
 
 import torch
 
-from ..nnsight_seam import NNsightGPUWorker, module_of
-from . import trace_transport
+from .. import vllm_seam
+from ..engine import attention_modules, down_projections, norm_parameters, output_projection
+from ..nnsight_seam import module_of
+from . import graphed, trace_transport
+from .bulk import worker_begin, worker_finish, worker_release, worker_root
+from .logits import unembedding
+
+#: streamscope's worker extension, as the import path vLLM resolves in the worker's process (a class it appends
+#: to the worker's bases): the bulk path's RPCs and the server's.
+WORKER_EXTENSION = "streamscope.worker_extension.WorkerExtension"
+#: The worker class streamscope starts on a CPU where nnsight's runner is needed (traces; a tapped server):
+#: `streamscope.vllm.worker.NNsightCPUWorker`, as the import path vLLM resolves.
+CPU_WORKER = "streamscope.vllm.worker.NNsightCPUWorker"
 
 
 class BulkRPC:
     """Worker methods the client calls through ``collective_rpc`` to run a bulk request (`streamscope.vllm.bulk`),
-    and nnsight's collect of a trace's saves, handed over as tensors to a client in this process."""
+    read the model's weights, and have nnsight's collect of a trace's saves hand them over as tensors."""
 
     def streamscope_hand_saves_over(self) -> None:
         """Called by a streamscope client once its engine is up: this worker's collects hand saves over as tensors
         to a client in this process, packed into one buffer for one in another (`trace_transport.pack_saves_in_this_process`).
 
-        Raw nnsight's client on the same CPU worker class never calls it, so its traces keep nnsight's pickling.
+        nnsight's ``collect_nnsight`` is wrapped on this worker instance (an extension may not override a name the
+        worker has). Raw nnsight's client on the same CPU worker class never calls it, so its traces keep
+        nnsight's pickling.
         """
         trace_transport.pack_saves_in_this_process()  # in an engine process, nothing has replaced nnsight's pickling yet
+        if getattr(self, "streamscope_hands_over", False):
+            return
+        collect = self.collect_nnsight  # type: ignore[attr-defined]
+
+        def collect_nnsight(*args: Any, **kwargs: Any) -> Any:
+            """nnsight's collect; for a streamscope client in this process, its answer is
+            `trace_transport.HandedSaves`, for one in another the saves packed into one buffer
+            (`trace_transport.PACKED_SAVES`)."""
+            with trace_transport.handing_over():
+                return collect(*args, **kwargs)
+
+        self.collect_nnsight = collect_nnsight
         self.streamscope_hands_over = True
 
     def streamscope_take_bundle(self, trace: str, payload: bytes, count: int) -> None:
@@ -47,8 +77,6 @@ class BulkRPC:
     def streamscope_saves_transport(self, name: Any) -> Any:
         """Set ``STREAMSCOPE_SAVES_TRANSPORT`` to `name` (``None`` unsets it) where this worker runs; the setting
         before. An engine process reads its own environment, copied from the caller's when the engine started."""
-        import os
-
         before = os.environ.get(trace_transport.SAVES_TRANSPORT_ENV)
         if name is None:
             os.environ.pop(trace_transport.SAVES_TRANSPORT_ENV, None)
@@ -58,49 +86,28 @@ class BulkRPC:
             os.environ[trace_transport.SAVES_TRANSPORT_ENV] = name
         return before
 
-    def collect_nnsight(self, *args: Any, **kwargs: Any) -> Any:
-        """nnsight's collect; for a streamscope client in this process, its answer is `trace_transport.HandedSaves`,
-        for one in another the saves packed into one buffer (`trace_transport.PACKED_SAVES`)."""
-        import contextlib
-
-        handing = getattr(self, "streamscope_hands_over", False)
-        with trace_transport.handing_over() if handing else contextlib.nullcontext():
-            return super().collect_nnsight(*args, **kwargs)  # type: ignore[misc]
-
     def streamscope_bulk_begin(self, payload: bytes) -> None:
-        from .bulk import worker_begin
-
         return worker_begin(self, payload)
 
     def streamscope_bulk_finish(self, inline: bool) -> Any:
-        from .bulk import worker_finish
-
         return worker_finish(self, inline)
 
     def streamscope_bulk_release(self, keys: list[str]) -> None:
-        from .bulk import worker_release
-
         return worker_release(self, keys)
 
     def streamscope_graphed_counts(self) -> dict[str, int]:
         """How many steer edits at taps this worker's process replayed as captured graphs, and how many it
         captured (`streamscope.vllm.graphed`), since it started."""
-        from . import graphed
-
         return dict(graphed.COUNTS)
 
     def streamscope_graph_mode(self) -> str:
-        """The CUDA graph mode vLLM resolved for this worker's engine (``NONE``: every step runs eagerly). vLLM
-        lowers the mode it was asked for where an attention backend cannot be captured (chunked local attention,
-        say), and logs why."""
-        mode = getattr(getattr(self.model_runner, "compilation_config", None), "cudagraph_mode", None)
-        if mode is None or getattr(getattr(self.model_runner, "device", None), "type", None) != "cuda":
-            return "NONE"
-        return getattr(mode, "name", str(mode))
+        """The CUDA graph mode vLLM resolved for this worker's engine (``NONE``: every step runs eagerly):
+        `vllm_seam.graph_mode`."""
+        return vllm_seam.graph_mode(vllm_seam.runner_of(self))
 
     def streamscope_held_saes(self) -> list[str]:
         """The keys of the SAEs this worker holds between runs (`streamscope.vllm.held`)."""
-        state = self.model_runner.__dict__.get("_streamscope_bulk")
+        state = vllm_seam.runner_of(self).__dict__.get("_streamscope_bulk")
         return [] if state is None else sorted(state.saes.saes)
 
     # The weights a workflow reads (`streamscope.vllm.engine.VllmEngine`), off the worker's own modules.
@@ -109,9 +116,6 @@ class BulkRPC:
 
     def streamscope_norm_parameters(self, inline: bool, model_type: str) -> Any:
         """The final norm's ``(weight, bias, eps)``."""
-        from .bulk import worker_root
-        from ..engine import norm_parameters
-
         weight, bias, eps = norm_parameters(module_of(worker_root(self, model_type).norm))
         if inline:
             return weight, bias, eps
@@ -119,18 +123,14 @@ class BulkRPC:
 
     def streamscope_unembedding_rows(self, inline: bool, model_type: str, ids: list[int]) -> Any:
         """``[len(ids), hidden_size]``: the unembedding's rows for token `ids`."""
-        from .logits import unembedding
-
-        weight = unembedding(self.model_runner.get_model()).weight.detach()
+        weight = unembedding(vllm_seam.model_of(vllm_seam.runner_of(self))).weight.detach()
         rows = weight[torch.tensor(ids, dtype=torch.long, device=weight.device)].clone()
         return rows if inline else pickle.dumps(rows.cpu())
 
     def streamscope_head_parameters(self, inline: bool, model_type: str) -> Any:
         """The head's ``(bias, scale, soft_cap)`` after its matrix, as its logits processor applies them
         (`streamscope.engine.Engine.head_parameters`)."""
-        from .logits import unembedding
-
-        module = self.model_runner.get_model()
+        module = vllm_seam.model_of(vllm_seam.runner_of(self))
         bias = getattr(unembedding(module), "bias", None)
         processor = module.logits_processor
         cap = None if processor.soft_cap is None else float(processor.soft_cap)
@@ -143,9 +143,6 @@ class BulkRPC:
     def streamscope_output_projections(self, inline: bool, model_type: str, num_layers: int, width: int) -> Any:
         """Per block: this rank's columns of its attention's output projection ``[hidden_size, width / ranks]``,
         or why it has none."""
-        from .bulk import worker_root
-        from ..engine import attention_modules, output_projection
-
         found = [module if isinstance(module, str) else output_projection(module, width)
                  for module in attention_modules(worker_root(self, model_type), num_layers)]
         return found if inline else pickle.dumps(found)
@@ -153,15 +150,5 @@ class BulkRPC:
     def streamscope_down_projections(self, inline: bool, model_type: str, num_layers: int) -> Any:
         """Per block: this rank's columns of its MLP's down projection ``[hidden_size, intermediate_size /
         ranks]``, or why it has no neurons."""
-        from .bulk import worker_root
-        from ..engine import down_projections
-
         found = down_projections(worker_root(self, model_type), num_layers)
         return found if inline else pickle.dumps(found)
-
-
-class GPUWorker(BulkRPC, NNsightGPUWorker):
-    """nnsight's GPU worker with the bulk path's RPC methods."""
-
-
-GPU_WORKER_CLS = f"{GPUWorker.__module__}.{GPUWorker.__qualname__}"

@@ -11,6 +11,7 @@ from vllm import envs
 from vllm.platforms import current_platform
 
 from .. import nnsight_seam as seam
+from .. import vllm_seam
 from ..engine import Body, Engine, Prompt, join_shards
 from .bulk import set_each, settable
 from .logits import engine_logits
@@ -40,7 +41,7 @@ class VllmEngine(Engine):
                     "the checkpoint on transformers for gradients: `streamscope.load(path, engine=\"transformers\")`.")
 
     def precision(self) -> tuple[str, torch.dtype]:
-        dtype = self.model.vllm_entrypoint.llm_engine.vllm_config.model_config.dtype
+        dtype = vllm_seam.engine_dtype(self.model.vllm_entrypoint)
         return ("cpu" if current_platform.is_cpu() else "cuda"), dtype
 
     def trace_input(self, prompts: Sequence[Prompt]) -> Any:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
-import copy
 import functools
 import gc
 import inspect
+import logging
 import os
 import sys
 import warnings
@@ -17,23 +17,32 @@ from pathlib import Path
 from types import FrameType, ModuleType
 from typing import Any, Optional, Sequence
 
-from nnsight.modeling.vllm import VLLM
-
 import torch
+from nnsight.modeling.vllm import VLLM
+from vllm import envs
+from vllm.inputs import TokensPrompt
+from vllm.platforms import current_platform
 
-from .. import errors
-from ..engine import TRANSFORMERS_BUILD_CONTEXTS
-from ..input_checks import check_token_ids
-from ..errors import Unavailable
-from ..gradients import refuse_gradients
+from .. import errors, vllm_seam
 from .. import nnsight_seam as seam
-from . import trace_transport
-from ..standardized import Standardized
-from ..values import OUTPUT, ComputedValue, check_write
-from . import families
-from .engine import VllmEngine
+from ..bulk.spec import plain_generation
+from ..engine import TRANSFORMERS_BUILD_CONTEXTS, trace_prompts
+from ..errors import Unavailable
+from ..families import FAMILIES
+from ..gradients import refuse_gradients
+from ..input_checks import check_token_ids
+from ..sae import route_harvest
+from ..standardized import Standardized, _config
+from ..values import OUTPUT, ComputedValue, check_write, refuse_write
+from . import families, trace_transport
+from .bulk import generate, harvest, release_saes
+from .bulk_worker import WORKER_EXTENSION
+from .engine import SEVERAL_PROMPTS, VllmEngine
+from .families import envoy_tree
 from .logits import engine_logits
+from .pipeline import describe
 from .taps import tap_locations
+from .worker import cpu_engine_kwargs
 
 #: Engine settings that keep values exact and every token visible to a trace.
 EXACT_DEFAULTS: dict[str, Any] = {
@@ -44,8 +53,6 @@ EXACT_DEFAULTS: dict[str, Any] = {
 
 
 def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
     return current_platform.is_cpu()
 
 
@@ -67,14 +74,14 @@ PIPELINED = ("a trace cannot run on a pipeline-parallel engine: its body runs on
 def _in_process(engine: "StandardizedVLLM") -> bool:
     """Whether the engine's core runs in this process (vLLM's in-process client holds it as `engine_core`)."""
     entry = getattr(engine, "vllm_entrypoint", None)
-    return entry is not None and hasattr(entry.llm_engine.engine_core, "engine_core")
+    return entry is not None and vllm_seam.core_in_process(entry)
 
 
 def _one_worker_here(engine: "StandardizedVLLM") -> bool:
     """Whether the engine's core and its only worker run in this process (one rank, no engine process)."""
     if not _in_process(engine):
         return False
-    return engine.vllm_entrypoint.llm_engine.vllm_config.parallel_config.world_size == 1
+    return vllm_seam.parallel_size(engine.vllm_entrypoint, "world_size") == 1
 
 
 def _bundle_route(engine: "StandardizedVLLM") -> Any:
@@ -84,33 +91,12 @@ def _bundle_route(engine: "StandardizedVLLM") -> Any:
     if _one_worker_here(engine):
         return trace_transport.HERE
     entry = engine.vllm_entrypoint
-    if not hasattr(entry, "llm_engine"):  # an async engine: its RPC is a coroutine
+    if not vllm_seam.has_blocking_rpc(entry):  # an async engine: its RPC is a coroutine
         return None
 
     def send(trace: str, payload: bytes, count: int) -> None:
         entry.collective_rpc("streamscope_take_bundle", args=(trace, payload, count))
     return send
-
-
-@contextlib.contextmanager
-def _keeping_process_state() -> Any:
-    """Shut one in-process engine down while others of the process still run.
-
-    vLLM's engine-core shutdown ends with a teardown of the process's parallel
-    groups, and its GPU runner's shutdown resets the process's kernel
-    workspace; both belong to every in-process engine, so while others live,
-    only the closing engine's own memory is released.
-    """
-    import vllm.v1.engine.core as engine_core
-    import vllm.v1.worker.workspace as workspace
-
-    teardown, reset = engine_core.cleanup_dist_env_and_memory, workspace.reset_workspace_manager
-    engine_core.cleanup_dist_env_and_memory = lambda *args, **kwargs: gc.collect()
-    workspace.reset_workspace_manager = lambda: None
-    try:
-        yield
-    finally:
-        engine_core.cleanup_dist_env_and_memory, workspace.reset_workspace_manager = teardown, reset
 
 
 def beside_engine() -> contextlib.AbstractContextManager:
@@ -121,20 +107,13 @@ def beside_engine() -> contextlib.AbstractContextManager:
     vLLM config: the live engine's (eager, it runs transformers' forward as is),
     or once every engine has closed, the last one's without compilation.
     """
-    from vllm.config import set_current_vllm_config
-
     for engine in list(_ENGINES):
         if engine.vllm_entrypoint is not None:
-            return set_current_vllm_config(engine.vllm_entrypoint.llm_engine.vllm_config)
+            return vllm_seam.current_config(vllm_seam.engine_config(engine.vllm_entrypoint))
     if _STARTED:
         # The classes stay decorated after the last engine closed: an eager copy of the last engine's config
         # (it reads the model config to decide on compiling) lets them build as plain transformers modules.
-        from vllm.config import CompilationConfig
-        from vllm.config.compilation import CompilationMode
-
-        config = copy.copy(_STARTED[-1])
-        config.compilation_config = CompilationConfig(mode=CompilationMode.NONE)
-        return set_current_vllm_config(config)
+        return vllm_seam.current_config(vllm_seam.eager_copy(_STARTED[-1]))
     return contextlib.nullcontext()
 
 
@@ -164,8 +143,6 @@ class StandardizedVLLM(Standardized, VLLM):
     def _checked_logits(self, value: Any) -> Any:
         # nnsight splices each invoke's rows back with torch.cat, which fails deep in the engine on another width.
         if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[-1] != self.vocab_size:
-            from ..values import refuse_write
-
             rows = value.shape[0] if isinstance(value, torch.Tensor) and value.dim() == 2 else 1
             refuse_write("model.logits", "[samples, vocab_size]", (rows, self.vocab_size), value)
         check_write("model.logits", "[samples, vocab_size]", tuple(value.shape), value)
@@ -202,25 +179,25 @@ class StandardizedVLLM(Standardized, VLLM):
         if self.tap_names:
             settings = _graph_settings(settings, kwargs)
         if _on_cpu():
-            from .worker import cpu_engine_kwargs
-
             if settings.get("dispatch", True):  # a meta tree alone (dispatch=False) runs no kernel
                 refuse_on_the_cpu_build(path, self.family)
             settings = cpu_engine_kwargs(**settings)
             if self.tap_names and "enforce_eager" not in kwargs:
                 settings.pop("enforce_eager", None)  # the CPU default; nnsight sets it from the taps
         else:
-            from .bulk_worker import GPU_WORKER_CLS
-
             # vLLM forks its engine and worker processes unless it sees CUDA initialized. But a plain
             # torch.cuda query before that (torch.cuda.is_available(), made by imports on this path and by
             # user code) already marks forked children unable to use CUDA, and the engine dies starting
             # ("Cannot re-initialize CUDA in forked subprocess"). Spawned processes always start; a script
             # then builds its engine under `if __name__ == "__main__":`, as vLLM asks.
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-
-            # nnsight's GPU worker with the bulk path's RPC methods (nnsight passes worker_cls=self._WORKER_CLS).
-            seam.set_client_worker(self, GPU_WORKER_CLS)
+        # The worker vLLM starts is nnsight's (on a CPU, its CPU form: `worker.NNsightCPUWorker`); streamscope's
+        # RPCs are its extension, which vLLM appends to the worker's bases.
+        if settings.get("worker_extension_cls") not in (None, WORKER_EXTENSION):
+            raise ValueError(f"streamscope's engine runs its own worker extension ({WORKER_EXTENSION}: the bulk "
+                             f"path's and the server's RPCs); drop worker_extension_cls="
+                             f"{settings['worker_extension_cls']!r}.")
+        settings["worker_extension_cls"] = WORKER_EXTENSION
         settings.setdefault("dispatch", True)
         # A worker in this process hands a trace's saves over as tensors, not pickled (trace_transport.HandedSaves),
         # and takes a trace's invokes pickled once, together (trace_transport.bundle_interventions).
@@ -241,15 +218,13 @@ class StandardizedVLLM(Standardized, VLLM):
             # A start that failed half-way leaves vLLM's process-wide parallel state up, built for this model
             # (no expert-parallel group for a dense one, say), and the next engine of the process would reuse it.
             if not any(_in_process(engine) for engine in list(_ENGINES)):
-                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-                cleanup_dist_env_and_memory()
+                vllm_seam.tear_down_parallel_state()
             raise
         if self.vllm_entrypoint is not None:  # dispatch=False builds the meta tree alone (a server's front end)
-            if hasattr(self.vllm_entrypoint, "llm_engine"):  # vLLM's LLM (an async engine's RPC is a coroutine)
+            if vllm_seam.has_blocking_rpc(self.vllm_entrypoint):  # vLLM's LLM (an async engine's RPC is a coroutine)
                 self.vllm_entrypoint.collective_rpc("streamscope_hand_saves_over")
             _ENGINES.add(self)
-            _STARTED[:] = [self.vllm_entrypoint.llm_engine.vllm_config]
+            _STARTED[:] = [vllm_seam.engine_config(self.vllm_entrypoint)]
             if self.tap_names:
                 self._read_graph_mode(asked_for_none=_asks_for_no_graphs(kwargs))
         self._check_family()
@@ -269,7 +244,6 @@ class StandardizedVLLM(Standardized, VLLM):
     def _resolve_taps(self, module: torch.nn.Module) -> tuple[str, ...]:
         # nnsight calls this with the engine's meta model, before the engine starts: streamscope's value names
         # become the module locations (a call's input or output, or an operation inside a forward) that hold them.
-        from .families import envoy_tree
 
         root = envoy_tree(module, self.family)
         locations = tap_locations(root, self.tap_names)
@@ -290,8 +264,8 @@ class StandardizedVLLM(Standardized, VLLM):
         if entry is None:
             return
         sharing = _in_process(self) and any(_in_process(other) for other in list(_ENGINES) if other is not self)
-        with _keeping_process_state() if sharing else contextlib.nullcontext():
-            entry.llm_engine.engine_core.shutdown()
+        with vllm_seam.keeping_process_state() if sharing else contextlib.nullcontext():
+            vllm_seam.shut_down(entry)
         self.vllm_entrypoint = None
         _ENGINES.discard(self)
         del entry
@@ -326,11 +300,9 @@ class StandardizedVLLM(Standardized, VLLM):
 
     def _parallel(self, size: str) -> int:
         entry = getattr(self, "vllm_entrypoint", None)
-        return 1 if entry is None else getattr(entry.llm_engine.vllm_config.parallel_config, size)
+        return 1 if entry is None else vllm_seam.parallel_size(entry, size)
 
     def _stages(self) -> str:
-        from .pipeline import describe
-
         return describe(self.num_layers, self.pipeline_parallel_size)
 
     def support(self) -> Any:
@@ -370,9 +342,6 @@ class StandardizedVLLM(Standardized, VLLM):
         `streamscope.bulk` for the layout; ``shard_size`` (prompts per
         engine run and per shard) and ``progress`` are options.
         """
-        from ..sae import route_harvest
-        from .bulk import harvest
-
         return route_harvest(self, prompts, values, layers, positions, out, options, harvest)
 
     def release_saes(self, sae: Any = None) -> None:
@@ -383,8 +352,6 @@ class StandardizedVLLM(Standardized, VLLM):
         `streamscope.vllm.held.CAPACITY` SAEs used, on the engine's device,
         for the next run. A later run with the SAE sends it again.
         """
-        from .bulk import release_saes
-
         release_saes(self, sae)
 
     def generate(self, *inputs: Any, steer: Any = None, harvest: Any = None, **kwargs: Any) -> Any:
@@ -394,8 +361,6 @@ class StandardizedVLLM(Standardized, VLLM):
         ``harvest=``: the same `Generation` as on transformers. As a ``with`` block it is nnsight's
         generate, a trace over every step (the decision is made here, at the caller's depth).
         """
-        from .bulk import generate
-
         if steer is not None or harvest is not None:
             return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)
         # Under pipeline parallelism only the called form runs (the bulk path); a with block is refused below.
@@ -408,8 +373,6 @@ class StandardizedVLLM(Standardized, VLLM):
         try:
             tracer.capture()
         except seam.WithBlockNotFoundError:
-            from ..bulk.spec import plain_generation
-
             prompts, settings = plain_generation(inputs, kwargs)
             return generate(self, prompts, **settings)
         if pipelined:
@@ -439,9 +402,6 @@ def _one_prompt(tokenizer: Any, prompt: Any) -> Any:
     """An invoke's prompt as vLLM takes it: a token tensor (``tracer.invoke(model.to_tokens(text))``) as its ids;
     a tensor of several prompts in one invoke refused with the fix (`SEVERAL_PROMPTS`: give them to the trace,
     which runs an invoke per prompt); anything else as nnsight made it."""
-    from ..engine import trace_prompts
-    from .engine import SEVERAL_PROMPTS
-
     if not isinstance(prompt, torch.Tensor):
         return prompt
     prompts = trace_prompts(tokenizer, prompt)
@@ -449,7 +409,6 @@ def _one_prompt(tokenizer: Any, prompt: Any) -> Any:
         return prompt
     if len(prompts) != 1:
         raise ValueError(SEVERAL_PROMPTS.format(count=len(prompts)))
-    from vllm.inputs import TokensPrompt
 
     return TokensPrompt(prompt_token_ids=list(prompts[0]))
 
@@ -472,7 +431,6 @@ def _graph_settings(settings: dict[str, Any], asked: dict[str, Any]) -> dict[str
     """
     # nnsight sets VLLM_USE_BREAKABLE_CUDAGRAPH for the engine's processes; vLLM caches its environment once an
     # engine has started, so an engine started earlier in this process would hide it from this one's config.
-    from vllm import envs
 
     os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
     envs.disable_envs_cache()
@@ -563,8 +521,6 @@ def refuse_on_the_cpu_build(path: str | Path, family: ModuleType) -> None:
     server meets only at its first request; the family registry says which
     families these are (`streamscope.families.Family.not_on_vllm_cpu`).
     """
-    from ..families import FAMILIES
-
     name = family.__name__.rpartition(".")[2]
     reason = next((entry.not_on_vllm_cpu for entry in FAMILIES if entry.name == name), None)
     if reason is not None:
@@ -609,8 +565,6 @@ def load(path: str | Path, verbose: bool = False, **kwargs: Any) -> Standardized
 
 def _forget_cached_environment() -> None:
     """Make vLLM read its environment variables again: an engine started earlier in this process cached them."""
-    from vllm import envs
-
     envs.disable_envs_cache()
 
 
@@ -626,7 +580,6 @@ def _quiet_start(verbose: bool, kwargs: dict[str, Any]) -> Any:
         _forget_cached_environment()  # a quiet start earlier in this process left its level in vLLM's cache
         yield kwargs
         return
-    import logging
 
     vllm_logger = logging.getLogger("vllm")
     level = vllm_logger.level
@@ -707,7 +660,6 @@ def _check_pipeline(path: str | Path, kwargs: dict[str, Any]) -> None:
         return
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"pipeline_parallel_size={size!r}: give a whole number of stages, 1 or more.")
-    from ..standardized import _config
 
     config = _config(path, kwargs)
     config = getattr(config, "text_config", None) or config

@@ -21,15 +21,14 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .. import nnsight_seam as seam
+from .. import vllm_seam
 from ..bulk.sites import ROOT_VALUES, Site, locate
 from ..bulk.spec import HarvestSpec
 
 
 def stages(num_layers: int, size: int) -> list[tuple[int, int]]:
     """Each stage's blocks as ``(first, stop)``, as vLLM splits `num_layers` over `size` stages."""
-    from vllm.distributed.utils import get_pp_indices
-
-    return [get_pp_indices(num_layers, rank, size) for rank in range(size)]
+    return vllm_seam.stage_blocks(num_layers, size)
 
 
 def describe(num_layers: int, size: int) -> str:
@@ -44,9 +43,7 @@ def describe(num_layers: int, size: int) -> str:
 
 def missing(module: Any) -> bool:
     """Whether `module` is a placeholder for a block (or root module) another pipeline stage holds."""
-    from vllm.model_executor.models.utils import PPMissingLayer
-
-    return isinstance(module, PPMissingLayer)
+    return vllm_seam.missing_layer(module)
 
 
 def holds(root: Any, value: str, layer: Optional[int]) -> bool:
@@ -58,10 +55,8 @@ def holds(root: Any, value: str, layer: Optional[int]) -> bool:
     """
     if layer is not None:
         return not missing(seam.module_of(root.layers[layer]))
-    from vllm.distributed.parallel_state import get_pp_group
-
-    group = get_pp_group()
-    return group.is_first_rank if value == "token_embeddings" else group.is_last_rank
+    stage, size = vllm_seam.pipeline_stage()
+    return stage == 0 if value == "token_embeddings" else stage == size - 1
 
 
 def site_count(spec: HarvestSpec) -> int:

