@@ -67,6 +67,14 @@ class BulkRPC:
         with trace_transport.handing_over() if handing else contextlib.nullcontext():
             return super().collect_nnsight(*args, **kwargs)  # type: ignore[misc]
 
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's load, then the graph ops inserted where the engine asked for them (before the profile run)."""
+        from ..bulk.graph_backend import insert_at_load
+
+        result = super().load_model(*args, **kwargs)  # type: ignore[misc]
+        insert_at_load(self)
+        return result
+
     def streamscope_bulk_begin(self, payload: bytes) -> None:
         from .bulk import worker_begin
 
