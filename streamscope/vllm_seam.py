@@ -59,6 +59,7 @@ READS: dict[str, str] = {
     "intermediate_tensors": "the runner: a later pipeline stage's buffer for the stream it receives",
     "model_config": "the runner: the model's dtype and Hugging Face config",
     "get_model": "the runner: the model it runs (its nn.Module)",
+    "max_num_tokens": "the runner: the most token rows a step runs (max_num_batched_tokens)",
 }
 
 
@@ -239,6 +240,24 @@ def runner_dtype(runner: Any) -> torch.dtype:
 def runner_model_type(runner: Any) -> str:
     """The checkpoint's ``model_type`` (``runner.model_config.hf_config``), which picks streamscope's family."""
     return read(runner, "model_config").hf_config.model_type
+
+
+def hidden_size(runner: Any) -> int:
+    """The model's hidden size (``runner.model_config.get_hidden_size()``): the width of a stream row."""
+    return int(read(runner, "model_config").get_hidden_size())
+
+
+def max_batched_tokens(runner: Any) -> int:
+    """The most token rows one step runs (``runner.max_num_tokens``, the scheduler's ``max_num_batched_tokens``):
+    what a buffer filled per step is sized by."""
+    return int(read(runner, "max_num_tokens"))
+
+
+def additional_config(worker: Any) -> dict[str, Any]:
+    """The engine's ``additional_config`` as the worker received it (``worker.vllm_config``): where streamscope
+    passes a worker what it inserts at load; an empty dict where none was given."""
+    config = getattr(read(worker, "vllm_config"), "additional_config", None)
+    return dict(config) if isinstance(config, dict) else {}
 
 
 def graph_mode(runner: Any) -> str:

@@ -503,3 +503,9 @@ def test_salt_covers_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     assert graph_ops.cache_salt(sites, 1, []) != base
     monkeypatch.undo()
     assert graph_ops.cache_salt(sites, 1, []) == base
+
+
+def test_the_kernel_has_a_branch_for_every_mode_the_ops_take() -> None:
+    assert set(graph_kernels.KERNEL_MODES) == set(graph_ops.MODE_CODES), (
+        "a mode of graph_ops.MODE_CODES has no branch in graph_kernels._edit_rows (or the other way round): "
+        "write its coefficient there (docs/adding-an-operation.md, step 4)")

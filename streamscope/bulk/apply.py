@@ -69,11 +69,16 @@ class Applier(RequestApplier):
         to_host: Whether harvested rows move to host memory as they are read.
         readout: What each harvested row becomes before it is stored, where
             the hooks run (an SAE's features); None to store the value.
+        graph: The engine's graph-op backend
+            (`streamscope.vllm.graph_backend.GraphBackend`), or None: the steers
+            and harvests the ops serve run there, the rest on the hooks, and
+            `take` gives each request its rows from either.
     """
 
     def __init__(self, harvest_sites: Sequence[Site], harvest_positions: dict[Hashable, list[int]],
-                 steers: Sequence[SteerPlan], device: Any, to_host: bool = True, readout: Any = None) -> None:
-        super().__init__(device, keep_error=True, strict=True, hooked=False)
+                 steers: Sequence[SteerPlan], device: Any, to_host: bool = True, readout: Any = None,
+                 graph: Any = None) -> None:
+        super().__init__(device, keep_error=True, strict=True, hooked=False, graph=graph)
         self.harvest_sites = list(harvest_sites)
         self.harvest_positions = harvest_positions
         self.steers = list(steers)
@@ -82,8 +87,12 @@ class Applier(RequestApplier):
         #: key -> [sites, positions, hidden], filled as the prompts run.
         self.harvested: dict[Hashable, torch.Tensor] = {}
         self._pending: list[tuple[int, torch.Tensor, list[tuple[Live, int, list[int]]]]] = []  # (site, rows, layout)
-        for key, live in run_requests(self.harvest_sites, harvest_positions, self.steers, readout).items():
-            self.enter(key, live)
+        try:
+            for key, live in run_requests(self.harvest_sites, harvest_positions, self.steers, readout).items():
+                self.enter(key, live)
+        except BaseException:
+            self.close()  # the requests entered so far leave the engine's graph plan as they found it
+            raise
 
     @property
     def handles(self) -> list[Any]:
@@ -120,7 +129,14 @@ class Applier(RequestApplier):
             start += count
 
     def settle(self) -> None:
-        """Hand the staged rows to each request's buffer (waiting for their copies to the host first)."""
+        """Hand the staged rows to each request's buffer (waiting for their copies to the host first), and the rows
+        the graph ops harvested to theirs."""
+        if self.graph is not None:
+            self.graph.settle()
+            for key in self.graph.harvesting:
+                rows = self.graph.take(key)
+                if rows is not None:
+                    self.harvested[key] = rows
         if not self._pending:
             return
         if any(staged.is_pinned() for _, staged, _ in self._pending):

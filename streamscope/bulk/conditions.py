@@ -52,7 +52,7 @@ run, and other requests of a step are never read by its condition.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, Optional
 
 import torch
@@ -136,31 +136,32 @@ class Condition:
 
     def to_dict(self) -> dict[str, Any]:
         """The condition as JSON-ready data (the vector as a list of floats); `from_dict` reads it back."""
-        return {"value": self.value, "layer": self.layer, "threshold": float(self.threshold),
-                "compare": self.compare, "measure": self.measure, "scope": self.scope,
-                "vector": [float(item) for item in self.vector.detach().float().cpu().tolist()]}
+        data = {item.name: getattr(self, item.name) for item in fields(self)}
+        data.update(threshold=float(self.threshold),
+                    vector=[float(item) for item in self.vector.detach().float().cpu().tolist()])
+        return data
 
     @classmethod
     def from_dict(cls, data: Any) -> "Condition":
         """A condition from `to_dict`'s data; unknown or missing keys are refused, naming the fields."""
-        known = ("value", "layer", "vector", "threshold", "compare", "measure", "scope")
+        known = tuple(item.name for item in fields(cls))  # held to the request schema's (`bulk.schema.ConditionJSON`)
         if not isinstance(data, dict):
             raise ConditionError(f"a condition is an object with the fields {', '.join(known)}.")
         unknown = sorted(set(data) - set(known))
         if unknown:
             raise ConditionError(f"a condition has no {', '.join(unknown)}: its fields are {', '.join(known)}.",
                                  unknown[0])
-        for required in ("value", "vector", "threshold"):
+        for required in (item.name for item in fields(cls) if item.default is MISSING and item.name != "layer"):
             if required not in data:
                 raise ConditionError(f"a condition needs {required!r}: its fields are {', '.join(known)}.", required)
-        fields = dict(data)
-        if not isinstance(fields["vector"], torch.Tensor):
+        given = dict(data)
+        if not isinstance(given["vector"], torch.Tensor):
             try:
-                fields["vector"] = torch.tensor(fields["vector"], dtype=torch.float32)
+                given["vector"] = torch.tensor(given["vector"], dtype=torch.float32)
             except (TypeError, ValueError) as error:
                 raise ConditionError(f"a condition's vector is a list of numbers: {error}", "vector") from None
-        fields.setdefault("layer", None)
-        return cls(**fields)
+        given.setdefault("layer", None)  # a root value's condition
+        return cls(**given)
 
     def described(self) -> str:
         where = self.value if self.layer is None else f"layers[{self.layer}].{self.value}"

@@ -212,11 +212,16 @@ class RequestApplier:
         strict: Refuse a harvest whose earlier positions ran in no step seen
             (prefix caching, chunked prefill), naming the engine's flags.
         hooked: Whether hooks go on as requests enter (else from `install`).
+        graph: The graph-op backend (`streamscope.vllm.graph_backend.GraphBackend`),
+            where the engine has the ops: each entering request's steers and
+            harvest that the ops serve go to it, the rest stays on the hooks.
     """
 
-    def __init__(self, device: Any, keep_error: bool = False, strict: bool = False, hooked: bool = True) -> None:
+    def __init__(self, device: Any, keep_error: bool = False, strict: bool = False, hooked: bool = True,
+                 graph: Any = None) -> None:
         self.device = torch.device(device)
         self.keep_error, self.strict, self.hooked = keep_error, strict, hooked
+        self.graph = graph
         self.live: dict[Hashable, Live] = {}
         #: Kept by `enter` and `leave`, so that a step whose live requests are as the last step's costs no pass over
         #: them: how many live requests have work; how many need each hooked module call; how many make each set of
@@ -257,6 +262,8 @@ class RequestApplier:
         counts a step's plan reads (work left, whether every request steers alike) updated by its share."""
         if key in self.live:
             self.leave(key)
+        if self.graph is not None:
+            self.graph.enter(key, live)  # what the ops serve leaves `live`, before its hooks are planned
         live.owner = key
         live.gated = any(entry.condition_site is not None for entry in live.steers)
         live.every_row = all(entry.every_row for entry in live.steers)
@@ -300,6 +307,8 @@ class RequestApplier:
     def leave(self, key: Hashable) -> Optional[Live]:
         """The request's `Live`, no longer live (None where it had none): its share of `enter` taken back, and the
         hooks only it needed taken off."""
+        if self.graph is not None:
+            self.graph.leave(key)
         live = self.live.pop(key, None)
         if live is None:
             return None
@@ -335,6 +344,13 @@ class RequestApplier:
         self._changed = True
         return live
 
+    def close(self) -> None:
+        """Every request made not live (hooks off, the graph ops' plan rid of them): the applier's run is over."""
+        for key in list(self.live):
+            self.leave(key)
+        if self.graph is not None:
+            self.graph.close()
+
     def done(self, live: Live) -> None:
         """`live`'s harvest is read in full (the server counts its rows): it needs no more reads."""
         if not live.written:
@@ -357,6 +373,8 @@ class RequestApplier:
 
     def step(self, spans: Sequence[Span]) -> None:
         """Take this step's spans (in row order; unknown keys are left alone): every hooked call's work."""
+        if self.graph is not None:
+            self.graph.step(spans)  # the ops' buffers filled before the step runs, whatever the hooks have to do
         self._settle_changes()
         if not self.planned:  # no live request, or none with work left (their harvests read): no hook has work
             self.work, self.last_shape = {}, None

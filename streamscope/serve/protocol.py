@@ -170,15 +170,16 @@ def declared(model: Any, raw: dict[str, Any], param: str) -> Any:
 
 def steer_request(steer: Steer, sae: Optional[str] = None) -> dict[str, Any]:
     """`steer` as a server request's JSON (`streamscope.Client` sends it): every field a request takes
-    (`SERVED_STEER_FIELDS`) but its dose limit (the server's --max-steer-dose applies) and, where the steer leaves it
-    at its default, on_dose (the server's --steer-dose-action applies). An ``sae_clamp`` steer goes by its SAE's
+    (`SERVED_STEER_FIELDS`); its dose limit and on_dose only where the steer sets them (otherwise the server's
+    --max-steer-dose and --steer-dose-action apply; a limit past the server's is refused there, naming it). An ``sae_clamp`` steer goes by its SAE's
     stored name `sae`, without a vector or origin: the server clamps with its stored copy of the SAE."""
     data = {name: getattr(steer, name) for name in SERVED_STEER_FIELDS if name not in ENCODED + FRONT_END_ONLY}
     data["positions"] = rule_json(steer.positions)
     if steer.condition is not None:
         data["condition"] = steer.condition.to_dict()
-    if steer.on_dose != SteerJSON.model_fields["on_dose"].default:
-        data["on_dose"] = steer.on_dose
+    for name in ("max_dose", "on_dose"):  # a steer's own setting reaches the server: none is ignored
+        if getattr(steer, name) != SteerJSON.model_fields[name].default:
+            data[name] = getattr(steer, name)
     if steer.mode == "sae_clamp":
         data.update(sae=sae, feature=steer.feature)
         return data

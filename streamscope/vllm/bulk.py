@@ -40,7 +40,7 @@ from ..bulk.results import Generation, Harvest, ShardWriter, assemble
 from ..bulk.spec import (HarvestSpec, Positions, Site, Steer, check_doses, check_steer, condition_sites,
                          generation_harvest, harvest_spec, locate, token_ids)
 from ..errors import Unavailable, untapped
-from . import held
+from . import graph_backend, held
 from .families import envoy_tree, family_for
 from .graphed import GraphedEdits
 from .held import WorkerSAEs
@@ -179,7 +179,8 @@ def _begin(worker: Any, payload: bytes) -> None:
     wanted = {key: spec.positions[key] for key in keys} if spec is not None else {}
     state.run, state.keys = plan["run"], {}
     state.reduce = spec.reduce if spec is not None else None  # applied to each prompt's rows before they leave
-    state.applier = Applier(sites, wanted, plans, device, readout=readout).install()
+    state.applier = Applier(sites, wanted, plans, device, readout=readout,
+                            graph=graph_backend.backend_for(state.runner)).install()  # ops inserted at load, if any
     if state.replays and device.type == "cuda":
         state.applier.graphs = GraphedEdits()  # a replayed step's edits at its taps, captured per run
     state.logits = {} if plan["logits"] else None
@@ -216,6 +217,7 @@ def worker_finish(worker: Any, inline: bool) -> Any:
         "held": state.held,
         "sites": state.total,
     }
+    applier.close()  # its requests leave the graph ops' plan, which outlives the run
     state.applier, state.run, state.logits, state.keys = None, None, None, {}
     return result if inline else pickle.dumps(result)
 

@@ -42,6 +42,9 @@ from triton.runtime.interpreter import InterpretedFunction
 
 #: The widest block of columns a program handles at once; a wider row is read in several blocks.
 MAX_BLOCK = 1024
+#: The modes `_edit_rows` has a branch for (any other code would be edited as an add): a mode added to
+#: `graph_ops.MODE_CODES` without one fails tests/test_graph_kernels.py.
+KERNEL_MODES = ("add", "set", "ablate", "clamp")
 #: The mode codes of `streamscope.vllm.graph_ops` (ADD, SET, ABLATE, CLAMP), as the kernels compare them.
 _SET, _ABLATE, _CLAMP = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 

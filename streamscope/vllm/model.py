@@ -34,7 +34,7 @@ from ..input_checks import check_token_ids
 from ..sae import route_harvest
 from ..standardized import Standardized, _config
 from ..values import OUTPUT, ComputedValue, check_write, refuse_write
-from . import families, trace_transport
+from . import families, graph_backend, trace_transport
 from .bulk import generate, harvest, release_saes
 from .bulk_worker import WORKER_EXTENSION
 from .engine import SEVERAL_PROMPTS, VllmEngine
@@ -42,7 +42,7 @@ from .families import envoy_tree
 from .logits import engine_logits
 from .pipeline import describe
 from .taps import tap_locations
-from .worker import cpu_engine_kwargs
+from .worker import GRAPH_OPS_GPU_WORKER, cpu_engine_kwargs
 
 #: Engine settings that keep values exact and every token visible to a trace.
 EXACT_DEFAULTS: dict[str, Any] = {
@@ -160,8 +160,16 @@ class StandardizedVLLM(Standardized, VLLM):
         return engine_logits(seam.module_of(self), normed)
 
     def __init__(self, path: str | Path, family: str | ModuleType | None = None, taps: Sequence[str] = (),
-                 **kwargs: Any) -> None:
+                 graph_ops: Any = False, **kwargs: Any) -> None:
         """`family` overrides the family module found by ``config.model_type``: a module, or a model type's name.
+
+        `graph_ops` (True, a dict or `streamscope.vllm.graph_backend.GraphOptions`)
+        inserts streamscope's graph ops at every block's stream boundaries when
+        the worker loads the model, and the bulk path (`harvest`, `generate`
+        with ``steer=``/``harvest=``) runs each steer and harvest they serve
+        through them, the rest on hooks as before (`streamscope.vllm.graph_backend`).
+        Off by default: it turns on by default only once issue 39's GPU benchmark
+        shows the compiled engine at plain vLLM's speed.
 
         `taps` (`streamscope.vllm.taps`) starts an engine that replays CUDA
         graphs and serves the values named there, at every step; without
@@ -176,6 +184,11 @@ class StandardizedVLLM(Standardized, VLLM):
         #: engine, the CPU, or a tapped engine whose attention vLLM cannot capture).
         object.__setattr__(self, "graph_mode", "NONE")
         settings = {**EXACT_DEFAULTS, **self._take_family(path, family, families, kwargs, seam.parallel_envoys())}
+        graph_config = graph_backend.engine_config(graph_ops, settings.get("additional_config"))
+        if graph_config is not None:  # the worker reads the options at load; the salt keys vLLM's compile cache
+            settings["additional_config"] = graph_config
+            if not _on_cpu():  # the CPU's worker inserts them already (`worker.NNsightCPUWorker`)
+                seam.set_client_worker(self, GRAPH_OPS_GPU_WORKER)
         if self.tap_names:
             settings = _graph_settings(settings, kwargs)
         if _on_cpu():

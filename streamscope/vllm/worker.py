@@ -32,11 +32,14 @@ from .. import vllm_seam
 from ..nnsight_seam import NNsightGPUModelRunner, NNsightGPUWorker
 from ..vllm_seam import CPUModelRunner, CPUWorker
 from .bulk_worker import CPU_WORKER
+from .graph_backend import insert_at_load
 
 __all__ = [
     "WORKER_CLS",
     "NNsightCPUModelRunner",
     "NNsightCPUWorker",
+    "GraphOpsGPUWorker",
+    "GRAPH_OPS_GPU_WORKER",
     "patch_client_for_cpu",
     "cpu_engine_kwargs",
     "cpu_vllm",
@@ -54,7 +57,19 @@ class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
     """
 
 
-class NNsightCPUWorker(CPUWorker, NNsightGPUWorker):
+class InsertsGraphOps:
+    """A worker's load that also inserts streamscope's graph ops where the engine asked for them
+    (`streamscope.vllm.graph_backend.insert_at_load`): after the model is built, before the profile run, the
+    compile and any CUDA graph capture, which must see the ops. Part of the worker class, not of its extension,
+    because it changes what vLLM's own ``load_model`` does."""
+
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().load_model(*args, **kwargs)  # type: ignore[misc]
+        insert_at_load(self)
+        return result
+
+
+class NNsightCPUWorker(InsertsGraphOps, CPUWorker, NNsightGPUWorker):
     """vLLM's CPU worker with nnsight's runner and RPC methods.
 
     A worker class, not an extension (``worker_extension_cls``), because it
@@ -93,6 +108,14 @@ class NNsightCPUWorker(CPUWorker, NNsightGPUWorker):
         vllm_seam.allocate_stage_buffers(vllm_seam.runner_of(self))
         return result
 
+
+class GraphOpsGPUWorker(InsertsGraphOps, NNsightGPUWorker):
+    """nnsight's GPU worker, inserting the graph ops at load: the worker of an in-process engine started with
+    ``graph_ops`` on a GPU (`streamscope.vllm.model`). Not yet run on a GPU (docs/graph-ops.md)."""
+
+
+#: The GPU worker of an engine with graph ops, as the dotted path vLLM imports.
+GRAPH_OPS_GPU_WORKER = f"{__name__}.GraphOpsGPUWorker"
 
 # A dotted path, not the class: vLLM resolves it by import in whichever process
 # runs the worker (the engine-core process, or its executor's worker process,

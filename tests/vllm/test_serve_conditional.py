@@ -169,6 +169,13 @@ def test_a_dose_past_the_limit_is_clamped_to_it_on_request_and_the_log_says_so(c
     refused = streamscope.Steer("layer_output", last, direction, scale=scale, positions="all")
     with pytest.raises(Exception, match="on_dose='clamp'"):
         last_rows(client, shape, [refused], PROMPTS[:1])
+    # A steer's own lower limit is the one applied: dose 50, within the server's 100, clamped to the steer's 10.
+    own = streamscope.Steer("layer_output", last, direction, scale=scale / 20, positions="all", generated=False,
+                            max_dose=10.0, on_dose="clamp")
+    with pytest.warns(streamscope.DoseWarning, match=r"dose 50 = .*the limit is max_dose=10; clamped to the limit"):
+        _, rows = last_rows(client, shape, [own], PROMPTS[:1])
+    expected = plain[0] + 10.0 * norm * direction / direction.norm()
+    assert float((rows[0] - expected).norm() / expected.norm()) <= RELATIVE
 
 
 def test_warn_is_refused_by_a_server_that_refuses_past_its_limit(server, shape):

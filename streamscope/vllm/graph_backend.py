@@ -1,0 +1,328 @@
+"""The graph-op backend of the one applier: a request's steers and harvest served by the graph ops where they can be.
+
+`streamscope.bulk.requests.RequestApplier` plans requests' rows for Python
+hooks. Built with a `GraphBackend`, it hands each entering request to it
+first: the steers and the harvest that the ops at `graph_sites` serve go to
+the engine's `GraphPlan` (`streamscope.vllm.graph_plan`: persistent buffers the
+ops read, filled once a step), the rest stays on the hooks, as before. What
+stays on the hooks, and why:
+
+* a steer at a value the ops do not serve (a scaled value, a value computed
+  from another point of a call: `graph_wiring.unserved`), an SAE feature clamp
+  (not a fixed-size operation a slot holds), every steer of a conditional
+  request (its condition is read at its call before any edit there, and the
+  ops run first at a call);
+* a steer past the plan's edit rounds at its site, and any steer at a module
+  call after one that stays on the hooks or out of the ops' order there (at a
+  module call the ops run before the hooks, in their site and round order, so
+  only steers that keep the request's order go to the ops);
+* a request's harvest where any of its steers stays on the hooks (the ops read
+  before the hooks edit at a call), where a site has no harvest op, or where
+  its rows become something else where they are read (an SAE's features);
+* everything of a request the plan refuses (a full slot bank): a logged
+  fall-back to the hooks, never a request half-planned.
+
+The two backends' rows meet where the applier hands a request its harvest:
+the bulk path's `Applier.take` gives a graph-harvested request the plan's
+rows, ``[sites, positions, hidden]``, in the layout of its hook reads.
+
+At load a worker calls `insert_at_load`: with the engine's option
+(``streamscope.load(path, engine="vllm", graph_ops=True)``, carried in vLLM's
+``additional_config`` under `CONFIG_KEY`, the compile cache salted beside it
+under `graph_ops.SALT_KEY`) it builds the plan, sized from the runner's
+``max_num_batched_tokens``, and inserts the ops at every site before the
+engine's profile run and warm-up, so a compiled graph holds them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, fields
+from typing import Any, Hashable, Optional, Sequence
+
+import torch
+
+from .. import vllm_seam
+from ..bulk.operations import Operation
+from ..bulk.requests import Live, Span, SteerEntry
+from ..bulk.sites import Site
+from .families import envoy_tree, family_for
+from .graph_ops import cache_salt, ops_source, salted
+from .graph_plan import GraphPlan, PlannedSteer, RowRule
+from .graph_wiring import graph_sites, insert_ops, wiring_source
+
+logger = logging.getLogger("streamscope.bulk")
+
+#: The key of the graph ops' options in vLLM's ``additional_config`` (what `insert_at_load` reads).
+CONFIG_KEY = "streamscope_graph"
+#: Where a worker's model runner keeps its `GraphOps` (its ``__dict__``).
+RUNNER_ATTRIBUTE = "_streamscope_graph_ops"
+#: The values an op sits at by default: every block's stream boundaries and sublayer outputs.
+DEFAULT_VALUES = ("layer_input", "layer_mid", "mlp_input", "layer_output", "self_attn.attention_output",
+                  "mlp.mlp_output")
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """What an engine started with graph ops holds (``graph_ops=GraphOptions(...)``, a dict of these fields, or True
+    for these defaults).
+
+    Args:
+        slots: How many distinct operations (a vector with its mode and
+            settings) may be live at once; a request that brings more runs on
+            the hooks.
+        rounds: Edit ops at each site: how many steers one request may put at
+            one site through the ops (more stay on the hooks).
+        values: The values an edit op sits at, on every block that serves them.
+        harvest: The values a harvest op sits at. Each takes a buffer of
+            ``harvest_capacity x hidden`` in the engine's dtype per block:
+            on a large model, narrow this (or the capacity).
+        harvest_capacity: The most rows one step harvests through the ops
+            (None: the engine's ``max_num_batched_tokens``, every row of a step,
+            which never overflows).
+    """
+
+    slots: int = 256
+    rounds: int = 2
+    values: tuple[str, ...] = DEFAULT_VALUES
+    harvest: tuple[str, ...] = DEFAULT_VALUES
+    harvest_capacity: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "values", tuple(self.values))
+        object.__setattr__(self, "harvest", tuple(self.harvest))
+        if self.slots < 1 or self.rounds < 1:
+            raise ValueError(f"graph_ops: slots={self.slots}, rounds={self.rounds}: each is at least 1.")
+        unknown = [value for value in self.values + self.harvest if value not in DEFAULT_VALUES]
+        if unknown:
+            raise ValueError(f"graph_ops: no op sits at {unknown}: the ops serve {list(DEFAULT_VALUES)}; other values "
+                             f"stay on the hook path.")
+        if self.harvest_capacity is not None and self.harvest_capacity < 1:
+            raise ValueError(f"graph_ops: harvest_capacity={self.harvest_capacity}: at least 1 (None: every row).")
+
+    @classmethod
+    def of(cls, option: Any) -> Optional["GraphOptions"]:
+        """`option` as options: None or False for none, True for the defaults, a dict of fields, or options."""
+        if option is None or option is False:
+            return None
+        if option is True:
+            return cls()
+        if isinstance(option, cls):
+            return option
+        if isinstance(option, dict):
+            names = {item.name for item in fields(cls)}
+            unknown = sorted(set(option) - names)
+            if unknown:
+                raise ValueError(f"graph_ops: unknown option(s) {unknown}; the options are {sorted(names)}.")
+            return cls(**option)
+        raise TypeError(f"graph_ops={option!r}: pass True, False, a dict of GraphOptions' fields or a GraphOptions.")
+
+    def config(self) -> dict[str, Any]:
+        """The options as vLLM's ``additional_config`` carries them (plain JSON values)."""
+        return {"slots": self.slots, "rounds": self.rounds, "values": list(self.values),
+                "harvest": list(self.harvest), "harvest_capacity": self.harvest_capacity}
+
+    def salt(self) -> str:
+        """The compile cache's salt for these options: the ops' and the wiring's code, the values, the rounds."""
+        return cache_salt(list(self.values), self.rounds, list(self.harvest), ops_source() + wiring_source())
+
+
+def engine_config(option: Any, additional_config: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """`additional_config` with the graph ops' options and the compile cache's salt (a new dict), or None where
+    `option` asks for no ops."""
+    options = GraphOptions.of(option)
+    if options is None:
+        return None
+    config = salted(additional_config, options.salt())
+    config[CONFIG_KEY] = options.config()
+    return config
+
+
+@dataclass
+class GraphOps:
+    """The ops on one worker's model: the plan they read, the sites they serve by module call and value, the hooks
+    that call them (`inserted`), and the values left to the hook path with the reason (`skipped`)."""
+
+    plan: Any  # streamscope.vllm.graph_plan.GraphPlan
+    names: dict[tuple[int, str, int], str]
+    inserted: Any  # streamscope.vllm.graph_wiring.Inserted
+    skipped: dict[str, str] = field(default_factory=dict)
+    order: dict[str, int] = field(default_factory=dict)  # each edit site's place at its module call
+    #: How many requests' steers and harvests the ops have served since load (each steer of each request once).
+    served: dict[str, int] = field(default_factory=lambda: {"steers": 0, "harvests": 0})
+
+    def name_of(self, site: Site) -> Optional[str]:
+        """The plan's name of `site` (found on any envoy tree over the same model), None where no op sits there."""
+        return self.names.get((id(site.module), site.where, id(site.descriptor)))
+
+
+def build(model: torch.nn.Module, model_type: str, options: GraphOptions, max_rows: int, hidden: int,
+          dtype: torch.dtype, device: Any) -> GraphOps:
+    """The plan for `model` (a worker's vLLM model of `model_type`) sized by `options` and `max_rows` (the engine's
+    ``max_num_batched_tokens``), with the ops inserted at every site of `options` that the model serves."""
+    root = envoy_tree(model, family_for(model_type))  # the envoys a trace and the bulk path locate sites on
+    sites, skipped = graph_sites(root, values=tuple(dict.fromkeys(options.values + options.harvest)))
+    harvests = [name for name in sites if name.split(".", 2)[2] in options.harvest]
+    edits = [name for name in sites if name.split(".", 2)[2] in options.values]
+    capacity = max_rows if options.harvest_capacity is None else min(options.harvest_capacity, max_rows)
+    plan = GraphPlan(edits, options.rounds, max_rows, hidden, dtype, device, slots=options.slots,
+                     harvest_sites=harvests, harvest_capacity=capacity)
+    by_name: dict[Hashable, Site] = {name: site for name, site in sites.items()}
+    inserted = insert_ops(plan, by_name)
+    names = {(id(site.module), site.where, id(site.descriptor)): name for name, site in sites.items()}
+    return GraphOps(plan, names, inserted, skipped, {name: number for number, name in enumerate(edits)})
+
+
+def insert_at_load(worker: Any) -> Optional[GraphOps]:
+    """Called by a worker once its model is loaded (before the profile run): where the engine was started with graph
+    ops (`CONFIG_KEY` in ``additional_config``), the plan built and the ops inserted, kept on the model runner
+    (`graph_ops_of`); None otherwise."""
+    config = vllm_seam.additional_config(worker).get(CONFIG_KEY)
+    if not config:
+        return None
+    runner = vllm_seam.runner_of(worker)
+    model = vllm_seam.model_of(runner)
+    options = GraphOptions.of(dict(config))
+    assert options is not None
+    parameter = next(model.parameters())
+    ops = build(model, vllm_seam.runner_model_type(runner), options, vllm_seam.max_batched_tokens(runner),
+                vllm_seam.hidden_size(runner), vllm_seam.runner_dtype(runner), parameter.device)
+    runner.__dict__[RUNNER_ATTRIBUTE] = ops
+    logger.info("streamscope: graph ops at %d sites (%d harvest), %d slots, %d rounds", len(ops.plan.sites),
+                len(ops.plan.harvest_sites), options.slots, options.rounds)
+    return ops
+
+
+def graph_ops_of(runner: Any) -> Optional[GraphOps]:
+    """The `GraphOps` a worker's runner holds (`insert_at_load`), or None where its engine has none."""
+    return runner.__dict__.get(RUNNER_ATTRIBUTE)
+
+
+def backend_for(runner: Any) -> Optional["GraphBackend"]:
+    """A `GraphBackend` over the runner's ops for one applier, or None where its engine has none."""
+    ops = graph_ops_of(runner)
+    return None if ops is None else GraphBackend(ops)
+
+
+def row_rule(entry: SteerEntry) -> Any:
+    """The rows `entry` edits as the plan's `RowRule` (its prompt positions, then generated tokens)."""
+    chosen, skip_first, generated, from_step, length = entry.rule
+    positions = range(int(skip_first), length) if chosen is None else chosen
+    return RowRule.of(positions, length, generated, from_step)
+
+
+def operation_of(entry: SteerEntry) -> Optional[Operation]:
+    """The slot operation of `entry`, or None where the ops cannot run it (an SAE clamp, a gate): a batched add or
+    set (its delta ``scale * vector``) as an `Operation`, any other entry's own."""
+    if entry.condition_site is not None:
+        return None
+    if entry.mode in ("add", "set") and isinstance(entry.delta, torch.Tensor):
+        return Operation(entry.mode, entry.delta, entry.delta, 1.0, 0.0, False)
+    if isinstance(entry.delta, Operation) and entry.delta.mode in ("add", "set", "ablate", "clamp"):
+        return entry.delta
+    return None
+
+
+class GraphBackend:
+    """One applier's side of the graph ops: which of its requests' work the plan does, each step's fill, the rows
+    harvested (see the module's docstring). Requests are the applier's keys; the plan is the worker's, shared by
+    the appliers it runs one after another."""
+
+    def __init__(self, ops: GraphOps) -> None:
+        self.ops = ops
+        self.plan = ops.plan
+        self.entered: set[Hashable] = set()
+        self.harvesting: set[Hashable] = set()  # requests whose harvest the ops read
+        self.steering: dict[Hashable, int] = {}  # requests' steers the ops apply, by request
+        self._current: Any = None  # the step whose harvest is in the ops' buffers
+        self._copied: list[Any] = []  # steps' harvests on their way to host memory
+
+    def enter(self, key: Hashable, live: Live) -> None:
+        """Give the plan what it serves of `live` (the applier's request `key`); `live` keeps the rest, changed in
+        place (its steers, its harvest) before the applier plans its hooks."""
+        graphed, hooked = self._split(live)
+        harvest = (not hooked and live.readout is None and live.sae is None and bool(live.positions)
+                   and all(self.ops.name_of(site) in self.plan.harvest_index for site in live.harvest_sites)
+                   and all(later > earlier for earlier, later in zip(live.positions, live.positions[1:]))
+                   and live.positions[0] >= 0)
+        if not graphed and not harvest:
+            return
+        steers = [PlannedSteer([name], operation, row_rule(entry), ("operation", id(entry.delta)))
+                  for entry, name, operation in graphed]
+        names = [self.ops.name_of(site) for site in live.harvest_sites] if harvest else None
+        try:
+            self.plan.enter(key, steers, live.positions if harvest else (), names)
+        except (ValueError, RuntimeError) as error:  # a full bank: the hooks serve the whole request
+            logger.info("streamscope: request %r runs on the hooks: %s", key, error)
+            return
+        self.entered.add(key)
+        self.steering[key] = len(graphed)
+        self.ops.served["steers"] += len(graphed)
+        self.ops.served["harvests"] += harvest
+        live.steers = hooked
+        if harvest:
+            self.harvesting.add(key)
+            live.harvest_sites, live.positions, live.slots = [], [], {}
+        live.hooked = None  # its hooked module calls, counted anew
+
+    def _split(self, live: Live) -> tuple[list[tuple[SteerEntry, str, Operation]], list[SteerEntry]]:
+        """`live`'s steers the ops apply (each with its site's name and operation) and those left to the hooks."""
+        if any(entry.condition_site is not None for entry in live.steers):
+            return [], list(live.steers)
+        graphed: list[tuple[SteerEntry, str, Operation]] = []
+        hooked: list[SteerEntry] = []
+        on_hooks: set[tuple[int, str]] = set()  # module calls where a steer of the request stays on the hooks
+        last: dict[tuple[int, str], tuple[int, int]] = {}  # each module call's last op, (site's place, round)
+        rounds: dict[str, int] = {}
+        for entry in live.steers:
+            name = self.ops.name_of(entry.site)
+            operation = operation_of(entry)
+            call = entry.site.key
+            if name is not None and operation is not None and call not in on_hooks and name in self.ops.order:
+                place = (self.ops.order[name], rounds.get(name, 0))
+                if place[1] < self.plan.rounds and place > last.get(call, (-1, -1)):
+                    graphed.append((entry, name, operation))
+                    rounds[name] = place[1] + 1
+                    last[call] = place
+                    continue
+            hooked.append(entry)
+            on_hooks.add(call)
+        return graphed, hooked
+
+    def leave(self, key: Hashable) -> None:
+        """Take `key` out of the plan (its slots freed where no other request uses them)."""
+        if key in self.entered:
+            self.entered.discard(key)
+            self.steering.pop(key, None)
+            self.plan.leave(key)
+
+    def step(self, spans: Sequence[Span]) -> None:
+        """Before a step runs: the last step's harvest on its way to host memory, then this step's fill."""
+        self._queue_copy()
+        while len(self._copied) > 1:  # the copy of two steps ago is done by now: no wait on this step's path
+            self.plan.settle(self._copied.pop(0))
+        self._current = self.plan.step(spans)
+
+    def _queue_copy(self) -> None:
+        if self._current is not None:
+            self._copied.append(self.plan.copy_out(self._current))
+            self._current = None
+
+    def settle(self) -> None:
+        """After the last step: every step's harvest in host memory, handed to its requests (`take`)."""
+        self._queue_copy()
+        while self._copied:
+            self.plan.settle(self._copied.pop(0))
+
+    def take(self, key: Hashable) -> Optional[torch.Tensor]:
+        """`key`'s harvest through the ops, ``[sites, positions, hidden]`` on the host (None if none ran)."""
+        return self.plan.take(key) if key in self.harvesting else None
+
+    def close(self) -> None:
+        """Every request out of the plan, and harvested rows no one took dropped."""
+        self.settle()
+        for key in list(self.entered):
+            self.leave(key)
+        for key in self.harvesting:
+            self.plan.take(key)
+        self.harvesting.clear()

@@ -1,0 +1,145 @@
+"""The graph-op backend's routing (`streamscope.vllm.graph_backend`), without an engine: which of a request's steers
+and harvest go to the plan, which stay on the hooks, and that a refused request leaves the plan as it was.
+
+The values through the ops on vLLM's engine are held to the hook path and the oracle in
+tests/vllm/test_graph_backend.py; here the rules, on sites made of plain modules.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from streamscope.vllm.graph_backend import (CONFIG_KEY, GraphBackend, GraphOps, GraphOptions, engine_config,
+                                            operation_of, row_rule)
+from streamscope.bulk.operations import prepare
+from streamscope.bulk.requests import Live, RequestApplier, Span, SteerEntry
+from streamscope.vllm.graph_ops import SALT_KEY
+from streamscope.vllm.graph_plan import GraphPlan
+
+HIDDEN = 4
+
+
+def site(module: torch.nn.Module, where: str = "output") -> Any:
+    return SimpleNamespace(module=module, where=where, descriptor=object(), key=(id(module), where), value="v",
+                           location=f"{id(module)}.{where}")
+
+
+class Setup:
+    """Three sites ``a``, ``b`` (one module call) and ``c`` (another), the ops at each with two rounds, harvest ops
+    at ``a`` and ``c``; a bank of `slots`."""
+
+    def __init__(self, slots: int = 4) -> None:
+        shared, other = torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Linear(HIDDEN, HIDDEN)
+        self.sites = {"a": site(shared), "b": site(shared), "c": site(other)}
+        self.plan = GraphPlan(["a", "b", "c"], 2, 16, HIDDEN, torch.float32, "cpu", slots=slots,
+                              harvest_sites=["a", "c"])
+        names = {(id(found.module), found.where, id(found.descriptor)): name for name, found in self.sites.items()}
+        self.ops = GraphOps(self.plan, names, None, order={"a": 0, "b": 1, "c": 2})
+        self.backend = GraphBackend(self.ops)
+
+    def entry(self, name: str, mode: str = "add", order: int = 0, seed: int = 0, **more: Any) -> SteerEntry:
+        vector = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(seed))
+        operation = prepare(mode, vector, 1.0, 0.5, False, torch.float32, "cpu")
+        return SteerEntry(self.sites[name], operation, None, None, True, 6, order, **more)
+
+
+def test_each_steer_goes_where_the_request_s_order_holds() -> None:
+    setup = Setup()
+    sae_like = setup.entry("b")
+    sae_like.delta = SimpleNamespace(mode="sae_clamp")  # not an operation a slot holds
+    steers = [setup.entry("a", seed=1), sae_like, setup.entry("b", "ablate", 1, seed=2), setup.entry("c", seed=3)]
+    live = Live(list(steers), harvest_sites=[setup.sites["a"]], positions=[0, 1], slots={0: 0, 1: 1})
+    setup.backend.enter("r", live)
+    # a on the ops; the SAE clamp on the hooks, and the ablate after it at the same call with it; c on the ops.
+    assert live.steers == [steers[1], steers[2]]
+    assert live.harvest_sites == [setup.sites["a"]]  # read after hook edits: the hooks read it
+    assert setup.ops.served == {"steers": 2, "harvests": 0} and setup.plan.bank.live == 2
+
+
+def test_the_ops_order_and_rounds_at_a_module_call() -> None:
+    setup = Setup()
+    # b then a at one call: the ops run a first, so a stays on the hooks (and so does everything after it there).
+    backwards = [setup.entry("b", seed=1), setup.entry("a", seed=2), setup.entry("b", order=1, seed=3)]
+    live = Live(list(backwards))
+    setup.backend.enter("r", live)
+    assert live.steers == backwards[1:]
+    # Three steers at c: two rounds on the ops, the third on the hooks.
+    three = [setup.entry("c", order=number, seed=number) for number in range(3)]
+    live = Live(list(three), harvest_sites=[setup.sites["c"]], positions=[1, 2])
+    setup.backend.enter("s", live)
+    assert live.steers == three[2:] and live.positions == [1, 2]
+
+
+def test_a_request_served_whole_by_the_ops_harvests_there() -> None:
+    setup = Setup()
+    live = Live([setup.entry("a"), setup.entry("c", "clamp")], harvest_sites=[setup.sites["c"], setup.sites["a"]],
+                positions=[0, 2], slots={0: 0, 2: 1})
+    setup.backend.enter("r", live)
+    assert live.steers == [] and live.harvest_sites == [] and live.positions == [] and not live.planned()
+    assert setup.ops.served == {"steers": 2, "harvests": 1} and setup.backend.harvesting == {"r"}
+    # Unsorted positions, a site without a harvest op, or a readout: the hooks read.
+    for number, extra in enumerate(({"positions": [2, 0]}, {"harvest_sites": [setup.sites["b"]]},
+                                   {"readout": torch.relu})):
+        other = Live([], **{"harvest_sites": [setup.sites["a"]], "positions": [0, 2], **extra})
+        setup.backend.enter(("h", number), other)
+        assert other.positions
+
+
+def test_conditions_and_refusals_leave_the_request_to_the_hooks_and_the_plan_as_it_was() -> None:
+    setup = Setup(slots=2)
+    gated = [setup.entry("a"), setup.entry("c", condition_site=setup.sites["a"])]
+    live = Live(list(gated))
+    setup.backend.enter("g", live)
+    assert live.steers == gated and setup.plan.live == 0
+    assert operation_of(gated[1]) is None
+    # Three distinct operations for a bank of two: the plan refuses, the hooks serve the whole request.
+    full = [setup.entry("a", seed=1), setup.entry("b", seed=2), setup.entry("c", seed=3)]
+    live = Live(list(full), harvest_sites=[setup.sites["a"]], positions=[0])
+    setup.backend.enter("f", live)
+    assert live.steers == full and live.positions == [0]
+    assert setup.plan.live == 0 and setup.plan.bank.live == 0 and setup.ops.served["steers"] == 0
+
+
+def test_the_applier_plans_through_the_backend_and_close_empties_the_plan() -> None:
+    setup = Setup()
+    applier = RequestApplier("cpu", graph=setup.backend)
+    shared = setup.entry("a", "ablate")
+    for key in range(3):  # one operation for all three: one slot
+        applier.enter(key, Live([SteerEntry(shared.site, shared.delta, None, None, True, 6, 0)]))
+    assert setup.plan.live == 3 and setup.plan.bank.live == 1 and not applier.hooks
+    applier.step([Span(0, 0, 6, 0), Span(None, 6, 2, 0), Span(2, 8, 6, 0)])
+    column = setup.plan.slots_of("a")
+    assert column[:6].tolist() == [0] * 6 and column[6:8].tolist() == [-1, -1] and column[8:14].tolist() == [0] * 6
+    applier.leave(2)
+    assert setup.plan.live == 2
+    applier.close()
+    assert setup.plan.live == 0 and setup.plan.bank.live == 0 and not applier.live
+
+
+def test_row_rules_are_the_entries_rows() -> None:
+    setup = Setup()
+    default = setup.entry("a", skip_first=True)
+    chosen = SteerEntry(setup.sites["a"], default.delta, None, frozenset({1, 4}), True, 6, 0, from_step=2)
+    for entry in (default, chosen, setup.entry("c")):
+        rule = row_rule(entry)
+        for span in (Span(0, 0, 6, 0), Span(0, 3, 1, 6), Span(0, 3, 1, 7), Span(0, 3, 1, 9)):
+            assert rule.ranges(span.start, span.count, span.first) == entry.ranges(span), (entry.rule, span)
+
+
+def test_the_option_and_the_engine_s_config() -> None:
+    assert GraphOptions.of(False) is None and GraphOptions.of(None) is None and GraphOptions.of(True) == GraphOptions()
+    assert GraphOptions.of({"slots": 16}).slots == 16
+    with pytest.raises(ValueError, match="unknown option"):
+        GraphOptions.of({"slot": 16})
+    with pytest.raises(ValueError, match="no op sits at"):
+        GraphOptions(values=("self_attn.head_results",))
+    with pytest.raises(TypeError, match="pass True"):
+        GraphOptions.of("yes")
+    config = engine_config({"rounds": 1}, {"other": 1})
+    assert config is not None and config["other"] == 1 and config[CONFIG_KEY]["rounds"] == 1
+    assert config[SALT_KEY] == GraphOptions(rounds=1).salt() != GraphOptions().salt()
+    assert engine_config(False, {"other": 1}) is None
