@@ -120,6 +120,16 @@ def beside_engine() -> contextlib.AbstractContextManager:
 TRANSFORMERS_BUILD_CONTEXTS.append(beside_engine)
 
 
+def _with_worker_extension(settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` with streamscope's worker extension. The worker vLLM starts is nnsight's (on a CPU, its CPU form:
+    `worker.NNsightCPUWorker`); streamscope's RPCs are its extension, which vLLM appends to the worker's bases."""
+    if settings.get("worker_extension_cls") not in (None, WORKER_EXTENSION):
+        raise ValueError(f"streamscope's engine runs its own worker extension ({WORKER_EXTENSION}: the bulk "
+                         f"path's and the server's RPCs); drop worker_extension_cls="
+                         f"{settings['worker_extension_cls']!r}.")
+    return {**settings, "worker_extension_cls": WORKER_EXTENSION}
+
+
 class StandardizedVLLM(Standardized, VLLM):
     """A vLLM engine under streamscope's names; values are per request, ``[1, tokens, hidden_size]``.
 
@@ -204,13 +214,7 @@ class StandardizedVLLM(Standardized, VLLM):
             # ("Cannot re-initialize CUDA in forked subprocess"). Spawned processes always start; a script
             # then builds its engine under `if __name__ == "__main__":`, as vLLM asks.
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        # The worker vLLM starts is nnsight's (on a CPU, its CPU form: `worker.NNsightCPUWorker`); streamscope's
-        # RPCs are its extension, which vLLM appends to the worker's bases.
-        if settings.get("worker_extension_cls") not in (None, WORKER_EXTENSION):
-            raise ValueError(f"streamscope's engine runs its own worker extension ({WORKER_EXTENSION}: the bulk "
-                             f"path's and the server's RPCs); drop worker_extension_cls="
-                             f"{settings['worker_extension_cls']!r}.")
-        settings["worker_extension_cls"] = WORKER_EXTENSION
+        settings = _with_worker_extension(settings)
         settings.setdefault("dispatch", True)
         # A worker in this process hands a trace's saves over as tensors, not pickled (trace_transport.HandedSaves),
         # and takes a trace's invokes pickled once, together (trace_transport.bundle_interventions).
