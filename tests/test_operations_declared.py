@@ -283,7 +283,18 @@ def test_compute_order_is_the_steerable_block_values_in_order():
 
 
 def test_one_forward_is_one_setting():
-    """The one-forward sampling (a harvest's, a calibration's) is the vLLM trace's own."""
-    from streamscope.vllm.engine import ONE_FORWARD
+    """The one-forward sampling (a harvest's, a calibration's, the vLLM trace's) is spelled in bulk/schema.py only."""
+    import re
+    from pathlib import Path
 
-    assert ONE_FORWARD == schema.ONE_FORWARD
+    import streamscope
+    from streamscope.vllm import engine
+
+    assert engine.ONE_FORWARD is schema.ONE_FORWARD
+    # The pair as settings (a dict or keywords); a user's example of a trace call in a docstring is not a setting.
+    spelled = re.compile(r"temperature\W+0\.0\W+max_tokens\W+1\b|max_tokens\W+1\W+temperature\W+0\.0")
+    package = Path(streamscope.__file__).parent
+    found = [f"{path.relative_to(package)}:{number}" for path in sorted(package.rglob("*.py"))
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if spelled.search(line) and "model.trace(" not in line]
+    assert found == ["bulk/schema.py:49"], found

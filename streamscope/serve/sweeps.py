@@ -45,6 +45,7 @@ from safetensors.torch import load
 
 from ..bulk.moments import Accumulator, Moments, _label_list, _pair_list, check_reduce, empty_moments, reduce_positions
 from ..bulk.positions import prompt_positions
+from ..bulk.schema import ONE_FORWARD
 from ..bulk.sites import ROOT_VALUES, layer_list
 from ..directions import identity
 from ..input_checks import one_prompt
@@ -129,7 +130,7 @@ async def engine_harvest(front: SweepContext, ids: list[int], harvest: dict[str,
 
     harvest_id = front.harvests.reserve(size)
     payload = json.dumps({"steer": steers, "harvest": {**harvest, "id": harvest_id}}, separators=(",", ":"))
-    params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={XARG: payload})
+    params = SamplingParams(**ONE_FORWARD, extra_args={XARG: payload})
     name = f"streamscope-sweep-{harvest_id}"
     try:
         # Its own cache salt: every position the harvest or the steer touches runs (no prefix reused).

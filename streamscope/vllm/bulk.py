@@ -37,6 +37,7 @@ from ..bulk.apply import Applier, Span, steer_plans
 from ..bulk.dose import SteerError
 from ..bulk.moments import check_reduce, reduce_buffer
 from ..bulk.results import Generation, Harvest, ShardWriter, assemble
+from ..bulk.schema import ONE_FORWARD
 from ..bulk.spec import (HarvestSpec, Positions, Site, Steer, check_doses, check_steer, condition_sites,
                          generation_harvest, harvest_spec, locate, token_ids)
 from ..errors import Unavailable, untapped
@@ -381,8 +382,7 @@ def set_each(model: Any, prompt: str, edits: Sequence[tuple[str, int, int, torch
     vectors = torch.stack([vector.detach().reshape(-1) for _, _, _, vector in edits]).cpu()
     steers = [Steer(value, layer, vectors[index], mode="set", positions=[position], generated=False, prompts=[index])
               for index, (value, layer, position, _) in enumerate(edits)]
-    one_forward = {"max_tokens": 1, "temperature": 0.0}
-    _, result = _run(model, [ids] * len(edits), list(range(len(edits))), one_forward, None, steers, True)
+    _, result = _run(model, [ids] * len(edits), list(range(len(edits))), dict(ONE_FORWARD), None, steers, True)
     return [result["logits"][index][-1] for index in range(len(edits))]
 
 
@@ -423,7 +423,7 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
     bar = tqdm(total=len(ids), desc="harvest", unit="prompt", disable=not progress)
     try:
         for chunk in _chunks(len(ids), shard_size):
-            _, result = _run(model, ids, chunk, {"max_tokens": 1, "temperature": 0.0}, spec, steer, False)
+            _, result = _run(model, ids, chunk, dict(ONE_FORWARD), spec, steer, False)
             part = assemble(spec, [result["harvested"].get(local) for local in range(len(chunk))], chunk)
             if writer is not None:
                 writer.write(part)

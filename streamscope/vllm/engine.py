@@ -12,12 +12,11 @@ from vllm.platforms import current_platform
 
 from .. import nnsight_seam as seam
 from .. import vllm_seam
+from ..bulk.schema import ONE_FORWARD
 from ..engine import Body, Engine, Prompt, join_shards
 from .bulk import set_each, settable
 from .logits import engine_logits
 
-#: Sampling that runs a prompt through one forward pass and stops.
-ONE_FORWARD = {"temperature": 0.0, "max_tokens": 1}
 
 #: Why an invoke of a vLLM trace takes one prompt, and how to run several.
 SEVERAL_PROMPTS = ("an invoke of a vLLM trace runs as one request of one prompt, unpadded, and this invoke's input "
