@@ -134,15 +134,12 @@ class ServeState(RequestApplier):
         # On the instance: vLLM's worker calls these through the runner, whatever its class.
         vllm_seam.after_schedule(runner, updated)
         vllm_seam.around_execute(runner, sending)
-        interleaver = getattr(getattr(runner, "nnsight_model", None), "interleaver", None)
-        if getattr(interleaver, "taps", None):
-            replay = interleaver.replay
+        # A tapped engine's replayed step runs no module call: the plan is applied at each tap instead.
+        seam.wrap_replay(getattr(getattr(runner, "nnsight_model", None), "interleaver", None), self._replayed)
 
-            def replayed(location: str, live: Any) -> Any:
-                self.apply_at(location, live)
-                return replay(location, live)
-
-            interleaver.replay = replayed
+    def _replayed(self, original: Any, location: str, live: Any) -> Any:
+        self.apply_at(location, live)
+        return original(location, live)
 
     # ---------------------------------------------------------------- requests
 
