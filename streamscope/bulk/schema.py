@@ -44,8 +44,8 @@ REDUCTIONS = ("last", "mean")
 #: A harvest's default positions rule: the prompt's last position.
 HARVEST_POSITIONS = "last"
 #: The sampling settings of a request that runs its prompt through one forward pass and stops (greedy, one token):
-#: a harvest's, a calibration's. The vLLM engine's trace takes the same (`streamscope.vllm.engine.ONE_FORWARD`,
-#: held equal by tests/test_operations_declared.py).
+#: a harvest's, a calibration's, the vLLM engine's trace (`streamscope.vllm.engine` takes it from here);
+#: tests/test_operations_declared.py fails on a module that spells the pair again.
 ONE_FORWARD: dict[str, Any] = {"temperature": 0.0, "max_tokens": 1}
 #: A steer's fields that only a run in process has: a server request is one prompt, which the client sends with
 #: that prompt's own steers.
