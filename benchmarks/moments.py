@@ -19,6 +19,7 @@ moments (``POST /v1/streamscope/statistics``), against `Client.harvest` download
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import Server, checkpoint  # noqa: E402
 
 KEY = "bench-key"
+WARMUP = 2_000  # prompts a warm-up runs
 
 
 def prompts_of(count: int, vocab: int, seed: int) -> list[list[int]]:
@@ -45,11 +47,15 @@ def prompts_of(count: int, vocab: int, seed: int) -> list[list[int]]:
             for length in lengths]
 
 
-def timed(runs: dict, rounds: int) -> dict[str, float]:
-    """Median wall seconds of each run, measured in turn round by round (the order flipped every round)."""
+def timed(runs: dict, rounds: int, warmups: dict | None = None) -> dict[str, float]:
+    """Median wall seconds of each run, measured in turn round by round (the order flipped every round).
+
+    Each run is first warmed up once: by its entry in `warmups` where given (the same call on fewer prompts, so
+    100,000 prompts are not run twice for a warm-up), else by itself.
+    """
     for name, run in runs.items():  # each run said as it ends, so a run cut short by a time limit says how far it got
         start = time.perf_counter()
-        run()
+        (warmups or runs)[name]()
         print(f"  warm-up {name}: {time.perf_counter() - start:.2f} s", flush=True)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for index in range(rounds):
@@ -122,24 +128,31 @@ def own_work(model, run, rounds: int) -> tuple[float, float]:
     return statistics.median(outside), statistics.median(inside)
 
 
-def in_process(title: str, model, prompts: list, labels: list[str], block: int, rounds: int, second: bool) -> None:
+def in_process(title: str, model, prompts: list, labels: list[str], block: int, rounds: int, second: bool,
+               split_rounds: int) -> None:
     """`model.statistics` against `model.harvest` of the same rows, timed in turn (and with second moments)."""
     held: dict = {}
-    local = {"bare harvest": lambda: held.update(rows=model.harvest(prompts, "layer_output", layers=[block],
-                                                                    progress=False)),
-             "moments": lambda: held.update(moments=model.statistics(prompts, labels, layers=[block],
-                                                                     reduce="last", progress=False))}
-    if second:  # what a principal component needs: hidden x hidden float64 a label, added a prompt at a time
-        local["+ second"] = lambda: held.update(second=model.statistics(prompts, labels, layers=[block],
-                                                                        reduce="last", second=True, progress=False))
-    medians = timed(local, rounds)
+
+    def runs(prompts: list, labels: list[str]) -> dict:
+        local = {"bare harvest": lambda: held.update(rows=model.harvest(prompts, "layer_output", layers=[block],
+                                                                        progress=False)),
+                 "moments": lambda: held.update(moments=model.statistics(prompts, labels, layers=[block],
+                                                                         reduce="last", progress=False))}
+        if second:  # what a principal component needs: hidden x hidden float64 a label, added a prompt at a time
+            local["+ second"] = lambda: held.update(second=model.statistics(prompts, labels, layers=[block],
+                                                                            reduce="last", second=True,
+                                                                            progress=False))
+        return local
+
+    local = runs(prompts, labels)
+    medians = timed(local, rounds, runs(prompts[:WARMUP], labels[:WARMUP]))
     report(title, medians, held["moments"].nbytes(),
            sum(t.numel() * t.element_size() for t in held["rows"]["layer_output"]),
            agreement(held["moments"], held["rows"], labels, block))
     if second:
         print(f"  with second moments / bare harvest: {medians['+ second'] / medians['bare harvest']:.3f}x")
-    for name in [name for name in local if name != "bare harvest"]:
-        outside, inside = own_work(model, local[name], rounds)
+    for name in [name for name in local if name != "bare harvest"] if split_rounds else []:
+        outside, inside = own_work(model, local[name], split_rounds)
         print(f"  {name}: its own work outside its harvest {outside * 1e3:.1f} ms a run, {outside / inside:.2%} of "
               f"the harvest inside it ({inside:.3f} s)")
 
@@ -154,6 +167,10 @@ def main() -> None:
     parser.add_argument("--transformers", action="store_true",
                         help="also the transformers engine in process (tiny: its checkpoint has weights)")
     parser.add_argument("--second", action="store_true", help="in process, also time second moments")
+    parser.add_argument("--no-http", action="store_true",
+                        help="in process only: no server (over HTTP the bare harvest downloads every prompt's row)")
+    parser.add_argument("--split-rounds", type=int, default=None,
+                        help="runs that split statistics' own work from its harvest (default --rounds; 0: none)")
     args = parser.parse_args()
     if args.transformers and args.shape != "tiny":
         parser.error("--transformers loads the checkpoint's weights: the llama3-8b shape has none (dummy weights "
@@ -165,45 +182,61 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="moments-"))
     path, options = checkpoint(args.shape, folder)
     gpu = torch.cuda.is_available()
+    split_rounds = args.rounds if args.split_rounds is None else args.split_rounds
+    config = json.loads((path / "config.json").read_text())
+    block = config["num_hidden_layers"] // 2 if args.block is None else args.block
+    prompts = prompts_of(args.prompts, config["vocab_size"], 0)
+    labels = ["a" if index % 2 else "b" for index in range(len(prompts))]
+    print(f"moments.py, {args.shape}: {args.prompts} prompts, layer_output of block {block} (torch "
+          f"{torch.__version__})", flush=True)
+    if not args.no_http:
+        over_http(args, path, options, gpu, prompts, labels, block)
+    if args.in_process or args.no_http:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        engine_options = {"dtype": options[options.index("--dtype") + 1],
+                          "max_model_len": int(options[options.index("--max-model-len") + 1])}
+        if "--load-format" in options:
+            engine_options["load_format"] = "dummy"
+        if gpu:
+            engine_options["gpu_memory_utilization"] = 0.4 if not args.no_http else 0.85
+        started = time.monotonic()
+        model = streamscope.load(str(path), engine="vllm", **engine_options)
+        print(f"the engine up in {time.monotonic() - started:.0f} s", flush=True)
+        in_process(f"in process (vLLM), {args.shape}: the same", model, prompts, labels, block, args.rounds,
+                   args.second, split_rounds)
+        model.close()
+    if args.transformers:
+        model = streamscope.load(str(path), **({"device_map": "cuda"} if gpu else {}))
+        in_process(f"in process (transformers), {args.shape}: the same", model, prompts, labels, block,
+                   args.rounds, args.second, split_rounds)
+
+
+def over_http(args, path: Path, options: list[str], gpu: bool, prompts: list, labels: list[str], block: int) -> None:
+    """`Client.statistics` (the server reduces and sends the moments) against `Client.harvest` of every row."""
+    import streamscope
+
     share = ["--gpu-memory-utilization", "0.4" if args.in_process else "0.85"] if gpu else []
     server = Server([sys.executable, "-m", "streamscope", "serve", str(path), "--api-key", KEY, *options, *share],
-                    folder / "server.log")
+                    path.parent / "server.log")
     try:
         started = time.monotonic()
         server.wait_up(started + 900)
-        print(f"moments.py, {args.shape}: {args.prompts} prompts; the server up in {time.monotonic() - started:.0f} s "
-              f"(torch {torch.__version__})", flush=True)
+        print(f"the server up in {time.monotonic() - started:.0f} s", flush=True)
         client = streamscope.Client(server.url, api_key=KEY, concurrency=64)
-        block = client.num_layers // 2 if args.block is None else args.block
-        prompts = prompts_of(args.prompts, client.vocab_size, 0)
-        labels = ["a" if index % 2 else "b" for index in range(len(prompts))]
         held: dict = {}
-        runs = {"bare harvest": lambda: held.update(rows=client.harvest(prompts, "layer_output", layers=[block])),
-                "moments": lambda: held.update(moments=client.statistics(prompts, labels, layers=[block],
-                                                                         reduce="last"))}
-        medians = timed(runs, args.rounds)
+
+        def runs(prompts: list, labels: list[str]) -> dict:
+            return {"bare harvest": lambda: held.update(rows=client.harvest(prompts, "layer_output", layers=[block])),
+                    "moments": lambda: held.update(moments=client.statistics(prompts, labels, layers=[block],
+                                                                             reduce="last"))}
+
+        medians = timed(runs(prompts, labels), args.rounds, runs(prompts[:WARMUP], labels[:WARMUP]))
         response = client._route("POST", "statistics", json={"prompts": prompts, "labels": labels, "layers": [block],
                                                             "reduce": "last"})
         rows = held["rows"]["layer_output"]
         row_bytes = sum(tensor.numel() * tensor.element_size() for tensor in rows)
         report(f"over HTTP, {args.shape}: {len(prompts)} prompts, layer_output of block {block}", medians,
                len(response.content), row_bytes, agreement(held["moments"], held["rows"], labels, block))
-        if args.in_process:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-            engine_options = {"dtype": options[options.index("--dtype") + 1],
-                              "max_model_len": int(options[options.index("--max-model-len") + 1])}
-            if "--load-format" in options:
-                engine_options["load_format"] = "dummy"
-            if gpu:
-                engine_options["gpu_memory_utilization"] = 0.4
-            model = streamscope.load(str(path), engine="vllm", **engine_options)
-            in_process(f"in process (vLLM), {args.shape}: the same", model, prompts, labels, block, args.rounds,
-                       args.second)
-            model.close()
-        if args.transformers:
-            model = streamscope.load(str(path), **({"device_map": "cuda"} if gpu else {}))
-            in_process(f"in process (transformers), {args.shape}: the same", model, prompts, labels, block,
-                       args.rounds, args.second)
     finally:
         server.close()
 
