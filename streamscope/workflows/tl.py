@@ -56,7 +56,8 @@ class BlockWeights:
     block has none. `read` None: the cache was built without access to them, and `what` says which they are."""
 
     def __init__(self, read: Optional[Callable[[], list]], what: str) -> None:
-        self._read, self._what, self._blocks = read, what, None
+        self._read, self._what = read, what
+        self._blocks: Optional[list] = None
 
     def block(self, layer: int, hook: str) -> torch.Tensor:
         """Block `layer`'s weight as the model holds it; `Unavailable` naming TransformerLens's `hook` where the
