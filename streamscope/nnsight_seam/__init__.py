@@ -61,11 +61,11 @@ this package.
 
 from __future__ import annotations
 
-import os
-import warnings
 from typing import Any, Optional
 
 import nnsight
+
+from ..releases import refuse_release
 
 #: The nnsight release this package was written and tested against (no other release was available to
 #: compare, so patch releases are not assumed to match: internals move even there).
@@ -85,12 +85,8 @@ def check_version(installed: Optional[str] = None) -> None:
         return
     message = (f"streamscope needs nnsight {SUPPORTED}, but nnsight {installed} is installed: streamscope "
                f"drives nnsight internals (its trace workers, write-backs and vLLM workers) that differ "
-               f"between releases. Install the supported one: `pip install nnsight=={SUPPORTED}` "
-               f"(or set {ALLOW_ENV}=1 to try this one anyway, at your own risk).")
-    if os.environ.get(ALLOW_ENV) == "1":
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-        return
-    raise ImportError(message)
+               f"between releases. Install the supported one: `pip install nnsight=={SUPPORTED}`")
+    refuse_release(message, ALLOW_ENV)
 
 
 check_version()

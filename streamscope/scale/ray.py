@@ -35,7 +35,7 @@ from transformers import AutoConfig
 
 from ..bulk.positions import Positions
 from ..bulk.sites import ROOT_VALUES, value_names
-from ..bulk.spec import token_ids
+from ..bulk.spec import harvest_values, token_ids
 from ..loading import load
 from .dataset import fingerprint, read_prompts
 from .shards import FORMATS, RunFolder, write_shard
@@ -144,11 +144,7 @@ def _check_request(checkpoint: str, engine: str, values: Any, layers: Any, posit
     """The values, blocks and parallel sizes checked against the checkpoint's config, before Ray starts."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}.")
-    if isinstance(values, str):
-        values = [values]
-    values = list(values)
-    if not values:
-        raise ValueError("harvest needs at least one value name.")
+    values = harvest_values(values)
     for value in values:
         if value not in value_names():
             raise ValueError(f"unknown value {value!r} for a harvest: choose one of {', '.join(value_names())}.")

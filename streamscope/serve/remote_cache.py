@@ -21,12 +21,11 @@ import torch
 
 from ..blocks import Attention
 from ..bulk.sites import value_names
-from ..engine import check_padding_side, padded
+from ..engine import padded
 from ..errors import Unavailable
 from ..input_checks import indices, names
-from ..workflows.cache import (ALL, DEFAULT_VALUES, ROOT, Cache, _block_keys, _final_norm, _ordered, _pad, _token_ids,
-                               apply_run_with_cache_arguments)
-from ..workflows.tl import as_index, keep_axis
+from ..workflows.cache import (ALL, DEFAULT_VALUES, ROOT, Cache, _block_keys, _checked_request, _final_norm, _keys, _pad,
+                               _stored, apply_run_with_cache_arguments)
 
 #: Why a value or a run a server does not carry is refused, by what was asked.
 NOT_OVER_HTTP = {
@@ -132,13 +131,7 @@ def remote_cache(client: Any, prompts: Any, values: Any = None, layers: Any = No
 
     Every real position's value is the one the prompt gives alone (one request each), padded afterwards on
     `padding_side` with zeros, as the in-process vLLM cache is."""
-    check_padding_side(padding_side)
-    ids = _token_ids(client, prompts, prepend_bos)
-    if remove_batch_dim and len(ids) != 1:
-        raise ValueError(f"remove_batch_dim=True needs one prompt, not {len(ids)} (as TransformerLens): run "
-                         f"them without it, or pick one with cache.apply_slice_to_batch_dim(i)")
-    if pos_slice is not None:
-        pos_slice = as_index(keep_axis(pos_slice))
+    ids, pos_slice = _checked_request(client, prompts, prepend_bos, padding_side, remove_batch_dim, pos_slice)
     layers = indices(layers, client.num_layers, "block", "model.cache")
     reads, roots, unavailable = plan(client, names(values), layers)
     reads, aliases = _unique(client, reads)
@@ -150,13 +143,9 @@ def remote_cache(client: Any, prompts: Any, values: Any = None, layers: Any = No
     found = harvest_all(client, ids, reads, harvested_roots)
     tokens, mask = padded(client.tokenizer, ids, padding_side)
     longest = tokens.shape[1]
-    keys = [*(["token_embeddings"] if "token_embeddings" in roots else []),
-            *(f"layers.{index}.{full}" for index, full in reads),
-            *(["final_norm_output"] if "final_norm_output" in roots else [])]
-    stored = {key: _pad(key, [rows[None] for rows in found[key]], longest, padding_side) for key in keys}
-    for alias, key in aliases.items():  # a value the block computes once under two names (GPT-J's one norm)
-        stored[alias] = stored[key]
-    stored = {key: stored[key] for key in _ordered(stored, aliases, keys)}
+    keys = _keys(roots, reads)
+    stored = _stored(keys, {key: [rows[None] for rows in found[key]] for key in keys}, aliases, longest,
+                     padding_side)
     stored_logits = None
     if logits:
         per_prompt = [client.engine.head(rows, normed=True)["logits"][None] for rows in found["final_norm_output"]]

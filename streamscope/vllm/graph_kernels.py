@@ -70,15 +70,20 @@ def _rounded(value, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _stream_block(hidden_row, residual_row, columns, inside, hidden_column, residual_column,
-                  FUSED: tl.constexpr, DTYPE: tl.constexpr):
-    """A block of the row's stream in float32: the hidden half plus the residual half, rounded as torch adds them."""
+def _row_block(start, offsets, width, hidden_row, hidden_column, residual_row, residual_column, vector_row,
+               bank_column, FUSED: tl.constexpr, DTYPE: tl.constexpr):
+    """The block of a marked row's columns from `start`, as each of `_edit_rows`' passes reads it: the columns and
+    which lie inside the row, then in float32 the hidden half, the stream (the hidden half plus the residual half,
+    rounded as torch adds them) and the row's direction."""
+    columns = start + offsets
+    inside = columns < width
     hidden = tl.load(hidden_row + columns * hidden_column, mask=inside, other=0.0).to(tl.float32)
     stream = hidden
     if FUSED:
         residual = tl.load(residual_row + columns * residual_column, mask=inside, other=0.0).to(tl.float32)
         stream = _rounded(hidden + residual, DTYPE)
-    return hidden, stream
+    vector = tl.load(vector_row + columns * bank_column, mask=inside, other=0.0).to(tl.float32)
+    return columns, inside, hidden, stream, vector
 
 
 @triton.jit
@@ -112,11 +117,8 @@ def _edit_rows(hidden, hidden_row_stride, hidden_column, residual, residual_row_
     square = tl.zeros([BLOCK], dtype=tl.float32)
     if directional | matched:  # the row's projection on its direction, and its squared norm
         for start in range(0, width, BLOCK):
-            columns = start + offsets
-            inside = columns < width
-            _, stream = _stream_block(hidden_row, residual_row, columns, inside, hidden_column, residual_column,
-                                      FUSED, DTYPE)
-            vector = tl.load(vector_row + columns * bank_column, mask=inside, other=0.0).to(tl.float32)
+            _, _, _, stream, vector = _row_block(start, offsets, width, hidden_row, hidden_column, residual_row,
+                                                 residual_column, vector_row, bank_column, FUSED, DTYPE)
             along += stream * vector
             square += stream * stream
     wide = _rounded(tl.sum(along, axis=0), DTYPE)  # torch's product of the row and the direction, in the dtype
@@ -125,11 +127,8 @@ def _edit_rows(hidden, hidden_row_stride, hidden_column, residual, residual_row_
     after = tl.zeros([BLOCK], dtype=tl.float32)
     if matched:  # the edited row's squared norm
         for start in range(0, width, BLOCK):
-            columns = start + offsets
-            inside = columns < width
-            _, stream = _stream_block(hidden_row, residual_row, columns, inside, hidden_column, residual_column,
-                                      FUSED, DTYPE)
-            vector = tl.load(vector_row + columns * bank_column, mask=inside, other=0.0).to(tl.float32)
+            _, _, _, stream, vector = _row_block(start, offsets, width, hidden_row, hidden_column, residual_row,
+                                                 residual_column, vector_row, bank_column, FUSED, DTYPE)
             edited, _ = _edited_block(stream, vector, coefficient, is_set, DTYPE)
             after += edited * edited
     norm_before = _rounded(tl.sqrt_rn(tl.sum(square, axis=0)), DTYPE)
@@ -141,11 +140,9 @@ def _edit_rows(hidden, hidden_row_stride, hidden_column, residual, residual_row_
     # ``edited - stream`` (`Summed._edit_rows`, `Operation.add_change`).
     direct = directional & (matched == 0)
     for start in range(0, width, BLOCK):
-        columns = start + offsets
-        inside = columns < width
-        half, stream = _stream_block(hidden_row, residual_row, columns, inside, hidden_column, residual_column,
-                                     FUSED, DTYPE)
-        vector = tl.load(vector_row + columns * bank_column, mask=inside, other=0.0).to(tl.float32)
+        columns, inside, half, stream, vector = _row_block(start, offsets, width, hidden_row, hidden_column,
+                                                           residual_row, residual_column, vector_row, bank_column,
+                                                           FUSED, DTYPE)
         edited, change = _edited_block(stream, vector, coefficient, is_set, DTYPE)
         edited = tl.where(matched, _rounded(edited * factor, DTYPE), edited)
         if FUSED:

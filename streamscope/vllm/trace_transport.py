@@ -27,7 +27,7 @@ import time
 import uuid
 import warnings
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import numpy
 import torch
@@ -127,25 +127,39 @@ def _pack(collected: Any, compact: Callable[[Any], bytes]) -> Any:
         return packed
 
     tensors: list = []
-    index: dict[int, int] = {}
 
-    class StructurePickler(pickle.Pickler):
-        def persistent_id(self, value: Any) -> Optional[int]:
+    def hand(value: torch.Tensor) -> int:
+        tensors.append(_owned_copy(value))
+        return len(tensors) - 1
+
+    structure = _pickled_apart(collected, hand)
+    _COUNTS["handed"] += 1
+    _COUNTS["tensors_handed"] += len(tensors)
+    return HandedSaves(structure, tensors)
+
+
+def _pickled_apart(collected: Any, record: Callable[[torch.Tensor], Any]) -> bytes:
+    """`collected` pickled with each dense tensor left out, as the persistent id `record` gives it (called once
+    per tensor object: one saved twice stays one object, as pickle's memo keeps it); every other value as
+    nnsight's compact rule pickles it."""
+    ids: dict[int, Any] = {}
+    kept: list = []  # each recorded tensor, alive while pickling: no other object takes its id meanwhile
+
+    class TensorsApartPickler(pickle.Pickler):
+        def persistent_id(self, value: Any) -> Any:
             if type(value) is not torch.Tensor or not _plain(value):
                 return None
-            if id(value) not in index:  # one object saved twice stays one object, as pickle's memo keeps it
-                index[id(value)] = len(tensors)
-                tensors.append(_owned_copy(value))
-            return index[id(value)]
+            if id(value) not in ids:
+                kept.append(value)
+                ids[id(value)] = record(value)
+            return ids[id(value)]
 
         def reducer_override(self, value: Any) -> Any:
             return _compact_reduce(value)
 
     buffer = io.BytesIO()
-    StructurePickler(buffer, pickle.HIGHEST_PROTOCOL).dump(collected)
-    _COUNTS["handed"] += 1
-    _COUNTS["tensors_handed"] += len(tensors)
-    return HandedSaves(buffer.getvalue(), tensors)
+    TensorsApartPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(collected)
+    return buffer.getvalue()
 
 
 def _unpack(payload: Any) -> Any:
@@ -299,8 +313,6 @@ def _pack_into_buffer(collected: Any) -> list:
     an engine process natively.
     """
     slots: list[tuple[Any, int]] = []  # (the bytes to send: a uint8 view on the tensor's device, buffer offset)
-    index: dict[int, tuple] = {}
-    kept: list = []  # the tensors indexed by id, alive until packed
     end = 0
 
     def record(value: Any) -> tuple:
@@ -321,26 +333,13 @@ def _pack_into_buffer(collected: Any) -> list:
         return (len(slots) - 1, str(value.dtype).removeprefix("torch."), str(value.device), start, nbytes,
                 tuple(value.shape), value.stride(), offset, value.requires_grad)
 
-    class PackingPickler(pickle.Pickler):
-        def persistent_id(self, value: Any) -> Optional[tuple]:
-            if type(value) is not torch.Tensor or not _plain(value):
-                return None
-            if id(value) not in index:  # one object saved twice stays one object, as pickle's memo keeps it
-                kept.append(value)
-                index[id(value)] = record(value)
-            return index[id(value)]
-
-        def reducer_override(self, value: Any) -> Any:
-            return _compact_reduce(value)
-
-    structure = io.BytesIO()
-    PackingPickler(structure, pickle.HIGHEST_PROTOCOL).dump(collected)
+    structure = _pickled_apart(collected, record)
     buffer = bytearray(end)
     _fill(buffer, slots)
     _COUNTS["packed"] += 1
     _COUNTS["tensors_packed"] += len(slots)
     _COUNTS["bytes_packed"] += end
-    return [PACKED_SAVES, structure.getvalue(), buffer]
+    return [PACKED_SAVES, structure, buffer]
 
 
 def _fill(buffer: bytearray, slots: list) -> None:

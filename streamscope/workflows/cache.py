@@ -40,7 +40,7 @@ from ..families.spec import ROOT_STREAMS
 from ..input_checks import indices, names
 from ..values import StreamValue
 from .cache_inputs import _names_filter, _output_weights, _token_ids, norm_inputs  # noqa: F401  (serve imports them)
-from .tl import TransformerLensCache, act_name, apply_slice, as_index, keep_axis
+from .tl import BlockWeights, TransformerLensCache, act_name, apply_slice, as_index, keep_axis
 
 ATTENTION = tuple(f"{Attention.ROLE}.{name}" for name in INTERNALS)
 ROOT = ROOT_STREAMS
@@ -165,8 +165,8 @@ class Cache(TransformerLensCache, Mapping):
         self.model = model
         self.padding_side = padding_side
         self._head = head  # the engine's `head_parameters`, read when logit_attrs needs the head's bias and scale
-        self._output_weights, self._weights_read = output_weights, None
-        self._down_weights, self._down_read = down_weights, None
+        self._output_weights = BlockWeights(output_weights, "output projections")
+        self._down_weights = BlockWeights(down_weights, "MLP down projections")
         self.logit_transform = logit_transform
         self.has_batch_dim = True
         self.norm_inputs = norm_inputs or {}
@@ -620,20 +620,10 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
         return model.engine.cache(prompts, values, layers, logits=logits, batch_size=batch_size, progress=progress,
                                   names_filter=names_filter, pos_slice=pos_slice, prepend_bos=prepend_bos,
                                   padding_side=padding_side, remove_batch_dim=remove_batch_dim, device=device)
-    check_padding_side(padding_side)
-    encoded = _token_ids(model, prompts, prepend_bos)
-    if remove_batch_dim and len(encoded) != 1:
-        raise ValueError(f"remove_batch_dim=True needs one prompt, not {len(encoded)} (as TransformerLens): run "
-                         f"them without it, or pick one with cache.apply_slice_to_batch_dim(i)")
-    if pos_slice is not None:
-        # Checked before the run; a plain int keeps the position axis and a TL Slice(int) drops it, as TL 4.3.
-        pos_slice = as_index(keep_axis(pos_slice))
-    prompts = [ids for ids in encoded]
+    prompts, pos_slice = _checked_request(model, prompts, prepend_bos, padding_side, remove_batch_dim, pos_slice)
     roots, reads, aliases, unavailable = _plan(model, names(values), indices(layers, model.num_layers, "block",
                                                                                "model.cache"))
-    keys = [*(["token_embeddings"] if "token_embeddings" in roots else []),
-            *(f"layers.{index}.{full}" for index, full in reads),
-            *(["final_norm_output"] if "final_norm_output" in roots else [])]
+    keys = _keys(roots, reads)
     tokens, mask = padded(model.tokenizer, prompts, padding_side)
     longest = tokens.shape[1]
     axes = [seq_axes(key) for key in keys] + ([seq_axes("logits")] if logits else [])
@@ -654,16 +644,45 @@ def build_cache(model: Any, prompts: Any, values: Optional[Sequence[str]] = None
         per_prompt.extend(values[: len(keys)] for values in found)
         per_logits.extend(values[len(keys)] for values in found if logits)
 
-    stored: dict[str, torch.Tensor] = {}
-    for position, key in enumerate(keys):
-        stored[key] = _pad(key, [found[position] for found in per_prompt], longest, padding_side)
-    for alias, key in aliases.items():  # a value the block computes once under two names (GPT-J's one norm)
-        stored[alias] = stored[key]
-    stored = {key: stored[key] for key in _ordered(stored, aliases, keys)}
+    rows = {key: [found[position] for found in per_prompt] for position, key in enumerate(keys)}
+    stored = _stored(keys, rows, aliases, longest, padding_side)
     stored_logits = _pad("logits", per_logits, longest, padding_side) if logits else None
     cache = _assemble(model, stored, tokens, mask, stored_logits, unavailable, padding_side)
     apply_run_with_cache_arguments(cache, names_filter, pos_slice, remove_batch_dim, device)
     return cache
+
+
+def _checked_request(model: Any, prompts: Any, prepend_bos: Optional[bool], padding_side: str,
+                     remove_batch_dim: bool, pos_slice: Any) -> tuple[list[list[int]], Any]:
+    """A cache's prompts as token ids (`_token_ids`) and its `pos_slice` as an index, with the request's other
+    arguments checked before anything runs (in process, or on a server's harvests)."""
+    check_padding_side(padding_side)
+    ids = _token_ids(model, prompts, prepend_bos)
+    if remove_batch_dim and len(ids) != 1:
+        raise ValueError(f"remove_batch_dim=True needs one prompt, not {len(ids)} (as TransformerLens): run "
+                         f"them without it, or pick one with cache.apply_slice_to_batch_dim(i)")
+    if pos_slice is not None:
+        # Checked before the run; a plain int keeps the position axis and a TL Slice(int) drops it, as TL 4.3.
+        pos_slice = as_index(keep_axis(pos_slice))
+    return list(ids), pos_slice
+
+
+def _keys(roots: Sequence[str], reads: Sequence[tuple[int, str]]) -> list[str]:
+    """The cache's keys of a run's reads, in the order the run returns them: the embeddings, the blocks' values
+    (``layers.<index>.<full name>``), the final norm's output."""
+    return [*(["token_embeddings"] if "token_embeddings" in roots else []),
+            *(f"layers.{index}.{full}" for index, full in reads),
+            *(["final_norm_output"] if "final_norm_output" in roots else [])]
+
+
+def _stored(keys: list[str], rows: Mapping[str, list[torch.Tensor]], aliases: dict[str, str], longest: int,
+            padding_side: str) -> dict[str, torch.Tensor]:
+    """Each key's prompts' `rows` (``[1, ...]`` each, unpadded) padded into one ``[batch, ...]`` tensor (`_pad`),
+    with each alias beside its key, in the order the blocks compute them."""
+    stored = {key: _pad(key, rows[key], longest, padding_side) for key in keys}
+    for alias, key in aliases.items():  # a value the block computes once under two names (GPT-J's one norm)
+        stored[alias] = stored[key]
+    return {key: stored[key] for key in _ordered(stored, aliases, keys)}
 
 
 def _plan(model: Any, values: Optional[list], layers: Sequence[int]) -> tuple[list, list, dict, dict[str, str]]:

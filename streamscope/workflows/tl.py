@@ -50,6 +50,28 @@ class NormForm:
         return (self.centre(stream.float()).pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
 
 
+class BlockWeights:
+    """One kind of every block's weights (the output projections, the MLP down projections), read from the model
+    on first use, all blocks at once (on vLLM, from its worker), and kept: each block's tensor, or the reason the
+    block has none. `read` None: the cache was built without access to them, and `what` says which they are."""
+
+    def __init__(self, read: Optional[Callable[[], list]], what: str) -> None:
+        self._read, self._what = read, what
+        self._blocks: Optional[list] = None
+
+    def block(self, layer: int, hook: str) -> torch.Tensor:
+        """Block `layer`'s weight as the model holds it; `Unavailable` naming TransformerLens's `hook` where the
+        block has none."""
+        if self._blocks is None:
+            if self._read is None:
+                raise ValueError(f"this cache was built without access to the model's {self._what}")
+            self._blocks = self._read()
+        weight = self._blocks[layer]
+        if isinstance(weight, str):
+            raise Unavailable(hook, f"blocks.{layer}", weight)
+        return weight
+
+
 class TransformerLensCache(FullDecomposition):
     """TransformerLens 4.3's ActivationCache methods; mixed into `streamscope.Cache` (which supplies the state)."""
 
@@ -374,21 +396,14 @@ class TransformerLensCache(FullDecomposition):
 
     # Per-head results: each head's output after the output projection, from head_outputs and its weights.
 
-    _output_weights: Optional[Callable[[], list]]
-    _weights_read: Optional[list]
+    _output_weights: BlockWeights
 
     def output_weights(self, layer: int) -> torch.Tensor:
         """``[heads, head_dim, hidden]``: block `layer`'s output projection split per head (TL's ``W_O``).
 
         Read from the model (on vLLM, from its worker) once per cache, all blocks at once.
         """
-        if self._weights_read is None:
-            if self._output_weights is None:
-                raise ValueError("this cache was built without access to the model's output projections")
-            self._weights_read = self._output_weights()
-        weight = self._weights_read[layer]
-        if isinstance(weight, str):
-            raise Unavailable("attn.hook_result", f"blocks.{layer}", weight)
+        weight = self._output_weights.block(layer, "attn.hook_result")
         z = self[f"layers.{layer}.self_attn.head_outputs"]
         heads, head_dim = z.shape[-2:]
         # A Linear's weight is [hidden, heads * head_dim]; the input's columns are head-major.
@@ -447,8 +462,7 @@ class TransformerLensCache(FullDecomposition):
 
     # Per-neuron results: each neuron's activation times its row of the MLP's down projection.
 
-    _down_weights: Optional[Callable[[], list]]
-    _down_read: Optional[list]
+    _down_weights: BlockWeights
 
     def neuron_weights(self, layer: int) -> torch.Tensor:
         """``[intermediate_size, hidden]``: block `layer`'s MLP down projection (TL's ``W_out``), scaled as the
@@ -461,14 +475,7 @@ class TransformerLensCache(FullDecomposition):
     def _down(self, layer: int) -> torch.Tensor:
         """``[hidden, intermediate_size]``: block `layer`'s down projection as the Linear holds it (no op made on
         it: `_projected_rows` contracts it as it is), or `Unavailable` with the reason the block has none."""
-        if self._down_read is None:
-            if self._down_weights is None:
-                raise ValueError("this cache was built without access to the model's MLP down projections")
-            self._down_read = self._down_weights()
-        weight = self._down_read[layer]
-        if isinstance(weight, str):
-            raise Unavailable("mlp.hook_post", f"blocks.{layer}", weight)
-        return weight
+        return self._down_weights.block(layer, "mlp.hook_post")
 
     def get_neuron_results(self, layer: int, neuron_slice: SliceInput = None, pos_slice: SliceInput = None,
                            project_output_onto: Optional[torch.Tensor] = None) -> torch.Tensor:
