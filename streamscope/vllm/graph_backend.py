@@ -48,7 +48,7 @@ from ..bulk.requests import Live, Span, SteerEntry
 from ..bulk.sites import Site
 from .families import envoy_tree, family_for
 from .graph_ops import cache_salt, ops_source, salted
-from .graph_plan import GraphPlan, PlannedSteer, RowRule
+from .graph_plan import GraphPlan, PlannedSteer, RowRule, StepHarvest
 from .graph_wiring import graph_sites, insert_ops, wiring_source
 
 logger = logging.getLogger("streamscope.bulk")
@@ -307,6 +307,16 @@ class GraphBackend:
         if self._current is not None:
             self._copied.append(self.plan.copy_out(self._current))
             self._current = None
+
+    def hand_over(self) -> Optional[StepHarvest]:
+        """After a step, the server's way (`streamscope.serve.worker.ServeState.send_graph`): the step's harvested
+        rows on their way to host memory (`GraphPlan.copy_out`, not waited for: its ``event``), for the caller to hand
+        to its own writer, or None where the step harvested nothing through the ops. The rows are then no request's
+        here: `take` returns none of them, and `step` queues no copy of that step."""
+        current, self._current = self._current, None
+        if current is None or not current.layout:
+            return None
+        return self.plan.copy_out(current)
 
     def settle(self) -> None:
         """After the last step: every step's harvest in host memory, handed to its requests (`take`)."""
