@@ -389,25 +389,27 @@ class ServeState(RequestApplier):
         """Hand the step's rows that the graph ops harvested to the writer thread, as `send` hands the hooks' reads:
         one copy of the ops' buffers to host memory, not waited for, its pieces laid out for the writer.
 
-        A request's rows of the step are ``buffer[site, row:row + count]`` for
-        each of its sites (the plan's harvest sites it asked for, in its own
-        order): a contiguous piece of the copy, written to the request's
-        positions ``first .. first + count`` (the indices of its prompt
-        positions, as its hook reads fill them).
+        A request's rows of the step are ``rows[place[site], row:row + count]``
+        for each of its sites (the plan's harvest sites it asked for, in its
+        own order; only sites some request asked for are copied): a contiguous
+        piece of the copy, written to the request's positions
+        ``first .. first + count`` (the indices of its prompt positions, as
+        its hook reads fill them).
         """
         harvest = self.graph.hand_over() if self.graph is not None else None
         if harvest is None:
             return
         pieces: list[tuple[int, int, list[int], int, int, int]] = []
         complete: list[int] = []
-        sites, used, width = harvest.rows.shape
+        _, used, width = harvest.rows.shape
         row = 0
         for key, count, first in harvest.layout:
             live, planned = self.live.get(key), harvest.lives[key]
             if live is not None and not live.written:
                 slots = list(range(first, first + count))
                 for number, site in enumerate(planned.sites.tolist()):
-                    pieces.append((live.key, number, slots, (site * used + row) * width, count, width))
+                    start = (harvest.place[site] * used + row) * width
+                    pieces.append((live.key, number, slots, start, count, width))
                 if planned.done == len(planned.positions):  # every position read: the step completes its harvest
                     live.written = True  # (not `done`: a request the ops harvest plans no hook work to take back)
                     complete.append(live.key)

@@ -48,7 +48,7 @@ from ..bulk.requests import Live, Span, SteerEntry
 from ..bulk.sites import Site
 from .families import envoy_tree, family_for
 from .graph_ops import cache_salt, ops_source, salted
-from .graph_plan import GraphPlan, PlannedSteer, RowRule, StepHarvest
+from .graph_plan import GraphPlan, PlannedSteer, RowRule
 from .graph_wiring import graph_sites, insert_ops, wiring_source
 
 logger = logging.getLogger("streamscope.bulk")
@@ -223,6 +223,26 @@ def operation_of(entry: SteerEntry) -> Optional[Operation]:
     return None
 
 
+@dataclass
+class Handed:
+    """A step's rows harvested through the ops, handed to the server's writer (`GraphBackend.hand_over`).
+
+    ``rows [sites asked, used, hidden]`` (on the host once ``event``, if any,
+    has passed): row ``r`` of the step's harvest at each site some request
+    asked for, the sites in the plan's order; ``place`` maps a plan harvest
+    site's index to its index in ``rows``. ``layout`` is each harvesting
+    request's ``(key, count, first position index)`` in row order, and
+    ``lives`` the plan's record of each (its ``sites``, ``positions``, and
+    ``done``: its positions harvested so far, this step's included).
+    """
+
+    rows: torch.Tensor
+    event: Any
+    layout: list[tuple[Hashable, int, int]]
+    lives: dict[Hashable, Any]
+    place: dict[int, int]
+
+
 class GraphBackend:
     """One applier's side of the graph ops: which of its requests' work the plan does, each step's fill, the rows
     harvested (see the module's docstring). Requests are the applier's keys; the plan is the worker's, shared by
@@ -308,15 +328,31 @@ class GraphBackend:
             self._copied.append(self.plan.copy_out(self._current))
             self._current = None
 
-    def hand_over(self) -> Optional[StepHarvest]:
-        """After a step, the server's way (`streamscope.serve.worker.ServeState.send_graph`): the step's harvested
-        rows on their way to host memory (`GraphPlan.copy_out`, not waited for: its ``event``), for the caller to hand
-        to its own writer, or None where the step harvested nothing through the ops. The rows are then no request's
-        here: `take` returns none of them, and `step` queues no copy of that step."""
+    def hand_over(self) -> Optional["Handed"]:
+        """After a step, the server's way (`streamscope.serve.worker.ServeState.send_graph`): the rows the step
+        harvested at the sites its requests asked for, on their way to host memory (pinned on a GPU, not waited
+        for: ``event``), for the caller to hand to its own writer; None where the step harvested nothing through the
+        ops. Those rows are then no request's here: `take` returns none of them."""
         current, self._current = self._current, None
         if current is None or not current.layout:
             return None
-        return self.plan.copy_out(current)
+        used = sum(count for _, count, _ in current.layout)
+        asked = sorted({site for live in current.lives.values() for site in live.sites.tolist()})
+        rows = self.plan.harvested[:, :used]
+        if len(asked) < rows.shape[0]:  # only the sites some request asked for cross to the host
+            # (not a blocking copy, which would wait for the step: the driver takes pageable data before returning)
+            rows = rows.index_select(0, torch.tensor(asked, dtype=torch.long).to(rows.device, non_blocking=True))
+        event = None
+        if rows.device.type == "cuda":
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)  # queued behind the step, before the next step overwrites them
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            # the plan's own buffer, which the next step overwrites, is copied; a selection is a new tensor already
+            host = rows.clone(memory_format=torch.contiguous_format) \
+                if rows.data_ptr() == self.plan.harvested.data_ptr() else rows.contiguous()
+        return Handed(host, event, current.layout, current.lives, {site: place for place, site in enumerate(asked)})
 
     def settle(self) -> None:
         """After the last step: every step's harvest in host memory, handed to its requests (`take`)."""

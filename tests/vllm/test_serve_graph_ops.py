@@ -18,6 +18,9 @@ hands each steer and harvest they serve to the graph plan) and one without
   values within the tolerance;
 * concurrent requests with different steers each equal their solo run, and
   an unsteered batchmate its unsteered run bit for bit;
+* steered completions without a harvest, run twice so that the second reads
+  its prompt's prefix from vLLM's prefix cache (the server's default), equal
+  the hook server's tokens and log-probs;
 * an SAE clamp and a conditional steer on the same graph server fall back
   to the hooks and equal the hook server.
 
@@ -30,6 +33,7 @@ without a server.
 from __future__ import annotations
 
 import argparse
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Any
@@ -189,8 +193,11 @@ def test_a_steer_equals_the_hook_server_and_the_oracle(servers: Servers, mode: t
 
 
 def test_harvests_equal_the_hook_server_bit_for_bit_and_the_oracle(servers: Servers) -> None:
-    """Every block's last position, and 2 blocks' stream and sublayer output at every position."""
-    cases = [(["layer_output"], None, "last"), (["layer_output", "mlp_output"], [0, servers.layers - 1], "all")]
+    """Every block's last position, 2 blocks' stream and sublayer output at every position, and every value the
+    ops read at every block's last position (the whole of the ops' buffers crosses to the host)."""
+    every = ["layer_input", "layer_mid", "mlp_input", "layer_output", "attention_output", "mlp_output"]
+    cases = [(["layer_output"], None, "last"), (["layer_output", "mlp_output"], [0, servers.layers - 1], "all"),
+             (every, None, "last")]
     for values, layers, positions in cases:
         before = servers.served()[1]
         got = servers.graphed.harvest(PROMPTS, values, layers=layers, positions=positions)
@@ -245,6 +252,46 @@ def test_concurrent_requests_each_equal_their_solo_run(servers: Servers) -> None
         assert tokens == solo_tokens, number
         for value in solo_rows:
             assert equal(rows[value], solo_rows[value], mode in ("add", "set", "none")), (number, value)
+
+
+def prefix_hits(url: str) -> float:
+    """vLLM's prefix-cache hits so far, from the server's ``/metrics``."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits"))
+
+
+def _hits_after(url: str, before: float, wait: float = 15.0) -> float:
+    """The hits once past `before` (vLLM publishes its metrics a moment after a reply), or after `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while prefix_hits(url) <= before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return prefix_hits(url)
+
+
+def test_steered_completions_over_a_cached_prefix_equal_the_hook_server(servers: Servers) -> None:
+    """Steers without a harvest share vLLM's prefix cache (the server's default): the second run of a prompt reads
+    its prefix from the cache and runs only its tail, whose rows the plan marks by position. Tokens and log-probs
+    equal the hook server's, bit for bit for add and set, and the ops served every one."""
+    long = " ".join([PROMPTS[1]] * 24)  # whole KV blocks to share
+    for number, (mode, norm_match) in enumerate(MODES[:4]):
+        value, layer = SITES[number % 2]
+        item = {"value": value, "layer": layer, "mode": mode, "norm_match": norm_match,
+                "vector": servers.vector(50 + number).tolist(), **SETTINGS[mode]}
+        runs = {}
+        before, hits = servers.served()[0], prefix_hits(servers.urls["graphed"])
+        for which in ("graphed", "hooked"):
+            api = servers.api(which)
+            model = api.models.list().data[0].id
+            runs[which] = [api.completions.create(model=model, prompt=long, max_tokens=4, temperature=0, logprobs=1,
+                                                  extra_body={"streamscope": {"steer": [item]}}).choices[0]
+                           for _ in range(2)]
+        assert servers.served()[0] == before + 2, mode
+        assert _hits_after(servers.urls["graphed"], hits) > hits, "no prefix-cache hit: the case proves nothing"
+        for got, want in zip(runs["graphed"], runs["hooked"]):
+            assert got.text == want.text, mode
+            logprobs = torch.tensor(got.logprobs.token_logprobs)
+            expected = torch.tensor(want.logprobs.token_logprobs)
+            assert equal(logprobs, expected, mode in ("add", "set")), (mode, logprobs, expected)
 
 
 def test_an_sae_clamp_and_a_conditional_steer_fall_back_to_the_hooks(servers: Servers) -> None:
