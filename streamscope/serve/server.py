@@ -7,8 +7,9 @@ what vLLM offers for it:
 
 * the engine's worker extension (``--worker-extension-cls``,
   `streamscope.worker_extension`), on vLLM's own worker (nnsight's with
-  ``--taps``), whose `streamscope.serve.worker` applies each request's plan,
-  installed on every worker as the server starts;
+  ``--taps``; with ``--graph-ops`` vLLM's own that inserts the graph ops at
+  load, `streamscope.serve.graph_workers`), whose `streamscope.serve.worker`
+  applies each request's plan, installed on every worker as the server starts;
 * an ASGI wrapper around vLLM's completion routes, inside every middleware
   vLLM installs (so ``--api-key`` is checked first), that checks a completion request's ``streamscope`` field and hands
   the plan to vLLM in its ``vllm_xargs``, with a prefix-cache salt; a request

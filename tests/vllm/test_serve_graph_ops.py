@@ -27,15 +27,19 @@ hands each steer and harvest they serve to the graph plan) and one without
 Counts of what the ops served (``/v1/streamscope/info``'s ``graph_ops``)
 prove the ops ran where they should and did not where they should not. The
 refusals of the command line and of a compiled server's front end are checked
-without a server.
+without a server, and the worker's where its hooks do not fire on an
+in-process engine started as the server starts its own, stepped by hand.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -43,6 +47,7 @@ import openai
 import pytest
 import torch
 from transformers import AutoTokenizer
+from vllm import LLM
 
 import attention_oracle
 import oracle
@@ -51,12 +56,12 @@ import streamscope
 from access import relative_error
 from serve_process import KEY, running
 from steer_checks import plain_operation
-from streamscope.serve.protocol import Limits, RequestError
+from streamscope.serve.protocol import XARG, Limits, RequestError, vector_bytes
 from streamscope.serve.server import Front, engine_settings, graph_options
 from streamscope.serve.storage import harvest_tensors
-from streamscope.serve.worker import GRAPH_WORKERS
+from streamscope.serve.worker import GRAPH_WORKERS, ServeState
 from streamscope.sae import SAE
-from streamscope.vllm.graph_backend import GraphOptions
+from streamscope.vllm.graph_backend import RUNNER_ATTRIBUTE, GraphOptions, engine_config, graph_ops_of
 from streamscope.vllm.model import StandardizedVLLM, beside_engine
 
 pytestmark = pytest.mark.skipif(precision.ON_GPU, reason="the CPU build's servers (eager); a GPU server compiles "
@@ -374,3 +379,72 @@ def test_a_compiled_server_refuses_requests_its_ops_cannot_serve(checkpoints: An
         assert "--enforce-eager" in str(error.value) and error.value.status == 400
     front.hooks_fire = True  # an eager engine: the hooks serve the rest
     front.graph_refusal(*refused[0][:2])
+
+
+# ---------------------------------------------------------------- the worker where hooks do not fire, in process
+
+
+@pytest.fixture(scope="module")
+def ops_runner(checkpoints: Any) -> Any:
+    """vLLM's runner of an in-process engine started as ``--graph-ops`` starts the server's (its CPU worker
+    inserting the ops at load, the options in ``additional_config``), to step by hand."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in this process
+    try:
+        llm = LLM(str(checkpoints("llama")), enforce_eager=True, dtype="float32", enable_prefix_caching=False,
+                  max_model_len=256, worker_cls=GRAPH_WORKERS["cpu"], additional_config=engine_config(True, None))
+    finally:
+        if previous is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+    yield llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    del llm
+
+
+def _request(request_id: str, plan: dict, length: int = 5) -> SimpleNamespace:
+    return SimpleNamespace(req_id=request_id, prompt_token_ids=list(range(length)),
+                           sampling_params=SimpleNamespace(extra_args={XARG: json.dumps(plan)}))
+
+
+def _steer(value: str, layer: int, seed: int) -> dict[str, Any]:
+    vector = torch.randn(64, generator=torch.Generator().manual_seed(seed))
+    return {"value": value, "layer": layer, "vector": vector_bytes(vector), "scale": 1.0, "positions": "all",
+            "mode": "add", "generated": True}
+
+
+def test_where_hooks_do_not_fire_the_worker_refuses_what_the_ops_cannot_serve(ops_runner: Any) -> None:
+    """A worker whose hooks do not fire (a compiled server) enters what its ops serve, a request with nothing on
+    the hooks; one with work left there (a value without an op, a third steer at a site of two rounds) is refused
+    whole, nothing of it left in the plan or hooked. The steps mark the served request's rows, and its harvest
+    through the ops completes once its prompt ran."""
+    runner = SimpleNamespace(get_model=ops_runner.get_model, model_config=ops_runner.model_config,
+                             execute_model=lambda *args, **kwargs: None, _update_states=lambda output: None,
+                             input_batch=SimpleNamespace(req_ids=[]), requests={})
+    ops = graph_ops_of(ops_runner)
+    assert ops is not None
+    runner.__dict__[RUNNER_ATTRIBUTE] = ops
+    state = ServeState(runner, "llama", folder=None, writer=False, hooks_fire=False)
+    served = _steer("layer_output", 1, 1)
+    arriving = [_request("served", {"steer": [served], "harvest": {"values": ["layer_output"], "layers": [0, 1],
+                                                                     "positions": "all", "id": "h1"}}),
+                _request("no-op", {"steer": [served, _steer("attention_norm_output", 0, 2)]}),
+                _request("rounds", {"steer": [_steer("layer_mid", 0, seed) for seed in (3, 4, 5)]})]
+    for data in arriving:
+        runner.requests[data.req_id] = SimpleNamespace(num_computed_tokens=0)
+    runner.input_batch.req_ids = ["served", "no-op", "rounds"]
+    runner._update_states(SimpleNamespace(scheduled_new_reqs=arriving, finished_req_ids=set(),
+                                          num_scheduled_tokens={"served": 5, "no-op": 5, "rounds": 5},
+                                          total_num_scheduled_tokens=15))
+    assert set(state.live) == {"served"} == set(state.graph.entered) and not state.hooks
+    assert ops.plan.live == 1 and ops.plan.bank.live == 1  # the refused requests' slots given back
+    lane = ops.plan.lane_of[("layers.1.layer_output", 0)]
+    marks = ops.plan.index[:15, lane]
+    assert (marks[:5] >= 0).all() and (marks[5:] == -1).all()  # its rows alone, though it plans no hook work
+    live = state.live["served"]
+    assert not live.written
+    runner.execute_model()  # the step's end: the ops' rows handed over, its every position read
+    assert live.written
+    state.leave("served")
+    assert ops.plan.live == 0 and ops.plan.bank.live == 0
