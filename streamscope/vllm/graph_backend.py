@@ -24,10 +24,14 @@ stays on the hooks, and why:
 
 The two backends' rows meet where the applier hands a request its harvest:
 the bulk path's `Applier.take` gives a graph-harvested request the plan's
-rows, ``[sites, positions, hidden]``, in the layout of its hook reads.
+rows, ``[sites, positions, hidden]``, in the layout of its hook reads; the
+server (`streamscope.serve.worker.ServeState.send_graph`) takes each step's
+rows as they leave the device (`GraphBackend.hand_over`) and hands them to
+its harvest writer, as it hands the hooks' reads.
 
 At load a worker calls `insert_at_load`: with the engine's option
-(``streamscope.load(path, engine="vllm", graph_ops=True)``, carried in vLLM's
+(``streamscope.load(path, engine="vllm", graph_ops=True)``, or
+``streamscope serve --graph-ops``, carried in vLLM's
 ``additional_config`` under `CONFIG_KEY`, the compile cache salted beside it
 under `graph_ops.SALT_KEY`) it builds the plan, sized from the runner's
 ``max_num_batched_tokens``, and inserts the ops at every site before the
