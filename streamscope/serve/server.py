@@ -7,8 +7,9 @@ what vLLM offers for it:
 
 * the engine's worker extension (``--worker-extension-cls``,
   `streamscope.worker_extension`), on vLLM's own worker (nnsight's with
-  ``--taps``), whose `streamscope.serve.worker` applies each request's plan,
-  installed on every worker as the server starts;
+  ``--taps``; with ``--graph-ops`` vLLM's own that inserts the graph ops at
+  load, `streamscope.serve.graph_workers`), whose `streamscope.serve.worker`
+  applies each request's plan, installed on every worker as the server starts;
 * an ASGI wrapper around vLLM's completion routes, inside every middleware
   vLLM installs (so ``--api-key`` is checked first), that checks a completion request's ``streamscope`` field and hands
   the plan to vLLM in its ``vllm_xargs``, with a prefix-cache salt; a request
@@ -40,6 +41,8 @@ from ..bulk.schema import DOSE_ACTIONS, request_schema
 from ..bulk.spec import ROOT_VALUES, locate
 from ..errors import Unavailable, UnsupportedCheckpoint
 from ..models import NAMED, UNRESOLVED, resolve
+from ..vllm.graph_backend import GraphOptions, engine_config
+from ..vllm.graph_wiring import graph_sites
 from ..vllm.model import StandardizedVLLM, refuse_on_the_cpu_build
 from ..vllm.taps import tap_locations
 from .forwarding import cache_salt, worker_payload
@@ -78,6 +81,12 @@ class Front:
         #: Where a request's check tokenizes its prompt: one thread (the tokenizer is not shared between threads).
         self.checks = ThreadPoolExecutor(1, thread_name_prefix="streamscope-check")
         self._served: Optional[tuple[list[str], dict[str, str]]] = None
+        #: ``--graph-ops``: the options the engine's worker inserted its graph ops with (None: no ops).
+        self.graph_ops: Optional[GraphOptions] = None
+        #: Whether the worker's hooks fire in a step (False: a compiled engine, ``--graph-ops`` on a GPU, where a
+        #: request the ops cannot serve is refused, `graph_refusal`).
+        self.hooks_fire = True
+        self._graph_names: Optional[tuple[dict[Any, str], dict[Any, str]]] = None
 
     def store_sae(self, name: str, data: bytes, param: str = "body") -> dict[str, Any]:
         """Check an uploaded SAE (its layout, weights, width, site, a tap on a tapped server) and store it."""
@@ -119,6 +128,68 @@ class Front:
                 "default_steer": bool(self.checker.default), "vectors": sorted(self.vectors),
                 "saes": sorted(self.saes), "worker": self.worker, "graph_mode": self.graph_mode,
                 "limits": vars(self.limits)}
+
+    async def graph_info(self, engine: Any) -> Optional[dict[str, Any]]:
+        """``--graph-ops``: the options, whether hooks fire, and what the first worker's ops serve
+        (`streamscope.serve.worker.ServeRPC.streamscope_serve_graph_ops`); None on a server without them."""
+        if self.graph_ops is None:
+            return None
+        found = (await engine.collective_rpc("streamscope_serve_graph_ops"))[0] if engine is not None else None
+        return {"options": self.graph_ops.config(), "hooks_fire": self.hooks_fire, **(found or {})}
+
+    def graph_refusal(self, steers: list[dict[str, Any]], harvest: Optional[dict[str, Any]]) -> None:
+        """On a server whose hooks do not fire (compiled graphs, ``--graph-ops`` on a GPU), refuse a request whose
+        steers or harvest no graph op can serve, naming why and the fix: a conditional or SAE steer, a steer or
+        harvest at a value without an op, more steers at one site than the ops' rounds, an SAE harvest. The worker
+        routes what passes (`streamscope.vllm.graph_backend.GraphBackend`) and refuses the rest it cannot place
+        (a full slot bank, steers out of the ops' order at one module call), as a failed harvest and in its log."""
+        if self.hooks_fire or self.graph_ops is None:
+            return
+        edits, harvests = self._graph_sites()
+        rounds = self.graph_ops.rounds
+        fix = "send it to a server started without --graph-ops, or with --enforce-eager (hooks then serve it)"
+        counts: dict[Any, int] = {}
+        for number, item in enumerate(steers):
+            param = f"{FIELD}.steer[{number}]"
+            if item.get("condition") is not None or item.get("mode") == "sae_clamp":
+                raise RequestError(400, param, f"{param}: a conditional or SAE steer runs on hooks, which do not "
+                                               f"fire in this server's compiled graphs: {fix}.")
+            key = self._site_key(item["value"], item.get("layer"))
+            if key not in edits:
+                raise RequestError(400, param, f"{param}: no graph op edits {item['value']!r} at block "
+                                               f"{item.get('layer')} on this server: {fix}.")
+            counts[key] = counts.get(key, 0) + 1
+            if counts[key] > rounds:
+                raise RequestError(400, param, f"{param}: {counts[key]} steers at {edits[key]}; the graph ops take "
+                                               f"{rounds} (--graph-ops '{{\"rounds\": {counts[key]}}}'), or {fix}.")
+        if harvest is None:
+            return
+        keys = [self._site_key(value, layer) for value in harvest.get("values") or ()
+                for layer in ([None] if value in ROOT_VALUES else harvest.get("layers") or ())]
+        if "sae" in harvest or any(key not in harvests for key in keys):
+            raise RequestError(400, f"{FIELD}.harvest", f"{FIELD}.harvest: an SAE harvest, or a value without a "
+                                                        f"harvest op, runs on hooks, which do not fire in this "
+                                                        f"server's compiled graphs: {fix}.")
+
+    def _site_key(self, value: str, layer: Optional[int]) -> Any:
+        """A value's module call and descriptor on the front's tree (the ops' sites' identity), None if none."""
+        try:
+            site = locate(self.model, value, layer)
+        except (Unavailable, ValueError, TypeError, IndexError):
+            return None
+        return id(site.module), site.where, id(site.descriptor)
+
+    def _graph_sites(self) -> tuple[dict[Any, str], dict[Any, str]]:
+        """The sites of the edit ops and of the harvest ops (`graph_wiring.graph_sites` on the front's tree, as the
+        worker finds them on its model), by `_site_key`, with their names; found once."""
+        if self._graph_names is None:
+            assert self.graph_ops is not None
+            values, harvested = self.graph_ops.values, self.graph_ops.harvest
+            sites, _ = graph_sites(self.model, values=tuple(dict.fromkeys(values + harvested)))
+            keyed = {name: (id(site.module), site.where, id(site.descriptor)) for name, site in sites.items()}
+            self._graph_names = ({key: name for name, key in keyed.items() if name.split(".", 2)[2] in values},
+                                 {key: name for name, key in keyed.items() if name.split(".", 2)[2] in harvested})
+        return self._graph_names
 
     async def read_graph_mode(self, engine: Any) -> None:
         """`graph_mode` as the engine's first worker resolved it (a tapped engine's worker answers
@@ -173,8 +244,9 @@ class Front:
         ``streamscope`` field, from its one declaration, `streamscope.bulk.schema`)."""
         @router.get("/info")
         async def info(request: Request) -> Any:
-            await self.read_graph_mode(getattr(request.app.state, "engine_client", None))
-            return self.info()
+            engine = getattr(request.app.state, "engine_client", None)
+            await self.read_graph_mode(engine)
+            return {**self.info(), "graph_ops": await self.graph_info(engine)}
 
         @router.get("/schema")
         async def schema() -> Any:
@@ -350,6 +422,7 @@ class SteerMiddleware:
                 checked = await asyncio.get_running_loop().run_in_executor(self.front.checks, check)
             else:
                 checked = check()
+            self.front.graph_refusal(checked.steer_payload, checked.harvest)
             body.pop(FIELD, None)
             said = checked.warnings
             if not checked.empty:
@@ -464,6 +537,14 @@ def add_arguments(parser: Any) -> None:
     group.add_argument("--taps", nargs="+", default=[],
                        help="serve only these values, with CUDA graphs broken at them (as streamscope.load(..., "
                             "taps=...)): 'layers.16.layer_output' 'layers.*.layer_output'. Default: eager, every value.")
+    group.add_argument("--graph-ops", nargs="?", const="true", default=None, metavar="JSON",
+                       help="run the steers and harvests the graph ops serve (add, set, ablate, clamp and reads at "
+                            "every block's stream boundaries and sublayer outputs) as ops inside vLLM's compiled "
+                            "graph, the rest on hooks (as streamscope.load(..., graph_ops=True)); optionally a JSON "
+                            "object of streamscope.vllm.graph_backend.GraphOptions' fields ('{\"slots\": 512, "
+                            "\"rounds\": 3}'). On a GPU the engine keeps vLLM's compile and CUDA graphs, and a "
+                            "request the ops cannot serve is refused (--enforce-eager serves it on hooks); on a CPU it "
+                            "runs eagerly. Not with --taps.")
     group.add_argument("--default-steer", help="a JSON file: steers (the request field's form) applied to every "
                                                "request that does not send default_steer: false")
     group.add_argument("--vectors", help="a folder of NAME.safetensors files (one tensor each) stored at start")
@@ -505,13 +586,36 @@ def _given(argv: Sequence[str], *flags: str) -> bool:
     return any(item == flag or item.startswith(flag + "=") for item in argv for flag in flags)
 
 
-def engine_settings(args: argparse.Namespace, argv: Sequence[str], on_cpu: bool, locations: Sequence[str]) -> None:
-    """The engine options streamscope needs, over what the caller passed: its worker, eager or graphs at the taps."""
+def graph_options(args: argparse.Namespace) -> Optional[GraphOptions]:
+    """``--graph-ops [JSON]`` as options (None where not given); a bad value exits naming the flag and the fix."""
+    if args.graph_ops is None:
+        return None
+    try:
+        return GraphOptions.of(True if args.graph_ops == "true" else json.loads(args.graph_ops))
+    except (ValueError, TypeError) as error:
+        raise SystemExit(f"streamscope serve: --graph-ops {args.graph_ops}: {error} (give no value for the defaults, "
+                         f"or a JSON object of GraphOptions' fields: slots, rounds, values, harvest, "
+                         f"harvest_capacity).") from None
+
+
+def engine_settings(args: argparse.Namespace, argv: Sequence[str], on_cpu: bool, locations: Sequence[str],
+                    graph: Optional[GraphOptions] = None) -> bool:
+    """The engine options streamscope needs, over what the caller passed: its worker, eager or graphs at the taps,
+    or with `graph` (``--graph-ops``) the ops' options in ``additional_config`` and vLLM's own compile and graphs
+    on a GPU. Whether the worker's hooks fire in a step (an eager engine, or graphs broken at the taps)."""
     if _given(argv, "--worker-cls", "--worker-extension-cls"):
         raise SystemExit("streamscope serve runs its own worker class and extension; drop --worker-cls and "
                          "--worker-extension-cls.")
-    args.worker_cls = worker_cls(on_cpu, bool(locations))
+    args.worker_cls = worker_cls(on_cpu, bool(locations), graph is not None)
     args.worker_extension_cls = WORKER_EXTENSION
+    if graph is not None:
+        if locations:
+            raise SystemExit("streamscope serve: --graph-ops with --taps is not served yet (the taps replay graphs "
+                             "nnsight's way, the ops run inside vLLM's own): drop --taps, or --graph-ops.")
+        args.additional_config = engine_config(graph, args.additional_config)  # the options, and the cache's salt
+        if on_cpu:
+            args.enforce_eager = True  # the CPU suite's engine: its compile takes minutes (docs/graph-ops.md)
+        return bool(on_cpu or args.enforce_eager)  # on a GPU vLLM's defaults: compile, its own CUDA graph mode
     if not locations or on_cpu:
         if _given(argv, "--no-enforce-eager") or _given(argv, "-cc", "--compilation-config") and not locations:
             print("streamscope serve: an untapped server runs eagerly (hooks do not fire inside compiled graphs); "
@@ -524,6 +628,7 @@ def engine_settings(args: argparse.Namespace, argv: Sequence[str], on_cpu: bool,
             args.compilation_config = {"cudagraph_mode": "FULL_DECODE_ONLY"}
     if locations:
         args.additional_config = {**(args.additional_config or {}), "nnsight_taps": list(locations)}
+    return True
 
 
 def front_model(args: argparse.Namespace, on_cpu: bool) -> Any:
@@ -609,9 +714,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             front.store_sae(path.stem, path.read_bytes(), str(path))
     if args.default_steer:
         front.checker.default = front.checker.default_steers(json.loads(Path(args.default_steer).read_text()))
+    front.graph_ops = graph_options(args)
+    front.hooks_fire = engine_settings(args, argv, on_cpu, locations, front.graph_ops)
+    if front.graph_ops is not None and not on_cpu:
+        front.graph_mode = None  # vLLM's own choice, asked of the worker (`read_graph_mode`)
     os.environ[ENVIRONMENT] = json.dumps({"harvests": str(folder), "saes": str(front.saes.folder),
-                                          "sae_cache": max(1, min(4, args.max_stored_saes))})
-    engine_settings(args, argv, on_cpu, locations)
+                                          "sae_cache": max(1, min(4, args.max_stored_saes)),
+                                          "hooks_fire": front.hooks_fire})
     front.worker = args.worker_cls
     serve(api, args, front.extend)
     return 0

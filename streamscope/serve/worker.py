@@ -55,6 +55,7 @@ from ..bulk.spec import ROOT_VALUES, SKIP_FIRST, Site, Steer, layer_list, locate
 from ..engine import norm_parameters
 from ..vllm.bulk import worker_tree
 from ..vllm.bulk_worker import CPU_WORKER, WORKER_EXTENSION  # noqa: F401  (WORKER_EXTENSION: the server's)
+from ..vllm.graph_backend import backend_for, graph_ops_of
 from ..vllm.logits import unembedding
 from ..vllm.pipeline import holds
 from . import host_time, writer
@@ -80,7 +81,7 @@ class ServeState(RequestApplier):
     harvest writer)."""
 
     def __init__(self, runner: Any, model_type: str, folder: Optional[str], writer: bool,
-                 sae_folder: Optional[str] = None, sae_cache: int = 4) -> None:
+                 sae_folder: Optional[str] = None, sae_cache: int = 4, hooks_fire: bool = True) -> None:
         self.runner = runner
         model = vllm_seam.model_of(runner)
         if getattr(runner, "nnsight_model", None) is None:
@@ -103,8 +104,12 @@ class ServeState(RequestApplier):
         self.sites: dict[tuple[str, Optional[int]], Site] = {}
         self.site_lists: dict[tuple[int, ...], list[Site]] = {}  # each harvest's sites, one list per distinct set
         parameter = next(model.parameters())
-        # a hook's error is logged and the step's work dropped: the engine serves everyone else
-        super().__init__(parameter.device)
+        # a hook's error is logged and the step's work dropped: the engine serves everyone else. Where the engine was
+        # started with graph ops (``--graph-ops``: inserted at load), the steers and harvests they serve go to them.
+        super().__init__(parameter.device, graph=backend_for(runner))
+        #: Whether the worker's hooks fire in a step: False on a compiled engine (``--graph-ops`` on a GPU), where a
+        #: request whose work the ops do not serve is refused here too (the front end refuses it first).
+        self.hooks_fire = hooks_fire
         self.dtype = vllm_seam.runner_dtype(runner)
         self.writer_thread = HarvestWriter(self.folder, self.stage.rank)
         self.harvest_keys = itertools.count(1)
@@ -121,6 +126,8 @@ class ServeState(RequestApplier):
                 output = execute_model(*args, **kwargs)
                 if self.reads:
                     self.send()
+                if self.graph is not None:
+                    self.send_graph()
                 return output
             return clock.timed("step", executed) if clock is not None else executed
 
@@ -279,7 +286,7 @@ class ServeState(RequestApplier):
             if payload is None:
                 continue
             try:
-                self.enter(request_id, self.admit(payload, length))
+                self.admit_live(request_id, self.admit(payload, length))
             except Exception as error:  # noqa: BLE001  (this request's harvest says why; the engine serves on)
                 logger.exception("streamscope serve: request %s's plan was refused in the worker", request_id)
                 self.fail(json.loads(payload).get("harvest", {}).get("id"), f"{type(error).__name__}: {error}")
@@ -290,19 +297,41 @@ class ServeState(RequestApplier):
                     self.writer_thread.put(("drop", live.key))
                 self.fail(live.harvest_id, "the request finished before its prompt ran (aborted?)")
         scheduled = vllm_seam.scheduled_tokens(scheduler_output)
-        if self.planned and self.covers(scheduled.keys()):
+        # The graph ops' plan is filled every step while it serves a request (and once more after, so that no
+        # stale mark stays in its index): a step of its requests goes through the spans, never the uniform path.
+        graphed = self.graph is not None and bool(self.graph.entered)
+        if self.planned and not graphed and self.covers(scheduled.keys()):
+            if self.graph is not None:
+                self.graph.step(())
             self.uniform_step(vllm_seam.total_scheduled_tokens(scheduler_output))
             return
-        self.step(self.spans(scheduler_output) if self.planned else ())
+        self.step(self.spans(scheduler_output, graphed) if self.planned or graphed else ())
 
-    def spans(self, scheduler_output: Any) -> list[Span]:
-        """The step's spans of the live requests with work, in the order of the runner's batch."""
+    def admit_live(self, request_id: Any, live: Live) -> None:
+        """Make `live` the live request `request_id`: what the graph ops serve of it goes to them, the rest to the
+        hooks; where hooks do not fire (a compiled engine), a request with work left on them is refused."""
+        self.enter(request_id, live)
+        if self.hooks_fire or not (live.steers or live.harvest_sites):
+            return
+        self.leave(request_id)
+        if live.key:
+            self.writer_thread.put(("drop", live.key))
+        where = sorted({entry.site.location for entry in live.steers} | {site.location for site in live.harvest_sites})
+        raise ValueError(f"this server runs vLLM's compiled graphs (--graph-ops on a GPU), where hooks do not fire, "
+                         f"and its graph ops do not serve this request's work at {where} (an SAE or conditional "
+                         f"steer, a value without an op, more steers at one site than its rounds, or a full slot "
+                         f"bank): send it to a server started without --graph-ops, or with --enforce-eager.")
+
+    def spans(self, scheduler_output: Any, graphed: bool = False) -> list[Span]:
+        """The step's spans of the live requests with work (with `graphed`, those in the graph ops' plan too), in
+        the order of the runner's batch."""
         live_of = self.live.get
+        entered = self.graph.entered if graphed and self.graph is not None else ()
         computed = vllm_seam.computed_tokens(self.runner)
         spans = []
         for request_id, start, count in vllm_seam.scheduled_spans(self.runner, scheduler_output):
             live = live_of(request_id)
-            if live is not None and live.planned():
+            if live is not None and (live.planned() or request_id in entered):
                 spans.append(Span(request_id, start, count, computed(request_id)))
         return spans
 
@@ -355,6 +384,38 @@ class ServeState(RequestApplier):
                 complete.append(live.key)
                 self.done(live)
         self.writer_thread.put(("rows", event, copies, complete))
+
+    def send_graph(self) -> None:
+        """Hand the step's rows that the graph ops harvested to the writer thread, as `send` hands the hooks' reads:
+        one copy of the ops' buffers to host memory, not waited for, its pieces laid out for the writer.
+
+        A request's rows of the step are ``rows[place[site], row:row + count]``
+        for each of its sites (the plan's harvest sites it asked for, in its
+        own order; only sites some request asked for are copied): a contiguous
+        piece of the copy, written to the request's positions
+        ``first .. first + count`` (the indices of its prompt positions, as
+        its hook reads fill them).
+        """
+        harvest = self.graph.hand_over() if self.graph is not None else None
+        if harvest is None:
+            return
+        pieces: list[tuple[int, int, list[int], int, int, int]] = []
+        complete: list[int] = []
+        _, used, width = harvest.rows.shape
+        row = 0
+        for key, count, first in harvest.layout:
+            live, planned = self.live.get(key), harvest.lives[key]
+            if live is not None and not live.written:
+                slots = list(range(first, first + count))
+                for number, site in enumerate(planned.sites.tolist()):
+                    start = (harvest.place[site] * used + row) * width
+                    pieces.append((live.key, number, slots, start, count, width))
+                if planned.done == len(planned.positions):  # every position read: the step completes its harvest
+                    live.written = True  # (not `done`: a request the ops harvest plans no hook work to take back)
+                    complete.append(live.key)
+            row += count
+        if self.writer and self.folder is not None and pieces:
+            self.writer_thread.put(("rows", harvest.event, [(harvest.rows.reshape(-1), pieces)], complete))
 
     def fail(self, harvest_id: Optional[str], message: str) -> None:
         """Leave the reason a harvest will not come, for the front end to answer its download with."""
@@ -482,7 +543,7 @@ def install(worker: Any) -> None:
     writer = vllm_seam.tensor_parallel_rank() == 0
     runner.__dict__["_streamscope_serve"] = ServeState(runner, vllm_seam.runner_model_type(runner),
                                                        options.get("harvests"), writer, options.get("saes"),
-                                                       options.get("sae_cache", 4))
+                                                       options.get("sae_cache", 4), options.get("hooks_fire", True))
 
 
 class Stage:
@@ -574,6 +635,24 @@ class ServeRPC(HeadRPC):
         install(self)
         return "_streamscope_serve" in vllm_seam.runner_of(self).__dict__
 
+    def streamscope_serve_graph_ops(self) -> Optional[dict[str, Any]]:
+        """What this worker's graph ops serve (``--graph-ops``), for the info route; None where it has none.
+
+        ``edit_sites`` and ``harvest_sites`` are the ops' site names
+        (``layers.3.layer_output``), ``rounds`` the edit ops at each edit site,
+        ``slots`` the distinct operations its bank holds at once (``live`` of
+        them now), ``skipped`` each value left to the hooks with the reason,
+        and ``served`` how many requests' steers and harvests went through the
+        ops since load.
+        """
+        ops = graph_ops_of(vllm_seam.runner_of(self))
+        if ops is None:
+            return None
+        plan = ops.plan
+        return {"edit_sites": list(plan.sites), "harvest_sites": list(plan.harvest_sites), "rounds": plan.rounds,
+                "slots": plan.bank.bank.shape[0], "live": plan.bank.live, "skipped": dict(ops.skipped),
+                "served": dict(ops.served)}
+
 
 def install_at_startup(app: Any) -> None:
     """Have every worker install its `ServeState` (`ServeRPC.streamscope_serve_install`) when the server starts,
@@ -592,18 +671,22 @@ def install_at_startup(app: Any) -> None:
     app.router.lifespan_context = lifespan
 
 
-def worker_cls(on_cpu: bool, tapped: bool) -> str:
+def worker_cls(on_cpu: bool, tapped: bool, graph_ops: bool = False) -> str:
     """The worker class vLLM starts for ``streamscope serve``, as the import path it takes; streamscope's own
     methods come with its extension (`WORKER_EXTENSION`), on every one.
 
     With taps, nnsight's runner (it breaks CUDA graphs at the taps and replays
     them through its interleaver): nnsight's GPU worker, or on a CPU
     streamscope's CPU form of it. Without, vLLM's own worker and runner: the
-    server runs no traces, and its hooks are plain torch hooks.
+    server runs no traces, and its hooks are plain torch hooks. With
+    `graph_ops` (``--graph-ops``, untapped), vLLM's own worker that inserts the
+    graph ops at load (`GRAPH_WORKERS`).
     """
-    if not tapped:
-        return vllm_seam.platform_worker(on_cpu)
-    return CPU_WORKER if on_cpu else NNSIGHT_GPU_WORKER
+    if tapped:
+        return CPU_WORKER if on_cpu else NNSIGHT_GPU_WORKER
+    if graph_ops:
+        return GRAPH_WORKERS["cpu" if on_cpu else "gpu"]
+    return vllm_seam.platform_worker(on_cpu)
 
 
 #: nnsight's GPU worker (`nnsight_seam.NNsightGPUWorker`) by the path vLLM imports it by in the worker's process.
@@ -611,3 +694,7 @@ def worker_cls(on_cpu: bool, tapped: bool) -> str:
 #: CUDA queries keep vLLM from forking its engine process.
 NNSIGHT_GPU_WORKER = "nnsight.modeling.vllm.workers.GPUWorker.NNsightGPUWorker"
 
+#: vLLM's own CPU and GPU workers inserting the graph ops at load (`streamscope.serve.graph_workers`), by the path
+#: vLLM imports them by in the worker's process (a path, not the classes, for the reason above).
+GRAPH_WORKERS = {"cpu": "streamscope.serve.graph_workers.GraphOpsCPUWorker",
+                 "gpu": "streamscope.serve.graph_workers.GraphOpsPlainGPUWorker"}

@@ -24,10 +24,14 @@ stays on the hooks, and why:
 
 The two backends' rows meet where the applier hands a request its harvest:
 the bulk path's `Applier.take` gives a graph-harvested request the plan's
-rows, ``[sites, positions, hidden]``, in the layout of its hook reads.
+rows, ``[sites, positions, hidden]``, in the layout of its hook reads; the
+server (`streamscope.serve.worker.ServeState.send_graph`) takes each step's
+rows as they leave the device (`GraphBackend.hand_over`) and hands them to
+its harvest writer, as it hands the hooks' reads.
 
 At load a worker calls `insert_at_load`: with the engine's option
-(``streamscope.load(path, engine="vllm", graph_ops=True)``, carried in vLLM's
+(``streamscope.load(path, engine="vllm", graph_ops=True)``, or
+``streamscope serve --graph-ops``, carried in vLLM's
 ``additional_config`` under `CONFIG_KEY`, the compile cache salted beside it
 under `graph_ops.SALT_KEY`) it builds the plan, sized from the runner's
 ``max_num_batched_tokens``, and inserts the ops at every site before the
@@ -223,6 +227,26 @@ def operation_of(entry: SteerEntry) -> Optional[Operation]:
     return None
 
 
+@dataclass
+class Handed:
+    """A step's rows harvested through the ops, handed to the server's writer (`GraphBackend.hand_over`).
+
+    ``rows [sites asked, used, hidden]`` (on the host once ``event``, if any,
+    has passed): row ``r`` of the step's harvest at each site some request
+    asked for, the sites in the plan's order; ``place`` maps a plan harvest
+    site's index to its index in ``rows``. ``layout`` is each harvesting
+    request's ``(key, count, first position index)`` in row order, and
+    ``lives`` the plan's record of each (its ``sites``, ``positions``, and
+    ``done``: its positions harvested so far, this step's included).
+    """
+
+    rows: torch.Tensor
+    event: Any
+    layout: list[tuple[Hashable, int, int]]
+    lives: dict[Hashable, Any]
+    place: dict[int, int]
+
+
 class GraphBackend:
     """One applier's side of the graph ops: which of its requests' work the plan does, each step's fill, the rows
     harvested (see the module's docstring). Requests are the applier's keys; the plan is the worker's, shared by
@@ -307,6 +331,32 @@ class GraphBackend:
         if self._current is not None:
             self._copied.append(self.plan.copy_out(self._current))
             self._current = None
+
+    def hand_over(self) -> Optional["Handed"]:
+        """After a step, the server's way (`streamscope.serve.worker.ServeState.send_graph`): the rows the step
+        harvested at the sites its requests asked for, on their way to host memory (pinned on a GPU, not waited
+        for: ``event``), for the caller to hand to its own writer; None where the step harvested nothing through the
+        ops. Those rows are then no request's here: `take` returns none of them."""
+        current, self._current = self._current, None
+        if current is None or not current.layout:
+            return None
+        used = sum(count for _, count, _ in current.layout)
+        asked = sorted({site for live in current.lives.values() for site in live.sites.tolist()})
+        rows = self.plan.harvested[:, :used]
+        if len(asked) < rows.shape[0]:  # only the sites some request asked for cross to the host
+            # (not a blocking copy, which would wait for the step: the driver takes pageable data before returning)
+            rows = rows.index_select(0, torch.tensor(asked, dtype=torch.long).to(rows.device, non_blocking=True))
+        event = None
+        if rows.device.type == "cuda":
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)  # queued behind the step, before the next step overwrites them
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            # the plan's own buffer, which the next step overwrites, is copied; a selection is a new tensor already
+            host = rows.clone(memory_format=torch.contiguous_format) \
+                if rows.data_ptr() == self.plan.harvested.data_ptr() else rows.contiguous()
+        return Handed(host, event, current.layout, current.lives, {site: place for place, site in enumerate(asked)})
 
     def settle(self) -> None:
         """After the last step: every step's harvest in host memory, handed to its requests (`take`)."""
