@@ -314,6 +314,23 @@ def start(commands: dict[str, tuple[list[str], dict[str, str]]], engine: list[st
     return servers
 
 
+def machine() -> str:
+    """The versions and the device, for RESULTS.md (nvidia-smi's name: no CUDA context in this process, whose
+    memory the servers would not have)."""
+    import platform
+    import shutil
+
+    import torch
+    import vllm
+
+    device = "CPU"
+    if shutil.which("nvidia-smi"):
+        query = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True)
+        device = query.stdout.strip().replace("\n", "; ") or device
+    return f"vLLM {vllm.__version__}, torch {torch.__version__}, Python {platform.python_version()}, {device}"
+
+
 def main() -> None:
     options = arguments()
     if options.in_process:
@@ -330,7 +347,8 @@ def main() -> None:
     picked = [work for work in picked if work.server in commands]
     stored = vectors(config["hidden_size"], max(KS))
     write_vectors(stored, work_folder / "hotwire-vectors")
-    print(f"[{time.monotonic() - began:6.1f} s] starting {', '.join(commands)}; hotwire: {hotwire_why}", flush=True)
+    print(f"{machine()}\n[{time.monotonic() - began:6.1f} s] starting {', '.join(commands)}; hotwire: {hotwire_why}",
+          flush=True)
     failed: dict[str, str] = {}
     servers = start(commands, engine, options, work_folder, path, failed)
     hotwire_why = failed.get("hotwire", hotwire_why)
@@ -445,7 +463,7 @@ def report(options: argparse.Namespace, picked: list[Workload], results: dict[st
     for name, verdict in checks.items():
         print(f"steer check, {name}: {verdict}")
     sweep(rows, checks)
-    hotwire_note(rows, hotwire_why)
+    hotwire_note(rows, results, hotwire_why)
 
 
 def sweep(rows: dict[str, dict], checks: dict[str, str]) -> None:
@@ -470,22 +488,29 @@ def sweep(rows: dict[str, dict], checks: dict[str, str]) -> None:
     print("\n".join(lines))
 
 
-def hotwire_note(rows: dict[str, dict], why: str) -> None:
-    """hotwire's published ratio beside ours (and beside its own, where it ran here)."""
+def hotwire_note(rows: dict[str, dict], results: dict[str, list[dict]], why: str) -> None:
+    """hotwire's published ratio beside ours; where it ran here, streamscope's steer against hotwire's in the same
+    rounds (the issue: streamscope at least as fast), and each steer's mean TPOT against its own server's plain."""
     published = HOTWIRE_PUBLISHED
     print(f"\nhotwire-vllm {HOTWIRE_VERSION}, published ({published['where']}): decode TPOT steered / idle "
           f"{published['steered TPOT ms'] / published['idle TPOT ms']:.3f}, steered / vLLM without the plugin "
           f"{published['steered TPOT ms'] / published['vanilla TPOT ms']:.3f} (throughput ratio the inverse)")
-    ours = rows.get("steer-one-1", {}).get("output_throughput")
-    own = rows.get("streamscope plain", {}).get("output_throughput")
-    if ours and own:
-        tpot = rows["steer-one-1"]["mean_tpot_ms"][0] / rows["streamscope plain"]["mean_tpot_ms"][0]
-        print(f"streamscope here, steer at one block (1 vector): mean TPOT steered / its own plain {tpot:.3f}")
-    if "hotwire-one-1" in rows and "hotwire-plain" in rows:
-        tpot = rows["hotwire-one-1"]["mean_tpot_ms"][0] / rows["hotwire-plain"]["mean_tpot_ms"][0]
-        print(f"hotwire here, steer at one block (1 vector): mean TPOT steered / its own plain {tpot:.3f}")
-    elif "hotwire-one-1" not in rows:
+    for steered, plain, who in (("steer-one-1", "streamscope plain", "streamscope"),
+                                ("hotwire-one-1", "hotwire-plain", "hotwire")):
+        if steered in rows and plain in rows:
+            tpot = rows[steered]["mean_tpot_ms"][0] / rows[plain]["mean_tpot_ms"][0]
+            print(f"{who} here, a steer at one block (1 vector): mean TPOT steered / its own plain {tpot:.3f}")
+    if "hotwire-one-1" not in rows:
         print(f"hotwire did not run here: {why}")
+        return
+    for k in (1, 256):
+        ours, theirs = paired(results.get(f"steer-one-{k}", []), results.get(f"hotwire-one-{k}", []))
+        if ours:
+            ratio, judged = serve_load.verdict(ours, theirs, "throughput", ">=", 1.0)
+            rounds = serve_load.round_ratios(ours, theirs, "throughput")
+            print(f"streamscope / hotwire, a steer at one block, {k} vector(s), throughput: {ratio:.3f} (>= 1: "
+                  f"{judged}; by round {' '.join(f'{value:.3f}' for value in rounds)}: "
+                  f"{serve_load.round_verdict(rounds, '>=', 1.0)})")
 
 
 def in_process(options: argparse.Namespace) -> None:
