@@ -310,6 +310,8 @@ def start(commands: dict[str, tuple[list[str], dict[str, str]]], engine: list[st
             lines = [line for line in str(error).splitlines() if line.strip()]
             failed[name] = f"its server did not come up: {lines[-1].strip() if lines else error}"
             if name == "plain":
+                for other in servers.values():  # no server outlives the run
+                    other.close()
                 raise
     return servers
 
@@ -358,8 +360,10 @@ def main() -> None:
         if "streamscope" in servers:
             upload_vectors(servers["streamscope"], stored)
         print(f"[{time.monotonic() - began:6.1f} s] servers up: {', '.join(servers)}", flush=True)
-        checks = {work.name: acts(servers[work.server], path, work) for work in picked
-                  if work.name in ("steer-one-1", "steer-every-1", "ablate-every", "hotwire-one-1")}
+        described(servers)
+        kinds = ("steer-one-", "steer-every-", "ablate-", "hotwire-one-")  # each kind's first workload checked
+        firsts = {kind: next((work for work in picked if work.name.startswith(kind)), None) for kind in kinds}
+        checks = {work.name: acts(servers[work.server], path, work) for work in firsts.values() if work is not None}
         for name, verdict in checks.items():
             print(f"  {name}: {verdict}", flush=True)
         results = measure(servers, path, options, picked, began)
@@ -368,6 +372,24 @@ def main() -> None:
             server.close()
     report(options, picked, results, checks if servers else {}, hotwire_why)
     print(f"total {time.monotonic() - began:.1f} s")
+
+
+def described(servers: dict[str, serve_load.Server]) -> None:
+    """Each server's compile and CUDA graph mode as vLLM logged its config (plain vLLM's must be its defaults), and
+    streamscope's own account of its engine (``GET /v1/streamscope/info`` less the lists)."""
+    import re
+
+    import httpx
+
+    for name, server in servers.items():
+        text = server.log.read_text(errors="replace")
+        modes = sorted(set(re.findall(r"'(?:mode|cudagraph_mode)': <(\w+\.\w+)", text)))
+        print(f"  {name}: {', '.join(modes) or 'no compilation config in its log'}", flush=True)
+        if name == "streamscope":
+            info = httpx.get(f"{server.url}/v1/streamscope/info", timeout=60).json()
+            print("  streamscope info: " + json.dumps({key: value for key, value in info.items() if key not in
+                                                       ("values", "unavailable", "vectors", "saes", "limits")}),
+                  flush=True)
 
 
 def measure(servers: dict[str, serve_load.Server], path: Path, options: argparse.Namespace, picked: list[Workload],
@@ -474,7 +496,7 @@ def sweep(rows: dict[str, dict], checks: dict[str, str]) -> None:
     for title, prefix in (("streamscope, one block", "steer-one-"), ("streamscope, every block", "steer-every-"),
                           ("hotwire-vllm 0.1.2, one block", "hotwire-one-")):
         cells = [rows.get(f"{prefix}{k}", {}).get("ratio") for k in KS]
-        if not checks.get(f"{prefix}1", "acts").startswith("acts"):
+        if any(not verdict.startswith("acts") for name, verdict in checks.items() if name.startswith(prefix)):
             title += " (its steer DID NOT ACT in the check)"
         if any(cell is not None for cell in cells):
             lines.append(f"| {title} | " + " | ".join("-" if cell is None else f"{cell:.3f}" for cell in cells)
