@@ -313,8 +313,9 @@ def start(commands: dict[str, tuple[list[str], dict[str, str]]], engine: list[st
             server.close()
             del servers[name]
             print(f"server {name} did not come up: {error}", flush=True)
-            lines = [line for line in str(error).splitlines() if line.strip()]
-            failed[name] = f"its server did not come up: {lines[-1].strip() if lines else error}"
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            named = [line for line in lines if "Error" in line or "error:" in line] or lines or [str(error)]
+            failed[name] = f"its server did not come up: {named[-1]}"
             if name == "plain":
                 for other in servers.values():  # no server outlives the run
                     other.close()
@@ -402,6 +403,9 @@ def measure(servers: dict[str, serve_load.Server], path: Path, options: argparse
             began: float) -> dict[str, list[dict[str, Any]]]:
     """Warm-up (a run of `concurrency` requests of each workload), then the rounds; a run that would end after
     `--deadline` (predicted from the median run so far) is not started, and the rounds stop there."""
+    if options.deadline is not None and time.monotonic() - began > options.deadline:
+        print(f"deadline {options.deadline:.0f} s: passed before the warm-up; nothing measured", flush=True)
+        return {}
     for index, work in enumerate(picked):
         run_load(servers[work.server], path, options, work, options.concurrency, seed=10**6 + index)
     print(f"[{time.monotonic() - began:6.1f} s] warm-up done ({len(picked)} runs)", flush=True)
