@@ -492,6 +492,9 @@ def report(options: argparse.Namespace, picked: list[Workload], results: dict[st
               f"{aa:>7}{cell.get('ttft', 0):>11.3f}  {judged}")
         if "rounds" in cell:
             print(f"{'':<30}by round: {' '.join(f'{value:.3f}' for value in cell['rounds'])}")
+        short = [f"{value['completed']}/{options.prompts}" for value in values if value["completed"] < options.prompts]
+        if short:  # a refused or failed request finishes early: the run's figures are not the workload's
+            print(f"{'':<30}INCOMPLETE runs (completed/sent): {' '.join(short)}: see the server's log")
     for name, verdict in checks.items():
         print(f"steer check, {name}: {verdict}")
     sweep(rows, checks)
