@@ -361,7 +361,6 @@ def main() -> None:
     failed: dict[str, str] = {}
     servers = start(commands, engine, options, work_folder, path, failed)
     hotwire_why = failed.get("hotwire", hotwire_why)
-    results: dict[str, list[dict[str, Any]]] = {}
     try:
         picked = [work for work in picked if work.server in servers]
         if "streamscope" in servers:
@@ -374,10 +373,14 @@ def main() -> None:
         for name, verdict in checks.items():
             print(f"  {name}: {verdict}", flush=True)
         results = measure(servers, path, options, picked, began)
+        # the summary before the servers stop: a call's limit that ends this process during their shutdown
+        # still leaves it printed
+        report(options, picked, results, checks, hotwire_why)
     finally:
+        for server in servers.values():  # every server told to stop first, then each waited for
+            server.process.terminate()
         for server in servers.values():
             server.close()
-    report(options, picked, results, checks if servers else {}, hotwire_why)
     print(f"total {time.monotonic() - began:.1f} s")
 
 
