@@ -50,10 +50,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import io
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -327,7 +329,6 @@ def machine() -> str:
     """The versions and the device, for RESULTS.md (nvidia-smi's name: no CUDA context in this process, whose
     memory the servers would not have)."""
     import platform
-    import shutil
 
     import torch
     import vllm
@@ -381,6 +382,11 @@ def main() -> None:
             server.process.terminate()
         for server in servers.values():
             server.close()
+        if options.logs:  # every server's log, those that did not come up too, gzipped (an access line a request)
+            Path(options.logs).mkdir(parents=True, exist_ok=True)
+            for log in work_folder.glob("*.log"):
+                with log.open("rb") as source, gzip.open(Path(options.logs) / f"{log.name}.gz", "wb") as target:
+                    shutil.copyfileobj(source, target)
     print(f"total {time.monotonic() - began:.1f} s")
 
 
@@ -649,6 +655,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds for every server to come up")
     parser.add_argument("--work", help="a folder for the checkpoint, logs and each server's compile cache (a second "
                                        "call on a warm machine reuses the compiled graphs); default: a new one")
+    parser.add_argument("--logs", help="a folder to copy every server's log to at the end")
     parser.add_argument("--in-process", action="store_true", help="the in-process bound instead of the servers")
     parser.add_argument("--plain-child", help=argparse.SUPPRESS)
     options = parser.parse_args()

@@ -127,7 +127,8 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
         # issue 39: the graph ops' server against plain vLLM serve (two groups of workloads, a call each; every
         # ratio within its own call), then in process; W1 and W2 as they were
         **{part: [(part, [python, "benchmarks/graph_serve.py", "--shape", "llama3-8b", "--only", group, "--rounds", "5",
-                          "--work", "/tmp/graph39", "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)]
+                          "--work", "/tmp/graph39", "--logs", str(out / f"{part}-logs"),
+                          "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)]
            for part, group in (("graph39", "k-one"), ("graph39-every", "k-every"))},
         "graph39-inproc": [("graph39 in process", [python, "benchmarks/graph_serve.py", "--in-process", "--shape",
                                                    "llama3-8b", "--rounds", "5"], ROOT, 450)],
