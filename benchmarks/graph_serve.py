@@ -10,7 +10,11 @@ share of the memory and the same fixed KV cache, so none waits for another's mem
 * ``streamscope``: ``streamscope serve --graph-ops`` (the ops at every block's stream boundaries, compiled into
   vLLM's graphs; `--streamscope-flags` replaces the flags);
 * ``hotwire``: plain vLLM with hotwire-vllm 0.1.2's plugin on its path alone (its wheel unpacked into a folder of
-  its own: a plugin on the shared path would load into every server), its vectors in ``$HOTWIRE_VECTORS``.
+  its own: a plugin on the shared path would load into every server), its vectors in ``$HOTWIRE_VECTORS``, on
+  vLLM's V2 model runner (`--hotwire-runner`; benchmarks/README.md says why).
+
+Every workload at 5 rounds does not fit one 10-minute device call at the 8B shape: `--only` takes `GROUPS`' names,
+one call each.
 
 Workloads (`vllm bench serve`'s load generator: random prompts, ``--input-len`` / ``--output-len`` tokens,
 ``--concurrency`` clients, ``--prompts`` requests a run, ``--ignore-eos``; each request's body is set as it is sent,
@@ -34,9 +38,9 @@ spreads and by the rounds (`serve_load.verdict`, `round_verdict`). Then the K sw
 README, and hotwire's published ratio beside ours. Before the rounds each steer kind is checked to act: a greedy
 completion steered differs from the same one unsteered (else its figures would time a server that steered nothing).
 
-    python benchmarks/graph_serve.py --shape llama3-8b --rounds 5 --deadline 540     # H200 (see GROUPS for calls)
-    python benchmarks/graph_serve.py --shape llama3-8b --only k-one --rounds 5        # one group of workloads
-    python benchmarks/graph_serve.py --in-process --rounds 5                           # the in-process bound
+    python benchmarks/graph_serve.py --shape llama3-8b --only k-one --rounds 5 --deadline 520   # one 10-minute call
+    python benchmarks/graph_serve.py --shape llama3-8b --only k-every --rounds 5 --deadline 520 # the next one
+    python benchmarks/graph_serve.py --in-process --shape llama3-8b --rounds 5      # the in-process bound
     python benchmarks/graph_serve.py --shape tiny --input-len 32 --output-len 8 --concurrency 8 --prompts 16 \\
         --rounds 1 --no-control --streamscope-flags=                                   # a CPU check
 
