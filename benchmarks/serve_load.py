@@ -257,7 +257,9 @@ def main() -> None:
     taps = [f"layers.{middle}.layer_output", "layers.*.layer_output"]
     stored = ["--max-stored-harvest-bytes", str(2**36), "--harvest-ttl", "3600"]
     vllm_server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path)]
-    ours = [sys.executable, "-m", "streamscope", "serve", str(path)]
+    # the model the load generator names is the checkpoint's path; streamscope serve answers to the folder's name
+    # unless told (7802bd4), and refused every request here with 404 until this flag
+    ours = [sys.executable, "-m", "streamscope", "serve", str(path), "--served-model-name", str(path)]
     graphs = ["-cc", json.dumps({"cudagraph_mode": "FULL_DECODE_ONLY"})]
     # (name, command, workloads, source tree, the plain vLLM server it is judged against)
     setups: list[tuple[str, list[str], list[tuple[str, Any]], str | None, str]] = []

@@ -32,6 +32,17 @@ the console; ``<out>/plan.txt`` lists what ran, for how long and how it ended.
   spy      issue 18: the eager pair, 2 rounds, then every (server, workload) run again under
            py-spy (its binary taken from the wheel in .whl-gpu/serve): where each process and
            thread spends its busy time, plain vLLM's beside streamscope's                        about 5 min
+  graph39  issue 39: `benchmarks/graph_serve.py`, plain `vllm serve` (its defaults), its A/A control,
+           `streamscope serve --graph-ops` and hotwire-vllm 0.1.2 up at once; plain requests and a
+           steer at one block with 1, 16 and 256 distinct vectors (hotwire: 1 and 256), 5 rounds       about 9 min
+  graph39-every  the same servers but hotwire: a steer at every block (1, 16, 256 vectors), an
+           ablation at every block, the harvests of every block's last position and of 4 blocks at
+           every position, 5 rounds (the two calls share compile caches in /tmp/graph39)          about 9 min
+  graph39-inproc  issue 39 in process: W2 with an ablation at every block on an engine with graph ops,
+           compiled and graphed, against bare on it and plain vLLM's `LLM` (bound 1.03x); two
+           compiled engine starts, one after the other                                           5-7 min
+  w12      issue 39: gpu_workloads.py's W1 and W2 (no ceiling, trace, transformers or W2g), 3 rounds,
+           in this tree and in each `--tree`: "no slower than today"                              about 4 min a tree
 
 On the lent machine, after the five chunk calls of `tests/GPU.md` (and, for an
 earlier tree, ``git archive -o .gpu-trees/NAME.tar COMMIT`` here before the
@@ -42,6 +53,10 @@ call, so the file travels with the working tree)::
       python3 scripts/gpu_plan.py --out $OUT --parts control-taps --deadline 555
     ... python3 scripts/gpu_plan.py --out $OUT --parts w2 --deadline 555
     ... python3 scripts/gpu_plan.py --out $OUT --parts control --deadline 555   (.whl-gpu/serve installed too)
+    ... python3 scripts/gpu_plan.py --out $OUT --parts graph39 --deadline 560   (.whl-gpu/serve installed and
+        carried: hotwire's wheel travels in .whl-gpu/serve/hotwire, which the install's *.whl leaves out)
+    ... python3 scripts/gpu_plan.py --out $OUT --parts graph39-every --deadline 560   (the next call, same machine)
+    ... python3 scripts/gpu_plan.py --out $OUT --parts graph39-inproc,w12 --tree before=FILE.tar --deadline 560
     ... python3 scripts/gpu_suite.py --out $OUT/suite --gpus 0 --dtypes bfloat16 --parts alone --seconds 400
 
 (the order the sixteenth session left: W2 ran on 2026-12-04 with a checkpoint tokenizer of the model's whole
@@ -109,6 +124,16 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
         "spy": [("spy", [python, "benchmarks/serve_load.py", "--shape", "llama3-8b", "--host-time", "--prompts", "256",
                          "--logs", str(out / "spy-logs"), "--rounds", "2", *spied(out / "spy"),
                          "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
+        # issue 39: the graph ops' server against plain vLLM serve (two groups of workloads, a call each; every
+        # ratio within its own call), then in process; W1 and W2 as they were
+        **{part: [(part, [python, "benchmarks/graph_serve.py", "--shape", "llama3-8b", "--only", group, "--rounds", "5",
+                          "--work", "/tmp/graph39", "--logs", str(out / f"{part}-logs"),
+                          "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)]
+           for part, group in (("graph39", "k-one"), ("graph39-every", "k-every"))},
+        "graph39-inproc": [("graph39 in process", [python, "benchmarks/graph_serve.py", "--in-process", "--shape",
+                                                   "llama3-8b", "--rounds", "5"], ROOT, 450)],
+        "w12": [(f"w1 w2 ({name})", [python, "benchmarks/gpu_workloads.py", "--skip", "ceiling,trace,hf,w2g",
+                                     "--rounds", "3"], tree, 300) for name, tree in {"this tree": ROOT, **trees}.items()],
         **{part: [(part, [python, "benchmarks/serve_load.py", "--shape", "llama3-8b", *flags, "--control",
                           "--host-time", "--prompts", "256", "--logs", str(out / f"{part}-logs"), "--rounds", "5",
                           "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)]
@@ -176,8 +201,9 @@ def run_part(label: str, command: list[str], tree: Path, limit: int, log: Path,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--parts", required=True, help="comma-separated: suite,ablate,w2,w2host,profile,xproc,serve,control,control-taps,spy")
-    parser.add_argument("--tree", action="append", default=[], help="NAME=FILE.tar: ablate (and w2host) in that tree too")
+    parser.add_argument("--parts", required=True, help="comma-separated: suite,ablate,w2,w2host,profile,xproc,serve,control,control-taps,spy,"
+                                                 "graph39,graph39-every,graph39-inproc,w12")
+    parser.add_argument("--tree", action="append", default=[], help="NAME=FILE.tar: ablate (and w2host, w12) in that tree too")
     parser.add_argument("--deadline", type=float, default=570.0, help="seconds from the start for every part")
     args = parser.parse_args()
     started = time.monotonic()

