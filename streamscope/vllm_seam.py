@@ -421,7 +421,7 @@ def compile_cache_dir(config: Any, module: Any) -> str:
     caching = importlib.import_module("vllm.compilation.caching")
     decorators = importlib.import_module("vllm.compilation.decorators")
     factors = list(caching.aot_compile_hash_factors(config))
-    owner = module if isinstance(module, type) else type(module)
+    owner: Any = module if isinstance(module, type) else type(module)  # the class: its forward, as decorated
     factors.append(decorators._model_hash_key(owner.forward))
     key = hashlib.sha256(str(factors).encode()).hexdigest()
     return os.path.join(vllm.envs.VLLM_CACHE_ROOT, "torch_compile_cache", "torch_aot_compile", key)

@@ -88,17 +88,21 @@ VARIANTS: dict[str, Any] = {
 def arguments(path: Any, options: Any, compiled: bool = True) -> dict[str, Any]:
     """vLLM engine arguments for the tiny Llama at `path` with the graph ops of `options` (None: none), compiled
     (vLLM's default mode) on this run's device."""
-    extra = {**precision.engine_kwargs(), **SHARED, "enforce_eager": not compiled}
+    extra = {**precision.engine_kwargs(), **SHARED, "enforce_eager": not compiled, "worker_cls": WORKERS[precision.DEVICE]}
     config = graph_backend.engine_config(options, None)
     if config is not None:
         extra["additional_config"] = config
-        extra["worker_cls"] = WORKERS[precision.DEVICE]
     return {"model": str(path), **extra}
+
+
+def config_of(args: dict[str, Any]) -> Any:
+    """The ``VllmConfig`` vLLM builds from engine arguments `args`."""
+    return EngineArgs(**args).create_engine_config()
 
 
 def directory(args: dict[str, Any]) -> str:
     """The compile cache directory of the tiny Llama's trunk for an engine of `args`, from the config vLLM builds."""
-    return vllm_seam.compile_cache_dir(EngineArgs(**args).create_engine_config(), LlamaModel)
+    return vllm_seam.compile_cache_dir(config_of(args), LlamaModel)
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +126,8 @@ def path(checkpoints: Any) -> Any:
 
 def test_the_salt_keys_the_compile_cache_directory(environment: Path, path: Any,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    found = {name: directory(arguments(path, options)) for name, options in VARIANTS.items()}
+    configs = {name: config_of(arguments(path, options)) for name, options in VARIANTS.items()}
+    found = {name: vllm_seam.compile_cache_dir(config, LlamaModel) for name, config in configs.items()}
     assert len(set(found.values())) == len(found), found
     assert all(Path(value).parent == environment / "torch_compile_cache" / "torch_aot_compile"
                for value in found.values())
@@ -134,9 +139,12 @@ def test_the_salt_keys_the_compile_cache_directory(environment: Path, path: Any,
             text = getattr(owner, name)()
             patch.setattr(owner, name, lambda text=text: text + "\n# changed")
             assert directory(arguments(path, True)) not in found.values(), name
-    # The ops' options and salt are what differ; the rest of the engine's config is the same.
-    config = EngineArgs(**arguments(path, {"rounds": 1})).create_engine_config().additional_config
-    assert config[CONFIG_KEY] == GraphOptions(rounds=1).config() and config[SALT_KEY] == GraphOptions(rounds=1).salt()
+    # What differs is the ops' options and salt in additional_config: without it every config keys one directory.
+    assert configs["rounds"].additional_config == {CONFIG_KEY: GraphOptions(rounds=1).config(),
+                                                   SALT_KEY: GraphOptions(rounds=1).salt()}
+    for config in configs.values():
+        config.additional_config = {}
+    assert {vllm_seam.compile_cache_dir(config, LlamaModel) for config in configs.values()} == {found["no ops"]}
 
 
 def test_the_body_is_picked_when_an_op_runs_not_compiled_in() -> None:

@@ -155,14 +155,14 @@ def run_of(pair: Pair) -> dict[str, Any]:
             "harvest": {"values": "layer_output", "layers": [pair.graphed.num_layers - 1], "positions": "all"}}
 
 
-def agree(got: Any, want: Any, index: int, tolerance: float, bits: bool, label: Any,
-          other: Optional[int] = None) -> None:
+def agree(pair: Pair, got: Any, want: Any, index: int, bits: bool, label: Any, other: Optional[int] = None) -> None:
     """Prompt `index` of `got` and prompt `other` (`index` when None) of `want` agree: the same tokens, logits and
-    harvested rows, bit for bit with `bits`, else within `tolerance`. Where rounding may flip a greedy token (a
-    GPU), the runs are held up to the step where they part, whose logits must still agree (a near tie)."""
-    other = index if other is None else other
+    harvested rows, bit for bit with `bits`, else within the pair's tolerance. Where rounding may flip a greedy
+    token (a GPU, bfloat16), the runs are held up to the step where they part, whose logits must still agree (a
+    near tie); in float32 on this CPU the tokens must be the same."""
+    other, tolerance = index if other is None else other, pair.tolerance
     tokens, theirs = list(got.tokens[index]), list(want.tokens[other])
-    if bits or not precision.ON_GPU:
+    if pair.bits:
         assert tokens == theirs, (label, index, tokens, theirs)
     steps = next((step + 1 for step, (a, b) in enumerate(zip(tokens, theirs)) if a != b), len(tokens))
     rows = got.harvest["layer_output"][index].shape[0] - len(tokens) + steps
@@ -205,7 +205,7 @@ def test_every_operation_at_the_value_equals_the_hook_path_and_the_oracle(pair: 
     plain = pair.graphed.generate(PROMPTS, **run_of(pair))
     for index, (mode, norm_match) in enumerate(OPERATIONS):
         bits = pair.bits and mode in ("add", "set") and not norm_match
-        agree(got, want, index, pair.tolerance, bits, (value, mode, norm_match))
+        agree(pair, got, want, index, bits, (value, mode, norm_match))
     for index in UNSTEERED:  # nobody's steer reaches a batchmate: its run in a batch nobody steers, every bit
         assert got.tokens[index] == plain.tokens[index] and torch.equal(got.logits[index], plain.logits[index])
         assert torch.equal(got.harvest["layer_output"][index], plain.harvest["layer_output"][index])
@@ -234,4 +234,4 @@ def test_concurrent_steers_each_equal_their_solo_run(pair: Pair) -> None:
     together = pair.graphed.generate(PROMPTS, steer=steers, **run_of(pair))
     for index, steer in enumerate(steers):
         alone = pair.graphed.generate([PROMPTS[index]], steer=[replace(steer, prompts=None)], **run_of(pair))
-        agree(together, alone, index, pair.tolerance, False, ("solo", steer.mode, steer.norm_match), other=0)
+        agree(pair, together, alone, index, False, ("solo", steer.mode, steer.norm_match), other=0)
