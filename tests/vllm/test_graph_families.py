@@ -164,8 +164,11 @@ def agree(pair: Pair, got: Any, want: Any, index: int, bits: bool, label: Any, o
     tokens, theirs = list(got.tokens[index]), list(want.tokens[other])
     if pair.bits:
         assert tokens == theirs, (label, index, tokens, theirs)
-    steps = next((step + 1 for step, (a, b) in enumerate(zip(tokens, theirs)) if a != b), len(tokens))
-    rows = got.harvest["layer_output"][index].shape[0] - len(tokens) + steps
+    parted = next((step for step, (a, b) in enumerate(zip(tokens, theirs)) if a != b), None)
+    # The logits up to the parting step's; the rows whose tokens both runs share (the prompt's, then the tokens
+    # generated before the parting one).
+    steps = len(tokens) if parted is None else parted + 1
+    rows = None if parted is None else len(pair.tokenizer(PROMPTS[index]).input_ids) + parted
     pieces = [(got.logits[index][:steps], want.logits[other][:steps]),
               (got.harvest["layer_output"][index][:rows], want.harvest["layer_output"][other][:rows])]
     for mine, reference in pieces:
