@@ -4,7 +4,8 @@
 ``STREAMSCOPE_TEST_DEVICE=cuda``); on the lent machine a device call lasts at
 most ten minutes, so this script runs the same tests as many pytest processes
 at once: one per family and dtype for the per-family files (the value x family
-matrix and attention), one per dtype for each other file, several to a GPU.
+matrix and attention; the taps; the graph ops), one per dtype for each other
+file, several to a GPU.
 Engines on a GPU take a fixed KV cache there (`tests/precision.py`), so they
 skip vLLM's free-memory profiling, which other processes on the same GPU would
 upset. The lifecycle file (it measures the GPU's free memory) runs afterwards
@@ -41,6 +42,9 @@ SHARED = ["tests/vllm/test_engine.py", "tests/vllm/test_batching.py", "tests/vll
 ALONE = ["tests/vllm/test_lifecycle.py"]
 TENSOR_PARALLEL = "tests/vllm/test_tensor_parallel.py"
 TAPS = "tests/vllm/test_taps.py"  # per family: an eager and a tapped engine (CUDA graphs replayed)
+#: per family: an engine with the graph ops, compiled with vLLM's default CUDA graphs, against the eager hook path
+GRAPH = "tests/vllm/test_graph_families.py"
+GRAPH_CACHE = "tests/vllm/test_graph_cache.py"  # once per dtype: compiled starts and vLLM's compile cache
 OUTCOME = re.compile(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)")
 
 
@@ -144,8 +148,9 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=4, help="pytest processes at once per GPU")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--families", default="", help="comma-separated; default every family")
-    parser.add_argument("--parts", default="families,taps,shared,alone,tp",
-                        help="which parts to run: families (per-family files), taps (per family), shared, alone, tp")
+    parser.add_argument("--parts", default="families,taps,graph,shared,alone,tp",
+                        help="which parts to run: families (per-family files), taps (per family), graph (the graph "
+                             "ops per family, and the compile cache), shared, alone, tp")
     parser.add_argument("--shared", default="", help="comma-separated file stems of the shared part (default all)")
     parser.add_argument("--tp-dtypes", default="", help="dtypes of the tensor-parallel part (default --dtypes)")
     parser.add_argument("--device", default="cuda", help="cpu: try the script itself here")
@@ -171,6 +176,11 @@ def main() -> None:
     if "taps" in parts:
         jobs += [Job(f"{dtype}-taps-{family}", dtype, [TAPS], families=family, log=logs / f"{dtype}-taps-{family}.log")
                  for family in families for dtype in dtypes]
+    if "graph" in parts:
+        jobs += [Job(f"{dtype}-graph-{family}", dtype, [GRAPH], families=family,
+                     log=logs / f"{dtype}-graph-{family}.log") for family in families for dtype in dtypes]
+        jobs += [Job(f"{dtype}-graph_cache", dtype, [GRAPH_CACHE], log=logs / f"{dtype}-graph_cache.log")
+                 for dtype in dtypes]
     if "shared" in parts:
         jobs[:0] = [Job(f"{dtype}-{Path(file).stem}", dtype, [file], log=logs / f"{dtype}-{Path(file).stem}.log")
                     for file in SHARED for dtype in dtypes

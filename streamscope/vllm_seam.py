@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import hashlib
 import importlib
 from typing import Any, Callable, Iterator, Optional
 
@@ -60,6 +61,7 @@ READS: dict[str, str] = {
     "model_config": "the runner: the model's dtype and Hugging Face config",
     "get_model": "the runner: the model it runs (its nn.Module)",
     "max_num_tokens": "the runner: the most token rows a step runs (max_num_batched_tokens)",
+    "was_aot_compile_fn_loaded_from_disk": "a compiled module: its forward came from the AOT compile cache",
 }
 
 
@@ -384,6 +386,47 @@ def allocate_stage_buffers(runner: Any) -> None:
     model: Any = model_of(runner)  # a vLLM model class: its own method, which nn.Module does not declare
     runner.intermediate_tensors = model.make_empty_intermediate_tensors(
         batch_size=runner.max_num_tokens, dtype=runner_dtype(runner), device=runner.device)
+
+
+# ---------------------------------------------------------------- the compile cache
+
+
+def compiled_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The submodules of `model` that vLLM compiles, in module order: those whose class carries vLLM's compile
+    decorator (``@support_torch_compile``, which sets the class's ignore-compile flag to False), the language
+    model's trunk (``LlamaModel`` in ``LlamaForCausalLM``). What a start compiles or loads from the cache."""
+    flag = importlib.import_module("vllm.compilation.decorators").IGNORE_COMPILE_KEY
+    return [module for module in model.modules() if getattr(type(module), flag, True) is False]
+
+
+def compile_cache_dir(config: Any, module: Any) -> str:
+    """The directory of vLLM's AOT compile cache that holds `module`'s compiled forward (one of `compiled_modules`,
+    or its class, such as ``vllm.model_executor.models.llama.LlamaModel``) for an engine of `config` (a
+    ``VllmConfig``), computed by vLLM's own functions as its compile decorator does before it looks for an
+    artifact there (``<dir>/rank_<rank>_<dp rank>/model``).
+
+    ``$VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/<key>``, the key a
+    sha256 of ``aot_compile_hash_factors(config)`` (the environment's compile
+    factors and ``config.compute_hash()``, which hashes ``additional_config``:
+    where streamscope's graph-op salt goes) and the forward's own key
+    (``_model_hash_key``: vLLM's version, the forward's name and first line).
+    No traced file is hashed on this path, so what streamscope inserts must be
+    in the config. Read in the process (and environment) the engine runs in:
+    the environment's factors are part of the key.
+    """
+    caching = importlib.import_module("vllm.compilation.caching")
+    decorators = importlib.import_module("vllm.compilation.decorators")
+    factors = list(caching.aot_compile_hash_factors(config))
+    owner: Any = module if isinstance(module, type) else type(module)  # the class: its forward, as decorated
+    factors.append(decorators._model_hash_key(owner.forward))
+    key = hashlib.sha256(str(factors).encode()).hexdigest()
+    return os.path.join(vllm.envs.VLLM_CACHE_ROOT, "torch_compile_cache", "torch_aot_compile", key)
+
+
+def loaded_from_compile_cache(module: torch.nn.Module) -> bool:
+    """Whether this process's engine took `module`'s compiled forward (`compiled_modules`) from vLLM's AOT compile
+    cache (``was_aot_compile_fn_loaded_from_disk``) rather than compiling it; False before its first call."""
+    return bool(read(module, "was_aot_compile_fn_loaded_from_disk"))
 
 
 # ---------------------------------------------------------------- worker classes

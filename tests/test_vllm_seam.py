@@ -230,6 +230,8 @@ COVERED = {
     "computed_tokens": "steps", "tensor_parallel": "parallel", "tensor_parallel_rank": "parallel",
     "pipeline_stage": "parallel", "stage_blocks": "parallel", "missing_layer": "parallel",
     "allocate_stage_buffers": "parallel",
+    # a compiled engine's cache, against the directory vLLM uses: tests/vllm/test_graph_cache.py
+    "compiled_modules": "graph_cache", "compile_cache_dir": "graph_cache", "loaded_from_compile_cache": "graph_cache",
 }
 
 

@@ -46,7 +46,7 @@ from typing import Any, Hashable, Optional, Sequence
 
 import torch
 
-from .. import vllm_seam
+from .. import nnsight_seam, vllm_seam
 from ..bulk.operations import Operation
 from ..bulk.requests import Live, Span, SteerEntry
 from ..bulk.sites import Site
@@ -161,10 +161,15 @@ class GraphOps:
 
 
 def build(model: torch.nn.Module, model_type: str, options: GraphOptions, max_rows: int, hidden: int,
-          dtype: torch.dtype, device: Any) -> GraphOps:
+          dtype: torch.dtype, device: Any, plain: bool = False) -> GraphOps:
     """The plan for `model` (a worker's vLLM model of `model_type`) sized by `options` and `max_rows` (the engine's
-    ``max_num_batched_tokens``), with the ops inserted at every site of `options` that the model serves."""
-    root = envoy_tree(model, family_for(model_type))  # the envoys a trace and the bulk path locate sites on
+    ``max_num_batched_tokens``), with the ops inserted at every site of `options` that the model serves. `plain`:
+    the model runs on vLLM's own runner (no nnsight runner), so it keeps vLLM's forwards, which its compile needs."""
+    family = family_for(model_type)
+    # the envoys a trace and the bulk path locate sites on; an envoy installs nnsight's controller as each module's
+    # forward, which vLLM's compile cannot trace (it hashes the forward's code): a plain model gets its own back
+    root = (nnsight_seam.uninstrumented(model, lambda module: envoy_tree(module, family)) if plain
+            else envoy_tree(model, family))
     sites, skipped = graph_sites(root, values=tuple(dict.fromkeys(options.values + options.harvest)))
     harvests = [name for name in sites if name.split(".", 2)[2] in options.harvest]
     edits = [name for name in sites if name.split(".", 2)[2] in options.values]
@@ -190,7 +195,8 @@ def insert_at_load(worker: Any) -> Optional[GraphOps]:
     assert options is not None
     parameter = next(model.parameters())
     ops = build(model, vllm_seam.runner_model_type(runner), options, vllm_seam.max_batched_tokens(runner),
-                vllm_seam.hidden_size(runner), vllm_seam.runner_dtype(runner), parameter.device)
+                vllm_seam.hidden_size(runner), vllm_seam.runner_dtype(runner), parameter.device,
+                plain=getattr(runner, "nnsight_model", None) is None)
     runner.__dict__[RUNNER_ATTRIBUTE] = ops
     logger.info("streamscope: graph ops at %d sites (%d harvest), %d slots, %d rounds", len(ops.plan.sites),
                 len(ops.plan.harvest_sites), options.slots, options.rounds)

@@ -287,9 +287,25 @@ def ops_source() -> str:
     return own + "\n" + kernel_source()
 
 
+#: The code that decides which module call an op's hook sits on and which of its tensors the op gets, by path
+#: under the package: the block values and their descriptors, the families' envoy trees, a site's lookup, the
+#: hooks and the plan's buffers. It runs at load, outside what dynamo traces (a moved site changes no traced file).
+PLACEMENT = ("blocks", "families", "values.py", "bulk/sites.py", "vllm/blocks.py", "vllm/families",
+             "vllm/graph_wiring.py", "vllm/graph_plan.py")
+
+
+def placement_source() -> str:
+    """The text of every file of `PLACEMENT`, each after its path, in path order: read from the files, so hashing
+    imports none of them."""
+    package = Path(__file__).resolve().parent.parent
+    files = sorted(path for name in PLACEMENT
+                   for path in ((package / name).rglob("*.py") if (package / name).is_dir() else [package / name]))
+    return "\n".join(f"{path.relative_to(package).as_posix()}\n{path.read_text(encoding='utf-8')}" for path in files)
+
+
 def cache_salt(sites: Sequence[str], rounds: int, harvest_sites: Sequence[str], source: Optional[str] = None) -> str:
     """A hex digest of what streamscope puts into a model's compiled graph: the ops' code, which ops sit at which
-    sites and how many edit rounds each has.
+    sites and how many edit rounds each has, and the code that places them (`placement_source`).
 
     vLLM keys its compile cache on its config's hash (which covers
     ``additional_config``), the environment, the compiler and the source of
@@ -303,10 +319,16 @@ def cache_salt(sites: Sequence[str], rounds: int, harvest_sites: Sequence[str], 
         rounds: Edit ops a site holds (a request's steers at one site, in order).
         harvest_sites: The sites a harvest op sits at.
         source: The ops' code (`ops_source()` when None).
+
+    The sizes of the buffers the ops read (slots, harvest capacity, the
+    engine's ``max_num_batched_tokens``) are in the config's hash beside the
+    salt (the graph ops' options, vLLM's scheduler config). The choice of
+    body (`use_body`) is not: an op is one opaque call in the compiled graph,
+    which picks its body each time it runs.
     """
     content = {"ops": sorted(OPS), "source": ops_source() if source is None else source,
-               "sites": sorted(sites), "rounds": int(rounds), "harvest_sites": sorted(harvest_sites),
-               "torch": torch.__version__}
+               "placement": placement_source(), "sites": sorted(sites), "rounds": int(rounds),
+               "harvest_sites": sorted(harvest_sites), "torch": torch.__version__}
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 

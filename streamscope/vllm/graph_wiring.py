@@ -74,17 +74,26 @@ def unserved(site: Site) -> Optional[str]:
 
 
 def stream_of(site: Site, raw: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The site's tensors in a call: ``(hidden, residual)`` for a fused block's halves, ``(tensor, None)`` else."""
+    """The site's tensors in a call, ``[rows, hidden]`` as the ops take them: ``(hidden, residual)`` for a fused
+    block's halves, ``(tensor, None)`` else. transformers' own modules in vLLM's Transformers backend (the
+    `Backend` layout) hold ``[1, rows, hidden]``: the ops get a view of it, so their edit lands in the call."""
     descriptor = site.descriptor
     if isinstance(descriptor, Summed):
-        return descriptor.halves(raw)
-    return descriptor.live(site.host, raw), None
+        hidden, residual = descriptor.halves(raw)
+    else:
+        hidden, residual = descriptor.live(site.host, raw), None
+    return _rows(hidden), None if residual is None else _rows(residual)
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    # `view`, not `reshape`: a copy would take the op's edit away from the call, where a view cannot be made it says so
+    return tensor if tensor.dim() == 2 else tensor.view(-1, tensor.shape[-1])
 
 
 def wiring_source() -> str:
     """The source of what decides which tensors the ops get at a call (the hooks, the halves, a value's tensor):
     traced into the graph, but not hashed by vLLM's AOT compile cache, which hashes no traced file."""
-    return "\n".join(inspect.getsource(function) for function in (insert_ops, stream_of, Summed.halves,
+    return "\n".join(inspect.getsource(function) for function in (insert_ops, stream_of, _rows, Summed.halves,
                                                                       StreamValue.live))
 
 
