@@ -26,6 +26,7 @@ import copy
 import gc
 import hashlib
 import importlib
+import os
 from typing import Any, Callable, Iterator, Optional
 
 import torch
