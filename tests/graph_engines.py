@@ -1,13 +1,11 @@
 """Test helpers for engines with the graph ops: the workers of an engine with vLLM's compile on, and what a
 worker's ops have done (`ops_state`, read through ``LLM.collective_rpc`` in whichever process the worker runs).
 
-The workers are vLLM's own CPU and GPU workers, with streamscope's insertion
-of the ops at load (`streamscope.vllm.worker.InsertsGraphOps`).
-
-An untapped server with graph ops runs such a worker. `streamscope.load(..., engine="vllm")` runs nnsight's runner
-instead, whose envoys replace every module's forward; nnsight starts every untapped engine eagerly
-(``enforce_eager=not taps``), so no compiled engine comes from it. vLLM imports a worker class by its dotted path
-(`WORKERS`), in the engine's process (this one: the tests start these engines in process).
+The workers are streamscope's own (`streamscope.vllm.compiled_workers`): vLLM's CPU and GPU workers with
+streamscope's insertion of the ops at load (`streamscope.vllm.worker.InsertsGraphOps`), the workers of
+``streamscope.load(..., engine="vllm", graph_ops=True)`` where vLLM's compile stays on and of an untapped server
+with graph ops. A test that starts a bare ``vllm.LLM`` names them by their dotted path (`WORKERS`), which vLLM
+imports in the engine's process.
 """
 
 from __future__ import annotations
@@ -16,20 +14,10 @@ from typing import Any
 
 from streamscope import vllm_seam
 from streamscope.vllm.graph_backend import graph_ops_of
-from streamscope.vllm.worker import InsertsGraphOps
-from streamscope.vllm_seam import CPUWorker, GPUWorker
-
-
-class CompiledGraphOpsCPUWorker(InsertsGraphOps, CPUWorker):
-    """vLLM's CPU worker, the graph ops inserted once its model is loaded (before the compile)."""
-
-
-class CompiledGraphOpsGPUWorker(InsertsGraphOps, GPUWorker):
-    """vLLM's GPU worker, the graph ops inserted once its model is loaded (before the compile and the capture)."""
-
+from streamscope.vllm.worker import COMPILED_WORKERS
 
 #: The worker classes by device, as the dotted paths vLLM imports.
-WORKERS = {"cpu": f"{__name__}.CompiledGraphOpsCPUWorker", "cuda": f"{__name__}.CompiledGraphOpsGPUWorker"}
+WORKERS = {"cpu": COMPILED_WORKERS["cpu"], "cuda": COMPILED_WORKERS["gpu"]}
 
 
 def ops_state(worker: Any) -> dict[str, Any]:

@@ -17,17 +17,9 @@ engine process).
 
 from __future__ import annotations
 
-from ..vllm.worker import InsertsGraphOps
-from ..vllm_seam import CPUWorker, GPUWorker
+# The classes live beside the in-process engine's workers, which start them too
+# (``streamscope.load(..., graph_ops=True)`` with vLLM's compile on); the
+# server's worker paths name them here.
+from ..vllm.compiled_workers import GraphOpsCPUWorker, GraphOpsPlainGPUWorker
 
 __all__ = ["GraphOpsCPUWorker", "GraphOpsPlainGPUWorker"]
-
-
-class GraphOpsCPUWorker(InsertsGraphOps, CPUWorker):
-    """vLLM's CPU worker, its model's graph ops inserted at load (an untapped ``streamscope serve --graph-ops``)."""
-
-
-class GraphOpsPlainGPUWorker(InsertsGraphOps, GPUWorker):
-    """vLLM's GPU worker, its model's graph ops inserted at load, before the compile and the CUDA graph capture (an
-    untapped ``streamscope serve --graph-ops``). Not yet run on a GPU (docs/graph-ops.md)."""
-

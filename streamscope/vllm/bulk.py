@@ -60,7 +60,13 @@ class WorkerState:
 
     def __init__(self, runner: Any, model_type: str) -> None:
         self.runner = runner
-        self.root = worker_tree(vllm_seam.model_of(runner), model_type)
+        model = vllm_seam.model_of(runner)
+        if getattr(runner, "nnsight_model", None) is None:
+            # vLLM's own runner (an engine that keeps vLLM's compile: `compiled_workers`): a tree to find modules by,
+            # the model's forwards left as vLLM built and compiled them (`graph_backend.build` does the same)
+            self.root = seam.uninstrumented(model, lambda module: worker_tree(module, model_type))
+        else:
+            self.root = worker_tree(model, model_type)
         self.applier: Optional[Applier] = None
         self.run: Optional[int] = None
         self.keys: dict[str, int] = {}
@@ -180,14 +186,49 @@ def _begin(worker: Any, payload: bytes) -> None:
     wanted = {key: spec.positions[key] for key in keys} if spec is not None else {}
     state.run, state.keys = plan["run"], {}
     state.reduce = spec.reduce if spec is not None else None  # applied to each prompt's rows before they leave
-    state.applier = Applier(sites, wanted, plans, device, readout=readout,
-                            graph=graph_backend.backend_for(state.runner)).install()  # ops inserted at load, if any
+    applier = Applier(sites, wanted, plans, device, readout=readout,
+                      graph=graph_backend.backend_for(state.runner))  # the ops inserted at load, if any, take theirs
+    if not plan.get("hooks_fire", True):
+        try:
+            refuse_hooked(applier)
+        except BaseException:
+            applier.close()  # its requests leave the graph ops' plan as they found it
+            raise
+    state.applier = applier.install()
     if state.replays and device.type == "cuda":
         state.applier.graphs = GraphedEdits()  # a replayed step's edits at its taps, captured per run
     state.logits = {} if plan["logits"] else None
     processor = getattr(vllm_seam.model_of(state.runner), "logits_processor", None)  # the last stage's only
     if plan["logits"] and processor is not None:
         state.logits_hook = processor.register_forward_hook(state.record_logits)
+
+
+#: Why a bulk run is refused on an engine whose hooks do not fire, and the fix.
+HOOKS_DO_NOT_FIRE = (
+    "this engine keeps vLLM's compile (streamscope.load(..., graph_ops=True) with compilation on), where hooks do not "
+    "fire, and its graph ops do not serve this run's {work} (prompts {prompts}): an SAE clamp or harvest, a "
+    "conditional steer, a value without an op (a scaled or computed value, or one left out of graph_ops' values or "
+    "harvest), more steers at one site than its rounds, steers out of the ops' order at one module call, or more "
+    "distinct steers than its slots. Run it on an engine loaded with graph_ops=False or enforce_eager=True (hooks "
+    "serve it), or load with graph_ops={{...}} naming more values, rounds or slots.")
+
+
+def refuse_hooked(applier: Applier) -> None:
+    """On an engine whose hooks do not fire, refuse a run whose requests left work to the hooks after the graph ops
+    took what they serve (`graph_backend.GraphBackend.enter`): a `SteerError` naming the sites and the fix, raised
+    before any request runs, never a run that is silently unsteered or unread."""
+    steered: dict[str, list[Any]] = {}
+    read: dict[str, list[Any]] = {}
+    for key, live in applier.live.items():
+        for entry in live.steers:
+            steered.setdefault(entry.site.location, []).append(key)
+        for site in live.harvest_sites:  # what the ops read left the request (`GraphBackend.enter`)
+            read.setdefault(site.location, []).append(key)
+    if not steered and not read:
+        return
+    work = "; ".join([f"steer at {where}" for where in sorted(steered)] + [f"harvest at {where}" for where in sorted(read)])
+    prompts = sorted({key for keys in (*steered.values(), *read.values()) for key in keys})
+    raise SteerError(HOOKS_DO_NOT_FIRE.format(work=work, prompts=prompts), field="steer" if steered else "harvest")
 
 
 def worker_release(worker: Any, keys: list[str]) -> None:
@@ -313,7 +354,7 @@ def _run(model: Any, ids: list[list[int]], chunk: list[int], sampling: dict[str,
     chunk_steers, vectors = pack_vectors(chunk_steers)
     plan = {"run": run, "model_type": model.config.model_type, "harvest": chunk_spec, "steers": chunk_steers,
             "vectors": vectors, "lengths": [len(ids[index]) for index in chunk], "logits": logits, "ship": ship,
-            "drop": drop}
+            "drop": drop, "hooks_fire": getattr(model, "hooks_fire", True)}
     inline = _in_process()
     for failed in model.vllm_entrypoint.collective_rpc("streamscope_bulk_begin", args=(pickle.dumps(plan),)):
         if failed is not None:

