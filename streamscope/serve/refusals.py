@@ -202,6 +202,11 @@ class Guard:
                 continue  # the response went out first (`forget`): only the client's messages matter now
             await self.refuse(verdict.result())
 
+    def close(self) -> None:
+        """The exchange is over: the client's next message, if still asked for, is not waited for any more."""
+        if self.client is not None and not self.client.done():
+            self.client.cancel()
+
     async def refuse(self, error: RequestError) -> None:
         """Answer the client with `error` in place of vLLM's answer (once)."""
         if self.refused or self.settled:

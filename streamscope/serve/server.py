@@ -145,7 +145,8 @@ class Front:
         steers or harvest no graph op can serve, naming why and the fix: a conditional or SAE steer, a steer or
         harvest at a value without an op, more steers at one site than the ops' rounds, an SAE harvest. The worker
         routes what passes (`streamscope.vllm.graph_backend.GraphBackend`) and refuses the rest it cannot place
-        (a full slot bank, steers out of the ops' order at one module call), as a failed harvest and in its log."""
+        (a full slot bank: 503; steers out of the ops' order at one module call: 400), which the request's answer
+        then is (`streamscope.serve.refusals`): no request runs unsteered."""
         if self.hooks_fire or self.graph_ops is None:
             return
         edits, harvests = self._graph_sites()
@@ -454,6 +455,11 @@ class SteerMiddleware:
             send = _with_warnings(send, said)
         if harvest_id is not None:
             send = _with_harvest(send, harvest_id, self.front.harvests)
+        await self.forward(scope, data, receive, send, ticket)
+
+    async def forward(self, scope: Scope, data: bytes, receive: Receive, send: Send, ticket: Optional[str]) -> None:
+        """Hand vLLM the checked request (`data`, its body); with a `ticket` (a plan the worker reads), behind a
+        `refusals.Guard`, so that a refusal of the worker's is the answer and vLLM aborts the request."""
         if ticket is None:
             await self.app(scope, _replay(data, receive), send)
             return
@@ -461,6 +467,7 @@ class SteerMiddleware:
         try:
             await self.app(scope, guard.receive, guard.send)
         finally:
+            guard.close()
             self.front.refusals.forget(ticket)
 
 
@@ -555,8 +562,9 @@ def add_arguments(parser: Any) -> None:
                             "graph, the rest on hooks (as streamscope.load(..., graph_ops=True)); optionally a JSON "
                             "object of streamscope.vllm.graph_backend.GraphOptions' fields ('{\"slots\": 512, "
                             "\"rounds\": 3}'). On a GPU the engine keeps vLLM's compile and CUDA graphs, and a "
-                            "request the ops cannot serve is refused (--enforce-eager serves it on hooks); on a CPU it "
-                            "runs eagerly. Not with --taps.")
+                            "request the ops cannot serve is refused (400; 503 while the slot bank is full of other "
+                            "requests' vectors; --enforce-eager serves it on hooks); on a CPU it runs eagerly. Not "
+                            "with --taps.")
     group.add_argument("--default-steer", help="a JSON file: steers (the request field's form) applied to every "
                                                "request that does not send default_steer: false")
     group.add_argument("--vectors", help="a folder of NAME.safetensors files (one tensor each) stored at start")

@@ -335,6 +335,7 @@ class ServeState(RequestApplier):
             if live.key:
                 self.writer_thread.put(("drop", live.key))
             raise _refusal(error) from error
+
     def spans(self, scheduler_output: Any, graphed: bool = False) -> list[Span]:
         """The step's spans of the live requests with work (with `graphed`, those in the graph ops' plan too), in
         the order of the runner's batch."""
@@ -535,8 +536,9 @@ def _refusal(error: LeftOnHooks) -> Refused:
                             f"retry once some finish, send fewer distinct vectors at once (requests steering with "
                             f"the same stored vector and settings share one slot), or start the server with "
                             f"--graph-ops '{{\"slots\": {2 * error.slots}}}'.")
-    return Refused(400, f"{error}: reorder the steers or the positions, or send the request to a server started "
-                        f"without --graph-ops, or with --enforce-eager (hooks then serve it).")
+    reorder = "reorder the steers or the positions, or " if error.where else ""
+    return Refused(400, f"{error}: {reorder}send the request to a server started without --graph-ops, or with "
+                        f"--enforce-eager (hooks then serve it).")
 
 
 def _sae_objects(live: Live) -> list[Any]:
