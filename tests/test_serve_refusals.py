@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from streamscope.serve.refusals import FOLDER, Guard, Refusals, write
+from streamscope.serve.refusals import Guard, Refusals, write
 
 START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
 
@@ -81,7 +81,7 @@ def test_a_verdict_written_before_the_answer_is_the_answer(tmp_path: Path) -> No
     error = json.loads(client.body())["error"]
     assert "refused this request, which did not run: the slot bank is full" in error["message"]
     assert error["param"] == "streamscope" and error["code"] == 503
-    assert not list((tmp_path / FOLDER).iterdir())  # the verdict deleted once answered
+    assert not list(tmp_path.iterdir())  # the verdict deleted once answered
 
 
 def test_a_verdict_while_generating_answers_at_once_and_tells_vllm_the_client_left(tmp_path: Path) -> None:
@@ -131,6 +131,6 @@ def test_the_worker_writes_only_for_a_ticket_the_front_end_makes(tmp_path: Path)
     write(tmp_path, "../escape", 400, "no")
     write(None, "0" * 32, 400, "no")
     write(tmp_path, "0" * 32, 400, "the reason")
-    assert [path.name for path in (tmp_path / FOLDER).iterdir()] == ["0" * 32 + ".json"]
+    assert [path.name for path in tmp_path.iterdir()] == ["0" * 32 + ".json"]
     error = Refusals(tmp_path).verdict("0" * 32)
     assert error is not None and error.status == 400 and error.message.endswith("did not run: the reason")

@@ -10,8 +10,9 @@ request would otherwise run unsteered, a plausible and wrong completion.
 
 So every request with a plan carries a ticket (`Refusals.ticket`, in its
 worker payload). A worker that refuses the request writes its verdict (a
-status and a message naming the fix) as ``refused/<ticket>.json`` in the
-harvest folder (`write`) while it takes the step's schedule in, before that
+status and a message naming the fix) as ``<ticket>.json`` in the server's
+folder of verdicts (`write`; a temporary folder of its own, passed to the
+engine's processes with the harvest folder) while it takes the step's schedule in, before that
 step runs. vLLM answers a request only after a step of it has run, so the
 verdict, if any, is on disk before the first byte of the request's answer
 exists. The front end (`Guard`) holds the response's start until its first
@@ -36,8 +37,6 @@ from typing import Any, Awaitable, Callable, Optional
 from .protocol import FIELD, RequestError
 from .writer import valid_id
 
-#: The harvest folder's subfolder of the workers' verdicts, ``<ticket>.json`` each.
-FOLDER = "refused"
 #: The key of a request's ticket in its worker payload.
 TICKET = "ticket"
 #: A verdict no request waits for any more (its client went away first) is deleted once this old, in seconds.
@@ -63,18 +62,16 @@ def write(folder: Optional[Path], ticket: Any, status: int, message: str) -> Non
     half of it); nothing where the request has no valid ticket."""
     if folder is None or not valid_id(ticket):
         return
-    place = folder / FOLDER
-    place.mkdir(exist_ok=True)
-    aside = place / f".{ticket}.writing"
+    aside = folder / f".{ticket}.writing"
     aside.write_text(json.dumps({"status": status, "message": message}))
-    os.replace(aside, place / f"{ticket}.json")
+    os.replace(aside, folder / f"{ticket}.json")
 
 
 class Refusals:
     """The front end's side: tickets handed out, each request's verdict read or waited for."""
 
     def __init__(self, folder: Path, interval: float = 0.005) -> None:
-        self.folder = folder / FOLDER
+        self.folder = folder  # where the workers write their verdicts, ``<ticket>.json``
         self.folder.mkdir(parents=True, exist_ok=True)
         self.interval = interval  # seconds between two polls of the folder, while any request waits
         self.waiting: dict[str, asyncio.Future] = {}

@@ -73,8 +73,9 @@ class Front:
         self.vectors = Vectors(limits)
         self.checker = Checker(model, self.vectors, limits)
         self.harvests = Harvests(folder, limits)
-        #: The workers' refusals of requests, each request's by its ticket (`streamscope.serve.refusals`).
-        self.refusals = Refusals(folder)
+        #: The workers' refusals of requests, each request's by its ticket (`streamscope.serve.refusals`), in a
+        #: folder of their own (the harvest folder holds harvests alone).
+        self.refusals = Refusals(Path(tempfile.mkdtemp(prefix="streamscope-refusals-")))
         self.saes = SAEs(sae_folder or Path(tempfile.mkdtemp(prefix="streamscope-saes-")), limits)
         self.checker.saes = self.saes
         self.worker = ""  # the engine's worker class (vLLM's own without taps, nnsight's with them), extended
@@ -753,7 +754,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     front.hooks_fire = engine_settings(args, argv, on_cpu, locations, front.graph_ops)
     if front.graph_ops is not None and not on_cpu:
         front.graph_mode = None  # vLLM's own choice, asked of the worker (`read_graph_mode`)
-    os.environ[ENVIRONMENT] = json.dumps({"harvests": str(folder), "saes": str(front.saes.folder),
+    os.environ[ENVIRONMENT] = json.dumps({"harvests": str(folder), "refusals": str(front.refusals.folder),
+                                          "saes": str(front.saes.folder),
                                           "sae_cache": max(1, min(4, args.max_stored_saes)),
                                           "hooks_fire": front.hooks_fire})
     front.worker = args.worker_cls

@@ -82,7 +82,8 @@ class ServeState(RequestApplier):
     harvest writer)."""
 
     def __init__(self, runner: Any, model_type: str, folder: Optional[str], writer: bool,
-                 sae_folder: Optional[str] = None, sae_cache: int = 4, hooks_fire: bool = True) -> None:
+                 sae_folder: Optional[str] = None, sae_cache: int = 4, hooks_fire: bool = True,
+                 refusal_folder: Optional[str] = None) -> None:
         self.runner = runner
         model = vllm_seam.model_of(runner)
         if getattr(runner, "nnsight_model", None) is None:
@@ -94,6 +95,8 @@ class ServeState(RequestApplier):
         self.stage = Stage(self.root)  # under pipeline parallelism: the blocks this worker holds (`Stage`)
         self.folder = Path(folder) if folder else None
         self.sae_folder = Path(sae_folder) if sae_folder else None
+        #: Where this worker writes its refusals of requests for the front end (`streamscope.serve.refusals`).
+        self.refusal_folder = Path(refusal_folder) if refusal_folder else None
         #: The SAEs loaded on the engine's device (float32), by file; the least recently used go past `sae_cache`.
         self.saes: "OrderedDict[str, Any]" = OrderedDict()
         self.sae_cache = sae_cache
@@ -320,7 +323,7 @@ class ServeState(RequestApplier):
         plan = json.loads(payload)
         self.fail((plan.get("harvest") or {}).get("id"), message)
         if self.writer:
-            refusals.write(self.folder, plan.get(refusals.TICKET), status, message)
+            refusals.write(self.refusal_folder, plan.get(refusals.TICKET), status, message)
 
     def admit_live(self, request_id: Any, live: Live) -> None:
         """Make `live` the live request `request_id`: what the graph ops serve of it goes to them, the rest to the
@@ -570,7 +573,8 @@ def install(worker: Any) -> None:
     writer = vllm_seam.tensor_parallel_rank() == 0
     runner.__dict__["_streamscope_serve"] = ServeState(runner, vllm_seam.runner_model_type(runner),
                                                        options.get("harvests"), writer, options.get("saes"),
-                                                       options.get("sae_cache", 4), options.get("hooks_fire", True))
+                                                       options.get("sae_cache", 4), options.get("hooks_fire", True),
+                                                       options.get("refusals"))
 
 
 class Stage:
