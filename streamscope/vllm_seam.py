@@ -269,6 +269,13 @@ def graph_mode(runner: Any) -> str:
     return getattr(mode, "name", str(mode))
 
 
+def compiled(runner: Any) -> bool:
+    """Whether vLLM compiles the runner's model (``compilation_config.mode`` other than ``NONE``, which
+    ``enforce_eager`` sets): a module hook registered after the compile does not fire in its forward."""
+    mode = getattr(read(runner, "compilation_config"), "mode", None)
+    return mode is not None and getattr(mode, "name", str(mode)) != "NONE"
+
+
 def after_schedule(runner: Any, after: Callable[[Any], None]) -> None:
     """Call `after(scheduler_output)` each step once the runner has taken the step's schedule in.
 

@@ -224,7 +224,7 @@ COVERED = {
     "current_config": "configs", "eager_copy": "configs", "register_meta_moe_prepack": "prepack",
     "runner_of": "worker", "model_of": "worker", "hidden_size": "worker", "max_batched_tokens": "worker",
     "additional_config": "worker", "runner_dtype": "worker", "runner_model_type": "worker",
-    "graph_mode": "worker", "platform_worker": "worker", "worker_class": "worker",
+    "graph_mode": "worker", "compiled": "worker", "platform_worker": "worker", "worker_class": "worker",
     "after_schedule": "steps", "around_execute": "steps", "new_requests": "steps", "finished_requests": "steps",
     "scheduled_tokens": "steps", "total_scheduled_tokens": "steps", "scheduled_spans": "steps",
     "computed_tokens": "steps", "tensor_parallel": "parallel", "tensor_parallel_rank": "parallel",
@@ -259,6 +259,7 @@ def test_the_worker(engine):
     assert isinstance(model, torch.nn.Module) and type(model).__name__ == "LlamaForCausalLM"
     assert vllm_seam.runner_dtype(runner) == torch.float32 and vllm_seam.runner_model_type(runner) == "llama"
     assert vllm_seam.graph_mode(runner) == "NONE"  # a CPU records no CUDA graphs
+    assert vllm_seam.compiled(runner) is False  # an eager engine: its hooks fire
     assert vllm_seam.hidden_size(runner) == model.config.hidden_size
     assert vllm_seam.max_batched_tokens(runner) == engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
     assert vllm_seam.additional_config(engine.worker) == {}  # the engine was given none

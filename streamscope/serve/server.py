@@ -49,6 +49,7 @@ from .forwarding import cache_salt, worker_payload
 from .model_routes import add_model_routes
 from .protocol import (FIELD, WARNINGS_HEADER, XARG, Checker, Limits, RequestError, needs_lengths, served_values,
                        unknown_sae)
+from .refusals import TICKET, Guard, Refusals
 from .storage import Harvests, SAEs, Vectors, read_upload, sae_from_bytes, unknown_vector
 from .sweeps import add_sweep_routes, reduced
 from .vllm_api import serve, server_api
@@ -72,6 +73,9 @@ class Front:
         self.vectors = Vectors(limits)
         self.checker = Checker(model, self.vectors, limits)
         self.harvests = Harvests(folder, limits)
+        #: The workers' refusals of requests, each request's by its ticket (`streamscope.serve.refusals`), in a
+        #: folder of their own (the harvest folder holds harvests alone).
+        self.refusals = Refusals(Path(tempfile.mkdtemp(prefix="streamscope-refusals-")))
         self.saes = SAEs(sae_folder or Path(tempfile.mkdtemp(prefix="streamscope-saes-")), limits)
         self.checker.saes = self.saes
         self.worker = ""  # the engine's worker class (vLLM's own without taps, nnsight's with them), extended
@@ -142,7 +146,8 @@ class Front:
         steers or harvest no graph op can serve, naming why and the fix: a conditional or SAE steer, a steer or
         harvest at a value without an op, more steers at one site than the ops' rounds, an SAE harvest. The worker
         routes what passes (`streamscope.vllm.graph_backend.GraphBackend`) and refuses the rest it cannot place
-        (a full slot bank, steers out of the ops' order at one module call), as a failed harvest and in its log."""
+        (a full slot bank: 503; steers out of the ops' order at one module call: 400), which the request's answer
+        then is (`streamscope.serve.refusals`): no request runs unsteered."""
         if self.hooks_fire or self.graph_ops is None:
             return
         edits, harvests = self._graph_sites()
@@ -406,6 +411,7 @@ class SteerMiddleware:
             await self.app(scope, _replay(raw, receive), send)  # vLLM's own answer, to vLLM's request
             return
         harvest_id: Optional[str] = None
+        ticket: Optional[str] = None  # a request with a plan: its worker's refusal, if any, is its answer
         said: list[str] = []  # the dose warnings of the steers checked here: the response carries them
         try:
             if len(json.dumps(body.get(FIELD))) > self.front.limits.max_upload_bytes:
@@ -431,7 +437,9 @@ class SteerMiddleware:
                     raise RequestError(400, "vllm_xargs", "vllm_xargs: a JSON object of vLLM's extra arguments.")
                 if checked.harvest is not None:
                     harvest_id = self.front.harvests.reserve(checked.harvest["bytes"])
-                body["vllm_xargs"] = {**xargs, XARG: worker_payload(checked, harvest_id)}
+                ticket = self.front.refusals.ticket()
+                payload = worker_payload(checked, harvest_id)  # a JSON object: the ticket goes first in it
+                body["vllm_xargs"] = {**xargs, XARG: f'{{"{TICKET}":"{ticket}",{payload[1:]}'}
                 salt = cache_salt(checked, body, harvest_id, self.front.harvest_prefix_cache)
                 if salt is not None:
                     if isinstance(body.get("cache_salt"), str) and body["cache_salt"]:  # the caller's salt, kept
@@ -446,10 +454,22 @@ class SteerMiddleware:
         scope["headers"].append((b"content-length", str(len(data)).encode()))
         if said:
             send = _with_warnings(send, said)
-        if harvest_id is None:
+        if harvest_id is not None:
+            send = _with_harvest(send, harvest_id, self.front.harvests)
+        await self.forward(scope, data, receive, send, ticket)
+
+    async def forward(self, scope: Scope, data: bytes, receive: Receive, send: Send, ticket: Optional[str]) -> None:
+        """Hand vLLM the checked request (`data`, its body); with a `ticket` (a plan the worker reads), behind a
+        `refusals.Guard`, so that a refusal of the worker's is the answer and vLLM aborts the request."""
+        if ticket is None:
             await self.app(scope, _replay(data, receive), send)
-        else:
-            await self.app(scope, _replay(data, receive), _with_harvest(send, harvest_id, self.front.harvests))
+            return
+        guard = Guard(self.front.refusals, ticket, data, send, receive)
+        try:
+            await self.app(scope, guard.receive, guard.send)
+        finally:
+            guard.close()
+            self.front.refusals.forget(ticket)
 
 
 def _replay(data: bytes, receive: Receive, first: Optional[dict] = None) -> Receive:
@@ -543,8 +563,9 @@ def add_arguments(parser: Any) -> None:
                             "graph, the rest on hooks (as streamscope.load(..., graph_ops=True)); optionally a JSON "
                             "object of streamscope.vllm.graph_backend.GraphOptions' fields ('{\"slots\": 512, "
                             "\"rounds\": 3}'). On a GPU the engine keeps vLLM's compile and CUDA graphs, and a "
-                            "request the ops cannot serve is refused (--enforce-eager serves it on hooks); on a CPU it "
-                            "runs eagerly. Not with --taps.")
+                            "request the ops cannot serve is refused (400; 503 while the slot bank is full of other "
+                            "requests' vectors; --enforce-eager serves it on hooks); on a CPU it runs eagerly. Not "
+                            "with --taps.")
     group.add_argument("--default-steer", help="a JSON file: steers (the request field's form) applied to every "
                                                "request that does not send default_steer: false")
     group.add_argument("--vectors", help="a folder of NAME.safetensors files (one tensor each) stored at start")
@@ -598,6 +619,17 @@ def graph_options(args: argparse.Namespace) -> Optional[GraphOptions]:
                          f"harvest_capacity).") from None
 
 
+#: ``STREAMSCOPE_SERVE_GRAPH_OPS_ONLY=1``: an eager ``--graph-ops`` server (a CPU's) serves only what its graph ops
+#: serve and refuses the rest, front end and worker, as a compiled server (a GPU's, whose hooks do not fire) does:
+#: how a test holds a compiled server's refusals on the CPU.
+GRAPH_OPS_ONLY = "STREAMSCOPE_SERVE_GRAPH_OPS_ONLY"
+
+
+def graph_ops_only() -> bool:
+    """Whether `GRAPH_OPS_ONLY` asks this server to run as a compiled one would (only what its graph ops serve)."""
+    return os.environ.get(GRAPH_OPS_ONLY, "") not in ("", "0")
+
+
 def engine_settings(args: argparse.Namespace, argv: Sequence[str], on_cpu: bool, locations: Sequence[str],
                     graph: Optional[GraphOptions] = None) -> bool:
     """The engine options streamscope needs, over what the caller passed: its worker, eager or graphs at the taps,
@@ -615,7 +647,11 @@ def engine_settings(args: argparse.Namespace, argv: Sequence[str], on_cpu: bool,
         args.additional_config = engine_config(graph, args.additional_config)  # the options, and the cache's salt
         if on_cpu:
             args.enforce_eager = True  # the CPU suite's engine: its compile takes minutes (docs/graph-ops.md)
-        return bool(on_cpu or args.enforce_eager)  # on a GPU vLLM's defaults: compile, its own CUDA graph mode
+        # on a GPU vLLM's defaults: compile, its own CUDA graph mode
+        return bool(on_cpu or args.enforce_eager) and not graph_ops_only()
+    if graph_ops_only():
+        raise SystemExit(f"streamscope serve: {GRAPH_OPS_ONLY} asks a --graph-ops server to serve only what its graph "
+                         f"ops serve; pass --graph-ops, or unset {GRAPH_OPS_ONLY}.")
     if not locations or on_cpu:
         if _given(argv, "--no-enforce-eager") or _given(argv, "-cc", "--compilation-config") and not locations:
             print("streamscope serve: an untapped server runs eagerly (hooks do not fire inside compiled graphs); "
@@ -718,7 +754,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     front.hooks_fire = engine_settings(args, argv, on_cpu, locations, front.graph_ops)
     if front.graph_ops is not None and not on_cpu:
         front.graph_mode = None  # vLLM's own choice, asked of the worker (`read_graph_mode`)
-    os.environ[ENVIRONMENT] = json.dumps({"harvests": str(folder), "saes": str(front.saes.folder),
+    os.environ[ENVIRONMENT] = json.dumps({"harvests": str(folder), "refusals": str(front.refusals.folder),
+                                          "saes": str(front.saes.folder),
                                           "sae_cache": max(1, min(4, args.max_stored_saes)),
                                           "hooks_fire": front.hooks_fire})
     front.worker = args.worker_cls

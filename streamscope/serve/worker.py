@@ -55,12 +55,13 @@ from ..bulk.spec import ROOT_VALUES, SKIP_FIRST, Site, Steer, layer_list, locate
 from ..engine import norm_parameters
 from ..vllm.bulk import worker_tree
 from ..vllm.bulk_worker import CPU_WORKER, WORKER_EXTENSION  # noqa: F401  (WORKER_EXTENSION: the server's)
-from ..vllm.graph_backend import backend_for, graph_ops_of
+from ..vllm.graph_backend import LeftOnHooks, backend_for, graph_ops_of
 from ..vllm.logits import unembedding
 from ..vllm.pipeline import holds
-from . import host_time, writer
+from . import host_time, refusals, writer
 from .head import head_rows, pack, unpack
 from .protocol import NAME, XARG, positions_rule, vector_from_bytes, worker_steer
+from .refusals import Refused
 from .stages import sites_of
 from .storage import sae_from_bytes
 from .writer import Record, Store, fail, send_frame
@@ -81,7 +82,8 @@ class ServeState(RequestApplier):
     harvest writer)."""
 
     def __init__(self, runner: Any, model_type: str, folder: Optional[str], writer: bool,
-                 sae_folder: Optional[str] = None, sae_cache: int = 4, hooks_fire: bool = True) -> None:
+                 sae_folder: Optional[str] = None, sae_cache: int = 4, hooks_fire: bool = True,
+                 refusal_folder: Optional[str] = None) -> None:
         self.runner = runner
         model = vllm_seam.model_of(runner)
         if getattr(runner, "nnsight_model", None) is None:
@@ -93,6 +95,8 @@ class ServeState(RequestApplier):
         self.stage = Stage(self.root)  # under pipeline parallelism: the blocks this worker holds (`Stage`)
         self.folder = Path(folder) if folder else None
         self.sae_folder = Path(sae_folder) if sae_folder else None
+        #: Where this worker writes its refusals of requests for the front end (`streamscope.serve.refusals`).
+        self.refusal_folder = Path(refusal_folder) if refusal_folder else None
         #: The SAEs loaded on the engine's device (float32), by file; the least recently used go past `sae_cache`.
         self.saes: "OrderedDict[str, Any]" = OrderedDict()
         self.sae_cache = sae_cache
@@ -104,12 +108,12 @@ class ServeState(RequestApplier):
         self.sites: dict[tuple[str, Optional[int]], Site] = {}
         self.site_lists: dict[tuple[int, ...], list[Site]] = {}  # each harvest's sites, one list per distinct set
         parameter = next(model.parameters())
+        #: Whether the worker's hooks fire in a step: False on a compiled engine (``--graph-ops`` on a GPU), where a
+        #: request whose work the ops do not serve is refused here too (the front end refuses what it can first).
+        self.hooks_fire = hooks_fire
         # a hook's error is logged and the step's work dropped: the engine serves everyone else. Where the engine was
         # started with graph ops (``--graph-ops``: inserted at load), the steers and harvests they serve go to them.
-        super().__init__(parameter.device, graph=backend_for(runner))
-        #: Whether the worker's hooks fire in a step: False on a compiled engine (``--graph-ops`` on a GPU), where a
-        #: request whose work the ops do not serve is refused here too (the front end refuses it first).
-        self.hooks_fire = hooks_fire
+        super().__init__(parameter.device, graph=backend_for(runner, hooks_fire))
         self.dtype = vllm_seam.runner_dtype(runner)
         self.writer_thread = HarvestWriter(self.folder, self.stage.rank)
         self.harvest_keys = itertools.count(1)
@@ -287,9 +291,8 @@ class ServeState(RequestApplier):
                 continue
             try:
                 self.admit_live(request_id, self.admit(payload, length))
-            except Exception as error:  # noqa: BLE001  (this request's harvest says why; the engine serves on)
-                logger.exception("streamscope serve: request %s's plan was refused in the worker", request_id)
-                self.fail(json.loads(payload).get("harvest", {}).get("id"), f"{type(error).__name__}: {error}")
+            except Exception as error:  # noqa: BLE001  (this request's answer says why; the engine serves on)
+                self.refuse(request_id, payload, error)
         for request_id in vllm_seam.finished_requests(scheduler_output):
             live = self.leave(request_id)
             if live is not None and live.harvest_id is not None and not live.written:
@@ -307,20 +310,34 @@ class ServeState(RequestApplier):
             return
         self.step(self.spans(scheduler_output, graphed) if self.planned or graphed else ())
 
+    def refuse(self, request_id: Any, payload: str, error: Exception) -> None:
+        """Refuse request `request_id` (its plan `payload`) for `error`: its harvest fails, and its answer is the
+        error (`streamscope.serve.refusals`: the verdict is on disk before the request's first step runs, so the
+        front end answers with it and aborts the request; nothing of it runs steered or harvested here)."""
+        if isinstance(error, Refused):
+            status, message = error.status, str(error)
+            logger.warning("streamscope serve: request %s refused in the worker: %s", request_id, message)
+        else:  # a plan the worker cannot build (an SAE file gone): the request's fault, or a fault of ours
+            status, message = (400 if isinstance(error, ValueError) else 500), f"{type(error).__name__}: {error}"
+            logger.exception("streamscope serve: request %s's plan was refused in the worker", request_id)
+        plan = json.loads(payload)
+        self.fail((plan.get("harvest") or {}).get("id"), message)
+        if self.writer:
+            refusals.write(self.refusal_folder, plan.get(refusals.TICKET), status, message)
+
     def admit_live(self, request_id: Any, live: Live) -> None:
         """Make `live` the live request `request_id`: what the graph ops serve of it goes to them, the rest to the
-        hooks; where hooks do not fire (a compiled engine), a request with work left on them is refused."""
-        self.enter(request_id, live)
-        if self.hooks_fire or not (live.steers or live.harvest_sites):
-            return
-        self.leave(request_id)
-        if live.key:
-            self.writer_thread.put(("drop", live.key))
-        where = sorted({entry.site.location for entry in live.steers} | {site.location for site in live.harvest_sites})
-        raise ValueError(f"this server runs vLLM's compiled graphs (--graph-ops on a GPU), where hooks do not fire, "
-                         f"and its graph ops do not serve this request's work at {where} (an SAE or conditional "
-                         f"steer, a value without an op, more steers at one site than its rounds, or a full slot "
-                         f"bank): send it to a server started without --graph-ops, or with --enforce-eager.")
+        hooks; where hooks do not fire (a compiled engine), a request with work left on them is refused whole
+        (`refusals.Refused`: 503 where the ops' slot bank is full of other requests' operations, else 400)."""
+        if not self.hooks_fire and self.graph is None and (live.steers or live.harvest_sites):
+            raise Refused(500, "this server's hooks do not fire and it has no graph ops: start it with --graph-ops, "
+                               "or with --enforce-eager.")
+        try:
+            self.enter(request_id, live)  # (where hooks do not fire, the graph backend refuses: `LeftOnHooks`)
+        except LeftOnHooks as error:
+            if live.key:
+                self.writer_thread.put(("drop", live.key))
+            raise _refusal(error) from error
 
     def spans(self, scheduler_output: Any, graphed: bool = False) -> list[Span]:
         """The step's spans of the live requests with work (with `graphed`, those in the graph ops' plan too), in
@@ -514,6 +531,19 @@ class HarvestWriter:
             locally(self.store)
 
 
+def _refusal(error: LeftOnHooks) -> Refused:
+    """Why a compiled server's worker refuses a request (its work left on hooks that do not fire), naming the fix."""
+    if error.busy:  # the slot bank is full of the running requests' operations: not now
+        return Refused(503, f"the graph ops' slot bank holds {error.slots} distinct steer operations (a vector with "
+                            f"its mode and settings), all in use by running requests, and this request needs more: "
+                            f"retry once some finish, send fewer distinct vectors at once (requests steering with "
+                            f"the same stored vector and settings share one slot), or start the server with "
+                            f"--graph-ops '{{\"slots\": {2 * error.slots}}}'.")
+    reorder = "reorder the steers or the positions, or " if error.where else ""
+    return Refused(400, f"{error}: {reorder}send the request to a server started without --graph-ops, or with "
+                        f"--enforce-eager (hooks then serve it).")
+
+
 def _sae_objects(live: Live) -> list[Any]:
     """The SAEs `live` uses (its clamps' and its harvest's)."""
     found = [entry.delta.sae for entry in live.steers if hasattr(entry.delta, "sae")]
@@ -543,7 +573,8 @@ def install(worker: Any) -> None:
     writer = vllm_seam.tensor_parallel_rank() == 0
     runner.__dict__["_streamscope_serve"] = ServeState(runner, vllm_seam.runner_model_type(runner),
                                                        options.get("harvests"), writer, options.get("saes"),
-                                                       options.get("sae_cache", 4), options.get("hooks_fire", True))
+                                                       options.get("sae_cache", 4), options.get("hooks_fire", True),
+                                                       options.get("refusals"))
 
 
 class Stage:

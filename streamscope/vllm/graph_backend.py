@@ -22,6 +22,14 @@ stays on the hooks, and why:
 * everything of a request the plan refuses (a full slot bank): a logged
   fall-back to the hooks, never a request half-planned.
 
+Where the applier's hooks do not fire (vLLM compiles the model: a GPU server
+with ``--graph-ops``, or ``streamscope.load(..., graph_ops=True,
+enforce_eager=False)``), none of that may stay on the hooks, where it would
+silently not run: `GraphBackend.enter` refuses such a request whole
+(`LeftOnHooks`, the plan as it was), and its caller answers it with the error
+(the bulk run raises it; the server answers the request with it,
+`streamscope.serve.refusals`).
+
 The two backends' rows meet where the applier hands a request its harvest:
 the bulk path's `Applier.take` gives a graph-harvested request the plan's
 rows, ``[sites, positions, hidden]``, in the layout of its hook reads; the
@@ -208,10 +216,26 @@ def graph_ops_of(runner: Any) -> Optional[GraphOps]:
     return runner.__dict__.get(RUNNER_ATTRIBUTE)
 
 
-def backend_for(runner: Any) -> Optional["GraphBackend"]:
-    """A `GraphBackend` over the runner's ops for one applier, or None where its engine has none."""
+def backend_for(runner: Any, hooks_fire: Optional[bool] = None) -> Optional["GraphBackend"]:
+    """A `GraphBackend` over the runner's ops for one applier, or None where its engine has none. `hooks_fire`:
+    whether the applier's hooks fire in a step (None: where vLLM does not compile the model, or a tapped runner
+    replays its work at the taps); where they do not, a request the ops cannot serve whole is refused."""
     ops = graph_ops_of(runner)
-    return None if ops is None else GraphBackend(ops)
+    if ops is None:
+        return None
+    if hooks_fire is None:
+        hooks_fire = getattr(runner, "nnsight_model", None) is not None or not vllm_seam.compiled(runner)
+    return GraphBackend(ops, hooks_fire)
+
+
+class LeftOnHooks(ValueError):
+    """Where hooks do not fire (a compiled engine): a request with work the graph ops cannot take, refused whole,
+    the plan as it was. ``busy``: the slot bank is full of other requests' operations (``slots`` of them), so the
+    same request may pass later; otherwise the ops cannot serve it at all (``where``: the sites left over)."""
+
+    def __init__(self, message: str, busy: bool = False, slots: int = 0, where: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.busy, self.slots, self.where = busy, slots, list(where)
 
 
 def row_rule(entry: SteerEntry) -> Any:
@@ -258,11 +282,14 @@ class GraphBackend:
     harvested (see the module's docstring). Requests are the applier's keys; the plan is the worker's, shared by
     the appliers it runs one after another."""
 
-    def __init__(self, ops: GraphOps) -> None:
+    def __init__(self, ops: GraphOps, hooks_fire: bool = True) -> None:
         self.ops = ops
+        #: Whether the applier's hooks fire: where not, `enter` refuses what it would leave to them (`LeftOnHooks`).
+        self.hooks_fire = hooks_fire
         self.plan = ops.plan
         self.entered: set[Hashable] = set()
         self.harvesting: set[Hashable] = set()  # requests whose harvest the ops read
+        self.kept: dict[Hashable, list[Any]] = {}  # each entered request's operations in the plan (`enter`)
         self.steering: dict[Hashable, int] = {}  # requests' steers the ops apply, by request
         self._current: Any = None  # the step whose harvest is in the ops' buffers
         self._copied: list[Any] = []  # steps' harvests on their way to host memory
@@ -275,6 +302,13 @@ class GraphBackend:
                    and all(self.ops.name_of(site) in self.plan.harvest_index for site in live.harvest_sites)
                    and all(later > earlier for earlier, later in zip(live.positions, live.positions[1:]))
                    and live.positions[0] >= 0)
+        if not self.hooks_fire and (hooked or (live.harvest_sites and not harvest)):
+            where = sorted({entry.site.location for entry in hooked}
+                           | {site.location for site in (() if harvest else live.harvest_sites)})
+            raise LeftOnHooks(f"request {key!r}: the engine is compiled, where hooks do not fire, and its graph ops "
+                              f"cannot serve its work at {where} (a value without an op, an SAE or conditional "
+                              f"steer, steers at one module call out of the ops' order or past their rounds, a "
+                              f"harvest beside such a steer or of positions out of order)", where=where)
         if not graphed and not harvest:
             return
         steers = [PlannedSteer([name], operation, row_rule(entry), ("operation", id(entry.delta)))
@@ -283,10 +317,17 @@ class GraphBackend:
         try:
             self.plan.enter(key, steers, live.positions if harvest else (), names)
         except (ValueError, RuntimeError) as error:  # a full bank: the hooks serve the whole request
+            if not self.hooks_fire:
+                slots = self.plan.bank.bank.shape[0]
+                raise LeftOnHooks(f"request {key!r}: {error}", busy=isinstance(error, RuntimeError),
+                                  slots=slots) from error
             logger.info("streamscope: request %r runs on the hooks: %s", key, error)
             return
         self.entered.add(key)
         self.steering[key] = len(graphed)
+        # A slot is keyed by its operation's identity: the operations stay alive while their request is, so that no
+        # later operation takes a live one's id (and with it that one's slot and vector).
+        self.kept[key] = [entry.delta for entry, _, _ in graphed]
         self.ops.served["steers"] += len(graphed)
         self.ops.served["harvests"] += harvest
         live.steers = hooked
@@ -325,6 +366,7 @@ class GraphBackend:
             self.entered.discard(key)
             self.steering.pop(key, None)
             self.plan.leave(key)
+            self.kept.pop(key, None)
 
     def step(self, spans: Sequence[Span]) -> None:
         """Before a step runs: the last step's harvest on its way to host memory, then this step's fill."""

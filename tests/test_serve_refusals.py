@@ -1,0 +1,136 @@
+"""`streamscope.serve.refusals`: a request its worker refused is answered with the refusal, never with vLLM's answer,
+and vLLM is told the client left (so it aborts the request); an answer without a verdict passes untouched.
+
+The ASGI app here stands in for vLLM's: it reads the request's body, then
+either answers at once or generates while listening for a disconnect, as
+vLLM's routes do (``with_cancellation``, Starlette's ``StreamingResponse``).
+The server test (tests/vllm/test_serve_graph_refusals.py) holds the whole path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from streamscope.serve.refusals import Guard, Refusals, write
+
+START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+
+
+def chunk(data: bytes, more: bool = True) -> dict[str, Any]:
+    return {"type": "http.response.body", "body": data, "more_body": more}
+
+
+class Client:
+    """What reaches the client, and the client's side of receive (it never leaves by itself)."""
+
+    def __init__(self) -> None:
+        self.got: list[dict[str, Any]] = []
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.got.append(message)
+
+    async def receive(self) -> dict[str, Any]:
+        await asyncio.Event().wait()  # a client that stays until the answer ends
+        return {"type": "http.disconnect"}
+
+    def status(self) -> int:
+        return self.got[0]["status"]
+
+    def body(self) -> bytes:
+        return b"".join(message.get("body", b"") for message in self.got[1:])
+
+
+def run(folder: Path, app: Any, verdict_after: Any = None, status: int = 503) -> tuple[Client, Any]:
+    """`app(guard_receive, guard_send)` behind a `Guard`; the worker's verdict written after `verdict_after`
+    seconds (None: never)."""
+    refusals = Refusals(folder, interval=0.001)
+    ticket = refusals.ticket()
+    client = Client()
+
+    async def main() -> Any:
+        guard = Guard(refusals, ticket, b'{"prompt": "x"}', client.send, client.receive)
+
+        async def worker() -> None:
+            await asyncio.sleep(verdict_after)
+            write(folder, ticket, status, "the slot bank is full: start with more slots")
+
+        task = asyncio.ensure_future(worker()) if verdict_after is not None else None
+        try:
+            return await app(guard.receive, guard.send)
+        finally:
+            refusals.forget(ticket)
+            if task is not None:
+                await task
+
+    return client, asyncio.run(main())
+
+
+def test_a_verdict_written_before_the_answer_is_the_answer(tmp_path: Path) -> None:
+    async def app(receive: Any, send: Any) -> None:
+        assert (await receive())["body"] == b'{"prompt": "x"}'
+        await asyncio.sleep(0.05)  # a step ran (the verdict was written before it)
+        await send(START)
+        await send(chunk(b'data: {"choices": [{"text": "unsteered"}]}\n\n'))
+        await send(chunk(b"data: [DONE]\n\n", more=False))
+
+    client, _ = run(tmp_path, app, verdict_after=0.0)
+    assert client.status() == 503 and b"unsteered" not in client.body()
+    error = json.loads(client.body())["error"]
+    assert "refused this request, which did not run: the slot bank is full" in error["message"]
+    assert error["param"] == "streamscope" and error["code"] == 503
+    assert not list(tmp_path.iterdir())  # the verdict deleted once answered
+
+
+def test_a_verdict_while_generating_answers_at_once_and_tells_vllm_the_client_left(tmp_path: Path) -> None:
+    seen: list[str] = []
+
+    async def app(receive: Any, send: Any) -> str:
+        await receive()
+        generating = asyncio.ensure_future(asyncio.sleep(30))  # a long non-streamed completion
+        listening = asyncio.ensure_future(receive())
+        done, _ = await asyncio.wait({generating, listening}, return_when=asyncio.FIRST_COMPLETED)
+        generating.cancel()  # vLLM's with_cancellation: the request aborted
+        seen.append(listening.result()["type"] if listening in done else "finished")
+        await send({**START, "headers": [(b"content-type", b"application/json")]})  # the handler's None, answered
+        await send(chunk(b"null", more=False))
+        return "aborted"
+
+    client, result = run(tmp_path, app, verdict_after=0.05, status=400)
+    assert result == "aborted" and seen == ["http.disconnect"]
+    assert client.status() == 400 and len(client.got) == 2 and b"null" not in client.body()
+
+
+def test_an_answer_without_a_verdict_passes_as_vllm_made_it(tmp_path: Path) -> None:
+    sent = [START, chunk(b": keep-alive\n\n"), chunk(b'data: {"choices": []}\n\n'), chunk(b"data: [DONE]\n\n", False)]
+
+    async def app(receive: Any, send: Any) -> None:
+        await receive()
+        for message in sent:
+            await send(message)
+
+    client, _ = run(tmp_path, app)
+    assert client.got == sent
+
+
+def test_a_keep_alive_before_the_first_step_does_not_settle_the_answer(tmp_path: Path) -> None:
+    async def app(receive: Any, send: Any) -> None:
+        await receive()
+        await send(START)
+        await send(chunk(b": keep-alive\n\n"))  # vLLM's keep-alive, while the request waits for its first step
+        await asyncio.sleep(0.05)  # the worker refuses it in that step
+        await send(chunk(b'data: {"choices": [{"text": "unsteered"}]}\n\n'))
+
+    client, _ = run(tmp_path, app, verdict_after=0.02)
+    assert client.status() == 503 and b"unsteered" not in client.body() and b"keep-alive" not in client.body()
+
+
+def test_the_worker_writes_only_for_a_ticket_the_front_end_makes(tmp_path: Path) -> None:
+    write(tmp_path, "../escape", 400, "no")
+    write(None, "0" * 32, 400, "no")
+    write(tmp_path, "0" * 32, 400, "the reason")
+    assert [path.name for path in tmp_path.iterdir()] == ["0" * 32 + ".json"]
+    error = Refusals(tmp_path).verdict("0" * 32)
+    assert error is not None and error.status == 400 and error.message.endswith("did not run: the reason")
