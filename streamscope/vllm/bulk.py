@@ -186,8 +186,12 @@ def _begin(worker: Any, payload: bytes) -> None:
     wanted = {key: spec.positions[key] for key in keys} if spec is not None else {}
     state.run, state.keys = plan["run"], {}
     state.reduce = spec.reduce if spec is not None else None  # applied to each prompt's rows before they leave
-    applier = Applier(sites, wanted, plans, device, readout=readout,
-                      graph=graph_backend.backend_for(state.runner))  # the ops inserted at load, if any, take theirs
+    try:
+        applier = Applier(sites, wanted, plans, device, readout=readout,
+                          graph=graph_backend.backend_for(state.runner))  # the ops inserted at load take theirs
+    except graph_backend.LeftOnHooks as error:  # (the requests entered so far have left the plan)
+        work = "; ".join(f"work at {where}" for where in error.where) or f"steers ({error})"
+        raise SteerError(HOOKS_DO_NOT_FIRE.format(work=work, prompts=[error.key]), field="steer") from error
     if not plan.get("hooks_fire", True):
         try:
             refuse_hooked(applier)

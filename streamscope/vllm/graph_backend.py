@@ -230,12 +230,14 @@ def backend_for(runner: Any, hooks_fire: Optional[bool] = None) -> Optional["Gra
 
 class LeftOnHooks(ValueError):
     """Where hooks do not fire (a compiled engine): a request with work the graph ops cannot take, refused whole,
-    the plan as it was. ``busy``: the slot bank is full of other requests' operations (``slots`` of them), so the
-    same request may pass later; otherwise the ops cannot serve it at all (``where``: the sites left over)."""
+    the plan as it was. ``key``: the applier's request; ``busy``: the slot bank is full of other requests'
+    operations (``slots`` of them), so the same request may pass later; otherwise the ops cannot serve it at all
+    (``where``: the sites left over)."""
 
-    def __init__(self, message: str, busy: bool = False, slots: int = 0, where: Sequence[str] = ()) -> None:
+    def __init__(self, message: str, busy: bool = False, slots: int = 0, where: Sequence[str] = (),
+                 key: Hashable = None) -> None:
         super().__init__(message)
-        self.busy, self.slots, self.where = busy, slots, list(where)
+        self.busy, self.slots, self.where, self.key = busy, slots, list(where), key
 
 
 def row_rule(entry: SteerEntry) -> Any:
@@ -308,7 +310,8 @@ class GraphBackend:
             raise LeftOnHooks(f"request {key!r}: the engine is compiled, where hooks do not fire, and its graph ops "
                               f"cannot serve its work at {where} (a value without an op, an SAE or conditional "
                               f"steer, steers at one module call out of the ops' order or past their rounds, a "
-                              f"harvest beside such a steer or of positions out of order)", where=where)
+                              f"harvest beside such a steer or of positions out of order)", where=where,
+                              key=key)
         if not graphed and not harvest:
             return
         steers = [PlannedSteer([name], operation, row_rule(entry), ("operation", id(entry.delta)))
@@ -320,7 +323,7 @@ class GraphBackend:
             if not self.hooks_fire:
                 slots = self.plan.bank.bank.shape[0]
                 raise LeftOnHooks(f"request {key!r}: {error}", busy=isinstance(error, RuntimeError),
-                                  slots=slots) from error
+                                  slots=slots, key=key) from error
             logger.info("streamscope: request %r runs on the hooks: %s", key, error)
             return
         self.entered.add(key)
