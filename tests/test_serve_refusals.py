@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from streamscope.serve.refusals import Guard, Refusals, write
+from streamscope.serve.refusals import Guard, Refusals, ticket_of, write
 
 START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
 
@@ -250,3 +250,10 @@ def test_a_non_streamed_answer_of_an_aborted_request_is_the_error(tmp_path: Path
     error = json.loads(client.body())["error"]
     assert client.status() == 500 and error["code"] == 500 and error["type"] == "InternalServerError"
     assert "aborted this request rather than serve it unsteered or unread: the hook at" in error["message"]
+
+
+def test_a_payloads_ticket_is_read_where_the_front_end_puts_it() -> None:
+    ticket = "ab" * 16
+    assert ticket_of(f'{{"ticket":"{ticket}","steer":[]}}') == ticket
+    assert ticket_of(json.dumps({"steer": [], "ticket": ticket})) == ticket  # elsewhere in the plan: decoded
+    assert ticket_of('{"steer":[]}') is None

@@ -78,6 +78,15 @@ def write(folder: Optional[Path], ticket: Any, status: int, message: str, aborte
     os.replace(aside, folder / f"{ticket}.json")
 
 
+def ticket_of(payload: str) -> Any:
+    """A worker payload's ticket (None where it has none): the front end writes it first
+    (``{"ticket":"<32 hex digits>",...``), read from there without decoding the whole plan a second time."""
+    head = f'{{"{TICKET}":"'
+    if payload.startswith(head) and payload[len(head) + 32:len(head) + 34] == '",':
+        return payload[len(head):len(head) + 32]
+    return json.loads(payload).get(TICKET)
+
+
 class Refusals:
     """The front end's side: tickets handed out, each request's verdict read or waited for."""
 

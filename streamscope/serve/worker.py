@@ -119,7 +119,7 @@ class ServeState(RequestApplier):
         # was started with graph ops (``--graph-ops``: inserted at load), the steers and harvests they serve go to them.
         super().__init__(parameter.device, graph=backend_for(runner, hooks_fire))
         self.tickets: dict[Any, Any] = {}  # each live request's ticket (`refusals.TICKET`): where its verdict goes
-        self.stepped: list[Any] = []  # the requests with work in the step being run (a hook's failure aborts them)
+        self.stepped: Any = []  # the step's requests with work (their keys, or their `Span`s): a failure aborts them
         self.aborted: dict[Any, str] = {}  # aborted in a step: they leave the applier as the next step is planned
         self.fail_hook_at = os.environ.get(FAIL_HOOK_AT) or None
         self.dtype = vllm_seam.runner_dtype(runner)
@@ -302,7 +302,7 @@ class ServeState(RequestApplier):
                 continue
             try:
                 self.admit_live(request_id, self.admit(payload, length))
-                self.tickets[request_id] = json.loads(payload).get(refusals.TICKET)
+                self.tickets[request_id] = refusals.ticket_of(payload)
             except Exception as error:  # noqa: BLE001  (this request's answer says why; the engine serves on)
                 self.refuse(request_id, payload, error)
         for request_id in vllm_seam.finished_requests(scheduler_output):
@@ -319,11 +319,11 @@ class ServeState(RequestApplier):
         if self.planned and not graphed and self.covers(scheduled.keys()):
             if self.graph is not None:
                 self.graph.step(())
-            self.stepped = list(scheduled.keys())
+            self.stepped = scheduled.keys()
             self.uniform_step(vllm_seam.total_scheduled_tokens(scheduler_output))
             return
         spans = self.spans(scheduler_output, graphed) if self.planned or graphed else []
-        self.stepped = [span.key for span in spans]
+        self.stepped = spans
         self.step(spans)
 
     # ---------------------------------------------------------------- a failed step
@@ -341,15 +341,14 @@ class ServeState(RequestApplier):
         logger.exception("streamscope serve: %s failed; the step's requests (%d) are aborted", where,
                          len(self.stepped))
         self.work, self.last_shape = {}, None
-        self.abort(self.stepped, where, error)
+        self.abort([item.key if isinstance(item, Span) else item for item in self.stepped], where, error)
 
     def abort(self, keys: Any, where: str, error: Exception) -> None:
         """Abort the requests `keys` for `error` at `where`: each gets a 500 verdict (`refusals.write`; the front end's
         `refusals.Guard` answers with it and has vLLM abort the request; every rank writes it, as a pipeline's ranks
         hold different hooks) and leaves the applier as the next step is planned: no later step runs half-steered."""
-        message = (f"{where} failed in one of this request's steps ({type(error).__name__}: {error}); streamscope "
-                   f"aborted the request rather than serve it unsteered or unread. The server serves on; its log "
-                   f"holds the traceback.")
+        message = (f"{where} failed in one of its steps ({type(error).__name__}: {error}); the server serves on, "
+                   f"and its log holds the traceback.")
         for key in keys:
             if key in self.aborted or key not in self.live:
                 continue

@@ -79,7 +79,7 @@ def _generated(url: str) -> float:
 def _names_the_failure(message: str) -> None:
     assert f"the hook at layers.{LAYER}.layer_output failed" in message, message
     assert f"RuntimeError: the fault {FAIL_HOOK_AT}=layers.{LAYER}.layer_output injected" in message, message
-    assert "aborted the request rather than serve it unsteered or unread" in message, message
+    assert "worker aborted this request rather than serve it unsteered or unread: the hook" in message, message
 
 
 def test_a_failed_hook_answers_its_request_with_500_and_serves_on(server: Server) -> None:
@@ -93,7 +93,7 @@ def test_a_failed_hook_answers_its_request_with_500_and_serves_on(server: Server
     error = response.json()["error"]
     assert error["code"] == 500 and error["type"] == "InternalServerError" and error["param"] == "streamscope"
     _names_the_failure(error["message"])
-    with pytest.raises(openai.InternalServerError, match="aborted the request rather than serve it unsteered"):
+    with pytest.raises(openai.InternalServerError, match="aborted this request rather than serve it unsteered"):
         server.api.completions.create(model=server.model, prompt=PROMPT, max_tokens=4,
                                       extra_body={"streamscope": {"steer": [server.steer()]}})
     steered = server.api.completions.create(model=server.model, prompt=PROMPT, temperature=0, max_tokens=8,
