@@ -72,9 +72,8 @@ ENVIRONMENT = "STREAMSCOPE_SERVE"
 DELTAS = 256
 #: How many distinct lists of harvested sites the worker keeps for the requests to share (`ServeState.admit`).
 SITE_LISTS = 4096
-#: A test-only fault: set to a site's name (``layers.<layer>.<value>``, or the value alone for a root value), the
-#: worker's hook there raises in every step where it edits a request's rows, so that a test can watch a hook
-#: failure answered (`ServeState.hook_failed`). Read once by each worker as it starts; never set it in production.
+#: A test-only fault: a site's name (``layers.<layer>.<value>``; a root value alone) whose hook then raises in every
+#: step it edits a request's rows (`ServeState.hook_failed` answers it). Read as each worker starts; never in production.
 FAIL_HOOK_AT = "STREAMSCOPE_SERVE_FAIL_HOOK_AT"
 logger = logging.getLogger("streamscope.serve")
 
@@ -122,6 +121,8 @@ class ServeState(RequestApplier):
         self.stepped: Any = []  # the step's requests with work (their keys, or their `Span`s): a failure aborts them
         self.aborted: dict[Any, str] = {}  # aborted in a step: they leave the applier as the next step is planned
         self.fail_hook_at = os.environ.get(FAIL_HOOK_AT) or None
+        if self.fail_hook_at is not None:  # (the hooks' path is untouched without it)
+            self._apply_all = self._faulty  # type: ignore[method-assign]
         self.dtype = vllm_seam.runner_dtype(runner)
         self.writer_thread = HarvestWriter(self.folder, self.stage.rank)
         self.harvest_keys = itertools.count(1)
@@ -328,11 +329,12 @@ class ServeState(RequestApplier):
 
     # ---------------------------------------------------------------- a failed step
 
-    def _apply_all(self, work: Any, raw: Any, tap: bool) -> None:
-        if self.fail_hook_at is not None and any(edit[2] is not None and edit[1] != "gate"
-                                                 and site_name(edit[0]) == self.fail_hook_at for edit in work[0]):
+    def _faulty(self, work: Any, raw: Any, tap: bool) -> None:
+        """`_apply_all` under the test-only fault `FAIL_HOOK_AT` (installed only where it is set)."""
+        if any(edit[2] is not None and edit[1] != "gate" and site_name(edit[0]) == self.fail_hook_at
+               for edit in work[0]):
             raise RuntimeError(f"the fault {FAIL_HOOK_AT}={self.fail_hook_at} injected for a test")
-        super()._apply_all(work, raw, tap)
+        RequestApplier._apply_all(self, work, raw, tap)
 
     def hook_failed(self, key: tuple[int, str], error: Exception) -> None:
         """A hook raised mid-step: the step's work is dropped, and every request with work in the step is aborted,
@@ -356,8 +358,7 @@ class ServeState(RequestApplier):
             refusals.write(self.refusal_folder, self.tickets.get(key), 500, message, aborted=True)
 
     def take_aborted(self) -> None:
-        """The aborted requests leave the applier (vLLM may run a step or two of them before its abort lands: they
-        run unread and unsteered then, and their answer is the error); their harvests fail, saying why."""
+        """The aborted requests leave, their harvests failed (vLLM may run a step of them, unplanned, before its abort)."""
         aborted, self.aborted = self.aborted, {}
         for key, message in aborted.items():
             live = self.leave(key)
