@@ -207,8 +207,9 @@ class RequestApplier:
         device: Where a step's row indices live (the engine's device).
         keep_error: The bulk path's way with an error in a hook: keep the first
             one in `error` (the caller raises it) and do no more work. Otherwise
-            (the server's) it is logged and the step's work is dropped, so the
-            engine serves on.
+            (the server's) `hook_failed` takes it: the step's work is dropped,
+            the step's requests are aborted with the error, and the engine
+            serves on.
         strict: Refuse a harvest whose earlier positions ran in no step seen
             (prefix caching, chunked prefill), naming the engine's flags.
         hooked: Whether hooks go on as requests enter (else from `install`).
@@ -620,8 +621,15 @@ class RequestApplier:
             if self.keep_error:
                 self.error = error
                 return
-            logger.exception("streamscope serve: a hook failed; this step's plans were dropped")
-            self.work, self.last_shape = {}, None
+            self.hook_failed(key, error)
+
+    def hook_failed(self, key: tuple[int, str], error: Exception) -> None:
+        """A hook at the module call `key` raised `error` mid-step (without `keep_error`): the step's work is
+        dropped, so that no later call of the step edits or reads on a half-done plan. The server
+        (`streamscope.serve.worker.ServeState`) also aborts every request that had work in the step, each answered
+        with the error."""
+        logger.exception("streamscope serve: a hook failed; this step's plans were dropped")
+        self.work, self.last_shape = {}, None
 
     def _apply_all(self, work: Work, raw: Any, tap: bool) -> None:
         edits, harvests = work

@@ -22,6 +22,16 @@ the verdict while vLLM generates (`Refusals.future`: one poll of the folder
 for every waiting request), so a refused request is answered at once and
 aborted in the engine (its ASGI receive reports a disconnect, which vLLM
 answers by aborting the request), not run to its last token.
+
+A worker also aborts requests that already ran: where a hook fails mid-step
+(or a step's plan cannot be made), every request with work in that step gets
+a 500 verdict naming the failure (``aborted``: it ran, and was stopped rather
+than served unsteered). Its verdict is on disk before that step's output
+exists, but a streamed answer may have started: the `Guard` of a stream keeps
+watching until the stream ends, checks for a verdict before each chunk it
+passes, and on one ends the stream with an error event as vLLM's own streaming
+errors take (``data: {"error": {...}}`` then ``data: [DONE]``: the openai client
+raises on it), then has vLLM abort the request.
 """
 
 from __future__ import annotations
@@ -57,14 +67,24 @@ class Refused(ValueError):
         self.status = status
 
 
-def write(folder: Optional[Path], ticket: Any, status: int, message: str) -> None:
+def write(folder: Optional[Path], ticket: Any, status: int, message: str, aborted: bool = False) -> None:
     """The worker's verdict on the request holding `ticket`, written aside then renamed (the front end never reads
-    half of it); nothing where the request has no valid ticket."""
+    half of it); nothing where the request has no valid ticket. `aborted`: the request ran some steps and was
+    stopped (a hook failed), rather than refused before it ran."""
     if folder is None or not valid_id(ticket):
         return
-    aside = folder / f".{ticket}.writing"
-    aside.write_text(json.dumps({"status": status, "message": message}))
+    aside = folder / f".{ticket}.{os.getpid()}.writing"  # (ranks of one engine may write the same verdict at once)
+    aside.write_text(json.dumps({"status": status, "message": message, "aborted": aborted}))
     os.replace(aside, folder / f"{ticket}.json")
+
+
+def ticket_of(payload: str) -> Any:
+    """A worker payload's ticket (None where it has none): the front end writes it first
+    (``{"ticket":"<32 hex digits>",...``), read from there without decoding the whole plan a second time."""
+    head = f'{{"{TICKET}":"'
+    if payload.startswith(head) and payload[len(head) + 32:len(head) + 34] == '",':
+        return payload[len(head):len(head) + 32]
+    return json.loads(payload).get(TICKET)
 
 
 class Refusals:
@@ -87,8 +107,11 @@ class Refusals:
             found = json.loads((self.folder / f"{ticket}.json").read_text())
         except FileNotFoundError:
             return None
-        return RequestError(int(found["status"]), FIELD, f"{FIELD}: the engine's worker refused this request, which "
-                                                         f"did not run: {found['message']}")
+        if found.get("aborted"):
+            said = "aborted this request rather than serve it unsteered or unread"
+        else:
+            said = "refused this request, which did not run"
+        return RequestError(int(found["status"]), FIELD, f"{FIELD}: the engine's worker {said}: {found['message']}")
 
     def future(self, ticket: str) -> asyncio.Future:
         """A future that takes `ticket`'s refusal (`verdict`) once its worker writes one; the folder is polled, once
@@ -136,12 +159,15 @@ class Guard:
     refusal (`Refusals`) and never a completion of a refused request.
 
     `send` holds the response's start until its first body bytes and reads
-    the verdict then: none, and the response passes as vLLM made it (the
-    verdict is final: it is written before the request's first step runs);
-    one, and the client gets the error instead. `receive` gives vLLM the
-    request's body, then waits for the client's next message or the verdict,
-    whichever comes first; on a verdict the client gets the error at once,
-    and vLLM a disconnect, on which it aborts the request.
+    the verdict then: none, and the response passes as vLLM made it; one, and
+    the client gets the error instead. `receive` gives vLLM the request's
+    body, then waits for the client's next message or the verdict, whichever
+    comes first; on a verdict the client gets the error at once, and vLLM a
+    disconnect, on which it aborts the request. A started stream (an
+    ``text/event-stream`` answer) is watched until it ends, for a verdict
+    that aborts a request mid-generation (a hook failed): each chunk passes
+    only where no verdict is on disk, and on one the stream ends with an error
+    event (`stream_error`) and vLLM gets the disconnect.
     """
 
     def __init__(self, refusals: Refusals, ticket: str, body: bytes, send: Send, receive: Receive) -> None:
@@ -150,9 +176,12 @@ class Guard:
         self.downstream, self.upstream = send, receive
         self.start: Optional[Message] = None  # the response's start, held until its first body bytes
         self.held: list[Message] = []  # keep-alive comments of a stream, held with the start
-        self.settled = False  # the first body bytes went to the client: no verdict can come any more
+        self.settled = False  # the first body bytes went to the client: an error can no longer replace the answer
+        self.streaming = False  # the answer is a server-sent-event stream: watched for a verdict until it ends
+        self.ended = False  # the answer's last body bytes went to the client
         self.refused = False  # the client got the refusal: nothing of vLLM's answer goes to it
         self.client: Optional[asyncio.Future] = None  # the client's next message, asked once, kept across calls
+        self.stopped: Optional[asyncio.Future] = None  # done once the client got an error: `receive` tells vLLM
 
     async def send(self, message: Message) -> None:
         if self.refused:
@@ -160,6 +189,7 @@ class Guard:
         if not self.settled:
             if message["type"] == "http.response.start":
                 self.start = message
+                self.streaming = _event_stream(message)
                 return
             if message["type"] == "http.response.body":
                 if message.get("more_body", False) and _comment(message.get("body", b"")):
@@ -170,12 +200,26 @@ class Guard:
                     await self.refuse(error)
                     return
                 self.settled = True
-                self.refusals.forget(self.ticket)
+                if not self.streaming:
+                    self.refusals.forget(self.ticket)  # the whole answer: no step of it runs any more
                 held, self.held = ([self.start] if self.start is not None else []) + self.held, []
                 self.start = None
                 for earlier in held:
                     await self.downstream(earlier)
+        elif self.streaming and message["type"] == "http.response.body" and not self.ended:
+            # a chunk of a step after a hook failed must not reach the client: the verdict is on disk before it
+            error = self.refusals.verdict(self.ticket)
+            if error is not None:
+                await self.stream_error(error)
+                return
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.ended = True
         await self.downstream(message)
+
+    def watching(self) -> bool:
+        """Whether a verdict can still change what the client gets: before the answer starts, or while a started
+        stream goes on."""
+        return not self.refused and (not self.settled or self.streaming and not self.ended)
 
     async def receive(self) -> Message:
         if self.body is not None:
@@ -186,8 +230,10 @@ class Guard:
                 return DISCONNECT
             if self.client is None:
                 self.client = asyncio.ensure_future(self.upstream())
-            waits: set[asyncio.Future] = {self.client}
-            if not self.settled:
+            if self.stopped is None:
+                self.stopped = asyncio.get_running_loop().create_future()
+            waits: set[asyncio.Future] = {self.client, self.stopped}
+            if self.watching():
                 waits.add(self.refusals.future(self.ticket))
             # (not cancelled with this call: a message the client sent is kept for the next call)
             done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -195,9 +241,12 @@ class Guard:
                 message, self.client = self.client.result(), None
                 return message
             verdict = next(iter(done))
-            if verdict.cancelled() or self.settled:
-                continue  # the response went out first (`forget`): only the client's messages matter now
-            await self.refuse(verdict.result())
+            if verdict is self.stopped or verdict.cancelled() or not self.watching():
+                continue  # the answer went out first (`forget`): only the client's messages matter now
+            if self.settled:
+                await self.stream_error(verdict.result())
+            else:
+                await self.refuse(verdict.result())
 
     def close(self) -> None:
         """The exchange is over: the client's next message, if still asked for, is not waited for any more."""
@@ -208,12 +257,42 @@ class Guard:
         """Answer the client with `error` in place of vLLM's answer (once)."""
         if self.refused or self.settled:
             return
-        self.refused = True
-        data = json.dumps(error.body()).encode()
+        self._stop()
+        data = json.dumps(error_body(error)).encode()
         await self.downstream({"type": "http.response.start", "status": error.status,
                                "headers": [(b"content-type", b"application/json"),
                                            (b"content-length", str(len(data)).encode())]})
         await self.downstream({"type": "http.response.body", "body": data, "more_body": False})
+
+    def _stop(self) -> None:
+        """Nothing more of vLLM's answer goes to the client, and vLLM is told it left (`receive`)."""
+        self.refused = True
+        if self.stopped is not None and not self.stopped.done():
+            self.stopped.set_result(None)
+
+    async def stream_error(self, error: RequestError) -> None:
+        """End a started stream with `error` (once): vLLM's streaming error event, then its end of stream."""
+        if self.refused or self.ended:
+            return
+        self._stop()
+        self.ended = True
+        data = f"data: {json.dumps(error_body(error))}\n\ndata: [DONE]\n\n".encode()
+        await self.downstream({"type": "http.response.body", "body": data, "more_body": False})
+
+
+def error_body(error: RequestError) -> dict[str, Any]:
+    """`error` in vLLM's error layout (`RequestError.body`), its type named for a server's fault where it is one
+    (500: ``InternalServerError``, 503: ``ServiceUnavailableError``)."""
+    body = error.body()
+    server_kinds = {500: "InternalServerError", 503: "ServiceUnavailableError"}
+    body["error"]["type"] = server_kinds.get(error.status, body["error"]["type"])
+    return body
+
+
+def _event_stream(start: Message) -> bool:
+    """Whether the response `start` begins is a server-sent-event stream."""
+    return any(name.lower() == b"content-type" and value.split(b";")[0].strip().lower() == b"text/event-stream"
+               for name, value in start.get("headers", ()))
 
 
 def _comment(body: bytes) -> bool:

@@ -72,6 +72,9 @@ ENVIRONMENT = "STREAMSCOPE_SERVE"
 DELTAS = 256
 #: How many distinct lists of harvested sites the worker keeps for the requests to share (`ServeState.admit`).
 SITE_LISTS = 4096
+#: A test-only fault: a site's name (``layers.<layer>.<value>``; a root value alone) whose hook then raises in every
+#: step it edits a request's rows (`ServeState.hook_failed` answers it). Read as each worker starts; never in production.
+FAIL_HOOK_AT = "STREAMSCOPE_SERVE_FAIL_HOOK_AT"
 logger = logging.getLogger("streamscope.serve")
 
 
@@ -111,9 +114,15 @@ class ServeState(RequestApplier):
         #: Whether the worker's hooks fire in a step: False on a compiled engine (``--graph-ops`` on a GPU), where a
         #: request whose work the ops do not serve is refused here too (the front end refuses what it can first).
         self.hooks_fire = hooks_fire
-        # a hook's error is logged and the step's work dropped: the engine serves everyone else. Where the engine was
-        # started with graph ops (``--graph-ops``: inserted at load), the steers and harvests they serve go to them.
+        # a hook's error aborts the step's requests (`hook_failed`): the engine serves everyone else. Where the engine
+        # was started with graph ops (``--graph-ops``: inserted at load), the steers and harvests they serve go to them.
         super().__init__(parameter.device, graph=backend_for(runner, hooks_fire))
+        self.tickets: dict[Any, Any] = {}  # each live request's ticket (`refusals.TICKET`): where its verdict goes
+        self.stepped: Any = []  # the step's requests with work (their keys, or their `Span`s): a failure aborts them
+        self.aborted: dict[Any, str] = {}  # aborted in a step: they leave the applier as the next step is planned
+        self.fail_hook_at = os.environ.get(FAIL_HOOK_AT) or None
+        if self.fail_hook_at is not None:  # (the hooks' path is untouched without it)
+            self._apply_all = self._faulty  # type: ignore[method-assign]
         self.dtype = vllm_seam.runner_dtype(runner)
         self.writer_thread = HarvestWriter(self.folder, self.stage.rank)
         self.harvest_keys = itertools.count(1)
@@ -121,9 +130,10 @@ class ServeState(RequestApplier):
         def updated(scheduler_output: Any) -> None:
             try:
                 self.observe(scheduler_output)
-            except Exception:  # noqa: BLE001  (a bad plan must not stop the engine serving everyone else)
-                logger.exception("streamscope serve: a step's plan failed; its requests run unsteered")
+            except Exception as error:  # noqa: BLE001  (a bad plan must not stop the engine serving everyone else)
+                logger.exception("streamscope serve: a step's plan failed; its requests are aborted")
                 self.work, self.last_shape = {}, None
+                self.abort(self.scheduled_live(scheduler_output), "the step's plan", error)
 
         def sending(execute_model: Any) -> Any:
             def executed(*args: Any, **kwargs: Any) -> Any:
@@ -285,15 +295,19 @@ class ServeState(RequestApplier):
 
     def observe(self, scheduler_output: Any) -> None:
         """Take this step's new and finished requests, then work out every hook's rows."""
+        self.stepped = []
+        self.take_aborted()
         for request_id, extra, length in vllm_seam.new_requests(scheduler_output):
             payload = extra.get(XARG)
             if payload is None:
                 continue
             try:
                 self.admit_live(request_id, self.admit(payload, length))
+                self.tickets[request_id] = refusals.ticket_of(payload)
             except Exception as error:  # noqa: BLE001  (this request's answer says why; the engine serves on)
                 self.refuse(request_id, payload, error)
         for request_id in vllm_seam.finished_requests(scheduler_output):
+            self.tickets.pop(request_id, None)
             live = self.leave(request_id)
             if live is not None and live.harvest_id is not None and not live.written:
                 if live.key:
@@ -306,9 +320,59 @@ class ServeState(RequestApplier):
         if self.planned and not graphed and self.covers(scheduled.keys()):
             if self.graph is not None:
                 self.graph.step(())
+            self.stepped = scheduled.keys()
             self.uniform_step(vllm_seam.total_scheduled_tokens(scheduler_output))
             return
-        self.step(self.spans(scheduler_output, graphed) if self.planned or graphed else ())
+        spans = self.spans(scheduler_output, graphed) if self.planned or graphed else []
+        self.stepped = spans
+        self.step(spans)
+
+    # ---------------------------------------------------------------- a failed step
+
+    def _faulty(self, work: Any, raw: Any, tap: bool) -> None:
+        """`_apply_all` under the test-only fault `FAIL_HOOK_AT` (installed only where it is set)."""
+        if any(edit[2] is not None and edit[1] != "gate" and site_name(edit[0]) == self.fail_hook_at
+               for edit in work[0]):
+            raise RuntimeError(f"the fault {FAIL_HOOK_AT}={self.fail_hook_at} injected for a test")
+        RequestApplier._apply_all(self, work, raw, tap)
+
+    def hook_failed(self, key: tuple[int, str], error: Exception) -> None:
+        """A hook raised mid-step: the step's work is dropped, and every request with work in the step is aborted,
+        its answer the error (`abort`); the engine serves the others on."""
+        where = f"the hook at {site_name(self.sites_at[key])}" if key in self.sites_at else "a hook"
+        logger.exception("streamscope serve: %s failed; the step's requests (%d) are aborted", where,
+                         len(self.stepped))
+        self.work, self.last_shape = {}, None
+        self.abort([item.key if isinstance(item, Span) else item for item in self.stepped], where, error)
+
+    def abort(self, keys: Any, where: str, error: Exception) -> None:
+        """Abort the requests `keys` for `error` at `where`: each gets a 500 verdict (`refusals.write`; the front end's
+        `refusals.Guard` answers with it and has vLLM abort the request; every rank writes it, as a pipeline's ranks
+        hold different hooks) and leaves the applier as the next step is planned: no later step runs half-steered."""
+        message = (f"{where} failed in one of its steps ({type(error).__name__}: {error}); the server serves on, "
+                   f"and its log holds the traceback.")
+        for key in keys:
+            if key in self.aborted or key not in self.live:
+                continue
+            self.aborted[key] = message
+            refusals.write(self.refusal_folder, self.tickets.get(key), 500, message, aborted=True)
+
+    def take_aborted(self) -> None:
+        """The aborted requests leave, their harvests failed (vLLM may run a step of them, unplanned, before its abort)."""
+        aborted, self.aborted = self.aborted, {}
+        for key, message in aborted.items():
+            live = self.leave(key)
+            if live is not None and live.harvest_id is not None and not live.written:
+                if live.key:
+                    self.writer_thread.put(("drop", live.key))
+                self.fail(live.harvest_id, message)
+
+    def scheduled_live(self, scheduler_output: Any) -> list[Any]:
+        """The live requests `scheduler_output` schedules (every live one where it cannot be read)."""
+        try:
+            return [key for key in vllm_seam.scheduled_tokens(scheduler_output) if key in self.live]
+        except Exception:  # noqa: BLE001  (the plan failed already; none of its requests may run unsteered)
+            return list(self.live)
 
     def refuse(self, request_id: Any, payload: str, error: Exception) -> None:
         """Refuse request `request_id` (its plan `payload`) for `error`: its harvest fails, and its answer is the
@@ -683,6 +747,11 @@ class ServeRPC(HeadRPC):
         return {"edit_sites": list(plan.sites), "harvest_sites": list(plan.harvest_sites), "rounds": plan.rounds,
                 "slots": plan.bank.bank.shape[0], "live": plan.bank.live, "skipped": dict(ops.skipped),
                 "served": dict(ops.served)}
+
+
+def site_name(site: Site) -> str:
+    """`site`'s name as the graph ops name sites: ``layers.<layer>.<value>``, or the value alone at the root."""
+    return site.value if site.layer is None else f"layers.{site.layer}.{site.value}"
 
 
 def install_at_startup(app: Any) -> None:

@@ -155,3 +155,48 @@ def test_a_request_admitted_again_under_its_id_replaces_its_plan(state):
     assert count == 1 and name.endswith("layers.2")
     step(state, {}, finished=["a"])
     assert hooked_modules(state) == {} and state.planned == 0 and state.key_counts == {}
+
+
+def test_a_failed_hook_or_plan_aborts_the_steps_requests_with_a_verdict_each(model, tmp_path):
+    """A hook that raises mid-step (here: a call's tensors it cannot edit) drops the step's work, writes a 500
+    verdict for each request with work in the step (under its ticket, for the front end's `refusals.Guard`), and
+    those requests leave as the next step is planned; a live request not in the step is untouched. A step whose
+    plan cannot be made (a scheduled request the runner does not know) aborts its requests the same way."""
+    from streamscope.serve.refusals import Refusals
+
+    runner = SimpleNamespace(get_model=model.get_model, model_config=model.model_config,
+                             execute_model=lambda *args, **kwargs: None, _update_states=lambda output: None,
+                             input_batch=SimpleNamespace(req_ids=[]), requests={})
+    state = ServeState(runner, "llama", folder=None, writer=False, refusal_folder=str(tmp_path))
+    tickets = {name: name * 32 for name in "abcd"}
+    plans = {name: {"ticket": tickets[name], "steer": [steer(layer, seed=seed)]}
+             for name, layer, seed in (("a", 1, 1), ("b", 0, 0), ("c", 2, 2), ("d", 2, 3))}
+    plain = SimpleNamespace(req_id="p", prompt_token_ids=[0, 1, 2], sampling_params=SimpleNamespace(extra_args={}))
+    # c arrives, scheduled in no step yet: it has no work in this one; p has no plan
+    step(state, {"a": 5, "b": 5, "p": 3}, arriving=[new("a", plans["a"]), new("b", plans["b"]), plain,
+                                                   new("c", plans["c"])])
+    at_one = next(key for key, (edits, _) in state.work.items() if edits[0][0].layer == 1)
+    state.apply(at_one, None)  # the hook's call holds nothing it can edit: it raises inside the hook
+    assert state.work == {}
+    verdicts = Refusals(tmp_path)
+    for name in "ab":
+        error = verdicts.verdict(tickets[name])
+        assert error is not None and error.status == 500, name
+        assert "aborted this request rather than serve it unsteered" in error.message
+        assert "the hook at layers.1.layer_output failed" in error.message and "Error: " in error.message
+    assert verdicts.verdict(tickets["c"]) is None
+    step(state, {"a": 1, "b": 1, "p": 1, "c": 5})  # vLLM's abort not in yet: a and b run unplanned
+    assert set(state.live) == {"c"} and state.planned == 1
+    assert [name for name in hooked_modules(state)][0].endswith("layers.2"), "only c's hook is on"
+    assert all(site.layer == 2 for edits, _ in state.work.values() for site, *_ in edits)
+
+    del runner.requests["c"]
+    runner._update_states(SimpleNamespace(  # d arrives; c is scheduled but its runner state is gone
+        scheduled_new_reqs=[new("d", plans["d"])], finished_req_ids=set(), num_scheduled_tokens={"c": 1, "d": 5},
+        total_num_scheduled_tokens=6))
+    assert state.work == {}
+    for name in "cd":
+        error = verdicts.verdict(tickets[name])
+        assert error is not None and "the step's plan failed" in error.message, name
+    step(state, {}, finished=["a", "b", "c", "d", "p"])
+    assert state.live == {} and hooked_modules(state) == {} and state.planned == 0 and state.tickets == {}
