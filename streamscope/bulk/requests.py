@@ -540,8 +540,8 @@ class RequestApplier:
     def _plan_gate(self, gate: Gate, members: list[tuple[SteerEntry, Span, int]], rows: Any) -> None:
         """A conditional steer's step (`Gate.plan`): its rows, each one's slot in the gate and, for a request-scoped
         condition, the prompts deciding in this step. The front end refuses a request-scoped condition where a
-        prompt may run in pieces; should one do so, the server runs it unsteered and logs why, and a bulk run
-        (`strict`) raises."""
+        prompt may run in pieces; should one do so, the server aborts the request with the error (`request_failed`), and
+        a bulk run (`strict`) raises."""
         if gate.condition.scope != "request":
             gate.plan(rows, None, None)
             return
@@ -554,8 +554,7 @@ class RequestApplier:
             except RuntimeError as error:
                 if self.strict:
                     raise
-                logger.error("streamscope serve: request %s runs unsteered by its conditional steer: %s",
-                             span.key, error)
+                self.request_failed(span.key, "its conditional steer's deciding rows", error)
                 found = None
             if found is not None:
                 deciding.append((entry.slot, span.start + found[0], found[1]))
@@ -622,6 +621,12 @@ class RequestApplier:
                 self.error = error
                 return
             self.hook_failed(key, error)
+
+    def request_failed(self, key: Hashable, where: str, error: Exception) -> None:
+        """The request `key`'s work at `where` cannot be done in this step (`error`), without `strict`: here it is
+        logged; the server (`streamscope.serve.worker.ServeState`) aborts the request, answered with the error, so
+        that it never runs unsteered."""
+        logger.error("streamscope serve: request %s: %s failed: %s", key, where, error)
 
     def hook_failed(self, key: tuple[int, str], error: Exception) -> None:
         """A hook at the module call `key` raised `error` mid-step (without `keep_error`): the step's work is

@@ -346,15 +346,15 @@ class ServeState(RequestApplier):
         self.abort([item.key if isinstance(item, Span) else item for item in self.stepped], where, error)
 
     def abort(self, keys: Any, where: str, error: Exception) -> None:
-        """Abort the requests `keys` for `error` at `where`: each gets a 500 verdict (`refusals.write`; the front end's
-        `refusals.Guard` answers with it and has vLLM abort the request; every rank writes it, as a pipeline's ranks
-        hold different hooks) and leaves the applier as the next step is planned: no later step runs half-steered."""
-        message = (f"{where} failed in one of its steps ({type(error).__name__}: {error}); the server serves on, "
-                   f"and its log holds the traceback.")
+        """Abort the requests `keys` for `error` at `where`: each gets a 500 verdict (`refusals.Guard` answers with it,
+        vLLM aborts it; every rank writes it) and leaves as the next step is planned: no step runs half-steered."""
         for key in keys:
-            if key in self.aborted or key not in self.live:
-                continue
-            self.aborted[key] = message
+            self.request_failed(key, where, error)
+
+    def request_failed(self, key: Any, where: str, error: Exception) -> None:
+        if key not in self.aborted and key in self.live:  # (`abort`)
+            self.aborted[key] = message = (f"{where} failed in one of its steps ({type(error).__name__}: {error}); the "
+                                           f"server serves on, and its log holds the traceback.")
             refusals.write(self.refusal_folder, self.tickets.get(key), 500, message, aborted=True)
 
     def take_aborted(self) -> None:

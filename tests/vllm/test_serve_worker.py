@@ -200,3 +200,27 @@ def test_a_failed_hook_or_plan_aborts_the_steps_requests_with_a_verdict_each(mod
         assert error is not None and "the step's plan failed" in error.message, name
     step(state, {}, finished=["a", "b", "c", "d", "p"])
     assert state.live == {} and hooked_modules(state) == {} and state.planned == 0 and state.tickets == {}
+
+
+def test_a_request_scoped_condition_over_a_prompt_in_pieces_aborts_its_request(model, tmp_path):
+    """A request-scoped condition decides on the whole prompt; should its prompt be scheduled in pieces (the front
+    end refuses such a server setup, but a worker cannot rule it out), the request is aborted with a 500 verdict
+    naming the fix, not run unsteered; its batchmate keeps its plan."""
+    from streamscope.serve.refusals import Refusals
+
+    runner = SimpleNamespace(get_model=model.get_model, model_config=model.model_config,
+                             execute_model=lambda *args, **kwargs: None, _update_states=lambda output: None,
+                             input_batch=SimpleNamespace(req_ids=[]), requests={})
+    state = ServeState(runner, "llama", folder=None, writer=False, refusal_folder=str(tmp_path))
+    direction = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(7))
+    condition = {"value": "layer_output", "layer": 0, "vector": vector_bytes(direction), "threshold": 0.0,
+                 "compare": "greater", "measure": "projection", "scope": "request"}
+    plans = {"g": {"ticket": "e" * 32, "steer": [steer(1, seed=1, condition=condition)]},
+             "s": {"ticket": "f" * 32, "steer": [steer(1, seed=2)]}}
+    step(state, {"g": 3, "s": 5}, arriving=[new("g", plans["g"], length=8), new("s", plans["s"])])
+    error = Refusals(tmp_path).verdict("e" * 32)
+    assert error is not None and error.status == 500
+    assert "deciding rows" in error.message and "enable_chunked_prefill=False" in error.message
+    assert Refusals(tmp_path).verdict("f" * 32) is None
+    step(state, {"g": 5, "s": 1})  # g leaves as this step is planned; s keeps its plan
+    assert set(state.live) == {"s"}
