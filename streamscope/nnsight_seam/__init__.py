@@ -103,7 +103,8 @@ from .mediator import (LocatedProperty, Mediator, OutOfOrderError, PendingWriteB
                            skip_at, step_of, trace_mediators, with_invoke_rows)
 from . import vllm_modeling as _vllm_modeling  # noqa: E402
 from .vllm_modeling import (EachPrompt, collect_requests, invoke_per_prompt_tracer, narrow_spans_directly,  # noqa: E402
-                            record_saves_cheaply, running_token_span, set_client_worker, take_request_error,
+                            record_saves_cheaply, running_token_span, set_client_worker, start_own_engines,
+                            take_request_error,
                             wrap_replay)
 
 __all__ = [
@@ -122,6 +123,7 @@ __all__ = [
     # vllm_modeling
     "narrow_spans_directly", "record_saves_cheaply", "running_token_span", "wrap_replay",
     "take_request_error", "collect_requests", "EachPrompt", "invoke_per_prompt_tracer", "set_client_worker",
+    "start_own_engines",
     # Loaded on first use (vLLM is not imported with streamscope): `vllm_modeling`'s __getattr__.
     "NNsightGPUWorker", "NNsightGPUModelRunner", "ParallelEnvoy", "parallel_envoys", "VLLMClient",  # noqa: F822
     "InvokePerPromptTracer",  # noqa: F822

@@ -5,7 +5,8 @@ Everything here imports vLLM on first use, not with streamscope. Read, not patch
 
 * the worker, runner and client classes streamscope subclasses (`NNsightGPUWorker`, `NNsightGPUModelRunner`,
   `VLLMClient`, loaded by name, `LAZY`), the tensor-parallel envoys (`ParallelEnvoy`, `parallel_envoys`), the
-  client's worker class (``_WORKER_CLS``; `set_client_worker`), its collection of request outputs
+  client's worker class (``_WORKER_CLS``; `set_client_worker`), its engine start (``VLLM._load_sync``, replaced for
+  engines that keep vLLM's compile: `start_own_engines`), its collection of request outputs
   (``VLLM._collect``; `collect_requests`) and the error a request's output carries (``nnsight_error``;
   `take_request_error`). Upstream: a documented ``worker_cls=`` argument and an error hook on collection.
 * the running invoke's token span (the vLLM batcher's ``batch_group``; `running_token_span`).
@@ -235,6 +236,27 @@ def set_client_worker(model_or_class: Any, worker_cls: str) -> None:
         setattr(model_or_class, "_WORKER_CLS", worker_cls)
     else:
         object.__setattr__(model_or_class, "_WORKER_CLS", worker_cls)
+
+
+def start_own_engines(cls: Any, own: Callable[[Any], bool], start: Callable[..., Any]) -> None:
+    """Make `cls` (a subclass of nnsight's VLLM) start its engine with ``start(repo_id, worker_cls=<its client
+    worker>, **options)`` where ``own(model)`` holds, and with nnsight's own start (``VLLM._load_sync``) elsewhere.
+
+    nnsight starts every untapped engine eagerly on its own runner; an engine that keeps vLLM's compile (graph ops)
+    runs vLLM's own worker and runner, and needs neither nnsight's engine class nor its eager setting. Upstream: a
+    documented way to start the engine nnsight wraps. Idempotent (the replacement is marked).
+    """
+    if getattr(cls.__dict__.get("_load_sync"), "_streamscope_own", False):
+        return
+    nnsight_start = cls._load_sync
+
+    def _load_sync(self: Any, repo_id: str, **options: Any) -> Any:
+        if not own(self):
+            return nnsight_start(self, repo_id, **options)
+        return start(repo_id, worker_cls=self._WORKER_CLS, **options)
+
+    _load_sync._streamscope_own = True  # type: ignore[attr-defined]
+    cls._load_sync = _load_sync
 
 
 # Where a trace crosses processes: the names streamscope's transport (`streamscope.vllm.trace_transport`)

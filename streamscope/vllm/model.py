@@ -208,17 +208,7 @@ class StandardizedVLLM(Standardized, VLLM):
         #: engine, the CPU, or a tapped engine whose attention vLLM cannot capture).
         object.__setattr__(self, "graph_mode", "NONE")
         settings = {**EXACT_DEFAULTS, **self._take_family(path, family, families, kwargs, seam.parallel_envoys())}
-        graph_config = graph_backend.engine_config(graph_ops, settings.get("additional_config"))
-        compiled = graph_config is not None and _keeps_compile(self.tap_names, kwargs)
-        #: Whether module hooks fire in the engine's forward: False on an engine with graph ops that keeps vLLM's
-        #: compile (its bulk path runs through the ops; a trace, and bulk work no op serves, are refused).
-        object.__setattr__(self, "hooks_fire", not compiled)
-        if graph_config is not None:  # the worker reads the options at load; the salt keys vLLM's compile cache
-            settings["additional_config"] = graph_config
-            if compiled:  # vLLM's own worker and runner, which its compile can trace (`compiled_workers`)
-                seam.set_client_worker(self, COMPILED_WORKERS["cpu" if _on_cpu() else "gpu"])
-            elif not _on_cpu():  # the CPU's worker inserts them already (`worker.NNsightCPUWorker`)
-                seam.set_client_worker(self, GRAPH_OPS_GPU_WORKER)
+        compiled = self._take_graph_ops(graph_ops, settings, kwargs)
         if self.tap_names:
             settings = _graph_settings(settings, kwargs)
         if _on_cpu():
@@ -260,16 +250,41 @@ class StandardizedVLLM(Standardized, VLLM):
                 vllm_seam.tear_down_parallel_state()
             raise
         if self.vllm_entrypoint is not None:  # dispatch=False builds the meta tree alone (a server's front end)
-            blocking = vllm_seam.has_blocking_rpc(self.vllm_entrypoint)  # vLLM's LLM (an async engine's: a coroutine)
-            if blocking and self.hooks_fire:  # a compiled engine has no nnsight runner, and serves no trace's saves
-                self.vllm_entrypoint.collective_rpc("streamscope_hand_saves_over")
-            _ENGINES.add(self)
-            _STARTED[:] = [vllm_seam.engine_config(self.vllm_entrypoint)]
-            if self.tap_names:
-                self._read_graph_mode(asked_for_none=_asks_for_no_graphs(kwargs))
-            elif compiled and blocking:
-                object.__setattr__(self, "graph_mode", self.vllm_entrypoint.collective_rpc("streamscope_graph_mode")[0])
+            self._started(compiled, kwargs)
         self._check_family()
+
+    def _started(self, compiled: bool, asked: dict[str, Any]) -> None:
+        """After the engine started: its worker told how to hand a trace's saves over, the engine recorded, and
+        `graph_mode` read where the worker resolves one (taps, or vLLM's compile kept)."""
+        blocking = vllm_seam.has_blocking_rpc(self.vllm_entrypoint)  # vLLM's LLM (an async engine's: a coroutine)
+        if blocking and self.hooks_fire:  # a compiled engine has no nnsight runner, and serves no trace's saves
+            self.vllm_entrypoint.collective_rpc("streamscope_hand_saves_over")
+        _ENGINES.add(self)
+        _STARTED[:] = [vllm_seam.engine_config(self.vllm_entrypoint)]
+        if self.tap_names:
+            self._read_graph_mode(asked_for_none=_asks_for_no_graphs(asked))
+        elif compiled and blocking:
+            object.__setattr__(self, "graph_mode", self.vllm_entrypoint.collective_rpc("streamscope_graph_mode")[0])
+
+    def _take_graph_ops(self, graph_ops: Any, settings: dict[str, Any], asked: dict[str, Any]) -> bool:
+        """Put `graph_ops`' options (and the compile cache's salt) in the engine's `settings`, pick the worker that
+        inserts them, and set `hooks_fire`; whether the engine keeps vLLM's compile."""
+        graph_config = graph_backend.engine_config(graph_ops, settings.get("additional_config"))
+        compiled = graph_config is not None and _keeps_compile(self.tap_names, asked)
+        #: Whether module hooks fire in the engine's forward: False on an engine with graph ops that keeps vLLM's
+        #: compile (its bulk path runs through the ops; a trace, and bulk work no op serves, are refused).
+        object.__setattr__(self, "hooks_fire", not compiled)
+        if graph_config is not None:  # the worker reads the options at load; the salt keys vLLM's compile cache
+            settings["additional_config"] = graph_config
+            if compiled:  # vLLM's own worker and runner, which its compile can trace (`compiled_workers`)
+                seam.set_client_worker(self, COMPILED_WORKERS["cpu" if _on_cpu() else "gpu"])
+                # A tapped engine started earlier in this process left vLLM's breakable graphs switched on
+                # (`_graph_settings`), with which vLLM turns its compile off: this engine would run eagerly.
+                os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "0"
+                envs.disable_envs_cache()
+            elif not _on_cpu():  # the CPU's worker inserts them already (`worker.NNsightCPUWorker`)
+                seam.set_client_worker(self, GRAPH_OPS_GPU_WORKER)
+        return compiled
 
     def _read_graph_mode(self, asked_for_none: bool) -> None:
         """`graph_mode` as the engine's worker resolved it; on a GPU, a warning where taps buy no graphs that were
@@ -282,14 +297,6 @@ class StandardizedVLLM(Standardized, VLLM):
                 "(its attention backend cannot be captured; vLLM's log says which and why), so every step runs "
                 "eagerly. The taps serve their values as on any engine; load without taps= to serve every value "
                 "at the same speed.", RuntimeWarning, stacklevel=5)
-
-    def _load_sync(self, repo_id: str, **kwargs: Any) -> Any:
-        # nnsight starts every untapped engine eagerly (``enforce_eager=not taps``) on its own runner. An engine with
-        # graph ops that keeps vLLM's compile runs vLLM's own worker and runner (`_WORKER_CLS`, set above), in vLLM's
-        # default mode; it serves no trace, so nnsight's engine class (which collects a trace's saves) is not needed.
-        if self.hooks_fire:
-            return super()._load_sync(repo_id, **kwargs)
-        return LLM(repo_id, worker_cls=self._WORKER_CLS, **kwargs)
 
     def _resolve_taps(self, module: torch.nn.Module) -> tuple[str, ...]:
         # nnsight calls this with the engine's meta model, before the engine starts: streamscope's value names
@@ -452,6 +459,12 @@ class StandardizedVLLM(Standardized, VLLM):
 
 
 StandardizedVLLM.trace.__doc__ = Standardized.trace.__doc__  # help(model.trace): streamscope's, not nnsight's
+
+
+# An engine with graph ops that keeps vLLM's compile starts on vLLM's own worker and runner (its `_WORKER_CLS`, set in
+# `__init__`), in vLLM's default mode: nnsight would start it eagerly; it serves no trace, so nnsight's engine class
+# (which collects a trace's saves) is not needed.
+seam.start_own_engines(StandardizedVLLM, lambda model: not model.hooks_fire, LLM)
 
 
 def _one_prompt(tokenizer: Any, prompt: Any) -> Any:

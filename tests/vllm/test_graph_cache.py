@@ -113,6 +113,8 @@ def environment(tmp_path_factory: Any) -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_CACHE_ROOT", str(root))
         patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # a tapped engine started earlier in this process leaves vLLM's breakable graphs on, which turn its compile off
+        patch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
         if not precision.ON_GPU:
             patch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
         vllm.envs.disable_envs_cache()  # an engine started earlier in this process froze vLLM's environment

@@ -30,6 +30,8 @@ STREAMSCOPE_TEST_FAMILIES picks families.
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 import pytest
@@ -63,6 +65,9 @@ class Engines:
     def __init__(self, family: str, path: Any) -> None:
         self.family = family
         options = {"max_num_seqs": len(PROMPTS), **precision.engine_kwargs()}
+        # as a tapped engine started earlier in the process leaves it (vLLM's breakable graphs, which turn its compile
+        # off): the compiled engine must start compiled all the same
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
         self.compiled = streamscope.load(path, engine="vllm", graph_ops={"slots": SLOTS}, enforce_eager=False,
                                          **options)
         self.hooked = streamscope.load(path, engine="vllm", **options)
