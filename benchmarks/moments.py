@@ -31,7 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_load import Server, checkpoint  # noqa: E402
+from serve_load import Server, checkpoint, engine_options  # noqa: E402
 
 KEY = "bench-key"
 WARMUP = 2_000  # prompts a warm-up runs
@@ -192,15 +192,9 @@ def main() -> None:
     if not args.no_http:
         over_http(args, path, options, gpu, prompts, labels, block)
     if args.in_process or args.no_http:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-        engine_options = {"dtype": options[options.index("--dtype") + 1],
-                          "max_model_len": int(options[options.index("--max-model-len") + 1])}
-        if "--load-format" in options:
-            engine_options["load_format"] = "dummy"
-        if gpu:
-            engine_options["gpu_memory_utilization"] = 0.4 if not args.no_http else 0.85
+        memory = (0.85 if args.no_http else 0.4) if gpu else None
         started = time.monotonic()
-        model = streamscope.load(str(path), engine="vllm", **engine_options)
+        model = streamscope.load(str(path), engine="vllm", **engine_options(options, memory))
         print(f"the engine up in {time.monotonic() - started:.0f} s", flush=True)
         in_process(f"in process (vLLM), {args.shape}: the same", model, prompts, labels, block, args.rounds,
                    args.second, split_rounds)

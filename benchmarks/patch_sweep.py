@@ -25,7 +25,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_load import Server, checkpoint  # noqa: E402
+from serve_load import Server, checkpoint, engine_options  # noqa: E402
 
 KEY = "bench-key"
 
@@ -60,16 +60,10 @@ def main() -> None:
     share = ["--gpu-memory-utilization", "0.4"] if gpu else []
     server = Server([sys.executable, "-m", "streamscope", "serve", str(path), "--api-key", KEY, *options, *share],
                     folder / "server.log")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    engine_options = {"dtype": options[options.index("--dtype") + 1],
-                      "max_model_len": int(options[options.index("--max-model-len") + 1])}
-    if "--load-format" in options:
-        engine_options["load_format"] = "dummy"
-    if gpu:
-        engine_options["gpu_memory_utilization"] = 0.4
+    settings = engine_options(options, 0.4 if gpu else None)
     try:
         server.wait_up(time.monotonic() + 900)
-        model = streamscope.load(str(path), engine="vllm", **engine_options)
+        model = streamscope.load(str(path), engine="vllm", **settings)
         client = streamscope.Client(server.url, api_key=KEY)
         clean, corrupted = pair(model.tokenizer, args.tokens, 0)
         clean_text, corrupted_text = model.tokenizer.decode(clean[1:]), model.tokenizer.decode(corrupted[1:])

@@ -79,6 +79,20 @@ def checkpoint(shape: str, folder: Path) -> tuple[Path, list[str]]:
     return target, ["--dtype", "bfloat16", "--load-format", "dummy", "--max-model-len", "4096"]
 
 
+def engine_options(options: list[str], memory: float | None) -> dict[str, Any]:
+    """`checkpoint`'s server options as `streamscope.load(..., engine="vllm")` keywords (an in-process engine of the
+    same checkpoint), with ``gpu_memory_utilization=memory`` where given (on a GPU); its engine in child processes,
+    as a server's is."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    found: dict[str, Any] = {"dtype": options[options.index("--dtype") + 1],
+                             "max_model_len": int(options[options.index("--max-model-len") + 1])}
+    if "--load-format" in options:
+        found["load_format"] = "dummy"
+    if memory is not None:
+        found["gpu_memory_utilization"] = memory
+    return found
+
+
 def wide_tokenizer(folder: Path, size: int) -> None:
     """A tokenizer of `size` tokens (one word each, split on spaces) for a dummy-weight checkpoint.
 

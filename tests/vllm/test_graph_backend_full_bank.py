@@ -27,7 +27,9 @@ from steer_checks import plain_operation
 from streamscope.vllm.graph_backend import graph_ops_of
 from streamscope.vllm.model import beside_engine
 
-pytestmark = pytest.mark.skipif(precision.ON_GPU, reason="the eager CPU engine's fall-back to the hooks")
+pytestmark = pytest.mark.skipif(precision.ON_GPU, reason="a full slot bank falling back to the hooks of an eager "
+                                "engine; on a GPU the bulk engine with graph ops compiles, and a full bank is "
+                                "refused there (tests/vllm/test_graph_compiled_load.py runs on both)")
 
 LAYER = 0
 

@@ -44,6 +44,7 @@ import torch
 from transformers import AutoTokenizer
 
 import attention_oracle
+import bulk_checks
 import precision
 import steer_checks
 import streamscope
@@ -54,12 +55,7 @@ from streamscope.vllm.graph_wiring import VALUES
 from streamscope.vllm.model import beside_engine
 
 #: Ten prompts: one for each operation, plain and norm-matched, and two that nobody steers (`UNSTEERED`).
-PROMPTS = [
-    "Once upon a time",
-    "Rome is in Italy, Berlin is in Germany, Madrid is in Spain",
-    "def add(a, b):",
-    "Numbers",
-    "The quick brown fox jumps over the lazy dog while the cat sleeps in the garden",
+PROMPTS = bulk_checks.PROMPTS + [
     "Water boils at one hundred degrees Celsius at sea level, and",
     "She opened the door, looked at the garden",
     "Attention heads move information between positions",

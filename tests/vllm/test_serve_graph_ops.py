@@ -64,8 +64,8 @@ from streamscope.sae import SAE
 from streamscope.vllm.graph_backend import RUNNER_ATTRIBUTE, GraphOptions, engine_config, graph_ops_of
 from streamscope.vllm.model import StandardizedVLLM, beside_engine
 
-pytestmark = pytest.mark.skipif(precision.ON_GPU, reason="the CPU build's servers (eager); a GPU server compiles "
-                                "with the ops (docs/graph-ops.md)")
+pytestmark = pytest.mark.skipif(precision.ON_GPU, reason="not yet run on a GPU: its servers start on the CPU build "
+                                "(eager); the compiled GPU server is docs/graph-ops.md's item 5, to run on the H200")
 
 #: A fused block and a whole stream.
 FAMILIES = ("llama", "gpt2")
