@@ -389,16 +389,10 @@ def ops_runner(checkpoints: Any) -> Any:
     """vLLM's runner of an in-process engine started as ``--graph-ops`` starts the server's (its CPU worker
     inserting the ops at load, the options in ``additional_config``), to step by hand."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model in this process
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model in this process
         llm = LLM(str(checkpoints("llama")), enforce_eager=True, dtype="float32", enable_prefix_caching=False,
                   max_model_len=256, worker_cls=GRAPH_WORKERS["cpu"], additional_config=engine_config(True, None))
-    finally:
-        if previous is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
     yield llm.llm_engine.model_executor.driver_worker.worker.model_runner
     del llm
 
