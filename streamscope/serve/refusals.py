@@ -58,7 +58,7 @@ Receive = Callable[[], Awaitable[Message]]
 DISCONNECT: Message = {"type": "http.disconnect"}
 
 
-class Refused(ValueError):
+class RequestRefused(ValueError):
     """A worker's refusal of one request: the HTTP status its answer takes (400: the request cannot be served
     here; 503: not now, the engine's graph ops are busy with other requests) and the message naming the fix."""
 

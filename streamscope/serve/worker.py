@@ -61,7 +61,7 @@ from ..vllm.pipeline import holds
 from . import host_time, refusals, writer
 from .head import head_rows, pack, unpack
 from .protocol import NAME, XARG, positions_rule, vector_from_bytes, worker_steer
-from .refusals import Refused
+from .refusals import RequestRefused
 from .stages import sites_of
 from .storage import sae_from_bytes
 from .writer import Record, Store, fail, send_frame
@@ -378,7 +378,7 @@ class ServeState(RequestApplier):
         """Refuse request `request_id` (its plan `payload`) for `error`: its harvest fails, and its answer is the
         error (`streamscope.serve.refusals`: the verdict is on disk before the request's first step runs, so the
         front end answers with it and aborts the request; nothing of it runs steered or harvested here)."""
-        if isinstance(error, Refused):
+        if isinstance(error, RequestRefused):
             status, message = error.status, str(error)
             logger.warning("streamscope serve: request %s refused in the worker: %s", request_id, message)
         else:  # a plan the worker cannot build (an SAE file gone): the request's fault, or a fault of ours
@@ -392,9 +392,9 @@ class ServeState(RequestApplier):
     def admit_live(self, request_id: Any, live: Live) -> None:
         """Make `live` the live request `request_id`: what the graph ops serve of it goes to them, the rest to the
         hooks; where hooks do not fire (a compiled engine), a request with work left on them is refused whole
-        (`refusals.Refused`: 503 where the ops' slot bank is full of other requests' operations, else 400)."""
+        (`refusals.RequestRefused`: 503 where the ops' slot bank is full of other requests' operations, else 400)."""
         if not self.hooks_fire and self.graph is None and (live.steers or live.harvest_sites):
-            raise Refused(500, "this server's hooks do not fire and it has no graph ops: start it with --graph-ops, "
+            raise RequestRefused(500, "this server's hooks do not fire and it has no graph ops: start it with --graph-ops, "
                                "or with --enforce-eager.")
         try:
             self.enter(request_id, live)  # (where hooks do not fire, the graph backend refuses: `LeftOnHooks`)
@@ -595,16 +595,16 @@ class HarvestWriter:
             locally(self.store)
 
 
-def _refusal(error: LeftOnHooks) -> Refused:
+def _refusal(error: LeftOnHooks) -> RequestRefused:
     """Why a compiled server's worker refuses a request (its work left on hooks that do not fire), naming the fix."""
     if error.busy:  # the slot bank is full of the running requests' operations: not now
-        return Refused(503, f"the graph ops' slot bank holds {error.slots} distinct steer operations (a vector with "
+        return RequestRefused(503, f"the graph ops' slot bank holds {error.slots} distinct steer operations (a vector with "
                             f"its mode and settings), all in use by running requests, and this request needs more: "
                             f"retry once some finish, send fewer distinct vectors at once (requests steering with "
                             f"the same stored vector and settings share one slot), or start the server with "
                             f"--graph-ops '{{\"slots\": {2 * error.slots}}}'.")
     reorder = "reorder the steers or the positions, or " if error.where else ""
-    return Refused(400, f"{error}: {reorder}send the request to a server started without --graph-ops, or with "
+    return RequestRefused(400, f"{error}: {reorder}send the request to a server started without --graph-ops, or with "
                         f"--enforce-eager (hooks then serve it).")
 
 
