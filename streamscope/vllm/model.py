@@ -582,6 +582,8 @@ def _exception_class(kind: str) -> Optional[type]:
     # the one its module still holds is the user's.
     candidates = {klass for klass in _subclasses(BaseException) if klass.__name__ == kind
                   and getattr(sys.modules.get(klass.__module__), klass.__qualname__, None) is klass}
+    if len(candidates) > 1:  # streamscope's internal classes never leave a trace: a user's class of that name wins
+        candidates = {klass for klass in candidates if not klass.__module__.startswith("streamscope.")}
     return candidates.pop() if len(candidates) == 1 else None
 
 
