@@ -533,7 +533,8 @@ def _retyped(error: dict, invoke: Optional[int] = None, failures: int = 1) -> Ba
     The type is found by name: a builtin exception, one of streamscope's, or
     any other class loaded in this process under that name (nnsight's
     OutOfOrderError, the user's own exception class) where the name is not
-    ambiguous; otherwise a RuntimeError that starts with the type's name.
+    ambiguous (a class outside streamscope wins over one of its internal
+    classes); otherwise a RuntimeError that starts with the type's name.
     """
     kind, message = error.get("type_name", "Exception"), error.get("message", "")
     retyped = _rebuilt(kind, message)
