@@ -275,7 +275,10 @@ def test_prefix_caching_never_serves_a_steered_or_harvested_request_from_another
         again = cached.generate([long], **sampling).logits[0]  # and the steered run left nothing for plain ones
     finally:
         cached.close()
-    assert relative_error(plain, exact) > 100 * RELATIVE  # the steer moves the logits: a reused block would show
+    # the steer moves the logits by more than twice the tolerance, so a steered request served from the plain
+    # run's blocks (its logits near `plain`) fails the next line; a relative error of unrelated logits is about 1,
+    # so a larger factor could not be met where the tolerance is bfloat16's (0.05)
+    assert relative_error(plain, exact) > 2 * RELATIVE
     assert relative_error(steered, exact) <= RELATIVE
     assert relative_error(harvest, exact_harvest) <= RELATIVE
     assert relative_error(again, plain) <= RELATIVE
