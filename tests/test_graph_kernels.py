@@ -373,6 +373,26 @@ def test_harvest_kernel_copies_the_named_rows(interpreted: Interpreter, dtype: t
     assert torch.equal(bits(taken), bits(torch_body))
 
 
+def test_a_harvest_launch_is_as_wide_as_the_call_not_the_buffer(interpreted: Interpreter) -> None:
+    """The harvest kernel launches one program per buffer row below the call's rows (a decode step of 64 rows with
+    a buffer for 8,192: 64 programs), and fills the buffer as the torch body does, rows past the call kept."""
+    hidden = torch.randn(64, 48, generator=generator(21))
+    assert graph_kernels.harvest_launch(torch.empty(8192, 48), hidden, None, torch.full((8192,), -1))[0] == (64,)
+    assert graph_kernels.harvest_launch(torch.empty(16, 48), hidden, None, torch.full((16,), -1))[0] == (16,)
+    small = hidden[:4]
+    out = torch.randn(9, 48, generator=generator(22))
+    sources = torch.tensor([2, -1, 0, 3, 1, 1, 0, 2, 3], dtype=torch.int32)
+    (taken, *_), _ = interpreted("harvest_stream", out.clone(), small, None, sources)
+    torch_body = out.clone()
+    previous = graph_ops.use_body("torch")
+    try:
+        graph_ops.harvest_stream(torch_body, small, None, sources)
+    finally:
+        graph_ops.use_body(previous)
+    assert torch.equal(bits(taken), bits(torch_body))
+    assert torch.equal(bits(taken[4:]), bits(out[4:])) and torch.equal(bits(taken[[0, 2, 3]]), bits(small[[2, 0, 3]]))
+
+
 # ---------------------------------------------------------------- compiled for a GPU, on this CPU
 
 

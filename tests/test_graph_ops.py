@@ -203,6 +203,22 @@ def test_harvest_copies_the_named_rows(fused: bool) -> None:
     assert torch.equal(bits(out[[1, 4]]), bits(kept[[1, 4]]))
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
+def test_harvest_reads_no_index_entry_at_or_past_the_calls_rows(fused: bool) -> None:
+    """A buffer larger than the call (a decode step of 4 rows, a buffer sized for the largest step) is filled below
+    the call's rows only: a step packs its harvest from buffer row 0, one buffer row per stream row at most, so an
+    entry past the rows is never a step's, and the op does not look at it (an idle step touches 4 entries, not 9)."""
+    hidden, residual = stream(4, 13, fused)
+    out = torch.randn(9, HIDDEN, generator=generator(12))
+    kept = out.clone()
+    sources = torch.tensor([2, -1, 0, 3, 1, 1, 0, 2, 3], dtype=torch.int32)  # rows 4..8 name rows: not read
+    graph_ops.harvest_stream(out, hidden, residual, sources)
+    bulk = Summed(None, OUTPUT).stream_rows((hidden, residual) if fused else hidden, torch.tensor([2, 0, 3]))
+    assert bulk is not None
+    assert torch.equal(bits(out[[0, 2, 3]]), bits(bulk))
+    assert torch.equal(bits(out[1]), bits(kept[1])) and torch.equal(bits(out[4:]), bits(kept[4:]))
+
+
 def test_ops_pass_torch_library_checks() -> None:
     """Schema, fake implementation, functionalization and compile-time registrations (torch.library.opcheck)."""
     bank = SlotBank(2, HIDDEN, torch.float32, "cpu")

@@ -12,9 +12,12 @@ arithmetic. Their results are the torch body's, step for step:
   accumulates, in float32, the row's projection on its direction and its
   squared norm (where the mode or a norm match needs them), a second the
   edited row's squared norm (norm match only), a third writes the row.
-* `harvest_rows` launches one program per row of the harvest buffer: a
-  program whose source is ``-1``, or past the call's rows, returns; the
-  others copy their source row (the sum of the two halves in a fused block).
+* `harvest_rows` launches one program per row of the harvest buffer below
+  the call's rows (a step fills no buffer row past them: `graph_ops`), so an
+  idle decode step of 64 rows launches 64 programs, not the buffer's
+  capacity (every row a step may run, 8,192 by vLLM's default): a program
+  whose source is ``-1``, or past the call's rows, returns; the others copy
+  their source row (the sum of the two halves in a fused block).
 
 Every value the torch body rounds to the stream's dtype (the summed stream,
 the projection, the coefficient, the change, the edited row, the norms, the
@@ -208,13 +211,14 @@ def edit_launch(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: t
 
 def harvest_launch(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], sources: torch.Tensor,
                    block: Optional[int] = None) -> Launch:
-    """How `harvest_rows` launches `_harvest_rows` for these tensors: one program a row of `out`."""
+    """How `harvest_rows` launches `_harvest_rows` for these tensors: one program a row of `out` below the call's
+    rows."""
     capacity, width = out.shape
     second = hidden if residual is None else residual
     arguments = (out, out.stride(0), out.stride(1), hidden, hidden.stride(0), hidden.stride(1), second,
                  second.stride(0), second.stride(1), sources, sources.stride(0), hidden.shape[0], width)
     options = {"FUSED": residual is not None, "BLOCK": block_for(width, block), "enable_fp_fusion": False}
-    return (capacity,), arguments, options
+    return (min(capacity, hidden.shape[0]),), arguments, options
 
 
 def edit_rows(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor, bank: torch.Tensor,
@@ -233,7 +237,7 @@ def edit_rows(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: tor
 def harvest_rows(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], sources: torch.Tensor,
                  block: Optional[int] = None) -> None:
     """`graph_ops.harvest_stream`'s gather by the kernel: the same arguments, already checked by the op. Changes
-    the rows of `out` whose source is a row of the call."""
+    the rows of `out` below the call's rows whose source is a row of the call."""
     if out.shape[0] == 0 or out.shape[1] == 0 or hidden.shape[0] == 0:
         return
     _launchable(_harvest_rows, hidden)

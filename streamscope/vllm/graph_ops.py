@@ -14,8 +14,11 @@ so a graph captured once replays every step, whichever requests steer:
   ``-1`` is left bit for bit as it was.
 * ``streamscope::harvest_stream(out, hidden, residual, sources)`` copies into
   row ``k`` of the persistent buffer ``out`` the stream's row ``sources[k]``,
-  for every ``k`` whose source is a row (``>= 0``); the other rows of ``out``
-  keep what they held.
+  for every ``k`` below the call's rows whose source is a row (``>= 0``); the
+  other rows of ``out`` keep what they held. A step harvests each stream row
+  once at most and `GraphPlan` packs the buffer from row 0, so no source lies
+  at or past the call's rows, and an idle call looks at as many entries as
+  the step has rows, not the buffer's whole capacity.
 
 A stream comes whole (``residual`` None) or, in vLLM's fused blocks, in two
 halves ``hidden + residual`` (`streamscope.vllm.blocks.Summed`): an edit then
@@ -238,27 +241,31 @@ def harvest_stream(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[t
     """Copy the stream's rows that `sources` names into the persistent buffer `out`, in place.
 
     Args:
-        out: ``[capacity, hidden]``, the stream's dtype: row ``k`` takes the
-            stream's row ``sources[k]``; the op changes nothing else.
+        out: ``[capacity, hidden]``, the stream's dtype: row ``k`` (below
+            the call's rows) takes the stream's row ``sources[k]``; the op
+            changes nothing else.
         hidden, residual: The stream, whole or in two halves (their sum is
             read, bit for bit the bulk path's `Summed.stream_rows`).
         sources: ``[>= capacity]`` int: the stream row each buffer row takes,
-            ``-1`` (or a row past the step's rows) for one left as it was.
+            ``-1`` (or a row past the step's rows) for one left as it was;
+            entries at or past the call's rows are not read (a step fills at
+            most one buffer row per stream row, from row 0).
     """
     _check_harvest(out, hidden, residual, sources)
     rows, capacity = hidden.shape[0], out.shape[0]
-    if rows == 0 or capacity == 0:
+    filled = min(rows, capacity)  # shapes, not values: fixed for a captured graph
+    if filled == 0:
         return
     if _runs_kernel(hidden.device):
         _kernels().harvest_rows(out, hidden, residual, sources)
         return
-    source = sources[:capacity].long()
+    source = sources[:filled].long()
     valid = (source >= 0) & (source < rows)
     safe = torch.where(valid, source, torch.zeros_like(source))
     picked = hidden.index_select(0, safe)
     if residual is not None:
         picked = picked + residual.index_select(0, safe)
-    out.copy_(torch.where(valid.unsqueeze(-1), picked, out))
+    out[:filled].copy_(torch.where(valid.unsqueeze(-1), picked, out[:filled]))
 
 
 @harvest_stream.register_fake
