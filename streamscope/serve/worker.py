@@ -392,10 +392,11 @@ class ServeState(RequestApplier):
     def admit_live(self, request_id: Any, live: Live) -> None:
         """Make `live` the live request `request_id`: what the graph ops serve of it goes to them, the rest to the
         hooks; where hooks do not fire (a compiled engine), a request with work left on them is refused whole
-        (`refusals.RequestRefused`: 503 where the ops' slot bank is full of other requests' operations, else 400)."""
+        (`refusals.RequestRefused`: 503 where the ops' slot bank is full of other requests' operations, else
+        400)."""
         if not self.hooks_fire and self.graph is None and (live.steers or live.harvest_sites):
-            raise RequestRefused(500, "this server's hooks do not fire and it has no graph ops: start it with --graph-ops, "
-                               "or with --enforce-eager.")
+            raise RequestRefused(500, "this server's hooks do not fire and it has no graph ops: start it with "
+                                      "--graph-ops, or with --enforce-eager.")
         try:
             self.enter(request_id, live)  # (where hooks do not fire, the graph backend refuses: `LeftOnHooks`)
         except LeftOnHooks as error:
@@ -598,14 +599,14 @@ class HarvestWriter:
 def _refusal(error: LeftOnHooks) -> RequestRefused:
     """Why a compiled server's worker refuses a request (its work left on hooks that do not fire), naming the fix."""
     if error.busy:  # the slot bank is full of the running requests' operations: not now
-        return RequestRefused(503, f"the graph ops' slot bank holds {error.slots} distinct steer operations (a vector with "
-                            f"its mode and settings), all in use by running requests, and this request needs more: "
-                            f"retry once some finish, send fewer distinct vectors at once (requests steering with "
-                            f"the same stored vector and settings share one slot), or start the server with "
-                            f"--graph-ops '{{\"slots\": {2 * error.slots}}}'.")
+        return RequestRefused(503, f"the graph ops' slot bank holds {error.slots} distinct steer operations (a "
+                                   f"vector with its mode and settings), all in use by running requests, and this "
+                                   f"request needs more: retry once some finish, send fewer distinct vectors at once "
+                                   f"(requests steering with the same stored vector and settings share one slot), "
+                                   f"or start the server with --graph-ops '{{\"slots\": {2 * error.slots}}}'.")
     reorder = "reorder the steers or the positions, or " if error.where else ""
-    return RequestRefused(400, f"{error}: {reorder}send the request to a server started without --graph-ops, or with "
-                        f"--enforce-eager (hooks then serve it).")
+    return RequestRefused(400, f"{error}: {reorder}send the request to a server started without --graph-ops, or "
+                               f"with --enforce-eager (hooks then serve it).")
 
 
 def _sae_objects(live: Live) -> list[Any]:
