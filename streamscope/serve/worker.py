@@ -392,8 +392,7 @@ class ServeState(RequestApplier):
     def admit_live(self, request_id: Any, live: Live) -> None:
         """Make `live` the live request `request_id`: what the graph ops serve of it goes to them, the rest to the
         hooks; where hooks do not fire (a compiled engine), a request with work left on them is refused whole
-        (`refusals.RequestRefused`: 503 where the ops' slot bank is full of other requests' operations, else
-        400)."""
+        (`RequestRefused`: 503 where the ops' slot bank is full of other requests' operations, else 400)."""
         if not self.hooks_fire and self.graph is None and (live.steers or live.harvest_sites):
             raise RequestRefused(500, "this server's hooks do not fire and it has no graph ops: start it with "
                                       "--graph-ops, or with --enforce-eager.")
