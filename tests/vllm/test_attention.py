@@ -335,45 +335,11 @@ def test_invokes_batched_together_each_serve_their_own_request(engines):
 def test_editing_queries_or_keys_before_the_rotary_has_the_effect_it_has_on_transformers(engines, name):
     """An edit before the rotary reaches vLLM's model, on every attention block (rotating or not): the logits are
     transformers' with the same edit made where its own modules hold the tensor (the rotary's arguments)."""
-    model = engines.model
-
     # every head alike (Falcon's kernel gets a copy of each kv head per query head), scaled: a shift of every key
     # alike would move each query's scores by one constant, which the softmax drops. One channel where the tolerance
     # is float32's; where it is measured at a lower precision, half the channels, flipped and 8 times (one channel
     # moves Qwen3-Next's bfloat16 logits less than twice that tolerance, so a dropped edit would pass)
-    measured = engines.mix > RELATIVE
-
-    def edit(tensor):
-        if measured:
-            tensor[..., :tensor.shape[-1] // 2] *= -8.0
-        else:
-            tensor[..., CHANNEL] *= 3.0
-
-    unedited = engines.reference(engines.input_ids).logits[:, -1]
-    for block in engines.blocks:
-        with model.trace(PROMPT, **GREEDY):
-            edit(getattr(model.layers[block].self_attn, name))
-            logits = model.logits.save()
-
-        def edited_logits(reference, block=block):
-            return oracle.logits_with_pre_rotary_edit(reference, engines.name, engines.input_ids, block, name,
-                                                      edit)[:, -1]
-
-        expected = edited_logits(engines.reference)
-        assert relative_error(logits, expected) <= engines.edited_tolerance(edited_logits, expected), block
-        _edit_not_dropped(logits, expected, unedited, engines.mix, measured, block)
-
-
-def _edit_not_dropped(logits: torch.Tensor, expected: torch.Tensor, unedited: torch.Tensor, mix: float,
-                      measured: bool, block: int) -> None:
-    """A dropped edit fails: in float32 the edit moves transformers' logits past twice the tolerance; where the
-    tolerance is measured, an edit of the queries or keys alone may move the logits less than that (a tiny
-    GPT-2's attention moves its logits by 3% whatever its pattern; bfloat16's tolerance is 1.7%), so the edited
-    run must be nearer transformers' edited logits than its unedited ones, which a dropped edit is not."""
-    if measured:
-        assert relative_error(logits, expected) < relative_error(logits, unedited), (block, "edit dropped")
-    else:
-        assert relative_error(expected, unedited) > 2 * mix, (block, "an edit dropped would pass")
+    _edits_have_transformers_effect(engines, name, oracle.logits_with_pre_rotary_edit)
 
 
 @pytest.mark.parametrize("name", ["queries_projected", "keys_projected"])
@@ -381,10 +347,20 @@ def test_editing_the_query_or_key_projection_has_the_effect_it_has_on_transforme
     """An edit of the projection before any q/k norm reaches vLLM's model, on every attention block: the logits
     are transformers' with the same edit made where its own modules hold the tensor (the q/k norm's input, or the
     rotary's arguments where nothing norms)."""
+    # as the pre-rotary edit test; flipped as well as scaled, since the q/k norm that follows takes back most of a
+    # mere scaling (and bounds what the edit can move: Qwen3-Next's logits move less than twice its bfloat16
+    # tolerance, hence the measured rule for a dropped edit)
+    _edits_have_transformers_effect(engines, name, oracle.logits_with_projected_edit)
+
+
+def _edits_have_transformers_effect(engines, name: str, edited_by: Callable[..., torch.Tensor]) -> None:
+    """On every attention block, `name` edited in a trace gives the logits of transformers' forward with the same
+    edit (`edited_by`, the oracle's edited forward): within the edited tolerance (`Engines.edited_tolerance`), and a
+    dropped edit fails. In float32 the edit moves transformers' logits past twice the tolerance; where the
+    tolerance is measured, an edit of the queries or keys alone may move the logits less than that (a tiny GPT-2's
+    attention moves its logits by 3% whatever its pattern; bfloat16's tolerance is 1.7%), so there the edited run
+    must be nearer transformers' edited logits than its unedited ones, which a dropped edit is not."""
     model = engines.model
-    # as the pre-rotary edit test, a larger edit where the tolerance is measured; flipped as well as scaled, since
-    # the q/k norm that follows takes back most of a mere scaling (and bounds what the edit can move: Qwen3-Next's
-    # logits move less than twice its bfloat16 tolerance, hence `_edit_not_dropped`'s measured rule)
     measured = engines.mix > RELATIVE
 
     def edit(tensor):
@@ -400,9 +376,11 @@ def test_editing_the_query_or_key_projection_has_the_effect_it_has_on_transforme
             logits = model.logits.save()
 
         def edited_logits(reference, block=block):
-            return oracle.logits_with_projected_edit(reference, engines.name, engines.input_ids, block, name,
-                                                     edit)[:, -1]
+            return edited_by(reference, engines.name, engines.input_ids, block, name, edit)[:, -1]
 
         expected = edited_logits(engines.reference)
         assert relative_error(logits, expected) <= engines.edited_tolerance(edited_logits, expected), block
-        _edit_not_dropped(logits, expected, unedited, engines.mix, measured, block)
+        if measured:
+            assert relative_error(logits, expected) < relative_error(logits, unedited), (block, "edit dropped")
+        else:
+            assert relative_error(expected, unedited) > 2 * engines.mix, (block, "an edit dropped would pass")
