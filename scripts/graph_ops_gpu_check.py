@@ -29,15 +29,6 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEVICE = "cuda"
 
 
-class Span(NamedTuple):
-    """`streamscope.bulk.apply.Span`, whose module needs the rest of streamscope."""
-
-    key: Any
-    start: int
-    count: int
-    first: int
-
-
 def load(name: str, path: str) -> Any:
     spec = importlib.util.spec_from_file_location(name, os.path.join(PACKAGE, path))
     assert spec is not None and spec.loader is not None
@@ -47,16 +38,40 @@ def load(name: str, path: str) -> Any:
     return module
 
 
-for package in ("streamscope", "streamscope.bulk", "streamscope.vllm"):
-    stand_in = types.ModuleType(package)
-    stand_in.__path__ = []  # type: ignore[attr-defined]
-    sys.modules[package] = stand_in
-apply = types.ModuleType("streamscope.bulk.apply")
-apply.Span = Span  # type: ignore[attr-defined]
-sys.modules["streamscope.bulk.apply"] = apply
-operations = load("streamscope.bulk.operations", "bulk/operations.py")
-kernels = load("streamscope.vllm.graph_kernels", "vllm/graph_kernels.py")  # graph_ops imports it on first use
-ops = load("streamscope.vllm.graph_ops", "vllm/graph_ops.py")
+def stand_ins() -> None:
+    """Empty packages, and `bulk.apply.Span` and `bulk.steer.steer_positions`, whose modules need the rest of
+    streamscope; the checks below never plan a steer from a `Steer`, so that stand-in refuses."""
+
+    class Span(NamedTuple):
+        key: Any
+        start: int
+        count: int
+        first: int
+
+    def steer_positions(*_: Any) -> Any:
+        raise RuntimeError("graph_ops_gpu_check plans rows with RowRule.of; steer_positions needs streamscope")
+
+    for package in ("streamscope", "streamscope.bulk", "streamscope.vllm"):
+        stand_in = types.ModuleType(package)
+        stand_in.__path__ = []  # type: ignore[attr-defined]
+        sys.modules[package] = stand_in
+    for name, attribute, value in (("apply", "Span", Span), ("steer", "steer_positions", steer_positions)):
+        module = types.ModuleType(f"streamscope.bulk.{name}")
+        setattr(module, attribute, value)
+        sys.modules[module.__name__] = module
+
+
+try:  # where streamscope's dependencies are installed (the lent machine after install.sh)
+    from streamscope.bulk import operations
+    from streamscope.bulk.apply import Span
+    from streamscope.vllm import graph_kernels as kernels, graph_ops as ops, graph_plan as plans
+except ImportError:
+    stand_ins()
+    Span = sys.modules["streamscope.bulk.apply"].Span
+    operations = load("streamscope.bulk.operations", "bulk/operations.py")
+    kernels = load("streamscope.vllm.graph_kernels", "vllm/graph_kernels.py")  # graph_ops imports it on first use
+    ops = load("streamscope.vllm.graph_ops", "vllm/graph_ops.py")
+    plans = load("streamscope.vllm.graph_plan", "vllm/graph_plan.py")
 BODIES = ("triton", "torch")
 
 
@@ -68,7 +83,6 @@ def body(name: str) -> Iterator[None]:
         yield
     finally:
         ops.use_body(previous)
-plans = load("streamscope.vllm.graph_plan", "vllm/graph_plan.py")
 
 
 def operation(mode: str, norm_match: bool, dtype: torch.dtype, width: int, seed: int) -> Any:
