@@ -540,7 +540,8 @@ def test_salt_of_inserted_ops_covers_the_hooks() -> None:
     from streamscope.vllm.graph_wiring import wiring_source
 
     wiring = wiring_source()
-    assert all(name in wiring for name in ("def insert_ops", "def stream_of", "def halves", "def live"))
+    assert all(name in wiring for name in ("def insert_ops", "class StreamAt", "def stream_at", "def stream_of",
+                                           "def argument", "def first_tensor"))
     sites = ["layers.0.layer_output"]
     assert (graph_ops.cache_salt(sites, 1, [], graph_ops.ops_source() + wiring)
             != graph_ops.cache_salt(sites, 1, []))

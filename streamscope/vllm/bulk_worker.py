@@ -105,6 +105,11 @@ class BulkRPC:
         `vllm_seam.graph_mode`."""
         return vllm_seam.graph_mode(vllm_seam.runner_of(self))
 
+    def streamscope_compiled_modules(self) -> list[str]:
+        """The class names of the modules vLLM compiles in this worker's model (`vllm_seam.compiled_modules`)."""
+        model = vllm_seam.model_of(vllm_seam.runner_of(self))
+        return [type(module).__name__ for module in vllm_seam.compiled_modules(model)]
+
     def streamscope_held_saes(self) -> list[str]:
         """The keys of the SAEs this worker holds between runs (`streamscope.vllm.held`)."""
         state = vllm_seam.runner_of(self).__dict__.get("_streamscope_bulk")

