@@ -34,5 +34,4 @@ class GraphOpsCPUWorker(InsertsGraphOps, CPUWorker):
 
 
 class GraphOpsPlainGPUWorker(InsertsGraphOps, GPUWorker):
-    """vLLM's GPU worker, its model's graph ops inserted at load, before the compile and the CUDA graph capture.
-    Not yet run on a GPU (docs/graph-ops.md)."""
+    """vLLM's GPU worker, its model's graph ops inserted at load, before the compile and the CUDA graph capture."""
