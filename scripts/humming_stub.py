@@ -56,5 +56,7 @@ def write(root: Path) -> list[Path]:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2 or any(argument.startswith("-") for argument in sys.argv[1:]):
+        sys.exit(f"usage: python3 {sys.argv[0]} [SITE_FOLDER]  (default /tmp/site)\n\n{__doc__}")
     target = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/site")
     print(f"humming stand-in: {len(write(target))} modules under {target}")
