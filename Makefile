@@ -17,5 +17,5 @@ test: setup lint
 
 # ruff over the whole tree, mypy over the public surface (both configured in pyproject.toml).
 lint: setup
-	$(PYTHON) -m ruff check streamscope tests benchmarks scripts
+	$(PYTHON) -m ruff check streamscope tests benchmarks scripts examples
 	$(PYTHON) -m mypy
