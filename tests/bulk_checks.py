@@ -134,6 +134,35 @@ def check_shards(model, folder, **options) -> None:
         model.harvest(PROMPTS, names, out=folder, progress=False, **options)
 
 
+def check_shards_bounded_in_bytes(model, folder, monkeypatch, slack_prompts: int = 0, **options) -> None:
+    """Without ``shard_size`` a shard holds at most `SHARD_BYTES` of rows (set here to about two prompts' worth):
+    on vLLM exactly, or a single prompt larger than it; on transformers, which writes a shard once its batches
+    cross the limit, up to `slack_prompts` prompts more. The shards hold the harvest in memory, and a shard size
+    that is not a positive int is refused by name."""
+    from streamscope.bulk import results
+
+    names = ["layer_output", "mlp_output"]
+    memory = model.harvest(PROMPTS, names, layers=[0, 1], positions="all", progress=False, **options)
+    prompt_bytes = [sum(memory[name][index].nbytes for name in names) for index in range(len(PROMPTS))]
+    limit = 2 * sorted(prompt_bytes)[len(PROMPTS) // 2]
+    monkeypatch.setattr(results, "SHARD_BYTES", limit)
+    model.harvest(PROMPTS, names, layers=[0, 1], positions="all", out=folder, progress=False, **options)
+    shards = list(streamscope.iter_harvest(folder))
+    assert len(shards) >= 2, [shard.prompts for shard in shards]
+    for shard in shards:
+        held = sum(prompt_bytes[prompt] for prompt in shard.prompts)
+        slack = sum(sorted(prompt_bytes)[-slack_prompts:]) if slack_prompts else 0
+        assert held <= limit + slack or len(shard.prompts) == 1, (shard.prompts, held, limit)
+    loaded = streamscope.load_harvest(folder)
+    for name in names:
+        for index in range(len(PROMPTS)):
+            assert same_across_batches(loaded[name][index], memory[name][index]), (name, index)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="shard_size"):
+            model.harvest(PROMPTS, names, out=folder.with_name(f"bad-{bad}"), shard_size=bad, progress=False,
+                          **options)
+
+
 def check_a_failed_harvest_leaves_no_index(model, folder, monkeypatch, module, **options) -> None:
     """A run that fails after its first shard went to the writer: no index (a half harvest never looks complete),
     the writer thread gone, and the model harvests on."""

@@ -28,7 +28,9 @@ prompt; a steer edits its prompt positions (by default every one but the
 first token, an attention sink in trained models: ``positions="all"`` edits it
 too) and, unless ``generated=False``, every generated token. Where a steer and a harvest meet at one value, the
 harvest reads the steered value. ``out=folder`` writes safetensors shards as
-the prompts finish (`load_harvest`, `iter_harvest` read them back).
+the prompts finish (`load_harvest`, `iter_harvest` read them back), each of
+``shard_size`` prompts, by default as many as hold 1 GiB of rows (at most
+1,024), so a harvest's host memory stays bounded whatever its shape.
 Everything is checked before the engine runs: an unknown value, a block out
 of range, a vector of the wrong width or positions past a prompt's end raise
 at once; every bad steer (an argument its mode does not use, an edit too

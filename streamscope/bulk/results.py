@@ -120,6 +120,81 @@ def assemble(spec: HarvestSpec, per_prompt: Sequence[Optional[torch.Tensor]], pr
                    spec.reduce)
 
 
+#: A harvest without ``shard_size``: a shard (on vLLM, one engine run) holds at most this many bytes of rows...
+SHARD_BYTES = 1 << 30
+#: ... and at most this many prompts.
+SHARD_PROMPTS = 1024
+
+
+def check_shard_size(shard_size: Optional[int]) -> None:
+    if shard_size is not None and (not isinstance(shard_size, int) or isinstance(shard_size, bool) or shard_size < 1):
+        raise ValueError(f"shard_size={shard_size!r}: a shard holds at least one prompt (an int); leave it out for "
+                         f"shards of at most {SHARD_BYTES >> 20} MiB of rows.")
+
+
+def shard_is_full(prompts: int, size: int, shard_size: Optional[int]) -> bool:
+    """Whether `prompts` prompts holding `size` bytes of rows make a shard: `shard_size` prompts where given, else
+    `SHARD_PROMPTS` prompts or `SHARD_BYTES` bytes."""
+    if shard_size is not None:
+        return prompts >= shard_size
+    return prompts >= SHARD_PROMPTS or size >= SHARD_BYTES
+
+
+class ShardCutter:
+    """A harvest's prompts cut into consecutive shards before their rows exist (vLLM runs the engine a shard at a
+    time): `shard_size` prompts each where given, else as many as hold at most `SHARD_BYTES` of rows (one prompt
+    at least, `SHARD_PROMPTS` at most).
+
+    A row's bytes start as `row_bytes`, an estimate from the hidden size, and `measure` reads them off each
+    part the run assembles: a value whose rows are wider (MLP neurons, an SAE's features) can make only the
+    first shard larger than the limit.
+    """
+
+    def __init__(self, spec: HarvestSpec, count: int, shard_size: Optional[int], row_bytes: int) -> None:
+        check_shard_size(shard_size)
+        self.spec, self.count, self.shard_size, self.row_bytes = spec, count, shard_size, max(1, row_bytes)
+
+    def rows(self, prompt: int) -> int:
+        """The rows a prompt's harvest holds: one a position, or one where the positions are reduced."""
+        return 1 if self.spec.reduce else len(self.spec.positions[prompt])
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start = 0
+        while start < self.count:
+            end, size = start, 0
+            while end < self.count:
+                grown = size + self.rows(end) * self.row_bytes
+                if end > start and not self.fits(end + 1 - start, grown):
+                    break
+                size, end = grown, end + 1
+            yield list(range(start, end))
+            start = end
+
+    def fits(self, prompts: int, size: int) -> bool:
+        """Whether one shard may hold `prompts` prompts of `size` bytes of rows."""
+        if self.shard_size is not None:
+            return prompts <= self.shard_size
+        return prompts <= SHARD_PROMPTS and size <= SHARD_BYTES
+
+    def measure(self, part: Harvest) -> None:
+        rows = sum(self.rows(prompt) for prompt in part.prompts)
+        size = sum(tensor.nbytes for tensors in part.values.values() for tensor in tensors)
+        if rows and size:
+            self.row_bytes = -(-size // rows)
+
+
+def estimated_row_bytes(spec: HarvestSpec, hidden_size: int, dtype: torch.dtype) -> int:
+    """A harvested row's bytes over every site, taking each value as `hidden_size` wide (`spec.shapes` where it
+    gives the row's shape)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    width = 0
+    for value in spec.values:
+        sites = 1 if value in ROOT_VALUES else len(spec.layers)
+        shape = spec.shapes.get(value)
+        width += sites * (hidden_size if shape is None else int(torch.Size(shape).numel()))
+    return width * element
+
+
 class ShardWriter:
     """Writes a run's prompts to ``out`` in safetensors shards as they finish, then the index.
 

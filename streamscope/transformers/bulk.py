@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from .. import nnsight_seam as seam
 from ..bulk.apply import Applier, Span, steer_plans
 from ..bulk.moments import check_reduce, reduce_buffer
-from ..bulk.results import Generation, Harvest, ShardWriter, assemble
+from ..bulk.results import Generation, Harvest, ShardWriter, assemble, check_shard_size, shard_is_full
 from ..bulk.spec import Positions, check_doses, check_steer, generation_harvest, harvest_spec, token_ids
 
 
@@ -91,14 +91,17 @@ def _forward_kwargs(module: torch.nn.Module) -> dict[str, Any]:
 
 
 def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None, positions: Positions = "last",
-            out: Optional[str | Path] = None, batch_size: int = 8, shard_size: int = 1024,
+            out: Optional[str | Path] = None, batch_size: int = 8, shard_size: Optional[int] = None,
             progress: bool = True, readout: Any = None, steer: Sequence[Any] = (),
             reduce: Optional[str] = None) -> Harvest | Path:
     """Read values at chosen blocks and positions of many prompts, in padded batches; see `streamscope.bulk`.
 
     `reduce` (``"last"``, ``"mean"``) reduces each prompt's positions as its batch finishes
     (`streamscope.bulk.moments.reduce_positions`), so only one row a prompt is kept.
+    A shard of `out` is written once its batches hold `shard_size` prompts; by default 1,024 prompts or
+    `streamscope.bulk.results.SHARD_BYTES` of rows (1 GiB), whichever comes first.
     """
+    check_shard_size(shard_size)
     ids = token_ids(model, prompts)
     lengths = [len(tokens) for tokens in ids]
     spec = harvest_spec(model, values, layers, positions, lengths)
@@ -128,7 +131,7 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
                 collected[index] = reduce_buffer(applier.take(index), spec.reduce)
             pending.extend(batch)
             bar.update(len(batch))
-            if writer is not None and len(pending) >= shard_size:
+            if writer is not None and shard_is_full(len(pending), _held_bytes(collected, pending), shard_size):
                 _flush(writer, spec, collected, pending)
         if writer is None:
             order = list(range(len(ids)))
@@ -141,6 +144,10 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
             writer.abort()  # after close a no-op; on an error, no index (a half harvest) and the thread ends
         applier.remove()
         bar.close()
+
+
+def _held_bytes(collected: dict[int, Any], pending: list[int]) -> int:
+    return sum(collected[index].nbytes for index in pending if collected[index] is not None)
 
 
 def _flush(writer: ShardWriter, spec: Any, collected: dict[int, list], pending: list[int]) -> None:

@@ -76,7 +76,8 @@ class StandardizedTransformers(Standardized, TransformersModel):
         ``steer=[...]`` reads them under steers; ``sae=`` (with ``top_k=``)
         harvests an SAE's features at its own site (`streamscope.sae`). See
         `streamscope.bulk` for the layout; ``batch_size`` (8), ``shard_size``
-        and ``progress`` are options.
+        (prompts per shard; by default 1,024, or fewer once they hold 1 GiB of
+        rows) and ``progress`` are options.
         """
         return route_harvest(self, prompts, values, layers, positions, out, options, harvest)
 

@@ -36,7 +36,7 @@ from ..blocks.sublayers import NEURONS
 from ..bulk.apply import Applier, Span, steer_plans
 from ..bulk.dose import SteerError
 from ..bulk.moments import check_reduce, reduce_buffer
-from ..bulk.results import Generation, Harvest, ShardWriter, assemble
+from ..bulk.results import Generation, Harvest, ShardCutter, ShardWriter, assemble, estimated_row_bytes
 from ..bulk.schema import ONE_FORWARD
 from ..bulk.spec import (HarvestSpec, Positions, Site, Steer, check_doses, check_steer, condition_sites,
                          generation_harvest, harvest_spec, locate, token_ids)
@@ -447,12 +447,14 @@ def _chunks(count: int, size: int) -> list[list[int]]:
 
 
 def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None, positions: Positions = "last",
-            out: Optional[str | Path] = None, shard_size: int = 1024, progress: bool = True,
+            out: Optional[str | Path] = None, shard_size: Optional[int] = None, progress: bool = True,
             readout: Any = None, steer: Sequence[Steer] = (), reduce: Optional[str] = None) -> Harvest | Path:
     """Read values at chosen blocks and positions of many prompts in the engine's own batches; see `streamscope.bulk`.
 
     `reduce` (``"last"``, ``"mean"``) reduces each prompt's positions in the worker, before its rows leave it
     (`streamscope.bulk.moments.reduce_positions`): one row a prompt crosses to this process.
+    The engine runs `shard_size` prompts at a time, each run a shard of `out`; by default as many as hold
+    `streamscope.bulk.results.SHARD_BYTES` of rows (1 GiB), at most 1,024 (`ShardCutter`).
     """
     ids = token_ids(model, prompts)
     spec = harvest_spec(model, values, layers, positions, [len(tokens) for tokens in ids])
@@ -463,13 +465,15 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
                   + condition_sites(model, steer))
     _check_whole_prompts(model, steer)
     steer = check_doses(model, list(steer), _dtype(model))  # a clamped dose's steer replaced
+    shards = ShardCutter(spec, len(ids), shard_size, estimated_row_bytes(spec, model.hidden_size, _dtype(model)))
     writer = ShardWriter(out, spec, len(ids)) if out is not None else None
     parts: list[Harvest] = []
     bar = tqdm(total=len(ids), desc="harvest", unit="prompt", disable=not progress)
     try:
-        for chunk in _chunks(len(ids), shard_size):
+        for chunk in shards:
             _, result = _run(model, ids, chunk, dict(ONE_FORWARD), spec, steer, False)
             part = assemble(spec, [result["harvested"].get(local) for local in range(len(chunk))], chunk)
+            shards.measure(part)
             if writer is not None:
                 writer.write(part)
             else:

@@ -417,7 +417,8 @@ class StandardizedVLLM(Standardized, VLLM):
         ``steer=[...]`` reads them under steers; ``sae=`` (with ``top_k=``)
         harvests an SAE's features at its own site (`streamscope.sae`). See
         `streamscope.bulk` for the layout; ``shard_size`` (prompts per
-        engine run and per shard) and ``progress`` are options.
+        engine run and per shard; by default as many as hold 1 GiB of rows,
+        at most 1,024) and ``progress`` are options.
         """
         return route_harvest(self, prompts, values, layers, positions, out, options, harvest)
 

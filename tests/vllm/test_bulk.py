@@ -65,6 +65,10 @@ def test_shards_on_disk_equal_the_harvest_in_memory(engine, tmp_path):
     bulk_checks.check_shards(engine.model, tmp_path / "harvest")
 
 
+def test_shards_are_bounded_in_bytes_by_default(engine, tmp_path, monkeypatch):
+    bulk_checks.check_shards_bounded_in_bytes(engine.model, tmp_path / "harvest", monkeypatch)
+
+
 def test_a_failed_harvest_to_a_folder_leaves_no_index(engine, tmp_path, monkeypatch):
     from streamscope.vllm import bulk as engine_bulk
 
