@@ -1,8 +1,9 @@
 """The graph ops on a GPU (issue 39): captured into a CUDA graph, refilled, replayed; compiled; their idle cost.
 
-Runs where streamscope's dependencies are not installed (a bare GPU machine with torch and triton): it loads
+It imports streamscope where streamscope's dependencies are installed (the lent machine after its install), and
+runs where they are not too (a bare GPU machine with torch and triton): it then loads
 ``streamscope/vllm/graph_kernels.py``, ``graph_ops.py``, ``graph_plan.py`` and ``bulk/operations.py`` from this
-checkout by path, with a stand-in for ``bulk.apply.Span``. From the checkout's root::
+checkout by path, with stand-ins for what they import of the rest. From the checkout's root::
 
     python3 scripts/graph_ops_gpu_check.py
 
@@ -113,8 +114,8 @@ def check_capture(dtype: torch.dtype, width: int = 4096, rows: int = 256) -> boo
     residual = torch.zeros_like(hidden)
 
     def body(hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        ops.edit_stream(hidden, residual, plan.slots_of("s0"), *plan.bank.buffers)
-        ops.harvest_stream(plan.harvest_buffer("s0"), hidden, residual, plan.sources)
+        ops.edit_harvest_stream(hidden, residual, plan.slots_of("s0"), *plan.bank.buffers, plan.harvest_buffer("s0"),
+                                plan.sources, plan.targets)  # the two ops below in one launch
         ops.edit_stream(residual, None, plan.slots_of("s1"), *plan.bank.buffers)
         ops.harvest_stream(plan.harvest_buffer("s1"), residual, None, plan.sources)
 
@@ -263,10 +264,11 @@ def replay_time(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
 
 
 def ops_time(name: str, dtype: torch.dtype = torch.bfloat16, width: int = 4096, rows: int = 256, sites: int = 128,
-             harvest: bool = False, steered: int = 0, eager: bool = False) -> float:
+             harvest: bool = False, steered: int = 0, eager: bool = False, together: bool = False) -> float:
     """A captured graph of the edit ops (and harvest ops) at `sites` sites, run by body `name`, `steered` rows
-    marked at every site (an ablation), the rest idle: milliseconds a replay. `eager`: milliseconds the same
-    calls take uncaptured, host time included (a step vLLM runs outside its captured sizes, a large prefill)."""
+    marked at every site (an ablation), the rest idle: milliseconds a replay. `together`: each site's edit and
+    harvest as one `edit_harvest_stream`. `eager`: milliseconds the same calls take uncaptured, host time
+    included (a step vLLM runs outside its captured sizes, a large prefill)."""
     names = [f"s{number}" for number in range(sites)]
     plan = plans.GraphPlan(names, 1, max(rows, 256), width, dtype, DEVICE, slots=256,
                            harvest_sites=names if harvest else (), harvest_capacity=256)
@@ -281,6 +283,10 @@ def ops_time(name: str, dtype: torch.dtype = torch.bfloat16, width: int = 4096, 
 
     def run() -> None:
         for site, view in zip(names, views):
+            if harvest and together:
+                ops.edit_harvest_stream(hidden, residual, view, *plan.bank.buffers, plan.harvest_buffer(site),
+                                        plan.sources, plan.targets)
+                continue
             ops.edit_stream(hidden, residual, view, *plan.bank.buffers)
             if harvest:
                 ops.harvest_stream(plan.harvest_buffer(site), hidden, residual, plan.sources)
@@ -319,6 +325,7 @@ def idle_costs() -> None:
     cases: list[tuple[str, dict[str, Any]]] = [
         ("idle edit ops, 128 sites, 256 rows", {}),
         ("idle edit and harvest ops, 128 sites, 256 rows", {"harvest": True}),
+        ("idle edit-harvest ops (one launch a site), 128 sites, 256 rows", {"harvest": True, "together": True}),
         ("idle edit ops, 128 sites, 8192 rows", {"rows": 8192}),
         ("edit ops, 128 sites, 256 rows, one row steered at every site", {"steered": 1}),
         ("edit ops, 128 sites, 256 rows, every row steered at every site", {"steered": 256}),

@@ -393,6 +393,58 @@ def test_a_harvest_launch_is_as_wide_as_the_call_not_the_buffer(interpreted: Int
     assert torch.equal(bits(taken[4:]), bits(out[4:])) and torch.equal(bits(taken[[0, 2, 3]]), bits(small[[2, 0, 3]]))
 
 
+@pytest.mark.parametrize("block", [None, 32], ids=["one-block", "blocks-of-32"])
+@pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_an_edit_and_its_harvest_in_one_launch_are_the_two_ops(interpreted: Interpreter, dtype: torch.dtype,
+                                                              fused: bool, block: Optional[int]) -> None:
+    """`edit_harvest_stream`'s kernel gives the bits of `edit_stream` then `harvest_stream` (kernels both): every
+    mode, plain and norm-matched, rows interleaved; a harvested row the edit leaves (its row as it was), an edited
+    row nobody harvests, idle rows and buffer rows no row fills, all as the two ops leave them. Its torch body is
+    the two torch bodies, in order."""
+    width, rows = 100, 20
+    kinds = [(mode, norm_match) for mode in MODES for norm_match in (False, True)]
+    ops = [prepare(mode, torch.randn(width, generator=generator(50 + number)), *SETTINGS[mode], norm_match, dtype,
+                   "cpu") for number, (mode, norm_match) in enumerate(kinds)]
+    buffers = (torch.stack([op.unit if op.mode in DIRECTIONAL else op.delta for op in ops]),
+               torch.tensor([graph_ops.MODE_CODES[op.mode] for op in ops], dtype=torch.int32),
+               torch.tensor([op.scale for op in ops]), torch.tensor([op.projection for op in ops]),
+               torch.tensor([op.norm_match for op in ops]))
+    hidden = (torch.randn(rows, width, generator=generator(51)) * 3).to(dtype)
+    residual = (torch.randn(rows, width, generator=generator(52)) * 5).to(dtype) if fused else None
+    slots = torch.tensor([(row * 3) % 9 - 1 for row in range(rows)], dtype=torch.int32)  # -1 and 0..7, mixed
+    harvested = [7, 0, 3, 9, 2, 13]  # edited rows and rows the edit leaves (slot -1: rows 0, 3, 6, ...)
+    sources = torch.full((8,), -1, dtype=torch.int32)
+    sources[:len(harvested)] = torch.tensor(harvested, dtype=torch.int32)
+    targets = torch.full((rows,), -1, dtype=torch.int32)
+    targets[harvested] = torch.arange(len(harvested), dtype=torch.int32)
+    out = torch.randn(8, width, generator=generator(53)).to(dtype)
+    options = {"block": block} if block else {}
+    (edited, *_), _ = interpreted("edit_rows" if block else "edit_stream", hidden.clone(), residual, slots, *buffers,
+                                  **options)
+    (taken, *_), _ = interpreted("harvest_rows" if block else "harvest_stream", out.clone(), edited, residual,
+                                 sources, **options)
+    if block:
+        (both, _, _, _, _, _, _, _, both_out, _), _ = interpreted(
+            "edit_harvest_rows", hidden.clone(), residual, slots, *buffers, out.clone(), targets, **options)
+    else:
+        (both, _, _, _, _, _, _, _, both_out, _, _), _ = interpreted(
+            "edit_harvest_stream", hidden.clone(), residual, slots, *buffers, out.clone(), sources, targets)
+    assert torch.equal(bits(both), bits(edited)) and torch.equal(bits(both_out), bits(taken))
+    assert torch.equal(bits(both_out[len(harvested):]), bits(out[len(harvested):]))  # rows no row fills: kept
+    assert not torch.equal(bits(edited), bits(hidden))  # the edits acted, so the comparison above can fail
+    by_torch, by_torch_out = hidden.clone(), out.clone()
+    previous = graph_ops.use_body("torch")
+    try:
+        graph_ops.edit_harvest_stream(by_torch, residual, slots, *buffers, by_torch_out, sources, targets)
+        separate, separate_out = hidden.clone(), out.clone()
+        graph_ops.edit_stream(separate, residual, slots, *buffers)
+        graph_ops.harvest_stream(separate_out, separate, residual, sources)
+    finally:
+        graph_ops.use_body(previous)
+    assert torch.equal(bits(by_torch), bits(separate)) and torch.equal(bits(by_torch_out), bits(separate_out))
+
+
 # ---------------------------------------------------------------- compiled for a GPU, on this CPU
 
 
@@ -412,9 +464,10 @@ def compiled(kernel: Any, launch: graph_kernels.Launch) -> Any:
             constants[parameter.name] = value
         elif key == "D":
             attributes[(number,)] = [["tt.divisibility", 16]]
-    for name in ("FUSED", "BLOCK"):
-        signature[name] = "constexpr"
-        constants[name] = options[name]
+    for name in ("FUSED", "BLOCK", "HARVEST"):
+        if name in options:
+            signature[name] = "constexpr"
+            constants[name] = options[name]
     source = ASTSource(kernel, signature, constexprs=constants, attrs=attributes)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"enable_fp_fusion": options["enable_fp_fusion"]})
@@ -454,6 +507,14 @@ def test_kernels_compile_for_hopper(dtype: torch.dtype, tmp_path: Path, monkeypa
                            graph_kernels.harvest_launch(torch.empty(256, width, **meta), hidden, second,
                                                         index[:, -1]))
         assert harvest.asm["cubin"] and "st.global.v4" in harvest.asm["ptx"]
+        # A site's last round with its harvest: an idle row loads its slot and its target, then branches away.
+        both = compiled(graph_kernels._edit_rows,
+                        graph_kernels.edit_launch(hidden, second, index[:, 3], *bank, None,
+                                                  torch.empty(256, width, **meta), index[:, -2]))
+        ptx = both.asm["ptx"]
+        body = ptx[ptx.index("{", ptx.index(".entry")):]
+        assert both.asm["cubin"] and body[:body.index("bra")].count("ld.global") == 2
+        assert "fma.rn.f32" not in ptx and "st.global.v4" in ptx
 
 
 # ---------------------------------------------------------------- the body's choice and the salt

@@ -229,6 +229,11 @@ def test_ops_pass_torch_library_checks() -> None:
     torch.library.opcheck(graph_ops.edit_stream, (hidden.clone(), None, slots, *bank.buffers))
     torch.library.opcheck(graph_ops.harvest_stream,
                           (torch.zeros(4, HIDDEN), hidden, residual, torch.tensor([4, -1, 0, 2], dtype=torch.int32)))
+    sources = torch.tensor([4, -1, 0, 2], dtype=torch.int32)
+    targets = torch.tensor([2, -1, 3, -1, 0, -1], dtype=torch.int32)
+    for second in (residual, None):
+        torch.library.opcheck(graph_ops.edit_harvest_stream,
+                              (hidden.clone(), second, slots, *bank.buffers, torch.zeros(4, HIDDEN), sources, targets))
 
 
 def test_fake_implementations_check_shapes_only() -> None:
@@ -242,6 +247,10 @@ def test_fake_implementations_check_shapes_only() -> None:
         graph_ops.harvest_stream(torch.empty(3, HIDDEN), hidden, None, slots)
         with pytest.raises(ValueError, match="sources holds 2 entries"):
             graph_ops.harvest_stream(torch.empty(3, HIDDEN), hidden, None, slots[:2])
+        graph_ops.edit_harvest_stream(hidden, hidden, slots, *bank.buffers, torch.empty(3, HIDDEN), slots, slots)
+        with pytest.raises(ValueError, match="targets holds 2 entries"):
+            graph_ops.edit_harvest_stream(hidden, None, slots, *bank.buffers, torch.empty(3, HIDDEN), slots,
+                                          slots[:2])
 
 
 # ---------------------------------------------------------------- torch.compile
@@ -251,9 +260,9 @@ class TwoBlocks(torch.nn.Module):
     """A fused-layout stand-in: two blocks handing on (hidden, residual), an edit at each block's input and output,
     a harvest at each output, all from one plan's buffers."""
 
-    def __init__(self, plan: GraphPlan) -> None:
+    def __init__(self, plan: GraphPlan, together: bool = False) -> None:
         super().__init__()
-        self.plan = plan
+        self.plan, self.together = plan, together
         self.mixers = torch.nn.ModuleList(torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(2))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -263,6 +272,11 @@ class TwoBlocks(torch.nn.Module):
             torch.ops.streamscope.edit_stream(hidden, residual, plan.slots_of(f"in{number}"), *plan.bank.buffers)
             residual = hidden + residual
             hidden = mixer(residual)
+            if self.together:  # the output's edit and its harvest in one op
+                torch.ops.streamscope.edit_harvest_stream(hidden, residual, plan.slots_of(f"out{number}"),
+                                                          *plan.bank.buffers, plan.harvest_buffer(f"out{number}"),
+                                                          plan.sources, plan.targets)
+                continue
             torch.ops.streamscope.edit_stream(hidden, residual, plan.slots_of(f"out{number}"), *plan.bank.buffers)
             torch.ops.streamscope.harvest_stream(plan.harvest_buffer(f"out{number}"), hidden, residual,
                                                  plan.sources)
@@ -302,16 +316,22 @@ def test_compile_keeps_the_ops_opaque_in_one_graph() -> None:
     assert sum(target in harvests for target in seen) == 2
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["edit-then-harvest", "edit-harvest"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_equals_eager(backend: str) -> None:
+def test_compiled_equals_eager(backend: str, together: bool) -> None:
     plan = compile_plan()
-    model = TwoBlocks(plan)
+    model = TwoBlocks(plan, together)
     torch.manual_seed(0)
     inputs = torch.randn(10, HIDDEN)
     with torch.no_grad():  # as vLLM runs its model
         eager = model(inputs.clone())
         eager_harvest = plan.harvested.clone()
         assert bool(eager_harvest.abs().sum(-1).gt(0).any())
+        if together:  # the one op is the two, bit for bit
+            plan.harvested.zero_()
+            separate = TwoBlocks(plan)
+            separate.load_state_dict(model.state_dict())
+            assert torch.equal(separate(inputs.clone()), eager) and torch.equal(plan.harvested, eager_harvest)
         plan.harvested.zero_()
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True, backend=backend)
@@ -392,7 +412,7 @@ def test_fill_matches_brute_force_over_steps() -> None:
             start += count
         spans.append(Span(None, start, 2, 0))  # a request no plan owns
         harvest = plan.step(spans)
-        expected = torch.full((64, 7), -1, dtype=torch.int32)
+        expected = torch.full((64, 8), -1, dtype=torch.int32)  # 6 lanes, stream row -> buffer row, and back
         for span in spans[:-1]:
             spec = requests[span.key]
             rows = brute_rows(spec["positions"], spec["length"], spec["generated"], spec["from_step"], span)
@@ -402,7 +422,9 @@ def test_fill_matches_brute_force_over_steps() -> None:
         for key, count, offset in harvest.layout:
             wanted = requests[key]["harvest"][offset:offset + count]
             span = next(span for span in spans if span.key == key)
-            expected[row:row + count, -1] = torch.tensor([span.start + p - span.first for p in wanted])
+            stream_rows = torch.tensor([span.start + p - span.first for p in wanted])
+            expected[row:row + count, -1] = stream_rows
+            expected[stream_rows, -2] = torch.arange(row, row + count, dtype=torch.int32)
             harvested.setdefault(key, []).extend(wanted)
             row += count
         assert torch.equal(plan.index, expected)
@@ -428,7 +450,7 @@ def test_a_decode_batch_at_every_block(distinct: int) -> None:
         plan.enter(number, [PlannedSteer(sites, ops[number % distinct], RowRule.of([0], 1), number % distinct)])
     plan.step([Span(number, number, 1, 5) for number in range(256)])
     slots = {share: held[0] for share, held in plan.bank._held.items()}
-    expected = torch.full((512, 17), -1, dtype=torch.int32)
+    expected = torch.full((512, 18), -1, dtype=torch.int32)
     for number in range(256):
         expected[number, 0:16:2] = slots[number % distinct]  # round 0 of each site
     assert torch.equal(plan.index, expected)

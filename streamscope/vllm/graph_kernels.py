@@ -12,6 +12,12 @@ arithmetic. Their results are the torch body's, step for step:
   accumulates, in float32, the row's projection on its direction and its
   squared norm (where the mode or a norm match needs them), a second the
   edited row's squared norm (norm match only), a third writes the row.
+* `edit_harvest_rows` is `edit_rows` with a harvest (``HARVEST``): each
+  program also loads its row's target, the harvest buffer row it fills
+  (``-1``: none), returns only where both are ``-1``, copies an unedited
+  target row as `harvest_rows` does, and stores an edited one from the
+  registers of its last pass, rounded as `harvest_rows` adds the stored
+  halves: the bits of the two kernels one after the other.
 * `harvest_rows` launches one program per row of the harvest buffer below
   the call's rows (a step fills no buffer row past them: `graph_ops`), so an
   idle decode step of 64 rows launches 64 programs, not the buffer's
@@ -73,6 +79,21 @@ def _rounded(value, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _copy_row(out_row, out_column, hidden_row, hidden_column, residual_row, residual_column, width, offsets,
+              FUSED: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
+    """A stream row into a harvest buffer's row: the hidden half plus the residual, rounded as torch adds them, in a
+    fused block; a whole stream's row as it is."""
+    for start in range(0, width, BLOCK):
+        columns = start + offsets
+        inside = columns < width
+        value = tl.load(hidden_row + columns * hidden_column, mask=inside)
+        if FUSED:
+            second = tl.load(residual_row + columns * residual_column, mask=inside)
+            value = _rounded(value.to(tl.float32) + second.to(tl.float32), DTYPE).to(DTYPE)
+        tl.store(out_row + columns * out_column, value, mask=inside)
+
+
+@triton.jit
 def _row_block(start, offsets, width, hidden_row, hidden_column, residual_row, residual_column, vector_row,
                bank_column, FUSED: tl.constexpr, DTYPE: tl.constexpr):
     """The block of a marked row's columns from `start`, as each of `_edit_rows`' passes reads it: the columns and
@@ -100,22 +121,32 @@ def _edited_block(stream, vector, coefficient, is_set, DTYPE: tl.constexpr):
 def _edit_rows(hidden, hidden_row_stride, hidden_column, residual, residual_row_stride, residual_column,
                slots, slots_stride, bank, bank_row_stride, bank_column, modes, modes_stride, scales, scales_stride,
                projections, projections_stride, norm_match, norm_match_stride, width, tiny,
-               FUSED: tl.constexpr, BLOCK: tl.constexpr):
+               out, out_row_stride, out_column, targets, targets_stride,
+               FUSED: tl.constexpr, BLOCK: tl.constexpr, HARVEST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots + row * slots_stride).to(tl.int64)
-    if slot < 0:  # an idle row: nothing else is read or written
-        return
     DTYPE = hidden.dtype.element_ty
+    hidden_row = hidden + row * hidden_row_stride
+    residual_row = residual + row * residual_row_stride
+    offsets = tl.arange(0, BLOCK)
+    if HARVEST:  # the row's harvest buffer row after the edit (-1: none), the harvest op's work in this launch
+        target = tl.load(targets + row * targets_stride).to(tl.int64)
+        if (slot < 0) & (target < 0):  # an idle row: nothing else is read or written
+            return
+        if slot < 0:  # harvested, not edited: its row as it is
+            _copy_row(out + target * out_row_stride, out_column, hidden_row, hidden_column,
+                      residual_row, residual_column, width, offsets, FUSED, BLOCK, DTYPE)
+            return
+    else:
+        if slot < 0:  # an idle row: nothing else is read or written
+            return
     mode = tl.load(modes + slot * modes_stride)
     matched = tl.load(norm_match + slot * norm_match_stride) != 0
     scale = tl.load(scales + slot * scales_stride)
     projection = tl.load(projections + slot * projections_stride)
     is_set = mode == _SET
     directional = (mode == _ABLATE) | (mode == _CLAMP)
-    hidden_row = hidden + row * hidden_row_stride
-    residual_row = residual + row * residual_row_stride
     vector_row = bank + slot * bank_row_stride
-    offsets = tl.arange(0, BLOCK)
     along = tl.zeros([BLOCK], dtype=tl.float32)
     square = tl.zeros([BLOCK], dtype=tl.float32)
     if directional | matched:  # the row's projection on its direction, and its squared norm
@@ -151,6 +182,13 @@ def _edit_rows(hidden, hidden_row_stride, hidden_column, residual, residual_row_
         if FUSED:
             edited = _rounded(half + tl.where(direct, change, _rounded(edited - stream, DTYPE)), DTYPE)
         tl.store(hidden_row + columns * hidden_column, edited.to(DTYPE), mask=inside)  # exact: already rounded
+        if HARVEST:  # the edited stream from the registers, rounded as the harvest kernel adds the stored halves
+            if target >= 0:
+                kept = edited
+                if FUSED:
+                    residual_block = tl.load(residual_row + columns * residual_column, mask=inside, other=0.0)
+                    kept = _rounded(edited + residual_block.to(tl.float32), DTYPE)
+                tl.store(out + target * out_row_stride + columns * out_column, kept.to(DTYPE), mask=inside)
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -161,16 +199,9 @@ def _harvest_rows(out, out_row_stride, out_column, hidden, hidden_row_stride, hi
     source = tl.load(sources + row * sources_stride).to(tl.int64)
     if (source < 0) | (source >= rows):  # a buffer row this step does not fill keeps what it held
         return
-    DTYPE = hidden.dtype.element_ty
-    offsets = tl.arange(0, BLOCK)
-    for start in range(0, width, BLOCK):
-        columns = start + offsets
-        inside = columns < width
-        value = tl.load(hidden + source * hidden_row_stride + columns * hidden_column, mask=inside)
-        if FUSED:  # the two halves' sum, rounded as torch adds them; a whole stream's row is copied as it is
-            second = tl.load(residual + source * residual_row_stride + columns * residual_column, mask=inside)
-            value = _rounded(value.to(tl.float32) + second.to(tl.float32), DTYPE).to(DTYPE)
-        tl.store(out + row * out_row_stride + columns * out_column, value, mask=inside)
+    _copy_row(out + row * out_row_stride, out_column, hidden + source * hidden_row_stride, hidden_column,
+              residual + source * residual_row_stride, residual_column, width, tl.arange(0, BLOCK), FUSED, BLOCK,
+              hidden.dtype.element_ty)
 
 
 def block_for(width: int, block: Optional[int] = None) -> int:
@@ -195,17 +226,22 @@ Launch = tuple[tuple[int], tuple[Any, ...], dict[str, Any]]
 
 def edit_launch(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor, bank: torch.Tensor,
                 modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor, norm_match: torch.Tensor,
-                block: Optional[int] = None) -> Launch:
-    """How `edit_rows` launches `_edit_rows` for these tensors: one program a row of `hidden`."""
+                block: Optional[int] = None, out: Optional[torch.Tensor] = None,
+                targets: Optional[torch.Tensor] = None) -> Launch:
+    """How `edit_rows` (and, with `out` and `targets`, `edit_harvest_rows`) launches `_edit_rows` for these
+    tensors: one program a row of `hidden`."""
     rows, width = hidden.shape
     second = hidden if residual is None else residual  # never read without FUSED
+    harvest = out is not None and targets is not None
+    kept, where = (out, targets) if harvest else (hidden, slots)  # never read without HARVEST
     arguments = (hidden, hidden.stride(0), hidden.stride(1), second, second.stride(0), second.stride(1), slots,
                  slots.stride(0), bank, bank.stride(0), bank.stride(1), modes, modes.stride(0), scales,
                  scales.stride(0), projections, projections.stride(0), norm_match, norm_match.stride(0), width,
-                 torch.finfo(hidden.dtype).tiny)
+                 torch.finfo(hidden.dtype).tiny, kept, kept.stride(0), kept.stride(1), where, where.stride(0))
     # No fused multiply-adds: each product is rounded as torch's own kernels round it, on the GPU as in the
     # interpreter.
-    options = {"FUSED": residual is not None, "BLOCK": block_for(width, block), "enable_fp_fusion": False}
+    options = {"FUSED": residual is not None, "BLOCK": block_for(width, block), "HARVEST": harvest,
+               "enable_fp_fusion": False}
     return (rows,), arguments, options
 
 
@@ -231,6 +267,20 @@ def edit_rows(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: tor
     _launchable(_edit_rows, hidden)
     grid, arguments, options = edit_launch(hidden, residual, slots, bank, modes, scales, projections, norm_match,
                                            block)
+    _edit_rows[grid](*arguments, **options)
+
+
+def edit_harvest_rows(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor,
+                      bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
+                      norm_match: torch.Tensor, out: torch.Tensor, targets: torch.Tensor,
+                      block: Optional[int] = None) -> None:
+    """`graph_ops.edit_harvest_stream` by the kernel: `edit_rows`, and each row whose target is a buffer row
+    copied there after its edit, in the same program. Changes `hidden` and those rows of `out`."""
+    if hidden.shape[0] == 0 or hidden.shape[1] == 0:
+        return
+    _launchable(_edit_rows, hidden)
+    grid, arguments, options = edit_launch(hidden, residual, slots, bank, modes, scales, projections, norm_match,
+                                           block, out, targets)
     _edit_rows[grid](*arguments, **options)
 
 

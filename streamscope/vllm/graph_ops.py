@@ -2,7 +2,7 @@
 
 The hook path (`streamscope.bulk.apply.Applier`, the server's worker) edits
 a step's rows from Python, which needs an eager engine or taps that break
-vLLM's graphs. These two ops do the same work from persistent buffers that
+vLLM's graphs. These ops do the same work from persistent buffers that
 the host fills before each step (`streamscope.vllm.graph_plan.GraphPlan`),
 so a graph captured once replays every step, whichever requests steer:
 
@@ -19,6 +19,13 @@ so a graph captured once replays every step, whichever requests steer:
   once at most and `GraphPlan` packs the buffer from row 0, so no source lies
   at or past the call's rows, and an idle call looks at as many entries as
   the step has rows, not the buffer's whole capacity.
+
+* ``streamscope::edit_harvest_stream(hidden, residual, slots, bank, modes,
+  scales, projections, norm_match, out, sources, targets)`` is the first
+  then the second, in one launch: where a module call holds one site, its
+  last edit round and its harvest (`streamscope.vllm.graph_wiring`). The
+  kernel's program for stream row ``r`` stores its edited row in buffer row
+  ``targets[r]`` from its registers, so the harvest costs no launch of its own.
 
 A stream comes whole (``residual`` None) or, in vLLM's fused blocks, in two
 halves ``hidden + residual`` (`streamscope.vllm.blocks.Summed`): an edit then
@@ -190,12 +197,19 @@ def edit_stream(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: t
             row to its norm before the edit.
     """
     _check_edit(hidden, residual, slots, bank, modes, scales, projections, norm_match)
-    rows = hidden.shape[0]
-    if rows == 0:  # a shape, not a value: fixed for a captured graph
+    if hidden.shape[0] == 0:  # a shape, not a value: fixed for a captured graph
         return
     if _runs_kernel(hidden.device):
         _kernels().edit_rows(hidden, residual, slots, bank, modes, scales, projections, norm_match)
         return
+    _edit_by_torch(hidden, residual, slots, bank, modes, scales, projections, norm_match)
+
+
+def _edit_by_torch(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor, bank: torch.Tensor,
+                   modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
+                   norm_match: torch.Tensor) -> None:
+    """`edit_stream`'s torch body: every row of the call edited by its slot's operation, the unmarked rows kept."""
+    rows = hidden.shape[0]
     slot = slots[:rows].long()
     marked = slot >= 0
     safe = slot.clamp_min(0)  # unmarked rows gather slot 0 and discard it, so no shape depends on the marks
@@ -252,13 +266,19 @@ def harvest_stream(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[t
             most one buffer row per stream row, from row 0).
     """
     _check_harvest(out, hidden, residual, sources)
-    rows, capacity = hidden.shape[0], out.shape[0]
-    filled = min(rows, capacity)  # shapes, not values: fixed for a captured graph
-    if filled == 0:
+    if min(hidden.shape[0], out.shape[0]) == 0:  # shapes, not values: fixed for a captured graph
         return
     if _runs_kernel(hidden.device):
         _kernels().harvest_rows(out, hidden, residual, sources)
         return
+    _harvest_by_torch(out, hidden, residual, sources)
+
+
+def _harvest_by_torch(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                      sources: torch.Tensor) -> None:
+    """`harvest_stream`'s torch body: the buffer rows below the call's rows take their sources' rows."""
+    rows = hidden.shape[0]
+    filled = min(rows, out.shape[0])
     source = sources[:filled].long()
     valid = (source >= 0) & (source < rows)
     safe = torch.where(valid, source, torch.zeros_like(source))
@@ -274,8 +294,55 @@ def _harvest_stream_fake(out: torch.Tensor, hidden: torch.Tensor, residual: Opti
     _check_harvest(out, hidden, residual, sources)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::edit_harvest_stream", mutates_args=("hidden", "out"))
+def edit_harvest_stream(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor,
+                        bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
+                        norm_match: torch.Tensor, out: torch.Tensor, sources: torch.Tensor,
+                        targets: torch.Tensor) -> None:
+    """`edit_stream`, then `harvest_stream` of the edited stream, in one launch: a site's last edit round and its
+    harvest (`streamscope.vllm.graph_wiring` puts it where a module call holds one site).
+
+    Args:
+        hidden, residual, slots, bank, modes, scales, projections, norm_match:
+            As `edit_stream`'s.
+        out, sources: As `harvest_stream`'s.
+        targets: ``[>= rows]`` int: the buffer row stream row ``r`` fills, ``-1``
+            for none; the inverse of `sources` (`GraphPlan` fills both). The
+            kernel reads `targets` (a program a stream row, which stores its
+            edited row in its buffer row from the registers), the torch body
+            `sources`.
+    """
+    _check_edit_harvest(hidden, residual, slots, bank, modes, scales, projections, norm_match, out, sources, targets)
+    if hidden.shape[0] == 0:  # a shape, not a value: fixed for a captured graph
+        return
+    if _runs_kernel(hidden.device):
+        _kernels().edit_harvest_rows(hidden, residual, slots, bank, modes, scales, projections, norm_match, out,
+                                     targets)
+        return
+    _edit_by_torch(hidden, residual, slots, bank, modes, scales, projections, norm_match)
+    if out.shape[0]:
+        _harvest_by_torch(out, hidden, residual, sources)
+
+
+def _check_edit_harvest(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor,
+                        bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
+                        norm_match: torch.Tensor, out: torch.Tensor, sources: torch.Tensor,
+                        targets: torch.Tensor) -> None:
+    _check_edit(hidden, residual, slots, bank, modes, scales, projections, norm_match)
+    _check_harvest(out, hidden, residual, sources)
+    _check_index("streamscope::edit_harvest_stream", "targets", targets, hidden.shape[0], hidden.device)
+
+
+@edit_harvest_stream.register_fake
+def _edit_harvest_stream_fake(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor,
+                              bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor,
+                              projections: torch.Tensor, norm_match: torch.Tensor, out: torch.Tensor,
+                              sources: torch.Tensor, targets: torch.Tensor) -> None:
+    _check_edit_harvest(hidden, residual, slots, bank, modes, scales, projections, norm_match, out, sources, targets)
+
+
 #: The ops streamscope inserts, by name: what the compile cache's salt hashes (`cache_salt`).
-OPS = {"edit_stream": edit_stream, "harvest_stream": harvest_stream}
+OPS = {"edit_stream": edit_stream, "harvest_stream": harvest_stream, "edit_harvest_stream": edit_harvest_stream}
 
 
 def kernel_source() -> str:
@@ -288,8 +355,9 @@ def ops_source() -> str:
     """The source of every function the ops run (their bodies, checks and fake implementations, the choice of
     body, and the Triton kernels' module): torch.compile treats the ops as opaque, so vLLM's hash of the files it
     traced never reads this code."""
-    functions = (_check_stream, _check_index, _check_edit, _edited, edit_stream, _edit_stream_fake,
-                 _check_harvest, harvest_stream, _harvest_stream_fake, _runs_kernel, _kernels)
+    functions = (_check_stream, _check_index, _check_edit, _edited, edit_stream, _edit_by_torch, _edit_stream_fake,
+                 _check_harvest, harvest_stream, _harvest_by_torch, _harvest_stream_fake, edit_harvest_stream,
+                 _check_edit_harvest, _edit_harvest_stream_fake, _runs_kernel, _kernels)
     own = "\n".join(inspect.getsource(getattr(function, "_init_fn", function)) for function in functions)
     return own + "\n" + kernel_source()
 

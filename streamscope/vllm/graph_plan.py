@@ -8,11 +8,13 @@ tensors at the same addresses. `GraphPlan` owns them:
   ``bank [slots, hidden]`` and its per-slot buffers, shared by every request
   and site that uses it (an ablation at every block is one slot), written
   when a request brings a new one, not per step;
-* one device index ``[max_rows, lanes + 1]`` of int32: column ``j`` is lane
+* one device index ``[max_rows, lanes + 2]`` of int32: column ``j`` is lane
   ``j``'s row -> slot map (a lane is one edit op: a site and a round, a
   request's second steer at one site being the second round), ``-1`` for a
   row left alone; the last column is the harvest's buffer row -> stream row
-  map. The ops read columns of it (strided views, fixed addresses);
+  map, the one before it the inverse, stream row -> buffer row (what a
+  site's last edit reads where it harvests too: `graph_ops.edit_harvest_stream`).
+  The ops read columns of it (strided views, fixed addresses);
 * ``harvested [harvest sites, capacity, hidden]``: the harvest op's output,
   row ``k`` of every harvest site taking the step's ``k``-th harvested row.
 
@@ -296,7 +298,7 @@ class GraphPlan:
         self.max_rows, self.capacity = max_rows, capacity
         self.device = torch.device(device)
         self.bank = SlotBank(slots, hidden, dtype, self.device)
-        columns = len(self.lane_of) + 1
+        columns = len(self.lane_of) + 2  # the lanes, the stream row -> buffer row map, the buffer row -> stream row
         self.index = torch.full((max_rows, columns), -1, dtype=torch.int32, device=self.device)
         # The host's copy, filled each step. On a GPU the step's rows go through one of two pinned staging buffers,
         # so the copy does not wait, and the host never rewrites a buffer whose copy may still be queued.
@@ -325,6 +327,12 @@ class GraphPlan:
     def sources(self) -> torch.Tensor:
         """The harvest op's buffer row -> stream row map, ``[capacity]`` int32 (the last column of `index`)."""
         return self.index[:self.capacity, -1]
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """The inverse of `sources`: each stream row's harvest buffer row, ``-1`` for none, ``[max_rows]`` int32 (the
+        column before the last of `index`)."""
+        return self.index[:, -2]
 
     def harvest_buffer(self, site: Hashable) -> torch.Tensor:
         """The harvest op's output at `site`, ``[capacity, hidden]``."""
@@ -465,8 +473,9 @@ class GraphPlan:
             for edit in live.edits:
                 for low, high in edit.rule.ranges(start, count, first):
                     _fill(host, low, high, edit.columns, edit.slot)
-        if sources:  # the harvest column: buffer row -> stream row (rows past them hold -1 from the table)
+        if sources:  # the harvest columns: buffer row -> stream row and back (the rest hold -1 from the table)
             host[:len(sources), -1] = torch.tensor(sources, dtype=torch.int32)
+            host[torch.tensor(sources, dtype=torch.long), -2] = torch.arange(len(sources), dtype=torch.int32)
 
     def _copy(self, rows: int) -> None:
         if not self._staging:

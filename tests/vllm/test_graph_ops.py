@@ -177,12 +177,17 @@ class OnAFamily:
                  for hook in [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
                  if hook.__qualname__.startswith("insert_ops.")]
         assert len(hooks) == len(graph.inserted.handles)
+        kinds = []
         for hook in hooks:
             (run,) = hook.__defaults__
             (items,) = run.__defaults__
-            for kind, at, tensor in items:
-                assert kind in ("edit", "harvest") and type(at) is StreamAt and isinstance(tensor, torch.Tensor)
+            for kind, at, tensors in items:
+                kinds.append(kind)
+                assert kind in ("edit", "harvest", "edit_harvest") and type(at) is StreamAt
+                assert all(isinstance(tensor, torch.Tensor) for tensor in tensors)
                 assert all(part is None or isinstance(part, (bool, tuple)) for part in at), at
+        # Every harvest site here has an edit op and a call of its own: its last round takes its harvest.
+        assert kinds.count("edit_harvest") == len(graph.outputs) and "harvest" not in kinds
 
     def test_steer_through_the_ops_equals_the_bulk_path(self, engines: Any, case: tuple) -> None:
         family, model, graph = engines
