@@ -232,8 +232,9 @@ def edit_launch(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: t
     tensors: one program a row of `hidden`."""
     rows, width = hidden.shape
     second = hidden if residual is None else residual  # never read without FUSED
-    harvest = out is not None and targets is not None
-    kept, where = (out, targets) if harvest else (hidden, slots)  # never read without HARVEST
+    harvest, kept, where = False, hidden, slots  # never read without HARVEST
+    if out is not None and targets is not None:
+        harvest, kept, where = True, out, targets
     arguments = (hidden, hidden.stride(0), hidden.stride(1), second, second.stride(0), second.stride(1), slots,
                  slots.stride(0), bank, bank.stride(0), bank.stride(1), modes, modes.stride(0), scales,
                  scales.stride(0), projections, projections.stride(0), norm_match, norm_match.stride(0), width,
