@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from streamscope.bulk import results
-from streamscope.bulk.results import Harvest, ShardCutter, estimated_row_bytes, shard_is_full
+from streamscope.bulk.results import Harvest, ShardCutter, estimated_row_bytes, shard_fits
 from streamscope.bulk.spec import HarvestSpec
 
 
@@ -64,10 +64,10 @@ def test_later_shards_use_the_measured_row_bytes(monkeypatch: pytest.MonkeyPatch
     assert cutter.row_bytes == 400
 
 
-def test_full_by_prompts_or_bytes() -> None:
-    assert shard_is_full(3, 0, 3) and not shard_is_full(2, 10**12, 3)
-    assert shard_is_full(results.SHARD_PROMPTS, 0, None) and shard_is_full(1, results.SHARD_BYTES, None)
-    assert not shard_is_full(1, results.SHARD_BYTES - 1, None)
+def test_fits_by_prompts_and_bytes() -> None:
+    assert shard_fits(3, 10**12, 3) and not shard_fits(4, 0, 3)  # shard_size given: prompts alone count
+    assert shard_fits(results.SHARD_PROMPTS, results.SHARD_BYTES, None)
+    assert not shard_fits(results.SHARD_PROMPTS + 1, 0, None) and not shard_fits(1, results.SHARD_BYTES + 1, None)
 
 
 def test_the_estimate_counts_every_site_at_its_width() -> None:

@@ -132,12 +132,12 @@ def check_shard_size(shard_size: Optional[int]) -> None:
                          f"shards of at most {SHARD_BYTES >> 20} MiB of rows.")
 
 
-def shard_is_full(prompts: int, size: int, shard_size: Optional[int]) -> bool:
-    """Whether `prompts` prompts holding `size` bytes of rows make a shard: `shard_size` prompts where given, else
-    `SHARD_PROMPTS` prompts or `SHARD_BYTES` bytes."""
+def shard_fits(prompts: int, size: int, shard_size: Optional[int]) -> bool:
+    """Whether one shard may hold `prompts` prompts of `size` bytes of rows: `shard_size` prompts where given, else
+    `SHARD_PROMPTS` prompts and `SHARD_BYTES` bytes."""
     if shard_size is not None:
-        return prompts >= shard_size
-    return prompts >= SHARD_PROMPTS or size >= SHARD_BYTES
+        return prompts <= shard_size
+    return prompts <= SHARD_PROMPTS and size <= SHARD_BYTES
 
 
 class ShardCutter:
@@ -164,17 +164,11 @@ class ShardCutter:
             end, size = start, 0
             while end < self.count:
                 grown = size + self.rows(end) * self.row_bytes
-                if end > start and not self.fits(end + 1 - start, grown):
+                if end > start and not shard_fits(end + 1 - start, grown, self.shard_size):
                     break
                 size, end = grown, end + 1
             yield list(range(start, end))
             start = end
-
-    def fits(self, prompts: int, size: int) -> bool:
-        """Whether one shard may hold `prompts` prompts of `size` bytes of rows."""
-        if self.shard_size is not None:
-            return prompts <= self.shard_size
-        return prompts <= SHARD_PROMPTS and size <= SHARD_BYTES
 
     def measure(self, part: Harvest) -> None:
         rows = sum(self.rows(prompt) for prompt in part.prompts)
@@ -186,13 +180,12 @@ class ShardCutter:
 def estimated_row_bytes(spec: HarvestSpec, hidden_size: int, dtype: torch.dtype) -> int:
     """A harvested row's bytes over every site, taking each value as `hidden_size` wide (`spec.shapes` where it
     gives the row's shape)."""
-    element = torch.empty((), dtype=dtype).element_size()
     width = 0
     for value in spec.values:
         sites = 1 if value in ROOT_VALUES else len(spec.layers)
         shape = spec.shapes.get(value)
         width += sites * (hidden_size if shape is None else int(torch.Size(shape).numel()))
-    return width * element
+    return width * dtype.itemsize
 
 
 class ShardWriter:

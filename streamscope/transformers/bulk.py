@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from .. import nnsight_seam as seam
 from ..bulk.apply import Applier, Span, steer_plans
 from ..bulk.moments import check_reduce, reduce_buffer
-from ..bulk.results import Generation, Harvest, ShardWriter, assemble, check_shard_size, shard_is_full
+from ..bulk.results import Generation, Harvest, ShardWriter, assemble, check_shard_size, shard_fits
 from ..bulk.spec import Positions, check_doses, check_steer, generation_harvest, harvest_spec, token_ids
 
 
@@ -98,7 +98,7 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
 
     `reduce` (``"last"``, ``"mean"``) reduces each prompt's positions as its batch finishes
     (`streamscope.bulk.moments.reduce_positions`), so only one row a prompt is kept.
-    A shard of `out` is written once its batches hold `shard_size` prompts; by default 1,024 prompts or
+    A shard of `out` is written once its batches hold `shard_size` prompts; by default 1,024 prompts or more than
     `streamscope.bulk.results.SHARD_BYTES` of rows (1 GiB), whichever comes first.
     """
     check_shard_size(shard_size)
@@ -131,7 +131,8 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
                 collected[index] = reduce_buffer(applier.take(index), spec.reduce)
             pending.extend(batch)
             bar.update(len(batch))
-            if writer is not None and shard_is_full(len(pending), _held_bytes(collected, pending), shard_size):
+            # The shard is written once another prompt would not fit (its batch's rows exist only after it runs).
+            if writer is not None and not shard_fits(len(pending) + 1, _held_bytes(collected, pending), shard_size):
                 _flush(writer, spec, collected, pending)
         if writer is None:
             order = list(range(len(ids)))

@@ -464,8 +464,9 @@ def harvest(model: Any, prompts: Sequence[Any], values: Any, layers: Any = None,
     _check_tapped(model, spec.sites(model) + [check_steer(model, item, len(ids), lengths) for item in steer]
                   + condition_sites(model, steer))
     _check_whole_prompts(model, steer)
-    steer = check_doses(model, list(steer), _dtype(model))  # a clamped dose's steer replaced
-    shards = ShardCutter(spec, len(ids), shard_size, estimated_row_bytes(spec, model.hidden_size, _dtype(model)))
+    dtype = _dtype(model)
+    steer = check_doses(model, list(steer), dtype)  # a clamped dose's steer replaced
+    shards = ShardCutter(spec, len(ids), shard_size, estimated_row_bytes(spec, model.hidden_size, dtype))
     writer = ShardWriter(out, spec, len(ids)) if out is not None else None
     parts: list[Harvest] = []
     bar = tqdm(total=len(ids), desc="harvest", unit="prompt", disable=not progress)

@@ -474,8 +474,9 @@ class GraphPlan:
                 for low, high in edit.rule.ranges(start, count, first):
                     _fill(host, low, high, edit.columns, edit.slot)
         if sources:  # the harvest columns: buffer row -> stream row and back (the rest hold -1 from the table)
-            host[:len(sources), -1] = torch.tensor(sources, dtype=torch.int32)
-            host[torch.tensor(sources, dtype=torch.long), -2] = torch.arange(len(sources), dtype=torch.int32)
+            rows = torch.tensor(sources, dtype=torch.int32)
+            host[:len(sources), -1] = rows
+            host[rows.long(), -2] = torch.arange(len(sources), dtype=torch.int32)
 
     def _copy(self, rows: int) -> None:
         if not self._staging:

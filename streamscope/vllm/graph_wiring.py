@@ -161,17 +161,14 @@ def insert_ops(plan: GraphPlan, sites: Mapping[Hashable, Site]) -> Inserted:
         raise ValueError(f"the plan names sites {unknown[:4]} that the model does not serve: build the plan from "
                          f"graph_sites(...)'s names.")
     work: dict[tuple[int, str], list[Any]] = {}
-    modules: dict[tuple[int, str], torch.nn.Module] = {}
-    named: dict[tuple[int, str], set[Hashable]] = {}
+    named: dict[tuple[int, str], set[Hashable]] = {}  # the sites at each module call
     for name in plan.sites:
         site = sites[name]
-        modules[site.key] = site.module
         named.setdefault(site.key, set()).add(name)
         for round_ in range(plan.rounds):
             work.setdefault(site.key, []).append(("edit", stream_at(site), (plan.slots_of(name, round_),)))
     for name in plan.harvest_sites:
         site = sites[name]
-        modules[site.key] = site.module
         named.setdefault(site.key, set()).add(name)
         work.setdefault(site.key, []).append(("harvest", stream_at(site), (plan.harvest_buffer(name),)))
     for key, items in work.items():
@@ -194,7 +191,7 @@ def insert_ops(plan: GraphPlan, sites: Mapping[Hashable, Site]) -> Inserted:
                     harvest_stream(tensors[0], hidden, residual, sources)
                 else:
                     edit_harvest_stream(hidden, residual, tensors[0], *buffers, tensors[1], sources, targets)
-        module, where = modules[key], key[1]
+        module, where = sites[next(iter(named[key]))].module, key[1]
         if where == INPUT:
             def before(_module: Any, args: tuple, kwargs: dict, run: Any = run) -> None:
                 run((args, kwargs))
