@@ -86,6 +86,16 @@ def body(name: str) -> Iterator[None]:
         ops.use_body(previous)
 
 
+@contextlib.contextmanager
+def dependent(on: bool) -> Iterator[None]:
+    """The edit kernels launch as programmatic dependents inside (`graph_kernels.DEPENDENT_LAUNCH`)."""
+    previous, kernels.DEPENDENT_LAUNCH = kernels.DEPENDENT_LAUNCH, on
+    try:
+        yield
+    finally:
+        kernels.DEPENDENT_LAUNCH = previous
+
+
 def operation(mode: str, norm_match: bool, dtype: torch.dtype, width: int, seed: int) -> Any:
     vector = torch.randn(width, generator=torch.Generator().manual_seed(seed))
     return operations.prepare(mode, vector, 0.8, 2.0, norm_match, dtype, DEVICE)
@@ -96,7 +106,8 @@ def scenarios(dtype: torch.dtype, width: int) -> list[tuple[str, dict, list[Span
     return [
         ("three requests", {
             "a": [steer(["s0", "s1"], operation("ablate", False, dtype, width, 1), rule.of(range(1, 40), 40), "a")],
-            "b": [steer(["s0"], operation("add", False, dtype, width, 2), rule.of([0, 3, 5], 10), "b")],
+            "b": [steer(["s0"], operation("add", False, dtype, width, 2), rule.of([0, 3, 5], 10), "b"),
+                  steer(["s0"], operation("clamp", False, dtype, width, 5), rule.of([3, 4, 5], 10), "b")],
             "c": [steer(["s1"], operation("clamp", True, dtype, width, 3), rule.of(range(20), 20), "c")]},
          [Span("a", 0, 40, 0), Span("b", 40, 10, 0), Span(None, 50, 30, 0), Span("c", 80, 20, 0)]),
         ("decode, norm-matched set", {
@@ -107,16 +118,17 @@ def scenarios(dtype: torch.dtype, width: int) -> list[tuple[str, dict, list[Span
 
 
 def check_capture(dtype: torch.dtype, width: int = 4096, rows: int = 256) -> bool:
-    """Both ops at two sites captured once; each scenario refills the buffers and replays: the replay's bits are
-    an eager call's on the same buffers, and rows no slot marks are untouched."""
-    plan = plans.GraphPlan(["s0", "s1"], 1, 512, width, dtype, DEVICE, slots=8, harvest_sites=["s0", "s1"])
+    """Both ops at two sites of two rounds captured once (a site's rounds in one launch; at s0 with its harvest);
+    each scenario refills the buffers and replays: the replay's bits are an eager call's on the same buffers, and
+    rows no slot marks are untouched."""
+    plan = plans.GraphPlan(["s0", "s1"], 2, 512, width, dtype, DEVICE, slots=8, harvest_sites=["s0", "s1"])
     hidden = torch.zeros(rows, width, dtype=dtype, device=DEVICE)
     residual = torch.zeros_like(hidden)
 
     def body(hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        ops.edit_harvest_stream(hidden, residual, plan.slots_of("s0"), *plan.bank.buffers, plan.harvest_buffer("s0"),
-                                plan.sources, plan.targets)  # the two ops below in one launch
-        ops.edit_stream(residual, None, plan.slots_of("s1"), *plan.bank.buffers)
+        ops.edit_harvest_stream(hidden, residual, plan.rounds_of("s0"), *plan.bank.buffers,
+                                plan.harvest_buffer("s0"), plan.sources, plan.targets)  # the two ops below in one
+        ops.edit_stream(residual, None, plan.rounds_of("s1"), *plan.bank.buffers)
         ops.harvest_stream(plan.harvest_buffer("s1"), residual, None, plan.sources)
 
     side = torch.cuda.Stream()
@@ -145,10 +157,10 @@ def check_capture(dtype: torch.dtype, width: int = 4096, rows: int = 256) -> boo
         body(eager_hidden, eager_residual)
         same = (torch.equal(replayed[0], eager_hidden) and torch.equal(replayed[1], eager_residual)
                 and torch.equal(replayed[2], plan.harvested))
-        marked = (plan.index[:rows, :2] >= 0).any(-1)
+        marked = (plan.index[:rows, :len(plan.lane_of)] >= 0).any(-1)
         untouched = (torch.equal(replayed[0][~marked], source_hidden[~marked])
                      and torch.equal(replayed[1][~marked], source_residual[~marked]))
-        print(f"{ops._body or 'default'} body, {dtype} {name}: replay == eager bits {same}; unmarked rows untouched "
+        print(f"{ops._body or 'default'} body{', dependent' if kernels.DEPENDENT_LAUNCH else ''}, {dtype} {name}: replay == eager bits {same}; unmarked rows untouched "
               f"{untouched}; marked rows {int(marked.sum())}", flush=True)
         good = good and same and untouched
         for key in steers:
@@ -264,13 +276,17 @@ def replay_time(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
 
 
 def ops_time(name: str, dtype: torch.dtype = torch.bfloat16, width: int = 4096, rows: int = 256, sites: int = 128,
-             harvest: bool = False, steered: int = 0, eager: bool = False, together: bool = False) -> float:
+             harvest: bool = False, steered: int = 0, eager: bool = False, together: bool = False, rounds: int = 1,
+             round_by_round: bool = False, neighbours: bool = False, ops_on: bool = True) -> float:
     """A captured graph of the edit ops (and harvest ops) at `sites` sites, run by body `name`, `steered` rows
     marked at every site (an ablation), the rest idle: milliseconds a replay. `together`: each site's edit and
     harvest as one `edit_harvest_stream`. `eager`: milliseconds the same calls take uncaptured, host time
-    included (a step vLLM runs outside its captured sizes, a large prefill)."""
+    included (a step vLLM runs outside its captured sizes, a large prefill). `rounds`: edit rounds a site, one
+    launch for them all (`round_by_round`: a launch a round, the last with the harvest, as before). `neighbours`:
+    a small kernel of the model's own before each site (an add over the rows), as the ops sit between vLLM's
+    kernels; `ops_on=False` times the neighbours alone."""
     names = [f"s{number}" for number in range(sites)]
-    plan = plans.GraphPlan(names, 1, max(rows, 256), width, dtype, DEVICE, slots=256,
+    plan = plans.GraphPlan(names, rounds, max(rows, 256), width, dtype, DEVICE, slots=256,
                            harvest_sites=names if harvest else (), harvest_capacity=256)
     if steered:
         plan.enter("r", [plans.PlannedSteer(names, operation("ablate", False, dtype, width, 40),
@@ -279,10 +295,19 @@ def ops_time(name: str, dtype: torch.dtype = torch.bfloat16, width: int = 4096, 
         plan.step(spans)
     hidden = torch.randn(rows, width, device=DEVICE).to(dtype)
     residual = torch.randn_like(hidden)
-    views = [plan.slots_of(site) for site in names]
+    views = [plan.rounds_of(site) for site in names]
+    other = torch.zeros_like(hidden)
 
     def run() -> None:
         for site, view in zip(names, views):
+            if neighbours:
+                other.add_(hidden)
+            if not ops_on:
+                continue
+            if round_by_round:
+                for round_ in range(rounds - 1):
+                    ops.edit_stream(hidden, residual, plan.slots_of(site, round_), *plan.bank.buffers)
+                view = plan.slots_of(site, rounds - 1)
             if harvest and together:
                 ops.edit_harvest_stream(hidden, residual, view, *plan.bank.buffers, plan.harvest_buffer(site),
                                         plan.sources, plan.targets)
@@ -339,6 +364,29 @@ def idle_costs() -> None:
               f"({1000 * times['torch'] / sites:.1f} us a site): {times['torch'] / times['triton']:.1f}x", flush=True)
 
 
+def launch_cuts() -> None:
+    """What a site costs idle with the default options (2 rounds and a harvest), bfloat16, 256 rows, 128 sites:
+    a launch a round (the last with the harvest) against one launch a site, each as programmatic dependents too;
+    alone, and each op after a small kernel of its own (as between a model's kernels)."""
+    sites = 128
+    for neighbours in (False, True):
+        base = ops_time("triton", harvest=True, together=True, rounds=2, neighbours=True, ops_on=False) \
+            if neighbours else 0.0
+        where = "between small kernels" if neighbours else "alone"
+        for label, options in (("a launch a round", {"round_by_round": True}), ("one launch a site", {})):
+            for on in (False, True):
+                try:
+                    with dependent(on):
+                        took = ops_time("triton", harvest=True, together=True, rounds=2, neighbours=neighbours,
+                                        **options) - base
+                except Exception as error:
+                    print(f"idle site, {where}, {label}, dependent launch {on}: could not launch "
+                          f"({type(error).__name__}: {error})", flush=True)
+                    continue
+                print(f"idle site, 2 rounds and a harvest, {where}, {label}{', dependent launch' if on else ''}: "
+                      f"{1000 * took / sites:.2f} us a site", flush=True)
+
+
 def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     import triton
@@ -354,7 +402,16 @@ def main() -> int:
     agree = all([check_bodies_agree(torch.float32), check_bodies_agree(torch.bfloat16),
                  check_bodies_agree(torch.float16)])
     print("kernels against the torch body:", "ok" if agree else "FAILED", flush=True)
+    try:
+        with dependent(True):  # the kernels as programmatic dependents: the same bits
+            captured = check_capture(torch.float32) and check_capture(torch.bfloat16)
+    except Exception as error:  # this Triton may lack the launch option: say so, and keep the other figures
+        print(f"capture, dependent launch: could not launch ({type(error).__name__}: {error})", flush=True)
+    else:
+        print("capture, dependent launch:", "ok" if captured else "FAILED", flush=True)
+        good = good and captured
     check_compile()  # the default body on CUDA: the kernels
+    launch_cuts()
     idle_costs()
     return 0 if good and agree else 1
 

@@ -445,6 +445,70 @@ def test_an_edit_and_its_harvest_in_one_launch_are_the_two_ops(interpreted: Inte
     assert torch.equal(bits(by_torch), bits(separate)) and torch.equal(bits(by_torch_out), bits(separate_out))
 
 
+@pytest.mark.parametrize("block", [None, 32], ids=["one-block", "blocks-of-32"])
+@pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_sites_rounds_in_one_launch_are_the_rounds_one_by_one(interpreted: Interpreter, dtype: torch.dtype,
+                                                                fused: bool, block: Optional[int]) -> None:
+    """A ``[rows, rounds]`` slot map runs every round in one launch and gives the bits of one launch a round, in
+    order (each round edits the row as the round before left it: a clamp after an add sees the add), for the
+    edit alone and with the harvest (which stores the row after the last round that edits it, or the row as it
+    was); the torch body does the same rounds one by one. Rows edited in no round, in some and in all three."""
+    width, rows, rounds = 100, 20, 3
+    kinds = [(mode, norm_match) for mode in MODES for norm_match in (False, True)]
+    ops = [prepare(mode, torch.randn(width, generator=generator(60 + number)), *SETTINGS[mode], norm_match, dtype,
+                   "cpu") for number, (mode, norm_match) in enumerate(kinds)]
+    buffers = (torch.stack([op.unit if op.mode in DIRECTIONAL else op.delta for op in ops]),
+               torch.tensor([graph_ops.MODE_CODES[op.mode] for op in ops], dtype=torch.int32),
+               torch.tensor([op.scale for op in ops]), torch.tensor([op.projection for op in ops]),
+               torch.tensor([op.norm_match for op in ops]))
+    hidden = (torch.randn(rows, width, generator=generator(61)) * 3).to(dtype)
+    residual = (torch.randn(rows, width, generator=generator(62)) * 5).to(dtype) if fused else None
+    # A plan's index: a site's rounds side by side among other columns (a strided [rows, rounds] view).
+    index = torch.full((rows, 2 + rounds + 2), -1, dtype=torch.int32)
+    for row in range(rows):
+        for round_ in range(rounds):
+            index[row, 2 + round_] = (row * (round_ + 2) + round_) % 9 - 1  # -1 (idle) and 0..7, mixed
+    index[5, 2:2 + rounds] = index[15, 2:2 + rounds] = -1  # rows no round edits
+    slots = index[:, 2:2 + rounds]
+    assert (slots.min(dim=1).values >= 0).any() and (slots.max(dim=1).values < 0).any()  # all rounds, and none
+    harvested = [7, 0, 3, 9, 2, 13, 11]
+    sources = torch.full((8,), -1, dtype=torch.int32)
+    sources[:len(harvested)] = torch.tensor(harvested, dtype=torch.int32)
+    targets = torch.full((rows,), -1, dtype=torch.int32)
+    targets[harvested] = torch.arange(len(harvested), dtype=torch.int32)
+    out = torch.randn(8, width, generator=generator(63)).to(dtype)
+    options = {"block": block} if block else {}
+    edit, edit_harvest = ("edit_rows", "edit_harvest_rows") if block else ("edit_stream", "edit_harvest_stream")
+    one_by_one = hidden.clone()
+    for round_ in range(rounds):
+        (one_by_one, *_), _ = interpreted(edit, one_by_one, residual, slots[:, round_].contiguous(), *buffers,
+                                          **options)
+    (taken, *_), _ = interpreted("harvest_rows" if block else "harvest_stream", out.clone(), one_by_one, residual,
+                                 sources, **options)
+    (together, *_), _ = interpreted(edit, hidden.clone(), residual, slots, *buffers, **options)
+    assert torch.equal(bits(together), bits(one_by_one))
+    assert not torch.equal(bits(together), bits(hidden))  # the rounds acted, so the comparison above can fail
+    if block:
+        (both, _, _, _, _, _, _, _, both_out, _), _ = interpreted(
+            edit_harvest, hidden.clone(), residual, slots, *buffers, out.clone(), targets, **options)
+    else:
+        (both, _, _, _, _, _, _, _, both_out, _, _), _ = interpreted(
+            edit_harvest, hidden.clone(), residual, slots, *buffers, out.clone(), sources, targets)
+    assert torch.equal(bits(both), bits(one_by_one)) and torch.equal(bits(both_out), bits(taken))
+    by_torch, by_torch_out = hidden.clone(), out.clone()
+    previous = graph_ops.use_body("torch")
+    try:
+        graph_ops.edit_harvest_stream(by_torch, residual, slots, *buffers, by_torch_out, sources, targets)
+        separate, separate_out = hidden.clone(), out.clone()
+        for round_ in range(rounds):
+            graph_ops.edit_stream(separate, residual, slots[:, round_], *buffers)
+        graph_ops.harvest_stream(separate_out, separate, residual, sources)
+    finally:
+        graph_ops.use_body(previous)
+    assert torch.equal(bits(by_torch), bits(separate)) and torch.equal(bits(by_torch_out), bits(separate_out))
+
+
 # ---------------------------------------------------------------- compiled for a GPU, on this CPU
 
 
@@ -464,7 +528,7 @@ def compiled(kernel: Any, launch: graph_kernels.Launch) -> Any:
             constants[parameter.name] = value
         elif key == "D":
             attributes[(number,)] = [["tt.divisibility", 16]]
-    for name in ("FUSED", "BLOCK", "HARVEST"):
+    for name in ("FUSED", "BLOCK", "HARVEST", "ROUNDS", "WAIT"):
         if name in options:
             signature[name] = "constexpr"
             constants[name] = options[name]
@@ -515,6 +579,18 @@ def test_kernels_compile_for_hopper(dtype: torch.dtype, tmp_path: Path, monkeypa
         body = ptx[ptx.index("{", ptx.index(".entry")):]
         assert both.asm["cubin"] and body[:body.index("bra")].count("ld.global") == 2
         assert "fma.rn.f32" not in ptx and "st.global.v4" in ptx
+        # A site's two rounds and its harvest: one launch, the second round behind a barrier (it reads what other
+        # threads of the program stored in the first).
+        rounds = compiled(graph_kernels._edit_rows,
+                          graph_kernels.edit_launch(hidden, second, index[:, 3:5], *bank, None,
+                                                    torch.empty(256, width, **meta), index[:, -2]))
+        assert rounds.asm["cubin"] and rounds.asm["ttir"].count("ttg.barrier") == 1
+        assert "ttg.barrier" not in both.asm["ttir"]
+        # Launched as a programmatic dependent, a program waits for the kernel ahead before it reads anything.
+        grid, arguments, options = graph_kernels.edit_launch(hidden, second, index[:, 3], *bank)
+        waiting = compiled(graph_kernels._edit_rows, (grid, arguments, {**options, "WAIT": True}))
+        body = waiting.asm["ptx"][waiting.asm["ptx"].index("{", waiting.asm["ptx"].index(".entry")):]
+        assert "griddepcontrol.wait" in body[:body.index("ld.global")]
 
 
 # ---------------------------------------------------------------- the body's choice and the salt

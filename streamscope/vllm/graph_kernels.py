@@ -12,11 +12,16 @@ arithmetic. Their results are the torch body's, step for step:
   accumulates, in float32, the row's projection on its direction and its
   squared norm (where the mode or a norm match needs them), a second the
   edited row's squared norm (norm match only), a third writes the row.
+  Given a site's rounds (``slots`` ``[rows, rounds]``), a program runs
+  them in order on its row, one launch for them all: an idle row loads one
+  index entry a round and writes nothing; a round that edits after one that
+  did waits at a barrier first (its first pass reads columns other threads
+  of the program stored).
 * `edit_harvest_rows` is `edit_rows` with a harvest (``HARVEST``): each
   program also loads its row's target, the harvest buffer row it fills
-  (``-1``: none), returns only where both are ``-1``, copies an unedited
-  target row as `harvest_rows` does, and stores an edited one from the
-  registers of its last pass, rounded as `harvest_rows` adds the stored
+  (``-1``: none), copies a target row no round edits as `harvest_rows`
+  does, and stores an edited one from the registers of the last pass of
+  each round that edits it, rounded as `harvest_rows` adds the stored
   halves: the bits of the two kernels one after the other.
 * `harvest_rows` launches one program per row of the harvest buffer below
   the call's rows (a step fills no buffer row past them: `graph_ops`), so an
@@ -51,6 +56,10 @@ from triton.runtime.interpreter import InterpretedFunction
 
 #: The widest block of columns a program handles at once; a wider row is read in several blocks.
 MAX_BLOCK = 1024
+#: Whether the edit kernels on CUDA launch as programmatic dependents (Hopper's PDL: a program may start before
+#: the kernel ahead of it ends, and waits for it before reading): `scripts/graph_ops_gpu_check.py` times an idle
+#: launch both ways; off until a GPU shows it gains.
+DEPENDENT_LAUNCH = False
 #: The modes `_edit_rows` has a branch for (any other code would be edited as an add): a mode added to
 #: `graph_ops.MODE_CODES` without one fails tests/test_graph_kernels.py.
 KERNEL_MODES = ("add", "set", "ablate", "clamp")
@@ -118,28 +127,12 @@ def _edited_block(stream, vector, coefficient, is_set, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _edit_rows(hidden, hidden_row_stride, hidden_column, residual, residual_row_stride, residual_column,
-               slots, slots_stride, bank, bank_row_stride, bank_column, modes, modes_stride, scales, scales_stride,
-               projections, projections_stride, norm_match, norm_match_stride, width, tiny,
-               out, out_row_stride, out_column, targets, targets_stride,
-               FUSED: tl.constexpr, BLOCK: tl.constexpr, HARVEST: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots + row * slots_stride).to(tl.int64)
-    DTYPE = hidden.dtype.element_ty
-    hidden_row = hidden + row * hidden_row_stride
-    residual_row = residual + row * residual_row_stride
-    offsets = tl.arange(0, BLOCK)
-    if HARVEST:  # the row's harvest buffer row after the edit (-1: none), the harvest op's work in this launch
-        target = tl.load(targets + row * targets_stride).to(tl.int64)
-        if (slot < 0) & (target < 0):  # an idle row: nothing else is read or written
-            return
-        if slot < 0:  # harvested, not edited: its row as it is
-            _copy_row(out + target * out_row_stride, out_column, hidden_row, hidden_column,
-                      residual_row, residual_column, width, offsets, FUSED, BLOCK, DTYPE)
-            return
-    else:
-        if slot < 0:  # an idle row: nothing else is read or written
-            return
+def _edit_row(hidden_row, hidden_column, residual_row, residual_column, slot, bank, bank_row_stride, bank_column,
+              modes, modes_stride, scales, scales_stride, projections, projections_stride, norm_match,
+              norm_match_stride, width, tiny, offsets, kept_row, out_column, target,
+              FUSED: tl.constexpr, BLOCK: tl.constexpr, HARVEST: tl.constexpr, DTYPE: tl.constexpr):
+    """One round's edit of a marked row (``slot >= 0``): three passes over its blocks of columns; with ``HARVEST``
+    and a target row, the edited stream also stored there from the last pass's registers."""
     mode = tl.load(modes + slot * modes_stride)
     matched = tl.load(norm_match + slot * norm_match_stride) != 0
     scale = tl.load(scales + slot * scales_stride)
@@ -188,7 +181,43 @@ def _edit_rows(hidden, hidden_row_stride, hidden_column, residual, residual_row_
                 if FUSED:
                     residual_block = tl.load(residual_row + columns * residual_column, mask=inside, other=0.0)
                     kept = _rounded(edited + residual_block.to(tl.float32), DTYPE)
-                tl.store(out + target * out_row_stride + columns * out_column, kept.to(DTYPE), mask=inside)
+                tl.store(kept_row + columns * out_column, kept.to(DTYPE), mask=inside)
+
+
+@triton.jit
+def _edit_rows(hidden, hidden_row_stride, hidden_column, residual, residual_row_stride, residual_column,
+               slots, slots_stride, slots_round_stride, bank, bank_row_stride, bank_column, modes, modes_stride,
+               scales, scales_stride, projections, projections_stride, norm_match, norm_match_stride, width, tiny,
+               out, out_row_stride, out_column, targets, targets_stride,
+               FUSED: tl.constexpr, BLOCK: tl.constexpr, HARVEST: tl.constexpr, ROUNDS: tl.constexpr,
+               WAIT: tl.constexpr):
+    if WAIT:  # launched as a programmatic dependent: the kernel before may still be running until here
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    DTYPE = hidden.dtype.element_ty
+    hidden_row = hidden + row * hidden_row_stride
+    residual_row = residual + row * residual_row_stride
+    offsets = tl.arange(0, BLOCK)
+    if HARVEST:  # the row's harvest buffer row after the edits (-1: none), the harvest op's work in this launch
+        target = tl.load(targets + row * targets_stride).to(tl.int64)
+    else:
+        target = row * 0 - 1
+    kept_row = out + target * out_row_stride
+    edits = row * 0
+    for round_ in tl.static_range(ROUNDS):  # a site's rounds in order, each over the row as the one before left it
+        slot = tl.load(slots + row * slots_stride + round_ * slots_round_stride).to(tl.int64)
+        if slot >= 0:
+            if round_ > 0:  # the round before stored this row from other threads of the program
+                tl.debug_barrier()
+            _edit_row(hidden_row, hidden_column, residual_row, residual_column, slot, bank, bank_row_stride,
+                      bank_column, modes, modes_stride, scales, scales_stride, projections, projections_stride,
+                      norm_match, norm_match_stride, width, tiny, offsets, kept_row, out_column, target,
+                      FUSED, BLOCK, HARVEST, DTYPE)
+        edits += tl.where(slot >= 0, 1, 0)
+    if HARVEST:
+        if (target >= 0) & (edits == 0):  # harvested, not edited: its row as it is
+            _copy_row(kept_row, out_column, hidden_row, hidden_column, residual_row, residual_column, width,
+                      offsets, FUSED, BLOCK, DTYPE)
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -227,22 +256,26 @@ Launch = tuple[tuple[int], tuple[Any, ...], dict[str, Any]]
 def edit_launch(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor, bank: torch.Tensor,
                 modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor, norm_match: torch.Tensor,
                 block: Optional[int] = None, out: Optional[torch.Tensor] = None,
-                targets: Optional[torch.Tensor] = None) -> Launch:
+                targets: Optional[torch.Tensor] = None, dependent: Optional[bool] = None) -> Launch:
     """How `edit_rows` (and, with `out` and `targets`, `edit_harvest_rows`) launches `_edit_rows` for these
-    tensors: one program a row of `hidden`."""
+    tensors: one program a row of `hidden`, each running every round of `slots` (a column of slots a round, or one
+    column). `dependent`: launched as a programmatic dependent (`DEPENDENT_LAUNCH` when None)."""
     rows, width = hidden.shape
     second = hidden if residual is None else residual  # never read without FUSED
     harvest, kept, where = False, hidden, slots  # never read without HARVEST
     if out is not None and targets is not None:
         harvest, kept, where = True, out, targets
+    rounds, round_stride = (slots.shape[1], slots.stride(1)) if slots.dim() == 2 else (1, 0)
     arguments = (hidden, hidden.stride(0), hidden.stride(1), second, second.stride(0), second.stride(1), slots,
-                 slots.stride(0), bank, bank.stride(0), bank.stride(1), modes, modes.stride(0), scales,
+                 slots.stride(0), round_stride, bank, bank.stride(0), bank.stride(1), modes, modes.stride(0), scales,
                  scales.stride(0), projections, projections.stride(0), norm_match, norm_match.stride(0), width,
                  torch.finfo(hidden.dtype).tiny, kept, kept.stride(0), kept.stride(1), where, where.stride(0))
     # No fused multiply-adds: each product is rounded as torch's own kernels round it, on the GPU as in the
     # interpreter.
-    options = {"FUSED": residual is not None, "BLOCK": block_for(width, block), "HARVEST": harvest,
-               "enable_fp_fusion": False}
+    options: dict[str, Any] = {"FUSED": residual is not None, "BLOCK": block_for(width, block), "HARVEST": harvest,
+                               "ROUNDS": rounds, "WAIT": False, "enable_fp_fusion": False}
+    if (DEPENDENT_LAUNCH if dependent is None else dependent) and hidden.device.type == "cuda":
+        options.update(WAIT=True, launch_pdl=True)
     return (rows,), arguments, options
 
 

@@ -23,9 +23,13 @@ so a graph captured once replays every step, whichever requests steer:
 * ``streamscope::edit_harvest_stream(hidden, residual, slots, bank, modes,
   scales, projections, norm_match, out, sources, targets)`` is the first
   then the second, in one launch: where a module call holds one site, its
-  last edit round and its harvest (`streamscope.vllm.graph_wiring`). The
+  edit rounds and its harvest (`streamscope.vllm.graph_wiring`). The
   kernel's program for stream row ``r`` stores its edited row in buffer row
   ``targets[r]`` from its registers, so the harvest costs no launch of its own.
+
+`slots` is one column (one round) or ``[rows, rounds]``, a site's rounds:
+one launch runs them in order, each on the row the round before left, so a
+site costs one launch whatever its rounds.
 
 A stream comes whole (``residual`` None) or, in vLLM's fused blocks, in two
 halves ``hidden + residual`` (`streamscope.vllm.blocks.Summed`): an edit then
@@ -128,12 +132,21 @@ def _check_index(op: str, name: str, index: torch.Tensor, rows: int, device: tor
                          f"step runs (the plan's max_rows).")
 
 
+def _check_slots(op: str, slots: torch.Tensor, rows: int, device: torch.device) -> None:
+    if slots.dim() == 2:
+        if slots.shape[1] < 1:
+            raise ValueError(f"{op}: slots [rows, rounds] holds at least one round, not {tuple(slots.shape)}.")
+        _check_index(op, "slots", slots[:, 0], rows, device)
+    else:
+        _check_index(op, "slots", slots, rows, device)
+
+
 def _check_edit(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor, bank: torch.Tensor,
                 modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
                 norm_match: torch.Tensor) -> None:
     op = "streamscope::edit_stream"
     _check_stream(op, hidden, residual)
-    _check_index(op, "slots", slots, hidden.shape[0], hidden.device)
+    _check_slots(op, slots, hidden.shape[0], hidden.device)
     if bank.dim() != 2 or bank.shape[1] != hidden.shape[1] or bank.dtype != hidden.dtype:
         raise ValueError(f"{op}: the bank is [slots, {hidden.shape[1]}] in the stream's dtype {hidden.dtype}, not "
                          f"{tuple(bank.shape)} {bank.dtype}.")
@@ -186,7 +199,10 @@ def edit_stream(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: t
             `residual` is given; the only tensor the op changes.
         residual: The residual half of a fused block's stream, or None.
         slots: ``[>= rows]`` int: row ``r``'s slot, ``-1`` for a row left alone
-            (entries past ``rows``, a graph's padding, are not read).
+            (entries past ``rows``, a graph's padding, are not read); or
+            ``[>= rows, rounds]``: a site's rounds, column by column, each
+            edit applied to the row as the round before left it, in one
+            launch.
         bank: ``[slots, hidden]`` in the stream's dtype: each slot's vector,
             ``scale * vector`` for add and set, the unit direction for ablate
             and clamp (`streamscope.bulk.operations.prepare`).
@@ -208,7 +224,12 @@ def edit_stream(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: t
 def _edit_by_torch(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor, bank: torch.Tensor,
                    modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
                    norm_match: torch.Tensor) -> None:
-    """`edit_stream`'s torch body: every row of the call edited by its slot's operation, the unmarked rows kept."""
+    """`edit_stream`'s torch body: every row of the call edited by its slot's operation, the unmarked rows kept;
+    with a column of slots a round, each round in order."""
+    if slots.dim() == 2:
+        for round_ in range(slots.shape[1]):
+            _edit_by_torch(hidden, residual, slots[:, round_], bank, modes, scales, projections, norm_match)
+        return
     rows = hidden.shape[0]
     slot = slots[:rows].long()
     marked = slot >= 0
@@ -299,7 +320,7 @@ def edit_harvest_stream(hidden: torch.Tensor, residual: Optional[torch.Tensor], 
                         bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
                         norm_match: torch.Tensor, out: torch.Tensor, sources: torch.Tensor,
                         targets: torch.Tensor) -> None:
-    """`edit_stream`, then `harvest_stream` of the edited stream, in one launch: a site's last edit round and its
+    """`edit_stream`, then `harvest_stream` of the edited stream, in one launch: a site's edit rounds and its
     harvest (`streamscope.vllm.graph_wiring` puts it where a module call holds one site).
 
     Args:
@@ -355,7 +376,7 @@ def ops_source() -> str:
     """The source of every function the ops run (their bodies, checks and fake implementations, the choice of
     body, and the Triton kernels' module): torch.compile treats the ops as opaque, so vLLM's hash of the files it
     traced never reads this code."""
-    functions = (_check_stream, _check_index, _check_edit, _edited, edit_stream, _edit_by_torch, _edit_stream_fake,
+    functions = (_check_stream, _check_index, _check_slots, _check_edit, _edited, edit_stream, _edit_by_torch, _edit_stream_fake,
                  _check_harvest, harvest_stream, _harvest_by_torch, _harvest_stream_fake, edit_harvest_stream,
                  _check_edit_harvest, _edit_harvest_stream_fake, _runs_kernel, _kernels)
     own = "\n".join(inspect.getsource(getattr(function, "_init_fn", function)) for function in functions)

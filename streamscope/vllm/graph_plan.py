@@ -323,6 +323,12 @@ class GraphPlan:
         """The edit op's row -> slot map at `site`, round `round_`: ``[max_rows]`` int32 (a column of `index`)."""
         return self.index[:, self.lane_of[(site, round_)]]
 
+    def rounds_of(self, site: Hashable) -> torch.Tensor:
+        """Every round's row -> slot map at `site`, ``[max_rows, rounds]`` int32 (its lanes, side by side in
+        `index`): what one op reads to run the site's rounds in one launch."""
+        first = self.lane_of[(site, 0)]
+        return self.index[:, first:first + self.rounds]
+
     @property
     def sources(self) -> torch.Tensor:
         """The harvest op's buffer row -> stream row map, ``[capacity]`` int32 (the last column of `index`)."""

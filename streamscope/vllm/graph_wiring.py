@@ -5,11 +5,12 @@ streamscope's envoy tree over the worker's model): the module call that holds
 the value and its descriptor, so an op edits and reads exactly what a trace
 and the bulk path do (a fused block's two halves, `Summed`; a whole stream's
 tensor). At each module call a plain torch hook calls the ops with views of
-one `GraphPlan`'s buffers, fixed when the ops go in: the edit ops of every
-site at the call (a round each, in order), then its harvest ops, as the hook
-path steers before it reads. Where a call holds one site (the common case),
-its last round and its harvest are one launch (`edit_harvest_stream`): 12
-launches a block of the default options instead of 18. Installed before vLLM compiles the model, the
+one `GraphPlan`'s buffers, fixed when the ops go in: the edit op of every
+site at the call (one launch for all of a site's rounds, in order), then its
+harvest ops, as the hook path steers before it reads. Where a call holds one
+site (the common case), its rounds and its harvest are one launch
+(`edit_harvest_stream`): one launch a site, 6 a block of the default options
+(18 when each round and each harvest was a launch of its own). Installed before vLLM compiles the model, the
 hooks are traced into its graph (dynamo inlines a module's hooks), the ops as
 opaque nodes; run eagerly, they are plain hooks.
 
@@ -133,8 +134,9 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
 def wiring_source() -> str:
     """The source of what decides which tensors the ops get at a call (the hooks, the halves, a value's tensor):
     traced into the graph, but not hashed by vLLM's AOT compile cache, which hashes no traced file."""
-    return "\n".join(inspect.getsource(function) for function in (insert_ops, StreamAt, stream_at, stream_of, _rows,
-                                                                      argument, first_tensor))
+    return "\n".join(inspect.getsource(function) for function in (insert_ops, _calls, _before, _after, StreamAt,
+                                                                      stream_at, stream_of, _rows, argument,
+                                                                      first_tensor))
 
 
 @dataclass
@@ -153,9 +155,9 @@ class Inserted:
 
 
 def insert_ops(plan: GraphPlan, sites: Mapping[Hashable, Site]) -> Inserted:
-    """Hook the ops onto every module call of `sites` (named as `plan` names them): the edit ops of the plan's
-    sites, a round each, then the harvest ops of its harvest sites (a call's one site: its last round and its
-    harvest in one op). A site the plan does not name is refused."""
+    """Hook the ops onto every module call of `sites` (named as `plan` names them): the edit op of each of the
+    plan's sites (its rounds in one launch), then the harvest ops of its harvest sites (a call's one site: its
+    rounds and its harvest in one op). A site the plan does not name is refused."""
     unknown = [name for name in list(plan.sites) + plan.harvest_sites if name not in sites]
     if unknown:
         raise ValueError(f"the plan names sites {unknown[:4]} that the model does not serve: build the plan from "
@@ -165,39 +167,57 @@ def insert_ops(plan: GraphPlan, sites: Mapping[Hashable, Site]) -> Inserted:
     for name in plan.sites:
         site = sites[name]
         named.setdefault(site.key, set()).add(name)
-        for round_ in range(plan.rounds):
-            work.setdefault(site.key, []).append(("edit", stream_at(site), (plan.slots_of(name, round_),)))
+        work.setdefault(site.key, []).append(("edit", stream_at(site), (plan.rounds_of(name),)))
     for name in plan.harvest_sites:
         site = sites[name]
         named.setdefault(site.key, set()).add(name)
         work.setdefault(site.key, []).append(("harvest", stream_at(site), (plan.harvest_buffer(name),)))
     for key, items in work.items():
-        items.sort(key=lambda item: item[0] == "harvest")  # stable: edits in round order, then harvests
-        if len(named[key]) == 1 and len(items) > 1 and items[-1][0] == "harvest":
-            # One site at the call: its last edit round and its harvest are one launch (the edited rows stored from
-            # the program's registers). Where a call holds several sites, the harvests wait for every site's edits.
-            (_, at, (slots,)), (_, _, (buffer,)) = items[-2], items[-1]
-            items[-2:] = [("edit_harvest", at, (slots, buffer))]
+        items.sort(key=lambda item: item[0] == "harvest")  # stable: each site's edits, then the harvests
+        if len(named[key]) == 1 and len(items) == 2 and items[-1][0] == "harvest":
+            # One site at the call: its edit rounds and its harvest are one launch (the edited rows stored from the
+            # program's registers). Where a call holds several sites, the harvests wait for every site's edits.
+            (_, at, (slots,)), (_, _, (buffer,)) = items
+            items[:] = [("edit_harvest", at, (slots, buffer))]
     inserted = Inserted(plan, cache_salt([str(name) for name in plan.sites], plan.rounds,
                                          [str(name) for name in plan.harvest_sites], ops_source() + wiring_source()))
     buffers, sources, targets = plan.bank.buffers, plan.sources, plan.targets
     for key, items in work.items():
-        def run(raw: Any, items: list[Any] = items) -> None:
-            for kind, at, tensors in items:
-                hidden, residual = stream_of(at, raw)
-                if kind == "edit":
-                    edit_stream(hidden, residual, tensors[0], *buffers)
-                elif kind == "harvest":
-                    harvest_stream(tensors[0], hidden, residual, sources)
-                else:
-                    edit_harvest_stream(hidden, residual, tensors[0], *buffers, tensors[1], sources, targets)
         module, where = sites[next(iter(named[key]))].module, key[1]
+        run = _calls(items, buffers, sources, targets)
         if where == INPUT:
-            def before(_module: Any, args: tuple, kwargs: dict, run: Any = run) -> None:
-                run((args, kwargs))
-            inserted.handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+            inserted.handles.append(module.register_forward_pre_hook(_before(run), with_kwargs=True))
         else:
-            def after(_module: Any, args: tuple, output: Any, run: Any = run) -> None:
-                run(output)
-            inserted.handles.append(module.register_forward_hook(after))
+            inserted.handles.append(module.register_forward_hook(_after(run)))
     return inserted
+
+
+# The hooks hold what they call in closures, not in default arguments: vLLM 0.22's torch (2.11) cannot load a
+# compiled graph back from vLLM's AOT cache whose guards read a function's defaults (its `DefaultsSource` fails to
+# unpickle), so every start would compile again.
+
+def _calls(items: list[Any], buffers: tuple[torch.Tensor, ...], sources: torch.Tensor,
+           targets: torch.Tensor) -> Any:
+    """The ops of one module call, in order, on the call's inputs or output."""
+    def run(raw: Any) -> None:
+        for kind, at, tensors in items:
+            hidden, residual = stream_of(at, raw)
+            if kind == "edit":
+                edit_stream(hidden, residual, tensors[0], *buffers)
+            elif kind == "harvest":
+                harvest_stream(tensors[0], hidden, residual, sources)
+            else:
+                edit_harvest_stream(hidden, residual, tensors[0], *buffers, tensors[1], sources, targets)
+    return run
+
+
+def _before(run: Any) -> Any:
+    def before(_module: Any, args: tuple, kwargs: dict) -> None:
+        run((args, kwargs))
+    return before
+
+
+def _after(run: Any) -> Any:
+    def after(_module: Any, args: tuple, output: Any) -> None:
+        run(output)
+    return after

@@ -50,6 +50,7 @@ in the CPU suite. The compiled engines run vLLM's own worker
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -174,15 +175,34 @@ def test_the_body_is_picked_when_an_op_runs_not_compiled_in() -> None:
         use_body(previous)
 
 
+class Said(logging.Handler):
+    """What vLLM's loggers say while it is attached: why a start compiled rather than loaded is in a warning
+    ("Compiling model again due to a load failure ..."), which a failed reuse prints."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 class Started:
     """A compiled engine started here: how long its start took, its graph ops, its compiled trunk and its cache."""
 
     def __init__(self, args: dict[str, Any], root: Path) -> None:
         cache = root / "torch_compile_cache" / "torch_aot_compile"
         self.before = {str(found) for found in cache.iterdir()} if cache.exists() else set()
+        said, logger = Said(), logging.getLogger("vllm")
+        logger.addHandler(said)
         began = time.monotonic()
-        self.llm = vllm.LLM(**args)
+        try:
+            self.llm = vllm.LLM(**args)
+        finally:
+            logger.removeHandler(said)
         self.seconds = time.monotonic() - began
+        #: vLLM's lines about its compile cache during the start (loads, saves, and why a load failed).
+        self.cache_lines = [line for line in said.lines if "AOT" in line or "load failure" in line]
         runner = vllm_seam.runner_of(self.llm.llm_engine.model_executor.driver_worker.worker)
         self.ops = graph_ops_of(runner)
         (self.module,) = vllm_seam.compiled_modules(vllm_seam.model_of(runner))
@@ -287,6 +307,7 @@ def test_an_engine_with_other_ops_finds_nothing_of_that_graph(starts: dict[str, 
                     "failure and compiles again, with or without the ops): a reuse is checked on GPUs")
 def test_the_same_ops_reuse_their_cache(starts: dict[str, Started]) -> None:
     first, again = starts["first"], starts["again"]
-    assert again.computed == first.computed and not again.made and again.loaded
+    assert again.computed == first.computed and not again.made, again.cache_lines
+    assert again.loaded, f"the second start compiled again; vLLM said: {again.cache_lines}"
     assert again.ops is not None and again.tokens == first.tokens
     assert_steered(again) and again.steered == first.steered  # the loaded graph's ops read this engine's buffers

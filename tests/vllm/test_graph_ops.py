@@ -68,6 +68,12 @@ def pytest_generate_tests(metafunc: Any) -> None:
         metafunc.parametrize("case", served, ids=[f"{case[2]}-{case[0]}" for case in served])
 
 
+
+def closed_over(function: Any) -> list[Any]:
+    """The values a function's closure holds."""
+    return [cell.cell_contents for cell in function.__closure__ or ()]
+
+
 class GraphEngine:
     """A plain vLLM engine with the ops at every site, its plan filled from each step's spans."""
 
@@ -175,19 +181,28 @@ class OnAFamily:
         model = graph.runner.get_model()
         hooks = [hook for module in model.modules()
                  for hook in [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
-                 if hook.__qualname__.startswith("insert_ops.")]
+                 if hook.__qualname__.startswith(("_before.", "_after."))]
         assert len(hooks) == len(graph.inserted.handles)
         kinds = []
+        works = []
         for hook in hooks:
-            (run,) = hook.__defaults__
-            (items,) = run.__defaults__
+            # Nothing in default arguments: torch 2.11 cannot load back from vLLM's AOT cache a graph whose guards
+            # read a function's defaults (the GPU server compiled again at every start).
+            (run,) = closed_over(hook)
+            assert hook.__defaults__ is None and run.__defaults__ is None
+            items = next(value for value in closed_over(run) if isinstance(value, list))
+            works.append(items)
             for kind, at, tensors in items:
                 kinds.append(kind)
                 assert kind in ("edit", "harvest", "edit_harvest") and type(at) is StreamAt
                 assert all(isinstance(tensor, torch.Tensor) for tensor in tensors)
                 assert all(part is None or isinstance(part, (bool, tuple)) for part in at), at
-        # Every harvest site here has an edit op and a call of its own: its last round takes its harvest.
+        # Every harvest site here has an edit op and a call of its own: its rounds and its harvest are one launch;
+        # every site is one launch whatever its rounds (each edit op reads the site's rounds side by side).
         assert kinds.count("edit_harvest") == len(graph.outputs) and "harvest" not in kinds
+        plan = graph.inserted.plan
+        assert len(kinds) == len(plan.sites)
+        assert all(tensors[0].shape == (plan.max_rows, plan.rounds) for items in works for _, _, tensors in items)
 
     def test_steer_through_the_ops_equals_the_bulk_path(self, engines: Any, case: tuple) -> None:
         family, model, graph = engines
