@@ -123,15 +123,16 @@ class Applier(RequestApplier):
 
         `rows` is never the engine's own memory: every read that reaches here
         is a new tensor, or a slice of one (`Site.read_rows` clones a slice of
-        the batch and gathers scattered rows; a fused stream's rows are summed
-        or cloned, head results computed, a readout's features computed, and
-        `read` splits one such tensor among readouts). So the next step's
-        in-place writes to the engine's buffers cannot race with a copy still
-        pending on the side stream, and no private copy is made here. What
-        remains is `rows`' own memory: once the hook drops it, the caching
-        allocator would hand its block to the compute stream's next kernels
-        while the copy may still be reading it; ``record_stream`` keeps the
-        block out of use until the side stream's work queued so far is done.
+        the batch and gathers scattered rows; a fused stream's rows are summed,
+        cloned or gathered; head results and a readout's features are
+        computed; `RequestApplier.read` splits one such tensor among
+        readouts). So the next step's in-place writes to the engine's buffers
+        (a CUDA graph's static ones too) cannot race with a copy still pending
+        on the side stream, and no private copy is made here. What remains is
+        `rows`' own memory: once the hook drops it, the caching allocator
+        would hand its block to the compute stream's next kernels while the
+        copy may still be reading it; ``record_stream`` keeps the block out of
+        use until the side stream's work queued so far is done.
         """
         side = self._side_stream(rows)
         if side is None:
