@@ -87,6 +87,11 @@ class Applier(RequestApplier):
         #: key -> [sites, positions, hidden], filled as the prompts run.
         self.harvested: dict[Hashable, torch.Tensor] = {}
         self._pending: list[tuple[int, torch.Tensor, list[tuple[Live, int, list[int]]]]] = []  # (site, rows, layout)
+        #: On CUDA, the stream the rows' copies to the host run on, made at the first such copy (None until then),
+        #: and the event recorded on it after the latest copy, which `settle` waits for while `_copying`.
+        self.side: Optional[torch.cuda.Stream] = None
+        self.copied: Optional[torch.cuda.Event] = None
+        self._copying = False
         try:
             for key, live in run_requests(self.harvest_sites, harvest_positions, self.steers, readout).items():
                 self.enter(key, live)
@@ -105,17 +110,75 @@ class Applier(RequestApplier):
         return self
 
     def store(self, rows: torch.Tensor, layout: list[tuple[Live, int, list[int]]]) -> None:
+        """Keep a read's rows (``[rows, width]``, each layout entry's ``len(slots)`` in turn) in their requests'
+        buffers: copied there now, or staged for `settle` where a request has few rows in the step.
+
+        On CUDA the copies to host memory run on the applier's side stream
+        (`side`), off the compute stream's critical path: an in-stream copy
+        to the host holds up every kernel queued after it. The side stream
+        first waits for the compute stream's work so far (the read that made
+        `rows`), and `settle` waits for its copies before the host reads a
+        buffer. On the CPU, or where rows stay on the device (``to_host``
+        False), the copies are made as before, on the current stream.
+
+        `rows` is never the engine's own memory: every read that reaches here
+        is a new tensor, or a slice of one (`Site.read_rows` clones a slice of
+        the batch and gathers scattered rows; a fused stream's rows are summed,
+        cloned or gathered; head results and a readout's features are
+        computed; `RequestApplier.read` splits one such tensor among
+        readouts). So the next step's in-place writes to the engine's buffers
+        (a CUDA graph's static ones too) cannot race with a copy still pending
+        on the side stream, and no private copy is made here. What remains is
+        `rows`' own memory: once the hook drops it, the caching allocator
+        would hand its block to the compute stream's next kernels while the
+        copy may still be reading it; ``record_stream`` keeps the block out of
+        use until the side stream's work queued so far is done.
+        """
+        side = self._side_stream(rows)
+        if side is None:
+            self._copy_out(rows, layout)
+            return
+        side.wait_stream(torch.cuda.current_stream(rows.device))  # the rows are complete before they are copied
+        with torch.cuda.stream(side):
+            self._copy_out(rows, layout)
+        # record_stream rather than references kept until an event says done: the block goes back to the pool as
+        # soon as the copy ends (the allocator checks at its next allocation), with no list to poll here, where
+        # references kept to `settle` would hold a whole run's rows on the device.
+        rows.record_stream(side)
+        assert self.copied is not None
+        self.copied.record(side)
+        self._copying = True
+
+    def _copy_out(self, rows: torch.Tensor, layout: list[tuple[Live, int, list[int]]]) -> None:
         index = layout[0][1]
         if sum(len(slots) for _, _, slots in layout) <= STAGED_ROWS * len(layout):
             # Few rows a request (last-position reads, SAE features): the step's rows in one copy (into pinned host
-            # memory on a GPU, queued behind the step's kernels without a sync); `settle` hands each request its
-            # rows once the copies are done.
+            # memory on a GPU, queued without a sync); `settle` hands each request its rows once the copies are done.
             staged = self._empty(tuple(rows.shape), rows)
             staged.copy_(rows, non_blocking=True)
             self._pending.append((index, staged, layout))
             return
         # Many rows a request: each request's rows straight into its own buffer; no copy is made later.
         self._split(index, rows, layout, non_blocking=True)
+
+    def _side_stream(self, rows: torch.Tensor) -> Optional[torch.cuda.Stream]:
+        """The stream `rows`' copies to the host run on: the applier's side stream on CUDA (made here the first
+        time; an applier's rows are on the engine's one device), None where the copies stay on the current stream
+        (rows on the CPU, or kept on the device)."""
+        if not self.to_host or not rows.is_cuda:
+            return None
+        if self.side is None:
+            self.side = torch.cuda.Stream(rows.device)
+            self.copied = torch.cuda.Event()
+        return self.side
+
+    def wait_copies(self) -> None:
+        """Wait until the rows' copies queued on the side stream are in host memory (its latest event; the
+        compute stream, and the engine's next step queued on it, go on)."""
+        if self._copying:
+            assert self.copied is not None
+            self.copied.synchronize()
+            self._copying = False
 
     def _split(self, index: int, rows: torch.Tensor, layout: list[tuple[Live, int, list[int]]],
                non_blocking: bool) -> None:
@@ -129,18 +192,17 @@ class Applier(RequestApplier):
             start += count
 
     def settle(self) -> None:
-        """Hand the staged rows to each request's buffer (waiting for their copies to the host first), and the rows
-        the graph ops harvested to theirs."""
+        """Hand the staged rows to each request's buffer, and the rows the graph ops harvested to theirs; after it,
+        every buffer in `harvested` is complete in host memory (the side stream's copies waited for first)."""
         if self.graph is not None:
             self.graph.settle()
             for key in self.graph.harvesting:
                 rows = self.graph.take(key)
                 if rows is not None:
                     self.harvested[key] = rows
+        self.wait_copies()
         if not self._pending:
             return
-        if any(staged.is_pinned() for _, staged, _ in self._pending):
-            torch.cuda.synchronize()
         pending, self._pending = self._pending, []
         for index, staged, layout in pending:
             self._split(index, staged, layout, non_blocking=False)

@@ -119,7 +119,8 @@ class Site:
                 return picked
         view = self.user(raw)
         picked = view.reshape(-1, view.shape[-1])[rows]
-        # A slice is a view of the whole batch's copy: keep only its rows.
+        # A slice is a view of the whole batch's copy: keep only its rows (a tensor of their own, which a harvest's
+        # copy to the host may still read while the engine runs on: `streamscope.bulk.apply.Applier.store`).
         return picked.clone() if isinstance(rows, slice) else picked
 
     def row_editor(self, operation: Any, graphs: Any = None) -> Callable[[Any, torch.Tensor], None]:

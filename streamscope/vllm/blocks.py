@@ -76,6 +76,8 @@ class Summed(StreamValue):
         if hidden.dim() != 2 or (residual is not None and residual.shape != hidden.shape):
             return None
         if residual is None:
+            # never a view of the engine's tensor: a harvest's copy to the host may still be reading the rows when
+            # the next step writes it (`streamscope.bulk.apply.Applier.store`)
             return hidden[rows].clone() if type(rows) is slice else hidden[rows]
         if type(rows) is slice:
             return hidden[rows] + residual[rows]

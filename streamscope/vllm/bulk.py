@@ -253,7 +253,10 @@ def worker_finish(worker: Any, inline: bool) -> Any:
         state.logits_hook.remove()
         state.logits_hook = None
     if torch.cuda.is_available():
-        torch.cuda.synchronize()  # the non-blocking copies to host memory are complete
+        # The logits' non-blocking copies (`record_logits`, on the compute stream) are complete; the run is over, so
+        # no step waits behind this. The harvested rows' copies run on the applier's side stream, which `settle`
+        # waits for on its own event (mid-run too, where a caller takes a request's rows early).
+        torch.cuda.synchronize()
     applier.settle()
     keys = list(applier.harvested)
     result = {
