@@ -260,12 +260,22 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--shard-size", type=int, default=64)
+    parser.add_argument("--shard-size", type=int, default=None,
+                        help="prompts a shard (default: the library's, shards of at most 1 GiB of rows, what a user "
+                             "gets: the last shard, written after the engine's last step, is the harvest's tail)")
     parser.add_argument("--out", default=None, help="where the harvests are written (a fast local disk)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: disk,host,parquet,saelens")
     parser.add_argument("--disk-only", action="store_true", help="only the disk part, on synthetic shards")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    requested_shard_size = args.shard_size  # None: the harvests cut their shards by bytes, as a user's do
+    if args.shard_size is None:
+        from streamscope.bulk.results import SHARD_BYTES, SHARD_PROMPTS
+
+        sizes = SHAPES["tiny" if args.tiny else args.shape]
+        prompt_bytes = len(harvested_layers(sizes["num_hidden_layers"])) * min(args.length, 64 if args.tiny else
+                                                                              args.length) * sizes["hidden_size"] * 2
+        args.shard_size = max(1, min(SHARD_PROMPTS, SHARD_BYTES // prompt_bytes))  # the parts that need a count
     shape = "tiny" if args.tiny else args.shape
     if args.tiny:
         args.prompts, args.length = min(args.prompts, 16), min(args.length, 64)
@@ -289,7 +299,8 @@ def main() -> None:
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     print(f"harvest_scale.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC  {shape} shape"
           f"{' FP8 weights' if args.fp8 else ''}, {dtype}; {args.prompts} prompts x {args.length} tokens; "
-          f"layer_output of blocks {layers} at every position; rounds={args.rounds}")
+          f"layer_output of blocks {layers} at every position; rounds={args.rounds}; shards of "
+          f"{requested_shard_size or f'at most 1 GiB (about {args.shard_size} prompts)'}")
     print(f"device {device_name}; vllm {vllm.__version__}, torch {torch.__version__}, python "
           f"{platform.python_version()}; out {out}")
 
@@ -310,7 +321,7 @@ def main() -> None:
 
     def harvest() -> None:
         model.harvest(prompts, "layer_output", layers=layers, positions="all", out=harvest_folder,
-                      shard_size=args.shard_size, progress=False)
+                      shard_size=requested_shard_size, progress=False)
 
     written: list[int] = []
 
@@ -334,7 +345,7 @@ def main() -> None:
         from streamscope.bulk.spec import HarvestSpec
 
         model.harvest(prompts[:args.shard_size], "layer_output", layers=layers, positions="all",
-                      out=harvest_folder, shard_size=args.shard_size, progress=False)
+                      out=harvest_folder, shard_size=requested_shard_size, progress=False)
         shard = load_harvest(harvest_folder)
         spec = HarvestSpec(values=["layer_output"], layers=layers, positions="all")
         shutil.rmtree(harvest_folder, ignore_errors=True)
@@ -364,7 +375,7 @@ def main() -> None:
         shutil.rmtree(parquet_folder, ignore_errors=True)
         start = time.perf_counter()
         scale_harvest(prompts, folder, "layer_output", layers=layers, positions="all", out=parquet_folder,
-                      replicas=1, engine_options=engine_options, shard_size=args.shard_size, progress=False,
+                      replicas=1, engine_options=engine_options, shard_size=requested_shard_size, progress=False,
                       format="parquet")
         seconds = time.perf_counter() - start
         print(f"  streamscope.scale.harvest, 1 replica, Parquet: {seconds:.2f} s with the replica's start, "
