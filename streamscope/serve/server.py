@@ -152,7 +152,7 @@ class Front:
             return
         edits, harvests = self._graph_sites()
         rounds = self.graph_ops.rounds
-        fix = "send it to a server started without --graph-ops, or with --enforce-eager (hooks then serve it)"
+        fix = "send it to a server started with --graph-ops off or --enforce-eager (hooks then serve it)"
         counts: dict[Any, int] = {}
         for number, item in enumerate(steers):
             param = f"{FIELD}.steer[{number}]"
@@ -557,15 +557,16 @@ def add_arguments(parser: Any) -> None:
     group.add_argument("--taps", nargs="+", default=[],
                        help="serve only these values, with CUDA graphs broken at them (as streamscope.load(..., "
                             "taps=...)): 'layers.16.layer_output' 'layers.*.layer_output'. Default: eager, every value.")
-    group.add_argument("--graph-ops", nargs="?", const="true", default=None, metavar="JSON",
+    group.add_argument("--graph-ops", nargs="?", const="true", default=None, metavar="JSON|off",
                        help="run the steers and harvests the graph ops serve (add, set, ablate, clamp and reads at "
                             "every block's stream boundaries and sublayer outputs) as ops inside vLLM's compiled "
                             "graph, the rest on hooks (as streamscope.load(..., graph_ops=True)); optionally a JSON "
                             "object of streamscope.vllm.graph_backend.GraphOptions' fields ('{\"slots\": 512, "
-                            "\"rounds\": 3}'). On a GPU the engine keeps vLLM's compile and CUDA graphs, and a "
-                            "request the ops cannot serve is refused (400; 503 while the slot bank is full of other "
-                            "requests' vectors; --enforce-eager serves it on hooks); on a CPU it runs eagerly. Not "
-                            "with --taps.")
+                            "\"rounds\": 3}'). The default on a GPU without --taps or --enforce-eager: the engine "
+                            "keeps vLLM's compile and CUDA graphs, and a request the ops cannot serve is refused "
+                            "(400, naming the fix; 503 while the slot bank is full of other requests' vectors). "
+                            "'off', or --enforce-eager, serves every value on hooks, eagerly. On a CPU the server runs "
+                            "eagerly on hooks unless --graph-ops is given. Not with --taps.")
     group.add_argument("--default-steer", help="a JSON file: steers (the request field's form) applied to every "
                                                "request that does not send default_steer: false")
     group.add_argument("--vectors", help="a folder of NAME.safetensors files (one tensor each) stored at start")
@@ -607,15 +608,26 @@ def _given(argv: Sequence[str], *flags: str) -> bool:
     return any(item == flag or item.startswith(flag + "=") for item in argv for flag in flags)
 
 
-def graph_options(args: argparse.Namespace) -> Optional[GraphOptions]:
-    """``--graph-ops [JSON]`` as options (None where not given); a bad value exits naming the flag and the fix."""
-    if args.graph_ops is None:
+def graph_options(args: argparse.Namespace, on_cpu: bool = True, tapped: bool = False) -> Optional[GraphOptions]:
+    """``--graph-ops [JSON|off]`` as options, or None for no graph ops; a bad value exits naming the flag and the fix.
+
+    Without the flag a GPU server that has no taps and is not forced eager
+    gets the default options: vLLM's compile and CUDA graphs stay on, and
+    the steers and harvests run inside them. A CPU server, a tapped one and
+    an eager one serve every value on hooks.
+    """
+    value = args.graph_ops
+    if value == "off":
         return None
+    if value is None:
+        if on_cpu or tapped or getattr(args, "enforce_eager", False):
+            return None
+        value = "true"
     try:
-        return GraphOptions.of(True if args.graph_ops == "true" else json.loads(args.graph_ops))
+        return GraphOptions.of(True if value == "true" else json.loads(value))
     except (ValueError, TypeError) as error:
-        raise SystemExit(f"streamscope serve: --graph-ops {args.graph_ops}: {error} (give no value for the defaults, "
-                         f"or a JSON object of GraphOptions' fields: slots, rounds, values, harvest, "
+        raise SystemExit(f"streamscope serve: --graph-ops {value}: {error} (give no value for the defaults, 'off' "
+                         f"for none, or a JSON object of GraphOptions' fields: slots, rounds, values, harvest, "
                          f"harvest_capacity).") from None
 
 
@@ -750,7 +762,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             front.store_sae(path.stem, path.read_bytes(), str(path))
     if args.default_steer:
         front.checker.default = front.checker.default_steers(json.loads(Path(args.default_steer).read_text()))
-    front.graph_ops = graph_options(args)
+    front.graph_ops = graph_options(args, on_cpu, bool(locations))
     front.hooks_fire = engine_settings(args, argv, on_cpu, locations, front.graph_ops)
     if front.graph_ops is not None and not on_cpu:
         front.graph_mode = None  # vLLM's own choice, asked of the worker (`read_graph_mode`)

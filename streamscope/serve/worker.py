@@ -604,8 +604,8 @@ def _refusal(error: LeftOnHooks) -> RequestRefused:
                                    f"(requests steering with the same stored vector and settings share one slot), "
                                    f"or start the server with --graph-ops '{{\"slots\": {2 * error.slots}}}'.")
     reorder = "reorder the steers or the positions, or " if error.where else ""
-    return RequestRefused(400, f"{error}: {reorder}send the request to a server started without --graph-ops, or "
-                               f"with --enforce-eager (hooks then serve it).")
+    return RequestRefused(400, f"{error}: {reorder}send the request to a server started with --graph-ops off or "
+                               f"--enforce-eager (hooks then serve it).")
 
 
 def _sae_objects(live: Live) -> list[Any]:

@@ -357,6 +357,24 @@ def test_the_command_line_refuses_what_it_cannot_serve_naming_the_fix() -> None:
     assert engine_settings(_arguments(enforce_eager=True), [], False, [], GraphOptions()) is True
 
 
+def test_a_gpu_server_runs_the_graph_ops_unless_told_otherwise() -> None:
+    """Without --graph-ops a GPU server gets the default ops (vLLM's compile and graphs kept); a CPU server, a
+    tapped one, an eager one and ``--graph-ops off`` serve every value on hooks."""
+    unset = {"graph_ops": None}
+    assert graph_options(_arguments(**unset), on_cpu=False) == GraphOptions()
+    assert graph_options(_arguments(**unset), on_cpu=True) is None
+    assert graph_options(_arguments(**unset), on_cpu=False, tapped=True) is None
+    assert graph_options(_arguments(**unset, enforce_eager=True), on_cpu=False) is None
+    assert graph_options(_arguments(graph_ops="off"), on_cpu=False) is None
+    assert graph_options(_arguments(graph_ops="off"), on_cpu=True) is None
+    assert graph_options(_arguments(graph_ops='{"rounds": 3}'), on_cpu=True) == GraphOptions(rounds=3)
+    gpu = _arguments(**unset)  # what the default gives the engine: vLLM's own compile and graphs, the ops' worker
+    assert engine_settings(gpu, [], False, [], graph_options(gpu, on_cpu=False)) is False
+    assert gpu.enforce_eager is False and gpu.worker_cls == GRAPH_WORKERS["gpu"]
+    off = _arguments(graph_ops="off")
+    assert engine_settings(off, [], False, [], graph_options(off, on_cpu=False)) is True and off.enforce_eager
+
+
 def test_a_compiled_server_refuses_requests_its_ops_cannot_serve(checkpoints: Any, tmp_path: Any) -> None:
     """Where hooks do not fire (``--graph-ops`` on a GPU), the front end refuses a steer or harvest the ops do not
     serve, naming the field and the fix; what they serve passes."""
