@@ -210,7 +210,9 @@ def over_http(args, path: Path, options: list[str], gpu: bool, prompts: list, la
     import streamscope
 
     share = ["--gpu-memory-utilization", "0.4" if args.in_process else "0.85"] if gpu else []
-    server = Server([sys.executable, "-m", "streamscope", "serve", str(path), "--api-key", KEY, *options, *share],
+    # eager hooks, as the in-process engine it is compared with (a GPU server's default is the graph ops)
+    server = Server([sys.executable, "-m", "streamscope", "serve", str(path), "--api-key", KEY, "--graph-ops", "off",
+                     *options, *share],
                     path.parent / "server.log")
     try:
         started = time.monotonic()

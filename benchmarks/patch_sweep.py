@@ -58,7 +58,9 @@ def main() -> None:
     path, options = checkpoint(args.shape, folder)
     gpu = torch.cuda.is_available()
     share = ["--gpu-memory-utilization", "0.4"] if gpu else []
-    server = Server([sys.executable, "-m", "streamscope", "serve", str(path), "--api-key", KEY, *options, *share],
+    # eager hooks, as the in-process engine it is compared with (a GPU server's default is the graph ops)
+    server = Server([sys.executable, "-m", "streamscope", "serve", str(path), "--api-key", KEY, "--graph-ops", "off",
+                     *options, *share],
                     folder / "server.log")
     settings = engine_options(options, 0.4 if gpu else None)
     try:

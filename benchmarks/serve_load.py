@@ -274,16 +274,17 @@ def main() -> None:
     # the model the load generator names is the checkpoint's path; streamscope serve answers to the folder's name
     # unless told (7802bd4), and refused every request here with 404 until this flag
     ours = [sys.executable, "-m", "streamscope", "serve", str(path), "--served-model-name", str(path)]
+    eager = [*ours, "--graph-ops", "off"]  # a GPU server's default is the graph ops (benchmarks/graph_serve.py)
     graphs = ["-cc", json.dumps({"cudagraph_mode": "FULL_DECODE_ONLY"})]
     # (name, command, workloads, source tree, the plain vLLM server it is judged against)
     setups: list[tuple[str, list[str], list[tuple[str, Any]], str | None, str]] = []
     if not options.only_taps:
         setups += [("plain eager", [*vllm_server, "--enforce-eager"], [("plain", None)], None, "plain eager"),
-                   ("streamscope eager", ours, streamscope_loads, None, "plain eager")]
+                   ("streamscope eager", eager, streamscope_loads, None, "plain eager")]
         if options.control:
             setups.append(("plain eager B", [*vllm_server, "--enforce-eager"], [("plain", None)], None, "plain eager"))
         if options.before:
-            setups.append(("before eager", ours, streamscope_loads, str(Path(options.before).resolve()),
+            setups.append(("before eager", eager, streamscope_loads, str(Path(options.before).resolve()),
                            "plain eager"))
     if options.taps or options.only_taps:
         setups += [("plain graphs", [*vllm_server, *graphs], [("plain", None)], None, "plain graphs"),

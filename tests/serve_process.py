@@ -35,8 +35,11 @@ def running(path, log: Path, *options: str):
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")])}
     for start in range(STARTS):
         port = _port()
+        # Hooks unless a test asks for the graph ops: a GPU server's default is the graph ops (where hooks do not
+        # fire), a CPU server's eager hooks; the serve tests hold the hook path to the same on both.
+        hooks = [] if any(option.startswith("--graph-ops") for option in options) else ["--graph-ops", "off"]
         command = [sys.executable, "-m", "streamscope", "serve", str(path), "--port", str(port), "--api-key", KEY,
-                   "--dtype", "float32", "--max-model-len", "512", *options]
+                   "--dtype", "float32", "--max-model-len", "512", *hooks, *options]
         with open(log, "w") as handle:
             process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
         url = f"http://127.0.0.1:{port}"
