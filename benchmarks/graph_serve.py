@@ -14,7 +14,8 @@ share of the memory and the same fixed KV cache, so none waits for another's mem
   vLLM's V2 model runner (`--hotwire-runner`; benchmarks/README.md says why).
 
 Every workload at 5 rounds does not fit one 10-minute device call at the 8B shape: `--only` takes `GROUPS`' names,
-one call each.
+one call each. Four 8B servers fit the H200's 141 GB; an H100's 80 GB holds two (plain and streamscope: `--only
+plain,steer-one- --no-control`, as on 2026-12-05; three or four ran out of memory at their compile).
 
 Workloads (`vllm bench serve`'s load generator: random prompts, ``--input-len`` / ``--output-len`` tokens,
 ``--concurrency`` clients, ``--prompts`` requests a run, ``--ignore-eos``; each request's body is set as it is sent,
