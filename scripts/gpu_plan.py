@@ -38,6 +38,12 @@ the console; ``<out>/plan.txt`` lists what ran, for how long and how it ended.
   graph39-every  the same servers but hotwire: a steer at every block (1, 16, 256 vectors), an
            ablation at every block, the harvests of every block's last position and of 4 blocks at
            every position, 5 rounds (the two calls share compile caches in /tmp/graph39)          about 9 min
+  graph39-h100  the same as graph39 where an H100's 80 GB holds two 8B servers: plain `vllm serve` and
+           streamscope's graph-ops server only (no A/A control, no hotwire), plain requests and a steer at one
+           block (1, 16, 256 vectors), 5 rounds                                                  about 5 min
+  graphcheck  issue 39: `scripts/graph_ops_gpu_check.py` (the kernels' replay bits, a site's rounds in one
+           launch, the dependent launch, the idle costs), then the graph ops' part of the GPU suite in
+           float32 for Llama with `test_graph_cache.py` (a cached graph's reuse)                about 3 min
   graph39-inproc  issue 39 in process: W2 with an ablation at every block on an engine with graph ops,
            compiled and graphed, against bare on it and plain vLLM's `LLM` (bound 1.03x); two
            compiled engine starts, one after the other                                           5-7 min
@@ -113,11 +119,14 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
                                  "--rounds", "1"], ROOT, 560)],
         # issue 43: the SAE harvest at 70B in FP8 (6 blocks, every position) against bare prefill; then the 8B shape
         "harvest70b": [("humming stand-in", [python, "scripts/humming_stub.py", "/tmp/site"], ROOT, 30),
+                       # 128 prompts: about 30 s a round at 70B, so 3 rounds of each fit one call with the engine's
+                       # start; the Parquet and SAELens parts need Ray and SAELens carried (scripts/gpu_ray_wheels.sh)
                        ("harvest 70b", [python, "benchmarks/harvest_scale.py", "--shape", "70b", "--fp8", "--prompts",
-                                        "512", "--length", "1024", "--rounds", "3", "--out", "/tmp/harvest-70b"],
-                        ROOT, 560)],
-        "harvest8b": [("harvest 8b", [python, "benchmarks/harvest_scale.py", "--shape", "8b", "--prompts", "1024",
-                                      "--length", "1024", "--rounds", "3", "--out", "/tmp/harvest-8b"], ROOT, 420)],
+                                        "128", "--length", "1024", "--rounds", "3", "--out", "/tmp/harvest-70b",
+                                        "--skip", "parquet,saelens"], ROOT, 560)],
+        "harvest8b": [("harvest 8b", [python, "benchmarks/harvest_scale.py", "--shape", "8b", "--prompts", "256",
+                                      "--length", "1024", "--rounds", "3", "--out", "/tmp/harvest-8b", "--skip",
+                                      "parquet,saelens"], ROOT, 420)],
         "serve": [("serve", [python, "benchmarks/serve_load.py", "--shape", "llama3-8b", "--taps", "--host-time", "--prompts", "256",
                              "--logs", str(out / "serve-logs"),
                              "--rounds", "3", "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
@@ -130,6 +139,14 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
                           "--work", "/tmp/graph39", "--logs", str(out / f"{part}-logs"),
                           "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)]
            for part, group in (("graph39", "k-one"), ("graph39-every", "k-every"))},
+        "graph39-h100": [("graph39 on an H100", [python, "benchmarks/graph_serve.py", "--shape", "llama3-8b", "--only",
+                                                 "plain,steer-one-", "--no-control", "--rounds", "5", "--work",
+                                                 "/tmp/graph39", "--logs", str(out / "graph39-h100-logs"),
+                                                 "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
+        "graphcheck": [("graph ops check", [python, "scripts/graph_ops_gpu_check.py"], ROOT, 200),
+                       ("graph ops, float32", [python, "scripts/gpu_suite.py", "--out", str(out / "suite"), "--gpus",
+                                               "0", "--slots", "4", "--dtypes", "float32", "--parts", "graph",
+                                               "--families", "llama", "--seconds", "200"], ROOT, 230)],
         "graph39-inproc": [("graph39 in process", [python, "benchmarks/graph_serve.py", "--in-process", "--shape",
                                                    "llama3-8b", "--rounds", "5"], ROOT, 450)],
         "w12": [(f"w1 w2 ({name})", [python, "benchmarks/gpu_workloads.py", "--skip", "ceiling,trace,hf,w2g",
