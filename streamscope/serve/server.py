@@ -556,7 +556,8 @@ def add_arguments(parser: Any) -> None:
     defaults = Limits()
     group.add_argument("--taps", nargs="+", default=[],
                        help="serve only these values, with CUDA graphs broken at them (as streamscope.load(..., "
-                            "taps=...)): 'layers.16.layer_output' 'layers.*.layer_output'. Default: eager, every value.")
+                            "taps=...)): 'layers.16.layer_output' 'layers.*.layer_output'. Default: the graph ops on a GPU (see "
+                            "--graph-ops), eager on a CPU.")
     group.add_argument("--graph-ops", nargs="?", const="true", default=None, metavar="JSON|off",
                        help="run the steers and harvests the graph ops serve (add, set, ablate, clamp and reads at "
                             "every block's stream boundaries and sublayer outputs) as ops inside vLLM's compiled "
