@@ -234,6 +234,17 @@ def test_ops_pass_torch_library_checks() -> None:
     for second in (residual, None):
         torch.library.opcheck(graph_ops.edit_harvest_stream,
                               (hidden.clone(), second, slots, *bank.buffers, torch.zeros(4, HIDDEN), sources, targets))
+    # A site's rounds side by side: a strided [rows, rounds] view of a plan's index, one op for them all.
+    index = torch.full((6, 5), -1, dtype=torch.int32)
+    index[:, 1], index[:, 2] = slots, torch.tensor([-1, 0, 0, -1, -1, 0], dtype=torch.int32)
+    rounds = index[:, 1:3]
+    torch.library.opcheck(graph_ops.edit_stream, (hidden.clone(), residual, rounds, *bank.buffers))
+    torch.library.opcheck(graph_ops.edit_harvest_stream,
+                          (hidden.clone(), residual, rounds, *bank.buffers, torch.zeros(4, HIDDEN), sources, targets))
+    with pytest.raises(ValueError, match=r"slots \[rows, rounds\] holds at least one round"):
+        graph_ops.edit_stream(hidden.clone(), residual, index[:, 1:1], *bank.buffers)
+    with pytest.raises(ValueError, match="slots holds 6 entries for 7 rows"):
+        graph_ops.edit_stream(torch.zeros(7, HIDDEN), None, rounds, *bank.buffers)
 
 
 def test_fake_implementations_check_shapes_only() -> None:
