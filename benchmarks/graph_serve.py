@@ -300,6 +300,39 @@ def server_commands(path: Path, engine: list[str], options: argparse.Namespace, 
     return {name: commands[name] for name in ("plain", "plain B", "streamscope", "hotwire") if name in commands}, why
 
 
+#: Device memory a server needs beside its weights and its fixed KV cache: activations, the compile's autotuning
+#: and CUDA graphs' pools (on an H100 two 8B servers with 8 GiB caches started, three did not: 2026-12-05).
+WORKSPACE_GIB = 6.0
+
+
+def weight_bytes(config: dict[str, Any]) -> int:
+    """A Llama-shaped checkpoint's parameters in bfloat16: embeddings, attention (grouped keys and values), MLP,
+    norms and an untied head."""
+    hidden, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    grouped = hidden * config["num_key_value_heads"] // config["num_attention_heads"]
+    block = 2 * hidden * hidden + 2 * hidden * grouped + 3 * hidden * config["intermediate_size"] + 2 * hidden
+    return 2 * (layers * block + (2 - bool(config.get("tie_word_embeddings"))) * vocab * hidden + hidden)
+
+
+def servers_fit(count: int, config: dict[str, Any], kv_cache_gib: float) -> Optional[str]:
+    """Why `count` servers of this checkpoint, each with an equal share of 90% of the GPU's memory, would not
+    start (None where they fit or there is no GPU): said before any starts, so a call is not spent finding out."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    total = torch.cuda.get_device_properties(0).total_memory
+    need = weight_bytes(config) + (kv_cache_gib + WORKSPACE_GIB) * 2**30
+    share = 0.9 * total / count
+    if share >= need:
+        return None
+    fits = max(1, int(0.9 * total // need))
+    return (f"{count} servers do not fit this GPU's {total / 2**30:.0f} GiB: each gets {share / 2**30:.1f} GiB and "
+            f"needs about {need / 2**30:.1f} (weights {weight_bytes(config) / 2**30:.1f}, KV cache {kv_cache_gib:g}, "
+            f"workspace {WORKSPACE_GIB:g}); {fits} fit. Ask for fewer servers (--no-control drops the A/A control; "
+            f"--only without hotwire- drops hotwire), or run on a GPU with more memory (the H200: 141 GB).")
+
+
 def start(commands: dict[str, tuple[list[str], dict[str, str]]], engine: list[str], options: argparse.Namespace,
           work_folder: Path, path: Path, failed: dict[str, str]) -> dict[str, serve_load.Server]:
     """Every server started at once; one that does not come up is dropped, its log's end printed and its last line
@@ -364,6 +397,9 @@ def main() -> None:
     write_vectors(stored, work_folder / "hotwire-vectors")
     print(f"{machine()}\n[{time.monotonic() - began:6.1f} s] starting {', '.join(commands)}; hotwire: {hotwire_why}",
           flush=True)
+    crowded = None if options.shape == "tiny" else servers_fit(len(commands), config, options.kv_cache_gib)
+    if crowded:
+        raise SystemExit(f"graph_serve.py: {crowded}")
     failed: dict[str, str] = {}
     servers = start(commands, engine, options, work_folder, path, failed)
     hotwire_why = failed.get("hotwire", hotwire_why)
