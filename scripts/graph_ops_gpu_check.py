@@ -160,8 +160,9 @@ def check_capture(dtype: torch.dtype, width: int = 4096, rows: int = 256) -> boo
         marked = (plan.index[:rows, :len(plan.lane_of)] >= 0).any(-1)
         untouched = (torch.equal(replayed[0][~marked], source_hidden[~marked])
                      and torch.equal(replayed[1][~marked], source_residual[~marked]))
-        print(f"{ops._body or 'default'} body{', dependent' if kernels.DEPENDENT_LAUNCH else ''}, {dtype} {name}: replay == eager bits {same}; unmarked rows untouched "
-              f"{untouched}; marked rows {int(marked.sum())}", flush=True)
+        launch = ", dependent" if kernels.DEPENDENT_LAUNCH else ""
+        print(f"{ops._body or 'default'} body{launch}, {dtype} {name}: replay == eager bits {same}; unmarked rows "
+              f"untouched {untouched}; marked rows {int(marked.sum())}", flush=True)
         good = good and same and untouched
         for key in steers:
             plan.leave(key)

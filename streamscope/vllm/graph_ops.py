@@ -376,8 +376,8 @@ def ops_source() -> str:
     """The source of every function the ops run (their bodies, checks and fake implementations, the choice of
     body, and the Triton kernels' module): torch.compile treats the ops as opaque, so vLLM's hash of the files it
     traced never reads this code."""
-    functions = (_check_stream, _check_index, _check_slots, _check_edit, _edited, edit_stream, _edit_by_torch, _edit_stream_fake,
-                 _check_harvest, harvest_stream, _harvest_by_torch, _harvest_stream_fake, edit_harvest_stream,
+    functions = (_check_stream, _check_index, _check_slots, _check_edit, _edited, edit_stream, _edit_by_torch,
+                 _edit_stream_fake, _check_harvest, harvest_stream, _harvest_by_torch, _harvest_stream_fake, edit_harvest_stream,
                  _check_edit_harvest, _edit_harvest_stream_fake, _runs_kernel, _kernels)
     own = "\n".join(inspect.getsource(getattr(function, "_init_fn", function)) for function in functions)
     return own + "\n" + kernel_source()

@@ -10,9 +10,10 @@ site at the call (one launch for all of a site's rounds, in order), then its
 harvest ops, as the hook path steers before it reads. Where a call holds one
 site (the common case), its rounds and its harvest are one launch
 (`edit_harvest_stream`): one launch a site, 6 a block of the default options
-(18 when each round and each harvest was a launch of its own). Installed before vLLM compiles the model, the
-hooks are traced into its graph (dynamo inlines a module's hooks), the ops as
-opaque nodes; run eagerly, they are plain hooks.
+(18 when each round and each harvest was a launch of its own). Installed
+before vLLM compiles the model, the hooks are traced into its graph (dynamo
+inlines a module's hooks), the ops as opaque nodes; run eagerly, they are
+plain hooks.
 
 Values the ops do not serve are left to the hook path, with the reason
 (`graph_sites`): a scaled value (Granite's residual multiplier, whose edit is
