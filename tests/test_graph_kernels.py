@@ -393,6 +393,22 @@ def test_a_harvest_launch_is_as_wide_as_the_call_not_the_buffer(interpreted: Int
     assert torch.equal(bits(taken[4:]), bits(out[4:])) and torch.equal(bits(taken[[0, 2, 3]]), bits(small[[2, 0, 3]]))
 
 
+def every_mode(width: int, rows: int, dtype: torch.dtype, fused: bool,
+               seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, Optional[torch.Tensor]]:
+    """A slot for every mode, plain and norm-matched (8, in `MODES` order), as the bank's buffers, and a stream of
+    `rows` rows (with its residual half where `fused`), all from seeds `seed` on."""
+    kinds = [(mode, norm_match) for mode in MODES for norm_match in (False, True)]
+    ops = [prepare(mode, torch.randn(width, generator=generator(seed + number)), *SETTINGS[mode], norm_match, dtype,
+                   "cpu") for number, (mode, norm_match) in enumerate(kinds)]
+    buffers = (torch.stack([op.unit if op.mode in DIRECTIONAL else op.delta for op in ops]),
+               torch.tensor([graph_ops.MODE_CODES[op.mode] for op in ops], dtype=torch.int32),
+               torch.tensor([op.scale for op in ops]), torch.tensor([op.projection for op in ops]),
+               torch.tensor([op.norm_match for op in ops]))
+    hidden = (torch.randn(rows, width, generator=generator(seed + 1)) * 3).to(dtype)
+    residual = (torch.randn(rows, width, generator=generator(seed + 2)) * 5).to(dtype) if fused else None
+    return buffers, hidden, residual
+
+
 @pytest.mark.parametrize("block", [None, 32], ids=["one-block", "blocks-of-32"])
 @pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -403,15 +419,7 @@ def test_an_edit_and_its_harvest_in_one_launch_are_the_two_ops(interpreted: Inte
     row nobody harvests, idle rows and buffer rows no row fills, all as the two ops leave them. Its torch body is
     the two torch bodies, in order."""
     width, rows = 100, 20
-    kinds = [(mode, norm_match) for mode in MODES for norm_match in (False, True)]
-    ops = [prepare(mode, torch.randn(width, generator=generator(50 + number)), *SETTINGS[mode], norm_match, dtype,
-                   "cpu") for number, (mode, norm_match) in enumerate(kinds)]
-    buffers = (torch.stack([op.unit if op.mode in DIRECTIONAL else op.delta for op in ops]),
-               torch.tensor([graph_ops.MODE_CODES[op.mode] for op in ops], dtype=torch.int32),
-               torch.tensor([op.scale for op in ops]), torch.tensor([op.projection for op in ops]),
-               torch.tensor([op.norm_match for op in ops]))
-    hidden = (torch.randn(rows, width, generator=generator(51)) * 3).to(dtype)
-    residual = (torch.randn(rows, width, generator=generator(52)) * 5).to(dtype) if fused else None
+    buffers, hidden, residual = every_mode(width, rows, dtype, fused, seed=50)
     slots = torch.tensor([(row * 3) % 9 - 1 for row in range(rows)], dtype=torch.int32)  # -1 and 0..7, mixed
     harvested = [7, 0, 3, 9, 2, 13]  # edited rows and rows the edit leaves (slot -1: rows 0, 3, 6, ...)
     sources = torch.full((8,), -1, dtype=torch.int32)
@@ -455,15 +463,7 @@ def test_a_sites_rounds_in_one_launch_are_the_rounds_one_by_one(interpreted: Int
     edit alone and with the harvest (which stores the row after the last round that edits it, or the row as it
     was); the torch body does the same rounds one by one. Rows edited in no round, in some and in all three."""
     width, rows, rounds = 100, 20, 3
-    kinds = [(mode, norm_match) for mode in MODES for norm_match in (False, True)]
-    ops = [prepare(mode, torch.randn(width, generator=generator(60 + number)), *SETTINGS[mode], norm_match, dtype,
-                   "cpu") for number, (mode, norm_match) in enumerate(kinds)]
-    buffers = (torch.stack([op.unit if op.mode in DIRECTIONAL else op.delta for op in ops]),
-               torch.tensor([graph_ops.MODE_CODES[op.mode] for op in ops], dtype=torch.int32),
-               torch.tensor([op.scale for op in ops]), torch.tensor([op.projection for op in ops]),
-               torch.tensor([op.norm_match for op in ops]))
-    hidden = (torch.randn(rows, width, generator=generator(61)) * 3).to(dtype)
-    residual = (torch.randn(rows, width, generator=generator(62)) * 5).to(dtype) if fused else None
+    buffers, hidden, residual = every_mode(width, rows, dtype, fused, seed=60)
     # A plan's index: a site's rounds side by side among other columns (a strided [rows, rounds] view).
     index = torch.full((rows, 2 + rounds + 2), -1, dtype=torch.int32)
     for row in range(rows):
