@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The engine in this process: the harvested rows are handed over as they are, not pickled through a socket.
@@ -264,11 +264,13 @@ def main() -> None:
                         help="prompts a shard (default: the library's, shards of at most 1 GiB of rows, what a user "
                              "gets: the last shard, written after the engine's last step, is the harvest's tail)")
     parser.add_argument("--out", default=None, help="where the harvests are written (a fast local disk)")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: disk,host,parquet,saelens")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: rounds (bare against the harvest; disk and host need it),"
+                             " disk,host,parquet,saelens (a call of its own at 70B: --skip rounds,saelens)")
     parser.add_argument("--disk-only", action="store_true", help="only the disk part, on synthetic shards")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     requested_shard_size = args.shard_size  # None: the harvests cut their shards by bytes, as a user's do
+    args.requested_shard_size = requested_shard_size
     if args.shard_size is None:
         from streamscope.bulk.results import SHARD_BYTES, SHARD_PROMPTS
 
@@ -286,7 +288,6 @@ def main() -> None:
     import torch
     import vllm
 
-    import streamscope
 
     out = Path(args.out or tempfile.mkdtemp(prefix="harvest-scale-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -294,7 +295,6 @@ def main() -> None:
     sizes = SHAPES[shape]
     layers = harvested_layers(sizes["num_hidden_layers"])
     prompts = token_prompts(args.prompts, args.length, sizes["vocab_size"])
-    tokens = args.prompts * args.length
     dtype = "float32" if args.tiny else "bfloat16"
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     print(f"harvest_scale.py  {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC  {shape} shape"
@@ -308,6 +308,22 @@ def main() -> None:
                                "max_model_len": args.length + 8}
     if torch.cuda.is_available():
         options.update(gpu_memory_utilization=0.9, max_num_batched_tokens=16384)
+    if "rounds" in skip:
+        skip |= {"disk", "host"}  # each is read against the rounds' harvest
+    if not {"rounds", "saelens"} <= skip:
+        in_process(args, skip, folder, options, prompts, layers, sizes, out)
+    if "parquet" not in skip:
+        parquet_part(args, skip, folder, options, prompts, layers, requested_shard_size, out)
+
+
+def in_process(args: argparse.Namespace, skip: set[str], folder: Path, options: dict[str, Any],
+               prompts: list[list[int]], layers: list[int], sizes: dict[str, int], out: Path) -> None:
+    """The rounds (bare prefill against the harvest to shards), then the disk and the host copies alone and SAELens
+    on the in-process engine."""
+    import streamscope
+
+    requested_shard_size = args.requested_shard_size
+    tokens = args.prompts * args.length
     model = streamscope.load(folder, engine="vllm", **options)
     print(f"engine loaded: device memory {device_memory()}", flush=True)
     llm = model.vllm_entrypoint
@@ -330,6 +346,10 @@ def main() -> None:
             written.append(folder_bytes(harvest_folder))
             shutil.rmtree(harvest_folder, ignore_errors=True)
 
+    if "rounds" in skip:
+        run_sae_lens(args, skip, model, prompts, layers, sizes, out)
+        model.close()
+        return
     times = alternate({"bare": bare, "harvest": harvest}, args.rounds, after)
     bare_s, harvest_s = statistics.median(times["bare"]), statistics.median(times["harvest"])
     gpus = 1
@@ -355,34 +375,45 @@ def main() -> None:
         rate = host_alone(written[-1])
         print(f"  device -> host copies alone: {rate / 2**30:.2f} GiB/s: {written[-1] / rate:.2f} s of "
               f"{harvest_s:.2f} s")
+    run_sae_lens(args, skip, model, prompts, layers, sizes, out)
+    model.close()
+
+
+def run_sae_lens(args: argparse.Namespace, skip: set[str], model: Any, prompts: list[list[int]], layers: list[int],
+                 sizes: dict[str, int], out: Path) -> None:
+    """`streamscope.sae.train` on the in-process engine: SAELens's own `ActivationsStore` reads the harvest."""
     if "saelens" not in skip:
         import streamscope.sae
 
         start = time.perf_counter()
-        sae = streamscope.sae.train(model, prompts[:args.shard_size], f"blocks.{layers[0]}.hook_resid_post",
+        # one shard's prompts (the tiny shape's shard holds more than it has) and a batch a quarter of their tokens
+        count = min(args.shard_size, len(prompts))
+        sae = streamscope.sae.train(model, prompts[:count], f"blocks.{layers[0]}.hook_resid_post",
                                     out / "sae", d_sae=4 * sizes["hidden_size"], steps=20, progress=False,
-                                    batch_size=min(4096, args.shard_size * args.length // 4))
+                                    batch_size=min(4096, count * args.length // 4))
         print(f"  SAELens (its ActivationsStore on streamscope's cache of block {layers[0]}): 20 steps in "
               f"{time.perf_counter() - start:.1f} s with the harvest, an SAE of {sae.W_enc.shape[1]} features "
               f"in {out / 'sae'}")
-    model.close()
 
-    if "parquet" not in skip:
-        from streamscope.scale import harvest as scale_harvest
 
-        engine_options = {key: value for key, value in options.items() if key != "seed"}
-        parquet_folder = out / "parquet"
-        shutil.rmtree(parquet_folder, ignore_errors=True)
-        start = time.perf_counter()
-        scale_harvest(prompts, folder, "layer_output", layers=layers, positions="all", out=parquet_folder,
-                      replicas=1, engine_options=engine_options, shard_size=requested_shard_size, progress=False,
-                      format="parquet")
-        seconds = time.perf_counter() - start
-        print(f"  streamscope.scale.harvest, 1 replica, Parquet: {seconds:.2f} s with the replica's start, "
-              f"{folder_bytes(parquet_folder) / 2**30:.2f} GiB")
-        if "saelens" not in skip:
-            loss = sae_steps_on_parquet(parquet_folder, f"layer_output/{layers[0]}")
-            print(f"  an SAE trained 20 steps on the Parquet rows of block {layers[0]}: loss {loss:.4f}")
+def parquet_part(args: argparse.Namespace, skip: set[str], folder: Path, options: dict[str, Any],
+                 prompts: list[list[int]], layers: list[int], requested_shard_size: Optional[int], out: Path) -> None:
+    """`streamscope.scale.harvest` with one Ray replica into Parquet, then a few SAE steps on its rows."""
+    from streamscope.scale import harvest as scale_harvest
+
+    engine_options = {key: value for key, value in options.items() if key != "seed"}
+    parquet_folder = out / "parquet"
+    shutil.rmtree(parquet_folder, ignore_errors=True)
+    start = time.perf_counter()
+    # scale.harvest plans its shards by prompts before any runs: the count that makes shards of at most 1 GiB here
+    scale_harvest(prompts, folder, "layer_output", layers=layers, positions="all", out=parquet_folder,
+                  replicas=1, engine_options=engine_options, progress=False, format="parquet",
+                  shard_size=requested_shard_size or args.shard_size)
+    seconds = time.perf_counter() - start
+    print(f"  streamscope.scale.harvest, 1 replica, Parquet: {seconds:.2f} s with the replica's start, "
+          f"{folder_bytes(parquet_folder) / 2**30:.2f} GiB")
+    loss = sae_steps_on_parquet(parquet_folder, f"layer_output/{layers[0]}")
+    print(f"  an SAE trained 20 steps on the Parquet rows of block {layers[0]}: loss {loss:.4f}")
 
 
 if __name__ == "__main__":

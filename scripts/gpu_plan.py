@@ -22,7 +22,8 @@ the console; ``<out>/plan.txt`` lists what ran, for how long and how it ended.
            block (tapped, after 3 timed rounds) and W2's steer in a trace on a tapped engine     about 6 min
   harvest70b  issue 43: `benchmarks/harvest_scale.py`, the Llama-3-70B shape in FP8: 6 blocks' layer_output
            at every position to shards, against bare prefill (3 rounds), the disk and host copies alone,
-           a 1-replica Parquet harvest and SAELens reading it back (`harvest8b`: the 8B shape)        about 9 min
+           SAELens's ActivationsStore on the same engine (`harvest70b-parquet`: a 1-replica Parquet harvest
+           over Ray and an SAE's steps on its rows; `harvest8b`: the 8B shape)                   about 9 min
   serve    issue 18: `streamscope serve` against plain `vllm serve` under load, eager
            and tapped pairs, with the servers' host time per step by part
            (needs `.whl-gpu/serve` installed into /tmp/site)                                   about 9 min
@@ -123,7 +124,12 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
                        # start; the Parquet and SAELens parts need Ray and SAELens carried (scripts/gpu_ray_wheels.sh)
                        ("harvest 70b", [python, "benchmarks/harvest_scale.py", "--shape", "70b", "--fp8", "--prompts",
                                         "128", "--length", "1024", "--rounds", "3", "--out", "/tmp/harvest-70b",
-                                        "--skip", "parquet,saelens"], ROOT, 560)],
+                                        "--skip", "parquet"], ROOT, 560)],
+        # the Parquet tables through one Ray replica, and an SAE's steps on them (Ray and pyarrow installed first)
+        "harvest70b-parquet": [("humming stand-in", [python, "scripts/humming_stub.py", "/tmp/site"], ROOT, 30),
+                               ("harvest 70b, Parquet", [python, "benchmarks/harvest_scale.py", "--shape", "70b",
+                                                         "--fp8", "--prompts", "128", "--length", "1024", "--out",
+                                                         "/tmp/harvest-70b", "--skip", "rounds,saelens"], ROOT, 560)],
         "harvest8b": [("harvest 8b", [python, "benchmarks/harvest_scale.py", "--shape", "8b", "--prompts", "256",
                                       "--length", "1024", "--rounds", "3", "--out", "/tmp/harvest-8b", "--skip",
                                       "parquet,saelens"], ROOT, 420)],
