@@ -591,3 +591,59 @@ def test_salt_reaches_vllms_config_hash() -> None:
                             graph_ops.salted(None, other))}
     assert len(hashes) == 4
     assert graph_ops.salted({"user": 1}, salt) == {"user": 1, graph_ops.SALT_KEY: salt}
+
+
+def test_the_salt_covers_the_runs_each_family_joins() -> None:
+    """Which sites one launch serves is stated in the families' modules and their layouts': their text is in the
+    salt, so a changed run compiles anew; so is whether runs are joined at all."""
+    from streamscope.vllm.graph_backend import GraphOptions
+    from streamscope.vllm.graph_wiring import wiring_source
+
+    wiring = wiring_source()
+    assert "def chains" in wiring and "def stretches(self)" in wiring and "SPEC = derive(NEUTRAL[\"llama\"]" in wiring
+    assert GraphOptions().salt() != GraphOptions(join=False).salt()
+    assert GraphOptions.of({"join": False}) == GraphOptions(join=False)
+
+
+def fake_sites(names: dict[str, tuple[int, str]]) -> dict[str, Any]:
+    from types import SimpleNamespace
+
+    return {name: SimpleNamespace(key=key) for name, key in names.items()}
+
+
+RUNS = (("self_attn.attention_output", "layer_mid"), ("mlp.mlp_output", "layer_output", "next.layer_input"))
+
+
+def test_chains_follow_the_runs_over_sites_without_an_op() -> None:
+    """A run's sites with an op, each alone at its module call, are one chain in call order; a value of the run
+    with no op there (the options leave it out) does not break it (nothing is computed there); the next block's
+    input joins a block's output, and the last block's output ends its chain."""
+    from streamscope.vllm.graph_wiring import chains
+
+    values = ["layer_input", "self_attn.attention_output", "layer_mid", "mlp.mlp_output", "layer_output"]
+    names = [f"layers.{layer}.{value}" for layer in range(2) for value in values]
+    sites = fake_sites({name: (index, "output") for index, name in enumerate(names)})
+    plan = GraphPlan([name for name in names if not name.endswith("layer_output")], 1, 4, 8, torch.float32, "cpu",
+                     slots=2)
+    found = chains(plan, sites, RUNS)
+    assert found == [["layers.0.self_attn.attention_output", "layers.0.layer_mid"],
+                     ["layers.0.mlp.mlp_output", "layers.1.layer_input"],
+                     ["layers.1.self_attn.attention_output", "layers.1.layer_mid"]]
+
+
+def test_a_shared_call_or_a_harvest_alone_breaks_a_chain() -> None:
+    """A site whose module call holds another site, or that has a harvest op and no edit op, is not joined: the
+    run's sites either side of it are chains of their own where two or more remain."""
+    from streamscope.vllm.graph_wiring import chains
+
+    names = ["layers.0.mlp.mlp_output", "layers.0.layer_output", "layers.1.layer_input", "layers.1.mlp.mlp_output",
+             "layers.1.layer_output"]
+    shared = fake_sites({name: (index, "output") for index, name in enumerate(names)})
+    shared["layers.0.layer_output"].key = shared["layers.0.mlp.mlp_output"].key  # one call holds both
+    plan = GraphPlan(names, 1, 4, 8, torch.float32, "cpu", slots=2)
+    assert chains(plan, shared, RUNS) == [["layers.1.mlp.mlp_output", "layers.1.layer_output"]]
+    alone = fake_sites({name: (index, "output") for index, name in enumerate(names)})
+    harvest_only = GraphPlan([name for name in names if name != "layers.0.layer_output"], 1, 4, 8, torch.float32,
+                             "cpu", slots=2, harvest_sites=["layers.0.layer_output"])
+    assert chains(harvest_only, alone, RUNS) == [["layers.1.mlp.mlp_output", "layers.1.layer_output"]]
+    assert chains(plan, alone, ()) == []

@@ -69,6 +69,10 @@ class FamilySpec:
     #: the stream (an output gate scales it between them), or None. TransformerLens's computed results
     #: (`cache.head_results`) are then refused with it, naming the value that is right (`self_attn.head_results`).
     gated_head_outputs: Optional[str] = None
+    #: vLLM: the runs of a block's values with nothing computed between their module calls, each in call order
+    #: (``"next.layer_input"``: the next block's), where they differ from the layout's (`Layout.stretches`): the
+    #: graph ops run each run in one launch. ``()`` where none may be joined.
+    stretches: Optional[tuple[tuple[str, ...], ...]] = None
 
     def problems(self) -> list[str]:
         """What is wrong with this spec, one line per field that is wrong; empty where nothing is."""
@@ -121,6 +125,11 @@ class FamilySpec:
         if self.layout is not None and not callable(getattr(self.layout, "namespace", None)):
             found.append(f"layout is {self.layout!r}, not an engine's block layout (streamscope.vllm.blocks: Fused(), "
                          f"WholeStream(...), Backend()) or None")
+        if self.stretches is not None and not (isinstance(self.stretches, tuple) and all(
+                isinstance(run, tuple) and len(run) >= 2 and all(isinstance(name, str) for name in run)
+                for run in self.stretches)):
+            found.append(f"stretches is {self.stretches!r}, not a tuple of runs, each a tuple of two or more values "
+                         f"in call order (or None: the layout's)")
         if self.check is not None and not callable(self.check):
             found.append(f"check is {self.check!r}, not a function of the model (or None)")
         if self.cannot_run is not None and not callable(self.cannot_run):

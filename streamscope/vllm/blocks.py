@@ -239,6 +239,8 @@ class VllmSkip:
 
 
 
+#: In a layout's `Layout.stretches`: the next block's layer_input.
+NEXT_INPUT = "next.layer_input"
 STREAM_DOC = "The residual stream entering this block, before any of its norms, [1, tokens, hidden_size]."
 HALVES = ": hidden_states + residual, [1, tokens, hidden_size]"
 
@@ -255,6 +257,13 @@ class Layout:
         """This layout as the first part of a composed class's name: ``WholeStream((0, 'hidden_states'), ...)``."""
         return f"{type(self).__name__}{astuple(self)!r}"
 
+    def stretches(self) -> tuple[tuple[str, ...], ...]:
+        """The runs of a block's values whose module calls follow one another with nothing between them, each in
+        call order (`NEXT_INPUT`: the next block's layer_input): the same tensors flow from one to the next, so the
+        graph ops run a run's sites in one launch at its last call (`streamscope.vllm.graph_wiring`). A family
+        whose block computes between two of them states its own (``FamilySpec.stretches``)."""
+        return ()
+
 
 @dataclass(frozen=True)
 class Fused(Layout):
@@ -268,6 +277,11 @@ class Fused(Layout):
     the norm the kind reads it at (``post_attention_layernorm``; a sandwich
     block's ``pre_feedforward_layernorm``).
     """
+
+    def stretches(self) -> tuple[tuple[str, ...], ...]:
+        # ``x = self_attn(...); x, residual = norm(x, residual)`` and ``x = mlp(x); return x, residual``, the next
+        # block called with what this one returned
+        return (("self_attn.attention_output", "layer_mid"), ("mlp.mlp_output", "layer_output", NEXT_INPUT))
 
     def namespace(self, kind: type) -> dict[str, Any]:
         middle = getattr(kind, "layer_mid")  # the kind's own declaration (a descriptor, read on the class)
@@ -299,6 +313,11 @@ class WholeStream(Layout):
     stream: tuple[int, str] = (1, "hidden_states")
     returns_tuple: bool = False
     input_at: Optional[str] = None
+
+    def stretches(self) -> tuple[tuple[str, ...], ...]:
+        # a sublayer's output is added to the stream in the block's own code; the next block takes what this one
+        # returned (read at its call: not where a module of the block reads its input)
+        return (("layer_output", NEXT_INPUT),) if self.input_at is None else ()
 
     def namespace(self, kind: type) -> dict[str, Any]:
         if self.input_at is None:

@@ -61,7 +61,7 @@ from ..bulk.sites import Site
 from .families import envoy_tree, family_for
 from .graph_ops import cache_salt, ops_source, salted
 from .graph_plan import GraphPlan, PlannedSteer, RowRule
-from .graph_wiring import graph_sites, insert_ops, wiring_source
+from .graph_wiring import graph_sites, insert_ops, stretches_of, wiring_source
 
 logger = logging.getLogger("streamscope.bulk")
 
@@ -92,6 +92,10 @@ class GraphOptions:
         harvest_capacity: The most rows one step harvests through the ops
             (None: the engine's ``max_num_batched_tokens``, every row of a step,
             which never overflows).
+        join: Whether the sites of a run with nothing computed between their
+            module calls are one launch at the run's last call (about 3 a
+            block instead of 6; `graph_wiring.chains`). False: one launch a
+            site, to compare.
     """
 
     slots: int = 256
@@ -99,6 +103,7 @@ class GraphOptions:
     values: tuple[str, ...] = DEFAULT_VALUES
     harvest: tuple[str, ...] = DEFAULT_VALUES
     harvest_capacity: Optional[int] = None
+    join: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "values", tuple(self.values))
@@ -132,11 +137,13 @@ class GraphOptions:
     def config(self) -> dict[str, Any]:
         """The options as vLLM's ``additional_config`` carries them (plain JSON values)."""
         return {"slots": self.slots, "rounds": self.rounds, "values": list(self.values),
-                "harvest": list(self.harvest), "harvest_capacity": self.harvest_capacity}
+                "harvest": list(self.harvest), "harvest_capacity": self.harvest_capacity, "join": self.join}
 
     def salt(self) -> str:
-        """The compile cache's salt for these options: the ops' and the wiring's code, the values, the rounds."""
-        return cache_salt(list(self.values), self.rounds, list(self.harvest), ops_source() + wiring_source())
+        """The compile cache's salt for these options: the ops' and the wiring's code (the families' runs with it),
+        the values, the rounds, whether runs are joined."""
+        return cache_salt(list(self.values), self.rounds, list(self.harvest),
+                          ops_source() + wiring_source() + f"join={self.join}")
 
 
 def engine_config(option: Any, additional_config: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
@@ -159,7 +166,12 @@ class GraphOps:
     names: dict[tuple[int, str, int], str]
     inserted: Any  # streamscope.vllm.graph_wiring.Inserted
     skipped: dict[str, str] = field(default_factory=dict)
-    order: dict[str, int] = field(default_factory=dict)  # each edit site's place at its module call
+    order: dict[str, int] = field(default_factory=dict)  # each edit site's place where its op runs
+    #: The chain a joined site runs in (`graph_wiring.chains`): its ops run at the chain's last module call, so a
+    #: request's order there is the chain's, and its hooks at the chain's earlier calls run before them.
+    chain_of: dict[str, int] = field(default_factory=dict)
+    #: Each chain's module calls in order (`Site.key`), its sites' places in it as `order` gives them.
+    chain_calls: list[list[tuple[int, str]]] = field(default_factory=list)
     #: How many requests' steers and harvests the ops have served since load (each steer of each request once).
     served: dict[str, int] = field(default_factory=lambda: {"steers": 0, "harvests": 0})
 
@@ -185,9 +197,15 @@ def build(model: torch.nn.Module, model_type: str, options: GraphOptions, max_ro
     plan = GraphPlan(edits, options.rounds, max_rows, hidden, dtype, device, slots=options.slots,
                      harvest_sites=harvests, harvest_capacity=capacity)
     by_name: dict[Hashable, Site] = {name: site for name, site in sites.items()}
-    inserted = insert_ops(plan, by_name)
+    inserted = insert_ops(plan, by_name, stretches_of(family) if options.join else ())
     names = {(id(site.module), site.where, id(site.descriptor)): name for name, site in sites.items()}
-    return GraphOps(plan, names, inserted, skipped, {name: number for number, name in enumerate(edits)})
+    order = {name: number for number, name in enumerate(edits)}
+    chain_of: dict[str, int] = {}
+    for number, chain in enumerate(inserted.chains):
+        for place, name in enumerate(chain):
+            order[name], chain_of[name] = place, number
+    return GraphOps(plan, names, inserted, skipped, order, chain_of,
+                    [[sites[name].key for name in chain] for chain in inserted.chains])
 
 
 def insert_at_load(worker: Any) -> Optional[GraphOps]:
@@ -300,10 +318,14 @@ class GraphBackend:
         """Give the plan what it serves of `live` (the applier's request `key`); `live` keeps the rest, changed in
         place (its steers, its harvest) before the applier plans its hooks."""
         graphed, hooked = self._split(live)
-        harvest = (not hooked and live.readout is None and live.sae is None and bool(live.positions)
-                   and all(self.ops.name_of(site) in self.plan.harvest_index for site in live.harvest_sites)
-                   and all(later > earlier for earlier, later in zip(live.positions, live.positions[1:]))
-                   and live.positions[0] >= 0)
+        harvest = self._harvests(live, hooked)
+        leaving = self._leaving_chains(live, graphed, hooked, harvest)
+        while leaving:  # each steer that leaves puts more of the request on the hooks
+            on_hooks = {id(entry) for entry in hooked} | leaving
+            graphed = [item for item in graphed if id(item[0]) not in leaving]
+            hooked = [entry for entry in live.steers if id(entry) in on_hooks]
+            harvest = self._harvests(live, hooked)
+            leaving = self._leaving_chains(live, graphed, hooked, harvest)
         if not self.hooks_fire and (hooked or (live.harvest_sites and not harvest)):
             where = sorted({entry.site.location for entry in hooked}
                            | {site.location for site in (() if harvest else live.harvest_sites)})
@@ -339,19 +361,47 @@ class GraphBackend:
             live.harvest_sites, live.positions, live.slots = [], [], {}
         live.hooked = None  # its hooked module calls, counted anew
 
+    def _leaving_chains(self, live: Live, graphed: list[tuple[SteerEntry, str, Operation]],
+                        hooked: list[SteerEntry], harvest: bool) -> set[int]:
+        """The steers of `graphed` (by id) that must leave a chain for the hooks: a chain's ops run at its last
+        module call, after the hooks at its earlier calls, so where the request has hook work (a steer, or its
+        harvest's reads) at a chain's call before the last, its steers in the chain at or before that call go to
+        the hooks too, where each runs at its own call."""
+        calls = {entry.site.key for entry in hooked}
+        if live.harvest_sites and not harvest:
+            calls |= {site.key for site in live.harvest_sites}
+        leaving: set[int] = set()
+        for entry, name, _ in graphed:
+            chain = self.ops.chain_of.get(name)
+            if chain is not None and any(place >= self.ops.order[name]
+                                         for place, call in enumerate(self.ops.chain_calls[chain][:-1])
+                                         if call in calls):
+                leaving.add(id(entry))
+        return leaving
+
+    def _harvests(self, live: Live, hooked: list[SteerEntry]) -> bool:
+        """Whether the ops read `live`'s harvest: none of its steers on the hooks, rows as they are (no readout, no
+        SAE), every site with a harvest op, its positions in order."""
+        return (not hooked and live.readout is None and live.sae is None and bool(live.positions)
+                and all(self.ops.name_of(site) in self.plan.harvest_index for site in live.harvest_sites)
+                and all(later > earlier for earlier, later in zip(live.positions, live.positions[1:]))
+                and live.positions[0] >= 0)
+
     def _split(self, live: Live) -> tuple[list[tuple[SteerEntry, str, Operation]], list[SteerEntry]]:
         """`live`'s steers the ops apply (each with its site's name and operation) and those left to the hooks."""
         if any(entry.condition_site is not None for entry in live.steers):
             return [], list(live.steers)
         graphed: list[tuple[SteerEntry, str, Operation]] = []
         hooked: list[SteerEntry] = []
-        on_hooks: set[tuple[int, str]] = set()  # module calls where a steer of the request stays on the hooks
-        last: dict[tuple[int, str], tuple[int, int]] = {}  # each module call's last op, (site's place, round)
+        on_hooks: set[Hashable] = set()  # module calls (a joined site: the site) where a steer stays on the hooks
+        last: dict[Hashable, tuple[int, int]] = {}  # the last op at each, (site's place, round)
         rounds: dict[str, int] = {}
         for entry in live.steers:
             name = self.ops.name_of(entry.site)
             operation = operation_of(entry)
-            call = entry.site.key
+            # at a module call the ops run in the plan's order of its sites; a chain's, in its call order, as the
+            # request's own steers at them run: only a site's rounds keep an order there
+            call: Hashable = entry.site.key if name not in self.ops.chain_of else ("site", name)
             if name is not None and operation is not None and call not in on_hooks and name in self.ops.order:
                 place = (self.ops.order[name], rounds.get(name, 0))
                 if place[1] < self.plan.rounds and place > last.get(call, (-1, -1)):

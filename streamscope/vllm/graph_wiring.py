@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Hashable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
 from ..bulk.sites import Site, locate
 from ..errors import Unavailable
+from ..families.spec import spec_of
 from ..values import INPUT, argument, first_tensor
-from .blocks import Summed
-from .graph_ops import cache_salt, edit_harvest_stream, edit_stream, harvest_stream, ops_source
+from .blocks import FUSED, NEXT_INPUT, Summed
+from .graph_ops import cache_salt, edit_harvest_stream, edit_stream, edit_stretch, harvest_stream, ops_source
 from .graph_plan import GraphPlan
 
 #: The values an op sits at on every block that has them: the stream's boundaries and the sublayers' outputs.
@@ -133,11 +136,53 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def wiring_source() -> str:
-    """The source of what decides which tensors the ops get at a call (the hooks, the halves, a value's tensor):
-    traced into the graph, but not hashed by vLLM's AOT compile cache, which hashes no traced file."""
-    return "\n".join(inspect.getsource(function) for function in (insert_ops, _calls, _before, _after, StreamAt,
+    """The source of what decides which tensors the ops get at a call (the hooks, the halves, a value's tensor, the
+    runs joined in one launch): traced into the graph, but not hashed by vLLM's AOT compile cache, which hashes no
+    traced file. The runs each family joins are stated in its module and its layout's (`Layout.stretches`): their
+    files' text is part of it, read, not imported."""
+    code = "\n".join(inspect.getsource(function) for function in (insert_ops, _calls, _before, _after, StreamAt,
                                                                       stream_at, stream_of, _rows, argument,
-                                                                      first_tensor))
+                                                                      first_tensor, chains, _joined))
+    here = Path(__file__).resolve().parent
+    stated = [here / "blocks.py", *sorted((here / "families").glob("*.py"))]
+    return code + "".join(path.read_text() for path in stated)
+
+
+def stretches_of(family: ModuleType) -> tuple[tuple[str, ...], ...]:
+    """The runs of `family`'s block values that one launch serves: its spec's, or its layout's
+    (`Layout.stretches`; a family that states no layout has fused halves)."""
+    spec = spec_of(family)
+    return spec.stretches if spec.stretches is not None else (spec.layout or FUSED).stretches()
+
+
+def chains(plan: GraphPlan, sites: Mapping[Hashable, Site], stretches: Sequence[Sequence[str]]) -> list[list[str]]:
+    """The plan's sites that one launch serves together, each chain in call order: the sites of a run of
+    `stretches` (values with nothing computed between their module calls, `Layout.stretches`) on one block, the
+    next block's layer_input where a run ends with `NEXT_INPUT`. A site joins a chain where it has an edit op and
+    its module call holds no other site of the plan; a site that does not breaks the run there. Two sites at least
+    make a chain."""
+    planned = set(plan.sites) | set(plan.harvest_sites)
+    at_call: dict[tuple[int, str], int] = {}
+    for name in planned:
+        at_call[sites[name].key] = at_call.get(sites[name].key, 0) + 1
+    layers = sorted({int(str(name).split(".")[1]) for name in planned})
+    found: list[list[str]] = []
+    for layer in layers:
+        for run in stretches:
+            chain: list[str] = []
+            for value in run:
+                name = (site_name("layer_input", layer + 1) if value == NEXT_INPUT else site_name(value, layer))
+                if name not in planned:
+                    continue  # no op there: nothing is computed between the sites either side
+                if name in plan.sites and at_call[sites[name].key] == 1:
+                    chain.append(name)
+                    continue
+                if len(chain) > 1:
+                    found.append(chain)
+                chain = []
+            if len(chain) > 1:
+                found.append(chain)
+    return found
 
 
 @dataclass
@@ -148,6 +193,8 @@ class Inserted:
     plan: GraphPlan
     salt: str
     handles: list[Any] = field(default_factory=list)
+    #: The sites joined in one launch, each chain in call order (`chains`).
+    chains: list[list[str]] = field(default_factory=list)
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -155,22 +202,34 @@ class Inserted:
         self.handles = []
 
 
-def insert_ops(plan: GraphPlan, sites: Mapping[Hashable, Site]) -> Inserted:
+def insert_ops(plan: GraphPlan, sites: Mapping[Hashable, Site], stretches: Sequence[Sequence[str]] = ()) -> Inserted:
     """Hook the ops onto every module call of `sites` (named as `plan` names them): the edit op of each of the
     plan's sites (its rounds in one launch), then the harvest ops of its harvest sites (a call's one site: its
-    rounds and its harvest in one op). A site the plan does not name is refused."""
+    rounds and its harvest in one op). The sites of a chain (`chains` of `stretches`) are one launch at the
+    chain's last call, each site's rounds and harvest in call order. A site the plan does not name is refused."""
     unknown = [name for name in list(plan.sites) + plan.harvest_sites if name not in sites]
     if unknown:
         raise ValueError(f"the plan names sites {unknown[:4]} that the model does not serve: build the plan from "
                          f"graph_sites(...)'s names.")
+    joined = chains(plan, sites, stretches)
+    in_chain = {name for chain in joined for name in chain}
     work: dict[tuple[int, str], list[Any]] = {}
     named: dict[tuple[int, str], set[Hashable]] = {}  # the sites at each module call
+    hosts: dict[tuple[int, str], Site] = {}  # a site at each module call: its module gets the hook
+    for chain in joined:
+        last = hosts[sites[chain[-1]].key] = sites[chain[-1]]
+        named.setdefault(last.key, set()).update(chain)
+        work.setdefault(last.key, []).append(("stretch", stream_at(last), _joined(plan, sites, chain)))
     for name in plan.sites:
-        site = sites[name]
+        if name in in_chain:
+            continue
+        site = hosts[sites[name].key] = sites[name]
         named.setdefault(site.key, set()).add(name)
         work.setdefault(site.key, []).append(("edit", stream_at(site), (plan.rounds_of(name),)))
     for name in plan.harvest_sites:
-        site = sites[name]
+        if name in in_chain:
+            continue
+        site = hosts[sites[name].key] = sites[name]
         named.setdefault(site.key, set()).add(name)
         work.setdefault(site.key, []).append(("harvest", stream_at(site), (plan.harvest_buffer(name),)))
     for key, items in work.items():
@@ -181,10 +240,11 @@ def insert_ops(plan: GraphPlan, sites: Mapping[Hashable, Site]) -> Inserted:
             (_, at, (slots,)), (_, _, (buffer,)) = items
             items[:] = [("edit_harvest", at, (slots, buffer))]
     inserted = Inserted(plan, cache_salt([str(name) for name in plan.sites], plan.rounds,
-                                         [str(name) for name in plan.harvest_sites], ops_source() + wiring_source()))
+                                         [str(name) for name in plan.harvest_sites],
+                                         ops_source() + wiring_source() + repr(joined)), chains=joined)
     buffers, sources, targets = plan.bank.buffers, plan.sources, plan.targets
     for key, items in work.items():
-        module, where = sites[next(iter(named[key]))].module, key[1]
+        module, where = hosts[key].module, key[1]
         run = _calls(items, buffers, sources, targets)
         if where == INPUT:
             inserted.handles.append(module.register_forward_pre_hook(_before(run), with_kwargs=True))
@@ -197,6 +257,17 @@ def insert_ops(plan: GraphPlan, sites: Mapping[Hashable, Site]) -> Inserted:
 # compiled graph back from vLLM's AOT cache whose guards read a function's defaults (its `DefaultsSource` fails to
 # unpickle), so every start would compile again.
 
+def _joined(plan: GraphPlan, sites: Mapping[Hashable, Site], chain: list[str]) -> tuple[Any, ...]:
+    """What `edit_stretch` takes for `chain`: the plan's index and harvest buffers, each site's first lane, the
+    rounds, each site's harvest buffer (-1: none) and whether it reads the stream as two halves."""
+    fused = []
+    for name in chain:
+        at = stream_at(sites[name])
+        fused.append(at.residual is not None or at.pair)
+    return (plan.index, plan.harvested, [plan.lane_of[(name, 0)] for name in chain], plan.rounds,
+            [plan.harvest_index.get(name, -1) for name in chain], fused)
+
+
 def _calls(items: list[Any], buffers: tuple[torch.Tensor, ...], sources: torch.Tensor,
            targets: torch.Tensor) -> Any:
     """The ops of one module call, in order, on the call's inputs or output."""
@@ -207,6 +278,10 @@ def _calls(items: list[Any], buffers: tuple[torch.Tensor, ...], sources: torch.T
                 edit_stream(hidden, residual, tensors[0], *buffers)
             elif kind == "harvest":
                 harvest_stream(tensors[0], hidden, residual, sources)
+            elif kind == "stretch":
+                index, harvested, lanes, rounds, harvests, fused = tensors
+                edit_stretch(hidden, residual, index, *buffers, harvested, sources, targets, lanes, rounds,
+                             harvests, fused)
             else:
                 edit_harvest_stream(hidden, residual, tensors[0], *buffers, tensors[1], sources, targets)
     return run

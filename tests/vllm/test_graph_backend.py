@@ -182,18 +182,22 @@ def test_a_condition_stays_on_the_hooks_beside_steers_on_the_ops(pair: Pair) -> 
 
 def test_an_sae_clamp_stays_on_the_hooks_and_keeps_the_request_s_order(pair: Pair) -> None:
     """An SAE feature clamp runs on the hooks; a steer after it at the same module call stays there too (the ops run
-    first at a call), one at another call goes to the ops; the request's harvest stays on the hooks. Each equals the
-    hook path."""
+    first at a call), one at another call goes to the ops; the request's harvest stays on the hooks. A steer in a
+    chain of joined sites (`graph_wiring.chains`: block 0's layer_output runs at block 1's input) whose value the
+    request's harvest reads on the hooks leaves the chain for the hooks: joined, it would run after that read. Each
+    equals the hook path."""
     sae = from_sae_lens(sae_checks.sae_lens_sae(pair.graphed.hidden_size, 4 * pair.graphed.hidden_size))
-    steers = [steer_of(pair, "ablate", False, "layer_output", 0, {"positions": "all"}, 15),
+    steers = [steer_of(pair, "ablate", False, "mlp_input", 0, {"positions": "all"}, 17),  # alone at its call
+              steer_of(pair, "ablate", False, "layer_output", 0, {"positions": "all"}, 15),
               sae.clamp(2, 6.0, positions="all"),  # at the SAE's site, block 1's layer_output
               steer_of(pair, "add", False, "layer_output", 1, {}, 16)]
+    assert "layers.0.layer_output" in pair.ops.chain_of and "layers.0.mlp_input" not in pair.ops.chain_of
     before = pair.served()
     run = {"max_tokens": 3, "ignore_eos": True, "return_logits": True, "progress": False,
            "harvest": {"values": "layer_output", "layers": [0, 1], "positions": "all"}}
     got = pair.graphed.generate(PROMPTS, steer=steers, **run)
     want = pair.hooked.generate(PROMPTS, steer=steers, **run)
-    assert pair.served()[0] == before[0] + len(PROMPTS)  # the ablation alone, for each prompt
+    assert pair.served()[0] == before[0] + len(PROMPTS)  # the ablation at mlp_input alone, for each prompt
     assert got.tokens == want.tokens
     for index in range(len(PROMPTS)):
         assert equal(got.logits[index], want.logits[index], False), index

@@ -31,7 +31,8 @@ from streamscope.vllm.bulk import worker_tree
 from streamscope.vllm.graph_plan import GraphPlan, PlannedSteer, RowRule
 from streamscope.vllm.graph_ops import cache_salt, ops_source
 from streamscope.vllm.families import envoys_for, family_for
-from streamscope.vllm.graph_wiring import StreamAt, graph_sites, insert_ops, site_name, unserved, wiring_source
+from streamscope.vllm.graph_wiring import (StreamAt, graph_sites, insert_ops, site_name, stretches_of, unserved,
+                                           wiring_source)
 from streamscope.values import ComputedValue, StreamValue
 
 pytestmark = pytest.mark.skipif(precision.ON_GPU, reason="the ops are inserted by these tests' own hooks into an "
@@ -91,7 +92,8 @@ class GraphEngine:
         self.plan = GraphPlan(list(self.sites), 1, self.runner.max_num_tokens,
                               self.runner.model_config.get_hidden_size(), parameter.dtype, parameter.device,
                               slots=8, harvest_sites=self.outputs)
-        self.inserted = insert_ops(self.plan, self.sites)
+        self.chains = stretches_of(family_for(family))
+        self.inserted = insert_ops(self.plan, self.sites, self.chains)
         self.keys: dict[str, Any] = {}
         self.pending: Any = None
         vllm_seam.after_schedule(self.runner, self.observe)
@@ -171,7 +173,8 @@ class OnAFamily:
                 assert site_name(value, layer) in graph.sites, (family, value, graph.skipped)
         assert graph.inserted.handles
         # The salt the engine's compile cache takes: this set of ops at these sites, with the ops' and hooks' code.
-        assert graph.inserted.salt == cache_salt(list(graph.sites), 1, graph.outputs, ops_source() + wiring_source())
+        assert graph.inserted.salt == cache_salt(list(graph.sites), 1, graph.outputs,
+                                                 ops_source() + wiring_source() + repr(graph.inserted.chains))
 
     def test_the_hooks_read_only_plain_values(self, engines: Any) -> None:
         """What the traced hooks read of a site is a `StreamAt` (a tuple of plain values), never the site or its
@@ -192,17 +195,43 @@ class OnAFamily:
             assert hook.__defaults__ is None and run.__defaults__ is None
             items = next(value for value in closed_over(run) if isinstance(value, list))
             works.append(items)
-            for kind, at, tensors in items:
+            for kind, at, carried in items:
                 kinds.append(kind)
-                assert kind in ("edit", "harvest", "edit_harvest") and type(at) is StreamAt
-                assert all(isinstance(tensor, torch.Tensor) for tensor in tensors)
+                assert kind in ("edit", "harvest", "edit_harvest", "stretch") and type(at) is StreamAt
                 assert all(part is None or isinstance(part, (bool, tuple)) for part in at), at
-        # Every harvest site here has an edit op and a call of its own: its rounds and its harvest are one launch;
-        # every site is one launch whatever its rounds (each edit op reads the site's rounds side by side).
-        assert kinds.count("edit_harvest") == len(graph.outputs) and "harvest" not in kinds
+                if kind != "stretch":
+                    assert all(isinstance(tensor, torch.Tensor) for tensor in carried)
+                    continue
+                # a chain: the plan's index and harvest buffers, then plain lists and a count the graph holds
+                index, harvested, lanes, rounds, buffers, fused = carried
+                assert index is graph.plan.index and harvested is graph.plan.harvested and type(rounds) is int
+                assert all(type(item) is int for item in lanes + buffers) and all(type(item) is bool for item in fused)
         plan = graph.inserted.plan
-        assert len(kinds) == len(plan.sites)
-        assert all(tensors[0].shape == (plan.max_rows, plan.rounds) for items in works for _, _, tensors in items)
+        # One launch a site where a site is alone (its rounds and its harvest in one op), one a chain: every site
+        # of the plan in exactly one of them.
+        joined = [name for chain in graph.inserted.chains for name in chain]
+        assert len(joined) == len(set(joined)) and "harvest" not in kinds
+        assert len(kinds) - kinds.count("stretch") + len(joined) == len(plan.sites)
+        assert kinds.count("stretch") == len(graph.inserted.chains)
+        assert all(carried[0].shape == (plan.max_rows, plan.rounds)
+                   for items in works for kind, _, carried in items if kind != "stretch")
+
+    def test_the_chains_are_the_family_s_runs(self, engines: Any) -> None:
+        """The sites one launch serves: on a fused block, a block's attention output with its layer_mid, and its MLP
+        output, its output and the next block's input (the last block's without); on a whole stream, a block's
+        output and the next block's input. So a fused block costs 3 launches (2 where ``mlp_input`` is its own),
+        a whole stream's 5."""
+        family, _, graph = engines
+        chains = graph.inserted.chains
+        last = graph.blocks - 1
+        if family == "llama":
+            want = [[site_name(value, layer) for value in ("self_attn.attention_output", "layer_mid")]
+                    for layer in range(graph.blocks)]
+            want += [[site_name("mlp.mlp_output", layer), site_name("layer_output", layer)]
+                     + ([site_name("layer_input", layer + 1)] if layer < last else []) for layer in range(graph.blocks)]
+        else:
+            want = [[site_name("layer_output", layer), site_name("layer_input", layer + 1)] for layer in range(last)]
+        assert sorted(chains) == sorted(want), (family, chains)
 
     def test_steer_through_the_ops_equals_the_bulk_path(self, engines: Any, case: tuple) -> None:
         family, model, graph = engines
