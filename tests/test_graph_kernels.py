@@ -542,14 +542,14 @@ def test_an_idle_stretch_leaves_every_bit(interpreted: Interpreter) -> None:
     stretch.index.fill_(-1)
     hidden = stretch.hidden.clone()
     hidden[0, 1], hidden[3, 4], hidden[4, 0], hidden[9, 2] = float("nan"), float("inf"), -0.0, float("-inf")
-    nowhere = torch.full_like(stretch.targets, -1)
-    for targets in (nowhere, stretch.targets):
+    nowhere = (torch.full_like(stretch.sources, -1), torch.full_like(stretch.targets, -1))
+    for maps in (nowhere, (stretch.sources, stretch.targets)):
         arguments, _ = interpreted("edit_stretch", hidden.clone(), stretch.residual, stretch.index,
-                                   *stretch.slot_buffers, stretch.harvested.clone(), stretch.sources, targets,
-                                   stretch.lanes, ROUNDS, stretch.buffers, stretch.fused)
+                                   *stretch.slot_buffers, stretch.harvested.clone(), *maps, stretch.lanes, ROUNDS,
+                                   stretch.buffers, stretch.fused)
         kept, harvested = arguments[0], arguments[8]
         assert torch.equal(bits(kept), bits(hidden))
-        filled = [buffer for buffer in stretch.buffers if buffer >= 0] if targets is not nowhere else []
+        filled = [buffer for buffer in stretch.buffers if buffer >= 0] if maps is not nowhere else []
         untouched = [buffer for buffer in range(stretch.harvested.shape[0]) if buffer not in filled]
         assert torch.equal(bits(harvested[untouched]), bits(stretch.harvested[untouched]))
         assert torch.equal(bits(harvested[:, len(HARVESTED):]), bits(stretch.harvested[:, len(HARVESTED):]))

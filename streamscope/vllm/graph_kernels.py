@@ -23,6 +23,16 @@ arithmetic. Their results are the torch body's, step for step:
   does, and stores an edited one from the registers of the last pass of
   each round that edits it, rounded as `harvest_rows` adds the stored
   halves: the bits of the two kernels one after the other.
+* `edit_stretch_rows` runs a stretch of sites (`graph_ops.edit_stretch`)
+  in one launch: each program runs the stages in order, each stage its
+  rounds and, where it harvests, its store or copy into its buffer row, as
+  `edit_harvest_rows` does for one site. The lanes and the buffers' offsets
+  are runtime arguments, so one compiled kernel serves every stretch of the
+  same layout; which stages are fused and which harvest are constexpr
+  masks. A program loads all its row's slots (and its target) in one load
+  and returns where none is marked and nothing is harvested; a round that
+  edits, or a harvest's copy, after an earlier round or stage stored the
+  row waits at a barrier first.
 * `harvest_rows` launches one program per row of the harvest buffer below
   the call's rows (a step fills no buffer row past them: `graph_ops`), so an
   idle decode step of 64 rows launches 64 programs, not the buffer's

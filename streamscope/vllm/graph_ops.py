@@ -27,6 +27,16 @@ so a graph captured once replays every step, whichever requests steer:
   kernel's program for stream row ``r`` stores its edited row in buffer row
   ``targets[r]`` from its registers, so the harvest costs no launch of its own.
 
+* ``streamscope::edit_stretch(hidden, residual, index, bank, modes, scales,
+  projections, norm_match, harvested, sources, targets, lanes, rounds,
+  buffers, fused)`` runs up to `MAX_STAGES` sites in one launch, where
+  nothing runs between their module calls, so they see the same pair of
+  tensors (an attention output, then the fused stream after it): for each
+  stage ``s`` in order, bit for bit `edit_harvest_stream` (or `edit_stream`
+  where ``buffers[s]`` is ``-1``) with the slots ``index[:, lanes[s]:lanes[s]
+  + rounds]``, the harvest buffer ``harvested[buffers[s]]``, and the stream
+  ``hidden + residual`` where ``fused[s]``, ``hidden`` alone elsewhere.
+
 `slots` is one column (one round) or ``[rows, rounds]``, a site's rounds:
 one launch runs them in order, each on the row the round before left, so a
 site costs one launch whatever its rounds.
