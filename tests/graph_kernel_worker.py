@@ -57,7 +57,8 @@ def serve() -> None:
         raise SystemExit(f"graph_kernel_worker: start it with {graph_ops.BODY_VARIABLE}=triton.")
     calls = {"edit_stream": graph_ops.edit_stream, "harvest_stream": graph_ops.harvest_stream,
              "edit_harvest_stream": graph_ops.edit_harvest_stream, "edit_rows": graph_kernels.edit_rows,
-             "harvest_rows": graph_kernels.harvest_rows, "edit_harvest_rows": graph_kernels.edit_harvest_rows}
+             "harvest_rows": graph_kernels.harvest_rows, "edit_harvest_rows": graph_kernels.edit_harvest_rows,
+             "edit_stretch": graph_ops.edit_stretch, "edit_stretch_rows": graph_kernels.edit_stretch_rows}
     inbox, outbox = sys.stdin.buffer, sys.stdout.buffer
     while True:
         request = receive(inbox)

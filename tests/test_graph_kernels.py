@@ -36,6 +36,7 @@ from streamscope.vllm.blocks import Summed
 from streamscope.values import OUTPUT
 
 from .graph_kernel_worker import receive, send
+from .graph_stretch import HARVESTED, ROUNDS, STRETCHES, Stretch, every_mode
 from .precision import CPU_FLOAT32
 
 triton = pytest.importorskip("triton")
@@ -393,22 +394,6 @@ def test_a_harvest_launch_is_as_wide_as_the_call_not_the_buffer(interpreted: Int
     assert torch.equal(bits(taken[4:]), bits(out[4:])) and torch.equal(bits(taken[[0, 2, 3]]), bits(small[[2, 0, 3]]))
 
 
-def every_mode(width: int, rows: int, dtype: torch.dtype, fused: bool,
-               seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, Optional[torch.Tensor]]:
-    """A slot for every mode, plain and norm-matched (8, in `MODES` order), as the bank's buffers, and a stream of
-    `rows` rows (with its residual half where `fused`), all from seeds `seed` on."""
-    kinds = [(mode, norm_match) for mode in MODES for norm_match in (False, True)]
-    ops = [prepare(mode, torch.randn(width, generator=generator(seed + number)), *SETTINGS[mode], norm_match, dtype,
-                   "cpu") for number, (mode, norm_match) in enumerate(kinds)]
-    buffers = (torch.stack([op.unit if op.mode in DIRECTIONAL else op.delta for op in ops]),
-               torch.tensor([graph_ops.MODE_CODES[op.mode] for op in ops], dtype=torch.int32),
-               torch.tensor([op.scale for op in ops]), torch.tensor([op.projection for op in ops]),
-               torch.tensor([op.norm_match for op in ops]))
-    hidden = (torch.randn(rows, width, generator=generator(seed + 1)) * 3).to(dtype)
-    residual = (torch.randn(rows, width, generator=generator(seed + 2)) * 5).to(dtype) if fused else None
-    return buffers, hidden, residual
-
-
 @pytest.mark.parametrize("block", [None, 32], ids=["one-block", "blocks-of-32"])
 @pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -509,6 +494,69 @@ def test_a_sites_rounds_in_one_launch_are_the_rounds_one_by_one(interpreted: Int
     assert torch.equal(bits(by_torch), bits(separate)) and torch.equal(bits(by_torch_out), bits(separate_out))
 
 
+# ---------------------------------------------------------------- a stretch of sites in one launch
+
+
+@pytest.mark.parametrize("block", [None, 32], ids=["one-block", "blocks-of-32"])
+@pytest.mark.parametrize("name", list(STRETCHES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_stretch_in_one_launch_is_its_sites_one_by_one(interpreted: Interpreter, dtype: torch.dtype, name: str,
+                                                         block: Optional[int]) -> None:
+    """`edit_stretch`'s kernel gives the bits of each stage's `edit_harvest_stream` or `edit_stream` kernel, stage
+    after stage (a whole stage on the hidden half alone, a fused one on the two halves), harvests at some stages
+    only: rows edited at no stage, at some and at every round of all; a row harvested at a stage that does not
+    edit it, after an earlier stage did, is copied with that edit (tests/graph_stretch.py)."""
+    stretch = Stretch(name, 20, 100, dtype)
+    slot_buffers, options = stretch.slot_buffers, ({"block": block} if block else {})
+
+    def edit(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+        (edited, *_), _ = interpreted("edit_rows" if block else "edit_stream", hidden, residual, slots, *slot_buffers,
+                                      **options)
+        return edited
+
+    def edit_harvest(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor,
+                     out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        maps = (stretch.targets,) if block else (stretch.sources, stretch.targets)
+        arguments, _ = interpreted("edit_harvest_rows" if block else "edit_harvest_stream", hidden, residual, slots,
+                                   *slot_buffers, out, *maps, **options)
+        return arguments[0], arguments[8]
+
+    one_by_one, one_by_one_harvested = stretch.one_by_one(edit, edit_harvest)
+    if block:
+        arguments, _ = interpreted("edit_stretch_rows", stretch.hidden.clone(), stretch.residual, stretch.index,
+                                   *slot_buffers, stretch.harvested.clone(), stretch.targets, stretch.lanes, ROUNDS,
+                                   stretch.buffers, stretch.fused, block=block)
+    else:
+        arguments, _ = interpreted("edit_stretch", stretch.hidden.clone(), stretch.residual, *stretch.arguments())
+    together, together_harvested = arguments[0], arguments[8]
+    assert torch.equal(bits(together), bits(one_by_one))
+    assert torch.equal(bits(together_harvested), bits(one_by_one_harvested))
+    assert not torch.equal(bits(together), bits(stretch.hidden))  # the stages acted: the comparison can fail
+    stretch.check_harvest(together, together_harvested)
+
+
+def test_an_idle_stretch_leaves_every_bit(interpreted: Interpreter) -> None:
+    """No slot marked at any stage: the stream (NaN, inf, -0.0 in it) keeps every bit; with no target the harvest
+    buffers too; with targets, only the targeted rows of the harvesting stages' buffers change (the rows copied)."""
+    stretch = Stretch("three-stages", 20, 48, torch.float32)
+    stretch.index.fill_(-1)
+    hidden = stretch.hidden.clone()
+    hidden[0, 1], hidden[3, 4], hidden[4, 0], hidden[9, 2] = float("nan"), float("inf"), -0.0, float("-inf")
+    nowhere = (torch.full_like(stretch.sources, -1), torch.full_like(stretch.targets, -1))
+    for maps in (nowhere, (stretch.sources, stretch.targets)):
+        arguments, _ = interpreted("edit_stretch", hidden.clone(), stretch.residual, stretch.index,
+                                   *stretch.slot_buffers, stretch.harvested.clone(), *maps, stretch.lanes, ROUNDS,
+                                   stretch.buffers, stretch.fused)
+        kept, harvested = arguments[0], arguments[8]
+        assert torch.equal(bits(kept), bits(hidden))
+        filled = [buffer for buffer in stretch.buffers if buffer >= 0] if maps is not nowhere else []
+        untouched = [buffer for buffer in range(stretch.harvested.shape[0]) if buffer not in filled]
+        assert torch.equal(bits(harvested[untouched]), bits(stretch.harvested[untouched]))
+        assert torch.equal(bits(harvested[:, len(HARVESTED):]), bits(stretch.harvested[:, len(HARVESTED):]))
+        if filled:  # the first stage (whole, buffer 2) copies its targeted rows as they are
+            assert torch.equal(bits(harvested[2, :len(HARVESTED)]), bits(hidden[HARVESTED]))
+
+
 # ---------------------------------------------------------------- compiled for a GPU, on this CPU
 
 
@@ -528,7 +576,7 @@ def compiled(kernel: Any, launch: graph_kernels.Launch) -> Any:
             constants[parameter.name] = value
         elif key == "D":
             attributes[(number,)] = [["tt.divisibility", 16]]
-    for name in ("FUSED", "BLOCK", "HARVEST", "ROUNDS", "WAIT"):
+    for name in ("FUSED", "BLOCK", "HARVEST", "ROUNDS", "WAIT", "STAGES", "SLOTS", "FUSED_MASK", "HARVEST_MASK"):
         if name in options:
             signature[name] = "constexpr"
             constants[name] = options[name]
@@ -591,6 +639,23 @@ def test_kernels_compile_for_hopper(dtype: torch.dtype, tmp_path: Path, monkeypa
         waiting = compiled(graph_kernels._edit_rows, (grid, arguments, {**options, "WAIT": True}))
         body = waiting.asm["ptx"][waiting.asm["ptx"].index("{", waiting.asm["ptx"].index(".entry")):]
         assert "griddepcontrol.wait" in body[:body.index("ld.global")]
+    # A stretch of three sites (a whole stream, then the fused one twice; harvests at the first and the last), one
+    # launch: an idle row loads its slots (one load of them all) and its target, then branches away. A barrier
+    # before each round but the first (nothing before it stored the row) and before each harvesting stage's copy.
+    harvested, stages = torch.empty(3, 256, width, **meta), ([0, -1, 2], [False, True, True])
+    stretch = compiled(graph_kernels._edit_stretch_rows,
+                       graph_kernels.stretch_launch(hidden, residual, index, *bank, harvested, index[:, -2], [3, 5, 7],
+                                                    2, *stages))
+    ptx = stretch.asm["ptx"]
+    body = ptx[ptx.index("{", ptx.index(".entry")):]
+    assert stretch.asm["cubin"] and body[:body.index("bra")].count("ld.global") == 2
+    assert stretch.asm["ttir"].count("ttg.barrier") == 3 * 2 - 1 + 2
+    assert "fma.rn.f32" not in ptx and "ld.global.v4" in ptx and "st.global.v4" in ptx
+    if dtype == torch.float32:  # the lanes and buffers are runtime arguments: other ones, the same kernel
+        other = compiled(graph_kernels._edit_stretch_rows,
+                         graph_kernels.stretch_launch(hidden, residual, index, *bank, harvested, index[:, -2],
+                                                      [16, 1, 32], 2, [1, -1, 0], stages[1]))
+        assert other.asm["ptx"] == ptx
 
 
 # ---------------------------------------------------------------- the body's choice and the salt

@@ -25,6 +25,7 @@ from streamscope.vllm import graph_ops
 from streamscope.vllm.blocks import Summed
 from streamscope.vllm.graph_plan import GraphPlan, PlannedSteer, RowRule, SlotBank
 
+from .graph_stretch import ROUNDS, STRETCHES, Stretch
 from .precision import CPU_FLOAT32
 
 HIDDEN = 48
@@ -262,6 +263,85 @@ def test_fake_implementations_check_shapes_only() -> None:
         with pytest.raises(ValueError, match="targets holds 2 entries"):
             graph_ops.edit_harvest_stream(hidden, None, slots, *bank.buffers, torch.empty(3, HIDDEN), slots,
                                           slots[:2])
+        index, harvested = torch.empty(8, 6, dtype=torch.int32), torch.empty(2, 3, HIDDEN)
+        graph_ops.edit_stretch(hidden, hidden, index, *bank.buffers, harvested, slots, slots, [0, 2], 2, [1, -1],
+                               [False, True])
+        with pytest.raises(ValueError, match="stage 1's lane 5 with 2 rounds reaches outside"):
+            graph_ops.edit_stretch(hidden, hidden, index, *bank.buffers, harvested, slots, slots, [0, 5], 2,
+                                   [1, -1], [False, True])
+
+
+# ---------------------------------------------------------------- a stretch of sites in one op
+
+
+@pytest.mark.parametrize("name", list(STRETCHES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_stretch_is_its_sites_one_by_one(dtype: torch.dtype, name: str) -> None:
+    """`edit_stretch`'s torch body gives the bits of each stage's `edit_harvest_stream` or `edit_stream`, stage
+    after stage (a whole stage on the hidden half alone, a fused one on the two halves), harvests at some stages
+    only (tests/graph_stretch.py; tests/test_graph_kernels.py holds the kernel to the same)."""
+    stretch = Stretch(name, 20, 100, dtype)
+
+    def edit(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+        graph_ops.edit_stream(hidden, residual, slots, *stretch.slot_buffers)
+        return hidden
+
+    def edit_harvest(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor,
+                     out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        graph_ops.edit_harvest_stream(hidden, residual, slots, *stretch.slot_buffers, out, stretch.sources,
+                                      stretch.targets)
+        return hidden, out
+
+    one_by_one, one_by_one_harvested = stretch.one_by_one(edit, edit_harvest)
+    together = stretch.hidden.clone()
+    index, *rest = stretch.arguments()
+    graph_ops.edit_stretch(together, stretch.residual, index, *rest)
+    together_harvested = rest[5]
+    assert torch.equal(stretch_bits(together), stretch_bits(one_by_one))
+    assert torch.equal(stretch_bits(together_harvested), stretch_bits(one_by_one_harvested))
+    assert not torch.equal(stretch_bits(together), stretch_bits(stretch.hidden))  # the comparison can fail
+    stretch.check_harvest(together, together_harvested)
+    idle = stretch.hidden.clone()
+    idle[0, 1], idle[3, 4], idle[4, 0] = float("nan"), float("inf"), -0.0
+    kept, harvested = idle.clone(), stretch.harvested.clone()
+    graph_ops.edit_stretch(kept, stretch.residual, torch.full_like(index, -1), *rest[:5], harvested,
+                           torch.full_like(stretch.sources, -1), torch.full_like(stretch.targets, -1), *rest[8:])
+    assert torch.equal(stretch_bits(kept), stretch_bits(idle))  # idle: every bit of the stream and the buffers
+    assert torch.equal(stretch_bits(harvested), stretch_bits(stretch.harvested))
+    graph_ops.edit_stretch(idle[:0], stretch.residual[:0], index, *rest)  # no rows: nothing to do
+
+
+def test_stretch_refusals_name_the_fix() -> None:
+    stretch = Stretch("three-stages", 20, 48, torch.float32)
+    hidden, residual = stretch.hidden.clone(), stretch.residual
+    index, *rest = stretch.arguments()
+    head, maps = rest[:6], rest[6:8]
+
+    def call(lanes: list[int], buffers: list[int], fused: list[bool], second: Optional[torch.Tensor] = residual,
+             rounds: int = ROUNDS) -> None:
+        graph_ops.edit_stretch(hidden, second, index, *head, *maps, lanes, rounds, buffers, fused)
+
+    with pytest.raises(ValueError, match="lanes, buffers and fused hold one entry a stage.*not 3, 2 and 3"):
+        call([1, 4, 7], [2, -1], [False, True, True])
+    with pytest.raises(ValueError, match="a stretch runs 1 to 4 stages in one launch, not 5: split"):
+        call([0, 1, 2, 3, 4], [-1] * 5, [True] * 5)
+    with pytest.raises(ValueError, match="runs 1 to 4 stages in one launch, not 0"):
+        call([], [], [])
+    with pytest.raises(ValueError, match="stage 1 is fused .* no residual is given: pass the block's residual"):
+        call([1, 4], [-1, -1], [False, True], second=None)
+    with pytest.raises(ValueError, match="stage 1's lane 9 with 2 rounds reaches outside the index's 10 columns"):
+        call([1, 9], [-1, -1], [True, True])
+    with pytest.raises(ValueError, match="buffers \\[3, -1\\] name a harvest buffer outside the 3 harvested holds"):
+        call([1, 4], [3, -1], [True, True])
+    with pytest.raises(ValueError, match="at least one round, not rounds=0"):
+        call([1, 4], [-1, -1], [True, True], rounds=0)
+    call([1, 4], [-1, -1], [False, False], second=None)  # no fused stage: no residual needed
+    torch.library.opcheck(graph_ops.edit_stretch, (hidden.clone(), residual, index, *head, *maps, [1, 4, 7], ROUNDS,
+                                                   [2, -1, 0], [False, True, True]))
+
+
+def stretch_bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view({4: torch.int32, 2: torch.int16}[tensor.element_size()])
 
 
 # ---------------------------------------------------------------- torch.compile

@@ -23,6 +23,16 @@ arithmetic. Their results are the torch body's, step for step:
   does, and stores an edited one from the registers of the last pass of
   each round that edits it, rounded as `harvest_rows` adds the stored
   halves: the bits of the two kernels one after the other.
+* `edit_stretch_rows` runs a stretch of sites (`graph_ops.edit_stretch`)
+  in one launch: each program runs the stages in order, each stage its
+  rounds and, where it harvests, its store or copy into its buffer row, as
+  `edit_harvest_rows` does for one site. The lanes and the buffers' offsets
+  are runtime arguments, so one compiled kernel serves every stretch of the
+  same layout; which stages are fused and which harvest are constexpr
+  masks. A program loads all its row's slots (and its target) in one load
+  and returns where none is marked and nothing is harvested; a round that
+  edits, or a harvest's copy, after an earlier round or stage stored the
+  row waits at a barrier first.
 * `harvest_rows` launches one program per row of the harvest buffer below
   the call's rows (a step fills no buffer row past them: `graph_ops`), so an
   idle decode step of 64 rows launches 64 programs, not the buffer's
@@ -47,12 +57,14 @@ are never read.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+
+from streamscope.vllm.graph_ops import MAX_STAGES
 
 #: The widest block of columns a program handles at once; a wider row is read in several blocks.
 MAX_BLOCK = 1024
@@ -220,6 +232,73 @@ def _edit_rows(hidden, hidden_row_stride, hidden_column, residual, residual_row_
                       offsets, FUSED, BLOCK, DTYPE)
 
 
+@triton.jit
+def _of_stage(STAGE: tl.constexpr, first, second, third, fourth):
+    """The argument of stage `STAGE` among the four a stretch's launch passes (a kernel takes no list)."""
+    if STAGE == 0:
+        return first
+    elif STAGE == 1:
+        return second
+    elif STAGE == 2:
+        return third
+    else:
+        return fourth
+
+
+@triton.jit(do_not_specialize=["lane_0", "lane_1", "lane_2", "lane_3", "buffer_0", "buffer_1", "buffer_2",
+                               "buffer_3"])
+def _edit_stretch_rows(hidden, hidden_row_stride, hidden_column, residual, residual_row_stride, residual_column,
+                       index, index_row_stride, index_column, lane_0, lane_1, lane_2, lane_3, bank, bank_row_stride,
+                       bank_column, modes, modes_stride, scales, scales_stride, projections, projections_stride,
+                       norm_match, norm_match_stride, width, tiny, harvested, harvested_row_stride, harvested_column,
+                       buffer_0, buffer_1, buffer_2, buffer_3, targets, targets_stride,
+                       STAGES: tl.constexpr, ROUNDS: tl.constexpr, SLOTS: tl.constexpr, FUSED_MASK: tl.constexpr,
+                       HARVEST_MASK: tl.constexpr, BLOCK: tl.constexpr, WAIT: tl.constexpr):
+    if WAIT:  # launched as a programmatic dependent: the kernel before may still be running until here
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    DTYPE = hidden.dtype.element_ty
+    hidden_row = hidden + row * hidden_row_stride
+    residual_row = residual + row * residual_row_stride
+    offsets = tl.arange(0, BLOCK)
+    # Every slot of the stretch (stage by stage, round by round) in one load: an idle row waits for one load, not
+    # for one a round after the other; the lanes are arguments, so one compiled kernel serves every stretch.
+    entry = tl.arange(0, SLOTS)
+    stage_of_entry = entry // ROUNDS
+    lane = tl.where(stage_of_entry == 0, lane_0,
+                    tl.where(stage_of_entry == 1, lane_1, tl.where(stage_of_entry == 2, lane_2, lane_3)))
+    columns_of_entry = (lane + entry % ROUNDS).to(tl.int64)
+    slots = tl.load(index + row * index_row_stride + columns_of_entry * index_column, mask=entry < STAGES * ROUNDS,
+                    other=-1).to(tl.int64)
+    if HARVEST_MASK != 0:  # the row's harvest buffer row (-1: none), the same at every stage that harvests
+        target = tl.load(targets + row * targets_stride).to(tl.int64)
+    else:
+        target = row * 0 - 1
+    if (tl.max(slots, axis=0) >= 0) | (target >= 0):  # an idle row, unharvested, reads and writes nothing more
+        edits = row * 0  # the rounds so far that stored this row
+        for stage in tl.static_range(STAGES):
+            kept_row = (harvested + _of_stage(stage, buffer_0, buffer_1, buffer_2, buffer_3)
+                        + target * harvested_row_stride)
+            before = edits
+            for round_ in tl.static_range(ROUNDS):  # the stage's rounds in order, as `_edit_rows` runs a site's
+                slot = tl.max(tl.where(entry == stage * ROUNDS + round_, slots, -1), axis=0)
+                if slot >= 0:
+                    if edits > 0:  # an earlier round stored this row from other threads of the program
+                        tl.debug_barrier()
+                    _edit_row(hidden_row, hidden_column, residual_row, residual_column, slot, bank,
+                              bank_row_stride, bank_column, modes, modes_stride, scales, scales_stride, projections,
+                              projections_stride, norm_match, norm_match_stride, width, tiny, offsets, kept_row,
+                              harvested_column, target, (FUSED_MASK >> stage) & 1 == 1, BLOCK,
+                              (HARVEST_MASK >> stage) & 1 == 1, DTYPE)
+                edits += tl.where(slot >= 0, 1, 0)
+            if (HARVEST_MASK >> stage) & 1 == 1:
+                if (target >= 0) & (edits == before):  # harvested, not edited at this stage: its row as it is now
+                    if edits > 0:  # as an earlier stage left it, stored from other threads
+                        tl.debug_barrier()
+                    _copy_row(kept_row, harvested_column, hidden_row, hidden_column, residual_row, residual_column,
+                              width, offsets, (FUSED_MASK >> stage) & 1 == 1, BLOCK, DTYPE)
+
+
 @triton.jit(do_not_specialize=["rows"])
 def _harvest_rows(out, out_row_stride, out_column, hidden, hidden_row_stride, hidden_column, residual,
                   residual_row_stride, residual_column, sources, sources_stride, rows, width,
@@ -279,6 +358,41 @@ def edit_launch(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: t
     return (rows,), arguments, options
 
 
+def stretch_launch(hidden: torch.Tensor, residual: Optional[torch.Tensor], index: torch.Tensor, bank: torch.Tensor,
+                   modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor, norm_match: torch.Tensor,
+                   harvested: torch.Tensor, targets: torch.Tensor, lanes: Sequence[int], rounds: int,
+                   buffers: Sequence[int], fused: Sequence[bool], block: Optional[int] = None,
+                   dependent: Optional[bool] = None) -> Launch:
+    """How `edit_stretch_rows` launches `_edit_stretch_rows` for these tensors: one program a row of `hidden`, each
+    running every stage's rounds in order. The lanes and the harvest buffers' offsets are runtime arguments (one
+    compiled kernel for every stretch of the same shape); which stages are fused and which harvest are constexpr
+    masks (bit ``s`` for stage ``s``)."""
+    rows, width = hidden.shape
+    stages = len(lanes)
+    if not 1 <= stages <= MAX_STAGES or not len(lanes) == len(buffers) == len(fused):
+        raise ValueError(f"a stretch runs 1 to {MAX_STAGES} stages, each with a lane, a buffer and a layout: not "
+                         f"lanes {list(lanes)}, buffers {list(buffers)}, fused {list(fused)}.")
+    second = hidden if residual is None else residual  # never read where no stage is fused
+    harvest = any(buffer >= 0 for buffer in buffers)
+    kept = harvested if harvest else hidden.unsqueeze(0)  # never read where no stage harvests
+    where = targets if harvest else index[:, 0]
+    padding = [0] * (MAX_STAGES - stages)
+    offsets = [max(buffer, 0) * kept.stride(0) for buffer in buffers]  # a buffer's first element in `harvested`
+    arguments = (hidden, hidden.stride(0), hidden.stride(1), second, second.stride(0), second.stride(1), index,
+                 index.stride(0), index.stride(1), *(list(lanes) + padding), bank, bank.stride(0), bank.stride(1),
+                 modes, modes.stride(0), scales, scales.stride(0), projections, projections.stride(0), norm_match,
+                 norm_match.stride(0), width, torch.finfo(hidden.dtype).tiny, kept, kept.stride(1), kept.stride(2),
+                 *(offsets + padding), where, where.stride(0))
+    options: dict[str, Any] = {
+        "STAGES": stages, "ROUNDS": int(rounds), "SLOTS": triton.next_power_of_2(stages * int(rounds)),
+        "FUSED_MASK": sum(1 << stage for stage, layout in enumerate(fused) if layout),
+        "HARVEST_MASK": sum(1 << stage for stage, buffer in enumerate(buffers) if buffer >= 0),
+        "BLOCK": block_for(width, block), "WAIT": False, "enable_fp_fusion": False}
+    if (DEPENDENT_LAUNCH if dependent is None else dependent) and hidden.device.type == "cuda":
+        options.update(WAIT=True, launch_pdl=True)
+    return (rows,), arguments, options
+
+
 def harvest_launch(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], sources: torch.Tensor,
                    block: Optional[int] = None) -> Launch:
     """How `harvest_rows` launches `_harvest_rows` for these tensors: one program a row of `out` below the call's
@@ -316,6 +430,20 @@ def edit_harvest_rows(hidden: torch.Tensor, residual: Optional[torch.Tensor], sl
     grid, arguments, options = edit_launch(hidden, residual, slots, bank, modes, scales, projections, norm_match,
                                            block, out, targets)
     _edit_rows[grid](*arguments, **options)
+
+
+def edit_stretch_rows(hidden: torch.Tensor, residual: Optional[torch.Tensor], index: torch.Tensor,
+                      bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
+                      norm_match: torch.Tensor, harvested: torch.Tensor, targets: torch.Tensor, lanes: Sequence[int],
+                      rounds: int, buffers: Sequence[int], fused: Sequence[bool], block: Optional[int] = None) -> None:
+    """`graph_ops.edit_stretch` by the kernel: `edit_harvest_rows` (or `edit_rows`) of each stage in order, in one
+    launch. Changes `hidden` and the targeted rows of the buffers `buffers` names in `harvested`."""
+    if hidden.shape[0] == 0 or hidden.shape[1] == 0:
+        return
+    _launchable(_edit_stretch_rows, hidden)
+    grid, arguments, options = stretch_launch(hidden, residual, index, bank, modes, scales, projections, norm_match,
+                                              harvested, targets, lanes, rounds, buffers, fused, block)
+    _edit_stretch_rows[grid](*arguments, **options)
 
 
 def harvest_rows(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], sources: torch.Tensor,

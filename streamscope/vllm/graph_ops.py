@@ -27,6 +27,16 @@ so a graph captured once replays every step, whichever requests steer:
   kernel's program for stream row ``r`` stores its edited row in buffer row
   ``targets[r]`` from its registers, so the harvest costs no launch of its own.
 
+* ``streamscope::edit_stretch(hidden, residual, index, bank, modes, scales,
+  projections, norm_match, harvested, sources, targets, lanes, rounds,
+  buffers, fused)`` runs up to `MAX_STAGES` sites in one launch, where
+  nothing runs between their module calls, so they see the same pair of
+  tensors (an attention output, then the fused stream after it): for each
+  stage ``s`` in order, bit for bit `edit_harvest_stream` (or `edit_stream`
+  where ``buffers[s]`` is ``-1``) with the slots ``index[:, lanes[s]:lanes[s]
+  + rounds]``, the harvest buffer ``harvested[buffers[s]]``, and the stream
+  ``hidden + residual`` where ``fused[s]``, ``hidden`` alone elsewhere.
+
 `slots` is one column (one round) or ``[rows, rounds]``, a site's rounds:
 one launch runs them in order, each on the row the round before left, so a
 site costs one launch whatever its rounds.
@@ -143,8 +153,7 @@ def _check_slots(op: str, slots: torch.Tensor, rows: int, device: torch.device) 
 
 def _check_edit(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor, bank: torch.Tensor,
                 modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
-                norm_match: torch.Tensor) -> None:
-    op = "streamscope::edit_stream"
+                norm_match: torch.Tensor, op: str = "streamscope::edit_stream") -> None:
     _check_stream(op, hidden, residual)
     _check_slots(op, slots, hidden.shape[0], hidden.device)
     if bank.dim() != 2 or bank.shape[1] != hidden.shape[1] or bank.dtype != hidden.dtype:
@@ -257,9 +266,8 @@ def _edit_stream_fake(hidden: torch.Tensor, residual: Optional[torch.Tensor], sl
     _check_edit(hidden, residual, slots, bank, modes, scales, projections, norm_match)
 
 
-def _check_harvest(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
-                   sources: torch.Tensor) -> None:
-    op = "streamscope::harvest_stream"
+def _check_harvest(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], sources: torch.Tensor,
+                   op: str = "streamscope::harvest_stream") -> None:
     _check_stream(op, hidden, residual)
     if out.dim() != 2 or out.shape[1] != hidden.shape[1] or out.dtype != hidden.dtype:
         raise ValueError(f"{op}: the harvest buffer is [capacity, {hidden.shape[1]}] in the stream's dtype "
@@ -362,8 +370,108 @@ def _edit_harvest_stream_fake(hidden: torch.Tensor, residual: Optional[torch.Ten
     _check_edit_harvest(hidden, residual, slots, bank, modes, scales, projections, norm_match, out, sources, targets)
 
 
+#: The most sites (stages) one `edit_stretch` launch runs: the kernel takes each stage's lane and harvest buffer as
+#: one scalar argument of four.
+MAX_STAGES = 4
+
+
+def _check_stretch(hidden: torch.Tensor, residual: Optional[torch.Tensor], index: torch.Tensor, bank: torch.Tensor,
+                   modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor, norm_match: torch.Tensor,
+                   harvested: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor, lanes: Sequence[int],
+                   rounds: int, buffers: Sequence[int], fused: Sequence[bool]) -> None:
+    op = "streamscope::edit_stretch"
+    if not len(lanes) == len(buffers) == len(fused):
+        raise ValueError(f"{op}: lanes, buffers and fused hold one entry a stage (a site of the stretch), not "
+                         f"{len(lanes)}, {len(buffers)} and {len(fused)}: give each stage all three.")
+    if not 1 <= len(lanes) <= MAX_STAGES:
+        raise ValueError(f"{op}: a stretch runs 1 to {MAX_STAGES} stages in one launch, not {len(lanes)}: split "
+                         f"the sites into stretches of at most {MAX_STAGES}.")
+    if index.dim() != 2:
+        raise ValueError(f"{op}: index is the plan's slot index [max_rows, columns], not {tuple(index.shape)}.")
+    if rounds < 1:
+        raise ValueError(f"{op}: a stage runs at least one round, not rounds={rounds}.")
+    for stage, lane in enumerate(lanes):
+        if lane < 0 or lane + rounds > index.shape[1]:
+            raise ValueError(f"{op}: stage {stage}'s lane {lane} with {rounds} rounds reaches outside the index's "
+                             f"{index.shape[1]} columns: give each stage the first column of its rounds.")
+    if any(fused) and residual is None:
+        raise ValueError(f"{op}: stage {list(fused).index(True)} is fused (its stream is hidden + residual) and no "
+                         f"residual is given: pass the block's residual half, or mark the stage whole.")
+    _check_edit(hidden, residual, index[:, lanes[0]:lanes[0] + rounds], bank, modes, scales, projections,
+                norm_match, op)
+    harvesting = [buffer for buffer in buffers if buffer >= 0]
+    if harvesting and harvested.dim() != 3:
+        raise ValueError(f"{op}: harvested is the plan's harvest buffers [harvest_sites, capacity, hidden], not "
+                         f"{tuple(harvested.shape)}.")
+    if min(buffers) < -1 or (harvesting and max(harvesting) >= harvested.shape[0]):
+        raise ValueError(f"{op}: buffers {list(buffers)} name a harvest buffer outside the {harvested.shape[0]} "
+                         f"harvested holds: each is a buffer's index, or -1 for a stage that harvests nothing.")
+    if not harvesting:
+        return
+    _check_harvest(harvested[harvesting[0]], hidden, residual, sources, op)
+    _check_index(op, "targets", targets, hidden.shape[0], hidden.device)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::edit_stretch", mutates_args=("hidden", "harvested"))
+def edit_stretch(hidden: torch.Tensor, residual: Optional[torch.Tensor], index: torch.Tensor, bank: torch.Tensor,
+                 modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor, norm_match: torch.Tensor,
+                 harvested: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor, lanes: list[int],
+                 rounds: int, buffers: list[int], fused: list[bool]) -> None:
+    """Several sites in one launch, where nothing runs between their module calls, so they see the same pair of
+    tensors (an attention output, then the fused stream after it): stage ``s``'s edit rounds and harvest, for each
+    stage in order, each on the row as the stage before left it.
+
+    The result is, bit for bit, for each stage ``s`` in order, `edit_harvest_stream`
+    (``buffers[s] >= 0``) or `edit_stream` with ``residual if fused[s] else
+    None``, the slots ``index[:, lanes[s]:lanes[s] + rounds]`` and, for the
+    harvest, ``harvested[buffers[s]]``.
+
+    Args:
+        hidden, residual: The stream's halves: a fused stage reads the
+            stream ``hidden + residual`` and edits the hidden half, a whole
+            stage reads and edits ``hidden`` alone (the residual is ignored;
+            it may be None where no stage is fused).
+        index: ``[>= rows, columns]`` int, the plan's slot index: stage
+            ``s``'s rounds are its columns ``lanes[s]`` to ``lanes[s] +
+            rounds``.
+        bank, modes, scales, projections, norm_match: As `edit_stream`'s.
+        harvested: ``[harvest sites, capacity, hidden]``, the plan's harvest
+            buffers; only those `buffers` names change.
+        sources, targets: As `edit_harvest_stream`'s, shared by every stage.
+        lanes: Each stage's first column of `index`.
+        rounds: The rounds each stage runs.
+        buffers: Each stage's harvest buffer in `harvested`, ``-1`` for none.
+        fused: Whether each stage sees the fused stream (``hidden +
+            residual``) or ``hidden`` whole.
+    """
+    _check_stretch(hidden, residual, index, bank, modes, scales, projections, norm_match, harvested, sources, targets,
+                   lanes, rounds, buffers, fused)
+    if hidden.shape[0] == 0:  # a shape, not a value: fixed for a captured graph
+        return
+    if _runs_kernel(hidden.device):
+        _kernels().edit_stretch_rows(hidden, residual, index, bank, modes, scales, projections, norm_match,
+                                     harvested, targets, lanes, rounds, buffers, fused)
+        return
+    for lane, buffer, stage_fused in zip(lanes, buffers, fused):
+        second = residual if stage_fused else None
+        _edit_by_torch(hidden, second, index[:, lane:lane + rounds], bank, modes, scales, projections, norm_match)
+        if buffer >= 0 and harvested.shape[1]:
+            _harvest_by_torch(harvested[buffer], hidden, second, sources)
+
+
+@edit_stretch.register_fake
+def _edit_stretch_fake(hidden: torch.Tensor, residual: Optional[torch.Tensor], index: torch.Tensor,
+                       bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
+                       norm_match: torch.Tensor, harvested: torch.Tensor, sources: torch.Tensor,
+                       targets: torch.Tensor, lanes: list[int], rounds: int, buffers: list[int],
+                       fused: list[bool]) -> None:
+    _check_stretch(hidden, residual, index, bank, modes, scales, projections, norm_match, harvested, sources, targets,
+                   lanes, rounds, buffers, fused)
+
+
 #: The ops streamscope inserts, by name: what the compile cache's salt hashes (`cache_salt`).
-OPS = {"edit_stream": edit_stream, "harvest_stream": harvest_stream, "edit_harvest_stream": edit_harvest_stream}
+OPS = {"edit_stream": edit_stream, "harvest_stream": harvest_stream, "edit_harvest_stream": edit_harvest_stream,
+       "edit_stretch": edit_stretch}
 
 
 def kernel_source() -> str:
@@ -377,8 +485,9 @@ def ops_source() -> str:
     body, and the Triton kernels' module): torch.compile treats the ops as opaque, so vLLM's hash of the files it
     traced never reads this code."""
     functions = (_check_stream, _check_index, _check_slots, _check_edit, _edited, edit_stream, _edit_by_torch,
-                 _edit_stream_fake, _check_harvest, harvest_stream, _harvest_by_torch, _harvest_stream_fake, edit_harvest_stream,
-                 _check_edit_harvest, _edit_harvest_stream_fake, _runs_kernel, _kernels)
+                 _edit_stream_fake, _check_harvest, harvest_stream, _harvest_by_torch, _harvest_stream_fake,
+                 edit_harvest_stream, _check_edit_harvest, _edit_harvest_stream_fake, _check_stretch, edit_stretch,
+                 _edit_stretch_fake, _runs_kernel, _kernels)
     own = "\n".join(inspect.getsource(getattr(function, "_init_fn", function)) for function in functions)
     return own + "\n" + kernel_source()
 
