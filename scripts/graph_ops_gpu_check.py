@@ -169,6 +169,70 @@ def check_capture(dtype: torch.dtype, width: int = 4096, rows: int = 256) -> boo
     return good
 
 
+def check_stretch_capture(dtype: torch.dtype, width: int = 4096, rows: int = 256) -> bool:
+    """Three joined sites (`edit_stretch`: the first on the hidden half alone, the others on the fused stream, two
+    rounds each, each harvested) captured in one launch; each scenario refills the buffers and replays: the
+    replay's bits are the three sites' single ops called one after another, eagerly."""
+    names = ["s0", "s1", "s2"]
+    plan = plans.GraphPlan(names, 2, 512, width, dtype, DEVICE, slots=8, harvest_sites=names)
+    hidden = torch.zeros(rows, width, dtype=dtype, device=DEVICE)
+    residual = torch.zeros_like(hidden)
+    lanes = [plan.lane_of[(name, 0)] for name in names]
+
+    def joined(hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        ops.edit_stretch(hidden, residual, plan.index, *plan.bank.buffers, plan.harvested, plan.sources,
+                         plan.targets, lanes, 2, [0, 1, 2], [False, True, True])
+
+    def separate(hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        for name, fused in zip(names, (False, True, True)):
+            ops.edit_harvest_stream(hidden, residual if fused else None, plan.rounds_of(name), *plan.bank.buffers,
+                                    plan.harvest_buffer(name), plan.sources, plan.targets)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        joined(hidden, residual)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        joined(hidden, residual)
+    good = True
+    for name, steers, spans in scenarios(dtype, width):
+        first = {span.key: span.first for span in spans}
+        for key, planned in steers.items():  # the scenarios' steers at s0 and s1, and each again at s2
+            more = [plans.PlannedSteer(["s2"], steer.operation, steer.rule, (steer.share, "s2")) for steer in planned]
+            plan.enter(key, planned + more, harvest_positions=range(0, 60, 7) if first[key] == 0 else ())
+        plan.step(spans)
+        source_hidden = torch.randn(rows, width, device=DEVICE).to(dtype)
+        source_residual = torch.randn(rows, width, device=DEVICE).to(dtype)
+        hidden.copy_(source_hidden)
+        residual.copy_(source_residual)
+        plan.harvested.zero_()
+        graph.replay()
+        replayed = (hidden.clone(), residual.clone(), plan.harvested.clone())
+        eager_hidden, eager_residual = source_hidden.clone(), source_residual.clone()
+        plan.harvested.zero_()
+        separate(eager_hidden, eager_residual)
+        same = (torch.equal(replayed[0], eager_hidden) and torch.equal(replayed[1], eager_residual)
+                and torch.equal(replayed[2], plan.harvested))
+        marked = int((plan.index[:rows, :len(plan.lane_of)] >= 0).any(-1).sum())
+        print(f"joined sites, {ops._body or 'default'} body, {dtype} {name}: replay == the sites one by one "
+              f"{same}; marked rows {marked}", flush=True)
+        good = good and same
+        for key in steers:
+            plan.leave(key)
+    return good
+
+
+def stretch_ok(dtype: torch.dtype) -> bool:
+    """`check_stretch_capture`, an error printed (a failed check, not the end of the script's other figures)."""
+    try:
+        return check_stretch_capture(dtype)
+    except Exception as error:
+        print(f"joined sites, {dtype}: FAILED with {type(error).__name__}: {error}", flush=True)
+        return False
+
+
 def check_operations(widths: tuple[int, ...] = (4096, 16384)) -> None:
     """float32 on the GPU (TF32 off): every mode, plain and norm-matched, on fused halves, against `Operation`,
     by the running body."""
@@ -278,14 +342,15 @@ def replay_time(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
 
 def ops_time(name: str, dtype: torch.dtype = torch.bfloat16, width: int = 4096, rows: int = 256, sites: int = 128,
              harvest: bool = False, steered: int = 0, eager: bool = False, together: bool = False, rounds: int = 1,
-             round_by_round: bool = False, neighbours: bool = False, ops_on: bool = True) -> float:
+             round_by_round: bool = False, neighbours: bool = False, ops_on: bool = True, joined: int = 1) -> float:
     """A captured graph of the edit ops (and harvest ops) at `sites` sites, run by body `name`, `steered` rows
     marked at every site (an ablation), the rest idle: milliseconds a replay. `together`: each site's edit and
     harvest as one `edit_harvest_stream`. `eager`: milliseconds the same calls take uncaptured, host time
     included (a step vLLM runs outside its captured sizes, a large prefill). `rounds`: edit rounds a site, one
     launch for them all (`round_by_round`: a launch a round, the last with the harvest, as before). `neighbours`:
     a small kernel of the model's own before each site (an add over the rows), as the ops sit between vLLM's
-    kernels; `ops_on=False` times the neighbours alone."""
+    kernels; `ops_on=False` times the neighbours alone. `joined`: sites a launch (`edit_stretch`, the first on
+    the hidden half, the rest on the fused stream; `neighbours` then before each launch, not each site)."""
     names = [f"s{number}" for number in range(sites)]
     plan = plans.GraphPlan(names, rounds, max(rows, 256), width, dtype, DEVICE, slots=256,
                            harvest_sites=names if harvest else (), harvest_capacity=256)
@@ -300,6 +365,17 @@ def ops_time(name: str, dtype: torch.dtype = torch.bfloat16, width: int = 4096, 
     other = torch.zeros_like(hidden)
 
     def run() -> None:
+        if joined > 1:
+            for start in range(0, sites, joined):
+                group = names[start:start + joined]
+                if neighbours:
+                    other.add_(hidden)
+                if ops_on:
+                    ops.edit_stretch(hidden, residual, plan.index, *plan.bank.buffers, plan.harvested, plan.sources,
+                                     plan.targets, [plan.lane_of[(site, 0)] for site in group], rounds,
+                                     [plan.harvest_index[site] if harvest else -1 for site in group],
+                                     [number > 0 for number in range(len(group))])
+            return
         for site, view in zip(names, views):
             if neighbours:
                 other.add_(hidden)
@@ -386,6 +462,20 @@ def launch_cuts() -> None:
                     continue
                 print(f"idle site, 2 rounds and a harvest, {where}, {label}{', dependent launch' if on else ''}: "
                       f"{1000 * took / sites:.2f} us a site", flush=True)
+        # three sites joined (a block's MLP output, its output and the next block's input): one launch for three
+        base = ops_time("triton", harvest=True, rounds=2, neighbours=True, ops_on=False, joined=3) \
+            if neighbours else 0.0
+        for on in (False, True):
+            try:
+                with dependent(on):
+                    took = ops_time("triton", harvest=True, rounds=2, neighbours=neighbours, joined=3) - base
+            except Exception as error:
+                print(f"idle joined sites, {where}, dependent launch {on}: could not launch "
+                      f"({type(error).__name__}: {error})", flush=True)
+                continue
+            print(f"idle site, 2 rounds and a harvest, {where}, three sites a launch (edit_stretch)"
+                  f"{', dependent launch' if on else ''}: {1000 * took / sites:.2f} us a site, "
+                  f"{3000 * took / sites:.2f} us a launch", flush=True)
 
 
 def main() -> int:
@@ -397,6 +487,7 @@ def main() -> int:
     for name in BODIES:
         with body(name):
             captured = check_capture(torch.float32) and check_capture(torch.bfloat16)
+            captured = captured and stretch_ok(torch.float32) and stretch_ok(torch.bfloat16)
             print(f"capture, {name} body:", "ok" if captured else "FAILED", flush=True)
             good = good and captured
             check_operations()
@@ -405,7 +496,8 @@ def main() -> int:
     print("kernels against the torch body:", "ok" if agree else "FAILED", flush=True)
     try:
         with dependent(True):  # the kernels as programmatic dependents: the same bits
-            captured = check_capture(torch.float32) and check_capture(torch.bfloat16)
+            captured = (check_capture(torch.float32) and check_capture(torch.bfloat16)
+                        and stretch_ok(torch.bfloat16))
     except Exception as error:  # this Triton may lack the launch option: say so, and keep the other figures
         print(f"capture, dependent launch: could not launch ({type(error).__name__}: {error})", flush=True)
     else:
