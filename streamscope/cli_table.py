@@ -155,7 +155,8 @@ def harvest_arguments(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--engine-options", type=json.loads, default={},
                      help='more streamscope.load arguments as JSON: \'{"dtype": "bfloat16"}\'')
     sub.add_argument("--batch-size", type=int, default=None, help="prompts per padded batch (transformers)")
-    sub.add_argument("--shard-size", type=int, default=1024, help="prompts per shard (default 1024)")
+    sub.add_argument("--shard-size", type=int, default=None,
+                     help="prompts per shard (default: as many as hold 1 GiB of rows, at most 1024)")
     sub.add_argument("--format", default="safetensors", choices=("safetensors", "parquet"),
                      help="the shards: safetensors (load_harvest reads them) or parquet (one row a token)")
     sub.add_argument("--num-cpus", type=float, default=1, help="Ray CPUs each replica holds")

@@ -1,9 +1,10 @@
 """A dataset's harvest over a Ray cluster: N replicas of an engine, one shard at a time each, resumable.
 
 The driver (the process that calls `harvest`) reads the prompts, checks the
-run, cuts the prompts into shards of ``shard_size`` and hands them to Ray
-actors, one engine per actor (`Replica`): a vLLM engine with its own tensor
-and pipeline parallel sizes, or a transformers model. Each replica harvests
+run, cuts the prompts into shards of ``shard_size`` (by default as many as
+hold 1 GiB of rows, at most 1,024: `streamscope.scale.planning`) and hands
+them to Ray actors, one engine per actor (`Replica`): a vLLM engine with its
+own tensor and pipeline parallel sizes, or a transformers model. Each replica harvests
 its shard with the engine's own bulk path (`model.harvest`, so a shard holds
 exactly what one process's harvest of the same prompts holds) and writes it
 into the run folder itself (`streamscope.scale.shards`): on several nodes the
@@ -20,6 +21,7 @@ running the same call again resumes: finished shards are skipped.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -38,7 +40,8 @@ from ..bulk.sites import ROOT_VALUES, value_names
 from ..bulk.spec import harvest_values, token_ids
 from ..loading import load
 from .dataset import fingerprint, read_prompts
-from .shards import FORMATS, RunFolder, write_shard
+from .planning import planned_shard_size
+from .shards import FORMATS, MANIFEST, RunFolder, write_shard
 
 ENGINES = ("vllm", "transformers")
 
@@ -140,8 +143,9 @@ def _nested(positions: Positions) -> bool:
 
 
 def _check_request(checkpoint: str, engine: str, values: Any, layers: Any, positions: Positions,
-                   count: int, engine_options: dict[str, Any]) -> tuple[list[str], Any]:
-    """The values, blocks and parallel sizes checked against the checkpoint's config, before Ray starts."""
+                   count: int, engine_options: dict[str, Any]) -> tuple[list[str], Any, Any]:
+    """The values, blocks and parallel sizes checked against the checkpoint's config, before Ray starts; the
+    checked values and blocks, and the config."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}.")
     values = harvest_values(values)
@@ -175,7 +179,7 @@ def _check_request(checkpoint: str, engine: str, values: Any, layers: Any, posit
     if _nested(positions) and len(positions) != count:  # type: ignore[arg-type]
         raise ValueError(f"positions has {len(positions)} lists for {count} prompts: give one list per prompt, "  # type: ignore[arg-type]
                          f"or one rule for every prompt.")
-    return values, layers
+    return values, layers, config
 
 
 def _ray() -> Any:
@@ -219,7 +223,7 @@ def _probe(address: Optional[str], timeout: float = 5.0) -> None:
 
 def harvest(dataset: Any, checkpoint: str | Path, values: Any, layers: Any = None, positions: Positions = "last", *,
             out: str | Path, replicas: int = 1, engine: str = "vllm", engine_options: Optional[dict[str, Any]] = None,
-            column: Optional[str] = None, split: Optional[str] = None, shard_size: int = 1024,
+            column: Optional[str] = None, split: Optional[str] = None, shard_size: Optional[int] = None,
             harvest_options: Optional[dict[str, Any]] = None, num_cpus: float = 1, num_gpus: Optional[float] = None,
             address: Optional[str] = None, progress: bool | Callable[[Progress], None] = True,
             format: str = "safetensors") -> Path:
@@ -238,7 +242,10 @@ def harvest(dataset: Any, checkpoint: str | Path, values: Any, layers: Any = Non
         engine_options: `streamscope.load`'s keyword arguments for each replica
             (``tensor_parallel_size``, ``pipeline_parallel_size``, ``dtype``, ...).
         column, split: The dataset's text or token-id column, and split.
-        shard_size: Prompts per shard (and per engine run on vLLM).
+        shard_size: Prompts per shard (and per engine run on vLLM). Default None: as many of the largest
+            prompt (the longest, for ``"all"``) as hold 1 GiB of rows in the engine's dtype, at most 1,024, as
+            `model.harvest(out=)` bounds its shards (`streamscope.scale.planning`); the manifest records the
+            number, and a resume with the default plans the same.
         harvest_options: More of `model.harvest`'s options (``batch_size`` on transformers).
         num_cpus, num_gpus: Ray resources each replica holds. ``num_gpus``
             defaults to the replica's ranks (tensor x pipeline parallel size)
@@ -262,26 +269,25 @@ def harvest(dataset: Any, checkpoint: str | Path, values: Any, layers: Any = Non
     harvest_options = dict(harvest_options or {})
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas={replicas!r}: a harvest needs at least one replica.")
-    if not isinstance(shard_size, int) or shard_size < 1:
+    if shard_size is not None and (not isinstance(shard_size, int) or shard_size < 1):
         raise ValueError(f"shard_size={shard_size!r}: a shard holds at least one prompt.")
-    if format not in FORMATS:
-        raise ValueError(f"format={format!r}: choose one of {', '.join(FORMATS)}.")
-    if format == "parquet":
-        try:
-            import pyarrow.parquet  # noqa: F401
-        except ImportError:
-            raise ImportError("format='parquet' writes with pyarrow: `pip install pyarrow`.") from None
+    _check_format(format)
     prompts = read_prompts(dataset, column, split)
     if not prompts:
         raise ValueError("the dataset has no rows.")
-    values, layers = _check_request(checkpoint, engine, values, layers, positions, len(prompts), engine_options)
+    values, layers, config = _check_request(checkpoint, engine, values, layers, positions, len(prompts),
+                                            engine_options)
+    planned = shard_size is None
+    if shard_size is None:  # planned here, before any replica holds a shard's rows
+        shard_size = planned_shard_size(prompts, checkpoint, config, engine, engine_options, values, layers,
+                                        positions, harvest_options)
     ray = _ray()
     shards = math.ceil(len(prompts) / shard_size)
     manifest = {"checkpoint": checkpoint, "engine": engine, "values": values, "layers": layers,
                 "positions": _positions_key(positions), "shard_size": shard_size, "prompts": len(prompts),
                 "dataset": fingerprint(prompts), "format": format}
     folder = RunFolder(out, manifest)
-    folder.check()  # another run's folder is refused before Ray starts
+    _check_folder(folder, planned)  # another run's folder is refused before Ray starts
     started = _connect(ray, address) if _unfinished(folder, shards) else False
     failures: list[dict[str, Any]] = []
     try:
@@ -295,6 +301,30 @@ def harvest(dataset: Any, checkpoint: str | Path, values: Any, layers: Any = Non
         if started:
             ray.shutdown()
     return folder.close(shards, failures)
+
+
+def _check_format(format: str) -> None:
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r}: choose one of {', '.join(FORMATS)}.")
+    if format == "parquet":
+        try:
+            import pyarrow.parquet  # noqa: F401
+        except ImportError:
+            raise ImportError("format='parquet' writes with pyarrow: `pip install pyarrow`.") from None
+
+
+def _check_folder(folder: RunFolder, planned: bool) -> None:
+    """`RunFolder.check`; where the folder's run differs only in a shard size this call planned (a run begun with
+    another number, or before the default was planned), the refusal names the number that resumes it."""
+    try:
+        folder.check()
+    except FileExistsError as error:
+        path = folder.folder / MANIFEST
+        held = json.loads(path.read_text()) if planned and path.exists() else {}
+        if held.get("shard_size") is None or {**held, "shard_size": 0} != {**folder.manifest, "shard_size": 0}:
+            raise
+        raise FileExistsError(f"{error} Without shard_size this run plans {folder.manifest['shard_size']} prompts a "
+                              f"shard; pass shard_size={held['shard_size']} to resume the run there.") from None
 
 
 def _unfinished(folder: RunFolder, shards: int) -> bool:

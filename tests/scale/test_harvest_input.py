@@ -88,6 +88,10 @@ def test_bad_requests_are_refused_before_ray_starts(path, tmp_path):
     assert "2 lists for 3 prompts" in str(refused(path, tmp_path / "d", dataset=["a", "b", "c"],
                                                   positions=[[0], [0]]))
     assert "no column 'body'" in str(refused(path, tmp_path / "e", dataset=ROWS, column="body"))
+    for bad in (0, -3, 2.5, "8"):  # an explicit shard size is checked as ever; None plans one
+        assert f"shard_size={bad!r}: a shard holds at least one prompt" in str(refused(path, tmp_path / "f",
+                                                                                      shard_size=bad))
+    assert "positions='every'" in str(refused(path, tmp_path / "g", positions="every"))  # checked by the plan
 
 
 def test_a_folder_of_another_run_is_refused(path, tmp_path):
@@ -146,3 +150,12 @@ def test_the_command_prints_a_refusal_without_a_traceback(path, tmp_path, capsys
     assert code == 2
     assert capsys.readouterr().err.startswith(f"streamscope harvest: {dataset} has no column 'body'")
     assert not (tmp_path / "run").exists()
+
+
+def test_the_command_leaves_the_shard_size_to_the_plan():
+    from streamscope.cli import parser
+
+    arguments = parser().parse_args(["harvest", "model", "rows.jsonl", "--values", "layer_output", "--out", "run"])
+    assert arguments.shard_size is None
+    assert parser().parse_args(["harvest", "model", "rows.jsonl", "--values", "layer_output", "--out", "run",
+                                "--shard-size", "64"]).shard_size == 64

@@ -241,3 +241,34 @@ def test_replicas_whose_engines_cannot_start_stop_the_run_cleanly(local_ray, pat
     assert stopped.value.finished == 0 and len(stopped.value.failures) == 2
     assert all("float7" in failure["error"] or "creation" in failure["error"] for failure in stopped.value.failures)
     assert sorted(path.name for path in out.iterdir()) == ["run.json"] and not replicas_of()  # nothing half-written
+
+
+def test_the_default_shard_size_holds_shard_bytes_and_resumes(local_ray, path, reference, tmp_path, monkeypatch):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from streamscope.bulk import results
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]  # token-id prompts: their lengths are exact
+    # Computed apart from the planner: 2 values x 2 blocks + the root's embeddings, float32 (the transformers
+    # engine's dtype), at every position of the longest prompt.
+    prompt_bytes = (2 * len(LAYERS) + 1) * AutoConfig.from_pretrained(path).hidden_size * 4 * max(map(len, ids))
+    monkeypatch.setattr(results, "SHARD_BYTES", SHARD * prompt_bytes + prompt_bytes // 2)  # tens of KiB
+
+    def default(**options):
+        return harvest(ids, path, VALUES, LAYERS, "all", out=tmp_path / "run", replicas=2, engine="transformers",
+                       harvest_options=BATCH, progress=False, **options)
+
+    folder = default()
+    assert json.loads((folder / "run.json").read_text())["shard_size"] == SHARD
+    assert len(json.loads((folder / "index.json").read_text())["shards"]) == 4  # 3, 3, 3, 1 prompts
+    assert_equal_to(reference, folder)  # the rows of one process's harvest (and of the explicit shard_size=3 run)
+    stamps = shard_stamps(folder)
+    default()  # resumed with the default: the same plan, nothing to harvest
+    default(shard_size=SHARD)  # the number the default planned resumes it too
+    assert shard_stamps(folder) == stamps
+    with pytest.raises(FileExistsError, match="shard_size: 3 there, 2 now"):
+        default(shard_size=2)
+    monkeypatch.setattr(results, "SHARD_BYTES", 2 * prompt_bytes)  # a default that plans another number
+    with pytest.raises(FileExistsError, match="plans 2 prompts a shard; pass shard_size=3 to resume"):
+        default()
