@@ -405,10 +405,9 @@ def parquet_part(args: argparse.Namespace, skip: set[str], folder: Path, options
     parquet_folder = out / "parquet"
     shutil.rmtree(parquet_folder, ignore_errors=True)
     start = time.perf_counter()
-    # scale.harvest plans its shards by prompts before any runs: the count that makes shards of at most 1 GiB here
     scale_harvest(prompts, folder, "layer_output", layers=layers, positions="all", out=parquet_folder,
                   replicas=1, engine_options=engine_options, progress=False, format="parquet",
-                  shard_size=requested_shard_size or args.shard_size)
+                  shard_size=requested_shard_size)  # None: the library's, shards of at most 1 GiB
     seconds = time.perf_counter() - start
     print(f"  streamscope.scale.harvest, 1 replica, Parquet: {seconds:.2f} s with the replica's start, "
           f"{folder_bytes(parquet_folder) / 2**30:.2f} GiB")
