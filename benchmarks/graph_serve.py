@@ -61,9 +61,11 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from dataclasses import dataclass
@@ -334,18 +336,42 @@ def servers_fit(count: int, config: dict[str, Any], kv_cache_gib: float) -> Opti
 
 
 def start(commands: dict[str, tuple[list[str], dict[str, str]]], engine: list[str], options: argparse.Namespace,
-          work_folder: Path, path: Path, failed: dict[str, str]) -> dict[str, serve_load.Server]:
-    """Every server started at once; one that does not come up is dropped, its log's end printed and its last line
-    put in `failed` (hotwire may not come up), except plain vLLM, without which nothing is measured."""
+          work_folder: Path, path: Path, failed: dict[str, str],
+          servers: dict[str, serve_load.Server]) -> dict[str, serve_load.Server]:
+    """Every server started at once, into `servers` as it starts (the caller stops them whatever happens); one that
+    does not come up is dropped, its log's end printed and its last line put in `failed` (hotwire may not come
+    up), except plain vLLM, without which nothing is measured."""
     # every server answers to the checkpoint's path: the load generator sends it as the model and reads its tokenizer
     # there (streamscope serve answers to the folder's name unless told)
     share = ["--served-model-name", str(path)] + ([] if options.shape == "tiny" else [
         "--gpu-memory-utilization", f"{0.9 / len(commands):.3f}",
         "--kv-cache-memory-bytes", str(int(options.kv_cache_gib * 2**30))])
-    servers = {name: serve_load.Server([*command, *engine, *share], work_folder / f"{name.replace(' ', '-')}.log",
-                                       None, environment or None)
-               for name, (command, environment) in commands.items()}
+    for name, (command, environment) in commands.items():
+        servers[name] = serve_load.Server([*command, *engine, *share], work_folder / f"{name.replace(' ', '-')}.log",
+                                          None, environment or None)
     began = time.monotonic()
+    waiting = threading.Event()
+    threading.Thread(target=report_start, args=(servers, waiting), daemon=True).start()
+    try:
+        return wait_for(servers, options, began, failed)
+    finally:
+        waiting.set()
+
+
+def report_start(servers: dict[str, serve_load.Server], done: threading.Event, every: float = 30.0) -> None:
+    """While the servers start, each one's last log line every `every` s: a start that runs past the call's limit
+    still says how far each got (a cold compile, a capture, an error)."""
+    began = time.monotonic()
+    while not done.wait(every):
+        for name, server in list(servers.items()):
+            lines = [line for line in server.log.read_text(errors="replace").splitlines() if line.strip()]
+            print(f"[start +{time.monotonic() - began:5.0f} s] {name}: {lines[-1][-200:] if lines else '(no log)'}",
+                  flush=True)
+
+
+def wait_for(servers: dict[str, serve_load.Server], options: argparse.Namespace, began: float,
+             failed: dict[str, str]) -> dict[str, serve_load.Server]:
+    """Each server waited for until `options.start_timeout`; one that does not come up is dropped (see `start`)."""
     for name, server in list(servers.items()):
         try:
             server.wait_up(began + options.start_timeout)
@@ -401,9 +427,13 @@ def main() -> None:
     if crowded:
         raise SystemExit(f"graph_serve.py: {crowded}")
     failed: dict[str, str] = {}
-    servers = start(commands, engine, options, work_folder, path, failed)
-    hotwire_why = failed.get("hotwire", hotwire_why)
+    # a call's limit ends this process with SIGTERM: exit through the `finally` below, which stops the servers and
+    # keeps their logs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    servers: dict[str, serve_load.Server] = {}
     try:
+        start(commands, engine, options, work_folder, path, failed, servers)
+        hotwire_why = failed.get("hotwire", hotwire_why)
         picked = [work for work in picked if work.server in servers]
         if "streamscope" in servers:
             upload_vectors(servers["streamscope"], stored)
