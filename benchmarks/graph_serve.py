@@ -444,6 +444,10 @@ def main() -> None:
         checks = {work.name: acts(servers[work.server], path, work) for work in firsts.values() if work is not None}
         for name, verdict in checks.items():
             print(f"  {name}: {verdict}", flush=True)
+        if options.start_only:  # the compile caches in --work are filled: the next call's servers load them
+            print(f"[{time.monotonic() - began:6.1f} s] --start-only: the servers came up and answered; nothing "
+                  f"measured", flush=True)
+            return
         results = measure(servers, path, options, picked, began)
         # the summary before the servers stop: a call's limit that ends this process during their shutdown
         # still leaves it printed
@@ -724,6 +728,9 @@ def arguments() -> argparse.Namespace:
                         help="vLLM's model runner on the hotwire server (v1: vLLM 0.22's default for Llama)")
     parser.add_argument("--kv-cache-gib", type=float, default=8.0, help="fixed KV cache a server on a GPU")
     parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds for every server to come up")
+    parser.add_argument("--start-only", action="store_true",
+                        help="start the servers, check that each steer kind acts, stop: a call that fills the compile "
+                             "caches in --work (a cold start of two 8B servers outlasted a call's measuring time)")
     parser.add_argument("--work", help="a folder for the checkpoint, logs and each server's compile cache (a second "
                                        "call on a warm machine reuses the compiled graphs); default: a new one")
     parser.add_argument("--logs", help="a folder to copy every server's log to at the end")

@@ -42,6 +42,9 @@ the console; ``<out>/plan.txt`` lists what ran, for how long and how it ended.
   graph39-h100  the same as graph39 where an H100's 80 GB holds two 8B servers: plain `vllm serve` and
            streamscope's graph-ops server only (no A/A control, no hotwire), plain requests and a steer at one
            block (1, 16, 256 vectors), 5 rounds                                                  about 5 min
+  graph39-warm  the two servers of graph39-h100 started (cold: more than 330 s on an H100 on 2026-12-06), checked
+           and stopped, each server's last log line printed every 30 s: their compile caches in /tmp/graph39 make
+           the next call's start short (run it first on a fresh machine)                          up to 10 min
   graphcheck  issue 39: `scripts/graph_ops_gpu_check.py` (the kernels' replay bits, a site's rounds in one
            launch, the dependent launch, the idle costs), then the graph ops' part of the GPU suite in
            float32 for Llama with `test_graph_cache.py` (a cached graph's reuse)                about 3 min
@@ -145,6 +148,11 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
                           "--work", "/tmp/graph39", "--logs", str(out / f"{part}-logs"),
                           "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)]
            for part, group in (("graph39", "k-one"), ("graph39-every", "k-every"))},
+        # the same two servers started once and stopped: their compile caches in /tmp/graph39, for the next call
+        "graph39-warm": [("graph39 servers warmed", [python, "benchmarks/graph_serve.py", "--shape", "llama3-8b",
+                                                     "--only", "plain,steer-one-", "--no-control", "--start-only",
+                                                     "--work", "/tmp/graph39", "--logs", str(out / "graph39-warm-logs")],
+                          ROOT, remaining)],
         "graph39-h100": [("graph39 on an H100", [python, "benchmarks/graph_serve.py", "--shape", "llama3-8b", "--only",
                                                  "plain,steer-one-", "--no-control", "--rounds", "5", "--work",
                                                  "/tmp/graph39", "--logs", str(out / "graph39-h100-logs"),
