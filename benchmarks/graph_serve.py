@@ -42,8 +42,7 @@ completion steered differs from the same one unsteered (else its figures would t
     python benchmarks/graph_serve.py --shape llama3-8b --only k-one --rounds 5 --deadline 520   # one 10-minute call
     python benchmarks/graph_serve.py --shape llama3-8b --only k-every --rounds 5 --deadline 520 # the next one
     python benchmarks/graph_serve.py --in-process --shape llama3-8b --rounds 5      # the in-process bound
-    python benchmarks/graph_serve.py --shape tiny --input-len 32 --output-len 8 --concurrency 8 --prompts 16 \\
-        --rounds 1 --no-control --streamscope-flags=                                   # a CPU check
+    python benchmarks/graph_serve.py --shape tiny --rounds 1 --no-control --streamscope-flags=   # a CPU check
 
 ``--in-process``: streamscope's bulk path on one engine started with ``graph_ops=True`` and compile and CUDA graphs
 on, W2's generation (256 prompts x 128 sampled tokens, `gpu_workloads.py`) with an ablation at every block against
@@ -709,10 +708,12 @@ def plain_generation(folder: Path, options: argparse.Namespace) -> None:
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=("tiny", "llama3-8b"), default="tiny")
-    parser.add_argument("--input-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--prompts", type=int, default=256, help="requests a run")
+    # the issue's workload at the 8B shape; on the tiny shape one the tiny checkpoint's context holds (512 prompt
+    # tokens are past it: every request would fail)
+    parser.add_argument("--input-len", type=int, help="prompt tokens (default: 512; 32 on the tiny shape)")
+    parser.add_argument("--output-len", type=int, help="generated tokens (default: 128; 8 on the tiny shape)")
+    parser.add_argument("--concurrency", type=int, help="clients (default: 64; 8 on the tiny shape)")
+    parser.add_argument("--prompts", type=int, help="requests a run (default: 256; 16 on the tiny shape)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", help="comma-separated workloads (or their prefixes: steer-every-) or groups "
                                        f"({', '.join(f'{name}: {parts}' for name, parts in GROUPS.items())})")
@@ -737,6 +738,11 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--in-process", action="store_true", help="the in-process bound instead of the servers")
     parser.add_argument("--plain-child", help=argparse.SUPPRESS)
     options = parser.parse_args()
+    tiny = options.shape == "tiny"
+    for name, issue, small in (("input_len", 512, 32), ("output_len", 128, 8), ("concurrency", 64, 8),
+                               ("prompts", 256, 16)):
+        if getattr(options, name) is None:
+            setattr(options, name, small if tiny else issue)
     if options.plain_child:
         plain_generation(Path(options.plain_child), options)
         raise SystemExit(0)

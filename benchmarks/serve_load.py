@@ -207,6 +207,8 @@ def verdict(results: list[dict], base: list[dict], metric: str, sense: str, boun
     the ratio's spread (worst and best pairing of the two spreads) straddles the bound."""
     key = METRICS[metric]
     ours, theirs = [result[key] for result in results], [result[key] for result in base]
+    if min(theirs) <= 0:  # the base completed nothing in a round (every request failed): no ratio to judge
+        return float("nan"), "no ratio: the base run served nothing (its requests failed; see the run's report)"
     ratio = median(ours) / median(theirs)
     low, high = min(ours) / max(theirs), max(ours) / min(theirs)
     if low < bound < high:
@@ -218,7 +220,7 @@ def verdict(results: list[dict], base: list[dict], metric: str, sense: str, boun
 def round_ratios(results: list[dict], base: list[dict], metric: str) -> list[float]:
     """`metric`'s ratio (workload over base) within each round both ran in."""
     key = METRICS[metric]
-    return [ours[key] / theirs[key] for ours, theirs in zip(results, base)]
+    return [ours[key] / theirs[key] if theirs[key] > 0 else float("nan") for ours, theirs in zip(results, base)]
 
 
 def round_verdict(ratios: list[float], sense: str, bound: float) -> str:
