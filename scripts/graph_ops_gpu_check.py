@@ -22,7 +22,7 @@ import os
 import sys
 import time
 import types
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -117,6 +117,30 @@ def scenarios(dtype: torch.dtype, width: int) -> list[tuple[str, dict, list[Span
     ]
 
 
+def replay_against(graph: torch.cuda.CUDAGraph, eager: Callable[[torch.Tensor, torch.Tensor], None], plan: Any,
+                   hidden: torch.Tensor, residual: torch.Tensor) -> tuple[bool, bool, int]:
+    """`graph` replayed on fresh random halves against `eager` called on copies of them, the plan as filled:
+    whether the bits (halves and harvest buffers) are the same, whether rows no slot marks are untouched, and how
+    many rows are marked."""
+    rows, width = hidden.shape
+    source_hidden = torch.randn(rows, width, device=DEVICE).to(hidden.dtype)
+    source_residual = torch.randn(rows, width, device=DEVICE).to(hidden.dtype)
+    hidden.copy_(source_hidden)
+    residual.copy_(source_residual)
+    plan.harvested.zero_()
+    graph.replay()
+    replayed = (hidden.clone(), residual.clone(), plan.harvested.clone())
+    eager_hidden, eager_residual = source_hidden.clone(), source_residual.clone()
+    plan.harvested.zero_()
+    eager(eager_hidden, eager_residual)
+    same = (torch.equal(replayed[0], eager_hidden) and torch.equal(replayed[1], eager_residual)
+            and torch.equal(replayed[2], plan.harvested))
+    marked = (plan.index[:rows, :len(plan.lane_of)] >= 0).any(-1)
+    untouched = (torch.equal(replayed[0][~marked], source_hidden[~marked])
+                 and torch.equal(replayed[1][~marked], source_residual[~marked]))
+    return same, untouched, int(marked.sum())
+
+
 def check_capture(dtype: torch.dtype, width: int = 4096, rows: int = 256) -> bool:
     """Both ops at two sites of two rounds captured once (a site's rounds in one launch; at s0 with its harvest);
     each scenario refills the buffers and replays: the replay's bits are an eager call's on the same buffers, and
@@ -145,24 +169,10 @@ def check_capture(dtype: torch.dtype, width: int = 4096, rows: int = 256) -> boo
         for key, planned in steers.items():  # a prefill harvests some of its positions; a decode step none
             plan.enter(key, planned, harvest_positions=range(0, 60, 7) if first[key] == 0 else ())
         plan.step(spans)
-        source_hidden = torch.randn(rows, width, device=DEVICE).to(dtype)
-        source_residual = torch.randn(rows, width, device=DEVICE).to(dtype)
-        hidden.copy_(source_hidden)
-        residual.copy_(source_residual)
-        plan.harvested.zero_()
-        graph.replay()
-        replayed = (hidden.clone(), residual.clone(), plan.harvested.clone())
-        eager_hidden, eager_residual = source_hidden.clone(), source_residual.clone()
-        plan.harvested.zero_()
-        body(eager_hidden, eager_residual)
-        same = (torch.equal(replayed[0], eager_hidden) and torch.equal(replayed[1], eager_residual)
-                and torch.equal(replayed[2], plan.harvested))
-        marked = (plan.index[:rows, :len(plan.lane_of)] >= 0).any(-1)
-        untouched = (torch.equal(replayed[0][~marked], source_hidden[~marked])
-                     and torch.equal(replayed[1][~marked], source_residual[~marked]))
+        same, untouched, marked = replay_against(graph, body, plan, hidden, residual)
         launch = ", dependent" if kernels.DEPENDENT_LAUNCH else ""
         print(f"{ops._body or 'default'} body{launch}, {dtype} {name}: replay == eager bits {same}; unmarked rows "
-              f"untouched {untouched}; marked rows {int(marked.sum())}", flush=True)
+              f"untouched {untouched}; marked rows {marked}", flush=True)
         good = good and same and untouched
         for key in steers:
             plan.leave(key)
@@ -203,19 +213,7 @@ def check_stretch_capture(dtype: torch.dtype, width: int = 4096, rows: int = 256
             more = [plans.PlannedSteer(["s2"], steer.operation, steer.rule, (steer.share, "s2")) for steer in planned]
             plan.enter(key, planned + more, harvest_positions=range(0, 60, 7) if first[key] == 0 else ())
         plan.step(spans)
-        source_hidden = torch.randn(rows, width, device=DEVICE).to(dtype)
-        source_residual = torch.randn(rows, width, device=DEVICE).to(dtype)
-        hidden.copy_(source_hidden)
-        residual.copy_(source_residual)
-        plan.harvested.zero_()
-        graph.replay()
-        replayed = (hidden.clone(), residual.clone(), plan.harvested.clone())
-        eager_hidden, eager_residual = source_hidden.clone(), source_residual.clone()
-        plan.harvested.zero_()
-        separate(eager_hidden, eager_residual)
-        same = (torch.equal(replayed[0], eager_hidden) and torch.equal(replayed[1], eager_residual)
-                and torch.equal(replayed[2], plan.harvested))
-        marked = int((plan.index[:rows, :len(plan.lane_of)] >= 0).any(-1).sum())
+        same, _, marked = replay_against(graph, separate, plan, hidden, residual)
         print(f"joined sites, {ops._body or 'default'} body, {dtype} {name}: replay == the sites one by one "
               f"{same}; marked rows {marked}", flush=True)
         good = good and same
