@@ -179,6 +179,47 @@ def check_capture(dtype: torch.dtype, width: int = 4096, rows: int = 256) -> boo
     return good
 
 
+def check_no_wait(dtype: torch.dtype = torch.bfloat16, width: int = 4096) -> bool:
+    """A request's entry (its operations prepared from host vectors, their slots filled), a step's fill and its
+    harvest's copy out, behind a queue of device work, with torch's sync debug mode at "error": any wait for the
+    device raises. Prints how long the host took against how long the queued work ran."""
+    plan = plans.GraphPlan(["s0", "s1"], 2, 512, width, dtype, DEVICE, slots=8, harvest_sites=["s0", "s1"])
+    busy = torch.randn(4096, 4096, device=DEVICE)
+    for warm in range(2):  # the first pass allocates the pinned staging buffers and the allocator's blocks
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(40):
+            busy @ busy
+        queued = time.perf_counter()
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error" if warm else "default")
+        try:
+            # two steps, as a server's host runs at most one ahead: the fill's staging buffer of two steps ago is
+            # free without a wait once the device reaches it
+            for _, steers, spans in scenarios(dtype, width)[:2]:
+                first = {span.key: span.first for span in spans}
+                for key, planned in steers.items():
+                    plan.enter(key, planned, harvest_positions=range(0, 60, 7) if first[key] == 0 else ())
+                plan.copy_out(plan.step(spans))
+                for key in steers:
+                    plan.leave(key)
+        except RuntimeError as error:
+            print(f"no wait for the device: FAILED ({error})", flush=True)
+            return False
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        host = time.perf_counter() - queued
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        torch.cuda.synchronize()
+    device = start.elapsed_time(end) / 1000
+    waited = host > 0.5 * device
+    print(f"no wait for the device: entries, fills and copies took the host {host * 1e3:.2f} ms behind "
+          f"{device * 1e3:.1f} ms of queued work: {'FAILED' if waited else 'ok'}", flush=True)
+    return not waited
+
+
 def check_stretch_capture(dtype: torch.dtype, width: int = 4096, rows: int = 256) -> bool:
     """Three joined sites (`edit_stretch`: the first on the hidden half alone, the others on the fused stream, two
     rounds each, each harvested) captured in one launch; each scenario refills the buffers and replays: the
@@ -501,6 +542,7 @@ def main() -> int:
     else:
         print("capture, dependent launch:", "ok" if captured else "FAILED", flush=True)
         good = good and captured
+    good = check_no_wait() and good
     check_compile()  # the default body on CUDA: the kernels
     launch_cuts()
     idle_costs()

@@ -58,6 +58,7 @@ from typing import Any, Optional
 import torch
 
 from ..families.spec import ROOT_STREAMS
+from .operations import on_device
 
 #: A block's values in the order a sequential block computes them, for applying steers in a trace.
 COMPUTE_ORDER = ("layer_input", "attention_norm_output", "self_attn.attention_output", "linear_attn.attention_output",
@@ -222,7 +223,7 @@ class Gate:
     def __init__(self, operation: Any, condition: Condition, slots: int, device: Any) -> None:
         self.operation = operation
         self.condition = condition
-        self.unit = condition.vector.detach().to(device=device, dtype=torch.float32)
+        self.unit = on_device(condition.vector, device)
         self.unit = self.unit / self.unit.norm()
         self.threshold = float(condition.threshold)
         self.device = torch.device(device)
@@ -261,7 +262,7 @@ class Gate:
         self.deciding = (
             torch.tensor(flat, dtype=torch.long).to(self.device, non_blocking=True),
             torch.tensor(segments, dtype=torch.long).to(self.device, non_blocking=True),
-            torch.tensor([float(count) for _, _, count in deciding], dtype=torch.float32).to(self.device),
+            torch.tensor([float(count) for _, _, count in deciding], dtype=torch.float32).to(self.device, non_blocking=True),
             torch.tensor([slot for slot, _, _ in deciding], dtype=torch.long).to(self.device, non_blocking=True))
 
     def decide(self, site: Any, raw: Any) -> None:

@@ -116,10 +116,22 @@ class Operation:
         return self.mode == "add" and not self.norm_match
 
 
+def on_device(vector: torch.Tensor, device: Any) -> torch.Tensor:
+    """`vector` in float32 on `device`, its copy queued without waiting for the device.
+
+    A blocking copy from host memory waits for every kernel already queued
+    (on a busy engine, the step in flight), so each request that brought a
+    vector would stall the engine's host side for a step. The copy is queued
+    on the current stream, ahead of the kernels that read it; CUDA stages a
+    pageable source before the call returns, so the source may change after.
+    """
+    return vector.detach().to(device=device, dtype=torch.float32, non_blocking=True)
+
+
 def prepare(mode: str, vector: torch.Tensor, scale: float, projection: float, norm_match: bool,
             dtype: torch.dtype, device: Any) -> Operation:
     """The `Operation` for these settings, its vectors rounded once to `dtype` on `device`."""
-    exact = vector.detach().to(device=device, dtype=torch.float32)
+    exact = on_device(vector, device)
     delta = (exact * scale).to(dtype)
     unit = (exact / exact.norm()).to(dtype) if mode in DIRECTIONAL else delta
     return Operation(mode, delta, unit, float(scale), float(projection), bool(norm_match))

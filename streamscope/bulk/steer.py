@@ -20,7 +20,7 @@ from ..blocks.sublayers import NEURONS
 from ..display import shape
 from .conditions import COMPUTE_ORDER, Condition, check_condition
 from .dose import SteerError, check_dose
-from .operations import DIRECTIONAL, MODES, ClampFeature, Operation, check_clamp, prepare
+from .operations import DIRECTIONAL, MODES, ClampFeature, Operation, check_clamp, on_device, prepare
 from .positions import SKIP_FIRST, Positions, check_rule, prompt_positions
 from .schema import (DOSE_ACTIONS, MAX_DOSE, NULL_IS_LEFT_OUT, STEER_FIELDS, STEER_REQUIRED, SteerJSON,
                      positions_from_json, rule_json, validate_field)
@@ -299,7 +299,7 @@ class Steer:
     def delta(self, dtype: torch.dtype, device: Any) -> torch.Tensor:
         """The vector the run adds (or sets): ``scale * vector`` in the engine's dtype, on its device."""
         scale = 1.0 if self.scale is None else self.scale
-        return (self.vector.detach().to(device=device, dtype=torch.float32) * scale).to(dtype)
+        return (on_device(self.vector, device) * scale).to(dtype)
 
     def operation(self, dtype: torch.dtype, device: Any) -> Operation:
         """What the steer does to the rows it edits, with its vectors in `dtype` on `device`."""

@@ -98,11 +98,13 @@ class SlotBank:
             self._free.append(slot)
             raise ValueError(f"the steer's vector has shape {tuple(vector.shape)}; the stream is "
                              f"[{self.bank.shape[1]}].")
-        self.bank[slot].copy_(vector.to(self.bank.dtype))
-        self.modes[slot] = MODE_CODES[operation.mode]
-        self.scales[slot] = operation.scale
-        self.projections[slot] = operation.projection
-        self.norm_match[slot] = operation.norm_match
+        # Each write queued on the stream, none waiting for the device: fill_ takes a host number as a kernel
+        # argument, where assigning one would copy it from host memory.
+        self.bank[slot].copy_(vector.to(self.bank.dtype), non_blocking=True)
+        self.modes[slot].fill_(MODE_CODES[operation.mode])
+        self.scales[slot].fill_(operation.scale)
+        self.projections[slot].fill_(operation.projection)
+        self.norm_match[slot].fill_(operation.norm_match)
         self._held[key] = [slot, 1]
         return slot
 
