@@ -12,8 +12,9 @@ so a graph captured once replays every step, whichever requests steer:
   `streamscope.bulk.operations.Operation` defines it: add, set, ablate or
   clamp, norm-matched where the slot's flag says so. A row whose slot is
   ``-1`` is left bit for bit as it was.
-* ``streamscope::harvest_stream(out, hidden, residual, sources)`` copies into
-  row ``k`` of the persistent buffer ``out`` the stream's row ``sources[k]``,
+* ``streamscope::harvest_stream(out, hidden, residual, sources, buffer)``
+  copies into row ``k`` of the persistent buffer ``out`` (or, where
+  ``buffer >= 0``, of ``out[buffer]``) the stream's row ``sources[k]``,
   for every ``k`` below the call's rows whose source is a row (``>= 0``); the
   other rows of ``out`` keep what they held. A step harvests each stream row
   once at most and `GraphPlan` packs the buffer from row 0, so no source lies
@@ -21,7 +22,7 @@ so a graph captured once replays every step, whichever requests steer:
   the step has rows, not the buffer's whole capacity.
 
 * ``streamscope::edit_harvest_stream(hidden, residual, slots, bank, modes,
-  scales, projections, norm_match, out, sources, targets)`` is the first
+  scales, projections, norm_match, out, sources, targets, buffer)`` is the first
   then the second, in one launch: where a module call holds one site, its
   edit rounds and its harvest (`streamscope.vllm.graph_wiring`). The
   kernel's program for stream row ``r`` stores its edited row in buffer row
@@ -50,6 +51,14 @@ Inside both ops: no host sync, no shape that depends on a tensor's values,
 no Python branch on a value (the rows are chosen by ``torch.where``), so a
 CUDA graph captures them and torch.compile keeps them as one node each (their
 fake implementations check shapes and return nothing).
+
+In an engine every harvest op takes the plan's whole ``harvested [harvest
+sites, capacity, hidden]`` and the index of its site's buffer, never a view
+of one buffer: where the ops of one compiled graph mutate views of a tensor
+beside the tensor itself, Inductor cannot do the writes in place and copies
+the whole tensor between them (12 GiB at a time at the Llama-3-8B shape with
+every default site; measured on an H100 in vLLM 0.22: a compile of 319 s
+against plain vLLM's 7 s, and the copy's allocation out of memory).
 
 Two bodies compute the same thing. On CUDA tensors the ops launch one Triton
 kernel each (`streamscope.vllm.graph_kernels`): one program per row, which
@@ -266,6 +275,18 @@ def _edit_stream_fake(hidden: torch.Tensor, residual: Optional[torch.Tensor], sl
     _check_edit(hidden, residual, slots, bank, modes, scales, projections, norm_match)
 
 
+def _buffer_of(out: torch.Tensor, buffer: int, op: str) -> torch.Tensor:
+    """The harvest buffer an op writes: `out` itself (``buffer == -1``), or ``out[buffer]`` of the plan's
+    ``[harvest sites, capacity, hidden]``."""
+    if buffer == -1:
+        return out
+    if out.dim() != 3 or not 0 <= buffer < out.shape[0]:
+        raise ValueError(f"{op}: buffer={buffer} names a buffer of the plan's harvested [harvest_sites, capacity, "
+                         f"hidden], which out {tuple(out.shape)} is not or does not hold: pass buffer=-1 with one "
+                         f"buffer [capacity, hidden], or the whole harvested with a buffer below its first size.")
+    return out[buffer]
+
+
 def _check_harvest(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], sources: torch.Tensor,
                    op: str = "streamscope::harvest_stream") -> None:
     _check_stream(op, hidden, residual)
@@ -280,20 +301,25 @@ def _check_harvest(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[t
 
 @torch.library.custom_op(f"{NAMESPACE}::harvest_stream", mutates_args=("out",))
 def harvest_stream(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
-                   sources: torch.Tensor) -> None:
+                   sources: torch.Tensor, buffer: int = -1) -> None:
     """Copy the stream's rows that `sources` names into the persistent buffer `out`, in place.
 
     Args:
         out: ``[capacity, hidden]``, the stream's dtype: row ``k`` (below
             the call's rows) takes the stream's row ``sources[k]``; the op
-            changes nothing else.
+            changes nothing else. Or, with `buffer`, the plan's
+            ``[harvest sites, capacity, hidden]``, of which ``out[buffer]``
+            is so filled.
         hidden, residual: The stream, whole or in two halves (their sum is
             read, bit for bit the bulk path's `Summed.stream_rows`).
         sources: ``[>= capacity]`` int: the stream row each buffer row takes,
             ``-1`` (or a row past the step's rows) for one left as it was;
             entries at or past the call's rows are not read (a step fills at
             most one buffer row per stream row, from row 0).
+        buffer: ``-1`` where `out` is the buffer, else the index of the
+            buffer in `out` (see the module's docstring for why).
     """
+    out = _buffer_of(out, buffer, "streamscope::harvest_stream")
     _check_harvest(out, hidden, residual, sources)
     if min(hidden.shape[0], out.shape[0]) == 0:  # shapes, not values: fixed for a captured graph
         return
@@ -319,28 +345,29 @@ def _harvest_by_torch(out: torch.Tensor, hidden: torch.Tensor, residual: Optiona
 
 @harvest_stream.register_fake
 def _harvest_stream_fake(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
-                         sources: torch.Tensor) -> None:
-    _check_harvest(out, hidden, residual, sources)
+                         sources: torch.Tensor, buffer: int = -1) -> None:
+    _check_harvest(_buffer_of(out, buffer, "streamscope::harvest_stream"), hidden, residual, sources)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::edit_harvest_stream", mutates_args=("hidden", "out"))
 def edit_harvest_stream(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor,
                         bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
                         norm_match: torch.Tensor, out: torch.Tensor, sources: torch.Tensor,
-                        targets: torch.Tensor) -> None:
+                        targets: torch.Tensor, buffer: int = -1) -> None:
     """`edit_stream`, then `harvest_stream` of the edited stream, in one launch: a site's edit rounds and its
     harvest (`streamscope.vllm.graph_wiring` puts it where a module call holds one site).
 
     Args:
         hidden, residual, slots, bank, modes, scales, projections, norm_match:
             As `edit_stream`'s.
-        out, sources: As `harvest_stream`'s.
+        out, sources, buffer: As `harvest_stream`'s.
         targets: ``[>= rows]`` int: the buffer row stream row ``r`` fills, ``-1``
             for none; the inverse of `sources` (`GraphPlan` fills both). The
             kernel reads `targets` (a program a stream row, which stores its
             edited row in its buffer row from the registers), the torch body
             `sources`.
     """
+    out = _buffer_of(out, buffer, "streamscope::edit_harvest_stream")
     _check_edit_harvest(hidden, residual, slots, bank, modes, scales, projections, norm_match, out, sources, targets)
     if hidden.shape[0] == 0:  # a shape, not a value: fixed for a captured graph
         return
@@ -366,8 +393,9 @@ def _check_edit_harvest(hidden: torch.Tensor, residual: Optional[torch.Tensor], 
 def _edit_harvest_stream_fake(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor,
                               bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor,
                               projections: torch.Tensor, norm_match: torch.Tensor, out: torch.Tensor,
-                              sources: torch.Tensor, targets: torch.Tensor) -> None:
-    _check_edit_harvest(hidden, residual, slots, bank, modes, scales, projections, norm_match, out, sources, targets)
+                              sources: torch.Tensor, targets: torch.Tensor, buffer: int = -1) -> None:
+    _check_edit_harvest(hidden, residual, slots, bank, modes, scales, projections, norm_match,
+                        _buffer_of(out, buffer, "streamscope::edit_harvest_stream"), sources, targets)
 
 
 #: The most sites (stages) one `edit_stretch` launch runs: the kernel takes each stage's lane and harvest buffer as

@@ -231,14 +231,16 @@ def insert_ops(plan: GraphPlan, sites: Mapping[Hashable, Site], stretches: Seque
             continue
         site = hosts[sites[name].key] = sites[name]
         named.setdefault(site.key, set()).add(name)
-        work.setdefault(site.key, []).append(("harvest", stream_at(site), (plan.harvest_buffer(name),)))
+        # the whole harvested and the buffer's index, never a view of it (graph_ops' docstring says why)
+        work.setdefault(site.key, []).append(("harvest", stream_at(site), (plan.harvested,
+                                                                            plan.harvest_index[name])))
     for key, items in work.items():
         items.sort(key=lambda item: item[0] == "harvest")  # stable: each site's edits, then the harvests
         if len(named[key]) == 1 and len(items) == 2 and items[-1][0] == "harvest":
             # One site at the call: its edit rounds and its harvest are one launch (the edited rows stored from the
             # program's registers). Where a call holds several sites, the harvests wait for every site's edits.
-            (_, at, (slots,)), (_, _, (buffer,)) = items
-            items[:] = [("edit_harvest", at, (slots, buffer))]
+            (_, at, (slots,)), (_, _, (harvested, buffer)) = items
+            items[:] = [("edit_harvest", at, (slots, harvested, buffer))]
     inserted = Inserted(plan, cache_salt([str(name) for name in plan.sites], plan.rounds,
                                          [str(name) for name in plan.harvest_sites],
                                          ops_source() + wiring_source() + repr(joined)), chains=joined)
@@ -277,13 +279,13 @@ def _calls(items: list[Any], buffers: tuple[torch.Tensor, ...], sources: torch.T
             if kind == "edit":
                 edit_stream(hidden, residual, tensors[0], *buffers)
             elif kind == "harvest":
-                harvest_stream(tensors[0], hidden, residual, sources)
+                harvest_stream(tensors[0], hidden, residual, sources, tensors[1])
             elif kind == "stretch":
                 index, harvested, lanes, rounds, harvests, fused = tensors
                 edit_stretch(hidden, residual, index, *buffers, harvested, sources, targets, lanes, rounds,
                              harvests, fused)
             else:
-                edit_harvest_stream(hidden, residual, tensors[0], *buffers, tensors[1], sources, targets)
+                edit_harvest_stream(hidden, residual, tensors[0], *buffers, tensors[1], sources, targets, tensors[2])
     return run
 
 
