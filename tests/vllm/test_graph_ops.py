@@ -199,8 +199,13 @@ class OnAFamily:
                 kinds.append(kind)
                 assert kind in ("edit", "harvest", "edit_harvest", "stretch") and type(at) is StreamAt
                 assert all(part is None or isinstance(part, (bool, tuple)) for part in at), at
-                if kind != "stretch":
+                if kind == "edit":
                     assert all(isinstance(tensor, torch.Tensor) for tensor in carried)
+                    continue
+                if kind != "stretch":  # the whole harvested and its buffer's index, never a view of it
+                    *slots, harvested, buffer = carried
+                    assert all(isinstance(tensor, torch.Tensor) for tensor in slots)
+                    assert harvested is graph.plan.harvested and type(buffer) is int
                     continue
                 # a chain: the plan's index and harvest buffers, then plain lists and a count the graph holds
                 index, harvested, lanes, rounds, buffers, fused = carried
