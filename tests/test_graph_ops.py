@@ -530,6 +530,27 @@ def test_fill_matches_brute_force_over_steps() -> None:
         assert positions == requests[key]["harvest"]
 
 
+def test_a_step_copies_the_index_only_up_to_its_last_mark() -> None:
+    """The host fills and copies a step's index rows only up to the last row a slot or a harvest marks, and the last
+    step's marks past it (reset to -1): a step of plain requests after another copies nothing (it once copied
+    every row, 386 columns of them at the Llama-3-8B shape, every step)."""
+    plan = GraphPlan(["s0", "s1"], 2, 64, HIDDEN, torch.float32, "cpu", slots=2, harvest_sites=["s0"])
+    copied: list[int] = []
+    copy = plan._copy
+    plan._copy = lambda rows: (copied.append(rows), copy(rows))  # type: ignore[method-assign]
+    plan.step([Span(None, 0, 40, 0)])
+    plan.enter("a", [PlannedSteer(["s1"], operation("add", False, seed=1), RowRule.of(range(5), 5), "a")])
+    plan.enter("b", harvest_positions=[2])
+    plan.step([Span(None, 0, 20, 0), Span("b", 20, 4, 0), Span("a", 24, 5, 0), Span(None, 29, 30, 0)])
+    assert copied == [29] and int((plan.index[:, plan.lane_of[("s1", 0)]] >= 0).sum()) == 5
+    plan.step([Span("b", 0, 1, 4), Span(None, 1, 50, 0), Span("a", 51, 1, 5)])  # decode: b's harvest is done
+    assert copied == [29, 52]
+    plan.leave("a")
+    plan.step([Span("b", 0, 1, 5), Span(None, 1, 60, 0)])
+    plan.step([Span(None, 0, 60, 0)])
+    assert copied == [29, 52, 52] and bool((plan.index == -1).all())
+
+
 @pytest.mark.parametrize("distinct", [1, 256])
 def test_a_decode_batch_at_every_block(distinct: int) -> None:
     """256 requests decoding, each steered at every block (lanes evenly spaced: two rounds a site), by one shared

@@ -431,7 +431,7 @@ class GraphPlan:
         layout: list[tuple[Hashable, int, int]] = []
         lives: dict[Hashable, Any] = {}
         sources: list[int] = []
-        total = 0
+        total = marked = 0  # marked: the rows up to the last this step marks (a slot or a harvest)
         for key, start, count, first in spans:
             if start < total:
                 raise ValueError(f"span of {key!r} at row {start} overlaps the rows before it: pass the step's spans "
@@ -448,6 +448,7 @@ class GraphPlan:
                         owner = live.row
                     else:
                         partial.append((live, start, count, first))
+                    marked = total
                 if live.positions:
                     self._harvest_span(key, live, start, count, first, sources, layout, lives)
             owners.append(owner)
@@ -458,25 +459,29 @@ class GraphPlan:
         if len(sources) > self.capacity:
             raise ValueError(f"this step harvests {len(sources)} rows; the plan's harvest buffers hold "
                              f"{self.capacity}: raise harvest_capacity (up to max_rows).")
-        self._fill_rows(owners, counts, total, partial, sources)
-        rows = max(total, self._dirty)  # this step's rows, and the last step's marks past them, now reset
+        if sources:
+            marked = max(marked, len(sources), max(sources) + 1)
+        # Rows past `marked` hold -1 on the device once the last step's marks there are reset, so a step of plain
+        # requests after another copies nothing, and a steered one only up to its last marked row.
+        rows = max(marked, self._dirty)
+        self._fill_rows(owners, counts, marked, rows, partial, sources)
         if rows:
             self._copy(rows)
-        self._dirty = total
+        self._dirty = marked
         return StepHarvest(None, layout, lives=lives)
 
-    def _fill_rows(self, owners: list[int], counts: list[int], total: int, partial: list[tuple[_Live, int, int, int]],
-                   sources: list[int]) -> None:
-        """The host index for a step: every row below `total` from its request's table row (one gather), then the
-        spans steered in part, range by range, then the harvest column; the last step's rows past `total` reset."""
+    def _fill_rows(self, owners: list[int], counts: list[int], marked: int, rows: int,
+                   partial: list[tuple[_Live, int, int, int]], sources: list[int]) -> None:
+        """The host index for a step's first `rows` rows: every row below `marked` from its request's table row (one
+        gather), then the spans steered in part, range by range, then the harvest columns; the rest reset."""
         host = self._host
-        if self._dirty > total:
-            host[total:self._dirty] = -1
-        if total:
+        if rows > marked:
+            host[marked:rows] = -1
+        if marked:
             owner = torch.tensor(owners, dtype=torch.long)
-            if len(owners) != total:  # some span of several rows: each row its span's owner
+            if len(owners) != sum(counts):  # some span of several rows: each row its span's owner
                 owner = torch.repeat_interleave(owner, torch.tensor(counts, dtype=torch.long))
-            torch.index_select(self._table, 0, owner, out=host[:total])
+            torch.index_select(self._table, 0, owner[:marked], out=host[:marked])
         for live, start, count, first in partial:
             for edit in live.edits:
                 for low, high in edit.rule.ranges(start, count, first):
