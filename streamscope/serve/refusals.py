@@ -103,8 +103,14 @@ class Refusals:
 
     def verdict(self, ticket: str) -> Optional[RequestError]:
         """The worker's refusal of `ticket`'s request as the error its answer is, or None where it has none."""
+        path = os.path.join(self.folder, ticket + ".json")
+        # A streamed answer asks before each chunk, and nearly always finds nothing: a stat of a string path costs a
+        # fifth of a failed open through pathlib (3 against 16 us here), on the event loop every stream shares.
+        if not os.path.exists(path):
+            return None
         try:
-            found = json.loads((self.folder / f"{ticket}.json").read_text())
+            with open(path) as handle:
+                found = json.loads(handle.read())
         except FileNotFoundError:
             return None
         if found.get("aborted"):
