@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from streamscope.vllm.graph_backend import (CONFIG_KEY, GraphBackend, GraphOps, GraphOptions, engine_config,
-                                            operation_of, row_rule)
+from streamscope.vllm.graph_backend import (CONFIG_KEY, DEFAULT_VALUES, GraphBackend, GraphOps, GraphOptions,
+                                            check_harvest_memory, engine_config, operation_of, row_rule)
 from streamscope.bulk.operations import prepare
 from streamscope.bulk.requests import Live, RequestApplier, Span, SteerEntry
 from streamscope.vllm.graph_ops import SALT_KEY
@@ -143,3 +143,14 @@ def test_the_option_and_the_engine_s_config() -> None:
     assert config is not None and config["other"] == 1 and config[CONFIG_KEY]["rounds"] == 1
     assert config[SALT_KEY] == GraphOptions(rounds=1).salt() != GraphOptions().salt()
     assert engine_config(False, {"other": 1}) is None
+
+
+def test_harvest_buffers_too_large_for_the_device_are_refused_naming_the_fix() -> None:
+    """Every default value at every block of the Llama-3-70B shape (480 sites, 8192 rows, 8192 wide, bfloat16):
+    60 GiB of harvest buffers, more than half of what an H200 has left after FP8 weights; the 8B shape's 12 GiB on
+    an H100 passes."""
+    names = [f"layers.{layer}.{value}" for layer in range(80) for value in DEFAULT_VALUES]
+    with pytest.raises(ValueError, match=r"need 60\.0 GiB.*--graph-ops '\{\"harvest\": \[\"layer_output\"\]\}' "
+                                         r"\(10\.0 GiB"):
+        check_harvest_memory(names, 8192, 8192, torch.bfloat16, 65 * 2**30)
+    check_harvest_memory(names[:6 * 32], 8192, 4096, torch.bfloat16, 62 * 2**30)

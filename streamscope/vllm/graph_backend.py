@@ -194,6 +194,9 @@ def build(model: torch.nn.Module, model_type: str, options: GraphOptions, max_ro
     harvests = [name for name in sites if name.split(".", 2)[2] in options.harvest]
     edits = [name for name in sites if name.split(".", 2)[2] in options.values]
     capacity = max_rows if options.harvest_capacity is None else min(options.harvest_capacity, max_rows)
+    if torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        check_harvest_memory(harvests, capacity, hidden, dtype, free)
     plan = GraphPlan(edits, options.rounds, max_rows, hidden, dtype, device, slots=options.slots,
                      harvest_sites=harvests, harvest_capacity=capacity)
     by_name: dict[Hashable, Site] = {name: site for name, site in sites.items()}
@@ -206,6 +209,25 @@ def build(model: torch.nn.Module, model_type: str, options: GraphOptions, max_ro
             order[name], chain_of[name] = place, number
     return GraphOps(plan, names, inserted, skipped, order, chain_of,
                     [[sites[name].key for name in chain] for chain in inserted.chains])
+
+
+def check_harvest_memory(harvests: Sequence[str], capacity: int, hidden: int, dtype: torch.dtype, free: int) -> None:
+    """Refuse harvest buffers (one for each of `harvests`, the harvest sites) of more than half the device memory
+    left after the weights (`free` bytes), naming the settings that shrink them: with every default value at every
+    block and a row for each of a step's tokens, they take 12 GiB at the Llama-3-8B shape and 60 GiB at the 70B
+    shape, which would leave no room for the KV cache."""
+    row = capacity * hidden * dtype.itemsize
+    need = len(harvests) * row
+    if need <= free // 2:
+        return
+    outputs = sum(str(name).endswith(".layer_output") for name in harvests)
+    raise ValueError(
+        f"streamscope graph ops: the harvest buffers ({len(harvests)} sites x {capacity} rows x {hidden}, {dtype}) "
+        f"need {need / 2**30:.1f} GiB, more than half the {free / 2**30:.1f} GiB the device has left after the "
+        f"weights. Harvest through the ops at fewer values: --graph-ops '{{\"harvest\": "
+        f"[\"layer_output\"]}}' ({outputs * row / 2**30:.1f} GiB; streamscope.load(..., graph_ops={{\"harvest\": "
+        f"[...]}}) in process), or --graph-ops off. A harvest at a value without an op is then served by hooks on an "
+        f"eager engine and refused, naming this, on a compiled one.")
 
 
 def insert_at_load(worker: Any) -> Optional[GraphOps]:
