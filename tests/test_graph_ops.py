@@ -532,8 +532,9 @@ def test_fill_matches_brute_force_over_steps() -> None:
 
 def test_a_step_copies_the_index_only_up_to_its_last_mark() -> None:
     """The host fills and copies a step's index rows only up to the last row a slot or a harvest marks, and the last
-    step's marks past it (reset to -1): a step of plain requests after another copies nothing (it once copied
-    every row, 386 columns of them at the Llama-3-8B shape, every step)."""
+    step's marks past it (reset to -1): a step of plain requests after another copies nothing, and a steered
+    request's rows cost their own, not the whole batch's (it once copied every row of the step, 386 columns of them
+    at the Llama-3-8B shape)."""
     plan = GraphPlan(["s0", "s1"], 2, 64, HIDDEN, torch.float32, "cpu", slots=2, harvest_sites=["s0"])
     copied: list[int] = []
     copy = plan._copy
