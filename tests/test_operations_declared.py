@@ -297,4 +297,4 @@ def test_one_forward_is_one_setting():
     found = [f"{path.relative_to(package)}:{number}" for path in sorted(package.rglob("*.py"))
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if spelled.search(line) and "model.trace(" not in line]
-    assert found == ["bulk/schema.py:49"], found
+    assert len(found) == 1 and found[0].startswith("bulk/schema.py:"), found
