@@ -150,10 +150,11 @@ def check_capture(dtype: torch.dtype, width: int = 4096, rows: int = 256) -> boo
     residual = torch.zeros_like(hidden)
 
     def body(hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        ops.edit_harvest_stream(hidden, residual, plan.rounds_of("s0"), *plan.bank.buffers,
-                                plan.harvest_buffer("s0"), plan.sources, plan.targets)  # the two ops below in one
+        # the harvest ops as an engine calls them: the whole harvested and the site's buffer index
+        ops.edit_harvest_stream(hidden, residual, plan.rounds_of("s0"), *plan.bank.buffers, plan.harvested,
+                                plan.sources, plan.targets, plan.harvest_index["s0"])  # the two ops below in one
         ops.edit_stream(residual, None, plan.rounds_of("s1"), *plan.bank.buffers)
-        ops.harvest_stream(plan.harvest_buffer("s1"), residual, None, plan.sources)
+        ops.harvest_stream(plan.harvested, residual, None, plan.sources, plan.harvest_index["s1"])
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
