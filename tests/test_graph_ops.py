@@ -205,6 +205,37 @@ def test_harvest_copies_the_named_rows(fused: bool) -> None:
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
+def test_a_buffer_named_in_the_whole_harvested_is_the_buffer_alone(fused: bool) -> None:
+    """``out`` the plan's whole ``[sites, capacity, hidden]`` with ``buffer`` its index (how an engine calls the
+    harvest ops, so that no view of it is mutated in the compiled graph): that buffer takes the bits the one-buffer
+    form gives it, and the other buffers keep theirs; an index outside the buffers, or a buffer index with one
+    buffer, is refused naming the fix."""
+    hidden, residual = stream(10, 9, fused)
+    whole = torch.randn(3, 6, HIDDEN, generator=generator(13))
+    kept, alone = whole.clone(), whole[1].clone()
+    sources = torch.tensor([7, -1, 0, 3, 10, 9], dtype=torch.int32)
+    graph_ops.harvest_stream(whole, hidden, residual, sources, 1)
+    graph_ops.harvest_stream(alone, hidden, residual, sources)
+    assert torch.equal(bits(whole[1]), bits(alone)) and not torch.equal(whole[1], kept[1])
+    assert torch.equal(bits(whole[[0, 2]]), bits(kept[[0, 2]]))
+    bank = SlotBank(2, HIDDEN, torch.float32, "cpu")
+    bank.acquire("a", operation("add", False, seed=3))
+    slots = torch.tensor([0, -1, -1, 0, -1, -1, -1, 0, -1, -1], dtype=torch.int32)
+    targets = torch.full((10,), -1, dtype=torch.int32)
+    targets[[7, 0, 3, 9]] = torch.tensor([0, 2, 3, 5], dtype=torch.int32)
+    edited, edited_alone = hidden.clone(), hidden.clone()
+    whole_again, alone_again = kept.clone(), kept[2].clone()
+    graph_ops.edit_harvest_stream(edited, residual, slots, *bank.buffers, whole_again, sources, targets, 2)
+    graph_ops.edit_harvest_stream(edited_alone, residual, slots, *bank.buffers, alone_again, sources, targets)
+    assert torch.equal(bits(edited), bits(edited_alone)) and torch.equal(bits(whole_again[2]), bits(alone_again))
+    assert torch.equal(bits(whole_again[:2]), bits(kept[:2]))
+    with pytest.raises(ValueError, match="buffer=3 names a buffer"):
+        graph_ops.harvest_stream(whole, hidden, residual, sources, 3)
+    with pytest.raises(ValueError, match="pass buffer=-1 with one buffer"):
+        graph_ops.harvest_stream(alone, hidden, residual, sources, 0)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
 def test_harvest_reads_no_index_entry_at_or_past_the_calls_rows(fused: bool) -> None:
     """A buffer larger than the call (a decode step of 4 rows, a buffer sized for the largest step) is filled below
     the call's rows only: a step packs its harvest from buffer row 0, one buffer row per stream row at most, so an
@@ -235,6 +266,11 @@ def test_ops_pass_torch_library_checks() -> None:
     for second in (residual, None):
         torch.library.opcheck(graph_ops.edit_harvest_stream,
                               (hidden.clone(), second, slots, *bank.buffers, torch.zeros(4, HIDDEN), sources, targets))
+    # As an engine calls them: the plan's whole harvested and a buffer's index.
+    torch.library.opcheck(graph_ops.harvest_stream, (torch.zeros(3, 4, HIDDEN), hidden, residual, sources, 2))
+    torch.library.opcheck(graph_ops.edit_harvest_stream,
+                          (hidden.clone(), residual, slots, *bank.buffers, torch.zeros(3, 4, HIDDEN), sources, targets,
+                           1))
     # A site's rounds side by side: a strided [rows, rounds] view of a plan's index, one op for them all.
     index = torch.full((6, 5), -1, dtype=torch.int32)
     index[:, 1], index[:, 2] = slots, torch.tensor([-1, 0, 0, -1, -1, 0], dtype=torch.int32)
