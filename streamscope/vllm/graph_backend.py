@@ -248,7 +248,7 @@ def insert_at_load(worker: Any) -> Optional[GraphOps]:
     runner.__dict__[RUNNER_ATTRIBUTE] = ops
     harvested = ops.plan.harvested
     logger.info("streamscope: graph ops at %d sites (%d harvest), %d slots, %d rounds; harvest buffers %s of %d "
-                "rows (%.2f GiB: narrow the graph ops' harvest values or harvest_capacity to spend less)",
+                "rows (%.2f GiB: narrow the graph ops' harvest values to spend less)",
                 len(ops.plan.sites), len(ops.plan.harvest_sites), options.slots, options.rounds,
                 "x".join(map(str, harvested.shape)), harvested.shape[1] if harvested.dim() == 3 else 0,
                 harvested.numel() * harvested.element_size() / 2**30)
