@@ -247,10 +247,9 @@ def insert_at_load(worker: Any) -> Optional[GraphOps]:
                 plain=getattr(runner, "nnsight_model", None) is None)
     runner.__dict__[RUNNER_ATTRIBUTE] = ops
     harvested = ops.plan.harvested
-    logger.info("streamscope: graph ops at %d sites (%d harvest), %d slots, %d rounds; harvest buffers %s of %d "
-                "rows (%.2f GiB: narrow the graph ops' harvest values to spend less)",
-                len(ops.plan.sites), len(ops.plan.harvest_sites), options.slots, options.rounds,
-                "x".join(map(str, harvested.shape)), harvested.shape[1] if harvested.dim() == 3 else 0,
+    logger.info("streamscope: graph ops at %d sites (%d harvest), %d slots, %d rounds; harvest buffers %s, %.2f GiB "
+                "(narrow the graph ops' harvest values to spend less)", len(ops.plan.sites),
+                len(ops.plan.harvest_sites), options.slots, options.rounds, list(harvested.shape),
                 harvested.numel() * harvested.element_size() / 2**30)
     return ops
 

@@ -464,13 +464,13 @@ class GraphPlan:
         # Rows past `marked` hold -1 on the device once the last step's marks there are reset, so a step of plain
         # requests after another copies nothing, and a steered one only up to its last marked row.
         rows = max(marked, self._dirty)
-        self._fill_rows(owners, counts, marked, rows, partial, sources)
+        self._fill_rows(owners, counts, total, marked, rows, partial, sources)
         if rows:
             self._copy(rows)
         self._dirty = marked
         return StepHarvest(None, layout, lives=lives)
 
-    def _fill_rows(self, owners: list[int], counts: list[int], marked: int, rows: int,
+    def _fill_rows(self, owners: list[int], counts: list[int], total: int, marked: int, rows: int,
                    partial: list[tuple[_Live, int, int, int]], sources: list[int]) -> None:
         """The host index for a step's first `rows` rows: every row below `marked` from its request's table row (one
         gather), then the spans steered in part, range by range, then the harvest columns; the rest reset."""
@@ -479,7 +479,7 @@ class GraphPlan:
             host[marked:rows] = -1
         if marked:
             owner = torch.tensor(owners, dtype=torch.long)
-            if len(owners) != sum(counts):  # some span of several rows: each row its span's owner
+            if len(owners) != total:  # some span of several rows: each row its span's owner
                 owner = torch.repeat_interleave(owner, torch.tensor(counts, dtype=torch.long))
             torch.index_select(self._table, 0, owner[:marked], out=host[:marked])
         for live, start, count, first in partial:
