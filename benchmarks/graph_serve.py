@@ -74,6 +74,7 @@ from typing import Any, Callable, Iterator, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serve_load  # noqa: E402  (the servers, the checkpoint, the load generator, the verdicts)
+from streamscope.serve import host_time  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 HOTWIRE_VERSION = "0.1.2"
@@ -291,8 +292,8 @@ def server_commands(path: Path, engine: list[str], options: argparse.Namespace, 
     for name in sorted(names):
         if name in ("plain", "plain B"):
             commands[name] = (plain, {})
-        elif name == "streamscope":
-            commands[name] = (ours, {})
+        elif name == "streamscope":  # with --host-time its engine times its parts of each step (serve/host_time.py)
+            commands[name] = (ours, {"STREAMSCOPE_SERVE_HOST_TIME": "1"} if options.host_time else {})
     why = "not asked for"
     if "hotwire" in names:
         site, why = hotwire_site(folder, options.hotwire_wheel)
@@ -447,10 +448,15 @@ def main() -> None:
             print(f"[{time.monotonic() - began:6.1f} s] --start-only: the servers came up and answered; nothing "
                   f"measured", flush=True)
             return
-        results = measure(servers, path, options, picked, began)
+        spans: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        results = measure(servers, path, options, picked, began, spans)
         # the summary before the servers stop: a call's limit that ends this process during their shutdown
         # still leaves it printed
         report(options, picked, results, checks, hotwire_why)
+        if options.host_time and "streamscope" in servers:
+            serve_load.host_times({"streamscope": servers["streamscope"]}, spans, None)
+        if options.py_spy:
+            profile(servers, path, options, picked, began)
     finally:
         for server in servers.values():  # every server told to stop first, then each waited for
             server.process.terminate()
@@ -483,9 +489,10 @@ def described(servers: dict[str, serve_load.Server]) -> None:
 
 
 def measure(servers: dict[str, serve_load.Server], path: Path, options: argparse.Namespace, picked: list[Workload],
-            began: float) -> dict[str, list[dict[str, Any]]]:
+            began: float, spans: dict[tuple[str, str], list[tuple[float, float]]]) -> dict[str, list[dict[str, Any]]]:
     """Warm-up (a run of `concurrency` requests of each workload), then the rounds; a run that would end after
-    `--deadline` (predicted from the median run so far) is not started, and the rounds stop there."""
+    `--deadline` (predicted from the median run so far) is not started, and the rounds stop there. Each run's wall
+    clock span goes into `spans` under (server, workload), for `serve_load.host_times`."""
     if options.deadline is not None and time.monotonic() - began > options.deadline:
         print(f"deadline {options.deadline:.0f} s: passed before the warm-up; nothing measured", flush=True)
         return {}
@@ -501,10 +508,13 @@ def measure(servers: dict[str, serve_load.Server], path: Path, options: argparse
             if options.deadline is not None and time.monotonic() - began + predicted > options.deadline:
                 print(f"deadline {options.deadline:.0f} s: round {number + 1} stops before {label(work)}", flush=True)
                 return results
-            start_time = time.monotonic()
+            start_time, wall = time.monotonic(), time.time()
             result = run_load(servers[work.server], path, options, work, options.prompts,
                               seed=1000 * number + index)
             durations.append(time.monotonic() - start_time)
+            spans.setdefault((work.server, work.name), []).append((wall, time.time()))
+            if options.host_time:  # the worker's totals of this run printed before the next run begins
+                time.sleep(1.5 * host_time.INTERVAL)
             result["round"] = number
             results[label(work)].append(result)
             print(f"  round {number + 1} {label(work)}: {result['output_throughput']:.1f} out tok/s, p99 TTFT "
@@ -512,6 +522,30 @@ def measure(servers: dict[str, serve_load.Server], path: Path, options: argparse
                   f"{result['completed']}/{options.prompts} completed {result.get('harvests', '')}", flush=True)
         print(f"[{time.monotonic() - began:6.1f} s] round {number + 1} done", flush=True)
     return results
+
+
+def profile(servers: dict[str, serve_load.Server], path: Path, options: argparse.Namespace, picked: list[Workload],
+            began: float) -> None:
+    """After the rounds (so it cannot disturb them): one more run of each streamscope and plain workload under
+    py-spy (`serve_load.profiled`), summarized side by side; a run that would pass `--deadline` is left out."""
+    profiles: dict[str, tuple[dict[str, Any], Path]] = {}
+    kinds: set[tuple[str, str]] = set()
+    for work in picked:  # the first K of each kind only: the time goes to the kinds, not to K
+        kind = (work.server, work.name.rstrip("0123456789"))
+        if work.server not in ("plain", "streamscope") or kind in kinds:
+            continue
+        kinds.add(kind)
+        if options.deadline is not None and time.monotonic() - began + 60 > options.deadline:
+            print(f"deadline {options.deadline:.0f} s: no profile of {label(work)}", flush=True)
+            break
+        try:  # a profile that fails loses only itself
+            profiles[label(work)] = serve_load.profiled(
+                servers[work.server], Path(options.py_spy) / f"{label(work).replace(' ', '-')}.txt",
+                lambda work=work: run_load(servers[work.server], path, options, work, options.prompts, seed=999))
+        except Exception as error:  # noqa: BLE001
+            print(f"no profile of {label(work)}: {type(error).__name__}: {error}", flush=True)
+    if profiles:
+        serve_load.profile_summary(profiles)
 
 
 def label(work: Workload) -> str:
@@ -735,6 +769,10 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--work", help="a folder for the checkpoint, logs and each server's compile cache (a second "
                                        "call on a warm machine reuses the compiled graphs); default: a new one")
     parser.add_argument("--logs", help="a folder to copy every server's log to at the end")
+    parser.add_argument("--host-time", action="store_true", help="the streamscope engine's host time per step in "
+                        "each part of its work, per workload (streamscope/serve/host_time.py)")
+    parser.add_argument("--py-spy", help="a folder: after the rounds, each plain and streamscope workload run again "
+                                         "under py-spy, its stacks kept there and summarized")
     parser.add_argument("--in-process", action="store_true", help="the in-process bound instead of the servers")
     parser.add_argument("--plain-child", help=argparse.SUPPRESS)
     options = parser.parse_args()

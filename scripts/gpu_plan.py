@@ -156,6 +156,7 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
         "graph39-h100": [("graph39 on an H100", [python, "benchmarks/graph_serve.py", "--shape", "llama3-8b", "--only",
                                                  "plain,steer-one-", "--no-control", "--rounds", "5", "--work",
                                                  "/tmp/graph39", "--logs", str(out / "graph39-h100-logs"),
+                                                 "--host-time", *spied(out / "graph39-h100-spy"),
                                                  "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
         "graphcheck": [("graph ops check", [python, "scripts/graph_ops_gpu_check.py"], ROOT, 200),
                        ("graph ops, float32", [python, "scripts/gpu_suite.py", "--out", str(out / "suite"), "--gpus",

@@ -104,8 +104,7 @@ class ServeState(RequestApplier):
         self.saes: "OrderedDict[str, Any]" = OrderedDict()
         self.sae_cache = sae_cache
         #: Each add/set steer's ``scale * vector`` on the device, by (vector, scale), the most recent `DELTAS`: the
-        #: requests steered by one stored vector share one tensor, made once, and a step's edit adds it to all
-        #: their rows at once instead of a row of it per request.
+        #: requests steered by one stored vector share one tensor, made once, and a step's edit adds it to all rows.
         self.deltas: "OrderedDict[tuple[str, float], torch.Tensor]" = OrderedDict()
         self.writer = writer  # the rank that writes harvests (others compute the same rows)
         self.sites: dict[tuple[str, Optional[int]], Site] = {}
@@ -151,6 +150,7 @@ class ServeState(RequestApplier):
             self.observe = clock.timed("plan", self.observe)  # type: ignore[method-assign]
             self.apply = clock.timed("hooks", self.apply)  # type: ignore[method-assign]
             self.send = clock.timed("send", self.send)  # type: ignore[method-assign]
+            self.send_graph = clock.timed("send", self.send_graph)  # type: ignore[method-assign]
             self.writer_thread.take = clock.timed("writer", self.writer_thread.take)  # type: ignore[method-assign]
         # On the instance: vLLM's worker calls these through the runner, whatever its class.
         vllm_seam.after_schedule(runner, updated)
