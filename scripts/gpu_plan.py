@@ -158,6 +158,12 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
                                                  "/tmp/graph39", "--logs", str(out / "graph39-h100-logs"),
                                                  "--host-time", *spied(out / "graph39-h100-spy"),
                                                  "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
+        # one round and a profiled run of each kind: where a steered request's host time goes
+        "graph39-spy": [("graph39 profiled", [python, "benchmarks/graph_serve.py", "--shape", "llama3-8b", "--only",
+                                              "plain,steer-one-1", "--no-control", "--rounds", "1", "--work",
+                                              "/tmp/graph39", "--logs", str(out / "graph39-spy-logs"), "--host-time",
+                                              *spied(out / "graph39-spy"), "--deadline", str(max(remaining - 40, 60))],
+                         ROOT, remaining)],
         "graphcheck": [("graph ops check", [python, "scripts/graph_ops_gpu_check.py"], ROOT, 200),
                        ("graph ops, float32", [python, "scripts/gpu_suite.py", "--out", str(out / "suite"), "--gpus",
                                                "0", "--slots", "4", "--dtypes", "float32", "--parts", "graph",
