@@ -509,13 +509,35 @@ def random_requests(rng: random.Random, count: int) -> dict[str, dict[str, Any]]
     return requests
 
 
-def test_fill_matches_brute_force_over_steps() -> None:
+class _NoEvent:
+    """`torch.cuda.Event` on this CPU, for the plan's GPU copy path (`staged`)."""
+
+    def record(self) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+
+def staged(plan: GraphPlan, monkeypatch: pytest.MonkeyPatch) -> GraphPlan:
+    """`plan` copying its index as on a GPU: the lanes packed into staging buffers, then put in their columns by an
+    indexed copy (here in host memory, where a GPU's staging is pinned and its landing on the device)."""
+    columns, rows = plan._lanes.shape
+    plan._staging = [(torch.empty(columns * rows, dtype=torch.int32), torch.empty(columns, dtype=torch.long))
+                     for _ in range(2)]
+    plan._landing = (torch.empty(columns * rows, dtype=torch.int32), torch.empty(columns, dtype=torch.long))
+    monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
+    return plan
+
+
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
+def test_fill_matches_brute_force_over_steps(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Requests enter, prefill (some in two chunks), decode and leave over steps of changing sizes; after every step
     the device index holds exactly the brute-force marks and nothing stale, and the harvest layout names every
-    harvested position once."""
+    harvested position once; by the CPU's copy and by the GPU's (lanes packed, then put in their columns)."""
     rng = random.Random(3)
     requests = random_requests(rng, 14)
     plan = GraphPlan(["s0", "s1", "s2"], 2, 64, HIDDEN, torch.float32, "cpu", slots=16, harvest_sites=["h"])
+    if path == "gpu":
+        staged(plan, monkeypatch)
     ops = {share: operation("add", False, seed=20 + number) for number, share in enumerate(["x", "y"])}
     done: dict[str, int] = {}  # tokens computed so far
     live: list[str] = []
@@ -570,30 +592,34 @@ def test_a_step_copies_the_index_only_up_to_its_last_mark() -> None:
     """The host fills and copies a step's index rows only up to the last row a slot or a harvest marks, and the last
     step's marks past it (reset to -1): a step of plain requests after another copies nothing, and a steered
     request's rows cost their own, not the whole batch's (it once copied every row of the step, 386 columns of them
-    at the Llama-3-8B shape)."""
+    at the Llama-3-8B shape), and only the lanes its requests mark and the last step's."""
     plan = GraphPlan(["s0", "s1"], 2, 64, HIDDEN, torch.float32, "cpu", slots=2, harvest_sites=["s0"])
-    copied: list[int] = []
+    copied: list[tuple[int, int]] = []  # (rows, lanes) of each copy
     copy = plan._copy
-    plan._copy = lambda rows: (copied.append(rows), copy(rows))  # type: ignore[method-assign]
+    plan._copy = lambda rows, lanes: (copied.append((rows, len(lanes))), copy(rows, lanes))  # type: ignore
     plan.step([Span(None, 0, 40, 0)])
     plan.enter("a", [PlannedSteer(["s1"], operation("add", False, seed=1), RowRule.of(range(5), 5), "a")])
     plan.enter("b", harvest_positions=[2])
     plan.step([Span(None, 0, 20, 0), Span("b", 20, 4, 0), Span("a", 24, 5, 0), Span(None, 29, 30, 0)])
-    assert copied == [29] and int((plan.index[:, plan.lane_of[("s1", 0)]] >= 0).sum()) == 5
+    # a's lane and the harvest's two columns, of the plan's six
+    assert copied == [(29, 3)] and int((plan.index[:, plan.lane_of[("s1", 0)]] >= 0).sum()) == 5
     plan.step([Span("b", 0, 1, 4), Span(None, 1, 50, 0), Span("a", 51, 1, 5)])  # decode: b's harvest is done
-    assert copied == [29, 52]
+    assert copied == [(29, 3), (52, 3)]
     plan.leave("a")
-    plan.step([Span("b", 0, 1, 5), Span(None, 1, 60, 0)])
+    plan.step([Span("b", 0, 1, 5), Span(None, 1, 60, 0)])  # nothing marked: the last step's lanes reset
     plan.step([Span(None, 0, 60, 0)])
-    assert copied == [29, 52, 52] and bool((plan.index == -1).all())
+    assert copied == [(29, 3), (52, 3), (52, 3)] and bool((plan.index == -1).all())
 
 
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
 @pytest.mark.parametrize("distinct", [1, 256])
-def test_a_decode_batch_at_every_block(distinct: int) -> None:
+def test_a_decode_batch_at_every_block(distinct: int, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """256 requests decoding, each steered at every block (lanes evenly spaced: two rounds a site), by one shared
-    operation or each by its own: every row's marks, and one slot a distinct operation."""
+    operation or each by its own: every row's marks, and one slot a distinct operation; by either copy path."""
     sites = [f"b{block}" for block in range(8)]
     plan = GraphPlan(sites, 2, 512, HIDDEN, torch.float32, "cpu", slots=256)
+    if path == "gpu":
+        staged(plan, monkeypatch)
     ops = [operation("ablate", False, seed=number) for number in range(distinct)]
     for number in range(256):
         plan.enter(number, [PlannedSteer(sites, ops[number % distinct], RowRule.of([0], 1), number % distinct)])

@@ -60,7 +60,7 @@ from ..bulk.requests import Live, Span, SteerEntry
 from ..bulk.sites import Site
 from .families import envoy_tree, family_for
 from .graph_ops import cache_salt, ops_source, salted
-from .graph_plan import GraphPlan, PlannedSteer, RowRule
+from .graph_plan import INDEX_LAYOUT, GraphPlan, PlannedSteer, RowRule
 from .graph_wiring import graph_sites, insert_ops, stretches_of, wiring_source
 
 logger = logging.getLogger("streamscope.bulk")
@@ -143,7 +143,7 @@ class GraphOptions:
         """The compile cache's salt for these options: the ops' and the wiring's code (the families' runs with it),
         the values, the rounds, whether runs are joined."""
         return cache_salt(list(self.values), self.rounds, list(self.harvest),
-                          ops_source() + wiring_source() + f"join={self.join}")
+                          ops_source() + wiring_source() + f"join={self.join}" + f"index={INDEX_LAYOUT}")
 
 
 def engine_config(option: Any, additional_config: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:

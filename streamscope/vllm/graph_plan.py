@@ -14,17 +14,22 @@ tensors at the same addresses. `GraphPlan` owns them:
   row left alone; the last column is the harvest's buffer row -> stream row
   map, the one before it the inverse, stream row -> buffer row (what a
   site's last edit reads where it harvests too: `graph_ops.edit_harvest_stream`).
-  The ops read columns of it (strided views, fixed addresses);
+  It is stored lane by lane (each column contiguous, the tensor a transposed
+  view), so that a step writes and copies only the lanes its requests use:
+  one column for a steer at one block, of 386 at the Llama-3-8B shape. The
+  ops read columns of it (views, fixed addresses);
 * ``harvested [harvest sites, capacity, hidden]``: the harvest op's output,
   row ``k`` of every harvest site taking the step's ``k``-th harvested row.
 
 `GraphPlan.step` turns the scheduler's spans (`streamscope.bulk.apply.Span`:
 which request owns which rows this step, prefill and decode alike) into the
-index on the host, then moves it to the device in one copy: the rows this
-step runs and those the last step wrote (reset to ``-1``), so no stale mark
-survives in a graph's padding rows. On a GPU the copy leaves from one of two
-pinned staging buffers, without a wait, and the host never rewrites a
-buffer whose copy may still be queued. Each live request keeps its lane
+index on the host, then moves it to the device: the lanes this step's
+requests use, and those the last step wrote (reset to ``-1``), each up to the
+step's last marked row or the last step's, so no stale mark survives in a
+graph's padding rows. On a GPU the lanes go packed from one of two pinned
+staging buffers, without a wait, and land in their columns by one indexed
+copy on the device; the host never rewrites a buffer whose copy may still be
+queued. Each live request keeps its lane
 marks as one row of a table, so a step whose requests each steer whole
 spans (every decode step, a prefill of every position) is one gather from
 it, whatever the batch and however many distinct vectors; only a span a
@@ -44,6 +49,11 @@ from ..bulk.apply import Span
 from ..bulk.operations import DIRECTIONAL, Operation
 from ..bulk.steer import steer_positions
 from .graph_ops import MODE_CODES
+
+
+#: How the plan's index is stored (part of the compile cache's salt: a graph captured with the ops reads it by its
+#: strides): lane by lane, each lane's rows contiguous.
+INDEX_LAYOUT = "lanes"
 
 
 class SlotBank:
@@ -234,6 +244,7 @@ class _Live:
     every_site: bool = False  # whether `sites` is every harvest site of the plan, in its order
     done: int = 0  # positions harvested so far
     row: int = 0  # its row of the plan's table of lane marks (0: the row of no marks)
+    lanes: frozenset = frozenset()  # the index's columns it marks: its edits' lanes, and the harvest's two
 
 
 @dataclass
@@ -301,13 +312,22 @@ class GraphPlan:
         self.device = torch.device(device)
         self.bank = SlotBank(slots, hidden, dtype, self.device)
         columns = len(self.lane_of) + 2  # the lanes, the stream row -> buffer row map, the buffer row -> stream row
-        self.index = torch.full((max_rows, columns), -1, dtype=torch.int32, device=self.device)
-        # The host's copy, filled each step. On a GPU the step's rows go through one of two pinned staging buffers,
-        # so the copy does not wait, and the host never rewrites a buffer whose copy may still be queued.
-        self._host = torch.full((max_rows, columns), -1, dtype=torch.int32)
+        # Stored lane by lane: a step writes and copies only the lanes its requests use (`index` is the transposed
+        # view, [max_rows, columns], as the ops read it).
+        self._lanes = torch.full((columns, max_rows), -1, dtype=torch.int32, device=self.device)
+        self.index = self._lanes.t()
+        # The host's copy, filled each step. On a GPU the step's lanes go packed through one of two pinned staging
+        # buffers (values, and the lanes' numbers), so the copy does not wait, and the host never rewrites a buffer
+        # whose copy may still be queued; an indexed copy on the device puts each in its column.
+        self._host_lanes = torch.full((columns, max_rows), -1, dtype=torch.int32)
+        self._host = self._host_lanes.t()
         on_gpu = self.device.type == "cuda"
-        self._staging = [torch.empty((max_rows, columns), dtype=torch.int32, pin_memory=True)
-                         for _ in range(2)] if on_gpu else []
+        self._staging = [(torch.empty(columns * max_rows, dtype=torch.int32, pin_memory=True),
+                          torch.empty(columns, dtype=torch.long, pin_memory=True)) for _ in range(2)] if on_gpu else []
+        self._landing = (torch.empty(columns * max_rows, dtype=torch.int32, device=self.device),
+                         torch.empty(columns, dtype=torch.long, device=self.device)) if on_gpu else None
+        self._written: frozenset = frozenset()  # the lanes the last step wrote (their rows up to `_dirty`)
+        self._harvest_lanes = frozenset((columns - 2, columns - 1))
         self._events: list[Any] = [None, None]
         self._turn = 0
         self.harvested = torch.zeros((len(self.harvest_sites), capacity, hidden), dtype=dtype, device=self.device)
@@ -382,11 +402,13 @@ class GraphPlan:
                 self.bank.release(edit.share)
             raise
         live = _Live(edits)
+        live.lanes = frozenset(lane for edit in edits for lane in edit.columns_key)
         if edits:
             live.row = self._table_row()
             for edit in edits:
                 _fill(self._table, live.row, live.row + 1, edit.columns, edit.slot)
         if harvest_positions:
+            live.lanes |= self._harvest_lanes
             live.positions = tuple(sorted(set(harvest_positions)))
             live.sites = torch.tensor([self.harvest_index[site] for site in sites], dtype=torch.long)
             live.every_site = list(sites) == self.harvest_sites
@@ -431,6 +453,7 @@ class GraphPlan:
         layout: list[tuple[Hashable, int, int]] = []
         lives: dict[Hashable, Any] = {}
         sources: list[int] = []
+        lanes: set[int] = set()  # the lanes this step's requests mark
         total = marked = 0  # marked: the rows up to the last this step marks (a slot or a harvest)
         for key, start, count, first in spans:
             if start < total:
@@ -443,6 +466,7 @@ class GraphPlan:
             live = self._live.get(key) if key is not None else None
             owner = 0
             if live is not None:
+                lanes |= live.lanes
                 if live.row:
                     if all(edit.rule.covers(first, count) for edit in live.edits):
                         owner = live.row
@@ -461,27 +485,38 @@ class GraphPlan:
                              f"{self.capacity}: raise harvest_capacity (up to max_rows).")
         if sources:
             marked = max(marked, len(sources), max(sources) + 1)
-        # Rows past `marked` hold -1 on the device once the last step's marks there are reset, so a step of plain
-        # requests after another copies nothing, and a steered one only up to its last marked row.
+        if not marked:
+            lanes.clear()  # requests in the plan with nothing to mark this step (a harvest done, a steer not begun)
+        # Rows past `marked` and lanes no request of the step marks hold -1 on the device once the last step's marks
+        # there are reset: a step of plain requests after another copies nothing, and a steered one only its lanes,
+        # up to its last marked row.
         rows = max(marked, self._dirty)
-        self._fill_rows(owners, counts, total, marked, rows, partial, sources)
-        if rows:
-            self._copy(rows)
-        self._dirty = marked
+        reset = self._written - lanes
+        self._fill_rows(owners, counts, total, marked, rows, partial, sources, sorted(lanes), sorted(reset))
+        if rows and (lanes or reset):
+            self._copy(rows, sorted(lanes | reset))
+        self._dirty, self._written = marked, frozenset(lanes)
         return StepHarvest(None, layout, lives=lives)
 
     def _fill_rows(self, owners: list[int], counts: list[int], total: int, marked: int, rows: int,
-                   partial: list[tuple[_Live, int, int, int]], sources: list[int]) -> None:
-        """The host index for a step's first `rows` rows: every row below `marked` from its request's table row (one
-        gather), then the spans steered in part, range by range, then the harvest columns; the rest reset."""
-        host = self._host
+                   partial: list[tuple[_Live, int, int, int]], sources: list[int], lanes: list[int],
+                   reset: list[int]) -> None:
+        """The host index of a step's `lanes` up to row `rows`: every row below `marked` from its request's table
+        row (one gather of those lanes), then the spans steered in part, range by range, then the harvest columns;
+        the rest, and the last step's lanes in `reset`, -1."""
+        host, by_lane = self._host, self._host_lanes
+        if reset:
+            by_lane[_columns(reset), :self._dirty] = -1
+        if not lanes:
+            return
+        chosen = _columns(lanes)  # one lane (a steer at one block) or evenly spaced ones index views, not copies
         if rows > marked:
-            host[marked:rows] = -1
+            by_lane[chosen, marked:rows] = -1
         if marked:
             owner = torch.tensor(owners, dtype=torch.long)
             if len(owners) != total:  # some span of several rows: each row its span's owner
                 owner = torch.repeat_interleave(owner, torch.tensor(counts, dtype=torch.long))
-            torch.index_select(self._table, 0, owner[:marked], out=host[:marked])
+            by_lane[chosen, :marked] = self._table[:, chosen][owner[:marked]].t()
         for live, start, count, first in partial:
             for edit in live.edits:
                 for low, high in edit.rule.ranges(start, count, first):
@@ -491,16 +526,30 @@ class GraphPlan:
             host[:len(sources), -1] = rows
             host[rows.long(), -2] = torch.arange(len(sources), dtype=torch.int32)
 
-    def _copy(self, rows: int) -> None:
+    def _copy(self, rows: int, lanes: list[int]) -> None:
+        """The host index's `lanes`, rows ``0 .. rows``, to the device: one lane by one copy, more packed and put in
+        their columns by an indexed copy on the device."""
         if not self._staging:
-            self.index[:rows].copy_(self._host[:rows])
+            chosen = _columns(lanes)
+            self._lanes[chosen, :rows] = self._host_lanes[chosen, :rows]
             return
         turn, self._turn = self._turn, self._turn ^ 1
         if self._events[turn] is not None:
             self._events[turn].synchronize()  # the copy of two steps ago: done long since, unless the host ran ahead
-        staged = self._staging[turn][:rows]
-        staged.copy_(self._host[:rows])
-        self.index[:rows].copy_(staged, non_blocking=True)
+        values, numbers = self._staging[turn]
+        count = len(lanes)
+        if count == 1:
+            values[:rows].copy_(self._host_lanes[lanes[0], :rows])
+            self._lanes[lanes[0], :rows].copy_(values[:rows], non_blocking=True)
+        else:
+            chosen = torch.tensor(lanes, dtype=torch.long)
+            packed = values[:count * rows].view(count, rows)
+            torch.index_select(self._host_lanes[:, :rows], 0, chosen, out=packed)
+            numbers[:count].copy_(chosen)
+            landed, landed_numbers = self._landing  # type: ignore[misc]
+            landed[:count * rows].copy_(values[:count * rows], non_blocking=True)
+            landed_numbers[:count].copy_(numbers[:count], non_blocking=True)
+            self._lanes[:, :rows].index_copy_(0, landed_numbers[:count], landed[:count * rows].view(count, rows))
         self._events[turn] = torch.cuda.Event()
         self._events[turn].record()
 
