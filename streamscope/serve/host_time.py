@@ -5,11 +5,13 @@ worker times its parts of every step: planning the step (``plan``: the
 scheduler's new and finished requests, each hook's rows), the hooks' edits
 and reads (``hooks``), handing the step's harvested rows to host memory
 (``send``), and, on its own thread, storing rows and writing harvest files
-(``writer``), beside the whole ``execute_model`` call (``step``). Every
+(``writer``), beside the whole ``execute_model`` call (``step``); within
+``plan``, the requests that came in (``enter``) and, with graph ops, the
+plan's index filled (``fill``) and copied to the device (``copy``). Every
 `INTERVAL` seconds, while the counts move, it prints one line of running totals to
 stderr with the wall clock::
 
-    streamscope host time 1733100000.123 steps=812 step=9.41 plan=0.21 hooks=0.05 send=0.00 writer=0.00
+    streamscope host time 1733100000.123 steps=812 step=9.41 plan=0.21 hooks=0.05 send=0.00 writer=0.00 enter=0.02 fill=0.10 copy=0.04
 
 (seconds, except ``steps``). A load generator that knows when each of its
 runs began and ended takes the difference of the last lines before and after
@@ -30,7 +32,7 @@ from typing import Any, Callable
 ENVIRONMENT = "STREAMSCOPE_SERVE_HOST_TIME"
 #: The start of each printed line, for a reader of the server's log.
 PREFIX = "streamscope host time"
-PARTS = ("step", "plan", "hooks", "send", "writer")
+PARTS = ("step", "plan", "hooks", "send", "writer", "enter", "fill", "copy")
 #: Seconds between the checks that print the totals when they have changed.
 INTERVAL = 0.5
 
@@ -75,6 +77,26 @@ class HostTime:
             if now != self.printed:
                 self.printed = now
                 print(self.line(), file=sys.stderr, flush=True)
+
+
+def install(state: Any) -> HostTime:
+    """Time the parts of a server worker's steps (`streamscope.serve.worker.ServeState` `state`), on the instance:
+    ``plan`` (the step's plan, within it ``enter``, the requests that came in, and with graph ops ``fill``, the
+    plan's index filled on the host, and ``copy``, its copy to the device), ``hooks``, ``send`` (the step's harvest
+    handed over) and ``writer`` (the writer thread's work)."""
+    clock = HostTime()
+    state.observe = clock.timed("plan", state.observe)
+    state.admit = clock.timed("enter", state.admit)
+    state.admit_live = clock.timed("enter", state.admit_live)
+    state.apply = clock.timed("hooks", state.apply)
+    state.send = clock.timed("send", state.send)
+    state.send_graph = clock.timed("send", state.send_graph)
+    state.writer_thread.take = clock.timed("writer", state.writer_thread.take)
+    plan = getattr(state.graph, "plan", None)
+    if plan is not None:
+        plan._fill_rows = clock.timed("fill", plan._fill_rows)
+        plan._copy = clock.timed("copy", plan._copy)
+    return clock
 
 
 # Every field with its full count of decimals: the engine's other processes write to the same log, and a line of

@@ -144,14 +144,8 @@ class ServeState(RequestApplier):
                 return output
             return clock.timed("step", executed) if clock is not None else executed
 
-        clock = None
-        if host_time.wanted():  # each part of a step timed, for a load generator (serve/host_time.py)
-            clock = host_time.HostTime()
-            self.observe = clock.timed("plan", self.observe)  # type: ignore[method-assign]
-            self.apply = clock.timed("hooks", self.apply)  # type: ignore[method-assign]
-            self.send = clock.timed("send", self.send)  # type: ignore[method-assign]
-            self.send_graph = clock.timed("send", self.send_graph)  # type: ignore[method-assign]
-            self.writer_thread.take = clock.timed("writer", self.writer_thread.take)  # type: ignore[method-assign]
+        # each part of a step timed, for a load generator (serve/host_time.py)
+        clock = host_time.install(self) if host_time.wanted() else None
         # On the instance: vLLM's worker calls these through the runner, whatever its class.
         vllm_seam.after_schedule(runner, updated)
         vllm_seam.around_execute(runner, sending)
@@ -412,7 +406,7 @@ class ServeState(RequestApplier):
         spans = []
         for request_id, start, count in vllm_seam.scheduled_spans(self.runner, scheduler_output):
             live = live_of(request_id)
-            if live is not None and (live.planned() or request_id in entered):
+            if live is not None and (request_id in entered or live.planned()):
                 spans.append(Span(request_id, start, count, computed(request_id)))
         return spans
 

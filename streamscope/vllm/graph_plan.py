@@ -43,6 +43,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..bulk.apply import Span
@@ -206,23 +207,15 @@ class RowRule:
         return found
 
 
-def _columns(lanes: list[int]) -> Any:
+def _columns(lanes: Sequence[int]) -> Any:
     """Lane columns as the cheapest index of them: an int, a slice where they are evenly spaced (a steer at every
-    block), else a tensor (written with ``index_fill_``: an indexed assignment of a tensor of columns is a
-    hundred times slower on the host)."""
+    block), else an array."""
     if len(lanes) == 1:
         return lanes[0]
     step = lanes[1] - lanes[0]
     if step > 0 and all(later - earlier == step for earlier, later in zip(lanes, lanes[1:])):
         return slice(lanes[0], lanes[-1] + 1, step)
-    return torch.tensor(lanes, dtype=torch.long)
-
-
-def _fill(host: torch.Tensor, low: int, high: int, columns: Any, value: int) -> None:
-    if isinstance(columns, torch.Tensor):
-        host[low:high].index_fill_(1, columns, value)
-    else:
-        host[low:high, columns] = value
+    return np.array(lanes, dtype=np.intp)
 
 
 @dataclass
@@ -319,8 +312,9 @@ class GraphPlan:
         # The host's copy, filled each step. On a GPU the step's lanes go packed through one of two pinned staging
         # buffers (values, and the lanes' numbers), so the copy does not wait, and the host never rewrites a buffer
         # whose copy may still be queued; an indexed copy on the device puts each in its column.
+        # (numpy's, on the host: a step's fill is a few small operations, each a microsecond there, not ten)
         self._host_lanes = torch.full((columns, max_rows), -1, dtype=torch.int32)
-        self._host = self._host_lanes.t()
+        self._host = self._host_lanes.numpy()
         on_gpu = self.device.type == "cuda"
         self._staging = [(torch.empty(columns * max_rows, dtype=torch.int32, pin_memory=True),
                           torch.empty(columns, dtype=torch.long, pin_memory=True)) for _ in range(2)] if on_gpu else []
@@ -334,7 +328,7 @@ class GraphPlan:
         self._live: dict[Hashable, _Live] = {}
         # Each live request's lane marks as one row (row 0: none), so that a step whose requests each steer whole
         # spans (decode; a prefill of every position) fills its rows with one gather from this table.
-        self._table = torch.full((64, columns), -1, dtype=torch.int32)
+        self._table = np.full((64, columns), -1, dtype=np.int32)
         self._free_rows = list(range(63, 0, -1))
         self._dirty = 0  # rows of the device index that the last step's copy covered
         self._rows: dict[Hashable, torch.Tensor] = {}  # each request's harvested rows so far, on the host
@@ -406,7 +400,7 @@ class GraphPlan:
         if edits:
             live.row = self._table_row()
             for edit in edits:
-                _fill(self._table, live.row, live.row + 1, edit.columns, edit.slot)
+                self._table[live.row, edit.columns] = edit.slot
         if harvest_positions:
             live.lanes |= self._harvest_lanes
             live.positions = tuple(sorted(set(harvest_positions)))
@@ -427,7 +421,7 @@ class GraphPlan:
 
     def _table_row(self) -> int:
         if not self._free_rows:  # twice the rows, the old ones kept: amortized constant time a request
-            grown = torch.full((2 * self._table.shape[0], self._table.shape[1]), -1, dtype=torch.int32)
+            grown = np.full((2 * self._table.shape[0], self._table.shape[1]), -1, dtype=np.int32)
             grown[:self._table.shape[0]] = self._table
             self._free_rows.extend(range(2 * self._table.shape[0] - 1, self._table.shape[0] - 1, -1))
             self._table = grown
@@ -468,7 +462,9 @@ class GraphPlan:
             if live is not None:
                 lanes |= live.lanes
                 if live.row:
-                    if all(edit.rule.covers(first, count) for edit in live.edits):
+                    edits = live.edits
+                    if (edits[0].rule.covers(first, count) if len(edits) == 1
+                            else all(edit.rule.covers(first, count) for edit in edits)):
                         owner = live.row
                     else:
                         partial.append((live, start, count, first))
@@ -504,7 +500,7 @@ class GraphPlan:
         """The host index of a step's `lanes` up to row `rows`: every row below `marked` from its request's table
         row (one gather of those lanes), then the spans steered in part, range by range, then the harvest columns;
         the rest, and the last step's lanes in `reset`, -1."""
-        host, by_lane = self._host, self._host_lanes
+        by_lane = self._host  # [columns, max_rows]
         if reset:
             by_lane[_columns(reset), :self._dirty] = -1
         if not lanes:
@@ -513,24 +509,25 @@ class GraphPlan:
         if rows > marked:
             by_lane[chosen, marked:rows] = -1
         if marked:
-            owner = torch.tensor(owners, dtype=torch.long)
+            owner = np.array(owners, dtype=np.intp)
             if len(owners) != total:  # some span of several rows: each row its span's owner
-                owner = torch.repeat_interleave(owner, torch.tensor(counts, dtype=torch.long))
-            by_lane[chosen, :marked] = self._table[:, chosen][owner[:marked]].t()
+                owner = np.repeat(owner, counts)
+            by_lane[chosen, :marked] = self._table[:, chosen][owner[:marked]].T
         for live, start, count, first in partial:
             for edit in live.edits:
                 for low, high in edit.rule.ranges(start, count, first):
-                    _fill(host, low, high, edit.columns, edit.slot)
+                    by_lane[edit.columns, low:high] = edit.slot
         if sources:  # the harvest columns: buffer row -> stream row and back (the rest hold -1 from the table)
-            rows = torch.tensor(sources, dtype=torch.int32)
-            host[:len(sources), -1] = rows
-            host[rows.long(), -2] = torch.arange(len(sources), dtype=torch.int32)
+            by_lane[-1, :len(sources)] = sources
+            by_lane[-2, sources] = np.arange(len(sources), dtype=np.int32)
 
     def _copy(self, rows: int, lanes: list[int]) -> None:
         """The host index's `lanes`, rows ``0 .. rows``, to the device: one lane by one copy, more packed and put in
         their columns by an indexed copy on the device."""
         if not self._staging:
             chosen = _columns(lanes)
+            if isinstance(chosen, np.ndarray):
+                chosen = torch.from_numpy(chosen)
             self._lanes[chosen, :rows] = self._host_lanes[chosen, :rows]
             return
         turn, self._turn = self._turn, self._turn ^ 1
@@ -539,13 +536,11 @@ class GraphPlan:
         values, numbers = self._staging[turn]
         count = len(lanes)
         if count == 1:
-            values[:rows].copy_(self._host_lanes[lanes[0], :rows])
+            values.numpy()[:rows] = self._host[lanes[0], :rows]
             self._lanes[lanes[0], :rows].copy_(values[:rows], non_blocking=True)
         else:
-            chosen = torch.tensor(lanes, dtype=torch.long)
-            packed = values[:count * rows].view(count, rows)
-            torch.index_select(self._host_lanes[:, :rows], 0, chosen, out=packed)
-            numbers[:count].copy_(chosen)
+            np.take(self._host[:, :rows], lanes, axis=0, out=values.numpy()[:count * rows].reshape(count, rows))
+            numbers.numpy()[:count] = lanes
             landed, landed_numbers = self._landing  # type: ignore[misc]
             landed[:count * rows].copy_(values[:count * rows], non_blocking=True)
             landed_numbers[:count].copy_(numbers[:count], non_blocking=True)
