@@ -517,9 +517,11 @@ def measure(servers: dict[str, serve_load.Server], path: Path, options: argparse
                 time.sleep(1.5 * host_time.INTERVAL)
             result["round"] = number
             results[label(work)].append(result)
-            print(f"  round {number + 1} {label(work)}: {result['output_throughput']:.1f} out tok/s, p99 TTFT "
-                  f"{result['p99_ttft_ms']:.1f} ms, mean TPOT {result['mean_tpot_ms']:.2f} ms, "
-                  f"{result['completed']}/{options.prompts} completed {result.get('harvests', '')}", flush=True)
+            print(f"  round {number + 1} {label(work)}: {result['output_throughput']:.1f} out tok/s, TTFT mean "
+                  f"{result.get('mean_ttft_ms', float('nan')):.1f} / median {result.get('median_ttft_ms', float('nan')):.1f}"
+                  f" / p99 {result['p99_ttft_ms']:.1f} ms, mean TPOT {result['mean_tpot_ms']:.2f} ms, mean E2E "
+                  f"{result.get('mean_e2el_ms', float('nan')):.0f} ms, {result['completed']}/{options.prompts} "
+                  f"completed {result.get('harvests', '')}", flush=True)
         print(f"[{time.monotonic() - began:6.1f} s] round {number + 1} done", flush=True)
     return results
 
