@@ -158,6 +158,11 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
                                                  "/tmp/graph39", "--logs", str(out / "graph39-h100-logs"),
                                                  "--host-time", *spied(out / "graph39-h100-spy"),
                                                  "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
+        # the other group on an H100 (two servers): steers and an ablation at every block, the harvests
+        "graph39-every-h100": [("graph39 every block on an H100", [
+            python, "benchmarks/graph_serve.py", "--shape", "llama3-8b", "--only", "plain,steer-every-,ablate-,harvest-",
+            "--no-control", "--rounds", "5", "--work", "/tmp/graph39", "--logs", str(out / "graph39-every-h100-logs"),
+            "--host-time", "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
         # one round and a profiled run of each kind: where a steered request's host time goes
         "graph39-spy": [("graph39 profiled", [python, "benchmarks/graph_serve.py", "--shape", "llama3-8b", "--only",
                                               "plain,steer-one-1", "--no-control", "--rounds", "1", "--work",
