@@ -455,6 +455,7 @@ def main() -> None:
         report(options, picked, results, checks, hotwire_why)
         if options.host_time and "streamscope" in servers:
             serve_load.host_times({"streamscope": servers["streamscope"]}, spans, None)
+            serve_load.front_times({"streamscope": servers["streamscope"]}, spans)
         if options.py_spy:
             profile(servers, path, options, picked, began)
     finally:

@@ -375,6 +375,7 @@ def main() -> None:
     summary(options, results, setups, written)
     if options.host_time:
         host_times(servers, spans, options.logs and Path(options.logs))
+        front_times({name: server for name, server in servers.items() if name.split()[0] != "plain"}, spans)
     if profiles:
         try:
             profile_summary(profiles)
@@ -512,6 +513,35 @@ def host_times(servers: dict[str, Server], spans: dict[tuple[str, str], list[tup
                       f"{cell['plan'] * 1e6:>10.1f}{cell['hooks'] * 1e6:>10.1f}{cell['send'] * 1e6:>10.1f}"
                       f"{cell['writer'] * 1e6:>11.1f}{cell['enter'] * 1e6:>10.1f}{cell['fill'] * 1e6:>10.1f}"
                       f"{cell['copy'] * 1e6:>10.1f}")
+
+
+def front_times(servers: dict[str, Server], spans: dict[tuple[str, str], list[tuple[float, float]]]) -> None:
+    """Per streamscope server and workload, the front end's mean time a request (median over rounds): from its
+    arrival to its hand-over to vLLM (``admit``), and from there to its first body bytes (``first``: the time to
+    its first token in vLLM and the engine), from the running totals the front end prints
+    (`streamscope.serve.host_time.FrontTime`); a workload named plain is read from the plain requests' totals."""
+    from streamscope.serve import host_time
+
+    print("\nthe front end's time a request (median over rounds): arrival to vLLM, and vLLM to the first bytes")
+    print(f"{'server':<20}{'workload':<16}{'requests':>9}{'admit ms':>10}{'first ms':>10}")
+    for name, server in servers.items():
+        lines = [parsed for line in server.log.read_text(errors="replace").splitlines()
+                 if host_time.FRONT_PREFIX in line and (parsed := host_time.parse_front(line)) is not None]
+        for (server_name, workload), windows in spans.items():
+            if server_name != name or not windows or not lines:
+                continue
+            kind = "plain" if workload == "plain" else "streamscope"
+            rows = []
+            for start, end in windows:
+                before = next((totals[kind] for stamp, totals in reversed(lines) if stamp < start), (0, 0.0, 0.0))
+                after = next((totals[kind] for stamp, totals in reversed(lines)
+                              if stamp < end + host_time.INTERVAL * 1.4), None)
+                if after is not None and after[0] > before[0]:
+                    count = after[0] - before[0]
+                    rows.append((count, (after[1] - before[1]) / count, (after[2] - before[2]) / count))
+            if rows:
+                print(f"{name:<20}{workload:<16}{median([row[0] for row in rows]):>9.0f}"
+                      f"{median([row[1] for row in rows]) * 1e3:>10.2f}{median([row[2] for row in rows]) * 1e3:>10.1f}")
 
 
 def summary(options: argparse.Namespace, results: dict[tuple[str, str], list[dict]], setups: list,

@@ -77,3 +77,34 @@ def test_the_timing_is_off_unless_the_environment_asks(monkeypatch):
     assert not host_time.wanted()
     monkeypatch.setenv(host_time.ENVIRONMENT, "1")
     assert host_time.wanted()
+
+
+def test_the_front_end_counts_each_request_its_time_here_and_to_its_first_bytes(monkeypatch):
+    """A request's time from its arrival to vLLM (`handed`), then to its answer's first body bytes (not its start,
+    not a later chunk), per kind; the printed line reads back the same."""
+    import asyncio
+
+    clock = Clock()
+    monkeypatch.setattr(host_time.time, "perf_counter", clock)
+    front = host_time.FrontTime(interval=3600)
+    sent = []
+
+    async def send(message):
+        sent.append(message["type"])
+
+    async def request():
+        clock.now += 0.25  # (checks) between its arrival at 100.0 and its hand-over
+        timed = front.handed("streamscope", 100.0, send)
+        clock.now += 0.5
+        await timed({"type": "http.response.start"})
+        clock.now += 1.0
+        await timed({"type": "http.response.body", "body": b"data: 1", "more_body": True})
+        clock.now += 8.0
+        await timed({"type": "http.response.body", "body": b"", "more_body": False})
+
+    asyncio.run(request())
+    assert sent == ["http.response.start", "http.response.body", "http.response.body"]
+    assert front.totals == {"plain": [0, 0.0, 0.0], "streamscope": [1, 0.25, 1.5]}
+    _, totals = host_time.parse_front("front end log: " + front.line())
+    assert totals == {"plain": (0, 0.0, 0.0), "streamscope": (1, 0.25, 1.5)}
+    assert host_time.parse_front(front.line()[:-4]) is None

@@ -17,6 +17,10 @@ stderr with the wall clock::
 runs began and ended takes the difference of the last lines before and after
 it: the counts move only while the engine steps. Off by default: the timing
 is a clock read around each part.
+
+The front end's middleware, with the same variable set, prints its own
+totals (`FrontTime`): per kind of completion request, the time from its
+arrival to its hand-over to vLLM and from there to its first body bytes.
 """
 
 from __future__ import annotations
@@ -112,3 +116,72 @@ def parse(line: str) -> tuple[float, dict[str, float]] | None:
         return None
     stamp, steps, *seconds = found.groups()
     return float(stamp), {"steps": float(steps), **{part: float(value) for part, value in zip(PARTS, seconds)}}
+
+
+#: The start of the front end's lines (`FrontTime`).
+FRONT_PREFIX = "streamscope front time"
+#: The kinds of completion request the front end times: with no streamscope field, and with one.
+KINDS = ("plain", "streamscope")
+
+
+class FrontTime:
+    """Per kind of completion request through the front end's middleware (`streamscope.serve.server`), running
+    totals of the seconds from its arrival to its hand-over to vLLM's app (``admit``: reading its body, checking its
+    streamscope field, the plan) and from there to its answer's first body bytes (``first``: vLLM and the engine,
+    the time to its first token for a stream); printed like `HostTime`'s::
+
+        streamscope front time 1733100000.123 plain=256,0.031000,120.500000 streamscope=256,0.290000,131.200000
+
+    (requests, then the two totals in seconds, per kind).
+    """
+
+    def __init__(self, interval: float = INTERVAL) -> None:
+        self.totals = {kind: [0, 0.0, 0.0] for kind in KINDS}
+        self.interval = interval
+        self.printed: tuple = ()
+        threading.Thread(target=self._print_while_changing, name="streamscope-front-time", daemon=True).start()
+
+    def handed(self, kind: str, arrived: float, send: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """Count a request of `kind` that arrived at `arrived` (``time.perf_counter()``) and is handed to vLLM now;
+        the `send` that adds its time to its first body bytes."""
+        now = time.perf_counter()
+        totals = self.totals[kind]
+        totals[0] += 1
+        totals[1] += now - arrived
+        first = True
+
+        async def timed(message: Any) -> None:
+            nonlocal first
+            if first and message.get("type") == "http.response.body":
+                first = False
+                totals[2] += time.perf_counter() - now
+            await send(message)
+
+        return timed
+
+    def line(self) -> str:
+        parts = " ".join(f"{kind}={count},{admit:.6f},{first:.6f}" for kind, (count, admit, first)
+                         in self.totals.items())
+        return f"{FRONT_PREFIX} {time.time():.3f} {parts}"
+
+    def _print_while_changing(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            now = tuple(value for totals in self.totals.values() for value in totals)
+            if now != self.printed:
+                self.printed = now
+                print(self.line(), file=sys.stderr, flush=True)
+
+
+FRONT_LINE = re.compile(re.escape(FRONT_PREFIX) + r" (\d+\.\d{3})"
+                        + "".join(rf" {kind}=(\d+),(\d+\.\d{{6}}),(\d+\.\d{{6}})" for kind in KINDS))
+
+
+def parse_front(line: str) -> tuple[float, dict[str, tuple[int, float, float]]] | None:
+    """A front-end line's wall clock and totals per kind, ``(requests, admit, first)``; None for a broken line."""
+    found = FRONT_LINE.search(line)
+    if found is None:
+        return None
+    stamp, *values = found.groups()
+    return float(stamp), {kind: (int(values[3 * number]), float(values[3 * number + 1]), float(values[3 * number + 2]))
+                          for number, kind in enumerate(KINDS)}

@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Optional, Sequence
@@ -49,6 +50,7 @@ from .forwarding import cache_salt, worker_payload
 from .model_routes import add_model_routes
 from .protocol import (FIELD, WARNINGS_HEADER, XARG, Checker, Limits, RequestError, needs_lengths, served_values,
                        unknown_sae)
+from . import host_time
 from .refusals import TICKET, Guard, Refusals
 from .storage import Harvests, SAEs, Vectors, read_upload, sae_from_bytes, unknown_vector
 from .sweeps import add_sweep_routes, reduced
@@ -382,12 +384,15 @@ class SteerMiddleware:
     def __init__(self, app: Any, front: Front) -> None:
         self.app = app
         self.front = front
+        #: Each request's time here and to its first bytes, for a load generator (`host_time.FrontTime`).
+        self.clock = host_time.FrontTime() if host_time.wanted() else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "").removeprefix(scope.get("root_path", "")) if scope["type"] == "http" else ""
         if path not in COMPLETIONS or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
+        arrived = time.perf_counter()
         chunks, more = [], True
         while more:
             message = await receive()
@@ -408,6 +413,8 @@ class SteerMiddleware:
             await _answer(send, error.status, error.body())
             return
         if not isinstance(body, dict) or (FIELD not in body and not self.front.checker.default):
+            if self.clock is not None:
+                send = self.clock.handed("plain", arrived, send)
             await self.app(scope, _replay(raw, receive), send)  # vLLM's own answer, to vLLM's request
             return
         harvest_id: Optional[str] = None
@@ -456,6 +463,8 @@ class SteerMiddleware:
             send = _with_warnings(send, said)
         if harvest_id is not None:
             send = _with_harvest(send, harvest_id, self.front.harvests)
+        if self.clock is not None:
+            send = self.clock.handed("streamscope", arrived, send)
         await self.forward(scope, data, receive, send, ticket)
 
     async def forward(self, scope: Scope, data: bytes, receive: Receive, send: Send, ticket: Optional[str]) -> None:
