@@ -36,6 +36,22 @@ def worker_payload(checked: Checked, harvest_id: Optional[str]) -> str:
     return json.dumps(payload, separators=(",", ":"))
 
 
+#: Each encoded vector's digest, by the string's identity (`protocol.vector_bytes` hands out one string per stored
+#: vector): the salt hashes a vector once, not its 22 KB of base64 (at 4,096 numbers) again for every request.
+_DIGESTS: dict[int, tuple[str, str]] = {}
+
+
+def _digest(text: str) -> str:
+    found = _DIGESTS.get(id(text))
+    if found is not None and found[0] is text:
+        return found[1]
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    if len(_DIGESTS) >= 1024:
+        _DIGESTS.clear()
+    _DIGESTS[id(text)] = (text, digest)
+    return digest
+
+
 def cache_salt(checked: Checked, body: dict[str, Any], harvest_id: Optional[str],
                harvest_prefix_cache: bool = False) -> Optional[str]:
     """vLLM's per-request prefix-cache salt: KV blocks are shared only between requests steered alike.
@@ -59,7 +75,8 @@ def cache_salt(checked: Checked, body: dict[str, Any], harvest_id: Optional[str]
         return f"streamscope-decides-{uuid.uuid4().hex}"  # its decision reads every prompt position: none cached
     if not checked.steer_payload:
         return None
-    steers = json.dumps(checked.steer_payload, sort_keys=True)
+    steers = json.dumps([{**item, "vector": _digest(item["vector"])} if isinstance(item.get("vector"), str) else item
+                         for item in checked.steer_payload], sort_keys=True)
     prompt = "" if uniform(checked.steer_payload) else json.dumps([body.get("prompt"), body.get("messages")], sort_keys=True, default=str)
     return "streamscope-" + hashlib.sha256((steers + "|" + prompt).encode()).hexdigest()
 

@@ -32,6 +32,7 @@ import logging
 import re
 import secrets
 import sys
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -120,9 +121,21 @@ class Checked:
         return not self.steer_payload and self.harvest is None
 
 
+#: Each vector's base64 by the tensor's identity, while the same tensor holds the same numbers (its `_version` moves
+#: with any write): a stored vector is encoded once, not for every request that steers by its name.
+_ENCODED: dict[int, tuple[Any, int, str]] = {}
+
+
 def vector_bytes(tensor: torch.Tensor) -> str:
     """A float32 vector as base64: exact, and a quarter of its JSON size."""
-    return base64.b64encode(tensor.detach().to(torch.float32).contiguous().numpy().tobytes()).decode("ascii")
+    found = _ENCODED.get(id(tensor))
+    if found is not None and found[0]() is tensor and found[1] == tensor._version:
+        return found[2]
+    text = base64.b64encode(tensor.detach().to(torch.float32).contiguous().numpy().tobytes()).decode("ascii")
+    if len(_ENCODED) >= 1024:
+        _ENCODED.clear()
+    _ENCODED[id(tensor)] = (weakref.ref(tensor), tensor._version, text)
+    return text
 
 
 def vector_from_bytes(text: str) -> torch.Tensor:
