@@ -39,7 +39,6 @@ _MEANING = {"scale": "the multiple of the vector that add and set apply, or the 
 _NOT_DATA = ("sae",)
 
 
-
 #: The tensors found finite, by identity, while unchanged (a write moves `_version`): a server checks a stored
 #: vector each time a request steers by its name, three times a request.
 _FINITE: dict[int, tuple[Any, int]] = {}

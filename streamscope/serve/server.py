@@ -46,11 +46,11 @@ from ..vllm.graph_backend import GraphOptions, engine_config
 from ..vllm.graph_wiring import graph_sites
 from ..vllm.model import StandardizedVLLM, refuse_on_the_cpu_build
 from ..vllm.taps import tap_locations
+from . import host_time
 from .forwarding import cache_salt, worker_payload
 from .model_routes import add_model_routes
 from .protocol import (FIELD, WARNINGS_HEADER, XARG, Checker, Limits, RequestError, needs_lengths, served_values,
                        unknown_sae)
-from . import host_time
 from .refusals import TICKET, Guard, Refusals
 from .storage import Harvests, SAEs, Vectors, read_upload, sae_from_bytes, unknown_vector
 from .sweeps import add_sweep_routes, reduced
