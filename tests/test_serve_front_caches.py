@@ -74,3 +74,17 @@ def test_a_vector_found_finite_then_written_with_nan_is_refused():
     vector[2] = float("nan")
     with pytest.raises(SteerError, match="finite"):
         Steer("layer_output", 0, vector)
+
+
+def test_an_inference_tensor_is_checked_and_encoded_each_time():
+    """A tensor made in inference mode (an engine's read) keeps no version: nothing of it is remembered, and a write
+    to it in inference mode is seen."""
+    with torch.inference_mode():
+        vector = torch.ones(8)
+    Steer("layer_output", 0, vector)
+    first = vector_bytes(vector)
+    with torch.inference_mode():
+        vector[2] = float("nan")
+    assert vector_bytes(vector) != first
+    with pytest.raises(SteerError, match="finite"):
+        Steer("layer_output", 0, vector)

@@ -128,6 +128,8 @@ _ENCODED: dict[int, tuple[Any, int, str]] = {}
 
 def vector_bytes(tensor: torch.Tensor) -> str:
     """A float32 vector as base64: exact, and a quarter of its JSON size."""
+    if tensor.is_inference():  # (it keeps no version: a write in inference mode would go unseen)
+        return base64.b64encode(tensor.detach().to(torch.float32).contiguous().numpy().tobytes()).decode("ascii")
     found = _ENCODED.get(id(tensor))
     if found is not None and found[0]() is tensor and found[1] == tensor._version:
         return found[2]
