@@ -20,10 +20,13 @@ shorter.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
+
+Found = TypeVar("Found")
 
 #: Every steer operation, by its ``mode`` name.
 MODES = ("add", "set", "ablate", "clamp", "sae_clamp")  # sae_clamp: streamscope.sae.ClampFeature
@@ -114,6 +117,27 @@ class Operation:
     def adds_only(self) -> bool:
         """Whether the operation is a plain addition, which the bulk path applies in place."""
         return self.mode == "add" and not self.norm_match
+
+
+def per_tensor(compute: Callable[[torch.Tensor], Found], size: int = 1024) -> Callable[[torch.Tensor], Found]:
+    """`compute`, remembered for each tensor while it holds the same numbers (a server's stored vector is checked
+    and encoded once, not for each request that names it): a tensor is known by its identity, checked by a weak
+    reference (a new tensor at a dead one's address is computed anew) and by its version, which any write in
+    place moves. An inference tensor keeps no version, so a write to it would go unseen: computed each time."""
+    found: dict[int, tuple[Any, int, Found]] = {}
+
+    def remembered(tensor: torch.Tensor) -> Found:
+        if tensor.is_inference():
+            return compute(tensor)
+        entry = found.get(id(tensor))
+        if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
+            return entry[2]
+        value = compute(tensor)
+        if len(found) >= size:
+            found.clear()
+        found[id(tensor)] = (weakref.ref(tensor), tensor._version, value)
+        return value
+    return remembered
 
 
 def on_device(vector: torch.Tensor, device: Any) -> torch.Tensor:

@@ -10,7 +10,6 @@ and on the bulk path, whose engines apply `Steer.operation` at the steer's
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, cast
 
@@ -21,7 +20,7 @@ from ..blocks.sublayers import NEURONS
 from ..display import shape
 from .conditions import COMPUTE_ORDER, Condition, check_condition
 from .dose import SteerError, check_dose
-from .operations import DIRECTIONAL, MODES, ClampFeature, Operation, check_clamp, on_device, prepare
+from .operations import DIRECTIONAL, MODES, ClampFeature, Operation, check_clamp, on_device, per_tensor, prepare
 from .positions import SKIP_FIRST, Positions, check_rule, prompt_positions
 from .schema import (DOSE_ACTIONS, MAX_DOSE, NULL_IS_LEFT_OUT, STEER_FIELDS, STEER_REQUIRED, SteerJSON,
                      positions_from_json, rule_json, validate_field)
@@ -39,23 +38,9 @@ _MEANING = {"scale": "the multiple of the vector that add and set apply, or the 
 _NOT_DATA = ("sae",)
 
 
-#: The tensors found finite, by identity, while unchanged (a write moves `_version`): a server checks a stored
-#: vector each time a request steers by its name, three times a request.
-_FINITE: dict[int, tuple[Any, int]] = {}
-
-
-def _all_finite(vector: torch.Tensor) -> bool:
-    if vector.is_inference():  # (it keeps no version: a write in inference mode would go unseen)
-        return bool(torch.isfinite(vector).all())
-    found = _FINITE.get(id(vector))
-    if found is not None and found[0]() is vector and found[1] == vector._version:
-        return True
-    if not bool(torch.isfinite(vector).all()):
-        return False
-    if len(_FINITE) >= 1024:
-        _FINITE.clear()
-    _FINITE[id(vector)] = (weakref.ref(vector), vector._version)
-    return True
+#: Whether a vector is finite, remembered while it holds the same numbers: a server checks a stored vector each time
+#: a request steers by its name, three times a request.
+_all_finite = per_tensor(lambda vector: bool(torch.isfinite(vector).all()))
 
 
 @dataclass

@@ -28,8 +28,20 @@ def uniform(steers: list[dict[str, Any]]) -> bool:
 
 
 def worker_payload(checked: Checked, harvest_id: Optional[str]) -> str:
-    """The JSON the worker reads from the request's ``extra_args``: steers and harvest, no prompt."""
-    payload: dict[str, Any] = {"steer": checked.steer_payload}
+    """The JSON the worker reads from the request's ``extra_args``: steers and harvest, no prompt.
+
+    Each distinct vector goes once, in ``vectors`` (its digest -> its base64), and a steer names it by the digest:
+    a request steering every block with one vector carries its 22 KB (at 4,096 numbers) once, not once a block,
+    and the worker keys what it keeps of a vector (`ServeState.shared`) by a 71-character name.
+    """
+    steers, vectors = [], {}
+    for item in checked.steer_payload:
+        if isinstance(item.get("vector"), str):
+            reference = "sha256:" + _digest(item["vector"])  # (':' is not base64's: never taken for a vector)
+            vectors[reference] = item["vector"]
+            item = {**item, "vector": reference}
+        steers.append(item)
+    payload: dict[str, Any] = {"steer": steers, **({"vectors": vectors} if vectors else {})}
     if checked.harvest is not None:
         payload["harvest"] = {key: checked.harvest[key] for key in WORKER_HARVEST_FIELDS if key in checked.harvest}
         payload["harvest"]["id"] = harvest_id

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import weakref
 import json
 import logging
 import re
 import secrets
 import sys
-import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -44,7 +44,7 @@ from .. import nnsight_seam as seam
 from ..blocks.head_results import HEAD_RESULTS
 from ..bulk.conditions import Condition, ConditionError
 from ..bulk.dose import CARRIED, carried_how, carried_norm, judge_dose
-from ..bulk.operations import DIRECTIONAL
+from ..bulk.operations import DIRECTIONAL, per_tensor
 from ..bulk.schema import (CONDITION_FIELDS, DOSE_ACTIONS, ENCODED, FRONT_END_ONLY, HARVEST_FIELDS, HARVEST_POSITIONS,
                            MAX_DOSE, NULL_IS_LEFT_OUT, ONE_FORWARD, PLAIN_FIELDS, REQUEST_FIELDS, SERVED_STEER_FIELDS,
                            STEER_REQUIRED, HarvestJSON, RequestJSON, SteerJSON, positions_from_json, rule_json,
@@ -121,23 +121,19 @@ class Checked:
         return not self.steer_payload and self.harvest is None
 
 
-#: Each vector's base64 by the tensor's identity, while the same tensor holds the same numbers (its `_version` moves
-#: with any write): a stored vector is encoded once, not for every request that steers by its name.
-_ENCODED: dict[int, tuple[Any, int, str]] = {}
+#: How many steers' checks a server remembers (`Checker.remembered`) before it starts again.
+REMEMBERED = 4096
+#: The fields of a steer whose check is never remembered: a condition and an SAE's are checked each time.
+NO_CONDITION = frozenset({"condition", "sae", "feature"})
 
 
-def vector_bytes(tensor: torch.Tensor) -> str:
+def _encoded(tensor: torch.Tensor) -> str:
     """A float32 vector as base64: exact, and a quarter of its JSON size."""
-    if tensor.is_inference():  # (it keeps no version: a write in inference mode would go unseen)
-        return base64.b64encode(tensor.detach().to(torch.float32).contiguous().numpy().tobytes()).decode("ascii")
-    found = _ENCODED.get(id(tensor))
-    if found is not None and found[0]() is tensor and found[1] == tensor._version:
-        return found[2]
-    text = base64.b64encode(tensor.detach().to(torch.float32).contiguous().numpy().tobytes()).decode("ascii")
-    if len(_ENCODED) >= 1024:
-        _ENCODED.clear()
-    _ENCODED[id(tensor)] = (weakref.ref(tensor), tensor._version, text)
-    return text
+    return base64.b64encode(tensor.detach().to(torch.float32).contiguous().numpy().tobytes()).decode("ascii")
+
+
+#: `_encoded`, once for each stored vector, not for every request that steers by its name.
+vector_bytes = per_tensor(_encoded)
 
 
 def vector_from_bytes(text: str) -> torch.Tensor:
@@ -267,6 +263,8 @@ class Checker:
         #: Whether the engine may run a prompt in pieces (chunked prefill, vLLM's default), set by the server: a
         #: request-scoped condition, which decides on the whole prompt in the step that runs it, is then refused.
         self.prompts_split = False
+        #: The checks of steers by stored vectors (`remembered`): JSON -> (the tensor, its state, the answer).
+        self._remembered: dict[str, tuple[Any, tuple[Any, ...], tuple[Steer, dict[str, Any]]]] = {}
 
     # ---------------------------------------------------------------- pieces
 
@@ -493,8 +491,35 @@ class Checker:
         if len(raw) > self.limits.max_steers:
             raise _bad(param, f"{len(raw)} steers; this server takes at most {self.limits.max_steers} per request "
                               f"(--max-steers-per-request).", 413)
-        pairs = [self.steer(item, f"{param}[{index}]", lengths, notes) for index, item in enumerate(raw)]
+        pairs = [self.remembered(item, f"{param}[{index}]", lengths, notes) for index, item in enumerate(raw)]
         return [steer for steer, _ in pairs], [payload for _, payload in pairs]
+
+    def remembered(self, raw: Any, param: str, lengths: list[int],
+                   notes: Optional[list[str]]) -> tuple[Steer, dict[str, Any]]:
+        """`steer`'s answer, remembered for a steer of a stored vector (a request steering every block checks one
+        steer a block, a millisecond of the event loop at 32): the same JSON, the same prompt lengths, the same
+        stored tensor with the same numbers and carried norm, and no stream norm measured since give the answer a
+        fresh check gives. A refusal, a clamped or warned dose (logged each time), a condition and an SAE steer
+        are checked each time."""
+        name = raw.get("vector") if isinstance(raw, dict) else None
+        tensor = self.vectors.get(name) if isinstance(name, str) else None
+        if tensor is None or tensor.is_inference() or not NO_CONDITION.isdisjoint(raw):
+            return self.steer(raw, param, lengths, notes)
+        key = json.dumps(raw, sort_keys=True)
+        state = (tensor._version, len(self.norms), repr(getattr(self.vectors, "carried", {}).get(name)),
+                 tuple(lengths))
+        found = self._remembered.get(key)
+        if found is not None and found[0]() is tensor and found[1] == state:
+            return found[2]
+        said: list[str] = []
+        answer = self.steer(raw, param, lengths, said)
+        if notes is not None:
+            notes.extend(said)
+        if not said:
+            if len(self._remembered) >= REMEMBERED:
+                self._remembered.clear()
+            self._remembered[key] = (weakref.ref(tensor), state, answer)
+        return answer
 
     def harvest(self, raw: Any, param: str, length: Optional[int]) -> dict[str, Any]:
         item = _fields(raw, HARVEST_FIELDS, param)

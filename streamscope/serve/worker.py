@@ -43,7 +43,7 @@ import threading
 from collections import OrderedDict
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -51,7 +51,7 @@ from .. import nnsight_seam as seam
 from .. import vllm_seam
 from ..bulk.conditions import Condition, Gate
 from ..bulk.requests import Live, RequestApplier, Span, SteerEntry, features
-from ..bulk.spec import ROOT_VALUES, SKIP_FIRST, Site, Steer, layer_list, locate, prompt_positions
+from ..bulk.spec import ROOT_VALUES, SKIP_FIRST, Site, layer_list, locate, prompt_positions
 from ..engine import norm_parameters
 from ..vllm.bulk import worker_tree
 from ..vllm.bulk_worker import CPU_WORKER, WORKER_EXTENSION  # noqa: F401  (WORKER_EXTENSION: the server's)
@@ -103,9 +103,10 @@ class ServeState(RequestApplier):
         #: The SAEs loaded on the engine's device (float32), by file; the least recently used go past `sae_cache`.
         self.saes: "OrderedDict[str, Any]" = OrderedDict()
         self.sae_cache = sae_cache
-        #: Each add/set steer's ``scale * vector`` on the device, by (vector, scale), the most recent `DELTAS`: the
-        #: requests steered by one stored vector share one tensor, made once, and a step's edit adds it to all rows.
-        self.deltas: "OrderedDict[tuple[str, float], torch.Tensor]" = OrderedDict()
+        #: Each steer's device side by its vector and settings, the most recent `DELTAS`: an add or set's ``scale *
+        #: vector`` (a step's edit adds it to all the rows that share it), any other mode's `Operation` (the graph
+        #: ops' slot bank keys a slot by it, so requests that send one vector with one setting share a slot).
+        self.deltas: "OrderedDict[tuple[Any, ...], Any]" = OrderedDict()
         self.writer = writer  # the rank that writes harvests (others compute the same rows)
         self.sites: dict[tuple[str, Optional[int]], Site] = {}
         self.site_lists: dict[tuple[int, ...], list[Site]] = {}  # each harvest's sites, one list per distinct set
@@ -181,17 +182,14 @@ class ServeState(RequestApplier):
             del self.saes[old]
         return sae
 
-    def shared_delta(self, key: tuple[str, float]) -> Optional[torch.Tensor]:
-        """The ``scale * vector`` on the device that an earlier request sent as `key` (its encoded vector and
-        scale), if it is still kept; every request that sends the same vector and scale shares it."""
+    def shared(self, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+        """The device side of a steer sent as `key` (its vector's reference and settings): an earlier request's, if it
+        is still kept, else `make()`'s, kept for the requests after it."""
         found = self.deltas.get(key)
         if found is not None:
             self.deltas.move_to_end(key)
-        return found
-
-    def keep_delta(self, key: tuple[str, float], steer: Steer) -> torch.Tensor:
-        """`steer`'s ``scale * vector`` on the device, kept under `key` for the requests after it."""
-        found = self.deltas[key] = steer.delta(self.dtype, self.device)
+            return found
+        found = self.deltas[key] = make()
         if len(self.deltas) > DELTAS:
             self.deltas.popitem(last=False)
         return found
@@ -199,6 +197,7 @@ class ServeState(RequestApplier):
     def admit(self, payload: str, length: int) -> Live:
         """A request's plan from its JSON (checked by the front end), with its positions for its real prompt."""
         plan = json.loads(payload)
+        vectors = plan.get("vectors")
         steers: list[SteerEntry] = []
         per_key: dict[tuple[int, str], int] = {}
         for item in plan.get("steer", ()):
@@ -214,18 +213,20 @@ class ServeState(RequestApplier):
             gated = item.get("condition")
             # one edit a step for everyone; a conditional steer edits its own rows, where its condition passes
             batched = mode in ("add", "set") and not item.get("norm_match", False) and gated is None
-            key = (item["vector"], float(item["scale"] if item.get("scale") is not None else 1.0))
-            shared = self.shared_delta(key) if batched else None
-            if shared is not None:  # a vector and scale another request sent: its tensor, the vector not decoded
-                delta = shared
+            # the payload names a vector by its digest in its table of vectors (a sweep's sends it inline)
+            text = vectors[item["vector"]] if vectors else item["vector"]
+            scale = float(item["scale"] if item.get("scale") is not None else 1.0)
+            if mode == "sae_clamp":  # its operation holds the SAE stored under the name it gives
+                steer = worker_steer({**item, "vector": text})
+                steer.sae, steer.feature = self.sae(item["sae"]), item["feature"]
+                delta, mode = steer.operation(self.dtype, self.device), None
+            elif batched:  # a vector and scale another request sent: its tensor, the vector not decoded again
+                delta = self.shared((item["vector"], scale),
+                                    lambda: worker_steer({**item, "vector": text}).delta(self.dtype, self.device))
             else:
-                steer = worker_steer(item)  # the front end checked it, and its dose
-                if steer.mode == "sae_clamp":
-                    steer.sae, steer.feature = self.sae(item["sae"]), item["feature"]
-                if batched:
-                    delta = self.keep_delta(key, steer)
-                else:
-                    delta, mode = steer.operation(self.dtype, self.device), None
+                delta = self.shared((item["vector"], mode, scale, item.get("projection"), item.get("norm_match")),
+                                    lambda: worker_steer({**item, "vector": text}).operation(self.dtype, self.device))
+                mode = None
             condition_site = None
             if gated is not None:
                 condition, condition_site = self.condition(gated, item)

@@ -11,7 +11,8 @@ requests with distinct vectors fill the bank; a request sharing one of their
 vectors (and scale) shares its slot and is served; a third distinct vector is
 refused with 503 naming the fix, streamed or not, and aborted in the engine;
 once the streams close, the same request is served, steered as transformers'
-float32 forward edited by a plain hook says.
+float32 forward edited by a plain hook says. Requests that ablate (or clamp)
+one stored direction at every block share one operation, hence one slot.
 """
 
 from __future__ import annotations
@@ -82,15 +83,21 @@ class Server:
     def oracle_stream(self, seed: Any) -> list[torch.Tensor]:
         """Transformers' float32 ``layer_output`` at every block and prompt position, ``[positions, hidden]``, with
         steer `seed` added by a plain hook (None: unsteered)."""
+        steers = [] if seed is None else [streamscope.Steer("layer_output", LAYER, self.vector(seed), scale=2.0,
+                                                            positions="all")]
+        return self.oracle_of(steers)
+
+    def oracle_of(self, steers: list[streamscope.Steer]) -> list[torch.Tensor]:
+        """`oracle_stream` with `steers` (each at every prompt position of its block's ``layer_output``), each applied
+        by a plain hook on transformers' float32 forward."""
         ids = torch.tensor([self.tokenizer(PROMPT).input_ids])
         length = ids.shape[1]
         with ExitStack() as stack, torch.no_grad():
-            if seed is not None:
-                steer = streamscope.Steer("layer_output", LAYER, self.vector(seed), scale=2.0, positions="all")
-                module, where, factor = oracle.site(self.reference, "llama", "layer_output", LAYER)
-                assert factor is None
+            for steer in steers:
+                module, where, factor = oracle.site(self.reference, "llama", "layer_output", steer.layer)
+                assert factor is None and steer.positions == "all"
 
-                def edit(tensor: torch.Tensor) -> None:
+                def edit(tensor: torch.Tensor, steer: streamscope.Steer = steer) -> None:
                     stream = tensor.reshape(1, length, tensor.shape[-1])[0]
                     stream[:] = plain_operation(stream, steer)
                 stack.enter_context(oracle.hooked(module, where, edit))
@@ -188,6 +195,41 @@ def test_what_the_full_slot_bank_cannot_place_is_refused_and_the_server_serves_o
     assert [status for status, _ in shared] == [200] * 3 and server.ops()["served"]["steers"] == steers + 3
     for _, rows in shared:
         _steered(server, rows, 20)
+
+
+@pytest.mark.parametrize("mode", ["ablate", "clamp"])
+def test_one_direction_at_every_block_takes_one_slot_for_every_request(server: Server, mode: str) -> None:
+    """Three long requests at once, each ablating (or clamping) one stored direction at every block: the requests
+    and blocks share one operation, so the bank of two holds them all (one slot each would need three times the
+    blocks), and each request's harvest is transformers' stream with the direction edited at every block."""
+    direction = server.vector(40)
+    server.client.store_vector(f"every-{mode}", direction)
+    steers = [{"value": "layer_output", "layer": block, "mode": mode, "vector": f"every-{mode}", "positions": "all",
+               **({"projection": 0.5} if mode == "clamp" else {})} for block in range(server.layers)]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": server.model, "prompt": PROMPT, "temperature": 0, "max_tokens": TOKENS // 4, "ignore_eos": True,
+            "streamscope": {"steer": steers, "harvest": EVERY_BLOCK}}
+
+    def post(_: int) -> tuple[int, Any]:
+        response = httpx.post(server.url + "/v1/completions", headers=headers, json=body, timeout=300)
+        return response.status_code, response.json()
+
+    served = server.ops()["served"]["steers"]
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(post, range(3)))
+    assert [status for status, _ in answers] == [200] * 3, answers
+    assert server.ops()["served"]["steers"] == served + 3 * server.layers and server.ops()["live"] == 0
+    expected = server.oracle_of([streamscope.Steer("layer_output", block, direction, mode=mode, positions="all",
+                                                   projection=0.5 if mode == "clamp" else None)
+                                 for block in range(server.layers)])
+    plain = server.oracle_stream(None)
+    assert relative_error(expected[-1], plain[-1]) > 10 * RELATIVE  # the edits moved what the oracle reads
+    for _, answer in answers:
+        harvest = answer["streamscope"]["harvest"]
+        data = httpx.get(f"{server.url}/v1/streamscope/harvests/{harvest}", headers=headers, timeout=60).content
+        rows = harvest_tensors(data)[0]["layer_output"]
+        for block in range(server.layers):
+            assert relative_error(rows[block].reshape(expected[block].shape), expected[block]) <= RELATIVE, block
 
 
 def test_an_unserved_steer_is_refused_by_the_front_end_before_the_engine(server: Server) -> None:
