@@ -17,7 +17,7 @@ from streamscope.vllm.graph_backend import (CONFIG_KEY, DEFAULT_VALUES, GraphBac
                                             check_harvest_memory, engine_config, operation_of, row_rule)
 from streamscope.bulk.operations import prepare
 from streamscope.bulk.requests import Live, RequestApplier, Span, SteerEntry
-from streamscope.vllm.graph_ops import SALT_KEY
+from streamscope.vllm.graph_ops import MODE_CODES, SALT_KEY
 from streamscope.vllm.graph_plan import GraphPlan
 
 HIDDEN = 4
@@ -154,3 +154,19 @@ def test_harvest_buffers_too_large_for_the_device_are_refused_naming_the_fix() -
                                          r"\(10\.0 GiB"):
         check_harvest_memory(names, 8192, 8192, torch.bfloat16, 65 * 2**30)
     check_harvest_memory(names[:6 * 32], 8192, 4096, torch.bfloat16, 62 * 2**30)
+
+
+def test_an_add_and_a_set_of_one_shared_vector_take_a_slot_each() -> None:
+    """The server hands every request that sends one vector and scale the same ``scale * vector`` tensor, for add and
+    set alike: their slots are keyed by the mode too, so a set beside an add of that tensor is a set."""
+    setup = Setup()
+    shared = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(5))
+    added = Live([SteerEntry(setup.sites["a"], shared, "add", None, True, 6, 0)])
+    replaced = Live([SteerEntry(setup.sites["a"], shared, "set", None, True, 6, 0)])
+    added_again = Live([SteerEntry(setup.sites["a"], shared, "add", None, True, 6, 0)])
+    for key, live in (("add", added), ("set", replaced), ("add again", added_again)):
+        setup.backend.enter(key, live)
+    slots = {key: setup.plan._live[key].edits[0].slot for key in ("add", "set", "add again")}
+    assert slots["add"] == slots["add again"] != slots["set"] and setup.plan.bank.live == 2
+    modes = setup.plan.bank.modes
+    assert int(modes[slots["add"]]) == MODE_CODES["add"] and int(modes[slots["set"]]) == MODE_CODES["set"]

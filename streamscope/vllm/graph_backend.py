@@ -361,7 +361,7 @@ class GraphBackend:
                               key=key)
         if not graphed and not harvest:
             return
-        steers = [PlannedSteer([name], operation, row_rule(entry), ("operation", id(entry.delta)))
+        steers = [PlannedSteer([name], operation, row_rule(entry), ("operation", id(entry.delta), operation.mode))
                   for entry, name, operation in graphed]
         names = [self.ops.name_of(site) for site in live.harvest_sites] if harvest else None
         try:

@@ -232,6 +232,34 @@ def test_one_direction_at_every_block_takes_one_slot_for_every_request(server: S
             assert relative_error(rows[block].reshape(expected[block].shape), expected[block]) <= RELATIVE, block
 
 
+def test_an_add_and_a_set_of_one_stored_vector_at_once_each_do_their_own(server: Server) -> None:
+    """The worker hands both requests one ``scale * vector`` tensor (one vector, one scale): the set, running beside
+    the add, still sets, and the add still adds, each as transformers' forward edited by a plain hook says."""
+    vector = server.vector(50)
+    server.client.store_vector("add-and-set", vector)
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    def post(mode: str) -> Any:
+        steer = {"value": "layer_output", "layer": LAYER, "mode": mode, "scale": 2.0, "vector": "add-and-set",
+                 "positions": "all"}
+        body = {"model": server.model, "prompt": PROMPT, "temperature": 0, "max_tokens": TOKENS // 4,
+                "ignore_eos": True, "streamscope": {"steer": [steer], "harvest": EVERY_BLOCK}}
+        response = httpx.post(server.url + "/v1/completions", headers=headers, json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        harvest = response.json()["streamscope"]["harvest"]
+        data = httpx.get(f"{server.url}/v1/streamscope/harvests/{harvest}", headers=headers, timeout=60).content
+        return harvest_tensors(data)[0]["layer_output"]
+
+    with ThreadPoolExecutor(4) as pool:
+        found = list(pool.map(post, ["add", "set", "add", "set"]))
+    for mode, rows in zip(["add", "set", "add", "set"], found):
+        expected = server.oracle_of([streamscope.Steer("layer_output", LAYER, vector, mode=mode, scale=2.0,
+                                                       positions="all")])
+        for block in range(server.layers):
+            assert relative_error(rows[block].reshape(expected[block].shape), expected[block]) <= RELATIVE, \
+                (mode, block)
+
+
 def test_an_unserved_steer_is_refused_by_the_front_end_before_the_engine(server: Server) -> None:
     """What no op serves (a value without one) is refused before the engine with 400 naming the fix."""
     steer = {**server.steer(4), "value": "attention_norm_output"}
