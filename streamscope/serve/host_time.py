@@ -36,7 +36,7 @@ from typing import Any, Callable
 ENVIRONMENT = "STREAMSCOPE_SERVE_HOST_TIME"
 #: The start of each printed line, for a reader of the server's log.
 PREFIX = "streamscope host time"
-PARTS = ("step", "plan", "hooks", "send", "writer", "enter", "fill", "copy")
+PARTS = ("step", "plan", "hooks", "send", "writer", "enter", "fill", "copy", "wait")
 #: Seconds between the checks that print the totals when they have changed.
 INTERVAL = 0.5
 
@@ -86,7 +86,8 @@ class HostTime:
 def install(state: Any) -> HostTime:
     """Time the parts of a server worker's steps (`streamscope.serve.worker.ServeState` `state`), on the instance:
     ``plan`` (the step's plan, within it ``enter``, the requests that came in, and with graph ops ``fill``, the
-    plan's index filled on the host, and ``copy``, its copy to the device), ``hooks``, ``send`` (the step's harvest
+    plan's index filled on the host, and ``copy``, its copy to the device, within it ``wait``, for the staging
+    buffer of two steps before), ``hooks``, ``send`` (the step's harvest
     handed over) and ``writer`` (the writer thread's work)."""
     clock = HostTime()
     state.observe = clock.timed("plan", state.observe)
@@ -100,6 +101,7 @@ def install(state: Any) -> HostTime:
     if plan is not None:
         plan._fill_rows = clock.timed("fill", plan._fill_rows)
         plan._copy = clock.timed("copy", plan._copy)
+        plan._wait_for = clock.timed("wait", plan._wait_for)
     return clock
 
 

@@ -531,8 +531,7 @@ class GraphPlan:
             self._lanes[chosen, :rows] = self._host_lanes[chosen, :rows]
             return
         turn, self._turn = self._turn, self._turn ^ 1
-        if self._events[turn] is not None:
-            self._events[turn].synchronize()  # the copy of two steps ago: done long since, unless the host ran ahead
+        self._wait_for(turn)
         values, numbers = self._staging[turn]
         count = len(lanes)
         if count == 1:
@@ -547,6 +546,12 @@ class GraphPlan:
             self._lanes[:, :rows].index_copy_(0, landed_numbers[:count], landed[:count * rows].view(count, rows))
         self._events[turn] = torch.cuda.Event()
         self._events[turn].record()
+
+    def _wait_for(self, turn: int) -> None:
+        """Until staging buffer `turn`'s last copy (two steps ago) has left it: done long since, unless the host
+        ran ahead of the device."""
+        if self._events[turn] is not None:
+            self._events[turn].synchronize()
 
     def _harvest_span(self, key: Hashable, live: _Live, start: int, count: int, first: int, sources: list[int],
                       layout: list[tuple[Hashable, int, int]], lives: dict[Hashable, Any]) -> None:
