@@ -243,12 +243,13 @@ class RequestApplier:
         self.uniform: Optional[list[SteerEntry]] = None
         self.uniform_work: tuple[int, dict[tuple[int, str], Work]] = (-1, {})
         self._changed = False
-        #: Each edit's route (`Site.row_editor`), made once per operation while a request uses it: id -> [editor,
-        #: users, site, operation]; at the taps of an engine that replays CUDA graphs, editors that replay from
-        #: `graphs` (a `streamscope.vllm.graphed.GraphedEdits`, set before the first step).
-        self.editors: dict[int, list] = {}
+        #: Each edit's route (`Site.row_editor`), made once per site and operation while a request uses them:
+        #: (site id, operation id) -> [editor, users, site, operation]; at the taps of an engine that replays CUDA
+        #: graphs, editors that replay from `graphs` (a `streamscope.vllm.graphed.GraphedEdits`, set before the
+        #: first step).
+        self.editors: dict[tuple[int, int], list] = {}
         self.graphs: Any = None
-        self._tap_editors: dict[int, Any] = {}
+        self._tap_editors: dict[tuple[int, int], Any] = {}
         self._prepared: set[int] = set()
         #: Each bundle's number (requests with equal steers step together), by its signature: [number, requests].
         self._bundles: dict[tuple, list[int]] = {}
@@ -282,9 +283,11 @@ class RequestApplier:
         self.live[key] = live
         for entry in live.steers:
             if entry.mode is None:
-                found = self.editors.get(id(entry.delta))
+                # by site and operation: the server hands one operation to every steer of one vector and setting
+                found = self.editors.get((id(entry.site), id(entry.delta)))
                 if found is None:
-                    self.editors[id(entry.delta)] = [entry.site.row_editor(entry.delta), 1, entry.site, entry.delta]
+                    self.editors[(id(entry.site), id(entry.delta))] = [entry.site.row_editor(entry.delta), 1,
+                                                                       entry.site, entry.delta]
                 else:
                     found[1] += 1
         if live.harvest_sites and id(live.harvest_sites) not in self._prepared:
@@ -327,12 +330,12 @@ class RequestApplier:
                 if hooked in self.hooks:
                     self._hook_off(hooked)
         for entry in live.steers:
-            found = self.editors.get(id(entry.delta)) if entry.mode is None else None
+            found = self.editors.get((id(entry.site), id(entry.delta))) if entry.mode is None else None
             if found is not None:
                 found[1] -= 1
                 if not found[1]:
-                    del self.editors[id(entry.delta)]
-                    self._tap_editors.pop(id(entry.delta), None)
+                    del self.editors[(id(entry.site), id(entry.delta))]
+                    self._tap_editors.pop((id(entry.site), id(entry.delta)), None)
         signature = steer_signature(live)
         count = self.signatures[signature] - 1
         if count:
@@ -642,7 +645,8 @@ class RequestApplier:
         for site, mode, rows, delta in edits:
             if mode is None:
                 if rows is not None:
-                    (editors[id(delta)][0] if editors is not None else self._tap_editor(delta))(raw, rows)
+                    (editors[(id(site), id(delta))][0] if editors is not None else self._tap_editor(site, delta))(
+                        raw, rows)
             elif mode == "gate":  # a conditional steer's decision, before the edits at this call
                 delta.decide(site, raw)
             elif rows is not None:
@@ -651,11 +655,10 @@ class RequestApplier:
             if rows is not None:
                 self.read(site, raw, rows, layout)
 
-    def _tap_editor(self, operation: Any) -> Any:
-        found = self._tap_editors.get(id(operation))
+    def _tap_editor(self, site: Site, operation: Any) -> Any:
+        found = self._tap_editors.get((id(site), id(operation)))
         if found is None:
-            _, _, site, _ = self.editors[id(operation)]
-            found = self._tap_editors[id(operation)] = site.row_editor(operation, self.graphs)
+            found = self._tap_editors[(id(site), id(operation))] = site.row_editor(operation, self.graphs)
         return found
 
     def read(self, site: Site, raw: Any, rows: Any, layout: list[tuple[Live, int, list[int]]]) -> None:

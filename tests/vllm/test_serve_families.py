@@ -46,7 +46,10 @@ def test_a_steered_harvesting_request_equals_the_in_process_engine(family, check
         info = client.info()
         hidden, last = info["hidden_size"], info["layers"] - 1
         vector = torch.randn(hidden, generator=torch.Generator().manual_seed(3))
-        steers = [Steer("layer_output", 1, vector, scale=4.0), Steer(second, 0, vector, mode="ablate")]
+        # the two clamps send one vector with one setting: the server's worker makes them one operation, which
+        # each site still applies as its own kind (Granite's mlp_output is scaled by its residual_multiplier)
+        steers = [Steer("layer_output", 1, vector, scale=4.0), Steer(second, 0, vector, mode="clamp", projection=2.0),
+                  Steer("mlp_output", 1, vector, mode="clamp", projection=2.0)]
         harvest = {"values": ["layer_output", second], "layers": [0, last], "positions": "all"}
         served = client.generate([PROMPT], max_tokens=STEPS, temperature=0.0, steer=steers, harvest=harvest)
         plain = client.generate([PROMPT], max_tokens=STEPS, temperature=0.0, harvest=harvest)

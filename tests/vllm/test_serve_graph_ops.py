@@ -197,6 +197,23 @@ def test_a_steer_equals_the_hook_server_and_the_oracle(servers: Servers, mode: t
         assert relative_error(last, plain[-1]) > 10 * RELATIVE  # the steer moved the stream the oracle reads
 
 
+def test_one_vector_at_sites_of_different_kinds_edits_each_as_its_own(servers: Servers) -> None:
+    """One vector clamped at a block's output, another block's attention output and a third block's output: the
+    worker makes one operation of it for the three (one slot in the ops), and each site still edits as its own
+    kind (a fused block's halves, a sublayer's output), on both servers, as the oracle's forward says. (A scaled
+    sublayer output, Granite's, is held to the same on the hook server in test_serve_families.py.)"""
+    steers = [steer_of(servers, "clamp", False, value, layer, 7, positions="all")
+              for value, layer in (("layer_output", 0), ("attention_output", 1), ("layer_output", 2))]
+    got = steered_stream(servers.graphed, PROMPTS[:1], steers)
+    want = steered_stream(servers.hooked, PROMPTS[:1], steers)
+    expected = servers.oracle_stream(PROMPTS[0], steers)
+    assert relative_error(expected[-1], servers.oracle_stream(PROMPTS[0], [])[-1]) > 10 * RELATIVE
+    for block in range(servers.layers):
+        for found in (got, want):
+            row = found.harvest["layer_output"][0][block]
+            assert relative_error(row.reshape(expected[block].shape), expected[block]) <= RELATIVE, block
+
+
 def test_harvests_equal_the_hook_server_bit_for_bit_and_the_oracle(servers: Servers) -> None:
     """Every block's last position, 2 blocks' stream and sublayer output at every position, and every value the
     ops read at every block's last position (the whole of the ops' buffers crosses to the host)."""
