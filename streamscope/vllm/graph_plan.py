@@ -238,6 +238,8 @@ class _Live:
     done: int = 0  # positions harvested so far
     row: int = 0  # its row of the plan's table of lane marks (0: the row of no marks)
     lanes: frozenset = frozenset()  # the index's columns it marks: its edits' lanes, and the harvest's two
+    #: Its edits' distinct row rules: a steer at every block has 32 edits of one rule, which a step checks once.
+    rules: tuple = ()
 
 
 @dataclass
@@ -395,7 +397,7 @@ class GraphPlan:
             for edit in edits:
                 self.bank.release(edit.share)
             raise
-        live = _Live(edits)
+        live = _Live(edits, rules=tuple(dict.fromkeys(edit.rule for edit in edits)))
         live.lanes = frozenset(lane for edit in edits for lane in edit.columns_key)
         if edits:
             live.row = self._table_row()
@@ -462,9 +464,9 @@ class GraphPlan:
             if live is not None:
                 lanes |= live.lanes
                 if live.row:
-                    edits = live.edits
-                    if (edits[0].rule.covers(first, count) if len(edits) == 1
-                            else all(edit.rule.covers(first, count) for edit in edits)):
+                    rules = live.rules
+                    if (rules[0].covers(first, count) if len(rules) == 1
+                            else all(rule.covers(first, count) for rule in rules)):
                         owner = live.row
                     else:
                         partial.append((live, start, count, first))
