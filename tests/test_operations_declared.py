@@ -8,7 +8,7 @@ says, the arithmetic written here in float64 from the formulas of docs/adding-an
 
 The paths: the trace (`Steer.apply`'s operation), the bulk run (its operation and its dose,
 `streamscope.bulk.dose.edit_size`), the server (the declared JSON check, the front end's plan item and the
-worker's reading of it), the client (`streamscope.serve.protocol.steer_request`, read back by the server's check)
+worker's reading of it), the client (`streamscope.serve.client.steer_request`, read back by the server's check)
 and the graph op (`streamscope.vllm.graph_ops.edit_stream`, through `SlotBank`'s mode table). A mode declared and
 missing anywhere fails `test_every_operation_is_on_every_path`; the planted checks show the derivation catches a
 mode declared without its arithmetic, and one the paths do not know.
@@ -31,7 +31,8 @@ from streamscope.bulk.conditions import Condition
 from streamscope.bulk.dose import edit_size
 from streamscope.bulk.operations import MODES, Operation
 from streamscope.sae import SAE
-from streamscope.serve.protocol import steer_request, vector_from_bytes, worker_item, worker_steer
+from streamscope.serve.client import steer_request
+from streamscope.serve.protocol import vector_from_bytes, worker_item, worker_steer
 
 HIDDEN = 16
 ROWS = 5

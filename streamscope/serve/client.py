@@ -31,10 +31,45 @@ from ..bulk.dose import DoseWarning, carried_entry
 from ..bulk.results import Generation, Harvest, ShardWriter
 from ..bulk.schema import ONE_FORWARD
 from ..bulk.spec import HarvestSpec, Positions, Steer
-from .protocol import FIELD, WARNINGS_HEADER, harvest_request, rule_json, steer_request, uniform
+from ..bulk.schema import ENCODED, FRONT_END_ONLY, HARVEST_FIELDS, SERVED_STEER_FIELDS, SteerJSON
+from .protocol import FIELD, WARNINGS_HEADER, rule_json, uniform
 from .remote import RemoteModel
 from .storage import harvest_tensors, sae_bytes
 from .sweeps import client_patch, client_statistics
+
+
+def steer_request(steer: Steer, sae: Optional[str] = None) -> dict[str, Any]:
+    """`steer` as a server request's JSON (`streamscope.Client` sends it): every field a request takes
+    (`SERVED_STEER_FIELDS`); its dose limit and on_dose only where the steer sets them (otherwise the server's
+    --max-steer-dose and --steer-dose-action apply; a limit past the server's is refused there, naming it). An ``sae_clamp`` steer goes by its SAE's
+    stored name `sae`, without a vector or origin: the server clamps with its stored copy of the SAE."""
+    data = {name: getattr(steer, name) for name in SERVED_STEER_FIELDS if name not in ENCODED + FRONT_END_ONLY}
+    data["positions"] = rule_json(steer.positions)
+    if steer.condition is not None:
+        data["condition"] = steer.condition.to_dict()
+    for name in ("max_dose", "on_dose"):  # a steer's own setting reaches the server: none is ignored
+        if getattr(steer, name) != SteerJSON.model_fields[name].default:
+            data[name] = getattr(steer, name)
+    if steer.mode == "sae_clamp":
+        data.update(sae=sae, feature=steer.feature)
+        return data
+    vector: Any = steer.vector
+    if isinstance(vector, torch.Tensor):
+        vector = vector.detach().to(torch.float32).cpu().reshape(-1).tolist()
+    data.update(vector=vector, origin=steer.origin)
+    return data
+
+
+def harvest_request(**fields: Any) -> dict[str, Any]:
+    """A harvest request's JSON (`streamscope.Client` sends it) from its declared fields (`HARVEST_FIELDS`), a field
+    left None left out (the server's default), the positions as a JSON rule."""
+    unknown = sorted(set(fields) - set(HARVEST_FIELDS))
+    if unknown:
+        raise TypeError(f"a harvest request has no {', '.join(unknown)}: its fields are "
+                        f"{', '.join(HARVEST_FIELDS)}.")
+    return {name: rule_json(item) if name == "positions" else item for name, item in fields.items()
+            if item is not None}
+
 
 
 class Client(RemoteModel):

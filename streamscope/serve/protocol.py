@@ -45,7 +45,7 @@ from ..blocks.head_results import HEAD_RESULTS
 from ..bulk.conditions import Condition, ConditionError
 from ..bulk.dose import CARRIED, carried_how, carried_norm, judge_dose
 from ..bulk.operations import DIRECTIONAL, per_tensor
-from ..bulk.schema import (CONDITION_FIELDS, DOSE_ACTIONS, ENCODED, FRONT_END_ONLY, HARVEST_FIELDS, HARVEST_POSITIONS,
+from ..bulk.schema import (CONDITION_FIELDS, DOSE_ACTIONS, HARVEST_FIELDS, HARVEST_POSITIONS,
                            MAX_DOSE, NULL_IS_LEFT_OUT, ONE_FORWARD, PLAIN_FIELDS, REQUEST_FIELDS, SERVED_STEER_FIELDS,
                            STEER_REQUIRED, HarvestJSON, RequestJSON, SteerJSON, positions_from_json, rule_json,
                            validate_field, validate_fields)
@@ -179,39 +179,6 @@ def declared(model: Any, raw: dict[str, Any], param: str) -> Any:
     return checked
 
 
-def steer_request(steer: Steer, sae: Optional[str] = None) -> dict[str, Any]:
-    """`steer` as a server request's JSON (`streamscope.Client` sends it): every field a request takes
-    (`SERVED_STEER_FIELDS`); its dose limit and on_dose only where the steer sets them (otherwise the server's
-    --max-steer-dose and --steer-dose-action apply; a limit past the server's is refused there, naming it). An ``sae_clamp`` steer goes by its SAE's
-    stored name `sae`, without a vector or origin: the server clamps with its stored copy of the SAE."""
-    data = {name: getattr(steer, name) for name in SERVED_STEER_FIELDS if name not in ENCODED + FRONT_END_ONLY}
-    data["positions"] = rule_json(steer.positions)
-    if steer.condition is not None:
-        data["condition"] = steer.condition.to_dict()
-    for name in ("max_dose", "on_dose"):  # a steer's own setting reaches the server: none is ignored
-        if getattr(steer, name) != SteerJSON.model_fields[name].default:
-            data[name] = getattr(steer, name)
-    if steer.mode == "sae_clamp":
-        data.update(sae=sae, feature=steer.feature)
-        return data
-    vector: Any = steer.vector
-    if isinstance(vector, torch.Tensor):
-        vector = vector.detach().to(torch.float32).cpu().reshape(-1).tolist()
-    data.update(vector=vector, origin=steer.origin)
-    return data
-
-
-def harvest_request(**fields: Any) -> dict[str, Any]:
-    """A harvest request's JSON (`streamscope.Client` sends it) from its declared fields (`HARVEST_FIELDS`), a field
-    left None left out (the server's default), the positions as a JSON rule."""
-    unknown = sorted(set(fields) - set(HARVEST_FIELDS))
-    if unknown:
-        raise TypeError(f"a harvest request has no {', '.join(unknown)}: its fields are "
-                        f"{', '.join(HARVEST_FIELDS)}.")
-    return {name: rule_json(item) if name == "positions" else item for name, item in fields.items()
-            if item is not None}
-
-
 def worker_item(steer: Steer, layer: Optional[int], vector: torch.Tensor) -> dict[str, Any]:
     """A checked steer as its worker's plan item (`worker_steer` reads it back): the fields the worker reads as they
     are (`PLAIN_FIELDS`), `layer` as the request gave it, the vector as float32 base64 and the positions as a JSON
@@ -265,6 +232,8 @@ class Checker:
         self.prompts_split = False
         #: The checks of steers by stored vectors (`remembered`): JSON -> (the tensor, its state, the answer).
         self._remembered: dict[str, tuple[Any, tuple[Any, ...], tuple[Steer, dict[str, Any]]]] = {}
+        #: The harvests' values and blocks as found on the tree (`harvest`), by what a request named.
+        self._harvested: dict[tuple[Any, ...], Any] = {}
 
     # ---------------------------------------------------------------- pieces
 
@@ -542,15 +511,20 @@ class Checker:
         # The positions against the prompt first, and the values and blocks with a rule any prompt fits: each
         # refusal then names its own field (a position past the prompt's end is not a block out of range).
         self.positions(positions, [] if length is None else [length], f"{param}.positions")
-        try:
-            spec = harvest_spec(self.model, values, layers, "last", [1])
-        except IndexError as error:
-            raise _bad(f"{param}.layers", str(error)) from None
-        except (ValueError, TypeError, Unavailable) as error:
-            where = "layers" if "block index" in str(error) else "values"
-            raise _bad(f"{param}.{where}", str(error)) from None
-        for site in spec.sites(self.model):
-            self.tapped(site, f"{param}.values")
+        spec = self._harvested.get((tuple(values), json.dumps(layers)))
+        if spec is None:  # the values and blocks against the model's tree: found once for every request asking
+            try:
+                spec = harvest_spec(self.model, values, layers, "last", [1])
+            except IndexError as error:
+                raise _bad(f"{param}.layers", str(error)) from None
+            except (ValueError, TypeError, Unavailable) as error:
+                where = "layers" if "block index" in str(error) else "values"
+                raise _bad(f"{param}.{where}", str(error)) from None
+            for site in spec.sites(self.model):
+                self.tapped(site, f"{param}.values")
+            if len(self._harvested) >= REMEMBERED:
+                self._harvested.clear()
+            self._harvested[(tuple(values), json.dumps(layers))] = spec
         count = len(prompt_positions(positions, length, 0)) if length is not None else 1
         if count == 0:
             raise _bad(f"{param}.positions", f"the rule selects none of the prompt's {length} positions.")
@@ -561,7 +535,7 @@ class Checker:
                               f"{self.hidden} x {self.element_bytes} bytes); a request may harvest at most "
                               f"{self.limits.max_harvest_bytes} (--max-harvest-bytes): ask for fewer blocks or "
                               f"positions, or split the request.", 413)
-        return {"values": spec.values, "layers": spec.layers, "positions": rule_json(positions), "keep": keep,
+        return {"values": list(spec.values), "layers": list(spec.layers), "positions": rule_json(positions), "keep": keep,
                 "bytes": size, **({"reduce": reduce} if reduce is not None else {})}
 
     def sae_harvest(self, item: dict[str, Any], param: str, length: Optional[int]) -> dict[str, Any]:
@@ -794,6 +768,6 @@ def _prompt_count(body: dict[str, Any]) -> int:
     return 1
 
 
-__all__ = ["Checker", "Checked", "Limits", "RequestError", "FIELD", "XARG", "WARNINGS_HEADER", "harvest_request",
-           "rule_json", "positions_rule", "steer_request", "vector_bytes", "vector_from_bytes", "worker_item",
+__all__ = ["Checker", "Checked", "Limits", "RequestError", "FIELD", "XARG", "WARNINGS_HEADER",
+           "rule_json", "positions_rule", "vector_bytes", "vector_from_bytes", "worker_item",
            "worker_steer"]

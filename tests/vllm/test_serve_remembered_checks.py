@@ -1,7 +1,8 @@
-"""The front end remembers a steer's check by a stored vector (`Checker.remembered`), and the worker's payload carries
-each distinct vector once (`forwarding.worker_payload`): what is remembered is what a fresh check answers, and
-nothing outlives what it was about (the stored numbers, the vector stored under the name, its carried norm, a stream
-norm measured since, the prompt's length); a refusal and a warned dose are checked, and told, every time.
+"""The front end remembers a steer's check by a stored vector (`Checker.remembered`) and where a harvest's values and
+blocks are, and the worker's payload carries each distinct vector once (`forwarding.worker_payload`): what is
+remembered is what a fresh check answers, and nothing outlives what it was about (the stored numbers, the vector
+stored under the name, its carried norm, a stream norm measured since, the prompt's length); a refusal and a clamped
+dose are checked, and told, every time.
 
 A request steering every block of an 8B model with one stored vector checked 32 steers of 22 KB each on the event
 loop (11 ms a request on the H100 host, which spread a wave of 64 requests over two thirds of a second) and carried
@@ -141,3 +142,22 @@ def test_the_payload_carries_each_vector_once_and_names_it_by_its_digest(checker
     assert torch.equal(vector_from_bytes(payload["vectors"][references[2]]), other)
     rest = [{key: value for key, value in item.items() if key != "vector"} for item in payload["steer"]]
     assert rest == [{key: value for key, value in item.items() if key != "vector"} for item in checked.steer_payload]
+
+
+def test_a_harvest_s_values_and_blocks_are_found_once_and_answer_as_fresh(checker, model):
+    """A harvest's values and blocks are located on the tree once for every request naming them; the answer is the
+    fresh check's, each request gets lists of its own, and a block out of range is refused every time."""
+    request = {"prompt": "hello there", "streamscope": {"harvest": {"values": ["layer_output", "layer_mid"],
+                                                                    "layers": [0, -1], "positions": "last"}}}
+    first = checker.check(request, False).harvest
+    checker._harvested.clear()
+    fresh_one = checker.check(request, False).harvest
+    first["layers"].append(99)  # a caller's change to its answer reaches no later one
+    again = checker.check(request, False).harvest
+    assert again == fresh_one and len(checker._harvested) == 1
+    assert again["layers"] == [0, len(model.layers) - 1]
+    wrong = {"prompt": "hello there", "streamscope": {"harvest": {"values": "layer_output",
+                                                                  "layers": [len(model.layers) + 3]}}}
+    for _ in range(2):
+        with pytest.raises(RequestError, match="layers"):
+            checker.check(wrong, False)
