@@ -29,9 +29,8 @@ from safetensors.torch import save
 
 from ..bulk.dose import DoseWarning, carried_entry
 from ..bulk.results import Generation, Harvest, ShardWriter
-from ..bulk.schema import ONE_FORWARD
+from ..bulk.schema import ENCODED, FRONT_END_ONLY, HARVEST_FIELDS, ONE_FORWARD, SERVED_STEER_FIELDS, SteerJSON
 from ..bulk.spec import HarvestSpec, Positions, Steer
-from ..bulk.schema import ENCODED, FRONT_END_ONLY, HARVEST_FIELDS, SERVED_STEER_FIELDS, SteerJSON
 from .protocol import FIELD, WARNINGS_HEADER, rule_json, uniform
 from .remote import RemoteModel
 from .storage import harvest_tensors, sae_bytes
@@ -41,8 +40,9 @@ from .sweeps import client_patch, client_statistics
 def steer_request(steer: Steer, sae: Optional[str] = None) -> dict[str, Any]:
     """`steer` as a server request's JSON (`streamscope.Client` sends it): every field a request takes
     (`SERVED_STEER_FIELDS`); its dose limit and on_dose only where the steer sets them (otherwise the server's
-    --max-steer-dose and --steer-dose-action apply; a limit past the server's is refused there, naming it). An ``sae_clamp`` steer goes by its SAE's
-    stored name `sae`, without a vector or origin: the server clamps with its stored copy of the SAE."""
+    --max-steer-dose and --steer-dose-action apply; a limit past the server's is refused there, naming it). An
+    ``sae_clamp`` steer goes by its SAE's stored name `sae`, without a vector or origin: the server clamps with its
+    stored copy of the SAE."""
     data = {name: getattr(steer, name) for name in SERVED_STEER_FIELDS if name not in ENCODED + FRONT_END_ONLY}
     data["positions"] = rule_json(steer.positions)
     if steer.condition is not None:
@@ -69,7 +69,6 @@ def harvest_request(**fields: Any) -> dict[str, Any]:
                         f"{', '.join(HARVEST_FIELDS)}.")
     return {name: rule_json(item) if name == "positions" else item for name, item in fields.items()
             if item is not None}
-
 
 
 class Client(RemoteModel):

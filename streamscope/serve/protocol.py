@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import weakref
 import json
 import logging
 import re
 import secrets
 import sys
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -124,7 +124,7 @@ class Checked:
 #: How many steers' checks a server remembers (`Checker.remembered`) before it starts again.
 REMEMBERED = 4096
 #: The fields of a steer whose check is never remembered: a condition and an SAE's are checked each time.
-NO_CONDITION = frozenset({"condition", "sae", "feature"})
+CHECKED_EACH_TIME = frozenset({"condition", "sae", "feature"})
 
 
 def _encoded(tensor: torch.Tensor) -> str:
@@ -472,7 +472,7 @@ class Checker:
         are checked each time."""
         name = raw.get("vector") if isinstance(raw, dict) else None
         tensor = self.vectors.get(name) if isinstance(name, str) else None
-        if tensor is None or tensor.is_inference() or not NO_CONDITION.isdisjoint(raw):
+        if tensor is None or tensor.is_inference() or not CHECKED_EACH_TIME.isdisjoint(raw):
             return self.steer(raw, param, lengths, notes)
         key = json.dumps(raw, sort_keys=True)
         state = (tensor._version, len(self.norms), repr(getattr(self.vectors, "carried", {}).get(name)),
