@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import json
 import logging
 import re
 import secrets
 import sys
+import threading
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -234,6 +236,13 @@ class Checker:
         self._remembered: dict[str, tuple[Any, tuple[Any, ...], tuple[Steer, dict[str, Any]]]] = {}
         #: The harvests' values and blocks as found on the tree (`harvest`), by what a request named.
         self._harvested: dict[tuple[Any, ...], Any] = {}
+        self._thread = threading.local()  # a checking thread's own tokenizer (`own_tokenizer`)
+
+    def own_tokenizer(self) -> None:
+        """Give the calling thread a copy of the tokenizer for its checks' prompt lengths: a fast tokenizer is not
+        shared between threads (its truncation settings are the call's state), so each of the server's checking
+        threads tokenizes with its own, and a wave of requests that need their lengths is not checked one by one."""
+        self._thread.tokenizer = copy.deepcopy(self.model.tokenizer)
 
     # ---------------------------------------------------------------- pieces
 
@@ -707,7 +716,7 @@ class Checker:
 
     def prompt_lengths(self, body: dict[str, Any], chat: bool) -> list[int]:
         """Each prompt's token count as vLLM will see it (empty where only the engine can tell)."""
-        tokenizer = self.model.tokenizer
+        tokenizer = getattr(self._thread, "tokenizer", None) or self.model.tokenizer
         if chat:
             messages = body.get("messages")
             try:

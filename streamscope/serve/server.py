@@ -59,6 +59,8 @@ from .worker import ENVIRONMENT, WORKER_EXTENSION, install_at_startup, worker_cl
 
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 PREFIX = "/v1/streamscope"
+#: The front end's threads that check requests needing their prompts' token counts (a harvest of every position).
+CHECK_THREADS = 4
 
 
 class Front:
@@ -84,8 +86,9 @@ class Front:
         #: The CUDA graph mode vLLM resolved for the engine, asked of a tapped engine's worker once (an eager
         #: engine's is ``NONE``; a tapped one's too where vLLM cannot capture the checkpoint's attention).
         self.graph_mode: Optional[str] = None if taps else "NONE"
-        #: Where a request's check tokenizes its prompt: one thread (the tokenizer is not shared between threads).
-        self.checks = ThreadPoolExecutor(1, thread_name_prefix="streamscope-check")
+        #: Where a request's check tokenizes its prompt: threads with a tokenizer each (`Checker.own_tokenizer`).
+        self.checks = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="streamscope-check",
+                                         initializer=self.checker.own_tokenizer)
         self._served: Optional[tuple[list[str], dict[str, str]]] = None
         #: ``--graph-ops``: the options the engine's worker inserted its graph ops with (None: no ops).
         self.graph_ops: Optional[GraphOptions] = None

@@ -87,3 +87,25 @@ def test_a_check_tokenizes_a_text_prompt_only_where_a_rule_needs_its_length(chec
     assert counting.calls == 2
     checker.check({"prompt": prompt, "streamscope": {"steer": [steer([length - 1])]}}, chat=False)
     assert counting.calls == 3
+
+
+def test_the_checking_threads_each_tokenize_with_their_own_copy(checker):
+    """The server checks requests that need their prompts' lengths on several threads (`server.CHECK_THREADS`), each
+    with a tokenizer of its own (a fast tokenizer is not shared between threads): 64 checks at once give each
+    prompt the length the model's own tokenizer gives, each on its thread's copy, never the shared one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from streamscope.serve.server import CHECK_THREADS
+
+    prompts = [" ".join(["Rome is in Italy"] * (1 + number % 7)) + f" {number}" for number in range(64)]
+    expected = [len(checker.model.tokenizer(prompt)["input_ids"]) for prompt in prompts]
+
+    def check(prompt):
+        field = {"harvest": {"values": "layer_output", "positions": "all"}}
+        return checker.check({"prompt": prompt, "streamscope": field}, chat=False).length, checker._thread.tokenizer
+
+    with ThreadPoolExecutor(CHECK_THREADS, initializer=checker.own_tokenizer) as pool:
+        found = list(pool.map(check, prompts))
+    assert [length for length, _ in found] == expected and CHECK_THREADS > 1
+    tokenizers = {id(tokenizer) for _, tokenizer in found}
+    assert id(checker.model.tokenizer) not in tokenizers and len(tokenizers) <= CHECK_THREADS
