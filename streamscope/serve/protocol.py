@@ -237,12 +237,17 @@ class Checker:
         #: The harvests' values and blocks as found on the tree (`harvest`), by what a request named.
         self._harvested: dict[tuple[Any, ...], Any] = {}
         self._thread = threading.local()  # a checking thread's own tokenizer (`own_tokenizer`)
+        self._tokenizing = threading.Lock()  # the model's tokenizer, for a thread without its own
 
     def own_tokenizer(self) -> None:
         """Give the calling thread a copy of the tokenizer for its checks' prompt lengths: a fast tokenizer is not
         shared between threads (its truncation settings are the call's state), so each of the server's checking
         threads tokenizes with its own, and a wave of requests that need their lengths is not checked one by one."""
-        self._thread.tokenizer = copy.deepcopy(self.model.tokenizer)
+        try:
+            self._thread.tokenizer = copy.deepcopy(self.model.tokenizer)
+        except Exception:  # noqa: BLE001  (a tokenizer that cannot be copied: the threads take turns with the model's)
+            logging.getLogger("streamscope.serve").warning("streamscope serve: the tokenizer could not be copied for "
+                                                           "each checking thread; they take turns with one")
 
     # ---------------------------------------------------------------- pieces
 
@@ -715,8 +720,15 @@ class Checker:
         return checked
 
     def prompt_lengths(self, body: dict[str, Any], chat: bool) -> list[int]:
-        """Each prompt's token count as vLLM will see it (empty where only the engine can tell)."""
-        tokenizer = getattr(self._thread, "tokenizer", None) or self.model.tokenizer
+        """Each prompt's token count as vLLM will see it (empty where only the engine can tell), with the calling
+        thread's own tokenizer, or the model's where the thread has none (one thread at a time)."""
+        own = getattr(self._thread, "tokenizer", None)
+        if own is not None:
+            return self._lengths(body, chat, own)
+        with self._tokenizing:
+            return self._lengths(body, chat, self.model.tokenizer)
+
+    def _lengths(self, body: dict[str, Any], chat: bool, tokenizer: Any) -> list[int]:
         if chat:
             messages = body.get("messages")
             try:

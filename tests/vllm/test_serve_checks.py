@@ -109,3 +109,21 @@ def test_the_checking_threads_each_tokenize_with_their_own_copy(checker):
     assert [length for length, _ in found] == expected and CHECK_THREADS > 1
     tokenizers = {id(tokenizer) for _, tokenizer in found}
     assert id(checker.model.tokenizer) not in tokenizers and len(tokenizers) <= CHECK_THREADS
+
+
+def test_a_tokenizer_that_cannot_be_copied_is_shared_in_turns(checker, monkeypatch):
+    """Where the tokenizer cannot be copied, the checking threads start anyway and take turns with the model's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from streamscope.serve import protocol
+
+    def refuse(_):
+        raise TypeError("cannot copy this tokenizer")
+    monkeypatch.setattr(protocol.copy, "deepcopy", refuse)
+    prompts = [f"Rome is in Italy {number}" for number in range(16)]
+    expected = [len(checker.model.tokenizer(prompt)["input_ids"]) for prompt in prompts]
+    field = {"harvest": {"values": "layer_output", "positions": "all"}}
+    with ThreadPoolExecutor(4, initializer=checker.own_tokenizer) as pool:
+        found = list(pool.map(lambda prompt: checker.check({"prompt": prompt, "streamscope": field}, False).length,
+                              prompts))
+    assert found == expected
