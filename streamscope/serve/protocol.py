@@ -525,7 +525,8 @@ class Checker:
         # The positions against the prompt first, and the values and blocks with a rule any prompt fits: each
         # refusal then names its own field (a position past the prompt's end is not a block out of range).
         self.positions(positions, [] if length is None else [length], f"{param}.positions")
-        spec = self._harvested.get((tuple(values), json.dumps(layers)))
+        named = (tuple(values), json.dumps(layers))
+        spec = self._harvested.get(named)
         if spec is None:  # the values and blocks against the model's tree: found once for every request asking
             try:
                 spec = harvest_spec(self.model, values, layers, "last", [1])
@@ -538,7 +539,7 @@ class Checker:
                 self.tapped(site, f"{param}.values")
             if len(self._harvested) >= REMEMBERED:
                 self._harvested.clear()
-            self._harvested[(tuple(values), json.dumps(layers))] = spec
+            self._harvested[named] = spec
         count = len(prompt_positions(positions, length, 0)) if length is not None else 1
         if count == 0:
             raise _bad(f"{param}.positions", f"the rule selects none of the prompt's {length} positions.")
