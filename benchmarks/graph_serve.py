@@ -293,7 +293,8 @@ def server_commands(path: Path, engine: list[str], options: argparse.Namespace, 
         if name in ("plain", "plain B"):
             commands[name] = (plain, {})
         elif name == "streamscope":  # with --host-time its engine times its parts of each step (serve/host_time.py)
-            commands[name] = (ours, {"STREAMSCOPE_SERVE_HOST_TIME": "1"} if options.host_time else {})
+            commands[name] = (ours, {**({"STREAMSCOPE_SERVE_HOST_TIME": "1"} if options.host_time else {}),
+                                     **({host_time.SYNC_ENVIRONMENT: "1"} if options.sync_debug else {})})
     why = "not asked for"
     if "hotwire" in names:
         site, why = hotwire_site(folder, options.hotwire_wheel)
@@ -774,6 +775,8 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--logs", help="a folder to copy every server's log to at the end")
     parser.add_argument("--host-time", action="store_true", help="the streamscope engine's host time per step in "
                         "each part of its work, per workload (streamscope/serve/host_time.py)")
+    parser.add_argument("--sync-debug", action="store_true", help="the streamscope engine prints each distinct "
+                        "stack at which its host waits for the device (serve/host_time.py `watch_syncs`)")
     parser.add_argument("--py-spy", help="a folder: after the rounds, each plain and streamscope workload run again "
                                          "under py-spy, its stacks kept there and summarized")
     parser.add_argument("--in-process", action="store_true", help="the in-process bound instead of the servers")

@@ -163,11 +163,12 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
             python, "benchmarks/graph_serve.py", "--shape", "llama3-8b", "--only", "plain,steer-every-,ablate-,harvest-",
             "--no-control", "--rounds", "5", "--work", "/tmp/graph39", "--logs", str(out / "graph39-every-h100-logs"),
             "--host-time", "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
-        # one round and a profiled run of each kind: where a steered request's host time goes
+        # one round and a profiled run of each kind: where a steered request's host time goes, and each stack at
+        # which the streamscope engine's host waits for the device (in its log, graph39-spy-logs)
         "graph39-spy": [("graph39 profiled", [python, "benchmarks/graph_serve.py", "--shape", "llama3-8b", "--only",
                                               "plain,steer-one-1", "--no-control", "--rounds", "1", "--work",
                                               "/tmp/graph39", "--logs", str(out / "graph39-spy-logs"), "--host-time",
-                                              *spied(out / "graph39-spy"), "--deadline", str(max(remaining - 40, 60))],
+                                              "--sync-debug", *spied(out / "graph39-spy"), "--deadline", str(max(remaining - 40, 60))],
                          ROOT, remaining)],
         "graphcheck": [("graph ops check", [python, "scripts/graph_ops_gpu_check.py"], ROOT, 200),
                        ("graph ops, float32", [python, "scripts/gpu_suite.py", "--out", str(out / "suite"), "--gpus",

@@ -1,8 +1,10 @@
 """The serve worker's host-time totals (`streamscope.serve.host_time`): what a load generator reads per run."""
 
 import time
+import warnings
 
 import pytest
+import torch
 
 from streamscope.serve import host_time
 
@@ -31,7 +33,7 @@ def test_each_part_adds_its_calls_seconds_and_a_step_counts_once(monkeypatch):
     assert step(0.25) == 0.25 and plan(0.125) == 0.125 and step(0.5) == 0.5
     assert totals.steps == 2
     assert totals.totals == {"step": 0.75, "plan": 0.125, "hooks": 0.0, "send": 0.0, "writer": 0.0, "enter": 0.0,
-                             "fill": 0.0, "copy": 0.0, "wait": 0.0}
+                             "fill": 0.0, "copy": 0.0, "wait": 0.0, "rows": 0.0, "requests": 0.0}
 
 
 def test_a_part_that_raises_is_still_timed(monkeypatch):
@@ -51,13 +53,23 @@ def test_a_part_that_raises_is_still_timed(monkeypatch):
 def test_a_printed_line_reads_back_as_its_clock_and_totals():
     clock = host_time.HostTime(interval=3600)
     clock.totals.update(step=1.5, plan=0.25, hooks=0.125, send=0.0625, writer=2.0, enter=0.5, fill=0.75, copy=0.375,
-                        wait=0.03125)
+                        wait=0.03125, rows=4096.0, requests=70.0)
     clock.steps = 7
     before = time.time()
     stamp, totals = host_time.parse("engine log prefix: " + clock.line())
     assert before - 1 <= stamp <= time.time() + 1
     assert totals == {"steps": 7.0, "step": 1.5, "plan": 0.25, "hooks": 0.125, "send": 0.0625, "writer": 2.0,
-                      "enter": 0.5, "fill": 0.75, "copy": 0.375, "wait": 0.03125}
+                      "enter": 0.5, "fill": 0.75, "copy": 0.375, "wait": 0.03125, "rows": 4096.0, "requests": 70.0}
+
+
+def test_a_step_s_batch_is_counted_beside_its_plan_s_time():
+    clock = host_time.HostTime(interval=3600)
+    seen = []
+    observe = clock.counted(clock.timed("plan", seen.append), lambda output: (output["rows"], output["requests"]))
+    observe({"rows": 576, "requests": 64})
+    observe({"rows": 63, "requests": 63})
+    assert len(seen) == 2 and clock.totals["rows"] == 639.0 and clock.totals["requests"] == 127.0
+    assert host_time.parse(clock.line())[1]["rows"] == 639.0
 
 
 def test_a_line_run_into_by_another_process_still_reads_and_a_cut_one_is_skipped():
@@ -109,3 +121,21 @@ def test_the_front_end_counts_each_request_its_time_here_and_to_its_first_bytes(
     _, totals = host_time.parse_front("front end log: " + front.line())
     assert totals == {"plain": (0, 0.0, 0.0), "streamscope": (1, 0.25, 1.5)}
     assert host_time.parse_front(front.line()[:-4]) is None
+
+
+def test_a_wait_for_the_device_prints_its_stack_once_then_at_each_power_of_ten(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)  # (no device here)
+
+    def waits_for_the_device():
+        warnings.warn("called a synchronizing CUDA operation")
+
+    with warnings.catch_warnings():  # (restores the hook and the filters it changes)
+        host_time.watch_syncs()
+        for _ in range(12):
+            waits_for_the_device()
+        warnings.warn("something else")
+    printed = capsys.readouterr().err
+    assert printed.count(host_time.SYNC_PREFIX) == 2  # its 1st and 10th time
+    assert "(time 1, thread MainThread)" in printed and "(time 10," in printed
+    assert "waits_for_the_device\n" in printed and "warnings.py" not in printed
+    assert "something else" not in printed  # another warning goes on to the hook before it

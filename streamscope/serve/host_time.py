@@ -37,6 +37,9 @@ ENVIRONMENT = "STREAMSCOPE_SERVE_HOST_TIME"
 #: The start of each printed line, for a reader of the server's log.
 PREFIX = "streamscope host time"
 PARTS = ("step", "plan", "hooks", "send", "writer", "enter", "fill", "copy", "wait")
+#: Counts summed over the steps beside the seconds: the batch's rows (scheduled tokens) and its requests. A run whose
+#: steps are more for the same tokens ran smaller batches: its requests reached the engine later, or left it later.
+COUNTS = ("rows", "requests")
 #: Seconds between the checks that print the totals when they have changed.
 INTERVAL = 0.5
 
@@ -45,11 +48,45 @@ def wanted() -> bool:
     return os.environ.get(ENVIRONMENT, "") not in ("", "0")
 
 
+#: The environment variable that has the engine's process say where the host waits for the device (`watch_syncs`).
+SYNC_ENVIRONMENT = "STREAMSCOPE_SERVE_SYNC_DEBUG"
+#: The start of each printed stack.
+SYNC_PREFIX = "streamscope device wait"
+
+
+def watch_syncs() -> None:
+    """Print each distinct Python stack at which the host waits for the device (torch's sync debug mode) to stderr,
+    at its 1st, 10th, 100th, ... time: a wait on the engine's thread leaves the device idle until the host has
+    queued the next work. A diagnostic for a load generator's run (its own waits cost a stack walk each)."""
+    import traceback
+    import warnings
+
+    import torch
+
+    counts: dict[tuple[str, ...], int] = {}
+    shown = warnings.showwarning
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if "synchroniz" not in str(message):
+            shown(message, category, filename, lineno, file, line)
+            return
+        stack = tuple(f"{frame.filename}:{frame.lineno} {frame.name}" for frame in traceback.extract_stack()[:-1]
+                      if not frame.filename.endswith("warnings.py"))[-14:]
+        count = counts[stack] = counts.get(stack, 0) + 1
+        if count in (1, 10, 100, 1000, 10000, 100000):
+            print(f"{SYNC_PREFIX} (time {count}, thread {threading.current_thread().name}): {message}\n    "
+                  + "\n    ".join(stack), file=sys.stderr, flush=True)
+
+    warnings.showwarning = show
+    warnings.filterwarnings("always", message=".*synchroniz.*")
+    torch.cuda.set_sync_debug_mode("warn")
+
+
 class HostTime:
     """Running totals of host seconds per part, printed twice a second while they change."""
 
     def __init__(self, interval: float = INTERVAL) -> None:
-        self.totals = dict.fromkeys(PARTS, 0.0)
+        self.totals = dict.fromkeys(PARTS + COUNTS, 0.0)
         self.steps = 0
         self.interval = interval
         self.printed: tuple = ()
@@ -70,8 +107,21 @@ class HostTime:
 
         return call
 
+    def counted(self, function: Callable[[Any], Any], batch: Callable[[Any], tuple[int, int]]) -> Callable[[Any], Any]:
+        """`function` of a step's scheduler output, adding the step's rows and requests (`batch` of the output) to
+        their totals."""
+        totals = self.totals
+
+        def call(scheduler_output: Any) -> Any:
+            rows, requests = batch(scheduler_output)
+            totals["rows"] += rows
+            totals["requests"] += requests
+            return function(scheduler_output)
+
+        return call
+
     def line(self) -> str:
-        parts = " ".join(f"{part}={self.totals[part]:.6f}" for part in PARTS)
+        parts = " ".join(f"{part}={self.totals[part]:.6f}" for part in PARTS + COUNTS)
         return f"{PREFIX} {time.time():.3f} steps={self.steps} {parts}"
 
     def _print_while_changing(self) -> None:
@@ -83,14 +133,15 @@ class HostTime:
                 print(self.line(), file=sys.stderr, flush=True)
 
 
-def install(state: Any) -> HostTime:
+def install(state: Any, batch: Callable[[Any], tuple[int, int]]) -> HostTime:
     """Time the parts of a server worker's steps (`streamscope.serve.worker.ServeState` `state`), on the instance:
     ``plan`` (the step's plan, within it ``enter``, the requests that came in, and with graph ops ``fill``, the
     plan's index filled on the host, and ``copy``, its copy to the device, within it ``wait``, for the staging
     buffer of two steps before), ``hooks``, ``send`` (the step's harvest
-    handed over) and ``writer`` (the writer thread's work)."""
+    handed over) and ``writer`` (the writer thread's work); and each step's rows and requests (`batch` of its
+    scheduler output)."""
     clock = HostTime()
-    state.observe = clock.timed("plan", state.observe)
+    state.observe = clock.counted(clock.timed("plan", state.observe), batch)
     state.admit = clock.timed("enter", state.admit)
     state.admit_live = clock.timed("enter", state.admit_live)
     state.apply = clock.timed("hooks", state.apply)
@@ -108,7 +159,7 @@ def install(state: Any) -> HostTime:
 # Every field with its full count of decimals: the engine's other processes write to the same log, and a line of
 # theirs may start right after ours without a newline between them.
 LINE = re.compile(re.escape(PREFIX) + r" (\d+\.\d{3}) steps=(\d+)"
-                  + "".join(rf" {part}=(\d+\.\d{{6}})" for part in PARTS))
+                  + "".join(rf" {part}=(\d+\.\d{{6}})" for part in PARTS + COUNTS))
 
 
 def parse(line: str) -> tuple[float, dict[str, float]] | None:
@@ -117,7 +168,7 @@ def parse(line: str) -> tuple[float, dict[str, float]] | None:
     if found is None:
         return None
     stamp, steps, *seconds = found.groups()
-    return float(stamp), {"steps": float(steps), **{part: float(value) for part, value in zip(PARTS, seconds)}}
+    return float(stamp), {"steps": float(steps), **{part: float(value) for part, value in zip(PARTS + COUNTS, seconds)}}
 
 
 #: The start of the front end's lines (`FrontTime`).
