@@ -30,7 +30,11 @@ import re
 import sys
 import threading
 import time
+import traceback
+import warnings
 from typing import Any, Callable
+
+import torch
 
 #: The environment variable that turns the timing on in the engine's processes.
 ENVIRONMENT = "STREAMSCOPE_SERVE_HOST_TIME"
@@ -58,11 +62,6 @@ def watch_syncs() -> None:
     """Print each distinct Python stack at which the host waits for the device (torch's sync debug mode) to stderr,
     at its 1st, 10th, 100th, ... time: a wait on the engine's thread leaves the device idle until the host has
     queued the next work. A diagnostic for a load generator's run (its own waits cost a stack walk each)."""
-    import traceback
-    import warnings
-
-    import torch
-
     counts: dict[tuple[str, ...], int] = {}
     shown = warnings.showwarning
 
