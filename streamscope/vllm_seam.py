@@ -323,6 +323,11 @@ def total_scheduled_tokens(scheduler_output: Any) -> int:
     return read(scheduler_output, "total_num_scheduled_tokens")
 
 
+def batch_size(scheduler_output: Any) -> tuple[int, int]:
+    """The step's rows (`total_scheduled_tokens`) and requests."""
+    return total_scheduled_tokens(scheduler_output), len(scheduled_tokens(scheduler_output))
+
+
 def scheduled_spans(runner: Any, scheduler_output: Any) -> Iterator[tuple[str, int, int]]:
     """The step's token spans in the flattened batch: ``(request id, first row, rows)`` for every scheduled
     request, in the order of the runner's batch (``input_batch.req_ids``), the order its rows are laid out in."""

@@ -146,7 +146,7 @@ class ServeState(RequestApplier):
             return clock.timed("step", executed) if clock is not None else executed
 
         # each part of a step timed, for a load generator (serve/host_time.py)
-        clock = host_time.install(self, _batch) if host_time.wanted() else None
+        clock = host_time.install(self, vllm_seam.batch_size) if host_time.wanted() else None
         if os.environ.get(host_time.SYNC_ENVIRONMENT) and torch.cuda.is_available():
             host_time.watch_syncs()
         # On the instance: vLLM's worker calls these through the runner, whatever its class.
@@ -590,11 +590,6 @@ class HarvestWriter:
                     return  # this item's harvests were among those failed
         if self.store is not None:
             locally(self.store)
-
-
-def _batch(scheduler_output: Any) -> tuple[int, int]:
-    """A step's rows and requests, for the host-time log."""
-    return vllm_seam.total_scheduled_tokens(scheduler_output), len(vllm_seam.scheduled_tokens(scheduler_output))
 
 
 def _refusal(error: LeftOnHooks) -> RequestRefused:
