@@ -226,7 +226,7 @@ COVERED = {
     "additional_config": "worker", "runner_dtype": "worker", "runner_model_type": "worker",
     "graph_mode": "worker", "compiled": "worker", "platform_worker": "worker", "worker_class": "worker",
     "after_schedule": "steps", "around_execute": "steps", "new_requests": "steps", "finished_requests": "steps",
-    "scheduled_tokens": "steps", "total_scheduled_tokens": "steps", "scheduled_spans": "steps",
+    "scheduled_tokens": "steps", "total_scheduled_tokens": "steps", "batch_size": "steps", "scheduled_spans": "steps",
     "computed_tokens": "steps", "tensor_parallel": "parallel", "tensor_parallel_rank": "parallel",
     "pipeline_stage": "parallel", "stage_blocks": "parallel", "missing_layer": "parallel",
     "allocate_stage_buffers": "parallel",
@@ -284,7 +284,7 @@ def test_steps(engine):
         seen.append({"new": list(vllm_seam.new_requests(output)), "finished": set(vllm_seam.finished_requests(output)),
                      "spans": spans, "computed": {request: computed(request) for request, _, _ in spans},
                      "counts": dict(vllm_seam.scheduled_tokens(output)),
-                     "total": vllm_seam.total_scheduled_tokens(output)})
+                     "total": vllm_seam.total_scheduled_tokens(output), "batch": vllm_seam.batch_size(output)})
 
     def around(execute):
         def counted(*args, **kwargs):
@@ -314,6 +314,7 @@ def test_steps(engine):
         if not step["spans"]:
             continue
         assert sum(count for _, _, count in step["spans"]) == step["total"] == sum(step["counts"].values())
+        assert step["batch"] == (step["total"], len(step["spans"]))
         starts = [start for _, start, _ in step["spans"]]
         assert starts == [sum(count for _, _, count in step["spans"][:index]) for index in range(len(starts))]
     assert first["computed"] == {ids[0]: 0, ids[1]: 0} and dict((r, c) for r, _, c in first["spans"]) == {
