@@ -127,14 +127,14 @@ def replay_against(graph: torch.cuda.CUDAGraph, eager: Callable[[torch.Tensor, t
     source_residual = torch.randn(rows, width, device=DEVICE).to(hidden.dtype)
     hidden.copy_(source_hidden)
     residual.copy_(source_residual)
-    plan.harvested.zero_()
+    plan.pool.zero_()
     graph.replay()
-    replayed = (hidden.clone(), residual.clone(), plan.harvested.clone())
+    replayed = (hidden.clone(), residual.clone(), plan.pool.clone())
     eager_hidden, eager_residual = source_hidden.clone(), source_residual.clone()
-    plan.harvested.zero_()
+    plan.pool.zero_()
     eager(eager_hidden, eager_residual)
     same = (torch.equal(replayed[0], eager_hidden) and torch.equal(replayed[1], eager_residual)
-            and torch.equal(replayed[2], plan.harvested))
+            and torch.equal(replayed[2], plan.pool))
     marked = (plan.index[:rows, :len(plan.lane_of)] >= 0).any(-1)
     untouched = (torch.equal(replayed[0][~marked], source_hidden[~marked])
                  and torch.equal(replayed[1][~marked], source_residual[~marked]))
@@ -150,11 +150,11 @@ def check_capture(dtype: torch.dtype, width: int = 4096, rows: int = 256) -> boo
     residual = torch.zeros_like(hidden)
 
     def body(hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        # the harvest ops as an engine calls them: the whole harvested and the site's buffer index
-        ops.edit_harvest_stream(hidden, residual, plan.rounds_of("s0"), *plan.bank.buffers, plan.harvested,
-                                plan.sources, plan.targets, plan.harvest_index["s0"])  # the two ops below in one
+        # the harvest ops as an engine calls them: the whole pool and the site's column of targets
+        ops.edit_harvest_stream(hidden, residual, plan.rounds_of("s0"), *plan.bank.buffers, plan.pool,
+                                plan.targets_of("s0"))  # the two ops below in one
         ops.edit_stream(residual, None, plan.rounds_of("s1"), *plan.bank.buffers)
-        ops.harvest_stream(plan.harvested, residual, None, plan.sources, plan.harvest_index["s1"])
+        ops.harvest_stream(plan.pool, residual, None, plan.targets_of("s1"))
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -232,13 +232,13 @@ def check_stretch_capture(dtype: torch.dtype, width: int = 4096, rows: int = 256
     lanes = [plan.lane_of[(name, 0)] for name in names]
 
     def joined(hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        ops.edit_stretch(hidden, residual, plan.index, *plan.bank.buffers, plan.harvested, plan.sources,
-                         plan.targets, lanes, 2, [0, 1, 2], [False, True, True])
+        ops.edit_stretch(hidden, residual, plan.index, *plan.bank.buffers, plan.pool, lanes, 2,
+                         [plan.harvest_lane_of[name] for name in names], [False, True, True])
 
     def separate(hidden: torch.Tensor, residual: torch.Tensor) -> None:
         for name, fused in zip(names, (False, True, True)):
             ops.edit_harvest_stream(hidden, residual if fused else None, plan.rounds_of(name), *plan.bank.buffers,
-                                    plan.harvest_buffer(name), plan.sources, plan.targets)
+                                    plan.pool, plan.targets_of(name))
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -303,14 +303,14 @@ def check_compile(width: int = 1024) -> None:
     def forward(hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         ops.edit_stream(hidden, residual, plan.slots_of("s0"), *plan.bank.buffers)
         out = linear(hidden + residual)
-        ops.harvest_stream(plan.harvest_buffer("s0"), out, None, plan.sources)
+        ops.harvest_stream(plan.pool, out, None, plan.targets_of("s0"))
         return out
 
     inputs = torch.randn(16, width, device=DEVICE)
     residual = torch.randn(16, width, device=DEVICE)
     with torch.no_grad():
         eager = forward(inputs.clone(), residual)
-        harvested = plan.harvested.clone()
+        harvested = plan.pool.clone()
         for mode in ("default", "reduce-overhead"):
             torch._dynamo.reset()
             compiled = torch.compile(forward, fullgraph=True, mode=mode)
@@ -318,7 +318,7 @@ def check_compile(width: int = 1024) -> None:
                 out = compiled(inputs.clone(), residual)
             difference = float((out - eager).abs().max() / eager.abs().max())
             print(f"compile {mode}: relative difference to eager {difference:.3g}, harvest difference "
-                  f"{float((plan.harvested - harvested).abs().max()):.3g}", flush=True)
+                  f"{float((plan.pool - harvested).abs().max()):.3g}", flush=True)
 
 
 def summed(half: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
@@ -393,7 +393,7 @@ def ops_time(name: str, dtype: torch.dtype = torch.bfloat16, width: int = 4096, 
     the hidden half, the rest on the fused stream; `neighbours` then before each launch, not each site)."""
     names = [f"s{number}" for number in range(sites)]
     plan = plans.GraphPlan(names, rounds, max(rows, 256), width, dtype, DEVICE, slots=256,
-                           harvest_sites=names if harvest else (), harvest_capacity=256)
+                           harvest_sites=names if harvest else ())
     if steered:
         plan.enter("r", [plans.PlannedSteer(names, operation("ablate", False, dtype, width, 40),
                                             plans.RowRule.of([0], 1), "r")])
@@ -411,9 +411,9 @@ def ops_time(name: str, dtype: torch.dtype = torch.bfloat16, width: int = 4096, 
                 if neighbours:
                     other.add_(hidden)
                 if ops_on:
-                    ops.edit_stretch(hidden, residual, plan.index, *plan.bank.buffers, plan.harvested, plan.sources,
-                                     plan.targets, [plan.lane_of[(site, 0)] for site in group], rounds,
-                                     [plan.harvest_index[site] if harvest else -1 for site in group],
+                    ops.edit_stretch(hidden, residual, plan.index, *plan.bank.buffers, plan.pool,
+                                     [plan.lane_of[(site, 0)] for site in group], rounds,
+                                     [plan.harvest_lane_of[site] if harvest else -1 for site in group],
                                      [number > 0 for number in range(len(group))])
             return
         for site, view in zip(names, views):
@@ -426,12 +426,12 @@ def ops_time(name: str, dtype: torch.dtype = torch.bfloat16, width: int = 4096, 
                     ops.edit_stream(hidden, residual, plan.slots_of(site, round_), *plan.bank.buffers)
                 view = plan.slots_of(site, rounds - 1)
             if harvest and together:
-                ops.edit_harvest_stream(hidden, residual, view, *plan.bank.buffers, plan.harvest_buffer(site),
-                                        plan.sources, plan.targets)
+                ops.edit_harvest_stream(hidden, residual, view, *plan.bank.buffers, plan.pool,
+                                        plan.targets_of(site))
                 continue
             ops.edit_stream(hidden, residual, view, *plan.bank.buffers)
             if harvest:
-                ops.harvest_stream(plan.harvest_buffer(site), hidden, residual, plan.sources)
+                ops.harvest_stream(plan.pool, hidden, residual, plan.targets_of(site))
 
     with body(name):
         run()  # compiles the kernels, off the capture

@@ -6,12 +6,13 @@ calls, which see the same (hidden, residual) pair: in vLLM's Llama block the
 attention output (the hidden half, whole) then the fused stream after it,
 and the MLP output, the block's output and the next block's input. Each
 stage runs its rounds (two columns of a plan's index) and, at some stages,
-a harvest into its buffer of the plan's harvest buffers.
+a harvest into its own rows of one pool (`pooled`: a column of targets a
+harvesting stage).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -20,17 +21,22 @@ from streamscope.vllm import graph_ops
 
 MODES = ("add", "set", "ablate", "clamp")
 SETTINGS = {"add": (0.7, 0.0), "set": (1.3, 0.0), "ablate": (0.6, 0.0), "clamp": (1.0, 2.5)}
-#: Stretches by name: (each stage's lane in the index, its harvest buffer or -1, whether it sees the fused stream).
+#: Stretches by name: (each stage's lane in the index, whether it harvests, whether it sees the fused stream).
 #: Three stages (a whole stream, then fused twice; harvests at the first and the last) and two (fused, then whole).
-STRETCHES = {"three-stages": ([1, 4, 7], [2, -1, 0], [False, True, True]),
-             "two-stages": ([5, 2], [-1, 1], [True, False])}
+STRETCHES = {"three-stages": ([1, 4, 7], [True, False, True], [False, True, True]),
+             "two-stages": ([5, 2], [False, True], [True, False])}
 ROUNDS = 2
 #: Rows no stage edits (the first harvested, the second not); a row every round of every stage edits.
 IDLE, EVERYWHERE = (5, 6), 15
 #: A row the first stage edits and the last harvests without an edit: its copy must see the first stage's edit.
 EDITED_THEN_COPIED = 7
-HARVESTED = [EDITED_THEN_COPIED, 0, 3, 9, 2, 13, IDLE[0], EVERYWHERE]
-CAPACITY, HARVEST_SITES, COLUMNS = 10, 3, 10
+COLUMNS = 10
+#: Each harvesting stage's targets (stream row -> pool row), the last stage's last: rows of its own in one pool,
+#: EVERYWHERE at two stages (edited between), at the last the row the first edits.
+STAGE_TARGETS = ({0: 5, 3: 1, 9: 8, IDLE[0]: 10, EVERYWHERE: 2},
+                 {EDITED_THEN_COPIED: 4, 3: 0, 13: 9, 2: 6, EVERYWHERE: 11})
+#: The pool's rows: those above, rows no stage names (3, 7, 12 to 14; the index's padding rows name 3) and the spare.
+POOL = 16
 
 
 def generator(seed: int) -> torch.Generator:
@@ -53,19 +59,12 @@ def every_mode(width: int, rows: int, dtype: torch.dtype, fused: bool,
     return buffers, hidden, residual
 
 
-#: A single-site op as the test runs it: edit (hidden, residual, slots) -> the edited hidden; edit and harvest
-#: (hidden, residual, slots, out) -> the edited hidden and the filled buffer.
-Edit = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor], torch.Tensor]
-EditHarvest = Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor],
-                       tuple[torch.Tensor, torch.Tensor]]
-
-
 class Stretch:
-    """A stretch's index (the stages' rounds among other columns, padding rows past the call marked), its harvest
-    buffers and maps, and a stream of `rows` rows with the slots of `every_mode`."""
+    """A stretch's index (the stages' rounds among other columns, padding rows past the call marked) and a stream of
+    `rows` rows with the slots of `every_mode`."""
 
     def __init__(self, name: str, rows: int, width: int, dtype: torch.dtype, seed: int = 70) -> None:
-        self.lanes, self.buffers, self.fused = STRETCHES[name]
+        self.lanes, self.harvests, self.fused = STRETCHES[name]
         self.slot_buffers, self.hidden, residual = every_mode(width, rows, dtype, True, seed)
         self.residual: Optional[torch.Tensor] = residual
         self.index = torch.zeros((rows + 4, COLUMNS), dtype=torch.int32)  # padding rows marked: never read
@@ -78,11 +77,6 @@ class Stretch:
         first, last = self.lanes[0], self.lanes[-1]
         self.index[EDITED_THEN_COPIED, first:first + ROUNDS] = torch.tensor([0, 6], dtype=torch.int32)
         self.index[EDITED_THEN_COPIED, last:last + ROUNDS] = -1
-        self.sources = torch.full((CAPACITY,), -1, dtype=torch.int32)
-        self.sources[:len(HARVESTED)] = torch.tensor(HARVESTED, dtype=torch.int32)
-        self.targets = torch.full((rows,), -1, dtype=torch.int32)
-        self.targets[HARVESTED] = torch.arange(len(HARVESTED), dtype=torch.int32)
-        self.harvested = torch.randn(HARVEST_SITES, CAPACITY, width, generator=generator(seed + 9)).to(dtype)
         edited = torch.stack([(self.slots(lane)[:rows] >= 0).any(dim=1) for lane in self.lanes], dim=1)
         assert not edited[IDLE[0]].any() and edited[EVERYWHERE].all()
         assert ((edited.sum(dim=1) > 0) & (edited.sum(dim=1) < len(self.lanes))).any()  # rows edited at some stages
@@ -91,39 +85,29 @@ class Stretch:
         """A stage's rounds: a strided ``[max_rows, rounds]`` view of the index."""
         return self.index[:, lane:lane + ROUNDS]
 
-    def arguments(self) -> tuple:
-        """`edit_stretch`'s arguments after the stream's halves (whose copies the caller passes)."""
-        return (self.index, *self.slot_buffers, self.harvested.clone(), self.sources, self.targets, self.lanes,
-                ROUNDS, self.buffers, self.fused)
 
-    def stages(self) -> Iterator[tuple[torch.Tensor, Optional[torch.Tensor], int]]:
-        """Each stage's slots, the residual it sees (None for a whole stage) and its harvest buffer (-1: none)."""
-        for lane, buffer, fused in zip(self.lanes, self.buffers, self.fused):
-            yield self.slots(lane), self.residual if fused else None, buffer
+def pool_of(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A harvest pool of `rows` rows, its last (the spare) holding NaN, -0.0 and inf: bits a rewrite would show."""
+    pool = torch.randn(rows, width, generator=generator(seed)).to(dtype)
+    pool[-1, :3] = torch.tensor([float("nan"), -0.0, float("inf")])
+    return pool
 
-    def one_by_one(self, edit: Edit, edit_harvest: EditHarvest) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stream's hidden half and the harvest buffers after the single-site ops, stage after stage."""
-        hidden, harvested = self.hidden.clone(), self.harvested.clone()
-        for slots, residual, buffer in self.stages():
-            if buffer >= 0:
-                hidden, harvested[buffer] = edit_harvest(hidden, residual, slots, harvested[buffer].clone())
-            else:
-                hidden = edit(hidden, residual, slots)
-        return hidden, harvested
 
-    def check_harvest(self, hidden: torch.Tensor, harvested: torch.Tensor) -> None:
-        """What the comparison with the ops one by one cannot show: a row edited at the first stage and harvested
-        unedited at the last is copied with the edit; buffers no stage names, and rows no row fills, keep their
-        bits. (`hidden` is the stretch's result.)"""
-        last, residual = self.buffers[-1], self.residual if self.fused[-1] else None
-        row = EDITED_THEN_COPIED
-        stream = hidden[row] if residual is None else hidden[row] + residual[row]
-        before = self.hidden[row] if residual is None else self.hidden[row] + residual[row]
-        copied = harvested[last, HARVESTED.index(row)]
-        assert torch.equal(copied, stream) and not torch.equal(copied, before)
-        kept = [buffer for buffer in range(HARVEST_SITES) if buffer not in self.buffers]
-        assert torch.equal(bits(harvested[kept]), bits(self.harvested[kept]))
-        assert torch.equal(bits(harvested[:, len(HARVESTED):]), bits(self.harvested[:, len(HARVESTED):]))
+def pooled(stretch: Stretch) -> tuple[torch.Tensor, torch.Tensor, list[int], tuple[dict[int, int], ...]]:
+    """`stretch` harvesting into one pool: its index with a column of targets after it for each harvesting stage
+    (`STAGE_TARGETS`), the pool, each stage's column of targets (-1: none) and the targets in use."""
+    rows, width = stretch.hidden.shape
+    harvesting = [stage for stage, harvests in enumerate(stretch.harvests) if harvests]
+    maps = STAGE_TARGETS[len(STAGE_TARGETS) - len(harvesting):]
+    columns = torch.full((stretch.index.shape[0], len(maps)), 3, dtype=torch.int32)  # the padding's: never read
+    columns[:rows] = -1
+    for number, targets in enumerate(maps):
+        columns[list(targets), number] = torch.tensor(list(targets.values()), dtype=torch.int32)
+    harvest_lanes = [-1] * len(stretch.lanes)
+    for number, stage in enumerate(harvesting):
+        harvest_lanes[stage] = stretch.index.shape[1] + number
+    return (torch.cat([stretch.index, columns], dim=1), pool_of(POOL, width, stretch.hidden.dtype, 80), harvest_lanes,
+            maps)
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:

@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from streamscope.vllm.graph_backend import (CONFIG_KEY, DEFAULT_VALUES, GraphBackend, GraphOps, GraphOptions,
+from streamscope.serve.worker import _refusal
+from streamscope.vllm.graph_backend import (CONFIG_KEY, GraphBackend, GraphOps, GraphOptions, LeftOnHooks,
                                             check_harvest_memory, engine_config, operation_of, row_rule)
 from streamscope.bulk.operations import prepare
 from streamscope.bulk.requests import Live, RequestApplier, Span, SteerEntry
 from streamscope.vllm.graph_ops import MODE_CODES, SALT_KEY
-from streamscope.vllm.graph_plan import GraphPlan
+from streamscope.vllm.graph_plan import GraphPlan, default_pool
 
 HIDDEN = 4
 
@@ -145,15 +146,14 @@ def test_the_option_and_the_engine_s_config() -> None:
     assert engine_config(False, {"other": 1}) is None
 
 
-def test_harvest_buffers_too_large_for_the_device_are_refused_naming_the_fix() -> None:
-    """Every default value at every block of the Llama-3-70B shape (480 sites, 8192 rows, 8192 wide, bfloat16):
-    60 GiB of harvest buffers, more than half of what an H200 has left after FP8 weights; the 8B shape's 12 GiB on
-    an H100 passes."""
-    names = [f"layers.{layer}.{value}" for layer in range(80) for value in DEFAULT_VALUES]
-    with pytest.raises(ValueError, match=r"need 60\.0 GiB.*--graph-ops '\{\"harvest\": \[\"layer_output\"\]\}' "
-                                         r"\(10\.0 GiB"):
-        check_harvest_memory(names, 8192, 8192, torch.bfloat16, 65 * 2**30)
-    check_harvest_memory(names[:6 * 32], 8192, 4096, torch.bfloat16, 62 * 2**30)
+def test_a_harvest_pool_too_large_for_the_device_is_refused_naming_the_fix() -> None:
+    """The default pool (8 sites at every one of 8,192 rows) takes 1 GiB at the Llama-3-70B width in bfloat16, which
+    fits beside FP8 weights on an H200 (65 GiB left); a pool of 480 sites' rows (every default value at every block,
+    what the per-site buffers took: 60 GiB) is refused, naming the setting."""
+    check_harvest_memory(default_pool(8192, 480), 8192, torch.bfloat16, 65 * 2**30)
+    with pytest.raises(ValueError, match=r"harvest pool \(3932160 rows x 8192, torch.bfloat16\) needs 60\.0 GiB.*"
+                                         r"--graph-ops '\{\"harvest_pool\": 983040\}'"):
+        check_harvest_memory(480 * 8192, 8192, torch.bfloat16, 65 * 2**30)
 
 
 def test_an_add_and_a_set_of_one_shared_vector_take_a_slot_each() -> None:
@@ -170,3 +170,32 @@ def test_an_add_and_a_set_of_one_shared_vector_take_a_slot_each() -> None:
     assert slots["add"] == slots["add again"] != slots["set"] and setup.plan.bank.live == 2
     modes = setup.plan.bank.modes
     assert int(modes[slots["add"]]) == MODE_CODES["add"] and int(modes[slots["set"]]) == MODE_CODES["set"]
+
+
+def test_a_harvest_the_pool_cannot_hold_is_refused_for_now_or_for_good_where_hooks_do_not_fire() -> None:
+    """On a compiled engine (hooks do not fire) a harvest the pool cannot take is refused whole: for now (a 503 on a
+    server, naming a larger pool) while other harvests hold the pool, for good (a 400) where it alone would not
+    fit; on an eager engine the hooks read it instead."""
+    setup = Setup()
+    setup.plan = GraphPlan(["a", "b", "c"], 2, 16, HIDDEN, torch.float32, "cpu", harvest_sites=["a", "c"],
+                           harvest_pool=24)
+    setup.ops.plan = setup.plan
+    compiled = GraphBackend(setup.ops, hooks_fire=False)
+
+    def harvest(positions: list[int]) -> Live:
+        return Live([], harvest_sites=[setup.sites["a"], setup.sites["c"]], positions=positions,
+                    slots={position: slot for slot, position in enumerate(positions)})
+
+    compiled.enter("first", harvest(list(range(10))))  # 2 sites x 10 positions: 20 rows of a step
+    with pytest.raises(LeftOnHooks) as busy:
+        compiled.enter("second", harvest([0, 1, 2]))  # 6 rows more could share the first one's step
+    assert busy.value.busy and busy.value.pool == 24 and "first" in compiled.entered and "second" not in compiled.entered
+    refusal = _refusal(busy.value)
+    assert refusal.status == 503 and "harvest pool (24 rows" in str(refusal) and '"harvest_pool": 48' in str(refusal)
+    with pytest.raises(LeftOnHooks) as never:
+        compiled.enter("third", harvest(list(range(13))))  # 26 rows alone
+    assert not never.value.busy and "harvest_pool" in str(never.value) and _refusal(never.value).status == 400
+    eager = GraphBackend(setup.ops)
+    live = harvest([0, 1, 2])
+    eager.enter("hooked", live)  # the pool is held: the hooks read this one
+    assert "hooked" not in eager.entered and live.harvest_sites and live.positions == [0, 1, 2]

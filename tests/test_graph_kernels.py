@@ -36,7 +36,8 @@ from streamscope.vllm.blocks import Summed
 from streamscope.values import OUTPUT
 
 from .graph_kernel_worker import receive, send
-from .graph_stretch import HARVESTED, ROUNDS, STRETCHES, Stretch, every_mode
+from .graph_stretch import (COLUMNS, EDITED_THEN_COPIED, EVERYWHERE, POOL, ROUNDS, STRETCHES, Stretch,
+                            every_mode, pool_of, pooled)
 from .precision import CPU_FLOAT32
 
 triton = pytest.importorskip("triton")
@@ -324,7 +325,7 @@ def test_each_row_takes_its_own_slot(interpreted: Interpreter, fused: bool) -> N
 
 
 def test_idle_call_leaves_every_bit(interpreted: Interpreter) -> None:
-    """No row marked: the stream (NaN, inf, -0.0 in it) and a harvest buffer are every bit as they were."""
+    """No row marked: the stream (NaN, inf, -0.0 in it) and a harvest pool are every bit as they were."""
     case = Case("clamp", True, True, 48, torch.float32)
     hidden = case.hidden_buffer[:ROWS].clone()
     hidden[2, 5], hidden[6, 7] = float("-inf"), -0.0
@@ -333,7 +334,7 @@ def test_idle_call_leaves_every_bit(interpreted: Interpreter) -> None:
         (edited, *_), _ = interpreted("edit_stream", hidden.clone(), residual, idle, *case.buffers)
         assert torch.equal(bits(edited), bits(hidden))
     out = torch.randn(5, 48, generator=generator(7))
-    (kept, *_), _ = interpreted("harvest_stream", out.clone(), hidden, case.residual(), idle[:5])
+    (kept, *_), _ = interpreted("harvest_stream", out.clone(), hidden, case.residual(), idle)
     assert torch.equal(bits(kept), bits(out))
 
 
@@ -341,12 +342,12 @@ def test_idle_call_leaves_every_bit(interpreted: Interpreter) -> None:
 
 
 def harvested_by_torch(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
-                       sources: torch.Tensor) -> torch.Tensor:
-    """A copy of `out` after the harvest op's torch body (the kernel's reference)."""
+                       targets: torch.Tensor) -> torch.Tensor:
+    """A copy of the pool `out` after the harvest op's torch body (the kernel's reference)."""
     taken = out.clone()
     previous = graph_ops.use_body("torch")
     try:
-        graph_ops.harvest_stream(taken, hidden, residual, sources)
+        graph_ops.harvest_stream(taken, hidden, residual, targets)
     finally:
         graph_ops.use_body(previous)
     return taken
@@ -357,41 +358,53 @@ def harvested_by_torch(out: torch.Tensor, hidden: torch.Tensor, residual: Option
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_harvest_kernel_copies_the_named_rows(interpreted: Interpreter, dtype: torch.dtype, fused: bool,
                                               block: Optional[int]) -> None:
-    """Each buffer row takes its source row (the halves' sum: the bulk read's bits, and the torch body's); a
-    source of -1 or past the call's rows leaves its buffer row as it was; NaN padding rows past the call, and
-    index entries past the buffer's capacity, are not read; a whole stream's row is copied bit for bit."""
+    """Each stream row with a target is stored in that pool row (the halves' sum: the bulk read's bits, and the
+    torch body's); pool rows no row names, the spare among them, keep their bits; NaN padding rows past the call,
+    and index entries at or past the call's rows (naming pool rows), are not read; a whole row is copied bit for
+    bit."""
     width = 100
     hidden_buffer = torch.full((12, width), float("nan"), dtype=dtype)
     hidden_buffer[:10] = (torch.randn(10, width, generator=generator(9)) * 3).to(dtype)
     hidden_buffer[7, 3], hidden_buffer[0, 4] = -0.0, float("inf")
     residual = (torch.randn(10, width, generator=generator(10)) * 5).to(dtype) if fused else None
     hidden = hidden_buffer[:10]
-    out = torch.randn(6, width, generator=generator(11)).to(dtype)
-    sources = torch.tensor([7, -1, 0, 3, 10, 9, 2, 2], dtype=torch.int32)  # 10: past the rows; 2, 2: past capacity
+    out = pool_of(8, width, dtype, 11)
+    targets = torch.tensor([1, -1, -1, 4, -1, -1, -1, 0, -1, 5, 2, 3], dtype=torch.int32)  # 10, 11: past the rows
     call, options = ("harvest_rows", {"block": block}) if block else ("harvest_stream", {})
-    (taken, *others), _ = interpreted(call, out.clone(), hidden, residual, sources, **options)
-    for before, after in zip((hidden, residual, sources), others):  # the op mutates `out` only
+    (taken, *others), _ = interpreted(call, out.clone(), hidden, residual, targets, **options)
+    for before, after in zip((hidden, residual, targets), others):  # the op mutates `out` only
         assert (before is None and after is None) or torch.equal(bits(before), bits(after))
-    named = torch.tensor([7, 0, 3, 9])
-    bulk = Summed(None, OUTPUT).stream_rows(hidden if residual is None else (hidden, residual), named)
+    bulk = Summed(None, OUTPUT).stream_rows(hidden if residual is None else (hidden, residual),
+                                            torch.tensor([0, 3, 7, 9]))
     assert bulk is not None
-    assert torch.equal(bits(taken[[0, 2, 3, 5]]), bits(bulk))
-    assert torch.equal(bits(taken[[1, 4]]), bits(out[[1, 4]]))
-    assert torch.equal(bits(taken), bits(harvested_by_torch(out, hidden, residual, sources)))
+    assert torch.equal(bits(taken[[1, 4, 0, 5]]), bits(bulk))
+    assert torch.equal(bits(taken[[2, 3, 6, 7]]), bits(out[[2, 3, 6, 7]]))
+    assert torch.equal(bits(taken), bits(harvested_by_torch(out, hidden, residual, targets)))
 
 
-def test_a_harvest_launch_is_as_wide_as_the_call_not_the_buffer(interpreted: Interpreter) -> None:
-    """The harvest kernel launches one program per buffer row below the call's rows (a decode step of 64 rows with
-    a buffer for 8,192: 64 programs), and fills the buffer as the torch body does, rows past the call kept."""
+def test_a_harvest_launch_is_as_wide_as_the_call_not_the_pool(interpreted: Interpreter) -> None:
+    """The harvest kernel launches one program per stream row of the call (a decode step of 64 rows with a pool for
+    8,192: 64 programs, whatever the pool's size), and fills the pool as the torch body does, entries past the call
+    not read."""
     hidden = torch.randn(64, 48, generator=generator(21))
-    assert graph_kernels.harvest_launch(torch.empty(8192, 48), hidden, None, torch.full((8192,), -1))[0] == (64,)
-    assert graph_kernels.harvest_launch(torch.empty(16, 48), hidden, None, torch.full((16,), -1))[0] == (16,)
+    assert graph_kernels.harvest_launch(torch.empty(8192, 48), hidden, None, torch.full((64,), -1))[0] == (64,)
+    assert graph_kernels.harvest_launch(torch.empty(16, 48), hidden, None, torch.full((64,), -1))[0] == (64,)
     small = hidden[:4]
-    out = torch.randn(9, 48, generator=generator(22))
-    sources = torch.tensor([2, -1, 0, 3, 1, 1, 0, 2, 3], dtype=torch.int32)
-    (taken, *_), _ = interpreted("harvest_stream", out.clone(), small, None, sources)
-    assert torch.equal(bits(taken), bits(harvested_by_torch(out, small, None, sources)))
-    assert torch.equal(bits(taken[4:]), bits(out[4:])) and torch.equal(bits(taken[[0, 2, 3]]), bits(small[[2, 0, 3]]))
+    out = pool_of(9, 48, torch.float32, 22)
+    targets = torch.tensor([2, -1, 0, 3, 1, 4, 5, 6, 7], dtype=torch.int32)  # entries 4..8 name pool rows: not read
+    (taken, *_), _ = interpreted("harvest_stream", out.clone(), small, None, targets)
+    assert torch.equal(bits(taken), bits(harvested_by_torch(out, small, None, targets)))
+    assert torch.equal(bits(taken[[2, 0, 3]]), bits(small[[0, 2, 3]]))
+    assert torch.equal(bits(taken[[1, 4, 5, 6, 7, 8]]), bits(out[[1, 4, 5, 6, 7, 8]]))
+
+
+def targets_of(rows: int, harvested: list[int], pool_rows: list[int], padding: int = 4) -> torch.Tensor:
+    """A site's column of targets: stream row ``harvested[k]`` -> pool row ``pool_rows[k]``, the others -1; the
+    `padding` entries past the rows name pool row ``pool_rows[0]`` (never read)."""
+    targets = torch.full((rows + padding,), -1, dtype=torch.int32)
+    targets[harvested] = torch.tensor(pool_rows, dtype=torch.int32)
+    targets[rows:] = pool_rows[0]
+    return targets
 
 
 @pytest.mark.parametrize("block", [None, 32], ids=["one-block", "blocks-of-32"])
@@ -401,38 +414,31 @@ def test_an_edit_and_its_harvest_in_one_launch_are_the_two_ops(interpreted: Inte
                                                               fused: bool, block: Optional[int]) -> None:
     """`edit_harvest_stream`'s kernel gives the bits of `edit_stream` then `harvest_stream` (kernels both): every
     mode, plain and norm-matched, rows interleaved; a harvested row the edit leaves (its row as it was), an edited
-    row nobody harvests, idle rows and buffer rows no row fills, all as the two ops leave them. Its torch body is
-    the two torch bodies, in order."""
+    row nobody harvests, idle rows and pool rows no row fills (the spare among them), all as the two ops leave
+    them. Its torch body is the two torch bodies, in order."""
     width, rows = 100, 20
     buffers, hidden, residual = every_mode(width, rows, dtype, fused, seed=50)
     slots = torch.tensor([(row * 3) % 9 - 1 for row in range(rows)], dtype=torch.int32)  # -1 and 0..7, mixed
-    harvested = [7, 0, 3, 9, 2, 13]  # edited rows and rows the edit leaves (slot -1: rows 0, 3, 6, ...)
-    sources = torch.full((8,), -1, dtype=torch.int32)
-    sources[:len(harvested)] = torch.tensor(harvested, dtype=torch.int32)
-    targets = torch.full((rows,), -1, dtype=torch.int32)
-    targets[harvested] = torch.arange(len(harvested), dtype=torch.int32)
-    out = torch.randn(8, width, generator=generator(53)).to(dtype)
+    # Edited rows and rows the edit leaves (slot -1: rows 0, 3, 6, ...), into pool rows out of their order.
+    targets = targets_of(rows, [7, 0, 3, 9, 2, 13], [4, 0, 6, 1, 3, 2])
+    out = pool_of(9, width, dtype, 53)
     options = {"block": block} if block else {}
     (edited, *_), _ = interpreted("edit_rows" if block else "edit_stream", hidden.clone(), residual, slots, *buffers,
                                   **options)
     (taken, *_), _ = interpreted("harvest_rows" if block else "harvest_stream", out.clone(), edited, residual,
-                                 sources, **options)
-    if block:
-        (both, _, _, _, _, _, _, _, both_out, _), _ = interpreted(
-            "edit_harvest_rows", hidden.clone(), residual, slots, *buffers, out.clone(), targets, **options)
-    else:
-        (both, _, _, _, _, _, _, _, both_out, _, _), _ = interpreted(
-            "edit_harvest_stream", hidden.clone(), residual, slots, *buffers, out.clone(), sources, targets)
+                                 targets, **options)
+    (both, *_, both_out, _), _ = interpreted("edit_harvest_rows" if block else "edit_harvest_stream", hidden.clone(),
+                                             residual, slots, *buffers, out.clone(), targets, **options)
     assert torch.equal(bits(both), bits(edited)) and torch.equal(bits(both_out), bits(taken))
-    assert torch.equal(bits(both_out[len(harvested):]), bits(out[len(harvested):]))  # rows no row fills: kept
+    assert torch.equal(bits(both_out[[5, 7, 8]]), bits(out[[5, 7, 8]]))  # rows no row fills: kept
     assert not torch.equal(bits(edited), bits(hidden))  # the edits acted, so the comparison above can fail
     by_torch, by_torch_out = hidden.clone(), out.clone()
     previous = graph_ops.use_body("torch")
     try:
-        graph_ops.edit_harvest_stream(by_torch, residual, slots, *buffers, by_torch_out, sources, targets)
+        graph_ops.edit_harvest_stream(by_torch, residual, slots, *buffers, by_torch_out, targets)
         separate, separate_out = hidden.clone(), out.clone()
         graph_ops.edit_stream(separate, residual, slots, *buffers)
-        graph_ops.harvest_stream(separate_out, separate, residual, sources)
+        graph_ops.harvest_stream(separate_out, separate, residual, targets)
     finally:
         graph_ops.use_body(previous)
     assert torch.equal(bits(by_torch), bits(separate)) and torch.equal(bits(by_torch_out), bits(separate_out))
@@ -457,12 +463,8 @@ def test_a_sites_rounds_in_one_launch_are_the_rounds_one_by_one(interpreted: Int
     index[5, 2:2 + rounds] = index[15, 2:2 + rounds] = -1  # rows no round edits
     slots = index[:, 2:2 + rounds]
     assert (slots.min(dim=1).values >= 0).any() and (slots.max(dim=1).values < 0).any()  # all rounds, and none
-    harvested = [7, 0, 3, 9, 2, 13, 11]
-    sources = torch.full((8,), -1, dtype=torch.int32)
-    sources[:len(harvested)] = torch.tensor(harvested, dtype=torch.int32)
-    targets = torch.full((rows,), -1, dtype=torch.int32)
-    targets[harvested] = torch.arange(len(harvested), dtype=torch.int32)
-    out = torch.randn(8, width, generator=generator(63)).to(dtype)
+    targets = targets_of(rows, [7, 0, 3, 9, 2, 13, 11], [6, 0, 2, 4, 1, 5, 3])
+    out = pool_of(9, width, dtype, 63)
     options = {"block": block} if block else {}
     edit, edit_harvest = ("edit_rows", "edit_harvest_rows") if block else ("edit_stream", "edit_harvest_stream")
     one_by_one = hidden.clone()
@@ -470,25 +472,21 @@ def test_a_sites_rounds_in_one_launch_are_the_rounds_one_by_one(interpreted: Int
         (one_by_one, *_), _ = interpreted(edit, one_by_one, residual, slots[:, round_].contiguous(), *buffers,
                                           **options)
     (taken, *_), _ = interpreted("harvest_rows" if block else "harvest_stream", out.clone(), one_by_one, residual,
-                                 sources, **options)
+                                 targets, **options)
     (together, *_), _ = interpreted(edit, hidden.clone(), residual, slots, *buffers, **options)
     assert torch.equal(bits(together), bits(one_by_one))
     assert not torch.equal(bits(together), bits(hidden))  # the rounds acted, so the comparison above can fail
-    if block:
-        (both, _, _, _, _, _, _, _, both_out, _), _ = interpreted(
-            edit_harvest, hidden.clone(), residual, slots, *buffers, out.clone(), targets, **options)
-    else:
-        (both, _, _, _, _, _, _, _, both_out, _, _), _ = interpreted(
-            edit_harvest, hidden.clone(), residual, slots, *buffers, out.clone(), sources, targets)
+    (both, *_, both_out, _), _ = interpreted(edit_harvest, hidden.clone(), residual, slots, *buffers, out.clone(),
+                                             targets, **options)
     assert torch.equal(bits(both), bits(one_by_one)) and torch.equal(bits(both_out), bits(taken))
     by_torch, by_torch_out = hidden.clone(), out.clone()
     previous = graph_ops.use_body("torch")
     try:
-        graph_ops.edit_harvest_stream(by_torch, residual, slots, *buffers, by_torch_out, sources, targets)
+        graph_ops.edit_harvest_stream(by_torch, residual, slots, *buffers, by_torch_out, targets)
         separate, separate_out = hidden.clone(), out.clone()
         for round_ in range(rounds):
             graph_ops.edit_stream(separate, residual, slots[:, round_], *buffers)
-        graph_ops.harvest_stream(separate_out, separate, residual, sources)
+        graph_ops.harvest_stream(separate_out, separate, residual, targets)
     finally:
         graph_ops.use_body(previous)
     assert torch.equal(bits(by_torch), bits(separate)) and torch.equal(bits(by_torch_out), bits(separate_out))
@@ -504,57 +502,91 @@ def test_a_stretch_in_one_launch_is_its_sites_one_by_one(interpreted: Interprete
                                                          block: Optional[int]) -> None:
     """`edit_stretch`'s kernel gives the bits of each stage's `edit_harvest_stream` or `edit_stream` kernel, stage
     after stage (a whole stage on the hidden half alone, a fused one on the two halves), harvests at some stages
-    only: rows edited at no stage, at some and at every round of all; a row harvested at a stage that does not
-    edit it, after an earlier stage did, is copied with that edit (tests/graph_stretch.py)."""
+    only, each stage into its own rows of one pool: rows edited at no stage, at some and at every round of all; a
+    row harvested at a stage that does not edit it, after an earlier stage did, is copied with that edit; a row
+    harvested at two stages holds each stage's row; rows no stage names, the spare among them, keep their bits."""
     stretch = Stretch(name, 20, 100, dtype)
-    slot_buffers, options = stretch.slot_buffers, ({"block": block} if block else {})
-
-    def edit(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
-        (edited, *_), _ = interpreted("edit_rows" if block else "edit_stream", hidden, residual, slots, *slot_buffers,
-                                      **options)
-        return edited
-
-    def edit_harvest(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor,
-                     out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        maps = (stretch.targets,) if block else (stretch.sources, stretch.targets)
-        arguments, _ = interpreted("edit_harvest_rows" if block else "edit_harvest_stream", hidden, residual, slots,
-                                   *slot_buffers, out, *maps, **options)
-        return arguments[0], arguments[8]
-
-    one_by_one, one_by_one_harvested = stretch.one_by_one(edit, edit_harvest)
-    if block:
-        arguments, _ = interpreted("edit_stretch_rows", stretch.hidden.clone(), stretch.residual, stretch.index,
-                                   *slot_buffers, stretch.harvested.clone(), stretch.targets, stretch.lanes, ROUNDS,
-                                   stretch.buffers, stretch.fused, block=block)
-    else:
-        arguments, _ = interpreted("edit_stretch", stretch.hidden.clone(), stretch.residual, *stretch.arguments())
-    together, together_harvested = arguments[0], arguments[8]
-    assert torch.equal(bits(together), bits(one_by_one))
-    assert torch.equal(bits(together_harvested), bits(one_by_one_harvested))
+    index, start, harvest_lanes, maps = pooled(stretch)
+    options = {"block": block} if block else {}
+    hidden, pool = stretch.hidden, start  # the worker changes its copies
+    for lane, harvest_lane, fused in zip(stretch.lanes, harvest_lanes, stretch.fused):  # the ops one by one
+        harvest = (pool, index[:, harvest_lane]) if harvest_lane >= 0 else ()
+        arguments, _ = interpreted(("edit_harvest" if harvest else "edit") + ("_rows" if block else "_stream"),
+                                   hidden, stretch.residual if fused else None, index[:, lane:lane + ROUNDS],
+                                   *stretch.slot_buffers, *harvest, **options)
+        hidden, pool = arguments[0], (arguments[8] if harvest else pool)
+    arguments, _ = interpreted("edit_stretch_rows" if block else "edit_stretch", stretch.hidden, stretch.residual,
+                               index, *stretch.slot_buffers, start, stretch.lanes, ROUNDS, harvest_lanes,
+                               stretch.fused, **options)
+    together, together_pool = arguments[0], arguments[8]
+    assert torch.equal(bits(together), bits(hidden)) and torch.equal(bits(together_pool), bits(pool))
     assert not torch.equal(bits(together), bits(stretch.hidden))  # the stages acted: the comparison can fail
-    stretch.check_harvest(together, together_harvested)
+    residual = stretch.residual if stretch.fused[-1] else None
+    row = EDITED_THEN_COPIED  # edited at the first stage, harvested unedited at the last
+    before = stretch.hidden[row] if residual is None else stretch.hidden[row] + residual[row]
+    stream = together[row] if residual is None else together[row] + residual[row]
+    copied = together_pool[maps[-1][row]]
+    assert torch.equal(copied, stream) and not torch.equal(copied, before)
+    if len(maps) == 2:  # EVERYWHERE at two stages, edited between them: a row of each
+        assert not torch.equal(together_pool[maps[0][EVERYWHERE]], together_pool[maps[1][EVERYWHERE]])
+    kept = [pool_row for pool_row in range(POOL) if all(pool_row not in targets.values() for targets in maps)]
+    assert torch.equal(bits(together_pool[kept]), bits(start[kept]))
 
 
 def test_an_idle_stretch_leaves_every_bit(interpreted: Interpreter) -> None:
-    """No slot marked at any stage: the stream (NaN, inf, -0.0 in it) keeps every bit; with no target the harvest
-    buffers too; with targets, only the targeted rows of the harvesting stages' buffers change (the rows copied)."""
-    stretch = Stretch("three-stages", 20, 48, torch.float32)
-    stretch.index.fill_(-1)
+    """No slot marked at any stage: the stream (NaN, inf, -0.0 in it) keeps every bit; with no target the pool
+    too; with targets, only the rows the harvesting stages' targets name change, each stage's rows copied as they
+    are (a whole stage's the hidden half, a fused one's the sum)."""
+    stretch = Stretch("three-stages", 20, 48, torch.float32)  # stages whole, fused, fused; the first and last harvest
+    index, pool, harvest_lanes, (first, last) = pooled(stretch)
+    index[:, :COLUMNS] = -1
     hidden = stretch.hidden.clone()
     hidden[0, 1], hidden[3, 4], hidden[4, 0], hidden[9, 2] = float("nan"), float("inf"), -0.0, float("-inf")
-    nowhere = (torch.full_like(stretch.sources, -1), torch.full_like(stretch.targets, -1))
-    for maps in (nowhere, (stretch.sources, stretch.targets)):
-        arguments, _ = interpreted("edit_stretch", hidden.clone(), stretch.residual, stretch.index,
-                                   *stretch.slot_buffers, stretch.harvested.clone(), *maps, stretch.lanes, ROUNDS,
-                                   stretch.buffers, stretch.fused)
-        kept, harvested = arguments[0], arguments[8]
+    for slots_and_targets in (torch.full_like(index, -1), index):
+        arguments, _ = interpreted("edit_stretch", hidden.clone(), stretch.residual, slots_and_targets,
+                                   *stretch.slot_buffers, pool.clone(), stretch.lanes, ROUNDS, harvest_lanes,
+                                   stretch.fused)
+        kept, filled = arguments[0], arguments[8]
         assert torch.equal(bits(kept), bits(hidden))
-        filled = [buffer for buffer in stretch.buffers if buffer >= 0] if maps is not nowhere else []
-        untouched = [buffer for buffer in range(stretch.harvested.shape[0]) if buffer not in filled]
-        assert torch.equal(bits(harvested[untouched]), bits(stretch.harvested[untouched]))
-        assert torch.equal(bits(harvested[:, len(HARVESTED):]), bits(stretch.harvested[:, len(HARVESTED):]))
-        if filled:  # the first stage (whole, buffer 2) copies its targeted rows as they are
-            assert torch.equal(bits(harvested[2, :len(HARVESTED)]), bits(hidden[HARVESTED]))
+        named = list(first.values()) + list(last.values()) if slots_and_targets is index else []
+        untouched = [row for row in range(POOL) if row not in named]
+        assert torch.equal(bits(filled[untouched]), bits(pool[untouched]))
+    # With targets, the first stage (whole) copies its rows' hidden half, the last (fused) their sum.
+    assert torch.equal(bits(filled[list(first.values())]), bits(hidden[list(first)]))
+    assert torch.equal(bits(filled[list(last.values())]), bits((hidden + stretch.residual)[list(last)]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["float32", "bfloat16", "float16"])
+def test_two_stages_harvest_their_own_rows_of_one_pool(interpreted: Interpreter, dtype: torch.dtype) -> None:
+    """A stretch of two stages, each harvesting into its own rows of one pool: a whole stage adds at row 1 and
+    harvests rows 1 and 4, then a fused stage adds at rows 1 and 4 and harvests rows 1 and 2. Each pool row holds
+    its stage's row (row 1 after the first add, before the second; row 4 as it was; rows 1 and 2 after the second
+    stage, summed with the residual), the kernel's bits the torch body's (plain adds: no reduction), the other
+    pool rows and the spare kept."""
+    width, rows = 48, 6
+    buffers, hidden, residual = every_mode(width, rows, dtype, True, seed=90)
+    add = buffers[0][0]  # slot 0: a plain add of this vector (`every_mode`)
+    index = torch.full((rows + 2, 4), -1, dtype=torch.int32)  # each stage's slots, then each stage's targets
+    index[1, 0] = index[1, 1] = index[4, 1] = 0
+    index[1, 2], index[4, 2], index[1, 3], index[2, 3] = 3, 0, 5, 2
+    index[rows:] = 1  # padding: marked and naming pool row 1, never read
+    pool = pool_of(7, width, dtype, 91)
+    arguments = (index, *buffers, pool.clone(), [0, 1], 1, [2, 3], [False, True])
+    (by_kernel, *_, by_kernel_pool, _, _, _, _), _ = interpreted("edit_stretch", hidden.clone(), residual, *arguments)
+    by_torch, torch_pool = hidden.clone(), pool.clone()
+    previous = graph_ops.use_body("torch")
+    try:
+        graph_ops.edit_stretch(by_torch, residual, index, *buffers, torch_pool, [0, 1], 1, [2, 3], [False, True])
+    finally:
+        graph_ops.use_body(previous)
+    assert torch.equal(bits(by_kernel), bits(by_torch)) and torch.equal(bits(by_kernel_pool), bits(torch_pool))
+    first = hidden[1] + add  # row 1 after the first stage's add (a whole stream: the row itself)
+    assert torch.equal(bits(by_kernel_pool[3]), bits(first)) and torch.equal(bits(by_kernel_pool[0]), bits(hidden[4]))
+    assert not torch.equal(by_kernel[1], first) and not torch.equal(by_kernel[4], hidden[4])  # the second stage acted
+    assert torch.equal(bits(by_kernel_pool[[5, 2]]), bits(by_kernel[[1, 2]] + residual[[1, 2]]))
+    assert torch.equal(bits(by_kernel[2]), bits(hidden[2]))
+    assert torch.equal(bits(by_kernel_pool[[1, 4, 6]]), bits(pool[[1, 4, 6]]))
 
 
 # ---------------------------------------------------------------- compiled for a GPU, on this CPU
@@ -576,7 +608,8 @@ def compiled(kernel: Any, launch: graph_kernels.Launch) -> Any:
             constants[parameter.name] = value
         elif key == "D":
             attributes[(number,)] = [["tt.divisibility", 16]]
-    for name in ("FUSED", "BLOCK", "HARVEST", "ROUNDS", "WAIT", "STAGES", "SLOTS", "FUSED_MASK", "HARVEST_MASK"):
+    for name in ("FUSED", "BLOCK", "HARVEST", "ROUNDS", "WAIT", "STAGES", "SLOTS", "TARGETS", "FUSED_MASK",
+                 "HARVEST_MASK"):
         if name in options:
             signature[name] = "constexpr"
             constants[name] = options[name]
@@ -639,22 +672,22 @@ def test_kernels_compile_for_hopper(dtype: torch.dtype, tmp_path: Path, monkeypa
         waiting = compiled(graph_kernels._edit_rows, (grid, arguments, {**options, "WAIT": True}))
         body = waiting.asm["ptx"][waiting.asm["ptx"].index("{", waiting.asm["ptx"].index(".entry")):]
         assert "griddepcontrol.wait" in body[:body.index("ld.global")]
-    # A stretch of three sites (a whole stream, then the fused one twice; harvests at the first and the last), one
-    # launch: an idle row loads its slots (one load of them all) and its target, then branches away. A barrier
-    # before each round but the first (nothing before it stored the row) and before each harvesting stage's copy.
-    harvested, stages = torch.empty(3, 256, width, **meta), ([0, -1, 2], [False, True, True])
+    # A stretch of three sites (a whole stream, then the fused one twice; harvests at the first and the last, each
+    # into its own pool rows), one launch: an idle row loads its slots (one load of them all) and its stages'
+    # targets (another), then branches away. A barrier before each round but the first (nothing before it stored
+    # the row) and before each harvesting stage's copy.
+    pool, stages = torch.empty(257, width, **meta), ([63, -1, 64], [False, True, True])
     stretch = compiled(graph_kernels._edit_stretch_rows,
-                       graph_kernels.stretch_launch(hidden, residual, index, *bank, harvested, index[:, -2], [3, 5, 7],
-                                                    2, *stages))
+                       graph_kernels.stretch_launch(hidden, residual, index, *bank, pool, [3, 5, 7], 2, *stages))
     ptx = stretch.asm["ptx"]
     body = ptx[ptx.index("{", ptx.index(".entry")):]
     assert stretch.asm["cubin"] and body[:body.index("bra")].count("ld.global") == 2
     assert stretch.asm["ttir"].count("ttg.barrier") == 3 * 2 - 1 + 2
     assert "fma.rn.f32" not in ptx and "ld.global.v4" in ptx and "st.global.v4" in ptx
-    if dtype == torch.float32:  # the lanes and buffers are runtime arguments: other ones, the same kernel
+    if dtype == torch.float32:  # the lanes and harvest lanes are runtime arguments: other ones, the same kernel
         other = compiled(graph_kernels._edit_stretch_rows,
-                         graph_kernels.stretch_launch(hidden, residual, index, *bank, harvested, index[:, -2],
-                                                      [16, 1, 32], 2, [1, -1, 0], stages[1]))
+                         graph_kernels.stretch_launch(hidden, residual, index, *bank, pool, [16, 1, 32], 2,
+                                                      [60, -1, 2], stages[1]))
         assert other.asm["ptx"] == ptx
 
 
@@ -693,9 +726,9 @@ def test_buffers_on_another_device_are_refused() -> None:
             graph_ops.edit_stream(hidden, case.residual(), case.slots, *buffers)
     with pytest.raises(ValueError, match="slots is on meta"):
         graph_ops.edit_stream(hidden, case.residual(), case.slots.to("meta"), *case.buffers)
-    with pytest.raises(ValueError, match="harvest buffer is on meta"):
+    with pytest.raises(ValueError, match="harvest pool is on meta"):
         graph_ops.harvest_stream(torch.empty(4, 48, device="meta"), hidden, None, case.slots)
-    with pytest.raises(ValueError, match="sources is on meta"):
+    with pytest.raises(ValueError, match="targets is on meta"):
         graph_ops.harvest_stream(torch.empty(4, 48), hidden, None, case.slots.to("meta"))
 
 

@@ -25,7 +25,7 @@ from streamscope.vllm import graph_ops
 from streamscope.vllm.blocks import Summed
 from streamscope.vllm.graph_plan import GraphPlan, PlannedSteer, RowRule, SlotBank
 
-from .graph_stretch import ROUNDS, STRETCHES, Stretch
+from .graph_stretch import EDITED_THEN_COPIED, EVERYWHERE, POOL, ROUNDS, STRETCHES, Stretch, pool_of, pooled
 from .precision import CPU_FLOAT32
 
 HIDDEN = 48
@@ -167,7 +167,7 @@ def test_idle_leaves_every_bit() -> None:
     assert torch.equal(bits(alone), bits(hidden))
     out = torch.randn(5, HIDDEN, generator=generator(7))
     kept = out.clone()
-    graph_ops.harvest_stream(out, hidden, residual, torch.full((5,), -1, dtype=torch.int32))
+    graph_ops.harvest_stream(out, hidden, residual, slots)
     assert torch.equal(bits(out), bits(kept))
 
 
@@ -181,8 +181,8 @@ def test_bad_buffers_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="bank is"):
         graph_ops.edit_stream(hidden, residual, torch.full((4,), -1, dtype=torch.int32), bank.bank.double(),
                               *bank.buffers[1:])
-    with pytest.raises(ValueError, match="harvest buffer"):
-        graph_ops.harvest_stream(torch.zeros(3, HIDDEN + 1), hidden, residual, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="harvest pool is"):
+        graph_ops.harvest_stream(torch.zeros(3, HIDDEN + 1), hidden, residual, torch.zeros(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="SAE feature clamp stays on the hook path"):
         bank.acquire("sae", object())  # type: ignore[arg-type]
 
@@ -192,63 +192,37 @@ def test_bad_buffers_are_refused_by_name() -> None:
 
 @pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
 def test_harvest_copies_the_named_rows(fused: bool) -> None:
+    """Each stream row with a target is stored in that pool row, the bulk read's bits; pool rows no row names, the
+    spare among them, keep theirs; entries of the targets at or past the call's rows (a column sized for the
+    largest step), naming pool rows, are not read: an idle step of 10 rows looks at 10 entries."""
     hidden, residual = stream(10, 9, fused)
-    out = torch.randn(6, HIDDEN, generator=generator(11))
+    out = pool_of(8, HIDDEN, torch.float32, 11)
     kept = out.clone()
-    sources = torch.tensor([7, -1, 0, 3, 10, 9, 2, 2], dtype=torch.int32)  # 10: past the rows; 2, 2: capacity's end
-    graph_ops.harvest_stream(out, hidden, residual, sources)
-    named = torch.tensor([7, 0, 3, 9])
-    bulk = Summed(None, OUTPUT).stream_rows((hidden, residual) if fused else hidden, named)
+    targets = torch.tensor([1, -1, -1, 4, -1, -1, -1, 0, -1, 5, 2, 3], dtype=torch.int32)  # 10, 11: past the rows
+    graph_ops.harvest_stream(out, hidden, residual, targets)
+    bulk = Summed(None, OUTPUT).stream_rows((hidden, residual) if fused else hidden, torch.tensor([0, 3, 7, 9]))
     assert bulk is not None
-    assert torch.equal(bits(out[[0, 2, 3, 5]]), bits(bulk))
-    assert torch.equal(bits(out[[1, 4]]), bits(kept[[1, 4]]))
+    assert torch.equal(bits(out[[1, 4, 0, 5]]), bits(bulk))
+    assert torch.equal(bits(out[[2, 3, 6, 7]]), bits(kept[[2, 3, 6, 7]]))
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
-def test_a_buffer_named_in_the_whole_harvested_is_the_buffer_alone(fused: bool) -> None:
-    """``out`` the plan's whole ``[sites, capacity, hidden]`` with ``buffer`` its index (how an engine calls the
-    harvest ops, so that no view of it is mutated in the compiled graph): that buffer takes the bits the one-buffer
-    form gives it, and the other buffers keep theirs; an index outside the buffers, or a buffer index with one
-    buffer, is refused naming the fix."""
+def test_sites_harvest_their_own_rows_of_one_pool(fused: bool) -> None:
+    """Two harvest sites of one step, each with its own targets into the one pool (each op gets the whole pool, so
+    that no view of it is mutated in a compiled graph): row 7, harvested at both and edited between them, holds
+    each site's row in its own pool row; the rows neither names, the spare among them, keep their bits."""
     hidden, residual = stream(10, 9, fused)
-    whole = torch.randn(3, 6, HIDDEN, generator=generator(13))
-    kept, alone = whole.clone(), whole[1].clone()
-    sources = torch.tensor([7, -1, 0, 3, 10, 9], dtype=torch.int32)
-    graph_ops.harvest_stream(whole, hidden, residual, sources, 1)
-    graph_ops.harvest_stream(alone, hidden, residual, sources)
-    assert torch.equal(bits(whole[1]), bits(alone)) and not torch.equal(whole[1], kept[1])
-    assert torch.equal(bits(whole[[0, 2]]), bits(kept[[0, 2]]))
-    bank = SlotBank(2, HIDDEN, torch.float32, "cpu")
+    pool, bank = pool_of(8, HIDDEN, torch.float32, 13), SlotBank(2, HIDDEN, torch.float32, "cpu")
+    kept = pool.clone()
     bank.acquire("a", operation("add", False, seed=3))
     slots = torch.tensor([0, -1, -1, 0, -1, -1, -1, 0, -1, -1], dtype=torch.int32)
-    targets = torch.full((10,), -1, dtype=torch.int32)
-    targets[[7, 0, 3, 9]] = torch.tensor([0, 2, 3, 5], dtype=torch.int32)
-    edited, edited_alone = hidden.clone(), hidden.clone()
-    whole_again, alone_again = kept.clone(), kept[2].clone()
-    graph_ops.edit_harvest_stream(edited, residual, slots, *bank.buffers, whole_again, sources, targets, 2)
-    graph_ops.edit_harvest_stream(edited_alone, residual, slots, *bank.buffers, alone_again, sources, targets)
-    assert torch.equal(bits(edited), bits(edited_alone)) and torch.equal(bits(whole_again[2]), bits(alone_again))
-    assert torch.equal(bits(whole_again[:2]), bits(kept[:2]))
-    with pytest.raises(ValueError, match="buffer=3 names a buffer"):
-        graph_ops.harvest_stream(whole, hidden, residual, sources, 3)
-    with pytest.raises(ValueError, match="pass buffer=-1 with one buffer"):
-        graph_ops.harvest_stream(alone, hidden, residual, sources, 0)
-
-
-@pytest.mark.parametrize("fused", [True, False], ids=["halves", "whole"])
-def test_harvest_reads_no_index_entry_at_or_past_the_calls_rows(fused: bool) -> None:
-    """A buffer larger than the call (a decode step of 4 rows, a buffer sized for the largest step) is filled below
-    the call's rows only: a step packs its harvest from buffer row 0, one buffer row per stream row at most, so an
-    entry past the rows is never a step's, and the op does not look at it (an idle step touches 4 entries, not 9)."""
-    hidden, residual = stream(4, 13, fused)
-    out = torch.randn(9, HIDDEN, generator=generator(12))
-    kept = out.clone()
-    sources = torch.tensor([2, -1, 0, 3, 1, 1, 0, 2, 3], dtype=torch.int32)  # rows 4..8 name rows: not read
-    graph_ops.harvest_stream(out, hidden, residual, sources)
-    bulk = Summed(None, OUTPUT).stream_rows((hidden, residual) if fused else hidden, torch.tensor([2, 0, 3]))
-    assert bulk is not None
-    assert torch.equal(bits(out[[0, 2, 3]]), bits(bulk))
-    assert torch.equal(bits(out[1]), bits(kept[1])) and torch.equal(bits(out[4:]), bits(kept[4:]))
+    graph_ops.harvest_stream(pool, hidden, residual, torch.tensor([2, -1, -1, -1, -1, -1, -1, 0, -1, -1]))
+    edited = hidden.clone()
+    graph_ops.edit_harvest_stream(edited, residual, slots, *bank.buffers, pool,
+                                  torch.tensor([-1, -1, -1, 1, -1, -1, -1, 5, -1, 3]))
+    assert torch.equal(bits(pool[[0, 2]]), bits(whole(hidden, residual)[[7, 0]]))
+    assert torch.equal(bits(pool[[5, 1, 3]]), bits(whole(edited, residual)[[7, 3, 9]]))
+    assert not torch.equal(pool[5], pool[0]) and torch.equal(bits(pool[[4, 6, 7]]), bits(kept[[4, 6, 7]]))
 
 
 def test_ops_pass_torch_library_checks() -> None:
@@ -259,25 +233,18 @@ def test_ops_pass_torch_library_checks() -> None:
     slots = torch.tensor([0, -1, 0, -1, 0, -1], dtype=torch.int32)
     torch.library.opcheck(graph_ops.edit_stream, (hidden.clone(), residual, slots, *bank.buffers))
     torch.library.opcheck(graph_ops.edit_stream, (hidden.clone(), None, slots, *bank.buffers))
-    torch.library.opcheck(graph_ops.harvest_stream,
-                          (torch.zeros(4, HIDDEN), hidden, residual, torch.tensor([4, -1, 0, 2], dtype=torch.int32)))
-    sources = torch.tensor([4, -1, 0, 2], dtype=torch.int32)
     targets = torch.tensor([2, -1, 3, -1, 0, -1], dtype=torch.int32)
+    torch.library.opcheck(graph_ops.harvest_stream, (pool_of(5, HIDDEN, torch.float32, 14), hidden, residual, targets))
     for second in (residual, None):
         torch.library.opcheck(graph_ops.edit_harvest_stream,
-                              (hidden.clone(), second, slots, *bank.buffers, torch.zeros(4, HIDDEN), sources, targets))
-    # As an engine calls them: the plan's whole harvested and a buffer's index.
-    torch.library.opcheck(graph_ops.harvest_stream, (torch.zeros(3, 4, HIDDEN), hidden, residual, sources, 2))
-    torch.library.opcheck(graph_ops.edit_harvest_stream,
-                          (hidden.clone(), residual, slots, *bank.buffers, torch.zeros(3, 4, HIDDEN), sources, targets,
-                           1))
+                              (hidden.clone(), second, slots, *bank.buffers, pool_of(5, HIDDEN, torch.float32, 14), targets))
     # A site's rounds side by side: a strided [rows, rounds] view of a plan's index, one op for them all.
     index = torch.full((6, 5), -1, dtype=torch.int32)
     index[:, 1], index[:, 2] = slots, torch.tensor([-1, 0, 0, -1, -1, 0], dtype=torch.int32)
     rounds = index[:, 1:3]
     torch.library.opcheck(graph_ops.edit_stream, (hidden.clone(), residual, rounds, *bank.buffers))
     torch.library.opcheck(graph_ops.edit_harvest_stream,
-                          (hidden.clone(), residual, rounds, *bank.buffers, torch.zeros(4, HIDDEN), sources, targets))
+                          (hidden.clone(), residual, rounds, *bank.buffers, pool_of(5, HIDDEN, torch.float32, 14), targets))
     with pytest.raises(ValueError, match=r"slots \[rows, rounds\] holds at least one round"):
         graph_ops.edit_stream(hidden.clone(), residual, index[:, 1:1], *bank.buffers)
     with pytest.raises(ValueError, match="slots holds 6 entries for 7 rows"):
@@ -293,18 +260,15 @@ def test_fake_implementations_check_shapes_only() -> None:
         slots = torch.empty(8, dtype=torch.int32)
         graph_ops.edit_stream(hidden, hidden, slots, *bank.buffers)  # no data read: fake tensors have none
         graph_ops.harvest_stream(torch.empty(3, HIDDEN), hidden, None, slots)
-        with pytest.raises(ValueError, match="sources holds 2 entries"):
-            graph_ops.harvest_stream(torch.empty(3, HIDDEN), hidden, None, slots[:2])
-        graph_ops.edit_harvest_stream(hidden, hidden, slots, *bank.buffers, torch.empty(3, HIDDEN), slots, slots)
         with pytest.raises(ValueError, match="targets holds 2 entries"):
-            graph_ops.edit_harvest_stream(hidden, None, slots, *bank.buffers, torch.empty(3, HIDDEN), slots,
-                                          slots[:2])
-        index, harvested = torch.empty(8, 6, dtype=torch.int32), torch.empty(2, 3, HIDDEN)
-        graph_ops.edit_stretch(hidden, hidden, index, *bank.buffers, harvested, slots, slots, [0, 2], 2, [1, -1],
-                               [False, True])
+            graph_ops.harvest_stream(torch.empty(3, HIDDEN), hidden, None, slots[:2])
+        graph_ops.edit_harvest_stream(hidden, hidden, slots, *bank.buffers, torch.empty(3, HIDDEN), slots)
+        with pytest.raises(ValueError, match="targets holds 2 entries"):
+            graph_ops.edit_harvest_stream(hidden, None, slots, *bank.buffers, torch.empty(3, HIDDEN), slots[:2])
+        index, pool = torch.empty(8, 6, dtype=torch.int32), torch.empty(7, HIDDEN)
+        graph_ops.edit_stretch(hidden, hidden, index, *bank.buffers, pool, [0, 2], 2, [5, -1], [False, True])
         with pytest.raises(ValueError, match="stage 1's lane 5 with 2 rounds reaches outside"):
-            graph_ops.edit_stretch(hidden, hidden, index, *bank.buffers, harvested, slots, slots, [0, 5], 2,
-                                   [1, -1], [False, True])
+            graph_ops.edit_stretch(hidden, hidden, index, *bank.buffers, pool, [0, 5], 2, [4, -1], [False, True])
 
 
 # ---------------------------------------------------------------- a stretch of sites in one op
@@ -315,65 +279,73 @@ def test_fake_implementations_check_shapes_only() -> None:
 def test_a_stretch_is_its_sites_one_by_one(dtype: torch.dtype, name: str) -> None:
     """`edit_stretch`'s torch body gives the bits of each stage's `edit_harvest_stream` or `edit_stream`, stage
     after stage (a whole stage on the hidden half alone, a fused one on the two halves), harvests at some stages
-    only (tests/graph_stretch.py; tests/test_graph_kernels.py holds the kernel to the same)."""
+    only, each into its own rows of one pool (tests/test_graph_kernels.py holds the kernel to the same): a row
+    harvested at a stage that does not edit it, after an earlier stage did, is copied with that edit; a row
+    harvested at two stages holds each stage's row; rows no stage names, the spare among them, keep their bits."""
     stretch = Stretch(name, 20, 100, dtype)
-
-    def edit(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
-        graph_ops.edit_stream(hidden, residual, slots, *stretch.slot_buffers)
-        return hidden
-
-    def edit_harvest(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor,
-                     out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        graph_ops.edit_harvest_stream(hidden, residual, slots, *stretch.slot_buffers, out, stretch.sources,
-                                      stretch.targets)
-        return hidden, out
-
-    one_by_one, one_by_one_harvested = stretch.one_by_one(edit, edit_harvest)
-    together = stretch.hidden.clone()
-    index, *rest = stretch.arguments()
-    graph_ops.edit_stretch(together, stretch.residual, index, *rest)
-    together_harvested = rest[5]
+    index, start, harvest_lanes, maps = pooled(stretch)
+    one_by_one, one_by_one_pool = stretch.hidden.clone(), start.clone()
+    for lane, harvest_lane, fused in zip(stretch.lanes, harvest_lanes, stretch.fused):
+        slots, residual = index[:, lane:lane + ROUNDS], stretch.residual if fused else None
+        if harvest_lane >= 0:
+            graph_ops.edit_harvest_stream(one_by_one, residual, slots, *stretch.slot_buffers, one_by_one_pool,
+                                          index[:, harvest_lane])
+        else:
+            graph_ops.edit_stream(one_by_one, residual, slots, *stretch.slot_buffers)
+    together, together_pool = stretch.hidden.clone(), start.clone()
+    rest = (stretch.lanes, ROUNDS, harvest_lanes, stretch.fused)
+    graph_ops.edit_stretch(together, stretch.residual, index, *stretch.slot_buffers, together_pool, *rest)
     assert torch.equal(stretch_bits(together), stretch_bits(one_by_one))
-    assert torch.equal(stretch_bits(together_harvested), stretch_bits(one_by_one_harvested))
+    assert torch.equal(stretch_bits(together_pool), stretch_bits(one_by_one_pool))
     assert not torch.equal(stretch_bits(together), stretch_bits(stretch.hidden))  # the comparison can fail
-    stretch.check_harvest(together, together_harvested)
-    idle = stretch.hidden.clone()
+    residual = stretch.residual if stretch.fused[-1] else None
+    copied = together_pool[maps[-1][EDITED_THEN_COPIED]]  # by the last stage, which does not edit it: the first did
+    assert torch.equal(copied, whole(together, residual)[EDITED_THEN_COPIED])
+    assert not torch.equal(copied, whole(stretch.hidden, residual)[EDITED_THEN_COPIED])
+    if len(maps) == 2:  # EVERYWHERE at two stages, edited between them: a row of each
+        assert not torch.equal(together_pool[maps[0][EVERYWHERE]], together_pool[maps[1][EVERYWHERE]])
+    kept = [row for row in range(POOL) if all(row not in targets.values() for targets in maps)]
+    assert torch.equal(stretch_bits(together_pool[kept]), stretch_bits(start[kept]))
+    idle, kept_pool = stretch.hidden.clone(), start.clone()
     idle[0, 1], idle[3, 4], idle[4, 0] = float("nan"), float("inf"), -0.0
-    kept, harvested = idle.clone(), stretch.harvested.clone()
-    graph_ops.edit_stretch(kept, stretch.residual, torch.full_like(index, -1), *rest[:5], harvested,
-                           torch.full_like(stretch.sources, -1), torch.full_like(stretch.targets, -1), *rest[8:])
-    assert torch.equal(stretch_bits(kept), stretch_bits(idle))  # idle: every bit of the stream and the buffers
-    assert torch.equal(stretch_bits(harvested), stretch_bits(stretch.harvested))
-    graph_ops.edit_stretch(idle[:0], stretch.residual[:0], index, *rest)  # no rows: nothing to do
+    kept_hidden = idle.clone()
+    graph_ops.edit_stretch(kept_hidden, stretch.residual, torch.full_like(index, -1), *stretch.slot_buffers,
+                           kept_pool, *rest)
+    assert torch.equal(stretch_bits(kept_hidden), stretch_bits(idle))  # idle: every bit of the stream and the pool
+    assert torch.equal(stretch_bits(kept_pool), stretch_bits(start))
+    graph_ops.edit_stretch(idle[:0], stretch.residual[:0], index, *stretch.slot_buffers, kept_pool, *rest)  # no rows
 
 
 def test_stretch_refusals_name_the_fix() -> None:
     stretch = Stretch("three-stages", 20, 48, torch.float32)
+    index, pool, harvest_lanes, _ = pooled(stretch)  # the index's 10 columns, then two of targets
     hidden, residual = stretch.hidden.clone(), stretch.residual
-    index, *rest = stretch.arguments()
-    head, maps = rest[:6], rest[6:8]
 
-    def call(lanes: list[int], buffers: list[int], fused: list[bool], second: Optional[torch.Tensor] = residual,
-             rounds: int = ROUNDS) -> None:
-        graph_ops.edit_stretch(hidden, second, index, *head, *maps, lanes, rounds, buffers, fused)
+    def call(lanes: list[int], harvests: list[int], fused: list[bool], second: Optional[torch.Tensor] = residual,
+             rounds: int = ROUNDS, into: torch.Tensor = pool) -> None:
+        graph_ops.edit_stretch(hidden, second, index, *stretch.slot_buffers, into, lanes, rounds, harvests, fused)
 
-    with pytest.raises(ValueError, match="lanes, buffers and fused hold one entry a stage.*not 3, 2 and 3"):
-        call([1, 4, 7], [2, -1], [False, True, True])
+    with pytest.raises(ValueError, match="lanes, harvest_lanes and fused hold one entry a stage.*not 3, 2 and 3"):
+        call([1, 4, 7], [10, -1], [False, True, True])
     with pytest.raises(ValueError, match="a stretch runs 1 to 4 stages in one launch, not 5: split"):
         call([0, 1, 2, 3, 4], [-1] * 5, [True] * 5)
     with pytest.raises(ValueError, match="runs 1 to 4 stages in one launch, not 0"):
         call([], [], [])
     with pytest.raises(ValueError, match="stage 1 is fused .* no residual is given: pass the block's residual"):
         call([1, 4], [-1, -1], [False, True], second=None)
-    with pytest.raises(ValueError, match="stage 1's lane 9 with 2 rounds reaches outside the index's 10 columns"):
-        call([1, 9], [-1, -1], [True, True])
-    with pytest.raises(ValueError, match="buffers \\[3, -1\\] name a harvest buffer outside the 3 harvested holds"):
-        call([1, 4], [3, -1], [True, True])
+    with pytest.raises(ValueError, match="stage 1's lane 11 with 2 rounds reaches outside the index's 12 columns"):
+        call([1, 11], [-1, -1], [True, True])
+    for outside in (12, -2):
+        with pytest.raises(ValueError, match=f"harvest_lanes \\[{outside}, -1\\] name a column outside the index's "
+                                             "12: each is the column of a stage's targets, or -1"):
+            call([1, 4], [outside, -1], [True, True])
     with pytest.raises(ValueError, match="at least one round, not rounds=0"):
         call([1, 4], [-1, -1], [True, True], rounds=0)
-    call([1, 4], [-1, -1], [False, False], second=None)  # no fused stage: no residual needed
-    torch.library.opcheck(graph_ops.edit_stretch, (hidden.clone(), residual, index, *head, *maps, [1, 4, 7], ROUNDS,
-                                                   [2, -1, 0], [False, True, True]))
+    with pytest.raises(ValueError, match=r"harvest pool is \[rows, 48\] .* not \(1, 16, 48\).*pass the plan's whole"):
+        call([1, 4], [10, -1], [True, True], into=pool.unsqueeze(0))
+    call([1, 4], [-1, -1], [False, False], second=None, into=torch.empty(0))  # no fused stage, no harvest: neither
+    torch.library.opcheck(graph_ops.edit_stretch, (hidden.clone(), residual, index, *stretch.slot_buffers, pool,
+                                                   [1, 4, 7], ROUNDS, harvest_lanes, [False, True, True]))
 
 
 def stretch_bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -401,12 +373,11 @@ class TwoBlocks(torch.nn.Module):
             hidden = mixer(residual)
             if self.together:  # the output's edit and its harvest in one op
                 torch.ops.streamscope.edit_harvest_stream(hidden, residual, plan.slots_of(f"out{number}"),
-                                                          *plan.bank.buffers, plan.harvest_buffer(f"out{number}"),
-                                                          plan.sources, plan.targets)
+                                                          *plan.bank.buffers, plan.pool,
+                                                          plan.targets_of(f"out{number}"))
                 continue
             torch.ops.streamscope.edit_stream(hidden, residual, plan.slots_of(f"out{number}"), *plan.bank.buffers)
-            torch.ops.streamscope.harvest_stream(plan.harvest_buffer(f"out{number}"), hidden, residual,
-                                                 plan.sources)
+            torch.ops.streamscope.harvest_stream(plan.pool, hidden, residual, plan.targets_of(f"out{number}"))
         return hidden + residual
 
 
@@ -452,17 +423,17 @@ def test_compiled_equals_eager(backend: str, together: bool) -> None:
     inputs = torch.randn(10, HIDDEN)
     with torch.no_grad():  # as vLLM runs its model
         eager = model(inputs.clone())
-        eager_harvest = plan.harvested.clone()
+        eager_harvest = plan.pool.clone()
         assert bool(eager_harvest.abs().sum(-1).gt(0).any())
         if together:  # the one op is the two, bit for bit
-            plan.harvested.zero_()
+            plan.pool.zero_()
             separate = TwoBlocks(plan)
             separate.load_state_dict(model.state_dict())
-            assert torch.equal(separate(inputs.clone()), eager) and torch.equal(plan.harvested, eager_harvest)
-        plan.harvested.zero_()
+            assert torch.equal(separate(inputs.clone()), eager) and torch.equal(plan.pool, eager_harvest)
+        plan.pool.zero_()
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True, backend=backend)
-        assert close(compiled(inputs.clone()), eager) and close(plan.harvested, eager_harvest)
+        assert close(compiled(inputs.clone()), eager) and close(plan.pool, eager_harvest)
         # The same compiled graph, its buffers refilled for another batch (request b gone): read, not recompiled.
         plan.leave("b")
         plan.step([Span("a", 0, 5, 0), Span(None, 5, 5, 0)])
@@ -561,21 +532,18 @@ def test_fill_matches_brute_force_over_steps(path: str, monkeypatch: pytest.Monk
             start += count
         spans.append(Span(None, start, 2, 0))  # a request no plan owns
         harvest = plan.step(spans)
-        expected = torch.full((64, 8), -1, dtype=torch.int32)  # 6 lanes, stream row -> buffer row, and back
+        expected = torch.full((64, 7), -1, dtype=torch.int32)  # 6 lanes, then the harvest site's stream row -> pool row
         for span in spans[:-1]:
             spec = requests[span.key]
             rows = brute_rows(spec["positions"], spec["length"], spec["generated"], spec["from_step"], span)
             for site in spec["sites"]:
                 expected[rows, plan.lane_of[(site, 0)]] = plan.bank._held[spec["share"]][0]
-        row = 0
-        for key, count, offset in harvest.layout:
+        for key, count, offset, base in harvest.layout:
             wanted = requests[key]["harvest"][offset:offset + count]
             span = next(span for span in spans if span.key == key)
             stream_rows = torch.tensor([span.start + p - span.first for p in wanted])
-            expected[row:row + count, -1] = stream_rows
-            expected[stream_rows, -2] = torch.arange(row, row + count, dtype=torch.int32)
+            expected[stream_rows, plan.harvest_lane_of["h"]] = torch.arange(base, base + count, dtype=torch.int32)
             harvested.setdefault(key, []).extend(wanted)
-            row += count
         assert torch.equal(plan.index, expected)
         for span in spans[:-1]:
             done[span.key] += span.count
@@ -601,14 +569,14 @@ def test_a_step_copies_the_index_only_up_to_its_last_mark() -> None:
     plan.enter("a", [PlannedSteer(["s1"], operation("add", False, seed=1), RowRule.of(range(5), 5), "a")])
     plan.enter("b", harvest_positions=[2])
     plan.step([Span(None, 0, 20, 0), Span("b", 20, 4, 0), Span("a", 24, 5, 0), Span(None, 29, 30, 0)])
-    # a's lane and the harvest's two columns, of the plan's six
-    assert copied == [(29, 3)] and int((plan.index[:, plan.lane_of[("s1", 0)]] >= 0).sum()) == 5
+    # a's lane and the harvest site's column, of the plan's five
+    assert copied == [(29, 2)] and int((plan.index[:, plan.lane_of[("s1", 0)]] >= 0).sum()) == 5
     plan.step([Span("b", 0, 1, 4), Span(None, 1, 50, 0), Span("a", 51, 1, 5)])  # decode: b's harvest is done
-    assert copied == [(29, 3), (52, 3)]
+    assert copied == [(29, 2), (52, 2)]  # a's lane, and the harvest column reset
     plan.leave("a")
-    plan.step([Span("b", 0, 1, 5), Span(None, 1, 60, 0)])  # nothing marked: the last step's lanes reset
+    plan.step([Span("b", 0, 1, 5), Span(None, 1, 60, 0)])  # nothing marked: the last step's lane reset
     plan.step([Span(None, 0, 60, 0)])
-    assert copied == [(29, 3), (52, 3), (52, 3)] and bool((plan.index == -1).all())
+    assert copied == [(29, 2), (52, 2), (52, 1)] and bool((plan.index == -1).all())
 
 
 @pytest.mark.parametrize("path", ["cpu", "gpu"])
@@ -625,7 +593,7 @@ def test_a_decode_batch_at_every_block(distinct: int, path: str, monkeypatch: py
         plan.enter(number, [PlannedSteer(sites, ops[number % distinct], RowRule.of([0], 1), number % distinct)])
     plan.step([Span(number, number, 1, 5) for number in range(256)])
     slots = {share: held[0] for share, held in plan.bank._held.items()}
-    expected = torch.full((512, 18), -1, dtype=torch.int32)
+    expected = torch.full((512, 16), -1, dtype=torch.int32)
     for number in range(256):
         expected[number, 0:16:2] = slots[number % distinct]  # round 0 of each site
     assert torch.equal(plan.index, expected)
@@ -652,7 +620,7 @@ def test_rule_of_a_steer_is_its_positions() -> None:
 
 
 def test_plan_refusals_name_the_fix() -> None:
-    plan = GraphPlan(["s"], 1, 8, HIDDEN, torch.float32, "cpu", slots=1, harvest_sites=["s"], harvest_capacity=2)
+    plan = GraphPlan(["s"], 1, 8, HIDDEN, torch.float32, "cpu", slots=1, harvest_sites=["s"], harvest_pool=2)
     add = operation("add", False)
     rule = RowRule.of(range(4), 4)
     with pytest.raises(ValueError, match="1 edit round"):
@@ -660,12 +628,13 @@ def test_plan_refusals_name_the_fix() -> None:
     assert plan.live == 0 and plan.bank.live == 0  # a refused request leaves nothing behind
     with pytest.raises(ValueError, match="no edit op"):
         plan.enter("a", [PlannedSteer(["t"], add, rule, "v")])
-    plan.enter("a", [PlannedSteer(["s"], add, rule, "v")], harvest_positions=[0, 1, 2])
+    with pytest.raises(ValueError, match=r"up to 3 rows in one step.*holds 2.*harvest_pool"):
+        plan.enter("a", [PlannedSteer(["s"], add, rule, "v")], harvest_positions=[0, 1, 2])
+    assert plan.live == 0 and plan.bank.live == 0
+    plan.enter("a", [PlannedSteer(["s"], add, rule, "v")], harvest_positions=[0, 1])
     with pytest.raises(RuntimeError, match="slot bank is full"):
         plan.enter("b", [PlannedSteer(["s"], operation("set", False), rule, "other")])
     assert plan.live == 1
-    with pytest.raises(ValueError, match="raise harvest_capacity"):
-        plan.step([Span("a", 0, 4, 0)])
     with pytest.raises(ValueError, match="size max_rows"):
         plan.step([Span(None, 0, 9, 0)])
 
@@ -682,7 +651,7 @@ def test_plan_and_ops_harvest_each_request() -> None:
         halves = {site: stream(8, 50 + 10 * seed + number, True) for number, site in enumerate("ab")}
         harvest = plan.step(spans)
         for site, (hidden, residual) in halves.items():
-            graph_ops.harvest_stream(plan.harvest_buffer(site), hidden, residual, plan.sources)
+            graph_ops.harvest_stream(plan.pool, hidden, residual, plan.targets_of(site))
         plan.settle(plan.copy_out(harvest))
         for span in spans:
             for offset in range(span.count):

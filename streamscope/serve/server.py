@@ -641,7 +641,7 @@ def graph_options(args: argparse.Namespace, on_cpu: bool = True, tapped: bool = 
     except (ValueError, TypeError) as error:
         raise SystemExit(f"streamscope serve: --graph-ops {value}: {error} (give no value for the defaults, 'off' "
                          f"for none, or a JSON object of GraphOptions' fields: slots, rounds, values, harvest, "
-                         f"harvest_capacity).") from None
+                         f"harvest_pool, join).") from None
 
 
 #: ``STREAMSCOPE_SERVE_GRAPH_OPS_ONLY=1``: an eager ``--graph-ops`` server (a CPU's) serves only what its graph ops

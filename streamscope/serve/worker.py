@@ -467,31 +467,26 @@ class ServeState(RequestApplier):
         """Hand the step's rows that the graph ops harvested to the writer thread, as `send` hands the hooks' reads:
         one copy of the ops' buffers to host memory, not waited for, its pieces laid out for the writer.
 
-        A request's rows of the step are ``rows[place[site], row:row + count]``
-        for each of its sites (the plan's harvest sites it asked for, in its
-        own order; only sites some request asked for are copied): a contiguous
-        piece of the copy, written to the request's positions
-        ``first .. first + count`` (the indices of its prompt positions, as
-        its hook reads fill them).
+        A request's rows of the step are ``count`` rows a site, its sites in its
+        own order, from its first row ``base`` of the copy: contiguous pieces,
+        each written to the request's positions ``first .. first + count`` (the
+        indices of its prompt positions, as its hook reads fill them).
         """
         harvest = self.graph.hand_over() if self.graph is not None else None
         if harvest is None:
             return
         pieces: list[tuple[int, int, list[int], int, int, int]] = []
         complete: list[int] = []
-        _, used, width = harvest.rows.shape
-        row = 0
-        for key, count, first in harvest.layout:
+        width = harvest.rows.shape[-1]
+        for key, count, first, base in harvest.layout:
             live, planned = self.live.get(key), harvest.lives[key]
             if live is not None and not live.written:
                 slots = list(range(first, first + count))
-                for number, site in enumerate(planned.sites.tolist()):
-                    start = (harvest.place[site] * used + row) * width
-                    pieces.append((live.key, number, slots, start, count, width))
+                for number in range(len(planned.sites)):
+                    pieces.append((live.key, number, slots, (base + number * count) * width, count, width))
                 if planned.done == len(planned.positions):  # every position read: the step completes its harvest
                     live.written = True  # (not `done`: a request the ops harvest plans no hook work to take back)
                     complete.append(live.key)
-            row += count
         if self.writer and self.folder is not None and pieces:
             self.writer_thread.put(("rows", harvest.event, [(harvest.rows.reshape(-1), pieces)], complete))
 
@@ -594,6 +589,10 @@ class HarvestWriter:
 
 def _refusal(error: LeftOnHooks) -> RequestRefused:
     """Why a compiled server's worker refuses a request (its work left on hooks that do not fire), naming the fix."""
+    if error.busy and error.pool:  # the harvest pool is held by the running requests' harvests: not now
+        return RequestRefused(503, f"the graph ops' harvest pool ({error.pool} rows, each a position at a site) is "
+                                   f"held by the running requests' harvests: retry once they have read their prompts, "
+                                   f"or start the server with --graph-ops '{{\"harvest_pool\": {2 * error.pool}}}'.")
     if error.busy:  # the slot bank is full of the running requests' operations: not now
         return RequestRefused(503, f"the graph ops' slot bank holds {error.slots} distinct steer operations (a "
                                    f"vector with its mode and settings), all in use by running requests, and this "

@@ -60,7 +60,7 @@ from ..bulk.requests import Live, Span, SteerEntry
 from ..bulk.sites import Site
 from .families import envoy_tree, family_for
 from .graph_ops import cache_salt, ops_source, salted
-from .graph_plan import INDEX_LAYOUT, GraphPlan, PlannedSteer, RowRule
+from .graph_plan import INDEX_LAYOUT, GraphPlan, PlannedSteer, PoolBusy, RowRule, default_pool
 from .graph_wiring import graph_sites, insert_ops, stretches_of, wiring_source
 
 logger = logging.getLogger("streamscope.bulk")
@@ -86,12 +86,14 @@ class GraphOptions:
         rounds: Edit ops at each site: how many steers one request may put at
             one site through the ops (more stay on the hooks).
         values: The values an edit op sits at, on every block that serves them.
-        harvest: The values a harvest op sits at. Each takes a buffer of
-            ``harvest_capacity x hidden`` in the engine's dtype per block:
-            on a large model, narrow this (or the capacity).
-        harvest_capacity: The most rows one step harvests through the ops
-            (None: the engine's ``max_num_batched_tokens``, every row of a step,
-            which never overflows).
+        harvest: The values a harvest op sits at (every block that serves
+            them). The harvest ops share one pool of rows.
+        harvest_pool: The pool's rows, each a (position, site) a step
+            harvests, ``harvest_pool x hidden`` in the engine's dtype (None:
+            `graph_plan.POOL_SITES` sites at every row of a step, 8 x
+            ``max_num_batched_tokens``). A request whose harvest alone could
+            take more rows in one step is refused; one that fits once the
+            live harvests have read their prompts waits (a 503 on a server).
         join: Whether the sites of a run with nothing computed between their
             module calls are one launch at the run's last call (about 3 a
             block instead of 6; `graph_wiring.chains`). False: one launch a
@@ -102,7 +104,7 @@ class GraphOptions:
     rounds: int = 2
     values: tuple[str, ...] = DEFAULT_VALUES
     harvest: tuple[str, ...] = DEFAULT_VALUES
-    harvest_capacity: Optional[int] = None
+    harvest_pool: Optional[int] = None
     join: bool = True
 
     def __post_init__(self) -> None:
@@ -114,8 +116,9 @@ class GraphOptions:
         if unknown:
             raise ValueError(f"graph_ops: no op sits at {unknown}: the ops serve {list(DEFAULT_VALUES)}; other values "
                              f"stay on the hook path.")
-        if self.harvest_capacity is not None and self.harvest_capacity < 1:
-            raise ValueError(f"graph_ops: harvest_capacity={self.harvest_capacity}: at least 1 (None: every row).")
+        if self.harvest_pool is not None and self.harvest_pool < 1:
+            raise ValueError(f"graph_ops: harvest_pool={self.harvest_pool}: at least 1 row (None: the default, 8 "
+                             f"sites at every row of a step).")
 
     @classmethod
     def of(cls, option: Any) -> Optional["GraphOptions"]:
@@ -137,7 +140,7 @@ class GraphOptions:
     def config(self) -> dict[str, Any]:
         """The options as vLLM's ``additional_config`` carries them (plain JSON values)."""
         return {"slots": self.slots, "rounds": self.rounds, "values": list(self.values),
-                "harvest": list(self.harvest), "harvest_capacity": self.harvest_capacity, "join": self.join}
+                "harvest": list(self.harvest), "harvest_pool": self.harvest_pool, "join": self.join}
 
     def salt(self) -> str:
         """The compile cache's salt for these options: the ops' and the wiring's code (the families' runs with it),
@@ -193,12 +196,12 @@ def build(model: torch.nn.Module, model_type: str, options: GraphOptions, max_ro
     sites, skipped = graph_sites(root, values=tuple(dict.fromkeys(options.values + options.harvest)))
     harvests = [name for name in sites if name.split(".", 2)[2] in options.harvest]
     edits = [name for name in sites if name.split(".", 2)[2] in options.values]
-    capacity = max_rows if options.harvest_capacity is None else min(options.harvest_capacity, max_rows)
+    pool = default_pool(max_rows, len(harvests)) if options.harvest_pool is None else options.harvest_pool
     if torch.device(device).type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        check_harvest_memory(harvests, capacity, hidden, dtype, free)
+        check_harvest_memory(pool, hidden, dtype, free)
     plan = GraphPlan(edits, options.rounds, max_rows, hidden, dtype, device, slots=options.slots,
-                     harvest_sites=harvests, harvest_capacity=capacity)
+                     harvest_sites=harvests, harvest_pool=pool)
     by_name: dict[Hashable, Site] = {name: site for name, site in sites.items()}
     inserted = insert_ops(plan, by_name, stretches_of(family) if options.join else ())
     names = {(id(site.module), site.where, id(site.descriptor)): name for name, site in sites.items()}
@@ -211,23 +214,18 @@ def build(model: torch.nn.Module, model_type: str, options: GraphOptions, max_ro
                     [[sites[name].key for name in chain] for chain in inserted.chains])
 
 
-def check_harvest_memory(harvests: Sequence[str], capacity: int, hidden: int, dtype: torch.dtype, free: int) -> None:
-    """Refuse harvest buffers (one for each of `harvests`, the harvest sites) of more than half the device memory
-    left after the weights (`free` bytes), naming the settings that shrink them: with every default value at every
-    block and a row for each of a step's tokens, they take 12 GiB at the Llama-3-8B shape and 60 GiB at the 70B
-    shape, which would leave no room for the KV cache."""
-    row = capacity * hidden * dtype.itemsize
-    need = len(harvests) * row
+def check_harvest_memory(pool: int, hidden: int, dtype: torch.dtype, free: int) -> None:
+    """Refuse a harvest pool of `pool` rows that takes more than half the device memory left after the weights
+    (`free` bytes), naming the setting that shrinks it (the default pool takes 512 MiB at the Llama-3-8B shape
+    and 1 GiB at the 70B one)."""
+    need = (pool + 1) * hidden * dtype.itemsize
     if need <= free // 2:
         return
-    outputs = sum(str(name).endswith(".layer_output") for name in harvests)
     raise ValueError(
-        f"streamscope graph ops: the harvest buffers ({len(harvests)} sites x {capacity} rows x {hidden}, {dtype}) "
-        f"need {need / 2**30:.1f} GiB, more than half the {free / 2**30:.1f} GiB the device has left after the "
-        f"weights. Harvest through the ops at fewer values: --graph-ops '{{\"harvest\": "
-        f"[\"layer_output\"]}}' ({outputs * row / 2**30:.1f} GiB; streamscope.load(..., graph_ops={{\"harvest\": "
-        f"[...]}}) in process), or --graph-ops off. A harvest at a value without an op is then served by hooks on an "
-        f"eager engine and refused, naming this, on a compiled one.")
+        f"streamscope graph ops: the harvest pool ({pool} rows x {hidden}, {dtype}) needs {need / 2**30:.1f} GiB, "
+        f"more than half the {free / 2**30:.1f} GiB the device has left after the weights: start the engine with "
+        f"a smaller pool (--graph-ops '{{\"harvest_pool\": {max(pool // 4, 1)}}}'; streamscope.load(..., "
+        f"graph_ops={{\"harvest_pool\": ...}}) in process), which holds fewer sites' rows a step.")
 
 
 def insert_at_load(worker: Any) -> Optional[GraphOps]:
@@ -246,11 +244,10 @@ def insert_at_load(worker: Any) -> Optional[GraphOps]:
                 vllm_seam.hidden_size(runner), vllm_seam.runner_dtype(runner), parameter.device,
                 plain=getattr(runner, "nnsight_model", None) is None)
     runner.__dict__[RUNNER_ATTRIBUTE] = ops
-    harvested = ops.plan.harvested
-    logger.info("streamscope: graph ops at %d sites (%d harvest), %d slots, %d rounds; harvest buffers %s, %.2f GiB "
-                "(narrow the graph ops' harvest values to spend less)", len(ops.plan.sites),
-                len(ops.plan.harvest_sites), options.slots, options.rounds, list(harvested.shape),
-                harvested.numel() * harvested.element_size() / 2**30)
+    pool = ops.plan.pool
+    logger.info("streamscope: graph ops at %d sites (%d harvest), %d slots, %d rounds; harvest pool %s, %.2f GiB "
+                "(harvest_pool sets its rows)", len(ops.plan.sites), len(ops.plan.harvest_sites), options.slots,
+                options.rounds, list(pool.shape), pool.numel() * pool.element_size() / 2**30)
     return ops
 
 
@@ -274,13 +271,14 @@ def backend_for(runner: Any, hooks_fire: Optional[bool] = None) -> Optional["Gra
 class LeftOnHooks(ValueError):
     """Where hooks do not fire (a compiled engine): a request with work the graph ops cannot take, refused whole,
     the plan as it was. ``key``: the applier's request; ``busy``: the slot bank is full of other requests'
-    operations (``slots`` of them), so the same request may pass later; otherwise the ops cannot serve it at all
-    (``where``: the sites left over)."""
+    operations (``slots`` of them), or with ``pool`` the harvest pool (of ``pool`` rows) is held by their harvests,
+    so the same request may pass later; otherwise the ops cannot serve it at all (``where``: the sites left
+    over)."""
 
     def __init__(self, message: str, busy: bool = False, slots: int = 0, where: Sequence[str] = (),
-                 key: Hashable = None) -> None:
+                 key: Hashable = None, pool: int = 0) -> None:
         super().__init__(message)
-        self.busy, self.slots, self.where, self.key = busy, slots, list(where), key
+        self.busy, self.slots, self.where, self.key, self.pool = busy, slots, list(where), key, pool
 
 
 def row_rule(entry: SteerEntry) -> Any:
@@ -306,20 +304,18 @@ def operation_of(entry: SteerEntry) -> Optional[Operation]:
 class Handed:
     """A step's rows harvested through the ops, handed to the server's writer (`GraphBackend.hand_over`).
 
-    ``rows [sites asked, used, hidden]`` (on the host once ``event``, if any,
-    has passed): row ``r`` of the step's harvest at each site some request
-    asked for, the sites in the plan's order; ``place`` maps a plan harvest
-    site's index to its index in ``rows``. ``layout`` is each harvesting
-    request's ``(key, count, first position index)`` in row order, and
-    ``lives`` the plan's record of each (its ``sites``, ``positions``, and
-    ``done``: its positions harvested so far, this step's included).
+    ``rows [used, hidden]`` (on the host once ``event``, if any, has passed):
+    the pool's rows the step filled. ``layout`` is each harvesting request's
+    ``(key, count, first position index, first row)``: its `count` positions
+    at each of its sites, site by site from that row of ``rows``; ``lives``
+    the plan's record of each (its ``sites``, ``positions``, and ``done``:
+    its positions harvested so far, this step's included).
     """
 
     rows: torch.Tensor
     event: Any
-    layout: list[tuple[Hashable, int, int]]
+    layout: list[tuple[Hashable, int, int, int]]
     lives: dict[Hashable, Any]
-    place: dict[int, int]
 
 
 class GraphBackend:
@@ -370,7 +366,8 @@ class GraphBackend:
             if not self.hooks_fire:
                 slots = self.plan.bank.bank.shape[0]
                 raise LeftOnHooks(f"request {key!r}: {error}", busy=isinstance(error, RuntimeError),
-                                  slots=slots, key=key) from error
+                                  slots=slots, key=key,
+                                  pool=self.plan.pool_rows if isinstance(error, PoolBusy) else 0) from error
             logger.info("streamscope: request %r runs on the hooks: %s", key, error)
             return
         self.entered.add(key)
@@ -466,12 +463,7 @@ class GraphBackend:
         current, self._current = self._current, None
         if current is None or not current.layout:
             return None
-        used = sum(count for _, count, _ in current.layout)
-        asked = sorted({site for live in current.lives.values() for site in live.sites.tolist()})
-        rows = self.plan.harvested[:, :used]
-        if len(asked) < rows.shape[0]:  # only the sites some request asked for cross to the host
-            # (not a blocking copy, which would wait for the step: the driver takes pageable data before returning)
-            rows = rows.index_select(0, torch.tensor(asked, dtype=torch.long).to(rows.device, non_blocking=True))
+        rows = self.plan.pool[:current.used]
         event = None
         if rows.device.type == "cuda":
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
@@ -479,10 +471,8 @@ class GraphBackend:
             event = torch.cuda.Event()
             event.record()
         else:
-            # the plan's own buffer, which the next step overwrites, is copied; a selection is a new tensor already
-            host = rows.clone(memory_format=torch.contiguous_format) \
-                if rows.data_ptr() == self.plan.harvested.data_ptr() else rows.contiguous()
-        return Handed(host, event, current.layout, current.lives, {site: place for place, site in enumerate(asked)})
+            host = rows.clone()  # the plan's own pool, which the next step overwrites
+        return Handed(host, event, current.layout, current.lives)
 
     def settle(self) -> None:
         """After the last step: every step's harvest in host memory, handed to its requests (`take`)."""

@@ -18,27 +18,26 @@ arithmetic. Their results are the torch body's, step for step:
   did waits at a barrier first (its first pass reads columns other threads
   of the program stored).
 * `edit_harvest_rows` is `edit_rows` with a harvest (``HARVEST``): each
-  program also loads its row's target, the harvest buffer row it fills
-  (``-1``: none), copies a target row no round edits as `harvest_rows`
-  does, and stores an edited one from the registers of the last pass of
-  each round that edits it, rounded as `harvest_rows` adds the stored
-  halves: the bits of the two kernels one after the other.
+  program also loads its row's target, the pool row it fills (``-1``:
+  none), copies a row no round edits there as `harvest_rows` does, and
+  stores an edited one from the registers of the last pass of each round
+  that edits it, rounded as `harvest_rows` adds the stored halves: the bits
+  of the two kernels one after the other.
 * `edit_stretch_rows` runs a stretch of sites (`graph_ops.edit_stretch`)
   in one launch: each program runs the stages in order, each stage its
-  rounds and, where it harvests, its store or copy into its buffer row, as
-  `edit_harvest_rows` does for one site. The lanes and the buffers' offsets
-  are runtime arguments, so one compiled kernel serves every stretch of the
-  same layout; which stages are fused and which harvest are constexpr
-  masks. A program loads all its row's slots (and its target) in one load
-  and returns where none is marked and nothing is harvested; a round that
-  edits, or a harvest's copy, after an earlier round or stage stored the
-  row waits at a barrier first.
-* `harvest_rows` launches one program per row of the harvest buffer below
-  the call's rows (a step fills no buffer row past them: `graph_ops`), so an
-  idle decode step of 64 rows launches 64 programs, not the buffer's
-  capacity (every row a step may run, 8,192 by vLLM's default): a program
-  whose source is ``-1``, or past the call's rows, returns; the others copy
-  their source row (the sum of the two halves in a fused block).
+  rounds and, where it harvests, its store or copy into its own pool row
+  (the stage's column of targets in the index), as `edit_harvest_rows` does
+  for one site. The lanes and the harvest lanes are runtime arguments, so
+  one compiled kernel serves every stretch of the same layout; which stages
+  are fused and which harvest are constexpr masks. A program loads all its
+  row's slots in one load and the harvesting stages' targets in another, and
+  returns where none is marked and nothing is harvested; a round that edits,
+  or a harvest's copy, after an earlier round or stage stored the row waits
+  at a barrier first.
+* `harvest_rows` scatters: one program per stream row of the call, so an
+  idle decode step of 64 rows launches 64 programs, whatever the pool's
+  size. A program whose target is ``-1`` returns; the others copy their row
+  (the sum of the two halves in a fused block) into their pool row.
 
 Every value the torch body rounds to the stream's dtype (the summed stream,
 the projection, the coefficient, the change, the edited row, the norms, the
@@ -102,7 +101,7 @@ def _rounded(value, DTYPE: tl.constexpr):
 @triton.jit
 def _copy_row(out_row, out_column, hidden_row, hidden_column, residual_row, residual_column, width, offsets,
               FUSED: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr):
-    """A stream row into a harvest buffer's row: the hidden half plus the residual, rounded as torch adds them, in a
+    """A stream row into a row of the harvest pool: the hidden half plus the residual, rounded as torch adds them, in a
     fused block; a whole stream's row as it is."""
     for start in range(0, width, BLOCK):
         columns = start + offsets
@@ -210,7 +209,7 @@ def _edit_rows(hidden, hidden_row_stride, hidden_column, residual, residual_row_
     hidden_row = hidden + row * hidden_row_stride
     residual_row = residual + row * residual_row_stride
     offsets = tl.arange(0, BLOCK)
-    if HARVEST:  # the row's harvest buffer row after the edits (-1: none), the harvest op's work in this launch
+    if HARVEST:  # the row's pool row after the edits (-1: none), the harvest op's work in this launch
         target = tl.load(targets + row * targets_stride).to(tl.int64)
     else:
         target = row * 0 - 1
@@ -232,28 +231,16 @@ def _edit_rows(hidden, hidden_row_stride, hidden_column, residual, residual_row_
                       offsets, FUSED, BLOCK, DTYPE)
 
 
-@triton.jit
-def _of_stage(STAGE: tl.constexpr, first, second, third, fourth):
-    """The argument of stage `STAGE` among the four a stretch's launch passes (a kernel takes no list)."""
-    if STAGE == 0:
-        return first
-    elif STAGE == 1:
-        return second
-    elif STAGE == 2:
-        return third
-    else:
-        return fourth
-
-
-@triton.jit(do_not_specialize=["lane_0", "lane_1", "lane_2", "lane_3", "buffer_0", "buffer_1", "buffer_2",
-                               "buffer_3"])
+@triton.jit(do_not_specialize=["lane_0", "lane_1", "lane_2", "lane_3", "harvest_lane_0", "harvest_lane_1",
+                               "harvest_lane_2", "harvest_lane_3"])
 def _edit_stretch_rows(hidden, hidden_row_stride, hidden_column, residual, residual_row_stride, residual_column,
                        index, index_row_stride, index_column, lane_0, lane_1, lane_2, lane_3, bank, bank_row_stride,
                        bank_column, modes, modes_stride, scales, scales_stride, projections, projections_stride,
-                       norm_match, norm_match_stride, width, tiny, harvested, harvested_row_stride, harvested_column,
-                       buffer_0, buffer_1, buffer_2, buffer_3, targets, targets_stride,
-                       STAGES: tl.constexpr, ROUNDS: tl.constexpr, SLOTS: tl.constexpr, FUSED_MASK: tl.constexpr,
-                       HARVEST_MASK: tl.constexpr, BLOCK: tl.constexpr, WAIT: tl.constexpr):
+                       norm_match, norm_match_stride, width, tiny, pool, pool_row_stride, pool_column,
+                       harvest_lane_0, harvest_lane_1, harvest_lane_2, harvest_lane_3,
+                       STAGES: tl.constexpr, ROUNDS: tl.constexpr, SLOTS: tl.constexpr, TARGETS: tl.constexpr,
+                       FUSED_MASK: tl.constexpr, HARVEST_MASK: tl.constexpr, BLOCK: tl.constexpr,
+                       WAIT: tl.constexpr):
     if WAIT:  # launched as a programmatic dependent: the kernel before may still be running until here
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
@@ -270,15 +257,24 @@ def _edit_stretch_rows(hidden, hidden_row_stride, hidden_column, residual, resid
     columns_of_entry = (lane + entry % ROUNDS).to(tl.int64)
     slots = tl.load(index + row * index_row_stride + columns_of_entry * index_column, mask=entry < STAGES * ROUNDS,
                     other=-1).to(tl.int64)
-    if HARVEST_MASK != 0:  # the row's harvest buffer row (-1: none), the same at every stage that harvests
-        target = tl.load(targets + row * targets_stride).to(tl.int64)
-    else:
-        target = row * 0 - 1
-    if (tl.max(slots, axis=0) >= 0) | (target >= 0):  # an idle row, unharvested, reads and writes nothing more
+    busy = tl.max(slots, axis=0) >= 0
+    stage_of_target = tl.arange(0, TARGETS)
+    if HARVEST_MASK != 0:  # each harvesting stage's pool row for this row (-1: none): one load, as the slots
+        harvest_lane = tl.where(stage_of_target == 0, harvest_lane_0,
+                                tl.where(stage_of_target == 1, harvest_lane_1,
+                                         tl.where(stage_of_target == 2, harvest_lane_2, harvest_lane_3)))
+        harvests = ((tl.full([TARGETS], HARVEST_MASK, tl.int32) >> stage_of_target) & 1) == 1
+        targets = tl.load(index + row * index_row_stride + harvest_lane.to(tl.int64) * index_column,
+                          mask=harvests, other=-1).to(tl.int64)
+        busy = busy | (tl.max(targets, axis=0) >= 0)
+    if busy:  # an idle row, unharvested, reads and writes nothing more
         edits = row * 0  # the rounds so far that stored this row
         for stage in tl.static_range(STAGES):
-            kept_row = (harvested + _of_stage(stage, buffer_0, buffer_1, buffer_2, buffer_3)
-                        + target * harvested_row_stride)
+            if (HARVEST_MASK >> stage) & 1 == 1:
+                target = tl.max(tl.where(stage_of_target == stage, targets, -1), axis=0)
+            else:
+                target = row * 0 - 1
+            kept_row = pool + target * pool_row_stride
             before = edits
             for round_ in tl.static_range(ROUNDS):  # the stage's rounds in order, as `_edit_rows` runs a site's
                 slot = tl.max(tl.where(entry == stage * ROUNDS + round_, slots, -1), axis=0)
@@ -288,27 +284,27 @@ def _edit_stretch_rows(hidden, hidden_row_stride, hidden_column, residual, resid
                     _edit_row(hidden_row, hidden_column, residual_row, residual_column, slot, bank,
                               bank_row_stride, bank_column, modes, modes_stride, scales, scales_stride, projections,
                               projections_stride, norm_match, norm_match_stride, width, tiny, offsets, kept_row,
-                              harvested_column, target, (FUSED_MASK >> stage) & 1 == 1, BLOCK,
+                              pool_column, target, (FUSED_MASK >> stage) & 1 == 1, BLOCK,
                               (HARVEST_MASK >> stage) & 1 == 1, DTYPE)
                 edits += tl.where(slot >= 0, 1, 0)
             if (HARVEST_MASK >> stage) & 1 == 1:
                 if (target >= 0) & (edits == before):  # harvested, not edited at this stage: its row as it is now
                     if edits > 0:  # as an earlier stage left it, stored from other threads
                         tl.debug_barrier()
-                    _copy_row(kept_row, harvested_column, hidden_row, hidden_column, residual_row, residual_column,
+                    _copy_row(kept_row, pool_column, hidden_row, hidden_column, residual_row, residual_column,
                               width, offsets, (FUSED_MASK >> stage) & 1 == 1, BLOCK, DTYPE)
 
 
-@triton.jit(do_not_specialize=["rows"])
+@triton.jit
 def _harvest_rows(out, out_row_stride, out_column, hidden, hidden_row_stride, hidden_column, residual,
-                  residual_row_stride, residual_column, sources, sources_stride, rows, width,
+                  residual_row_stride, residual_column, targets, targets_stride, width,
                   FUSED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    source = tl.load(sources + row * sources_stride).to(tl.int64)
-    if (source < 0) | (source >= rows):  # a buffer row this step does not fill keeps what it held
+    target = tl.load(targets + row * targets_stride).to(tl.int64)
+    if target < 0:  # a row this site does not harvest
         return
-    _copy_row(out + row * out_row_stride, out_column, hidden + source * hidden_row_stride, hidden_column,
-              residual + source * residual_row_stride, residual_column, width, tl.arange(0, BLOCK), FUSED, BLOCK,
+    _copy_row(out + target * out_row_stride, out_column, hidden + row * hidden_row_stride, hidden_column,
+              residual + row * residual_row_stride, residual_column, width, tl.arange(0, BLOCK), FUSED, BLOCK,
               hidden.dtype.element_ty)
 
 
@@ -360,49 +356,46 @@ def edit_launch(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: t
 
 def stretch_launch(hidden: torch.Tensor, residual: Optional[torch.Tensor], index: torch.Tensor, bank: torch.Tensor,
                    modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor, norm_match: torch.Tensor,
-                   harvested: torch.Tensor, targets: torch.Tensor, lanes: Sequence[int], rounds: int,
-                   buffers: Sequence[int], fused: Sequence[bool], block: Optional[int] = None,
-                   dependent: Optional[bool] = None) -> Launch:
+                   pool: torch.Tensor, lanes: Sequence[int], rounds: int, harvest_lanes: Sequence[int],
+                   fused: Sequence[bool], block: Optional[int] = None, dependent: Optional[bool] = None) -> Launch:
     """How `edit_stretch_rows` launches `_edit_stretch_rows` for these tensors: one program a row of `hidden`, each
-    running every stage's rounds in order. The lanes and the harvest buffers' offsets are runtime arguments (one
-    compiled kernel for every stretch of the same shape); which stages are fused and which harvest are constexpr
-    masks (bit ``s`` for stage ``s``)."""
+    running every stage's rounds in order. The lanes and the harvest lanes are runtime arguments (one compiled
+    kernel for every stretch of the same shape); which stages are fused and which harvest are constexpr masks (bit
+    ``s`` for stage ``s``)."""
     rows, width = hidden.shape
     stages = len(lanes)
-    if not 1 <= stages <= MAX_STAGES or not len(lanes) == len(buffers) == len(fused):
-        raise ValueError(f"a stretch runs 1 to {MAX_STAGES} stages, each with a lane, a buffer and a layout: not "
-                         f"lanes {list(lanes)}, buffers {list(buffers)}, fused {list(fused)}.")
+    if not 1 <= stages <= MAX_STAGES or not len(lanes) == len(harvest_lanes) == len(fused):
+        raise ValueError(f"a stretch runs 1 to {MAX_STAGES} stages, each with a lane, a harvest lane and a layout: "
+                         f"not lanes {list(lanes)}, harvest_lanes {list(harvest_lanes)}, fused {list(fused)}.")
     second = hidden if residual is None else residual  # never read where no stage is fused
-    harvest = any(buffer >= 0 for buffer in buffers)
-    kept = harvested if harvest else hidden.unsqueeze(0)  # never read where no stage harvests
-    where = targets if harvest else index[:, 0]
+    kept = pool if any(lane >= 0 for lane in harvest_lanes) else hidden  # never read where no stage harvests
     padding = [0] * (MAX_STAGES - stages)
-    offsets = [max(buffer, 0) * kept.stride(0) for buffer in buffers]  # a buffer's first element in `harvested`
     arguments = (hidden, hidden.stride(0), hidden.stride(1), second, second.stride(0), second.stride(1), index,
                  index.stride(0), index.stride(1), *(list(lanes) + padding), bank, bank.stride(0), bank.stride(1),
                  modes, modes.stride(0), scales, scales.stride(0), projections, projections.stride(0), norm_match,
-                 norm_match.stride(0), width, torch.finfo(hidden.dtype).tiny, kept, kept.stride(1), kept.stride(2),
-                 *(offsets + padding), where, where.stride(0))
+                 norm_match.stride(0), width, torch.finfo(hidden.dtype).tiny, kept, kept.stride(0), kept.stride(1),
+                 *(list(harvest_lanes) + padding))
     options: dict[str, Any] = {
         "STAGES": stages, "ROUNDS": int(rounds), "SLOTS": triton.next_power_of_2(stages * int(rounds)),
+        "TARGETS": triton.next_power_of_2(stages),
         "FUSED_MASK": sum(1 << stage for stage, layout in enumerate(fused) if layout),
-        "HARVEST_MASK": sum(1 << stage for stage, buffer in enumerate(buffers) if buffer >= 0),
+        "HARVEST_MASK": sum(1 << stage for stage, lane in enumerate(harvest_lanes) if lane >= 0),
         "BLOCK": block_for(width, block), "WAIT": False, "enable_fp_fusion": False}
     if (DEPENDENT_LAUNCH if dependent is None else dependent) and hidden.device.type == "cuda":
         options.update(WAIT=True, launch_pdl=True)
     return (rows,), arguments, options
 
 
-def harvest_launch(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], sources: torch.Tensor,
+def harvest_launch(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], targets: torch.Tensor,
                    block: Optional[int] = None) -> Launch:
-    """How `harvest_rows` launches `_harvest_rows` for these tensors: one program a row of `out` below the call's
-    rows."""
-    capacity, width = out.shape
+    """How `harvest_rows` launches `_harvest_rows` for these tensors: one program a stream row of the call,
+    whatever the pool's size."""
+    width = out.shape[1]
     second = hidden if residual is None else residual
     arguments = (out, out.stride(0), out.stride(1), hidden, hidden.stride(0), hidden.stride(1), second,
-                 second.stride(0), second.stride(1), sources, sources.stride(0), hidden.shape[0], width)
+                 second.stride(0), second.stride(1), targets, targets.stride(0), width)
     options = {"FUSED": residual is not None, "BLOCK": block_for(width, block), "enable_fp_fusion": False}
-    return (min(capacity, hidden.shape[0]),), arguments, options
+    return (hidden.shape[0],), arguments, options
 
 
 def edit_rows(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor, bank: torch.Tensor,
@@ -422,8 +415,8 @@ def edit_harvest_rows(hidden: torch.Tensor, residual: Optional[torch.Tensor], sl
                       bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
                       norm_match: torch.Tensor, out: torch.Tensor, targets: torch.Tensor,
                       block: Optional[int] = None) -> None:
-    """`graph_ops.edit_harvest_stream` by the kernel: `edit_rows`, and each row whose target is a buffer row
-    copied there after its edit, in the same program. Changes `hidden` and those rows of `out`."""
+    """`graph_ops.edit_harvest_stream` by the kernel: `edit_rows`, and each row whose target is a pool row stored
+    there after its edit, in the same program. Changes `hidden` and those rows of the pool `out`."""
     if hidden.shape[0] == 0 or hidden.shape[1] == 0:
         return
     _launchable(_edit_rows, hidden)
@@ -434,24 +427,25 @@ def edit_harvest_rows(hidden: torch.Tensor, residual: Optional[torch.Tensor], sl
 
 def edit_stretch_rows(hidden: torch.Tensor, residual: Optional[torch.Tensor], index: torch.Tensor,
                       bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
-                      norm_match: torch.Tensor, harvested: torch.Tensor, targets: torch.Tensor, lanes: Sequence[int],
-                      rounds: int, buffers: Sequence[int], fused: Sequence[bool], block: Optional[int] = None) -> None:
+                      norm_match: torch.Tensor, pool: torch.Tensor, lanes: Sequence[int], rounds: int,
+                      harvest_lanes: Sequence[int], fused: Sequence[bool], block: Optional[int] = None,
+                      dependent: Optional[bool] = None) -> None:
     """`graph_ops.edit_stretch` by the kernel: `edit_harvest_rows` (or `edit_rows`) of each stage in order, in one
-    launch. Changes `hidden` and the targeted rows of the buffers `buffers` names in `harvested`."""
+    launch. Changes `hidden` and the rows of `pool` the harvesting stages' targets name."""
     if hidden.shape[0] == 0 or hidden.shape[1] == 0:
         return
     _launchable(_edit_stretch_rows, hidden)
     grid, arguments, options = stretch_launch(hidden, residual, index, bank, modes, scales, projections, norm_match,
-                                              harvested, targets, lanes, rounds, buffers, fused, block)
+                                              pool, lanes, rounds, harvest_lanes, fused, block, dependent)
     _edit_stretch_rows[grid](*arguments, **options)
 
 
-def harvest_rows(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], sources: torch.Tensor,
+def harvest_rows(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], targets: torch.Tensor,
                  block: Optional[int] = None) -> None:
-    """`graph_ops.harvest_stream`'s gather by the kernel: the same arguments, already checked by the op. Changes
-    the rows of `out` below the call's rows whose source is a row of the call."""
+    """`graph_ops.harvest_stream`'s scatter by the kernel: the same arguments, already checked by the op. Changes
+    the rows of the pool `out` the call's rows' targets name."""
     if out.shape[0] == 0 or out.shape[1] == 0 or hidden.shape[0] == 0:
         return
     _launchable(_harvest_rows, hidden)
-    grid, arguments, options = harvest_launch(out, hidden, residual, sources, block)
+    grid, arguments, options = harvest_launch(out, hidden, residual, targets, block)
     _harvest_rows[grid](*arguments, **options)

@@ -12,30 +12,31 @@ so a graph captured once replays every step, whichever requests steer:
   `streamscope.bulk.operations.Operation` defines it: add, set, ablate or
   clamp, norm-matched where the slot's flag says so. A row whose slot is
   ``-1`` is left bit for bit as it was.
-* ``streamscope::harvest_stream(out, hidden, residual, sources, buffer)``
-  copies into row ``k`` of the persistent buffer ``out`` (or, where
-  ``buffer >= 0``, of ``out[buffer]``) the stream's row ``sources[k]``,
-  for every ``k`` below the call's rows whose source is a row (``>= 0``); the
-  other rows of ``out`` keep what they held. A step harvests each stream row
-  once at most and `GraphPlan` packs the buffer from row 0, so no source lies
-  at or past the call's rows, and an idle call looks at as many entries as
-  the step has rows, not the buffer's whole capacity.
+* ``streamscope::harvest_stream(out, hidden, residual, targets)`` stores,
+  for every stream row ``r`` whose ``targets[r]`` is a pool row (``>= 0``),
+  the stream's row ``r`` in that row of the harvest pool ``out [pool rows,
+  hidden]``; the pool's other rows keep what they held. ``targets`` is the
+  harvest site's own column of the plan's index (`GraphPlan` gives each site
+  of each request rows of its own): its rows are distinct, and never the
+  pool's last row, a spare that the torch body writes back onto itself so
+  that its scatter has one destination a row whatever the marks. An idle call
+  looks at as many entries as the step has rows, not the pool's size.
 
 * ``streamscope::edit_harvest_stream(hidden, residual, slots, bank, modes,
-  scales, projections, norm_match, out, sources, targets, buffer)`` is the first
-  then the second, in one launch: where a module call holds one site, its
-  edit rounds and its harvest (`streamscope.vllm.graph_wiring`). The
-  kernel's program for stream row ``r`` stores its edited row in buffer row
-  ``targets[r]`` from its registers, so the harvest costs no launch of its own.
+  scales, projections, norm_match, out, targets)`` is the first then the
+  second, in one launch: where a module call holds one site, its edit rounds
+  and its harvest (`streamscope.vllm.graph_wiring`). The kernel's program for
+  stream row ``r`` stores its edited row in pool row ``targets[r]`` from its
+  registers, so the harvest costs no launch of its own.
 
 * ``streamscope::edit_stretch(hidden, residual, index, bank, modes, scales,
-  projections, norm_match, harvested, sources, targets, lanes, rounds,
-  buffers, fused)`` runs up to `MAX_STAGES` sites in one launch, where
-  nothing runs between their module calls, so they see the same pair of
-  tensors (an attention output, then the fused stream after it): for each
-  stage ``s`` in order, bit for bit `edit_harvest_stream` (or `edit_stream`
-  where ``buffers[s]`` is ``-1``) with the slots ``index[:, lanes[s]:lanes[s]
-  + rounds]``, the harvest buffer ``harvested[buffers[s]]``, and the stream
+  projections, norm_match, pool, lanes, rounds, harvest_lanes, fused)`` runs
+  up to `MAX_STAGES` sites in one launch, where nothing runs between their
+  module calls, so they see the same pair of tensors (an attention output,
+  then the fused stream after it): for each stage ``s`` in order, bit for
+  bit `edit_harvest_stream` (or `edit_stream` where ``harvest_lanes[s]`` is
+  ``-1``) with the slots ``index[:, lanes[s]:lanes[s] + rounds]``, the pool
+  `pool` and the targets ``index[:, harvest_lanes[s]]``, and the stream
   ``hidden + residual`` where ``fused[s]``, ``hidden`` alone elsewhere.
 
 `slots` is one column (one round) or ``[rows, rounds]``, a site's rounds:
@@ -52,13 +53,14 @@ no Python branch on a value (the rows are chosen by ``torch.where``), so a
 CUDA graph captures them and torch.compile keeps them as one node each (their
 fake implementations check shapes and return nothing).
 
-In an engine every harvest op takes the plan's whole ``harvested [harvest
-sites, capacity, hidden]`` and the index of its site's buffer, never a view
-of one buffer: where the ops of one compiled graph mutate views of a tensor
-beside the tensor itself, Inductor cannot do the writes in place and copies
-the whole tensor between them (12 GiB at a time at the Llama-3-8B shape with
-every default site; measured on an H100 in vLLM 0.22: a compile of 319 s
-against plain vLLM's 7 s, and the copy's allocation out of memory).
+In an engine every harvest op takes the plan's whole ``pool [pool rows + 1,
+hidden]``, never a view of part of it (one site's rows, one request's):
+where the ops of one compiled graph mutate views of a tensor beside the
+tensor itself, Inductor cannot do the writes in place and copies the whole
+tensor between them (12 GiB at a time at the Llama-3-8B shape with every
+default site, when each site had a buffer of its own in one tensor; measured
+on an H100 in vLLM 0.22: a compile of 319 s against plain vLLM's 7 s, and the
+copy's allocation out of memory).
 
 Two bodies compute the same thing. On CUDA tensors the ops launch one Triton
 kernel each (`streamscope.vllm.graph_kernels`): one program per row, which
@@ -89,7 +91,7 @@ NAMESPACE = "streamscope"
 ADD, SET, ABLATE, CLAMP = 0, 1, 2, 3
 #: The operation names of `streamscope.bulk.operations.MODES` the ops run, by code.
 MODE_CODES = {"add": ADD, "set": SET, "ablate": ABLATE, "clamp": CLAMP}
-#: The dtypes of the index buffers (`slots`, `sources`).
+#: The dtypes of the index buffers (`slots`, `targets`).
 INDEX_DTYPES = (torch.int32, torch.int64)
 #: The ops' bodies: "torch" (torch arithmetic over every row) and "triton" (`streamscope.vllm.graph_kernels`).
 BODIES = ("torch", "triton")
@@ -275,100 +277,87 @@ def _edit_stream_fake(hidden: torch.Tensor, residual: Optional[torch.Tensor], sl
     _check_edit(hidden, residual, slots, bank, modes, scales, projections, norm_match)
 
 
-def _buffer_of(out: torch.Tensor, buffer: int, op: str) -> torch.Tensor:
-    """The harvest buffer an op writes: `out` itself (``buffer == -1``), or ``out[buffer]`` of the plan's
-    ``[harvest sites, capacity, hidden]``."""
-    if buffer == -1:
-        return out
-    if out.dim() != 3 or not 0 <= buffer < out.shape[0]:
-        raise ValueError(f"{op}: buffer={buffer} names a buffer of the plan's harvested [harvest_sites, capacity, "
-                         f"hidden], which out {tuple(out.shape)} is not or does not hold: pass buffer=-1 with one "
-                         f"buffer [capacity, hidden], or the whole harvested with a buffer below its first size.")
-    return out[buffer]
+def _check_pool(op: str, pool: torch.Tensor, hidden: torch.Tensor) -> None:
+    if pool.dim() != 2 or pool.shape[1] != hidden.shape[1] or pool.dtype != hidden.dtype:
+        raise ValueError(f"{op}: the harvest pool is [rows, {hidden.shape[1]}] in the stream's dtype {hidden.dtype}, "
+                         f"not {tuple(pool.shape)} {pool.dtype}: pass the plan's whole pool, its last row spare.")
+    if pool.device != hidden.device:
+        raise ValueError(f"{op}: the harvest pool is on {pool.device}, the stream on {hidden.device}: keep the "
+                         f"plan's buffers on the engine's device.")
 
 
-def _check_harvest(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], sources: torch.Tensor,
+def _check_harvest(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], targets: torch.Tensor,
                    op: str = "streamscope::harvest_stream") -> None:
     _check_stream(op, hidden, residual)
-    if out.dim() != 2 or out.shape[1] != hidden.shape[1] or out.dtype != hidden.dtype:
-        raise ValueError(f"{op}: the harvest buffer is [capacity, {hidden.shape[1]}] in the stream's dtype "
-                         f"{hidden.dtype}, not {tuple(out.shape)} {out.dtype}.")
-    if out.device != hidden.device:
-        raise ValueError(f"{op}: the harvest buffer is on {out.device}, the stream on {hidden.device}: keep the "
-                         f"plan's buffers on the engine's device.")
-    _check_index(op, "sources", sources, out.shape[0], hidden.device)
+    _check_pool(op, out, hidden)
+    _check_index(op, "targets", targets, hidden.shape[0], hidden.device)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::harvest_stream", mutates_args=("out",))
 def harvest_stream(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
-                   sources: torch.Tensor, buffer: int = -1) -> None:
-    """Copy the stream's rows that `sources` names into the persistent buffer `out`, in place.
+                   targets: torch.Tensor) -> None:
+    """Copy the stream's rows that `targets` marks into their rows of the harvest pool `out`, in place.
 
     Args:
-        out: ``[capacity, hidden]``, the stream's dtype: row ``k`` (below
-            the call's rows) takes the stream's row ``sources[k]``; the op
-            changes nothing else. Or, with `buffer`, the plan's
-            ``[harvest sites, capacity, hidden]``, of which ``out[buffer]``
-            is so filled.
+        out: ``[pool rows, hidden]``, the stream's dtype: the plan's whole
+            pool (never a view of part of it: the module's docstring says
+            why). Row ``targets[r]`` takes the stream's row ``r``; the op
+            changes no other row. Its last row is a spare no target names.
         hidden, residual: The stream, whole or in two halves (their sum is
             read, bit for bit the bulk path's `Summed.stream_rows`).
-        sources: ``[>= capacity]`` int: the stream row each buffer row takes,
-            ``-1`` (or a row past the step's rows) for one left as it was;
-            entries at or past the call's rows are not read (a step fills at
-            most one buffer row per stream row, from row 0).
-        buffer: ``-1`` where `out` is the buffer, else the index of the
-            buffer in `out` (see the module's docstring for why).
+        targets: ``[>= rows]`` int, this site's column of the plan's index:
+            the pool row stream row ``r`` is stored in, ``-1`` for none.
+            Its non-negative entries are distinct and below the pool's last
+            row; entries at or past the call's rows are not read.
     """
-    out = _buffer_of(out, buffer, "streamscope::harvest_stream")
-    _check_harvest(out, hidden, residual, sources)
+    _check_harvest(out, hidden, residual, targets)
     if min(hidden.shape[0], out.shape[0]) == 0:  # shapes, not values: fixed for a captured graph
         return
     if _runs_kernel(hidden.device):
-        _kernels().harvest_rows(out, hidden, residual, sources)
+        _kernels().harvest_rows(out, hidden, residual, targets)
         return
-    _harvest_by_torch(out, hidden, residual, sources)
+    _harvest_by_torch(out, hidden, residual, targets)
 
 
 def _harvest_by_torch(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
-                      sources: torch.Tensor) -> None:
-    """`harvest_stream`'s torch body: the buffer rows below the call's rows take their sources' rows."""
+                      targets: torch.Tensor) -> None:
+    """`harvest_stream`'s torch body: every row of the call scattered to its pool row, through the spare one.
+
+    A row harvested nowhere writes the spare row's own bits back onto it, so
+    the scatter has one destination a row (no shape depends on the marks)
+    and changes nothing but the targeted rows: targets are distinct and
+    never the spare, so no write meets another of a different value.
+    """
     rows = hidden.shape[0]
-    filled = min(rows, out.shape[0])
-    source = sources[:filled].long()
-    valid = (source >= 0) & (source < rows)
-    safe = torch.where(valid, source, torch.zeros_like(source))
-    picked = hidden.index_select(0, safe)
-    if residual is not None:
-        picked = picked + residual.index_select(0, safe)
-    out[:filled].copy_(torch.where(valid.unsqueeze(-1), picked, out[:filled]))
+    target = targets[:rows].long()
+    valid = target >= 0
+    destination = torch.where(valid, target, torch.full_like(target, out.shape[0] - 1))
+    stream = hidden if residual is None else hidden + residual
+    current = out.index_select(0, destination)
+    out.index_copy_(0, destination, torch.where(valid.unsqueeze(-1), stream, current))
 
 
 @harvest_stream.register_fake
 def _harvest_stream_fake(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
-                         sources: torch.Tensor, buffer: int = -1) -> None:
-    _check_harvest(_buffer_of(out, buffer, "streamscope::harvest_stream"), hidden, residual, sources)
+                         targets: torch.Tensor) -> None:
+    _check_harvest(out, hidden, residual, targets)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::edit_harvest_stream", mutates_args=("hidden", "out"))
 def edit_harvest_stream(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor,
                         bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
-                        norm_match: torch.Tensor, out: torch.Tensor, sources: torch.Tensor,
-                        targets: torch.Tensor, buffer: int = -1) -> None:
+                        norm_match: torch.Tensor, out: torch.Tensor, targets: torch.Tensor) -> None:
     """`edit_stream`, then `harvest_stream` of the edited stream, in one launch: a site's edit rounds and its
     harvest (`streamscope.vllm.graph_wiring` puts it where a module call holds one site).
 
     Args:
         hidden, residual, slots, bank, modes, scales, projections, norm_match:
             As `edit_stream`'s.
-        out, sources, buffer: As `harvest_stream`'s.
-        targets: ``[>= rows]`` int: the buffer row stream row ``r`` fills, ``-1``
-            for none; the inverse of `sources` (`GraphPlan` fills both). The
-            kernel reads `targets` (a program a stream row, which stores its
-            edited row in its buffer row from the registers), the torch body
-            `sources`.
+        out, targets: As `harvest_stream`'s. The kernel's program for stream
+            row ``r`` stores its edited row in pool row ``targets[r]`` from
+            its registers.
     """
-    out = _buffer_of(out, buffer, "streamscope::edit_harvest_stream")
-    _check_edit_harvest(hidden, residual, slots, bank, modes, scales, projections, norm_match, out, sources, targets)
+    _check_edit_harvest(hidden, residual, slots, bank, modes, scales, projections, norm_match, out, targets)
     if hidden.shape[0] == 0:  # a shape, not a value: fixed for a captured graph
         return
     if _runs_kernel(hidden.device):
@@ -377,40 +366,37 @@ def edit_harvest_stream(hidden: torch.Tensor, residual: Optional[torch.Tensor], 
         return
     _edit_by_torch(hidden, residual, slots, bank, modes, scales, projections, norm_match)
     if out.shape[0]:
-        _harvest_by_torch(out, hidden, residual, sources)
+        _harvest_by_torch(out, hidden, residual, targets)
 
 
 def _check_edit_harvest(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor,
                         bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
-                        norm_match: torch.Tensor, out: torch.Tensor, sources: torch.Tensor,
-                        targets: torch.Tensor) -> None:
+                        norm_match: torch.Tensor, out: torch.Tensor, targets: torch.Tensor) -> None:
     _check_edit(hidden, residual, slots, bank, modes, scales, projections, norm_match)
-    _check_harvest(out, hidden, residual, sources)
-    _check_index("streamscope::edit_harvest_stream", "targets", targets, hidden.shape[0], hidden.device)
+    _check_harvest(out, hidden, residual, targets, "streamscope::edit_harvest_stream")
 
 
 @edit_harvest_stream.register_fake
 def _edit_harvest_stream_fake(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor,
                               bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor,
                               projections: torch.Tensor, norm_match: torch.Tensor, out: torch.Tensor,
-                              sources: torch.Tensor, targets: torch.Tensor, buffer: int = -1) -> None:
-    _check_edit_harvest(hidden, residual, slots, bank, modes, scales, projections, norm_match,
-                        _buffer_of(out, buffer, "streamscope::edit_harvest_stream"), sources, targets)
+                              targets: torch.Tensor) -> None:
+    _check_edit_harvest(hidden, residual, slots, bank, modes, scales, projections, norm_match, out, targets)
 
 
-#: The most sites (stages) one `edit_stretch` launch runs: the kernel takes each stage's lane and harvest buffer as
+#: The most sites (stages) one `edit_stretch` launch runs: the kernel takes each stage's lane and harvest lane as
 #: one scalar argument of four.
 MAX_STAGES = 4
 
 
 def _check_stretch(hidden: torch.Tensor, residual: Optional[torch.Tensor], index: torch.Tensor, bank: torch.Tensor,
                    modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor, norm_match: torch.Tensor,
-                   harvested: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor, lanes: Sequence[int],
-                   rounds: int, buffers: Sequence[int], fused: Sequence[bool]) -> None:
+                   pool: torch.Tensor, lanes: Sequence[int], rounds: int, harvest_lanes: Sequence[int],
+                   fused: Sequence[bool]) -> None:
     op = "streamscope::edit_stretch"
-    if not len(lanes) == len(buffers) == len(fused):
-        raise ValueError(f"{op}: lanes, buffers and fused hold one entry a stage (a site of the stretch), not "
-                         f"{len(lanes)}, {len(buffers)} and {len(fused)}: give each stage all three.")
+    if not len(lanes) == len(harvest_lanes) == len(fused):
+        raise ValueError(f"{op}: lanes, harvest_lanes and fused hold one entry a stage (a site of the stretch), not "
+                         f"{len(lanes)}, {len(harvest_lanes)} and {len(fused)}: give each stage all three.")
     if not 1 <= len(lanes) <= MAX_STAGES:
         raise ValueError(f"{op}: a stretch runs 1 to {MAX_STAGES} stages in one launch, not {len(lanes)}: split "
                          f"the sites into stretches of at most {MAX_STAGES}.")
@@ -422,79 +408,77 @@ def _check_stretch(hidden: torch.Tensor, residual: Optional[torch.Tensor], index
         if lane < 0 or lane + rounds > index.shape[1]:
             raise ValueError(f"{op}: stage {stage}'s lane {lane} with {rounds} rounds reaches outside the index's "
                              f"{index.shape[1]} columns: give each stage the first column of its rounds.")
+    if any(not -1 <= lane < index.shape[1] for lane in harvest_lanes):
+        raise ValueError(f"{op}: harvest_lanes {list(harvest_lanes)} name a column outside the index's "
+                         f"{index.shape[1]}: each is the column of a stage's targets, or -1 for a stage that harvests "
+                         f"nothing.")
     if any(fused) and residual is None:
         raise ValueError(f"{op}: stage {list(fused).index(True)} is fused (its stream is hidden + residual) and no "
                          f"residual is given: pass the block's residual half, or mark the stage whole.")
     _check_edit(hidden, residual, index[:, lanes[0]:lanes[0] + rounds], bank, modes, scales, projections,
                 norm_match, op)
-    harvesting = [buffer for buffer in buffers if buffer >= 0]
-    if harvesting and harvested.dim() != 3:
-        raise ValueError(f"{op}: harvested is the plan's harvest buffers [harvest_sites, capacity, hidden], not "
-                         f"{tuple(harvested.shape)}.")
-    if min(buffers) < -1 or (harvesting and max(harvesting) >= harvested.shape[0]):
-        raise ValueError(f"{op}: buffers {list(buffers)} name a harvest buffer outside the {harvested.shape[0]} "
-                         f"harvested holds: each is a buffer's index, or -1 for a stage that harvests nothing.")
-    if not harvesting:
-        return
-    _check_harvest(harvested[harvesting[0]], hidden, residual, sources, op)
-    _check_index(op, "targets", targets, hidden.shape[0], hidden.device)
+    harvesting = [lane for lane in harvest_lanes if lane >= 0]
+    if harvesting:
+        _check_harvest(pool, hidden, residual, index[:, harvesting[0]], op)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::edit_stretch", mutates_args=("hidden", "harvested"))
+@torch.library.custom_op(f"{NAMESPACE}::edit_stretch", mutates_args=("hidden", "pool"))
 def edit_stretch(hidden: torch.Tensor, residual: Optional[torch.Tensor], index: torch.Tensor, bank: torch.Tensor,
                  modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor, norm_match: torch.Tensor,
-                 harvested: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor, lanes: list[int],
-                 rounds: int, buffers: list[int], fused: list[bool]) -> None:
+                 pool: torch.Tensor, lanes: list[int], rounds: int, harvest_lanes: list[int],
+                 fused: list[bool]) -> None:
     """Several sites in one launch, where nothing runs between their module calls, so they see the same pair of
     tensors (an attention output, then the fused stream after it): stage ``s``'s edit rounds and harvest, for each
     stage in order, each on the row as the stage before left it.
 
     The result is, bit for bit, for each stage ``s`` in order, `edit_harvest_stream`
-    (``buffers[s] >= 0``) or `edit_stream` with ``residual if fused[s] else
-    None``, the slots ``index[:, lanes[s]:lanes[s] + rounds]`` and, for the
-    harvest, ``harvested[buffers[s]]``.
+    (``harvest_lanes[s] >= 0``) or `edit_stream` with ``residual if fused[s]
+    else None``, the slots ``index[:, lanes[s]:lanes[s] + rounds]`` and, for
+    the harvest, the pool `pool` and the targets ``index[:, harvest_lanes[s]]``.
 
     Args:
         hidden, residual: The stream's halves: a fused stage reads the
             stream ``hidden + residual`` and edits the hidden half, a whole
             stage reads and edits ``hidden`` alone (the residual is ignored;
             it may be None where no stage is fused).
-        index: ``[>= rows, columns]`` int, the plan's slot index: stage
-            ``s``'s rounds are its columns ``lanes[s]`` to ``lanes[s] +
-            rounds``.
+        index: ``[>= rows, columns]`` int, the plan's index: stage ``s``'s
+            rounds are its columns ``lanes[s]`` to ``lanes[s] + rounds``, its
+            targets (as `harvest_stream`'s) its column ``harvest_lanes[s]``.
         bank, modes, scales, projections, norm_match: As `edit_stream`'s.
-        harvested: ``[harvest sites, capacity, hidden]``, the plan's harvest
-            buffers; only those `buffers` names change.
-        sources, targets: As `edit_harvest_stream`'s, shared by every stage.
+        pool: ``[pool rows, hidden]``, the plan's whole harvest pool (as
+            `harvest_stream`'s `out`); only the rows the harvesting stages'
+            targets name change, distinct across the stages too (the plan
+            gives each site its own: the kernel's programs store them at
+            once). Not read where no stage harvests.
         lanes: Each stage's first column of `index`.
         rounds: The rounds each stage runs.
-        buffers: Each stage's harvest buffer in `harvested`, ``-1`` for none.
+        harvest_lanes: Each stage's column of targets in `index`, ``-1`` for
+            a stage that harvests nothing.
         fused: Whether each stage sees the fused stream (``hidden +
             residual``) or ``hidden`` whole.
     """
-    _check_stretch(hidden, residual, index, bank, modes, scales, projections, norm_match, harvested, sources, targets,
-                   lanes, rounds, buffers, fused)
+    _check_stretch(hidden, residual, index, bank, modes, scales, projections, norm_match, pool, lanes, rounds,
+                   harvest_lanes, fused)
     if hidden.shape[0] == 0:  # a shape, not a value: fixed for a captured graph
         return
     if _runs_kernel(hidden.device):
-        _kernels().edit_stretch_rows(hidden, residual, index, bank, modes, scales, projections, norm_match,
-                                     harvested, targets, lanes, rounds, buffers, fused)
+        _kernels().edit_stretch_rows(hidden, residual, index, bank, modes, scales, projections, norm_match, pool,
+                                     lanes, rounds, harvest_lanes, fused)
         return
-    for lane, buffer, stage_fused in zip(lanes, buffers, fused):
+    for lane, harvest_lane, stage_fused in zip(lanes, harvest_lanes, fused):
         second = residual if stage_fused else None
         _edit_by_torch(hidden, second, index[:, lane:lane + rounds], bank, modes, scales, projections, norm_match)
-        if buffer >= 0 and harvested.shape[1]:
-            _harvest_by_torch(harvested[buffer], hidden, second, sources)
+        if harvest_lane >= 0 and pool.shape[0]:
+            _harvest_by_torch(pool, hidden, second, index[:, harvest_lane])
 
 
 @edit_stretch.register_fake
 def _edit_stretch_fake(hidden: torch.Tensor, residual: Optional[torch.Tensor], index: torch.Tensor,
                        bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
-                       norm_match: torch.Tensor, harvested: torch.Tensor, sources: torch.Tensor,
-                       targets: torch.Tensor, lanes: list[int], rounds: int, buffers: list[int],
-                       fused: list[bool]) -> None:
-    _check_stretch(hidden, residual, index, bank, modes, scales, projections, norm_match, harvested, sources, targets,
-                   lanes, rounds, buffers, fused)
+                       norm_match: torch.Tensor, pool: torch.Tensor, lanes: list[int], rounds: int,
+                       harvest_lanes: list[int], fused: list[bool]) -> None:
+    _check_stretch(hidden, residual, index, bank, modes, scales, projections, norm_match, pool, lanes, rounds,
+                   harvest_lanes, fused)
 
 
 #: The ops streamscope inserts, by name: what the compile cache's salt hashes (`cache_salt`).
@@ -513,9 +497,9 @@ def ops_source() -> str:
     body, and the Triton kernels' module): torch.compile treats the ops as opaque, so vLLM's hash of the files it
     traced never reads this code."""
     functions = (_check_stream, _check_index, _check_slots, _check_edit, _edited, edit_stream, _edit_by_torch,
-                 _edit_stream_fake, _check_harvest, harvest_stream, _harvest_by_torch, _harvest_stream_fake,
-                 edit_harvest_stream, _check_edit_harvest, _edit_harvest_stream_fake, _check_stretch, edit_stretch,
-                 _edit_stretch_fake, _runs_kernel, _kernels)
+                 _edit_stream_fake, _check_pool, _check_harvest, harvest_stream, _harvest_by_torch,
+                 _harvest_stream_fake, edit_harvest_stream, _check_edit_harvest, _edit_harvest_stream_fake,
+                 _check_stretch, edit_stretch, _edit_stretch_fake, _runs_kernel, _kernels)
     own = "\n".join(inspect.getsource(getattr(function, "_init_fn", function)) for function in functions)
     return own + "\n" + kernel_source()
 
@@ -553,7 +537,7 @@ def cache_salt(sites: Sequence[str], rounds: int, harvest_sites: Sequence[str], 
         harvest_sites: The sites a harvest op sits at.
         source: The ops' code (`ops_source()` when None).
 
-    The sizes of the buffers the ops read (slots, harvest capacity, the
+    The sizes of the buffers the ops read (slots, the harvest pool, the
     engine's ``max_num_batched_tokens``) are in the config's hash beside the
     salt (the graph ops' options, vLLM's scheduler config). The choice of
     body (`use_body`) is not: an op is one opaque call in the compiled graph,

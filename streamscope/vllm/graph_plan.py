@@ -8,18 +8,21 @@ tensors at the same addresses. `GraphPlan` owns them:
   ``bank [slots, hidden]`` and its per-slot buffers, shared by every request
   and site that uses it (an ablation at every block is one slot), written
   when a request brings a new one, not per step;
-* one device index ``[max_rows, lanes + 2]`` of int32: column ``j`` is lane
-  ``j``'s row -> slot map (a lane is one edit op: a site and a round, a
-  request's second steer at one site being the second round), ``-1`` for a
-  row left alone; the last column is the harvest's buffer row -> stream row
-  map, the one before it the inverse, stream row -> buffer row (what a
-  site's last edit reads where it harvests too: `graph_ops.edit_harvest_stream`).
-  It is stored lane by lane (each column contiguous, the tensor a transposed
-  view), so that a step writes and copies only the lanes its requests use:
-  one column for a steer at one block, of 386 at the Llama-3-8B shape. The
-  ops read columns of it (views, fixed addresses);
-* ``harvested [harvest sites, capacity, hidden]``: the harvest op's output,
-  row ``k`` of every harvest site taking the step's ``k``-th harvested row.
+* one device index ``[max_rows, lanes + harvest sites]`` of int32: column
+  ``j`` is lane ``j``'s row -> slot map (a lane is one edit op: a site and a
+  round, a request's second steer at one site being the second round),
+  ``-1`` for a row left alone; after the lanes, one column a harvest site,
+  its row -> pool row map (``-1``: not harvested there). It is stored lane
+  by lane (each column contiguous, the tensor a transposed view), so that a
+  step writes and copies only the columns its requests use: one for a steer
+  at one block, of 576 at the Llama-3-8B shape. The ops read columns of it
+  (views, fixed addresses);
+* ``pool [pool rows + 1, hidden]``: where the harvest ops store the rows a
+  step harvests, each (position, site) a request asks for in a row of its
+  own, a request's rows of the step site by site; the last row is the ops'
+  spare, which no step names (`graph_ops.harvest_stream`). A harvest is
+  admitted while the most rows one step could harvest for the live
+  harvests fits the pool (`GraphPlan.enter`), so no step overflows it.
 
 `GraphPlan.step` turns the scheduler's spans (`streamscope.bulk.apply.Span`:
 which request owns which rows this step, prefill and decode alike) into the
@@ -53,8 +56,22 @@ from .graph_ops import MODE_CODES
 
 
 #: How the plan's index is stored (part of the compile cache's salt: a graph captured with the ops reads it by its
-#: strides): lane by lane, each lane's rows contiguous.
-INDEX_LAYOUT = "lanes"
+#: strides): lane by lane, each lane's rows contiguous, a harvest site's pool rows after the lanes.
+INDEX_LAYOUT = "lanes+pool"
+#: The harvest pool's rows by default, per row of a step: a step may harvest up to this many sites at every one
+#: of its rows (8 x 8,192 rows: 512 MiB at the Llama-3-8B shape, 1 GiB at the 70B one).
+POOL_SITES = 8
+
+
+class PoolBusy(RuntimeError):
+    """A harvest the pool cannot take now: the live requests' harvests hold it (it may pass once they have read
+    their prompts)."""
+
+
+def default_pool(max_rows: int, harvest_sites: int) -> int:
+    """The harvest pool's rows by default: `POOL_SITES` sites (every harvest site, where there are fewer) at every
+    row of a step."""
+    return max_rows * min(POOL_SITES, harvest_sites)
 
 
 class SlotBank:
@@ -233,22 +250,24 @@ class _LaneEdit:
 class _Live:
     edits: list[_LaneEdit]
     positions: tuple[int, ...] = ()  # harvested prompt positions, sorted
-    sites: Optional[torch.Tensor] = None  # the request's harvest sites, as indices into the plan's
-    every_site: bool = False  # whether `sites` is every harvest site of the plan, in its order
+    sites: tuple[int, ...] = ()  # the request's harvest sites, as indices into the plan's, in its own order
+    harvest_lanes: tuple[int, ...] = ()  # the index's column of each of them
     done: int = 0  # positions harvested so far
     row: int = 0  # its row of the plan's table of lane marks (0: the row of no marks)
-    lanes: frozenset = frozenset()  # the index's columns it marks: its edits' lanes, and the harvest's two
+    lanes: frozenset = frozenset()  # the index's columns its edits mark (its harvest's, only in a step it reads)
     #: Its edits' distinct row rules: a steer at every block has 32 edits of one rule, which a step checks once.
     rules: tuple = ()
 
 
 @dataclass
 class StepHarvest:
-    """What one step harvested: ``rows [harvest sites, used, hidden]`` (on the host once `wait` returns) and
-    `layout`, each request's ``(key, count, first position index)`` in row order."""
+    """What one step harvested: ``rows [used, hidden]``, the pool's first rows (on the host once `wait` returns),
+    and `layout`, each harvesting request's ``(key, count, first position index, first pool row)``: its `count`
+    positions at each of its sites, site by site from that pool row (``[its sites, count, hidden]``)."""
 
     rows: Optional[torch.Tensor]
-    layout: list[tuple[Hashable, int, int]]
+    layout: list[tuple[Hashable, int, int, int]]
+    used: int = 0
     event: Any = None
     #: The harvesting requests' plans, kept for `GraphPlan.settle` after a request leaves.
     lives: dict[Hashable, Any] = field(default_factory=dict)
@@ -283,18 +302,19 @@ class GraphPlan:
         hidden, dtype, device: The stream's width, the engine's dtype and device.
         slots: How many distinct operations may be live at once.
         harvest_sites: The sites a harvest op sits at, in the harvest's order.
-        harvest_capacity: The most rows one step harvests (at most
-            `max_rows`; each harvest site's buffer is this many rows).
+        harvest_pool: The harvest pool's rows: how many (position, site)
+            rows one step may harvest (None: `POOL_SITES` sites at every row
+            of a step, or every harvest site where there are fewer).
     """
 
     def __init__(self, sites: Sequence[Hashable], rounds: int, max_rows: int, hidden: int, dtype: torch.dtype,
                  device: Any, slots: int = 256, harvest_sites: Sequence[Hashable] = (),
-                 harvest_capacity: Optional[int] = None) -> None:
+                 harvest_pool: Optional[int] = None) -> None:
         if rounds < 1 or max_rows < 1:
             raise ValueError(f"rounds={rounds}, max_rows={max_rows}: a plan has at least one of each.")
-        capacity = max_rows if harvest_capacity is None else harvest_capacity
-        if not 0 <= capacity <= max_rows:
-            raise ValueError(f"harvest_capacity={capacity}: a step harvests at most its {max_rows} rows once each.")
+        pool = default_pool(max_rows, len(harvest_sites)) if harvest_pool is None else harvest_pool
+        if pool < 0 or (harvest_sites and pool < 1):
+            raise ValueError(f"harvest_pool={pool}: a plan that harvests holds at least one row.")
         self.sites = list(sites)
         self.rounds = rounds
         self.lane_of = {(site, round_): index * rounds + round_
@@ -303,10 +323,12 @@ class GraphPlan:
             raise ValueError("sites: each site is named once.")
         self.harvest_sites = list(harvest_sites)
         self.harvest_index = {site: number for number, site in enumerate(self.harvest_sites)}
-        self.max_rows, self.capacity = max_rows, capacity
+        #: Each harvest site's column of the index (its row -> pool row map), after the lanes.
+        self.harvest_lane_of = {site: len(self.lane_of) + number for number, site in enumerate(self.harvest_sites)}
+        self.max_rows, self.pool_rows = max_rows, pool
         self.device = torch.device(device)
         self.bank = SlotBank(slots, hidden, dtype, self.device)
-        columns = len(self.lane_of) + 2  # the lanes, the stream row -> buffer row map, the buffer row -> stream row
+        columns = len(self.lane_of) + len(self.harvest_sites)
         # Stored lane by lane: a step writes and copies only the lanes its requests use (`index` is the transposed
         # view, [max_rows, columns], as the ops read it).
         self._lanes = torch.full((columns, max_rows), -1, dtype=torch.int32, device=self.device)
@@ -323,10 +345,11 @@ class GraphPlan:
         self._landing = (torch.empty(columns * max_rows, dtype=torch.int32, device=self.device),
                          torch.empty(columns, dtype=torch.long, device=self.device)) if on_gpu else None
         self._written: frozenset = frozenset()  # the lanes the last step wrote (their rows up to `_dirty`)
-        self._harvest_lanes = frozenset((columns - 2, columns - 1))
         self._events: list[Any] = [None, None]
         self._turn = 0
-        self.harvested = torch.zeros((len(self.harvest_sites), capacity, hidden), dtype=dtype, device=self.device)
+        # Every harvest op gets this whole tensor (never a view of part of it: `graph_ops`' docstring says why); its
+        # last row is the ops' spare, which no step names.
+        self.pool = torch.zeros((pool + 1, hidden), dtype=dtype, device=self.device)
         self._live: dict[Hashable, _Live] = {}
         # Each live request's lane marks as one row (row 0: none), so that a step whose requests each steer whole
         # spans (decode; a prefill of every position) fills its rows with one gather from this table.
@@ -347,20 +370,10 @@ class GraphPlan:
         first = self.lane_of[(site, 0)]
         return self.index[:, first:first + self.rounds]
 
-    @property
-    def sources(self) -> torch.Tensor:
-        """The harvest op's buffer row -> stream row map, ``[capacity]`` int32 (the last column of `index`)."""
-        return self.index[:self.capacity, -1]
-
-    @property
-    def targets(self) -> torch.Tensor:
-        """The inverse of `sources`: each stream row's harvest buffer row, ``-1`` for none, ``[max_rows]`` int32 (the
-        column before the last of `index`)."""
-        return self.index[:, -2]
-
-    def harvest_buffer(self, site: Hashable) -> torch.Tensor:
-        """The harvest op's output at `site`, ``[capacity, hidden]``."""
-        return self.harvested[self.harvest_index[site]]
+    def targets_of(self, site: Hashable) -> torch.Tensor:
+        """The harvest op's row -> pool row map at `site`, ``-1`` for a row not harvested there, ``[max_rows]``
+        int32 (a column of `index`)."""
+        return self.index[:, self.harvest_lane_of[site]]
 
     # Requests.
 
@@ -387,6 +400,9 @@ class GraphPlan:
         missing = [site for site in sites if site not in self.harvest_index] if harvest_positions else []
         if missing:
             raise ValueError(f"request {key!r} harvests {missing}, where the graph has no harvest op.")
+        positions = tuple(sorted(set(harvest_positions)))
+        if positions:
+            self._admit_harvest(key, len(sites), len(positions))
         edits: list[_LaneEdit] = []
         try:
             for steer, mine in zip(steers, lanes):
@@ -403,12 +419,43 @@ class GraphPlan:
             live.row = self._table_row()
             for edit in edits:
                 self._table[live.row, edit.columns] = edit.slot
-        if harvest_positions:
-            live.lanes |= self._harvest_lanes
-            live.positions = tuple(sorted(set(harvest_positions)))
-            live.sites = torch.tensor([self.harvest_index[site] for site in sites], dtype=torch.long)
-            live.every_site = list(sites) == self.harvest_sites
+        if positions:
+            live.positions = positions
+            live.sites = tuple(self.harvest_index[site] for site in sites)
+            live.harvest_lanes = tuple(self.harvest_lane_of[site] for site in sites)
         self._live[key] = live
+
+    def _admit_harvest(self, key: Hashable, sites: int, positions: int) -> None:
+        """Refuse a harvest of `positions` positions at `sites` sites where the most rows one step could then
+        harvest would not fit the pool: for good (ValueError) where the request alone would not, for now
+        (RuntimeError: the live harvests hold the pool; a 503 on a server) otherwise."""
+        alone = sites * min(positions, self.max_rows)
+        if alone > self.pool_rows:
+            raise ValueError(f"request {key!r} harvests {positions} position(s) at {sites} site(s): up to {alone} rows "
+                             f"in one step, and the graph ops' harvest pool holds {self.pool_rows}: start the engine "
+                             f"with a larger pool (graph ops' harvest_pool) or harvest fewer sites or positions a "
+                             f"request.")
+        most = self.most_harvested((sites, positions))
+        if most > self.pool_rows:
+            raise PoolBusy(f"the graph ops' harvest pool ({self.pool_rows} rows) is held by the live requests' "
+                               f"harvests (one step could harvest {most} rows with this request's): wait for "
+                               f"requests to finish, or start the engine with a larger pool (harvest_pool).")
+
+    def most_harvested(self, extra: Optional[tuple[int, int]] = None) -> int:
+        """The most rows one step could harvest for the live requests (and `extra`, a harvest's ``(sites, positions
+        left)``): the step's `max_rows` rows go to the positions left of the harvests asking the most sites first."""
+        asks = [(len(live.sites), len(live.positions) - live.done) for live in self._live.values() if live.positions]
+        if extra is not None:
+            asks.append(extra)
+        budget = self.max_rows
+        most = 0
+        for sites, left in sorted(asks, reverse=True):
+            taken = min(left, budget)
+            most += sites * taken
+            budget -= taken
+            if not budget:
+                break
+        return most
 
     def leave(self, key: Hashable) -> None:
         """Forget `key`: its slots released where no other request uses them (a no-op for a key not live)."""
@@ -446,9 +493,10 @@ class GraphPlan:
         owners: list[int] = []  # per span (and gap): its request's table row, 0 for no marks
         counts: list[int] = []
         partial: list[tuple[_Live, int, int, int]] = []  # spans some steer edits in part: written range by range
-        layout: list[tuple[Hashable, int, int]] = []
+        layout: list[tuple[Hashable, int, int, int]] = []
         lives: dict[Hashable, Any] = {}
-        sources: list[int] = []
+        picked: list[tuple[int, Any, int, int]] = []  # (harvest lane, stream rows, first pool row, rows)
+        used = 0  # the pool's rows this step harvests into
         lanes: set[int] = set()  # the lanes this step's requests mark
         total = marked = 0  # marked: the rows up to the last this step marks (a slot or a harvest)
         for key, start, count, first in spans:
@@ -471,18 +519,20 @@ class GraphPlan:
                     else:
                         partial.append((live, start, count, first))
                     marked = total
-                if live.positions:
-                    self._harvest_span(key, live, start, count, first, sources, layout, lives)
+                if live.positions and live.done < len(live.positions):
+                    harvested = self._harvest_span(key, live, start, count, first, picked, layout, lives, used)
+                    if harvested > used:
+                        used = harvested
+                        lanes.update(live.harvest_lanes)
+                        marked = max(marked, picked[-1][1].stop if isinstance(picked[-1][1], slice)
+                                     else int(picked[-1][1][-1]) + 1)
             owners.append(owner)
             counts.append(count)
         if total > self.max_rows:
             raise ValueError(f"this step runs {total} rows; the graph plan holds {self.max_rows}: size max_rows "
                              f"for the engine's max_num_batched_tokens.")
-        if len(sources) > self.capacity:
-            raise ValueError(f"this step harvests {len(sources)} rows; the plan's harvest buffers hold "
-                             f"{self.capacity}: raise harvest_capacity (up to max_rows).")
-        if sources:
-            marked = max(marked, len(sources), max(sources) + 1)
+        if used > self.pool_rows:  # (admission keeps every step within the pool: `enter`)
+            raise RuntimeError(f"this step harvests {used} rows; the graph ops' harvest pool holds {self.pool_rows}.")
         if not marked:
             lanes.clear()  # requests in the plan with nothing to mark this step (a harvest done, a steer not begun)
         # Rows past `marked` and lanes no request of the step marks hold -1 on the device once the last step's marks
@@ -490,18 +540,18 @@ class GraphPlan:
         # up to its last marked row.
         rows = max(marked, self._dirty)
         reset = self._written - lanes
-        self._fill_rows(owners, counts, total, marked, rows, partial, sources, sorted(lanes), sorted(reset))
+        self._fill_rows(owners, counts, total, marked, rows, partial, picked, sorted(lanes), sorted(reset))
         if rows and (lanes or reset):
             self._copy(rows, sorted(lanes | reset))
         self._dirty, self._written = marked, frozenset(lanes)
-        return StepHarvest(None, layout, lives=lives)
+        return StepHarvest(None, layout, used, lives=lives)
 
     def _fill_rows(self, owners: list[int], counts: list[int], total: int, marked: int, rows: int,
-                   partial: list[tuple[_Live, int, int, int]], sources: list[int], lanes: list[int],
-                   reset: list[int]) -> None:
+                   partial: list[tuple[_Live, int, int, int]], picked: list[tuple[int, Any, int, int]],
+                   lanes: list[int], reset: list[int]) -> None:
         """The host index of a step's `lanes` up to row `rows`: every row below `marked` from its request's table
-        row (one gather of those lanes), then the spans steered in part, range by range, then the harvest columns;
-        the rest, and the last step's lanes in `reset`, -1."""
+        row (one gather of those lanes), then the spans steered in part, range by range, then each harvested
+        site's rows, their pool rows; the rest, and the last step's lanes in `reset`, -1."""
         by_lane = self._host  # [columns, max_rows]
         if reset:
             by_lane[_columns(reset), :self._dirty] = -1
@@ -519,9 +569,8 @@ class GraphPlan:
             for edit in live.edits:
                 for low, high in edit.rule.ranges(start, count, first):
                     by_lane[edit.columns, low:high] = edit.slot
-        if sources:  # the harvest columns: buffer row -> stream row and back (the rest hold -1 from the table)
-            by_lane[-1, :len(sources)] = sources
-            by_lane[-2, sources] = np.arange(len(sources), dtype=np.int32)
+        for lane, at, base, taken in picked:  # (the harvest columns' other rows hold -1 from the table)
+            by_lane[lane, at] = np.arange(base, base + taken, dtype=np.int32)
 
     def _copy(self, rows: int, lanes: list[int]) -> None:
         """The host index's `lanes`, rows ``0 .. rows``, to the device: one lane by one copy, more packed and put in
@@ -555,27 +604,34 @@ class GraphPlan:
         if self._events[turn] is not None:
             self._events[turn].synchronize()
 
-    def _harvest_span(self, key: Hashable, live: _Live, start: int, count: int, first: int, sources: list[int],
-                      layout: list[tuple[Hashable, int, int]], lives: dict[Hashable, Any]) -> None:
+    def _harvest_span(self, key: Hashable, live: _Live, start: int, count: int, first: int,
+                      picked: list[tuple[int, Any, int, int]], layout: list[tuple[Hashable, int, int, int]],
+                      lives: dict[Hashable, Any], used: int) -> int:
+        """Give a span's harvested positions pool rows from `used` on, site by site (`picked`, `layout`); the pool's
+        rows used after it."""
         wanted = live.positions
         low, high = bisect.bisect_left(wanted, first), bisect.bisect_left(wanted, first + count)
         if low == high:
-            return
+            return used
         if low > live.done:
             raise RuntimeError(f"request {key!r}'s positions before {first} ran in no step this plan saw (prefix "
                                f"caching or chunked prefill): start the engine with enable_prefix_caching=False and "
                                f"enable_chunked_prefill=False for a harvest.")
-        layout.append((key, high - low, low))
+        taken, offset = high - low, start - first
+        at: Any = (slice(wanted[low] + offset, wanted[high - 1] + offset + 1) if wanted[high - 1] - wanted[low] == taken - 1
+                   else np.array(wanted[low:high], dtype=np.intp) + offset)  # a run of positions: one slice
+        for number, lane in enumerate(live.harvest_lanes):
+            picked.append((lane, at, used + number * taken, taken))
+        layout.append((key, taken, low, used))
         lives[key] = live
-        sources.extend(start + position - first for position in wanted[low:high])
         live.done = high
+        return used + taken * len(live.harvest_lanes)
 
     def copy_out(self, harvest: StepHarvest) -> StepHarvest:
         """After the step: its harvested rows on their way to host memory (pinned, not waited for, on a GPU)."""
-        used = sum(count for _, count, _ in harvest.layout)
-        if not used:
+        if not harvest.used:
             return harvest
-        rows = self.harvested[:, :used]
+        rows = self.pool[:harvest.used]
         if rows.device.type == "cuda":
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
             host.copy_(rows, non_blocking=True)  # queued behind the step, before the next step overwrites them
@@ -591,17 +647,15 @@ class GraphPlan:
         if harvest.rows is None:
             return
         harvest.wait()
-        row = 0
-        for key, count, offset in harvest.layout:
+        width = harvest.rows.shape[-1]
+        for key, count, offset, base in harvest.layout:
             live = harvest.lives.get(key)
-            if live is not None and live.sites is not None:
+            if live is not None:
                 buffer = self._rows.get(key)
                 if buffer is None:
-                    buffer = self._rows[key] = harvest.rows.new_empty(
-                        (len(live.sites), len(live.positions), harvest.rows.shape[-1]))
-                mine = harvest.rows[:, row:row + count]
-                buffer[:, offset:offset + count] = mine if live.every_site else mine.index_select(0, live.sites)
-            row += count
+                    buffer = self._rows[key] = harvest.rows.new_empty((len(live.sites), len(live.positions), width))
+                buffer[:, offset:offset + count] = harvest.rows[base:base + len(live.sites) * count].view(
+                    len(live.sites), count, width)
 
     def take(self, key: Hashable) -> Optional[torch.Tensor]:
         """`key`'s harvest, ``[its sites, positions, hidden]`` on the host (None if none ran), forgotten here;

@@ -231,23 +231,21 @@ def insert_ops(plan: GraphPlan, sites: Mapping[Hashable, Site], stretches: Seque
             continue
         site = hosts[sites[name].key] = sites[name]
         named.setdefault(site.key, set()).add(name)
-        # the whole harvested and the buffer's index, never a view of it (graph_ops' docstring says why)
-        work.setdefault(site.key, []).append(("harvest", stream_at(site), (plan.harvested,
-                                                                            plan.harvest_index[name])))
+        # the whole pool, never a view of part of it (graph_ops' docstring says why), and the site's targets
+        work.setdefault(site.key, []).append(("harvest", stream_at(site), (plan.pool, plan.targets_of(name))))
     for key, items in work.items():
         items.sort(key=lambda item: item[0] == "harvest")  # stable: each site's edits, then the harvests
         if len(named[key]) == 1 and len(items) == 2 and items[-1][0] == "harvest":
             # One site at the call: its edit rounds and its harvest are one launch (the edited rows stored from the
             # program's registers). Where a call holds several sites, the harvests wait for every site's edits.
-            (_, at, (slots,)), (_, _, (harvested, buffer)) = items
-            items[:] = [("edit_harvest", at, (slots, harvested, buffer))]
+            (_, at, (slots,)), (_, _, (pool, targets)) = items
+            items[:] = [("edit_harvest", at, (slots, pool, targets))]
     inserted = Inserted(plan, cache_salt([str(name) for name in plan.sites], plan.rounds,
                                          [str(name) for name in plan.harvest_sites],
                                          ops_source() + wiring_source() + repr(joined)), chains=joined)
-    buffers, sources, targets = plan.bank.buffers, plan.sources, plan.targets
     for key, items in work.items():
         module, where = hosts[key].module, key[1]
-        run = _calls(items, buffers, sources, targets)
+        run = _calls(items, plan.bank.buffers)
         if where == INPUT:
             inserted.handles.append(module.register_forward_pre_hook(_before(run), with_kwargs=True))
         else:
@@ -260,18 +258,17 @@ def insert_ops(plan: GraphPlan, sites: Mapping[Hashable, Site], stretches: Seque
 # unpickle), so every start would compile again.
 
 def _joined(plan: GraphPlan, sites: Mapping[Hashable, Site], chain: list[str]) -> tuple[Any, ...]:
-    """What `edit_stretch` takes for `chain`: the plan's index and harvest buffers, each site's first lane, the
-    rounds, each site's harvest buffer (-1: none) and whether it reads the stream as two halves."""
+    """What `edit_stretch` takes for `chain`: the plan's index and harvest pool, each site's first lane, the
+    rounds, each site's harvest column (-1: none) and whether it reads the stream as two halves."""
     fused = []
     for name in chain:
         at = stream_at(sites[name])
         fused.append(at.residual is not None or at.pair)
-    return (plan.index, plan.harvested, [plan.lane_of[(name, 0)] for name in chain], plan.rounds,
-            [plan.harvest_index.get(name, -1) for name in chain], fused)
+    return (plan.index, plan.pool, [plan.lane_of[(name, 0)] for name in chain], plan.rounds,
+            [plan.harvest_lane_of.get(name, -1) for name in chain], fused)
 
 
-def _calls(items: list[Any], buffers: tuple[torch.Tensor, ...], sources: torch.Tensor,
-           targets: torch.Tensor) -> Any:
+def _calls(items: list[Any], buffers: tuple[torch.Tensor, ...]) -> Any:
     """The ops of one module call, in order, on the call's inputs or output."""
     def run(raw: Any) -> None:
         for kind, at, tensors in items:
@@ -279,13 +276,12 @@ def _calls(items: list[Any], buffers: tuple[torch.Tensor, ...], sources: torch.T
             if kind == "edit":
                 edit_stream(hidden, residual, tensors[0], *buffers)
             elif kind == "harvest":
-                harvest_stream(tensors[0], hidden, residual, sources, tensors[1])
+                harvest_stream(tensors[0], hidden, residual, tensors[1])
             elif kind == "stretch":
-                index, harvested, lanes, rounds, harvests, fused = tensors
-                edit_stretch(hidden, residual, index, *buffers, harvested, sources, targets, lanes, rounds,
-                             harvests, fused)
+                index, pool, lanes, rounds, harvest_lanes, fused = tensors
+                edit_stretch(hidden, residual, index, *buffers, pool, lanes, rounds, harvest_lanes, fused)
             else:
-                edit_harvest_stream(hidden, residual, tensors[0], *buffers, tensors[1], sources, targets, tensors[2])
+                edit_harvest_stream(hidden, residual, tensors[0], *buffers, tensors[1], tensors[2])
     return run
 
 

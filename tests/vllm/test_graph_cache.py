@@ -17,7 +17,7 @@ What each part proves:
   an engine without ops, another for the default ops, and another again for
   each change of what the ops put in the graph: the values the edit ops sit at,
   the values the harvest ops sit at, the rounds, the slots (the bank's rows),
-  the harvest capacity (the buffer's rows), the ops' code, the wiring's code,
+  the harvest pool's rows, the ops' code, the wiring's code,
   the code that places the ops (the families' trees, a site's lookup, the
   plan). The choice of the ops' body is read when an op runs, not compiled in.
   The same options give the same directory. So a cache compiled for one set of
@@ -85,7 +85,7 @@ VARIANTS: dict[str, Any] = {
     "harvest values": {"harvest": ["layer_output"]},
     "rounds": {"rounds": 1},
     "slots": {"slots": 16},
-    "harvest capacity": {"harvest_capacity": 8},
+    "harvest pool": {"harvest_pool": 8},
 }
 
 
@@ -214,8 +214,8 @@ class Started:
         #: off the disk: the compilation config's ``local_cache_dir`` names it on vLLM 0.32, but on 0.22 the compile
         #: backend then points it at its own inductor cache, outside the AOT one.)
         self.made = after - self.before
-        #: The plan's harvest buffers' elements: no buffer the compiled graph allocates is as large (below).
-        self.harvested = self.ops.plan.harvested.numel() if self.ops is not None else 0
+        #: The plan's harvest pool's elements: no buffer the compiled graph allocates is as large (below).
+        self.pool = self.ops.plan.pool.numel() if self.ops is not None else 0
         self.loaded = vllm_seam.loaded_from_compile_cache(self.module)
         self.mode = self.module.compilation_config.mode
         self.tokens = self.generate()
@@ -306,20 +306,20 @@ def allocations(code: str) -> list[int]:
     return counts
 
 
-def test_the_compiled_graph_writes_the_harvest_buffers_in_place(starts: dict[str, Started],
-                                                                 environment: Path) -> None:
-    """Every harvest op gets the plan's whole `harvested` with its buffer's index: where the ops mutated views of it
-    beside it, Inductor copied the whole of it between them, each step (12 GiB at the Llama-3-8B shape: a compile
-    of 319 s and an out-of-memory start on an H100). No code compiled here allocates a buffer of that size."""
+def test_the_compiled_graph_writes_the_harvest_pool_in_place(starts: dict[str, Started], environment: Path) -> None:
+    """Every harvest op gets the plan's whole pool: where the ops mutated views of one tensor beside the tensor
+    itself (the per-site harvest buffers before the pool), Inductor copied the whole of it between them, each step
+    (12 GiB at the Llama-3-8B shape: a compile of 319 s and an out-of-memory start on an H100). No code compiled
+    here allocates a buffer of the pool's size."""
     first = starts["first"]
     generated = {path: path.read_text() for path in (environment / "torch_compile_cache").rglob("*.py")}
     calling = {path: code for path, code in generated.items() if "torch.ops.streamscope." in code}
     assert calling, f"no generated code under {environment} calls the ops: this check would prove nothing"
     assert "streamscope.harvest_stream" in "".join(calling.values()) or \
         "streamscope.edit_harvest_stream" in "".join(calling.values())
-    copies = {path.name: [count for count in allocations(code) if count >= first.harvested]
+    copies = {path.name: [count for count in allocations(code) if count >= first.pool]
               for path, code in calling.items()}
-    assert not any(copies.values()), f"buffers as large as harvested ({first.harvested} elements): {copies}"
+    assert not any(copies.values()), f"buffers as large as the pool ({first.pool} elements): {copies}"
 
 
 def test_an_engine_with_other_ops_finds_nothing_of_that_graph(starts: dict[str, Started]) -> None:

@@ -202,15 +202,17 @@ class OnAFamily:
                 if kind == "edit":
                     assert all(isinstance(tensor, torch.Tensor) for tensor in carried)
                     continue
-                if kind != "stretch":  # the whole harvested and its buffer's index, never a view of it
-                    *slots, harvested, buffer = carried
+                if kind != "stretch":  # the whole pool, never a view of part of it, and the site's column
+                    *slots, pool, targets = carried
                     assert all(isinstance(tensor, torch.Tensor) for tensor in slots)
-                    assert harvested is graph.plan.harvested and type(buffer) is int
+                    assert pool is graph.plan.pool and targets.shape == (graph.plan.max_rows,)
+                    assert targets.untyped_storage().data_ptr() == graph.plan.index.untyped_storage().data_ptr()
                     continue
-                # a chain: the plan's index and harvest buffers, then plain lists and a count the graph holds
-                index, harvested, lanes, rounds, buffers, fused = carried
-                assert index is graph.plan.index and harvested is graph.plan.harvested and type(rounds) is int
-                assert all(type(item) is int for item in lanes + buffers) and all(type(item) is bool for item in fused)
+                # a chain: the plan's index and harvest pool, then plain lists and a count the graph holds
+                index, pool, lanes, rounds, harvest_lanes, fused = carried
+                assert index is graph.plan.index and pool is graph.plan.pool and type(rounds) is int
+                assert all(type(item) is int for item in lanes + harvest_lanes)
+                assert all(type(item) is bool for item in fused)
         plan = graph.inserted.plan
         # One launch a site where a site is alone (its rounds and its harvest in one op), one a chain: every site
         # of the plan in exactly one of them.

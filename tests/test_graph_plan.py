@@ -1,0 +1,107 @@
+"""The graph ops' harvest pool (`streamscope.vllm.graph_plan.GraphPlan`): each (position, site) a request asks for in
+a row of its own, laid out site by site, and a harvest admitted only while no step could overflow the pool.
+
+The ops run their torch body on the CPU; each request's rows are held to the streams the test gave each site, bit
+for bit (a harvest copies rows: no arithmetic on a whole stream's rows).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamscope.bulk.apply import Span
+from streamscope.vllm import graph_ops
+from streamscope.vllm.graph_plan import POOL_SITES, GraphPlan, PoolBusy, default_pool
+
+HIDDEN = 32
+SITES = ["s0", "s1", "s2", "s3"]
+
+
+def streams(rows: int, seed: int) -> dict[str, torch.Tensor]:
+    """A different stream at each site, ``[rows, HIDDEN]``."""
+    generator = torch.Generator().manual_seed(seed)
+    return {site: torch.randn(rows, HIDDEN, generator=generator) for site in SITES}
+
+
+def run_step(plan: GraphPlan, spans: list[Span], at: dict[str, torch.Tensor]) -> None:
+    """One step: the plan's fill, each harvest site's op on its stream, the rows to each request."""
+    harvest = plan.step(spans)
+    for site in plan.harvest_sites:
+        graph_ops.harvest_stream(plan.pool, at[site], None, plan.targets_of(site))
+    plan.settle(plan.copy_out(harvest))
+
+
+def test_requests_asking_different_sites_in_one_step_each_get_their_own_rows() -> None:
+    plan = GraphPlan(["s0"], 1, 16, HIDDEN, torch.float32, "cpu", harvest_sites=SITES, harvest_pool=40)
+    plan.enter("a", harvest_positions=[1, 2, 3], harvest_sites=["s2", "s0"])  # its own order of sites
+    plan.enter("b", harvest_positions=[0, 4], harvest_sites=["s1"])
+    plan.enter("c", harvest_positions=[5], harvest_sites=SITES)
+    spare = plan.pool[-1].clone()
+    at = streams(16, 1)
+    spans = [Span("b", 0, 6, 0), Span("a", 6, 4, 0), Span("c", 10, 6, 0)]
+    harvest = plan.step(spans)
+    assert harvest.used == 3 * 2 + 2 + 4  # a (position, site) a row, nothing more
+    for site in SITES:
+        targets = plan.targets_of(site)
+        assert int(targets.max()) < plan.pool_rows  # the spare row is never named
+        graph_ops.harvest_stream(plan.pool, at[site], None, targets)
+    plan.settle(plan.copy_out(harvest))
+    assert torch.equal(plan.pool[-1], spare)
+    a, b, c = plan.take("a"), plan.take("b"), plan.take("c")
+    assert a is not None and b is not None and c is not None
+    assert torch.equal(a, torch.stack([at["s2"][[7, 8, 9]], at["s0"][[7, 8, 9]]]))
+    assert torch.equal(b, at["s1"][[0, 4]].unsqueeze(0))
+    assert torch.equal(c, torch.stack([at[site][[15]] for site in SITES]))
+
+
+def test_a_prompt_in_chunks_fills_its_positions_step_by_step() -> None:
+    plan = GraphPlan([], 1, 8, HIDDEN, torch.float32, "cpu", harvest_sites=SITES, harvest_pool=16)
+    plan.enter("p", harvest_positions=[0, 2, 3, 6, 9], harvest_sites=["s3", "s1"])
+    first, second, decode = streams(8, 2), streams(8, 3), streams(8, 4)
+    run_step(plan, [Span("p", 2, 5, 0)], first)  # positions 0-4 at rows 2-6
+    assert not plan.complete("p")
+    run_step(plan, [Span("p", 0, 5, 5)], second)  # positions 5-9 at rows 0-4
+    assert plan.complete("p")
+    written = plan._written
+    run_step(plan, [Span("p", 3, 1, 10)], decode)  # a decode step reads nothing: no harvest column is written
+    assert not set(plan.harvest_lane_of.values()) & set(plan._written) and written
+    taken = plan.take("p")
+    assert taken is not None
+    for number, site in enumerate(["s3", "s1"]):
+        assert torch.equal(taken[number], torch.cat([first[site][[2, 4, 5]], second[site][[1, 4]]]))
+
+
+def test_a_harvest_the_pool_cannot_hold_is_refused_for_good_or_for_now() -> None:
+    plan = GraphPlan([], 1, 8, HIDDEN, torch.float32, "cpu", harvest_sites=SITES, harvest_pool=20)
+    # 3 sites at each of a step's 8 rows: 24 rows, more than the pool: never
+    with pytest.raises(ValueError, match=r"up to 24 rows in one step.*holds 20.*harvest_pool"):
+        plan.enter("big", harvest_positions=range(12), harvest_sites=SITES[:3])
+    assert plan.live == 0
+    plan.enter("p", harvest_positions=range(4), harvest_sites=SITES)  # 4 positions at 4 sites: 16 rows
+    assert plan.most_harvested() == 16
+    # 2 positions at 4 sites could share p's step: 24 rows. Not now.
+    with pytest.raises(PoolBusy, match=r"pool \(20 rows\) is held.*could harvest 24 rows"):
+        plan.enter("q", harvest_positions=[3, 5], harvest_sites=SITES)
+    assert plan.live == 1 and "q" not in plan._live
+    plan.enter("last", harvest_positions=[7], harvest_sites=SITES)  # 4 rows more: 20, it fits beside p
+    run_step(plan, [Span("p", 0, 8, 0)], streams(8, 5))  # p's prompt read: it holds no row of a step any more
+    assert plan.complete("p") and plan.most_harvested() == 4
+    plan.enter("q", harvest_positions=[3, 5], harvest_sites=SITES)
+    assert plan.most_harvested() == 4 + 8
+
+
+def test_the_most_a_step_harvests_gives_its_rows_to_the_widest_harvests_first() -> None:
+    plan = GraphPlan([], 1, 10, HIDDEN, torch.float32, "cpu", harvest_sites=SITES, harvest_pool=1000)
+    plan.enter("wide", harvest_positions=[0, 1, 2], harvest_sites=SITES)  # 3 rows at 4 sites
+    plan.enter("narrow", harvest_positions=range(20), harvest_sites=["s0"])  # 20 rows at 1 site
+    plan.enter("two", harvest_positions=range(5), harvest_sites=["s0", "s1"])  # 5 rows at 2 sites
+    assert plan.most_harvested() == 3 * 4 + 5 * 2 + 2 * 1
+    assert plan.most_harvested((3, 1)) == 3 * 4 + 1 * 3 + 5 * 2 + 1 * 1
+
+
+def test_the_default_pool_holds_eight_sites_at_every_row() -> None:
+    assert POOL_SITES == 8 and default_pool(8192, 192) == 8 * 8192 and default_pool(8192, 3) == 3 * 8192
+    plan = GraphPlan(["s0"], 1, 16, HIDDEN, torch.bfloat16, "cpu", harvest_sites=SITES)
+    assert plan.pool_rows == 4 * 16 and plan.pool.shape == (4 * 16 + 1, HIDDEN) and plan.pool.dtype == torch.bfloat16
+    assert GraphPlan(["s0"], 1, 16, HIDDEN, torch.float32, "cpu").pool.shape == (1, HIDDEN)
