@@ -12,7 +12,7 @@ import torch
 
 from streamscope.bulk.apply import Span
 from streamscope.vllm import graph_ops
-from streamscope.vllm.graph_plan import POOL_SITES, GraphPlan, PoolBusy, default_pool
+from streamscope.vllm.graph_plan import POOL_SITES, GraphPlan, PoolBusy, RowRule, default_pool
 
 HIDDEN = 32
 SITES = ["s0", "s1", "s2", "s3"]
@@ -105,3 +105,19 @@ def test_the_default_pool_holds_eight_sites_at_every_row() -> None:
     plan = GraphPlan(["s0"], 1, 16, HIDDEN, torch.bfloat16, "cpu", harvest_sites=SITES)
     assert plan.pool_rows == 4 * 16 and plan.pool.shape == (4 * 16 + 1, HIDDEN) and plan.pool.dtype == torch.bfloat16
     assert GraphPlan(["s0"], 1, 16, HIDDEN, torch.float32, "cpu").pool.shape == (1, HIDDEN)
+
+
+def test_a_run_of_positions_makes_the_rule_a_loop_over_them_makes() -> None:
+    """A steer at every position (or all but the first) comes as a range, which makes its rule in one step (a
+    32-block steer of a 512-token prompt took 2.8 ms of the engine's host to enter, position by position): the
+    same rule as its positions one by one, and the same refusal of a position outside the prompt."""
+    for positions, length in ((range(0, 512), 512), (range(1, 512), 512), (range(3, 3), 8), (range(2, 5), 9)):
+        fast = RowRule.of(positions, length, True, 2)
+        assert fast == RowRule.of(list(positions), length, True, 2)
+        for first, count in ((0, length), (1, 3), (length, 1), (length + 2, 1)):
+            assert fast.ranges(10, count, first) == RowRule.of(list(positions), length, True, 2).ranges(10, count, first)
+    for positions in (range(0, 9), range(-1, 4)):
+        with pytest.raises(ValueError, match="is not in a 8-token prompt"):
+            RowRule.of(positions, 8)
+        with pytest.raises(ValueError, match="is not in a 8-token prompt"):
+            RowRule.of(list(positions), 8)

@@ -174,6 +174,12 @@ class RowRule:
     @classmethod
     def of(cls, positions: Sequence[int], length: int, generated: bool = True, from_step: int = 0) -> "RowRule":
         """The rule for the prompt positions `positions` (any order, non-negative, below `length`)."""
+        if isinstance(positions, range) and positions.step == 1:  # every position, or all but the first: one range
+            if positions and not 0 <= positions.start <= positions.stop <= length:
+                outside = positions.start if positions.start < 0 else positions.stop - 1
+                raise ValueError(f"position {outside} is not in a {length}-token prompt.")
+            return cls(length, ((positions.start, positions.stop),) if positions else (), bool(generated),
+                       int(from_step))
         ranges: list[tuple[int, int]] = []
         for position in sorted(set(positions)):
             if not 0 <= position < length:
