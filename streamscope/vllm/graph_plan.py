@@ -434,7 +434,7 @@ class GraphPlan:
     def _admit_harvest(self, key: Hashable, sites: int, positions: int) -> None:
         """Refuse a harvest of `positions` positions at `sites` sites where the most rows one step could then
         harvest would not fit the pool: for good (ValueError) where the request alone would not, for now
-        (RuntimeError: the live harvests hold the pool; a 503 on a server) otherwise."""
+        (`PoolBusy`: the live harvests hold the pool; a 503 on a server) otherwise."""
         alone = sites * min(positions, self.max_rows)
         if alone > self.pool_rows:
             raise ValueError(f"request {key!r} harvests {positions} position(s) at {sites} site(s): up to {alone} rows "
@@ -444,8 +444,8 @@ class GraphPlan:
         most = self.most_harvested((sites, positions))
         if most > self.pool_rows:
             raise PoolBusy(f"the graph ops' harvest pool ({self.pool_rows} rows) is held by the live requests' "
-                               f"harvests (one step could harvest {most} rows with this request's): wait for "
-                               f"requests to finish, or start the engine with a larger pool (harvest_pool).")
+                           f"harvests (one step could harvest {most} rows with this request's): wait for requests "
+                           f"to finish, or start the engine with a larger pool (harvest_pool).")
 
     def most_harvested(self, extra: Optional[tuple[int, int]] = None) -> int:
         """The most rows one step could harvest for the live requests (and `extra`, a harvest's ``(sites, positions
@@ -526,12 +526,11 @@ class GraphPlan:
                         partial.append((live, start, count, first))
                     marked = total
                 if live.positions and live.done < len(live.positions):
-                    harvested = self._harvest_span(key, live, start, count, first, picked, layout, lives, used)
-                    if harvested > used:
-                        used = harvested
+                    after, end = self._harvest_span(key, live, start, count, first, picked, layout, lives, used)
+                    if after > used:
+                        used = after
                         lanes.update(live.harvest_lanes)
-                        marked = max(marked, picked[-1][1].stop if isinstance(picked[-1][1], slice)
-                                     else int(picked[-1][1][-1]) + 1)
+                        marked = max(marked, end)
             owners.append(owner)
             counts.append(count)
         if total > self.max_rows:
@@ -612,26 +611,27 @@ class GraphPlan:
 
     def _harvest_span(self, key: Hashable, live: _Live, start: int, count: int, first: int,
                       picked: list[tuple[int, Any, int, int]], layout: list[tuple[Hashable, int, int, int]],
-                      lives: dict[Hashable, Any], used: int) -> int:
-        """Give a span's harvested positions pool rows from `used` on, site by site (`picked`, `layout`); the pool's
-        rows used after it."""
+                      lives: dict[Hashable, Any], used: int) -> tuple[int, int]:
+        """Give a span's harvested positions pool rows from `used` on, site by site (`picked`, `layout`): the pool's
+        rows used after it, and the row after the span's last harvested one."""
         wanted = live.positions
         low, high = bisect.bisect_left(wanted, first), bisect.bisect_left(wanted, first + count)
         if low == high:
-            return used
+            return used, 0
         if low > live.done:
             raise RuntimeError(f"request {key!r}'s positions before {first} ran in no step this plan saw (prefix "
                                f"caching or chunked prefill): start the engine with enable_prefix_caching=False and "
                                f"enable_chunked_prefill=False for a harvest.")
         taken, offset = high - low, start - first
-        at: Any = (slice(wanted[low] + offset, wanted[high - 1] + offset + 1) if wanted[high - 1] - wanted[low] == taken - 1
-                   else np.array(wanted[low:high], dtype=np.intp) + offset)  # a run of positions: one slice
+        end = wanted[high - 1] + offset + 1
+        at: Any = (slice(wanted[low] + offset, end) if wanted[high - 1] - wanted[low] == taken - 1  # a run: a slice
+                   else np.array(wanted[low:high], dtype=np.intp) + offset)
         for number, lane in enumerate(live.harvest_lanes):
             picked.append((lane, at, used + number * taken, taken))
         layout.append((key, taken, low, used))
         lives[key] = live
         live.done = high
-        return used + taken * len(live.harvest_lanes)
+        return used + taken * len(live.harvest_lanes), end
 
     def copy_out(self, harvest: StepHarvest) -> StepHarvest:
         """After the step: its harvested rows on their way to host memory (pinned, not waited for, on a GPU)."""
