@@ -482,10 +482,11 @@ def host_times(servers: dict[str, Server], spans: dict[tuple[str, str], list[tup
     from streamscope.serve import host_time
 
     print("\nhost time per engine step (median over rounds; plan, hooks and send are within step, enter, fill and "
-          "copy within plan, wait within copy; writer is the harvest writer's thread; rows and reqs: the mean "
-          "batch, its scheduled tokens and requests)")
+          "copy within plan, wait, pack, launch and event within copy; writer is the harvest writer's thread; rows "
+          "and reqs: the mean batch, its scheduled tokens and requests)")
     print(f"{'server':<20}{'workload':<9}{'steps':>8}{'step ms':>10}{'plan us':>10}{'hooks us':>10}{'send us':>10}"
-          f"{'writer us':>11}{'enter us':>10}{'fill us':>10}{'copy us':>10}{'wait us':>10}{'rows':>8}{'reqs':>7}")
+          f"{'writer us':>11}{'enter us':>10}{'fill us':>10}{'copy us':>10}{'wait us':>10}{'pack us':>10}"
+          f"{'launch us':>10}{'event us':>10}{'rows':>8}{'reqs':>7}")
     for name, server in servers.items():
         lines = [parsed for line in server.log.read_text(errors="replace").splitlines()
                  if host_time.PREFIX in line and (parsed := host_time.parse(line)) is not None]
@@ -513,8 +514,9 @@ def host_times(servers: dict[str, Server], spans: dict[tuple[str, str], list[tup
                 print(f"{name:<20}{workload:<9}{cell['steps']:>8.0f}{cell['step'] * 1e3:>10.3f}"
                       f"{cell['plan'] * 1e6:>10.1f}{cell['hooks'] * 1e6:>10.1f}{cell['send'] * 1e6:>10.1f}"
                       f"{cell['writer'] * 1e6:>11.1f}{cell['enter'] * 1e6:>10.1f}{cell['fill'] * 1e6:>10.1f}"
-                      f"{cell['copy'] * 1e6:>10.1f}{cell.get('wait', 0.0) * 1e6:>10.1f}{cell.get('rows', 0.0):>8.1f}"
-                      f"{cell.get('requests', 0.0):>7.1f}")
+                      f"{cell['copy'] * 1e6:>10.1f}{cell.get('wait', 0.0) * 1e6:>10.1f}"
+                      f"{cell.get('pack', 0.0) * 1e6:>10.1f}{cell.get('launch', 0.0) * 1e6:>10.1f}"
+                      f"{cell.get('event', 0.0) * 1e6:>10.1f}{cell.get('rows', 0.0):>8.1f}{cell.get('requests', 0.0):>7.1f}")
 
 
 def front_times(servers: dict[str, Server], spans: dict[tuple[str, str], list[tuple[float, float]]]) -> None:

@@ -33,7 +33,8 @@ def test_each_part_adds_its_calls_seconds_and_a_step_counts_once(monkeypatch):
     assert step(0.25) == 0.25 and plan(0.125) == 0.125 and step(0.5) == 0.5
     assert totals.steps == 2
     assert totals.totals == {"step": 0.75, "plan": 0.125, "hooks": 0.0, "send": 0.0, "writer": 0.0, "enter": 0.0,
-                             "fill": 0.0, "copy": 0.0, "wait": 0.0, "rows": 0.0, "requests": 0.0}
+                             "fill": 0.0, "copy": 0.0, "wait": 0.0, "pack": 0.0, "launch": 0.0, "event": 0.0,
+                             "rows": 0.0, "requests": 0.0}
 
 
 def test_a_part_that_raises_is_still_timed(monkeypatch):
@@ -53,13 +54,15 @@ def test_a_part_that_raises_is_still_timed(monkeypatch):
 def test_a_printed_line_reads_back_as_its_clock_and_totals():
     clock = host_time.HostTime(interval=3600)
     clock.totals.update(step=1.5, plan=0.25, hooks=0.125, send=0.0625, writer=2.0, enter=0.5, fill=0.75, copy=0.375,
-                        wait=0.03125, rows=4096.0, requests=70.0)
+                        wait=0.03125, pack=0.0075, launch=0.015, event=0.002, rows=4096.0,
+                        requests=70.0)
     clock.steps = 7
     before = time.time()
     stamp, totals = host_time.parse("engine log prefix: " + clock.line())
     assert before - 1 <= stamp <= time.time() + 1
     assert totals == {"steps": 7.0, "step": 1.5, "plan": 0.25, "hooks": 0.125, "send": 0.0625, "writer": 2.0,
-                      "enter": 0.5, "fill": 0.75, "copy": 0.375, "wait": 0.03125, "rows": 4096.0, "requests": 70.0}
+                      "enter": 0.5, "fill": 0.75, "copy": 0.375, "wait": 0.03125, "pack": 0.0075,
+                      "launch": 0.015, "event": 0.002, "rows": 4096.0, "requests": 70.0}
 
 
 def test_a_step_s_batch_is_counted_beside_its_plan_s_time():

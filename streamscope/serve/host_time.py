@@ -7,7 +7,9 @@ and reads (``hooks``), handing the step's harvested rows to host memory
 (``send``), and, on its own thread, storing rows and writing harvest files
 (``writer``), beside the whole ``execute_model`` call (``step``); within
 ``plan``, the requests that came in (``enter``) and, with graph ops, the
-plan's index filled (``fill``) and copied to the device (``copy``). Every
+plan's index filled (``fill``) and copied to the device (``copy``: on a GPU
+its wait for a staging buffer, ``wait``, the buffer's fill, ``pack``, the
+copies' launch, ``launch``, and their event, ``event``). Every
 `INTERVAL` seconds, while the counts move, it prints one line of running totals to
 stderr with the wall clock::
 
@@ -40,7 +42,7 @@ import torch
 ENVIRONMENT = "STREAMSCOPE_SERVE_HOST_TIME"
 #: The start of each printed line, for a reader of the server's log.
 PREFIX = "streamscope host time"
-PARTS = ("step", "plan", "hooks", "send", "writer", "enter", "fill", "copy", "wait")
+PARTS = ("step", "plan", "hooks", "send", "writer", "enter", "fill", "copy", "wait", "pack", "launch", "event")
 #: Counts summed over the steps beside the seconds: the batch's rows (scheduled tokens) and its requests. A run whose
 #: steps are more for the same tokens ran smaller batches: its requests reached the engine later, or left it later.
 COUNTS = ("rows", "requests")
@@ -136,7 +138,8 @@ def install(state: Any, batch: Callable[[Any], tuple[int, int]]) -> HostTime:
     """Time the parts of a server worker's steps (`streamscope.serve.worker.ServeState` `state`), on the instance:
     ``plan`` (the step's plan, within it ``enter``, the requests that came in, and with graph ops ``fill``, the
     plan's index filled on the host, and ``copy``, its copy to the device, within it ``wait``, for the staging
-    buffer of two steps before), ``hooks``, ``send`` (the step's harvest
+    buffer of two steps before, ``pack``, ``launch`` and ``event``, its parts on a GPU), ``hooks``, ``send`` (the
+    step's harvest
     handed over) and ``writer`` (the writer thread's work); and each step's rows and requests (`batch` of its
     scheduler output)."""
     clock = HostTime()
@@ -152,6 +155,9 @@ def install(state: Any, batch: Callable[[Any], tuple[int, int]]) -> HostTime:
         plan._fill_rows = clock.timed("fill", plan._fill_rows)
         plan._copy = clock.timed("copy", plan._copy)
         plan._wait_for = clock.timed("wait", plan._wait_for)
+        plan._pack = clock.timed("pack", plan._pack)
+        plan._send = clock.timed("launch", plan._send)
+        plan._mark = clock.timed("event", plan._mark)
     return clock
 
 
