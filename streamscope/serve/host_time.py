@@ -139,9 +139,8 @@ def install(state: Any, batch: Callable[[Any], tuple[int, int]]) -> HostTime:
     ``plan`` (the step's plan, within it ``enter``, the requests that came in, and with graph ops ``fill``, the
     plan's index filled on the host, and ``copy``, its copy to the device, within it ``wait``, for the staging
     buffer of two steps before, ``pack``, ``launch`` and ``event``, its parts on a GPU), ``hooks``, ``send`` (the
-    step's harvest
-    handed over) and ``writer`` (the writer thread's work); and each step's rows and requests (`batch` of its
-    scheduler output)."""
+    step's harvest handed over) and ``writer`` (the writer thread's work); and each step's rows and requests
+    (`batch` of its scheduler output)."""
     clock = HostTime()
     state.observe = clock.counted(clock.timed("plan", state.observe), batch)
     state.admit = clock.timed("enter", state.admit)
