@@ -155,7 +155,7 @@ def install(state: Any, batch: Callable[[Any], tuple[int, int]]) -> HostTime:
         plan._copy = clock.timed("copy", plan._copy)
         plan._wait_for = clock.timed("wait", plan._wait_for)
         plan._pack = clock.timed("pack", plan._pack)
-        plan._send = clock.timed("launch", plan._send)
+        plan._launch = clock.timed("launch", plan._launch)
         plan._mark = clock.timed("event", plan._mark)
     return clock
 

@@ -589,7 +589,7 @@ class GraphPlan:
         turn, self._turn = self._turn, self._turn ^ 1
         self._wait_for(turn)
         self._pack(turn, rows, lanes)
-        self._send(turn, rows, len(lanes), lanes[0])
+        self._launch(turn, rows, len(lanes), lanes[0])
         self._mark(turn)
 
     # `_copy`'s parts, apart so that the server's host-time log times each (the H100 spent 195-400 us a step in
@@ -606,7 +606,7 @@ class GraphPlan:
         np.take(self._host[:, :rows], lanes, axis=0, out=values.numpy()[:count * rows].reshape(count, rows))
         numbers.numpy()[:count] = lanes
 
-    def _send(self, turn: int, rows: int, count: int, lane: int) -> None:
+    def _launch(self, turn: int, rows: int, count: int, lane: int) -> None:
         """Staging buffer `turn`'s `count` lanes to the device, not waited for: one lane into its column, more into
         the landing buffer, then into their columns by an indexed copy on the device."""
         values, numbers = self._staging[turn]
