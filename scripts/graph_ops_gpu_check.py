@@ -180,6 +180,47 @@ def check_capture(dtype: torch.dtype, width: int = 4096, rows: int = 256) -> boo
     return good
 
 
+def check_idle_switch(dtype: torch.dtype = torch.float32, width: int = 4096, rows: int = 256) -> bool:
+    """The ops' idle switch (`graph_ops.IDLE`) under real captures, a steer's rows marked: a graph captured while
+    ``IDLE.step`` is set still holds the ops (its replay is the eager call's bits, the switch off); a graph captured
+    under ``IDLE.capture()`` holds none (its replay leaves the marked rows as they were); an uncaptured call on an
+    idle step leaves them too."""
+    plan = plans.GraphPlan(["s0"], 1, 512, width, dtype, DEVICE, slots=8)
+    hidden = torch.zeros(rows, width, dtype=dtype, device=DEVICE)
+    residual = torch.zeros_like(hidden)
+    scratch = torch.zeros(width, dtype=dtype, device=DEVICE)
+
+    def body(hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        ops.edit_stream(hidden, residual, plan.rounds_of("s0"), *plan.bank.buffers)
+        scratch.copy_(residual[0])  # a kernel of the model's own, so that no graph is empty
+
+    ablate = operation("ablate", False, dtype, width, 1)
+    plan.enter("a", [plans.PlannedSteer(["s0"], ablate, plans.RowRule.of(range(1, 40), 40), "a")])
+    plan.step([Span("a", 0, 40, 0), Span(None, 40, 60, 0)])
+    body(hidden, residual)  # warm-up, uncaptured
+    torch.cuda.synchronize()
+    graphs = {}
+    for label, context in (("switch set", contextlib.nullcontext()), ("idle capture", ops.IDLE.capture())):
+        ops.IDLE.step = True
+        graphs[label] = torch.cuda.CUDAGraph()
+        with context, torch.cuda.graph(graphs[label]):
+            body(hidden, residual)
+        ops.IDLE.step = False
+    same, untouched, marked = replay_against(graphs["switch set"], body, plan, hidden, residual)
+    hidden.normal_()
+    before = hidden.clone()
+    graphs["idle capture"].replay()
+    idle_graph_empty = torch.equal(hidden, before)
+    ops.IDLE.step = True
+    body(hidden, residual)
+    ops.IDLE.step = False
+    skipped = torch.equal(hidden, before)
+    print(f"idle switch, {dtype} ({marked} rows marked): captured with the switch set, replay == eager bits "
+          f"{same} (the ops captured); the idle capture's replay leaves the rows {idle_graph_empty}; an uncaptured "
+          f"idle call leaves them {skipped}", flush=True)
+    return same and untouched and marked > 0 and idle_graph_empty and skipped
+
+
 def check_no_wait(dtype: torch.dtype = torch.bfloat16, width: int = 4096) -> bool:
     """A request's entry (its operations prepared from host vectors, their slots filled), a step's fill and its
     harvest's copy out, behind a queue of device work, with torch's sync debug mode at "error": any wait for the
@@ -544,6 +585,7 @@ def main() -> int:
         print("capture, dependent launch:", "ok" if captured else "FAILED", flush=True)
         good = good and captured
     good = check_no_wait() and good
+    good = check_idle_switch(torch.float32) and check_idle_switch(torch.bfloat16) and good
     check_compile()  # the default body on CUDA: the kernels
     launch_cuts()
     idle_costs()

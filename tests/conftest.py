@@ -30,6 +30,15 @@ def checkpoints(tmp_path_factory):
     return build
 
 
+@pytest.fixture(autouse=True)
+def no_idle_step_left_over():
+    """The graph ops' idle switch is one a process, which an engine sets before each of its steps: a test that calls
+    the ops itself starts with it off, whatever an engine of an earlier test in this process left it at."""
+    from streamscope.vllm.graph_ops import IDLE
+
+    IDLE.step = False
+
+
 def pytest_sessionfinish(session):
     """Under pytest-xdist, a worker hands its matrix record to the controller, which prints the summary."""
     import matrix

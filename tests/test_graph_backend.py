@@ -18,7 +18,7 @@ from streamscope.vllm.graph_backend import (CONFIG_KEY, GraphBackend, GraphOps, 
                                             check_harvest_memory, engine_config, operation_of, row_rule)
 from streamscope.bulk.operations import prepare
 from streamscope.bulk.requests import Live, RequestApplier, Span, SteerEntry
-from streamscope.vllm.graph_ops import MODE_CODES, SALT_KEY
+from streamscope.vllm.graph_ops import IDLE, MODE_CODES, SALT_KEY
 from streamscope.vllm.graph_plan import GraphPlan, default_pool
 
 HIDDEN = 4
@@ -103,6 +103,23 @@ def test_conditions_and_refusals_leave_the_request_to_the_hooks_and_the_plan_as_
     setup.backend.enter("f", live)
     assert live.steers == full and live.positions == [0]
     assert setup.plan.live == 0 and setup.plan.bank.live == 0 and setup.ops.served["steers"] == 0
+
+
+def test_the_backend_sets_the_ops_idle_switch_for_each_step_and_counts_the_steps() -> None:
+    """`GraphBackend.step` sets `graph_ops.IDLE` from the plan before the step runs: on for a step that marks no
+    row, off for one that does, and on again for the step after a steered request left."""
+    setup = Setup()
+    applier = RequestApplier("cpu", graph=setup.backend)
+    applier.step([Span(None, 0, 5, 0)])
+    assert IDLE.step and setup.ops.steps == {"marked": 0, "idle": 1}
+    applier.enter("r", Live([setup.entry("c")]))
+    applier.step([Span(None, 0, 2, 0), Span("r", 2, 6, 0)])
+    assert not IDLE.step and setup.ops.steps == {"marked": 1, "idle": 1}
+    applier.leave("r")
+    applier.step([Span(None, 0, 1, 2)])
+    assert IDLE.step and setup.ops.steps == {"marked": 1, "idle": 2}
+    assert not setup.plan.slots_of("c")[:8].ge(0).any()  # the idle step still reset the steered rows
+    applier.close()
 
 
 def test_the_applier_plans_through_the_backend_and_close_empties_the_plan() -> None:

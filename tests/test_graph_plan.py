@@ -12,7 +12,8 @@ import torch
 
 from streamscope.bulk.apply import Span
 from streamscope.vllm import graph_ops
-from streamscope.vllm.graph_plan import POOL_SITES, GraphPlan, PoolBusy, RowRule, default_pool
+from streamscope.bulk.operations import prepare
+from streamscope.vllm.graph_plan import POOL_SITES, GraphPlan, PlannedSteer, PoolBusy, RowRule, default_pool
 
 HIDDEN = 32
 SITES = ["s0", "s1", "s2", "s3"]
@@ -121,3 +122,61 @@ def test_a_run_of_positions_makes_the_rule_a_loop_over_them_makes() -> None:
             RowRule.of(positions, 8)
         with pytest.raises(ValueError, match="is not in a 8-token prompt"):
             RowRule.of(list(positions), 8)
+
+
+def test_a_step_is_idle_exactly_where_it_marks_no_row() -> None:
+    """`GraphPlan.idle` after each step: a step of plain requests, of a harvest read to its end, and the step that
+    resets the last one's marks are idle; a step with a live steer (begun or not: the plan fills its rows, -1
+    where the steer edits none yet) or a harvest read in it is not."""
+    add = prepare("add", torch.ones(HIDDEN), 1.0, 0.0, False, torch.float32, "cpu")
+    plan = GraphPlan(["s0"], 1, 16, HIDDEN, torch.float32, "cpu", harvest_sites=["s1"], harvest_pool=8)
+    assert plan.idle  # before any step
+    plan.step([Span("plain", 0, 4, 0)])
+    assert plan.idle
+    plan.enter("late", [PlannedSteer(["s0"], add, RowRule.of([], 3, True, 1), "v")])  # from the 2nd generated token
+    plan.step([Span("plain", 0, 4, 4), Span("late", 4, 3, 0)])
+    assert not plan.idle and not plan.index[:, 0].ge(0).any()
+    plan.step([Span("plain", 0, 1, 8), Span("late", 1, 1, 4)])
+    assert not plan.idle and plan.index[1, 0] >= 0
+    plan.leave("late")
+    plan.step([Span("plain", 0, 1, 10)])  # the reset of the last step's marks: nothing marked
+    assert plan.idle and not plan.index[:, 0].ge(0).any()
+    plan.enter("read", harvest_positions=[1, 2], harvest_sites=["s1"])
+    harvest = plan.step([Span("read", 0, 3, 0)])
+    assert not plan.idle and harvest.used == 2
+    plan.step([Span("read", 0, 1, 3)])  # its positions read: a decode step marks nothing
+    assert plan.idle
+
+
+def test_the_ops_skip_an_idle_step_and_run_in_any_other_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `graph_ops.IDLE` set for a step, the ops leave the stream and the pool as they were, marks or not; inside
+    a CUDA graph capture other than the idle graphs' they run whatever the step says (the steered steps replay it);
+    inside the idle graphs' capture they skip."""
+    add = prepare("add", torch.ones(HIDDEN), 2.0, 0.0, False, torch.float32, "cpu")
+    plan = GraphPlan(["s0"], 1, 8, HIDDEN, torch.float32, "cpu", harvest_sites=["s0"], harvest_pool=8)
+    plan.enter("a", [PlannedSteer(["s0"], add, RowRule.of(range(4), 4), "v")], harvest_positions=[0, 3])
+    plan.step([Span("a", 0, 4, 0)])
+    stream = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(5))
+    bank = plan.bank
+
+    def run(hidden: torch.Tensor) -> None:
+        graph_ops.edit_harvest_stream(hidden, None, plan.rounds_of("s0"), bank.bank, bank.modes, bank.scales,
+                                      bank.projections, bank.norm_match, plan.pool, plan.targets_of("s0"))
+
+    switch = graph_ops.IDLE
+    monkeypatch.setattr(switch, "step", True)
+    hidden, pool = stream.clone(), plan.pool.clone()
+    run(hidden)
+    assert torch.equal(hidden, stream) and torch.equal(plan.pool, pool)  # skipped, marks and all
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert switch.skips(torch.device("cuda"))  # an idle step on a GPU, uncaptured
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not switch.skips(torch.device("cuda"))  # vLLM's own capture: the graph holds the ops
+    with switch.capture():
+        assert switch.skips(torch.device("cuda")) and switch.skips(torch.device("cpu"))
+    assert not switch.capturing
+    monkeypatch.setattr(switch, "step", False)
+    assert not switch.skips(torch.device("cuda")) and not switch.skips(torch.device("cpu"))
+    run(hidden)
+    assert torch.equal(hidden, stream + 2.0)  # the same call, the step not idle: edited
+    assert torch.equal(plan.pool[[0, 1]], hidden[[0, 3]])

@@ -733,8 +733,9 @@ class ServeRPC(HeadRPC):
         (``layers.3.layer_output``), ``rounds`` the edit ops at each edit site,
         ``slots`` the distinct operations its bank holds at once (``live`` of
         them now), ``skipped`` each value left to the hooks with the reason,
-        and ``served`` how many requests' steers and harvests went through the
-        ops since load.
+        ``served`` how many requests' steers and harvests went through the
+        ops since load, ``steps`` the steps it filled (marked and idle), and
+        ``idle_graphs`` its idle CUDA graphs' state with how many are captured.
         """
         ops = graph_ops_of(vllm_seam.runner_of(self))
         if ops is None:
@@ -742,7 +743,8 @@ class ServeRPC(HeadRPC):
         plan = ops.plan
         return {"edit_sites": list(plan.sites), "harvest_sites": list(plan.harvest_sites), "rounds": plan.rounds,
                 "slots": plan.bank.bank.shape[0], "live": plan.bank.live, "skipped": dict(ops.skipped),
-                "served": dict(ops.served)}
+                "served": dict(ops.served), "steps": dict(ops.steps),
+                "idle_graphs": {"state": ops.idle_graphs, "captured": len(vllm_seam.captured_graphs()["idle"])}}
 
 
 def site_name(site: Site) -> str:

@@ -59,7 +59,7 @@ from ..bulk.operations import Operation
 from ..bulk.requests import Live, Span, SteerEntry
 from ..bulk.sites import Site
 from .families import envoy_tree, family_for
-from .graph_ops import cache_salt, ops_source, salted
+from .graph_ops import IDLE, cache_salt, ops_source, salted
 from .graph_plan import INDEX_LAYOUT, GraphPlan, PlannedSteer, PoolBusy, RowRule, default_pool
 from .graph_wiring import graph_sites, insert_ops, stretches_of, wiring_source
 
@@ -98,6 +98,14 @@ class GraphOptions:
             module calls are one launch at the run's last call (about 3 a
             block instead of 6; `graph_wiring.chains`). False: one launch a
             site, to compare.
+        idle_graphs: On a GPU with CUDA graphs: capture, beside each of vLLM's
+            graphs, one of the same batch without the ops, which a step that
+            marks no row replays (`vllm_seam.keep_idle_graphs`): plain
+            requests then run none of the ops' launches, at the cost of a
+            second capture at start (its time and graph memory, about as much
+            again as vLLM's own). Does nothing where the engine captures no
+            graph (a CPU, ``enforce_eager``), where the ops already skip an
+            idle step in Python.
     """
 
     slots: int = 256
@@ -106,6 +114,7 @@ class GraphOptions:
     harvest: tuple[str, ...] = DEFAULT_VALUES
     harvest_pool: Optional[int] = None
     join: bool = True
+    idle_graphs: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "values", tuple(self.values))
@@ -140,7 +149,8 @@ class GraphOptions:
     def config(self) -> dict[str, Any]:
         """The options as vLLM's ``additional_config`` carries them (plain JSON values)."""
         return {"slots": self.slots, "rounds": self.rounds, "values": list(self.values),
-                "harvest": list(self.harvest), "harvest_pool": self.harvest_pool, "join": self.join}
+                "harvest": list(self.harvest), "harvest_pool": self.harvest_pool, "join": self.join,
+                "idle_graphs": self.idle_graphs}
 
     def salt(self) -> str:
         """The compile cache's salt for these options: the ops' and the wiring's code (the families' runs with it),
@@ -177,6 +187,10 @@ class GraphOps:
     chain_calls: list[list[tuple[int, str]]] = field(default_factory=list)
     #: How many requests' steers and harvests the ops have served since load (each steer of each request once).
     served: dict[str, int] = field(default_factory=lambda: {"steers": 0, "harvests": 0})
+    #: The steps the appliers filled the plan for since load: ``marked`` (some row to edit or harvest) and ``idle``.
+    steps: dict[str, int] = field(default_factory=lambda: {"marked": 0, "idle": 0})
+    #: The idle CUDA graphs (`GraphOptions.idle_graphs`): "off" (not asked for), "kept", or why they are not.
+    idle_graphs: str = "off"
 
     def name_of(self, site: Site) -> Optional[str]:
         """The plan's name of `site` (found on any envoy tree over the same model), None where no op sits there."""
@@ -244,6 +258,10 @@ def insert_at_load(worker: Any) -> Optional[GraphOps]:
                 vllm_seam.hidden_size(runner), vllm_seam.runner_dtype(runner), parameter.device,
                 plain=getattr(runner, "nnsight_model", None) is None)
     runner.__dict__[RUNNER_ATTRIBUTE] = ops
+    if options.idle_graphs:
+        why_not = vllm_seam.keep_idle_graphs(runner, IDLE)
+        ops.idle_graphs = "kept" if why_not is None else f"not kept: {why_not} (the ops skip an idle step in Python)"
+        logger.info("streamscope: idle CUDA graphs %s", ops.idle_graphs)
     pool = ops.plan.pool
     logger.info("streamscope: graph ops at %d sites (%d harvest), %d slots, %d rounds; harvest pool %s, %.2f GiB "
                 "(harvest_pool sets its rows)", len(ops.plan.sites), len(ops.plan.harvest_sites), options.slots,
@@ -449,6 +467,8 @@ class GraphBackend:
         while len(self._copied) > 1:  # the copy of two steps ago is done by now: no wait on this step's path
             self.plan.settle(self._copied.pop(0))
         self._current = self.plan.step(spans)
+        IDLE.step = self.plan.idle  # the ops skip a step that marks nothing (`graph_ops.IdleSwitch`)
+        self.ops.steps["idle" if self.plan.idle else "marked"] += 1
 
     def _queue_copy(self) -> None:
         if self._current is not None:

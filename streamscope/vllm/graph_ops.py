@@ -62,6 +62,14 @@ default site, when each site had a buffer of its own in one tensor; measured
 on an H100 in vLLM 0.22: a compile of 319 s against plain vLLM's 7 s, and the
 copy's allocation out of memory).
 
+A step that marks no row (`GraphPlan.idle`: nothing to edit, nothing to
+harvest) needs none of the ops: the engine's backend sets `IDLE` for it, and
+each op then returns before it launches anything, wherever its Python body
+runs (an uncaptured step; the capture of the idle graphs,
+`streamscope.vllm_seam.keep_idle_graphs`). Inside any other CUDA graph capture
+the ops run whatever the switch says, so a graph captured for steered steps
+always holds them.
+
 Two bodies compute the same thing. On CUDA tensors the ops launch one Triton
 kernel each (`streamscope.vllm.graph_kernels`): one program per row, which
 returns at once on an unmarked row, so an idle site costs one small launch.
@@ -74,6 +82,7 @@ Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import inspect
@@ -81,7 +90,7 @@ import json
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -122,6 +131,49 @@ def use_body(body: Optional[str]) -> Optional[str]:
         raise ValueError(f"body={body!r}: the graph ops' body is one of {', '.join(BODIES)}, or None.")
     previous, _body = _body, body
     return previous
+
+
+class IdleSwitch:
+    """Whether the ops skip their work: set for a step that marks no row, and around the capture of the graphs
+    such steps replay.
+
+    ``step``: the engine's current step marks no row (`GraphPlan.idle`, set
+    by `streamscope.vllm.graph_backend.GraphBackend.step` before the step
+    runs): an op does nothing in it, so skipping it changes no bit.
+    ``capturing``: the idle graphs are being captured (`capture`): the ops
+    leave nothing in them. One switch for the process: an engine sets it
+    before each of its own steps, and the ops of an engine that runs no step
+    (a warm-up, a profile run) read whatever it was, which is safe, since
+    such runs' outputs are thrown away and no capture but the idle one skips.
+    """
+
+    def __init__(self) -> None:
+        self.step = False
+        self.capturing = False
+
+    def skips(self, device: torch.device) -> bool:
+        """Whether an op on `device` returns at once: on an idle step, unless a CUDA graph other than an idle one
+        is being captured (it must hold the ops: the steps that replay it may steer), and in the idle graphs'
+        capture."""
+        if self.capturing:
+            return True
+        if not self.step:
+            return False
+        return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Around the capture of the idle graphs: every op skips."""
+        before = self.capturing
+        self.capturing = True
+        try:
+            yield
+        finally:
+            self.capturing = before
+
+
+#: The process's switch (`IdleSwitch`).
+IDLE = IdleSwitch()
 
 
 def _runs_kernel(device: torch.device) -> bool:
@@ -233,7 +285,7 @@ def edit_stream(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: t
             row to its norm before the edit.
     """
     _check_edit(hidden, residual, slots, bank, modes, scales, projections, norm_match)
-    if hidden.shape[0] == 0:  # a shape, not a value: fixed for a captured graph
+    if hidden.shape[0] == 0 or IDLE.skips(hidden.device):  # a shape and the host's switch, never a value
         return
     if _runs_kernel(hidden.device):
         _kernels().edit_rows(hidden, residual, slots, bank, modes, scales, projections, norm_match)
@@ -311,7 +363,7 @@ def harvest_stream(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[t
             row; entries at or past the call's rows are not read.
     """
     _check_harvest(out, hidden, residual, targets)
-    if min(hidden.shape[0], out.shape[0]) == 0:  # shapes, not values: fixed for a captured graph
+    if min(hidden.shape[0], out.shape[0]) == 0 or IDLE.skips(hidden.device):  # shapes and the switch, no value
         return
     if _runs_kernel(hidden.device):
         _kernels().harvest_rows(out, hidden, residual, targets)
@@ -358,7 +410,7 @@ def edit_harvest_stream(hidden: torch.Tensor, residual: Optional[torch.Tensor], 
             its registers.
     """
     _check_edit_harvest(hidden, residual, slots, bank, modes, scales, projections, norm_match, out, targets)
-    if hidden.shape[0] == 0:  # a shape, not a value: fixed for a captured graph
+    if hidden.shape[0] == 0 or IDLE.skips(hidden.device):  # a shape and the host's switch, never a value
         return
     if _runs_kernel(hidden.device):
         _kernels().edit_harvest_rows(hidden, residual, slots, bank, modes, scales, projections, norm_match, out,
@@ -459,7 +511,7 @@ def edit_stretch(hidden: torch.Tensor, residual: Optional[torch.Tensor], index: 
     """
     _check_stretch(hidden, residual, index, bank, modes, scales, projections, norm_match, pool, lanes, rounds,
                    harvest_lanes, fused)
-    if hidden.shape[0] == 0:  # a shape, not a value: fixed for a captured graph
+    if hidden.shape[0] == 0 or IDLE.skips(hidden.device):  # a shape and the host's switch, never a value
         return
     if _runs_kernel(hidden.device):
         _kernels().edit_stretch_rows(hidden, residual, index, bank, modes, scales, projections, norm_match, pool,
@@ -499,7 +551,7 @@ def ops_source() -> str:
     functions = (_check_stream, _check_index, _check_slots, _check_edit, _edited, edit_stream, _edit_by_torch,
                  _edit_stream_fake, _check_pool, _check_harvest, harvest_stream, _harvest_by_torch,
                  _harvest_stream_fake, edit_harvest_stream, _check_edit_harvest, _edit_harvest_stream_fake,
-                 _check_stretch, edit_stretch, _edit_stretch_fake, _runs_kernel, _kernels)
+                 _check_stretch, edit_stretch, _edit_stretch_fake, _runs_kernel, _kernels, IdleSwitch)
     own = "\n".join(inspect.getsource(getattr(function, "_init_fn", function)) for function in functions)
     return own + "\n" + kernel_source()
 

@@ -363,6 +363,10 @@ class GraphPlan:
         self._free_rows = list(range(63, 0, -1))
         self._dirty = 0  # rows of the device index that the last step's copy covered
         self._rows: dict[Hashable, torch.Tensor] = {}  # each request's harvested rows so far, on the host
+        #: Whether the last `step` marks no row: none of its requests has a steer live (begun or not) or a harvest
+        #: read in it. The ops change nothing in it, so they may skip it (`graph_ops.IDLE`); its index is still
+        #: reset where the step before marked.
+        self.idle = True
 
     # What each op reads: views of the persistent buffers, at fixed addresses.
 
@@ -549,6 +553,7 @@ class GraphPlan:
         if rows and (lanes or reset):
             self._copy(rows, sorted(lanes | reset))
         self._dirty, self._written = marked, frozenset(lanes)
+        self.idle = not marked
         return StepHarvest(None, layout, used, lives=lives)
 
     def _fill_rows(self, owners: list[int], counts: list[int], total: int, marked: int, rows: int,

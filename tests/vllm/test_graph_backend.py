@@ -30,6 +30,7 @@ from access import relative_error
 from bulk_checks import BULK_FAMILIES, PROMPTS
 from streamscope.vllm.graph_backend import CONFIG_KEY, GraphOptions, graph_ops_of
 from streamscope.sae import from_sae_lens
+from streamscope.vllm import graph_ops
 from streamscope.vllm.graph_ops import SALT_KEY
 from streamscope.vllm.model import beside_engine
 from transformers import AutoTokenizer
@@ -158,6 +159,41 @@ def test_every_block_one_vector_and_a_second_round_at_one_site(pair: Pair) -> No
     for name in values:
         for index in range(len(PROMPTS)):
             assert equal(got[name][index], want[name][index], False), (name, index)
+
+
+def test_a_step_that_marks_no_row_runs_none_of_the_ops(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain run's steps are idle (`GraphPlan.idle`): the ops return before their arithmetic in every one of them.
+    A steered run after them runs the ops, a plain run after that is its first run's bits, and the steered run
+    again is its own bits and the hook path's."""
+    ran = {"ops": 0}
+
+    def counted(body: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            ran["ops"] += 1
+            return body(*args, **kwargs)
+        return run
+
+    for name in ("_edit_by_torch", "_harvest_by_torch"):  # each op's torch body, this CPU's
+        monkeypatch.setattr(graph_ops, name, counted(getattr(graph_ops, name)))
+    steer = steer_of(pair, "add", False, "layer_output", 0, {"positions": "all"}, 21, prompts=[1])
+    run = {"max_tokens": 3, "ignore_eos": True, "return_logits": True, "progress": False}
+    steps = dict(pair.ops.steps)
+    plain = pair.graphed.generate(PROMPTS[:2], **run)
+    assert ran["ops"] == 0 and pair.ops.steps["marked"] == steps["marked"]
+    assert pair.ops.steps["idle"] >= steps["idle"] + 3  # a prefill and two decode steps at least
+    steered = pair.graphed.generate(PROMPTS[:2], steer=[steer], **run)
+    assert ran["ops"] > 0 and pair.ops.steps["marked"] > steps["marked"]
+    ran["ops"] = 0
+    again = pair.graphed.generate(PROMPTS[:2], **run)
+    assert ran["ops"] == 0 and again.tokens == plain.tokens
+    assert all(torch.equal(got, want) for got, want in zip(again.logits, plain.logits))
+    steered_again = pair.graphed.generate(PROMPTS[:2], steer=[steer], **run)
+    hooked = pair.hooked.generate(PROMPTS[:2], steer=[steer], **run)
+    assert steered_again.tokens == steered.tokens == hooked.tokens
+    for index in range(2):
+        assert torch.equal(steered_again.logits[index], steered.logits[index]), index
+        assert equal(steered.logits[index], hooked.logits[index], True), index
+    assert not torch.equal(steered.logits[1], plain.logits[1])  # the steer acted
 
 
 def test_a_condition_stays_on_the_hooks_beside_steers_on_the_ops(pair: Pair) -> None:

@@ -96,7 +96,8 @@ class Pair:
         options: dict[str, Any] = {"max_num_seqs": len(PROMPTS), **precision.engine_kwargs(dtype)}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            self.graphed = streamscope.load(path, engine="vllm", graph_ops=True, **options)
+            # idle_graphs: on a GPU, each batch's graph captured again without the ops, replayed on idle steps
+            self.graphed = streamscope.load(path, engine="vllm", graph_ops={"idle_graphs": True}, **options)
         #: The warnings the graph-op engine's load gave.
         self.load_warnings = list(caught)
         self.hooked = streamscope.load(path, engine="vllm", **options)
@@ -198,8 +199,12 @@ def test_the_ops_sit_at_every_value_the_blocks_give_them(pair: Pair) -> None:
         assert pair.graphed.compiled_modules == tuple(state["compiled"])
         warned = any("compiles no module" in str(warning.message) for warning in pair.load_warnings)
         assert warned == (not state["compiled"]), (pair.family, state["compiled"])
+        # vLLM's graphs and, for each, the same batch's graph without the ops (`vllm_seam.keep_idle_graphs`)
+        assert state["idle_graphs_state"] == "kept" and state["idle_graphs"] == state["graphs"] > 0, state
     else:
         assert state["mode"] == "NONE"  # the CPU suite's engines run eagerly
+        assert state["idle_graphs"] == state["graphs"] == 0
+        assert state["idle_graphs_state"].startswith("not kept: this engine captures no CUDA graph")
 
 
 @pytest.mark.parametrize("value", VALUES)
@@ -212,13 +217,19 @@ def test_every_operation_at_the_value_equals_the_hook_path_and_the_oracle(pair: 
     # The ops ran every steer, and the harvest of every prompt (the dose check's harvests come on top).
     assert served["steers"] == before["steers"] + len(steers) and served["harvests"] >= before["harvests"] + len(PROMPTS)
     want = pair.hooked.generate(PROMPTS, steer=steers, **run_of(pair))
-    plain = pair.graphed.generate(PROMPTS, **run_of(pair))
+    idle = pair.state()["steps"]["idle"]
+    # Nobody steers, nothing is harvested through the ops: every step idle (on a GPU, the graphs without the ops)
+    plain = pair.graphed.generate(PROMPTS, **{**run_of(pair), "harvest": None})
+    assert pair.state()["steps"]["idle"] >= idle + STEPS
     for index, (mode, norm_match) in enumerate(OPERATIONS):
         bits = pair.bits and mode in ("add", "set") and not norm_match
         agree(pair, got, want, index, bits, (value, mode, norm_match))
+    harvested = pair.graphed.generate(PROMPTS, **run_of(pair))  # the harvest alone: marked steps, the ops' graphs
     for index in UNSTEERED:  # nobody's steer reaches a batchmate: its run in a batch nobody steers, every bit
         assert got.tokens[index] == plain.tokens[index] and torch.equal(got.logits[index], plain.logits[index])
-        assert torch.equal(got.harvest["layer_output"][index], plain.harvest["layer_output"][index])
+        assert torch.equal(got.harvest["layer_output"][index], harvested.harvest["layer_output"][index])
+        assert harvested.tokens[index] == plain.tokens[index]
+        assert torch.equal(harvested.logits[index], plain.logits[index])
     check_oracle(pair, steers, got)
     state = pair.state()
     assert state["live"] == 0 and state["bank_live"] == 0  # every request left the plan

@@ -169,6 +169,8 @@ def test_the_info_route_says_the_ops_are_on_and_where(servers: Servers) -> None:
     assert ops["hooks_fire"] is True and info["graph_mode"] == "NONE"  # the CPU engine stays eager
     assert info["worker"] == GRAPH_WORKERS["cpu"] and plain["graph_ops"] is None
     assert ops["live"] == 0  # no slot held once its requests left
+    assert ops["idle_graphs"] == {"state": "off", "captured": 0}  # not asked for (and no CUDA graph here)
+    assert set(ops["steps"]) == {"marked", "idle"}
 
 
 @pytest.mark.parametrize("site", SITES, ids=[value for value, _ in SITES])
