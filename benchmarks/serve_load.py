@@ -483,10 +483,11 @@ def host_times(servers: dict[str, Server], spans: dict[tuple[str, str], list[tup
 
     print("\nhost time per engine step (median over rounds; plan, hooks and send are within step, enter, fill and "
           "copy within plan, wait, pack, launch and event within copy; writer is the harvest writer's thread; rows "
-          "and reqs: the mean batch, its scheduled tokens and requests)")
+          "and reqs: the mean batch, its scheduled tokens and requests; plan cpu and copy cpu: the thread's CPU time "
+          "in them, their wall time above it a wait, for the GIL or a blocking call)")
     print(f"{'server':<20}{'workload':<9}{'steps':>8}{'step ms':>10}{'plan us':>10}{'hooks us':>10}{'send us':>10}"
           f"{'writer us':>11}{'enter us':>10}{'fill us':>10}{'copy us':>10}{'wait us':>10}{'pack us':>10}"
-          f"{'launch us':>10}{'event us':>10}{'rows':>8}{'reqs':>7}")
+          f"{'launch us':>10}{'event us':>10}{'rows':>8}{'reqs':>7}{'plan cpu':>10}{'copy cpu':>10}")
     for name, server in servers.items():
         lines = [parsed for line in server.log.read_text(errors="replace").splitlines()
                  if host_time.PREFIX in line and (parsed := host_time.parse(line)) is not None]
@@ -516,7 +517,8 @@ def host_times(servers: dict[str, Server], spans: dict[tuple[str, str], list[tup
                       f"{cell['writer'] * 1e6:>11.1f}{cell['enter'] * 1e6:>10.1f}{cell['fill'] * 1e6:>10.1f}"
                       f"{cell['copy'] * 1e6:>10.1f}{cell.get('wait', 0.0) * 1e6:>10.1f}"
                       f"{cell.get('pack', 0.0) * 1e6:>10.1f}{cell.get('launch', 0.0) * 1e6:>10.1f}"
-                      f"{cell.get('event', 0.0) * 1e6:>10.1f}{cell.get('rows', 0.0):>8.1f}{cell.get('requests', 0.0):>7.1f}")
+                      f"{cell.get('event', 0.0) * 1e6:>10.1f}{cell.get('rows', 0.0):>8.1f}{cell.get('requests', 0.0):>7.1f}"
+                      f"{cell.get('plan_cpu', 0.0) * 1e6:>10.1f}{cell.get('copy_cpu', 0.0) * 1e6:>10.1f}")
 
 
 def front_times(servers: dict[str, Server], spans: dict[tuple[str, str], list[tuple[float, float]]]) -> None:

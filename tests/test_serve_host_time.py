@@ -20,12 +20,14 @@ class Clock:
 
 
 def test_each_part_adds_its_calls_seconds_and_a_step_counts_once(monkeypatch):
-    clock = Clock()
+    clock, cpu = Clock(), Clock()
     monkeypatch.setattr(host_time.time, "perf_counter", clock)
+    monkeypatch.setattr(host_time.time, "thread_time", cpu)
     totals = host_time.HostTime(interval=3600)  # its printing thread stays asleep for the test
 
     def busy(seconds):
         clock.now += seconds
+        cpu.now += seconds
         return seconds
 
     step = totals.timed("step", busy)
@@ -34,7 +36,27 @@ def test_each_part_adds_its_calls_seconds_and_a_step_counts_once(monkeypatch):
     assert totals.steps == 2
     assert totals.totals == {"step": 0.75, "plan": 0.125, "hooks": 0.0, "send": 0.0, "writer": 0.0, "enter": 0.0,
                              "fill": 0.0, "copy": 0.0, "wait": 0.0, "pack": 0.0, "launch": 0.0, "event": 0.0,
-                             "rows": 0.0, "requests": 0.0}
+                             "plan_cpu": 0.125, "copy_cpu": 0.0, "rows": 0.0, "requests": 0.0}
+
+
+def test_plan_and_copy_are_also_timed_by_the_thread_s_cpu_clock(monkeypatch):
+    """A part of `CPU_TIMED` adds its thread's CPU seconds beside its wall seconds: a call that waits (the wall clock
+    moves, the thread's CPU clock does not) shows as wall time above CPU time; other parts have no CPU total."""
+    wall, cpu = Clock(), Clock()
+    monkeypatch.setattr(host_time.time, "perf_counter", wall)
+    monkeypatch.setattr(host_time.time, "thread_time", cpu)
+    totals = host_time.HostTime(interval=3600)
+
+    def waits_then_works(waited, worked):
+        wall.now += waited + worked
+        cpu.now += worked
+
+    totals.timed("copy", waits_then_works)(0.375, 0.125)
+    totals.timed("plan", waits_then_works)(0.0, 0.5)
+    totals.timed("send", waits_then_works)(0.25, 0.25)
+    assert totals.totals["copy"] == 0.5 and totals.totals["copy_cpu"] == 0.125
+    assert totals.totals["plan"] == 0.5 and totals.totals["plan_cpu"] == 0.5
+    assert totals.totals["send"] == 0.5 and "send_cpu" not in totals.totals
 
 
 def test_a_part_that_raises_is_still_timed(monkeypatch):
@@ -54,15 +76,16 @@ def test_a_part_that_raises_is_still_timed(monkeypatch):
 def test_a_printed_line_reads_back_as_its_clock_and_totals():
     clock = host_time.HostTime(interval=3600)
     clock.totals.update(step=1.5, plan=0.25, hooks=0.125, send=0.0625, writer=2.0, enter=0.5, fill=0.75, copy=0.375,
-                        wait=0.03125, pack=0.0075, launch=0.015, event=0.002, rows=4096.0,
-                        requests=70.0)
+                        wait=0.03125, pack=0.0075, launch=0.015, event=0.002, plan_cpu=0.125, copy_cpu=0.25,
+                        rows=4096.0, requests=70.0)
     clock.steps = 7
     before = time.time()
     stamp, totals = host_time.parse("engine log prefix: " + clock.line())
     assert before - 1 <= stamp <= time.time() + 1
     assert totals == {"steps": 7.0, "step": 1.5, "plan": 0.25, "hooks": 0.125, "send": 0.0625, "writer": 2.0,
                       "enter": 0.5, "fill": 0.75, "copy": 0.375, "wait": 0.03125, "pack": 0.0075,
-                      "launch": 0.015, "event": 0.002, "rows": 4096.0, "requests": 70.0}
+                      "launch": 0.015, "event": 0.002, "plan_cpu": 0.125, "copy_cpu": 0.25, "rows": 4096.0,
+                      "requests": 70.0}
 
 
 def test_a_step_s_batch_is_counted_beside_its_plan_s_time():

@@ -9,7 +9,9 @@ and reads (``hooks``), handing the step's harvested rows to host memory
 ``plan``, the requests that came in (``enter``) and, with graph ops, the
 plan's index filled (``fill``) and copied to the device (``copy``: on a GPU
 its wait for a staging buffer, ``wait``, the buffer's fill, ``pack``, the
-copies' launch, ``launch``, and their event, ``event``). Every
+copies' launch, ``launch``, and their event, ``event``); ``plan`` and
+``copy`` also by the thread's CPU clock (``plan_cpu``, ``copy_cpu``: wall
+time above it is time the thread waited, for the GIL or a blocking call). Every
 `INTERVAL` seconds, while the counts move, it prints one line of running totals to
 stderr with the wall clock::
 
@@ -42,7 +44,11 @@ import torch
 ENVIRONMENT = "STREAMSCOPE_SERVE_HOST_TIME"
 #: The start of each printed line, for a reader of the server's log.
 PREFIX = "streamscope host time"
-PARTS = ("step", "plan", "hooks", "send", "writer", "enter", "fill", "copy", "wait", "pack", "launch", "event")
+PARTS = ("step", "plan", "hooks", "send", "writer", "enter", "fill", "copy", "wait", "pack", "launch", "event",
+         "plan_cpu", "copy_cpu")
+#: The parts also timed by the thread's own CPU clock (``<part>_cpu``): where a part's wall time is well above it, its
+#: thread waited inside it (for the GIL another thread held, or in a blocking call), not computed.
+CPU_TIMED = ("plan", "copy")
 #: Counts summed over the steps beside the seconds: the batch's rows (scheduled tokens) and its requests. A run whose
 #: steps are more for the same tokens ran smaller batches: its requests reached the engine later, or left it later.
 COUNTS = ("rows", "requests")
@@ -94,15 +100,19 @@ class HostTime:
         threading.Thread(target=self._print_while_changing, name="streamscope-host-time", daemon=True).start()
 
     def timed(self, part: str, function: Callable[..., Any]) -> Callable[..., Any]:
-        """`function`, adding the seconds of each call to `part`'s total (and a step to the count for "step")."""
-        totals, clock = self.totals, time.perf_counter
+        """`function`, adding the seconds of each call to `part`'s total (and a step to the count for "step"); for a
+        part of `CPU_TIMED`, its thread's CPU seconds to ``<part>_cpu`` too."""
+        totals, clock, thread = self.totals, time.perf_counter, time.thread_time
+        on_cpu = f"{part}_cpu" if part in CPU_TIMED else None
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            start = clock()
+            start, began = clock(), (thread() if on_cpu else 0.0)
             try:
                 return function(*args, **kwargs)
             finally:
                 totals[part] += clock() - start
+                if on_cpu:
+                    totals[on_cpu] += thread() - began
                 if part == "step":
                     self.steps += 1
 
