@@ -119,6 +119,9 @@ def test_the_backend_sets_the_ops_idle_switch_for_each_step_and_counts_the_steps
     applier.step([Span(None, 0, 1, 2)])
     assert IDLE.step and setup.ops.steps == {"marked": 1, "idle": 2}
     assert not setup.plan.slots_of("c")[:8].ge(0).any()  # the idle step still reset the steered rows
+    with pytest.raises(ValueError, match="graph plan holds 16"):
+        setup.backend.step([Span(None, 0, 17, 0)])  # a fill that fails leaves the ops on for its step
+    assert not IDLE.step
     applier.close()
 
 

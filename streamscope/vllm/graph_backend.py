@@ -466,6 +466,7 @@ class GraphBackend:
         self._queue_copy()
         while len(self._copied) > 1:  # the copy of two steps ago is done by now: no wait on this step's path
             self.plan.settle(self._copied.pop(0))
+        IDLE.step = False  # (a fill that raises leaves the ops on for the step)
         self._current = self.plan.step(spans)
         IDLE.step = self.plan.idle  # the ops skip a step that marks nothing (`graph_ops.IdleSwitch`)
         self.ops.steps["idle" if self.plan.idle else "marked"] += 1
