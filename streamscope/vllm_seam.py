@@ -97,6 +97,7 @@ check_version()
 import vllm._custom_ops  # noqa: E402, F401  (loads vLLM's _C operators: `register_meta_moe_prepack`)
 import vllm.v1.engine.core as engine_core  # noqa: E402
 import vllm.v1.worker.workspace as workspace  # noqa: E402
+from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper  # noqa: E402
 from vllm.compilation.cuda_graph import CUDAGraphWrapper  # noqa: E402
 from vllm.config import CompilationConfig, set_current_vllm_config  # noqa: E402
 from vllm.config.compilation import CompilationMode  # noqa: E402
@@ -512,8 +513,8 @@ def keep_idle_graphs(runner: Any, switch: Any) -> Optional[str]:
     """
     if graph_mode(runner) == "NONE":
         return "this engine captures no CUDA graph"
-    if getattr(vllm.envs, "VLLM_USE_BREAKABLE_CUDAGRAPH", False):
-        return "VLLM_USE_BREAKABLE_CUDAGRAPH replaces vLLM's CUDA graph wrapper"
+    if isinstance(runner.__dict__.get("model"), BreakableCUDAGraphWrapper):  # what vLLM built at load, not the env
+        return "vLLM's breakable CUDA graphs (VLLM_USE_BREAKABLE_CUDAGRAPH) replace its graph wrapper"
     if getattr(read(runner, "parallel_config"), "use_ubatching", False):
         return "micro-batching captures its graphs in its own wrapper"
     if _idle_switch is None:

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Optional
 import pytest
 import torch
 from vllm.compilation import cuda_graph
+from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
 from vllm.compilation.monitor import set_cudagraph_capturing_enabled
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import BatchDescriptor
@@ -69,6 +70,7 @@ class Runner:
         self.compilation_config = SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
         self.parallel_config = SimpleNamespace(use_ubatching=ubatching)
         self.switch, self.context = switch, context
+        self.model: Any = None  # the wrapper vLLM put around the model at load (none here: piecewise graphs only)
         self.pieces = [cuda_graph.CUDAGraphWrapper(self.piece(number), VllmConfig(), CUDAGraphMode.PIECEWISE)
                        for number in range(PIECES)]
 
@@ -204,9 +206,9 @@ def test_where_the_idle_graphs_are_not_kept_the_reason_is_given(switch, monkeypa
     runner.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
     assert "captures no CUDA graph" in vllm_seam.keep_idle_graphs(runner, switch)
     assert "micro-batching" in vllm_seam.keep_idle_graphs(Runner(switch, switch.context, ubatching=True), switch)
-    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
-    assert "BREAKABLE" in vllm_seam.keep_idle_graphs(Runner(switch, switch.context), switch)
-    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH")
+    breakable = Runner(switch, switch.context)
+    breakable.model = object.__new__(BreakableCUDAGraphWrapper)  # as vLLM wraps it where its breakable graphs are on
+    assert "BREAKABLE" in vllm_seam.keep_idle_graphs(breakable, switch)
     kept = Runner(switch, switch.context)
     assert vllm_seam.keep_idle_graphs(kept, switch) is None
     with pytest.raises(RuntimeError, match="one switch a process"):
