@@ -198,7 +198,7 @@ def test_another_engine_s_wrappers_replay_their_own_graphs_on_an_idle_step(switc
     assert Graph.replayed == [graphs(wrapper, False)[BATCHES[1]] for wrapper in theirs.pieces]
 
 
-def test_where_the_idle_graphs_are_not_kept_the_reason_is_given(switch, monkeypatch) -> None:
+def test_where_the_idle_graphs_are_not_kept_the_reason_is_given(switch) -> None:
     runner = Runner(switch, switch.context)
     runner.device = torch.device("cpu")
     assert "captures no CUDA graph" in vllm_seam.keep_idle_graphs(runner, switch)
