@@ -6,8 +6,8 @@ step that marks no row. This CPU cannot capture a CUDA graph, so the tests run v
 capture and replay code, its dict of graphs) with the CUDA calls it makes replaced by a stand-in graph that
 records what the forward launched while it was captured (the ops or not) and which graph each replay ran. The
 forward is three piecewise graphs in a row, each of which "launches" an op where the switch lets it, as the ops'
-bodies do (`graph_ops.IdleSwitch.skips`). On a GPU the suite's graph part captures real graphs with the option
-(tests/vllm/test_graph_families.py).
+bodies do (`graph_ops.IdleSwitch.skips`). Every CUDA call is a stand-in, so the tests run alike on a CPU and a
+GPU; real captures with the option are the GPU suite's graph part (tests/vllm/test_graph_families.py).
 """
 
 from __future__ import annotations
@@ -26,12 +26,8 @@ from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.forward_context import BatchDescriptor
 from vllm.platforms import current_platform
 
-import precision
 from streamscope import vllm_seam
 from streamscope.vllm.graph_ops import IdleSwitch
-
-pytestmark = pytest.mark.skipif(precision.ON_GPU, reason="a GPU captures real graphs: the graph part of the suite "
-                                "runs the option (tests/vllm/test_graph_families.py)")
 
 CUDA = torch.device("cuda")
 #: The batches the stand-in runner captures, as vLLM's dispatcher names them.
