@@ -217,6 +217,13 @@ def spied(folder: Path) -> list[str]:
     return ["--py-spy", str(folder)] if shutil.which("py-spy") else []
 
 
+def with_idle_graphs(command: list[str]) -> list[str]:
+    """A graph_serve.py server run's command with streamscope's server started with the idle graphs."""
+    if "benchmarks/graph_serve.py" not in command or "--in-process" in command or "--streamscope-flags" in command:
+        return command
+    return [*command, "--streamscope-flags", IDLE_GRAPHS]
+
+
 def unpacked(trees: list[str], into: Path) -> dict[str, Path]:
     """Each ``NAME=TAR`` of `--tree` unpacked under `into` (a `git archive` of an earlier commit)."""
     found = {}
@@ -259,6 +266,8 @@ def main() -> None:
                                                  "graph39,graph39-every,graph39-inproc,w12")
     parser.add_argument("--tree", action="append", default=[], help="NAME=FILE.tar: ablate (and w2host, w12) in that tree too")
     parser.add_argument("--deadline", type=float, default=570.0, help="seconds from the start for every part")
+    parser.add_argument("--idle-graphs", action="store_true",
+                        help="start every graph_serve.py streamscope server with the idle graphs (" + IDLE_GRAPHS + ")")
     args = parser.parse_args()
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -271,6 +280,9 @@ def main() -> None:
 
     trees = unpacked(args.tree, Path(tempfile.mkdtemp(prefix="gpu-trees-")))
     every = commands(args.out, trees, args.deadline)
+    if args.idle_graphs:
+        every = {part: [(label, with_idle_graphs(command), tree, limit) for label, command, tree, limit in runs]
+                 for part, runs in every.items()}
     wanted = [part.strip() for part in args.parts.split(",") if part.strip()]
     unknown = [part for part in wanted if part not in every]
     if unknown:
