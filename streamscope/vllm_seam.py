@@ -286,22 +286,47 @@ def compiled(runner: Any) -> bool:
     return mode is not None and getattr(mode, "name", str(mode)) != "NONE"
 
 
-def after_schedule(runner: Any, after: Callable[[Any], None]) -> None:
+def after_schedule(runner: Any, after: Callable[[Any], None], last: bool = False) -> None:
     """Call `after(scheduler_output)` each step once the runner has taken the step's schedule in.
 
     The runner's ``_update_states(scheduler_output)`` is where it does (both
     releases; 0.22's returns a callable, passed on); it is wrapped on the
     instance, as ``execute_model`` calls it through ``self`` whatever the
-    runner's class (vLLM's, nnsight's, or streamscope's CPU one).
+    runner's class (vLLM's, nnsight's, or streamscope's CPU one). Callbacks
+    run in the order they were given, those given with `last` after all the
+    others whenever those came (the graph ops' close of a step, which must see
+    whether any applier planned it).
     """
-    original = read(runner, "_update_states")
+    hooks = runner.__dict__.get(SCHEDULE_HOOKS)
+    if hooks is None or runner.__dict__.get("_update_states") is not hooks.update_states:
+        # (first use, or the wrapper was put back by whoever saved the runner's method before it)
+        hooks = runner.__dict__[SCHEDULE_HOOKS] = _ScheduleHooks(read(runner, "_update_states"))
+        runner._update_states = hooks.update_states
+    (hooks.lasts if last else hooks.firsts).append(after)
 
-    def update_states(scheduler_output: Any) -> Any:
-        result = original(scheduler_output)
-        after(scheduler_output)
-        return result
 
-    runner._update_states = update_states
+#: Where a runner keeps its `after_schedule` callbacks.
+SCHEDULE_HOOKS = "_streamscope_after_schedule"
+
+
+class _ScheduleHooks:
+    """A runner's ``_update_states`` and the callbacks run after it (`after_schedule`)."""
+
+    def __init__(self, original: Callable[[Any], Any]) -> None:
+        self.firsts: list[Callable[[Any], None]] = []
+        self.lasts: list[Callable[[Any], None]] = []
+
+        def update_states(scheduler_output: Any) -> Any:
+            result = original(scheduler_output)
+            try:
+                for after in self.firsts:
+                    after(scheduler_output)
+            finally:  # the last ones close the step whatever an earlier one raised
+                for after in self.lasts:
+                    after(scheduler_output)
+            return result
+
+        self.update_states = update_states
 
 
 def around_execute(runner: Any, around: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:

@@ -326,6 +326,43 @@ def test_steps(engine):
     assert not first["finished"]
 
 
+def test_callbacks_given_last_run_after_every_other_whenever_those_came():
+    """`after_schedule`'s order: the callbacks in the order given, those given with ``last`` after all the others
+    (the graph ops' close of a step is given at load, before any applier's), each once a step, after the runner's
+    own ``_update_states``; a wrapper put back by whoever saved the method before starts the list anew; the last
+    ones run where an earlier one raised, and the error goes on to vLLM."""
+    order = []
+
+    class Runner:
+        def _update_states(self, output):
+            order.append(("runner", output))
+            return "states"
+
+    runner = Runner()
+    vllm_seam.after_schedule(runner, lambda output: order.append(("close", output)), last=True)
+    vllm_seam.after_schedule(runner, lambda output: order.append(("first", output)))
+    saved = runner.__dict__["_update_states"]
+    vllm_seam.after_schedule(runner, lambda output: order.append(("second", output)))
+    assert runner._update_states(1) == "states"
+    assert order == [("runner", 1), ("first", 1), ("second", 1), ("close", 1)]
+    order.clear()
+    runner.__dict__.pop("_update_states")  # the class's method again, as a test that saved none puts it back
+    vllm_seam.after_schedule(runner, lambda output: order.append(("alone", output)))
+    runner._update_states(2)
+    assert order == [("runner", 2), ("alone", 2)]
+    assert saved is not runner.__dict__["_update_states"]
+    order.clear()
+
+    def failing(output):
+        raise ValueError("a first callback's error")
+
+    vllm_seam.after_schedule(runner, failing)
+    vllm_seam.after_schedule(runner, lambda output: order.append(("close", output)), last=True)
+    with pytest.raises(ValueError, match="first callback"):
+        runner._update_states(3)
+    assert order == [("runner", 3), ("alone", 3), ("close", 3)]  # the last ones ran, and the error reached vLLM
+
+
 def test_a_missing_internal_is_named():
     with pytest.raises(AttributeError, match=r"has no 'model_runner' \(streamscope reads it as the worker: .*"
                                              rf"vLLM {vllm.__version__} is installed"):

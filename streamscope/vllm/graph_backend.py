@@ -103,9 +103,12 @@ class GraphOptions:
             marks no row replays (`vllm_seam.keep_idle_graphs`): plain
             requests then run none of the ops' launches, at the cost of a
             second capture at start (its time and graph memory, about as much
-            again as vLLM's own). Does nothing where the engine captures no
-            graph (a CPU, ``enforce_eager``), where the ops already skip an
-            idle step in Python.
+            again as vLLM's own). On by default: plain requests on a GPU run
+            at plain vLLM's speed only with them (issue 39's H100 runs:
+            benchmarks/RESULTS.md); False saves the second capture. Does
+            nothing where the engine captures no graph (a CPU,
+            ``enforce_eager``), where the ops already skip an idle step in
+            Python.
     """
 
     slots: int = 256
@@ -114,7 +117,7 @@ class GraphOptions:
     harvest: tuple[str, ...] = DEFAULT_VALUES
     harvest_pool: Optional[int] = None
     join: bool = True
-    idle_graphs: bool = False
+    idle_graphs: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "values", tuple(self.values))
@@ -187,10 +190,25 @@ class GraphOps:
     chain_calls: list[list[tuple[int, str]]] = field(default_factory=list)
     #: How many requests' steers and harvests the ops have served since load (each steer of each request once).
     served: dict[str, int] = field(default_factory=lambda: {"steers": 0, "harvests": 0})
-    #: The steps the appliers filled the plan for since load: ``marked`` (some row to edit or harvest) and ``idle``.
+    #: The steps since load: ``marked`` (some row to edit or harvest) and ``idle`` (none: a step an applier planned
+    #: without marks, or one no applier planned).
     steps: dict[str, int] = field(default_factory=lambda: {"marked": 0, "idle": 0})
     #: The idle CUDA graphs (`GraphOptions.idle_graphs`): "off" (not asked for), "kept", or why they are not.
     idle_graphs: str = "off"
+    #: Whether an applier filled the plan for the step being set up (`GraphBackend.step`); `close_step` clears it.
+    claimed: bool = False
+
+    def close_step(self, _scheduler_output: Any = None) -> None:
+        """Each step, after every applier took its schedule in (`insert_at_load`): a step none of them planned (vLLM
+        called through ``model.vllm_entrypoint``, a trace, a bulk run stopped by its error) marks no row. Without
+        this the ops would run its rows by the index the last planned step left: a steer of a finished run would
+        edit them, and its ops' host time would be spent for nothing."""
+        if not self.claimed:
+            IDLE.step = False  # (a reset that raises leaves the ops on)
+            self.plan.step(())  # resets the index where the last step marked; copies nothing where it is clean
+            IDLE.step = True
+            self.steps["idle"] += 1
+        self.claimed = False
 
     def name_of(self, site: Site) -> Optional[str]:
         """The plan's name of `site` (found on any envoy tree over the same model), None where no op sits there."""
@@ -258,6 +276,7 @@ def insert_at_load(worker: Any) -> Optional[GraphOps]:
                 vllm_seam.hidden_size(runner), vllm_seam.runner_dtype(runner), parameter.device,
                 plain=getattr(runner, "nnsight_model", None) is None)
     runner.__dict__[RUNNER_ATTRIBUTE] = ops
+    vllm_seam.after_schedule(runner, ops.close_step, last=True)
     if options.idle_graphs:
         why_not = vllm_seam.keep_idle_graphs(runner, IDLE)
         ops.idle_graphs = "kept" if why_not is None else f"not kept: {why_not} (the ops skip an idle step in Python)"
@@ -467,6 +486,7 @@ class GraphBackend:
         while len(self._copied) > 1:  # the copy of two steps ago is done by now: no wait on this step's path
             self.plan.settle(self._copied.pop(0))
         IDLE.step = False  # (a fill that raises leaves the ops on for the step)
+        self.ops.claimed = True
         self._current = self.plan.step(spans)
         IDLE.step = self.plan.idle  # the ops skip a step that marks nothing (`graph_ops.IdleSwitch`)
         self.ops.steps["idle" if self.plan.idle else "marked"] += 1

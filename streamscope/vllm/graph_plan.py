@@ -490,6 +490,11 @@ class GraphPlan:
     def live(self) -> int:
         return len(self._live)
 
+    @property
+    def marked_rows(self) -> int:
+        """The rows of the device index up to the last the last step marked (0: none): the next step resets them."""
+        return self._dirty
+
     # The step.
 
     def step(self, spans: Sequence[Span]) -> StepHarvest:

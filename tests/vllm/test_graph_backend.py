@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import vllm
 
 import attention_oracle
 import precision
@@ -194,6 +195,49 @@ def test_a_step_that_marks_no_row_runs_none_of_the_ops(pair: Pair, monkeypatch: 
         assert torch.equal(steered_again.logits[index], steered.logits[index]), index
         assert equal(steered.logits[index], hooked.logits[index], True), index
     assert not torch.equal(steered.logits[1], plain.logits[1])  # the steer acted
+
+
+def test_a_step_no_applier_planned_reads_no_stale_mark(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM called straight through ``model.vllm_entrypoint``, and a trace, after a steered run whose last step
+    marked rows (so the index on the device still holds them): their steps run no op body, the raw call's logprobs
+    are the bits of the same call before the run, and the trace reads what the hook engine reads. Before the ops
+    closed each step no applier planned (`GraphOps.close_step`), the raw call was edited by the finished run's
+    steer and ran every op body."""
+    ran = {"ops": 0}
+
+    def counted(body: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            ran["ops"] += 1
+            return body(*args, **kwargs)
+        return run
+
+    for name in ("_edit_by_torch", "_harvest_by_torch"):
+        monkeypatch.setattr(graph_ops, name, counted(getattr(graph_ops, name)))
+    prompts = [{"prompt_token_ids": pair.tokenizer(text).input_ids} for text in PROMPTS[:2]]
+    params = vllm.SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, ignore_eos=True)
+
+    def raw() -> list[list[dict[int, float]]]:
+        outputs = pair.graphed.vllm_entrypoint.generate(prompts, params, use_tqdm=False)
+        return [[{token: item.logprob for token, item in step.items()} for step in output.outputs[0].logprobs]
+                for output in outputs]
+
+    before = raw()
+    assert ran["ops"] == 0
+    steer = steer_of(pair, "add", False, "layer_output", 0, {"positions": "all"}, 23)
+    pair.graphed.generate(PROMPTS[:2], steer=[steer], max_tokens=3, ignore_eos=True, progress=False)
+    assert ran["ops"] > 0 and pair.ops.plan.marked_rows > 0  # the run's last step left its marks in the index
+    ran["ops"], idle = 0, pair.ops.steps["idle"]
+    assert raw() == before
+    assert ran["ops"] == 0 and pair.ops.steps["idle"] >= idle + 3
+    pair.graphed.generate(PROMPTS[:2], steer=[steer], max_tokens=3, ignore_eos=True, progress=False)
+    assert pair.ops.plan.marked_rows > 0
+    ran["ops"] = 0
+    reads = {}
+    for name, model in (("graphed", pair.graphed), ("hooked", pair.hooked)):
+        with model.trace(PROMPTS[1], temperature=0.0, max_tokens=1):
+            read = model.layers[0].layer_output.save()
+        reads[name] = read
+    assert ran["ops"] == 0 and torch.equal(reads["graphed"], reads["hooked"])
 
 
 def test_a_condition_stays_on_the_hooks_beside_steers_on_the_ops(pair: Pair) -> None:

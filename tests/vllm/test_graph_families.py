@@ -256,3 +256,31 @@ def test_concurrent_steers_each_equal_their_solo_run(pair: Pair) -> None:
     for index, steer in enumerate(steers):
         alone = pair.graphed.generate([PROMPTS[index]], steer=[replace(steer, prompts=None)], **run_of(pair))
         agree(pair, together, alone, index, False, ("solo", steer.mode, steer.norm_match), other=0)
+
+
+def test_a_raw_call_after_a_steered_run_reads_no_stale_mark(pair: Pair) -> None:
+    """vLLM called straight through ``model.vllm_entrypoint`` after a steered run whose last step marked rows (the
+    index still holds them): every step of the call is idle (on a GPU, replayed from the idle graphs) and its
+    logprobs are the bits of the same call before the run. Before `GraphOps.close_step`, such a call's rows were
+    edited by the finished run's steers."""
+    import vllm
+
+    prompts = [{"prompt_token_ids": pair.tokenizer(PROMPTS[index]).input_ids} for index in UNSTEERED]
+    params = vllm.SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=2, ignore_eos=True)
+
+    def raw() -> list[Any]:
+        outputs = pair.graphed.vllm_entrypoint.generate(prompts, params, use_tqdm=False)
+        return [(list(output.outputs[0].token_ids),
+                 [{token: item.logprob for token, item in step.items()} for step in output.outputs[0].logprobs])
+                for output in outputs]
+
+    before = raw()
+    value = "layer_output"
+    steers = [replace(steer, prompts=None) for steer in steers_at(pair, value, layer_of(pair, value))[:1]]
+    pair.graphed.generate([PROMPTS[index] for index in UNSTEERED], steer=steers, max_tokens=STEPS, ignore_eos=True,
+                          progress=False)
+    state = pair.state()
+    assert state["marked_rows"] > 0, state  # the run's last step left its marks in the index
+    idle = state["steps"]["idle"]
+    assert raw() == before
+    assert pair.state()["steps"]["idle"] >= idle + STEPS
