@@ -286,7 +286,7 @@ def compiled(runner: Any) -> bool:
     return mode is not None and getattr(mode, "name", str(mode)) != "NONE"
 
 
-def after_schedule(runner: Any, after: Callable[[Any], None], last: bool = False) -> None:
+def after_schedule(runner: Any, after: Callable[[Any], None], last: bool = False) -> Callable[[], None]:
     """Call `after(scheduler_output)` each step once the runner has taken the step's schedule in.
 
     The runner's ``_update_states(scheduler_output)`` is where it does (both
@@ -295,14 +295,17 @@ def after_schedule(runner: Any, after: Callable[[Any], None], last: bool = False
     runner's class (vLLM's, nnsight's, or streamscope's CPU one). Callbacks
     run in the order they were given, those given with `last` after all the
     others whenever those came (the graph ops' close of a step, which must see
-    whether any applier planned it).
+    whether any applier planned it). Returns a function that takes `after`
+    out again, the others kept.
     """
     hooks = runner.__dict__.get(SCHEDULE_HOOKS)
     if hooks is None or runner.__dict__.get("_update_states") is not hooks.update_states:
         # (first use, or the wrapper was put back by whoever saved the runner's method before it)
         hooks = runner.__dict__[SCHEDULE_HOOKS] = _ScheduleHooks(read(runner, "_update_states"))
         runner._update_states = hooks.update_states
-    (hooks.lasts if last else hooks.firsts).append(after)
+    callbacks = hooks.lasts if last else hooks.firsts
+    callbacks.append(after)
+    return lambda: callbacks.remove(after) if after in callbacks else None
 
 
 #: Where a runner keeps its `after_schedule` callbacks.

@@ -33,10 +33,11 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def no_idle_step_left_over():
     """The graph ops' idle switch is one a process, which an engine sets before each of its steps: a test that calls
-    the ops itself starts with it off, whatever an engine of an earlier test in this process left it at."""
+    the ops itself starts with it off and no plan's marks in it, whatever an engine of an earlier test in this
+    process left."""
     from streamscope.vllm.graph_ops import IDLE
 
-    IDLE.step = False
+    IDLE.step, IDLE.columns = False, None
 
 
 def pytest_sessionfinish(session):

@@ -180,3 +180,66 @@ def test_the_ops_skip_an_idle_step_and_run_in_any_other_capture(monkeypatch: pyt
     run(hidden)
     assert torch.equal(hidden, stream + 2.0)  # the same call, the step not idle: edited
     assert torch.equal(plan.pool[[0, 1]], hidden[[0, 3]])
+
+
+def test_in_a_marked_step_a_site_the_step_marks_nothing_at_returns_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`IdleSwitch.leaves`: with the columns a plan's step marks set (`GraphBackend.step` sets them), an op at a site
+    whose columns the step marks none of returns at once, at a site it marks runs, and an op on a tensor of one's
+    own (not the plan's) always runs. A stretch runs only its marked stages in its torch body. Each result is the
+    bits of the same ops run with no columns set (every op run), and inside a CUDA capture nothing is left out."""
+    add = prepare("add", torch.ones(HIDDEN), 2.0, 0.0, False, torch.float32, "cpu")
+    plan = GraphPlan(["s0", "s1", "s2"], 2, 8, HIDDEN, torch.float32, "cpu", harvest_sites=["s1", "s2"],
+                     harvest_pool=8)
+    plan.enter("a", [PlannedSteer(["s1"], add, RowRule.of(range(4), 4), "v")], harvest_positions=[0, 3],
+               harvest_sites=["s2"])
+    plan.step([Span("a", 0, 4, 0)])
+    assert plan.marked_columns == {plan.rounds_of("s1").data_ptr(), plan.targets_of("s2").data_ptr()}
+    bank = plan.bank
+    buffers = (bank.bank, bank.modes, bank.scales, bank.projections, bank.norm_match)
+    calls: list[int] = []
+    edit = graph_ops._edit_by_torch
+
+    def counted(hidden, residual, slots, *rest):  # type: ignore[no-untyped-def]
+        calls.append(slots.data_ptr())
+        edit(hidden, residual, slots, *rest)
+
+    monkeypatch.setattr(graph_ops, "_edit_by_torch", counted)
+    stream = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(7))
+    index = plan.index
+    lanes = [plan.lane_of[(site, 0)] for site in ("s0", "s1", "s2")]
+    harvest_lanes = [-1, plan.harvest_lane_of["s1"], plan.harvest_lane_of["s2"]]
+
+    def every_op(hidden: torch.Tensor) -> None:
+        for site in ("s0", "s1", "s2"):
+            graph_ops.edit_stream(hidden, None, plan.rounds_of(site), *buffers)
+        graph_ops.harvest_stream(plan.pool, hidden, None, plan.targets_of("s1"))
+        graph_ops.edit_harvest_stream(hidden, None, plan.rounds_of("s0"), *buffers, plan.pool, plan.targets_of("s2"))
+        graph_ops.edit_stretch(hidden, None, index, *buffers, plan.pool, lanes, 2, harvest_lanes, [False] * 3)
+
+    def outcome(columns: object) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        monkeypatch.setattr(graph_ops.IDLE, "columns", columns)
+        calls.clear()
+        plan.pool.zero_()
+        hidden = stream.clone()
+        every_op(hidden)
+        return hidden, plan.pool.clone(), list(calls)
+
+    everything = outcome(None)
+    left_out = outcome((plan.marked_columns, plan.columns))
+    assert torch.equal(left_out[0], everything[0]) and torch.equal(left_out[1], everything[1])
+    assert not torch.equal(everything[0], stream)  # the steer at s1 acted
+    # (the torch body calls itself a round at a time: a site's calls are at its two columns)
+    column = {site: {plan.slots_of(site, round_).data_ptr() for round_ in range(2)} for site in ("s0", "s1", "s2")}
+    assert set(everything[2]) == column["s0"] | column["s1"] | column["s2"]
+    # s1's own op and the stretch's s1 stage; the edit-harvest op at s0 with s2's targets, one launch for both, as
+    # s2's harvest is marked; s0's and s2's edit ops and the stretch's edits at them left out
+    assert set(left_out[2]) == column["s1"] | column["s0"]
+    assert len(left_out[2]) == 3 * 3  # each of the three calls: the call, then its two rounds
+    own = torch.full((8, 2), -1, dtype=torch.int32)
+    calls.clear()
+    graph_ops.edit_stream(stream.clone(), None, own, *buffers)  # not the plan's columns: it runs
+    assert calls[:1] == [own.data_ptr()]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not graph_ops.IDLE.leaves(torch.device("cuda"), (plan.rounds_of("s0").data_ptr(),))  # a graph holds all
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert graph_ops.IDLE.leaves(torch.device("cuda"), (plan.rounds_of("s0").data_ptr(),))

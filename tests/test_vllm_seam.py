@@ -330,7 +330,7 @@ def test_callbacks_given_last_run_after_every_other_whenever_those_came():
     """`after_schedule`'s order: the callbacks in the order given, those given with ``last`` after all the others
     (the graph ops' close of a step is given at load, before any applier's), each once a step, after the runner's
     own ``_update_states``; a wrapper put back by whoever saved the method before starts the list anew; the last
-    ones run where an earlier one raised, and the error goes on to vLLM."""
+    ones run where an earlier one raised, and the error goes on to vLLM; the function each returns takes it out."""
     order = []
 
     class Runner:
@@ -351,6 +351,11 @@ def test_callbacks_given_last_run_after_every_other_whenever_those_came():
     runner._update_states(2)
     assert order == [("runner", 2), ("alone", 2)]
     assert saved is not runner.__dict__["_update_states"]
+    order.clear()
+    remove = vllm_seam.after_schedule(runner, lambda output: order.append(("taken out", output)))
+    remove()
+    runner._update_states(4)
+    assert order == [("runner", 4), ("alone", 4)]
     order.clear()
 
     def failing(output):

@@ -195,20 +195,17 @@ class GraphOps:
     steps: dict[str, int] = field(default_factory=lambda: {"marked": 0, "idle": 0})
     #: The idle CUDA graphs (`GraphOptions.idle_graphs`): "off" (not asked for), "kept", or why they are not.
     idle_graphs: str = "off"
-    #: Whether an applier filled the plan for the step being set up (`GraphBackend.step`); `close_step` clears it.
-    claimed: bool = False
 
     def close_step(self, _scheduler_output: Any = None) -> None:
         """Each step, after every applier took its schedule in (`insert_at_load`): a step none of them planned (vLLM
         called through ``model.vllm_entrypoint``, a trace, a bulk run stopped by its error) marks no row. Without
         this the ops would run its rows by the index the last planned step left: a steer of a finished run would
         edit them, and its ops' host time would be spent for nothing."""
-        if not self.claimed:
-            IDLE.step = False  # (a reset that raises leaves the ops on)
-            self.plan.step(())  # resets the index where the last step marked; copies nothing where it is clean
-            IDLE.step = True
+        plan = self.plan
+        if not plan.claimed:
+            plan.step(())  # resets the index where the last step marked (nothing to copy where it is clean), idle
             self.steps["idle"] += 1
-        self.claimed = False
+        plan.claimed = False
 
     def name_of(self, site: Site) -> Optional[str]:
         """The plan's name of `site` (found on any envoy tree over the same model), None where no op sits there."""
@@ -485,10 +482,7 @@ class GraphBackend:
         self._queue_copy()
         while len(self._copied) > 1:  # the copy of two steps ago is done by now: no wait on this step's path
             self.plan.settle(self._copied.pop(0))
-        IDLE.step = False  # (a fill that raises leaves the ops on for the step)
-        self.ops.claimed = True
-        self._current = self.plan.step(spans)
-        IDLE.step = self.plan.idle  # the ops skip a step that marks nothing (`graph_ops.IdleSwitch`)
+        self._current = self.plan.step(spans)  # (which sets the ops' switch: `GraphPlan.step`)
         self.ops.steps["idle" if self.plan.idle else "marked"] += 1
 
     def _queue_copy(self) -> None:

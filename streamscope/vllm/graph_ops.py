@@ -63,12 +63,15 @@ on an H100 in vLLM 0.22: a compile of 319 s against plain vLLM's 7 s, and the
 copy's allocation out of memory).
 
 A step that marks no row (`GraphPlan.idle`: nothing to edit, nothing to
-harvest) needs none of the ops: the engine's backend sets `IDLE` for it, and
+harvest) needs none of the ops: the plan's step sets `IDLE` for it, and
 each op then returns before it launches anything, wherever its Python body
 runs (an uncaptured step; the capture of the idle graphs,
 `streamscope.vllm_seam.keep_idle_graphs`). Inside any other CUDA graph capture
 the ops run whatever the switch says, so a graph captured for steered steps
-always holds them.
+always holds them. In a step that marks rows, an op whose columns of the index
+the step marks none of returns the same way (`IdleSwitch.leaves`): a step that
+steers one block runs one block's ops where no graph holds them (the CPU
+engine, a GPU prefill past the captured sizes), not every block's.
 
 Two bodies compute the same thing. On CUDA tensors the ops launch one Triton
 kernel each (`streamscope.vllm.graph_kernels`): one program per row, which
@@ -138,8 +141,8 @@ class IdleSwitch:
     such steps replay.
 
     ``step``: the engine's current step marks no row (`GraphPlan.idle`, set
-    by `streamscope.vllm.graph_backend.GraphBackend.step` before the step
-    runs): an op does nothing in it, so skipping it changes no bit.
+    by `streamscope.vllm.graph_plan.GraphPlan.step` before the step runs):
+    an op does nothing in it, so skipping it changes no bit.
     ``capturing``: the idle graphs are being captured (`capture`): the ops
     leave nothing in them. One switch for the process: an engine sets it
     before each of its own steps, and the ops of an engine that runs no step
@@ -150,6 +153,10 @@ class IdleSwitch:
     def __init__(self) -> None:
         self.step = False
         self.capturing = False
+        #: ``(marked, known)``: the addresses of the index columns the current step marks, and of every column of
+        #: the plan that set it (a site's edit columns by its first round's, a harvest site's by its own); None
+        #: where no plan said (every op runs). Set with ``step`` (`GraphPlan.step`).
+        self.columns: Optional[tuple[frozenset[int], frozenset[int]]] = None
 
     def skips(self, device: torch.device) -> bool:
         """Whether an op on `device` returns at once: on an idle step, unless a CUDA graph other than an idle one
@@ -158,6 +165,20 @@ class IdleSwitch:
         if self.capturing:
             return True
         if not self.step:
+            return False
+        return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+    def leaves(self, device: torch.device, addresses: Sequence[int]) -> bool:
+        """Whether an op whose index columns start at `addresses` returns at once: where it `skips`, and where the
+        step marks none of them, each a column of the plan that set the step (an op called on a tensor of one's own
+        always runs), outside a CUDA graph capture (a graph must hold every site)."""
+        if self.skips(device):
+            return True
+        columns = self.columns
+        if columns is None:
+            return False
+        marked, known = columns
+        if any(address in marked or address not in known for address in addresses):
             return False
         return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
@@ -285,7 +306,7 @@ def edit_stream(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: t
             row to its norm before the edit.
     """
     _check_edit(hidden, residual, slots, bank, modes, scales, projections, norm_match)
-    if hidden.shape[0] == 0 or IDLE.skips(hidden.device):  # a shape and the host's switch, never a value
+    if hidden.shape[0] == 0 or IDLE.leaves(hidden.device, (slots.data_ptr(),)):  # a shape and the host's switch
         return
     if _runs_kernel(hidden.device):
         _kernels().edit_rows(hidden, residual, slots, bank, modes, scales, projections, norm_match)
@@ -363,8 +384,8 @@ def harvest_stream(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[t
             row; entries at or past the call's rows are not read.
     """
     _check_harvest(out, hidden, residual, targets)
-    if min(hidden.shape[0], out.shape[0]) == 0 or IDLE.skips(hidden.device):  # shapes and the switch, no value
-        return
+    if min(hidden.shape[0], out.shape[0]) == 0 or IDLE.leaves(hidden.device, (targets.data_ptr(),)):
+        return  # shapes and the host's switch, never a value
     if _runs_kernel(hidden.device):
         _kernels().harvest_rows(out, hidden, residual, targets)
         return
@@ -410,8 +431,8 @@ def edit_harvest_stream(hidden: torch.Tensor, residual: Optional[torch.Tensor], 
             its registers.
     """
     _check_edit_harvest(hidden, residual, slots, bank, modes, scales, projections, norm_match, out, targets)
-    if hidden.shape[0] == 0 or IDLE.skips(hidden.device):  # a shape and the host's switch, never a value
-        return
+    if hidden.shape[0] == 0 or IDLE.leaves(hidden.device, (slots.data_ptr(), targets.data_ptr())):
+        return  # a shape and the host's switch, never a value
     if _runs_kernel(hidden.device):
         _kernels().edit_harvest_rows(hidden, residual, slots, bank, modes, scales, projections, norm_match, out,
                                      targets)
@@ -513,14 +534,22 @@ def edit_stretch(hidden: torch.Tensor, residual: Optional[torch.Tensor], index: 
                    harvest_lanes, fused)
     if hidden.shape[0] == 0 or IDLE.skips(hidden.device):  # a shape and the host's switch, never a value
         return
+    base, column = index.data_ptr(), index.stride(1) * index.element_size()
+    edits = [IDLE.leaves(hidden.device, (base + lane * column,)) for lane in lanes]
+    harvests = [harvest_lane < 0 or IDLE.leaves(hidden.device, (base + harvest_lane * column,))
+                for harvest_lane in harvest_lanes]
+    if all(edits) and all(harvests):  # no stage of the stretch marked in this step
+        return
     if _runs_kernel(hidden.device):
         _kernels().edit_stretch_rows(hidden, residual, index, bank, modes, scales, projections, norm_match, pool,
                                      lanes, rounds, harvest_lanes, fused)
         return
-    for lane, harvest_lane, stage_fused in zip(lanes, harvest_lanes, fused):
+    for lane, harvest_lane, stage_fused, left, unread in zip(lanes, harvest_lanes, fused, edits, harvests):
         second = residual if stage_fused else None
-        _edit_by_torch(hidden, second, index[:, lane:lane + rounds], bank, modes, scales, projections, norm_match)
-        if harvest_lane >= 0 and pool.shape[0]:
+        if not left:
+            _edit_by_torch(hidden, second, index[:, lane:lane + rounds], bank, modes, scales, projections,
+                           norm_match)
+        if not unread and pool.shape[0]:
             _harvest_by_torch(pool, hidden, second, index[:, harvest_lane])
 
 

@@ -52,7 +52,7 @@ import torch
 from ..bulk.apply import Span
 from ..bulk.operations import DIRECTIONAL, Operation
 from ..bulk.steer import steer_positions
-from .graph_ops import MODE_CODES
+from .graph_ops import IDLE, MODE_CODES
 
 
 #: How the plan's index is stored (part of the compile cache's salt: a graph captured with the ops reads it by its
@@ -339,6 +339,16 @@ class GraphPlan:
         # view, [max_rows, columns], as the ops read it).
         self._lanes = torch.full((columns, max_rows), -1, dtype=torch.int32, device=self.device)
         self.index = self._lanes.t()
+        # Each column's address as the ops see it (`graph_ops.IdleSwitch.leaves`): an edit lane's is its site's first
+        # round's (an op takes a site's rounds as one view), a harvest column's its own.
+        address = [self.index[:, column].data_ptr() for column in range(columns)]
+        self._site_column = [address[(lane // rounds) * rounds] for lane in range(len(self.lane_of))] + \
+            address[len(self.lane_of):]
+        #: Every column's address (`_site_column`'s values), and those the last `step` marks.
+        self.columns = frozenset(self._site_column)
+        self.marked_columns: frozenset[int] = frozenset()
+        #: Whether a step filled the plan since the engine last closed one (`step`; `GraphOps.close_step`).
+        self.claimed = False
         # The host's copy, filled each step. On a GPU the step's lanes go packed through one of two pinned staging
         # buffers (values, and the lanes' numbers), so the copy does not wait, and the host never rewrites a buffer
         # whose copy may still be queued; an indexed copy on the device puts each in its column.
@@ -503,8 +513,14 @@ class GraphPlan:
         Call before the step runs (before a graph's replay): the ops read the
         index that the copy fills, queued before them on the same stream.
         After the step, `copy_out` its harvest. `spans` come in row order,
-        as the scheduler lays the batch out.
+        as the scheduler lays the batch out. Sets the ops' switch
+        (`graph_ops.IDLE`) for the step: idle where it marks no row, and the
+        columns it marks (a fill that raises leaves every op on); and
+        `claimed`, which the engine's close of the step reads
+        (`graph_backend.GraphOps.close_step`).
         """
+        IDLE.step, IDLE.columns = False, None
+        self.claimed = True
         owners: list[int] = []  # per span (and gap): its request's table row, 0 for no marks
         counts: list[int] = []
         partial: list[tuple[_Live, int, int, int]] = []  # spans some steer edits in part: written range by range
@@ -559,6 +575,8 @@ class GraphPlan:
             self._copy(rows, sorted(lanes | reset))
         self._dirty, self._written = marked, frozenset(lanes)
         self.idle = not marked
+        self.marked_columns = frozenset(self._site_column[lane] for lane in lanes)
+        IDLE.step, IDLE.columns = self.idle, (self.marked_columns, self.columns)
         return StepHarvest(None, layout, used, lives=lives)
 
     def _fill_rows(self, owners: list[int], counts: list[int], total: int, marked: int, rows: int,

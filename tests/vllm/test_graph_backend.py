@@ -164,13 +164,17 @@ def test_every_block_one_vector_and_a_second_round_at_one_site(pair: Pair) -> No
 
 def test_a_step_that_marks_no_row_runs_none_of_the_ops(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """A plain run's steps are idle (`GraphPlan.idle`): the ops return before their arithmetic in every one of them.
-    A steered run after them runs the ops, a plain run after that is its first run's bits, and the steered run
-    again is its own bits and the hook path's."""
+    A steered run after them runs the ops, at the steered site only (`IdleSwitch.leaves`: no other site's edit
+    runs), a plain run after that is its first run's bits, and the steered run again is its own bits and the hook
+    path's."""
     ran = {"ops": 0}
+    edited: set[int] = set()  # the index columns the edits ran at
 
     def counted(body: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
             ran["ops"] += 1
+            if body.__name__ == "_edit_by_torch":
+                edited.add(args[2].data_ptr())
             return body(*args, **kwargs)
         return run
 
@@ -184,6 +188,9 @@ def test_a_step_that_marks_no_row_runs_none_of_the_ops(pair: Pair, monkeypatch: 
     assert pair.ops.steps["idle"] >= steps["idle"] + 3  # a prefill and two decode steps at least
     steered = pair.graphed.generate(PROMPTS[:2], steer=[steer], **run)
     assert ran["ops"] > 0 and pair.ops.steps["marked"] > steps["marked"]
+    plan = pair.ops.plan
+    site = next(name for name in plan.sites if str(name) == f"layers.0.{steer.value}")
+    assert edited and edited <= {plan.slots_of(site, round_).data_ptr() for round_ in range(plan.rounds)}
     ran["ops"] = 0
     again = pair.graphed.generate(PROMPTS[:2], **run)
     assert ran["ops"] == 0 and again.tokens == plain.tokens

@@ -240,12 +240,12 @@ class Started:
             plan.step([Span(key if steer else None, start, count, computed(request))
                        for request, start, count in vllm_seam.scheduled_spans(runner, output)])
 
-        vllm_seam.after_schedule(runner, fill)
+        remove = vllm_seam.after_schedule(runner, fill)
         try:
             params = vllm.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
             result = self.llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
         finally:
-            runner.__dict__.pop("_update_states")  # the runner's own method again
+            remove()  # (the ops' own close of each step stays)
             if steer:
                 plan.leave(key)
         return list(result[0].outputs[0].token_ids)
