@@ -42,7 +42,8 @@ def no_idle_step_left_over():
 
 
 class _CollectThenFreeze:
-    """vLLM's model loader's ``gc`` in the suite's processes: each ``collect`` also freezes what survives it.
+    """The ``gc`` of vLLM's model loader (and teardown: `_COLLECTING`) in the suite's processes: each ``collect``
+    also freezes what survives it.
 
     Every vLLM engine's shutdown unfreezes the whole heap (``gc.unfreeze()``,
     so that the engine's cycles can be freed), and the loader of the next
@@ -69,17 +70,31 @@ class _CollectThenFreeze:
         return found
 
 
+#: The vLLM modules given `_CollectThenFreeze`: the model loader; on the CPU also the parallel state's teardown, which
+#: collects right after the closing engine's shutdown unfroze the heap (the engine, still referenced by its close, is
+#: then frozen and freed at the next engine's shutdown: one engine's memory held a while, too long on a GPU).
+_COLLECTING = ("vllm.model_executor.model_loader.base_loader",) + (
+    () if precision.ON_GPU else ("vllm.distributed.parallel_state",))
+
+
 @pytest.fixture(autouse=True)
-def vllm_loads_collect_once():
-    """`_CollectThenFreeze` given to vLLM's model loader once a test has imported it (a dict lookup a test)."""
-    loader = sys.modules.get("vllm.model_executor.model_loader.base_loader")
-    if loader is not None and not isinstance(loader.gc, _CollectThenFreeze):
-        loader.gc = _CollectThenFreeze(loader.gc)
+def vllm_collects_once():
+    """`_CollectThenFreeze` given to `_COLLECTING` once a test has imported them (dict lookups a test)."""
+    for name in _COLLECTING:
+        module = sys.modules.get(name)
+        if module is not None and not isinstance(module.gc, _CollectThenFreeze):
+            module.gc = _CollectThenFreeze(module.gc)
 
 
 def pytest_sessionfinish(session):
-    """Under pytest-xdist, a worker hands its matrix record to the controller, which prints the summary."""
+    """Under pytest-xdist, a worker hands its matrix record to the controller, which prints the summary. The last
+    engine a `_CollectThenFreeze` froze is freed before the interpreter's exit (which would report it leaked)."""
+    import gc
+
     import matrix
+
+    gc.unfreeze()
+    gc.collect()
 
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:
