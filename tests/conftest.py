@@ -54,8 +54,8 @@ class _CollectThenFreeze:
     frees the last engine's cycles; freezing right after it, as vLLM does
     after start-up anyway, makes the loader's later ones cheap. What dies
     while frozen is freed after the next engine's shutdown unfreezes the heap,
-    as with vLLM's own freeze; every close still frees its engine (the
-    shutdown unfreezes before streamscope's ``close`` collects).
+    as with vLLM's own freeze (a closed engine among it where the teardown
+    froze it: `_COLLECTING`).
     """
 
     def __init__(self, gc_module: Any) -> None:
