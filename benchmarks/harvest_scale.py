@@ -267,6 +267,9 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: rounds (bare against the harvest; disk and host need it),"
                              " disk,host,parquet,saelens (a call of its own at 70B: --skip rounds,saelens)")
     parser.add_argument("--disk-only", action="store_true", help="only the disk part, on synthetic shards")
+    parser.add_argument("--memory-fraction", type=float, default=0.9,
+                        help="vLLM's gpu_memory_utilization (0.95 holds the 70B shape in FP8 on an 80 GB H100)")
+    parser.add_argument("--batched-tokens", type=int, default=16384, help="vLLM's max_num_batched_tokens")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     requested_shard_size = args.shard_size  # None: the harvests cut their shards by bytes, as a user's do
@@ -307,7 +310,7 @@ def main() -> None:
     options: dict[str, Any] = {"load_format": "dummy", "dtype": dtype, "seed": 0,
                                "max_model_len": args.length + 8}
     if torch.cuda.is_available():
-        options.update(gpu_memory_utilization=0.9, max_num_batched_tokens=16384)
+        options.update(gpu_memory_utilization=args.memory_fraction, max_num_batched_tokens=args.batched_tokens)
     if "rounds" in skip:
         skip |= {"disk", "host"}  # each is read against the rounds' harvest
     if not {"rounds", "saelens"} <= skip:

@@ -23,7 +23,8 @@ the console; ``<out>/plan.txt`` lists what ran, for how long and how it ended.
   harvest70b  issue 43: `benchmarks/harvest_scale.py`, the Llama-3-70B shape in FP8: 6 blocks' layer_output
            at every position to shards, against bare prefill (3 rounds), the disk and host copies alone,
            SAELens's ActivationsStore on the same engine (`harvest70b-parquet`: a 1-replica Parquet harvest
-           over Ray and an SAE's steps on its rows; `harvest8b`: the 8B shape)                   about 9 min
+           over Ray and an SAE's steps on its rows; `harvest8b`: the 8B shape; `harvest70b-h100` and
+           `harvest70b-parquet-h100`: the same on an 80 GB H100, 0.95 of its memory, 8,192 tokens a step) about 9 min
   serve    issue 18: `streamscope serve` against plain `vllm serve` under load, eager
            and tapped pairs, with the servers' host time per step by part
            (needs `.whl-gpu/serve` installed into /tmp/site)                                   about 9 min
@@ -95,6 +96,8 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The 70B shape's engine on an 80 GB H100: its FP8 weights take 67.7 GiB, so a larger share and smaller steps.
+H100_70B = ["--memory-fraction", "0.95", "--batched-tokens", "8192"]
 
 
 def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, list[tuple[str, list[str], Path, int]]]:
@@ -133,6 +136,16 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
                                ("harvest 70b, Parquet", [python, "benchmarks/harvest_scale.py", "--shape", "70b",
                                                          "--fp8", "--prompts", "128", "--length", "1024", "--out",
                                                          "/tmp/harvest-70b", "--skip", "rounds,saelens"], ROOT, 560)],
+        # the same on an 80 GB H100 (weights 67.7 GiB): a larger share of its memory, half the tokens a step
+        "harvest70b-h100": [("humming stand-in", [python, "scripts/humming_stub.py", "/tmp/site"], ROOT, 30),
+                            ("harvest 70b on an H100", [python, "benchmarks/harvest_scale.py", "--shape", "70b", "--fp8",
+                                                        "--prompts", "128", "--length", "1024", "--rounds", "3", "--out",
+                                                        "/tmp/harvest-70b", "--skip", "parquet", *H100_70B], ROOT, 560)],
+        "harvest70b-parquet-h100": [("humming stand-in", [python, "scripts/humming_stub.py", "/tmp/site"], ROOT, 30),
+                                    ("harvest 70b, Parquet, on an H100", [
+                                        python, "benchmarks/harvest_scale.py", "--shape", "70b", "--fp8", "--prompts",
+                                        "128", "--length", "1024", "--out", "/tmp/harvest-70b", "--skip",
+                                        "rounds,saelens", *H100_70B], ROOT, 330)],
         "harvest8b": [("harvest 8b", [python, "benchmarks/harvest_scale.py", "--shape", "8b", "--prompts", "256",
                                       "--length", "1024", "--rounds", "3", "--out", "/tmp/harvest-8b", "--skip",
                                       "parquet,saelens"], ROOT, 420)],
