@@ -221,6 +221,46 @@ def check_idle_switch(dtype: torch.dtype = torch.float32, width: int = 4096, row
     return same and untouched and marked > 0 and idle_graph_empty and skipped
 
 
+def check_lean_capture(dtype: torch.dtype = torch.float32, width: int = 4096, rows: int = 256) -> bool:
+    """The lean set's capture under a real CUDA graph (`graph_ops.IDLE.capture(LEAN_SET, kept)`): two sites, the
+    graph captured keeping s1's columns only. A step that steers and harvests s1 alone (the steps the lean set
+    replays) replays to an eager call's bits with every op on; a step that steers s0 replays with s0's rows as they
+    were (no op of s0 in the graph), which is why such a step replays vLLM's graphs instead."""
+    plan = plans.GraphPlan(["s0", "s1"], 1, 512, width, dtype, DEVICE, slots=8, harvest_sites=["s0", "s1"])
+    hidden = torch.zeros(rows, width, dtype=dtype, device=DEVICE)
+    residual = torch.zeros_like(hidden)
+
+    def body(hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        for site in ("s0", "s1"):
+            ops.edit_harvest_stream(hidden, residual, plan.rounds_of(site), *plan.bank.buffers, plan.pool,
+                                    plan.targets_of(site))
+
+    add = operation("add", False, dtype, width, 1)
+    plan.enter("lean", [plans.PlannedSteer(["s1"], add, plans.RowRule.of(range(40), 40), "v")],
+               harvest_positions=list(range(0, 40, 5)), harvest_sites=["s1"])
+    plan.step([Span("lean", 0, 40, 0), Span(None, 40, 60, 0)])
+    body(hidden, residual)  # warm-up, uncaptured
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with ops.IDLE.capture(ops.LEAN_SET, plan.columns_of(["s1"])), torch.cuda.graph(graph):
+        body(hidden, residual)
+    saved = ops.IDLE.columns
+    ops.IDLE.columns = None  # the eager call runs every op
+    same, untouched, marked = replay_against(graph, body, plan, hidden, residual)
+    plan.leave("lean")
+    plan.enter("other", [plans.PlannedSteer(["s0"], add, plans.RowRule.of(range(20), 20), "v")])
+    plan.step([Span("other", 0, 20, 0)])
+    hidden.normal_()
+    before = hidden.clone()
+    graph.replay()
+    s0_left = torch.equal(hidden, before)
+    ops.IDLE.columns = saved
+    plan.leave("other")
+    print(f"lean capture, {dtype} ({marked} rows marked at s1): replay == eager bits {same}, unmarked rows "
+          f"untouched {untouched}; a steer at s0 (not kept) leaves its rows as they were {s0_left}", flush=True)
+    return same and untouched and marked > 0 and s0_left
+
+
 def check_no_wait(dtype: torch.dtype = torch.bfloat16, width: int = 4096) -> bool:
     """A request's entry (its operations prepared from host vectors, their slots filled), a step's fill and its
     harvest's copy out, behind a queue of device work, with torch's sync debug mode at "error": any wait for the
@@ -586,6 +626,7 @@ def main() -> int:
         good = good and captured
     good = check_no_wait() and good
     good = check_idle_switch(torch.float32) and check_idle_switch(torch.bfloat16) and good
+    good = check_lean_capture(torch.float32) and check_lean_capture(torch.bfloat16) and good
     check_compile()  # the default body on CUDA: the kernels
     launch_cuts()
     idle_costs()

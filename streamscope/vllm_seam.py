@@ -512,32 +512,35 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
-# ---------------------------------------------------------------- the idle graphs: a second CUDA graph a batch
+# ---------------------------------------------------------------- streamscope's graph sets: more CUDA graphs a batch
 
 
-#: Where a vLLM CUDA graph wrapper keeps its idle graphs (its ``__dict__``), beside its own dict of graphs.
-IDLE_ENTRIES = "_streamscope_idle_entries"
-_idle_switch: Any = None  # the graph ops' switch the patched wrapper reads, once `keep_idle_graphs` ran
+#: Where a vLLM CUDA graph wrapper keeps streamscope's sets of graphs (its ``__dict__``): a dict of the set's name
+#: (`graph_ops.IDLE_SET`, `graph_ops.LEAN_SET`) to entries like vLLM's own dict of graphs.
+SET_ENTRIES = "_streamscope_graph_sets"
+_graph_switch: Any = None  # the graph ops' switch the patched wrapper reads, once `keep_graph_sets` ran
 
 
-def keep_idle_graphs(runner: Any, switch: Any) -> Optional[str]:
-    """Have the runner capture, for each batch vLLM captures a CUDA graph of, a second graph of the same batch with
-    the graph ops skipped, and replay it on a step the ops would leave alone; None where it will, else why not.
+def keep_graph_sets(runner: Any, switch: Any, sets: dict[str, frozenset[int]]) -> Optional[str]:
+    """Have the runner capture, for each batch vLLM captures a CUDA graph of, one more graph of the same batch per
+    set of `sets` (its name to the index columns whose ops it keeps), and replay one of them on a step the ops it
+    leaves out would leave alone; None where it will, else why not.
 
     `switch` is the ops' `streamscope.vllm.graph_ops.IdleSwitch`: its
-    ``capture()`` around the second capture of a batch (each op returns
-    before it launches, so the graph holds none), its ``step`` set by the
-    engine before a step that marks no row. vLLM's `CUDAGraphWrapper` keeps
-    its graphs in a dict by batch descriptor; each wrapper gets a second dict
-    (`IDLE_ENTRIES`), filled by the runner's ``_warmup_and_capture``, wrapped
-    here to run vLLM's capture of a batch a second time under the switch, so
-    both sets come from vLLM's own capture loop at start (which disables
-    capture after it) and the memory profile measures both. A wrapper's call
-    uses the idle dict whenever the switch says the step is idle, for every
-    wrapper of the forward at once: a piecewise graph reads its input where
-    the graph before it in the same set wrote. After ``capture_model``, a
-    batch captured in one set and not the other drops the idle set whole
-    (logged), so a forward never mixes them.
+    ``capture(name, kept)`` around a set's capture of a batch (each op whose
+    columns the set does not keep returns before it launches, so the graph
+    holds only the kept ones; the idle set keeps none), its ``graph_sets()``
+    the sets the engine's step may replay (set by the plan before each step).
+    vLLM's `CUDAGraphWrapper` keeps its graphs in a dict by batch descriptor;
+    each wrapper gets one more dict a set (under `SET_ENTRIES`), filled by the
+    runner's ``_warmup_and_capture``, wrapped here to run vLLM's capture of a
+    batch again under the switch for each set, so every set comes from vLLM's
+    own capture loop at start (which disables capture after it) and the memory
+    profile measures them all. A wrapper's call uses the first set the switch
+    names that it holds, for every wrapper of the forward at once: a piecewise
+    graph reads its input where the graph before it in the same set wrote.
+    After ``capture_model``, a set missing a batch vLLM captured (or holding
+    one it did not) is dropped whole (logged), so a forward never mixes sets.
     """
     if graph_mode(runner) == "NONE":
         return "this engine captures no CUDA graph"
@@ -545,72 +548,86 @@ def keep_idle_graphs(runner: Any, switch: Any) -> Optional[str]:
         return "vLLM's breakable CUDA graphs (VLLM_USE_BREAKABLE_CUDAGRAPH) replace its graph wrapper"
     if getattr(read(runner, "parallel_config"), "use_ubatching", False):
         return "micro-batching captures its graphs in its own wrapper"
-    if _idle_switch is None:
+    if _graph_switch is None:
         _patch_graph_wrapper(switch)
-    elif _idle_switch is not switch:
-        raise RuntimeError("keep_idle_graphs: one switch a process (the graph ops' IDLE)")
+    elif _graph_switch is not switch:
+        raise RuntimeError("keep_graph_sets: one switch a process (the graph ops' IDLE)")
     warmup_and_capture = read(runner, "_warmup_and_capture")
     capture_model = read(runner, "capture_model")
+    kept_sets = dict(sets)
 
-    def both_sets(*args: Any, **kwargs: Any) -> Any:
-        step, switch.step = switch.step, False  # (an engine's last step before this capture may have been idle)
+    def every_set(*args: Any, **kwargs: Any) -> Any:
+        # (an engine's last step before this capture may have been idle or lean: vLLM's graphs hold every op)
+        step, switch.step, switch.lean = (switch.step, switch.lean), False, False
         try:
             result = warmup_and_capture(*args, **kwargs)  # vLLM's graph of the batch, with the ops
-            with switch.capture():
-                warmup_and_capture(*args, **kwargs)  # the same batch without them
+            for name, kept in kept_sets.items():
+                with switch.capture(name, kept):
+                    warmup_and_capture(*args, **kwargs)  # the same batch with the set's ops only
         finally:
-            switch.step = step
+            switch.step, switch.lean = step
         return result
 
     def checked(*args: Any, **kwargs: Any) -> Any:
         before = captured_graphs()
         size = capture_model(*args, **kwargs)
-        _check_idle_set(before, captured_graphs())
+        _check_sets(before, captured_graphs(), list(kept_sets))
         return size
 
-    runner._warmup_and_capture = both_sets
+    runner._warmup_and_capture = every_set
     runner.capture_model = checked
     return None
 
 
 def captured_graphs() -> dict[str, set[tuple[int, Any]]]:
     """Every vLLM CUDA graph wrapper's captured graphs in this process, as ``(id(wrapper), batch descriptor)``: vLLM's
-    own (``ops``) and the idle ones (``idle``)."""
-    found: dict[str, set[tuple[int, Any]]] = {"ops": set(), "idle": set()}
+    own (``ops``) and each of streamscope's sets by its name (``idle``, ``lean``; empty where none is captured)."""
+    found: dict[str, set[tuple[int, Any]]] = {"ops": set(), "idle": set(), "lean": set()}
     for wrapper in list(CUDAGraphWrapper._all_instances):
-        for kind, entries in (("ops", read(wrapper, "concrete_cudagraph_entries")),
-                              ("idle", wrapper.__dict__.get(IDLE_ENTRIES) or {})):
-            found[kind].update((id(wrapper), key) for key, entry in entries.items() if entry.cudagraph is not None)
+        kinds = {"ops": read(wrapper, "concrete_cudagraph_entries"), **(wrapper.__dict__.get(SET_ENTRIES) or {})}
+        for kind, entries in kinds.items():
+            found.setdefault(kind, set()).update((id(wrapper), key) for key, entry in entries.items()
+                                                 if entry.cudagraph is not None)
     return found
 
 
-def _check_idle_set(before: dict[str, set[tuple[int, Any]]], after: dict[str, set[tuple[int, Any]]]) -> None:
-    ops, idle = after["ops"] - before["ops"], after["idle"] - before["idle"]
-    if ops == idle:
-        return
-    wrappers = {wrapper for wrapper, _ in ops | idle}
-    for wrapper in list(CUDAGraphWrapper._all_instances):
-        if id(wrapper) in wrappers:
-            wrapper.__dict__.pop(IDLE_ENTRIES, None)
-    logger.warning("streamscope: the idle CUDA graphs are dropped: %d batch(es) captured with the graph ops, %d "
-                   "without, %d in only one set; every step replays vLLM's graphs, the ops' launches included",
-                   len(ops), len(idle), len(ops ^ idle))
+def _check_sets(before: dict[str, set[tuple[int, Any]]], after: dict[str, set[tuple[int, Any]]],
+                names: list[str]) -> None:
+    ops = after["ops"] - before["ops"]
+    wrappers = {wrapper for wrapper, _ in ops}
+    for name in names:
+        theirs = after.get(name, set()) - before.get(name, set())
+        if ops == theirs:
+            continue
+        mixed = wrappers | {wrapper for wrapper, _ in theirs}
+        for wrapper in list(CUDAGraphWrapper._all_instances):
+            if id(wrapper) in mixed:
+                (wrapper.__dict__.get(SET_ENTRIES) or {}).pop(name, None)
+        logger.warning("streamscope: the %s CUDA graphs are dropped: %d batch(es) captured with every graph op, %d "
+                       "in the %s set, %d in only one; those steps replay vLLM's graphs, the ops' launches included",
+                       name, len(ops), len(theirs), name, len(ops ^ theirs))
 
 
 def _patch_graph_wrapper(switch: Any) -> None:
-    """vLLM's `CUDAGraphWrapper`, once a process: a call on an idle step (or in the idle capture) captures into and
-    replays from the wrapper's idle dict; clearing its graphs clears both."""
-    global _idle_switch
+    """vLLM's `CUDAGraphWrapper`, once a process: a call the switch names graph sets for (a step that some set
+    replays, a set's capture) captures into and replays from the first of them that the wrapper holds; clearing
+    its graphs clears every set."""
+    global _graph_switch
     call, clear = CUDAGraphWrapper.__call__, CUDAGraphWrapper.clear_graphs
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not (switch.step or switch.capturing):
+        names = switch.graph_sets()
+        if not names:
             return call(self, *args, **kwargs)
-        idle = self.__dict__.setdefault(IDLE_ENTRIES, {}) if switch.capturing else self.__dict__.get(IDLE_ENTRIES)
-        if not idle and not switch.capturing:  # a wrapper with no idle graph (another engine's, or dropped)
-            return call(self, *args, **kwargs)
+        if switch.capturing is not None:
+            entries = self.__dict__.setdefault(SET_ENTRIES, {}).setdefault(names[0], {})
+        else:
+            held = self.__dict__.get(SET_ENTRIES) or {}
+            entries = next((held[name] for name in names if held.get(name)), None)
+            if entries is None:  # a wrapper with none of these sets (another engine's, or dropped)
+                return call(self, *args, **kwargs)
         kept = self.concrete_cudagraph_entries
-        self.concrete_cudagraph_entries = idle
+        self.concrete_cudagraph_entries = entries
         try:
             return call(self, *args, **kwargs)
         finally:
@@ -618,8 +635,8 @@ def _patch_graph_wrapper(switch: Any) -> None:
 
     def clear_graphs(self: Any) -> None:
         clear(self)
-        self.__dict__.pop(IDLE_ENTRIES, None)
+        self.__dict__.pop(SET_ENTRIES, None)
 
     CUDAGraphWrapper.__call__ = __call__  # type: ignore[method-assign]
     CUDAGraphWrapper.clear_graphs = clear_graphs  # type: ignore[method-assign]
-    _idle_switch = switch
+    _graph_switch = switch

@@ -38,7 +38,7 @@ def no_idle_step_left_over():
     process left."""
     from streamscope.vllm.graph_ops import IDLE
 
-    IDLE.step, IDLE.columns = False, None
+    IDLE.step, IDLE.lean, IDLE.columns = False, False, None
 
 
 class _CollectThenFreeze:

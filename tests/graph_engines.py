@@ -24,7 +24,7 @@ def ops_state(worker: Any) -> dict[str, Any]:
     """What `worker`'s graph ops are and have done, in plain values: the sites an edit op and a harvest op sit at,
     the values left to the hooks with the reason, how many steers and harvests the ops served, what the plan holds
     live, its steps (marked and idle) and the rows the last step marked, and how the model runs (vLLM's compile mode, the CUDA graph mode, the
-    modules it compiles, the CUDA graphs captured in the worker's process: vLLM's and the idle ones). Called on the
+    modules it compiles, the CUDA graphs captured in the worker's process: vLLM's, the idle and the lean ones). Called on the
     worker by ``llm.collective_rpc(ops_state)``."""
     runner = vllm_seam.runner_of(worker)
     model = vllm_seam.model_of(runner)
@@ -34,10 +34,11 @@ def ops_state(worker: Any) -> dict[str, Any]:
     state: dict[str, Any] = {"mode": getattr(compilation.mode, "name", str(compilation.mode)),
                              "graph_mode": vllm_seam.graph_mode(runner),
                              "compiled": [type(module).__name__ for module in vllm_seam.compiled_modules(model)],
-                             "graphs": len(captured["ops"]), "idle_graphs": len(captured["idle"])}
+                             "graphs": len(captured["ops"]), "idle_graphs": len(captured["idle"]),
+                             "lean_graphs": len(captured["lean"])}
     if ops is not None:
         state.update(sites=[str(name) for name in ops.plan.sites], harvest_sites=list(map(str, ops.plan.harvest_sites)),
                      skipped=dict(ops.skipped), served=dict(ops.served), live=ops.plan.live,
                      bank_live=ops.plan.bank.live, steps=dict(ops.steps), marked_rows=ops.plan.marked_rows,
-                     idle_graphs_state=ops.idle_graphs)
+                     idle_graphs_state=ops.idle_graphs, lean_graphs_state=ops.lean_graphs)
     return state

@@ -243,3 +243,67 @@ def test_in_a_marked_step_a_site_the_step_marks_nothing_at_returns_at_once(monke
     assert not graph_ops.IDLE.leaves(torch.device("cuda"), (plan.rounds_of("s0").data_ptr(),))  # a graph holds all
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert graph_ops.IDLE.leaves(torch.device("cuda"), (plan.rounds_of("s0").data_ptr(),))
+
+
+def test_a_step_that_marks_the_lean_sites_only_may_replay_the_lean_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`GraphPlan.step` sets `IDLE.lean` where every column the step marks is one of `lean_columns` (a steer or a
+    harvest at the lean sites only, or nothing), never where the plan keeps no lean set; in the lean set's capture
+    an op runs where one of its columns is kept, whatever the step marks, and a stretch keeps only its kept
+    stages (the edit at s1, the harvest at s1), each with the bits of the same stages run whole."""
+    add = prepare("add", torch.ones(HIDDEN), 2.0, 0.0, False, torch.float32, "cpu")
+    plan = GraphPlan(["s0", "s1"], 2, 8, HIDDEN, torch.float32, "cpu", harvest_sites=["s0", "s1"], harvest_pool=8)
+    switch = graph_ops.IDLE
+    plan.enter("lean", [PlannedSteer(["s1"], add, RowRule.of(range(4), 4), "v")], harvest_positions=[0, 3],
+               harvest_sites=["s1"])
+    plan.step([Span("lean", 0, 4, 0)])
+    assert plan.lean_columns is None and not switch.lean  # no lean set kept: vLLM's graphs
+    plan.lean_columns = plan.columns_of(["s1"])
+    assert plan.lean_columns == {plan.rounds_of("s1").data_ptr(), plan.targets_of("s1").data_ptr()}
+    plan.step([Span("lean", 0, 4, 4)])
+    assert switch.lean and not switch.step and switch.graph_sets() == (graph_ops.LEAN_SET,)
+    plan.enter("other", [PlannedSteer(["s0"], add, RowRule.of(range(2), 2), "v")])
+    plan.step([Span("lean", 0, 1, 8), Span("other", 1, 2, 0)])
+    assert not switch.lean and switch.graph_sets() == ()
+    plan.leave("other")
+    plan.leave("lean")
+    plan.step([Span("plain", 0, 2, 0)])
+    assert switch.step and switch.graph_sets() == (graph_ops.IDLE_SET, graph_ops.LEAN_SET)
+    plan.enter("read", harvest_positions=[0], harvest_sites=["s0"])  # a harvest at a site the lean set leaves out
+    plan.step([Span("read", 0, 2, 0)])
+    assert not switch.lean and not switch.step
+
+    cuda = torch.device("cuda")
+    with switch.capture(graph_ops.LEAN_SET, plan.lean_columns):  # the columns the step marks play no part
+        assert not switch.skips(cuda) and switch.graph_sets() == (graph_ops.LEAN_SET,)
+        assert switch.leaves(cuda, (plan.rounds_of("s0").data_ptr(),))
+        assert not switch.leaves(cuda, (plan.rounds_of("s1").data_ptr(),))
+        assert not switch.leaves(cuda, (plan.rounds_of("s0").data_ptr(), plan.targets_of("s1").data_ptr()))
+    with switch.capture():
+        assert switch.skips(cuda) and switch.leaves(cuda, (plan.rounds_of("s1").data_ptr(),))
+    assert switch.capturing is None and switch.kept == frozenset()
+
+    # a stretch over both sites in the lean capture: its s1 stage runs as in the stretch run whole (its s0 stage
+    # left out), on a step that marks s1 only, which is the step the lean graphs replay
+    plan.leave("read")
+    plan.enter("lean", [PlannedSteer(["s1"], add, RowRule.of(range(4), 4), "v")], harvest_positions=[0, 3],
+               harvest_sites=["s1"])
+    plan.step([Span("lean", 0, 4, 0)])
+    assert switch.lean
+    bank, index = plan.bank, plan.index
+    lanes = [plan.lane_of[("s0", 0)], plan.lane_of[("s1", 0)]]
+    harvest_lanes = [plan.harvest_lane_of["s0"], plan.harvest_lane_of["s1"]]
+    stream = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(11))
+
+    def stretch() -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = stream.clone()
+        plan.pool.zero_()
+        graph_ops.edit_stretch(hidden, None, index, bank.bank, bank.modes, bank.scales, bank.projections,
+                               bank.norm_match, plan.pool, lanes, 2, harvest_lanes, [False, False])
+        return hidden, plan.pool.clone()
+
+    monkeypatch.setattr(switch, "columns", None)
+    whole = stretch()
+    with switch.capture(graph_ops.LEAN_SET, plan.lean_columns):
+        lean = stretch()
+    assert torch.equal(lean[0], whole[0]) and torch.equal(lean[1], whole[1])
+    assert torch.equal(whole[0], stream + 2.0)

@@ -232,8 +232,8 @@ COVERED = {
     "allocate_stage_buffers": "parallel",
     # a compiled engine's cache, against the directory vLLM uses: tests/vllm/test_graph_cache.py
     "compiled_modules": "graph_cache", "compile_cache_dir": "graph_cache", "loaded_from_compile_cache": "graph_cache",
-    # the idle CUDA graphs, through vLLM's own wrapper class: tests/vllm/test_idle_graphs.py
-    "keep_idle_graphs": "idle_graphs", "captured_graphs": "idle_graphs",
+    # streamscope's CUDA graph sets, through vLLM's own wrapper class: tests/vllm/test_idle_graphs.py
+    "keep_graph_sets": "idle_graphs", "captured_graphs": "idle_graphs",
 }
 
 

@@ -735,16 +735,18 @@ class ServeRPC(HeadRPC):
         them now), ``skipped`` each value left to the hooks with the reason,
         ``served`` how many requests' steers and harvests went through the
         ops since load, ``steps`` the steps it filled (marked and idle), and
-        ``idle_graphs`` its idle CUDA graphs' state with how many are captured.
+        ``idle_graphs``, ``lean_graphs`` those CUDA graph sets' states, each
+        with how many graphs it holds.
         """
         ops = graph_ops_of(vllm_seam.runner_of(self))
         if ops is None:
             return None
-        plan = ops.plan
+        plan, captured = ops.plan, vllm_seam.captured_graphs()
         return {"edit_sites": list(plan.sites), "harvest_sites": list(plan.harvest_sites), "rounds": plan.rounds,
                 "slots": plan.bank.bank.shape[0], "live": plan.bank.live, "skipped": dict(ops.skipped),
                 "served": dict(ops.served), "steps": dict(ops.steps),
-                "idle_graphs": {"state": ops.idle_graphs, "captured": len(vllm_seam.captured_graphs()["idle"])}}
+                "idle_graphs": {"state": ops.idle_graphs, "captured": len(captured["idle"])},
+                "lean_graphs": {"state": ops.lean_graphs, "captured": len(captured["lean"])}}
 
 
 def site_name(site: Site) -> str:

@@ -59,7 +59,7 @@ from ..bulk.operations import Operation
 from ..bulk.requests import Live, Span, SteerEntry
 from ..bulk.sites import Site
 from .families import envoy_tree, family_for
-from .graph_ops import IDLE, cache_salt, ops_source, salted
+from .graph_ops import IDLE, IDLE_SET, LEAN_SET, cache_salt, ops_source, salted
 from .graph_plan import INDEX_LAYOUT, GraphPlan, PlannedSteer, PoolBusy, RowRule, default_pool
 from .graph_wiring import graph_sites, insert_ops, stretches_of, wiring_source
 
@@ -100,7 +100,7 @@ class GraphOptions:
             site, to compare.
         idle_graphs: On a GPU with CUDA graphs: capture, beside each of vLLM's
             graphs, one of the same batch without the ops, which a step that
-            marks no row replays (`vllm_seam.keep_idle_graphs`): plain
+            marks no row replays (`vllm_seam.keep_graph_sets`): plain
             requests then run none of the ops' launches, at the cost of a
             second capture at start (its time and graph memory, about as much
             again as vLLM's own). On by default: plain requests on a GPU run
@@ -109,6 +109,16 @@ class GraphOptions:
             nothing where the engine captures no graph (a CPU,
             ``enforce_eager``), where the ops already skip an idle step in
             Python.
+        lean_values: On a GPU with CUDA graphs: capture, beside vLLM's
+            graphs, one more of each batch holding only the ops at these
+            values' sites (those of `values` and `harvest` the model serves),
+            which a step that marks no other site replays: a steer, an
+            ablation or a harvest at every block's layer_output then launches
+            one op a block (its run with the next block's layer_input,
+            `join`), not one at each of the block's runs (about 3), for one
+            more capture at start. Empty, or where these values' sites are
+            every site: no such set. Like `idle_graphs`, nothing changes
+            where no graph is captured.
     """
 
     slots: int = 256
@@ -118,13 +128,15 @@ class GraphOptions:
     harvest_pool: Optional[int] = None
     join: bool = True
     idle_graphs: bool = True
+    lean_values: tuple[str, ...] = ("layer_output",)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "values", tuple(self.values))
         object.__setattr__(self, "harvest", tuple(self.harvest))
+        object.__setattr__(self, "lean_values", tuple(self.lean_values))
         if self.slots < 1 or self.rounds < 1:
             raise ValueError(f"graph_ops: slots={self.slots}, rounds={self.rounds}: each is at least 1.")
-        unknown = [value for value in self.values + self.harvest if value not in DEFAULT_VALUES]
+        unknown = [value for value in self.values + self.harvest + self.lean_values if value not in DEFAULT_VALUES]
         if unknown:
             raise ValueError(f"graph_ops: no op sits at {unknown}: the ops serve {list(DEFAULT_VALUES)}; other values "
                              f"stay on the hook path.")
@@ -153,7 +165,7 @@ class GraphOptions:
         """The options as vLLM's ``additional_config`` carries them (plain JSON values)."""
         return {"slots": self.slots, "rounds": self.rounds, "values": list(self.values),
                 "harvest": list(self.harvest), "harvest_pool": self.harvest_pool, "join": self.join,
-                "idle_graphs": self.idle_graphs}
+                "idle_graphs": self.idle_graphs, "lean_values": list(self.lean_values)}
 
     def salt(self) -> str:
         """The compile cache's salt for these options: the ops' and the wiring's code (the families' runs with it),
@@ -195,6 +207,8 @@ class GraphOps:
     steps: dict[str, int] = field(default_factory=lambda: {"marked": 0, "idle": 0})
     #: The idle CUDA graphs (`GraphOptions.idle_graphs`): "off" (not asked for), "kept", or why they are not.
     idle_graphs: str = "off"
+    #: The lean CUDA graphs (`GraphOptions.lean_values`): "off" (no such set), "kept", or why they are not.
+    lean_graphs: str = "off"
 
     def close_step(self, _scheduler_output: Any = None) -> None:
         """Each step, after every applier took its schedule in (`insert_at_load`): a step none of them planned (vLLM
@@ -274,15 +288,33 @@ def insert_at_load(worker: Any) -> Optional[GraphOps]:
                 plain=getattr(runner, "nnsight_model", None) is None)
     runner.__dict__[RUNNER_ATTRIBUTE] = ops
     vllm_seam.after_schedule(runner, ops.close_step, last=True)
-    if options.idle_graphs:
-        why_not = vllm_seam.keep_idle_graphs(runner, IDLE)
-        ops.idle_graphs = "kept" if why_not is None else f"not kept: {why_not} (the ops skip an idle step in Python)"
-        logger.info("streamscope: idle CUDA graphs %s", ops.idle_graphs)
+    sets = graph_sets(ops, options)
+    if sets:
+        why_not = vllm_seam.keep_graph_sets(runner, IDLE, sets)
+        state = "kept" if why_not is None else f"not kept: {why_not} (the ops skip an idle step in Python)"
+        ops.idle_graphs = state if IDLE_SET in sets else "off"
+        ops.lean_graphs = state if LEAN_SET in sets else "off"
+        logger.info("streamscope: CUDA graph sets %s %s", sorted(sets), state)
     pool = ops.plan.pool
     logger.info("streamscope: graph ops at %d sites (%d harvest), %d slots, %d rounds; harvest pool %s, %.2f GiB "
                 "(harvest_pool sets its rows)", len(ops.plan.sites), len(ops.plan.harvest_sites), options.slots,
                 options.rounds, list(pool.shape), pool.numel() * pool.element_size() / 2**30)
     return ops
+
+
+def graph_sets(ops: GraphOps, options: GraphOptions) -> dict[str, frozenset[int]]:
+    """The graph sets `options` ask for, each its name to the plan's index columns whose ops it keeps
+    (`vllm_seam.keep_graph_sets`): the idle set none, the lean set those of the sites at `options.lean_values`
+    (left out where it keeps every column, or none); sets the plan's `lean_columns` to the lean set's."""
+    plan = ops.plan
+    sets: dict[str, frozenset[int]] = {IDLE_SET: frozenset()} if options.idle_graphs else {}
+    lean = [name for name in dict.fromkeys([*plan.sites, *plan.harvest_sites])
+            if str(name).split(".", 2)[2] in options.lean_values]
+    kept = plan.columns_of(lean)
+    plan.lean_columns = kept if kept and kept != plan.columns else None
+    if plan.lean_columns is not None:
+        sets[LEAN_SET] = kept
+    return sets
 
 
 def graph_ops_of(runner: Any) -> Optional[GraphOps]:

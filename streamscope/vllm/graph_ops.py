@@ -66,12 +66,16 @@ A step that marks no row (`GraphPlan.idle`: nothing to edit, nothing to
 harvest) needs none of the ops: the plan's step sets `IDLE` for it, and
 each op then returns before it launches anything, wherever its Python body
 runs (an uncaptured step; the capture of the idle graphs,
-`streamscope.vllm_seam.keep_idle_graphs`). Inside any other CUDA graph capture
+`streamscope.vllm_seam.keep_graph_sets`). Inside vLLM's own CUDA graph capture
 the ops run whatever the switch says, so a graph captured for steered steps
 always holds them. In a step that marks rows, an op whose columns of the index
 the step marks none of returns the same way (`IdleSwitch.leaves`): a step that
 steers one block runs one block's ops where no graph holds them (the CPU
-engine, a GPU prefill past the captured sizes), not every block's.
+engine, a GPU prefill past the captured sizes), not every block's. Where
+graphs replay, the lean set does the same for the lean sites (`layer_output`
+by default): captured with only their ops, it replays a step that marks no
+other site, so a steer at every block's layer_output launches one op a block,
+not every site's.
 
 Two bodies compute the same thing. On CUDA tensors the ops launch one Triton
 kernel each (`streamscope.vllm.graph_kernels`): one program per row, which
@@ -136,42 +140,57 @@ def use_body(body: Optional[str]) -> Optional[str]:
     return previous
 
 
+#: The names of the graph sets streamscope captures beside vLLM's own (`streamscope.vllm_seam.keep_graph_sets`):
+#: the idle graphs hold none of the ops, the lean ones only the ops at `GraphOptions.lean_values`' sites.
+IDLE_SET, LEAN_SET = "idle", "lean"
+
+
 class IdleSwitch:
-    """Whether the ops skip their work: set for a step that marks no row, and around the capture of the graphs
-    such steps replay.
+    """Whether the ops skip their work: set for a step that marks no row, for a site the step marks nothing at, and
+    around the capture of the graph sets such steps replay.
 
     ``step``: the engine's current step marks no row (`GraphPlan.idle`, set
     by `streamscope.vllm.graph_plan.GraphPlan.step` before the step runs):
     an op does nothing in it, so skipping it changes no bit.
-    ``capturing``: the idle graphs are being captured (`capture`): the ops
-    leave nothing in them. One switch for the process: an engine sets it
-    before each of its own steps, and the ops of an engine that runs no step
-    (a warm-up, a profile run) read whatever it was, which is safe, since
-    such runs' outputs are thrown away and no capture but the idle one skips.
+    ``lean``: the current step marks rows at the lean sites' columns only
+    (`GraphPlan.lean_columns`), so the lean graphs, which hold those sites'
+    ops alone, may replay it.
+    ``capturing``: the name of the graph set being captured (`capture`),
+    None outside such a capture: an op whose columns are not among the set's
+    ``kept`` ones leaves nothing in it (the idle set keeps none).
+    One switch for the process: an engine sets it before each of its own
+    steps, and the ops of an engine that runs no step (a warm-up, a profile
+    run) read whatever it was, which is safe, since such runs' outputs are
+    thrown away and no capture but streamscope's own sets skips.
     """
 
     def __init__(self) -> None:
         self.step = False
-        self.capturing = False
+        self.lean = False
+        self.capturing: Optional[str] = None
+        self.kept: frozenset[int] = frozenset()
         #: ``(marked, known)``: the addresses of the index columns the current step marks, and of every column of
         #: the plan that set it (a site's edit columns by its first round's, a harvest site's by its own); None
         #: where no plan said (every op runs). Set with ``step`` (`GraphPlan.step`).
         self.columns: Optional[tuple[frozenset[int], frozenset[int]]] = None
 
     def skips(self, device: torch.device) -> bool:
-        """Whether an op on `device` returns at once: on an idle step, unless a CUDA graph other than an idle one
-        is being captured (it must hold the ops: the steps that replay it may steer), and in the idle graphs'
-        capture."""
-        if self.capturing:
-            return True
+        """Whether an op on `device` returns at once: on an idle step, unless a CUDA graph other than one of
+        streamscope's sets is being captured (it must hold the ops: the steps that replay it may steer), and in the
+        idle graphs' capture."""
+        if self.capturing is not None:
+            return not self.kept
         if not self.step:
             return False
         return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
     def leaves(self, device: torch.device, addresses: Sequence[int]) -> bool:
-        """Whether an op whose index columns start at `addresses` returns at once: where it `skips`, and where the
-        step marks none of them, each a column of the plan that set the step (an op called on a tensor of one's own
-        always runs), outside a CUDA graph capture (a graph must hold every site)."""
+        """Whether an op whose index columns start at `addresses` returns at once: where it `skips`; in the capture
+        of a graph set, where the set keeps none of them; and where the step marks none of them, each a column of
+        the plan that set the step (an op called on a tensor of one's own always runs), outside a CUDA graph capture
+        (vLLM's graphs hold every site)."""
+        if self.capturing is not None:
+            return not any(address in self.kept for address in addresses)
         if self.skips(device):
             return True
         columns = self.columns
@@ -182,15 +201,26 @@ class IdleSwitch:
             return False
         return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
+    def graph_sets(self) -> tuple[str, ...]:
+        """The graph sets the current call may use, best first: the set being captured, else those whose graphs
+        replay the step bit for bit as vLLM's would (an idle step: the idle set, else the lean one; a step marking
+        lean sites only: the lean set); empty for vLLM's own graphs."""
+        if self.capturing is not None:
+            return (self.capturing,)
+        if self.step:
+            return (IDLE_SET, LEAN_SET)
+        return (LEAN_SET,) if self.lean else ()
+
     @contextlib.contextmanager
-    def capture(self) -> Iterator[None]:
-        """Around the capture of the idle graphs: every op skips."""
-        before = self.capturing
-        self.capturing = True
+    def capture(self, name: str = IDLE_SET, kept: frozenset[int] = frozenset()) -> Iterator[None]:
+        """Around the capture of the graph set `name`: every op returns at once but those at the `kept` columns
+        (the idle set: none)."""
+        before = self.capturing, self.kept
+        self.capturing, self.kept = name, frozenset(kept)
         try:
             yield
         finally:
-            self.capturing = before
+            self.capturing, self.kept = before
 
 
 #: The process's switch (`IdleSwitch`).

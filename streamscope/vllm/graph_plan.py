@@ -347,6 +347,9 @@ class GraphPlan:
         #: Every column's address (`_site_column`'s values), and those the last `step` marks.
         self.columns = frozenset(self._site_column)
         self.marked_columns: frozenset[int] = frozenset()
+        #: The columns of the lean graphs' sites (`graph_backend.graph_sets`), None where the engine keeps no lean
+        #: set: a step that marks these columns only may replay the lean graphs (`graph_ops.IDLE.lean`).
+        self.lean_columns: Optional[frozenset[int]] = None
         #: Whether a step filled the plan since the engine last closed one (`step`; `GraphOps.close_step`).
         self.claimed = False
         # The host's copy, filled each step. On a GPU the step's lanes go packed through one of two pinned staging
@@ -379,6 +382,13 @@ class GraphPlan:
         self.idle = True
 
     # What each op reads: views of the persistent buffers, at fixed addresses.
+
+    def columns_of(self, sites: Sequence[Hashable]) -> frozenset[int]:
+        """The addresses of `sites`' columns as the ops see them (`columns`): each edit site's first round's, each
+        harvest site's own; a site of neither kind has none."""
+        found = [self.index[:, self.lane_of[(site, 0)]].data_ptr() for site in sites if (site, 0) in self.lane_of]
+        found += [self.index[:, self.harvest_lane_of[site]].data_ptr() for site in sites if site in self.harvest_lane_of]
+        return frozenset(found)
 
     def slots_of(self, site: Hashable, round_: int = 0) -> torch.Tensor:
         """The edit op's row -> slot map at `site`, round `round_`: ``[max_rows]`` int32 (a column of `index`)."""
@@ -519,7 +529,7 @@ class GraphPlan:
         `claimed`, which the engine's close of the step reads
         (`graph_backend.GraphOps.close_step`).
         """
-        IDLE.step, IDLE.columns = False, None
+        IDLE.step, IDLE.lean, IDLE.columns = False, False, None
         self.claimed = True
         owners: list[int] = []  # per span (and gap): its request's table row, 0 for no marks
         counts: list[int] = []
@@ -576,7 +586,9 @@ class GraphPlan:
         self._dirty, self._written = marked, frozenset(lanes)
         self.idle = not marked
         self.marked_columns = frozenset(self._site_column[lane] for lane in lanes)
-        IDLE.step, IDLE.columns = self.idle, (self.marked_columns, self.columns)
+        lean = self.lean_columns
+        IDLE.step, IDLE.lean = self.idle, lean is not None and self.marked_columns <= lean
+        IDLE.columns = (self.marked_columns, self.columns)
         return StepHarvest(None, layout, used, lives=lives)
 
     def _fill_rows(self, owners: list[int], counts: list[int], total: int, marked: int, rows: int,

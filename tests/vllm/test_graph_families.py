@@ -199,12 +199,17 @@ def test_the_ops_sit_at_every_value_the_blocks_give_them(pair: Pair) -> None:
         assert pair.graphed.compiled_modules == tuple(state["compiled"])
         warned = any("compiles no module" in str(warning.message) for warning in pair.load_warnings)
         assert warned == (not state["compiled"]), (pair.family, state["compiled"])
-        # vLLM's graphs and, for each, the same batch's graph without the ops (`vllm_seam.keep_idle_graphs`)
+        # vLLM's graphs and, for each, the same batch's graph without the ops and with the layer_output sites' only
+        # (`vllm_seam.keep_graph_sets`; no lean set where layer_output's are every site)
         assert state["idle_graphs_state"] == "kept" and state["idle_graphs"] == state["graphs"] > 0, state
+        only_outputs = {name.rsplit(".", 1)[-1] for name in state["sites"]} == {"layer_output"}
+        assert state["lean_graphs_state"] == ("off" if only_outputs else "kept"), state
+        assert state["lean_graphs"] == (0 if only_outputs else state["graphs"]), state
     else:
         assert state["mode"] == "NONE"  # the CPU suite's engines run eagerly
-        assert state["idle_graphs"] == state["graphs"] == 0
+        assert state["idle_graphs"] == state["graphs"] == state["lean_graphs"] == 0
         assert state["idle_graphs_state"].startswith("not kept: this engine captures no CUDA graph")
+        assert state["lean_graphs_state"] == state["idle_graphs_state"]
 
 
 @pytest.mark.parametrize("value", VALUES)
