@@ -1,8 +1,12 @@
 """Run by test_tensor_parallel.py in a process of its own: every served value of a checkpoint, an edit and a skip.
 
-    python tensor_parallel_run.py CHECKPOINT TENSOR_PARALLEL_SIZE PROMPT [DTYPE]
+    python tensor_parallel_run.py PROMPT DTYPE TENSOR_PARALLEL_SIZE:CHECKPOINT [TENSOR_PARALLEL_SIZE:CHECKPOINT ...]
 
-Prints one line, ``RESULT {json}``: each value as a nested list, keyed ``name`` (root) or ``i.name``.
+Starts one engine after another, one for each TENSOR_PARALLEL_SIZE:CHECKPOINT (each in the environment this
+process started with, and each closed before the next starts; its engine core and ranks are processes of their
+own), so that this process's imports are paid once for all of them. Prints a line for each engine, in order:
+``RESULT {json}``, each value as a nested list, keyed ``name`` (root) or ``i.name``; or ``FAILED {json}``, the
+engine's traceback, and goes on with the next.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import functools
 import json
 import os
 import sys
+import traceback
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # tensor parallelism runs its ranks in processes of their own
 
@@ -30,9 +35,17 @@ def value(model, name: str):
     return functools.reduce(getattr, rest.split("."), model.layers[int(block)])
 
 
-def main(path: str, tensor_parallel_size: int, prompt: str, dtype: str = "float32") -> None:
+def run(path: str, tensor_parallel_size: int, prompt: str, dtype: str = "float32") -> dict:
+    """Every value of `path`'s engine over `tensor_parallel_size` ranks, an edit and a skip; the engine is closed."""
     model = streamscope.load(path, engine="vllm", dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                              **({"gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": 1 << 30} if torch.cuda.is_available() else {}))
+    try:
+        return read(model, prompt)
+    finally:
+        model.close()
+
+
+def read(model, prompt: str) -> dict:
     names = list(ROOT)
     for block in range(model.num_layers):  # every value the client's support table says the engine serves
         names += [f"{block}.{row}" for row, reason in model.layers[block].support().rows.items() if reason is None]
@@ -89,9 +102,21 @@ def main(path: str, tensor_parallel_size: int, prompt: str, dtype: str = "float3
         model.layers[0].skip(model.layers[0].layer_input)
         skipped = model.logits.float().cpu().save()
     result["skipped logits"] = skipped.tolist()
-    print("RESULT " + json.dumps(result))
-    model.close()
+    return result
+
+
+def main(prompt: str, dtype: str, *engines: str) -> None:
+    environment = dict(os.environ)
+    for engine in engines:
+        size, _, path = engine.partition(":")
+        os.environ.clear()  # what an earlier engine set here (streamscope's CPU binding of its ranks) is not kept
+        os.environ.update(environment)
+        try:
+            line = "RESULT " + json.dumps(run(path, int(size), prompt, dtype))
+        except Exception:  # noqa: BLE001  (reported for its engine's test; the next engine still runs)
+            line = "FAILED " + json.dumps(traceback.format_exc())
+        print(line, flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *sys.argv[4:5])
+    main(*sys.argv[1:])

@@ -1,8 +1,10 @@
 """Tensor parallelism: an engine over two ranks serves every value the one-rank engine serves, equal to it.
 
-Each engine runs in a process of its own (vLLM runs its ranks as processes), from
-`tensor_parallel_run.py`. The per-head values (queries, keys, values, head outputs,
-scores, pattern, head results: in a trace and harvested) come back whole, every
+Each engine runs its ranks in processes of their own, started from
+`tensor_parallel_run.py` (on the CPU one script process starts every case's
+engines in turn; on GPUs one starts each engine). The per-head values (queries,
+keys, values, head outputs, scores, pattern, head results: in a trace and
+harvested) come back whole, every
 rank's heads gathered in transformers' order, where each rank holds its own heads;
 key/value heads that vLLM repeats on several ranks (more ranks than kv heads) come
 back once each. Every value the client's support table lists is read, so the table
@@ -45,20 +47,47 @@ CASES = precision.selected({
 })
 
 
-def _run(path, ranks: int) -> dict:
+def _run(engines: list) -> list:
+    """Each (checkpoint, ranks) engine's values, or the traceback it failed with: one script process starts them
+    one after another, paying vLLM's imports (some 25 s on the CPU) once for all of them."""
     environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    run = subprocess.run([sys.executable, str(SCRIPT), str(path), str(ranks), PROMPT, DTYPE], env=environment,
-                         capture_output=True, text=True, timeout=900)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-    assert run.returncode == 0 and lines, run.stderr[-4000:]
-    return {name: torch.tensor(value) for name, value in json.loads(lines[-1][len("RESULT "):]).items()}
+    run = subprocess.run([sys.executable, str(SCRIPT), PROMPT, DTYPE, *(f"{ranks}:{path}" for path, ranks in engines)],
+                         env=environment, capture_output=True, text=True, timeout=900 * len(engines))
+    lines = [line for line in run.stdout.splitlines() if line.startswith(("RESULT ", "FAILED "))]
+    assert run.returncode == 0 and len(lines) == len(engines), run.stderr[-4000:]
+    return [json.loads(line[len("RESULT "):]) for line in lines]
+
+
+def _values(result, case: str, ranks: int) -> dict:
+    assert isinstance(result, dict), f"{case} on {ranks} ranks failed:\n{result}"
+    return {name: torch.tensor(value) for name, value in result.items()}
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoints):
+    """case -> (the one-rank engine's values, the two-rank engine's). On the CPU every case's engines run in one
+    script process, all of them at the first case; on GPUs (tests/GPU.md) each case's two in a process each."""
+    done: dict = {}
+
+    def of(case: str):
+        if case not in done:
+            cases = list(CASES) if not precision.ON_GPU else [case]
+            paths = {name: checkpoints(CASES[name][0], **CASES[name][1]) for name in cases}
+            if precision.ON_GPU:
+                results = _run([(paths[case], 1)]) + _run([(paths[case], 2)])
+            else:
+                results = _run([(paths[name], ranks) for ranks in (1, 2) for name in cases])
+            for index, name in enumerate(cases):
+                done[name] = (results[index], results[len(cases) + index])
+        single, split = done[case]
+        return _values(single, case, 1), _values(split, case, 2)
+
+    return of
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def runs(request, checkpoints):
-    family, overrides = CASES[request.param]
-    path = checkpoints(family, **overrides)
-    return _run(path, 1), _run(path, 2)
+def runs(request, engines):
+    return engines(request.param)
 
 
 def test_two_ranks_serve_every_value_of_one_rank_equal(runs):
@@ -97,8 +126,8 @@ def test_an_edit_and_a_skip_land_on_every_rank(runs):
 
 def test_a_traces_invokes_reach_every_rank_in_one_bundle(runs):
     """Three invokes of one trace, pickled once together and sent to every rank ahead of the requests (each rank of
-    the two-rank engine takes the bundle once; the one-rank engine runs in its own process and takes it the same
-    way): each invoke's edit gives the one-rank engine's logits."""
+    the two-rank engine takes the bundle once; the one-rank engine's worker runs in its own process and takes it
+    the same way): each invoke's edit gives the one-rank engine's logits."""
     single, split = runs
     assert single["bundles received"].tolist() == [1] and split["bundles received"].tolist() == [1, 1]
     edited = single["invokes' edited logits"]
