@@ -1,15 +1,20 @@
 """Run by test_pipeline_parallel.py in a process of its own: a bulk harvest and a steered generation.
 
-    python pipeline_parallel_run.py CHECKPOINT PIPELINE_PARALLEL_SIZE OUT
+    python pipeline_parallel_run.py CHECKPOINT PIPELINE_PARALLEL_SIZE OUT BIND [CHECKPOINT PIPELINE_PARALLEL_SIZE OUT BIND ...]
 
 Saves (torch.save) to OUT: every bulk value at every block of a few prompts, a generation steered on the
-first and the last block with a harvest along and its logits, and what a trace and support() say.
+first and the last block with a harvest along and its logits, and what a trace and support() say. Each
+CHECKPOINT's engine starts after the last one closed (its stages are processes of their own), in the
+environment this process started with and VLLM_CPU_OMP_THREADS_BIND=BIND where BIND is not empty, so that
+this process's imports are paid once for all of them. An engine that fails leaves its traceback in
+OUT.failed instead, and the next one still runs.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # pipeline stages run as processes of their own
 
@@ -35,7 +40,7 @@ def served(model) -> list[str]:
     return names
 
 
-def main(path: str, size: int, out: str) -> None:
+def run(path: str, size: int, out: str) -> None:
     gpu = {"gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": 1 << 30} if torch.cuda.is_available() else {}
     model = streamscope.load(path, engine="vllm", pipeline_parallel_size=size,
                              dtype=os.environ.get("STREAMSCOPE_TEST_DTYPE", "float32"), **gpu)
@@ -81,5 +86,18 @@ def main(path: str, size: int, out: str) -> None:
         model.close()
 
 
+def main(*engines: str) -> None:
+    environment = dict(os.environ)
+    for index in range(0, len(engines), 4):
+        path, size, out, bind = engines[index:index + 4]
+        os.environ.clear()  # what an earlier engine set here is not kept
+        os.environ.update(environment, **({"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}))
+        try:
+            run(path, int(size), out)
+        except Exception:  # noqa: BLE001  (reported for its engine's test; the next engine still runs)
+            with open(out + ".failed", "w") as failed:
+                failed.write(traceback.format_exc())
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(*sys.argv[1:])

@@ -1,6 +1,7 @@
 """Pipeline parallelism on the bulk path: two stages harvest and steer exactly what one engine does.
 
-Each engine runs in a process of its own (`pipeline_parallel_run.py`; vLLM runs each stage as a process).
+Each engine runs its stages in processes of their own, started from `pipeline_parallel_run.py` (on the CPU one
+script process starts every family's engines in turn; on GPUs one starts each engine).
 A harvest of every bulk value at every block, and a generation steered on block 0 (stage 0) and on the last
 block (stage 1) with a harvest along and its logits, come back equal to the one-stage engine's: each stage
 reads the blocks it holds and the client puts them together. A trace is refused with the bulk path named, and
@@ -43,22 +44,60 @@ FAMILIES = precision.selected({
 })
 
 
-def _run(path, stages: int, out: Path) -> dict:
+def _run(engines: list) -> None:
+    """Starts each (checkpoint, stages, out) engine, one after another in one script process (vLLM's imports, some
+    25 s on the CPU, paid once for all of them), each saving its results to its out."""
+    arguments = []
+    for path, stages, out in engines:
+        # On the CPU one thread a stage: each stage's kernels are the one-stage engine's.
+        bind = "" if precision.ON_GPU else ("0" if stages == 1 else "0|1")
+        arguments += [str(path), str(stages), str(out), bind]
     environment = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    if not precision.ON_GPU:
-        environment["VLLM_CPU_OMP_THREADS_BIND"] = "0" if stages == 1 else "0|1"
-    run = subprocess.run([sys.executable, str(SCRIPT), str(path), str(stages), str(out)], env=environment,
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, str(SCRIPT), *arguments], env=environment,
+                         capture_output=True, text=True, timeout=900 * len(engines))
     assert run.returncode == 0, run.stderr[-4000:]
+
+
+def _load(out: Path) -> dict:
+    failed = out.with_name(out.name + ".failed")
+    assert not failed.exists(), failed.read_text()
     return torch.load(out)
 
 
+@pytest.fixture(scope="module")
+def engines(checkpoints, tmp_path_factory):
+    """family -> the folder of its one-stage (one.pt) and two-stage (two.pt) results. On the CPU every family's
+    engines run in one script process, all of them at the first family; on GPUs (tests/GPU.md) each in its own."""
+    done: dict = {}
+
+    def of(family: str) -> Path:
+        if family not in done:
+            families = list(FAMILIES) if not precision.ON_GPU else [family]
+            folders = {name: tmp_path_factory.mktemp("pipeline") for name in families}
+            for name in families:  # what the families after this one say if the process fails (not run again)
+                done[name] = f"the engines' script process failed at {family}'s setup"
+            runs = []
+            for stages in (1, 2):
+                for name in families:
+                    kind, blocks, overrides, _ = FAMILIES[name]
+                    path = checkpoints(kind, num_hidden_layers=blocks, **overrides)
+                    runs.append((path, stages, folders[name] / ("one.pt" if stages == 1 else "two.pt")))
+            if precision.ON_GPU:
+                for engine in runs:
+                    _run([engine])
+            else:
+                _run(runs)
+            done.update(folders)
+        assert isinstance(done[family], Path), done[family]
+        return done[family]
+
+    return of
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def runs(request, checkpoints, tmp_path_factory):
-    family, blocks, overrides, stages = FAMILIES[request.param]
-    path = checkpoints(family, num_hidden_layers=blocks, **overrides)
-    folder = tmp_path_factory.mktemp("pipeline")
-    return _run(path, 1, folder / "one.pt"), _run(path, 2, folder / "two.pt"), stages
+def runs(request, engines):
+    folder = engines(request.param)
+    return _load(folder / "one.pt"), _load(folder / "two.pt"), FAMILIES[request.param][3]
 
 
 def _equal(mine, theirs, what):
