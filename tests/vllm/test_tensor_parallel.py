@@ -72,6 +72,8 @@ def engines(checkpoints):
     def of(case: str):
         if case not in done:
             cases = list(CASES) if not precision.ON_GPU else [case]
+            for name in cases:  # what the cases after this one say if the process fails (not run again)
+                done[name] = f"the engines' script process failed at {case}'s setup"
             paths = {name: checkpoints(CASES[name][0], **CASES[name][1]) for name in cases}
             if precision.ON_GPU:
                 results = _run([(paths[case], 1)]) + _run([(paths[case], 2)])
@@ -79,6 +81,7 @@ def engines(checkpoints):
                 results = _run([(paths[name], ranks) for ranks in (1, 2) for name in cases])
             for index, name in enumerate(cases):
                 done[name] = (results[index], results[len(cases) + index])
+        assert isinstance(done[case], tuple), done[case]
         single, split = done[case]
         return _values(single, case, 1), _values(split, case, 2)
 
