@@ -118,7 +118,10 @@ class GraphOptions:
             `join`), not one at each of the block's runs (about 3), for one
             more capture at start. Empty, or where these values' sites are
             every site: no such set. Like `idle_graphs`, nothing changes
-            where no graph is captured.
+            where no graph is captured. Off by default until the GPU suite's
+            graph part has passed with it (built on a CPU, whose engine
+            captures no graph; docs/graph-ops.md): ``("layer_output",)``
+            asks for it.
     """
 
     slots: int = 256
@@ -128,7 +131,7 @@ class GraphOptions:
     harvest_pool: Optional[int] = None
     join: bool = True
     idle_graphs: bool = True
-    lean_values: tuple[str, ...] = ("layer_output",)
+    lean_values: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "values", tuple(self.values))
