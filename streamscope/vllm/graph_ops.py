@@ -72,10 +72,10 @@ always holds them. In a step that marks rows, an op whose columns of the index
 the step marks none of returns the same way (`IdleSwitch.leaves`): a step that
 steers one block runs one block's ops where no graph holds them (the CPU
 engine, a GPU prefill past the captured sizes), not every block's. Where
-graphs replay, the lean set does the same for the lean sites (`layer_output`
-by default): captured with only their ops, it replays a step that marks no
-other site, so a steer at every block's layer_output launches one op a block,
-not every site's.
+graphs replay, the lean set (`GraphOptions.lean_values`, where asked for)
+does the same for the lean sites: captured with only their ops, it replays a
+step that marks no other site, so a steer at every block's layer_output
+launches one op a block, not every site's.
 
 Two bodies compute the same thing. On CUDA tensors the ops launch one Triton
 kernel each (`streamscope.vllm.graph_kernels`): one program per row, which
