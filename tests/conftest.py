@@ -79,11 +79,12 @@ _COLLECTING = ("vllm.model_executor.model_loader.base_loader",) + (
 
 @pytest.fixture(autouse=True)
 def vllm_collects_once():
-    """`_CollectThenFreeze` given to `_COLLECTING` once a test has imported them (dict lookups a test)."""
+    """`_CollectThenFreeze` given to `_COLLECTING` once a test has imported them (dict lookups a test), where the
+    module collects through its own ``gc`` (vLLM 0.22's loader, on the GPU, imports none)."""
     for name in _COLLECTING:
-        module = sys.modules.get(name)
-        if module is not None and not isinstance(module.gc, _CollectThenFreeze):
-            module.gc = _CollectThenFreeze(module.gc)
+        collector = getattr(sys.modules.get(name), "gc", None)
+        if collector is not None and not isinstance(collector, _CollectThenFreeze):
+            sys.modules[name].gc = _CollectThenFreeze(collector)
 
 
 def pytest_sessionfinish(session):
