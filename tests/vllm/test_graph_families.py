@@ -292,7 +292,7 @@ def test_a_raw_call_after_a_steered_run_reads_no_stale_mark(pair: Pair) -> None:
     state = pair.state()
     if not precision.ON_GPU:
         # the run's last step left its marks in the index; vLLM 0.22's GPU engine (an H100, 2026-12-07) left none
-        # (marked_rows 0: a step after the run's last closed them), so there only the bits below are checked
+        # (marked_rows 0; why is not traced yet: tests/GPU.md), so there only the bits below are checked
         assert state["marked_rows"] > 0, state
     idle = state["steps"]["idle"]
     assert raw() == before
