@@ -317,6 +317,10 @@ def graph_sets(ops: GraphOps, options: GraphOptions) -> dict[str, frozenset[int]
     plan.lean_columns = kept if kept and kept != plan.columns else None
     if plan.lean_columns is not None:
         sets[LEAN_SET] = kept
+    elif options.lean_values:  # asked for, and nothing to gain: said, not left for the info route to show
+        logger.warning("streamscope: no lean CUDA graphs: the ops at %s are %s, so a lean set would replay what "
+                       "vLLM's graphs do", list(options.lean_values),
+                       "at no site of this model" if not kept else "at every site")
     return sets
 
 
