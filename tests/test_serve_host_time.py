@@ -36,7 +36,8 @@ def test_each_part_adds_its_calls_seconds_and_a_step_counts_once(monkeypatch):
     assert totals.steps == 2
     assert totals.totals == {"step": 0.75, "plan": 0.125, "hooks": 0.0, "send": 0.0, "writer": 0.0, "enter": 0.0,
                              "fill": 0.0, "copy": 0.0, "wait": 0.0, "pack": 0.0, "launch": 0.0, "event": 0.0,
-                             "plan_cpu": 0.125, "copy_cpu": 0.0, "rows": 0.0, "requests": 0.0}
+                             "plan_cpu": 0.125, "copy_cpu": 0.0, "step_prefill": 0.0, "plan_prefill": 0.0,
+                             "rows": 0.0, "requests": 0.0, "prefill_steps": 0.0}
 
 
 def test_plan_and_copy_are_also_timed_by_the_thread_s_cpu_clock(monkeypatch):
@@ -77,15 +78,15 @@ def test_a_printed_line_reads_back_as_its_clock_and_totals():
     clock = host_time.HostTime(interval=3600)
     clock.totals.update(step=1.5, plan=0.25, hooks=0.125, send=0.0625, writer=2.0, enter=0.5, fill=0.75, copy=0.375,
                         wait=0.03125, pack=0.0075, launch=0.015, event=0.002, plan_cpu=0.125, copy_cpu=0.25,
-                        rows=4096.0, requests=70.0)
+                        step_prefill=0.5, plan_prefill=0.0625, rows=4096.0, requests=70.0, prefill_steps=2.0)
     clock.steps = 7
     before = time.time()
     stamp, totals = host_time.parse("engine log prefix: " + clock.line())
     assert before - 1 <= stamp <= time.time() + 1
     assert totals == {"steps": 7.0, "step": 1.5, "plan": 0.25, "hooks": 0.125, "send": 0.0625, "writer": 2.0,
                       "enter": 0.5, "fill": 0.75, "copy": 0.375, "wait": 0.03125, "pack": 0.0075,
-                      "launch": 0.015, "event": 0.002, "plan_cpu": 0.125, "copy_cpu": 0.25, "rows": 4096.0,
-                      "requests": 70.0}
+                      "launch": 0.015, "event": 0.002, "plan_cpu": 0.125, "copy_cpu": 0.25, "step_prefill": 0.5,
+                      "plan_prefill": 0.0625, "rows": 4096.0, "requests": 70.0, "prefill_steps": 2.0}
 
 
 def test_a_step_s_batch_is_counted_beside_its_plan_s_time():
@@ -96,6 +97,34 @@ def test_a_step_s_batch_is_counted_beside_its_plan_s_time():
     observe({"rows": 63, "requests": 63})
     assert len(seen) == 2 and clock.totals["rows"] == 639.0 and clock.totals["requests"] == 127.0
     assert host_time.parse(clock.line())[1]["rows"] == 639.0
+
+
+def test_steps_that_run_prompt_rows_are_totalled_apart(monkeypatch):
+    """A step of more rows than requests runs prompt rows: its step and plan seconds also go to ``step_prefill`` and
+    ``plan_prefill`` and it counts in ``prefill_steps``; a decode step (a row a request), and a step whose schedule
+    never came, do not."""
+    clock = Clock()
+    monkeypatch.setattr(host_time.time, "perf_counter", clock)
+    monkeypatch.setattr(host_time.time, "thread_time", clock)
+    totals = host_time.HostTime(interval=3600)
+
+    def planned(output):
+        clock.now += 0.125
+
+    observe = totals.counted(totals.timed("plan", planned), lambda output: (output["rows"], output["requests"]))
+
+    def run(output, seconds):
+        if output is not None:
+            observe(output)
+        clock.now += seconds
+
+    step = totals.timed("step", run)
+    step({"rows": 576, "requests": 64}, 1.0)  # prompt rows beside decodes
+    step({"rows": 63, "requests": 63}, 0.5)  # decodes only
+    step(None, 0.25)  # no schedule seen: not a prefill step, whatever the last was
+    assert totals.steps == 3 and totals.totals["prefill_steps"] == 1.0
+    assert totals.totals["step"] == 2.0 and totals.totals["step_prefill"] == 1.125  # each plan within its step
+    assert totals.totals["plan"] == 0.25 and totals.totals["plan_prefill"] == 0.125
 
 
 def test_a_line_run_into_by_another_process_still_reads_and_a_cut_one_is_skipped():

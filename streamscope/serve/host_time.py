@@ -11,7 +11,9 @@ plan's index filled (``fill``) and copied to the device (``copy``: on a GPU
 its wait for a staging buffer, ``wait``, the buffer's fill, ``pack``, the
 copies' launch, ``launch``, and their event, ``event``); ``plan`` and
 ``copy`` also by the thread's CPU clock (``plan_cpu``, ``copy_cpu``: wall
-time above it is time the thread waited, for the GIL or a blocking call). Every
+time above it is time the thread waited, for the GIL or a blocking call);
+``step`` and ``plan`` also over the steps that run prompt rows alone
+(``step_prefill``, ``plan_prefill``, and their count, ``prefill_steps``). Every
 `INTERVAL` seconds, while the counts move, it prints one line of running totals to
 stderr with the wall clock::
 
@@ -45,13 +47,17 @@ ENVIRONMENT = "STREAMSCOPE_SERVE_HOST_TIME"
 #: The start of each printed line, for a reader of the server's log.
 PREFIX = "streamscope host time"
 PARTS = ("step", "plan", "hooks", "send", "writer", "enter", "fill", "copy", "wait", "pack", "launch", "event",
-         "plan_cpu", "copy_cpu")
+         "plan_cpu", "copy_cpu", "step_prefill", "plan_prefill")
 #: The parts also timed by the thread's own CPU clock (``<part>_cpu``): where a part's wall time is well above it, its
 #: thread waited inside it (for the GIL another thread held, or in a blocking call), not computed.
 CPU_TIMED = ("plan", "copy")
-#: Counts summed over the steps beside the seconds: the batch's rows (scheduled tokens) and its requests. A run whose
-#: steps are more for the same tokens ran smaller batches: its requests reached the engine later, or left it later.
-COUNTS = ("rows", "requests")
+#: The parts also totalled over the steps that run prompt rows (``<part>_prefill``: a step of more rows than requests;
+#: the rest decode one row a request): a request's time to its first token is spent in those.
+PREFILL_SPLIT = ("step", "plan")
+#: Counts summed over the steps beside the seconds: the batch's rows (scheduled tokens), its requests, and whether it
+#: ran prompt rows. A run whose steps are more for the same tokens ran smaller batches: its requests reached the
+#: engine later, or left it later.
+COUNTS = ("rows", "requests", "prefill_steps")
 #: Seconds between the checks that print the totals when they have changed.
 INTERVAL = 0.5
 
@@ -95,6 +101,8 @@ class HostTime:
     def __init__(self, interval: float = INTERVAL) -> None:
         self.totals = dict.fromkeys(PARTS + COUNTS, 0.0)
         self.steps = 0
+        #: Whether the step being timed runs prompt rows (`counted` sets it from the step's schedule).
+        self.prefill = False
         self.interval = interval
         self.printed: tuple = ()
         threading.Thread(target=self._print_while_changing, name="streamscope-host-time", daemon=True).start()
@@ -104,29 +112,37 @@ class HostTime:
         part of `CPU_TIMED`, its thread's CPU seconds to ``<part>_cpu`` too."""
         totals, clock, thread = self.totals, time.perf_counter, time.thread_time
         on_cpu = f"{part}_cpu" if part in CPU_TIMED else None
+        split = f"{part}_prefill" if part in PREFILL_SPLIT else None
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            if part == "step":
+                self.prefill = False  # until the step's schedule says (a step with none runs no prompt row)
             start, began = clock(), (thread() if on_cpu else 0.0)
             try:
                 return function(*args, **kwargs)
             finally:
-                totals[part] += clock() - start
+                seconds = clock() - start
+                totals[part] += seconds
+                if split and self.prefill:
+                    totals[split] += seconds
                 if on_cpu:
                     totals[on_cpu] += thread() - began
                 if part == "step":
                     self.steps += 1
+                    totals["prefill_steps"] += self.prefill
 
         return call
 
     def counted(self, function: Callable[[Any], Any], batch: Callable[[Any], tuple[int, int]]) -> Callable[[Any], Any]:
         """`function` of a step's scheduler output, adding the step's rows and requests (`batch` of the output) to
-        their totals."""
+        their totals, and noting whether the step runs prompt rows (more rows than requests) for `PREFILL_SPLIT`."""
         totals = self.totals
 
         def call(scheduler_output: Any) -> Any:
             rows, requests = batch(scheduler_output)
             totals["rows"] += rows
             totals["requests"] += requests
+            self.prefill = rows > requests
             return function(scheduler_output)
 
         return call

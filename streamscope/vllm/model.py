@@ -482,6 +482,9 @@ StandardizedVLLM.trace.__doc__ = Standardized.trace.__doc__  # help(model.trace)
 # `__init__`), in vLLM's default mode: nnsight would start it eagerly; it serves no trace, so nnsight's engine class
 # (which collects a trace's saves) is not needed.
 seam.start_own_engines(StandardizedVLLM, lambda model: not model.hooks_fire, LLM)
+# The client's meta copy is read for its module tree: vLLM's rework of loaded weights (FP8's requantization reads a
+# scale back) has nothing to work on there.
+seam.build_meta_trees_within(StandardizedVLLM, vllm_seam.weights_unprocessed_on_meta)
 
 
 def _one_prompt(tokenizer: Any, prompt: Any) -> Any:

@@ -152,18 +152,6 @@ def patch_client_for_cpu() -> None:
         torch.accelerator.empty_cache = _no_accelerator_empty_cache
     if current_platform.is_cpu():
         seam.set_client_worker(seam.VLLMClient, WORKER_CLS)
-        _meta_moe_prepack()
-
-
-def _meta_moe_prepack() -> None:
-    """A meta kernel for vLLM's CPU MoE weight prepack, so the client's meta copy of a MoE model builds.
-
-    The meta copy runs ``process_weights_after_loading``, and vLLM's CPU fused
-    MoE (Mixtral, Qwen3-MoE, Llama 4, Qwen3-Next) then prepacks its expert
-    weights with ``_C::prepack_moe_weight``, which has no meta kernel. It only
-    fills its output in place, so on meta tensors it has nothing to do (`vllm_seam.register_meta_moe_prepack`).
-    """
-    vllm_seam.register_meta_moe_prepack()
 
 
 def cpu_engine_kwargs(**overrides: Any) -> dict[str, Any]:

@@ -68,9 +68,6 @@ PROMPTS = bulk_checks.PROMPTS + [
 OPERATIONS = [(mode, norm_match) for norm_match in (False, True) for mode in ("add", "set", "ablate", "clamp")]
 SETTINGS = {"add": {"scale": 2.0}, "set": {"scale": 1.5}, "ablate": {"scale": 1.0}, "clamp": {"projection": 3.0}}
 UNSTEERED = (8, 9)
-#: The graph-op engine's options: the idle and the lean CUDA graph sets (what a GPU captures, and replays: the steers
-#: at layer_output on the lean set), every other option its default.
-GRAPH_OPTIONS = {"idle_graphs": True, "lean_values": ["layer_output"]}
 #: A generation: greedy, a few tokens, with logits and the last block's stream read at every position.
 STEPS = 3
 
@@ -99,9 +96,10 @@ class Pair:
         options: dict[str, Any] = {"max_num_seqs": len(PROMPTS), **precision.engine_kwargs(dtype)}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            # on a GPU each batch's graph captured again without the ops (replayed on idle steps) and with the
-            # layer_output sites' only (replayed on steps that mark no other site: the steers at layer_output)
-            self.graphed = streamscope.load(path, engine="vllm", graph_ops=GRAPH_OPTIONS, **options)
+            # the default options: on a GPU each batch's graph captured again without the ops (replayed on idle
+            # steps) and with the layer_output sites' only (replayed on steps that mark no other site: the steers
+            # at layer_output)
+            self.graphed = streamscope.load(path, engine="vllm", graph_ops=True, **options)
         #: The warnings the graph-op engine's load gave.
         self.load_warnings = list(caught)
         self.hooked = streamscope.load(path, engine="vllm", **options)

@@ -172,7 +172,7 @@ def test_the_info_route_says_the_ops_are_on_and_where(servers: Servers) -> None:
     # on by default, and refused with the reason where the engine captures no CUDA graph (this CPU's)
     assert ops["idle_graphs"] == {"state": "not kept: this engine captures no CUDA graph (the ops skip an idle step "
                                            "in Python)", "captured": 0}
-    assert ops["lean_graphs"] == {"state": "off", "captured": 0}  # not asked for (off by default)
+    assert ops["lean_graphs"] == ops["idle_graphs"]  # on by default (layer_output), refused for the same reason
     assert set(ops["steps"]) == {"marked", "idle"}
 
 
