@@ -484,10 +484,12 @@ def host_times(servers: dict[str, Server], spans: dict[tuple[str, str], list[tup
     print("\nhost time per engine step (median over rounds; plan, hooks and send are within step, enter, fill and "
           "copy within plan, wait, pack, launch and event within copy; writer is the harvest writer's thread; rows "
           "and reqs: the mean batch, its scheduled tokens and requests; plan cpu and copy cpu: the thread's CPU time "
-          "in them, their wall time above it a wait, for the GIL or a blocking call)")
+          "in them, their wall time above it a wait, for the GIL or a blocking call; pf: the steps that run prompt "
+          "rows, their share, and step and plan ms over those steps and over the decode-only rest)")
     print(f"{'server':<20}{'workload':<9}{'steps':>8}{'step ms':>10}{'plan us':>10}{'hooks us':>10}{'send us':>10}"
           f"{'writer us':>11}{'enter us':>10}{'fill us':>10}{'copy us':>10}{'wait us':>10}{'pack us':>10}"
-          f"{'launch us':>10}{'event us':>10}{'rows':>8}{'reqs':>7}{'plan cpu':>10}{'copy cpu':>10}")
+          f"{'launch us':>10}{'event us':>10}{'rows':>8}{'reqs':>7}{'plan cpu':>10}{'copy cpu':>10}{'pf share':>9}"
+          f"{'pf step ms':>11}{'dec step ms':>12}{'pf plan us':>11}{'dec plan us':>12}")
     for name, server in servers.items():
         lines = [parsed for line in server.log.read_text(errors="replace").splitlines()
                  if host_time.PREFIX in line and (parsed := host_time.parse(line)) is not None]
@@ -518,7 +520,20 @@ def host_times(servers: dict[str, Server], spans: dict[tuple[str, str], list[tup
                       f"{cell['copy'] * 1e6:>10.1f}{cell.get('wait', 0.0) * 1e6:>10.1f}"
                       f"{cell.get('pack', 0.0) * 1e6:>10.1f}{cell.get('launch', 0.0) * 1e6:>10.1f}"
                       f"{cell.get('event', 0.0) * 1e6:>10.1f}{cell.get('rows', 0.0):>8.1f}{cell.get('requests', 0.0):>7.1f}"
-                      f"{cell.get('plan_cpu', 0.0) * 1e6:>10.1f}{cell.get('copy_cpu', 0.0) * 1e6:>10.1f}")
+                      f"{cell.get('plan_cpu', 0.0) * 1e6:>10.1f}{cell.get('copy_cpu', 0.0) * 1e6:>10.1f}"
+                      + by_step_kind(cell))
+
+
+def by_step_kind(cell: dict[str, float]) -> str:
+    """The host-time table's last columns: the share of steps that run prompt rows, and step and plan time over those
+    steps and over the decode-only rest (`cell` holds per-step means: a total over the prefill steps, divided by
+    every step, is divided again by their share)."""
+    share = cell.get("prefill_steps", 0.0)
+    prefill = [cell.get(f"{part}_prefill", 0.0) / share if share else 0.0 for part in ("step", "plan")]
+    decode = [(cell[part] - cell.get(f"{part}_prefill", 0.0)) / (1 - share) if share < 1 else 0.0
+              for part in ("step", "plan")]
+    return (f"{share:>9.3f}{prefill[0] * 1e3:>11.3f}{decode[0] * 1e3:>12.3f}{prefill[1] * 1e6:>11.1f}"
+            f"{decode[1] * 1e6:>12.1f}")
 
 
 def front_times(servers: dict[str, Server], spans: dict[tuple[str, str], list[tuple[float, float]]]) -> None:
