@@ -683,6 +683,8 @@ def in_process(options: argparse.Namespace) -> None:
     for name, seconds in {**times, "plain vLLM LLM (defaults, no prefix cache)": plain}.items():
         print(f"  {name}: {'-' if seconds is None else f'{seconds:.3f} s'}")
     print(f"  ablate at every block / bare on the same engine: {times['ablate'] / times['bare']:.3f} (bound 1.03)")
+    print(f"  of which: streamscope's generate with no steer / bare {times['generate'] / times['bare']:.3f}, "
+          f"ablate / that generate {times['ablate'] / times['generate']:.3f}")
     if plain:
         print(f"  ablate at every block / plain vLLM: {times['ablate'] / plain:.3f} (bound 1.03); "
               f"bare with idle ops / plain vLLM: {times['bare'] / plain:.3f}")
@@ -708,8 +710,11 @@ def graph_engine(folder: Path, options: argparse.Namespace) -> dict[str, float]:
         prompts = workloads.token_prompts(settings["w2_prompts"], settings["w2_lengths"], 2)
         count = settings["w2_tokens"]
         sampling = {"max_tokens": count, "temperature": 1.0, "seed": 0, "ignore_eos": True, "progress": False}
+        # `generate` is streamscope's bulk path with nothing asked (its requests' entry and results, no steer): what
+        # the ablation costs beyond it is the ops' and the plan's, what it costs over `bare` the bulk path's own
         return workloads.timed_together({
             "bare": workloads.bare_w2(model.vllm_entrypoint, prompts, count),
+            "generate": lambda: model.generate(prompts, **sampling),
             "ablate": lambda: model.generate(prompts, steer=ablations, **sampling)}, options.rounds)
     finally:
         model.close()
