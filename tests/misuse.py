@@ -11,6 +11,7 @@ model still gives its baseline results.
 
 from __future__ import annotations
 
+import pickle
 import re
 import warnings
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch
 from nnsight.intervention.interleaver import OutOfOrderError
 
 import streamscope
+from streamscope.blocks.envoy import NoSuchName
 from access import relative_error
 
 PROMPT = "The Eiffel Tower is in Paris, and the quick brown fox"
@@ -250,8 +252,8 @@ CASES: dict[str, Case] = {
                                ("model.layers[99] is out of range", "model.layers[0] to model.layers[2]")),
     "negative block out of range": Case(negative_block_out_of_range, IndexError,
                                         ("model.layers[-100] is out of range", "model.layers[-3] to")),
-    "typo": Case(typo, AttributeError, ("model.layers[1]", "'layer_ouput'", "Did you mean layer_output")),
-    "typo outside a trace": Case(typo_outside_a_trace, AttributeError,
+    "typo": Case(typo, NoSuchName, ("model.layers[1]", "'layer_ouput'", "Did you mean layer_output")),
+    "typo outside a trace": Case(typo_outside_a_trace, NoSuchName,
                                  ("model.layers[1].self_attn", "'patern'", "Did you mean pattern")),
     "save outside a trace": Case(save_outside_a_trace, ValueError,
                                  ("model.layers[1].layer_mid can only be read inside a trace", "model.trace(")),
@@ -275,6 +277,24 @@ CASES: dict[str, Case] = {
 def test_misuse_raises_a_clear_error_and_leaves_the_model_as_it_was(runner, baseline, name):
     check(CASES[name], runner)
     runner.assert_unchanged(baseline)
+
+
+def test_a_probe_for_a_missing_name_writes_no_message(runner, monkeypatch):
+    """``hasattr`` and ``getattr(..., default)`` on an envoy (nnsight's alias binding probes every envoy it builds)
+    catch the error unread: its message, a search for the nearest names, is written only when read."""
+    from streamscope.blocks import envoy
+
+    def unread(*args):
+        raise AssertionError("the message of a probed name was written")
+
+    block = runner.model.layers[1]
+    with monkeypatch.context() as patched:
+        patched.setattr(envoy, "no_such_name", unread)
+        assert not hasattr(block, "layer_ouput") and getattr(block.self_attn, "patern", None) is None
+    with pytest.raises(NoSuchName, match="Did you mean layer_output") as raised:
+        block.layer_ouput
+    crossed = pickle.loads(pickle.dumps(raised.value))  # as a worker's error reaches the client
+    assert type(crossed) is NoSuchName and str(crossed) == str(raised.value)
 
 
 def test_a_users_key_error_keeps_its_key(runner, baseline):

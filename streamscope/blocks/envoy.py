@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import weakref
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 from nnsight import Envoy
@@ -44,11 +44,14 @@ class StreamEnvoy(seam.RebindingEnvoy):
         except AttributeError:
             if name.startswith("_") or "_module" not in self.__dict__:
                 raise
-            try:
-                values = [value for value, reason in self.value_reasons().items() if reason is None]
-            except Exception:  # a tree still being built: name what the kind declares
-                values = self.value_names()
-            raise AttributeError(no_such_name(self, name, values)) from None
+            raise NoSuchName(self, name, self._served_values) from None
+
+    def _served_values(self) -> list[str]:
+        """The values this envoy serves, for a message: what the kind declares while the tree is still being built."""
+        try:
+            return [value for value, reason in self.value_reasons().items() if reason is None]
+        except Exception:  # noqa: BLE001
+            return self.value_names()
 
     def to_user(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """The model's tensor for `name` in the user's layout, as a view.
@@ -129,7 +132,29 @@ class Blocks(Envoy):
         except AttributeError:
             if name.startswith("_"):
                 raise
-            raise AttributeError(no_such_name(self, name, [])) from None
+            raise NoSuchName(self, name, list) from None
+
+
+class NoSuchName(AttributeError):
+    """A name an envoy neither serves nor has as a module. Its message, with the nearest names, is written when it is
+    read: a probe (``hasattr``, ``getattr(envoy, name, None)``, nnsight's binding of a family's renames, which tries
+    each alias on every envoy it builds) catches it unread, and the difflib search would cost it about a millisecond
+    each time. Made from a message alone, it is that message (an error that crossed from an engine's worker)."""
+
+    def __init__(self, envoy: Envoy | str, name: str = "", served: Optional[Callable[[], list[str]]] = None) -> None:
+        message = envoy if isinstance(envoy, str) else None
+        super().__init__(message or name)
+        self._message, self._envoy, self._served = message, envoy, served
+        if message is None:
+            self.name = name
+
+    def __str__(self) -> str:
+        if self._message is None:
+            self._message = no_such_name(self._envoy, self.name, self._served())  # type: ignore[arg-type,misc]
+        return self._message
+
+    def __reduce__(self) -> tuple:
+        return NoSuchName, (str(self),)  # across processes with its message written, not its envoy
 
 
 def no_such_name(envoy: Envoy, name: str, values: list[str]) -> str:

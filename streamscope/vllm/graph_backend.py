@@ -48,6 +48,7 @@ engine's profile run and warm-up, so a compiled graph holds them.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Hashable, Optional, Sequence
@@ -357,7 +358,14 @@ class LeftOnHooks(ValueError):
 
 def row_rule(entry: SteerEntry) -> Any:
     """The rows `entry` edits as the plan's `RowRule` (its prompt positions, then generated tokens)."""
-    chosen, skip_first, generated, from_step, length = entry.rule
+    return _row_rule_of(entry.rule)
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_rule_of(rule: tuple) -> RowRule:
+    """`SteerEntry.rule`'s `RowRule`, one for each rule: a request's steers at every block share one, and so do
+    requests of one length (a rule is a frozen value)."""
+    chosen, skip_first, generated, from_step, length = rule
     positions = range(int(skip_first), length) if chosen is None else chosen
     return RowRule.of(positions, length, generated, from_step)
 
