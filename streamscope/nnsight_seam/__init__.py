@@ -103,9 +103,8 @@ from .mediator import (LocatedProperty, Mediator, OutOfOrderError, PendingWriteB
                            skip_at, step_of, trace_mediators, with_invoke_rows)
 from . import vllm_modeling as _vllm_modeling  # noqa: E402
 from .vllm_modeling import (EachPrompt, build_meta_trees_within, collect_requests,  # noqa: E402
-                            invoke_per_prompt_tracer, narrow_spans_directly, record_saves_cheaply, running_token_span, set_client_worker, start_own_engines,
-                            take_request_error,
-                            wrap_replay)
+                            invoke_per_prompt_tracer, narrow_spans_directly, record_saves_cheaply, running_token_span,
+                            set_client_worker, start_own_engines, take_request_error, wrap_replay)
 
 __all__ = [
     "SUPPORTED", "ALLOW_ENV", "check_version",
