@@ -228,8 +228,9 @@ def host_alone(total_bytes: int) -> float:
     return pieces * piece * 2 / (time.perf_counter() - start)
 
 
-def sae_steps_on_parquet(folder: Path, value: str, steps: int = 20) -> float:
-    """A few steps of a ReLU SAE on the Parquet tables, read as docs/scale.md shows: the last step's loss."""
+def sae_steps_on_parquet(folder: Path, value: str, steps: int = 20) -> tuple[float, float, float]:
+    """A few steps of a ReLU SAE on the Parquet tables, read as docs/scale.md shows: the first and the last step's
+    loss, and the rows' mean square (what a loss compares with)."""
     import pyarrow.parquet
     import torch
 
@@ -241,7 +242,7 @@ def sae_steps_on_parquet(folder: Path, value: str, steps: int = 20) -> float:
     encoder = torch.nn.Linear(hidden, 4 * hidden)
     decoder = torch.nn.Linear(4 * hidden, hidden)
     optimizer = torch.optim.Adam([*encoder.parameters(), *decoder.parameters()], lr=1e-3)
-    loss = torch.tensor(0.0)
+    losses = []
     for step in range(steps):
         batch = rows[(step * 256) % len(rows):][:256]
         features = torch.relu(encoder(batch))
@@ -249,7 +250,8 @@ def sae_steps_on_parquet(folder: Path, value: str, steps: int = 20) -> float:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    return float(loss.detach())
+        losses.append(float(loss.detach()))
+    return losses[0], losses[-1], float(rows.pow(2).mean())
 
 
 def main() -> None:
@@ -386,17 +388,34 @@ def run_sae_lens(args: argparse.Namespace, skip: set[str], model: Any, prompts: 
                  sizes: dict[str, int], out: Path) -> None:
     """`streamscope.sae.train` on the in-process engine: SAELens's own `ActivationsStore` reads the harvest."""
     if "saelens" not in skip:
+        import torch
+
         import streamscope.sae
 
         start = time.perf_counter()
         # one shard's prompts (the tiny shape's shard holds more than it has) and a batch a quarter of their tokens
         count = min(args.shard_size, len(prompts))
+        batch = min(4096, count * args.length // 4)
+        hidden = sizes["hidden_size"]
+        d_sae, steps, device = 4 * hidden, 20, None
+        if torch.cuda.is_available() and torch.cuda.mem_get_info()[0] < sae_bytes(hidden, d_sae, batch):
+            # the engine holds the card (the 70B engine on an 80 GB H100 leaves 0.5 GiB): the SAE trains on the
+            # host, narrower and for fewer steps, what matters here being that SAELens's own store reads the rows
+            d_sae, steps, device = hidden, 10, "cpu"
         sae = streamscope.sae.train(model, prompts[:count], f"blocks.{layers[0]}.hook_resid_post",
-                                    out / "sae", d_sae=4 * sizes["hidden_size"], steps=20, progress=False,
-                                    batch_size=min(4096, count * args.length // 4))
-        print(f"  SAELens (its ActivationsStore on streamscope's cache of block {layers[0]}): 20 steps in "
-              f"{time.perf_counter() - start:.1f} s with the harvest, an SAE of {sae.W_enc.shape[1]} features "
-              f"in {out / 'sae'}")
+                                    out / "sae", d_sae=d_sae, steps=steps, progress=False, batch_size=batch,
+                                    device=device)
+        print(f"  SAELens (its ActivationsStore on streamscope's cache of block {layers[0]}): {steps} steps of "
+              f"{batch} tokens in {time.perf_counter() - start:.1f} s with the harvest, an SAE of "
+              f"{sae.W_enc.shape[1]} features on {device or ('cuda' if torch.cuda.is_available() else 'cpu')} in "
+              f"{out / 'sae'}")
+
+
+def sae_bytes(d_in: int, d_sae: int, batch: int) -> int:
+    """About the device memory an SAE's training takes in float32: weights, their gradients and Adam's two
+    moments (4 copies of both matrices), and a batch's features three times over (activations, their
+    gradients, the decoder's input)."""
+    return 4 * (4 * 2 * d_in * d_sae + 3 * batch * d_sae)
 
 
 def parquet_part(args: argparse.Namespace, skip: set[str], folder: Path, options: dict[str, Any],
@@ -412,10 +431,14 @@ def parquet_part(args: argparse.Namespace, skip: set[str], folder: Path, options
                   replicas=1, engine_options=engine_options, progress=False, format="parquet",
                   shard_size=requested_shard_size)  # None: the library's, shards of at most 1 GiB
     seconds = time.perf_counter() - start
+    records = [json.loads(path.read_text()) for path in parquet_folder.glob("shard-*.json")]
+    harvesting = sum(record["seconds"] for record in records)  # each shard's engine run, before its table's write
     print(f"  streamscope.scale.harvest, 1 replica, Parquet: {seconds:.2f} s with the replica's start, "
-          f"{folder_bytes(parquet_folder) / 2**30:.2f} GiB")
-    loss = sae_steps_on_parquet(parquet_folder, f"layer_output/{layers[0]}")
-    print(f"  an SAE trained 20 steps on the Parquet rows of block {layers[0]}: loss {loss:.4f}")
+          f"{folder_bytes(parquet_folder) / 2**30:.2f} GiB in {len(records)} shards; the replica's harvests "
+          f"{harvesting:.2f} s of it, the rest its start and the tables' writes")
+    first, last, scale = sae_steps_on_parquet(parquet_folder, f"layer_output/{layers[0]}")
+    print(f"  an SAE trained 20 steps on the Parquet rows of block {layers[0]}: loss {first:.3e} at the first step, "
+          f"{last:.3e} at the last (the rows' mean square {scale:.3e}: dummy weights make small activations)")
 
 
 if __name__ == "__main__":

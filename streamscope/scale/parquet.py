@@ -68,8 +68,21 @@ def table(harvest: Harvest, token_ids: Sequence[Sequence[int]]) -> Any:
     return pyarrow.table(columns)
 
 
+#: The columns that name a row; every other column is an activation.
+ROW_COLUMNS = ["prompt", "position", "token"]
+
+
 def write(path: Any, harvest: Harvest, token_ids: Sequence[Sequence[int]]) -> None:
-    """Write the shard's table to `path` (a temporary name: `streamscope.scale.shards` renames it)."""
+    """Write the shard's table to `path` (a temporary name: `streamscope.scale.shards` renames it).
+
+    The activations' floats are written byte-stream-split (each float's bytes grouped by significance before
+    snappy compresses them) with neither a dictionary nor page statistics, which floats gain nothing from:
+    measured on the CPU on 2026-12-07 with widened bfloat16 rows, 1.5x pyarrow's default write rate at 0.44 of
+    the float32 bytes (the default: 0.40). The row columns keep both. Any Parquet reader reads the encoding.
+    """
     import pyarrow.parquet
 
-    pyarrow.parquet.write_table(table(harvest, token_ids), str(path))
+    shard = table(harvest, token_ids)
+    floats = [f"{name}.list.element" for name in shard.column_names if name not in ROW_COLUMNS]
+    pyarrow.parquet.write_table(shard, str(path), use_dictionary=ROW_COLUMNS, write_statistics=ROW_COLUMNS,
+                                use_byte_stream_split=floats)

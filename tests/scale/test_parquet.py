@@ -1,7 +1,8 @@
 """A Parquet shard's table (`streamscope.scale.parquet`): one row a harvested token, the dtype kept or widened exactly.
 
 The Ray runs (tests/scale/test_ray_harvest.py) check a run's tables against the safetensors harvest in float32;
-here the layout of one table with two prompts of other position counts, and bfloat16 (which Arrow lacks).
+here the layout of one table with two prompts of other position counts, and bfloat16 (which Arrow lacks), and the
+file's encodings.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pyarrow
 import torch
 
 from streamscope.bulk.results import Harvest
-from streamscope.scale.parquet import column_names, table
+from streamscope.scale.parquet import column_names, table, write
 
 
 def harvest(dtype: torch.dtype) -> Harvest:
@@ -43,3 +44,22 @@ def test_bfloat16_is_widened_to_float32_exactly_and_float16_kept():
     assert torch.equal(rows, torch.cat([held["layer_output"][0][0], held["layer_output"][1][0]]).float())
     half = table(harvest(torch.float16), [[1, 2, 3, 4], [5, 6, 7, 8]])
     assert half.schema.field("token_embeddings").type == pyarrow.list_(pyarrow.float16(), 8)
+
+
+def test_the_file_reads_back_as_the_table_with_its_floats_byte_stream_split(tmp_path):
+    """Written as any Parquet reader reads it: the same table back; each activation column byte-stream-split with
+    no dictionary or statistics (what floats gain nothing from), the row columns with both."""
+    import pyarrow.parquet
+
+    held = harvest(torch.float16)
+    ids = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    write(tmp_path / "shard.parquet", held, ids)
+    assert pyarrow.parquet.read_table(tmp_path / "shard.parquet").equals(table(held, ids))
+    group = pyarrow.parquet.ParquetFile(tmp_path / "shard.parquet").metadata.row_group(0)
+    columns = {group.column(index).path_in_schema: group.column(index) for index in range(group.num_columns)}
+    for name in column_names(held):
+        column = columns[f"{name}.list.element"]
+        assert "BYTE_STREAM_SPLIT" in column.encodings and not column.has_dictionary_page, (name, column.encodings)
+        assert not column.is_stats_set, name
+    for name in ("prompt", "position", "token"):
+        assert columns[name].has_dictionary_page and columns[name].is_stats_set, name
