@@ -124,6 +124,35 @@ def test_a_run_of_positions_makes_the_rule_a_loop_over_them_makes() -> None:
             RowRule.of(list(positions), 8)
 
 
+def test_requests_of_one_list_of_steers_share_their_edits_and_each_is_refused_alone() -> None:
+    """A bulk run hands its requests of one length one list of steers: they share one record of edits (worked out
+    once, which took most of a 256-request run's begin), each still with its own table row and slot uses; a list
+    whose slots differ gets its own, and a steer at a site with no op is refused for every request that asks,
+    leaving the plan as it was."""
+    add = prepare("add", torch.ones(HIDDEN), 1.0, 0.0, False, torch.float32, "cpu")
+    ablate = prepare("ablate", torch.ones(HIDDEN), 1.0, 0.0, False, torch.float32, "cpu")
+    plan = GraphPlan(["s0", "s1"], 1, 16, HIDDEN, torch.float32, "cpu", slots=4)
+    rule = RowRule.of(range(0, 4), 4, True, 0)
+    steers = [PlannedSteer(["s0"], add, rule, "add"), PlannedSteer(["s1"], ablate, rule, "ablate")]
+    plan.enter("a", steers)
+    plan.enter("b", steers)
+    a, b = plan._live["a"], plan._live["b"]
+    assert a.edits is b.edits and a.row != b.row and plan.bank.live == 2
+    assert plan._table[a.row].tolist() == plan._table[b.row].tolist() == [a.edits[0].slot, a.edits[1].slot]
+    other = [PlannedSteer(["s0"], ablate, rule, "ablate"), PlannedSteer(["s1"], add, rule, "add")]
+    plan.enter("c", other)
+    assert plan._live["c"].edits is not a.edits
+    assert plan._table[plan._live["c"].row].tolist() == [a.edits[1].slot, a.edits[0].slot]
+    refused = [PlannedSteer(["s2"], add, rule, "add")]
+    for key in ("d", "e"):
+        with pytest.raises(ValueError, match="steers site 's2' 1 time"):
+            plan.enter(key, refused)
+    assert plan.live == 3 and plan.bank.live == 2
+    for key in ("a", "b", "c"):
+        plan.leave(key)
+    assert plan.bank.live == 0 and not plan._table.any(where=plan._table >= 0)
+
+
 def test_a_step_is_idle_exactly_where_it_marks_no_row() -> None:
     """`GraphPlan.idle` after each step: a step of plain requests, of a harvest read to its end, and the step that
     resets the last one's marks are idle; a step with a live steer (begun or not: the plan fills its rows, -1

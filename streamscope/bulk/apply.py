@@ -237,13 +237,19 @@ def run_requests(harvest_sites: list[Site], harvest_positions: dict[Hashable, li
         order = rounds.get(plan.site.key, 0)
         rounds[plan.site.key] = order + 1
         steer = plan.steer
+        # One entry for the requests of one length and positions (entries are read, never changed), but a gated
+        # steer's, which each hold their request's slot in the gate
+        shared: dict[tuple[int, frozenset], SteerEntry] = {}
         for key, chosen in plan.positions.items():
             length = plan.lengths[key]
-            every = chosen == frozenset(range(length))
-            skip_first = not every and chosen == frozenset(range(1, length))
-            entry = SteerEntry(plan.site, plan.operation, None, None if every or skip_first else chosen,
-                               bool(steer.generated), length, order, steer.from_step, skip_first=skip_first,
-                               condition_site=plan.condition_site, slot=plan.slots[key] if plan.slots else 0)
+            entry = shared.get((length, chosen)) if not plan.slots else None
+            if entry is None:
+                every = chosen == frozenset(range(length))
+                skip_first = not every and chosen == frozenset(range(1, length))
+                entry = SteerEntry(plan.site, plan.operation, None, None if every or skip_first else chosen,
+                                   bool(steer.generated), length, order, steer.from_step, skip_first=skip_first,
+                                   condition_site=plan.condition_site, slot=plan.slots[key] if plan.slots else 0)
+                shared[(length, chosen)] = entry
             live = requests.get(key)
             if live is None:
                 live = requests[key] = Live([])
@@ -261,7 +267,13 @@ def steer_plans(steers: Sequence[tuple[Steer, Site]], keys: Sequence[Hashable], 
     plans = []
     for steer, site in steers:
         indices = list(range(len(keys)) if steer.prompts is None else steer.prompts)
-        positions = {keys[i]: frozenset(steer_positions(steer, lengths[i], i)) for i in indices}
+        by_length: dict[int, frozenset] = {}  # a steer's positions depend on its prompt's length alone
+        positions = {}
+        for i in indices:
+            chosen = by_length.get(lengths[i])
+            if chosen is None:
+                chosen = by_length[lengths[i]] = frozenset(steer_positions(steer, lengths[i], i))
+            positions[keys[i]] = chosen
         operation: Any = steer.operation(dtype, device)
         condition_site, slots = None, None
         if steer.condition is not None:

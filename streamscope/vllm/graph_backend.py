@@ -343,6 +343,11 @@ def backend_for(runner: Any, hooks_fire: Optional[bool] = None) -> Optional["Gra
     return GraphBackend(ops, hooks_fire)
 
 
+#: How many request shapes a backend remembers how it divided (`GraphBackend._divide`): a bulk run has one or a
+#: few; a server's requests come and go, and the memory is cleared when full.
+DIVISIONS = 256
+
+
 class LeftOnHooks(ValueError):
     """Where hooks do not fire (a compiled engine): a request with work the graph ops cannot take, refused whole,
     the plan as it was. ``key``: the applier's request; ``busy``: the slot bank is full of other requests'
@@ -416,19 +421,14 @@ class GraphBackend:
         self.steering: dict[Hashable, int] = {}  # requests' steers the ops apply, by request
         self._current: Any = None  # the step whose harvest is in the ops' buffers
         self._copied: list[Any] = []  # steps' harvests on their way to host memory
+        #: `_divide`'s answers by request shape, and `_planned`'s lists: at most `DIVISIONS` of each.
+        self._divisions: dict[tuple, tuple] = {}
+        self._planned_lists: dict[tuple, tuple] = {}
 
     def enter(self, key: Hashable, live: Live) -> None:
         """Give the plan what it serves of `live` (the applier's request `key`); `live` keeps the rest, changed in
         place (its steers, its harvest) before the applier plans its hooks."""
-        graphed, hooked = self._split(live)
-        harvest = self._harvests(live, hooked)
-        leaving = self._leaving_chains(live, graphed, hooked, harvest)
-        while leaving:  # each steer that leaves puts more of the request on the hooks
-            on_hooks = {id(entry) for entry in hooked} | leaving
-            graphed = [item for item in graphed if id(item[0]) not in leaving]
-            hooked = [entry for entry in live.steers if id(entry) in on_hooks]
-            harvest = self._harvests(live, hooked)
-            leaving = self._leaving_chains(live, graphed, hooked, harvest)
+        graphed, hooked, harvest = self._divide(live)
         if not self.hooks_fire and (hooked or (live.harvest_sites and not harvest)):
             where = sorted({entry.site.location for entry in hooked}
                            | {site.location for site in (() if harvest else live.harvest_sites)})
@@ -439,8 +439,7 @@ class GraphBackend:
                               key=key)
         if not graphed and not harvest:
             return
-        steers = [PlannedSteer([name], operation, row_rule(entry), ("operation", id(entry.delta), operation.mode))
-                  for entry, name, operation in graphed]
+        steers = self._planned(graphed)
         names = [self.ops.name_of(site) for site in live.harvest_sites] if harvest else None
         try:
             self.plan.enter(key, steers, live.positions if harvest else (), names)
@@ -464,6 +463,65 @@ class GraphBackend:
             self.harvesting.add(key)
             live.harvest_sites, live.positions, live.slots = [], [], {}
         live.hooked = None  # its hooked module calls, counted anew
+
+    def _divide(self, live: Live) -> tuple[list[tuple[SteerEntry, str, Operation]], list[SteerEntry], bool]:
+        """`live`'s steers the ops apply (each with its site's name and operation), those left to the hooks, and
+        whether the ops read its harvest. Worked out once for each shape of request (`_shape`): a bulk run's
+        requests share their steers' sites and operations, and only their positions differ."""
+        shape, pinned = self._shape(live)
+        found = self._divisions.get(shape)
+        if found is None:
+            graphed, hooked, harvest = self._divided(live)
+            places = {id(entry): index for index, entry in enumerate(live.steers)}
+            found = ([(places[id(entry)], name, operation) for entry, name, operation in graphed],
+                     [places[id(entry)] for entry in hooked], harvest, pinned)
+            if len(self._divisions) >= DIVISIONS:
+                self._divisions.clear()
+            self._divisions[shape] = found
+        steers = live.steers
+        return ([(steers[index], name, operation) for index, name, operation in found[0]],
+                [steers[index] for index in found[1]], found[2])
+
+    def _shape(self, live: Live) -> tuple[tuple, tuple]:
+        """What `_divided` reads of `live`, as a key: each steer's site, operation and kind, and its harvest's sites
+        and whether its rows could go to the ops; with the objects whose ids the key holds, which the cached
+        division keeps alive (so no later object takes one of their ids while it is cached)."""
+        harvestable = (live.readout is None and live.sae is None and bool(live.positions)
+                       and all(self.ops.name_of(site) in self.plan.harvest_index for site in live.harvest_sites)
+                       and all(later > earlier for earlier, later in zip(live.positions, live.positions[1:]))
+                       and live.positions[0] >= 0)
+        steers = tuple((id(entry.site), id(entry.delta), entry.mode, entry.condition_site is None)
+                       for entry in live.steers)
+        pinned = (tuple((entry.site, entry.delta) for entry in live.steers), live.harvest_sites)
+        return (steers, id(live.harvest_sites) if live.harvest_sites else None, harvestable), pinned
+
+    def _divided(self, live: Live) -> tuple[list[tuple[SteerEntry, str, Operation]], list[SteerEntry], bool]:
+        """`_divide`'s answer worked out: the ops' order and rounds first (`_split`), then the chains that must
+        leave for the hooks, until none does."""
+        graphed, hooked = self._split(live)
+        harvest = self._harvests(live, hooked)
+        leaving = self._leaving_chains(live, graphed, hooked, harvest)
+        while leaving:  # each steer that leaves puts more of the request on the hooks
+            on_hooks = {id(entry) for entry in hooked} | leaving
+            graphed = [item for item in graphed if id(item[0]) not in leaving]
+            hooked = [entry for entry in live.steers if id(entry) in on_hooks]
+            harvest = self._harvests(live, hooked)
+            leaving = self._leaving_chains(live, graphed, hooked, harvest)
+        return graphed, hooked, harvest
+
+    def _planned(self, graphed: list[tuple[SteerEntry, str, Operation]]) -> list[PlannedSteer]:
+        """The plan's steers of a request's `graphed` steers; requests with the same entries (a bulk run's requests
+        of one length share theirs: `bulk.apply.run_requests`) share one list, which `GraphPlan.enter` reads and
+        keeps none of."""
+        key = tuple(id(entry) for entry, _, _ in graphed)
+        found = self._planned_lists.get(key)
+        if found is None or any(kept is not entry for kept, (entry, _, _) in zip(found[1], graphed)):
+            steers = [PlannedSteer([name], operation, row_rule(entry), ("operation", id(entry.delta), operation.mode))
+                      for entry, name, operation in graphed]
+            if len(self._planned_lists) >= DIVISIONS:
+                self._planned_lists.clear()
+            found = self._planned_lists[key] = (steers, tuple(entry for entry, _, _ in graphed))
+        return found[0]
 
     def _leaving_chains(self, live: Live, graphed: list[tuple[SteerEntry, str, Operation]],
                         hooked: list[SteerEntry], harvest: bool) -> set[int]:

@@ -296,6 +296,11 @@ class PlannedSteer:
     share: Hashable
 
 
+#: How many shapes of request a plan remembers the lanes and edits of (`GraphPlan.enter`): a bulk run has one or a
+#: few; a server's come and go, and the memory is cleared when full.
+SHAPES = 256
+
+
 class GraphPlan:
     """The graph ops' persistent buffers for an engine, and their fill from each step's spans.
 
@@ -334,6 +339,10 @@ class GraphPlan:
         self.max_rows, self.pool_rows = max_rows, pool
         self.device = torch.device(device)
         self.bank = SlotBank(slots, hidden, dtype, self.device)
+        #: `_lanes_of`'s answers by the steers' sites, `_live_of`'s edits by the steers' list and slots (the list's
+        #: steers kept, so that no later list takes its id while its edits are remembered): `SHAPES` of each.
+        self._lanes_by_shape: dict[tuple, list[tuple[int, ...]]] = {}
+        self._edits_by_steers: dict[tuple, tuple] = {}
         columns = len(self.lane_of) + len(self.harvest_sites)
         # Stored lane by lane: a step writes and copies only the lanes its requests use (`index` is the transposed
         # view, [max_rows, columns], as the ops read it).
@@ -413,19 +422,7 @@ class GraphPlan:
         positions, at `harvest_sites`: every harvest site when None). Nothing changes where it is refused."""
         if key is None or key in self._live:
             raise ValueError(f"request {key!r} is already live (or None): leave it first.")
-        taken: dict[Hashable, int] = {}
-        lanes: list[list[int]] = []
-        for steer in steers:
-            mine = []
-            for site in steer.sites:
-                round_ = taken.get(site, 0)
-                if (site, round_) not in self.lane_of:
-                    where = "no edit op" if (site, 0) not in self.lane_of else f"{self.rounds} edit round(s)"
-                    raise ValueError(f"request {key!r} steers site {site!r} {round_ + 1} time(s); the graph has "
-                                     f"{where} there: start the engine with the site and rounds it needs.")
-                taken[site] = round_ + 1
-                mine.append(self.lane_of[(site, round_)])
-            lanes.append(mine)
+        lanes = self._lanes_of(key, steers)
         sites = self.harvest_sites if harvest_sites is None else list(harvest_sites)
         missing = [site for site in sites if site not in self.harvest_index] if harvest_positions else []
         if missing:
@@ -433,27 +430,69 @@ class GraphPlan:
         positions = tuple(sorted(set(harvest_positions)))
         if positions:
             self._admit_harvest(key, len(sites), len(positions))
-        edits: list[_LaneEdit] = []
+        slots: list[int] = []
         try:
-            for steer, mine in zip(steers, lanes):
-                slot = self.bank.acquire(steer.share, steer.operation)
-                columns = _columns(mine)
-                edits.append(_LaneEdit(columns, tuple(mine), slot, steer.rule, steer.share))
+            for steer in steers:
+                slots.append(self.bank.acquire(steer.share, steer.operation))
         except Exception:
-            for edit in edits:
-                self.bank.release(edit.share)
+            for steer in steers[:len(slots)]:
+                self.bank.release(steer.share)
             raise
-        live = _Live(edits, rules=tuple(dict.fromkeys(edit.rule for edit in edits)))
-        live.lanes = frozenset(lane for edit in edits for lane in edit.columns_key)
-        if edits:
+        live, columns, marks = self._live_of(steers, lanes, tuple(slots))
+        if live.edits:
             live.row = self._table_row()
-            for edit in edits:
-                self._table[live.row, edit.columns] = edit.slot
+            self._table[live.row, columns] = marks
         if positions:
             live.positions = positions
             live.sites = tuple(self.harvest_index[site] for site in sites)
             live.harvest_lanes = tuple(self.harvest_lane_of[site] for site in sites)
         self._live[key] = live
+
+    def _lanes_of(self, key: Hashable, steers: Sequence[PlannedSteer]) -> list[tuple[int, ...]]:
+        """Each steer's lanes (its sites' next free rounds, in order), by the steers' sites: requests with steers at
+        the same sites share the answer, which is worked out once (refused where a site has no op or no round
+        left, for each request that asks)."""
+        shape = tuple(tuple(steer.sites) for steer in steers)
+        lanes = self._lanes_by_shape.get(shape)
+        if lanes is not None:
+            return lanes
+        taken: dict[Hashable, int] = {}
+        lanes = []
+        for sites in shape:
+            mine = []
+            for site in sites:
+                round_ = taken.get(site, 0)
+                if (site, round_) not in self.lane_of:
+                    where = "no edit op" if (site, 0) not in self.lane_of else f"{self.rounds} edit round(s)"
+                    raise ValueError(f"request {key!r} steers site {site!r} {round_ + 1} time(s); the graph has "
+                                     f"{where} there: start the engine with the site and rounds it needs.")
+                taken[site] = round_ + 1
+                mine.append(self.lane_of[(site, round_)])
+            lanes.append(tuple(mine))
+        if len(self._lanes_by_shape) >= SHAPES:
+            self._lanes_by_shape.clear()
+        self._lanes_by_shape[shape] = lanes
+        return lanes
+
+    def _live_of(self, steers: Sequence[PlannedSteer], lanes: list[tuple[int, ...]],
+                 slots: tuple[int, ...]) -> tuple[_Live, np.ndarray, np.ndarray]:
+        """A new request's record (its edits: lanes, slot, rows; their distinct rules and every lane they mark),
+        and its row of the table: the lanes' columns and the slot each holds. Requests given one list of steers
+        (`GraphBackend` hands a bulk run's requests of one length the same list) with the same slots share the
+        edits, which nothing changes."""
+        found = self._edits_by_steers.get((id(steers), slots))
+        if found is None or len(found[0]) != len(steers) or any(kept is not steer
+                                                                for kept, steer in zip(found[0], steers)):
+            edits = [_LaneEdit(_columns(mine), mine, slot, steer.rule, steer.share)
+                     for steer, mine, slot in zip(steers, lanes, slots)]
+            columns = np.array([lane for mine in lanes for lane in mine], dtype=np.intp)
+            marks = np.array([slot for mine, slot in zip(lanes, slots) for _ in mine], dtype=np.int32)
+            found = (tuple(steers), edits, tuple(dict.fromkeys(edit.rule for edit in edits)),
+                     frozenset(lane for edit in edits for lane in edit.columns_key), columns, marks)
+            if len(self._edits_by_steers) >= SHAPES:
+                self._edits_by_steers.clear()
+            self._edits_by_steers[(id(steers), slots)] = found
+        return _Live(found[1], rules=found[2], lanes=found[3]), found[4], found[5]
 
     def _admit_harvest(self, key: Hashable, sites: int, positions: int) -> None:
         """Refuse a harvest of `positions` positions at `sites` sites where the most rows one step could then
