@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# OpenMP's threads sleep as soon as a parallel region ends, in this process and in every one it starts (servers,
+# engine cores, parallel ranks), where GNU OpenMP would spin a while first. The tiny checkpoints' ops are short and
+# Python runs between them, so a spinning thread holds a core most of the time: with two test processes (`make test`)
+# on two cores, each one's spinners took the other's core. Measured with -n 2 on 2 cores: test_serve_sweeps,
+# test_steering and test_taps (tests/vllm) 301 s spinning, 149 s sleeping; transformers/test_transformer_lens,
+# vllm/test_engine and vllm/test_graph_backend 523 s, 220 s. Set before torch loads libgomp, which reads it once;
+# what is computed, and on how many threads, is unchanged.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
