@@ -486,14 +486,10 @@ class GraphBackend:
         """What `_divided` reads of `live`, as a key: each steer's site, operation and kind, and its harvest's sites
         and whether its rows could go to the ops; with the objects whose ids the key holds, which the cached
         division keeps alive (so no later object takes one of their ids while it is cached)."""
-        harvestable = (live.readout is None and live.sae is None and bool(live.positions)
-                       and all(self.ops.name_of(site) in self.plan.harvest_index for site in live.harvest_sites)
-                       and all(later > earlier for earlier, later in zip(live.positions, live.positions[1:]))
-                       and live.positions[0] >= 0)
         steers = tuple((id(entry.site), id(entry.delta), entry.mode, entry.condition_site is None)
                        for entry in live.steers)
         pinned = (tuple((entry.site, entry.delta) for entry in live.steers), live.harvest_sites)
-        return (steers, id(live.harvest_sites) if live.harvest_sites else None, harvestable), pinned
+        return (steers, id(live.harvest_sites) if live.harvest_sites else None, self._harvestable(live)), pinned
 
     def _divided(self, live: Live) -> tuple[list[tuple[SteerEntry, str, Operation]], list[SteerEntry], bool]:
         """`_divide`'s answer worked out: the ops' order and rounds first (`_split`), then the chains that must
@@ -542,9 +538,13 @@ class GraphBackend:
         return leaving
 
     def _harvests(self, live: Live, hooked: list[SteerEntry]) -> bool:
-        """Whether the ops read `live`'s harvest: none of its steers on the hooks, rows as they are (no readout, no
-        SAE), every site with a harvest op, its positions in order."""
-        return (not hooked and live.readout is None and live.sae is None and bool(live.positions)
+        """Whether the ops read `live`'s harvest: none of its steers on the hooks, and the harvest one they can."""
+        return not hooked and self._harvestable(live)
+
+    def _harvestable(self, live: Live) -> bool:
+        """Whether the ops could read `live`'s harvest, its steers aside: rows as they are (no readout, no SAE),
+        every site with a harvest op, its positions in order."""
+        return (live.readout is None and live.sae is None and bool(live.positions)
                 and all(self.ops.name_of(site) in self.plan.harvest_index for site in live.harvest_sites)
                 and all(later > earlier for earlier, later in zip(live.positions, live.positions[1:]))
                 and live.positions[0] >= 0)
