@@ -141,6 +141,37 @@ def test_the_applier_plans_through_the_backend_and_close_empties_the_plan() -> N
     assert setup.plan.live == 0 and setup.plan.bank.live == 0 and not applier.live
 
 
+def test_requests_sending_the_same_steers_share_the_plan_s_record_of_them() -> None:
+    """A server's requests bring entries of their own around shared sites and operations (`ServeState.shared`):
+    those with the same steers and rows share the plan's steers and its record of their edits (worked out once,
+    most of an entry's host time), each with its own table row; a different rule or operation gets its own, and
+    the rows each request's steers mark are its own."""
+    setup = Setup()
+    first, second = setup.entry("a", "ablate"), setup.entry("c", seed=1)
+
+    def live(length: int = 6, operation: Any = None) -> Live:
+        return Live([SteerEntry(first.site, operation or first.delta, None, None, True, length, 0),
+                     SteerEntry(second.site, second.delta, None, None, True, length, 0)])
+
+    for key in ("r0", "r1"):
+        setup.backend.enter(key, live())
+    same = setup.plan._live["r0"], setup.plan._live["r1"]
+    assert same[0].edits is same[1].edits and same[0].row != same[1].row and setup.plan.bank.live == 2
+    setup.backend.enter("longer", live(length=9))
+    other = setup.entry("a", "ablate", seed=7).delta
+    setup.backend.enter("other", live(operation=other))
+    assert all(setup.plan._live[key].edits is not same[0].edits for key in ("longer", "other"))
+    assert setup.plan.bank.live == 3
+    setup.backend.step([Span("r0", 0, 6, 0), Span("other", 6, 6, 0), Span("r1", 12, 2, 6)])
+    a, c = setup.plan.slots_of("a")[:14].tolist(), setup.plan.slots_of("c")[:14].tolist()
+    slot = setup.plan._live["r0"].edits[0].slot
+    assert a[:6] + a[12:] == [slot] * 8 and len(set(a[6:12])) == 1 and a[6] not in (slot, -1)
+    assert c == [setup.plan._live["r0"].edits[1].slot] * 14
+    for key in ("r0", "r1", "longer", "other"):
+        setup.backend.leave(key)
+    assert setup.plan.live == 0 and setup.plan.bank.live == 0
+
+
 def test_row_rules_are_the_entries_rows() -> None:
     setup = Setup()
     default = setup.entry("a", skip_first=True)

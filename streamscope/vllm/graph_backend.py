@@ -506,17 +506,20 @@ class GraphBackend:
         return graphed, hooked, harvest
 
     def _planned(self, graphed: list[tuple[SteerEntry, str, Operation]]) -> list[PlannedSteer]:
-        """The plan's steers of a request's `graphed` steers; requests with the same entries (a bulk run's requests
-        of one length share theirs: `bulk.apply.run_requests`) share one list, which `GraphPlan.enter` reads and
-        keeps none of."""
-        key = tuple(id(entry) for entry, _, _ in graphed)
+        """The plan's steers of a request's `graphed` steers; requests whose steers name the same sites, operations
+        and rows share one list, which `GraphPlan.enter` reads and keeps none of: a bulk run's requests of one
+        length, and a server's requests that send the same steers (their operations are shared:
+        `ServeState.shared`), though each brings entries of its own."""
+        key = tuple((name, id(operation), id(entry.delta), entry.rule) for entry, name, operation in graphed)
         found = self._planned_lists.get(key)
-        if found is None or any(kept is not entry for kept, (entry, _, _) in zip(found[1], graphed)):
+        if found is None:
             steers = [PlannedSteer([name], operation, row_rule(entry), ("operation", id(entry.delta), operation.mode))
                       for entry, name, operation in graphed]
             if len(self._planned_lists) >= DIVISIONS:
                 self._planned_lists.clear()
-            found = self._planned_lists[key] = (steers, tuple(entry for entry, _, _ in graphed))
+            # the operations and deltas whose ids the key holds, kept alive while it is cached
+            found = self._planned_lists[key] = (steers, tuple((operation, entry.delta)
+                                                              for entry, _, operation in graphed))
         return found[0]
 
     def _leaving_chains(self, live: Live, graphed: list[tuple[SteerEntry, str, Operation]],
