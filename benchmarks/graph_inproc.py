@@ -50,6 +50,8 @@ def in_process(options: argparse.Namespace) -> None:
     print(f"  ablate at every block / bare on the same engine: {times['ablate'] / times['bare']:.3f} (bound 1.03)")
     print(f"  of which: streamscope's generate with no steer / bare {times['generate'] / times['bare']:.3f}, "
           f"ablate / that generate {times['ablate'] / times['generate']:.3f}")
+    print(f"  bare with a marked params a request / bare {times['bare, marked'] / times['bare']:.3f} (vLLM's own cost of "
+          f"what a bulk run sends)")
     if plain:
         print(f"  ablate at every block / plain vLLM: {times['ablate'] / plain:.3f} (bound 1.03); "
               f"bare with idle ops / plain vLLM: {times['bare'] / plain:.3f}")
@@ -81,6 +83,8 @@ def graph_engine(folder: Path, options: argparse.Namespace, split: HostSplit) ->
         # the ablation costs beyond it is the ops' and the plan's, what it costs over `bare` the bulk path's own
         return workloads.timed_together({
             "bare": workloads.bare_w2(model.vllm_entrypoint, prompts, count),
+            # each request with params of its own, marked as a bulk run marks it, and nothing of streamscope's run
+            "bare, marked": workloads.bare_w2(model.vllm_entrypoint, prompts, count, marked=True),
             "generate": split.measured("generate", lambda: model.generate(prompts, **sampling)),
             "ablate": split.measured("ablate", lambda: model.generate(prompts, steer=ablations, **sampling))},
             options.rounds)
