@@ -1,8 +1,9 @@
 """Issue 39 in process: W2 with an ablation at every block on an engine with graph ops, against bare generation.
 
 W2 (256 prompts x 128 sampled tokens, `gpu_workloads.py`) on one engine started with ``graph_ops=True`` and
-compile and CUDA graphs on: bare generation (vLLM's `generate` on the engine), streamscope's `generate` with no
-steer (its bulk path with nothing asked), and the same with an ablation at every block's ``layer_output`` (bound
+compile and CUDA graphs on: bare generation (vLLM's `generate` on the engine; again with params of its own a
+request, marked as a bulk run marks it), streamscope's `generate` with no steer (its bulk path with nothing
+asked), and the same with an ablation at every block's ``layer_output`` (bound
 1.03x bare), alternating round by round; and bare generation on plain vLLM's `LLM` with its defaults but the
 prefix cache (the rounds repeat their prompts, which it would serve without a forward), timed first in a child
 process. Then each streamscope run split by where its host time went (`host_split.py`): the worker's begin, each
