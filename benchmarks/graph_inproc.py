@@ -29,7 +29,10 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from host_split import HostSplit  # noqa: E402
+from host_split import HostDelay, HostSplit  # noqa: E402
+
+#: The time `HostDelay` adds to each step's plan in the run that asks whether the plan is on the critical path.
+HOST_DELAY = 1e-3
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,9 +45,9 @@ def in_process(options: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as folder:
         workloads.build_folder(Path(folder), options.shape == "tiny")
         plain = plain_child(Path(folder), options)
-        split = HostSplit()
+        split, delay = HostSplit(), HostDelay(HOST_DELAY)
         with split:
-            times = graph_engine(Path(folder), options, split)
+            times = graph_engine(Path(folder), options, split, delay)
     print(f"\nin process, W2 (256 prompts x 128 sampled tokens at the 8B shape), medians of {options.rounds}:")
     for name, seconds in {**times, "plain vLLM LLM (defaults, no prefix cache)": plain}.items():
         print(f"  {name}: {'-' if seconds is None else f'{seconds:.3f} s'}")
@@ -56,11 +59,14 @@ def in_process(options: argparse.Namespace) -> None:
     if plain:
         print(f"  ablate at every block / plain vLLM: {times['ablate'] / plain:.3f} (bound 1.03); "
               f"bare with idle ops / plain vLLM: {times['bare'] / plain:.3f}")
+    added = (times["generate, plan +1 ms"] - times["generate"]) * 1e3
+    print(f"  each step's plan held {HOST_DELAY * 1e3:.0f} ms longer: {delay.steps} steps a run, {added:.0f} ms added "
+          f"of {delay.steps * HOST_DELAY * 1e3:.0f} (the share of a step's plan time on its critical path)")
     print("where streamscope's runs spent their host time (medians; the rest is the engine's and the device's):")
     print("\n".join(split.report()))
 
 
-def graph_engine(folder: Path, options: argparse.Namespace, split: HostSplit) -> dict[str, float]:
+def graph_engine(folder: Path, options: argparse.Namespace, split: HostSplit, delay: HostDelay) -> dict[str, float]:
     import torch
 
     import gpu_workloads as workloads
@@ -87,7 +93,9 @@ def graph_engine(folder: Path, options: argparse.Namespace, split: HostSplit) ->
             # each request with params of its own, marked as a bulk run marks it, and nothing of streamscope's run
             "bare, marked": workloads.bare_w2(model.vllm_entrypoint, prompts, count, marked=True),
             "generate": split.measured("generate", lambda: model.generate(prompts, **sampling)),
-            "ablate": split.measured("ablate", lambda: model.generate(prompts, steer=ablations, **sampling))},
+            "ablate": split.measured("ablate", lambda: model.generate(prompts, steer=ablations, **sampling)),
+            # whether a step's plan is on the critical path: the same run with each step's plan held longer
+            "generate, plan +1 ms": delay.run(lambda: model.generate(prompts, **sampling))},
             options.rounds)
     finally:
         model.close()

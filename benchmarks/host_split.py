@@ -18,7 +18,7 @@ from typing import Any, Callable
 #: What `graph_serve.py --in-process` splits a bulk run into: label -> (owner, attribute).
 BULK_PARTS = {
     "begin": ("streamscope.vllm.bulk", "_begin"),
-    "step plan": ("streamscope.vllm.bulk:WorkerState", "_step_scheduled"),
+    "step plan": ("streamscope.vllm.bulk:WorkerState", "observe"),
     "of which ops' plan": ("streamscope.vllm.graph_backend:GraphBackend", "step"),
     "finish": ("streamscope.vllm.bulk", "worker_finish"),
 }
@@ -96,3 +96,42 @@ class HostSplit:
                 parts.append(f"{label} {median[label] * 1e3:.1f} ms{each}")
             lines.append(f"  {name}: total {median['total']:.3f} s; " + ", ".join(parts))
         return lines
+
+
+class HostDelay:
+    """While entered, each step's plan in a bulk run (`WorkerState.observe`) holds the host `seconds` longer,
+    busy (as the plan's own work holds the GIL): a run's time grows by that times its steps where the plan's host
+    time is on the step's critical path, and by less where the engine overlaps it with the device's work."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.steps = 0
+        self._saved: Any = None
+
+    def __enter__(self) -> "HostDelay":
+        from streamscope.vllm.bulk import WorkerState
+
+        original = self._saved = WorkerState.__dict__["observe"]
+        delay = self
+
+        def delayed(state: Any, scheduler_output: Any) -> None:
+            original(state, scheduler_output)
+            delay.steps += 1
+            until = time.perf_counter() + delay.seconds
+            while time.perf_counter() < until:
+                pass
+        WorkerState.observe = delayed
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        from streamscope.vllm.bulk import WorkerState
+
+        WorkerState.observe = self._saved
+
+    def run(self, call: Callable[[], Any]) -> Callable[[], Any]:
+        """`call` with the delay on, counting its steps anew."""
+        def delayed() -> Any:
+            self.steps = 0
+            with self:
+                return call()
+        return delayed
