@@ -580,6 +580,62 @@ def test_a_step_copies_the_index_only_up_to_its_last_mark() -> None:
 
 
 @pytest.mark.parametrize("path", ["cpu", "gpu"])
+def test_a_steady_decode_batch_fills_and_copies_its_index_once(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps of the same requests in the same rows, each steered whole, leave the index the first of them
+    copied: nothing is filled or copied again (on the H100 the fill and copy were half of a steered step's plan),
+    while the device index stays what each step marks. A change of rows, a request's leave and another's entry into
+    the same table row, a steer that begins at a later token and a harvest each fill and copy anew."""
+    plan = GraphPlan(["s0", "s1"], 1, 32, HIDDEN, torch.float32, "cpu", slots=4, harvest_sites=["s0"])
+    if path == "gpu":
+        staged(plan, monkeypatch)
+    copied: list[int] = []
+    copy = plan._copy
+    plan._copy = lambda rows, lanes: (copied.append(rows), copy(rows, lanes))  # type: ignore
+    add, ablate = operation("add", False, seed=1), operation("ablate", False, seed=2)
+    every = RowRule.of(range(3), 3)
+    plan.enter("a", [PlannedSteer(["s0", "s1"], add, every, "add")])
+    plan.enter("b", [PlannedSteer(["s1"], ablate, every, "ablate")])
+    slots = {share: held[0] for share, held in plan.bank._held.items()}
+
+    def step(spans: list[Span], marks: dict[int, tuple[int, int]], pool: dict[int, int] = {}) -> None:
+        plan.step(spans)
+        expected = torch.full((32, 3), -1, dtype=torch.int32)  # two lanes, then the harvest's stream row -> pool row
+        for row, (s0, s1) in marks.items():
+            expected[row, 0], expected[row, 1] = s0, s1
+        for row, target in pool.items():
+            expected[row, 2] = target
+        assert torch.equal(plan.index, expected)
+
+    decode = {0: (slots["add"], slots["add"]), 2: (-1, slots["ablate"])}
+    for first in range(3, 7):  # a, a plain request, b: one row each
+        step([Span("a", 0, 1, first), Span(None, 1, 1, 0), Span("b", 2, 1, first)], decode)
+    assert copied == [3]
+    step([Span("b", 0, 1, 7), Span("a", 1, 1, 7)], {1: decode[0], 0: decode[2]})  # other rows
+    assert copied == [3, 3]
+    row = plan._live["b"].row
+    plan.leave("b")
+    plan.enter("c", [PlannedSteer(["s0"], ablate, every, "ablate")])
+    assert plan._live["c"].row == row  # b's table row, other marks
+    step([Span("c", 0, 1, 7), Span("a", 1, 1, 7)], {0: (slots["ablate"], -1), 1: decode[0]})
+    assert copied == [3, 3, 2]
+    late = RowRule.of([], 3, True, 2)  # from the third generated token on
+    plan.enter("d", [PlannedSteer(["s1"], add, late, "add")])
+    for first, marked in ((3, False), (4, False), (5, True), (6, True)):
+        step([Span("a", 0, 1, first + 5), Span("d", 1, 1, first)],
+             {0: decode[0], **({1: (-1, slots["add"])} if marked else {})})
+    # d's rows are worked out span by span while its rule covers part of them (copied each step), then it is
+    # steered whole: the step after the first such copies nothing
+    assert copied == [3, 3, 2, 2, 2, 2]
+    plan.enter("h", harvest_positions=[0, 1])
+    step([Span("a", 0, 1, 12), Span("h", 1, 2, 0)], {0: decode[0]}, {1: 0, 2: 1})
+    step([Span("a", 0, 1, 13), Span("h", 1, 1, 2)], {0: decode[0]})
+    assert copied[-2:] == [3, 3]  # the harvest's rows, then their reset
+    step([Span("a", 0, 1, 14), Span("h", 1, 1, 3)], {0: decode[0]})
+    step([Span("a", 0, 1, 15), Span("h", 1, 1, 4)], {0: decode[0]})
+    assert len(copied) == 8  # the harvest done and its column reset: the same marks again, nothing copied
+
+
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
 @pytest.mark.parametrize("distinct", [1, 256])
 def test_a_decode_batch_at_every_block(distinct: int, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """256 requests decoding, each steered at every block (lanes evenly spaced: two rounds a site), by one shared

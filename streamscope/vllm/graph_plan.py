@@ -384,6 +384,10 @@ class GraphPlan:
         self._table = np.full((64, columns), -1, dtype=np.int32)
         self._free_rows = list(range(63, 0, -1))
         self._dirty = 0  # rows of the device index that the last step's copy covered
+        #: Bumped at every change of the table: a step whose rows come from the table alone (`step`) is the last
+        #: step's again, and copies nothing, where its owners, their rows and this are the last step's.
+        self._table_version = 0
+        self._filled: Optional[tuple[list[int], list[int], int]] = None  # (owners, counts, version) of the last fill
         self._rows: dict[Hashable, torch.Tensor] = {}  # each request's harvested rows so far, on the host
         #: Whether the last `step` marks no row: none of its requests has a steer live (begun or not) or a harvest
         #: read in it. The ops change nothing in it, so they may skip it (`graph_ops.IDLE`); its index is still
@@ -442,6 +446,7 @@ class GraphPlan:
         if live.edits:
             live.row = self._table_row()
             self._table[live.row, columns] = marks
+            self._table_version += 1
         if positions:
             live.positions = positions
             live.sites = tuple(self.harvest_index[site] for site in sites)
@@ -536,6 +541,7 @@ class GraphPlan:
         if live.row:
             self._table[live.row] = -1
             self._free_rows.append(live.row)
+            self._table_version += 1
 
     def _table_row(self) -> int:
         if not self._free_rows:  # twice the rows, the old ones kept: amortized constant time a request
@@ -619,10 +625,15 @@ class GraphPlan:
         # up to its last marked row.
         rows = max(marked, self._dirty)
         reset = self._written - lanes
-        self._fill_rows(owners, counts, total, marked, rows, partial, picked, sorted(lanes), sorted(reset))
-        if rows and (lanes or reset):
-            self._copy(rows, sorted(lanes | reset))
-        self._dirty, self._written = marked, frozenset(lanes)
+        filled = (owners, counts, self._table_version) if not partial and not picked else None
+        # A decode step of the same requests in the same rows as the last, each steered whole: the index the last
+        # step left on the device is this one's, so nothing is filled or copied (most steps of a steady batch).
+        if filled is None or filled != self._filled or marked != self._dirty or lanes != self._written:
+            self._fill_rows(owners, counts, total, marked, rows, partial, picked, sorted(lanes), sorted(reset))
+            if rows and (lanes or reset):
+                self._copy(rows, sorted(lanes | reset))
+            self._dirty, self._written = marked, frozenset(lanes)
+        self._filled = filled
         self.idle = not marked
         self.marked_columns = frozenset(self._site_column[lane] for lane in lanes)
         lean = self.lean_columns
