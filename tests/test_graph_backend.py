@@ -144,30 +144,32 @@ def test_the_applier_plans_through_the_backend_and_close_empties_the_plan() -> N
 def test_requests_sending_the_same_steers_share_the_plan_s_record_of_them() -> None:
     """A server's requests bring entries of their own around shared sites and operations (`ServeState.shared`):
     those with the same steers and rows share the plan's steers and its record of their edits (worked out once,
-    most of an entry's host time), each with its own table row; a different rule or operation gets its own, and
-    the rows each request's steers mark are its own."""
+    most of an entry's host time), each with its own table row, whatever their prompts' lengths where the steers
+    edit every row; other rows or another operation get their own, and the rows each request's steers mark are
+    its own."""
     setup = Setup()
     first, second = setup.entry("a", "ablate"), setup.entry("c", seed=1)
 
-    def live(length: int = 6, operation: Any = None) -> Live:
-        return Live([SteerEntry(first.site, operation or first.delta, None, None, True, length, 0),
+    def live(length: int = 6, operation: Any = None, chosen: Any = None) -> Live:
+        return Live([SteerEntry(first.site, operation or first.delta, None, chosen, True, length, 0),
                      SteerEntry(second.site, second.delta, None, None, True, length, 0)])
 
-    for key in ("r0", "r1"):
-        setup.backend.enter(key, live())
-    same = setup.plan._live["r0"], setup.plan._live["r1"]
-    assert same[0].edits is same[1].edits and same[0].row != same[1].row and setup.plan.bank.live == 2
-    setup.backend.enter("longer", live(length=9))
+    for key, length in (("r0", 6), ("r1", 6), ("longer", 9)):
+        setup.backend.enter(key, live(length))
+    same = [setup.plan._live[key] for key in ("r0", "r1", "longer")]
+    assert all(record.edits is same[0].edits for record in same) and setup.plan.bank.live == 2
+    assert len({record.row for record in same}) == 3
+    setup.backend.enter("some", live(chosen=frozenset({1, 2})))
     other = setup.entry("a", "ablate", seed=7).delta
     setup.backend.enter("other", live(operation=other))
-    assert all(setup.plan._live[key].edits is not same[0].edits for key in ("longer", "other"))
+    assert all(setup.plan._live[key].edits is not same[0].edits for key in ("some", "other"))
     assert setup.plan.bank.live == 3
     setup.backend.step([Span("r0", 0, 6, 0), Span("other", 6, 6, 0), Span("r1", 12, 2, 6)])
     a, c = setup.plan.slots_of("a")[:14].tolist(), setup.plan.slots_of("c")[:14].tolist()
     slot = setup.plan._live["r0"].edits[0].slot
     assert a[:6] + a[12:] == [slot] * 8 and len(set(a[6:12])) == 1 and a[6] not in (slot, -1)
     assert c == [setup.plan._live["r0"].edits[1].slot] * 14
-    for key in ("r0", "r1", "longer", "other"):
+    for key in ("r0", "r1", "longer", "some", "other"):
         setup.backend.leave(key)
     assert setup.plan.live == 0 and setup.plan.bank.live == 0
 
@@ -178,8 +180,16 @@ def test_row_rules_are_the_entries_rows() -> None:
     chosen = SteerEntry(setup.sites["a"], default.delta, None, frozenset({1, 4}), True, 6, 0, from_step=2)
     for entry in (default, chosen, setup.entry("c")):
         rule = row_rule(entry)
-        for span in (Span(0, 0, 6, 0), Span(0, 3, 1, 6), Span(0, 3, 1, 7), Span(0, 3, 1, 9)):
-            assert rule.ranges(span.start, span.count, span.first) == entry.ranges(span), (entry.rule, span)
+        for span in (Span(0, 0, 6, 0), Span(0, 3, 1, 6), Span(0, 3, 1, 7), Span(0, 3, 1, 9), Span(0, 2, 3, 1),
+                     Span(0, 0, 2, 0), Span(0, 4, 4, 5)):
+            ranges = rule.ranges(span.start, span.count, span.first)
+            assert ranges == entry.ranges(span), (entry.rule, span)
+            assert rule.covers(span.first, span.count) == (ranges == [(span.start, span.start + span.count)])
+    # every row, and every row but the first, are one rule for any length (requests of any length share a plan)
+    for skip_first in (False, True):
+        rules = {id(row_rule(SteerEntry(default.site, default.delta, None, None, True, length, 0,
+                                        skip_first=skip_first))) for length in (2, 6, 300)}
+        assert len(rules) == 1
 
 
 def test_the_option_and_the_engine_s_config() -> None:

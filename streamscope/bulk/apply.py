@@ -233,6 +233,7 @@ def run_requests(harvest_sites: list[Site], harvest_positions: dict[Hashable, li
         requests[key] = Live([], harvest_sites=harvest_sites, positions=list(positions),
                              slots={position: slot for slot, position in enumerate(positions)}, readout=readout)
     rounds: dict[tuple[int, str], int] = {}
+    kinds: dict[tuple[int, int], tuple[bool, bool]] = {}  # (id of positions, length) -> (every, all but the first)
     for plan in plans:
         order = rounds.get(plan.site.key, 0)
         rounds[plan.site.key] = order + 1
@@ -244,8 +245,8 @@ def run_requests(harvest_sites: list[Site], harvest_positions: dict[Hashable, li
             length = plan.lengths[key]
             entry = shared.get((length, chosen)) if not plan.slots else None
             if entry is None:
-                every = chosen == frozenset(range(length))
-                skip_first = not every and chosen == frozenset(range(1, length))
+                every, skip_first = kinds.get((id(chosen), length)) or kinds.setdefault((id(chosen), length),
+                                                                                        _kind(chosen, length))
                 entry = SteerEntry(plan.site, plan.operation, None, None if every or skip_first else chosen,
                                    bool(steer.generated), length, order, steer.from_step, skip_first=skip_first,
                                    condition_site=plan.condition_site, slot=plan.slots[key] if plan.slots else 0)
@@ -257,6 +258,14 @@ def run_requests(harvest_sites: list[Site], harvest_positions: dict[Hashable, li
     return requests
 
 
+def _kind(chosen: frozenset, length: int) -> tuple[bool, bool]:
+    """Whether prompt positions `chosen` of a `length`-token prompt are every one, or every one but the first."""
+    # distinct positions below `length`: every one where there are `length` of them from 0 to the last
+    low, high = (min(chosen), max(chosen)) if chosen else (0, -1)
+    every = len(chosen) == length and low == 0 and high == length - 1
+    return every, not every and len(chosen) == length - 1 and low == 1 and high == length - 1
+
+
 def steer_plans(steers: Sequence[tuple[Steer, Site]], keys: Sequence[Hashable], lengths: Sequence[int],
                 dtype: torch.dtype, device: Any, root: Any = None) -> list[SteerPlan]:
     """Each steer with its vector ready and its positions resolved for every prompt it applies to.
@@ -265,14 +274,23 @@ def steer_plans(steers: Sequence[tuple[Steer, Site]], keys: Sequence[Hashable], 
     found on, where a conditional steer's condition site is found too (a conditional steer needs it).
     """
     plans = []
+    # Positions by rule and length, for rules that name no prompt (a string, one position): steers at every block
+    # with one rule share their sets (a run of prompts of many lengths once built one a steer and length)
+    resolved: dict[tuple[Any, int], frozenset] = {}
     for steer, site in steers:
         indices = list(range(len(keys)) if steer.prompts is None else steer.prompts)
+        shared = isinstance(steer.positions, (str, int))
         by_length: dict[int, frozenset] = {}  # a steer's positions depend on its prompt's length alone
         positions = {}
         for i in indices:
             chosen = by_length.get(lengths[i])
             if chosen is None:
-                chosen = by_length[lengths[i]] = frozenset(steer_positions(steer, lengths[i], i))
+                chosen = resolved.get((steer.positions, lengths[i])) if shared else None
+                if chosen is None:
+                    chosen = frozenset(steer_positions(steer, lengths[i], i))
+                    if shared:
+                        resolved[(steer.positions, lengths[i])] = chosen
+                by_length[lengths[i]] = chosen
             positions[keys[i]] = chosen
         operation: Any = steer.operation(dtype, device)
         condition_site, slots = None, None

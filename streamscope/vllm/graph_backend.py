@@ -366,11 +366,20 @@ def row_rule(entry: SteerEntry) -> Any:
     return _row_rule_of(entry.rule)
 
 
+#: Every row of a request, whatever its prompt's length (no prompt range; generated tokens from position 0 on).
+EVERY_ROW = RowRule(0, (), True, 0)
+#: Every row but its prompt's first position's (the default positions), whatever the length.
+EVERY_ROW_BUT_FIRST = RowRule(1, (), True, 0)
+
+
 @functools.lru_cache(maxsize=4096)
 def _row_rule_of(rule: tuple) -> RowRule:
     """`SteerEntry.rule`'s `RowRule`, one for each rule: a request's steers at every block share one, and so do
-    requests of one length (a rule is a frozen value)."""
+    requests of one length (a rule is a frozen value); the rules of every row, and of every row but the first, are
+    one each for every length, so that requests of any length share their plan (`GraphBackend._planned`)."""
     chosen, skip_first, generated, from_step, length = rule
+    if chosen is None and generated and from_step == 0:
+        return EVERY_ROW_BUT_FIRST if skip_first else EVERY_ROW
     positions = range(int(skip_first), length) if chosen is None else chosen
     return RowRule.of(positions, length, generated, from_step)
 
@@ -507,19 +516,21 @@ class GraphBackend:
 
     def _planned(self, graphed: list[tuple[SteerEntry, str, Operation]]) -> list[PlannedSteer]:
         """The plan's steers of a request's `graphed` steers; requests whose steers name the same sites, operations
-        and rows share one list, which `GraphPlan.enter` reads and keeps none of: a bulk run's requests of one
+        and rows (`row_rule`: every row is one rule whatever the prompt's length) share one list, which `GraphPlan.enter` reads and keeps none of: a bulk run's requests of one
         length, and a server's requests that send the same steers (their operations are shared:
         `ServeState.shared`), though each brings entries of its own."""
-        key = tuple((name, id(operation), id(entry.delta), entry.rule) for entry, name, operation in graphed)
+        rules = [row_rule(entry) for entry, _, _ in graphed]
+        key = tuple((name, id(operation), id(entry.delta), id(rule))
+                    for (entry, name, operation), rule in zip(graphed, rules))
         found = self._planned_lists.get(key)
         if found is None:
-            steers = [PlannedSteer([name], operation, row_rule(entry), ("operation", id(entry.delta), operation.mode))
-                      for entry, name, operation in graphed]
+            steers = [PlannedSteer([name], operation, rule, ("operation", id(entry.delta), operation.mode))
+                      for (entry, name, operation), rule in zip(graphed, rules)]
             if len(self._planned_lists) >= DIVISIONS:
                 self._planned_lists.clear()
-            # the operations and deltas whose ids the key holds, kept alive while it is cached
-            found = self._planned_lists[key] = (steers, tuple((operation, entry.delta)
-                                                              for entry, _, operation in graphed))
+            # the operations, deltas and rules whose ids the key holds, kept alive while it is cached
+            found = self._planned_lists[key] = (steers, tuple((operation, entry.delta, rule) for (entry, _, operation),
+                                                              rule in zip(graphed, rules)))
         return found[0]
 
     def _leaving_chains(self, live: Live, graphed: list[tuple[SteerEntry, str, Operation]],
