@@ -39,6 +39,7 @@ class HostSplit:
         self.parts = parts
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.calls: dict[str, int] = collections.defaultdict(int)
+        self.each: dict[str, list[float]] = collections.defaultdict(list)  # each call's seconds, per part
         self._saved: list[tuple[Any, str, Any]] = []
         self.runs: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
 
@@ -56,7 +57,7 @@ class HostSplit:
         self._saved.clear()
 
     def _timed(self, label: str, original: Callable) -> Callable:
-        seconds, calls = self.seconds, self.calls
+        seconds, calls, each = self.seconds, self.calls, self.each
 
         @functools.wraps(original)
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -64,8 +65,10 @@ class HostSplit:
             try:
                 return original(*args, **kwargs)
             finally:
-                seconds[label] += time.perf_counter() - start
+                took = time.perf_counter() - start
+                seconds[label] += took
                 calls[label] += 1
+                each[label].append(took)
         return timed
 
     def measured(self, name: str, call: Callable[[], Any]) -> Callable[[], Any]:
@@ -73,12 +76,17 @@ class HostSplit:
         def run() -> Any:
             self.seconds.clear()
             self.calls.clear()
+            self.each.clear()
             start = time.perf_counter()
             try:
                 return call()
             finally:
                 record = {label: self.seconds.get(label, 0.0) for label in self.parts}
                 record.update({f"{label} calls": float(self.calls.get(label, 0)) for label in self.parts})
+                # the median call (a decode step, where a part runs each step) and the slowest (a prefill step's)
+                record.update({f"{label} median": statistics.median(self.each[label]) if self.each.get(label) else 0.0
+                               for label in self.parts})
+                record.update({f"{label} max": max(self.each[label], default=0.0) for label in self.parts})
                 record["total"] = time.perf_counter() - start
                 self.runs[name].append(record)
         return run
@@ -92,7 +100,9 @@ class HostSplit:
             parts = []
             for label in self.parts:
                 calls = median[f"{label} calls"]
-                each = f" ({median[label] / calls * 1e6:.0f} us x {calls:.0f})" if calls > 1 else ""
+                each = (f" ({median[label] / calls * 1e6:.0f} us x {calls:.0f}; the median call "
+                        f"{median[f'{label} median'] * 1e6:.0f} us, the slowest {median[f'{label} max'] * 1e3:.2f} ms)"
+                        if calls > 1 else "")
                 parts.append(f"{label} {median[label] * 1e3:.1f} ms{each}")
             lines.append(f"  {name}: total {median['total']:.3f} s; " + ", ".join(parts))
         return lines

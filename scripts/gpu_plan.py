@@ -52,6 +52,8 @@ the console; ``<out>/plan.txt`` lists what ran, for how long and how it ended.
   graph39-inproc  issue 39 in process: W2 with an ablation at every block on an engine with graph ops,
            compiled and graphed, against bare on it and plain vLLM's `LLM` (bound 1.03x); two
            compiled engine starts, one after the other                                           5-7 min
+  pinpack  issue 39: `benchmarks/pinned_pack.py`, the graph plan's pack of a step's index lanes into pinned and
+           pageable memory and the copy after it (torch alone: it runs before any chunk call)       under 1 min
   w12      issue 39: gpu_workloads.py's W1 and W2 (no ceiling, trace, transformers or W2g), 3 rounds,
            in this tree and in each `--tree`: "no slower than today"                              about 4 min a tree
 
@@ -188,6 +190,7 @@ def commands(out: Path, trees: dict[str, Path], deadline: float) -> dict[str, li
                        ("graph ops, float32", [python, "scripts/gpu_suite.py", "--out", str(out / "suite"), "--gpus",
                                                "0", "--slots", "4", "--dtypes", "float32", "--parts", "graph",
                                                "--families", "llama", "--seconds", "200"], ROOT, 230)],
+        "pinpack": [("the index's pack", [python, "benchmarks/pinned_pack.py"], ROOT, 60)],
         "graph39-inproc": [("graph39 in process", [python, "benchmarks/graph_serve.py", "--in-process", "--shape",
                                                    "llama3-8b", "--rounds", "5"], ROOT, 450)],
         "w12": [(f"w1 w2 ({name})", [python, "benchmarks/gpu_workloads.py", "--skip", "ceiling,trace,hf,w2g",

@@ -693,7 +693,12 @@ class GraphPlan:
             values.numpy()[:rows] = self._host[lanes[0], :rows]
             return
         count = len(lanes)
-        np.take(self._host[:, :rows], lanes, axis=0, out=values.numpy()[:count * rows].reshape(count, rows))
+        packed = values.numpy()[:count * rows].reshape(count, rows)
+        chosen = _columns(lanes)
+        if isinstance(chosen, slice):  # evenly spaced lanes (a steer at every block): one strided copy
+            packed[:] = self._host[chosen, :rows]
+        else:  # ("clip": the lanes are columns; numpy buffers `out` under the default "raise")
+            np.take(self._host[:, :rows], lanes, axis=0, out=packed, mode="clip")
         numbers.numpy()[:count] = lanes
 
     def _launch(self, turn: int, rows: int, count: int, lane: int) -> None:
