@@ -10,9 +10,9 @@ setup: .venv/.streamscope-ready
 demo: setup
 	$(PYTHON) -m streamscope.demo
 
-# Two processes, whole files each (a file's tests share its engines): 67 minutes for 5,860 tests on 2 cores on
-# 2026-12-07 (89 before tests/conftest.py's `_CollectThenFreeze` and the parallel-engine files' shared script
-# process; 41-46 minutes on 2026-12-05 and -06: why it doubled is not known); the slowest tests are printed at the
+# Two processes, whole files each (a file's tests share its engines): 28 minutes for 5,866 tests on 2 idle cores on
+# 2026-12-07, since tests/conftest.py keeps GNU OpenMP's threads from spinning (OMP_WAIT_POLICY=PASSIVE: 64-89
+# minutes before, each process's spinning threads taking the other's core); the slowest tests are printed at the
 # end, to keep the run under CI's 90 minutes.
 test: setup lint
 	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=30
