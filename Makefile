@@ -11,9 +11,9 @@ demo: setup
 	$(PYTHON) -m streamscope.demo
 
 # Two processes, whole files each (a file's tests share its engines): 28 minutes for 5,866 tests on 2 idle cores on
-# 2026-12-07, since tests/conftest.py keeps GNU OpenMP's threads from spinning (OMP_WAIT_POLICY=PASSIVE: 64-89
-# minutes before, each process's spinning threads taking the other's core); the slowest tests are printed at the
-# end, to keep the run under CI's 90 minutes.
+# 2026-12-07, with tests/conftest.py keeping GNU OpenMP's threads from spinning (OMP_WAIT_POLICY=PASSIVE); earlier
+# runs took 64-89 minutes with other work beside them, and CI's machine took 76 minutes for the whole job. The
+# slowest tests are printed at the end, to keep the run under CI's 90 minutes.
 test: setup lint
 	$(PYTHON) -m pytest -q -n 2 --dist loadfile --durations=30
 
