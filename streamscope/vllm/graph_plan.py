@@ -567,6 +567,9 @@ class GraphPlan:
 
         Call before the step runs (before a graph's replay): the ops read the
         index that the copy fills, queued before them on the same stream.
+        A step whose index is the last step's (the same requests in the same
+        rows, each steered whole by the same table rows: a steady decode
+        batch) fills and copies nothing.
         After the step, `copy_out` its harvest. `spans` come in row order,
         as the scheduler lays the batch out. Sets the ops' switch
         (`graph_ops.IDLE`) for the step: idle where it marks no row, and the
