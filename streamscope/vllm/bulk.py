@@ -106,6 +106,12 @@ class WorkerState:
                 self.keys[request_id] = mark[1]
         for request_id in vllm_seam.finished_requests(scheduler_output):
             self.keys.pop(request_id, None)
+        if not self.applier.live and self.logits is None:
+            # a run with nothing to apply or record (a plain `generate`): no spans to read; the step is still
+            # claimed, so that the graph ops' plan resets what an earlier step marked
+            self.sampled = []
+            self.applier.step(())
+            return
         computed = vllm_seam.computed_tokens(self.runner)
         keys = self.keys.get
         spans = [Span(keys(request_id), start, count, computed(request_id))

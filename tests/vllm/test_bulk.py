@@ -217,6 +217,29 @@ def test_the_bulk_path_runs_with_the_engine_in_another_process(engine, tmp_path)
                 assert torch.equal(theirs, mine), index
 
 
+def test_a_run_with_nothing_to_apply_reads_no_spans_and_one_recording_logits_does(engine, monkeypatch):
+    """A plain `generate` (no steer, no harvest, no logits) has nothing to do at any step: the worker reads none of
+    the scheduler's spans (256 requests' worth each step, on the H200's host 0.44 ms of a step's critical path);
+    asked for logits, or given a steer, it reads them."""
+    import streamscope.vllm.bulk as bulk
+    from streamscope import vllm_seam
+
+    if not bulk._in_process():
+        pytest.skip("counts the worker's calls: the engine must run in this process")
+    calls = []
+    spans = vllm_seam.scheduled_spans
+    monkeypatch.setattr(vllm_seam, "scheduled_spans", lambda *args: calls.append(1) or spans(*args))
+    model = engine.model
+    plain = model.generate(PROMPTS, max_tokens=3, progress=False)
+    assert not calls
+    recorded = model.generate(PROMPTS, max_tokens=3, return_logits=True, progress=False)
+    assert calls and recorded.tokens == plain.tokens and len(recorded.logits) == len(PROMPTS)
+    before = len(calls)
+    model.generate(PROMPTS, max_tokens=3, progress=False,
+                   steer=[streamscope.Steer("layer_output", 0, torch.ones(model.hidden_size))])
+    assert len(calls) > before  # a run with work reads them
+
+
 def test_a_steer_at_chosen_prompt_positions_edits_those_rows_only(engine):
     # Rows that are not one block (the first and last position of each prompt): an index, not a slice.
     model = engine.model
