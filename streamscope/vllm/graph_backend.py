@@ -515,10 +515,11 @@ class GraphBackend:
         return graphed, hooked, harvest
 
     def _planned(self, graphed: list[tuple[SteerEntry, str, Operation]]) -> list[PlannedSteer]:
-        """The plan's steers of a request's `graphed` steers; requests whose steers name the same sites, operations
-        and rows (`row_rule`: every row is one rule whatever the prompt's length) share one list, which `GraphPlan.enter` reads and keeps none of: a bulk run's requests of one
-        length, and a server's requests that send the same steers (their operations are shared:
-        `ServeState.shared`), though each brings entries of its own."""
+        """The plan's steers of a request's `graphed` steers. Requests whose steers name the same sites, operations
+        and rows share one list, which `GraphPlan.enter` reads and keeps none of: a bulk run's requests (every row,
+        and every row but the first, are one `row_rule` whatever the prompt's length), and a server's requests that
+        send the same steers (their operations are shared: `ServeState.shared`), though each brings entries of its
+        own."""
         rules = [row_rule(entry) for entry, _, _ in graphed]
         key = tuple((name, id(operation), id(entry.delta), id(rule))
                     for (entry, name, operation), rule in zip(graphed, rules))
