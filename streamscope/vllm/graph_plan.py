@@ -626,23 +626,29 @@ class GraphPlan:
         # Rows past `marked` and lanes no request of the step marks hold -1 on the device once the last step's marks
         # there are reset: a step of plain requests after another copies nothing, and a steered one only its lanes,
         # up to its last marked row.
-        rows = max(marked, self._dirty)
-        reset = self._written - lanes
-        filled = (owners, counts, self._table_version) if not partial and not picked else None
-        # A decode step of the same requests in the same rows as the last, each steered whole: the index the last
-        # step left on the device is this one's, so nothing is filled or copied (most steps of a steady batch).
-        if filled is None or filled != self._filled or marked != self._dirty or lanes != self._written:
-            self._fill_rows(owners, counts, total, marked, rows, partial, picked, sorted(lanes), sorted(reset))
-            if rows and (lanes or reset):
-                self._copy(rows, sorted(lanes | reset))
-            self._dirty, self._written = marked, frozenset(lanes)
-        self._filled = filled
+        self._write(owners, counts, total, marked, partial, picked, lanes)
         self.idle = not marked
         self.marked_columns = frozenset(self._site_column[lane] for lane in lanes)
         lean = self.lean_columns
         IDLE.step, IDLE.lean = self.idle, lean is not None and self.marked_columns <= lean
         IDLE.columns = (self.marked_columns, self.columns)
         return StepHarvest(None, layout, used, lives=lives)
+
+    def _write(self, owners: list[int], counts: list[int], total: int, marked: int,
+               partial: list[tuple[_Live, int, int, int]], picked: list[tuple[int, Any, int, int]],
+               lanes: set[int]) -> None:
+        """The step's index filled on the host and copied to the device, up to its last marked row and the last
+        step's; nothing where it is the last step's index: a decode step of the same requests in the same rows,
+        each steered whole by the same table rows (most steps of a steady batch)."""
+        filled = (owners, counts, self._table_version) if not partial and not picked else None
+        if filled is not None and filled == self._filled and marked == self._dirty and lanes == self._written:
+            return
+        rows = max(marked, self._dirty)
+        reset = self._written - lanes
+        self._fill_rows(owners, counts, total, marked, rows, partial, picked, sorted(lanes), sorted(reset))
+        if rows and (lanes or reset):
+            self._copy(rows, sorted(lanes | reset))
+        self._dirty, self._written, self._filled = marked, frozenset(lanes), filled
 
     def _fill_rows(self, owners: list[int], counts: list[int], total: int, marked: int, rows: int,
                    partial: list[tuple[_Live, int, int, int]], picked: list[tuple[int, Any, int, int]],
