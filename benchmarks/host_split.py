@@ -15,12 +15,13 @@ import statistics
 import time
 from typing import Any, Callable
 
-#: What `graph_serve.py --in-process` splits a bulk run into: label -> (owner, attribute).
+#: What `graph_inproc.py` splits a bulk run into: label -> (owner, attribute). Each is patched where its caller
+#: looks it up: the worker's RPC methods call `worker_finish` by the name `bulk_worker` imported.
 BULK_PARTS = {
     "begin": ("streamscope.vllm.bulk", "_begin"),
     "step plan": ("streamscope.vllm.bulk:WorkerState", "observe"),
     "of which ops' plan": ("streamscope.vllm.graph_backend:GraphBackend", "step"),
-    "finish": ("streamscope.vllm.bulk", "worker_finish"),
+    "finish": ("streamscope.vllm.bulk_worker", "worker_finish"),
 }
 
 
@@ -33,15 +34,14 @@ def _owner(path: str) -> Any:
 
 
 class HostSplit:
-    """Timers around `parts` (label -> (owner path, attribute)) while entered; `measured(call)` splits one call."""
+    """Timers around `parts` (label -> (owner path, attribute)) while entered; `measured(name, call)` records each
+    run of `call`: every part's calls' seconds, and the run's."""
 
     def __init__(self, parts: dict[str, tuple[str, str]] = BULK_PARTS) -> None:
         self.parts = parts
-        self.seconds: dict[str, float] = collections.defaultdict(float)
-        self.calls: dict[str, int] = collections.defaultdict(int)
         self.each: dict[str, list[float]] = collections.defaultdict(list)  # each call's seconds, per part
         self._saved: list[tuple[Any, str, Any]] = []
-        self.runs: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
+        self.runs: dict[str, list[tuple[float, dict[str, list[float]]]]] = collections.defaultdict(list)
 
     def __enter__(self) -> "HostSplit":
         for label, (path, attribute) in self.parts.items():
@@ -57,7 +57,7 @@ class HostSplit:
         self._saved.clear()
 
     def _timed(self, label: str, original: Callable) -> Callable:
-        seconds, calls, each = self.seconds, self.calls, self.each
+        each = self.each
 
         @functools.wraps(original)
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -65,46 +65,46 @@ class HostSplit:
             try:
                 return original(*args, **kwargs)
             finally:
-                took = time.perf_counter() - start
-                seconds[label] += took
-                calls[label] += 1
-                each[label].append(took)
+                each[label].append(time.perf_counter() - start)
         return timed
 
     def measured(self, name: str, call: Callable[[], Any]) -> Callable[[], Any]:
-        """`call`, recording under `name` each run's seconds in every part and in all (``"total"``)."""
+        """`call`, recording under `name` each run's seconds and its parts' calls."""
         def run() -> Any:
-            self.seconds.clear()
-            self.calls.clear()
             self.each.clear()
             start = time.perf_counter()
             try:
                 return call()
             finally:
-                record = {label: self.seconds.get(label, 0.0) for label in self.parts}
-                record.update({f"{label} calls": float(self.calls.get(label, 0)) for label in self.parts})
-                # the median call (a decode step, where a part runs each step) and the slowest (a prefill step's)
-                record.update({f"{label} median": statistics.median(self.each[label]) if self.each.get(label) else 0.0
-                               for label in self.parts})
-                record.update({f"{label} max": max(self.each[label], default=0.0) for label in self.parts})
-                record["total"] = time.perf_counter() - start
-                self.runs[name].append(record)
+                # copies: the timers go on appending to these lists in runs that are not measured
+                self.runs[name].append((time.perf_counter() - start,
+                                        {label: list(times) for label, times in self.each.items()}))
         return run
 
     def report(self, skip_first: int = 1) -> list[str]:
-        """Per run name, the median of each part over its runs after the first `skip_first` (the warm-up)."""
+        """Per run name, medians over its runs after the first `skip_first` (the warm-up): the run's seconds, and
+        each part's in all, with its calls' count, median (a decode step, where a part runs each step) and slowest
+        (a prefill step's); a part that never ran is said so, never shown as no time."""
         lines = []
         for name, runs in self.runs.items():
             kept = runs[skip_first:] or runs
-            median = {key: statistics.median(run[key] for run in kept) for key in kept[0]}
             parts = []
             for label in self.parts:
-                calls = median[f"{label} calls"]
-                each = (f" ({median[label] / calls * 1e6:.0f} us x {calls:.0f}; the median call "
-                        f"{median[f'{label} median'] * 1e6:.0f} us, the slowest {median[f'{label} max'] * 1e3:.2f} ms)"
-                        if calls > 1 else "")
-                parts.append(f"{label} {median[label] * 1e3:.1f} ms{each}")
-            lines.append(f"  {name}: total {median['total']:.3f} s; " + ", ".join(parts))
+                calls = [each.get(label, []) for _, each in kept]
+                if not any(calls):
+                    parts.append(f"{label} not called")
+                    continue
+                total = statistics.median(sum(times) for times in calls)
+                count = statistics.median(len(times) for times in calls)
+                described = f"{label} {total * 1e3:.1f} ms"
+                if count > 1:
+                    typical = statistics.median(statistics.median(times) for times in calls if times)
+                    slowest = statistics.median(max(times) for times in calls if times)
+                    described += (f" ({total / count * 1e6:.0f} us x {count:.0f}; the median call {typical * 1e6:.0f} "
+                                  f"us, the slowest {slowest * 1e3:.2f} ms)")
+                parts.append(described)
+            run_total = statistics.median(total for total, _ in kept)
+            lines.append(f"  {name}: total {run_total:.3f} s; " + ", ".join(parts))
         return lines
 
 
