@@ -2,8 +2,8 @@
 
 It imports streamscope where streamscope's dependencies are installed (the lent machine after its install), and
 runs where they are not too (a bare GPU machine with torch and triton): it then loads
-``streamscope/vllm/graph_kernels.py``, ``graph_ops.py``, ``graph_plan.py`` and ``bulk/operations.py`` from this
-checkout by path, with stand-ins for what they import of the rest. From the checkout's root::
+``streamscope/vllm/graph_kernels.py``, ``graph_ops.py``, ``row_rules.py``, ``graph_plan.py`` and
+``bulk/operations.py`` from this checkout by path, with stand-ins for what they import of the rest. From the checkout's root::
 
     python3 scripts/graph_ops_gpu_check.py
 
@@ -65,13 +65,14 @@ def stand_ins() -> None:
 try:  # where streamscope's dependencies are installed (the lent machine after install.sh)
     from streamscope.bulk import operations
     from streamscope.bulk.apply import Span
-    from streamscope.vllm import graph_kernels as kernels, graph_ops as ops, graph_plan as plans
+    from streamscope.vllm import graph_kernels as kernels, graph_ops as ops, graph_plan as plans, row_rules as rules
 except ImportError:
     stand_ins()
     Span = sys.modules["streamscope.bulk.apply"].Span
     operations = load("streamscope.bulk.operations", "bulk/operations.py")
-    kernels = load("streamscope.vllm.graph_kernels", "vllm/graph_kernels.py")  # graph_ops imports it on first use
-    ops = load("streamscope.vllm.graph_ops", "vllm/graph_ops.py")
+    ops = load("streamscope.vllm.graph_ops", "vllm/graph_ops.py")  # before the kernels, which import it
+    kernels = load("streamscope.vllm.graph_kernels", "vllm/graph_kernels.py")  # (graph_ops imports it on first use)
+    rules = load("streamscope.vllm.row_rules", "vllm/row_rules.py")
     plans = load("streamscope.vllm.graph_plan", "vllm/graph_plan.py")
 BODIES = ("triton", "torch")
 
@@ -102,7 +103,7 @@ def operation(mode: str, norm_match: bool, dtype: torch.dtype, width: int, seed:
 
 
 def scenarios(dtype: torch.dtype, width: int) -> list[tuple[str, dict, list[Span]]]:
-    rule, steer = plans.RowRule, plans.PlannedSteer
+    rule, steer = rules.RowRule, plans.PlannedSteer
     return [
         ("three requests", {
             "a": [steer(["s0", "s1"], operation("ablate", False, dtype, width, 1), rule.of(range(1, 40), 40), "a")],
@@ -195,7 +196,7 @@ def check_idle_switch(dtype: torch.dtype = torch.float32, width: int = 4096, row
         scratch.copy_(residual[0])  # a kernel of the model's own, so that no graph is empty
 
     ablate = operation("ablate", False, dtype, width, 1)
-    plan.enter("a", [plans.PlannedSteer(["s0"], ablate, plans.RowRule.of(range(1, 40), 40), "a")])
+    plan.enter("a", [plans.PlannedSteer(["s0"], ablate, rules.RowRule.of(range(1, 40), 40), "a")])
     plan.step([Span("a", 0, 40, 0), Span(None, 40, 60, 0)])
     body(hidden, residual)  # warm-up, uncaptured
     torch.cuda.synchronize()
@@ -236,7 +237,7 @@ def check_lean_capture(dtype: torch.dtype = torch.float32, width: int = 4096, ro
                                     plan.targets_of(site))
 
     add = operation("add", False, dtype, width, 1)
-    plan.enter("lean", [plans.PlannedSteer(["s1"], add, plans.RowRule.of(range(40), 40), "v")],
+    plan.enter("lean", [plans.PlannedSteer(["s1"], add, rules.RowRule.of(range(40), 40), "v")],
                harvest_positions=list(range(0, 40, 5)), harvest_sites=["s1"])
     plan.step([Span("lean", 0, 40, 0), Span(None, 40, 60, 0)])
     body(hidden, residual)  # warm-up, uncaptured
@@ -248,7 +249,7 @@ def check_lean_capture(dtype: torch.dtype = torch.float32, width: int = 4096, ro
     ops.IDLE.columns = None  # the eager call runs every op
     same, untouched, marked = replay_against(graph, body, plan, hidden, residual)
     plan.leave("lean")
-    plan.enter("other", [plans.PlannedSteer(["s0"], add, plans.RowRule.of(range(20), 20), "v")])
+    plan.enter("other", [plans.PlannedSteer(["s0"], add, rules.RowRule.of(range(20), 20), "v")])
     plan.step([Span("other", 0, 20, 0)])
     hidden.normal_()
     before = hidden.clone()
@@ -377,7 +378,7 @@ def check_compile(width: int = 1024) -> None:
     """torch.compile with the ops around a linear layer, default and with inductor's CUDA graphs."""
     plan = plans.GraphPlan(["s0"], 1, 64, width, torch.float32, DEVICE, slots=2, harvest_sites=["s0"])
     plan.enter("a", [plans.PlannedSteer(["s0"], operation("ablate", False, torch.float32, width, 20),
-                                        plans.RowRule.of(range(8), 8), "x")], harvest_positions=[2, 5])
+                                        rules.RowRule.of(range(8), 8), "x")], harvest_positions=[2, 5])
     plan.step([Span("a", 0, 8, 0), Span(None, 8, 8, 0)])
     linear = torch.nn.Linear(width, width, device=DEVICE)
 
@@ -477,7 +478,7 @@ def ops_time(name: str, dtype: torch.dtype = torch.bfloat16, width: int = 4096, 
                            harvest_sites=names if harvest else ())
     if steered:
         plan.enter("r", [plans.PlannedSteer(names, operation("ablate", False, dtype, width, 40),
-                                            plans.RowRule.of([0], 1), "r")])
+                                            rules.RowRule.of([0], 1), "r")])
         spans = [Span("r", 0, steered, 1)] + ([Span(None, steered, rows - steered, 0)] if rows > steered else [])
         plan.step(spans)
     hidden = torch.randn(rows, width, device=DEVICE).to(dtype)

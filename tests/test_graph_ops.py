@@ -23,7 +23,8 @@ from streamscope.bulk.spec import Steer
 from streamscope.values import OUTPUT
 from streamscope.vllm import graph_ops
 from streamscope.vllm.blocks import Summed
-from streamscope.vllm.graph_plan import GraphPlan, PlannedSteer, RowRule, SlotBank
+from streamscope.vllm.graph_plan import GraphPlan, PlannedSteer, SlotBank
+from streamscope.vllm.row_rules import EVERY_ROW, EVERY_ROW_BUT_FIRST, RowRule
 
 from .graph_stretch import EDITED_THEN_COPIED, EVERYWHERE, POOL, ROUNDS, STRETCHES, Stretch, pool_of, pooled
 from .precision import CPU_FLOAT32
@@ -673,6 +674,26 @@ def test_rule_of_a_steer_is_its_positions() -> None:
             rows = [row for low, high in rule.ranges(span.start, span.count, span.first) for row in range(low, high)]
             assert rows == brute_rows(chosen, length, True, 1, span), (positions, first, count)
             assert rule.covers(first, count) == (rows == list(range(4, 4 + count))), (positions, first, count)
+
+
+def test_a_rule_says_it_edits_every_row_exactly_where_it_covers_every_span() -> None:
+    """`RowRule.every` lets a step skip its `covers` check of each span (a steady decode step of 256 requests
+    steered at every block spent half its plan there): it holds exactly where every span of the request is
+    covered, prompt and generated, for the rules a steer makes and for the length-free rules of the graph
+    backend."""
+    length = 6
+    rules = [EVERY_ROW, EVERY_ROW_BUT_FIRST, RowRule.of((), 0), RowRule.of((), 0, False)]
+    for positions in ("all", "all_but_first", "last", [0, 2, 3], slice(0, 6), slice(0, 5)):
+        for generated, from_step in ((True, 0), (True, 1), (False, 0)):
+            steer = Steer("layer_output", 0, torch.ones(HIDDEN), positions=positions, generated=generated,
+                          from_step=from_step)
+            rules.append(RowRule.of_steer(steer, length, 0))
+    answers = set()
+    for rule in rules:
+        spans = [(first, count) for first in range(length + 4) for count in (1, 2, length + 1)]
+        assert rule.every == all(rule.covers(first, count) for first, count in spans), rule
+        answers.add(rule.every)
+    assert answers == {True, False}
 
 
 def test_plan_refusals_name_the_fix() -> None:

@@ -13,7 +13,8 @@ import torch
 from streamscope.bulk.apply import Span
 from streamscope.vllm import graph_ops
 from streamscope.bulk.operations import prepare
-from streamscope.vllm.graph_plan import POOL_SITES, GraphPlan, PlannedSteer, PoolBusy, RowRule, default_pool
+from streamscope.vllm.graph_plan import POOL_SITES, GraphPlan, PlannedSteer, PoolBusy, default_pool
+from streamscope.vllm.row_rules import RowRule
 
 HIDDEN = 32
 SITES = ["s0", "s1", "s2", "s3"]

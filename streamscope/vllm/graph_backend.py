@@ -48,7 +48,6 @@ engine's profile run and warm-up, so a compiled graph holds them.
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Hashable, Optional, Sequence
@@ -61,8 +60,9 @@ from ..bulk.requests import Live, Span, SteerEntry
 from ..bulk.sites import Site
 from .families import envoy_tree, family_for
 from .graph_ops import IDLE, IDLE_SET, LEAN_SET, cache_salt, ops_source, salted
-from .graph_plan import INDEX_LAYOUT, GraphPlan, PlannedSteer, PoolBusy, RowRule, default_pool
+from .graph_plan import INDEX_LAYOUT, GraphPlan, PlannedSteer, PoolBusy, default_pool
 from .graph_wiring import graph_sites, insert_ops, stretches_of, wiring_source
+from .row_rules import rule_of
 
 logger = logging.getLogger("streamscope.bulk")
 
@@ -363,25 +363,7 @@ class LeftOnHooks(ValueError):
 
 def row_rule(entry: SteerEntry) -> Any:
     """The rows `entry` edits as the plan's `RowRule` (its prompt positions, then generated tokens)."""
-    return _row_rule_of(entry.rule)
-
-
-#: Every row of a request, whatever its prompt's length (no prompt range; generated tokens from position 0 on).
-EVERY_ROW = RowRule(0, (), True, 0)
-#: Every row but its prompt's first position's (the default positions), whatever the length.
-EVERY_ROW_BUT_FIRST = RowRule(1, (), True, 0)
-
-
-@functools.lru_cache(maxsize=4096)
-def _row_rule_of(rule: tuple) -> RowRule:
-    """`SteerEntry.rule`'s `RowRule`, one for each rule: a request's steers at every block share one, and so do
-    requests of one length (a rule is a frozen value); the rules of every row, and of every row but the first, are
-    one each for every length, so that requests of any length share their plan (`GraphBackend._planned`)."""
-    chosen, skip_first, generated, from_step, length = rule
-    if chosen is None and generated and from_step == 0:
-        return EVERY_ROW_BUT_FIRST if skip_first else EVERY_ROW
-    positions = range(int(skip_first), length) if chosen is None else chosen
-    return RowRule.of(positions, length, generated, from_step)
+    return rule_of(entry.rule)
 
 
 def operation_of(entry: SteerEntry) -> Optional[Operation]:

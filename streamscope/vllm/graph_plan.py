@@ -51,8 +51,8 @@ import torch
 
 from ..bulk.apply import Span
 from ..bulk.operations import DIRECTIONAL, Operation
-from ..bulk.steer import steer_positions
 from .graph_ops import IDLE, MODE_CODES
+from .row_rules import RowRule
 
 
 #: How the plan's index is stored (part of the compile cache's salt: a graph captured with the ops reads it by its
@@ -150,86 +150,6 @@ class SlotBank:
         return len(self._held)
 
 
-@dataclass(frozen=True)
-class RowRule:
-    """Which of one request's rows a steer edits, by position: prompt ranges, then generated tokens.
-
-    Args:
-        length: The prompt's token count (positions past it are generated).
-        prompt: The prompt positions edited, as sorted disjoint ranges
-            ``(start, stop)``.
-        generated: Whether generated tokens are edited.
-        from_step: The first generated token edited (0: the first).
-    """
-
-    length: int
-    prompt: tuple[tuple[int, int], ...]
-    generated: bool = True
-    from_step: int = 0
-    _starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_starts", tuple(start for start, _ in self.prompt))
-
-    @classmethod
-    def of(cls, positions: Sequence[int], length: int, generated: bool = True, from_step: int = 0) -> "RowRule":
-        """The rule for the prompt positions `positions` (any order, non-negative, below `length`)."""
-        if isinstance(positions, range) and positions.step == 1:  # every position, or all but the first: one range
-            if positions and not 0 <= positions.start <= positions.stop <= length:
-                outside = positions.start if positions.start < 0 else positions.stop - 1
-                raise ValueError(f"position {outside} is not in a {length}-token prompt.")
-            return cls(length, ((positions.start, positions.stop),) if positions else (), bool(generated),
-                       int(from_step))
-        ranges: list[tuple[int, int]] = []
-        for position in sorted(set(positions)):
-            if not 0 <= position < length:
-                raise ValueError(f"position {position} is not in a {length}-token prompt.")
-            if ranges and ranges[-1][1] == position:
-                ranges[-1] = (ranges[-1][0], position + 1)
-            else:
-                ranges.append((position, position + 1))
-        return cls(length, tuple(ranges), bool(generated), int(from_step))
-
-    @classmethod
-    def of_steer(cls, steer: Any, length: int, prompt: int) -> "RowRule":
-        """The rule of a bulk `Steer` (`streamscope.bulk.steer`) for prompt number `prompt` of `length` tokens."""
-        return cls.of(steer_positions(steer, length, prompt), length, steer.generated, steer.from_step)
-
-    def covers(self, first: int, count: int) -> bool:
-        """Whether the steer edits every row of a span of `count` rows from position `first` (a decode step's row,
-        a prefill of every position), which the step's fill writes with one gather."""
-        end = first + count
-        if first >= self.length:
-            return self.generated and first >= self.length + self.from_step
-        index = bisect.bisect_right(self._starts, first) - 1
-        if index < 0 or self.prompt[index][1] < min(end, self.length):
-            return False
-        return end <= self.length or (self.generated and self.from_step == 0)
-
-    def ranges(self, start: int, count: int, first: int) -> list[tuple[int, int]]:
-        """The edited rows of a span (rows ``start .. start + count`` at positions ``first ..``), as row ranges."""
-        end = first + count
-        found: list[tuple[int, int]] = []
-        top = min(end, self.length)
-        if first < top:
-            index = max(bisect.bisect_right(self._starts, first) - 1, 0)
-            for low, high in self.prompt[index:]:
-                if low >= top:
-                    break
-                low, high = max(low, first), min(high, top)
-                if low < high:
-                    found.append((start + low - first, start + high - first))
-        if self.generated:
-            low = max(first, self.length + self.from_step)
-            if low < end:
-                row = start + low - first
-                if found and found[-1][1] == row:
-                    found[-1] = (found[-1][0], start + count)
-                else:
-                    found.append((row, start + count))
-        return found
-
-
 def _columns(lanes: Sequence[int]) -> Any:
     """Lane columns as the cheapest index of them: an int, a slice where they are evenly spaced (a steer at every
     block), else an array."""
@@ -263,6 +183,8 @@ class _Live:
     lanes: frozenset = frozenset()  # the index's columns its edits mark (its harvest's, only in a step it reads)
     #: Its edits' distinct row rules: a steer at every block has 32 edits of one rule, which a step checks once.
     rules: tuple = ()
+    #: Whether its rules edit every row it runs (`RowRule.every`): a step checks nothing of its spans.
+    whole: bool = False
 
 
 @dataclass
@@ -497,7 +419,8 @@ class GraphPlan:
             if len(self._edits_by_steers) >= SHAPES:
                 self._edits_by_steers.clear()
             self._edits_by_steers[(id(steers), slots)] = found
-        return _Live(found[1], rules=found[2], lanes=found[3]), found[4], found[5]
+        return _Live(found[1], rules=found[2], lanes=found[3], whole=all(rule.every for rule in found[2])), \
+            found[4], found[5]
 
     def _admit_harvest(self, key: Hashable, sites: int, positions: int) -> None:
         """Refuse a harvest of `positions` positions at `sites` sites where the most rows one step could then
@@ -586,7 +509,7 @@ class GraphPlan:
         lives: dict[Hashable, Any] = {}
         picked: list[tuple[int, Any, int, int]] = []  # (harvest lane, stream rows, first pool row, rows)
         used = 0  # the pool's rows this step harvests into
-        lanes: set[int] = set()  # the lanes this step's requests mark
+        lane_sets: dict[int, Any] = {}  # the lanes this step's requests mark: each request's set, once by id
         total = marked = 0  # marked: the rows up to the last this step marks (a slot or a harvest)
         for key, start, count, first in spans:
             if start < total:
@@ -599,11 +522,11 @@ class GraphPlan:
             live = self._live.get(key) if key is not None else None
             owner = 0
             if live is not None:
-                lanes |= live.lanes
+                lane_sets[id(live.lanes)] = live.lanes
                 if live.row:
                     rules = live.rules
-                    if (rules[0].covers(first, count) if len(rules) == 1
-                            else all(rule.covers(first, count) for rule in rules)):
+                    if live.whole or (rules[0].covers(first, count) if len(rules) == 1
+                                      else all(rule.covers(first, count) for rule in rules)):
                         owner = live.row
                     else:
                         partial.append((live, start, count, first))
@@ -612,7 +535,7 @@ class GraphPlan:
                     after, end = self._harvest_span(key, live, start, count, first, picked, layout, lives, used)
                     if after > used:
                         used = after
-                        lanes.update(live.harvest_lanes)
+                        lane_sets[id(live.harvest_lanes)] = live.harvest_lanes
                         marked = max(marked, end)
             owners.append(owner)
             counts.append(count)
@@ -621,8 +544,8 @@ class GraphPlan:
                              f"for the engine's max_num_batched_tokens.")
         if used > self.pool_rows:  # (admission keeps every step within the pool: `enter`)
             raise RuntimeError(f"this step harvests {used} rows; the graph ops' harvest pool holds {self.pool_rows}.")
-        if not marked:
-            lanes.clear()  # requests in the plan with nothing to mark this step (a harvest done, a steer not begun)
+        # (no lanes where the plan's requests mark nothing this step: a harvest done, a steer not begun)
+        lanes: set[int] = set().union(*lane_sets.values()) if marked else set()
         # Rows past `marked` and lanes no request of the step marks hold -1 on the device once the last step's marks
         # there are reset: a step of plain requests after another copies nothing, and a steered one only its lanes,
         # up to its last marked row.

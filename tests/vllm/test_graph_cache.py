@@ -71,7 +71,8 @@ from streamscope.bulk.requests import Span
 from streamscope.vllm import graph_backend, graph_ops
 from streamscope.vllm.graph_backend import CONFIG_KEY, GraphOptions, graph_ops_of
 from streamscope.vllm.graph_ops import SALT_KEY, edit_stream, use_body
-from streamscope.vllm.graph_plan import PlannedSteer, RowRule
+from streamscope.vllm.graph_plan import PlannedSteer
+from streamscope.vllm.row_rules import RowRule
 
 #: Engine arguments every engine here shares: small buffers, no prefix cache (a cached prefix runs no forward).
 SHARED = {"max_model_len": 128, "max_num_batched_tokens": 128, "max_num_seqs": 4, "enable_prefix_caching": False}

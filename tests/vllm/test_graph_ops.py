@@ -28,7 +28,8 @@ from streamscope.bulk.apply import Span
 from streamscope.bulk import spec
 from streamscope.bulk.spec import Steer
 from streamscope.vllm.bulk import worker_tree
-from streamscope.vllm.graph_plan import GraphPlan, PlannedSteer, RowRule
+from streamscope.vllm.graph_plan import GraphPlan, PlannedSteer
+from streamscope.vllm.row_rules import RowRule
 from streamscope.vllm.graph_ops import cache_salt, ops_source
 from streamscope.vllm.families import envoys_for, family_for
 from streamscope.vllm.graph_wiring import (StreamAt, graph_sites, insert_ops, site_name, stretches_of, unserved,
