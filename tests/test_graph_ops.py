@@ -696,6 +696,24 @@ def test_a_rule_says_it_edits_every_row_exactly_where_it_covers_every_span() -> 
     assert answers == {True, False}
 
 
+def test_each_op_is_defined_with_the_tensors_it_writes_and_no_python_layer_before_its_body() -> None:
+    """torch.compile keeps an op opaque and orders the writes by its schema, so the schema marks exactly the tensors
+    the op writes. And the dispatcher goes from the op to its body with no Python kernel on the way
+    (`torch.library.custom_op` puts one at autograd and another at ADInplaceOrView: 40-45 us a call on the CPU, at
+    every op of every forward no CUDA graph replays; benchmarks/op_call.py)."""
+    written = {graph_ops.edit_stream: {"hidden"}, graph_ops.harvest_stream: {"out"},
+               graph_ops.edit_harvest_stream: {"hidden", "out"}, graph_ops.edit_stretch: {"hidden", "pool"}}
+    for op, names in written.items():
+        arguments = op._schema.arguments
+        assert {argument.name for argument in arguments
+                if argument.alias_info is not None and argument.alias_info.is_write} == names, op
+        name = op._schema.name
+        for key in ("CPU", "CUDA", "Meta"):  # (Meta: the fake implementation)
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(name, key), (name, key)
+        for key in ("Autograd", "ADInplaceOrView", "CompositeImplicitAutograd"):
+            assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, key), (name, key)
+
+
 def test_plan_refusals_name_the_fix() -> None:
     plan = GraphPlan(["s"], 1, 8, HIDDEN, torch.float32, "cpu", slots=1, harvest_sites=["s"], harvest_pool=2)
     add = operation("add", False)

@@ -97,7 +97,7 @@ import json
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -227,6 +227,36 @@ class IdleSwitch:
 IDLE = IdleSwitch()
 
 
+#: The library the ops are defined in (`_op`), and each op's Python body by name (what `ops_source` hashes).
+_LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
+_BODIES: dict[str, Callable[..., None]] = {}
+
+
+def _op(*mutates: str) -> Callable[[Callable[..., None]], Any]:
+    """Define a function as the op ``streamscope::<its name>`` (its schema inferred from its annotations, the
+    tensors `mutates` names marked as written) on CPU and CUDA tensors, and give back the op
+    (``torch.ops.streamscope.<name>.default``), which every caller and torch.compile then call.
+
+    Through torch.library's low-level API rather than `torch.library.custom_op`: that one's Python layer (the
+    schema's defaults filled, the written tensors' versions bumped) took 40-45 us a call on the CI machine's CPU,
+    where the op's own checks take 8, at every call no CUDA graph replays (every block's ops at every step of
+    the CPU engine, and of a GPU prefill past the captured sizes); here the dispatcher calls the body at once.
+    """
+    def define(function: Callable[..., None]) -> Any:
+        name = function.__name__
+        _LIBRARY.define(name + torch.library.infer_schema(function, mutates_args=mutates))
+        for key in ("CPU", "CUDA"):
+            _LIBRARY.impl(name, function, key)
+        _BODIES[name] = function
+        return getattr(getattr(torch.ops, NAMESPACE), name).default
+    return define
+
+
+def _fake(op: Any) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register a function as `op`'s fake implementation: what torch.compile runs on fake tensors."""
+    return torch.library.register_fake(op, lib=_LIBRARY)
+
+
 def _runs_kernel(device: torch.device) -> bool:
     return _body == "triton" or (_body is None and device.type == "cuda")
 
@@ -311,7 +341,7 @@ def _edited(stream: torch.Tensor, vector: torch.Tensor, mode: torch.Tensor, scal
     return edited, change
 
 
-@torch.library.custom_op(f"{NAMESPACE}::edit_stream", mutates_args=("hidden",))
+@_op("hidden")
 def edit_stream(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor, bank: torch.Tensor,
                 modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
                 norm_match: torch.Tensor) -> None:
@@ -373,7 +403,7 @@ def _edit_by_torch(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots
     hidden.copy_(torch.where(marked.unsqueeze(-1), result, hidden))
 
 
-@edit_stream.register_fake
+@_fake(edit_stream)
 def _edit_stream_fake(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor,
                       bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
                       norm_match: torch.Tensor) -> None:
@@ -396,7 +426,7 @@ def _check_harvest(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[t
     _check_index(op, "targets", targets, hidden.shape[0], hidden.device)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::harvest_stream", mutates_args=("out",))
+@_op("out")
 def harvest_stream(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
                    targets: torch.Tensor) -> None:
     """Copy the stream's rows that `targets` marks into their rows of the harvest pool `out`, in place.
@@ -440,13 +470,13 @@ def _harvest_by_torch(out: torch.Tensor, hidden: torch.Tensor, residual: Optiona
     out.index_copy_(0, destination, torch.where(valid.unsqueeze(-1), stream, current))
 
 
-@harvest_stream.register_fake
+@_fake(harvest_stream)
 def _harvest_stream_fake(out: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
                          targets: torch.Tensor) -> None:
     _check_harvest(out, hidden, residual, targets)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::edit_harvest_stream", mutates_args=("hidden", "out"))
+@_op("hidden", "out")
 def edit_harvest_stream(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor,
                         bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
                         norm_match: torch.Tensor, out: torch.Tensor, targets: torch.Tensor) -> None:
@@ -479,7 +509,7 @@ def _check_edit_harvest(hidden: torch.Tensor, residual: Optional[torch.Tensor], 
     _check_harvest(out, hidden, residual, targets, "streamscope::edit_harvest_stream")
 
 
-@edit_harvest_stream.register_fake
+@_fake(edit_harvest_stream)
 def _edit_harvest_stream_fake(hidden: torch.Tensor, residual: Optional[torch.Tensor], slots: torch.Tensor,
                               bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor,
                               projections: torch.Tensor, norm_match: torch.Tensor, out: torch.Tensor,
@@ -525,7 +555,7 @@ def _check_stretch(hidden: torch.Tensor, residual: Optional[torch.Tensor], index
         _check_harvest(pool, hidden, residual, index[:, harvesting[0]], op)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::edit_stretch", mutates_args=("hidden", "pool"))
+@_op("hidden", "pool")
 def edit_stretch(hidden: torch.Tensor, residual: Optional[torch.Tensor], index: torch.Tensor, bank: torch.Tensor,
                  modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor, norm_match: torch.Tensor,
                  pool: torch.Tensor, lanes: list[int], rounds: int, harvest_lanes: list[int],
@@ -583,7 +613,7 @@ def edit_stretch(hidden: torch.Tensor, residual: Optional[torch.Tensor], index: 
             _harvest_by_torch(pool, hidden, second, index[:, harvest_lane])
 
 
-@edit_stretch.register_fake
+@_fake(edit_stretch)
 def _edit_stretch_fake(hidden: torch.Tensor, residual: Optional[torch.Tensor], index: torch.Tensor,
                        bank: torch.Tensor, modes: torch.Tensor, scales: torch.Tensor, projections: torch.Tensor,
                        norm_match: torch.Tensor, pool: torch.Tensor, lanes: list[int], rounds: int,
@@ -607,11 +637,11 @@ def ops_source() -> str:
     """The source of every function the ops run (their bodies, checks and fake implementations, the choice of
     body, and the Triton kernels' module): torch.compile treats the ops as opaque, so vLLM's hash of the files it
     traced never reads this code."""
-    functions = (_check_stream, _check_index, _check_slots, _check_edit, _edited, edit_stream, _edit_by_torch,
-                 _edit_stream_fake, _check_pool, _check_harvest, harvest_stream, _harvest_by_torch,
-                 _harvest_stream_fake, edit_harvest_stream, _check_edit_harvest, _edit_harvest_stream_fake,
-                 _check_stretch, edit_stretch, _edit_stretch_fake, _runs_kernel, _kernels, IdleSwitch)
-    own = "\n".join(inspect.getsource(getattr(function, "_init_fn", function)) for function in functions)
+    functions = (_check_stream, _check_index, _check_slots, _check_edit, _edited, *_BODIES.values(), _edit_by_torch,
+                 _edit_stream_fake, _check_pool, _check_harvest, _harvest_by_torch, _harvest_stream_fake,
+                 _check_edit_harvest, _edit_harvest_stream_fake, _check_stretch, _edit_stretch_fake, _runs_kernel,
+                 _kernels, IdleSwitch, _op)
+    own = "\n".join(inspect.getsource(function) for function in functions)
     return own + "\n" + kernel_source()
 
 
