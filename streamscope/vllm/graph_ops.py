@@ -637,10 +637,10 @@ def ops_source() -> str:
     """The source of every function the ops run (their bodies, checks and fake implementations, the choice of
     body, and the Triton kernels' module): torch.compile treats the ops as opaque, so vLLM's hash of the files it
     traced never reads this code."""
-    functions = (_check_stream, _check_index, _check_slots, _check_edit, _edited, *_BODIES.values(), _edit_by_torch,
-                 _edit_stream_fake, _check_pool, _check_harvest, _harvest_by_torch, _harvest_stream_fake,
-                 _check_edit_harvest, _edit_harvest_stream_fake, _check_stretch, _edit_stretch_fake, _runs_kernel,
-                 _kernels, IdleSwitch, _op)
+    functions: tuple[Callable[..., Any], ...] = (
+        _check_stream, _check_index, _check_slots, _check_edit, _edited, *_BODIES.values(), _edit_by_torch,
+        _edit_stream_fake, _check_pool, _check_harvest, _harvest_by_torch, _harvest_stream_fake, _check_edit_harvest,
+        _edit_harvest_stream_fake, _check_stretch, _edit_stretch_fake, _runs_kernel, _kernels, IdleSwitch, _op)
     own = "\n".join(inspect.getsource(function) for function in functions)
     return own + "\n" + kernel_source()
 
