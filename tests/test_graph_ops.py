@@ -11,6 +11,7 @@ request's steer and harvest touch.
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any, Optional
 
@@ -521,8 +522,11 @@ def test_fill_matches_brute_force_over_steps(path: str, monkeypatch: pytest.Monk
             spec = requests[key]
             op = ops.get(spec["share"]) or operation("add", False, seed=40)
             rule = RowRule.of(spec["positions"], spec["length"], spec["generated"], spec["from_step"])
-            plan.enter(key, [PlannedSteer(spec["sites"], op, rule, spec["share"])],
-                       harvest_positions=spec["harvest"])
+            steers = [PlannedSteer(spec["sites"], op, rule, spec["share"])]
+            if spec["share"] == "y":  # a second steer by another rule, at its first site's second round
+                steers.append(PlannedSteer(spec["sites"][:1], ops["x"], RowRule.of(range(spec["length"]),
+                                                                                      spec["length"]), "x"))
+            plan.enter(key, steers, harvest_positions=spec["harvest"])
             done[key] = 0
             live.append(key)
         spans, start = [], 0
@@ -539,6 +543,9 @@ def test_fill_matches_brute_force_over_steps(path: str, monkeypatch: pytest.Monk
             rows = brute_rows(spec["positions"], spec["length"], spec["generated"], spec["from_step"], span)
             for site in spec["sites"]:
                 expected[rows, plan.lane_of[(site, 0)]] = plan.bank._held[spec["share"]][0]
+            if spec["share"] == "y":
+                every = brute_rows(set(range(spec["length"])), spec["length"], True, 0, span)
+                expected[every, plan.lane_of[(spec["sites"][0], 1)]] = plan.bank._held["x"][0]
         for key, count, offset, base in harvest.layout:
             wanted = requests[key]["harvest"][offset:offset + count]
             span = next(span for span in spans if span.key == key)
@@ -551,7 +558,8 @@ def test_fill_matches_brute_force_over_steps(path: str, monkeypatch: pytest.Monk
         for key in [key for key in live if done[key] > requests[key]["length"] + 2]:
             plan.leave(key)
             live.remove(key)
-    assert plan.bank.live == len({requests[key]["share"] for key in live})
+    shares = {requests[key]["share"] for key in live}
+    assert plan.bank.live == len(shares | ({"x"} if "y" in shares else set()))
     assert len(harvested) >= 5  # requests harvested, some over several steps
     for key, positions in harvested.items():
         assert positions == requests[key]["harvest"]
@@ -676,24 +684,26 @@ def test_rule_of_a_steer_is_its_positions() -> None:
             assert rule.covers(first, count) == (rows == list(range(4, 4 + count))), (positions, first, count)
 
 
-def test_a_rule_says_it_edits_every_row_exactly_where_it_covers_every_span() -> None:
-    """`RowRule.every` lets a step skip its `covers` check of each span (a steady decode step of 256 requests
-    steered at every block spent half its plan there): it holds exactly where every span of the request is
-    covered, prompt and generated, for the rules a steer makes and for the length-free rules of the graph
-    backend."""
+def test_a_rule_says_from_which_position_it_edits_every_row() -> None:
+    """`RowRule.every_from` lets a step skip its `covers` check of a span (a steady decode step of 256 requests
+    steered at every block spent half its plan there): a span starting at or past it is covered whatever its
+    length, and none starting before it is covered for every length, for the rules a steer makes and for the
+    length-free rules of the graph backend."""
     length = 6
     rules = [EVERY_ROW, EVERY_ROW_BUT_FIRST, RowRule.of((), 0), RowRule.of((), 0, False)]
-    for positions in ("all", "all_but_first", "last", [0, 2, 3], slice(0, 6), slice(0, 5)):
-        for generated, from_step in ((True, 0), (True, 1), (False, 0)):
+    for positions in ("all", "all_but_first", "last", [0, 2, 3], [4, 5], slice(0, 6), slice(0, 5)):
+        for generated, from_step in ((True, 0), (True, 1), (True, 3), (False, 0)):
             steer = Steer("layer_output", 0, torch.ones(HIDDEN), positions=positions, generated=generated,
                           from_step=from_step)
             rules.append(RowRule.of_steer(steer, length, 0))
     answers = set()
     for rule in rules:
-        spans = [(first, count) for first in range(length + 4) for count in (1, 2, length + 1)]
-        assert rule.every == all(rule.covers(first, count) for first, count in spans), rule
-        answers.add(rule.every)
-    assert answers == {True, False}
+        starts = range(length + 6)
+        every = [first for first in starts if all(rule.covers(later, count) for later in starts if later >= first
+                                                  for count in (1, 2, length + 1))]
+        assert (min(every) if every else math.inf) == rule.every_from, rule
+        answers.add(rule.every_from)
+    assert {0, 1, 4, math.inf} <= answers
 
 
 def test_each_op_is_defined_with_the_tensors_it_writes_and_no_python_layer_before_its_body() -> None:

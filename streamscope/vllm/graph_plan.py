@@ -183,8 +183,12 @@ class _Live:
     lanes: frozenset = frozenset()  # the index's columns its edits mark (its harvest's, only in a step it reads)
     #: Its edits' distinct row rules: a steer at every block has 32 edits of one rule, which a step checks once.
     rules: tuple = ()
-    #: Whether its rules edit every row it runs (`RowRule.every`): a step checks nothing of its spans.
-    whole: bool = False
+    #: The first position from which its rules edit every row (`RowRule.every_from`): a span from there on needs
+    #: no check (every decode step of a steer at every position, or every one but the first).
+    covered_from: float = 0
+    #: The lanes its edits mark and the slot each holds (its row of the plan's table), for a span edited in part.
+    columns: Any = None
+    marks: Any = None
 
 
 @dataclass
@@ -419,8 +423,12 @@ class GraphPlan:
             if len(self._edits_by_steers) >= SHAPES:
                 self._edits_by_steers.clear()
             self._edits_by_steers[(id(steers), slots)] = found
-        return _Live(found[1], rules=found[2], lanes=found[3], whole=all(rule.every for rule in found[2])), \
-            found[4], found[5]
+        live = _Live(found[1], rules=found[2], lanes=found[3],
+                     covered_from=max((rule.every_from for rule in found[2]), default=0))
+        if len(found[4]):
+            live.columns = _columns(found[4].tolist())
+            live.marks = int(found[5][0]) if isinstance(live.columns, int) else found[5][:, None]
+        return live, found[4], found[5]
 
     def _admit_harvest(self, key: Hashable, sites: int, positions: int) -> None:
         """Refuse a harvest of `positions` positions at `sites` sites where the most rows one step could then
@@ -525,8 +533,8 @@ class GraphPlan:
                 lane_sets[id(live.lanes)] = live.lanes
                 if live.row:
                     rules = live.rules
-                    if live.whole or (rules[0].covers(first, count) if len(rules) == 1
-                                      else all(rule.covers(first, count) for rule in rules)):
+                    if first >= live.covered_from or (rules[0].covers(first, count) if len(rules) == 1
+                                                      else all(rule.covers(first, count) for rule in rules)):
                         owner = live.row
                     else:
                         partial.append((live, start, count, first))
@@ -593,6 +601,10 @@ class GraphPlan:
                 owner = np.repeat(owner, counts)
             by_lane[chosen, :marked] = self._table[:, chosen][owner[:marked]].T
         for live, start, count, first in partial:
+            if len(live.rules) == 1:  # every edit by one rule (a steer at every block): its ranges once, all lanes
+                for low, high in live.rules[0].ranges(start, count, first):
+                    by_lane[live.columns, low:high] = live.marks
+                continue
             for edit in live.edits:
                 for low, high in edit.rule.ranges(start, count, first):
                     by_lane[edit.columns, low:high] = edit.slot

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -63,10 +64,17 @@ class RowRule:
         return cls.of(steer_positions(steer, length, prompt), length, steer.generated, steer.from_step)
 
     @property
-    def every(self) -> bool:
-        """Whether the rule edits every row of any request (`covers` every span): no prompt position is left out
-        and every generated token is edited."""
-        return self.generated and not self.from_step and (self.prompt == ((0, self.length),) or not self.length)
+    def every_from(self) -> float:
+        """The first position from which the rule edits every row (`covers` every span that starts there or
+        later): 0 for a rule of every row, 1 for every row but the first; `math.inf` where generated tokens are
+        not edited."""
+        if not self.generated:
+            return math.inf
+        if self.from_step:
+            return self.length + self.from_step
+        if self.prompt and self.prompt[-1][1] == self.length:
+            return self.prompt[-1][0]
+        return self.length
 
     def covers(self, first: int, count: int) -> bool:
         """Whether the steer edits every row of a span of `count` rows from position `first` (a decode step's row,
