@@ -17,6 +17,7 @@ from streamscope.serve.worker import _refusal
 from streamscope.vllm.graph_backend import (CONFIG_KEY, GraphBackend, GraphOps, GraphOptions, LeftOnHooks,
                                             check_harvest_memory, engine_config, operation_of, row_rule)
 from streamscope.bulk.operations import prepare
+from streamscope.bulk.steer import Steer
 from streamscope.bulk.requests import Live, RequestApplier, Span, SteerEntry
 from streamscope.vllm.graph_ops import IDLE, MODE_CODES, SALT_KEY
 from streamscope.vllm.graph_plan import GraphPlan, default_pool
@@ -190,6 +191,40 @@ def test_row_rules_are_the_entries_rows() -> None:
         rules = {id(row_rule(SteerEntry(default.site, default.delta, None, None, True, length, 0,
                                         skip_first=skip_first))) for length in (2, 6, 300)}
         assert len(rules) == 1
+
+
+def test_a_bulk_run_s_requests_share_their_entries_where_no_row_depends_on_the_length() -> None:
+    """A steer at every position, or every one but the first (the default), edits rows no prompt's length
+    decides: one entry serves the run's requests of every length, their lists of steers are one list, and the
+    graph backend routes that list once (a begin of 256 requests of about 120 lengths made 120 of each). A steer
+    at chosen positions, or from a later generated token, keeps an entry a length. Each entry's rows are its
+    steer's positions for each request."""
+    from streamscope.bulk.apply import run_requests, steer_plans
+    from streamscope.bulk.spec import steer_positions
+
+    lengths = [3, 5, 5, 9, 12]
+    keys = [f"p{number}" for number in range(len(lengths))]
+
+    def steered(setup: Setup, **options: Any) -> tuple[list, dict]:
+        steers = [(Steer("layer_output", block, torch.ones(HIDDEN), **options), setup.sites[name])
+                  for block, name in enumerate(("a", "c"))]
+        return steers, run_requests([], {}, steer_plans(steers, keys, lengths, torch.float32, "cpu"), None)
+
+    for options, lists in (({}, 1), ({"positions": "all"}, 1), ({"positions": "last"}, 4), ({"from_step": 1}, 4)):
+        setup = Setup()
+        steers, requests = steered(setup, **options)
+        assert len({id(live.steers) for live in requests.values()}) == lists, options
+        for number, key in enumerate(keys):
+            for entry, (steer, _) in zip(requests[key].steers, steers):
+                span = Span(key, 0, lengths[number] + 3, 0)  # the prompt and three generated tokens
+                rows = [row for low, high in entry.ranges(span) for row in range(low, high)]
+                prompt = sorted(steer_positions(steer, lengths[number], number))
+                generated = list(range(lengths[number], lengths[number] + 3))[steer.from_step:]
+                assert rows == prompt + generated, (options, key)
+        backend = setup.backend
+        for key, live in requests.items():
+            backend.enter(key, live)
+        assert len(backend._by_list) == lists and backend.plan.live == len(keys), options
 
 
 def test_the_option_and_the_engine_s_config() -> None:

@@ -238,23 +238,38 @@ def run_requests(harvest_sites: list[Site], harvest_positions: dict[Hashable, li
         order = rounds.get(plan.site.key, 0)
         rounds[plan.site.key] = order + 1
         steer = plan.steer
-        # One entry for the requests of one length and positions (entries are read, never changed), but a gated
-        # steer's, which each hold their request's slot in the gate
-        shared: dict[tuple[int, frozenset], SteerEntry] = {}
+        # One entry for the requests of one length and positions (entries are read, never changed), and one for
+        # every length where it edits every row or every row but the first (no row it edits depends on the length);
+        # but a gated steer's, which each hold their request's slot in the gate
+        shared: dict[tuple, SteerEntry] = {}
+        any_length = bool(steer.generated) and not steer.from_step and not plan.slots
         for key, chosen in plan.positions.items():
             length = plan.lengths[key]
             entry = shared.get((length, chosen)) if not plan.slots else None
             if entry is None:
                 every, skip_first = kinds.get((id(chosen), length)) or kinds.setdefault((id(chosen), length),
                                                                                         _kind(chosen, length))
-                entry = SteerEntry(plan.site, plan.operation, None, None if every or skip_first else chosen,
-                                   bool(steer.generated), length, order, steer.from_step, skip_first=skip_first,
-                                   condition_site=plan.condition_site, slot=plan.slots[key] if plan.slots else 0)
-                shared[(length, chosen)] = entry
+                lengthless = any_length and (every or skip_first)
+                entry = shared.get(("any length", skip_first)) if lengthless else None
+                if entry is None:
+                    entry = SteerEntry(plan.site, plan.operation, None, None if every or skip_first else chosen,
+                                       bool(steer.generated), length, order, steer.from_step,
+                                       skip_first=skip_first, condition_site=plan.condition_site,
+                                       slot=plan.slots[key] if plan.slots else 0)
+                    if lengthless:
+                        shared[("any length", skip_first)] = entry
+                if not plan.slots:
+                    shared[(length, chosen)] = entry
             live = requests.get(key)
             if live is None:
                 live = requests[key] = Live([])
             live.steers.append(entry)
+    # requests with the same entries share one list (nothing changes a request's list once made), which the graph
+    # ops' backend routes once for all of them (`GraphBackend._routes`)
+    lists: dict[tuple[int, ...], list[SteerEntry]] = {}
+    for live in requests.values():
+        if live.steers:
+            live.steers = lists.setdefault(tuple(map(id, live.steers)), live.steers)
     return requests
 
 

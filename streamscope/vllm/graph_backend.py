@@ -415,11 +415,14 @@ class GraphBackend:
         #: `_divide`'s answers by request shape, and `_planned`'s lists: at most `DIVISIONS` of each.
         self._divisions: dict[tuple, tuple] = {}
         self._planned_lists: dict[tuple, tuple] = {}
+        #: Both answers by the identity of a request's list of steers, which a bulk run's requests with the same
+        #: entries share (`streamscope.bulk.apply.run_requests`): each keeps its list alive while it is cached.
+        self._by_list: dict[int, tuple] = {}
 
     def enter(self, key: Hashable, live: Live) -> None:
         """Give the plan what it serves of `live` (the applier's request `key`); `live` keeps the rest, changed in
         place (its steers, its harvest) before the applier plans its hooks."""
-        graphed, hooked, harvest = self._divide(live)
+        graphed, hooked, harvest, steers = self._routes(live)
         if not self.hooks_fire and (hooked or (live.harvest_sites and not harvest)):
             where = sorted({entry.site.location for entry in hooked}
                            | {site.location for site in (() if harvest else live.harvest_sites)})
@@ -430,7 +433,6 @@ class GraphBackend:
                               key=key)
         if not graphed and not harvest:
             return
-        steers = self._planned(graphed)
         names = [self.ops.name_of(site) for site in live.harvest_sites] if harvest else None
         try:
             self.plan.enter(key, steers, live.positions if harvest else (), names)
@@ -454,6 +456,21 @@ class GraphBackend:
             self.harvesting.add(key)
             live.harvest_sites, live.positions, live.slots = [], [], {}
         live.hooked = None  # its hooked module calls, counted anew
+
+    def _routes(self, live: Live) -> tuple[list[tuple[SteerEntry, str, Operation]], list[SteerEntry], bool,
+                                           list[PlannedSteer]]:
+        """`_divide`'s answer for `live` and the plan's steers of what the ops serve (`_planned`): once for each
+        list of steers a bulk run's requests share, else worked out (from the shape's caches)."""
+        harvest_key = (id(live.harvest_sites) if live.harvest_sites else None, self._harvestable(live))
+        found = self._by_list.get(id(live.steers))
+        if found is not None and found[0] is live.steers and found[1] == harvest_key:
+            return found[2]
+        graphed, hooked, harvest = self._divide(live)
+        routes = (graphed, hooked, harvest, self._planned(graphed) if graphed else [])
+        if len(self._by_list) >= DIVISIONS:
+            self._by_list.clear()
+        self._by_list[id(live.steers)] = (live.steers, harvest_key, routes, live.harvest_sites)
+        return routes
 
     def _divide(self, live: Live) -> tuple[list[tuple[SteerEntry, str, Operation]], list[SteerEntry], bool]:
         """`live`'s steers the ops apply (each with its site's name and operation), those left to the hooks, and
