@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from types import SimpleNamespace
+
+import checkouts
 
 STEPS = ("decode", "prefill", "mixed")
 
@@ -72,37 +71,25 @@ def worker(requests: int, blocks: int, hidden: int, steps: int, operation: str) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tree", action="append", default=[], help="NAME=PATH of a checkout (repeat)")
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--blocks", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = checkouts.parser(__doc__.splitlines()[0], steps=200)
     parser.add_argument("--operation", choices=("ablate", "add"), default="ablate")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one checkout, in a child
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args.requests, args.blocks, args.hidden, args.steps, args.operation)))
         return
-    trees = dict(item.split("=", 1) for item in args.tree) or {"this": os.getcwd()}
+    trees = checkouts.trees(args)
     results: dict = {(name, kind): [] for name in trees for kind in STEPS}
     for _ in range(args.rounds):
         for name, path in trees.items():
-            command = [sys.executable, __file__, "--worker", "--requests", str(args.requests), "--blocks",
-                       str(args.blocks), "--hidden", str(args.hidden), "--steps", str(args.steps), "--operation",
-                       args.operation]
-            environment = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-            output = subprocess.run(command, env=environment, check=True, capture_output=True, text=True).stdout
-            for kind, value in json.loads(output.strip().splitlines()[-1]).items():
+            medians = checkouts.in_checkout(path, __file__, [
+                "--worker", "--requests", str(args.requests), "--blocks", str(args.blocks), "--hidden",
+                str(args.hidden), "--steps", str(args.steps), "--operation", args.operation])
+            for kind, value in medians.items():
                 results[(name, kind)].append(value)
     print(f"the graph ops' plan of a step, {args.requests} requests with an {args.operation} at each of "
           f"{args.blocks} blocks, {args.rounds} rounds (checkouts alternating), median us a step:")
-    print("| tree | " + " | ".join(STEPS) + " |")
-    print("| --- |" + " --- |" * len(STEPS))
-    for name in trees:
-        print(f"| {name} | " + " | ".join(f"{statistics.median(results[(name, kind)]):.0f}" for kind in STEPS)
-              + " |")
+    checkouts.print_table(STEPS, results, list(trees))
 
 
 if __name__ == "__main__":

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from types import SimpleNamespace
+
+import checkouts
 
 WORKLOADS = ("uniform", "one-all", "distinct-1", "distinct-all")
 
@@ -52,6 +51,7 @@ def worker(workload: str, requests: int, blocks: int, hidden: int, steps: int) -
         state.__dict__.update(live={}, planned=0, key_counts={}, signatures={}, representatives={}, hooks={},
                               locations={}, work={}, reads=[], last_shape=None, uniform=None, uniform_work=(-1, {}),
                               device=torch.device("cpu"))
+    state.__dict__.setdefault("aborted", {})  # (`ServeState.__init__` sets it where a checkout has it)
     ids = [f"r{number}" for number in range(requests)]
     state.runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=ids),
                                    requests={name: SimpleNamespace(num_computed_tokens=40) for name in ids})
@@ -83,35 +83,23 @@ def worker(workload: str, requests: int, blocks: int, hidden: int, steps: int) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tree", action="append", default=[], help="NAME=PATH of a checkout (repeat)")
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--blocks", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = checkouts.parser(__doc__.splitlines()[0], steps=40)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a workload, in a child
     args = parser.parse_args()
     if args.worker is not None:
         print(json.dumps(worker(args.worker, args.requests, args.blocks, args.hidden, args.steps)))
         return
-    trees = dict(item.split("=", 1) for item in args.tree) or {"this": os.getcwd()}
+    trees = checkouts.trees(args)
     results: dict = {(name, workload): [] for name in trees for workload in WORKLOADS}
     for _ in range(args.rounds):
         for workload in WORKLOADS:
             for name, path in trees.items():
-                command = [sys.executable, __file__, "--worker", workload, "--requests", str(args.requests),
-                           "--blocks", str(args.blocks), "--hidden", str(args.hidden), "--steps", str(args.steps)]
-                environment = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-                output = subprocess.run(command, env=environment, check=True, capture_output=True, text=True).stdout
-                results[(name, workload)].append(json.loads(output.strip().splitlines()[-1]))
+                results[(name, workload)].append(checkouts.in_checkout(path, __file__, [
+                    "--worker", workload, "--requests", str(args.requests), "--blocks", str(args.blocks),
+                    "--hidden", str(args.hidden), "--steps", str(args.steps)]))
     print(f"the plan of a decode step of {args.requests} requests, {args.blocks} blocks, {args.rounds} rounds "
           f"(checkouts alternating), median us per step:")
-    print("| tree | " + " | ".join(WORKLOADS) + " |")
-    print("| --- |" + " --- |" * len(WORKLOADS))
-    for name in trees:
-        print(f"| {name} | " + " | ".join(f"{statistics.median(results[(name, workload)]):.0f}"
-                                          for workload in WORKLOADS) + " |")
+    checkouts.print_table(WORKLOADS, results, list(trees))
 
 
 if __name__ == "__main__":
