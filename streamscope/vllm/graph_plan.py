@@ -418,16 +418,16 @@ class GraphPlan:
                      for steer, mine, slot in zip(steers, lanes, slots)]
             columns = np.array([lane for mine in lanes for lane in mine], dtype=np.intp)
             marks = np.array([slot for mine, slot in zip(lanes, slots) for _ in mine], dtype=np.int32)
-            found = (tuple(steers), edits, tuple(dict.fromkeys(edit.rule for edit in edits)),
-                     frozenset(lane for edit in edits for lane in edit.columns_key), columns, marks)
+            rules = tuple(dict.fromkeys(edit.rule for edit in edits))
+            chosen = _columns(columns.tolist()) if len(columns) else None
+            found = (tuple(steers), edits, rules, frozenset(lane for edit in edits for lane in edit.columns_key),
+                     columns, marks, max((rule.every_from for rule in rules), default=0), chosen,
+                     int(marks[0]) if isinstance(chosen, int) else marks[:, None])
             if len(self._edits_by_steers) >= SHAPES:
                 self._edits_by_steers.clear()
             self._edits_by_steers[(id(steers), slots)] = found
-        live = _Live(found[1], rules=found[2], lanes=found[3],
-                     covered_from=max((rule.every_from for rule in found[2]), default=0))
-        if len(found[4]):
-            live.columns = _columns(found[4].tolist())
-            live.marks = int(found[5][0]) if isinstance(live.columns, int) else found[5][:, None]
+        live = _Live(found[1], rules=found[2], lanes=found[3], covered_from=found[6], columns=found[7],
+                     marks=found[8])
         return live, found[4], found[5]
 
     def _admit_harvest(self, key: Hashable, sites: int, positions: int) -> None:
