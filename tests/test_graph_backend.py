@@ -17,7 +17,8 @@ from streamscope.serve.worker import _refusal
 from streamscope.vllm.graph_backend import (CONFIG_KEY, GraphBackend, GraphOps, GraphOptions, LeftOnHooks,
                                             check_harvest_memory, engine_config, operation_of, row_rule)
 from streamscope.bulk.operations import prepare
-from streamscope.bulk.steer import Steer
+from streamscope.bulk.steer import Steer, steer_positions
+from streamscope.bulk.apply import run_requests, steer_plans
 from streamscope.bulk.requests import Live, RequestApplier, Span, SteerEntry
 from streamscope.vllm.graph_ops import IDLE, MODE_CODES, SALT_KEY
 from streamscope.vllm.graph_plan import GraphPlan, default_pool
@@ -199,9 +200,6 @@ def test_a_bulk_run_s_requests_share_their_entries_where_no_row_depends_on_the_l
     graph backend routes that list once (a begin of 256 requests of about 120 lengths made 120 of each). A steer
     at chosen positions, or from a later generated token, keeps an entry a length. Each entry's rows are its
     steer's positions for each request."""
-    from streamscope.bulk.apply import run_requests, steer_plans
-    from streamscope.bulk.spec import steer_positions
-
     lengths = [3, 5, 5, 9, 12]
     keys = [f"p{number}" for number in range(len(lengths))]
 
