@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from streamscope.serve.worker import HarvestWriter
+from streamscope.serve.writer_thread import HarvestWriter
 from streamscope.serve.writer import Record, Store, put, save_runs, store_every_site
 
 

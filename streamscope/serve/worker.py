@@ -32,14 +32,11 @@ its write to a pipe, both outside the interpreter lock.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import json
 import logging
 import os
-import queue
-import subprocess
-import sys
-import threading
 from collections import OrderedDict
 from functools import partial
 from pathlib import Path
@@ -58,18 +55,21 @@ from ..vllm.bulk_worker import CPU_WORKER, WORKER_EXTENSION  # noqa: F401  (WORK
 from ..vllm.graph_backend import LeftOnHooks, backend_for, graph_ops_of
 from ..vllm.logits import unembedding
 from ..vllm.pipeline import holds
-from . import host_time, refusals, writer
+from . import host_time, refusals
 from .head import head_rows, pack, unpack
 from .protocol import NAME, XARG, positions_rule, vector_from_bytes, worker_steer
 from .refusals import RequestRefused
 from .stages import sites_of
 from .storage import sae_from_bytes
-from .writer import Record, Store, fail, send_frame
+from .writer import Record, fail
+from .writer_thread import HarvestWriter
 
 #: The environment variable that carries the server's settings (the harvest folder) to the engine's processes.
 ENVIRONMENT = "STREAMSCOPE_SERVE"
 #: How many distinct steer vectors (with their scales) the worker keeps on the device for the requests to share.
 DELTAS = 256
+#: How many lists of steers a worker keeps for the requests that send them again (`ServeState.admitted_steers`).
+ADMITTED = 64
 #: How many distinct lists of harvested sites the worker keeps for the requests to share (`ServeState.admit`).
 SITE_LISTS = 4096
 #: A test-only fault: a site's name (``layers.<layer>.<value>``; a root value alone) whose hook then raises in every
@@ -107,6 +107,9 @@ class ServeState(RequestApplier):
         #: vector`` (a step's edit adds it to all the rows that share it), any other mode's `Operation` (the graph
         #: ops' slot bank keys a slot by it, so requests that send one vector with one setting share a slot).
         self.deltas: "OrderedDict[tuple[Any, ...], Any]" = OrderedDict()
+        #: Each list of steers admitted, by its requests' steers (and length, where a steer's rows depend on it), the
+        #: most recent `ADMITTED` (`admitted_steers`).
+        self.admitted: "OrderedDict[tuple[bytes, Optional[int]], list[SteerEntry]]" = OrderedDict()
         self.writer = writer  # the rank that writes harvests (others compute the same rows)
         self.sites: dict[tuple[str, Optional[int]], Site] = {}
         self.site_lists: dict[tuple[int, ...], list[Site]] = {}  # each harvest's sites, one list per distinct set
@@ -199,10 +202,69 @@ class ServeState(RequestApplier):
     def admit(self, payload: str, length: int) -> Live:
         """A request's plan from its JSON (checked by the front end), with its positions for its real prompt."""
         plan = json.loads(payload)
-        vectors = plan.get("vectors")
+        live = Live(self.admitted_steers(plan, length))
+        harvest = plan.get("harvest")
+        if harvest is not None:
+            rule = positions_rule(harvest["positions"], "positions")
+            layers = layer_list(self.root, harvest["layers"])
+            live.harvest_id = harvest["id"]
+            sites = sites_of(harvest["values"], layers)
+            held = [index for index, (value, layer) in enumerate(sites) if self.stage.holds(value, layer)]
+            listed = [self.site(*sites[index]) for index in held]
+            # requests harvesting the same sites share one list: a step's plan reads them together (`RequestApplier.plan`)
+            named = tuple(map(id, listed))
+            live.harvest_sites = self.site_lists.get(named, listed)
+            if len(self.site_lists) < SITE_LISTS:
+                self.site_lists.setdefault(named, listed)
+            live.positions = prompt_positions(rule, length, 0)
+            live.slots = {position: slot for slot, position in enumerate(live.positions)}
+            live.harvest_meta = {"values": harvest["values"], "layers": layers, "positions": live.positions}
+            if harvest.get("reduce") is not None:  # the file keeps the rows; the download reduces them (serve/sweeps)
+                live.harvest_meta["reduce"] = harvest["reduce"]
+            if len(held) < len(sites):  # pipeline stages split the harvest: this one writes its part, if any
+                live.harvest_meta["held"] = held
+                live.written = not held  # a stage holding none of its sites has nothing to write
+            if harvest.get("sae") is not None:  # one site: on one stage, which holds (and writes) all of it
+                top_k = harvest.get("top_k")
+                live.sae = (self.sae(harvest["sae"]), top_k)
+                live.readout = partial(features, *live.sae)
+                live.harvest_meta["values"] = ["sae_features"] if top_k is None else ["sae_values", "sae_indices"]
+            if not live.written and self.writer and self.folder is not None:
+                live.key = next(self.harvest_keys)
+                self.writer_thread.put(("admit", live.key, self.record_of(live)))
+        return live
+
+    def admitted_steers(self, plan: dict[str, Any], length: int) -> list[SteerEntry]:
+        """A request's steers from its plan: one list for every request whose steers are the same (the steers name
+        their vectors by digest), and of any length where no steer's rows depend on it, so that requests sending
+        the same steers share their entries and the applier's work on them (`GraphBackend._routes`, as a bulk
+        run's requests do); a conditional steer or an SAE clamp holds state of its own request, and is made anew."""
+        items = plan.get("steer", ())
+        if not items:
+            return []
+        shareable = all(item["mode"] != "sae_clamp" and item.get("condition") is None for item in items)
+        key = None
+        if shareable:
+            lengthless = all(positions_rule(item["positions"], "positions") in ("all", SKIP_FIRST)
+                             and item["generated"] and not item.get("from_step") for item in items)
+            # (by digest: a sweep's payload may carry each vector's 22 KB inline)
+            key = (hashlib.sha256(json.dumps(items, sort_keys=True).encode()).digest(), None if lengthless else length)
+            found = self.admitted.get(key)
+            if found is not None:
+                self.admitted.move_to_end(key)
+                return found
+        steers = self.steers_of(items, plan.get("vectors"), length)
+        if key is not None:
+            self.admitted[key] = steers
+            if len(self.admitted) > ADMITTED:
+                self.admitted.popitem(last=False)
+        return steers
+
+    def steers_of(self, items: list[dict[str, Any]], vectors: Optional[dict[str, str]], length: int) -> list[SteerEntry]:
+        """The entries of a request's steers, from their JSON."""
         steers: list[SteerEntry] = []
         per_key: dict[tuple[int, str], int] = {}
-        for item in plan.get("steer", ()):
+        for item in items:
             if not self.stage.holds(item["value"], item["layer"]):
                 continue  # another pipeline stage's block: that stage applies it
             site = self.site(item["value"], item["layer"])
@@ -237,37 +299,7 @@ class ServeState(RequestApplier):
             steers.append(SteerEntry(site, delta, mode, chosen, bool(item["generated"]), length, order,
                                      item.get("from_step", 0), skip_first=rule == SKIP_FIRST,
                                      condition_site=condition_site))
-        live = Live(steers)
-        harvest = plan.get("harvest")
-        if harvest is not None:
-            rule = positions_rule(harvest["positions"], "positions")
-            layers = layer_list(self.root, harvest["layers"])
-            live.harvest_id = harvest["id"]
-            sites = sites_of(harvest["values"], layers)
-            held = [index for index, (value, layer) in enumerate(sites) if self.stage.holds(value, layer)]
-            listed = [self.site(*sites[index]) for index in held]
-            # requests harvesting the same sites share one list: a step's plan reads them together (`RequestApplier.plan`)
-            named = tuple(map(id, listed))
-            live.harvest_sites = self.site_lists.get(named, listed)
-            if len(self.site_lists) < SITE_LISTS:
-                self.site_lists.setdefault(named, listed)
-            live.positions = prompt_positions(rule, length, 0)
-            live.slots = {position: slot for slot, position in enumerate(live.positions)}
-            live.harvest_meta = {"values": harvest["values"], "layers": layers, "positions": live.positions}
-            if harvest.get("reduce") is not None:  # the file keeps the rows; the download reduces them (serve/sweeps)
-                live.harvest_meta["reduce"] = harvest["reduce"]
-            if len(held) < len(sites):  # pipeline stages split the harvest: this one writes its part, if any
-                live.harvest_meta["held"] = held
-                live.written = not held  # a stage holding none of its sites has nothing to write
-            if harvest.get("sae") is not None:  # one site: on one stage, which holds (and writes) all of it
-                top_k = harvest.get("top_k")
-                live.sae = (self.sae(harvest["sae"]), top_k)
-                live.readout = partial(features, *live.sae)
-                live.harvest_meta["values"] = ["sae_features"] if top_k is None else ["sae_values", "sae_indices"]
-            if not live.written and self.writer and self.folder is not None:
-                live.key = next(self.harvest_keys)
-                self.writer_thread.put(("admit", live.key, self.record_of(live)))
-        return live
+        return steers
 
     def condition(self, data: dict[str, Any], steer: dict[str, Any]) -> tuple[Condition, Site]:
         """A steer's condition from its JSON (checked by the front end) and the site it reads."""
@@ -494,97 +526,6 @@ class ServeState(RequestApplier):
         """Leave the reason a harvest will not come, for the front end to answer its download with."""
         if self.writer:
             fail(self.folder, harvest_id, message)
-
-
-class HarvestWriter:
-    """A thread that waits for each step's harvested rows to land in host memory and hands them to the writer.
-
-    The writer is the harvest writer's process (`streamscope.serve.writer`),
-    started with the thread on first use. Where that process cannot be
-    started, or has stopped, the thread keeps a `Store` of its own (the
-    harvests the process held then fail, saying why). Its queue is in step
-    order, so a harvest is admitted before its rows come, and a request's rows
-    from every step are stored before the step that completed it is written.
-    """
-
-    def __init__(self, folder: Optional[Path], rank: int) -> None:
-        self.folder, self.rank = folder, rank
-        self.queue: "queue.Queue[Any]" = queue.Queue()
-        self.thread: Optional[threading.Thread] = None
-        self.process: Optional[subprocess.Popen] = None
-        self.store: Optional[Store] = None  # the thread's own, where the process is not running
-        self.held: dict[int, str] = {}  # the harvests admitted to the process and not yet complete: key -> id
-
-    def put(self, item: Any) -> None:
-        if self.thread is None:
-            self.thread = threading.Thread(target=self.run, name="streamscope-harvest-writer", daemon=True)
-            self.thread.start()
-        self.queue.put(item)
-
-    def run(self) -> None:
-        self.start()
-        while True:
-            item = self.queue.get()
-            try:
-                self.take(item)
-            except Exception:  # noqa: BLE001  (logged; the thread goes on with the next step)
-                logger.exception("streamscope serve: a step's harvested rows could not be handed to the writer")
-            finally:
-                self.queue.task_done()
-
-    def start(self) -> None:
-        """Start the writer's process (``STREAMSCOPE_SERVE_WRITER=thread``: write on this thread instead)."""
-        if os.environ.get("STREAMSCOPE_SERVE_WRITER") == "thread":
-            self.store = Store(self.folder, self.rank)
-            return
-
-        try:
-            # -P: the script's folder (this package's modules: protocol, storage, ...) is not put on its path
-            self.process = subprocess.Popen([sys.executable, "-P", writer.__file__, str(self.folder or ""),
-                                             str(self.rank)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
-        except OSError:
-            logger.exception("streamscope serve: the harvest writer's process did not start; writing on this thread")
-            self.store = Store(self.folder, self.rank)
-
-    def take(self, item: tuple) -> None:
-        """Hand one queued item to the writer: a harvest admitted, a step's rows, or a harvest dropped."""
-        kind = item[0]
-        if kind == "rows":
-            _, event, copies, complete = item
-            if event is not None:
-                event.synchronize()  # this step's copy to host memory has landed; the engine has not waited for it
-            for number, (host, pieces) in enumerate(copies):
-                done = complete if number == len(copies) - 1 else []
-                self._send({"kind": "rows", "dtype": str(host.dtype), "pieces": pieces, "complete": done}, host,
-                           lambda store, host=host, pieces=pieces, done=done: store.rows(host, pieces, done))
-            for key in complete:
-                self.held.pop(key, None)
-        elif kind == "admit":
-            _, key, record = item
-            self._send({"kind": "admit", "key": key, "record": record.header()}, None,
-                       lambda store: store.admit(key, record))
-            if self.store is None:
-                self.held[key] = record.harvest_id
-        else:
-            key = item[1]
-            self.held.pop(key, None)
-            self._send({"kind": "drop", "key": key}, None, lambda store: store.drop(key))
-
-    def _send(self, header: dict[str, Any], payload: Optional[torch.Tensor], locally: Any) -> None:
-        if self.store is None and self.process is not None:
-            try:
-                send_frame(self.process.stdin, header, payload)
-                return
-            except (OSError, ValueError):  # the process has gone: the harvests it held will not be written
-                logger.exception("streamscope serve: the harvest writer's process stopped; writing on this thread")
-                self.store = Store(self.folder, self.rank)
-                for harvest_id in self.held.values():
-                    self.store.fail(harvest_id, "the harvest writer's process stopped before writing this harvest")
-                self.held.clear()
-                if header["kind"] != "admit":
-                    return  # this item's harvests were among those failed
-        if self.store is not None:
-            locally(self.store)
 
 
 def _refusal(error: LeftOnHooks) -> RequestRefused:

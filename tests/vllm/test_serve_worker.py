@@ -122,6 +122,32 @@ def test_requests_steered_alike_are_one_block_of_rows_and_their_hooks_come_off_w
     assert state.signatures == {} and state.representatives == {} and state.key_counts == {}
 
 
+def test_requests_sending_the_same_steers_share_their_entries_of_any_length_where_no_row_depends_on_it(state):
+    """The worker makes a list of steers once for the requests that send the same steers (`ServeState.admitted_steers`:
+    the entries and the applier's work on them shared, as a bulk run's are), of any length where each steer edits
+    every position or every one but the first; a steer at chosen positions keeps a list a prompt length, whose rows
+    are that length's; a conditional steer is made for its request alone."""
+    every = [steer(1, seed=1), steer(2, seed=2, positions="all_but_first", scale=0.5)]
+    last = [steer(1, seed=1, positions="last")]
+    arriving = [new("a", {"steer": every}, 5), new("b", {"steer": every}, 3), new("c", {"steer": last}, 5),
+                new("d", {"steer": last}, 5), new("e", {"steer": last}, 3)]
+    step(state, {"a": 5, "b": 3, "c": 5, "d": 5, "e": 3}, arriving=arriving)
+    lists = {key: state.live[key].steers for key in "abcde"}
+    assert lists["a"] is lists["b"] and lists["c"] is lists["d"] and lists["e"] is not lists["c"]
+    assert lists["c"][0].chosen == frozenset({4}) and lists["e"][0].chosen == frozenset({2})
+    edits, _ = state.work[(id(lists["a"][0].site.module), lists["a"][0].site.where)]
+    rows = {entry_rows for _, _, entry_rows, _ in edits}
+    assert rows, "the step planned the shared steers' rows"
+    gated = steer(1, seed=1, condition={"value": "layer_output", "layer": 0, "vector": vector_bytes(torch.ones(HIDDEN)),
+                                        "threshold": 0.0, "compare": "greater", "measure": "projection", "scope": "row"})
+    step(state, {"f": 4, "g": 4}, arriving=[new("f", {"steer": [gated]}, 4), new("g", {"steer": [gated]}, 4)],
+         finished=list("abcde"))
+    assert state.live["f"].steers is not state.live["g"].steers
+    assert state.live["f"].steers[0].delta is not state.live["g"].steers[0].delta  # each request its own gate
+    step(state, {}, finished=["f", "g"])
+    assert hooked_modules(state) == {} and state.live == {}
+
+
 def test_hooks_follow_the_requests_that_need_them_and_a_read_harvest_leaves_no_work(state):
     harvest = {"harvest": {"values": ["layer_output"], "layers": None, "positions": "last", "id": "h" * 32}}
     steers = {"steer": [steer(0, seed=2), steer(2, seed=3, value="mlp_output")]}
