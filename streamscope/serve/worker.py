@@ -19,7 +19,7 @@ request lives).
 A step's harvested rows stay on the device: each hooked module call makes one
 gathered read of every harvesting request's rows, and after the step the
 reads go to host memory in one non-blocking copy (pinned memory on a GPU),
-so the step never waits for them. A writer thread waits for each step's copy
+so the step never waits for them. A writer thread (`writer_thread.py`) waits for each step's copy
 to land and hands its bytes to the harvest writer's process
 (`streamscope.serve.writer`), which puts the rows in their requests' buffers
 and, once a request's prompt positions have all run, writes its harvest to
