@@ -236,26 +236,26 @@ class ServeState(RequestApplier):
 
     def admitted_steers(self, plan: dict[str, Any], length: int) -> list[SteerEntry]:
         """A request's steers from its plan: one list for every request whose steers are the same (the steers name
-        their vectors by digest), and of any length where no steer's rows depend on it, so that requests sending
-        the same steers share their entries and the applier's work on them (`GraphBackend._routes`, as a bulk
-        run's requests do); a conditional steer or an SAE clamp holds state of its own request, and is made anew."""
+        their vectors by digest), and of any length where no entry's rows depend on it (`SteerEntry.kind`), so
+        that requests sending the same steers share their entries and the applier's work on them
+        (`GraphBackend._routes`, as a bulk run's requests do); a conditional steer or an SAE clamp holds state of
+        its own request, and is made anew."""
         items = plan.get("steer", ())
         if not items:
             return []
-        shareable = all(item["mode"] != "sae_clamp" and item.get("condition") is None for item in items)
-        key = None
-        if shareable:
-            lengthless = all(positions_rule(item["positions"], "positions") in ("all", SKIP_FIRST)
-                             and item["generated"] and not item.get("from_step") for item in items)
+        digest = None
+        if all(item["mode"] != "sae_clamp" and item.get("condition") is None for item in items):
             # (by digest: a sweep's payload may carry each vector's 22 KB inline)
-            key = (hashlib.sha256(json.dumps(items, sort_keys=True).encode()).digest(), None if lengthless else length)
-            found = self.admitted.get(key)
-            if found is not None:
-                self.admitted.move_to_end(key)
-                return found
+            digest = hashlib.sha256(json.dumps(items, sort_keys=True).encode()).digest()
+            for key in ((digest, None), (digest, length)):
+                found = self.admitted.get(key)
+                if found is not None:
+                    self.admitted.move_to_end(key)
+                    return found
         steers = self.steers_of(items, plan.get("vectors"), length)
-        if key is not None:
-            self.admitted[key] = steers
+        if digest is not None:
+            lengthless = all(entry.kind != "some" for entry in steers)
+            self.admitted[(digest, None if lengthless else length)] = steers
             if len(self.admitted) > ADMITTED:
                 self.admitted.popitem(last=False)
         return steers

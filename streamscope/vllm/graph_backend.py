@@ -517,8 +517,8 @@ class GraphBackend:
         """The plan's steers of a request's `graphed` steers. Requests whose steers name the same sites, operations
         and rows share one list, which `GraphPlan.enter` reads and keeps none of: a bulk run's requests (every row,
         and every row but the first, are one `row_rule` whatever the prompt's length), and a server's requests that
-        send the same steers (their operations are shared: `ServeState.shared`), though each brings entries of its
-        own."""
+        send the same steers (their operations are shared: `ServeState.shared`), whether or not they share their
+        entries (`ServeState.admitted_steers`)."""
         rules = [row_rule(entry) for entry, _, _ in graphed]
         key = tuple((name, id(operation), id(entry.delta), id(rule))
                     for (entry, name, operation), rule in zip(graphed, rules))

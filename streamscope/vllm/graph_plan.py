@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Hashable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -191,6 +191,20 @@ class _Live:
     marks: Any = None
 
 
+class _Shape(NamedTuple):
+    """What the requests given one list of steers with the same slots share (`GraphPlan._live_of`)."""
+
+    steers: tuple  # the steers, kept so that no later list takes their ids while this is remembered
+    edits: list[_LaneEdit]
+    rules: tuple  # the edits' distinct row rules
+    lanes: frozenset  # every lane the edits mark
+    columns: np.ndarray  # the table row's lanes, and the slot each holds
+    marks: np.ndarray
+    covered_from: float  # `_Live.covered_from`
+    chosen: Any  # `columns` as the cheapest index (`_columns`), and `marks` shaped to write with it
+    chosen_marks: Any
+
+
 @dataclass
 class StepHarvest:
     """What one step harvested: ``rows [used, hidden]``, the pool's first rows (on the host once `wait` returns),
@@ -268,7 +282,7 @@ class GraphPlan:
         #: `_lanes_of`'s answers by the steers' sites, `_live_of`'s edits by the steers' list and slots (the list's
         #: steers kept, so that no later list takes its id while its edits are remembered): `SHAPES` of each.
         self._lanes_by_shape: dict[tuple, list[tuple[int, ...]]] = {}
-        self._edits_by_steers: dict[tuple, tuple] = {}
+        self._edits_by_steers: dict[tuple, _Shape] = {}
         columns = len(self.lane_of) + len(self.harvest_sites)
         # Stored lane by lane: a step writes and copies only the lanes its requests use (`index` is the transposed
         # view, [max_rows, columns], as the ops read it).
@@ -412,23 +426,23 @@ class GraphPlan:
         (`GraphBackend` hands a bulk run's requests of one length the same list) with the same slots share the
         edits, which nothing changes."""
         found = self._edits_by_steers.get((id(steers), slots))
-        if found is None or len(found[0]) != len(steers) or any(kept is not steer
-                                                                for kept, steer in zip(found[0], steers)):
+        if found is None or len(found.steers) != len(steers) or any(kept is not steer
+                                                                    for kept, steer in zip(found.steers, steers)):
             edits = [_LaneEdit(_columns(mine), mine, slot, steer.rule, steer.share)
                      for steer, mine, slot in zip(steers, lanes, slots)]
             columns = np.array([lane for mine in lanes for lane in mine], dtype=np.intp)
             marks = np.array([slot for mine, slot in zip(lanes, slots) for _ in mine], dtype=np.int32)
             rules = tuple(dict.fromkeys(edit.rule for edit in edits))
             chosen = _columns(columns.tolist()) if len(columns) else None
-            found = (tuple(steers), edits, rules, frozenset(lane for edit in edits for lane in edit.columns_key),
-                     columns, marks, max((rule.every_from for rule in rules), default=0), chosen,
-                     int(marks[0]) if isinstance(chosen, int) else marks[:, None])
+            found = _Shape(tuple(steers), edits, rules, frozenset(lane for edit in edits for lane in edit.columns_key),
+                           columns, marks, max((rule.every_from for rule in rules), default=0), chosen,
+                           int(marks[0]) if isinstance(chosen, int) else marks[:, None])
             if len(self._edits_by_steers) >= SHAPES:
                 self._edits_by_steers.clear()
             self._edits_by_steers[(id(steers), slots)] = found
-        live = _Live(found[1], rules=found[2], lanes=found[3], covered_from=found[6], columns=found[7],
-                     marks=found[8])
-        return live, found[4], found[5]
+        live = _Live(found.edits, rules=found.rules, lanes=found.lanes, covered_from=found.covered_from,
+                     columns=found.chosen, marks=found.chosen_marks)
+        return live, found.columns, found.marks
 
     def _admit_harvest(self, key: Hashable, sites: int, positions: int) -> None:
         """Refuse a harvest of `positions` positions at `sites` sites where the most rows one step could then
