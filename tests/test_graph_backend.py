@@ -7,6 +7,7 @@ tests/vllm/test_graph_backend.py; here the rules, on sites made of plain modules
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 from typing import Any
 
@@ -223,6 +224,73 @@ def test_a_bulk_run_s_requests_share_their_entries_where_no_row_depends_on_the_l
         for key, live in requests.items():
             backend.enter(key, live)
         assert len(backend._by_list) == lists and backend.plan.live == len(keys), options
+
+
+def test_a_bulk_run_makes_each_request_s_entries_as_its_steers_say_whatever_the_mix() -> None:
+    """`run_requests` makes a list once for each kind of request (the steers' positions for it, and its length where
+    an entry's rows depend on it): over a mix of rules, prompt subsets, later tokens and unsteered prompts, prompts
+    of one and two tokens among them, every request's list holds one entry for each steer that applies to it, in the
+    run's order, with that steer's rows for it; requests with the same rows from every steer share one list. Steers
+    holding one tensor with one setting share one operation, and the run's requests take one slot of the graph
+    ops' bank for it, where they took one for each site."""
+    rng = random.Random(7)
+    lengths = [rng.choice((1, 2, 3, 5, 5, 9, 12)) for _ in range(40)]
+    keys = [f"p{number}" for number in range(len(lengths))]
+    shared = torch.ones(HIDDEN)
+    # first the mixes where one rule's rows are every row for some lengths and all but the first for others ("last"
+    # at one token and at two), then mixes at random
+    fixed = [["last"], ["all", "last"], ["default", 0]]
+    for trial in range(24):
+        setup = Setup(slots=16)
+        steers = []
+        rules = fixed[trial] if trial < len(fixed) else [
+            rng.choice(("default", "all", "last", 0, [1, 2], "subset", "from_step", "prompt only"))
+            for _ in range(rng.randrange(1, 6))]
+        for rule in rules:
+            options: dict[str, Any] = {}
+            if rule == "subset":
+                options["prompts"] = sorted(rng.sample(range(len(keys)), 10))
+            elif rule == "from_step":
+                options["from_step"] = 1
+            elif rule == "prompt only":
+                options["generated"] = False
+            elif rule == [1, 2]:
+                options["positions"] = [1, 2]
+                options["prompts"] = [number for number, length in enumerate(lengths) if length > 2]
+            elif rule != "default":
+                options["positions"] = rule
+            vector = shared if rng.random() < 0.6 else torch.randn(HIDDEN)
+            name = rng.choice(("a", "c"))
+            steers.append((Steer("layer_output", 0, vector, **options), setup.sites[name]))
+        plans = steer_plans(steers, keys, lengths, torch.float32, "cpu")
+        requests = run_requests([], {}, plans, None)
+        lists: dict[tuple, int] = {}
+        for number, key in enumerate(keys):
+            mine = [(order, steer) for order, (steer, _) in enumerate(steers)
+                    if steer.prompts is None or number in steer.prompts]
+            live = requests.get(key)
+            if not mine:
+                assert live is None or not live.steers, (trial, key)
+                continue
+            assert live is not None and len(live.steers) == len(mine), (trial, key)
+            for entry, (order, steer) in zip(live.steers, mine):
+                assert entry.site is steers[order][1] and entry.delta is plans[order].operation, (trial, key)
+                span = Span(key, 0, lengths[number] + 3, 0)  # the prompt and three generated tokens
+                rows = [row for low, high in entry.ranges(span) for row in range(low, high)]
+                prompt = sorted(steer_positions(steer, lengths[number], number))
+                generated = list(range(lengths[number], lengths[number] + 3))[steer.from_step:] \
+                    if steer.generated else []
+                assert rows == prompt + generated, (trial, key, steer)
+            # each steer's positions depend on the length alone here: requests of one length that the same steers
+            # apply to have the same entries, in one list
+            kind = (lengths[number], tuple(order for order, _ in mine))
+            assert lists.setdefault(kind, id(live.steers)) == id(live.steers), (trial, key)
+        distinct = {(id(steer.vector), steer.mode) for steer, _ in steers}
+        assert len({id(plan.operation) for plan in plans}) == len(distinct), trial
+        for key, live in requests.items():
+            setup.backend.enter(key, live)
+        served = {id(operation) for operations in setup.backend.kept.values() for operation in operations}
+        assert served and setup.plan.bank.live == len(served) <= len(distinct), trial
 
 
 def test_the_option_and_the_engine_s_config() -> None:

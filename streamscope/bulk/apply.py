@@ -33,24 +33,11 @@ class SteerPlan:
     steer: Steer
     site: Site
     operation: Operation
-    positions: dict[Hashable, frozenset[int]]  # each steered request's prompt positions
-    lengths: dict[Hashable, int]               # each steered request's prompt length
+    positions: dict[Hashable, frozenset[int]]  # each steered request's prompt positions (shared: `steer_plans`)
+    lengths: dict[Hashable, int]               # each steered request's prompt length (shared too)
     #: A conditional steer's condition site (`streamscope.bulk.conditions`); its `operation` is then a `Gate`.
     condition_site: Optional[Site] = None
     slots: Optional[dict[Hashable, int]] = None  # a conditional steer's requests, each one's slot in its gate
-
-    @property
-    def every_row(self) -> bool:
-        """Whether the steer edits every row of the requests it owns: each prompt position, each generated token."""
-        return (self.steer.generated and self.steer.from_step == 0
-                and all(len(chosen) == self.lengths[key] for key, chosen in self.positions.items()))
-
-    @property
-    def every_row_but_first(self) -> bool:
-        """Whether the steer edits every row of the requests it owns but each prompt's first position (the default
-        positions, `streamscope.bulk.spec.SKIP_FIRST`), every generated token too."""
-        return (self.steer.generated and self.steer.from_step == 0 and not self.every_row
-                and all(chosen == frozenset(range(1, self.lengths[key])) for key, chosen in self.positions.items()))
 
 
 #: Up to this many harvested rows a request in a step, the step's rows go to the host in one copy per site.
@@ -227,50 +214,114 @@ class Applier(RequestApplier):
 def run_requests(harvest_sites: list[Site], harvest_positions: dict[Hashable, list[int]],
                  plans: Sequence[SteerPlan], readout: Any) -> dict[Hashable, Live]:
     """Each request of a bulk run as the applier's `Live`: its share of each steer (in the run's order, each steer
-    one round at its module call, so that it stays one edit over all its requests' rows) and its harvest."""
+    one round at its module call, so that it stays one edit over all its requests' rows) and its harvest.
+
+    Requests that every steer treats alike (its positions in each, and the prompt's length where an entry's rows
+    depend on it) share one list of entries, made once from one of them: the work is the steers times the kinds of
+    request, not times the requests (256 requests with an ablation at every block: one list of 32 entries)."""
     requests: dict[Hashable, Live] = {}
     for key, positions in harvest_positions.items():
         requests[key] = Live([], harvest_sites=harvest_sites, positions=list(positions),
                              slots={position: slot for slot, position in enumerate(positions)}, readout=readout)
-    rounds: dict[tuple[int, str], int] = {}
-    kinds: dict[tuple[int, int], tuple[bool, bool]] = {}  # (id of positions, length) -> (every, all but the first)
-    for plan in plans:
-        order = rounds.get(plan.site.key, 0)
-        rounds[plan.site.key] = order + 1
-        steer = plan.steer
-        # One entry for the requests of one length and positions (entries are read, never changed), and one for
-        # every length where it edits every row or every row but the first (no row it edits depends on the length);
-        # but a gated steer's, which each hold their request's slot in the gate
-        shared: dict[tuple, SteerEntry] = {}
-        any_length = bool(steer.generated) and not steer.from_step and not plan.slots
-        for key, chosen in plan.positions.items():
-            length = plan.lengths[key]
-            entry = shared.get((length, chosen)) if not plan.slots else None
-            if entry is None:
-                every, skip_first = kinds.get((id(chosen), length)) or kinds.setdefault((id(chosen), length),
-                                                                                        _kind(chosen, length))
-                lengthless = any_length and (every or skip_first)
-                entry = shared.get(("any length", skip_first)) if lengthless else None
-                if entry is None:
-                    entry = SteerEntry(plan.site, plan.operation, None, None if every or skip_first else chosen,
-                                       bool(steer.generated), length, order, steer.from_step,
-                                       skip_first=skip_first, condition_site=plan.condition_site,
-                                       slot=plan.slots[key] if plan.slots else 0)
-                    if lengthless:
-                        shared[("any length", skip_first)] = entry
-                if not plan.slots:
-                    shared[(length, chosen)] = entry
-            live = requests.get(key)
-            if live is None:
-                live = requests[key] = Live([])
-            live.steers.append(entry)
-    # requests with the same entries share one list (nothing changes a request's list once made), which the graph
-    # ops' backend routes once for all of them (`GraphBackend._routes`)
+    entries = _Entries(plans)
+    classes = entries.classes()
     lists: dict[tuple[int, ...], list[SteerEntry]] = {}
-    for live in requests.values():
-        if live.steers:
-            live.steers = lists.setdefault(tuple(map(id, live.steers)), live.steers)
+    list_of: dict[Hashable, list[SteerEntry]] = {}
+    for keys in classes.values():
+        made = entries.list_for(keys[0])
+        made = lists.setdefault(tuple(map(id, made)), made)  # (classes told apart by identity may hold equal lists)
+        list_of.update(dict.fromkeys(keys, made))
+    for key in entries.order:  # the run's order of requests, as each steer lists them
+        live = requests.get(key)
+        if live is None:
+            live = requests[key] = Live([])
+        live.steers = list_of[key]  # nothing changes a request's list once made
     return requests
+
+
+class _Entries:
+    """A bulk run's steer entries, made once for each kind of request (`run_requests`).
+
+    An entry serves the requests of one length and positions, or of every length where it edits every row or every
+    row but the first, where no row it edits depends on the length; a conditional steer's entry is its request's
+    own (each holds its request's slot in the gate)."""
+
+    def __init__(self, plans: Sequence[SteerPlan]) -> None:
+        self.plans = list(plans)
+        self.rounds: list[int] = []  # each plan's round at its module call, in the run's order
+        taken: dict[tuple[int, str], int] = {}
+        for plan in self.plans:
+            self.rounds.append(taken.get(plan.site.key, 0))
+            taken[plan.site.key] = self.rounds[-1] + 1
+        self.made: list[dict[tuple, SteerEntry]] = [{} for _ in self.plans]
+        self.order: list[Hashable] = []  # the steered requests, in the order `classes` met them
+        self._kinds: dict[tuple[int, int], tuple[bool, bool]] = {}  # (id of positions, length) -> `_kind`
+
+    def any_length(self, plan: SteerPlan) -> bool:
+        """Whether `plan`'s entry may serve every length (where it edits every row, or every row but the first)."""
+        return bool(plan.steer.generated) and not plan.steer.from_step and not plan.slots
+
+    def kind(self, chosen: frozenset, length: int) -> tuple[bool, bool]:
+        found = self._kinds.get((id(chosen), length))
+        if found is None:
+            found = self._kinds[(id(chosen), length)] = _kind(chosen, length)
+        return found
+
+    def classes(self) -> dict[tuple, list[Hashable]]:
+        """The steered requests by kind, in the run's order: requests of one kind get the same entries from every
+        steer (steers over every prompt with one rule share their table of positions: `steer_plans`)."""
+        tables: dict[int, tuple[dict, dict, bool]] = {}  # id of positions -> (positions, lengths, any length)
+        for plan in self.plans:
+            positions, lengths, lengthless = tables.get(id(plan.positions), (plan.positions, plan.lengths, True))
+            tables[id(plan.positions)] = (positions, lengths, lengthless and self.any_length(plan))
+        own = any(plan.slots for plan in self.plans)  # a conditional steer's requests are each of their own kind
+        classes: dict[tuple, list[Hashable]] = {}
+        seen: set = set()
+        for positions, lengths, _ in tables.values():
+            for key in positions:
+                if key in seen:
+                    continue
+                seen.add(key)
+                self.order.append(key)
+                length, marks, every_length = lengths[key], [], True
+                for table, _, lengthless in tables.values():
+                    chosen = table.get(key)
+                    if chosen is None:
+                        marks.append(None)
+                        continue
+                    every, skip_first = self.kind(chosen, length)
+                    if lengthless and (every or skip_first):
+                        marks.append(skip_first)
+                    else:
+                        marks.append(id(chosen))
+                        every_length = False
+                kind = (None if every_length else length, tuple(marks), key if own else None)
+                classes.setdefault(kind, []).append(key)
+        return classes
+
+    def list_for(self, key: Hashable) -> list[SteerEntry]:
+        """Request `key`'s entries, one a steer that applies to it, in the run's order."""
+        return [self.entry(number, plan, key) for number, plan in enumerate(self.plans) if key in plan.positions]
+
+    def entry(self, number: int, plan: SteerPlan, key: Hashable) -> SteerEntry:
+        made, steer = self.made[number], plan.steer
+        chosen, length = plan.positions[key], plan.lengths[key]
+        entry = made.get((length, chosen)) if not plan.slots else None
+        if entry is not None:
+            return entry
+        every, skip_first = self.kind(chosen, length)
+        lengthless = self.any_length(plan) and (every or skip_first)
+        entry = made.get(("any length", skip_first)) if lengthless else None
+        if entry is None:
+            entry = SteerEntry(plan.site, plan.operation, None, None if every or skip_first else chosen,
+                               bool(steer.generated), length, self.rounds[number], steer.from_step,
+                               skip_first=skip_first, condition_site=plan.condition_site,
+                               slot=plan.slots[key] if plan.slots else 0)
+            if lengthless:
+                made[("any length", skip_first)] = entry
+        if not plan.slots:
+            made[(length, chosen)] = entry
+        return entry
 
 
 def _kind(chosen: frozenset, length: int) -> tuple[bool, bool]:
@@ -292,22 +343,33 @@ def steer_plans(steers: Sequence[tuple[Steer, Site]], keys: Sequence[Hashable], 
     # Positions by rule and length, for rules that name no prompt (a string, one position): steers at every block
     # with one rule share their sets (a run of prompts of many lengths once built one a steer and length)
     resolved: dict[tuple[Any, int], frozenset] = {}
+    # Steers over every prompt with one such rule share one table of positions and one of lengths, which
+    # `run_requests` reads once for all of them; steers of one vector and settings share one operation (made once,
+    # one slot of the graph ops' bank), as a server's requests do
+    tables: dict[tuple[type, Any], tuple[dict[Hashable, frozenset], dict[Hashable, int]]] = {}
+    every_length: Optional[dict[Hashable, int]] = None
+    operations: dict[tuple, Any] = {}
     for steer, site in steers:
         indices = list(range(len(keys)) if steer.prompts is None else steer.prompts)
         shared = isinstance(steer.positions, (str, int))
-        by_length: dict[int, frozenset] = {}  # a steer's positions depend on its prompt's length alone
-        positions = {}
-        for i in indices:
-            chosen = by_length.get(lengths[i])
-            if chosen is None:
-                chosen = resolved.get((steer.positions, lengths[i])) if shared else None
-                if chosen is None:
-                    chosen = frozenset(steer_positions(steer, lengths[i], i))
-                    if shared:
-                        resolved[(steer.positions, lengths[i])] = chosen
-                by_length[lengths[i]] = chosen
-            positions[keys[i]] = chosen
-        operation: Any = steer.operation(dtype, device)
+        table_key = (type(steer.positions), steer.positions) if shared and steer.prompts is None else None
+        table = tables.get(table_key) if table_key is not None else None
+        if table is None:
+            if steer.prompts is None:
+                every_length = dict(zip(keys, lengths)) if every_length is None else every_length
+                steer_lengths = every_length
+            else:
+                steer_lengths = {keys[i]: lengths[i] for i in indices}
+            table = _positions_of(steer, keys, lengths, indices, resolved if shared else None), steer_lengths
+            if table_key is not None:
+                tables[table_key] = table
+        positions, steer_lengths = table
+        settings = (id(steer.vector), steer.mode, steer.scale, steer.projection, steer.norm_match)
+        operation: Any = operations.get(settings) if steer.mode != "sae_clamp" else None
+        if operation is None:
+            operation = steer.operation(dtype, device)
+            if steer.mode != "sae_clamp":
+                operations[settings] = operation
         condition_site, slots = None, None
         if steer.condition is not None:
             if root is None:
@@ -316,6 +378,24 @@ def steer_plans(steers: Sequence[tuple[Steer, Site]], keys: Sequence[Hashable], 
             condition_site = locate(root, condition.value, condition.layer)
             slots = {keys[i]: slot for slot, i in enumerate(indices)}
             operation = Gate(operation, condition, len(indices), device)
-        plans.append(SteerPlan(steer, site, operation, positions, {keys[i]: lengths[i] for i in indices},
-                               condition_site, slots))
+        plans.append(SteerPlan(steer, site, operation, positions, steer_lengths, condition_site, slots))
     return plans
+
+
+def _positions_of(steer: Steer, keys: Sequence[Hashable], lengths: Sequence[int], indices: Sequence[int],
+                  resolved: Optional[dict[tuple[Any, int], frozenset]]) -> dict[Hashable, frozenset]:
+    """The prompt positions `steer` edits in each prompt it applies to, by key; with `resolved`, the sets of its
+    rule (which names no prompt) by length, shared with the other steers of that rule."""
+    by_length: dict[int, frozenset] = {}  # a steer's positions depend on its prompt's length alone
+    positions = {}
+    for i in indices:
+        chosen = by_length.get(lengths[i])
+        if chosen is None:
+            chosen = resolved.get((steer.positions, lengths[i])) if resolved is not None else None
+            if chosen is None:
+                chosen = frozenset(steer_positions(steer, lengths[i], i))
+                if resolved is not None:
+                    resolved[(steer.positions, lengths[i])] = chosen
+            by_length[lengths[i]] = chosen
+        positions[keys[i]] = chosen
+    return positions

@@ -284,26 +284,35 @@ def worker_finish(worker: Any, inline: bool) -> Any:
 PACKED_STEERS = 8
 
 
-def pack_vectors(steers: list[Steer]) -> tuple[list[Steer], Optional[torch.Tensor]]:
-    """Many steers' vectors as one ``[steers, width]`` tensor, and the steers with empty vectors in their place.
+def pack_vectors(steers: list[Steer]) -> tuple[list[Steer], Optional[tuple[torch.Tensor, list[int]]]]:
+    """Many steers' vectors as one ``[distinct vectors, width]`` tensor with each steer's row of it, and the steers
+    with empty vectors in their place.
 
     The plan travels pickled, and a tensor pickles as a file of its own: hundreds of steers (a patch each) would
-    cost a save and a load apiece. Steers of differing widths or dtypes, or few of them, go as they are (None).
+    cost a save and a load apiece. Steers that hold one tensor (a direction at every block) share its row, so that
+    the worker makes their operation once (`streamscope.bulk.apply.steer_plans`). Steers of differing widths or
+    dtypes, or few of them, go as they are (None).
     """
     vectors = [steer.vector for steer in steers]
     if len(steers) < PACKED_STEERS or len({(tuple(v.shape), v.dtype, v.device) for v in vectors}) != 1:
         return steers, None
 
+    distinct: dict[int, int] = {}
+    rows = [distinct.setdefault(id(vector), len(distinct)) for vector in vectors]
+    table = torch.stack([vector.detach() for vector in {id(vector): vector for vector in vectors}.values()])
     empty = vectors[0].new_empty(0)
-    return [replace(steer, vector=empty) for steer in steers], torch.stack([v.detach() for v in vectors])
+    return [replace(steer, vector=empty) for steer in steers], (table, rows)
 
 
-def unpack_vectors(steers: list[Steer], vectors: Optional[torch.Tensor]) -> list[Steer]:
-    """`pack_vectors` undone in the worker: each steer with its own row of `vectors` (None: as they came)."""
-    if vectors is None:
+def unpack_vectors(steers: list[Steer], packed: Optional[tuple[torch.Tensor, list[int]]]) -> list[Steer]:
+    """`pack_vectors` undone in the worker: each steer with its row of the table, steers of one row holding one
+    tensor (None: as they came)."""
+    if packed is None:
         return steers
 
-    return [replace(steer, vector=vectors[index]) for index, steer in enumerate(steers)]
+    table, rows = packed
+    views = list(table)
+    return [replace(steer, vector=views[row]) for steer, row in zip(steers, rows)]
 
 
 def _check_tapped(model: Any, sites: Sequence[Site]) -> None:

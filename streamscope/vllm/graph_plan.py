@@ -103,15 +103,16 @@ class SlotBank:
         """``(bank, modes, scales, projections, norm_match)``, in `graph_ops.edit_stream`'s order."""
         return self.bank, self.modes, self.scales, self.projections, self.norm_match
 
-    def acquire(self, key: Hashable, operation: Operation) -> int:
-        """The slot of `key`'s operation, written on its first use; every acquire takes one `release`.
+    def acquire(self, key: Hashable, operation: Operation, uses: int = 1) -> int:
+        """The slot of `key`'s operation, written on its first use; `uses` uses of it, each given back by a
+        `release` (a request's steers of one operation at many sites take theirs at once).
 
         `key` names the operation (a stored vector's name with its settings):
         requests that name the same key share its slot.
         """
         held = self._held.get(key)
         if held is not None:
-            held[1] += 1
+            held[1] += uses
             return held[0]
         if not isinstance(operation, Operation) or operation.mode not in MODE_CODES:
             mode = getattr(operation, "mode", "sae_clamp")
@@ -133,13 +134,13 @@ class SlotBank:
         self.scales[slot].fill_(operation.scale)
         self.projections[slot].fill_(operation.projection)
         self.norm_match[slot].fill_(operation.norm_match)
-        self._held[key] = [slot, 1]
+        self._held[key] = [slot, uses]
         return slot
 
-    def release(self, key: Hashable) -> None:
-        """Give back one use of `key`'s slot; the slot is free once its last user releases it."""
+    def release(self, key: Hashable, uses: int = 1) -> None:
+        """Give back `uses` uses of `key`'s slot; the slot is free once its last user releases it."""
         held = self._held[key]
-        held[1] -= 1
+        held[1] -= uses
         if not held[1]:
             del self._held[key]
             self._free.append(held[0])
@@ -189,12 +190,23 @@ class _Live:
     #: The lanes its edits mark and the slot each holds (its row of the plan's table), for a span edited in part.
     columns: Any = None
     marks: Any = None
+    shares: tuple = ()  # ((share, uses), ...): the bank's slots it holds, each as many times as its edits use it
+
+
+class _Listed(NamedTuple):
+    """What the requests given one list of steers share before their slots (`GraphPlan._listed`)."""
+
+    steers: Sequence[PlannedSteer]  # the list, kept so that no later list takes its id while this is remembered
+    lanes: list[tuple[int, ...]]  # each steer's lanes
+    shares: tuple[tuple[Hashable, Operation, int], ...]  # each distinct share, its operation and its steers' count
+    which: tuple[int, ...]  # each steer's share, as an index into `shares`
+    uses: tuple[tuple[Hashable, int], ...]  # each distinct share and its steers' count (`_Live.shares`)
 
 
 class _Shape(NamedTuple):
     """What the requests given one list of steers with the same slots share (`GraphPlan._live_of`)."""
 
-    steers: tuple  # the steers, kept so that no later list takes their ids while this is remembered
+    steers: Sequence[PlannedSteer]  # the list, kept so that no later list takes its id while this is remembered
     edits: list[_LaneEdit]
     rules: tuple  # the edits' distinct row rules
     lanes: frozenset  # every lane the edits mark
@@ -283,6 +295,7 @@ class GraphPlan:
         #: steers kept, so that no later list takes its id while its edits are remembered): `SHAPES` of each.
         self._lanes_by_shape: dict[tuple, list[tuple[int, ...]]] = {}
         self._edits_by_steers: dict[tuple, _Shape] = {}
+        self._by_list: dict[int, _Listed] = {}  # `_listed`'s answers by the list's identity: `SHAPES` of them
         columns = len(self.lane_of) + len(self.harvest_sites)
         # Stored lane by lane: a step writes and copies only the lanes its requests use (`index` is the transposed
         # view, [max_rows, columns], as the ops read it).
@@ -366,7 +379,7 @@ class GraphPlan:
         positions, at `harvest_sites`: every harvest site when None). Nothing changes where it is refused."""
         if key is None or key in self._live:
             raise ValueError(f"request {key!r} is already live (or None): leave it first.")
-        lanes = self._lanes_of(key, steers)
+        listed = self._listed(key, steers)
         sites = self.harvest_sites if harvest_sites is None else list(harvest_sites)
         missing = [site for site in sites if site not in self.harvest_index] if harvest_positions else []
         if missing:
@@ -374,15 +387,16 @@ class GraphPlan:
         positions = tuple(sorted(set(harvest_positions)))
         if positions:
             self._admit_harvest(key, len(sites), len(positions))
-        slots: list[int] = []
+        taken: list[int] = []
         try:
-            for steer in steers:
-                slots.append(self.bank.acquire(steer.share, steer.operation))
+            for share, operation, uses in listed.shares:
+                taken.append(self.bank.acquire(share, operation, uses))
         except Exception:
-            for steer in steers[:len(slots)]:
-                self.bank.release(steer.share)
+            for (share, _, uses), _ in zip(listed.shares, taken):
+                self.bank.release(share, uses)
             raise
-        live, columns, marks = self._live_of(steers, lanes, tuple(slots))
+        slots = tuple(taken[which] for which in listed.which)
+        live, columns, marks = self._live_of(listed, slots)
         if live.edits:
             live.row = self._table_row()
             self._table[live.row, columns] = marks
@@ -392,6 +406,28 @@ class GraphPlan:
             live.sites = tuple(self.harvest_index[site] for site in sites)
             live.harvest_lanes = tuple(self.harvest_lane_of[site] for site in sites)
         self._live[key] = live
+
+    def _listed(self, key: Hashable, steers: Sequence[PlannedSteer]) -> _Listed:
+        """What `steers` need of the plan before their slots: their lanes and distinct shares, worked out once for
+        the requests given one list (a bulk run's, a server's that send the same steers)."""
+        found = self._by_list.get(id(steers))
+        if found is not None and found.steers is steers:
+            return found
+        lanes = self._lanes_of(key, steers)
+        number: dict[Hashable, int] = {}
+        shares: list[list[Any]] = []
+        for steer in steers:
+            if steer.share not in number:
+                number[steer.share] = len(shares)
+                shares.append([steer.share, steer.operation, 0])
+            shares[number[steer.share]][2] += 1
+        found = _Listed(steers, lanes, tuple((share, operation, uses) for share, operation, uses in shares),
+                        tuple(number[steer.share] for steer in steers),
+                        tuple((share, uses) for share, _, uses in shares))
+        if len(self._by_list) >= SHAPES:
+            self._by_list.clear()
+        self._by_list[id(steers)] = found
+        return found
 
     def _lanes_of(self, key: Hashable, steers: Sequence[PlannedSteer]) -> list[tuple[int, ...]]:
         """Each steer's lanes (its sites' next free rounds, in order), by the steers' sites: requests with steers at
@@ -419,29 +455,29 @@ class GraphPlan:
         self._lanes_by_shape[shape] = lanes
         return lanes
 
-    def _live_of(self, steers: Sequence[PlannedSteer], lanes: list[tuple[int, ...]],
-                 slots: tuple[int, ...]) -> tuple[_Live, np.ndarray, np.ndarray]:
+    def _live_of(self, listed: _Listed, slots: tuple[int, ...]) -> tuple[_Live, np.ndarray, np.ndarray]:
         """A new request's record (its edits: lanes, slot, rows; their distinct rules and every lane they mark),
         and its row of the table: the lanes' columns and the slot each holds. Requests given one list of steers
         (`GraphBackend` hands a bulk run's requests of one length the same list) with the same slots share the
         edits, which nothing changes."""
+        steers, lanes = listed.steers, listed.lanes
         found = self._edits_by_steers.get((id(steers), slots))
-        if found is None or len(found.steers) != len(steers) or any(kept is not steer
-                                                                    for kept, steer in zip(found.steers, steers)):
+        if found is None or found.steers is not steers:
             edits = [_LaneEdit(_columns(mine), mine, slot, steer.rule, steer.share)
                      for steer, mine, slot in zip(steers, lanes, slots)]
             columns = np.array([lane for mine in lanes for lane in mine], dtype=np.intp)
             marks = np.array([slot for mine, slot in zip(lanes, slots) for _ in mine], dtype=np.int32)
             rules = tuple(dict.fromkeys(edit.rule for edit in edits))
             chosen = _columns(columns.tolist()) if len(columns) else None
-            found = _Shape(tuple(steers), edits, rules, frozenset(lane for edit in edits for lane in edit.columns_key),
+            found = _Shape(steers, edits, rules, frozenset(lane for edit in edits for lane in edit.columns_key),
                            columns, marks, max((rule.every_from for rule in rules), default=0), chosen,
                            int(marks[0]) if isinstance(chosen, int) else marks[:, None])
             if len(self._edits_by_steers) >= SHAPES:
                 self._edits_by_steers.clear()
             self._edits_by_steers[(id(steers), slots)] = found
         live = _Live(found.edits, rules=found.rules, lanes=found.lanes, covered_from=found.covered_from,
-                     columns=found.chosen, marks=found.chosen_marks)
+                     columns=found.chosen, marks=found.chosen_marks,
+                     shares=listed.uses)
         return live, found.columns, found.marks
 
     def _admit_harvest(self, key: Hashable, sites: int, positions: int) -> None:
@@ -481,8 +517,8 @@ class GraphPlan:
         live = self._live.pop(key, None)
         if live is None:
             return
-        for edit in live.edits:
-            self.bank.release(edit.share)
+        for share, uses in live.shares:
+            self.bank.release(share, uses)
         if live.row:
             self._table[live.row] = -1
             self._free_rows.append(live.row)
