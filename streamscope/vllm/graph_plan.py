@@ -201,6 +201,7 @@ class _Listed(NamedTuple):
     which: tuple[int, ...]  # each steer's share, as an index into `shares`
     uses: tuple[tuple[Hashable, int], ...]  # each distinct share and its steers' count (`_Live.shares`)
     rules: tuple[RowRule, ...]  # each steer's rows
+    rule_ids: tuple[int, ...]  # their ids, in the key of `_live_of`'s record
 
 
 class _Shape(NamedTuple):
@@ -424,9 +425,10 @@ class GraphPlan:
                 number[steer.share] = len(shares)
                 shares.append([steer.share, steer.operation, 0])
             shares[number[steer.share]][2] += 1
+        rules = tuple(steer.rule for steer in steers)
         found = _Listed(steers, lanes, tuple((share, operation, uses) for share, operation, uses in shares),
                         tuple(number[steer.share] for steer in steers),
-                        tuple((share, uses) for share, _, uses in shares), tuple(steer.rule for steer in steers))
+                        tuple((share, uses) for share, _, uses in shares), rules, tuple(map(id, rules)))
         if len(self._by_list) >= SHAPES:
             self._by_list.clear()
         self._by_list[id(steers)] = found
@@ -464,7 +466,7 @@ class GraphPlan:
         lanes, rows and slots share the edits, which nothing changes: a bulk run's (given one list of steers), and
         a server's that steer alike (with one vector, or vectors of their own in slots that came out the same)."""
         lanes = listed.lanes
-        key = (id(lanes), tuple(map(id, listed.rules)), slots)
+        key = (id(lanes), listed.rule_ids, slots)
         found = self._edits_by_shape.get(key)  # (a record keeps the objects of its key's ids alive: no id reused)
         if found is None:
             edits = [_LaneEdit(_columns(mine), mine, slot, rule)
@@ -473,15 +475,15 @@ class GraphPlan:
             marks = np.array([slot for mine, slot in zip(lanes, slots) for _ in mine], dtype=np.int32)
             rules = tuple(dict.fromkeys(edit.rule for edit in edits))
             chosen = _columns(columns.tolist()) if len(columns) else None
-            found = _Shape((lanes, listed.rules), edits, rules, frozenset(lane for edit in edits for lane in edit.columns_key),
-                           columns, marks, max((rule.every_from for rule in rules), default=0), chosen,
+            found = _Shape((lanes, listed.rules), edits, rules,
+                           frozenset(lane for edit in edits for lane in edit.columns_key), columns, marks,
+                           max((rule.every_from for rule in rules), default=0), chosen,
                            int(marks[0]) if isinstance(chosen, int) else marks[:, None])
             if len(self._edits_by_shape) >= SHAPES:
                 self._edits_by_shape.clear()
             self._edits_by_shape[key] = found
         live = _Live(found.edits, rules=found.rules, lanes=found.lanes, covered_from=found.covered_from,
-                     columns=found.chosen, marks=found.chosen_marks,
-                     shares=listed.uses)
+                     columns=found.chosen, marks=found.chosen_marks, shares=listed.uses)
         return live, found.columns, found.marks
 
     def _admit_harvest(self, key: Hashable, sites: int, positions: int) -> None:
