@@ -177,18 +177,17 @@ def test_requests_sending_the_same_steers_share_the_plan_s_record_of_them() -> N
     assert setup.plan.live == 0 and setup.plan.bank.live == 0
 
 
-def test_requests_steering_alike_with_vectors_of_their_own_share_the_division_and_each_runs_its_own() -> None:
-    """A server's requests that send the same steers with a vector each (a sweep over directions) divide between
-    the ops and the hooks alike: the backend works that out once (it was most of such a request's entry), and
-    each request's rows still get its own operation: its slot holds its vector, and a step marks its rows with
-    that slot."""
+def test_requests_steering_alike_with_vectors_of_their_own_each_run_their_own() -> None:
+    """A server's requests that send the same steers with a vector each (a sweep over directions) share the plan's
+    sites and rules, never their operations: each request's slot holds its own vector and mode, and a step marks
+    its rows with that slot; all slots are free once they leave."""
     setup = Setup(slots=16)
     deltas = {}
     for number in range(5):
         first, second = setup.entry("a", "ablate", seed=10 + number), setup.entry("c", seed=20 + number)
         deltas[f"r{number}"] = (first.delta, second.delta)
         setup.backend.enter(f"r{number}", Live([first, second]))
-    assert len(setup.backend._divisions) == 1 and setup.plan.bank.live == 10
+    assert setup.plan.bank.live == 10
     setup.backend.step([Span(f"r{number}", 2 * number, 2, 0) for number in range(5)])
     bank = setup.plan.bank
     for number in range(5):

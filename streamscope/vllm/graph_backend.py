@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, fields
-from typing import Any, Hashable, Optional, Sequence, cast
+from typing import Any, Hashable, Optional, Sequence
 
 import torch
 
@@ -415,7 +415,6 @@ class GraphBackend:
         #: `_divide`'s answers by request shape, and `_planned`'s lists: at most `DIVISIONS` of each.
         self._divisions: dict[tuple, tuple] = {}
         self._planned_lists: dict[tuple, tuple] = {}
-        self._operations: dict[tuple, tuple] = {}  # `_operation`'s answers by delta and mode: `DIVISIONS` of them
         #: Both answers by the identity of a request's list of steers, which a bulk run's requests with the same
         #: entries share (`streamscope.bulk.apply.run_requests`): each keeps its list alive while it is cached.
         self._by_list: dict[int, tuple] = {}
@@ -482,38 +481,23 @@ class GraphBackend:
         if found is None:
             graphed, hooked, harvest = self._divided(live)
             places = {id(entry): index for index, entry in enumerate(live.steers)}
-            found = ([(places[id(entry)], name) for entry, name, _ in graphed],
+            found = ([(places[id(entry)], name, operation) for entry, name, operation in graphed],
                      [places[id(entry)] for entry in hooked], harvest, pinned)
             if len(self._divisions) >= DIVISIONS:
                 self._divisions.clear()
             self._divisions[shape] = found
-        steers, operation = live.steers, self._operation
-        return ([(steers[index], name, cast(Operation, operation(steers[index]))) for index, name in found[0]],
+        steers = live.steers
+        return ([(steers[index], name, operation) for index, name, operation in found[0]],
                 [steers[index] for index in found[1]], found[2])
 
     def _shape(self, live: Live) -> tuple[tuple, tuple]:
-        """What `_divided` reads of `live`, as a key: each steer's site, whether the ops can run its operation (not
-        which operation: a server's requests that steer alike with vectors of their own divide alike), and its
-        harvest's sites and whether its rows could go to the ops; with the objects whose ids the key holds, which
-        the cached division keeps alive (so no later object takes one of their ids while it is cached)."""
-        operation = self._operation
-        steers = tuple((id(entry.site), operation(entry) is not None) for entry in live.steers)
-        pinned = (tuple(entry.site for entry in live.steers), live.harvest_sites)
+        """What `_divided` reads of `live`, as a key: each steer's site, operation and kind, and its harvest's sites
+        and whether its rows could go to the ops; with the objects whose ids the key holds, which the cached
+        division keeps alive (so no later object takes one of their ids while it is cached)."""
+        steers = tuple((id(entry.site), id(entry.delta), entry.mode, entry.condition_site is None)
+                       for entry in live.steers)
+        pinned = (tuple((entry.site, entry.delta) for entry in live.steers), live.harvest_sites)
         return (steers, id(live.harvest_sites) if live.harvest_sites else None, self._harvestable(live)), pinned
-
-    def _operation(self, entry: SteerEntry) -> Optional[Operation]:
-        """`operation_of(entry)`, made once for each delta and mode: the requests that share a vector share its
-        operation (and with it the plan's steers: `_planned`)."""
-        if entry.condition_site is not None:
-            return None
-        key = (id(entry.delta), entry.mode)
-        found = self._operations.get(key)
-        if found is None:
-            if len(self._operations) >= DIVISIONS:
-                self._operations.clear()
-            # the delta kept alive with its operation, so that no later delta takes its id while this is cached
-            found = self._operations[key] = (entry.delta, operation_of(entry))
-        return found[1]
 
     def _divided(self, live: Live) -> tuple[list[tuple[SteerEntry, str, Operation]], list[SteerEntry], bool]:
         """`_divide`'s answer worked out: the ops' order and rounds first (`_split`), then the chains that must
@@ -590,7 +574,7 @@ class GraphBackend:
         rounds: dict[str, int] = {}
         for entry in live.steers:
             name = self.ops.name_of(entry.site)
-            operation = self._operation(entry)
+            operation = operation_of(entry)
             # at a module call the ops run in the plan's order of its sites; a chain's, in its call order, as the
             # request's own steers at them run: only a site's rounds keep an order there
             call: Hashable = entry.site.key if name not in self.ops.chain_of else ("site", name)

@@ -170,6 +170,7 @@ class _LaneEdit:
     columns_key: tuple[int, ...]
     slot: int
     rule: RowRule
+    share: Hashable
 
 
 @dataclass
@@ -200,16 +201,12 @@ class _Listed(NamedTuple):
     shares: tuple[tuple[Hashable, Operation, int], ...]  # each distinct share, its operation and its steers' count
     which: tuple[int, ...]  # each steer's share, as an index into `shares`
     uses: tuple[tuple[Hashable, int], ...]  # each distinct share and its steers' count (`_Live.shares`)
-    rules: tuple[RowRule, ...]  # each steer's rows
-    rule_ids: tuple[int, ...]  # their ids, in the key of `_live_of`'s record
 
 
 class _Shape(NamedTuple):
-    """What the requests whose steers have the same lanes, rows and slots share (`GraphPlan._live_of`), whatever
-    their operations: a server's requests that steer the same sites alike with vectors of their own, once their
-    slots are the same."""
+    """What the requests given one list of steers with the same slots share (`GraphPlan._live_of`)."""
 
-    pinned: tuple  # the lanes and rules whose ids the key holds, kept alive while this is remembered
+    steers: Sequence[PlannedSteer]  # the list, kept so that no later list takes its id while this is remembered
     edits: list[_LaneEdit]
     rules: tuple  # the edits' distinct row rules
     lanes: frozenset  # every lane the edits mark
@@ -294,11 +291,10 @@ class GraphPlan:
         self.max_rows, self.pool_rows = max_rows, pool
         self.device = torch.device(device)
         self.bank = SlotBank(slots, hidden, dtype, self.device)
-        #: `_lanes_of`'s answers by the steers' sites, `_live_of`'s edits by the steers' lanes, rules and slots (the
-        #: lanes and rules kept, so that no later object takes their ids while the edits are remembered): `SHAPES`
-        #: of each.
+        #: `_lanes_of`'s answers by the steers' sites, `_live_of`'s edits by the steers' list and slots (the list's
+        #: steers kept, so that no later list takes its id while its edits are remembered): `SHAPES` of each.
         self._lanes_by_shape: dict[tuple, list[tuple[int, ...]]] = {}
-        self._edits_by_shape: dict[tuple, _Shape] = {}
+        self._edits_by_steers: dict[tuple, _Shape] = {}
         self._by_list: dict[int, _Listed] = {}  # `_listed`'s answers by the list's identity: `SHAPES` of them
         columns = len(self.lane_of) + len(self.harvest_sites)
         # Stored lane by lane: a step writes and copies only the lanes its requests use (`index` is the transposed
@@ -425,10 +421,9 @@ class GraphPlan:
                 number[steer.share] = len(shares)
                 shares.append([steer.share, steer.operation, 0])
             shares[number[steer.share]][2] += 1
-        rules = tuple(steer.rule for steer in steers)
         found = _Listed(steers, lanes, tuple((share, operation, uses) for share, operation, uses in shares),
                         tuple(number[steer.share] for steer in steers),
-                        tuple((share, uses) for share, _, uses in shares), rules, tuple(map(id, rules)))
+                        tuple((share, uses) for share, _, uses in shares))
         if len(self._by_list) >= SHAPES:
             self._by_list.clear()
         self._by_list[id(steers)] = found
@@ -462,28 +457,27 @@ class GraphPlan:
 
     def _live_of(self, listed: _Listed, slots: tuple[int, ...]) -> tuple[_Live, np.ndarray, np.ndarray]:
         """A new request's record (its edits: lanes, slot, rows; their distinct rules and every lane they mark),
-        and its row of the table: the lanes' columns and the slot each holds. Requests whose steers have the same
-        lanes, rows and slots share the edits, which nothing changes: a bulk run's (given one list of steers), and
-        a server's that steer alike (with one vector, or vectors of their own in slots that came out the same)."""
-        lanes = listed.lanes
-        key = (id(lanes), listed.rule_ids, slots)
-        found = self._edits_by_shape.get(key)  # (a record keeps the objects of its key's ids alive: no id reused)
-        if found is None:
-            edits = [_LaneEdit(_columns(mine), mine, slot, rule)
-                     for rule, mine, slot in zip(listed.rules, lanes, slots)]
+        and its row of the table: the lanes' columns and the slot each holds. Requests given one list of steers
+        (`GraphBackend` hands a bulk run's requests of one length the same list) with the same slots share the
+        edits, which nothing changes."""
+        steers, lanes = listed.steers, listed.lanes
+        found = self._edits_by_steers.get((id(steers), slots))
+        if found is None or found.steers is not steers:
+            edits = [_LaneEdit(_columns(mine), mine, slot, steer.rule, steer.share)
+                     for steer, mine, slot in zip(steers, lanes, slots)]
             columns = np.array([lane for mine in lanes for lane in mine], dtype=np.intp)
             marks = np.array([slot for mine, slot in zip(lanes, slots) for _ in mine], dtype=np.int32)
             rules = tuple(dict.fromkeys(edit.rule for edit in edits))
             chosen = _columns(columns.tolist()) if len(columns) else None
-            found = _Shape((lanes, listed.rules), edits, rules,
-                           frozenset(lane for edit in edits for lane in edit.columns_key), columns, marks,
-                           max((rule.every_from for rule in rules), default=0), chosen,
+            found = _Shape(steers, edits, rules, frozenset(lane for edit in edits for lane in edit.columns_key),
+                           columns, marks, max((rule.every_from for rule in rules), default=0), chosen,
                            int(marks[0]) if isinstance(chosen, int) else marks[:, None])
-            if len(self._edits_by_shape) >= SHAPES:
-                self._edits_by_shape.clear()
-            self._edits_by_shape[key] = found
+            if len(self._edits_by_steers) >= SHAPES:
+                self._edits_by_steers.clear()
+            self._edits_by_steers[(id(steers), slots)] = found
         live = _Live(found.edits, rules=found.rules, lanes=found.lanes, covered_from=found.covered_from,
-                     columns=found.chosen, marks=found.chosen_marks, shares=listed.uses)
+                     columns=found.chosen, marks=found.chosen_marks,
+                     shares=listed.uses)
         return live, found.columns, found.marks
 
     def _admit_harvest(self, key: Hashable, sites: int, positions: int) -> None:
