@@ -170,7 +170,6 @@ class _LaneEdit:
     columns_key: tuple[int, ...]
     slot: int
     rule: RowRule
-    share: Hashable
 
 
 @dataclass
@@ -421,8 +420,7 @@ class GraphPlan:
                 number[steer.share] = len(shares)
                 shares.append([steer.share, steer.operation, 0])
             shares[number[steer.share]][2] += 1
-        found = _Listed(steers, lanes, tuple((share, operation, uses) for share, operation, uses in shares),
-                        tuple(number[steer.share] for steer in steers),
+        found = _Listed(steers, lanes, tuple(map(tuple, shares)), tuple(number[steer.share] for steer in steers),
                         tuple((share, uses) for share, _, uses in shares))
         if len(self._by_list) >= SHAPES:
             self._by_list.clear()
@@ -463,7 +461,7 @@ class GraphPlan:
         steers, lanes = listed.steers, listed.lanes
         found = self._edits_by_steers.get((id(steers), slots))
         if found is None or found.steers is not steers:
-            edits = [_LaneEdit(_columns(mine), mine, slot, steer.rule, steer.share)
+            edits = [_LaneEdit(_columns(mine), mine, slot, steer.rule)
                      for steer, mine, slot in zip(steers, lanes, slots)]
             columns = np.array([lane for mine in lanes for lane in mine], dtype=np.intp)
             marks = np.array([slot for mine, slot in zip(lanes, slots) for _ in mine], dtype=np.int32)
