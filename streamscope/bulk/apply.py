@@ -262,6 +262,7 @@ class _Entries:
         return bool(plan.steer.generated) and not plan.steer.from_step and not plan.slots
 
     def kind(self, chosen: frozenset, length: int) -> tuple[bool, bool]:
+        """`_kind` of positions `chosen` in a `length`-token prompt, worked out once for each set and length."""
         found = self._kinds.get((id(chosen), length))
         if found is None:
             found = self._kinds[(id(chosen), length)] = _kind(chosen, length)
@@ -304,6 +305,8 @@ class _Entries:
         return [self.entry(number, plan, key) for number, plan in enumerate(self.plans) if key in plan.positions]
 
     def entry(self, number: int, plan: SteerPlan, key: Hashable) -> SteerEntry:
+        """Plan `number`'s entry for request `key`: the one its requests of that length and positions share, or of
+        every length where its rows do not depend on it; a conditional steer's, the request's own."""
         made, steer = self.made[number], plan.steer
         chosen, length = plan.positions[key], plan.lengths[key]
         entry = made.get((length, chosen)) if not plan.slots else None
