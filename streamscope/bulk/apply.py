@@ -254,7 +254,7 @@ class _Entries:
             self.rounds.append(taken.get(plan.site.key, 0))
             taken[plan.site.key] = self.rounds[-1] + 1
         self.made: list[dict[tuple, SteerEntry]] = [{} for _ in self.plans]
-        self.order: list[Hashable] = []  # the steered requests, in the order `classes` met them
+        self.order: dict[Hashable, None] = {}  # the steered requests, in the order `classes` met them
         self._kinds: dict[tuple[int, int], tuple[bool, bool]] = {}  # (id of positions, length) -> `_kind`
 
     def any_length(self, plan: SteerPlan) -> bool:
@@ -277,13 +277,11 @@ class _Entries:
             tables[id(plan.positions)] = (positions, lengths, lengthless and self.any_length(plan))
         own = any(plan.slots for plan in self.plans)  # a conditional steer's requests are each of their own kind
         classes: dict[tuple, list[Hashable]] = {}
-        seen: set = set()
         for positions, lengths, _ in tables.values():
             for key in positions:
-                if key in seen:
+                if key in self.order:
                     continue
-                seen.add(key)
-                self.order.append(key)
+                self.order[key] = None
                 length, marks, every_length = lengths[key], [], True
                 for table, _, lengthless in tables.values():
                     chosen = table.get(key)

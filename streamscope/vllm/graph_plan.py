@@ -409,8 +409,8 @@ class GraphPlan:
     def _listed(self, key: Hashable, steers: Sequence[PlannedSteer]) -> _Listed:
         """What `steers` need of the plan before their slots: their lanes and distinct shares, worked out once for
         the requests given one list (a bulk run's, a server's that send the same steers)."""
-        found = self._by_list.get(id(steers))
-        if found is not None and found.steers is steers:
+        found = self._by_list.get(id(steers))  # (a record keeps its list alive: no other list takes that id)
+        if found is not None:
             return found
         lanes = self._lanes_of(key, steers)
         number: dict[Hashable, int] = {}
